@@ -1,0 +1,68 @@
+"""Child process for the crash tests: saves a large checkpoint and pauses at a chosen point.
+
+Usage: python crash_child.py DIRECTORY POINT BYTES_PER_RANK
+
+It prints "PAUSED" once the save reaches POINT and then blocks until it is killed;
+the parent sends SIGKILL. Points:
+  shard-bytes:N     after N bytes of shard data have been written (all writer threads)
+  before-manifest   every shard is durable under its final name, no manifest yet
+  manifest-rename   the manifest's temp file is written and fsynced, not yet renamed
+  after-commit      the manifest is renamed into place, the directory not yet fsynced
+"""
+
+import os
+import sys
+import threading
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from conftest import large_states  # noqa: E402
+
+from tiered_ckpt import local, save_sharded, sharded, shardfile  # noqa: E402
+from tiered_ckpt.layout import MANIFEST_NAME  # noqa: E402
+
+
+def pause_forever(*_args, **_kwargs):
+    print("PAUSED", flush=True)
+    threading.Event().wait()
+
+
+def install(point: str) -> None:
+    if point.startswith("shard-bytes:"):
+        limit = int(point.split(":")[1])
+        original = shardfile.write_all
+        lock = threading.Lock()
+        written = [0]
+
+        def counting_write_all(out, chunk):
+            original(out, chunk)
+            with lock:
+                written[0] += len(chunk)
+                reached = written[0] >= limit
+            if reached:
+                pause_forever()
+
+        shardfile.write_all = counting_write_all
+    elif point == "before-manifest":
+        sharded.commit_manifest = pause_forever
+    elif point == "manifest-rename":
+        original_replace = os.replace
+
+        def replace(src, dst):
+            if os.path.basename(dst) == MANIFEST_NAME:
+                pause_forever()
+            original_replace(src, dst)
+
+        local.os.replace = replace
+    elif point == "after-commit":
+        local.fsync_directory = pause_forever
+    else:
+        raise SystemExit(f"unknown point {point}")
+
+
+if __name__ == "__main__":
+    directory, point, bytes_per_rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    states = large_states(4, bytes_per_rank)
+    install(point)
+    save_sharded(states, directory, step=2)
+    print("DONE", flush=True)

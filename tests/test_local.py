@@ -1,0 +1,94 @@
+import os
+
+import numpy as np
+import pytest
+
+from tiered_ckpt import CheckpointExistsError, ChecksumMismatchError, IncompleteCheckpointError, ManifestError
+from tiered_ckpt.layout import MANIFEST_NAME, temp_name
+from tiered_ckpt.local import (
+    atomic_write,
+    directory_lock,
+    read_manifest,
+    read_shard_file,
+    remove_temp_files,
+    write_shard_file,
+)
+from tiered_ckpt.manifest import ShardRecord
+
+from conftest import temp_files
+
+
+def test_atomic_write_replaces_whole_file(tmp_path):
+    target = tmp_path / "file"
+    target.write_bytes(b"old")
+    assert atomic_write(target, lambda out: out.write(b"new content")) == 11
+    assert target.read_bytes() == b"new content"
+    assert temp_files(tmp_path) == []
+
+
+def test_failed_atomic_write_leaves_old_content_and_no_temp_file(tmp_path):
+    target = tmp_path / "file"
+    target.write_bytes(b"old")
+
+    def half_then_fail(out):
+        out.write(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write(target, half_then_fail)
+    assert target.read_bytes() == b"old"
+    assert os.listdir(tmp_path) == ["file"]
+
+
+def test_remove_temp_files_removes_only_temp_files_of_the_given_targets(tmp_path):
+    keep = ["manifest.json", "rank-00000-of-00002.safetensors", ".hidden"]
+    for name in keep:
+        (tmp_path / name).write_bytes(b"x")
+    rank0_temp = temp_name("rank-00000-of-00002.safetensors")
+    rank1_temp = temp_name("rank-00001-of-00002.safetensors")
+    for name in (rank0_temp, rank1_temp):
+        (tmp_path / name).write_bytes(b"partial")
+    assert remove_temp_files(tmp_path, {"rank-00001-of-00002.safetensors"}) == [rank1_temp]
+    assert remove_temp_files(tmp_path) == [rank0_temp]
+    assert sorted(os.listdir(tmp_path)) == sorted(keep)
+
+
+def test_directory_lock_refuses_a_second_holder(tmp_path):
+    with directory_lock(tmp_path):
+        with pytest.raises(CheckpointExistsError, match="in progress"):
+            with directory_lock(tmp_path):
+                pass
+    with directory_lock(tmp_path):
+        pass
+    assert os.listdir(tmp_path) == []
+
+
+def test_read_manifest_of_uncommitted_directory_is_incomplete(tmp_path):
+    with pytest.raises(IncompleteCheckpointError, match="never committed"):
+        read_manifest(tmp_path)
+    (tmp_path / MANIFEST_NAME).mkdir()
+    with pytest.raises(ManifestError, match="is a directory"):
+        read_manifest(tmp_path)
+
+
+def written_record(tmp_path) -> tuple[ShardRecord, dict]:
+    arrays = {"w": np.arange(1000, dtype=np.float32)}
+    digest = write_shard_file(tmp_path / "rank-00000-of-00001.safetensors", arrays, {})
+    record = ShardRecord(0, "rank-00000-of-00001.safetensors", digest.sha256, digest.xxh3_64, digest.size_bytes, 0, 1000)
+    return record, arrays
+
+
+def test_shard_file_round_trip_and_size_checks(tmp_path):
+    record, arrays = written_record(tmp_path)
+    np.testing.assert_array_equal(read_shard_file(tmp_path, record)["w"], arrays["w"])
+    path = tmp_path / record.path
+    with open(path, "ab") as f:
+        f.write(b"!")
+    with pytest.raises(ChecksumMismatchError, match=f"rank 0 shard {path}: file has"):
+        read_shard_file(tmp_path, record)
+    os.truncate(path, record.size_bytes - 100)
+    with pytest.raises(IncompleteCheckpointError, match=f"{record.size_bytes - 100} of {record.size_bytes} bytes"):
+        read_shard_file(tmp_path, record)
+    path.unlink()
+    with pytest.raises(IncompleteCheckpointError, match="missing"):
+        read_shard_file(tmp_path, record)

@@ -1,0 +1,163 @@
+import copy
+import json
+
+import pytest
+
+from tiered_ckpt import ManifestError, ShardCountMismatchError, ShardManifest
+from tiered_ckpt.manifest import ShardRecord
+
+SOURCE = "/ckpt/step-000000000012/manifest.json"
+
+
+def valid_document(world_size: int = 4) -> dict:
+    return {
+        "schema_version": 1,
+        "world_size": world_size,
+        "step": 12,
+        "wall_clock_seconds": 1700000000.5,
+        "sharded_keys": ["exp_avg", "master_fp32"],
+        "shards": [
+            {
+                "rank": rank,
+                "path": f"rank-{rank:05d}-of-{world_size:05d}.safetensors",
+                "sha256": f"{rank:064x}",
+                "xxh3_64": f"{rank:016x}",
+                "size_bytes": 1000 + rank,
+                "param_shard_offset": 251 * rank,
+                "param_shard_numel": 251,
+            }
+            for rank in range(world_size)
+        ],
+    }
+
+
+def parse(document: dict) -> ShardManifest:
+    return ShardManifest.from_json(json.dumps(document), source=SOURCE)
+
+
+def test_round_trip_is_lossless():
+    manifest = parse(valid_document())
+    assert ShardManifest.from_json(manifest.to_json(), source=SOURCE) == manifest
+    assert manifest.world_size == 4 and manifest.step == 12
+    assert manifest.shard(2).param_shard_offset == 502
+    assert manifest.total_numel == 1004
+    assert manifest.total_bytes == 4006
+
+
+def test_shards_may_be_listed_in_any_order():
+    document = valid_document()
+    document["shards"].reverse()
+    assert [record.rank for record in parse(document).shards] == [0, 1, 2, 3]
+
+
+def mutate(path: str, value):
+    """Return a function that sets (or, for value=DELETE, deletes) a field of a document."""
+
+    def apply(document: dict) -> dict:
+        document = copy.deepcopy(document)
+        *parents, last = path.split(".")
+        target = document
+        for part in parents:
+            target = target[int(part)] if part.isdigit() else target[part]
+        if value is DELETE:
+            del target[int(last) if last.isdigit() else last]
+        else:
+            target[int(last) if last.isdigit() else last] = value
+        return document
+
+    return apply
+
+
+DELETE = object()
+
+VIOLATIONS = {
+    "unknown schema version": (mutate("schema_version", 2), "schema_version"),
+    "schema version as string": (mutate("schema_version", "1"), "schema_version"),
+    "world size as string": (mutate("world_size", "4"), "world_size"),
+    "world size zero": (mutate("world_size", 0), "world_size"),
+    "step missing": (mutate("step", DELETE), "step"),
+    "step negative": (mutate("step", -1), "step"),
+    "step as float": (mutate("step", 12.0), "step"),
+    "step as bool": (mutate("step", True), "step"),
+    "wall clock as string": (mutate("wall_clock_seconds", "now"), "wall_clock_seconds"),
+    "wall clock negative": (mutate("wall_clock_seconds", -5), "wall_clock_seconds"),
+    "shards not a list": (mutate("shards", {"0": {}}), "shards"),
+    "shard not an object": (mutate("shards.1", "rank1.bin"), "shards[1]"),
+    "sharded keys not strings": (mutate("sharded_keys", [1]), "sharded_keys[0]"),
+    "sharded key twice": (mutate("sharded_keys", ["a", "a"]), "sharded_keys"),
+    "unknown top-level field": (mutate("comment", "hi"), "comment"),
+    "unknown shard field": (mutate("shards.0.extra", 1), "shards[0].extra"),
+    "rank missing": (mutate("shards.0.rank", DELETE), "shards[0].rank"),
+    "rank as string": (mutate("shards.0.rank", "0"), "shards[0].rank"),
+    "rank duplicated": (mutate("shards.1.rank", 0), "shards[rank 0].rank"),
+    "rank out of range": (mutate("shards.3.rank", 4), "shards[rank 4].rank"),
+    "rank negative": (mutate("shards.3.rank", -1), "shards[3].rank"),
+    "offset negative": (mutate("shards.0.param_shard_offset", -1), "shards[0].param_shard_offset"),
+    "numel negative": (mutate("shards.2.param_shard_numel", -251), "shards[2].param_shard_numel"),
+    "offset overlapping": (mutate("shards.2.param_shard_offset", 500), "shards[rank 2].param_shard_offset"),
+    "offset leaving a gap": (mutate("shards.3.param_shard_offset", 800), "shards[rank 3].param_shard_offset"),
+    "first offset not zero": (mutate("shards.0.param_shard_offset", 1), "shards[rank 0].param_shard_offset"),
+    "size negative": (mutate("shards.1.size_bytes", -1), "shards[1].size_bytes"),
+    "sha256 too short": (mutate("shards.1.sha256", "abc"), "shards[rank 1].sha256"),
+    "sha256 upper case": (mutate("shards.1.sha256", "A" * 64), "shards[rank 1].sha256"),
+    "sha256 not hex": (mutate("shards.1.sha256", "g" * 64), "shards[rank 1].sha256"),
+    "xxh3 not hex": (mutate("shards.1.xxh3_64", "z" * 16), "shards[rank 1].xxh3_64"),
+    "path absolute": (mutate("shards.1.path", "/etc/passwd"), "shards[rank 1].path"),
+    "path with separator": (mutate("shards.1.path", "sub/rank1.bin"), "shards[rank 1].path"),
+    "path with backslash": (mutate("shards.1.path", "..\\rank1.bin"), "shards[rank 1].path"),
+    "path dot dot": (mutate("shards.1.path", ".."), "shards[rank 1].path"),
+    "path dot": (mutate("shards.1.path", "."), "shards[rank 1].path"),
+    "path hidden temp": (mutate("shards.1.path", ".rank1.bin.0123456789abcdef.tmp"), "shards[rank 1].path"),
+    "path empty": (mutate("shards.1.path", ""), "shards[rank 1].path"),
+    "path is the manifest": (mutate("shards.1.path", "manifest.json"), "shards[rank 1].path"),
+    "path used twice": (mutate("shards.1.path", "rank-00000-of-00004.safetensors"), "shards[rank 1].path"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VIOLATIONS))
+def test_violation_raises_manifest_error_naming_file_and_field(name):
+    change, field = VIOLATIONS[name]
+    with pytest.raises(ManifestError) as caught:
+        parse(change(valid_document()))
+    assert not isinstance(caught.value, ShardCountMismatchError)
+    message = str(caught.value)
+    assert SOURCE in message
+    assert f"'{field}'" in message
+
+
+@pytest.mark.parametrize("count", [3, 5])
+def test_shard_list_not_matching_world_size_is_shard_count_mismatch(count):
+    document = valid_document(world_size=count)
+    document["world_size"] = 4
+    with pytest.raises(ShardCountMismatchError, match=f"lists {count} shards but world_size is 4") as caught:
+        parse(document)
+    assert SOURCE in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "not json",
+        "[1, 2]",
+        '{"world_size": 4, "world_size": 4}',
+        json.dumps(valid_document()).replace("1700000000.5", "NaN"),
+        json.dumps(valid_document()).replace("1700000000.5", "Infinity"),
+        b"\xff\xfe garbage",
+    ],
+)
+def test_malformed_json_raises_manifest_error(text):
+    with pytest.raises(ManifestError, match=SOURCE):
+        ShardManifest.from_json(text, source=SOURCE)
+
+
+def test_constructed_manifest_is_validated_too():
+    record = ShardRecord(0, "../escape", "0" * 64, "0" * 16, 10, 0, 1)
+    with pytest.raises(ManifestError, match="path"):
+        ShardManifest(world_size=1, step=0, wall_clock_seconds=0.0, sharded_keys=(), shards=(record,))
+
+
+def test_manifest_is_frozen():
+    manifest = parse(valid_document())
+    with pytest.raises(AttributeError):
+        manifest.step = 13  # type: ignore[misc]

@@ -1,0 +1,245 @@
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import (
+    ZERO1_SHARDED_KEYS,
+    assert_states_equal,
+    flip_byte,
+    large_states,
+    split_sizes,
+    temp_files,
+    zero1_states,
+)
+from tiered_ckpt import (
+    CheckpointExistsError,
+    ChecksumMismatchError,
+    IncompleteCheckpointError,
+    InvalidStateError,
+    ManifestError,
+    ShardCountMismatchError,
+    WorldSizeMismatchError,
+    load_sharded,
+    save_sharded,
+)
+from tiered_ckpt.layout import MANIFEST_NAME, shard_name
+
+
+@pytest.fixture
+def saved(tmp_path, states):
+    directory = tmp_path / "ckpt"
+    manifest = save_sharded(states, directory, step=1234, sharded_keys=ZERO1_SHARDED_KEYS)
+    return directory, manifest
+
+
+def test_zero1_state_over_four_ranks_round_trips_byte_for_byte(saved, states):
+    directory, manifest = saved
+    assert_states_equal(states, load_sharded(directory, expected_world_size=4))
+    assert sorted(os.listdir(directory)) == sorted([MANIFEST_NAME] + [shard_name(r, 4) for r in range(4)])
+
+
+def test_manifest_records_the_lessons_fields_and_the_flat_parameter_slices(saved):
+    directory, manifest = saved
+    on_disk = json.loads((directory / MANIFEST_NAME).read_text())
+    assert on_disk["world_size"] == 4 and on_disk["step"] == 1234 and on_disk["schema_version"] == 1
+    assert isinstance(on_disk["wall_clock_seconds"], float)
+    sizes = split_sizes(1003, 4)
+    assert [s["param_shard_numel"] for s in on_disk["shards"]] == sizes
+    assert [s["param_shard_offset"] for s in on_disk["shards"]] == [sum(sizes[:r]) for r in range(4)]
+    assert [s["rank"] for s in on_disk["shards"]] == [0, 1, 2, 3]
+    for record in on_disk["shards"]:
+        assert (directory / record["path"]).stat().st_size == record["size_bytes"]
+    assert on_disk["sharded_keys"] == sorted(ZERO1_SHARDED_KEYS)
+
+
+def test_default_sharded_keys_are_the_arrays_one_dimensional_on_every_rank(tmp_path, states):
+    for state in states:
+        del state["empty"]
+    manifest = save_sharded(states, tmp_path, step=1)
+    assert manifest.sharded_keys == ("exp_avg", "exp_avg_sq", "master_fp32", "param_fp16")
+    assert [r.param_shard_numel for r in manifest.shards] == split_sizes(1003, 4)
+
+
+def test_ambiguous_sharded_keys_are_refused_naming_the_rank(tmp_path, states):
+    with pytest.raises(InvalidStateError, match="rank 0: sharded arrays must have one length"):
+        save_sharded(states, tmp_path, step=1)  # "empty" is 1-D with length 0
+    with pytest.raises(InvalidStateError, match="rank 0: sharded key 'step' has shape"):
+        save_sharded(states, tmp_path, step=1, sharded_keys=["step"])
+    assert not (tmp_path / MANIFEST_NAME).exists()
+
+
+def test_one_thread_gives_the_same_files(tmp_path, states):
+    a = save_sharded(states, tmp_path / "a", step=1, sharded_keys=ZERO1_SHARDED_KEYS, max_workers=1)
+    b = save_sharded(states, tmp_path / "b", step=1, sharded_keys=ZERO1_SHARDED_KEYS, max_workers=4)
+    assert [r.sha256 for r in a.shards] == [r.sha256 for r in b.shards]
+
+
+# --- the lesson's three failure modes -------------------------------------------------
+
+
+@pytest.mark.parametrize("expected", [2, 8])
+def test_changed_world_size_fails_loudly(saved, expected):
+    directory, _ = saved
+    with pytest.raises(WorldSizeMismatchError, match=f"saved by 4 ranks, but {expected} are loading") as caught:
+        load_sharded(directory, expected_world_size=expected)
+    assert str(directory) in str(caught.value)
+
+
+def test_shard_count_mismatch_fails_loudly(saved):
+    directory, _ = saved
+    document = json.loads((directory / MANIFEST_NAME).read_text())
+    del document["shards"][3]
+    (directory / MANIFEST_NAME).write_text(json.dumps(document))
+    with pytest.raises(ShardCountMismatchError, match="lists 3 shards but world_size is 4") as caught:
+        load_sharded(directory, expected_world_size=4)
+    assert str(directory / MANIFEST_NAME) in str(caught.value)
+
+
+def test_partial_write_without_manifest_fails_loudly(saved):
+    directory, _ = saved
+    (directory / MANIFEST_NAME).unlink()
+    with pytest.raises(IncompleteCheckpointError, match="never committed"):
+        load_sharded(directory, expected_world_size=4)
+
+
+# --- damaged shards on disk --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+@pytest.mark.parametrize("verify", ["full", "fast"])
+def test_flipped_byte_names_rank_and_file(saved, rank, verify):
+    directory, manifest = saved
+    path = directory / manifest.shard(rank).path
+    flip_byte(path, path.stat().st_size // 2)
+    with pytest.raises(ChecksumMismatchError, match=f"rank {rank} shard {path}"):
+        load_sharded(directory, 4, verify=verify)
+
+
+def test_flipped_byte_in_a_shard_header_is_a_checksum_mismatch(saved):
+    directory, manifest = saved
+    path = directory / manifest.shard(1).path
+    flip_byte(path, 20)
+    with pytest.raises(ChecksumMismatchError, match="rank 1"):
+        load_sharded(directory, 4)
+
+
+def test_truncated_shard_is_incomplete(saved):
+    directory, manifest = saved
+    path = directory / manifest.shard(2).path
+    os.truncate(path, manifest.shard(2).size_bytes // 2)
+    with pytest.raises(IncompleteCheckpointError, match=f"rank 2 shard {path}: file is short"):
+        load_sharded(directory, 4)
+
+
+def test_deleted_shard_is_incomplete(saved):
+    directory, manifest = saved
+    (directory / manifest.shard(1).path).unlink()
+    with pytest.raises(IncompleteCheckpointError, match="rank 1 shard .* file is missing"):
+        load_sharded(directory, 4)
+
+
+def test_manifest_pointing_outside_the_checkpoint_is_refused(saved, tmp_path):
+    directory, _ = saved
+    (tmp_path / "secret").write_bytes(b"x")
+    document = json.loads((directory / MANIFEST_NAME).read_text())
+    document["shards"][0]["path"] = "../secret"
+    (directory / MANIFEST_NAME).write_text(json.dumps(document))
+    with pytest.raises(ManifestError, match="shards\\[rank 0\\].path"):
+        load_sharded(directory, 4)
+
+
+# --- saving over an existing checkpoint and bad input ------------------------------------
+
+
+def test_saving_into_a_committed_checkpoint_is_refused_and_leaves_it_loadable(saved, states):
+    directory, _ = saved
+    other = zero1_states(seed=99)
+    with pytest.raises(CheckpointExistsError, match=str(directory)):
+        save_sharded(other, directory, step=1235, sharded_keys=ZERO1_SHARDED_KEYS)
+    assert_states_equal(states, load_sharded(directory, 4))
+
+
+def test_bad_state_on_one_rank_commits_nothing_and_leaves_no_temp_files(tmp_path, states):
+    states[2]["bad"] = np.ones(3, np.complex64)
+    with pytest.raises(InvalidStateError, match="'bad' has dtype complex64"):
+        save_sharded(states, tmp_path, step=1, sharded_keys=ZERO1_SHARDED_KEYS)
+    assert not (tmp_path / MANIFEST_NAME).exists()
+    assert temp_files(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "call, problem",
+    [
+        (lambda s, d: save_sharded(s, d, step=1, world_size=3), "world_size is 3 but 4 rank states"),
+        (lambda s, d: save_sharded(s, d, step=-1), "step must be an integer >= 0"),
+        (lambda s, d: save_sharded([], d, step=1), "empty"),
+        (lambda s, d: save_sharded(s[0], d, step=1), "one dict of arrays per rank"),
+        (lambda s, d: save_sharded([*s[:3], [1]], d, step=1), "rank 3: state is a list"),
+    ],
+)
+def test_invalid_arguments_are_refused(tmp_path, states, call, problem):
+    with pytest.raises(InvalidStateError, match=problem):
+        call(states, tmp_path)
+
+
+# --- a real crash: SIGKILL of a process in the middle of a save --------------------------
+
+CHILD = Path(__file__).with_name("crash_child.py")
+BYTES_PER_RANK = 64 * 1024 * 1024
+
+
+def kill_child_at(directory: Path, point: str) -> None:
+    """Run a child saving 4 x 64 MiB into ``directory``; SIGKILL it once it reaches ``point``."""
+    child = subprocess.Popen(
+        [sys.executable, str(CHILD), str(directory), point, str(BYTES_PER_RANK)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # A guard against a hung child, not a timing assumption: the child signals readiness.
+        ready, _, _ = select.select([child.stdout], [], [], 300)
+        assert ready, f"child never reached {point}"
+        assert child.stdout.readline() == "PAUSED\n"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        child.stdout.close()
+    assert child.returncode == -signal.SIGKILL
+
+
+@pytest.mark.parametrize(
+    "point, leaves_temp_files",
+    [
+        (f"shard-bytes:{BYTES_PER_RANK + BYTES_PER_RANK // 2}", True),
+        ("before-manifest", False),
+        ("manifest-rename", True),
+    ],
+)
+def test_sigkill_during_save_keeps_previous_checkpoint_and_commits_nothing(tmp_path, states, point, leaves_temp_files):
+    previous = tmp_path / "step-000000000001"
+    save_sharded(states, previous, step=1, sharded_keys=ZERO1_SHARDED_KEYS)
+    killed = tmp_path / "step-000000000002"
+
+    kill_child_at(killed, point)
+
+    assert_states_equal(states, load_sharded(previous, 4))
+    with pytest.raises(IncompleteCheckpointError):
+        load_sharded(killed, 4)
+    assert bool(temp_files(killed)) == leaves_temp_files
+    fresh = large_states(4, BYTES_PER_RANK)
+    save_sharded(fresh, killed, step=2)
+    assert temp_files(killed) == []
+    assert_states_equal(fresh, load_sharded(killed, 4))
+
+
+def test_sigkill_right_after_the_manifest_rename_leaves_a_complete_checkpoint(tmp_path):
+    killed = tmp_path / "step-000000000002"
+    kill_child_at(killed, "after-commit")
+    assert_states_equal(large_states(4, BYTES_PER_RANK), load_sharded(killed, 4))

@@ -1,0 +1,165 @@
+import hashlib
+import io
+import json
+import struct
+
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors
+import safetensors.numpy
+import xxhash
+
+from tiered_ckpt import ChecksumMismatchError, InvalidStateError, ShardFormatError
+from tiered_ckpt.shardfile import DTYPES, ShardDigest, read_shard, write_shard
+
+
+def write_to_bytes(arrays, metadata=None) -> tuple[bytes, ShardDigest]:
+    out = io.BytesIO()
+    digest = write_shard(out, arrays, metadata)
+    return out.getvalue(), digest
+
+
+def read_from_bytes(data: bytes, digest: ShardDigest, verify="full"):
+    return read_shard(io.BytesIO(data), size_bytes=len(data), expected=digest, verify=verify, what="test shard")
+
+
+def sample(dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    raw = np.random.default_rng(7).integers(0, 256, size=int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8)
+    if dtype == np.dtype(bool):
+        return (raw % 2).astype(bool).reshape(shape)
+    return raw.view(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("code", sorted(DTYPES))
+@pytest.mark.parametrize("shape", [(), (0,), (5,), (3, 0, 2), (2, 3, 4)])
+def test_every_dtype_and_shape_round_trips_byte_for_byte(code, shape):
+    array = sample(DTYPES[code], shape)
+    data, digest = write_to_bytes({"x": array})
+    [(name, got)] = read_from_bytes(data, digest).items()
+    assert name == "x" and got.dtype == array.dtype and got.shape == shape
+    assert got.tobytes() == array.tobytes()
+
+
+def test_digest_covers_every_byte_written():
+    data, digest = write_to_bytes({"a": np.arange(10.0), "b": np.ones((2, 2), np.float16)})
+    assert digest == ShardDigest(len(data), hashlib.sha256(data).hexdigest(), xxhash.xxh3_64(data).hexdigest())
+
+
+def test_non_contiguous_big_endian_and_scalar_inputs_are_saved_as_their_values():
+    matrix = np.arange(24, dtype=np.int32).reshape(4, 6)
+    big_endian = np.arange(5, dtype=">f8")
+    arrays = {"transposed": matrix.T, "strided": matrix[:, ::2], "big": big_endian, "scalar": np.float32(2.5)}
+    data, digest = write_to_bytes(arrays)
+    got = read_from_bytes(data, digest)
+    np.testing.assert_array_equal(got["transposed"], matrix.T)
+    np.testing.assert_array_equal(got["strided"], matrix[:, ::2])
+    assert got["big"].dtype == np.dtype("<f8") and np.array_equal(got["big"], big_endian)
+    assert got["scalar"].shape == () and got["scalar"] == np.float32(2.5)
+
+
+def test_large_non_contiguous_array_is_written_in_bounded_slabs():
+    matrix = np.arange(3 * 1024 * 1024, dtype=np.float32).reshape(-1, 3)
+    column = matrix[:, 1]
+    data, digest = write_to_bytes({"column": column})
+    np.testing.assert_array_equal(read_from_bytes(data, digest)["column"], column)
+
+
+def test_every_array_starts_aligned_to_its_item_size():
+    arrays = {"u8": np.ones(3, np.uint8), "f64": np.ones(3), "f16": np.ones(3, np.float16), "f32": np.ones(1, np.float32)}
+    data, _ = write_to_bytes(arrays)
+    (header_len,) = struct.unpack("<Q", data[:8])
+    assert (8 + header_len) % 8 == 0
+    header = json.loads(data[8 : 8 + header_len])
+    for name, array in arrays.items():
+        assert header[name]["data_offsets"][0] % array.dtype.itemsize == 0
+
+
+def test_shard_opens_with_the_safetensors_package(tmp_path):
+    arrays = {
+        code: sample(dtype, (3, 4))
+        for code, dtype in DTYPES.items()
+        if not code.startswith("F8")  # safetensors.numpy has no float8 (torch reads them)
+    }
+    arrays["scalar"] = np.array(3, dtype=np.int64)
+    arrays["empty"] = np.zeros((0, 2), np.float32)
+    path = tmp_path / "shard.safetensors"
+    with open(path, "wb") as out:
+        write_shard(out, arrays, {"tiered_ckpt.rank": "3"})
+    loaded = safetensors.numpy.load_file(str(path))
+    assert sorted(loaded) == sorted(arrays)
+    for name, array in arrays.items():
+        assert loaded[name].dtype == array.dtype and loaded[name].tobytes() == array.tobytes(), name
+    with safetensors.safe_open(str(path), framework="numpy") as opened:
+        assert opened.metadata() == {"tiered_ckpt.rank": "3"}
+
+
+def test_float8_shard_header_is_accepted_by_safetensors(tmp_path):
+    arrays = {"e4m3": sample(DTYPES["F8_E4M3"], (4,)), "e5m2": sample(DTYPES["F8_E5M2"], (2, 2)), "x": np.ones(2)}
+    path = tmp_path / "fp8.safetensors"
+    with open(path, "wb") as out:
+        write_shard(out, arrays)
+    with safetensors.safe_open(str(path), framework="numpy") as opened:
+        assert sorted(opened.keys()) == ["e4m3", "e5m2", "x"]
+        np.testing.assert_array_equal(opened.get_tensor("x"), np.ones(2))
+
+
+@pytest.mark.parametrize(
+    "arrays, problem",
+    [
+        ({"c": np.ones(2, np.complex64)}, "dtype complex64"),
+        ({"o": np.array([object()])}, "dtype object"),
+        ({"u": np.array(["text"])}, "dtype <U4"),
+        ({"l": [1, 2, 3]}, "not a numpy array"),
+        ({"": np.ones(1)}, "invalid array name"),
+        ({"__metadata__": np.ones(1)}, "invalid array name"),
+        ({"nuz": np.ones(2, ml_dtypes.float8_e4m3fnuz)}, "float8_e4m3fnuz"),
+    ],
+)
+def test_unsavable_state_is_refused_before_anything_is_written(arrays, problem):
+    out = io.BytesIO()
+    with pytest.raises(InvalidStateError, match=problem):
+        write_shard(out, arrays)
+    assert out.getvalue() == b""
+
+
+@pytest.mark.parametrize("offset", [0, 3, 9, 40, -1])
+def test_any_flipped_byte_is_a_checksum_mismatch(offset):
+    data, digest = write_to_bytes({"a": np.arange(100.0), "b": np.ones(3, np.int8)})
+    damaged = bytearray(data)
+    damaged[offset] ^= 0x01
+    for verify in ("full", "fast"):
+        with pytest.raises(ChecksumMismatchError, match="test shard"):
+            read_from_bytes(bytes(damaged), digest, verify)
+
+
+def handmade_shard(header: dict, payload: bytes) -> tuple[bytes, ShardDigest]:
+    encoded = json.dumps(header).encode()
+    data = struct.pack("<Q", len(encoded)) + encoded + payload
+    return data, ShardDigest(len(data), hashlib.sha256(data).hexdigest(), xxhash.xxh3_64(data).hexdigest())
+
+
+@pytest.mark.parametrize(
+    "header, payload",
+    [
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4),
+        ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 8),
+        ({"a": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8),
+        ({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4),
+        ({"a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}, "b": {"dtype": "U8", "shape": [2], "data_offsets": [1, 3]}}, b"\0" * 3),
+        ({"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1], "extra": 1}}, b"\0"),
+        ({"__metadata__": {"k": 1}}, b""),
+        ([1, 2], b""),
+    ],
+)
+def test_verified_but_malformed_shard_is_a_format_error(header, payload):
+    data, digest = handmade_shard(header, payload)
+    with pytest.raises(ShardFormatError, match="test shard"):
+        read_from_bytes(data, digest)
+
+
+def test_header_length_beyond_the_file_is_a_format_error_when_bytes_verify():
+    data = struct.pack("<Q", 10**12) + b"{}"
+    digest = ShardDigest(len(data), hashlib.sha256(data).hexdigest(), xxhash.xxh3_64(data).hexdigest())
+    with pytest.raises(ShardFormatError, match="header length"):
+        read_from_bytes(data, digest)

@@ -1,0 +1,67 @@
+"""The one exception tree of tiered_ckpt.
+
+Every error this library raises on purpose derives from :class:`CheckpointError`,
+so ``except CheckpointError`` catches all of them::
+
+    CheckpointError
+    ├── ManifestError                 a manifest failed strict validation
+    │   └── ShardCountMismatchError   its shard list does not match its world_size
+    ├── WorldSizeMismatchError        the checkpoint was saved with another world size
+    ├── IncompleteCheckpointError     no manifest, or a shard missing or short
+    ├── ChecksumMismatchError         a shard's bytes do not match the recorded sha256
+    ├── ShardFormatError              a shard file is not a valid shard (bytes verified)
+    ├── CheckpointExistsError         refusing to overwrite a committed checkpoint
+    └── InvalidStateError             the arrays handed to save cannot be saved as given
+
+Messages name the directory or file, and the rank or field, that the error is about.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "ManifestError",
+    "ShardCountMismatchError",
+    "WorldSizeMismatchError",
+    "IncompleteCheckpointError",
+    "ChecksumMismatchError",
+    "ShardFormatError",
+    "CheckpointExistsError",
+    "InvalidStateError",
+]
+
+
+class CheckpointError(Exception):
+    """Base class of every error raised by tiered_ckpt."""
+
+
+class ManifestError(CheckpointError):
+    """A manifest is missing a field, has a wrong type or an inconsistent value."""
+
+
+class ShardCountMismatchError(ManifestError):
+    """A manifest lists a different number of shards than its ``world_size``."""
+
+
+class WorldSizeMismatchError(CheckpointError):
+    """A checkpoint saved with one world size was loaded expecting another."""
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """A checkpoint is not complete: no manifest, or a shard is missing or short."""
+
+
+class ChecksumMismatchError(CheckpointError):
+    """A shard's bytes do not hash to the sha256 its manifest records."""
+
+
+class ShardFormatError(CheckpointError):
+    """A shard file's header is malformed although its bytes verified."""
+
+
+class CheckpointExistsError(CheckpointError):
+    """A committed checkpoint already exists where a new one was to be written."""
+
+
+class InvalidStateError(CheckpointError, ValueError):
+    """The state handed to a save cannot be saved (bad key, unsupported dtype, ...)."""

@@ -1,0 +1,86 @@
+"""Names on storage: step directories, shard files, manifests and temp files.
+
+Pure functions, no I/O. The layout of one checkpoint directory::
+
+    step-000000001200/
+      rank-00000-of-00004.safetensors
+      ...
+      manifest.json
+
+A temp name is ``.<final name>.<random hex>.tmp``: it starts with a dot, which no
+committed name does, so a committed file can never be mistaken for a temp file and a
+temp file can always be traced back to the file it was going to become.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+
+__all__ = [
+    "MANIFEST_NAME",
+    "SHARD_SUFFIX",
+    "step_dir_name",
+    "parse_step_dir_name",
+    "shard_name",
+    "temp_name",
+    "is_temp_name",
+    "temp_target",
+    "is_plain_name",
+]
+
+MANIFEST_NAME = "manifest.json"
+SHARD_SUFFIX = ".safetensors"
+
+_STEP_DIR = re.compile(r"step-(\d{12,})")
+_TEMP = re.compile(r"\.(?P<target>[^/\\]+)\.[0-9a-f]{16}\.tmp")
+
+
+def step_dir_name(step: int) -> str:
+    """Return the directory name of ``step``; names of steps below 10**12 sort as numbers."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"step-{step:012d}"
+
+
+def parse_step_dir_name(name: str) -> int | None:
+    """Return the step a step directory name stands for, or None if it is not one."""
+    match = _STEP_DIR.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def shard_name(rank: int, world_size: int) -> str:
+    """Return the file name of ``rank``'s shard in a checkpoint of ``world_size`` ranks."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
+    return f"rank-{rank:05d}-of-{world_size:05d}{SHARD_SUFFIX}"
+
+
+def temp_name(final_name: str) -> str:
+    """Return a fresh temp name for a file that will be renamed to ``final_name``."""
+    return f".{final_name}.{secrets.token_hex(8)}.tmp"
+
+
+def is_temp_name(name: str) -> bool:
+    """True if ``name`` was made by :func:`temp_name`."""
+    return _TEMP.fullmatch(name) is not None
+
+
+def temp_target(name: str) -> str | None:
+    """Return the final name a temp name was made for, or None if it is not a temp name."""
+    match = _TEMP.fullmatch(name)
+    return match.group("target") if match else None
+
+
+def is_plain_name(name: str) -> bool:
+    """True if ``name`` is a committed file name that stays inside its directory.
+
+    Plain names are non-empty, contain no path separator or NUL, are not ``.`` or
+    ``..`` and do not start with a dot (which temp names and hidden files do).
+    """
+    return (
+        bool(name)
+        and not name.startswith(".")
+        and not any(ch in name for ch in "/\\\0")
+        and len(name) <= 255
+    )

@@ -1,0 +1,176 @@
+"""The local tier: atomic, durable writes and verified reads of checkpoint files on disk.
+
+An atomic write, step by step:
+
+1. create ``.<name>.<random>.tmp`` in the target directory (never an existing file);
+2. write the bytes, then ``fsync`` the file;
+3. ``os.replace`` it onto its final name;
+4. ``fsync`` the directory, so the rename itself survives a power cut (callers that
+   rename many files do this once, after the last one).
+
+A checkpoint directory is committed exactly when its ``manifest.json`` exists, and the
+manifest is written only after every shard it names is durable under its final name.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Callable, Collection, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO, TypeVar
+
+import numpy as np
+
+from .errors import (
+    ChecksumMismatchError,
+    CheckpointExistsError,
+    IncompleteCheckpointError,
+    ManifestError,
+)
+from .layout import MANIFEST_NAME, is_temp_name, temp_name, temp_target
+from .manifest import MAX_MANIFEST_BYTES, ShardManifest, ShardRecord
+from .shardfile import ShardDigest, Verify, read_shard, write_all, write_shard
+
+__all__ = [
+    "fsync_directory",
+    "atomic_write",
+    "remove_temp_files",
+    "directory_lock",
+    "write_shard_file",
+    "read_shard_file",
+    "commit_manifest",
+    "read_manifest",
+    "is_committed",
+]
+
+T = TypeVar("T")
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make the directory's entries (renames, creations, deletions) durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], T], *, sync_directory: bool = True) -> T:
+    """Write ``path`` through a temp file so that it holds either its old content or all of the new.
+
+    ``write`` receives an unbuffered binary file. On success the file is fsynced and
+    renamed onto ``path`` (and the directory fsynced unless ``sync_directory`` is
+    False, for callers that fsync it once after many renames). On any failure the temp
+    file is removed and ``path`` is untouched.
+    """
+    temp = path.with_name(temp_name(path.name))
+    with open(temp, "xb", buffering=0) as out:
+        try:
+            result = write(out)
+            os.fsync(out.fileno())
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+    try:
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    if sync_directory:
+        fsync_directory(path.parent)
+    return result
+
+
+def remove_temp_files(directory: Path, targets: Collection[str] | None = None) -> list[str]:
+    """Remove temp files a crashed write left in ``directory``; return their names.
+
+    With ``targets``, only temp files meant to become one of those names are removed.
+    """
+    removed = []
+    for entry in os.scandir(directory):
+        if is_temp_name(entry.name) and (targets is None or temp_target(entry.name) in targets):
+            Path(entry.path).unlink(missing_ok=True)
+            removed.append(entry.name)
+    return sorted(removed)
+
+
+@contextmanager
+def directory_lock(directory: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``directory`` against other saves, in any process.
+
+    Raises :class:`CheckpointExistsError` at once if another save holds it.
+    """
+    # flock on the directory itself: no lock file is left among the checkpoint's files.
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CheckpointExistsError(f"{directory}: another save into this directory is in progress") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def write_shard_file(path: Path, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> ShardDigest:
+    """Atomically write one shard file at ``path``; the directory fsync is left to the caller."""
+    return atomic_write(path, lambda out: write_shard(out, arrays, metadata), sync_directory=False)
+
+
+def _describe(record: ShardRecord, path: Path) -> str:
+    return f"rank {record.rank} shard {path}"
+
+
+def read_shard_file(directory: Path, record: ShardRecord, verify: Verify = "full") -> dict[str, np.ndarray]:
+    """Return the arrays of ``record``'s shard in ``directory``, verified against the record.
+
+    Raises :class:`IncompleteCheckpointError` if the file is missing or shorter than
+    recorded, :class:`ChecksumMismatchError` if it is longer or its bytes differ.
+    """
+    path = directory / record.path
+    what = _describe(record, path)
+    try:
+        source = open(path, "rb", buffering=0)
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(f"{what}: file is missing") from None
+    with source:
+        size = os.fstat(source.fileno()).st_size
+        if size < record.size_bytes:
+            raise IncompleteCheckpointError(f"{what}: file is short, {size} of {record.size_bytes} bytes")
+        if size > record.size_bytes:
+            raise ChecksumMismatchError(f"{what}: file has {size} bytes, the manifest records {record.size_bytes}")
+        expected = ShardDigest(record.size_bytes, record.sha256, record.xxh3_64)
+        return read_shard(source, size_bytes=size, expected=expected, verify=verify, what=what)
+
+
+def commit_manifest(directory: Path, manifest: ShardManifest) -> None:
+    """Commit the checkpoint in ``directory`` by durably writing its manifest.
+
+    Call only once every shard the manifest names is durable under its final name.
+    """
+    data = manifest.to_json().encode()
+    atomic_write(directory / MANIFEST_NAME, lambda out: write_all(out, data))
+
+
+def is_committed(directory: Path) -> bool:
+    """True if ``directory`` holds a manifest (validity is checked by :func:`read_manifest`)."""
+    return (directory / MANIFEST_NAME).is_file()
+
+
+def read_manifest(directory: Path) -> ShardManifest:
+    """Read and strictly validate the manifest of the checkpoint in ``directory``.
+
+    Raises :class:`IncompleteCheckpointError` if there is none (the checkpoint was
+    never committed) and :class:`ManifestError` if it does not validate.
+    """
+    path = directory / MANIFEST_NAME
+    try:
+        with open(path, "rb") as source:
+            data = source.read(MAX_MANIFEST_BYTES + 1)
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(f"{directory}: no {MANIFEST_NAME}, the checkpoint was never committed") from None
+    except IsADirectoryError:
+        raise ManifestError(f"{path}: is a directory, not a manifest") from None
+    return ShardManifest.from_json(data, source=str(path))

@@ -1,0 +1,280 @@
+"""The manifest: what a committed checkpoint holds, as frozen dataclasses with strict JSON.
+
+A manifest read from disk or a bucket is untrusted input. :meth:`ShardManifest.from_json`
+accepts only a document this library could have written: known schema version, every
+field present with the right type, no unknown fields, ranks ``0..world_size-1`` each
+once, plain shard file names, and parameter offsets that tile the flat parameter vector
+in rank order. Anything else raises :class:`ManifestError` naming the file and field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import InitVar, dataclass
+from typing import Any
+
+from .errors import ManifestError, ShardCountMismatchError
+from .layout import MANIFEST_NAME, is_plain_name
+
+__all__ = ["SCHEMA_VERSION", "ShardRecord", "ShardManifest"]
+
+SCHEMA_VERSION = 1
+# Bounds what a hostile manifest can make us allocate; 10**5 ranks take ~30 MB.
+MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_XXH3_64 = re.compile(r"[0-9a-f]{16}")
+_RESERVED_KEY = "__metadata__"
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """One rank's shard file as the manifest records it.
+
+    ``param_shard_offset`` / ``param_shard_numel`` place this rank's slice in the flat
+    parameter vector: the slice is the common length of the rank's sharded 1-D arrays,
+    and the slices of ranks ``0..world_size-1`` follow each other without gaps.
+    ``sha256`` and ``xxh3_64`` are over the whole file's bytes.
+    """
+
+    rank: int
+    path: str
+    sha256: str
+    xxh3_64: str
+    size_bytes: int
+    param_shard_offset: int
+    param_shard_numel: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "path": self.path,
+            "sha256": self.sha256,
+            "xxh3_64": self.xxh3_64,
+            "size_bytes": self.size_bytes,
+            "param_shard_offset": self.param_shard_offset,
+            "param_shard_numel": self.param_shard_numel,
+        }
+
+
+@dataclass(frozen=True)
+class ShardManifest:
+    """A committed checkpoint of ``world_size`` shards taken at training step ``step``.
+
+    ``wall_clock_seconds`` is the Unix time at which the checkpoint was committed.
+    ``sharded_keys`` names the arrays that are slices of the flat parameter vector
+    (the rest are replicated). ``shards`` is ordered by rank. Constructing a manifest
+    validates it; an inconsistent one raises :class:`ManifestError`.
+    """
+
+    world_size: int
+    step: int
+    wall_clock_seconds: float
+    sharded_keys: tuple[str, ...]
+    shards: tuple[ShardRecord, ...]
+    schema_version: int = SCHEMA_VERSION
+    source: InitVar[str] = "manifest"
+
+    def __post_init__(self, source: str) -> None:
+        _check_manifest(self, source)
+
+    def shard(self, rank: int) -> ShardRecord:
+        """Return the record of ``rank``."""
+        return self.shards[rank]
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all shard files together."""
+        return sum(record.size_bytes for record in self.shards)
+
+    @property
+    def total_numel(self) -> int:
+        """Length of the flat parameter vector the shards slice."""
+        return sum(record.param_shard_numel for record in self.shards)
+
+    def to_json(self) -> str:
+        """Serialise to the JSON document :meth:`from_json` reads back unchanged."""
+        document = {
+            "schema_version": self.schema_version,
+            "world_size": self.world_size,
+            "step": self.step,
+            "wall_clock_seconds": self.wall_clock_seconds,
+            "sharded_keys": list(self.sharded_keys),
+            "shards": [record.to_dict() for record in self.shards],
+        }
+        return json.dumps(document, indent=1) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, source: str = "manifest") -> ShardManifest:
+        """Parse and validate a manifest; ``source`` (a path or URL) is named in errors."""
+        document = _load_json_object(text, source)
+        fields = _Fields(document, source, "")
+        fields.reject_unknown(
+            {"schema_version", "world_size", "step", "wall_clock_seconds", "sharded_keys", "shards"}
+        )
+        version = fields.integer("schema_version", minimum=0)
+        if version != SCHEMA_VERSION:
+            raise ManifestError(
+                f"{source}: field 'schema_version': unsupported version {version} "
+                f"(this library reads version {SCHEMA_VERSION})"
+            )
+        shards = fields.list_of("shards", Mapping)
+        return cls(
+            world_size=fields.integer("world_size", minimum=1),
+            step=fields.integer("step", minimum=0),
+            wall_clock_seconds=fields.number("wall_clock_seconds"),
+            sharded_keys=tuple(fields.list_of("sharded_keys", str)),
+            shards=tuple(
+                sorted(
+                    (_parse_record(shard, source, f"shards[{i}].") for i, shard in enumerate(shards)),
+                    key=lambda record: record.rank,
+                )
+            ),
+            schema_version=version,
+            source=source,
+        )
+
+
+def _load_json_object(text: str | bytes, source: str) -> dict[str, Any]:
+    if len(text) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{source}: manifest is {len(text)} bytes, over the {MAX_MANIFEST_BYTES} limit")
+    try:
+        document = json.loads(
+            text, object_pairs_hook=_reject_duplicate_keys, parse_constant=_reject_constant
+        )
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ManifestError(f"{source}: not a valid JSON manifest: {exc}") from exc
+    if not isinstance(document, dict):
+        raise ManifestError(f"{source}: manifest must be a JSON object, got {type(document).__name__}")
+    return document
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r}")
+        result[key] = value
+    return result
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _parse_record(document: Mapping[str, Any], source: str, prefix: str) -> ShardRecord:
+    fields = _Fields(document, source, prefix)
+    fields.reject_unknown(
+        {"rank", "path", "sha256", "xxh3_64", "size_bytes", "param_shard_offset", "param_shard_numel"}
+    )
+    return ShardRecord(
+        rank=fields.integer("rank", minimum=0),
+        path=fields.string("path"),
+        sha256=fields.string("sha256"),
+        xxh3_64=fields.string("xxh3_64"),
+        size_bytes=fields.integer("size_bytes", minimum=0),
+        param_shard_offset=fields.integer("param_shard_offset", minimum=0),
+        param_shard_numel=fields.integer("param_shard_numel", minimum=0),
+    )
+
+
+class _Fields:
+    """Typed access to one JSON object's fields, with errors naming source and field."""
+
+    def __init__(self, document: Mapping[str, Any], source: str, prefix: str) -> None:
+        self._document = document
+        self._source = source
+        self._prefix = prefix
+
+    def _fail(self, name: str, problem: str) -> ManifestError:
+        return ManifestError(f"{self._source}: field '{self._prefix}{name}': {problem}")
+
+    def reject_unknown(self, known: set[str]) -> None:
+        unknown = sorted(set(self._document) - known)
+        if unknown:
+            raise self._fail(unknown[0], "unknown field")
+
+    def _get(self, name: str) -> Any:
+        if name not in self._document:
+            raise self._fail(name, "missing")
+        return self._document[name]
+
+    def integer(self, name: str, *, minimum: int) -> int:
+        value = self._get(name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self._fail(name, f"expected an integer, got {_describe(value)}")
+        if value < minimum:
+            raise self._fail(name, f"must be >= {minimum}, got {value}")
+        return value
+
+    def number(self, name: str) -> float:
+        value = self._get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self._fail(name, f"expected a number, got {_describe(value)}")
+        if not math.isfinite(value) or value < 0:
+            raise self._fail(name, f"must be a finite number >= 0, got {value}")
+        return float(value)
+
+    def string(self, name: str) -> str:
+        value = self._get(name)
+        if not isinstance(value, str):
+            raise self._fail(name, f"expected a string, got {_describe(value)}")
+        return value
+
+    def list_of(self, name: str, item_type: type) -> list[Any]:
+        value = self._get(name)
+        if not isinstance(value, list):
+            raise self._fail(name, f"expected a list, got {_describe(value)}")
+        for i, item in enumerate(value):
+            if not isinstance(item, item_type):
+                raise self._fail(f"{name}[{i}]", f"expected {item_type.__name__}, got {_describe(item)}")
+        return value
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"
+
+
+def _check_manifest(manifest: ShardManifest, source: str) -> None:
+    def fail(field: str, problem: str) -> ManifestError:
+        return ManifestError(f"{source}: field '{field}': {problem}")
+
+    if len(manifest.shards) != manifest.world_size:
+        raise ShardCountMismatchError(
+            f"{source}: field 'shards': lists {len(manifest.shards)} shards "
+            f"but world_size is {manifest.world_size}"
+        )
+    if len(set(manifest.sharded_keys)) != len(manifest.sharded_keys):
+        raise fail("sharded_keys", "names a key twice")
+    for key in manifest.sharded_keys:
+        if not key or key == _RESERVED_KEY:
+            raise fail("sharded_keys", f"invalid key {key!r}")
+    seen_paths: set[str] = set()
+    expected_offset = 0
+    for index, record in enumerate(manifest.shards):
+        where = f"shards[rank {record.rank}]"
+        if record.rank != index:
+            missing = sorted(set(range(manifest.world_size)) - {r.rank for r in manifest.shards})
+            raise fail(f"{where}.rank", f"ranks must be 0..{manifest.world_size - 1} each once; missing {missing}")
+        if not is_plain_name(record.path) or record.path == MANIFEST_NAME:
+            raise fail(f"{where}.path", f"{record.path!r} is not a plain file name inside the checkpoint")
+        if record.path in seen_paths:
+            raise fail(f"{where}.path", f"{record.path!r} is used by two ranks")
+        seen_paths.add(record.path)
+        if not _SHA256.fullmatch(record.sha256):
+            raise fail(f"{where}.sha256", f"expected 64 lowercase hex digits, got {record.sha256[:80]!r}")
+        if not _XXH3_64.fullmatch(record.xxh3_64):
+            raise fail(f"{where}.xxh3_64", f"expected 16 lowercase hex digits, got {record.xxh3_64[:80]!r}")
+        for name in ("size_bytes", "param_shard_offset", "param_shard_numel"):
+            if getattr(record, name) < 0:
+                raise fail(f"{where}.{name}", "must be >= 0")
+        if record.param_shard_offset != expected_offset:
+            raise fail(
+                f"{where}.param_shard_offset",
+                f"is {record.param_shard_offset} but the previous ranks' slices end at {expected_offset}",
+            )
+        expected_offset += record.param_shard_numel

@@ -1,0 +1,196 @@
+"""``save_sharded`` / ``load_sharded``: one checkpoint in one directory, synchronously.
+
+These are the thin single-tier functions of the original lesson: one process holds
+every rank's state, writes a shard file per rank in parallel and commits a manifest.
+:class:`~tiered_ckpt.CheckpointManager` builds the two-tier system on the same parts.
+
+The flat-parameter rule: the *sharded keys* are the arrays that are each rank's slice
+of a flat vector (ZeRO parameters, master weights, optimizer moments). By default they
+are the keys whose array is 1-D on every rank; every sharded array of a rank must have
+the same length, and that length is the rank's ``param_shard_numel``. Rank ``r``'s
+``param_shard_offset`` is the sum of the lengths of ranks ``0..r-1``. Every other key
+is replicated. Pass ``sharded_keys`` to say it explicitly (e.g. when a replicated
+array is 1-D too).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+
+from .errors import CheckpointExistsError, InvalidStateError, WorldSizeMismatchError
+from .layout import MANIFEST_NAME, shard_name
+from .local import (
+    commit_manifest,
+    directory_lock,
+    fsync_directory,
+    is_committed,
+    read_manifest,
+    read_shard_file,
+    remove_temp_files,
+    write_shard_file,
+)
+from .manifest import ShardManifest, ShardRecord
+from .shardfile import Verify
+
+__all__ = ["save_sharded", "load_sharded", "resolve_sharded_keys", "default_workers"]
+
+State = Mapping[str, np.ndarray]
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def default_workers(tasks: int) -> int:
+    """Threads for ``tasks`` file writes or reads: enough to keep every core and the disk busy."""
+    return max(1, min(tasks, max(2, os.cpu_count() or 1)))
+
+
+def run_parallel(function: Callable[[T], R], items: Sequence[T], max_workers: int | None) -> list[R]:
+    """Apply ``function`` to every item on a thread pool; return results in order.
+
+    The first failure (in item order) is raised once every started call has ended, so
+    no thread is still writing when the caller sees the error.
+    """
+    if not items:
+        return []
+    with ThreadPoolExecutor(max_workers or default_workers(len(items)), thread_name_prefix="tiered-ckpt") as pool:
+        futures = [pool.submit(function, item) for item in items]
+        try:
+            return [future.result() for future in futures]
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+
+
+def resolve_sharded_keys(states: Sequence[State], sharded_keys: Iterable[str] | None) -> tuple[tuple[str, ...], list[int]]:
+    """Return the sharded keys (sorted) and each rank's ``param_shard_numel``.
+
+    Raises :class:`InvalidStateError` naming the rank and key if the states do not
+    follow the flat-parameter rule.
+    """
+    if sharded_keys is None:
+        common = set(states[0]).intersection(*states[1:]) if states else set()
+        keys = sorted(k for k in common if all(np.ndim(state[k]) == 1 for state in states))
+    else:
+        keys = sorted(set(sharded_keys))
+        for rank, state in enumerate(states):
+            for key in keys:
+                if key not in state:
+                    raise InvalidStateError(f"rank {rank}: sharded key {key!r} is missing")
+                if np.ndim(state[key]) != 1:
+                    raise InvalidStateError(f"rank {rank}: sharded key {key!r} has shape {np.shape(state[key])}, not 1-D")
+    numels = []
+    for rank, state in enumerate(states):
+        lengths = {key: len(state[key]) for key in keys}
+        if len(set(lengths.values())) > 1:
+            raise InvalidStateError(
+                f"rank {rank}: sharded arrays must have one length, got {lengths}; "
+                "pass sharded_keys= to name the flat-parameter slices explicitly"
+            )
+        numels.append(next(iter(lengths.values()), 0))
+    return tuple(keys), numels
+
+
+def _validate_states(states_per_rank: Sequence[State], world_size: int | None) -> int:
+    if isinstance(states_per_rank, Mapping) or not isinstance(states_per_rank, Sequence):
+        raise InvalidStateError("states_per_rank must be a list with one dict of arrays per rank")
+    if not states_per_rank:
+        raise InvalidStateError("states_per_rank is empty: a checkpoint needs at least one rank")
+    if world_size is not None and world_size != len(states_per_rank):
+        raise InvalidStateError(f"world_size is {world_size} but {len(states_per_rank)} rank states were given")
+    for rank, state in enumerate(states_per_rank):
+        if not isinstance(state, Mapping):
+            raise InvalidStateError(f"rank {rank}: state is a {type(state).__name__}, not a dict of arrays")
+    return len(states_per_rank)
+
+
+def save_sharded(
+    states_per_rank: Sequence[State],
+    directory: str | os.PathLike[str],
+    step: int,
+    *,
+    world_size: int | None = None,
+    sharded_keys: Iterable[str] | None = None,
+    max_workers: int | None = None,
+) -> ShardManifest:
+    """Save one checkpoint of ``len(states_per_rank)`` ranks into ``directory`` and commit it.
+
+    Guarantees, once it returns: every shard file and the manifest are durable, and
+    the checkpoint loads byte-for-byte. If it raises or the process dies at any point,
+    ``directory`` holds no manifest and so no checkpoint (temp files it left are
+    removed by the next save into ``directory``). A directory that already holds a
+    committed checkpoint is never touched: :class:`CheckpointExistsError`.
+    """
+    world_size = _validate_states(states_per_rank, world_size)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise InvalidStateError(f"step must be an integer >= 0, got {step!r}")
+    keys, numels = resolve_sharded_keys(states_per_rank, sharded_keys)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    with directory_lock(directory):
+        if is_committed(directory):
+            raise CheckpointExistsError(f"{directory}: already holds a committed checkpoint ({MANIFEST_NAME})")
+        remove_temp_files(directory)
+
+        def write(rank: int) -> ShardRecord:
+            name = shard_name(rank, world_size)
+            metadata = {"tiered_ckpt.rank": str(rank), "tiered_ckpt.world_size": str(world_size), "tiered_ckpt.step": str(step)}
+            digest = write_shard_file(directory / name, states_per_rank[rank], metadata)
+            return ShardRecord(
+                rank=rank,
+                path=name,
+                sha256=digest.sha256,
+                xxh3_64=digest.xxh3_64,
+                size_bytes=digest.size_bytes,
+                param_shard_offset=sum(numels[:rank]),
+                param_shard_numel=numels[rank],
+            )
+
+        records = run_parallel(write, range(world_size), max_workers)
+        fsync_directory(directory)
+        manifest = ShardManifest(
+            world_size=world_size,
+            step=step,
+            wall_clock_seconds=time.time(),
+            sharded_keys=keys,
+            shards=tuple(records),
+        )
+        commit_manifest(directory, manifest)
+    return manifest
+
+
+def check_world_size(manifest: ShardManifest, expected_world_size: int, where: str) -> None:
+    """Raise :class:`WorldSizeMismatchError` unless the manifest has ``expected_world_size`` ranks."""
+    if manifest.world_size != expected_world_size:
+        raise WorldSizeMismatchError(
+            f"{where}: checkpoint of step {manifest.step} was saved by {manifest.world_size} ranks, "
+            f"but {expected_world_size} are loading it; reshard it explicitly to change the world size"
+        )
+
+
+def load_sharded(
+    directory: str | os.PathLike[str],
+    expected_world_size: int,
+    *,
+    verify: Verify = "full",
+    max_workers: int | None = None,
+) -> list[dict[str, np.ndarray]]:
+    """Load the committed checkpoint in ``directory``: one dict of arrays per rank.
+
+    Every shard is checked against the manifest (size, then sha256, or xxh3-64 with
+    ``verify="fast"``) before any array is returned. Raises
+    :class:`IncompleteCheckpointError` (no manifest, shard missing or short),
+    :class:`ManifestError` / :class:`ShardCountMismatchError` (bad manifest),
+    :class:`WorldSizeMismatchError` and :class:`ChecksumMismatchError`.
+    """
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    check_world_size(manifest, expected_world_size, str(directory))
+    return run_parallel(lambda record: read_shard_file(directory, record, verify), manifest.shards, max_workers)

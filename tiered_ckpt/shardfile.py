@@ -1,0 +1,319 @@
+"""One shard file: named numpy arrays <-> bytes, hashed while they stream.
+
+The file is in the safetensors layout, so any shard opens with the ``safetensors``
+package (or is memory-mapped by hand) without this library::
+
+    8 bytes   little-endian u64 N, the header length
+    N bytes   JSON header: {name: {"dtype", "shape", "data_offsets": [begin, end]}, ...,
+              "__metadata__": {str: str}}, padded with spaces to a multiple of 8
+    rest      the arrays' bytes, C order, little-endian, back to back
+
+Arrays are laid out by item size, largest first, so every array starts at an offset
+that is a multiple of its item size. The file's sha256 and xxh3-64 cover every byte.
+
+We write the format by hand rather than with ``safetensors.numpy.save_file``: that
+builds the whole file in memory (a full extra copy of the state) and neither hashes
+nor fsyncs, while a checkpoint must stream the arrays once, hashing as it writes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import BinaryIO, Literal
+
+import ml_dtypes
+import numpy as np
+import xxhash
+
+from .errors import (
+    ChecksumMismatchError,
+    IncompleteCheckpointError,
+    InvalidStateError,
+    ShardFormatError,
+)
+
+__all__ = ["Verify", "ShardDigest", "DTYPES", "write_shard", "read_shard", "hash_stream"]
+
+Verify = Literal["full", "fast"]
+"""``"full"`` checks the sha256; ``"fast"`` checks only the xxh3-64 (for inner-loop reloads)."""
+
+DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype("<i8"),
+    "I32": np.dtype("<i4"),
+    "I16": np.dtype("<i2"),
+    "I8": np.dtype("i1"),
+    "U64": np.dtype("<u8"),
+    "U32": np.dtype("<u4"),
+    "U16": np.dtype("<u2"),
+    "U8": np.dtype("u1"),
+    "BOOL": np.dtype("?"),
+}
+_CODES = {dtype: code for code, dtype in DTYPES.items()}
+
+# 1 MiB stays in L2 between hashing a chunk and copying it to the page cache.
+CHUNK_BYTES = 1 << 20
+# safetensors refuses headers over 100 MB; so do we, before allocating anything.
+MAX_HEADER_BYTES = 100_000_000
+_METADATA = "__metadata__"
+
+
+@dataclass(frozen=True)
+class ShardDigest:
+    """Size and checksums of a shard file's bytes."""
+
+    size_bytes: int
+    sha256: str
+    xxh3_64: str
+
+
+class _Hasher:
+    """sha256 and xxh3-64 of one byte stream, fed in a single pass."""
+
+    def __init__(self, verify: Verify | None = None) -> None:
+        self._sha = hashlib.sha256() if verify != "fast" else None
+        self._xxh = xxhash.xxh3_64() if verify != "full" else None
+        self.size = 0
+
+    def update(self, chunk: memoryview | bytes) -> None:
+        if self._sha is not None:
+            self._sha.update(chunk)
+        if self._xxh is not None:
+            self._xxh.update(chunk)
+        self.size += len(chunk)
+
+    def digest(self) -> ShardDigest:
+        return ShardDigest(
+            self.size,
+            self._sha.hexdigest() if self._sha is not None else "",
+            self._xxh.hexdigest() if self._xxh is not None else "",
+        )
+
+
+def _dtype_code(name: str, array: np.ndarray) -> str:
+    dtype = array.dtype
+    if dtype.byteorder == ">":
+        dtype = dtype.newbyteorder("<")
+    code = _CODES.get(dtype)
+    if code is None:
+        supported = ", ".join(str(d) for d in DTYPES.values())
+        raise InvalidStateError(f"array {name!r} has dtype {array.dtype}, which a shard cannot hold ({supported})")
+    return code
+
+
+def _layout(arrays: Mapping[str, np.ndarray]) -> list[tuple[str, str, np.ndarray, int, int]]:
+    """Order arrays largest item size first; return (name, code, array, begin, end)."""
+    checked: dict[str, np.ndarray] = {}
+    for name, array in arrays.items():
+        if not isinstance(name, str) or not name or name == _METADATA:
+            raise InvalidStateError(f"invalid array name {name!r}")
+        if isinstance(array, np.generic):  # a numpy scalar is saved as a 0-d array
+            array = np.asarray(array)
+        if not isinstance(array, np.ndarray):
+            raise InvalidStateError(f"{name!r} is a {type(array).__name__}, not a numpy array")
+        checked[name] = array
+    ordered = sorted(checked.items(), key=lambda item: (-item[1].dtype.itemsize, item[0]))
+    layout, offset = [], 0
+    for name, array in ordered:
+        code = _dtype_code(name, array)
+        layout.append((name, code, array, offset, offset + array.nbytes))
+        offset += array.nbytes
+    return layout
+
+
+def _header_bytes(layout: list[tuple[str, str, np.ndarray, int, int]], metadata: Mapping[str, str]) -> bytes:
+    header: dict[str, object] = {}
+    if metadata:
+        header[_METADATA] = {str(k): str(v) for k, v in metadata.items()}
+    for name, code, array, begin, end in layout:
+        header[name] = {"dtype": code, "shape": list(array.shape), "data_offsets": [begin, end]}
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded
+
+
+def _byte_chunks(array: np.ndarray) -> Iterator[memoryview]:
+    """Yield the array's C-order little-endian bytes in chunks, copying only when it must."""
+    if array.dtype.byteorder == ">" or not array.flags.c_contiguous:
+        # Copy a slab of rows at a time so memory stays bounded for any array size.
+        dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
+        rows = array.reshape(1, *array.shape) if array.ndim == 0 else array
+        row_bytes = max(1, rows[0:1].nbytes)
+        step = max(1, CHUNK_BYTES // row_bytes)
+        for start in range(0, rows.shape[0], step):
+            yield from _byte_chunks(np.ascontiguousarray(rows[start : start + step], dtype=dtype))
+        return
+    flat = memoryview(array.reshape(-1).view(np.uint8))
+    for start in range(0, len(flat), CHUNK_BYTES):
+        yield flat[start : start + CHUNK_BYTES]
+
+
+def write_all(out: BinaryIO, chunk: memoryview | bytes) -> None:
+    view = memoryview(chunk)
+    while view:
+        written = out.write(view)
+        if written is None:  # a non-blocking raw stream that would block: not a regular file
+            raise OSError("stream refused the write")
+        view = view[written:]
+
+
+def write_shard(out: BinaryIO, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> ShardDigest:
+    """Write ``arrays`` to ``out`` as one shard and return the size and checksums of what was written.
+
+    Guarantees: one pass over each array's memory, no copy of a C-contiguous
+    little-endian array, extra memory bounded by one chunk for any other. Raises
+    :class:`InvalidStateError` (before writing anything) for a name or dtype a shard
+    cannot hold. Flushing to stable storage is the caller's job.
+    """
+    layout = _layout(arrays)
+    hasher = _Hasher()
+    header = _header_bytes(layout, metadata or {})
+    hasher.update(header)
+    write_all(out, header)
+    for _name, _code, array, _begin, _end in layout:
+        for chunk in _byte_chunks(array):
+            hasher.update(chunk)
+            write_all(out, chunk)
+    return hasher.digest()
+
+
+def hash_stream(source: BinaryIO, verify: Verify | None = None) -> ShardDigest:
+    """Hash everything readable from ``source``; ``verify`` limits which checksums are computed."""
+    hasher = _Hasher(verify)
+    _feed_rest(source, hasher)
+    return hasher.digest()
+
+
+def _feed_rest(source: BinaryIO, hasher: _Hasher) -> None:
+    buffer = bytearray(CHUNK_BYTES)
+    view = memoryview(buffer)
+    while count := source.readinto(view):
+        hasher.update(view[:count])
+
+
+def _readinto_exactly(source: BinaryIO, view: memoryview) -> int:
+    total = 0
+    while total < len(view):
+        count = source.readinto(view[total:])
+        if not count:
+            break
+        total += count
+    return total
+
+
+@dataclass(frozen=True)
+class _Entry:
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _parse_header(raw: bytes, data_bytes: int) -> list[_Entry]:
+    """Parse a header strictly; raise ValueError describing the first problem."""
+    document = json.loads(raw.decode("utf-8"))
+    if not isinstance(document, dict):
+        raise ValueError("header is not a JSON object")
+    entries = []
+    for name, info in document.items():
+        if name == _METADATA:
+            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+                raise ValueError("__metadata__ must map strings to strings")
+            continue
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise ValueError(f"entry {name!r} must have exactly dtype, shape and data_offsets")
+        dtype = DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+        if dtype is None:
+            raise ValueError(f"entry {name!r} has unsupported dtype {info['dtype']!r}")
+        shape, offsets = info["shape"], info["data_offsets"]
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(f"entry {name!r} has invalid shape {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise ValueError(f"entry {name!r} has invalid data_offsets {offsets!r}")
+        begin, end = offsets
+        if end - begin != int(np.prod(shape, dtype=object)) * dtype.itemsize or begin < 0:
+            raise ValueError(f"entry {name!r}: data_offsets {offsets} do not fit shape {shape} of {info['dtype']}")
+        entries.append(_Entry(name, dtype, tuple(shape), begin, end))
+    entries.sort(key=lambda entry: (entry.begin, entry.end))
+    position = 0
+    for entry in entries:
+        if entry.begin != position:
+            raise ValueError(f"entry {entry.name!r} starts at {entry.begin}, expected {position}")
+        position = entry.end
+    if position != data_bytes:
+        raise ValueError(f"arrays cover {position} bytes but the file holds {data_bytes}")
+    return entries
+
+
+def _read_header(source: BinaryIO, size_bytes: int, hasher: _Hasher) -> list[_Entry]:
+    """Read, hash and parse the header; raise ValueError if it is not a valid one."""
+    prefix = source.read(8)
+    hasher.update(prefix)
+    if len(prefix) < 8:
+        raise ValueError("file is too short to hold a header")
+    (header_bytes,) = struct.unpack("<Q", prefix)
+    if header_bytes > min(MAX_HEADER_BYTES, size_bytes - 8):
+        raise ValueError(f"header length {header_bytes} does not fit a file of {size_bytes} bytes")
+    raw = source.read(header_bytes)
+    hasher.update(raw)
+    if len(raw) < header_bytes:
+        raise ValueError("file ends inside the header")
+    return _parse_header(raw, size_bytes - 8 - header_bytes)
+
+
+def _raise_if_mismatch(actual: ShardDigest, expected: ShardDigest, verify: Verify, what: str) -> None:
+    if verify == "full":
+        name, got, want = "sha256", actual.sha256, expected.sha256
+    else:
+        name, got, want = "xxh3_64", actual.xxh3_64, expected.xxh3_64
+    if got != want:
+        raise ChecksumMismatchError(f"{what}: {name} is {got}, the manifest records {want}")
+
+
+def read_shard(
+    source: BinaryIO,
+    *,
+    size_bytes: int,
+    expected: ShardDigest,
+    verify: Verify = "full",
+    what: str,
+) -> dict[str, np.ndarray]:
+    """Read one shard into new arrays and return them only if its bytes verify.
+
+    ``source`` is positioned at the start of a file of ``size_bytes`` bytes (the caller
+    has checked the size). ``verify`` picks which checksum of ``expected`` is compared.
+    ``what`` (e.g. "rank 2 shard /ckpt/rank-...") names the file in errors. Raises
+    :class:`ChecksumMismatchError` if the bytes do not match, and
+    :class:`ShardFormatError` if they match but do not form a valid shard.
+    """
+    hasher = _Hasher(verify)
+    try:
+        entries = _read_header(source, size_bytes, hasher)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        # A broken header is usually a corrupted file: hash the rest to tell which.
+        _feed_rest(source, hasher)
+        _raise_if_mismatch(hasher.digest(), expected, verify, what)
+        raise ShardFormatError(f"{what}: bytes verify but are not a valid shard: {exc}") from exc
+    arrays = {}
+    for entry in entries:
+        array = np.empty(entry.shape, dtype=entry.dtype)
+        flat = memoryview(array.reshape(-1).view(np.uint8))
+        for start in range(0, len(flat), CHUNK_BYTES):
+            chunk = flat[start : start + CHUNK_BYTES]
+            if _readinto_exactly(source, chunk) != len(chunk):
+                raise IncompleteCheckpointError(f"{what}: file ends before array {entry.name!r} is complete")
+            hasher.update(chunk)
+        arrays[entry.name] = array
+    _feed_rest(source, hasher)
+    _raise_if_mismatch(hasher.digest(), expected, verify, what)
+    return arrays

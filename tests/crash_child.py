@@ -22,8 +22,13 @@ from tiered_ckpt import local, save_sharded, sharded, shardfile  # noqa: E402
 from tiered_ckpt.layout import MANIFEST_NAME  # noqa: E402
 
 
+_announce = threading.Lock()
+
+
 def pause_forever(*_args, **_kwargs):
-    print("PAUSED", flush=True)
+    """Tell the parent (once, whichever writer thread gets here first) and block."""
+    if _announce.acquire(blocking=False):
+        print("PAUSED", flush=True)
     threading.Event().wait()
 
 

@@ -243,3 +243,39 @@ def test_sigkill_right_after_the_manifest_rename_leaves_a_complete_checkpoint(tm
     killed = tmp_path / "step-000000000002"
     kill_child_at(killed, "after-commit")
     assert_states_equal(large_states(4, BYTES_PER_RANK), load_sharded(killed, 4))
+
+
+# --- loading into the caller's own arrays ------------------------------------------------
+
+
+def test_load_into_preallocated_arrays_fills_them_in_place(saved, states):
+    directory, _ = saved
+    buffers = [{key: np.zeros_like(array) for key, array in state.items()} for state in states]
+    identities = [{key: id(array) for key, array in state.items()} for state in buffers]
+    loaded = load_sharded(directory, 4, into=buffers)
+    assert_states_equal(states, buffers)
+    assert [{key: id(array) for key, array in state.items()} for state in loaded] == identities
+
+
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        (lambda b: b[1].pop("exp_avg"), "into holds"),
+        (lambda b: b[1].update(exp_avg=np.zeros(3, np.float32)), r"into\['exp_avg'\] is float32 \(3,\)"),
+        (lambda b: b[1].update(step=np.zeros((), np.int32)), r"into\['step'\] is int32"),
+        (lambda b: b[1].update(embedding_bf16=np.zeros((16, 8), np.float32).T.astype(b[1]["embedding_bf16"].dtype, order="K")), "C-contiguous"),
+    ],
+)
+def test_load_into_mismatched_arrays_is_refused_before_copying(saved, states, change, problem):
+    directory, _ = saved
+    buffers = [{key: np.zeros_like(array) for key, array in state.items()} for state in states]
+    change(buffers)
+    with pytest.raises(InvalidStateError, match=problem):
+        load_sharded(directory, 4, into=buffers, max_workers=1)
+    assert all(not array.any() for array in buffers[1].values())
+
+
+def test_load_into_needs_one_dict_per_rank(saved, states):
+    directory, _ = saved
+    with pytest.raises(InvalidStateError, match="into holds 3 rank states"):
+        load_sharded(directory, 4, into=states[:3])

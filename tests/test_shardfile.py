@@ -20,8 +20,17 @@ def write_to_bytes(arrays, metadata=None) -> tuple[bytes, ShardDigest]:
     return out.getvalue(), digest
 
 
-def read_from_bytes(data: bytes, digest: ShardDigest, verify="full"):
-    return read_shard(io.BytesIO(data), size_bytes=len(data), expected=digest, verify=verify, what="test shard")
+@pytest.fixture
+def read_from_bytes(tmp_path):
+    """Return a function that puts bytes in a file and reads them back as a shard."""
+
+    def read(data: bytes, digest: ShardDigest, verify="full"):
+        path = tmp_path / "shard.safetensors"
+        path.write_bytes(data)
+        with open(path, "rb") as source:
+            return read_shard(source, expected=digest, verify=verify, what="test shard")
+
+    return read
 
 
 def sample(dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
@@ -33,7 +42,7 @@ def sample(dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
 
 @pytest.mark.parametrize("code", sorted(DTYPES))
 @pytest.mark.parametrize("shape", [(), (0,), (5,), (3, 0, 2), (2, 3, 4)])
-def test_every_dtype_and_shape_round_trips_byte_for_byte(code, shape):
+def test_every_dtype_and_shape_round_trips_byte_for_byte(code, shape, read_from_bytes):
     array = sample(DTYPES[code], shape)
     data, digest = write_to_bytes({"x": array})
     [(name, got)] = read_from_bytes(data, digest).items()
@@ -46,7 +55,7 @@ def test_digest_covers_every_byte_written():
     assert digest == ShardDigest(len(data), hashlib.sha256(data).hexdigest(), xxhash.xxh3_64(data).hexdigest())
 
 
-def test_non_contiguous_big_endian_and_scalar_inputs_are_saved_as_their_values():
+def test_non_contiguous_big_endian_and_scalar_inputs_are_saved_as_their_values(read_from_bytes):
     matrix = np.arange(24, dtype=np.int32).reshape(4, 6)
     big_endian = np.arange(5, dtype=">f8")
     arrays = {"transposed": matrix.T, "strided": matrix[:, ::2], "big": big_endian, "scalar": np.float32(2.5)}
@@ -58,7 +67,7 @@ def test_non_contiguous_big_endian_and_scalar_inputs_are_saved_as_their_values()
     assert got["scalar"].shape == () and got["scalar"] == np.float32(2.5)
 
 
-def test_large_non_contiguous_array_is_written_in_bounded_slabs():
+def test_large_non_contiguous_array_is_written_in_bounded_slabs(read_from_bytes):
     matrix = np.arange(3 * 1024 * 1024, dtype=np.float32).reshape(-1, 3)
     column = matrix[:, 1]
     data, digest = write_to_bytes({"column": column})
@@ -124,7 +133,7 @@ def test_unsavable_state_is_refused_before_anything_is_written(arrays, problem):
 
 
 @pytest.mark.parametrize("offset", [0, 3, 9, 40, -1])
-def test_any_flipped_byte_is_a_checksum_mismatch(offset):
+def test_any_flipped_byte_is_a_checksum_mismatch(offset, read_from_bytes):
     data, digest = write_to_bytes({"a": np.arange(100.0), "b": np.ones(3, np.int8)})
     damaged = bytearray(data)
     damaged[offset] ^= 0x01
@@ -152,13 +161,13 @@ def handmade_shard(header: dict, payload: bytes) -> tuple[bytes, ShardDigest]:
         ([1, 2], b""),
     ],
 )
-def test_verified_but_malformed_shard_is_a_format_error(header, payload):
+def test_verified_but_malformed_shard_is_a_format_error(header, payload, read_from_bytes):
     data, digest = handmade_shard(header, payload)
     with pytest.raises(ShardFormatError, match="test shard"):
         read_from_bytes(data, digest)
 
 
-def test_header_length_beyond_the_file_is_a_format_error_when_bytes_verify():
+def test_header_length_beyond_the_file_is_a_format_error_when_bytes_verify(read_from_bytes):
     data = struct.pack("<Q", 10**12) + b"{}"
     digest = ShardDigest(len(data), hashlib.sha256(data).hexdigest(), xxhash.xxh3_64(data).hexdigest())
     with pytest.raises(ShardFormatError, match="header length"):

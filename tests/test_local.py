@@ -3,7 +3,8 @@ import os
 import numpy as np
 import pytest
 
-from tiered_ckpt import CheckpointExistsError, ChecksumMismatchError, IncompleteCheckpointError, ManifestError
+from conftest import temp_files
+from tiered_ckpt import ChecksumMismatchError, DirectoryInUseError, IncompleteCheckpointError, ManifestError
 from tiered_ckpt.layout import MANIFEST_NAME, temp_name
 from tiered_ckpt.local import (
     atomic_write,
@@ -14,8 +15,6 @@ from tiered_ckpt.local import (
     write_shard_file,
 )
 from tiered_ckpt.manifest import ShardRecord
-
-from conftest import temp_files
 
 
 def test_atomic_write_replaces_whole_file(tmp_path):
@@ -55,7 +54,7 @@ def test_remove_temp_files_removes_only_temp_files_of_the_given_targets(tmp_path
 
 def test_directory_lock_refuses_a_second_holder(tmp_path):
     with directory_lock(tmp_path):
-        with pytest.raises(CheckpointExistsError, match="in progress"):
+        with pytest.raises(DirectoryInUseError, match="in use by another"):
             with directory_lock(tmp_path):
                 pass
     with directory_lock(tmp_path):
@@ -74,7 +73,9 @@ def test_read_manifest_of_uncommitted_directory_is_incomplete(tmp_path):
 def written_record(tmp_path) -> tuple[ShardRecord, dict]:
     arrays = {"w": np.arange(1000, dtype=np.float32)}
     digest = write_shard_file(tmp_path / "rank-00000-of-00001.safetensors", arrays, {})
-    record = ShardRecord(0, "rank-00000-of-00001.safetensors", digest.sha256, digest.xxh3_64, digest.size_bytes, 0, 1000)
+    record = ShardRecord(
+        0, "rank-00000-of-00001.safetensors", digest.sha256, digest.xxh3_64, digest.size_bytes, 0, 1000
+    )
     return record, arrays
 
 

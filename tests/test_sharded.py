@@ -1,18 +1,15 @@
 import json
 import os
-import select
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from conftest import (
+    BYTES_PER_RANK,
     ZERO1_SHARDED_KEYS,
     assert_states_equal,
     flip_byte,
+    kill_child_at,
     large_states,
     split_sizes,
     temp_files,
@@ -191,28 +188,6 @@ def test_invalid_arguments_are_refused(tmp_path, states, call, problem):
 
 # --- a real crash: SIGKILL of a process in the middle of a save --------------------------
 
-CHILD = Path(__file__).with_name("crash_child.py")
-BYTES_PER_RANK = 64 * 1024 * 1024
-
-
-def kill_child_at(directory: Path, point: str) -> None:
-    """Run a child saving 4 x 64 MiB into ``directory``; SIGKILL it once it reaches ``point``."""
-    child = subprocess.Popen(
-        [sys.executable, str(CHILD), str(directory), point, str(BYTES_PER_RANK)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        # A guard against a hung child, not a timing assumption: the child signals readiness.
-        ready, _, _ = select.select([child.stdout], [], [], 300)
-        assert ready, f"child never reached {point}"
-        assert child.stdout.readline() == "PAUSED\n"
-    finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait()
-        child.stdout.close()
-    assert child.returncode == -signal.SIGKILL
-
 
 @pytest.mark.parametrize(
     "point, leaves_temp_files",
@@ -263,7 +238,12 @@ def test_load_into_preallocated_arrays_fills_them_in_place(saved, states):
         (lambda b: b[1].pop("exp_avg"), "into holds"),
         (lambda b: b[1].update(exp_avg=np.zeros(3, np.float32)), r"into\['exp_avg'\] is float32 \(3,\)"),
         (lambda b: b[1].update(step=np.zeros((), np.int32)), r"into\['step'\] is int32"),
-        (lambda b: b[1].update(embedding_bf16=np.zeros((16, 8), np.float32).T.astype(b[1]["embedding_bf16"].dtype, order="K")), "C-contiguous"),
+        (
+            lambda b: b[1].update(
+                embedding_bf16=np.zeros((16, 8), np.float32).T.astype(b[1]["embedding_bf16"].dtype, order="K")
+            ),
+            "C-contiguous",
+        ),
     ],
 )
 def test_load_into_mismatched_arrays_is_refused_before_copying(saved, states, change, problem):

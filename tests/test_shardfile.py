@@ -75,7 +75,12 @@ def test_large_non_contiguous_array_is_written_in_bounded_slabs(read_from_bytes)
 
 
 def test_every_array_starts_aligned_to_its_item_size():
-    arrays = {"u8": np.ones(3, np.uint8), "f64": np.ones(3), "f16": np.ones(3, np.float16), "f32": np.ones(1, np.float32)}
+    arrays = {
+        "u8": np.ones(3, np.uint8),
+        "f64": np.ones(3),
+        "f16": np.ones(3, np.float16),
+        "f32": np.ones(1, np.float32),
+    }
     data, _ = write_to_bytes(arrays)
     (header_len,) = struct.unpack("<Q", data[:8])
     assert (8 + header_len) % 8 == 0
@@ -155,7 +160,13 @@ def handmade_shard(header: dict, payload: bytes) -> tuple[bytes, ShardDigest]:
         ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 8),
         ({"a": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8),
         ({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4),
-        ({"a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}, "b": {"dtype": "U8", "shape": [2], "data_offsets": [1, 3]}}, b"\0" * 3),
+        (
+            {
+                "a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]},
+                "b": {"dtype": "U8", "shape": [2], "data_offsets": [1, 3]},
+            },
+            b"\0" * 3,
+        ),
         ({"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1], "extra": 1}}, b"\0"),
         ({"__metadata__": {"k": 1}}, b""),
         ([1, 2], b""),

@@ -1,30 +1,45 @@
 """tiered_ckpt: sharded, verified, crash-safe checkpoints for distributed training."""
 
+from .coordination import Coordinator, SingleProcessCoordinator
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
     ChecksumMismatchError,
+    DirectoryInUseError,
     IncompleteCheckpointError,
     InvalidStateError,
     ManifestError,
+    ReshardError,
+    SaveError,
     ShardCountMismatchError,
     ShardFormatError,
     WorldSizeMismatchError,
 )
+from .manager import CheckpointManager, RestoreResult, SaveHandle
 from .manifest import ShardManifest, ShardRecord
+from .reshard import partition_sizes
 from .sharded import load_sharded, save_sharded
 
 __all__ = [
+    "CheckpointManager",
+    "SaveHandle",
+    "RestoreResult",
     "save_sharded",
     "load_sharded",
+    "partition_sizes",
     "ShardManifest",
     "ShardRecord",
+    "Coordinator",
+    "SingleProcessCoordinator",
     "CheckpointError",
     "CheckpointExistsError",
     "ChecksumMismatchError",
+    "DirectoryInUseError",
     "IncompleteCheckpointError",
     "InvalidStateError",
     "ManifestError",
+    "ReshardError",
+    "SaveError",
     "ShardCountMismatchError",
     "ShardFormatError",
     "WorldSizeMismatchError",

@@ -18,6 +18,7 @@ Cold reads evict the files from the page cache with ``posix_fadvise(DONTNEED)`` 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import os
 import shutil
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .manager import CheckpointManager
 from .sharded import load_sharded, save_sharded
 
 __all__ = ["main"]
@@ -129,67 +131,214 @@ def peak_rss_growth(action: Callable[[], object]) -> int:
     return status("VmHWM") - before
 
 
+class Timings:
+    """Seconds per named measurement over repeated runs; reports medians as GB/s."""
+
+    def __init__(self, total_bytes: int) -> None:
+        self.total = total_bytes
+        self.seconds: dict[str, list[float]] = {}
+
+    def record(self, name: str, seconds: float) -> None:
+        self.seconds.setdefault(name, []).append(seconds)
+
+    def rate(self, name: str) -> float:
+        return self.total / statistics.median(self.seconds[name]) / 1e9
+
+    def print_rates(self) -> None:
+        for name, values in self.seconds.items():
+            spread = [self.total / t / 1e9 for t in values]
+            print(f"  {name:<31} {self.rate(name):6.2f} GB/s   (min {min(spread):.2f}, max {max(spread):.2f})")
+
+
+def _timed(action: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    action()
+    return time.perf_counter() - start
+
+
+def _ratio(name: str, value: float, target: str) -> None:
+    print(f"  {name:<46} {value:5.2f}  ({target})")
+
+
+def bench_sync(states: list[dict[str, np.ndarray]], root: Path, repeat: int) -> None:
+    """save_sharded / load_sharded next to the raw limits of the same disk."""
+    timings = Timings(sum(a.nbytes for s in states for a in s.values()))
+    rss = []
+    for run in range(repeat):
+        scratch = root / f"sync-{run}"
+        scratch.mkdir()
+        timings.record("raw write+fsync, 1 writer", raw_write(scratch, states, 1))
+        timings.record("raw write+fsync, 2 writers", raw_write(scratch, states, 2))
+        raw_files = sorted(scratch.glob("raw-*"))
+        evict(raw_files)
+        timings.record("raw read, cold", raw_read(raw_files))
+        timings.record("raw read, warm", raw_read(raw_files))
+        timings.record("sha256, all cores", sha256_all_cores(states))
+
+        directory = scratch / "ckpt"
+        start = time.perf_counter()
+        rss.append(peak_rss_growth(functools.partial(save_sharded, states, directory, step=run)))
+        timings.record("save_sharded", time.perf_counter() - start)
+        evict(sorted(directory.glob("rank-*")))
+        buffers = [{key: np.ones_like(array) for key, array in state.items()} for state in states]
+        load = functools.partial(load_sharded, directory, len(states))
+        timings.record("load+verify, cold", _timed(functools.partial(load, into=buffers)))
+        timings.record("load+verify, warm", _timed(functools.partial(load, into=buffers)))
+        del buffers
+        timings.record("load+verify, warm, new arrays", _timed(load))
+    timings.print_rates()
+    print(f"  save_sharded peak extra RSS      {statistics.median(rss) / 2**20:6.1f} MiB")
+    print("ratios (target):")
+    _ratio(
+        "save / raw write+fsync 2 writers",
+        timings.rate("save_sharded") / timings.rate("raw write+fsync, 2 writers"),
+        ">= 0.95",
+    )
+    _ratio(
+        "warm load+verify / sha256 all cores",
+        timings.rate("load+verify, warm") / timings.rate("sha256, all cores"),
+        ">= 0.90",
+    )
+    _ratio(
+        "cold load+verify / raw cold read",
+        timings.rate("load+verify, cold") / timings.rate("raw read, cold"),
+        ">= 0.85",
+    )
+
+
+def copy_time(states: list[dict[str, np.ndarray]], repeat: int) -> float:
+    """Median seconds of np.copyto of every array into preallocated (already touched) buffers."""
+    buffers = [{key: np.empty_like(array) for key, array in state.items()} for state in states]
+
+    def copy_all() -> None:
+        for source, target in zip(states, buffers, strict=True):
+            for key, array in source.items():
+                np.copyto(target[key], array)
+
+    copy_all()  # fault the buffers in, as the manager's reused buffers are after its first save
+    return statistics.median(_timed(copy_all) for _ in range(repeat))
+
+
+def bench_async(states: list[dict[str, np.ndarray]], root: Path, repeat: int) -> None:
+    """How long CheckpointManager.save(blocking=False) blocks, and the memory its staging takes."""
+    state_bytes = sum(a.nbytes for s in states for a in s.values())
+    copy_seconds = copy_time(states, repeat)
+    blocked: list[float] = []
+
+    def ten_saves() -> None:
+        with CheckpointManager(root / "async", world_size=len(states), keep_last=2) as manager:
+            for step in range(10):
+                manager.wait()  # time only what save itself blocks, not the previous write
+                start = time.perf_counter()
+                manager.save(step, states)
+                if step > 0:  # the first save allocates the staging buffers
+                    blocked.append(time.perf_counter() - start)
+
+    growth = peak_rss_growth(ten_saves)
+    save_time = statistics.median(blocked)
+    print(f"  np.copyto into preallocated buffers   {copy_seconds * 1e3:8.1f} ms")
+    print(f"  save(blocking=False) blocks           {save_time * 1e3:8.1f} ms  (median of {len(blocked)} saves)")
+    print(f"  peak extra RSS over 10 async saves    {growth / 2**20:8.1f} MiB ({growth / state_bytes:.3f} x state)")
+    print("ratios (target):")
+    _ratio("save(blocking=False) / np.copyto", save_time / copy_seconds, "<= 1.2")
+    _ratio("extra peak RSS / state size", growth / state_bytes, "<= 1.05")
+
+
+TRAIN_DIM, TRAIN_LAYERS = 1024, 3
+
+
+def _train(steps: int, ranks: int, manager: CheckpointManager | None, every: int = 20) -> float:
+    """Run a small MLP-like training loop; return its wall time. Checkpoints every ``every`` steps."""
+    rng = np.random.default_rng(0)
+    dim, layers, batch = TRAIN_DIM, TRAIN_LAYERS, 512
+    master = rng.standard_normal(dim * dim * layers, dtype=np.float32) * 0.01
+    exp_avg, exp_avg_sq = np.zeros_like(master), np.zeros_like(master)
+    weights = master.reshape(layers, dim, dim)
+    inputs = rng.standard_normal((batch, dim), dtype=np.float32)
+    slices = np.array_split(np.arange(master.size), ranks)
+    views = [slice(int(s[0]), int(s[-1]) + 1) for s in slices]
+    start = time.perf_counter()
+    for step in range(1, steps + 1):
+        hidden = inputs
+        for layer in range(layers):
+            hidden = np.tanh(hidden @ weights[layer])
+        grad = np.concatenate([(inputs.T @ hidden).ravel() * 1e-6 for _ in range(layers)])
+        exp_avg *= 0.9
+        exp_avg += 0.1 * grad
+        exp_avg_sq *= 0.999
+        exp_avg_sq += 0.001 * grad * grad
+        master -= 1e-3 * exp_avg / (np.sqrt(exp_avg_sq) + 1e-8)
+        if manager is not None and step % every == 0:
+            manager.save(
+                step,
+                [
+                    {
+                        "master_fp32": master[v],
+                        "exp_avg": exp_avg[v],
+                        "exp_avg_sq": exp_avg_sq[v],
+                        "step": np.array(step, dtype=np.int64),
+                    }
+                    for v in views
+                ],
+            )
+    if manager is not None:
+        manager.wait()
+    return time.perf_counter() - start
+
+
+def bench_train(root: Path, ranks: int, steps: int, repeat: int) -> None:
+    """Slowdown of a training loop that checkpoints every 20 steps, against the same loop without."""
+    plain: list[float] = []
+    checkpointed: list[float] = []
+    for run in range(repeat):  # interleaved, so drift in the machine's speed hits both alike
+        plain.append(_train(steps, ranks, None))
+        with CheckpointManager(root / f"train-{run}", world_size=ranks, keep_last=2) as manager:
+            checkpointed.append(_train(steps, ranks, manager))
+    state_bytes = 3 * 4 * TRAIN_DIM * TRAIN_DIM * TRAIN_LAYERS  # fp32 master weights and two moments
+    base, with_ckpt = statistics.median(plain), statistics.median(checkpointed)
+    print(
+        f"  state {state_bytes / 2**20:.0f} MiB, {steps} steps of {base / steps * 1e3:.0f} ms, "
+        f"{steps // 20} checkpoints"
+    )
+    print(f"  without checkpoints  {base:7.2f} s")
+    print(f"  with checkpoints     {with_ckpt:7.2f} s")
+    print(f"  slowdown             {100 * (with_ckpt / base - 1):7.1f} %   (target <= 2 %)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tiered_ckpt.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-gib", type=float, default=2.0, help="total state size (default 2)")
     parser.add_argument("--ranks", type=int, default=4, help="number of ranks (default 4)")
     parser.add_argument("--repeat", type=int, default=5, help="runs per measurement (default 5)")
     parser.add_argument("--dir", type=Path, default=None, help="directory on the disk to measure")
+    parser.add_argument(
+        "--only", choices=["sync", "async", "train"], action="append", help="run only these sections (repeatable)"
+    )
+    parser.add_argument("--train-steps", type=int, default=200, help="training loop steps (default 200)")
     args = parser.parse_args(argv)
+    sections = args.only or ["sync", "async", "train"]
 
-    states = make_states(int(args.size_gib * 2**30), args.ranks)
+    states = make_states(int(args.size_gib * 2**30), args.ranks) if {"sync", "async"} & set(sections) else []
     total = sum(a.nbytes for s in states for a in s.values())
+    print(
+        f"state: {total / 2**30:.2f} GiB over {args.ranks} ranks, medians of {args.repeat} runs, cpus={os.cpu_count()}"
+    )
     # Every run's files stay until the end (2 x size x repeat on disk): on a disk mounted
     # with discard, deleting gigabytes slows reads and writes for seconds afterwards.
     root = Path(tempfile.mkdtemp(prefix="tiered-ckpt-bench-", dir=args.dir))
-    times: dict[str, list[float]] = {}
-
-    def record(name: str, seconds: float) -> None:
-        times.setdefault(name, []).append(seconds)
-
-    rss = []
     try:
-        for run in range(args.repeat):
-            scratch = root / f"run-{run}"
-            scratch.mkdir()
-            record("raw write+fsync, 1 writer", raw_write(scratch, states, 1))
-            record("raw write+fsync, 2 writers", raw_write(scratch, states, 2))
-            raw_files = sorted(scratch.glob("raw-*"))
-            evict(raw_files)
-            record("raw read, cold", raw_read(raw_files))
-            record("raw read, warm", raw_read(raw_files))
-            record("sha256, all cores", sha256_all_cores(states))
-
-            directory = scratch / "ckpt"
-            start = time.perf_counter()
-            rss.append(peak_rss_growth(lambda: save_sharded(states, directory, step=run)))
-            record("save_sharded", time.perf_counter() - start)
-            shards = sorted(directory.glob("rank-*"))
-            evict(shards)
-            buffers = [{key: np.ones_like(array) for key, array in state.items()} for state in states]
-            start = time.perf_counter()
-            load_sharded(directory, args.ranks, into=buffers)
-            record("load+verify, cold", time.perf_counter() - start)
-            start = time.perf_counter()
-            load_sharded(directory, args.ranks, into=buffers)
-            record("load+verify, warm", time.perf_counter() - start)
-            del buffers
-            start = time.perf_counter()
-            load_sharded(directory, args.ranks)
-            record("load+verify, warm, new arrays", time.perf_counter() - start)
+        if "sync" in sections:
+            print("save_sharded / load_sharded:")
+            bench_sync(states, root, args.repeat)
+        if "async" in sections:
+            print("CheckpointManager async save:")
+            bench_async(states, root, args.repeat)
+        if "train" in sections:
+            del states
+            print("training loop (numpy matmuls, checkpoint every 20 steps):")
+            bench_train(root, args.ranks, args.train_steps, args.repeat)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-
-    rate = {name: total / statistics.median(values) / 1e9 for name, values in times.items()}
-    print(f"state: {total / 2**30:.2f} GiB over {args.ranks} ranks, median of {args.repeat} runs, cpus={os.cpu_count()}")
-    for name, value in rate.items():
-        spread = [total / t / 1e9 for t in times[name]]
-        print(f"  {name:<31} {value:6.2f} GB/s   (min {min(spread):.2f}, max {max(spread):.2f})")
-    print(f"  save_sharded peak extra RSS      {statistics.median(rss) / 2**20:6.1f} MiB")
-    print("ratios (target):")
-    print(f"  save / raw write+fsync 2 writers    {rate['save_sharded'] / rate['raw write+fsync, 2 writers']:.2f}  (>= 0.95)")
-    print(f"  warm load+verify / sha256 all cores {rate['load+verify, warm'] / rate['sha256, all cores']:.2f}  (>= 0.90)")
-    print(f"  cold load+verify / raw cold read    {rate['load+verify, cold'] / rate['raw read, cold']:.2f}  (>= 0.85)")
     return 0
 
 

@@ -11,7 +11,10 @@ so ``except CheckpointError`` catches all of them::
     ├── ChecksumMismatchError         a shard's bytes do not match the recorded sha256
     ├── ShardFormatError              a shard file is not a valid shard (bytes verified)
     ├── CheckpointExistsError         refusing to overwrite a committed checkpoint
-    └── InvalidStateError             the arrays handed to save cannot be saved as given
+    ├── DirectoryInUseError           another save or manager holds the directory
+    ├── InvalidStateError             the arrays handed to save cannot be saved as given
+    ├── ReshardError                  the checkpoint cannot be resharded as asked
+    └── SaveError                     a background save failed (the cause is chained)
 
 Messages name the directory or file, and the rank or field, that the error is about.
 """
@@ -27,7 +30,10 @@ __all__ = [
     "ChecksumMismatchError",
     "ShardFormatError",
     "CheckpointExistsError",
+    "DirectoryInUseError",
     "InvalidStateError",
+    "ReshardError",
+    "SaveError",
 ]
 
 
@@ -65,3 +71,22 @@ class CheckpointExistsError(CheckpointError):
 
 class InvalidStateError(CheckpointError, ValueError):
     """The state handed to a save cannot be saved (bad key, unsupported dtype, ...)."""
+
+
+class DirectoryInUseError(CheckpointError):
+    """Another save, or another CheckpointManager, holds the directory."""
+
+
+class ReshardError(CheckpointError):
+    """The checkpoint cannot be resharded: inconsistent replicated or sharded arrays."""
+
+
+class SaveError(CheckpointError):
+    """A background save failed; ``__cause__`` holds the original exception.
+
+    ``step`` is the step whose save failed.
+    """
+
+    def __init__(self, message: str, *, step: int) -> None:
+        super().__init__(message)
+        self.step = step

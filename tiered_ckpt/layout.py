@@ -78,9 +78,4 @@ def is_plain_name(name: str) -> bool:
     Plain names are non-empty, contain no path separator or NUL, are not ``.`` or
     ``..`` and do not start with a dot (which temp names and hidden files do).
     """
-    return (
-        bool(name)
-        and not name.startswith(".")
-        and not any(ch in name for ch in "/\\\0")
-        and len(name) <= 255
-    )
+    return bool(name) and not name.startswith(".") and not any(ch in name for ch in "/\\\0") and len(name) <= 255

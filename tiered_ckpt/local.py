@@ -18,6 +18,7 @@ import ctypes
 import fcntl
 import io
 import os
+import shutil
 import sys
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
@@ -28,11 +29,11 @@ import numpy as np
 
 from .errors import (
     ChecksumMismatchError,
-    CheckpointExistsError,
+    DirectoryInUseError,
     IncompleteCheckpointError,
     ManifestError,
 )
-from .layout import MANIFEST_NAME, is_temp_name, temp_name, temp_target
+from .layout import MANIFEST_NAME, is_temp_name, parse_step_dir_name, temp_name, temp_target
 from .manifest import MAX_MANIFEST_BYTES, ShardManifest, ShardRecord
 from .shardfile import ShardDigest, Verify, read_shard, write_all, write_shard
 
@@ -46,6 +47,9 @@ __all__ = [
     "commit_manifest",
     "read_manifest",
     "is_committed",
+    "committed_steps",
+    "delete_checkpoint",
+    "remove_uncommitted",
 ]
 
 T = TypeVar("T")
@@ -93,7 +97,9 @@ class _EagerWriteback(io.RawIOBase):
         self._position += written
         if _sync_file_range is not None and self._position - self._flushed_to >= WRITEBACK_BYTES:
             # Best effort: a failure here shows up again, and is raised, at fsync.
-            _sync_file_range(self._raw.fileno(), self._flushed_to, self._position - self._flushed_to, _SYNC_FILE_RANGE_WRITE)
+            _sync_file_range(
+                self._raw.fileno(), self._flushed_to, self._position - self._flushed_to, _SYNC_FILE_RANGE_WRITE
+            )
             self._flushed_to = self._position
         return written
 
@@ -150,7 +156,7 @@ def remove_temp_files(directory: Path, targets: Collection[str] | None = None) -
 def directory_lock(directory: Path) -> Iterator[None]:
     """Hold an exclusive lock on ``directory`` against other saves, in any process.
 
-    Raises :class:`CheckpointExistsError` at once if another save holds it.
+    Raises :class:`DirectoryInUseError` at once if another holder has it.
     """
     # flock on the directory itself: no lock file is left among the checkpoint's files.
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
@@ -158,7 +164,7 @@ def directory_lock(directory: Path) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise CheckpointExistsError(f"{directory}: another save into this directory is in progress") from None
+            raise DirectoryInUseError(f"{directory}: in use by another save or CheckpointManager") from None
         yield
     finally:
         os.close(fd)
@@ -227,7 +233,56 @@ def read_manifest(directory: Path) -> ShardManifest:
         with open(path, "rb") as source:
             data = source.read(MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
-        raise IncompleteCheckpointError(f"{directory}: no {MANIFEST_NAME}, the checkpoint was never committed") from None
+        raise IncompleteCheckpointError(
+            f"{directory}: no {MANIFEST_NAME}, the checkpoint was never committed"
+        ) from None
     except IsADirectoryError:
         raise ManifestError(f"{path}: is a directory, not a manifest") from None
     return ShardManifest.from_json(data, source=str(path))
+
+
+def committed_steps(root: Path) -> list[int]:
+    """Steps under ``root`` whose step directory holds a manifest, oldest first."""
+    if not root.is_dir():
+        return []
+    steps = []
+    for entry in os.scandir(root):
+        step = parse_step_dir_name(entry.name)
+        if step is not None and entry.is_dir(follow_symlinks=False) and is_committed(Path(entry.path)):
+            steps.append(step)
+    return sorted(steps)
+
+
+def delete_checkpoint(directory: Path) -> None:
+    """Delete a checkpoint: first make it invisible (its manifest, durably), then its files.
+
+    A crash part-way leaves an uncommitted directory, which :func:`remove_uncommitted`
+    removes on the next start; never a visible checkpoint with missing shards.
+    """
+    manifest = directory / MANIFEST_NAME
+    if manifest.exists():
+        manifest.unlink()
+        fsync_directory(directory)
+    shutil.rmtree(directory)
+    fsync_directory(directory.parent)
+
+
+def remove_uncommitted(root: Path) -> list[str]:
+    """Remove what crashed saves left under ``root``; return the names removed.
+
+    Step directories without a manifest are removed whole; temp files are removed from
+    ``root`` and from committed step directories. Nothing else is touched.
+    """
+    removed = [f"{name}" for name in remove_temp_files(root)]
+    for entry in sorted(os.scandir(root), key=lambda e: e.name):
+        if parse_step_dir_name(entry.name) is None or not entry.is_dir(follow_symlinks=False):
+            continue
+        directory = Path(entry.path)
+        if is_committed(directory):
+            removed += [f"{entry.name}/{name}" for name in remove_temp_files(directory)]
+        else:
+            shutil.rmtree(directory)
+            removed.append(f"{entry.name}/")
+    if removed:
+        fsync_directory(root)
+    return removed

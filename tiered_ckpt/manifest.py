@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import InitVar, dataclass
 from typing import Any
 
@@ -112,9 +112,7 @@ class ShardManifest:
         """Parse and validate a manifest; ``source`` (a path or URL) is named in errors."""
         document = _load_json_object(text, source)
         fields = _Fields(document, source, "")
-        fields.reject_unknown(
-            {"schema_version", "world_size", "step", "wall_clock_seconds", "sharded_keys", "shards"}
-        )
+        fields.reject_unknown({"schema_version", "world_size", "step", "wall_clock_seconds", "sharded_keys", "shards"})
         version = fields.integer("schema_version", minimum=0)
         if version != SCHEMA_VERSION:
             raise ManifestError(
@@ -142,9 +140,7 @@ def _load_json_object(text: str | bytes, source: str) -> dict[str, Any]:
     if len(text) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{source}: manifest is {len(text)} bytes, over the {MAX_MANIFEST_BYTES} limit")
     try:
-        document = json.loads(
-            text, object_pairs_hook=_reject_duplicate_keys, parse_constant=_reject_constant
-        )
+        document = json.loads(text, object_pairs_hook=_reject_duplicate_keys, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ManifestError(f"{source}: not a valid JSON manifest: {exc}") from exc
     if not isinstance(document, dict):
@@ -245,8 +241,7 @@ def _check_manifest(manifest: ShardManifest, source: str) -> None:
 
     if len(manifest.shards) != manifest.world_size:
         raise ShardCountMismatchError(
-            f"{source}: field 'shards': lists {len(manifest.shards)} shards "
-            f"but world_size is {manifest.world_size}"
+            f"{source}: field 'shards': lists {len(manifest.shards)} shards but world_size is {manifest.world_size}"
         )
     if len(set(manifest.sharded_keys)) != len(manifest.sharded_keys):
         raise fail("sharded_keys", "names a key twice")

@@ -37,9 +37,19 @@ from .local import (
     write_shard_file,
 )
 from .manifest import ShardManifest, ShardRecord
-from .shardfile import Verify
+from .shardfile import Verify, check_arrays
 
-__all__ = ["save_sharded", "load_sharded", "resolve_sharded_keys", "default_workers"]
+__all__ = [
+    "save_sharded",
+    "load_sharded",
+    "write_checkpoint",
+    "resolve_sharded_keys",
+    "validate_states",
+    "validate_step",
+    "check_world_size",
+    "run_parallel",
+    "default_workers",
+]
 
 State = Mapping[str, np.ndarray]
 T = TypeVar("T")
@@ -73,7 +83,9 @@ def run_parallel(function: Callable[[T], R], items: Sequence[T], max_workers: in
             raise
 
 
-def resolve_sharded_keys(states: Sequence[State], sharded_keys: Iterable[str] | None) -> tuple[tuple[str, ...], list[int]]:
+def resolve_sharded_keys(
+    states: Sequence[State], sharded_keys: Iterable[str] | None
+) -> tuple[tuple[str, ...], list[int]]:
     """Return the sharded keys (sorted) and each rank's ``param_shard_numel``.
 
     Raises :class:`InvalidStateError` naming the rank and key if the states do not
@@ -89,7 +101,9 @@ def resolve_sharded_keys(states: Sequence[State], sharded_keys: Iterable[str] | 
                 if key not in state:
                     raise InvalidStateError(f"rank {rank}: sharded key {key!r} is missing")
                 if np.ndim(state[key]) != 1:
-                    raise InvalidStateError(f"rank {rank}: sharded key {key!r} has shape {np.shape(state[key])}, not 1-D")
+                    raise InvalidStateError(
+                        f"rank {rank}: sharded key {key!r} has shape {np.shape(state[key])}, not 1-D"
+                    )
     numels = []
     for rank, state in enumerate(states):
         lengths = {key: len(state[key]) for key in keys}
@@ -102,7 +116,8 @@ def resolve_sharded_keys(states: Sequence[State], sharded_keys: Iterable[str] | 
     return tuple(keys), numels
 
 
-def _validate_states(states_per_rank: Sequence[State], world_size: int | None) -> int:
+def validate_states(states_per_rank: Sequence[State], world_size: int | None) -> int:
+    """Check the shape of a save's input (a list of one dict per rank); return the world size."""
     if isinstance(states_per_rank, Mapping) or not isinstance(states_per_rank, Sequence):
         raise InvalidStateError("states_per_rank must be a list with one dict of arrays per rank")
     if not states_per_rank:
@@ -113,6 +128,59 @@ def _validate_states(states_per_rank: Sequence[State], world_size: int | None) -
         if not isinstance(state, Mapping):
             raise InvalidStateError(f"rank {rank}: state is a {type(state).__name__}, not a dict of arrays")
     return len(states_per_rank)
+
+
+def validate_step(step: int) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise InvalidStateError(f"step must be an integer >= 0, got {step!r}")
+
+
+def write_checkpoint(
+    directory: Path,
+    states_per_rank: Sequence[State],
+    step: int,
+    *,
+    sharded_keys: tuple[str, ...],
+    numels: Sequence[int],
+    max_workers: int | None = None,
+) -> ShardManifest:
+    """Write every rank's shard into ``directory`` and commit the manifest last.
+
+    The caller owns ``directory`` (it exists, holds no manifest, and nobody else writes
+    into it). Temp files an earlier crash left there are removed first.
+    """
+    world_size = len(states_per_rank)
+    remove_temp_files(directory)
+
+    def write(rank: int) -> ShardRecord:
+        name = shard_name(rank, world_size)
+        metadata = {
+            "tiered_ckpt.rank": str(rank),
+            "tiered_ckpt.world_size": str(world_size),
+            "tiered_ckpt.step": str(step),
+        }
+        digest = write_shard_file(directory / name, states_per_rank[rank], metadata)
+        return ShardRecord(
+            rank=rank,
+            path=name,
+            sha256=digest.sha256,
+            xxh3_64=digest.xxh3_64,
+            size_bytes=digest.size_bytes,
+            param_shard_offset=sum(numels[:rank]),
+            param_shard_numel=numels[rank],
+        )
+
+    records = run_parallel(write, range(world_size), max_workers)
+    fsync_directory(directory)
+    manifest = ShardManifest(
+        world_size=world_size,
+        step=step,
+        wall_clock_seconds=time.time(),
+        sharded_keys=sharded_keys,
+        shards=tuple(records),
+    )
+    commit_manifest(directory, manifest)
+    return manifest
 
 
 def save_sharded(
@@ -132,42 +200,19 @@ def save_sharded(
     removed by the next save into ``directory``). A directory that already holds a
     committed checkpoint is never touched: :class:`CheckpointExistsError`.
     """
-    world_size = _validate_states(states_per_rank, world_size)
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise InvalidStateError(f"step must be an integer >= 0, got {step!r}")
+    validate_states(states_per_rank, world_size)
+    validate_step(step)
     keys, numels = resolve_sharded_keys(states_per_rank, sharded_keys)
+    for rank, state in enumerate(states_per_rank):
+        check_arrays(state, f"rank {rank}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     with directory_lock(directory):
         if is_committed(directory):
             raise CheckpointExistsError(f"{directory}: already holds a committed checkpoint ({MANIFEST_NAME})")
-        remove_temp_files(directory)
-
-        def write(rank: int) -> ShardRecord:
-            name = shard_name(rank, world_size)
-            metadata = {"tiered_ckpt.rank": str(rank), "tiered_ckpt.world_size": str(world_size), "tiered_ckpt.step": str(step)}
-            digest = write_shard_file(directory / name, states_per_rank[rank], metadata)
-            return ShardRecord(
-                rank=rank,
-                path=name,
-                sha256=digest.sha256,
-                xxh3_64=digest.xxh3_64,
-                size_bytes=digest.size_bytes,
-                param_shard_offset=sum(numels[:rank]),
-                param_shard_numel=numels[rank],
-            )
-
-        records = run_parallel(write, range(world_size), max_workers)
-        fsync_directory(directory)
-        manifest = ShardManifest(
-            world_size=world_size,
-            step=step,
-            wall_clock_seconds=time.time(),
-            sharded_keys=keys,
-            shards=tuple(records),
+        return write_checkpoint(
+            directory, states_per_rank, step, sharded_keys=keys, numels=numels, max_workers=max_workers
         )
-        commit_manifest(directory, manifest)
-    return manifest
 
 
 def check_world_size(manifest: ShardManifest, expected_world_size: int, where: str) -> None:

@@ -32,7 +32,7 @@ import xxhash
 
 from .errors import ChecksumMismatchError, InvalidStateError, ShardFormatError
 
-__all__ = ["Verify", "ShardDigest", "DTYPES", "write_shard", "read_shard", "hash_stream"]
+__all__ = ["Verify", "ShardDigest", "DTYPES", "check_arrays", "write_shard", "read_shard", "hash_stream"]
 
 Verify = Literal["full", "fast"]
 """``"full"`` checks the sha256; ``"fast"`` checks only the xxh3-64 (for inner-loop reloads)."""
@@ -95,28 +95,38 @@ class _Hasher:
         )
 
 
-def _dtype_code(name: str, array: np.ndarray) -> str:
+def _dtype_code(name: str, array: np.ndarray, owner: str = "state") -> str:
     dtype = array.dtype
     if dtype.byteorder == ">":
         dtype = dtype.newbyteorder("<")
     code = _CODES.get(dtype)
     if code is None:
         supported = ", ".join(str(d) for d in DTYPES.values())
-        raise InvalidStateError(f"array {name!r} has dtype {array.dtype}, which a shard cannot hold ({supported})")
+        raise InvalidStateError(
+            f"{owner}: array {name!r} has dtype {array.dtype}, which a shard cannot hold ({supported})"
+        )
     return code
+
+
+def check_arrays(arrays: Mapping[str, np.ndarray], owner: str = "state") -> dict[str, np.ndarray]:
+    """Return ``arrays`` with numpy scalars as 0-d arrays; raise :class:`InvalidStateError`
+    naming ``owner`` and the key if a name or value cannot go into a shard."""
+    checked: dict[str, np.ndarray] = {}
+    for name, array in arrays.items():
+        if not isinstance(name, str) or not name or name == _METADATA:
+            raise InvalidStateError(f"{owner}: invalid array name {name!r}")
+        if isinstance(array, np.generic):  # a numpy scalar is saved as a 0-d array
+            array = np.asarray(array)
+        if not isinstance(array, np.ndarray):
+            raise InvalidStateError(f"{owner}: {name!r} is a {type(array).__name__}, not a numpy array")
+        _dtype_code(name, array, owner)
+        checked[name] = array
+    return checked
 
 
 def _layout(arrays: Mapping[str, np.ndarray]) -> list[tuple[str, str, np.ndarray, int, int]]:
     """Order arrays largest item size first; return (name, code, array, begin, end)."""
-    checked: dict[str, np.ndarray] = {}
-    for name, array in arrays.items():
-        if not isinstance(name, str) or not name or name == _METADATA:
-            raise InvalidStateError(f"invalid array name {name!r}")
-        if isinstance(array, np.generic):  # a numpy scalar is saved as a 0-d array
-            array = np.asarray(array)
-        if not isinstance(array, np.ndarray):
-            raise InvalidStateError(f"{name!r} is a {type(array).__name__}, not a numpy array")
-        checked[name] = array
+    checked = check_arrays(arrays)
     ordered = sorted(checked.items(), key=lambda item: (-item[1].dtype.itemsize, item[0]))
     layout, offset = [], 0
     for name, array in ordered:
@@ -162,7 +172,9 @@ def write_all(out: BinaryIO, chunk: memoryview | bytes) -> None:
         view = view[written:]
 
 
-def write_shard(out: BinaryIO, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> ShardDigest:
+def write_shard(
+    out: BinaryIO, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None
+) -> ShardDigest:
     """Write ``arrays`` to ``out`` as one shard and return the size and checksums of what was written.
 
     Guarantees: one pass over each array's memory, no copy of a C-contiguous
@@ -308,7 +320,10 @@ def read_shard(
         _raise_if_mismatch(hasher.digest(), expected, verify, what)
         raise ShardFormatError(f"{what}: bytes verify but are not a valid shard: {exc}") from exc
     targets = _targets(entries, into, what)
-    arrays = {entry.name: _copy_out(data[start + entry.begin : start + entry.end], targets[entry.name], hasher) for entry in entries}
+    arrays = {
+        entry.name: _copy_out(data[start + entry.begin : start + entry.end], targets[entry.name], hasher)
+        for entry in entries
+    }
     _raise_if_mismatch(hasher.digest(), expected, verify, what)
     return arrays
 
@@ -319,14 +334,14 @@ def _targets(entries: list[_Entry], into: Mapping[str, np.ndarray] | None, what:
         return {entry.name: np.empty(entry.shape, dtype=entry.dtype) for entry in entries}
     names = {entry.name for entry in entries}
     if set(into) != names:
-        raise InvalidStateError(
-            f"{what}: into holds {sorted(into)}, the shard holds {sorted(names)}"
-        )
+        raise InvalidStateError(f"{what}: into holds {sorted(into)}, the shard holds {sorted(names)}")
     for entry in entries:
         array = into[entry.name]
         if not isinstance(array, np.ndarray) or array.dtype != entry.dtype or array.shape != entry.shape:
             got = f"{array.dtype} {array.shape}" if isinstance(array, np.ndarray) else type(array).__name__
-            raise InvalidStateError(f"{what}: into[{entry.name!r}] is {got}, the shard holds {entry.dtype} {entry.shape}")
+            raise InvalidStateError(
+                f"{what}: into[{entry.name!r}] is {got}, the shard holds {entry.dtype} {entry.shape}"
+            )
         if not (array.flags.c_contiguous and array.flags.writeable):
             raise InvalidStateError(f"{what}: into[{entry.name!r}] must be writable and C-contiguous")
     return dict(into)

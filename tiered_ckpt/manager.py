@@ -1,0 +1,413 @@
+"""``CheckpointManager``: the object a training job holds for the whole run.
+
+A save, step by step (see DESIGN.md section 6):
+
+1. raise any background error not yet raised; wait for the previous save's write;
+2. stage: copy every array into host buffers reused from save to save (the only
+   time the training loop is blocked);
+3. in the background writer thread: write each rank's shard to a temp file,
+   hashing as it streams, fsync, rename; commit the manifest last;
+4. apply retention: make older steps invisible (manifest first), then delete them.
+
+A restore picks the newest committed step (or the one asked for), verifies every
+shard before returning it, and reshards to another world size only when asked.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+import numpy as np
+
+from .coordination import Coordinator, SingleProcessCoordinator
+from .errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    IncompleteCheckpointError,
+    InvalidStateError,
+    SaveError,
+)
+from .layout import step_dir_name
+from .local import (
+    committed_steps,
+    delete_checkpoint,
+    directory_lock,
+    fsync_directory,
+    is_committed,
+    read_manifest,
+    read_shard_file,
+    remove_uncommitted,
+)
+from .manifest import ShardManifest
+from .reshard import reshard as reshard_states
+from .sharded import (
+    check_world_size,
+    resolve_sharded_keys,
+    run_parallel,
+    validate_states,
+    validate_step,
+    write_checkpoint,
+)
+from .shardfile import Verify, check_arrays
+
+__all__ = ["CheckpointManager", "SaveHandle", "RestoreResult", "StagingBuffers"]
+
+logger = logging.getLogger("tiered_ckpt")
+
+State = Mapping[str, np.ndarray]
+
+
+BACKGROUND_NICENESS = 10
+
+
+def _lower_thread_priority() -> None:
+    """Let the training loop's threads win the CPU over the background writer.
+
+    On Linux the nice value is per thread, and threads the writer starts inherit it.
+    """
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICENESS)
+    except (AttributeError, OSError):  # not Linux, or not allowed: run at normal priority
+        logger.debug("could not lower the background writer's priority", exc_info=True)
+
+
+class StagingBuffers:
+    """Host buffers that hold a copy of every rank's arrays between a save call and its write.
+
+    A buffer is reused from save to save and reallocated only when its array's dtype or
+    shape changes; arrays that are no longer saved are released.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: list[dict[str, np.ndarray]] = []
+
+    def stage(self, states: Sequence[State]) -> list[dict[str, np.ndarray]]:
+        """Copy ``states`` into the buffers and return the buffers (C-contiguous copies)."""
+        staged = []
+        for rank, state in enumerate(states):
+            previous = self._buffers[rank] if rank < len(self._buffers) else {}
+            buffers = {}
+            for key, array in check_arrays(state, f"rank {rank}").items():
+                buffer = previous.get(key)
+                if buffer is None or buffer.dtype != array.dtype or buffer.shape != array.shape:
+                    buffer = np.empty(array.shape, dtype=array.dtype)
+                np.copyto(buffer, array, casting="no")
+                buffers[key] = buffer
+            staged.append(buffers)
+        self._buffers = staged
+        return staged
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the buffers."""
+        return sum(buffer.nbytes for buffers in self._buffers for buffer in buffers.values())
+
+
+class SaveHandle:
+    """The pending result of one :meth:`CheckpointManager.save`."""
+
+    def __init__(self, step: int, future: Future[ShardManifest], owner: CheckpointManager) -> None:
+        self.step = step
+        self._future = future
+        self._owner = owner
+
+    def __repr__(self) -> str:
+        state = "done" if self._future.done() else "pending"
+        return f"SaveHandle(step={self.step}, {state})"
+
+    def done(self) -> bool:
+        """True once the save has committed or failed."""
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> ShardManifest:
+        """Block until the checkpoint is committed locally and return its manifest.
+
+        Raises :class:`SaveError` (cause chained) if the save failed; an error raised
+        here is not raised again by the manager's next call.
+        """
+        try:
+            return self._future.result(timeout)
+        except SaveError as error:
+            self._owner._mark_raised(error)
+            raise
+
+    @property
+    def manifest(self) -> ShardManifest | None:
+        """The committed manifest, or None while the save is running or if it failed."""
+        if self._future.done() and self._future.exception() is None:
+            return self._future.result()
+        return None
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    """What :meth:`CheckpointManager.restore` returns.
+
+    ``states`` holds one dict of arrays per rank. ``sources`` maps each shard of the
+    checkpoint (by the rank that saved it) to the tier it was read from.
+    """
+
+    step: int
+    states: list[dict[str, np.ndarray]]
+    sources: dict[int, str]
+    manifest: ShardManifest = field(repr=False)
+
+
+class CheckpointManager:
+    """Saves, retains and restores the checkpoints of one training job in ``local_dir``.
+
+    ``world_size`` ranks are saved per step, each into its own shard. ``keep_last``
+    keeps the newest steps (None keeps all), ``keep_every`` also keeps every step
+    divisible by it; the newest committed step is never deleted. ``sharded_keys``
+    names the flat-parameter slices (default: the arrays 1-D on every rank, see
+    :func:`~tiered_ckpt.save_sharded`). Starting a manager removes what crashed saves
+    left in ``local_dir``; two managers cannot hold one directory at once
+    (:class:`DirectoryInUseError`).
+
+    Use it as a context manager, or call :meth:`close` at the end of the run.
+    """
+
+    def __init__(
+        self,
+        local_dir: str | os.PathLike[str],
+        *,
+        world_size: int,
+        keep_last: int | None = 3,
+        keep_every: int | None = None,
+        coordinator: Coordinator | None = None,
+        sharded_keys: Iterable[str] | None = None,
+        max_workers: int | None = None,
+    ) -> None:
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"keep_last must be None or an integer >= 1, got {keep_last!r}")
+        if keep_every is not None and (
+            isinstance(keep_every, bool) or not isinstance(keep_every, int) or keep_every < 1
+        ):
+            raise ValueError(f"keep_every must be None or an integer >= 1, got {keep_every!r}")
+        self._coordinator = coordinator or SingleProcessCoordinator(world_size)
+        if not isinstance(self._coordinator, SingleProcessCoordinator):
+            raise NotImplementedError("only SingleProcessCoordinator is supported so far")
+        if self._coordinator.world_size != world_size:
+            raise ValueError(f"world_size is {world_size} but the coordinator has {self._coordinator.world_size}")
+        self.world_size = world_size
+        self.root = Path(local_dir)
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self._sharded_keys = tuple(sharded_keys) if sharded_keys is not None else None
+        self._max_workers = max_workers
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._exit_stack = ExitStack()
+        self._exit_stack.enter_context(directory_lock(self.root))
+        removed = remove_uncommitted(self.root)
+        if removed:
+            logger.warning("removed what crashed saves left in %s: %s", self.root, ", ".join(removed))
+        self._staging = StagingBuffers()
+        self._writer = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tiered-ckpt-writer", initializer=_lower_thread_priority
+        )
+        self._last_save: SaveHandle | None = None
+        self._errors: list[SaveError] = []  # failed background saves not yet raised
+        self._errors_lock = threading.Lock()
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return (
+            f"CheckpointManager({str(self.root)!r}, world_size={self.world_size}, "
+            f"keep_last={self.keep_last}, keep_every={self.keep_every})"
+        )
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except CheckpointError:
+            # The exception already propagating is the one the caller needs to see.
+            logger.exception("error while closing %r during another exception", self)
+
+    # -- saving -------------------------------------------------------------------------
+
+    def save(self, step: int, states: Sequence[State], *, blocking: bool = False) -> SaveHandle:
+        """Checkpoint ``states`` (one dict of arrays per rank) as ``step``.
+
+        Returns once the arrays are copied to staging buffers: the caller may then
+        overwrite its arrays. The write runs in the background; ``blocking=True``
+        waits for the commit. Raises first any background error not yet raised
+        (:class:`SaveError`), then :class:`InvalidStateError` for bad input and
+        :class:`CheckpointExistsError` if ``step`` is not newer than every
+        committed step.
+        """
+        self._check_open()
+        self._wait_for_last_save()
+        self._raise_background_error()
+        validate_step(step)
+        validate_states(states, self.world_size)
+        newest = self.latest_step()
+        if newest is not None and step <= newest:
+            raise CheckpointExistsError(
+                f"{self.root}: step {step} is not newer than the newest checkpoint, step {newest}"
+            )
+        keys, numels = resolve_sharded_keys(states, self._sharded_keys)
+        staged = self._staging.stage(states)
+        future = self._writer.submit(self._write, step, staged, keys, numels)
+        handle = SaveHandle(step, future, self)
+        self._last_save = handle
+        if blocking:
+            handle.wait()
+        return handle
+
+    def _write(
+        self, step: int, staged: list[dict[str, np.ndarray]], keys: tuple[str, ...], numels: list[int]
+    ) -> ShardManifest:
+        """Background: write and commit one step, then apply retention."""
+        directory = self.root / step_dir_name(step)
+        try:
+            directory.mkdir(exist_ok=True)
+            fsync_directory(self.root)
+            manifest = write_checkpoint(
+                directory, staged, step, sharded_keys=keys, numels=numels, max_workers=self._max_workers
+            )
+            logger.info("committed step %d (%d bytes) in %s", step, manifest.total_bytes, directory)
+            self._apply_retention()
+            return manifest
+        except BaseException as exc:
+            self._discard_uncommitted(directory)
+            error = SaveError(f"background save of step {step} to {directory} failed: {exc}", step=step)
+            error.__cause__ = exc
+            with self._errors_lock:
+                self._errors.append(error)
+            raise error from exc
+
+    def _discard_uncommitted(self, directory: Path) -> None:
+        """Free the space a failed save took; its step was never visible."""
+        try:
+            if directory.is_dir() and not is_committed(directory):
+                shutil.rmtree(directory)
+        except OSError:
+            logger.warning("could not remove %s after a failed save; the next start will", directory, exc_info=True)
+
+    def _apply_retention(self) -> None:
+        steps = committed_steps(self.root)
+        keep = set(steps[-self.keep_last :]) if self.keep_last is not None else set(steps)
+        if self.keep_every is not None:
+            keep |= {step for step in steps if step % self.keep_every == 0}
+        keep |= set(steps[-1:])
+        for step in steps:
+            if step not in keep:
+                delete_checkpoint(self.root / step_dir_name(step))
+                logger.info("retention: deleted step %d from %s", step, self.root)
+
+    def _wait_for_last_save(self) -> None:
+        if self._last_save is not None:
+            self._last_save._future.exception()  # waits; the error itself is in self._errors
+
+    def _mark_raised(self, error: SaveError) -> None:
+        with self._errors_lock:
+            if error in self._errors:
+                self._errors.remove(error)
+
+    def _raise_background_error(self) -> None:
+        with self._errors_lock:
+            if not self._errors:
+                return
+            error = self._errors.pop(0)
+        raise error
+
+    def wait(self) -> None:
+        """Block until every save so far is committed; raise a background error not yet raised."""
+        self._wait_for_last_save()
+        self._raise_background_error()
+
+    def close(self) -> None:
+        """Finish pending saves, release the directory, and raise a background error not yet raised.
+
+        Calling it again does nothing.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._writer.shutdown(wait=True)
+        finally:
+            self._exit_stack.close()
+        self._raise_background_error()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"{self!r} is closed")
+
+    # -- listing and restoring -------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Committed steps in the local directory, oldest first."""
+        return committed_steps(self.root)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None if there is none."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def restore(
+        self,
+        step: int | None = None,
+        *,
+        world_size: int | None = None,
+        reshard: bool = False,
+        verify: Verify = "full",
+        into: Sequence[State] | None = None,
+    ) -> RestoreResult:
+        """Load a committed step (default: the newest) with every shard verified.
+
+        ``world_size`` (default: the manager's) must match the checkpoint's, else
+        :class:`WorldSizeMismatchError`, unless ``reshard=True`` asks for the flat
+        shards to be re-cut for it. ``verify="fast"`` checks xxh3-64 instead of sha256.
+        ``into`` fills the caller's arrays in place (not with resharding). A damaged
+        step fails loudly with the step, rank and file named; it never falls back to
+        an older step by itself.
+        """
+        self._check_open()
+        self.wait()
+        target = self.world_size if world_size is None else world_size
+        steps = self.steps()
+        if step is None:
+            if not steps:
+                raise IncompleteCheckpointError(f"{self.root}: no committed checkpoint to restore")
+            step = steps[-1]
+        elif step not in steps:
+            raise IncompleteCheckpointError(f"{self.root}: step {step} is not committed; committed steps: {steps}")
+        directory = self.root / step_dir_name(step)
+        try:
+            manifest = read_manifest(directory)
+            if not reshard:
+                check_world_size(manifest, target, str(directory))
+            elif into is not None:
+                raise InvalidStateError("into cannot be combined with reshard=True")
+            if into is not None and len(into) != manifest.world_size:
+                raise InvalidStateError(f"into holds {len(into)} rank states, the checkpoint has {manifest.world_size}")
+            states = run_parallel(
+                lambda record: read_shard_file(
+                    directory, record, verify, into[record.rank] if into is not None else None
+                ),
+                manifest.shards,
+                self._max_workers,
+            )
+        except CheckpointError as exc:
+            raise type(exc)(f"restore of step {step}: {exc}") from exc
+        if manifest.world_size != target:
+            states = reshard_states(states, manifest, target)
+        return RestoreResult(step, states, {record.rank: "local" for record in manifest.shards}, manifest)

@@ -127,3 +127,67 @@ def kill_child_at(directory: Path, point: str, *mode: str) -> None:
         child.wait()
         child.stdout.close()
     assert child.returncode == -signal.SIGKILL
+
+
+# --- object stores ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    """A real S3 API (moto's server) over HTTP on a free loopback port, for the whole session."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+S3_TEST_KEY = "AKIATIEREDCKPTTESTKEY"
+S3_TEST_SECRET = "tiered-ckpt-test-secret-never-to-be-logged"
+
+
+def s3_storage_options(endpoint: str) -> dict:
+    return {
+        "key": S3_TEST_KEY,
+        "secret": S3_TEST_SECRET,
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+        "skip_instance_cache": True,
+    }
+
+
+@pytest.fixture
+def s3_url(moto_endpoint, request):
+    """A fresh bucket on the moto server; returns (url, storage_options)."""
+    import uuid
+
+    import boto3
+
+    bucket = f"tiered-test-{uuid.uuid4().hex[:16]}"
+    client = boto3.client(
+        "s3",
+        endpoint_url=moto_endpoint,
+        aws_access_key_id=S3_TEST_KEY,
+        aws_secret_access_key=S3_TEST_SECRET,
+        region_name="us-east-1",
+    )
+    client.create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/run", s3_storage_options(moto_endpoint)
+
+
+@pytest.fixture
+def memory_url():
+    """A fresh prefix on fsspec's in-memory filesystem; returns (url, storage_options)."""
+    import uuid
+
+    return f"memory://tiered-test-{uuid.uuid4().hex[:16]}/run", {}
+
+
+@pytest.fixture(params=["memory", "s3"])
+def remote_url(request):
+    """Each remote backend in turn: (url, storage_options)."""
+    return request.getfixturevalue(f"{request.param}_url")

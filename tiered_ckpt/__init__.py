@@ -9,10 +9,12 @@ from .errors import (
     IncompleteCheckpointError,
     InvalidStateError,
     ManifestError,
+    RemoteError,
     ReshardError,
     SaveError,
     ShardCountMismatchError,
     ShardFormatError,
+    UploadError,
     WorldSizeMismatchError,
 )
 from .manager import CheckpointManager, RestoreResult, SaveHandle
@@ -38,10 +40,12 @@ __all__ = [
     "IncompleteCheckpointError",
     "InvalidStateError",
     "ManifestError",
+    "RemoteError",
     "ReshardError",
     "SaveError",
     "ShardCountMismatchError",
     "ShardFormatError",
+    "UploadError",
     "WorldSizeMismatchError",
 ]
 

@@ -14,7 +14,10 @@ so ``except CheckpointError`` catches all of them::
     ├── DirectoryInUseError           another save or manager holds the directory
     ├── InvalidStateError             the arrays handed to save cannot be saved as given
     ├── ReshardError                  the checkpoint cannot be resharded as asked
-    └── SaveError                     a background save failed (the cause is chained)
+    ├── SaveError                     a background save failed (the cause is chained)
+    ├── RemoteError                   the object store failed a request (.transient says
+    │                                 whether trying again may help; the cause is chained)
+    └── UploadError                   a step could not be committed remotely (.tries)
 
 Messages name the directory or file, and the rank or field, that the error is about.
 """
@@ -34,6 +37,8 @@ __all__ = [
     "InvalidStateError",
     "ReshardError",
     "SaveError",
+    "RemoteError",
+    "UploadError",
 ]
 
 
@@ -90,3 +95,23 @@ class SaveError(CheckpointError):
     def __init__(self, message: str, *, step: int) -> None:
         super().__init__(message)
         self.step = step
+
+
+class RemoteError(CheckpointError):
+    """The remote store failed a request; ``transient`` is True when a retry may succeed."""
+
+    def __init__(self, message: str, *, transient: bool) -> None:
+        super().__init__(message)
+        self.transient = transient
+
+
+class UploadError(CheckpointError):
+    """Step ``step`` could not be committed to the remote tier after ``tries`` tries.
+
+    The local copy of the step is kept; ``__cause__`` holds the last error.
+    """
+
+    def __init__(self, message: str, *, step: int, tries: int) -> None:
+        super().__init__(message)
+        self.step = step
+        self.tries = tries

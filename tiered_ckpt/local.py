@@ -113,18 +113,27 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, write: Callable[[BinaryIO], T], *, sync_directory: bool = True) -> T:
+def atomic_write(
+    path: Path,
+    write: Callable[[BinaryIO], T],
+    *,
+    sync_directory: bool = True,
+    check: Callable[[T], None] | None = None,
+) -> T:
     """Write ``path`` through a temp file so that it holds either its old content or all of the new.
 
-    ``write`` receives an unbuffered binary file. On success the file is fsynced and
-    renamed onto ``path`` (and the directory fsynced unless ``sync_directory`` is
-    False, for callers that fsync it once after many renames). On any failure the temp
-    file is removed and ``path`` is untouched.
+    ``write`` receives an unbuffered binary file. ``check``, if given, receives what
+    ``write`` returned and may raise to refuse the content. On success the file is
+    fsynced and renamed onto ``path`` (and the directory fsynced unless
+    ``sync_directory`` is False, for callers that fsync it once after many renames).
+    On any failure the temp file is removed and ``path`` is untouched.
     """
     temp = path.with_name(temp_name(path.name))
     with open(temp, "xb", buffering=0) as out:
         try:
             result = write(_EagerWriteback(out))
+            if check is not None:
+                check(result)
             os.fsync(out.fileno())
         except BaseException:
             temp.unlink(missing_ok=True)

@@ -19,7 +19,7 @@ from typing import Any
 from .errors import ManifestError, ShardCountMismatchError
 from .layout import MANIFEST_NAME, is_plain_name
 
-__all__ = ["SCHEMA_VERSION", "ShardRecord", "ShardManifest"]
+__all__ = ["SCHEMA_VERSION", "ShardRecord", "ShardManifest", "RemoteManifest"]
 
 SCHEMA_VERSION = 1
 # Bounds what a hostile manifest can make us allocate; 10**5 ranks take ~30 MB.
@@ -97,7 +97,10 @@ class ShardManifest:
 
     def to_json(self) -> str:
         """Serialise to the JSON document :meth:`from_json` reads back unchanged."""
-        document = {
+        return json.dumps(self.to_dict(), indent=1) + "\n"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
             "schema_version": self.schema_version,
             "world_size": self.world_size,
             "step": self.step,
@@ -105,12 +108,15 @@ class ShardManifest:
             "sharded_keys": list(self.sharded_keys),
             "shards": [record.to_dict() for record in self.shards],
         }
-        return json.dumps(document, indent=1) + "\n"
 
     @classmethod
     def from_json(cls, text: str | bytes, *, source: str = "manifest") -> ShardManifest:
         """Parse and validate a manifest; ``source`` (a path or URL) is named in errors."""
-        document = _load_json_object(text, source)
+        return cls.from_dict(_load_json_object(text, source), source=source)
+
+    @classmethod
+    def from_dict(cls, document: Mapping[str, Any], *, source: str = "manifest") -> ShardManifest:
+        """Validate a parsed JSON document as a manifest; ``source`` is named in errors."""
         fields = _Fields(document, source, "")
         fields.reject_unknown({"schema_version", "world_size", "step", "wall_clock_seconds", "sharded_keys", "shards"})
         version = fields.integer("schema_version", minimum=0)
@@ -134,6 +140,39 @@ class ShardManifest:
             schema_version=version,
             source=source,
         )
+
+
+REMOTE_KIND = "tiered-ckpt remote manifest"
+
+
+@dataclass(frozen=True)
+class RemoteManifest:
+    """The remote tier's commit record of one step: a document separate from the local manifest.
+
+    It holds the same shard records (sizes, sha256s, offsets; each ``path`` is the
+    object's name under the step's prefix) and ``committed_at``, the Unix time at which
+    every shard had been uploaded and confirmed. Its ``kind`` field keeps it from being
+    read as a local manifest, and the other way round.
+    """
+
+    manifest: ShardManifest
+    committed_at: float
+
+    def to_json(self) -> str:
+        document = {"kind": REMOTE_KIND, "committed_at": self.committed_at, **self.manifest.to_dict()}
+        return json.dumps(document, indent=1) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, source: str = "remote manifest") -> RemoteManifest:
+        """Parse and validate a remote manifest; ``source`` (a URL) is named in errors."""
+        document = _load_json_object(text, source)
+        fields = _Fields(document, source, "")
+        kind = fields.string("kind")
+        if kind != REMOTE_KIND:
+            raise ManifestError(f"{source}: field 'kind': expected {REMOTE_KIND!r}, got {kind[:80]!r}")
+        committed_at = fields.number("committed_at")
+        rest = {key: value for key, value in document.items() if key not in ("kind", "committed_at")}
+        return cls(ShardManifest.from_dict(rest, source=source), committed_at)
 
 
 def _load_json_object(text: str | bytes, source: str) -> dict[str, Any]:

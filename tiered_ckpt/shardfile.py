@@ -32,7 +32,16 @@ import xxhash
 
 from .errors import ChecksumMismatchError, InvalidStateError, ShardFormatError
 
-__all__ = ["Verify", "ShardDigest", "DTYPES", "check_arrays", "write_shard", "read_shard", "hash_stream"]
+__all__ = [
+    "Verify",
+    "ShardDigest",
+    "DTYPES",
+    "check_arrays",
+    "write_shard",
+    "read_shard",
+    "hash_stream",
+    "copy_and_hash",
+]
 
 Verify = Literal["full", "fast"]
 """``"full"`` checks the sha256; ``"fast"`` checks only the xxh3-64 (for inner-loop reloads)."""
@@ -200,6 +209,15 @@ def hash_stream(source: BinaryIO, verify: Verify | None = None) -> ShardDigest:
     view = memoryview(bytearray(CHUNK_BYTES))
     while count := source.readinto(view):
         hasher.update(view[:count])
+    return hasher.digest()
+
+
+def copy_and_hash(source: BinaryIO, out: BinaryIO, chunk_bytes: int = 8 * CHUNK_BYTES) -> ShardDigest:
+    """Copy everything readable from ``source`` to ``out``, hashing the bytes as they pass."""
+    hasher = _Hasher()
+    while chunk := source.read(chunk_bytes):
+        hasher.update(chunk)
+        write_all(out, chunk)
     return hasher.digest()
 
 

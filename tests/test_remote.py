@@ -1,0 +1,131 @@
+import errno
+
+import numpy as np
+import pytest
+
+from conftest import flip_byte
+from tiered_ckpt import ChecksumMismatchError, ManifestError, RemoteError, save_sharded
+from tiered_ckpt.layout import MANIFEST_NAME
+from tiered_ckpt.remote import RemoteTier, is_transient
+
+
+@pytest.fixture
+def saved(tmp_path):
+    states = [{"w": np.arange(1000, dtype=np.float32) + rank} for rank in range(2)]
+    manifest = save_sharded(states, tmp_path / "local", step=3)
+    return tmp_path / "local", manifest
+
+
+@pytest.fixture
+def tier(remote_url):
+    url, options = remote_url
+    return RemoteTier(url, options)
+
+
+def upload_all(tier, directory, manifest):
+    for record in manifest.shards:
+        tier.upload_shard(manifest.step, directory / record.path, record)
+
+
+def test_upload_confirm_commit_download_delete(tier, saved, tmp_path):
+    directory, manifest = saved
+    upload_all(tier, directory, manifest)
+    assert all(tier.shard_is_uploaded(3, record) for record in manifest.shards)
+    assert tier.uncommitted_steps() == [3] and tier.committed_steps() == []
+    remote = tier.commit(manifest)
+    assert tier.committed_steps() == [3] and tier.uncommitted_steps() == []
+    assert tier.read_manifest(3) == remote and remote.manifest == manifest
+    target = tmp_path / "downloaded"
+    tier.download_shard(3, manifest.shard(1), target)
+    assert target.read_bytes() == (directory / manifest.shard(1).path).read_bytes()
+    tier.delete_step(3)
+    assert tier.committed_steps() == [] and tier.uncommitted_steps() == []
+
+
+def test_commit_is_create_only(tier, saved, tmp_path):
+    directory, manifest = saved
+    upload_all(tier, directory, manifest)
+    first = tier.commit(manifest)
+    assert tier.commit(manifest) == first  # a retried commit of the same shards
+    other = save_sharded([{"w": np.zeros(3)}, {"w": np.ones(3)}], tmp_path / "other", step=3)
+    with pytest.raises(RemoteError, match="a different checkpoint of step 3 is already committed") as caught:
+        tier.commit(other)
+    assert not caught.value.transient
+    assert tier.read_manifest(3) == first
+
+
+def test_a_changed_object_is_not_taken_as_uploaded(tier, saved):
+    directory, manifest = saved
+    upload_all(tier, directory, manifest)
+    record = manifest.shard(0)
+    tier._fs.pipe_file(f"{tier._root}/step-000000000003/{record.path}", b"short")
+    assert not tier.shard_is_uploaded(3, record)
+
+
+def test_download_of_a_corrupted_object_fails_and_leaves_no_file(tier, saved, tmp_path):
+    directory, manifest = saved
+    record = manifest.shard(1)
+    flip_byte(directory / record.path, 200)  # upload a corrupted copy under the recorded size
+    upload_all(tier, directory, manifest)
+    target = tmp_path / "downloaded"
+    with pytest.raises(ChecksumMismatchError, match=f"rank 1 shard {tier.location(3, record.path)}"):
+        tier.download_shard(3, record, target)
+    assert not target.exists()
+    assert list(tmp_path.glob(".downloaded.*")) == []
+
+
+def test_remote_manifest_is_parsed_strictly(tier, saved):
+    directory, manifest = saved
+    upload_all(tier, directory, manifest)
+    tier.commit(manifest)
+    path = f"{tier._root}/step-000000000003/{MANIFEST_NAME}"
+    tier._fs.pipe_file(path, manifest.to_json().encode())  # a local manifest is not a remote one
+    with pytest.raises(ManifestError, match="field 'kind'"):
+        tier.read_manifest(3)
+
+
+def test_missing_bucket_is_a_permanent_remote_error(moto_endpoint, saved):
+    from conftest import s3_storage_options
+
+    tier = RemoteTier("s3://tiered-no-such-bucket/run", s3_storage_options(moto_endpoint))
+    directory, manifest = saved
+    with pytest.raises(RemoteError, match="permanent") as caught:
+        tier.upload_shard(3, directory / manifest.shard(0).path, manifest.shard(0))
+    assert not caught.value.transient
+    assert isinstance(caught.value.__cause__, FileNotFoundError)
+
+
+def test_sha256_is_kept_as_object_metadata_on_s3(s3_url, saved):
+    import s3fs
+
+    url, options = s3_url
+    tier = RemoteTier(url, options)
+    directory, manifest = saved
+    upload_all(tier, directory, manifest)
+    fs = s3fs.S3FileSystem(**options)
+    stored = fs.metadata(f"{url.removeprefix('s3://')}/step-000000000003/{manifest.shard(0).path}")
+    assert stored["sha256"] == manifest.shard(0).sha256
+
+
+def test_repr_and_errors_never_show_storage_options(s3_url):
+    url, options = s3_url
+    tier = RemoteTier(url, options)
+    assert options["secret"] not in repr(tier) and options["key"] not in repr(tier)
+
+
+@pytest.mark.parametrize(
+    "exc, transient",
+    [
+        (OSError(errno.EBUSY, "SlowDown"), True),
+        (OSError(errno.EREMOTEIO, "InternalError"), True),
+        (TimeoutError("read timed out"), True),
+        (ConnectionResetError("reset by peer"), True),
+        (OSError("An error occurred (503) Service Unavailable"), True),
+        (PermissionError("AccessDenied"), False),
+        (FileNotFoundError("NoSuchBucket"), False),
+        (OSError(errno.EINVAL, "InvalidArgument"), False),
+        (ValueError("bad"), False),
+    ],
+)
+def test_transient_errors_are_told_from_permanent_ones(exc, transient):
+    assert is_transient(exc) is transient

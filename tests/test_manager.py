@@ -290,3 +290,174 @@ def test_sigkill_during_background_write_then_restart_restores_previous_step(tmp
         result = manager.restore()
         assert result.step == 1
         assert_states_equal(large_states(4, BYTES_PER_RANK, version=1), result.states)
+
+
+# --- the remote tier ---------------------------------------------------------------------
+
+import logging  # noqa: E402
+import threading  # noqa: E402
+
+from tiered_ckpt import RemoteError, UploadError  # noqa: E402
+from tiered_ckpt.remote import RemoteTier  # noqa: E402
+from tiered_ckpt.uploader import RECEIPT_NAME  # noqa: E402
+
+
+def two_tier(local_dir, remote, **kwargs) -> CheckpointManager:
+    url, options = remote
+    kwargs.setdefault("sharded_keys", ZERO1_SHARDED_KEYS)
+    return CheckpointManager(
+        local_dir, world_size=4, remote_url=url, storage_options=options, upload_backoff_seconds=0.01, **kwargs
+    )
+
+
+def test_lost_local_directory_restores_entirely_from_the_bucket(tmp_path, remote_url, states):
+    with two_tier(tmp_path / "node-a", remote_url) as manager:
+        manager.save(1, zero1_states(seed=1))
+        manager.save(2, states)
+        manager.wait(uploaded=True)
+        assert manager.remote_steps() == [1, 2]
+        assert (manager.root / step_dir_name(2) / RECEIPT_NAME).exists()
+    with two_tier(tmp_path / "node-b", remote_url) as fresh:  # a replaced node: empty local disk
+        assert fresh.steps() == [] and fresh.latest_step() == 2
+        result = fresh.restore()
+        assert result.step == 2 and set(result.sources.values()) == {"remote"}
+        assert_states_equal(states, result.states)
+        assert fresh.steps() == [2]  # the local tier was refilled
+        assert set(fresh.restore().sources.values()) == {"local"}
+
+
+def test_damaged_local_shard_alone_comes_from_the_bucket(tmp_path, remote_url, states):
+    with two_tier(tmp_path, remote_url) as manager:
+        manager.save(1, states)
+        manager.wait(uploaded=True)
+        path = tmp_path / step_dir_name(1) / "rank-00002-of-00004.safetensors"
+        flip_byte(path, 500)
+        result = manager.restore()
+        assert result.sources == {0: "local", 1: "local", 2: "remote", 3: "local"}
+        assert_states_equal(states, result.states)
+        assert manager.restore().sources[2] == "local"  # the local copy was repaired
+
+
+def test_damaged_local_and_remote_copies_fail_naming_both(tmp_path, s3_url, states):
+    url, options = s3_url
+    with two_tier(tmp_path, s3_url) as manager:
+        manager.save(1, states)
+        manager.wait(uploaded=True)
+        name = "rank-00001-of-00004.safetensors"
+        local = tmp_path / step_dir_name(1) / name
+        flip_byte(local, 700)
+        remote_tier = RemoteTier(url, options)
+        remote_path = f"{remote_tier._root}/{step_dir_name(1)}/{name}"
+        data = bytearray(remote_tier._fs.cat_file(remote_path))
+        data[700] ^= 0xFF
+        remote_tier._fs.pipe_file(remote_path, bytes(data))
+        with pytest.raises(ChecksumMismatchError, match="restore of step 1: rank 1: no copy verifies") as caught:
+            manager.restore()
+        message = str(caught.value)
+        assert str(local) in message and remote_tier.location(1, name) in message
+
+
+def test_remote_retention_keeps_the_newest_remote_steps(tmp_path, memory_url):
+    with two_tier(tmp_path, memory_url, keep_last=1, keep_last_remote=2, keep_every_remote=10) as manager:
+        for step in (5, 10, 15, 20, 25):
+            manager.save(step, zero1_states(seed=step))
+            manager.wait(uploaded=True)
+        assert manager.remote_steps() == [10, 20, 25]
+        assert manager.steps() == [25]
+
+
+def test_permanent_upload_failure_is_raised_and_local_steps_are_kept(tmp_path, s3_url, moto_endpoint, states):
+    import boto3
+
+    url, options = s3_url
+    with two_tier(tmp_path, s3_url, keep_last=1) as manager:
+        manager.save(1, states)
+        manager.wait(uploaded=True)
+        bucket = url.removeprefix("s3://").split("/")[0]
+        client = boto3.client(
+            "s3",
+            endpoint_url=moto_endpoint,
+            aws_access_key_id=options["key"],
+            aws_secret_access_key=options["secret"],
+            region_name="us-east-1",
+        )
+        for item in client.list_objects_v2(Bucket=bucket).get("Contents", []):
+            client.delete_object(Bucket=bucket, Key=item["Key"])
+        client.delete_bucket(Bucket=bucket)
+        manager.save(2, zero1_states(seed=2))
+        manager.save(3, zero1_states(seed=3))
+        with pytest.raises(UploadError, match="upload of step 2 failed") as caught:
+            manager.wait(uploaded=True)
+        assert caught.value.step == 2 and caught.value.tries == 1
+        assert isinstance(caught.value.__cause__, RemoteError) and not caught.value.__cause__.transient
+        with pytest.raises(UploadError, match="step 3"):
+            manager.wait(uploaded=True)
+        assert manager.steps() == [2, 3]  # keep_last=1, but steps 2 and 3 never reached the bucket
+        assert_states_equal(zero1_states(seed=3), manager.restore(3).states)
+
+
+class BlockedUploads:
+    """Holds every shard upload until released (test instrumentation of a slow bucket)."""
+
+    def __init__(self, monkeypatch):
+        self.release = threading.Event()
+        original = RemoteTier.upload_shard
+
+        def upload_shard(tier, step, local_path, record):
+            self.release.wait()
+            return original(tier, step, local_path, record)
+
+        monkeypatch.setattr(RemoteTier, "upload_shard", upload_shard)
+
+
+def test_uploads_behind_with_skip_upload_only_the_newest(tmp_path, memory_url, monkeypatch):
+    blocked = BlockedUploads(monkeypatch)
+    manager = two_tier(tmp_path, memory_url, keep_last=1, max_pending_uploads=1, when_uploads_behind="skip")
+    for step in (1, 2, 3):  # 1 is being uploaded, 2 waits, 3 pushes 2 out of the queue
+        manager.save(step, zero1_states(seed=step), blocking=True)
+    blocked.release.set()
+    manager.wait(uploaded=True)
+    assert manager.remote_steps() == [1, 3]
+    assert manager.steps() == [3]  # step 2 was superseded by step 3's remote commit
+    manager.close()
+
+
+def test_uploads_behind_with_wait_hold_the_next_save(tmp_path, memory_url, monkeypatch):
+    blocked = BlockedUploads(monkeypatch)
+    manager = two_tier(tmp_path, memory_url, max_pending_uploads=1, when_uploads_behind="wait")
+    manager.save(1, zero1_states(seed=1), blocking=True)  # uploading (held)
+    manager.save(2, zero1_states(seed=2), blocking=True)  # queued
+    third = manager.save(3, zero1_states(seed=3))  # committed locally, waits for room in the queue
+    assert not third.done()
+    blocked.release.set()
+    third.wait()
+    manager.wait(uploaded=True)
+    assert manager.remote_steps() == [1, 2, 3]
+    manager.close()
+
+
+def test_credentials_never_appear_in_logs_errors_or_reprs(tmp_path, s3_url, moto_endpoint, caplog, states):
+    url, options = s3_url
+    secret, key = options["secret"], options["key"]
+    caplog.set_level(logging.DEBUG)
+    seen = []
+    with two_tier(tmp_path / "a", s3_url) as manager:
+        manager.save(1, states)
+        manager.wait(uploaded=True)
+        seen += [repr(manager), repr(manager._remote), repr(manager._uploader)]
+    broken = ("s3://tiered-no-such-bucket/run", options)
+    with pytest.raises(UploadError) as caught:
+        with two_tier(tmp_path / "b", broken) as manager:
+            manager.save(1, states)
+            manager.wait(uploaded=True)
+    error = caught.value
+    while error is not None:
+        seen.append(str(error))
+        seen.append(repr(error))
+        error = error.__cause__
+    ours = [record for record in caplog.records if record.name.startswith("tiered_ckpt")]
+    assert ours  # the library did log: commits, and the failure
+    seen += [record.getMessage() for record in ours] + [record.exc_text or "" for record in ours]
+    assert not [text for text in seen if secret in text or key in text]
+    # botocore's own DEBUG log carries the key id inside request signatures, never the secret
+    assert not [record for record in caplog.records if secret in record.getMessage()]

@@ -25,6 +25,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import numpy as np
 
@@ -32,12 +33,17 @@ from .coordination import Coordinator, SingleProcessCoordinator
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
+    ChecksumMismatchError,
     IncompleteCheckpointError,
     InvalidStateError,
+    ManifestError,
+    RemoteError,
     SaveError,
+    ShardFormatError,
 )
 from .layout import step_dir_name
 from .local import (
+    commit_manifest,
     committed_steps,
     delete_checkpoint,
     directory_lock,
@@ -47,7 +53,8 @@ from .local import (
     read_shard_file,
     remove_uncommitted,
 )
-from .manifest import ShardManifest
+from .manifest import RemoteManifest, ShardManifest, ShardRecord
+from .remote import RemoteTier
 from .reshard import reshard as reshard_states
 from .sharded import (
     check_world_size,
@@ -58,6 +65,7 @@ from .sharded import (
     write_checkpoint,
 )
 from .shardfile import Verify, check_arrays
+from .uploader import Uploader, WhenBehind, read_receipt, write_receipt
 
 __all__ = ["CheckpointManager", "SaveHandle", "RestoreResult", "StagingBuffers"]
 
@@ -183,16 +191,27 @@ class CheckpointManager:
         world_size: int,
         keep_last: int | None = 3,
         keep_every: int | None = None,
+        remote_url: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        keep_last_remote: int | None = None,
+        keep_every_remote: int | None = None,
         coordinator: Coordinator | None = None,
         sharded_keys: Iterable[str] | None = None,
         max_workers: int | None = None,
+        upload_concurrency: int = 4,
+        upload_max_tries: int = 5,
+        upload_backoff_seconds: float = 0.5,
+        max_pending_uploads: int = 2,
+        when_uploads_behind: WhenBehind = "wait",
     ) -> None:
-        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
-            raise ValueError(f"keep_last must be None or an integer >= 1, got {keep_last!r}")
-        if keep_every is not None and (
-            isinstance(keep_every, bool) or not isinstance(keep_every, int) or keep_every < 1
-        ):
-            raise ValueError(f"keep_every must be None or an integer >= 1, got {keep_every!r}")
+        for name, value in [
+            ("keep_last", keep_last),
+            ("keep_every", keep_every),
+            ("keep_last_remote", keep_last_remote),
+            ("keep_every_remote", keep_every_remote),
+        ]:
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
         self._coordinator = coordinator or SingleProcessCoordinator(world_size)
         if not isinstance(self._coordinator, SingleProcessCoordinator):
             raise NotImplementedError("only SingleProcessCoordinator is supported so far")
@@ -210,6 +229,24 @@ class CheckpointManager:
         removed = remove_uncommitted(self.root)
         if removed:
             logger.warning("removed what crashed saves left in %s: %s", self.root, ", ".join(removed))
+        self.keep_last_remote = keep_last_remote
+        self.keep_every_remote = keep_every_remote
+        self._retention_lock = threading.Lock()
+        self._remote = RemoteTier(remote_url, storage_options) if remote_url is not None else None
+        self._uploader: Uploader | None = None
+        self._newest_remote: int | None = None
+        if self._remote is not None:
+            self._uploader = Uploader(
+                self.root,
+                self._remote,
+                on_committed=self._after_remote_commit,
+                concurrency=upload_concurrency,
+                max_tries=upload_max_tries,
+                backoff_seconds=upload_backoff_seconds,
+                max_pending=max_pending_uploads,
+                when_behind=when_uploads_behind,
+            )
+            self._resume_uploads()
         self._staging = StagingBuffers()
         self._writer = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="tiered-ckpt-writer", initializer=_lower_thread_priority
@@ -220,10 +257,52 @@ class CheckpointManager:
         self._closed = False
 
     def __repr__(self) -> str:
+        remote = f", remote_url={self._remote.url!r}" if self._remote is not None else ""
         return (
             f"CheckpointManager({str(self.root)!r}, world_size={self.world_size}, "
-            f"keep_last={self.keep_last}, keep_every={self.keep_every})"
+            f"keep_last={self.keep_last}, keep_every={self.keep_every}{remote})"
         )
+
+    # -- the remote tier ------------------------------------------------------------------
+
+    def _resume_uploads(self) -> None:
+        """Queue local steps a crash kept from their remote commit; drop half-uploaded remote steps."""
+        assert self._remote is not None and self._uploader is not None
+        remote_steps = self._remote.committed_steps()
+        self._newest_remote = remote_steps[-1] if remote_steps else None
+        resumed = []
+        for step in committed_steps(self.root):
+            directory = self.root / step_dir_name(step)
+            if read_receipt(directory, self._remote.url):
+                continue
+            if step in remote_steps:  # committed remotely, the receipt lost in a crash
+                remote = self._remote.read_manifest(step)
+                if remote.manifest.shards == read_manifest(directory).shards:
+                    write_receipt(directory, self._remote.url, remote)
+                    continue
+            if self._newest_remote is None or step > self._newest_remote:
+                resumed.append(step)
+        for step in self._remote.uncommitted_steps():
+            if step not in resumed:
+                logger.warning("removing half-uploaded step %d from %s", step, self._remote.url)
+                self._remote.delete_step(step)
+        for step in resumed:
+            logger.warning("resuming the upload of step %d to %s", step, self._remote.url)
+            self._uploader.submit(step, bounded=False)
+
+    def _after_remote_commit(self, remote: RemoteManifest) -> None:
+        """Uploader thread: a step is committed remotely; apply retention to both tiers."""
+        assert self._remote is not None
+        self._newest_remote = max(self._newest_remote or 0, remote.manifest.step)
+        steps = self._remote.committed_steps()
+        for step in _to_delete(steps, self.keep_last_remote, self.keep_every_remote):
+            self._remote.delete_step(step)
+            logger.info("remote retention: deleted step %d from %s", step, self._remote.url)
+        self._apply_retention()
+
+    def remote_steps(self) -> list[int]:
+        """Steps committed in the remote tier, oldest first (empty without a remote tier)."""
+        return self._remote.committed_steps() if self._remote is not None else []
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -284,6 +363,8 @@ class CheckpointManager:
             )
             logger.info("committed step %d (%d bytes) in %s", step, manifest.total_bytes, directory)
             self._apply_retention()
+            if self._uploader is not None:
+                self._uploader.submit(step)
             return manifest
         except BaseException as exc:
             self._discard_uncommitted(directory)
@@ -302,15 +383,20 @@ class CheckpointManager:
             logger.warning("could not remove %s after a failed save; the next start will", directory, exc_info=True)
 
     def _apply_retention(self) -> None:
-        steps = committed_steps(self.root)
-        keep = set(steps[-self.keep_last :]) if self.keep_last is not None else set(steps)
-        if self.keep_every is not None:
-            keep |= {step for step in steps if step % self.keep_every == 0}
-        keep |= set(steps[-1:])
-        for step in steps:
-            if step not in keep:
+        with self._retention_lock:
+            steps = committed_steps(self.root)
+            for step in _to_delete(steps, self.keep_last, self.keep_every, protected=self._awaiting_upload(steps)):
                 delete_checkpoint(self.root / step_dir_name(step))
                 logger.info("retention: deleted step %d from %s", step, self.root)
+
+    def _awaiting_upload(self, steps: list[int]) -> set[int]:
+        """Local steps retention must keep: not yet committed remotely, nor superseded there."""
+        if self._remote is None or self._uploader is None:
+            return set()
+        receipted = {step for step in steps if read_receipt(self.root / step_dir_name(step), self._remote.url)}
+        newest_receipted = max(receipted, default=-1)
+        pending = set(self._uploader.pending())
+        return {step for step in steps if step not in receipted and (step in pending or step > newest_receipted)}
 
     def _wait_for_last_save(self) -> None:
         if self._last_save is not None:
@@ -323,14 +409,20 @@ class CheckpointManager:
 
     def _raise_background_error(self) -> None:
         with self._errors_lock:
-            if not self._errors:
-                return
-            error = self._errors.pop(0)
-        raise error
+            error: CheckpointError | None = self._errors.pop(0) if self._errors else None
+        if error is None and self._uploader is not None:
+            error = self._uploader.pop_error()
+        if error is not None:
+            raise error
 
-    def wait(self) -> None:
-        """Block until every save so far is committed; raise a background error not yet raised."""
+    def wait(self, *, uploaded: bool = False) -> None:
+        """Block until every save so far is committed locally (and remotely, with ``uploaded=True``).
+
+        Raises a background error not yet raised: :class:`SaveError` or :class:`UploadError`.
+        """
         self._wait_for_last_save()
+        if uploaded and self._uploader is not None:
+            self._uploader.wait()
         self._raise_background_error()
 
     def close(self) -> None:
@@ -343,6 +435,8 @@ class CheckpointManager:
         self._closed = True
         try:
             self._writer.shutdown(wait=True)
+            if self._uploader is not None:
+                self._uploader.close()
         finally:
             self._exit_stack.close()
         self._raise_background_error()
@@ -358,9 +452,12 @@ class CheckpointManager:
         return committed_steps(self.root)
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or None if there is none."""
+        """The newest step committed in either tier, or None if there is none."""
         steps = self.steps()
-        return steps[-1] if steps else None
+        candidates = [steps[-1]] if steps else []
+        if self._newest_remote is not None:
+            candidates.append(self._newest_remote)
+        return max(candidates, default=None)
 
     def restore(
         self,
@@ -383,31 +480,111 @@ class CheckpointManager:
         self._check_open()
         self.wait()
         target = self.world_size if world_size is None else world_size
-        steps = self.steps()
+        local_steps = self.steps()
+        remote_steps = self.remote_steps()
+        every = sorted(set(local_steps) | set(remote_steps))
         if step is None:
-            if not steps:
-                raise IncompleteCheckpointError(f"{self.root}: no committed checkpoint to restore")
-            step = steps[-1]
-        elif step not in steps:
-            raise IncompleteCheckpointError(f"{self.root}: step {step} is not committed; committed steps: {steps}")
+            if not every:
+                raise IncompleteCheckpointError(f"{self._where()}: no committed checkpoint to restore")
+            step = every[-1]
+        elif step not in every:
+            raise IncompleteCheckpointError(f"{self._where()}: step {step} is not committed; committed steps: {every}")
         directory = self.root / step_dir_name(step)
         try:
-            manifest = read_manifest(directory)
+            manifest, remote = self._restore_manifests(step, step in local_steps, step in remote_steps)
             if not reshard:
                 check_world_size(manifest, target, str(directory))
             elif into is not None:
                 raise InvalidStateError("into cannot be combined with reshard=True")
             if into is not None and len(into) != manifest.world_size:
                 raise InvalidStateError(f"into holds {len(into)} rank states, the checkpoint has {manifest.world_size}")
-            states = run_parallel(
-                lambda record: read_shard_file(
-                    directory, record, verify, into[record.rank] if into is not None else None
+            directory.mkdir(exist_ok=True)
+            fallback = self._remote if remote is not None else None
+            fetched = run_parallel(
+                lambda record: _fetch_shard(
+                    directory, step, record, fallback, verify, into[record.rank] if into is not None else None
                 ),
                 manifest.shards,
                 self._max_workers,
             )
+            if step not in local_steps:  # the local tier is refilled from the bucket
+                fsync_directory(directory)
+                commit_manifest(directory, manifest)
+                if remote is not None and self._remote is not None:
+                    write_receipt(directory, self._remote.url, remote)
         except CheckpointError as exc:
             raise type(exc)(f"restore of step {step}: {exc}") from exc
+        states = [arrays for arrays, _source in fetched]
         if manifest.world_size != target:
             states = reshard_states(states, manifest, target)
-        return RestoreResult(step, states, {record.rank: "local" for record in manifest.shards}, manifest)
+        sources = {record.rank: source for record, (_arrays, source) in zip(manifest.shards, fetched, strict=True)}
+        return RestoreResult(step, states, sources, manifest)
+
+    def _where(self) -> str:
+        return str(self.root) + (f" and {self._remote.url}" if self._remote is not None else "")
+
+    def _restore_manifests(
+        self, step: int, in_local: bool, in_remote: bool
+    ) -> tuple[ShardManifest, RemoteManifest | None]:
+        """The step's manifest (local if it validates, else remote) and its remote manifest if any."""
+        remote = self._remote.read_manifest(step) if in_remote and self._remote is not None else None
+        if not in_local:
+            assert remote is not None
+            return remote.manifest, remote
+        try:
+            local = read_manifest(self.root / step_dir_name(step))
+        except ManifestError:
+            if remote is None:
+                raise
+            logger.warning("the local manifest of step %d is damaged; using the remote one", step)
+            return remote.manifest, remote
+        if remote is not None and remote.manifest.shards != local.shards:
+            raise ManifestError(f"the local and remote manifests of step {step} describe different checkpoints")
+        return local, remote
+
+
+_LOCAL_FAILURES = (IncompleteCheckpointError, ChecksumMismatchError, ShardFormatError)
+
+
+def _fetch_shard(
+    directory: Path,
+    step: int,
+    record: ShardRecord,
+    remote: RemoteTier | None,
+    verify: Verify,
+    into: State | None,
+) -> tuple[dict[str, np.ndarray], str]:
+    """One shard's verified arrays and the tier they came from: local if intact, else the bucket.
+
+    The remote copy is downloaded into the local step (refilling it), verified while it
+    streams and again as it is read; a failed download is tried once more. If no copy
+    verifies, the error names every copy tried.
+    """
+    try:
+        return read_shard_file(directory, record, verify, into), "local"
+    except _LOCAL_FAILURES as local_error:
+        if remote is None:
+            raise
+        tried: list[tuple[str, CheckpointError]] = [(f"local {directory / record.path}", local_error)]
+        for _attempt in range(2):
+            try:
+                remote.download_shard(step, record, directory / record.path)
+                return read_shard_file(directory, record, verify, into), "remote"
+            except (*_LOCAL_FAILURES, RemoteError) as remote_error:
+                tried.append((f"remote {remote.location(step, record.path)}", remote_error))
+        mismatch = any(isinstance(error, ChecksumMismatchError) for _copy, error in tried)
+        error_type = ChecksumMismatchError if mismatch else IncompleteCheckpointError
+        listing = "; ".join(f"{copy}: {error}" for copy, error in tried)
+        raise error_type(f"rank {record.rank}: no copy verifies; tried {listing}") from tried[-1][1]
+
+
+def _to_delete(
+    steps: list[int], keep_last: int | None, keep_every: int | None, protected: Iterable[int] = ()
+) -> list[int]:
+    """Steps retention deletes: all but the newest ``keep_last``, the multiples of
+    ``keep_every``, the newest step and ``protected``."""
+    keep = set(steps[-keep_last:]) if keep_last is not None else set(steps)
+    if keep_every is not None:
+        keep |= {step for step in steps if step % keep_every == 0}
+    keep |= set(steps[-1:]) | set(protected)
+    return [step for step in steps if step not in keep]

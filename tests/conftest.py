@@ -110,10 +110,10 @@ CHILD = Path(__file__).with_name("crash_child.py")
 BYTES_PER_RANK = 64 * 1024 * 1024
 
 
-def kill_child_at(directory: Path, point: str, *mode: str) -> None:
-    """Run a child saving 4 x 64 MiB into ``directory``; SIGKILL it once it reaches ``point``."""
+def kill_child_at(directory: Path, point: str, *mode: str, bytes_per_rank: int = BYTES_PER_RANK) -> None:
+    """Run a child saving 4 ranks into ``directory``; SIGKILL it once it reaches ``point``."""
     child = subprocess.Popen(
-        [sys.executable, str(CHILD), str(directory), point, str(BYTES_PER_RANK), *mode],
+        [sys.executable, str(CHILD), str(directory), point, str(bytes_per_rank), *mode],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -191,3 +191,93 @@ def memory_url():
 def remote_url(request):
     """Each remote backend in turn: (url, storage_options)."""
     return request.getfixturevalue(f"{request.param}_url")
+
+
+class FaultInjectingProxy:
+    """An HTTP proxy on a free loopback port in front of ``upstream`` that answers
+    ``failure_rate`` of the requests with ``503 SlowDown`` instead of forwarding them.
+
+    Which requests fail comes from a seeded generator, so the sequence of decisions is
+    the same in every run (which request meets which decision depends on thread timing).
+    """
+
+    def __init__(self, upstream: str, failure_rate: float = 0.3, seed: int = 1234) -> None:
+        import random
+        import http.client
+        import http.server
+        import threading
+        import urllib.parse
+
+        target = urllib.parse.urlsplit(upstream)
+        proxy = self
+        self.requests = 0
+        self.injected = 0
+        self._lock = threading.Lock()
+        decisions = random.Random(seed)
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _handle(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                with proxy._lock:
+                    proxy.requests += 1
+                    fail = decisions.random() < failure_rate
+                    proxy.injected += fail
+                if fail:
+                    error = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(error)))
+                    self.end_headers()
+                    self.wfile.write(error)
+                    return
+                connection = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
+                connection.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
+                for name, value in self.headers.items():
+                    if name.lower() not in ("connection", "keep-alive", "proxy-connection", "transfer-encoding"):
+                        connection.putheader(name, value)
+                connection.endheaders(body)
+                response = connection.getresponse()
+                data = response.read()
+                self.send_response(response.status, response.reason)
+                for name, value in response.getheaders():
+                    if name.lower() not in ("connection", "keep-alive", "transfer-encoding", "content-length"):
+                        self.send_header(name, value)
+                # A HEAD answer carries the object's length, not that of its (empty) body.
+                length = response.getheader("Content-Length") if self.command == "HEAD" else str(len(data))
+                self.send_header("Content-Length", length or "0")
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                connection.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+@pytest.fixture
+def faulty_s3(moto_endpoint, s3_url, monkeypatch):
+    """(proxy, url, options): the test's bucket reached through a proxy failing 30 % of requests,
+    with botocore's and s3fs's own retries off so the library's retry policy is what is tested."""
+    import s3fs
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # s3fs has no constructor argument for it
+    proxy = FaultInjectingProxy(moto_endpoint)
+    url, _ = s3_url
+    options = s3_storage_options(proxy.endpoint)
+    options["config_kwargs"] = {"retries": {"total_max_attempts": 1}, "read_timeout": 30}
+    yield proxy, url, options
+    proxy.close()

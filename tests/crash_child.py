@@ -1,10 +1,12 @@
 """Child process for the crash tests: saves a large checkpoint and pauses at a chosen point.
 
-Usage: python crash_child.py DIRECTORY POINT BYTES_PER_RANK [manager]
+Usage: python crash_child.py DIRECTORY POINT BYTES_PER_RANK [manager | REMOTE_JSON]
 
 Without "manager" it calls save_sharded for step 2. With "manager" it opens a
 CheckpointManager on DIRECTORY, saves step 1 (version 1 of the states) blocking, then
-step 2 (version 2) asynchronously, and the pause hits the background writer.
+step 2 (version 2) asynchronously, and the pause hits the background writer. With
+POINT "upload" and a JSON {"url", "options"} it saves and uploads step 1, then pauses
+step 2's upload right after its first shard is uploaded and confirmed.
 
 It prints "PAUSED" once the save reaches POINT and then blocks until it is killed;
 the parent sends SIGKILL. Points:
@@ -67,6 +69,30 @@ def install(point: str) -> None:
         raise SystemExit(f"unknown point {point}")
 
 
+def run_upload(directory: str, bytes_per_rank: int, remote_json: str) -> None:
+    """Save and upload step 1, then pause step 2's upload after its first shard is confirmed."""
+    import json
+
+    from tiered_ckpt import CheckpointManager
+    from tiered_ckpt.remote import RemoteTier
+
+    remote = json.loads(remote_json)
+    manager = CheckpointManager(
+        directory, world_size=4, remote_url=remote["url"], storage_options=remote["options"], upload_concurrency=1
+    )
+    manager.save(1, large_states(4, bytes_per_rank, version=1))
+    manager.wait(uploaded=True)
+    original = RemoteTier.upload_shard
+
+    def upload_then_pause(tier, step, local_path, record):
+        original(tier, step, local_path, record)
+        pause_forever()
+
+    RemoteTier.upload_shard = upload_then_pause
+    manager.save(2, large_states(4, bytes_per_rank, version=2))
+    manager.wait(uploaded=True)
+
+
 def run_manager(directory: str, point: str, bytes_per_rank: int) -> None:
     from tiered_ckpt import CheckpointManager
 
@@ -81,6 +107,8 @@ if __name__ == "__main__":
     directory, point, bytes_per_rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
     if sys.argv[4:] == ["manager"]:
         run_manager(directory, point, bytes_per_rank)
+    elif point == "upload":
+        run_upload(directory, bytes_per_rank, sys.argv[4])
     else:
         states = large_states(4, bytes_per_rank)
         install(point)

@@ -461,3 +461,57 @@ def test_credentials_never_appear_in_logs_errors_or_reprs(tmp_path, s3_url, moto
     assert not [text for text in seen if secret in text or key in text]
     # botocore's own DEBUG log carries the key id inside request signatures, never the secret
     assert not [record for record in caplog.records if secret in record.getMessage()]
+
+
+def test_sigkill_during_upload_then_restart_completes_it_without_resending(tmp_path, s3_url, monkeypatch):
+    import json
+
+    url, options = s3_url
+    bytes_per_rank = 2 * 1024 * 1024
+    kill_child_at(tmp_path, "upload", json.dumps({"url": url, "options": options}), bytes_per_rank=bytes_per_rank)
+    remote = RemoteTier(url, options)
+    assert remote.committed_steps() == [1] and remote.uncommitted_steps() == [2]  # half-uploaded, invisible
+
+    uploads = []
+    original = RemoteTier.upload_shard
+
+    def counting_upload(tier, step, local_path, record):
+        uploads.append((step, record.rank))
+        return original(tier, step, local_path, record)
+
+    monkeypatch.setattr(RemoteTier, "upload_shard", counting_upload)
+    with CheckpointManager(tmp_path, world_size=4, remote_url=url, storage_options=options) as manager:
+        manager.wait(uploaded=True)
+        assert manager.remote_steps() == [1, 2]
+    assert sorted(uploads) == [(2, 1), (2, 2), (2, 3)]  # rank 0 was uploaded intact before the kill
+    for step in remote.committed_steps():
+        assert all(remote.shard_is_uploaded(step, record) for record in remote.read_manifest(step).manifest.shards)
+    with CheckpointManager(tmp_path / "fresh-node", world_size=4, remote_url=url, storage_options=options) as fresh:
+        result = fresh.restore()
+    assert result.step == 2 and set(result.sources.values()) == {"remote"}
+    assert_states_equal(large_states(4, bytes_per_rank, version=2), result.states)
+
+
+def test_transient_faults_on_30_percent_of_requests_still_commit_every_step(tmp_path, faulty_s3, s3_url, caplog):
+    proxy, url, options = faulty_s3
+    caplog.set_level(logging.WARNING, logger="tiered_ckpt")
+    with CheckpointManager(
+        tmp_path,
+        world_size=4,
+        remote_url=url,
+        storage_options=options,
+        keep_last=2,
+        upload_backoff_seconds=0.001,
+        upload_max_tries=25,  # a request fails 25 times in a row with odds of 1 in 10**13
+    ) as manager:
+        for step in range(1, 6):
+            manager.save(step, large_states(4, 256 * 1024, version=step))
+        manager.wait(uploaded=True)
+    assert proxy.requests > 100 and 0.2 < proxy.injected / proxy.requests < 0.4
+    assert any("transient error" in record.getMessage() for record in caplog.records)
+    direct_url, direct_options = s3_url
+    with CheckpointManager(
+        tmp_path / "other-node", world_size=4, remote_url=direct_url, storage_options=direct_options
+    ) as node:
+        assert node.remote_steps() == [1, 2, 3, 4, 5]
+        assert_states_equal(large_states(4, 256 * 1024, version=5), node.restore().states)

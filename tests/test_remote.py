@@ -25,6 +25,7 @@ def tier(remote_url):
 def upload_all(tier, directory, manifest):
     for record in manifest.shards:
         tier.upload_shard(manifest.step, directory / record.path, record)
+        tier.confirm_shard(manifest.step, record)
 
 
 def test_upload_confirm_commit_download_delete(tier, saved, tmp_path):
@@ -60,13 +61,17 @@ def test_a_changed_object_is_not_taken_as_uploaded(tier, saved):
     record = manifest.shard(0)
     tier._fs.pipe_file(f"{tier._root}/step-000000000003/{record.path}", b"short")
     assert not tier.shard_is_uploaded(3, record)
+    with pytest.raises(RemoteError, match="not confirmed after the upload: size 5") as caught:
+        tier.confirm_shard(3, record)
+    assert caught.value.transient
 
 
 def test_download_of_a_corrupted_object_fails_and_leaves_no_file(tier, saved, tmp_path):
     directory, manifest = saved
     record = manifest.shard(1)
     flip_byte(directory / record.path, 200)  # upload a corrupted copy under the recorded size
-    upload_all(tier, directory, manifest)
+    for each in manifest.shards:
+        tier.upload_shard(3, directory / each.path, each)
     target = tmp_path / "downloaded"
     with pytest.raises(ChecksumMismatchError, match=f"rank 1 shard {tier.location(3, record.path)}"):
         tier.download_shard(3, record, target)

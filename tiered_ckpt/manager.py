@@ -15,6 +15,7 @@ shard before returning it, and reshards to another world size only when asked.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -268,7 +269,8 @@ class CheckpointManager:
     def _resume_uploads(self) -> None:
         """Queue local steps a crash kept from their remote commit; drop half-uploaded remote steps."""
         assert self._remote is not None and self._uploader is not None
-        remote_steps = self._remote.committed_steps()
+        remote, retrying = self._remote, self._uploader.retrying
+        remote_steps = retrying(f"listing {remote.url}", remote.committed_steps)
         self._newest_remote = remote_steps[-1] if remote_steps else None
         resumed = []
         for step in committed_steps(self.root):
@@ -276,28 +278,32 @@ class CheckpointManager:
             if read_receipt(directory, self._remote.url):
                 continue
             if step in remote_steps:  # committed remotely, the receipt lost in a crash
-                remote = self._remote.read_manifest(step)
-                if remote.manifest.shards == read_manifest(directory).shards:
-                    write_receipt(directory, self._remote.url, remote)
+                committed = retrying(f"reading {remote.location(step)}", functools.partial(remote.read_manifest, step))
+                if committed.manifest.shards == read_manifest(directory).shards:
+                    write_receipt(directory, remote.url, committed)
                     continue
             if self._newest_remote is None or step > self._newest_remote:
                 resumed.append(step)
-        for step in self._remote.uncommitted_steps():
+        for step in retrying(f"listing {remote.url}", remote.uncommitted_steps):
             if step not in resumed:
-                logger.warning("removing half-uploaded step %d from %s", step, self._remote.url)
-                self._remote.delete_step(step)
+                logger.warning("removing half-uploaded step %d from %s", step, remote.url)
+                retrying(f"deleting {remote.location(step)}", functools.partial(remote.delete_step, step))
         for step in resumed:
-            logger.warning("resuming the upload of step %d to %s", step, self._remote.url)
+            logger.warning("resuming the upload of step %d to %s", step, remote.url)
             self._uploader.submit(step, bounded=False)
 
     def _after_remote_commit(self, remote: RemoteManifest) -> None:
         """Uploader thread: a step is committed remotely; apply retention to both tiers."""
         assert self._remote is not None
+        assert self._uploader is not None
         self._newest_remote = max(self._newest_remote or 0, remote.manifest.step)
-        steps = self._remote.committed_steps()
-        for step in _to_delete(steps, self.keep_last_remote, self.keep_every_remote):
-            self._remote.delete_step(step)
-            logger.info("remote retention: deleted step %d from %s", step, self._remote.url)
+        if self.keep_last_remote is not None or self.keep_every_remote is not None:
+            steps = self._uploader.retrying(f"listing {self._remote.url}", self._remote.committed_steps)
+            for step in _to_delete(steps, self.keep_last_remote, self.keep_every_remote):
+                self._uploader.retrying(
+                    f"deleting {self._remote.location(step)}", functools.partial(self._remote.delete_step, step)
+                )
+                logger.info("remote retention: deleted step %d from %s", step, self._remote.url)
         self._apply_retention()
 
     def remote_steps(self) -> list[int]:

@@ -10,10 +10,11 @@ Layout under the URL::
 Uploading a step, as :class:`~tiered_ckpt.uploader.Uploader` drives it:
 
 1. :meth:`RemoteTier.upload_shard` puts each shard with its sha256 as object metadata
-   where the store keeps metadata (S3, GCS), then confirms the object's size and the
-   stored sha256 — a shard is never taken as uploaded on the PUT's word alone;
+   where the store keeps metadata (S3, GCS), and :meth:`RemoteTier.confirm_shard`
+   checks the object's size and stored sha256: a shard is never taken as uploaded on
+   the PUT's word alone;
 2. :meth:`RemoteTier.commit` writes the remote manifest, create-only where the store
-   supports it, and then moves ``latest``. A step is visible remotely exactly when its
+   supports it; :meth:`RemoteTier.set_latest` then moves ``latest``. A step is visible remotely exactly when its
    remote manifest exists.
 
 Every backend error leaves this module as :class:`RemoteError`, its ``transient`` flag
@@ -207,17 +208,21 @@ class RemoteTier:
             return self._confirmed(step, record)[0]
 
     def upload_shard(self, step: int, local_path: Path, record: ShardRecord) -> None:
-        """Put one shard and confirm it; raise :class:`RemoteError` unless it is confirmed."""
+        """Put one shard (with its sha256 as metadata where kept); :meth:`confirm_shard` checks it."""
         location = self.location(step, record.path)
         with self._translated(f"uploading {local_path} to {location}"):
             self._fs.put_file(str(local_path), self._path(step, record.path), **self._metadata_kwargs(record.sha256))
+
+    def confirm_shard(self, step: int, record: ShardRecord) -> None:
+        """Raise :class:`RemoteError` (transient: upload it again) unless the object matches the record."""
+        location = self.location(step, record.path)
+        with self._translated(f"confirming {location}"):
             confirmed, problem = self._confirmed(step, record)
         if not confirmed:
-            # The store answered the PUT but holds something else: worth one more try.
-            raise RemoteError(f"uploading {location}: not confirmed after the upload: {problem}", transient=True)
+            raise RemoteError(f"{location}: not confirmed after the upload: {problem}", transient=True)
 
     def commit(self, manifest: ShardManifest) -> RemoteManifest:
-        """Write the remote manifest of ``manifest``'s step (create-only), then move ``latest``.
+        """Write the remote manifest of ``manifest``'s step, create-only where the store supports it.
 
         Call only once every shard is confirmed. If the step is already committed with
         the same shards (a retried or resumed commit), that commit is returned.
@@ -235,8 +240,12 @@ class RemoteTier:
                         f"{location}: a different checkpoint of step {step} is already committed", transient=False
                     ) from None
                 remote = existing
-            self._fs.pipe_file(f"{self._root}/{LATEST_NAME}", f"{step}\n".encode())
         return remote
+
+    def set_latest(self, step: int) -> None:
+        """Point ``latest`` at ``step`` (a hint for people and tools; listing is the truth)."""
+        with self._translated(f"writing {self.url}/{LATEST_NAME}"):
+            self._fs.pipe_file(f"{self._root}/{LATEST_NAME}", f"{step}\n".encode())
 
     # -- downloading --------------------------------------------------------------------
 

@@ -6,8 +6,8 @@ For each queued step, the uploader thread:
 2. uploads every shard not already in the bucket intact (several at a time), each
    confirmed by size and stored sha256 — so a step resumed after a crash sends only
    what is missing;
-3. commits the remote manifest (create-only), then writes the local receipt
-   (``remote-commit.json``) and calls ``on_committed``.
+3. commits the remote manifest (create-only), moves ``latest``, then writes the local
+   receipt (``remote-commit.json``) and calls ``on_committed``.
 
 Transient errors are retried with exponential backoff and full jitter, up to
 ``max_tries`` tries per request; a permanent error, or a transient one that outlasts its
@@ -33,14 +33,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal, TypeVar
 
-from .errors import RemoteError, UploadError
+from .errors import CheckpointError, RemoteError, UploadError
 from .layout import step_dir_name
 from .local import atomic_write, read_manifest
 from .manifest import RemoteManifest
 from .remote import RemoteTier
 from .shardfile import write_all
 
-__all__ = ["Uploader", "RECEIPT_NAME", "read_receipt", "WhenBehind"]
+__all__ = ["Uploader", "RECEIPT_NAME", "read_receipt", "write_receipt", "with_retries", "WhenBehind"]
 
 logger = logging.getLogger("tiered_ckpt")
 
@@ -181,31 +181,64 @@ class Uploader:
         def upload(rank: int) -> None:
             record = manifest.shard(rank)
             what = f"rank {rank} shard of step {step}"
-            if not self._retrying(what, step, lambda: self._remote.shard_is_uploaded(step, record)):
-                self._retrying(what, step, lambda: self._remote.upload_shard(step, directory / record.path, record))
+            if self._retrying(what, step, lambda: self._remote.shard_is_uploaded(step, record)):
+                return  # uploaded intact before a crash: not sent again
+
+            def put_and_confirm() -> None:
+                # Each request has its own retries; a confirmation that finds the wrong
+                # object is itself a transient error that puts the shard again.
+                self.retrying(what, lambda: self._remote.upload_shard(step, directory / record.path, record))
+                self.retrying(what, lambda: self._remote.confirm_shard(step, record))
+
+            self._retrying(what, step, put_and_confirm)
 
         with ThreadPoolExecutor(self._concurrency, thread_name_prefix="tiered-ckpt-upload") as pool:
             for future in [pool.submit(upload, rank) for rank in range(manifest.world_size)]:
                 future.result()
         remote = self._retrying(f"commit of step {step}", step, lambda: self._remote.commit(manifest))
+        self._retrying(f"latest pointer of step {step}", step, lambda: self._remote.set_latest(step))
         write_receipt(directory, self._remote.url, remote)
         logger.info("step %d committed at %s", step, self._remote.location(step))
-        self._on_committed(remote)
+        try:
+            self._on_committed(remote)
+        except CheckpointError as exc:
+            raise UploadError(
+                f"step {step} is committed at {self._remote.location(step)}, but what follows a commit "
+                f"(retention) failed: {exc}",
+                step=step,
+                tries=getattr(exc, "tries", 1),
+            ) from exc
+
+    def retrying(self, what: str, action: Callable[[], T]) -> T:
+        """Run ``action`` with this uploader's retry policy (see :func:`with_retries`)."""
+        return with_retries(action, what, self._max_tries, self._backoff, self._max_backoff)
 
     def _retrying(self, what: str, step: int, action: Callable[[], T]) -> T:
-        for attempt in range(1, self._max_tries + 1):
-            try:
-                return action()
-            except RemoteError as exc:
-                if not exc.transient or attempt == self._max_tries:
-                    kind = "transient" if exc.transient else "permanent"
-                    raise UploadError(
-                        f"upload of step {step} failed: {what}: {kind} error after {attempt} "
-                        f"{'try' if attempt == 1 else 'tries'}: {exc}",
-                        step=step,
-                        tries=attempt,
-                    ) from exc
-                delay = min(self._max_backoff, self._backoff * 2 ** (attempt - 1)) * random.random()
-                logger.warning("%s: transient error (try %d of %d), retrying: %s", what, attempt, self._max_tries, exc)
-                time.sleep(delay)
-        raise AssertionError("unreachable")
+        try:
+            return self.retrying(what, action)
+        except RemoteError as exc:
+            tries = getattr(exc, "tries", 1)
+            raise UploadError(
+                f"upload of step {step} failed: {what}: after {tries} {'try' if tries == 1 else 'tries'}: {exc}",
+                step=step,
+                tries=tries,
+            ) from exc
+
+
+def with_retries(action: Callable[[], T], what: str, max_tries: int, backoff: float, max_backoff: float) -> T:
+    """Return ``action()``, retrying transient :class:`RemoteError` with exponential backoff and full jitter.
+
+    A permanent error is raised at once, a transient one after ``max_tries`` tries; the
+    error raised carries ``tries``, the number of tries made.
+    """
+    for attempt in range(1, max_tries + 1):
+        try:
+            return action()
+        except RemoteError as exc:
+            if not exc.transient or attempt == max_tries:
+                exc.tries = attempt  # type: ignore[attr-defined]
+                raise
+            delay = min(max_backoff, backoff * 2 ** (attempt - 1)) * random.random()
+            logger.warning("%s: transient error (try %d of %d), retrying: %s", what, attempt, max_tries, exc)
+            time.sleep(delay)
+    raise AssertionError("unreachable")

@@ -202,9 +202,9 @@ class FaultInjectingProxy:
     """
 
     def __init__(self, upstream: str, failure_rate: float = 0.3, seed: int = 1234) -> None:
-        import random
         import http.client
         import http.server
+        import random
         import threading
         import urllib.parse
 

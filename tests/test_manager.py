@@ -1,7 +1,9 @@
 import errno
+import logging
 import os
 import shutil
 import subprocess
+import threading
 
 import numpy as np
 import pytest
@@ -26,11 +28,15 @@ from tiered_ckpt import (
     IncompleteCheckpointError,
     InvalidStateError,
     ManifestError,
+    RemoteError,
     SaveError,
+    UploadError,
     WorldSizeMismatchError,
 )
 from tiered_ckpt.layout import MANIFEST_NAME, step_dir_name, temp_name
 from tiered_ckpt.manager import StagingBuffers
+from tiered_ckpt.remote import RemoteTier
+from tiered_ckpt.uploader import RECEIPT_NAME
 
 
 @pytest.fixture
@@ -293,13 +299,6 @@ def test_sigkill_during_background_write_then_restart_restores_previous_step(tmp
 
 
 # --- the remote tier ---------------------------------------------------------------------
-
-import logging  # noqa: E402
-import threading  # noqa: E402
-
-from tiered_ckpt import RemoteError, UploadError  # noqa: E402
-from tiered_ckpt.remote import RemoteTier  # noqa: E402
-from tiered_ckpt.uploader import RECEIPT_NAME  # noqa: E402
 
 
 def two_tier(local_dir, remote, **kwargs) -> CheckpointManager:

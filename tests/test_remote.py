@@ -134,3 +134,16 @@ def test_repr_and_errors_never_show_storage_options(s3_url):
 )
 def test_transient_errors_are_told_from_permanent_ones(exc, transient):
     assert is_transient(exc) is transient
+
+
+def test_sha256_is_kept_as_object_metadata_on_gcs(gcs_url, saved):
+    import gcsfs
+
+    url, options = gcs_url
+    tier = RemoteTier(url, options)
+    directory, manifest = saved
+    upload_all(tier, directory, manifest)
+    info = gcsfs.GCSFileSystem(**options).info(
+        f"{url.removeprefix('gs://')}/step-000000000003/{manifest.shard(1).path}"
+    )
+    assert info["metadata"]["sha256"] == manifest.shard(1).sha256

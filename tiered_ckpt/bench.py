@@ -22,17 +22,24 @@ import functools
 import hashlib
 import os
 import shutil
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from .layout import step_dir_name
 from .manager import CheckpointManager
-from .sharded import load_sharded, save_sharded
+from .manifest import ShardManifest
+from .sharded import load_sharded, run_parallel, save_sharded
 
 __all__ = ["main"]
 
@@ -305,6 +312,115 @@ def bench_train(root: Path, ranks: int, steps: int, repeat: int) -> None:
     print(f"  slowdown             {100 * (with_ckpt / base - 1):7.1f} %   (target <= 2 %)")
 
 
+def _start_moto(port: int) -> subprocess.Popen[bytes]:
+    """moto's S3 server in its own process (so it does not share this process's GIL)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def _remote_run(
+    bucket: str,
+    client: Any,
+    options: dict[str, Any],
+    source: Path,
+    manifest: ShardManifest,
+    target: Path,
+    timings: Timings,
+) -> None:
+    """One run of the remote benchmark: ours and boto3's, up and down, into one fresh bucket."""
+    from .remote import RemoteTier
+    from .uploader import Uploader
+
+    client.create_bucket(Bucket=bucket)
+    tier = RemoteTier(f"s3://{bucket}/ours", options)
+    uploader = Uploader(source, tier, on_committed=lambda remote: None)
+
+    def upload() -> None:
+        uploader.submit(manifest.step)
+        uploader.wait()
+        error = uploader.pop_error()
+        if error is not None:
+            raise error
+
+    timings.record("tiered_ckpt upload", _timed(upload))
+    uploader.close()
+    target.mkdir()
+    download = functools.partial(tier.download_shard, manifest.step)
+    timings.record(
+        "tiered_ckpt download+verify",
+        _timed(lambda: run_parallel(lambda r: download(r, target / r.path), manifest.shards, None)),
+    )
+    shard_files = [source / step_dir_name(manifest.step) / record.path for record in manifest.shards]
+    timings.record(
+        "boto3 upload_file",
+        _timed(lambda: [client.upload_file(str(path), bucket, f"boto3/{path.name}") for path in shard_files]),
+    )
+    timings.record(
+        "boto3 download_file",
+        _timed(
+            lambda: [
+                client.download_file(bucket, f"boto3/{path.name}", str(target / f"boto3-{path.name}"))
+                for path in shard_files
+            ]
+        ),
+    )
+    shutil.rmtree(target)
+
+
+def bench_remote(size_gib: float, ranks: int, root: Path, repeat: int) -> None:
+    """Upload and download GB/s to a local moto S3 server, next to boto3's upload_file/download_file."""
+    try:
+        import boto3
+    except ImportError:
+        print("  skipped: needs boto3 and moto (pip install 'tiered-ckpt[test]')")
+        return
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = _start_moto(port)
+    endpoint = f"http://127.0.0.1:{port}"
+    credentials = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench", "region_name": "us-east-1"}
+    client = boto3.client("s3", endpoint_url=endpoint, **credentials)
+    for _ in range(600):  # readiness poll: go on as soon as the server answers
+        try:
+            client.list_buckets()
+            break
+        except Exception:
+            time.sleep(0.1)
+    options = {
+        "key": "bench",
+        "secret": "bench",
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+        "skip_instance_cache": True,
+    }
+    try:
+        source = root / "remote-source"
+        manifest = save_sharded(make_states(int(size_gib * 2**30), ranks), source / step_dir_name(1), step=1)
+        timings = Timings(manifest.total_bytes)
+        for run in range(repeat):
+            _remote_run(f"tiered-bench-{run}", client, options, source, manifest, root / f"download-{run}", timings)
+            urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")).read()
+        print(f"  checkpoint {manifest.total_bytes / 2**30:.2f} GiB in {ranks} shards, moto S3 server on loopback")
+        timings.print_rates()
+        print("ratios (target):")
+        _ratio(
+            "upload / boto3 upload_file",
+            timings.rate("tiered_ckpt upload") / timings.rate("boto3 upload_file"),
+            ">= 1.0",
+        )
+        _ratio(
+            "download+verify / boto3 download_file",
+            timings.rate("tiered_ckpt download+verify") / timings.rate("boto3 download_file"),
+            ">= 1.0",
+        )
+    finally:
+        server.terminate()
+        server.wait()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tiered_ckpt.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-gib", type=float, default=2.0, help="total state size (default 2)")
@@ -312,11 +428,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=5, help="runs per measurement (default 5)")
     parser.add_argument("--dir", type=Path, default=None, help="directory on the disk to measure")
     parser.add_argument(
-        "--only", choices=["sync", "async", "train"], action="append", help="run only these sections (repeatable)"
+        "--only",
+        choices=["sync", "async", "train", "remote"],
+        action="append",
+        help="run only these sections (repeatable)",
     )
     parser.add_argument("--train-steps", type=int, default=200, help="training loop steps (default 200)")
+    parser.add_argument("--remote-size-gib", type=float, default=1.0, help="checkpoint size for 'remote' (default 1)")
     args = parser.parse_args(argv)
-    sections = args.only or ["sync", "async", "train"]
+    sections = args.only or ["sync", "async", "train", "remote"]
 
     states = make_states(int(args.size_gib * 2**30), args.ranks) if {"sync", "async"} & set(sections) else []
     total = sum(a.nbytes for s in states for a in s.values())
@@ -333,6 +453,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "async" in sections:
             print("CheckpointManager async save:")
             bench_async(states, root, args.repeat)
+        if "remote" in sections:
+            print("remote tier (upload and download, against boto3 on the same server):")
+            bench_remote(args.remote_size_gib, args.ranks, root, args.repeat)
         if "train" in sections:
             del states
             print("training loop (numpy matmuls, checkpoint every 20 steps):")

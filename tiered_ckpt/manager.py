@@ -199,7 +199,7 @@ class CheckpointManager:
         coordinator: Coordinator | None = None,
         sharded_keys: Iterable[str] | None = None,
         max_workers: int | None = None,
-        upload_concurrency: int = 4,
+        upload_concurrency: int = 2,
         upload_max_tries: int = 5,
         upload_backoff_seconds: float = 0.5,
         max_pending_uploads: int = 2,

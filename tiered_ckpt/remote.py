@@ -42,6 +42,9 @@ from .shardfile import ShardDigest, copy_and_hash
 __all__ = ["RemoteTier", "is_transient"]
 
 LATEST_NAME = "latest"
+# s3fs's default 50 MiB parts leave a 256 MiB shard in 3-5 parts; 16 MiB parts let its
+# concurrent part uploads (max_concurrency, 10 by default) keep the link busy.
+DEFAULT_PART_BYTES = 16 << 20
 SHA256_METADATA_KEY = "sha256"
 
 _TRANSIENT_ERRNOS = {
@@ -95,8 +98,11 @@ def is_transient(exc: BaseException) -> bool:
 class RemoteTier:
     """Checkpoints under ``url``, reached through fsspec with ``storage_options``."""
 
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self, url: str, storage_options: Mapping[str, Any] | None = None, *, part_bytes: int = DEFAULT_PART_BYTES
+    ) -> None:
         self.url = url.rstrip("/")
+        self._part_bytes = part_bytes
         try:
             self._fs, self._root = url_to_fs(self.url, **dict(storage_options or {}))
         except (ImportError, ValueError) as exc:
@@ -174,11 +180,12 @@ class RemoteTier:
 
     # -- uploading ----------------------------------------------------------------------
 
-    def _metadata_kwargs(self, sha256: str) -> dict[str, Any]:
+    def _put_kwargs(self, sha256: str) -> dict[str, Any]:
+        """Backend arguments of a shard's PUT: its sha256 as metadata, and the multipart part size."""
         if self._protocols & {"s3", "s3a"}:
-            return {"Metadata": {SHA256_METADATA_KEY: sha256}}
+            return {"Metadata": {SHA256_METADATA_KEY: sha256}, "chunksize": self._part_bytes}
         if self._protocols & {"gs", "gcs"}:
-            return {"metadata": {SHA256_METADATA_KEY: sha256}}
+            return {"metadata": {SHA256_METADATA_KEY: sha256}, "chunksize": self._part_bytes}
         return {}
 
     def _stored_sha256(self, path: str, info: Mapping[str, Any]) -> str | None:
@@ -211,7 +218,7 @@ class RemoteTier:
         """Put one shard (with its sha256 as metadata where kept); :meth:`confirm_shard` checks it."""
         location = self.location(step, record.path)
         with self._translated(f"uploading {local_path} to {location}"):
-            self._fs.put_file(str(local_path), self._path(step, record.path), **self._metadata_kwargs(record.sha256))
+            self._fs.put_file(str(local_path), self._path(step, record.path), **self._put_kwargs(record.sha256))
 
     def confirm_shard(self, step: int, record: ShardRecord) -> None:
         """Raise :class:`RemoteError` (transient: upload it again) unless the object matches the record."""

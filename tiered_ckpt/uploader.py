@@ -14,6 +14,10 @@ Transient errors are retried with exponential backoff and full jitter, up to
 tries, becomes :class:`UploadError` (tries counted, cause chained) that the owner raises
 on its next call. The step's local copy is kept either way.
 
+``concurrency`` shards of a step are uploaded at once (2 by default: the backend already
+sends a large shard's parts concurrently, and more requests in flight slowed uploads to
+the 2-core test server; raise it for many small shards).
+
 When uploads fall behind, at most ``max_pending`` steps wait in the queue. Beyond that
 ``when_behind="wait"`` makes :meth:`Uploader.submit` block until there is room, and
 ``"skip"`` drops the oldest waiting step (it stays local-only and is superseded by the
@@ -73,7 +77,7 @@ class Uploader:
         remote: RemoteTier,
         *,
         on_committed: Callable[[RemoteManifest], None],
-        concurrency: int = 4,
+        concurrency: int = 2,
         max_tries: int = 5,
         backoff_seconds: float = 0.5,
         max_backoff_seconds: float = 30.0,

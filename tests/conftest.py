@@ -341,3 +341,9 @@ def gcs_url(gcs_endpoint):
     bucket = f"tiered-test-{uuid.uuid4().hex[:16]}"
     gcsfs.GCSFileSystem(**options).mkdir(bucket)
     return f"gs://{bucket}/run", options
+
+
+@pytest.fixture(params=["s3", "gcs"])
+def cloud_url(request):
+    """Each real object-store API in turn (S3 on moto, GCS on fake-gcs-server): (url, storage_options)."""
+    return request.getfixturevalue(f"{request.param}_url")

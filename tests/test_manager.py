@@ -337,9 +337,9 @@ def test_damaged_local_shard_alone_comes_from_the_bucket(tmp_path, remote_url, s
         assert manager.restore().sources[2] == "local"  # the local copy was repaired
 
 
-def test_damaged_local_and_remote_copies_fail_naming_both(tmp_path, s3_url, states):
-    url, options = s3_url
-    with two_tier(tmp_path, s3_url) as manager:
+def test_damaged_local_and_remote_copies_fail_naming_both(tmp_path, cloud_url, states):
+    url, options = cloud_url
+    with two_tier(tmp_path, cloud_url) as manager:
         manager.save(1, states)
         manager.wait(uploaded=True)
         name = "rank-00001-of-00004.safetensors"
@@ -365,24 +365,16 @@ def test_remote_retention_keeps_the_newest_remote_steps(tmp_path, memory_url):
         assert manager.steps() == [25]
 
 
-def test_permanent_upload_failure_is_raised_and_local_steps_are_kept(tmp_path, s3_url, moto_endpoint, states):
-    import boto3
-
-    url, options = s3_url
-    with two_tier(tmp_path, s3_url, keep_last=1) as manager:
+def test_permanent_upload_failure_is_raised_and_local_steps_are_kept(tmp_path, cloud_url, states):
+    url, options = cloud_url
+    with two_tier(tmp_path, cloud_url, keep_last=1) as manager:
         manager.save(1, states)
         manager.wait(uploaded=True)
-        bucket = url.removeprefix("s3://").split("/")[0]
-        client = boto3.client(
-            "s3",
-            endpoint_url=moto_endpoint,
-            aws_access_key_id=options["key"],
-            aws_secret_access_key=options["secret"],
-            region_name="us-east-1",
-        )
-        for item in client.list_objects_v2(Bucket=bucket).get("Contents", []):
-            client.delete_object(Bucket=bucket, Key=item["Key"])
-        client.delete_bucket(Bucket=bucket)
+        tier = RemoteTier(url, options)
+        bucket = tier._root.split("/")[0]
+        tier._fs.rm(bucket, recursive=True)  # the bucket is removed under the running job
+        tier._fs.invalidate_cache()
+        assert not tier._fs.exists(bucket)
         manager.save(2, zero1_states(seed=2))
         manager.save(3, zero1_states(seed=3))
         with pytest.raises(UploadError, match="upload of step 2 failed") as caught:
@@ -462,10 +454,10 @@ def test_credentials_never_appear_in_logs_errors_or_reprs(tmp_path, s3_url, moto
     assert not [record for record in caplog.records if secret in record.getMessage()]
 
 
-def test_sigkill_during_upload_then_restart_completes_it_without_resending(tmp_path, s3_url, monkeypatch):
+def test_sigkill_during_upload_then_restart_completes_it_without_resending(tmp_path, cloud_url, monkeypatch):
     import json
 
-    url, options = s3_url
+    url, options = cloud_url
     bytes_per_rank = 2 * 1024 * 1024
     kill_child_at(tmp_path, "upload", json.dumps({"url": url, "options": options}), bytes_per_rank=bytes_per_rank)
     remote = RemoteTier(url, options)

@@ -347,3 +347,13 @@ def gcs_url(gcs_endpoint):
 def cloud_url(request):
     """Each real object-store API in turn (S3 on moto, GCS on fake-gcs-server): (url, storage_options)."""
     return request.getfixturevalue(f"{request.param}_url")
+
+
+@pytest.fixture
+def faulty_gcs(gcs_endpoint, gcs_url):
+    """(proxy, url, options): the test's GCS bucket reached through a proxy failing 30 % of
+    requests. gcsfs's own retries (fixed at 6, with backoff) stay on: it has no switch."""
+    proxy = FaultInjectingProxy(gcs_endpoint)
+    url, options = gcs_url
+    yield proxy, url, {**options, "endpoint_url": proxy.endpoint}
+    proxy.close()

@@ -506,3 +506,25 @@ def test_transient_faults_on_30_percent_of_requests_still_commit_every_step(tmp_
     ) as node:
         assert node.remote_steps() == [1, 2, 3, 4, 5]
         assert_states_equal(large_states(4, 256 * 1024, version=5), node.restore().states)
+
+
+def test_transient_faults_on_gcs_still_commit_every_step(tmp_path, faulty_gcs, gcs_url):
+    proxy, url, options = faulty_gcs
+    with CheckpointManager(
+        tmp_path,
+        world_size=2,
+        remote_url=url,
+        storage_options=options,
+        upload_backoff_seconds=0.001,
+        upload_max_tries=25,
+    ) as manager:
+        for step in (1, 2):
+            manager.save(step, large_states(2, 64 * 1024, version=step))
+        manager.wait(uploaded=True)
+    assert proxy.injected >= 3
+    direct_url, direct_options = gcs_url
+    with CheckpointManager(
+        tmp_path / "other-node", world_size=2, remote_url=direct_url, storage_options=direct_options
+    ) as node:
+        assert node.remote_steps() == [1, 2]
+        assert_states_equal(large_states(2, 64 * 1024, version=2), node.restore().states)

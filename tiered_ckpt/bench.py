@@ -151,6 +151,10 @@ class Timings:
     def rate(self, name: str) -> float:
         return self.total / statistics.median(self.seconds[name]) / 1e9
 
+    def print_ratio(self, label: str, name: str, baseline: str, target: str) -> None:
+        """Print the rate of ``name`` over the rate of ``baseline``, with its target."""
+        _ratio(label, self.rate(name) / self.rate(baseline), target)
+
     def print_rates(self) -> None:
         for name, values in self.seconds.items():
             spread = [self.total / t / 1e9 for t in values]
@@ -196,21 +200,9 @@ def bench_sync(states: list[dict[str, np.ndarray]], root: Path, repeat: int) -> 
     timings.print_rates()
     print(f"  save_sharded peak extra RSS      {statistics.median(rss) / 2**20:6.1f} MiB")
     print("ratios (target):")
-    _ratio(
-        "save / raw write+fsync 2 writers",
-        timings.rate("save_sharded") / timings.rate("raw write+fsync, 2 writers"),
-        ">= 0.95",
-    )
-    _ratio(
-        "warm load+verify / sha256 all cores",
-        timings.rate("load+verify, warm") / timings.rate("sha256, all cores"),
-        ">= 0.90",
-    )
-    _ratio(
-        "cold load+verify / raw cold read",
-        timings.rate("load+verify, cold") / timings.rate("raw read, cold"),
-        ">= 0.85",
-    )
+    timings.print_ratio("save / raw write+fsync 2 writers", "save_sharded", "raw write+fsync, 2 writers", ">= 0.95")
+    timings.print_ratio("warm load+verify / sha256 all cores", "load+verify, warm", "sha256, all cores", ">= 0.90")
+    timings.print_ratio("cold load+verify / raw cold read", "load+verify, cold", "raw read, cold", ">= 0.85")
 
 
 def copy_time(states: list[dict[str, np.ndarray]], repeat: int) -> float:
@@ -406,15 +398,9 @@ def bench_remote(size_gib: float, ranks: int, root: Path, repeat: int) -> None:
         print(f"  checkpoint {manifest.total_bytes / 2**30:.2f} GiB in {ranks} shards, moto S3 server on loopback")
         timings.print_rates()
         print("ratios (target):")
-        _ratio(
-            "upload / boto3 upload_file",
-            timings.rate("tiered_ckpt upload") / timings.rate("boto3 upload_file"),
-            ">= 1.0",
-        )
-        _ratio(
-            "download+verify / boto3 download_file",
-            timings.rate("tiered_ckpt download+verify") / timings.rate("boto3 download_file"),
-            ">= 1.0",
+        timings.print_ratio("upload / boto3 upload_file", "tiered_ckpt upload", "boto3 upload_file", ">= 1.0")
+        timings.print_ratio(
+            "download+verify / boto3 download_file", "tiered_ckpt download+verify", "boto3 download_file", ">= 1.0"
         )
     finally:
         server.terminate()

@@ -1,10 +1,12 @@
 """tiered_ckpt: sharded, verified, crash-safe checkpoints for distributed training."""
 
+from .config import Config, load_config
 from .coordination import Coordinator, SingleProcessCoordinator
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
     ChecksumMismatchError,
+    ConfigError,
     DirectoryInUseError,
     IncompleteCheckpointError,
     InvalidStateError,
@@ -29,6 +31,8 @@ __all__ = [
     "save_sharded",
     "load_sharded",
     "partition_sizes",
+    "load_config",
+    "Config",
     "ShardManifest",
     "ShardRecord",
     "Coordinator",
@@ -36,6 +40,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointExistsError",
     "ChecksumMismatchError",
+    "ConfigError",
     "DirectoryInUseError",
     "IncompleteCheckpointError",
     "InvalidStateError",

@@ -17,7 +17,8 @@ so ``except CheckpointError`` catches all of them::
     ├── SaveError                     a background save failed (the cause is chained)
     ├── RemoteError                   the object store failed a request (.transient says
     │                                 whether trying again may help; the cause is chained)
-    └── UploadError                   a step could not be committed remotely (.tries)
+    ├── UploadError                   a step could not be committed remotely (.tries)
+    └── ConfigError                   a config file, variable or argument is not valid
 
 Messages name the directory or file, and the rank or field, that the error is about.
 """
@@ -39,6 +40,7 @@ __all__ = [
     "SaveError",
     "RemoteError",
     "UploadError",
+    "ConfigError",
 ]
 
 
@@ -115,3 +117,7 @@ class UploadError(CheckpointError):
         super().__init__(message)
         self.step = step
         self.tries = tries
+
+
+class ConfigError(CheckpointError):
+    """A configuration is not valid; the message names the file (or variable) and the key."""

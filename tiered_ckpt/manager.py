@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from .config import Config, load_config
 from .coordination import Coordinator, SingleProcessCoordinator
 from .errors import (
     CheckpointError,
@@ -199,6 +200,7 @@ class CheckpointManager:
         coordinator: Coordinator | None = None,
         sharded_keys: Iterable[str] | None = None,
         max_workers: int | None = None,
+        verify: Verify = "full",
         upload_concurrency: int = 2,
         upload_max_tries: int = 5,
         upload_backoff_seconds: float = 0.5,
@@ -230,6 +232,9 @@ class CheckpointManager:
         removed = remove_uncommitted(self.root)
         if removed:
             logger.warning("removed what crashed saves left in %s: %s", self.root, ", ".join(removed))
+        if verify not in ("full", "fast"):
+            raise ValueError(f"verify must be 'full' or 'fast', got {verify!r}")
+        self.verify: Verify = verify
         self.keep_last_remote = keep_last_remote
         self.keep_every_remote = keep_every_remote
         self._retention_lock = threading.Lock()
@@ -256,6 +261,20 @@ class CheckpointManager:
         self._errors: list[SaveError] = []  # failed background saves not yet raised
         self._errors_lock = threading.Lock()
         self._closed = False
+
+    @classmethod
+    def from_config(
+        cls, config: Config | str | os.PathLike[str], *, world_size: int, **kwargs: Any
+    ) -> CheckpointManager:
+        """A manager as a config file (or a loaded :class:`Config`) describes it.
+
+        ``kwargs`` are :class:`CheckpointManager` arguments that override the config
+        (explicit argument > environment > file > default), e.g. ``coordinator``.
+        """
+        if not isinstance(config, Config):
+            config = load_config(config)
+        arguments = {**config.manager_kwargs(), "verify": config.verify.mode, **kwargs}
+        return cls(config.local.dir, world_size=world_size, **arguments)
 
     def __repr__(self) -> str:
         remote = f", remote_url={self._remote.url!r}" if self._remote is not None else ""
@@ -471,20 +490,22 @@ class CheckpointManager:
         *,
         world_size: int | None = None,
         reshard: bool = False,
-        verify: Verify = "full",
+        verify: Verify | None = None,
         into: Sequence[State] | None = None,
     ) -> RestoreResult:
         """Load a committed step (default: the newest) with every shard verified.
 
         ``world_size`` (default: the manager's) must match the checkpoint's, else
         :class:`WorldSizeMismatchError`, unless ``reshard=True`` asks for the flat
-        shards to be re-cut for it. ``verify="fast"`` checks xxh3-64 instead of sha256.
+        shards to be re-cut for it. ``verify="fast"`` checks xxh3-64 instead of sha256
+        (default: the manager's ``verify``).
         ``into`` fills the caller's arrays in place (not with resharding). A damaged
         step fails loudly with the step, rank and file named; it never falls back to
         an older step by itself.
         """
         self._check_open()
         self.wait()
+        verify = self.verify if verify is None else verify
         target = self.world_size if world_size is None else world_size
         local_steps = self.steps()
         remote_steps = self.remote_steps()

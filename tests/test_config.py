@@ -1,0 +1,144 @@
+from pathlib import Path
+
+import pytest
+
+from conftest import ZERO1_SHARDED_KEYS, assert_states_equal
+from tiered_ckpt import CheckpointManager, Config, ConfigError, load_config
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").iterdir())
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    config = load_config(path, environ={})
+    assert isinstance(config, Config) and config.source == str(path)
+    assert config.local.dir.is_absolute() or not str(config.local.dir).startswith("~")
+
+
+def test_shipped_configs_cover_local_s3_compatible_gcs_and_demo():
+    names = {path.name for path in CONFIGS}
+    assert {"local.toml", "s3.toml", "s3-compatible.yaml", "gcs.toml", "demo.toml"} <= names
+    assert load_config(CONFIGS[0].parent / "local.toml", environ={}).remote is None
+
+
+def write(tmp_path, text: str, name: str = "ckpt.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+FULL = """
+[local]
+dir = "/data/ckpt"
+keep_last = 4
+[remote]
+url = "s3://bucket/run"
+keep_last = 7
+[remote.storage_options]
+endpoint_url = "http://127.0.0.1:9000"
+[upload]
+max_tries = 9
+when_behind = "skip"
+[verify]
+mode = "fast"
+"""
+
+
+def test_toml_and_yaml_of_the_same_shape_load_the_same(tmp_path):
+    toml = load_config(write(tmp_path, FULL), environ={})
+    yaml_text = """
+local: {dir: /data/ckpt, keep_last: 4}
+remote:
+  url: s3://bucket/run
+  keep_last: 7
+  storage_options: {endpoint_url: "http://127.0.0.1:9000"}
+upload: {max_tries: 9, when_behind: skip}
+verify: {mode: fast}
+"""
+    yaml = load_config(write(tmp_path, yaml_text, "ckpt.yaml"), environ={})
+    assert toml.local == yaml.local and toml.remote == yaml.remote and toml.upload == yaml.upload
+    assert toml.local.dir == Path("/data/ckpt") and toml.remote.url == "s3://bucket/run"
+    assert toml.remote.storage_options == {"endpoint_url": "http://127.0.0.1:9000"}
+    assert toml.upload.max_tries == 9 and toml.verify.mode == "fast"
+
+
+def test_precedence_is_argument_then_environment_then_file_then_default(tmp_path):
+    path = write(tmp_path, FULL)
+    environ = {"TIERED_CKPT_REMOTE_URL": "gs://other/run", "TIERED_CKPT_LOCAL_KEEP_LAST": "9"}
+    config = load_config(path, environ=environ, local_keep_last=11)
+    assert config.remote.url == "gs://other/run"  # environment over file
+    assert config.local.keep_last == 11  # argument over environment
+    assert config.remote.keep_last == 7  # file over default
+    assert config.upload.concurrency == 2  # default
+    assert load_config(environ={"TIERED_CKPT_LOCAL_DIR": str(tmp_path)}).local.dir == tmp_path
+
+
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("[local]\ndir = 3\n", "key 'local.dir' must be str, got int"),
+        ("[local]\ndir = 'x'\nkeep_last = 0\n", "key 'local.keep_last' must be >= 1"),
+        ("[local]\ndir = 'x'\nkeep_last = true\n", "key 'local.keep_last' must be int, got bool"),
+        ("[local]\ndir = 'x'\nkeeplast = 2\n", "unknown key 'local.keeplast'"),
+        ("[locals]\ndir = 'x'\n", "unknown table 'locals'"),
+        ("[local]\nkeep_last = 2\n", "key 'local.dir' is required"),
+        ("[local]\ndir = 'x'\n[remote]\nurl = 'nosuch://bucket'\n", "unsupported URL scheme 'nosuch'"),
+        ("[local]\ndir = 'x'\n[remote]\nkeep_last = 2\n", "key 'remote.url' is required"),
+        ("[local]\ndir = 'x'\n[upload]\nwhen_behind = 'later'\n", "must be one of \\['skip', 'wait'\\]"),
+        ("[local]\ndir = 'x'\n[verify]\nmode = 'none'\n", "key 'verify.mode' must be one of"),
+        (
+            "[local]\ndir = 'x'\n[remote]\nurl = 's3://b'\n[remote.storage_options]\nsecret = 'abc'\n",
+            "holds a credential",
+        ),
+        (
+            "[local]\ndir = 'x'\n[remote]\nurl = 's3://b'\n"
+            "[remote.storage_options.client_kwargs]\naws_secret_access_key = 'abc'\n",
+            "holds a credential",
+        ),
+        ("[local\ndir = 'x'\n", "not a valid TOML config"),
+    ],
+)
+def test_bad_config_names_the_file_and_the_key(tmp_path, text, problem):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=problem) as caught:
+        load_config(path, environ={})
+    assert str(path) in str(caught.value)
+    assert "abc" not in str(caught.value)  # a credential's value is never echoed
+
+
+def test_bad_environment_variable_is_named(tmp_path):
+    path = write(tmp_path, FULL)
+    with pytest.raises(ConfigError, match="TIERED_CKPT_LOCAL_KEEPLAST: no such config key"):
+        load_config(path, environ={"TIERED_CKPT_LOCAL_KEEPLAST": "3"})
+    with pytest.raises(ConfigError, match="TIERED_CKPT_UPLOAD_MAX_TRIES: expected an integer"):
+        load_config(path, environ={"TIERED_CKPT_UPLOAD_MAX_TRIES": "2.5"})
+
+
+def test_token_may_name_a_method_but_not_hold_a_secret(tmp_path):
+    base = "[local]\ndir = 'x'\n[remote]\nurl = 'gs://b/run'\n[remote.storage_options]\n"
+    assert load_config(write(tmp_path, base + "token = 'anon'\n"), environ={}).remote.storage_options == {
+        "token": "anon"
+    }
+    with pytest.raises(ConfigError, match="remote.storage_options.token"):
+        load_config(write(tmp_path, base + "token = 'ya29.secret-looking'\n"), environ={})
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read the config"):
+        load_config(tmp_path / "nope.toml", environ={})
+
+
+def test_manager_from_config_uses_the_bucket_and_retention(tmp_path, s3_url, states):
+    url, options = s3_url
+    path = write(
+        tmp_path,
+        f"[local]\ndir = '{tmp_path / 'local'}'\nkeep_last = 1\n[remote]\nurl = '{url}'\n[verify]\nmode = 'fast'\n",
+    )
+    with CheckpointManager.from_config(
+        path, world_size=4, storage_options=options, sharded_keys=ZERO1_SHARDED_KEYS
+    ) as manager:
+        assert manager.root == tmp_path / "local" and manager.keep_last == 1 and manager.verify == "fast"
+        manager.save(1, states)
+        manager.wait(uploaded=True)
+        assert manager.remote_steps() == [1]
+        assert_states_equal(states, manager.restore().states)

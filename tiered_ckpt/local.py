@@ -35,7 +35,7 @@ from .errors import (
 )
 from .layout import MANIFEST_NAME, is_temp_name, parse_step_dir_name, temp_name, temp_target
 from .manifest import MAX_MANIFEST_BYTES, ShardManifest, ShardRecord
-from .shardfile import ShardDigest, Verify, read_shard, write_all, write_shard
+from .shardfile import ShardDigest, Verify, hash_stream, read_shard, write_all, write_shard
 
 __all__ = [
     "fsync_directory",
@@ -44,6 +44,7 @@ __all__ = [
     "directory_lock",
     "write_shard_file",
     "read_shard_file",
+    "check_shard_file",
     "commit_manifest",
     "read_manifest",
     "is_committed",
@@ -215,6 +216,22 @@ def read_shard_file(
             raise ChecksumMismatchError(f"{what}: file has {size} bytes, the manifest records {record.size_bytes}")
         expected = ShardDigest(record.size_bytes, record.sha256, record.xxh3_64)
         return read_shard(source, expected=expected, verify=verify, what=what, into=into)
+
+
+def check_shard_file(directory: Path, record: ShardRecord) -> str | None:
+    """Hash a shard file against its record without loading it; return the problem, or None if it verifies."""
+    path = directory / record.path
+    try:
+        with open(path, "rb", buffering=0) as source:
+            size = os.fstat(source.fileno()).st_size
+            if size != record.size_bytes:
+                return f"{path}: {size} bytes, the manifest records {record.size_bytes}"
+            digest = hash_stream(source, "full")
+    except FileNotFoundError:
+        return f"{path}: missing"
+    if digest.sha256 != record.sha256:
+        return f"{path}: sha256 is {digest.sha256}, the manifest records {record.sha256}"
+    return None
 
 
 def commit_manifest(directory: Path, manifest: ShardManifest) -> None:

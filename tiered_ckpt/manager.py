@@ -45,6 +45,7 @@ from .errors import (
 )
 from .layout import step_dir_name
 from .local import (
+    check_shard_file,
     commit_manifest,
     committed_steps,
     delete_checkpoint,
@@ -546,6 +547,72 @@ class CheckpointManager:
             states = reshard_states(states, manifest, target)
         sources = {record.rank: source for record, (_arrays, source) in zip(manifest.shards, fetched, strict=True)}
         return RestoreResult(step, states, sources, manifest)
+
+    def pull(self, step: int | None = None) -> dict[int, str]:
+        """Fill the local tier with a remote step (default: the newest) without loading it.
+
+        Local shards that verify are kept; the others are streamed from the bucket and
+        verified. Returns, per rank, the tier each shard now on disk came from.
+        """
+        self._check_open()
+        if self._remote is None:
+            raise InvalidStateError("pull needs a remote tier (remote_url)")
+        remote_steps = self.remote_steps()
+        step = remote_steps[-1] if step is None and remote_steps else step
+        if step is None or step not in remote_steps:
+            raise IncompleteCheckpointError(f"{self._remote.url}: step {step} is not committed remotely")
+        remote = self._remote.read_manifest(step)
+        directory = self.root / step_dir_name(step)
+        directory.mkdir(exist_ok=True)
+
+        def fetch(record: ShardRecord) -> str:
+            if check_shard_file(directory, record) is None:
+                return "local"
+            assert self._remote is not None
+            self._remote.download_shard(step, record, directory / record.path)
+            return "remote"
+
+        sources = run_parallel(fetch, remote.manifest.shards, self._max_workers)
+        if step not in self.steps():
+            fsync_directory(directory)
+            commit_manifest(directory, remote.manifest)
+        write_receipt(directory, self._remote.url, remote)
+        return dict(enumerate(sources))
+
+    def push(self, step: int | None = None) -> list[int]:
+        """Upload ``step`` (default: every local step not yet committed remotely) and wait for it.
+
+        Returns the steps uploaded; raises :class:`UploadError` if one fails.
+        """
+        self._check_open()
+        if self._remote is None or self._uploader is None:
+            raise InvalidStateError("push needs a remote tier (remote_url)")
+        local = self.steps()
+        if step is not None and step not in local:
+            raise IncompleteCheckpointError(f"{self.root}: step {step} is not committed locally")
+        pending = [s for s in local if not read_receipt(self.root / step_dir_name(s), self._remote.url)]
+        chosen = [step] if step is not None else pending
+        for each in chosen:
+            if each not in self._uploader.pending() and each in pending:
+                self._uploader.submit(each, bounded=False)
+        self.wait(uploaded=True)
+        return [each for each in chosen if each in pending]
+
+    def prune(self, *, dry_run: bool = False) -> dict[str, list[int]]:
+        """Apply retention to both tiers now; return the steps deleted (or, with ``dry_run``, to delete)."""
+        self._check_open()
+        self.wait(uploaded=True)
+        local = committed_steps(self.root)
+        plan = {"local": _to_delete(local, self.keep_last, self.keep_every, self._awaiting_upload(local))}
+        remote_steps = self.remote_steps()
+        plan["remote"] = _to_delete(remote_steps, self.keep_last_remote, self.keep_every_remote) if self._remote else []
+        if not dry_run:
+            for step in plan["local"]:
+                delete_checkpoint(self.root / step_dir_name(step))
+            for step in plan["remote"]:
+                assert self._remote is not None
+                self._remote.delete_step(step)
+        return plan
 
     def _where(self) -> str:
         return str(self.root) + (f" and {self._remote.url}" if self._remote is not None else "")

@@ -37,7 +37,7 @@ from .errors import ChecksumMismatchError, ManifestError, RemoteError
 from .layout import MANIFEST_NAME, parse_step_dir_name, step_dir_name
 from .local import atomic_write
 from .manifest import MAX_MANIFEST_BYTES, RemoteManifest, ShardManifest, ShardRecord
-from .shardfile import ShardDigest, copy_and_hash
+from .shardfile import ShardDigest, copy_and_hash, hash_stream
 
 __all__ = ["RemoteTier", "is_transient"]
 
@@ -274,6 +274,19 @@ class RemoteTier:
         with self._translated(f"downloading {location}"):
             with self._fs.open(self._path(step, record.path), "rb", block_size=16 << 20) as source:
                 atomic_write(target, lambda out: copy_and_hash(source, out), check=check)
+
+    def check_shard(self, step: int, record: ShardRecord) -> str | None:
+        """Stream and hash one shard object; return the problem, or None if it matches the record."""
+        location = self.location(step, record.path)
+        with self._translated(f"reading {location}"):
+            try:
+                with self._fs.open(self._path(step, record.path), "rb", block_size=16 << 20) as source:
+                    digest = hash_stream(source, "full")
+            except FileNotFoundError:
+                return f"{location}: missing"
+        if digest.size_bytes != record.size_bytes or digest.sha256 != record.sha256:
+            return f"{location}: {digest.size_bytes} bytes with sha256 {digest.sha256}, expected {record.sha256}"
+        return None
 
     # -- deleting -----------------------------------------------------------------------
 

@@ -1,0 +1,137 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import S3_TEST_KEY, S3_TEST_SECRET, ZERO1_SHARDED_KEYS, flip_byte, zero1_states
+from tiered_ckpt import CheckpointManager
+from tiered_ckpt.layout import step_dir_name
+from tiered_ckpt.remote import RemoteTier
+
+
+@pytest.fixture
+def setup(tmp_path, s3_url, moto_endpoint):
+    """A config file for a local directory and a moto bucket; credentials in the environment."""
+    url, options = s3_url
+    local = tmp_path / "local"
+    config = tmp_path / "ckpt.toml"
+    config.write_text(
+        f"[local]\ndir = '{local}'\nkeep_last = 1\n[remote]\nurl = '{url}'\nkeep_last = 2\n"
+        f"[remote.storage_options]\nendpoint_url = '{moto_endpoint}'\n"
+        "[remote.storage_options.client_kwargs]\nregion_name = 'us-east-1'\n"
+    )
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": S3_TEST_KEY, "AWS_SECRET_ACCESS_KEY": S3_TEST_SECRET}
+    return config, local, url, options, env
+
+
+def run(env, *args):
+    """Run the real entry point; return (exit code, stdout, stderr)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "tiered_ckpt", *args], capture_output=True, text=True, env=env, timeout=300
+    )
+    return result.returncode, result.stdout, result.stderr
+
+
+def save_steps(local, url, options, steps, *, upload=True):
+    manager = CheckpointManager(
+        local,
+        world_size=4,
+        keep_last=None,
+        sharded_keys=ZERO1_SHARDED_KEYS,
+        **({"remote_url": url, "storage_options": options} if upload else {}),
+    )
+    for step in steps:
+        manager.save(step, zero1_states(seed=step))
+    manager.wait(uploaded=True)
+    manager.close()
+
+
+def test_ls_shows_each_step_in_each_tier(setup):
+    config, local, url, options, env = setup
+    save_steps(local, url, options, [1, 2])
+    save_steps(local, url, options, [3], upload=False)
+    (local / step_dir_name(4)).mkdir()  # a step being written: no manifest yet
+    code, out, err = run(env, "--config", str(config), "--json", "ls")
+    assert code == 0, err
+    rows = {row["step"]: row for row in json.loads(out)}
+    assert [rows[s]["local"] for s in (1, 2, 3, 4)] == ["committed", "committed", "committed", "staged"]
+    assert [rows[s]["remote"] for s in (1, 2, 3, 4)] == ["committed", "committed", "uploading", "-"]
+    assert rows[2]["world_size"] == 4 and rows[2]["bytes"] > 0 and rows[2]["age_seconds"] >= 0
+    code, out, _ = run(env, "--config", str(config), "ls")
+    assert code == 0 and "STEP" in out.splitlines()[0] and "uploading" in out
+
+
+def test_verify_passes_then_fails_on_a_flipped_byte_in_either_tier(setup):
+    config, local, url, options, env = setup
+    save_steps(local, url, options, [5])
+    code, out, err = run(env, "--config", str(config), "verify")
+    assert code == 0, err
+    assert "8 shards verified, 0 failed" in out
+    flip_byte(local / step_dir_name(5) / "rank-00002-of-00004.safetensors", 99)
+    code, out, _ = run(env, "--config", str(config), "--json", "verify", "5")
+    failed = [(r["tier"], r["rank"]) for r in json.loads(out) if not r["ok"]]
+    assert code == 1 and failed == [("local", 2)]
+    tier = RemoteTier(url, options)
+    tier._fs.pipe_file(f"{tier._root}/{step_dir_name(5)}/rank-00000-of-00004.safetensors", b"garbage")
+    code, out, _ = run(env, "--config", str(config), "--json", "verify")
+    failed = sorted((r["tier"], r["rank"]) for r in json.loads(out) if not r["ok"])
+    assert code == 1 and failed == [("local", 2), ("remote", 0)]
+
+
+def test_pull_refills_a_lost_local_directory(setup):
+    config, local, url, options, env = setup
+    save_steps(local, url, options, [7])
+    import shutil
+
+    shutil.rmtree(local)
+    code, out, err = run(env, "--config", str(config), "--json", "pull")
+    assert code == 0, err
+    assert json.loads(out) == {"step": 7, "downloaded_ranks": [0, 1, 2, 3]}
+    code, out, _ = run(env, "--config", str(config), "verify", "7")
+    assert code == 0 and "8 shards verified, 0 failed" in out
+
+
+def test_push_uploads_what_only_the_local_tier_holds(setup):
+    config, local, url, options, env = setup
+    save_steps(local, url, options, [1, 2], upload=False)
+    code, out, err = run(env, "--config", str(config), "--json", "push")
+    assert code == 0, err
+    assert json.loads(out) == {"uploaded_steps": [1, 2]}
+    assert RemoteTier(url, options).committed_steps() == [1, 2]
+    code, out, _ = run(env, "--config", str(config), "--json", "push")
+    assert json.loads(out) == {"uploaded_steps": []}
+
+
+def test_prune_dry_run_then_prune(setup):
+    config, local, url, options, env = setup
+    save_steps(local, url, options, [1, 2, 3])
+    code, out, err = run(env, "--config", str(config), "--json", "prune", "--dry-run")
+    assert code == 0, err
+    assert json.loads(out) == {"dry_run": True, "local": [1, 2], "remote": [1]}
+    assert sorted(p.name for p in local.iterdir()) == [step_dir_name(s) for s in (1, 2, 3)]
+    code, out, _ = run(env, "--config", str(config), "--json", "prune")
+    assert code == 0 and json.loads(out) == {"dry_run": False, "local": [1, 2], "remote": [1]}
+    assert sorted(p.name for p in local.iterdir()) == [step_dir_name(3)]
+    assert RemoteTier(url, options).committed_steps() == [2, 3]
+
+
+def test_bad_config_exits_2_naming_the_key(tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text("[local]\ndir = 5\n")
+    code, _, err = run(os.environ, "--config", str(config), "ls")
+    assert code == 2 and "local.dir" in err and str(config) in err
+
+
+def test_environment_alone_configures_the_local_tier(tmp_path):
+    env = {**os.environ, "TIERED_CKPT_LOCAL_DIR": str(tmp_path)}
+    code, out, err = run(env, "--json", "ls")
+    assert code == 0, err
+    assert json.loads(out) == []
+
+
+def test_failure_to_reach_a_step_exits_1(tmp_path):
+    env = {**os.environ, "TIERED_CKPT_LOCAL_DIR": str(tmp_path)}
+    code, _, err = run(env, "verify", "9")
+    assert code == 1 and "step 9 is committed in no tier" in err

@@ -7,6 +7,7 @@ Usage (also ``python -m tiered_ckpt``)::
     tiered-ckpt [--config FILE] [--json] pull [STEP]     fill the local tier from the bucket
     tiered-ckpt [--config FILE] [--json] push [STEP]     upload what is not yet in the bucket
     tiered-ckpt [--config FILE] [--json] prune [--dry-run]   apply retention to both tiers
+    tiered-ckpt demo [--dir DIR]                         kill -9, a lost disk, a bit-exact resume
     tiered-ckpt bench [ARGS...]                          the benchmark (python -m tiered_ckpt.bench)
 
 Without ``--config`` the ``TIERED_CKPT_*`` environment variables (at least
@@ -198,6 +199,7 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("step", type=int, nargs="?", help="one step (default: all, or the newest for pull)")
     prune = commands.add_parser("prune", help="apply retention to both tiers")
     prune.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
+    commands.add_parser("demo", help="the demo: a run killed, a disk lost, a bit-exact resume", add_help=False)
     commands.add_parser("bench", help="the benchmark; arguments go to python -m tiered_ckpt.bench", add_help=False)
     return parser
 
@@ -213,10 +215,14 @@ COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
-    if "bench" in arguments:
+    if arguments[:1] == ["bench"]:
         from .bench import main as bench_main
 
-        return bench_main(arguments[arguments.index("bench") + 1 :])
+        return bench_main(arguments[1:])
+    if arguments[:1] == ["demo"]:
+        from .demo import main as demo_main
+
+        return demo_main(arguments[1:])
     args = _parser().parse_args(arguments)
     try:
         overrides = {k: v for k, v in (("local_dir", args.local_dir), ("remote_url", args.remote_url)) if v is not None}

@@ -17,3 +17,34 @@ def test_quickstart_saves_reloads_and_shows_the_three_failure_modes(tmp_path):
     assert sorted(p.name for p in step_dir.iterdir()) == ["manifest.json"] + [
         f"rank-{r:05d}-of-00004.safetensors" for r in range(4)
     ]
+
+
+def test_training_example_resumes_and_a_fresh_node_restores_from_the_bucket(tmp_path, s3_url, moto_endpoint):
+    import os
+
+    from conftest import S3_TEST_KEY, S3_TEST_SECRET
+
+    url, _options = s3_url
+    config = tmp_path / "job.toml"
+    config.write_text(
+        f"[local]\ndir = '{tmp_path / 'node-a'}'\n[remote]\nurl = '{url}'\n"
+        f"[remote.storage_options]\nendpoint_url = '{moto_endpoint}'\n"
+        "[remote.storage_options.client_kwargs]\nregion_name = 'us-east-1'\n"
+    )
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": S3_TEST_KEY, "AWS_SECRET_ACCESS_KEY": S3_TEST_SECRET}
+
+    def run(script, *args):
+        result = subprocess.run(
+            [sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True, env=env, timeout=300
+        )
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    first = run("train_numpy_zero1.py", "--config", str(config), "--steps", "20")
+    assert "step 20: loss" in first and "resumed" not in first
+    second = run("train_numpy_zero1.py", "--config", str(config), "--steps", "30")
+    assert "resumed from step 20; shards from {0: 'local', 1: 'local', 2: 'local', 3: 'local'}" in second
+    fresh = run("resume_from_bucket.py", "--config", str(config), "--local-dir", str(tmp_path / "node-b"))
+    assert "restored step 30 of 4 ranks" in fresh
+    assert "{0: 'remote', 1: 'remote', 2: 'remote', 3: 'remote'}" in fresh
+    assert sorted(p.name for p in (tmp_path / "node-b").iterdir()) == ["step-000000000030"]

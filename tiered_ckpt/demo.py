@@ -34,7 +34,7 @@ import numpy as np
 
 from .manager import CheckpointManager
 
-__all__ = ["ZeroOneAdam", "train", "main"]
+__all__ = ["WORLD_SIZE", "ZeroOneAdam", "batch", "loss_and_grad", "train_step", "train", "main"]
 
 WORLD_SIZE = 4
 DIMS = (32, 64, 8)
@@ -123,6 +123,18 @@ class ZeroOneAdam:
             state["master_fp32"] -= self.lr * m_hat / (np.sqrt(v_hat) + np.float32(1e-8))
 
 
+def train_step(optimizer: ZeroOneAdam, step: int) -> np.float32:
+    """One data-parallel step: each rank's micro-batch gradient, the all-reduce (a mean), then
+    each rank's Adam update of its slice. Returns the step's loss."""
+    inputs, targets = batch(step)
+    micro = [
+        loss_and_grad(optimizer.params(), x, y)
+        for x, y in zip(np.split(inputs, WORLD_SIZE), np.split(targets, WORLD_SIZE), strict=True)
+    ]
+    optimizer.step(np.mean([grad for _loss, grad in micro], axis=0).astype(np.float32))
+    return np.float32(np.mean([loss for loss, _grad in micro]))
+
+
 def train(
     total_steps: int,
     manager: CheckpointManager | None = None,
@@ -144,15 +156,7 @@ def train(
         print(f"  resumed at step {start}; shards from: {restored.sources}", flush=True)
     losses = {}
     for step in range(start + 1, total_steps + 1):
-        inputs, targets = batch(step)
-        # Data parallel: each rank's micro-batch gradient, then the all-reduce (a mean).
-        micro = [
-            loss_and_grad(optimizer.params(), x, y)
-            for x, y in zip(np.split(inputs, WORLD_SIZE), np.split(targets, WORLD_SIZE), strict=True)
-        ]
-        loss = np.float32(np.mean([m[0] for m in micro]))
-        optimizer.step(np.mean([m[1] for m in micro], axis=0).astype(np.float32))
-        losses[step] = float(loss).hex()
+        losses[step] = float(train_step(optimizer, step)).hex()
         if manager is not None and step % every == 0:
             manager.save(step, optimizer.states)
         if on_step is not None:

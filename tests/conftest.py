@@ -160,6 +160,23 @@ def s3_storage_options(endpoint: str) -> dict:
     }
 
 
+def write_s3_config(
+    path: Path, local_dir: Path, url: str, endpoint: str, *, local_keep: str = "", remote_keep: str = ""
+) -> Path:
+    """Write a TOML config for ``local_dir`` and the moto bucket at ``url``; credentials stay out of it."""
+    path.write_text(
+        f"[local]\ndir = '{local_dir}'\n{local_keep}\n[remote]\nurl = '{url}'\n{remote_keep}\n"
+        f"[remote.storage_options]\nendpoint_url = '{endpoint}'\n"
+        "[remote.storage_options.client_kwargs]\nregion_name = 'us-east-1'\n"
+    )
+    return path
+
+
+def s3_credentials_env() -> dict[str, str]:
+    """This process's environment plus the test credentials, as the store's own chain reads them."""
+    return {**os.environ, "AWS_ACCESS_KEY_ID": S3_TEST_KEY, "AWS_SECRET_ACCESS_KEY": S3_TEST_SECRET}
+
+
 @pytest.fixture
 def s3_url(moto_endpoint, request):
     """A fresh bucket on the moto server; returns (url, storage_options)."""

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import S3_TEST_KEY, S3_TEST_SECRET, ZERO1_SHARDED_KEYS, flip_byte, zero1_states
+from conftest import ZERO1_SHARDED_KEYS, flip_byte, s3_credentials_env, write_s3_config, zero1_states
 from tiered_ckpt import CheckpointManager
 from tiered_ckpt.layout import step_dir_name
 from tiered_ckpt.remote import RemoteTier
@@ -16,14 +16,10 @@ def setup(tmp_path, s3_url, moto_endpoint):
     """A config file for a local directory and a moto bucket; credentials in the environment."""
     url, options = s3_url
     local = tmp_path / "local"
-    config = tmp_path / "ckpt.toml"
-    config.write_text(
-        f"[local]\ndir = '{local}'\nkeep_last = 1\n[remote]\nurl = '{url}'\nkeep_last = 2\n"
-        f"[remote.storage_options]\nendpoint_url = '{moto_endpoint}'\n"
-        "[remote.storage_options.client_kwargs]\nregion_name = 'us-east-1'\n"
+    config = write_s3_config(
+        tmp_path / "ckpt.toml", local, url, moto_endpoint, local_keep="keep_last = 1", remote_keep="keep_last = 2"
     )
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": S3_TEST_KEY, "AWS_SECRET_ACCESS_KEY": S3_TEST_SECRET}
-    return config, local, url, options, env
+    return config, local, url, options, s3_credentials_env()
 
 
 def run(env, *args):

@@ -2,6 +2,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import s3_credentials_env, write_s3_config
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -20,18 +22,9 @@ def test_quickstart_saves_reloads_and_shows_the_three_failure_modes(tmp_path):
 
 
 def test_training_example_resumes_and_a_fresh_node_restores_from_the_bucket(tmp_path, s3_url, moto_endpoint):
-    import os
-
-    from conftest import S3_TEST_KEY, S3_TEST_SECRET
-
     url, _options = s3_url
-    config = tmp_path / "job.toml"
-    config.write_text(
-        f"[local]\ndir = '{tmp_path / 'node-a'}'\n[remote]\nurl = '{url}'\n"
-        f"[remote.storage_options]\nendpoint_url = '{moto_endpoint}'\n"
-        "[remote.storage_options.client_kwargs]\nregion_name = 'us-east-1'\n"
-    )
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": S3_TEST_KEY, "AWS_SECRET_ACCESS_KEY": S3_TEST_SECRET}
+    config = write_s3_config(tmp_path / "job.toml", tmp_path / "node-a", url, moto_endpoint)
+    env = s3_credentials_env()
 
     def run(script, *args):
         result = subprocess.run(

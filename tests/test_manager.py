@@ -528,3 +528,16 @@ def test_transient_faults_on_gcs_still_commit_every_step(tmp_path, faulty_gcs, g
     ) as node:
         assert node.remote_steps() == [1, 2]
         assert_states_equal(large_states(2, 64 * 1024, version=2), node.restore().states)
+
+
+def test_a_failing_start_releases_the_directory_and_stops_the_uploader(tmp_path, memory_url, states):
+    url, options = memory_url
+    with CheckpointManager(tmp_path, world_size=4, sharded_keys=ZERO1_SHARDED_KEYS) as manager:
+        manager.save(1, states)  # local only: no receipt
+    tier = RemoteTier(url, options)
+    tier._fs.pipe_file(f"{tier._root}/{step_dir_name(1)}/manifest.json", b"{not json")
+    threads_before = {thread.name for thread in threading.enumerate()}
+    with pytest.raises(ManifestError, match="not a valid JSON manifest"):
+        CheckpointManager(tmp_path, world_size=4, remote_url=url, storage_options=options)
+    assert not any(t.name.startswith("tiered-ckpt") for t in threading.enumerate() if t.name not in threads_before)
+    CheckpointManager(tmp_path, world_size=4).close()  # the directory was released

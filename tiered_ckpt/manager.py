@@ -216,6 +216,8 @@ class CheckpointManager:
         ]:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
+        if verify not in ("full", "fast"):
+            raise ValueError(f"verify must be 'full' or 'fast', got {verify!r}")
         self._coordinator = coordinator or SingleProcessCoordinator(world_size)
         if not isinstance(self._coordinator, SingleProcessCoordinator):
             raise NotImplementedError("only SingleProcessCoordinator is supported so far")
@@ -223,45 +225,47 @@ class CheckpointManager:
             raise ValueError(f"world_size is {world_size} but the coordinator has {self._coordinator.world_size}")
         self.world_size = world_size
         self.root = Path(local_dir)
-        self.keep_last = keep_last
-        self.keep_every = keep_every
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.keep_last_remote, self.keep_every_remote = keep_last_remote, keep_every_remote
+        self.verify: Verify = verify
         self._sharded_keys = tuple(sharded_keys) if sharded_keys is not None else None
         self._max_workers = max_workers
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._exit_stack = ExitStack()
-        self._exit_stack.enter_context(directory_lock(self.root))
-        removed = remove_uncommitted(self.root)
-        if removed:
-            logger.warning("removed what crashed saves left in %s: %s", self.root, ", ".join(removed))
-        if verify not in ("full", "fast"):
-            raise ValueError(f"verify must be 'full' or 'fast', got {verify!r}")
-        self.verify: Verify = verify
-        self.keep_last_remote = keep_last_remote
-        self.keep_every_remote = keep_every_remote
-        self._retention_lock = threading.Lock()
-        self._remote = RemoteTier(remote_url, storage_options) if remote_url is not None else None
-        self._uploader: Uploader | None = None
-        self._newest_remote: int | None = None
-        if self._remote is not None:
-            self._uploader = Uploader(
-                self.root,
-                self._remote,
-                on_committed=self._after_remote_commit,
-                concurrency=upload_concurrency,
-                max_tries=upload_max_tries,
-                backoff_seconds=upload_backoff_seconds,
-                max_pending=max_pending_uploads,
-                when_behind=when_uploads_behind,
-            )
-            self._resume_uploads()
         self._staging = StagingBuffers()
-        self._writer = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="tiered-ckpt-writer", initializer=_lower_thread_priority
-        )
         self._last_save: SaveHandle | None = None
         self._errors: list[SaveError] = []  # failed background saves not yet raised
         self._errors_lock = threading.Lock()
+        self._retention_lock = threading.Lock()
         self._closed = False
+        self._remote = RemoteTier(remote_url, storage_options) if remote_url is not None else None
+        self._uploader: Uploader | None = None
+        self._newest_remote: int | None = None
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._exit_stack = ExitStack()
+        self._exit_stack.enter_context(directory_lock(self.root))
+        try:
+            removed = remove_uncommitted(self.root)
+            if removed:
+                logger.warning("removed what crashed saves left in %s: %s", self.root, ", ".join(removed))
+            if self._remote is not None:
+                self._uploader = Uploader(
+                    self.root,
+                    self._remote,
+                    on_committed=self._after_remote_commit,
+                    concurrency=upload_concurrency,
+                    max_tries=upload_max_tries,
+                    backoff_seconds=upload_backoff_seconds,
+                    max_pending=max_pending_uploads,
+                    when_behind=when_uploads_behind,
+                )
+                self._exit_stack.callback(self._uploader.close)
+                self._resume_uploads()
+        except BaseException:
+            self._exit_stack.close()  # release the directory and stop the uploader: nothing is half-open
+            raise
+        self._writer = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tiered-ckpt-writer", initializer=_lower_thread_priority
+        )
 
     @classmethod
     def from_config(
@@ -461,10 +465,8 @@ class CheckpointManager:
         self._closed = True
         try:
             self._writer.shutdown(wait=True)
-            if self._uploader is not None:
-                self._uploader.close()
         finally:
-            self._exit_stack.close()
+            self._exit_stack.close()  # finishes the uploads (LIFO), then releases the directory
         self._raise_background_error()
 
     def _check_open(self) -> None:

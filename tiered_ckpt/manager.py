@@ -68,6 +68,7 @@ from .sharded import (
     write_checkpoint,
 )
 from .shardfile import Verify, check_arrays
+from .tensors import numpy_state, torch_state
 from .uploader import Uploader, WhenBehind, read_receipt, write_receipt
 
 __all__ = ["CheckpointManager", "SaveHandle", "RestoreResult", "StagingBuffers"]
@@ -171,6 +172,10 @@ class RestoreResult:
     states: list[dict[str, np.ndarray]]
     sources: dict[int, str]
     manifest: ShardManifest = field(repr=False)
+
+    def torch_states(self) -> list[dict[str, Any]]:
+        """``states`` as CPU torch tensors sharing the arrays' memory (needs torch)."""
+        return [torch_state(state) for state in self.states]
 
 
 class CheckpointManager:
@@ -352,7 +357,7 @@ class CheckpointManager:
     # -- saving -------------------------------------------------------------------------
 
     def save(self, step: int, states: Sequence[State], *, blocking: bool = False) -> SaveHandle:
-        """Checkpoint ``states`` (one dict of arrays per rank) as ``step``.
+        """Checkpoint ``states`` (one dict of numpy arrays or torch tensors per rank) as ``step``.
 
         Returns once the arrays are copied to staging buffers: the caller may then
         overwrite its arrays. The write runs in the background; ``blocking=True``
@@ -366,6 +371,7 @@ class CheckpointManager:
         self._raise_background_error()
         validate_step(step)
         validate_states(states, self.world_size)
+        states = [numpy_state(state) for state in states]  # torch tensors become numpy views
         newest = self.latest_step()
         if newest is not None and step <= newest:
             raise CheckpointExistsError(

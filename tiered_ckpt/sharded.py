@@ -38,6 +38,7 @@ from .local import (
 )
 from .manifest import ShardManifest, ShardRecord
 from .shardfile import Verify, check_arrays
+from .tensors import numpy_state
 
 __all__ = [
     "save_sharded",
@@ -202,6 +203,7 @@ def save_sharded(
     """
     validate_states(states_per_rank, world_size)
     validate_step(step)
+    states_per_rank = [numpy_state(state) for state in states_per_rank]  # torch tensors become numpy views
     keys, numels = resolve_sharded_keys(states_per_rank, sharded_keys)
     for rank, state in enumerate(states_per_rank):
         check_arrays(state, f"rank {rank}")

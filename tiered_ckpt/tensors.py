@@ -1,0 +1,63 @@
+"""torch tensors <-> the numpy arrays a shard holds, without copies on the CPU.
+
+torch is optional: this module imports it only when called, and the rest of the library
+never imports it. A CPU tensor becomes a numpy *view* of the same memory (bf16 and fp8
+through an integer view reinterpreted with ``ml_dtypes``); a tensor on another device
+is copied to host memory first. Every dtype round-trips byte for byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+__all__ = ["is_tensor", "to_numpy", "to_torch", "numpy_state", "torch_state"]
+
+# torch dtypes numpy has no type for: (torch dtype name, same-size integer view, ml_dtypes type)
+_REINTERPRETED = {
+    "bfloat16": ("int16", ml_dtypes.bfloat16),
+    "float8_e4m3fn": ("uint8", ml_dtypes.float8_e4m3fn),
+    "float8_e5m2": ("uint8", ml_dtypes.float8_e5m2),
+}
+
+
+def is_tensor(value: Any) -> bool:
+    """True for a torch.Tensor, without importing torch."""
+    return type(value).__module__.startswith("torch") and hasattr(value, "data_ptr")
+
+
+def to_numpy(tensor: Any) -> np.ndarray:
+    """The tensor's values as a numpy array: a view on the CPU, a host copy from another device."""
+    import torch
+
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.to("cpu")
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name in _REINTERPRETED:
+        integer, numpy_type = _REINTERPRETED[name]
+        return tensor.view(getattr(torch, integer)).numpy().view(numpy_type)
+    return tensor.numpy()
+
+
+def to_torch(array: np.ndarray) -> Any:
+    """The array as a CPU tensor sharing its memory (bf16 and fp8 included)."""
+    import torch
+
+    for name, (integer, numpy_type) in _REINTERPRETED.items():
+        if array.dtype == np.dtype(numpy_type):
+            return torch.from_numpy(array.view(integer)).view(getattr(torch, name))
+    return torch.from_numpy(array)
+
+
+def numpy_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A state dict with every tensor replaced by its numpy view; other values are kept as they are."""
+    return {key: to_numpy(value) if is_tensor(value) else value for key, value in state.items()}
+
+
+def torch_state(state: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """A state dict of numpy arrays as CPU tensors sharing their memory."""
+    return {key: to_torch(value) for key, value in state.items()}

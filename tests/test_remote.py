@@ -147,3 +147,13 @@ def test_sha256_is_kept_as_object_metadata_on_gcs(gcs_url, saved):
         f"{url.removeprefix('gs://')}/step-000000000003/{manifest.shard(1).path}"
     )
     assert info["metadata"]["sha256"] == manifest.shard(1).sha256
+
+
+def test_a_url_or_option_fsspec_cannot_use_is_a_permanent_remote_error():
+    with pytest.raises(RemoteError, match="cannot open nosuch://bucket/run") as caught:
+        RemoteTier("nosuch://bucket/run")
+    assert not caught.value.transient
+    tier = RemoteTier("s3://bucket/run", {"no_such_option": 1})  # s3fs complains on first use
+    with pytest.raises(RemoteError, match="listing s3://bucket/run: permanent error TypeError") as caught:
+        tier.committed_steps()
+    assert not caught.value.transient

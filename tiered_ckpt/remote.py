@@ -105,7 +105,7 @@ class RemoteTier:
         self._part_bytes = part_bytes
         try:
             self._fs, self._root = url_to_fs(self.url, **dict(storage_options or {}))
-        except (ImportError, ValueError) as exc:
+        except (ImportError, ValueError, TypeError) as exc:  # a missing backend, a bad option
             raise RemoteError(f"cannot open {self.url}: {exc}", transient=False) from exc
         self._root = self._root.rstrip("/")
         protocol = self._fs.protocol

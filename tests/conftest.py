@@ -367,9 +367,19 @@ def cloud_url(request):
 
 
 @pytest.fixture
-def faulty_gcs(gcs_endpoint, gcs_url):
+def faulty_gcs(gcs_endpoint, gcs_url, monkeypatch):
     """(proxy, url, options): the test's GCS bucket reached through a proxy failing 30 % of
-    requests. gcsfs's own retries (fixed at 6, with backoff) stay on: it has no switch."""
+    requests. gcsfs's own retries (fixed at 6) stay on, as it has no switch; only their
+    backoff sleeps (1 s to 32 s each) are cut to zero so the test stays fast."""
+    import asyncio
+    import types
+
+    import gcsfs.retry
+
+    async def no_sleep(_seconds):
+        await asyncio.sleep(0)
+
+    monkeypatch.setattr(gcsfs.retry, "asyncio", types.SimpleNamespace(sleep=no_sleep))
     proxy = FaultInjectingProxy(gcs_endpoint)
     url, options = gcs_url
     yield proxy, url, {**options, "endpoint_url": proxy.endpoint}

@@ -391,10 +391,12 @@ class BlockedUploads:
     """Holds every shard upload until released (test instrumentation of a slow bucket)."""
 
     def __init__(self, monkeypatch):
+        self.started = threading.Event()  # set once the uploader holds a step
         self.release = threading.Event()
         original = RemoteTier.upload_shard
 
         def upload_shard(tier, step, local_path, record):
+            self.started.set()
             self.release.wait()
             return original(tier, step, local_path, record)
 
@@ -404,7 +406,9 @@ class BlockedUploads:
 def test_uploads_behind_with_skip_upload_only_the_newest(tmp_path, memory_url, monkeypatch):
     blocked = BlockedUploads(monkeypatch)
     manager = two_tier(tmp_path, memory_url, keep_last=1, max_pending_uploads=1, when_uploads_behind="skip")
-    for step in (1, 2, 3):  # 1 is being uploaded, 2 waits, 3 pushes 2 out of the queue
+    manager.save(1, zero1_states(seed=1), blocking=True)
+    blocked.started.wait()  # step 1 is being uploaded, out of the queue
+    for step in (2, 3):  # 2 waits in the queue, 3 pushes it out
         manager.save(step, zero1_states(seed=step), blocking=True)
     blocked.release.set()
     manager.wait(uploaded=True)
@@ -416,7 +420,8 @@ def test_uploads_behind_with_skip_upload_only_the_newest(tmp_path, memory_url, m
 def test_uploads_behind_with_wait_hold_the_next_save(tmp_path, memory_url, monkeypatch):
     blocked = BlockedUploads(monkeypatch)
     manager = two_tier(tmp_path, memory_url, max_pending_uploads=1, when_uploads_behind="wait")
-    manager.save(1, zero1_states(seed=1), blocking=True)  # uploading (held)
+    manager.save(1, zero1_states(seed=1), blocking=True)
+    blocked.started.wait()  # step 1 is being uploaded (held)
     manager.save(2, zero1_states(seed=2), blocking=True)  # queued
     third = manager.save(3, zero1_states(seed=3))  # committed locally, waits for room in the queue
     assert not third.done()

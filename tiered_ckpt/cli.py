@@ -67,10 +67,13 @@ def _remote_tier(config: Config) -> RemoteTier | None:
     return RemoteTier(config.remote.url, config.remote.storage_options) if config.remote else None
 
 
-def _manifest(config: Config, remote: RemoteTier | None, step: int, local: dict[int, str]) -> ShardManifest | None:
+def _manifest(
+    config: Config, remote: RemoteTier | None, step: int, local: dict[int, str], remote_committed: set[int]
+) -> ShardManifest | None:
+    """The step's manifest from the local tier, else the remote one; None where neither has it."""
     if local.get(step) == "committed":
         return read_manifest(config.local.dir / step_dir_name(step))
-    if remote is not None and step in remote.committed_steps():
+    if remote is not None and step in remote_committed:
         return remote.read_manifest(step).manifest
     return None
 
@@ -90,11 +93,7 @@ def command_ls(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
             remote_state = "uploading"
         else:
             remote_state = "partial" if step in remote_partial else "-"
-        manifest = (
-            _manifest(config, remote, step, local)
-            if step in remote_committed or local.get(step) == "committed"
-            else None
-        )
+        manifest = _manifest(config, remote, step, local, remote_committed)
         rows.append(
             {
                 "step": step,
@@ -152,10 +151,9 @@ def _manager(config: Config) -> CheckpointManager:
     """A manager for moving whole steps; its world size is that of the newest checkpoint."""
     local = _local_state(config.local.dir)
     remote = _remote_tier(config)
-    candidates = sorted(
-        {s for s, state in local.items() if state == "committed"} | set(remote.committed_steps() if remote else [])
-    )
-    manifest = _manifest(config, remote, candidates[-1], local) if candidates else None
+    remote_committed = set(remote.committed_steps()) if remote else set()
+    candidates = sorted({s for s, state in local.items() if state == "committed"} | remote_committed)
+    manifest = _manifest(config, remote, candidates[-1], local, remote_committed) if candidates else None
     return CheckpointManager.from_config(config, world_size=manifest.world_size if manifest else 1)
 
 

@@ -60,6 +60,7 @@ from .manifest import RemoteManifest, ShardManifest, ShardRecord
 from .remote import RemoteTier
 from .reshard import reshard as reshard_states
 from .sharded import (
+    check_into,
     check_world_size,
     resolve_sharded_keys,
     run_parallel,
@@ -532,8 +533,7 @@ class CheckpointManager:
                 check_world_size(manifest, target, str(directory))
             elif into is not None:
                 raise InvalidStateError("into cannot be combined with reshard=True")
-            if into is not None and len(into) != manifest.world_size:
-                raise InvalidStateError(f"into holds {len(into)} rank states, the checkpoint has {manifest.world_size}")
+            check_into(into, manifest)
             directory.mkdir(exist_ok=True)
             fallback = self._remote if remote is not None else None
             fetched = run_parallel(

@@ -48,6 +48,7 @@ __all__ = [
     "validate_states",
     "validate_step",
     "check_world_size",
+    "check_into",
     "run_parallel",
     "default_workers",
 ]
@@ -226,6 +227,12 @@ def check_world_size(manifest: ShardManifest, expected_world_size: int, where: s
         )
 
 
+def check_into(into: Sequence[State] | None, manifest: ShardManifest) -> None:
+    """Raise :class:`InvalidStateError` unless ``into`` is None or holds one dict per rank."""
+    if into is not None and len(into) != manifest.world_size:
+        raise InvalidStateError(f"into holds {len(into)} rank states, the checkpoint has {manifest.world_size} ranks")
+
+
 def load_sharded(
     directory: str | os.PathLike[str],
     expected_world_size: int,
@@ -249,8 +256,7 @@ def load_sharded(
     directory = Path(directory)
     manifest = read_manifest(directory)
     check_world_size(manifest, expected_world_size, str(directory))
-    if into is not None and len(into) != manifest.world_size:
-        raise InvalidStateError(f"into holds {len(into)} rank states, the checkpoint has {manifest.world_size} ranks")
+    check_into(into, manifest)
     return run_parallel(
         lambda record: read_shard_file(directory, record, verify, into[record.rank] if into is not None else None),
         manifest.shards,

@@ -33,7 +33,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal, TypeVar
 
@@ -42,6 +41,7 @@ from .layout import step_dir_name
 from .local import atomic_write, read_manifest
 from .manifest import RemoteManifest
 from .remote import RemoteTier
+from .sharded import run_parallel
 from .shardfile import write_all
 
 __all__ = ["Uploader", "RECEIPT_NAME", "read_receipt", "write_receipt", "with_retries", "WhenBehind"]
@@ -196,9 +196,7 @@ class Uploader:
 
             self._retrying(what, step, put_and_confirm)
 
-        with ThreadPoolExecutor(self._concurrency, thread_name_prefix="tiered-ckpt-upload") as pool:
-            for future in [pool.submit(upload, rank) for rank in range(manifest.world_size)]:
-                future.result()
+        run_parallel(upload, range(manifest.world_size), self._concurrency)
         remote = self._retrying(f"commit of step {step}", step, lambda: self._remote.commit(manifest))
         self._retrying(f"latest pointer of step {step}", step, lambda: self._remote.set_latest(step))
         write_receipt(directory, self._remote.url, remote)

@@ -1,7 +1,7 @@
 """tiered_ckpt: sharded, verified, crash-safe checkpoints for distributed training."""
 
 from .config import Config, load_config
-from .coordination import Coordinator, SingleProcessCoordinator
+from .coordination import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -37,6 +37,7 @@ __all__ = [
     "ShardRecord",
     "Coordinator",
     "SingleProcessCoordinator",
+    "TorchDistributedCoordinator",
     "CheckpointError",
     "CheckpointExistsError",
     "ChecksumMismatchError",

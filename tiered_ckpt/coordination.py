@@ -1,19 +1,35 @@
 """How the processes of a job agree: which ranks a process holds, who commits, barriers.
 
 A :class:`Coordinator` is what :class:`~tiered_ckpt.CheckpointManager` asks whenever
-more than one process could be involved. Payloads are small JSON-like objects (shard
-records, step numbers), never arrays.
+more than one process could be involved. Payloads are small JSON values (shard records,
+step numbers, error descriptions), never arrays.
 
 :class:`SingleProcessCoordinator` is the case of the original lesson: one process holds
 every rank's state, so it is the leader, gathers from itself and needs no barrier.
+
+:class:`TorchDistributedCoordinator` is one process per rank under ``torch.distributed``.
+Its collectives run on a process group of its own (gloo, created when it is built), so
+a save finishing in a background thread never interleaves with the training loop's
+collectives; :meth:`Coordinator.new_channel` gives the uploader thread a second group
+so that the writer's and the uploader's collectives cannot interleave either.
+
+:func:`agree` is how every multi-process step of a checkpoint ends: each process runs
+its part, and either every process gets every result or every process raises.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+import json
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
-__all__ = ["Coordinator", "SingleProcessCoordinator"]
+from . import errors
+from .errors import CheckpointError
+
+__all__ = ["Coordinator", "SingleProcessCoordinator", "TorchDistributedCoordinator", "agree", "leader_decides"]
+
+T = TypeVar("T")
 
 
 @runtime_checkable
@@ -27,7 +43,10 @@ class Coordinator(Protocol):
 
     @property
     def local_ranks(self) -> Sequence[int]:
-        """The ranks whose state this process saves and restores."""
+        """The ranks whose state this process saves and restores.
+
+        Concatenated in process order, the processes' local ranks are ``0 .. world_size-1``.
+        """
         ...
 
     @property
@@ -45,6 +64,13 @@ class Coordinator(Protocol):
 
     def broadcast(self, payload: Any) -> Any:
         """Return the leader's payload on every process."""
+        ...
+
+    def new_channel(self) -> Coordinator:
+        """A coordinator over the same processes whose collectives never interleave with this one's.
+
+        Every process must call it, in the same order (it is itself collective).
+        """
         ...
 
 
@@ -79,3 +105,159 @@ class SingleProcessCoordinator:
 
     def broadcast(self, payload: Any) -> Any:
         return payload
+
+    def new_channel(self) -> SingleProcessCoordinator:
+        return self
+
+
+class TorchDistributedCoordinator:
+    """One process per rank under ``torch.distributed`` (which must be initialized).
+
+    ``group`` (default: every process of the job) names the ranks taking part; a rank's
+    number is its rank in that group. The collectives do not run on ``group`` itself
+    but on a new gloo group over the same ranks, created here (a collective call: every
+    rank of the job, or of ``group``, must build its coordinator at the same point).
+    So they work whatever backend trains the model (NCCL included) and never race its
+    collectives, whichever thread calls them. ``timeout`` bounds each collective (a rank
+    that died makes the others fail after it rather than hang); None keeps torch's
+    default. Payloads travel as JSON bytes, never pickled.
+    """
+
+    def __init__(self, group: Any = None, *, timeout: timedelta | None = None) -> None:
+        import torch.distributed as dist  # an optional dependency: imported only when used
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("TorchDistributedCoordinator needs torch.distributed.init_process_group() first")
+        self._dist = dist
+        self._timeout = timeout
+        self._ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        self._group = self._new_gloo_group()
+        self._rank = dist.get_rank(self._group)
+
+    def _new_gloo_group(self) -> Any:
+        subset = len(self._ranks) != self._dist.get_world_size()
+        return self._dist.new_group(
+            ranks=self._ranks, timeout=self._timeout, backend="gloo", use_local_synchronization=subset
+        )
+
+    def __repr__(self) -> str:
+        return f"TorchDistributedCoordinator(rank={self._rank}, world_size={len(self._ranks)})"
+
+    @property
+    def rank(self) -> int:
+        """This process's rank."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return len(self._ranks)
+
+    @property
+    def local_ranks(self) -> Sequence[int]:
+        return (self._rank,)
+
+    @property
+    def is_leader(self) -> bool:
+        return self._rank == 0
+
+    def barrier(self) -> None:
+        self._dist.barrier(group=self._group)
+
+    def all_gather(self, payload: Any) -> list[Any]:
+        return [json.loads(data) for data in self._all_gather_bytes(json.dumps(payload).encode())]
+
+    def broadcast(self, payload: Any) -> Any:
+        # Payloads are a few KB: one all_gather (the others send null) costs less code
+        # than a size broadcast followed by a data broadcast, and no more time.
+        return self.all_gather(payload if self.is_leader else None)[0]
+
+    def new_channel(self) -> TorchDistributedCoordinator:
+        channel = object.__new__(TorchDistributedCoordinator)
+        channel._dist, channel._timeout, channel._ranks = self._dist, self._timeout, self._ranks
+        channel._group = self._new_gloo_group()
+        channel._rank = self._rank
+        return channel
+
+    def _all_gather_bytes(self, data: bytes) -> list[bytes]:
+        # all_gather_object would pickle; a length round then a padded byte round does not.
+        import torch
+
+        dist, size = self._dist, len(self._ranks)
+        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+        dist.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64), group=self._group)
+        longest = max(int(length) for length in lengths)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        if data:
+            padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        received = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
+        dist.all_gather(received, padded, group=self._group)
+        return [bytes(chunk[: int(length)].numpy()) for chunk, length in zip(received, lengths, strict=True)]
+
+
+def agree(coordinator: Coordinator, action: Callable[[], T]) -> list[T]:
+    """Run ``action`` on every process and return every process's result, in rank order.
+
+    If ``action`` fails on any process, every process raises: the failing one its own
+    exception, the others a :class:`CheckpointError` of the same class (or the base
+    class for an exception not ours) whose message names the rank and the error. So no
+    process goes on to a collective that the others will never join. ``action`` must
+    return a JSON value.
+    """
+    failure: BaseException | None = None
+    try:
+        payload: dict[str, Any] = {"result": action()}
+    except Exception as exc:
+        failure = exc
+        payload = {"error": _describe_error(exc)}
+    gathered = coordinator.all_gather(payload)
+    if failure is not None:
+        raise failure
+    for rank, item in enumerate(gathered):
+        if "error" in item:
+            raise _error_from(item["error"], rank)
+    return [item["result"] for item in gathered]
+
+
+def leader_decides(coordinator: Coordinator, decide: Callable[[], T]) -> T:
+    """Run ``decide`` on the leader only and return its result on every process.
+
+    If it fails, every process raises (as in :func:`agree`). ``decide`` must return a
+    JSON value.
+    """
+    failure: BaseException | None = None
+    payload: dict[str, Any] | None = None
+    if coordinator.is_leader:
+        try:
+            payload = {"result": decide()}
+        except Exception as exc:
+            failure = exc
+            payload = {"error": _describe_error(exc)}
+    decision = coordinator.broadcast(payload)
+    if failure is not None:
+        raise failure
+    if "error" in decision:
+        raise _error_from(decision["error"], 0)
+    return decision["result"]
+
+
+_ERROR_ATTRIBUTES = ("step", "tries", "transient")
+
+
+def _describe_error(exc: BaseException) -> dict[str, Any]:
+    ours = isinstance(exc, CheckpointError)
+    return {
+        "type": type(exc).__name__ if ours else "CheckpointError",
+        "message": str(exc) if ours else f"{type(exc).__name__}: {exc}",
+        "attributes": {name: getattr(exc, name) for name in _ERROR_ATTRIBUTES if hasattr(exc, name)},
+    }
+
+
+def _error_from(description: dict[str, Any], rank: int) -> CheckpointError:
+    error_type = getattr(errors, str(description.get("type")), None)
+    if not (isinstance(error_type, type) and issubclass(error_type, CheckpointError)):
+        error_type = CheckpointError
+    template = error_type.__new__(error_type)
+    template.__dict__.update(
+        {name: value for name, value in dict(description.get("attributes") or {}).items() if name in _ERROR_ATTRIBUTES}
+    )
+    return errors.restated(template, f"rank {rank}: {description.get('message')}")

@@ -41,6 +41,7 @@ __all__ = [
     "RemoteError",
     "UploadError",
     "ConfigError",
+    "restated",
 ]
 
 
@@ -121,3 +122,12 @@ class UploadError(CheckpointError):
 
 class ConfigError(CheckpointError):
     """A configuration is not valid; the message names the file (or variable) and the key."""
+
+
+def restated(error: CheckpointError, message: str) -> CheckpointError:
+    """A copy of ``error`` (same class, same fields such as ``step``) that says ``message``."""
+    # Built without __init__: some classes take keyword-only fields, copied over instead.
+    copy = type(error).__new__(type(error))
+    Exception.__init__(copy, message)
+    copy.__dict__.update(error.__dict__)
+    return copy

@@ -11,6 +11,25 @@ A save, step by step (see DESIGN.md section 6):
 
 A restore picks the newest committed step (or the one asked for), verifies every
 shard before returning it, and reshards to another world size only when asked.
+
+With one process per rank (a :class:`~tiered_ckpt.TorchDistributedCoordinator`), each
+process saves and restores its own rank into a local directory of its own, and the
+processes agree at each point where one rank's view is not enough:
+
+- save: the step and the arrays' shapes are checked on every rank before staging (a bad
+  call raises on every rank); each rank writes its shard; the manifest is committed in
+  each rank's directory only once every rank's shard is durable (a failure anywhere
+  fails the save everywhere);
+- upload: each rank uploads its own shard; the leader commits the remote manifest only
+  once every rank's shard is confirmed in the bucket;
+- restore: every rank reports its committed steps, the leader picks the newest step
+  that every rank holds locally or the bucket holds, and each rank then reads its shard
+  from its own disk or, if missing or damaged, from the bucket.
+
+These collectives run on the caller's thread (the checks of save and restore) and on
+the writer and uploader threads, each on a process group of its own (see
+:mod:`tiered_ckpt.coordination`), so they never meet the training loop's collectives.
+Every rank must make the same calls in the same order, as with any collective.
 """
 
 from __future__ import annotations
@@ -20,6 +39,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
@@ -31,17 +51,19 @@ from typing import Any
 import numpy as np
 
 from .config import Config, load_config
-from .coordination import Coordinator, SingleProcessCoordinator
+from .coordination import Coordinator, SingleProcessCoordinator, agree, leader_decides
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
     ChecksumMismatchError,
+    DirectoryInUseError,
     IncompleteCheckpointError,
     InvalidStateError,
     ManifestError,
     RemoteError,
     SaveError,
     ShardFormatError,
+    restated,
 )
 from .layout import step_dir_name
 from .local import (
@@ -56,17 +78,19 @@ from .local import (
     read_shard_file,
     remove_uncommitted,
 )
-from .manifest import RemoteManifest, ShardManifest, ShardRecord
+from .manifest import SCHEMA_VERSION, RemoteManifest, ShardManifest, ShardRecord
 from .remote import RemoteTier
 from .reshard import reshard as reshard_states
+from .reshard import reshard_rank, source_ranks
 from .sharded import (
     check_into,
     check_world_size,
     resolve_sharded_keys,
     run_parallel,
+    sharding_summary,
     validate_states,
     validate_step,
-    write_checkpoint,
+    write_shards,
 )
 from .shardfile import Verify, check_arrays
 from .tensors import numpy_state, torch_state
@@ -165,24 +189,42 @@ class SaveHandle:
 class RestoreResult:
     """What :meth:`CheckpointManager.restore` returns.
 
-    ``states`` holds one dict of arrays per rank. ``sources`` maps each shard of the
-    checkpoint (by the rank that saved it) to the tier it was read from.
+    ``states[i]`` is the dict of arrays of rank ``ranks[i]``: every rank when one process
+    holds them all, this process's rank under a multi-process coordinator. ``sources``
+    maps each shard this process read (by the rank that saved it) to the tier it was
+    read from: ``"local"`` or ``"remote"``.
     """
 
     step: int
     states: list[dict[str, np.ndarray]]
     sources: dict[int, str]
+    ranks: tuple[int, ...]
     manifest: ShardManifest = field(repr=False)
+
+    @property
+    def state(self) -> dict[str, np.ndarray]:
+        """The one rank's arrays, when this process holds one rank (one process per rank)."""
+        if len(self.states) != 1:
+            raise InvalidStateError(f"this result holds {len(self.states)} ranks; use .states")
+        return self.states[0]
 
     def torch_states(self) -> list[dict[str, Any]]:
         """``states`` as CPU torch tensors sharing the arrays' memory (needs torch)."""
         return [torch_state(state) for state in self.states]
 
+    def torch_state(self) -> dict[str, Any]:
+        """:attr:`state` as CPU torch tensors sharing the arrays' memory (needs torch)."""
+        return torch_state(self.state)
+
 
 class CheckpointManager:
     """Saves, retains and restores the checkpoints of one training job in ``local_dir``.
 
-    ``world_size`` ranks are saved per step, each into its own shard. ``keep_last``
+    ``world_size`` ranks are saved per step, each into its own shard. By default one
+    process holds them all; with ``coordinator=TorchDistributedCoordinator()`` each
+    process holds its own rank (``world_size`` then defaults to the coordinator's), and
+    ``local_dir`` must be this process's own directory (one per rank, e.g. on the node's
+    local disk; two processes cannot share one). ``keep_last``
     keeps the newest steps (None keeps all), ``keep_every`` also keeps every step
     divisible by it; the newest committed step is never deleted. ``sharded_keys``
     names the flat-parameter slices (default: the arrays 1-D on every rank, see
@@ -197,7 +239,7 @@ class CheckpointManager:
         self,
         local_dir: str | os.PathLike[str],
         *,
-        world_size: int,
+        world_size: int | None = None,
         keep_last: int | None = 3,
         keep_every: int | None = None,
         remote_url: str | None = None,
@@ -224,11 +266,20 @@ class CheckpointManager:
                 raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
         if verify not in ("full", "fast"):
             raise ValueError(f"verify must be 'full' or 'fast', got {verify!r}")
-        self._coordinator = coordinator or SingleProcessCoordinator(world_size)
-        if not isinstance(self._coordinator, SingleProcessCoordinator):
-            raise NotImplementedError("only SingleProcessCoordinator is supported so far")
-        if self._coordinator.world_size != world_size:
-            raise ValueError(f"world_size is {world_size} but the coordinator has {self._coordinator.world_size}")
+        if coordinator is None:
+            if world_size is None:
+                raise ValueError("world_size is required when no coordinator is given")
+            coordinator = SingleProcessCoordinator(world_size)
+        world_size = coordinator.world_size if world_size is None else world_size
+        if coordinator.world_size != world_size:
+            raise ValueError(f"world_size is {world_size} but the coordinator has {coordinator.world_size}")
+        self._coordinator = coordinator
+        self._ranks = tuple(coordinator.local_ranks)
+        if len(self._ranks) != world_size and when_uploads_behind == "skip":
+            raise ValueError(
+                "when_uploads_behind='skip' needs one process holding every rank: "
+                "with one process per rank, ranks could skip different steps"
+            )
         self.world_size = world_size
         self.root = Path(local_dir)
         self.keep_last, self.keep_every = keep_last, keep_every
@@ -246,17 +297,15 @@ class CheckpointManager:
         self._uploader: Uploader | None = None
         self._newest_remote: int | None = None
 
-        self.root.mkdir(parents=True, exist_ok=True)
         self._exit_stack = ExitStack()
-        self._exit_stack.enter_context(directory_lock(self.root))
         try:
-            removed = remove_uncommitted(self.root)
-            if removed:
-                logger.warning("removed what crashed saves left in %s: %s", self.root, ", ".join(removed))
+            agree(self._coordinator, self._open_local_dir)
             if self._remote is not None:
                 self._uploader = Uploader(
                     self.root,
                     self._remote,
+                    coordinator=self._coordinator.new_channel(),
+                    ranks=self._ranks,
                     on_committed=self._after_remote_commit,
                     concurrency=upload_concurrency,
                     max_tries=upload_max_tries,
@@ -273,9 +322,28 @@ class CheckpointManager:
             max_workers=1, thread_name_prefix="tiered-ckpt-writer", initializer=_lower_thread_priority
         )
 
+    def _open_local_dir(self) -> None:
+        """Lock the local directory and remove what crashed saves left in it."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self._exit_stack.enter_context(directory_lock(self.root))
+        except DirectoryInUseError as exc:
+            if self._one_process:
+                raise
+            raise DirectoryInUseError(
+                f"{exc}; with one process per rank, give each rank a local_dir of its own"
+            ) from exc
+        removed = remove_uncommitted(self.root)
+        if removed:
+            logger.warning("removed what crashed saves left in %s: %s", self.root, ", ".join(removed))
+
+    @property
+    def _one_process(self) -> bool:
+        return len(self._ranks) == self.world_size
+
     @classmethod
     def from_config(
-        cls, config: Config | str | os.PathLike[str], *, world_size: int, **kwargs: Any
+        cls, config: Config | str | os.PathLike[str], *, world_size: int | None = None, **kwargs: Any
     ) -> CheckpointManager:
         """A manager as a config file (or a loaded :class:`Config`) describes it.
 
@@ -297,15 +365,43 @@ class CheckpointManager:
     # -- the remote tier ------------------------------------------------------------------
 
     def _resume_uploads(self) -> None:
-        """Queue local steps a crash kept from their remote commit; drop half-uploaded remote steps."""
+        """Queue local steps a crash kept from their remote commit; drop half-uploaded remote steps.
+
+        A step is resumed only if every rank still holds it; the leader lists and cleans the bucket.
+        """
         assert self._remote is not None and self._uploader is not None
         remote, retrying = self._remote, self._uploader.retrying
-        remote_steps = retrying(f"listing {remote.url}", remote.committed_steps)
+        listing = leader_decides(
+            self._coordinator,
+            lambda: {
+                "committed": retrying(f"listing {remote.url}", remote.committed_steps),
+                "uncommitted": retrying(f"listing {remote.url}", remote.uncommitted_steps),
+            },
+        )
+        remote_steps = listing["committed"]
         self._newest_remote = remote_steps[-1] if remote_steps else None
+        mine: list[int] = []
+        wanted = agree(self._coordinator, lambda: mine.extend(self._steps_to_resume(remote_steps)) or mine)
+        resumed = sorted(set(wanted[0]).intersection(*wanted[1:]))
+        for step in sorted(set(mine) - set(resumed)):
+            logger.warning("step %d is committed in %s but not on every rank: it cannot be uploaded", step, self.root)
+        if self._coordinator.is_leader:
+            for step in listing["uncommitted"]:
+                if step not in resumed:
+                    logger.warning("removing half-uploaded step %d from %s", step, remote.url)
+                    retrying(f"deleting {remote.location(step)}", functools.partial(remote.delete_step, step))
+        for step in resumed:
+            logger.warning("resuming the upload of step %d to %s", step, remote.url)
+            self._uploader.submit(step, bounded=False)
+
+    def _steps_to_resume(self, remote_steps: list[int]) -> list[int]:
+        """Local steps committed here whose remote commit a crash prevented (receipts mended on the way)."""
+        assert self._remote is not None and self._uploader is not None
+        remote, retrying = self._remote, self._uploader.retrying
         resumed = []
         for step in committed_steps(self.root):
             directory = self.root / step_dir_name(step)
-            if read_receipt(directory, self._remote.url):
+            if read_receipt(directory, remote.url):
                 continue
             if step in remote_steps:  # committed remotely, the receipt lost in a crash
                 committed = retrying(f"reading {remote.location(step)}", functools.partial(remote.read_manifest, step))
@@ -314,20 +410,15 @@ class CheckpointManager:
                     continue
             if self._newest_remote is None or step > self._newest_remote:
                 resumed.append(step)
-        for step in retrying(f"listing {remote.url}", remote.uncommitted_steps):
-            if step not in resumed:
-                logger.warning("removing half-uploaded step %d from %s", step, remote.url)
-                retrying(f"deleting {remote.location(step)}", functools.partial(remote.delete_step, step))
-        for step in resumed:
-            logger.warning("resuming the upload of step %d to %s", step, remote.url)
-            self._uploader.submit(step, bounded=False)
+        return resumed
 
     def _after_remote_commit(self, remote: RemoteManifest) -> None:
         """Uploader thread: a step is committed remotely; apply retention to both tiers."""
         assert self._remote is not None
         assert self._uploader is not None
         self._newest_remote = max(self._newest_remote or 0, remote.manifest.step)
-        if self.keep_last_remote is not None or self.keep_every_remote is not None:
+        remote_retention = self.keep_last_remote is not None or self.keep_every_remote is not None
+        if remote_retention and self._coordinator.is_leader:
             steps = self._uploader.retrying(f"listing {self._remote.url}", self._remote.committed_steps)
             for step in _to_delete(steps, self.keep_last_remote, self.keep_every_remote):
                 self._uploader.retrying(
@@ -357,29 +448,37 @@ class CheckpointManager:
 
     # -- saving -------------------------------------------------------------------------
 
-    def save(self, step: int, states: Sequence[State], *, blocking: bool = False) -> SaveHandle:
+    def save(self, step: int, states: Sequence[State] | State, *, blocking: bool = False) -> SaveHandle:
         """Checkpoint ``states`` (one dict of numpy arrays or torch tensors per rank) as ``step``.
 
-        Returns once the arrays are copied to staging buffers: the caller may then
-        overwrite its arrays. The write runs in the background; ``blocking=True``
-        waits for the commit. Raises first any background error not yet raised
-        (:class:`SaveError`), then :class:`InvalidStateError` for bad input and
-        :class:`CheckpointExistsError` if ``step`` is not newer than every
-        committed step.
+        With one process per rank, ``states`` is this rank's dict (every rank calls
+        ``save`` with the same step). Returns once the arrays are copied to staging
+        buffers: the caller may then overwrite its arrays. The write runs in the
+        background; ``blocking=True`` waits for the commit. Raises first any background
+        error not yet raised (:class:`SaveError`), then :class:`InvalidStateError` for
+        bad input and :class:`CheckpointExistsError` if ``step`` is not newer than every
+        committed step (on every rank, whichever rank's input or directory is at fault).
         """
         self._check_open()
         self._wait_for_last_save()
         self._raise_background_error()
-        validate_step(step)
-        validate_states(states, self.world_size)
-        states = [numpy_state(state) for state in states]  # torch tensors become numpy views
-        newest = self.latest_step()
+        local: list[State] = []
+
+        def check() -> dict[str, Any]:
+            validate_step(step)
+            given = [states] if isinstance(states, Mapping) else states
+            validate_states(given, len(self._ranks))
+            local.extend(numpy_state(state) for state in given)  # torch tensors become numpy views
+            return {"newest": self.latest_step(), "shapes": [sharding_summary(state) for state in local]}
+
+        reports = agree(self._coordinator, check)
+        newest = max((report["newest"] for report in reports if report["newest"] is not None), default=None)
         if newest is not None and step <= newest:
             raise CheckpointExistsError(
                 f"{self.root}: step {step} is not newer than the newest checkpoint, step {newest}"
             )
-        keys, numels = resolve_sharded_keys(states, self._sharded_keys)
-        staged = self._staging.stage(states)
+        keys, numels = resolve_sharded_keys([shape for r in reports for shape in r["shapes"]], self._sharded_keys)
+        staged = self._staging.stage(local)
         future = self._writer.submit(self._write, step, staged, keys, numels)
         handle = SaveHandle(step, future, self)
         self._last_save = handle
@@ -390,14 +489,37 @@ class CheckpointManager:
     def _write(
         self, step: int, staged: list[dict[str, np.ndarray]], keys: tuple[str, ...], numels: list[int]
     ) -> ShardManifest:
-        """Background: write and commit one step, then apply retention."""
+        """Background: write this process's shards, commit once every rank's are durable, apply retention."""
         directory = self.root / step_dir_name(step)
         try:
-            directory.mkdir(exist_ok=True)
-            fsync_directory(self.root)
-            manifest = write_checkpoint(
-                directory, staged, step, sharded_keys=keys, numels=numels, max_workers=self._max_workers
+
+            def write_local() -> dict[str, Any]:
+                directory.mkdir(exist_ok=True)
+                fsync_directory(self.root)
+                records = write_shards(
+                    directory,
+                    staged,
+                    self._ranks,
+                    step,
+                    world_size=self.world_size,
+                    numels=numels,
+                    max_workers=self._max_workers,
+                )
+                return {"shards": [record.to_dict() for record in records], "time": time.time()}
+
+            written = agree(self._coordinator, write_local)
+            manifest = ShardManifest.from_dict(
+                {
+                    "schema_version": SCHEMA_VERSION,
+                    "world_size": self.world_size,
+                    "step": step,
+                    "wall_clock_seconds": written[0]["time"],  # the leader's clock
+                    "sharded_keys": list(keys),
+                    "shards": [shard for part in written for shard in part["shards"]],
+                },
+                source=f"the shard records of step {step}",
             )
+            commit_manifest(directory, manifest)
             logger.info("committed step %d (%d bytes) in %s", step, manifest.total_bytes, directory)
             self._apply_retention()
             if self._uploader is not None:
@@ -480,6 +602,14 @@ class CheckpointManager:
         if self._closed:
             raise CheckpointError(f"{self!r} is closed")
 
+    def _check_single_process(self, operation: str) -> None:
+        self._check_open()
+        if not self._one_process:
+            raise InvalidStateError(
+                f"{operation} is a maintenance operation of one process holding every rank (as the CLI runs it); "
+                "saves of one process per rank upload and prune by themselves"
+            )
+
     # -- listing and restoring -------------------------------------------------------------
 
     def steps(self) -> list[int]:
@@ -501,7 +631,7 @@ class CheckpointManager:
         world_size: int | None = None,
         reshard: bool = False,
         verify: Verify | None = None,
-        into: Sequence[State] | None = None,
+        into: Sequence[State] | State | None = None,
     ) -> RestoreResult:
         """Load a committed step (default: the newest) with every shard verified.
 
@@ -512,49 +642,133 @@ class CheckpointManager:
         ``into`` fills the caller's arrays in place (not with resharding). A damaged
         step fails loudly with the step, rank and file named; it never falls back to
         an older step by itself.
+
+        With one process per rank every rank calls it and gets its own rank's state
+        (:attr:`RestoreResult.state`); the step is the newest that every rank holds
+        locally or the bucket holds, and a failure on any rank raises on every rank.
         """
         self._check_open()
         self.wait()
         verify = self.verify if verify is None else verify
         target = self.world_size if world_size is None else world_size
-        local_steps = self.steps()
-        remote_steps = self.remote_steps()
-        every = sorted(set(local_steps) | set(remote_steps))
+        if not self._one_process and target != self.world_size:
+            raise InvalidStateError(f"with one process per rank the world size is the coordinator's, {self.world_size}")
+        reports = agree(self._coordinator, self._report_steps)
+        remote_steps: list[int] = reports[0]["remote"]
+        held = [{int(key) for key in report["local"]} for report in reports]
+        complete = sorted(set(remote_steps).union(held[0].intersection(*held[1:])))
+        chosen: int = leader_decides(self._coordinator, lambda: self._choose_step(step, complete, held))
+        loaded: list[RestoreResult] = []
+        agree(
+            self._coordinator,
+            lambda: loaded.append(self._load_step(chosen, chosen in remote_steps, target, reshard, verify, into)),
+        )
+        self._drop_unfinished_commits(chosen, complete, reports)
+        return loaded[0]
+
+    def _report_steps(self) -> dict[str, Any]:
+        """This process's committed steps (with the world size each was saved with) and, on the
+        leader, the bucket's."""
+        local: dict[str, int | None] = {}
+        for step in committed_steps(self.root):
+            try:
+                local[str(step)] = read_manifest(self.root / step_dir_name(step)).world_size
+            except ManifestError:
+                local[str(step)] = None  # damaged: the restore falls back to the remote manifest or fails
+        remote = self.remote_steps() if self._coordinator.is_leader else None
+        return {"local": local, "remote": remote}
+
+    def _choose_step(self, step: int | None, complete: list[int], held: list[set[int]]) -> int:
+        """Leader: the step every rank restores."""
+        for partial in sorted(set().union(*held) - set(complete)):
+            holders = [rank for rank, steps in enumerate(held) if partial in steps]
+            logger.warning(
+                "step %d is committed on ranks %s only and not in the bucket (a save cut short between "
+                "ranks' commits, or a node's disk replaced): it cannot be restored",
+                partial,
+                holders,
+            )
         if step is None:
-            if not every:
+            if not complete:
                 raise IncompleteCheckpointError(f"{self._where()}: no committed checkpoint to restore")
-            step = every[-1]
-        elif step not in every:
-            raise IncompleteCheckpointError(f"{self._where()}: step {step} is not committed; committed steps: {every}")
+            return complete[-1]
+        if step not in complete:
+            raise IncompleteCheckpointError(
+                f"{self._where()}: step {step} is not committed; committed steps: {complete}"
+            )
+        return step
+
+    def _load_step(
+        self,
+        step: int,
+        in_remote: bool,
+        target: int,
+        reshard: bool,
+        verify: Verify,
+        into: Sequence[State] | State | None,
+    ) -> RestoreResult:
+        """This process's part of a restore: its ranks' verified states (resharded when asked)."""
         directory = self.root / step_dir_name(step)
+        in_local = is_committed(directory)
+        into_list = [into] if isinstance(into, Mapping) else into
         try:
-            manifest, remote = self._restore_manifests(step, step in local_steps, step in remote_steps)
+            manifest, remote = self._restore_manifests(step, in_local, in_remote)
             if not reshard:
                 check_world_size(manifest, target, str(directory))
-            elif into is not None:
+            elif into_list is not None:
                 raise InvalidStateError("into cannot be combined with reshard=True")
-            check_into(into, manifest)
+            if self._one_process:
+                check_into(into_list, manifest)
+            elif into_list is not None and len(into_list) != len(self._ranks):
+                raise InvalidStateError(f"into holds {len(into_list)} rank states, this process restores one")
+            if manifest.world_size == target:
+                wanted = list(self._ranks)
+            else:
+                new_ranks = range(target) if self._one_process else self._ranks
+                wanted = sorted({old for rank in new_ranks for old in source_ranks(manifest, target, rank)})
             directory.mkdir(exist_ok=True)
             fallback = self._remote if remote is not None else None
             fetched = run_parallel(
-                lambda record: _fetch_shard(
-                    directory, step, record, fallback, verify, into[record.rank] if into is not None else None
+                lambda index: _fetch_shard(
+                    directory,
+                    step,
+                    manifest.shard(wanted[index]),
+                    fallback,
+                    verify,
+                    into_list[index] if into_list is not None else None,
                 ),
-                manifest.shards,
+                range(len(wanted)),
                 self._max_workers,
             )
-            if step not in local_steps:  # the local tier is refilled from the bucket
+            if not in_local:  # the local tier is refilled from the bucket
                 fsync_directory(directory)
                 commit_manifest(directory, manifest)
                 if remote is not None and self._remote is not None:
                     write_receipt(directory, self._remote.url, remote)
         except CheckpointError as exc:
-            raise type(exc)(f"restore of step {step}: {exc}") from exc
-        states = [arrays for arrays, _source in fetched]
-        if manifest.world_size != target:
-            states = reshard_states(states, manifest, target)
-        sources = {record.rank: source for record, (_arrays, source) in zip(manifest.shards, fetched, strict=True)}
-        return RestoreResult(step, states, sources, manifest)
+            raise restated(exc, f"restore of step {step}: {exc}") from exc
+        arrays = {rank: state for rank, (state, _source) in zip(wanted, fetched, strict=True)}
+        sources = {rank: source for rank, (_state, source) in zip(wanted, fetched, strict=True)}
+        if manifest.world_size == target:
+            return RestoreResult(step, [arrays[rank] for rank in self._ranks], sources, self._ranks, manifest)
+        if self._one_process:
+            states = reshard_states([arrays[rank] for rank in range(manifest.world_size)], manifest, target)
+            return RestoreResult(step, states, sources, tuple(range(target)), manifest)
+        states = [reshard_rank(arrays, manifest, target, rank) for rank in self._ranks]
+        return RestoreResult(step, states, sources, self._ranks, manifest)
+
+    def _drop_unfinished_commits(self, restored: int, complete: list[int], reports: list[dict[str, Any]]) -> None:
+        """Delete local steps newer than ``restored`` whose commit did not reach every rank.
+
+        Such a step can never be restored (a rank lacks it and so does the bucket), and
+        it would refuse the save of its step number again. Steps of another world size
+        are kept: the ranks that would complete them are not in this job.
+        """
+        for step in committed_steps(self.root):
+            sizes = {report["local"].get(str(step), self.world_size) for report in reports}
+            if step > restored and step not in complete and sizes == {self.world_size}:
+                logger.warning("deleting step %d from %s: its commit did not reach every rank", step, self.root)
+                delete_checkpoint(self.root / step_dir_name(step))
 
     def pull(self, step: int | None = None) -> dict[int, str]:
         """Fill the local tier with a remote step (default: the newest) without loading it.
@@ -562,7 +776,7 @@ class CheckpointManager:
         Local shards that verify are kept; the others are streamed from the bucket and
         verified. Returns, per rank, the tier each shard now on disk came from.
         """
-        self._check_open()
+        self._check_single_process("pull")
         if self._remote is None:
             raise InvalidStateError("pull needs a remote tier (remote_url)")
         remote_steps = self.remote_steps()
@@ -592,7 +806,7 @@ class CheckpointManager:
 
         Returns the steps uploaded; raises :class:`UploadError` if one fails.
         """
-        self._check_open()
+        self._check_single_process("push")
         if self._remote is None or self._uploader is None:
             raise InvalidStateError("push needs a remote tier (remote_url)")
         local = self.steps()
@@ -608,7 +822,7 @@ class CheckpointManager:
 
     def prune(self, *, dry_run: bool = False) -> dict[str, list[int]]:
         """Apply retention to both tiers now; return the steps deleted (or, with ``dry_run``, to delete)."""
-        self._check_open()
+        self._check_single_process("prune")
         self.wait(uploaded=True)
         local = committed_steps(self.root)
         plan = {"local": _to_delete(local, self.keep_last, self.keep_every, self._awaiting_upload(local))}

@@ -45,6 +45,8 @@ __all__ = [
     "load_sharded",
     "write_checkpoint",
     "resolve_sharded_keys",
+    "sharding_summary",
+    "write_shards",
     "validate_states",
     "validate_step",
     "check_world_size",
@@ -85,30 +87,36 @@ def run_parallel(function: Callable[[T], R], items: Sequence[T], max_workers: in
             raise
 
 
+def sharding_summary(state: State) -> dict[str, list[int]]:
+    """The shape of every array of a rank's state: what :func:`resolve_sharded_keys` needs of it."""
+    return {key: [int(n) for n in np.shape(array)] for key, array in state.items()}
+
+
 def resolve_sharded_keys(
-    states: Sequence[State], sharded_keys: Iterable[str] | None
+    summaries: Sequence[Mapping[str, Sequence[int]]], sharded_keys: Iterable[str] | None
 ) -> tuple[tuple[str, ...], list[int]]:
     """Return the sharded keys (sorted) and each rank's ``param_shard_numel``.
 
-    Raises :class:`InvalidStateError` naming the rank and key if the states do not
-    follow the flat-parameter rule.
+    ``summaries`` holds each rank's :func:`sharding_summary`, in rank order. Raises
+    :class:`InvalidStateError` naming the rank and key if the states do not follow the
+    flat-parameter rule.
     """
     if sharded_keys is None:
-        common = set(states[0]).intersection(*states[1:]) if states else set()
-        keys = sorted(k for k in common if all(np.ndim(state[k]) == 1 for state in states))
+        common = set(summaries[0]).intersection(*summaries[1:]) if summaries else set()
+        keys = sorted(k for k in common if all(len(summary[k]) == 1 for summary in summaries))
     else:
         keys = sorted(set(sharded_keys))
-        for rank, state in enumerate(states):
+        for rank, summary in enumerate(summaries):
             for key in keys:
-                if key not in state:
+                if key not in summary:
                     raise InvalidStateError(f"rank {rank}: sharded key {key!r} is missing")
-                if np.ndim(state[key]) != 1:
+                if len(summary[key]) != 1:
                     raise InvalidStateError(
-                        f"rank {rank}: sharded key {key!r} has shape {np.shape(state[key])}, not 1-D"
+                        f"rank {rank}: sharded key {key!r} has shape {tuple(summary[key])}, not 1-D"
                     )
     numels = []
-    for rank, state in enumerate(states):
-        lengths = {key: len(state[key]) for key in keys}
+    for rank, summary in enumerate(summaries):
+        lengths = {key: summary[key][0] for key in keys}
         if len(set(lengths.values())) > 1:
             raise InvalidStateError(
                 f"rank {rank}: sharded arrays must have one length, got {lengths}; "
@@ -137,6 +145,47 @@ def validate_step(step: int) -> None:
         raise InvalidStateError(f"step must be an integer >= 0, got {step!r}")
 
 
+def write_shards(
+    directory: Path,
+    states: Sequence[State],
+    ranks: Sequence[int],
+    step: int,
+    *,
+    world_size: int,
+    numels: Sequence[int],
+    max_workers: int | None = None,
+) -> list[ShardRecord]:
+    """Durably write the shards of ``ranks`` (``states[i]`` is rank ``ranks[i]``'s) into ``directory``.
+
+    The caller owns ``directory``; temp files an earlier crash left there are removed
+    first. Returns the shards' records, in the order of ``ranks``.
+    """
+    remove_temp_files(directory)
+
+    def write(index: int) -> ShardRecord:
+        rank = ranks[index]
+        name = shard_name(rank, world_size)
+        metadata = {
+            "tiered_ckpt.rank": str(rank),
+            "tiered_ckpt.world_size": str(world_size),
+            "tiered_ckpt.step": str(step),
+        }
+        digest = write_shard_file(directory / name, states[index], metadata)
+        return ShardRecord(
+            rank=rank,
+            path=name,
+            sha256=digest.sha256,
+            xxh3_64=digest.xxh3_64,
+            size_bytes=digest.size_bytes,
+            param_shard_offset=sum(numels[:rank]),
+            param_shard_numel=numels[rank],
+        )
+
+    records = run_parallel(write, range(len(ranks)), max_workers)
+    fsync_directory(directory)
+    return records
+
+
 def write_checkpoint(
     directory: Path,
     states_per_rank: Sequence[State],
@@ -152,28 +201,10 @@ def write_checkpoint(
     into it). Temp files an earlier crash left there are removed first.
     """
     world_size = len(states_per_rank)
-    remove_temp_files(directory)
-
-    def write(rank: int) -> ShardRecord:
-        name = shard_name(rank, world_size)
-        metadata = {
-            "tiered_ckpt.rank": str(rank),
-            "tiered_ckpt.world_size": str(world_size),
-            "tiered_ckpt.step": str(step),
-        }
-        digest = write_shard_file(directory / name, states_per_rank[rank], metadata)
-        return ShardRecord(
-            rank=rank,
-            path=name,
-            sha256=digest.sha256,
-            xxh3_64=digest.xxh3_64,
-            size_bytes=digest.size_bytes,
-            param_shard_offset=sum(numels[:rank]),
-            param_shard_numel=numels[rank],
-        )
-
-    records = run_parallel(write, range(world_size), max_workers)
-    fsync_directory(directory)
+    ranks = range(world_size)
+    records = write_shards(
+        directory, states_per_rank, ranks, step, world_size=world_size, numels=numels, max_workers=max_workers
+    )
     manifest = ShardManifest(
         world_size=world_size,
         step=step,
@@ -205,7 +236,7 @@ def save_sharded(
     validate_states(states_per_rank, world_size)
     validate_step(step)
     states_per_rank = [numpy_state(state) for state in states_per_rank]  # torch tensors become numpy views
-    keys, numels = resolve_sharded_keys(states_per_rank, sharded_keys)
+    keys, numels = resolve_sharded_keys([sharding_summary(s) for s in states_per_rank], sharded_keys)
     for rank, state in enumerate(states_per_rank):
         check_arrays(state, f"rank {rank}")
     directory = Path(directory)

@@ -3,11 +3,15 @@
 For each queued step, the uploader thread:
 
 1. reads the step's local manifest;
-2. uploads every shard not already in the bucket intact (several at a time), each
-   confirmed by size and stored sha256 — so a step resumed after a crash sends only
-   what is missing;
-3. commits the remote manifest (create-only), moves ``latest``, then writes the local
-   receipt (``remote-commit.json``) and calls ``on_committed``.
+2. uploads every shard of its ``ranks`` not already in the bucket intact (several at a
+   time), each confirmed by size and stored sha256 — so a step resumed after a crash
+   sends only what is missing;
+3. waits until every process's uploader has confirmed its ranks' shards (a collective
+   on the uploader's own ``coordinator`` channel; a failure on any rank fails the step
+   on every rank);
+4. the leader commits the remote manifest (create-only) and moves ``latest``; every
+   process then writes the local receipt (``remote-commit.json``) and calls
+   ``on_committed``.
 
 Transient errors are retried with exponential backoff and full jitter, up to
 ``max_tries`` tries per request; a permanent error, or a transient one that outlasts its
@@ -32,14 +36,15 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal, TypeVar
 
+from .coordination import Coordinator, SingleProcessCoordinator, agree, leader_decides
 from .errors import CheckpointError, RemoteError, UploadError
 from .layout import step_dir_name
 from .local import atomic_write, read_manifest
-from .manifest import RemoteManifest
+from .manifest import RemoteManifest, ShardManifest
 from .remote import RemoteTier
 from .sharded import run_parallel
 from .shardfile import write_all
@@ -69,7 +74,11 @@ def read_receipt(directory: Path, url: str) -> bool:
 
 
 class Uploader:
-    """One background thread that uploads and commits queued steps of ``local_root`` to ``remote``."""
+    """One background thread that uploads and commits queued steps of ``local_root`` to ``remote``.
+
+    ``ranks`` are the ranks whose shards this process uploads (default: every rank of
+    each step); ``coordinator`` must be a channel no other thread uses.
+    """
 
     def __init__(
         self,
@@ -77,6 +86,8 @@ class Uploader:
         remote: RemoteTier,
         *,
         on_committed: Callable[[RemoteManifest], None],
+        coordinator: Coordinator | None = None,
+        ranks: Sequence[int] | None = None,
         concurrency: int = 2,
         max_tries: int = 5,
         backoff_seconds: float = 0.5,
@@ -91,6 +102,8 @@ class Uploader:
         self._root = local_root
         self._remote = remote
         self._on_committed = on_committed
+        self._coordinator = coordinator or SingleProcessCoordinator(1)
+        self._ranks = ranks
         self._concurrency = concurrency
         self._max_tries = max_tries
         self._backoff = backoff_seconds
@@ -196,9 +209,12 @@ class Uploader:
 
             self._retrying(what, step, put_and_confirm)
 
-        run_parallel(upload, range(manifest.world_size), self._concurrency)
-        remote = self._retrying(f"commit of step {step}", step, lambda: self._remote.commit(manifest))
-        self._retrying(f"latest pointer of step {step}", step, lambda: self._remote.set_latest(step))
+        ranks = range(manifest.world_size) if self._ranks is None else self._ranks
+        agree(self._coordinator, lambda: run_parallel(upload, ranks, self._concurrency) and None)
+        remote = RemoteManifest.from_json(
+            leader_decides(self._coordinator, lambda: self._commit(step, manifest).to_json()),
+            source=self._remote.location(step),
+        )
         write_receipt(directory, self._remote.url, remote)
         logger.info("step %d committed at %s", step, self._remote.location(step))
         try:
@@ -210,6 +226,11 @@ class Uploader:
                 step=step,
                 tries=getattr(exc, "tries", 1),
             ) from exc
+
+    def _commit(self, step: int, manifest: ShardManifest) -> RemoteManifest:
+        remote = self._retrying(f"commit of step {step}", step, lambda: self._remote.commit(manifest))
+        self._retrying(f"latest pointer of step {step}", step, lambda: self._remote.set_latest(step))
+        return remote
 
     def retrying(self, what: str, action: Callable[[], T]) -> T:
         """Run ``action`` with this uploader's retry policy (see :func:`with_retries`)."""

@@ -1,6 +1,17 @@
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
 import pytest
 
-from tiered_ckpt import Coordinator, SingleProcessCoordinator
+from conftest import S3_TEST_KEY, S3_TEST_SECRET, s3_storage_options
+from tiered_ckpt import Coordinator, ShardManifest, SingleProcessCoordinator
+from tiered_ckpt.layout import MANIFEST_NAME, shard_name, step_dir_name
+from tiered_ckpt.remote import RemoteTier
 
 
 def test_single_process_coordinator_holds_every_rank_and_leads():
@@ -17,3 +28,156 @@ def test_single_process_coordinator_holds_every_rank_and_leads():
 def test_single_process_coordinator_rejects_a_bad_world_size(world_size):
     with pytest.raises(ValueError, match="world_size"):
         SingleProcessCoordinator(world_size)
+
+
+# --- one process per rank under torch.distributed (real processes, gloo) -------------------
+
+WORKER = Path(__file__).with_name("rank_worker.py")
+
+
+def run_ranks(root: Path, world_size: int, actions: list[dict], remote=None, killed: int | None = None) -> dict:
+    """Run ``world_size`` rank processes of one job over ``root``'s local directories; return each rank's result.
+
+    ``killed`` is the rank expected to SIGKILL itself (it leaves no result).
+    """
+    launch = root / f"launch-{len(list(root.glob('launch-*')))}"
+    (launch / "results").mkdir(parents=True)
+    config = {
+        "store": str(launch / "store"),
+        "results": str(launch / "results"),
+        "local_root": str(root / "nodes"),
+        "world_size": world_size,
+        "actions": actions,
+        "timeout_seconds": 60,
+    }
+    if remote is not None:
+        config["url"], config["options"] = remote
+    (launch / "config.json").write_text(json.dumps(config))
+    processes = [
+        subprocess.Popen([sys.executable, str(WORKER), str(launch / "config.json"), str(rank)])
+        for rank in range(world_size)
+    ]
+    try:
+        codes = [process.wait(timeout=300) for process in processes]  # a guard against a hang, not a timing
+    finally:
+        for process in processes:
+            process.kill()
+    for rank, code in enumerate(codes):
+        assert code == (-signal.SIGKILL if rank == killed else 0), f"rank {rank} exited with {code}"
+    return {
+        rank: json.loads((launch / "results" / f"rank-{rank}.json").read_text())
+        for rank in range(world_size)
+        if rank != killed
+    }
+
+
+def expected_digests(step: int, world_size: int, rank: int) -> dict:
+    import rank_worker
+
+    return rank_worker.digests(rank_worker.rank_state(step, world_size, rank))
+
+
+def node(root: Path, rank: int) -> Path:
+    return root / "nodes" / f"rank-{rank}"
+
+
+@pytest.fixture(scope="module")
+def saved_job(tmp_path_factory, moto_endpoint):
+    """A 4-rank job that saved steps 1 and 2 asynchronously, each uploaded to a moto bucket."""
+    import boto3
+
+    bucket = f"tiered-dist-{uuid.uuid4().hex[:12]}"
+    boto3.client(
+        "s3",
+        endpoint_url=moto_endpoint,
+        aws_access_key_id=S3_TEST_KEY,
+        aws_secret_access_key=S3_TEST_SECRET,
+        region_name="us-east-1",
+    ).create_bucket(Bucket=bucket)
+    remote = (f"s3://{bucket}/run", s3_storage_options(moto_endpoint))
+    root = tmp_path_factory.mktemp("job")
+    actions = [{"do": "collectives"}, {"do": "save", "step": 1}, {"do": "save", "step": 2}, {"do": "wait"}]
+    results = run_ranks(root, 4, actions, remote)
+    return root, remote, results
+
+
+def copy_nodes(job_root: Path, tmp_path: Path, ranks) -> Path:
+    for rank in ranks:
+        shutil.copytree(node(job_root, rank), node(tmp_path, rank))
+    return tmp_path
+
+
+def test_torch_coordinator_gathers_broadcasts_and_fails_every_rank_together(saved_job):
+    _root, _remote, results = saved_job
+    for rank, result in results.items():
+        assert result["gathered"] == [{"rank": r} for r in range(4)]
+        assert result["broadcast"] == "from rank 0"
+        # rank 1 raises its own error; every other rank raises one of its class naming rank 1
+        assert result["agree_error"] == [
+            "InvalidStateError",
+            "rank 1 refuses" if rank == 1 else "rank 1: rank 1 refuses",
+        ]
+
+
+def test_each_rank_writes_only_its_shard_and_the_step_commits_in_both_tiers(saved_job):
+    root, remote, results = saved_job
+    assert all("error" not in result for result in results.values()), results
+    manifests = set()
+    for rank in range(4):
+        directory = node(root, rank) / step_dir_name(2)
+        shards = sorted(path.name for path in directory.glob("*.safetensors"))
+        assert shards == [shard_name(rank, 4)]
+        manifests.add((directory / MANIFEST_NAME).read_text())
+    assert len(manifests) == 1  # every node committed the same manifest
+    manifest = ShardManifest.from_json(manifests.pop())
+    assert [record.rank for record in manifest.shards] == [0, 1, 2, 3]
+    tier = RemoteTier(*remote)
+    assert tier.committed_steps() == [1, 2]
+    assert tier.read_manifest(2).manifest.shards == manifest.shards
+
+
+def test_restore_is_byte_equal_on_every_rank_and_only_the_replaced_node_downloads(saved_job, tmp_path):
+    job_root, remote, _results = saved_job
+    root = copy_nodes(job_root, tmp_path, [0, 1, 3])  # rank 2's node was replaced: empty disk
+    results = run_ranks(root, 4, [{"do": "restore"}], remote)
+    for rank, result in results.items():
+        assert "error" not in result, result
+        assert result["restored"]["step"] == 2
+        assert result["restored"]["digests"] == expected_digests(2, 4, rank)
+        assert result["restored"]["sources"] == {str(rank): "remote" if rank == 2 else "local"}
+    assert (node(root, 2) / step_dir_name(2) / MANIFEST_NAME).exists()  # rank 2's disk is refilled
+
+
+def test_a_different_world_size_fails_on_every_rank_unless_resharding_is_asked(saved_job, tmp_path):
+    job_root, remote, _results = saved_job
+    root = copy_nodes(job_root, tmp_path, [0, 1])
+    refused = run_ranks(root, 2, [{"do": "restore"}], remote)
+    for result in refused.values():
+        assert result["error"][0] == "WorldSizeMismatchError"
+        assert "4 ranks" in result["error"][1]
+    resharded = run_ranks(root, 2, [{"do": "restore", "reshard": True}], remote)
+    for rank, result in resharded.items():
+        assert "error" not in result, result
+        assert result["restored"]["digests"] == expected_digests(2, 2, rank)
+    # new rank 0 holds old ranks 0 and 1: old rank 0's shard is on its disk, old rank 1's in the bucket
+    assert resharded[0]["restored"]["sources"] == {"0": "local", "1": "remote"}
+    assert resharded[1]["restored"]["sources"] == {"2": "remote", "3": "remote"}
+
+
+@pytest.mark.parametrize("at", ["after-shard", "before-commit"])
+def test_sigkill_of_one_rank_during_a_save_leaves_the_previous_step_on_every_rank(tmp_path, s3_url, at):
+    first = [{"do": "save", "step": 1}, {"do": "wait"}, {"do": "kill", "rank": 1, "at": at}]
+    survivors = run_ranks(tmp_path, 4, [*first, {"do": "save", "step": 2}, {"do": "wait"}], s3_url, killed=1)
+    for result in survivors.values():
+        assert result["error"][0] == ("SaveError" if at == "after-shard" else "UploadError"), result
+    assert RemoteTier(*s3_url).committed_steps() == [1]
+    committed = [(node(tmp_path, rank) / step_dir_name(2) / MANIFEST_NAME).exists() for rank in range(4)]
+    # killed before the commit was agreed, no rank commits; killed after, only rank 1 lacks the step
+    assert committed == ([False] * 4 if at == "after-shard" else [True, False, True, True])
+
+    relaunched = run_ranks(tmp_path, 4, [{"do": "restore"}, {"do": "save", "step": 2}, {"do": "wait"}], s3_url)
+    for rank, result in relaunched.items():
+        assert "error" not in result, result
+        assert result["restored"]["step"] == 1
+        assert result["restored"]["digests"] == expected_digests(1, 4, rank)
+    assert RemoteTier(*s3_url).committed_steps() == [1, 2]

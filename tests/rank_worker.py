@@ -1,0 +1,131 @@
+"""One rank of a multi-process test job: ``python rank_worker.py CONFIG_JSON RANK``.
+
+Joins a gloo job through a file store (no ports to pick), opens a CheckpointManager on
+``<local_root>/rank-<RANK>`` with a TorchDistributedCoordinator, runs the config's
+actions in order, and writes what happened to ``<results>/rank-<RANK>.json``. A
+CheckpointError ends the actions and is recorded as ``error``: [class name, message].
+
+Actions: {"do": "save", "step": S}, {"do": "wait"} (until uploaded), {"do": "restore",
+"reshard": bool}, {"do": "collectives"}, and {"do": "kill", "rank": R, "at": POINT}
+which makes rank R SIGKILL itself during its next save at POINT: "after-shard" (its
+shard is durable, the commit not agreed) or "before-commit" (every shard is durable,
+its own manifest not yet written).
+"""
+
+import hashlib
+import json
+import os
+import signal
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tiered_ckpt import CheckpointError, CheckpointManager, InvalidStateError, TorchDistributedCoordinator, manager
+from tiered_ckpt.coordination import agree
+
+TOTAL_NUMEL = 1003
+
+
+def slice_bounds(total: int, world_size: int, rank: int) -> tuple[int, int]:
+    """The flat-parameter slice of ``rank``: the first ``total % world_size`` ranks get one more."""
+    base, extra = divmod(total, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def rank_state(step: int, world_size: int, rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s model and optimizer state at ``step``: fp32 and bf16 flat slices, a replicated fp16 table."""
+    flat = np.random.default_rng(step).standard_normal(TOTAL_NUMEL).astype(np.float32)
+    start, end = slice_bounds(TOTAL_NUMEL, world_size, rank)
+    params = torch.from_numpy(flat[start:end].copy())
+    return {
+        "params": params,
+        "exp_avg": (params * 0.5).to(torch.bfloat16),
+        "schedule": torch.arange(6, dtype=torch.float16).reshape(2, 3) * step,
+    }
+
+
+def digests(state: dict[str, torch.Tensor]) -> dict[str, list[str]]:
+    """Each tensor's dtype, shape and sha256 of its bytes."""
+    return {
+        key: [str(tensor.dtype), str(list(tensor.shape)), hashlib.sha256(tensor.view(torch.uint8).numpy()).hexdigest()]
+        for key, tensor in state.items()
+    }
+
+
+def arm_kill(at: str) -> None:
+    def die(*_args, **_kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if at == "after-shard":
+        write_shards = manager.write_shards
+        manager.write_shards = lambda *args, **kwargs: (write_shards(*args, **kwargs), die())[0]
+    elif at == "before-commit":
+        manager.commit_manifest = die
+    else:
+        raise ValueError(at)
+
+
+def run(config: dict, rank: int, coordinator: TorchDistributedCoordinator, result: dict) -> None:
+    world_size = config["world_size"]
+    with CheckpointManager(
+        Path(config["local_root"]) / f"rank-{rank}",
+        coordinator=coordinator,
+        remote_url=config.get("url"),
+        storage_options=config.get("options"),
+        keep_last=config.get("keep_last", 3),
+    ) as checkpoints:
+        for action in config["actions"]:
+            if action["do"] == "save":
+                checkpoints.save(action["step"], rank_state(action["step"], world_size, rank))
+            elif action["do"] == "wait":
+                checkpoints.wait(uploaded=True)
+            elif action["do"] == "kill":
+                if action["rank"] == rank:
+                    arm_kill(action["at"])
+            elif action["do"] == "restore":
+                restored = checkpoints.restore(reshard=action.get("reshard", False))
+                result["restored"] = {
+                    "step": restored.step,
+                    "sources": {str(old): tier for old, tier in restored.sources.items()},
+                    "digests": digests(restored.torch_state()),
+                }
+            elif action["do"] == "collectives":
+                result["gathered"] = coordinator.all_gather({"rank": rank})
+                result["broadcast"] = coordinator.broadcast(f"from rank {rank}")
+                try:
+                    agree(coordinator, lambda: _fail_on_rank_1(rank))
+                except CheckpointError as exc:
+                    result["agree_error"] = [type(exc).__name__, str(exc)]
+
+
+def _fail_on_rank_1(rank: int) -> int:
+    if rank == 1:
+        raise InvalidStateError("rank 1 refuses")
+    return rank
+
+
+def main() -> None:
+    config = json.loads(Path(sys.argv[1]).read_text())
+    rank = int(sys.argv[2])
+    timeout = timedelta(seconds=config.get("timeout_seconds", 60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{config['store']}", rank=rank, world_size=config["world_size"], timeout=timeout
+    )
+    result: dict = {"rank": rank}
+    try:
+        run(config, rank, TorchDistributedCoordinator(timeout=timeout), result)
+    except CheckpointError as exc:
+        result["error"] = [type(exc).__name__, str(exc)]
+    (Path(config["results"]) / f"rank-{rank}.json").write_text(json.dumps(result))
+    sys.stdout.flush()
+    # Not destroy_process_group(): after a peer was killed it can wait for that peer.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

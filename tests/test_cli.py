@@ -67,12 +67,12 @@ def test_verify_passes_then_fails_on_a_flipped_byte_in_either_tier(setup):
     assert "8 shards verified, 0 failed" in out
     flip_byte(local / step_dir_name(5) / "rank-00002-of-00004.safetensors", 99)
     code, out, _ = run(env, "--config", str(config), "--json", "verify", "5")
-    failed = [(r["tier"], r["rank"]) for r in json.loads(out) if not r["ok"]]
+    failed = [(r["tier"], r["rank"]) for r in json.loads(out) if r["status"] == "failed"]
     assert code == 1 and failed == [("local", 2)]
     tier = RemoteTier(url, options)
     tier._fs.pipe_file(f"{tier._root}/{step_dir_name(5)}/rank-00000-of-00004.safetensors", b"garbage")
     code, out, _ = run(env, "--config", str(config), "--json", "verify")
-    failed = sorted((r["tier"], r["rank"]) for r in json.loads(out) if not r["ok"])
+    failed = sorted((r["tier"], r["rank"]) for r in json.loads(out) if r["status"] == "failed")
     assert code == 1 and failed == [("local", 2), ("remote", 0)]
 
 

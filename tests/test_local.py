@@ -5,16 +5,18 @@ import pytest
 
 from conftest import temp_files
 from tiered_ckpt import ChecksumMismatchError, DirectoryInUseError, IncompleteCheckpointError, ManifestError
-from tiered_ckpt.layout import MANIFEST_NAME, temp_name
+from tiered_ckpt.layout import HELD_NAME, MANIFEST_NAME, temp_name
 from tiered_ckpt.local import (
     atomic_write,
     directory_lock,
+    held_ranks,
     read_manifest,
     read_shard_file,
+    record_held_ranks,
     remove_temp_files,
     write_shard_file,
 )
-from tiered_ckpt.manifest import ShardRecord
+from tiered_ckpt.manifest import ShardManifest, ShardRecord
 
 
 def test_atomic_write_replaces_whole_file(tmp_path):
@@ -93,3 +95,29 @@ def test_shard_file_round_trip_and_size_checks(tmp_path):
     path.unlink()
     with pytest.raises(IncompleteCheckpointError, match="missing"):
         read_shard_file(tmp_path, record)
+
+
+def _manifest_of(world_size: int) -> ShardManifest:
+    records = [
+        ShardRecord(rank, f"rank-{rank:05d}-of-{world_size:05d}.safetensors", "0" * 64, "0" * 16, 8, rank, 1)
+        for rank in range(world_size)
+    ]
+    return ShardManifest(world_size, 1, 0.0, ("w",), tuple(records))
+
+
+def test_held_ranks_are_every_rank_unless_recorded_and_a_full_record_is_removed(tmp_path):
+    manifest = _manifest_of(4)
+    assert held_ranks(tmp_path, manifest) == [0, 1, 2, 3]
+    record_held_ranks(tmp_path, manifest, [2, 0])
+    assert held_ranks(tmp_path, manifest) == [0, 2]
+    record_held_ranks(tmp_path, manifest, range(4))
+    assert not (tmp_path / HELD_NAME).exists() and held_ranks(tmp_path, manifest) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "content", [b"{", b"[]", b'{"ranks": [4]}', b'{"ranks": [true]}', b'{"ranks": [0], "extra": 1}', b'{"ranks": "0"}']
+)
+def test_a_damaged_record_of_held_ranks_is_a_manifest_error_naming_the_file(tmp_path, content):
+    (tmp_path / HELD_NAME).write_bytes(content)
+    with pytest.raises(ManifestError, match=HELD_NAME):
+        held_ranks(tmp_path, _manifest_of(4))

@@ -35,7 +35,7 @@ from tqdm import tqdm
 from .config import Config, load_config
 from .errors import CheckpointError, ConfigError
 from .layout import parse_step_dir_name, step_dir_name
-from .local import check_shard_file, committed_steps, read_manifest
+from .local import check_shard_file, committed_steps, held_ranks, read_manifest
 from .manager import CheckpointManager
 from .manifest import ShardManifest
 from .remote import RemoteTier
@@ -131,19 +131,30 @@ def command_verify(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
         if remote is not None and step in remote_steps:
             tiers.append(("remote", remote.read_manifest(step).manifest, lambda r, s=step: remote.check_shard(s, r)))
         for tier, manifest, check in tiers:
+            held = held_ranks(config.local.dir / step_dir_name(step), manifest) if tier == "local" else None
             with _progress(manifest.world_size, f"verify step {step} ({tier})") as bar:
                 for record in manifest.shards:
-                    problem = check(record)
+                    if held is not None and record.rank not in held:
+                        problem, status = None, "elsewhere"  # a node of a multi-process job: not here by design
+                    else:
+                        problem = check(record)
+                        status = "ok" if problem is None else "failed"
                     results.append(
-                        {"step": step, "tier": tier, "rank": record.rank, "ok": problem is None, "problem": problem}
+                        {"step": step, "tier": tier, "rank": record.rank, "status": status, "problem": problem}
                     )
                     bar.update()
-    failures = [r for r in results if not r["ok"]]
+    failures = [r for r in results if r["status"] == "failed"]
+    verified = [r for r in results if r["status"] == "ok"]
+    shown = {"ok": "ok", "elsewhere": "held by another node"}
     lines = [
-        f"step {r['step']} {r['tier']:<6} rank {r['rank']}: {'ok' if r['ok'] else 'FAILED ' + r['problem']}"
+        f"step {r['step']} {r['tier']:<6} rank {r['rank']}: {shown.get(r['status']) or 'FAILED ' + r['problem']}"
         for r in results
     ]
-    lines.append(f"{len(results) - len(failures)} shards verified, {len(failures)} failed")
+    elsewhere = len(results) - len(failures) - len(verified)
+    lines.append(
+        f"{len(verified)} shards verified, {len(failures)} failed"
+        + (f", {elsewhere} held by other nodes" if elsewhere else "")
+    )
     return (EXIT_FAILED if failures else EXIT_OK), (results, "\n".join(lines))
 
 

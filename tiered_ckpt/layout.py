@@ -6,6 +6,7 @@ Pure functions, no I/O. The layout of one checkpoint directory::
       rank-00000-of-00004.safetensors
       ...
       manifest.json
+      held-shards.json     (a node of a multi-process job: the ranks whose shards it holds)
 
 A temp name is ``.<final name>.<random hex>.tmp``: it starts with a dot, which no
 committed name does, so a committed file can never be mistaken for a temp file and a
@@ -19,6 +20,7 @@ import secrets
 
 __all__ = [
     "MANIFEST_NAME",
+    "HELD_NAME",
     "SHARD_SUFFIX",
     "step_dir_name",
     "parse_step_dir_name",
@@ -30,6 +32,7 @@ __all__ = [
 ]
 
 MANIFEST_NAME = "manifest.json"
+HELD_NAME = "held-shards.json"
 SHARD_SUFFIX = ".safetensors"
 
 _STEP_DIR = re.compile(r"step-(\d{12,})")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import io
+import json
 import os
 import shutil
 import sys
@@ -33,7 +34,7 @@ from .errors import (
     IncompleteCheckpointError,
     ManifestError,
 )
-from .layout import MANIFEST_NAME, is_temp_name, parse_step_dir_name, temp_name, temp_target
+from .layout import HELD_NAME, MANIFEST_NAME, is_temp_name, parse_step_dir_name, temp_name, temp_target
 from .manifest import MAX_MANIFEST_BYTES, ShardManifest, ShardRecord
 from .shardfile import ShardDigest, Verify, hash_stream, read_shard, write_all, write_shard
 
@@ -48,6 +49,8 @@ __all__ = [
     "commit_manifest",
     "read_manifest",
     "is_committed",
+    "held_ranks",
+    "record_held_ranks",
     "committed_steps",
     "delete_checkpoint",
     "remove_uncommitted",
@@ -265,6 +268,42 @@ def read_manifest(directory: Path) -> ShardManifest:
     except IsADirectoryError:
         raise ManifestError(f"{path}: is a directory, not a manifest") from None
     return ShardManifest.from_json(data, source=str(path))
+
+
+def held_ranks(directory: Path, manifest: ShardManifest) -> list[int]:
+    """The ranks whose shards the committed step in ``directory`` holds (the rest live on other nodes).
+
+    Every rank unless a multi-process save recorded fewer. A record that does not
+    validate against ``manifest`` raises :class:`ManifestError` naming the file.
+    """
+    path = directory / HELD_NAME
+    try:
+        document = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return list(range(manifest.world_size))
+    except (OSError, ValueError) as exc:
+        raise ManifestError(f"{path}: not a readable JSON record of held shards: {exc}") from exc
+    ranks = document.get("ranks") if isinstance(document, dict) else None
+    valid = isinstance(ranks, list) and all(type(rank) is int and 0 <= rank < manifest.world_size for rank in ranks)
+    if not valid or set(document) != {"ranks"}:
+        raise ManifestError(f'{path}: expected {{"ranks": [ranks below {manifest.world_size}]}}, got {document!r}')
+    return sorted(set(ranks))
+
+
+def record_held_ranks(directory: Path, manifest: ShardManifest, ranks: Collection[int]) -> None:
+    """Durably record that ``directory`` holds the shards of ``ranks`` of ``manifest``'s step.
+
+    For a new step, call it before :func:`commit_manifest`. Holding every rank needs
+    no record (and removes one).
+    """
+    path = directory / HELD_NAME
+    if set(ranks) >= set(range(manifest.world_size)):
+        if path.exists():
+            path.unlink()
+            fsync_directory(directory)
+        return
+    data = json.dumps({"ranks": sorted(set(ranks))}).encode()
+    atomic_write(path, lambda out: write_all(out, data))
 
 
 def committed_steps(root: Path) -> list[int]:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import S3_TEST_KEY, S3_TEST_SECRET, s3_storage_options
+from conftest import S3_TEST_KEY, S3_TEST_SECRET, flip_byte, s3_storage_options
 from tiered_ckpt import Coordinator, ShardManifest, SingleProcessCoordinator
-from tiered_ckpt.layout import MANIFEST_NAME, shard_name, step_dir_name
+from tiered_ckpt.layout import HELD_NAME, MANIFEST_NAME, shard_name, step_dir_name
 from tiered_ckpt.remote import RemoteTier
 
 
@@ -127,6 +127,7 @@ def test_each_rank_writes_only_its_shard_and_the_step_commits_in_both_tiers(save
         directory = node(root, rank) / step_dir_name(2)
         shards = sorted(path.name for path in directory.glob("*.safetensors"))
         assert shards == [shard_name(rank, 4)]
+        assert json.loads((directory / HELD_NAME).read_text()) == {"ranks": [rank]}
         manifests.add((directory / MANIFEST_NAME).read_text())
     assert len(manifests) == 1  # every node committed the same manifest
     manifest = ShardManifest.from_json(manifests.pop())
@@ -145,7 +146,9 @@ def test_restore_is_byte_equal_on_every_rank_and_only_the_replaced_node_download
         assert result["restored"]["step"] == 2
         assert result["restored"]["digests"] == expected_digests(2, 4, rank)
         assert result["restored"]["sources"] == {str(rank): "remote" if rank == 2 else "local"}
-    assert (node(root, 2) / step_dir_name(2) / MANIFEST_NAME).exists()  # rank 2's disk is refilled
+    refilled = node(root, 2) / step_dir_name(2)  # rank 2's disk is refilled with its own shard
+    assert (refilled / MANIFEST_NAME).exists()
+    assert json.loads((refilled / HELD_NAME).read_text()) == {"ranks": [2]}
 
 
 def test_a_different_world_size_fails_on_every_rank_unless_resharding_is_asked(saved_job, tmp_path):
@@ -162,6 +165,20 @@ def test_a_different_world_size_fails_on_every_rank_unless_resharding_is_asked(s
     # new rank 0 holds old ranks 0 and 1: old rank 0's shard is on its disk, old rank 1's in the bucket
     assert resharded[0]["restored"]["sources"] == {"0": "local", "1": "remote"}
     assert resharded[1]["restored"]["sources"] == {"2": "remote", "3": "remote"}
+    assert json.loads((node(root, 0) / step_dir_name(2) / HELD_NAME).read_text()) == {"ranks": [0, 1]}
+
+
+def test_the_cli_verifies_a_node_directory_without_counting_other_nodes_shards_as_missing(saved_job, tmp_path):
+    job_root, _remote, _results = saved_job
+    root = copy_nodes(job_root, tmp_path, [3])
+    command = [sys.executable, "-m", "tiered_ckpt", "--local-dir", str(node(root, 3)), "verify", "2"]
+    verified = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert verified.returncode == 0, verified.stderr
+    assert "step 2 local  rank 1: held by another node" in verified.stdout
+    assert "1 shards verified, 0 failed, 3 held by other nodes" in verified.stdout
+    flip_byte(node(root, 3) / step_dir_name(2) / shard_name(3, 4), 200)
+    failed = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert failed.returncode == 1 and "0 shards verified, 1 failed, 3 held by other nodes" in failed.stdout
 
 
 @pytest.mark.parametrize("at", ["after-shard", "before-commit"])

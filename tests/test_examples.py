@@ -1,3 +1,5 @@
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +43,23 @@ def test_training_example_resumes_and_a_fresh_node_restores_from_the_bucket(tmp_
     assert "restored step 30 of 4 ranks" in fresh
     assert "{0: 'remote', 1: 'remote', 2: 'remote', 3: 'remote'}" in fresh
     assert sorted(p.name for p in (tmp_path / "node-b").iterdir()) == ["step-000000000030"]
+
+
+def test_ddp_example_resumes_after_a_sigkill_to_the_same_parameters_as_an_uninterrupted_run(tmp_path):
+    def torchrun(local_dir, *args):
+        env = {**os.environ, "TIERED_CKPT_LOCAL_DIR": str(local_dir)}
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+        script = [str(EXAMPLES / "torch_ddp_train.py"), "--steps", "30", *args]
+        return subprocess.run([*command, *script], capture_output=True, text=True, env=env, timeout=300)
+
+    def final_digest(run):
+        assert run.returncode == 0, run.stderr
+        return re.search(r"final parameters sha256 ([0-9a-f]{64})", run.stdout).group(1)
+
+    uninterrupted = final_digest(torchrun(tmp_path / "a"))
+    killed = torchrun(tmp_path / "b", "--kill-at-step", "25")
+    assert killed.returncode != 0 and "SIGKILL" in killed.stderr
+    resumed = torchrun(tmp_path / "b")
+    for rank in range(4):
+        assert f"rank {rank}: resumed from step 20; shards from {{{rank}: 'local'}}" in resumed.stdout
+    assert final_digest(resumed) == uninterrupted

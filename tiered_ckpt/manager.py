@@ -73,9 +73,11 @@ from .local import (
     delete_checkpoint,
     directory_lock,
     fsync_directory,
+    held_ranks,
     is_committed,
     read_manifest,
     read_shard_file,
+    record_held_ranks,
     remove_uncommitted,
 )
 from .manifest import SCHEMA_VERSION, RemoteManifest, ShardManifest, ShardRecord
@@ -343,17 +345,23 @@ class CheckpointManager:
 
     @classmethod
     def from_config(
-        cls, config: Config | str | os.PathLike[str], *, world_size: int | None = None, **kwargs: Any
+        cls,
+        config: Config | str | os.PathLike[str],
+        *,
+        world_size: int | None = None,
+        local_dir: str | os.PathLike[str] | None = None,
+        **kwargs: Any,
     ) -> CheckpointManager:
         """A manager as a config file (or a loaded :class:`Config`) describes it.
 
-        ``kwargs`` are :class:`CheckpointManager` arguments that override the config
-        (explicit argument > environment > file > default), e.g. ``coordinator``.
+        ``local_dir`` (e.g. one directory per rank under the config's) and ``kwargs``,
+        :class:`CheckpointManager` arguments such as ``coordinator``, override the config
+        (explicit argument > environment > file > default).
         """
         if not isinstance(config, Config):
             config = load_config(config)
         arguments = {**config.manager_kwargs(), "verify": config.verify.mode, **kwargs}
-        return cls(config.local.dir, world_size=world_size, **arguments)
+        return cls(config.local.dir if local_dir is None else local_dir, world_size=world_size, **arguments)
 
     def __repr__(self) -> str:
         remote = f", remote_url={self._remote.url!r}" if self._remote is not None else ""
@@ -519,6 +527,7 @@ class CheckpointManager:
                 },
                 source=f"the shard records of step {step}",
             )
+            record_held_ranks(directory, manifest, self._ranks)  # other ranks' shards are on their nodes
             commit_manifest(directory, manifest)
             logger.info("committed step %d (%d bytes) in %s", step, manifest.total_bytes, directory)
             self._apply_retention()
@@ -740,6 +749,7 @@ class CheckpointManager:
                 range(len(wanted)),
                 self._max_workers,
             )
+            self._record_fetched(directory, manifest, wanted, in_local)
             if not in_local:  # the local tier is refilled from the bucket
                 fsync_directory(directory)
                 commit_manifest(directory, manifest)
@@ -756,6 +766,16 @@ class CheckpointManager:
             return RestoreResult(step, states, sources, tuple(range(target)), manifest)
         states = [reshard_rank(arrays, manifest, target, rank) for rank in self._ranks]
         return RestoreResult(step, states, sources, self._ranks, manifest)
+
+    def _record_fetched(self, directory: Path, manifest: ShardManifest, fetched: list[int], in_local: bool) -> None:
+        """Record the shards ``directory`` now holds: those it held and those just fetched into it."""
+        held: set[int] = set()
+        if in_local:
+            try:
+                held = set(held_ranks(directory, manifest))
+            except ManifestError:
+                logger.warning("%s: the record of held shards is damaged; rewriting it", directory, exc_info=True)
+        record_held_ranks(directory, manifest, held | set(fetched))
 
     def _drop_unfinished_commits(self, restored: int, complete: list[int], reports: list[dict[str, Any]]) -> None:
         """Delete local steps newer than ``restored`` whose commit did not reach every rank.
@@ -795,6 +815,7 @@ class CheckpointManager:
             return "remote"
 
         sources = run_parallel(fetch, remote.manifest.shards, self._max_workers)
+        record_held_ranks(directory, remote.manifest, range(remote.manifest.world_size))
         if step not in self.steps():
             fsync_directory(directory)
             commit_manifest(directory, remote.manifest)

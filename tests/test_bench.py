@@ -17,6 +17,8 @@ def test_benchmark_runs_every_section_and_prints_its_ratios(tmp_path):
         "save(blocking=False) / np.copyto",
         "extra peak RSS / state size",
         "upload / boto3 upload_file",
+        "save / raw, 1 rank process",
+        "save / raw, 4 rank processes",
         "slowdown",
     ):
         assert line in result.stdout

@@ -12,6 +12,14 @@ project targets (see shared notes/limits.md):
 Loading into arrays it allocates itself is printed too ("new arrays"): it pays the
 page faults of fresh memory on top.
 
+The ``dist`` section (needs torch) saves the same total state from 1, 2 and 4 rank
+processes under ``torch.distributed`` (gloo, one process per rank, each with its own
+directory on the one disk) and prints the aggregate GB/s of a blocking save, from a
+barrier before it to a barrier after every rank committed, next to the same processes
+writing the same bytes to plain files with fsync, measured just before each save (so
+both see the disk at the same moment). One untimed save first allocates the staging
+buffers, as in a training run's steady state.
+
 Cold reads evict the files from the page cache with ``posix_fadvise(DONTNEED)`` first.
 """
 
@@ -20,6 +28,7 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import json
 import os
 import shutil
 import socket
@@ -48,18 +57,20 @@ CHUNK = 1 << 20
 
 def make_states(total_bytes: int, ranks: int) -> list[dict[str, np.ndarray]]:
     """ZeRO-1-like states: per rank an fp16 slice, fp32 master and two fp32 moments."""
+    return [make_rank_state(total_bytes, ranks, rank) for rank in range(ranks)]
+
+
+def make_rank_state(total_bytes: int, ranks: int, rank: int) -> dict[str, np.ndarray]:
+    """Rank ``rank``'s part of :func:`make_states`."""
     numel = total_bytes // ranks // 14  # 2 + 4 + 4 + 4 bytes per element
-    rng = np.random.default_rng(0)
-    return [
-        {
-            "param_fp16": rng.standard_normal(numel, dtype=np.float32).astype(np.float16),
-            "master_fp32": rng.standard_normal(numel, dtype=np.float32),
-            "exp_avg": rng.standard_normal(numel, dtype=np.float32),
-            "exp_avg_sq": rng.random(numel, dtype=np.float32),
-            "step": np.array(1, dtype=np.int64),
-        }
-        for _ in range(ranks)
-    ]
+    rng = np.random.default_rng(rank)
+    return {
+        "param_fp16": rng.standard_normal(numel, dtype=np.float32).astype(np.float16),
+        "master_fp32": rng.standard_normal(numel, dtype=np.float32),
+        "exp_avg": rng.standard_normal(numel, dtype=np.float32),
+        "exp_avg_sq": rng.random(numel, dtype=np.float32),
+        "step": np.array(1, dtype=np.int64),
+    }
 
 
 def evict(paths: Sequence[Path]) -> None:
@@ -407,6 +418,101 @@ def bench_remote(size_gib: float, ranks: int, root: Path, repeat: int) -> None:
         server.wait()
 
 
+RANK_PROCESSES = (1, 2, 4)
+
+
+def bench_dist(total_bytes: int, root: Path, repeat: int) -> None:
+    try:
+        import torch.distributed  # noqa: F401
+    except ImportError:
+        print("  skipped: needs torch (pip install 'tiered-ckpt[torch]')")
+        return
+    timings = Timings(total_bytes)
+    for processes in RANK_PROCESSES:
+        for raw_seconds, save_seconds in _rank_processes(total_bytes, processes, root / f"dist-{processes}", repeat):
+            timings.record(_raw_label(processes), raw_seconds)
+            timings.record(_save_label(processes), save_seconds)
+    print(f"  state {total_bytes / 2**30:.2f} GiB in total, split over the rank processes")
+    timings.print_rates()
+    print("ratios (target):")
+    for processes in RANK_PROCESSES:
+        timings.print_ratio(
+            f"save / raw, {processes} rank process{'es' if processes > 1 else ''}",
+            _save_label(processes),
+            _raw_label(processes),
+            ">= 0.95",
+        )
+
+
+def _save_label(processes: int) -> str:
+    return f"save, {processes} rank process{'es' if processes > 1 else ''}"
+
+
+def _raw_label(processes: int) -> str:
+    return f"raw write+fsync, {processes} process{'es' if processes > 1 else ''}"
+
+
+def _rank_processes(total_bytes: int, processes: int, root: Path, repeat: int) -> list[tuple[float, float]]:
+    """Run ``processes`` rank processes that each write and save their part ``repeat`` times.
+
+    Returns rank 0's (raw write seconds, save seconds) of each run.
+    """
+    root.mkdir()
+    config = root / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "store": str(root / "store"),
+                "root": str(root),
+                "results": str(root / "timings.json"),
+                "total_bytes": total_bytes,
+                "processes": processes,
+                "repeat": repeat,
+            }
+        )
+    )
+    command = [sys.executable, "-m", "tiered_ckpt.bench", "--rank-process", str(config)]
+    children = [subprocess.Popen([*command, str(rank)]) for rank in range(processes)]
+    codes = [child.wait() for child in children]
+    if any(codes):
+        raise RuntimeError(f"rank processes of the dist benchmark exited with {codes}")
+    return [(float(raw), float(save)) for raw, save in json.loads((root / "timings.json").read_text())]
+
+
+def rank_process(config_path: Path, rank: int) -> None:
+    """One rank process of the ``dist`` section: write, then save, this rank's part ``repeat`` times."""
+    import torch.distributed as dist
+
+    from .coordination import TorchDistributedCoordinator
+
+    config = json.loads(config_path.read_text())
+    processes = config["processes"]
+    dist.init_process_group("gloo", init_method=f"file://{config['store']}", rank=rank, world_size=processes)
+    state = make_rank_state(config["total_bytes"], processes, rank)
+    coordinator = TorchDistributedCoordinator()
+    directory = Path(config["root"]) / f"rank-{rank}"
+
+    def timed(action: Callable[[], object]) -> float:
+        coordinator.barrier()
+        start = time.perf_counter()
+        action()
+        coordinator.barrier()  # every rank is done
+        return time.perf_counter() - start
+
+    timings = []
+    # keep_last=None: deleting the previous step inside the timed save would time the deletion too.
+    with CheckpointManager(directory, coordinator=coordinator, keep_last=None) as manager:
+        manager.save(0, state, blocking=True)
+        for step in range(1, config["repeat"] + 1):
+            raw = directory / f"raw-{step}"
+            raw.mkdir()
+            raw_seconds = timed(lambda: raw_write(raw, [state], 1))  # noqa: B023 (called at once)
+            timings.append((raw_seconds, timed(lambda: manager.save(step, state, blocking=True))))  # noqa: B023
+    if rank == 0:
+        Path(config["results"]).write_text(json.dumps(timings))
+    dist.destroy_process_group()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tiered_ckpt.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-gib", type=float, default=2.0, help="total state size (default 2)")
@@ -415,17 +521,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=None, help="directory on the disk to measure")
     parser.add_argument(
         "--only",
-        choices=["sync", "async", "train", "remote"],
+        choices=["sync", "async", "dist", "train", "remote"],
         action="append",
         help="run only these sections (repeatable)",
     )
     parser.add_argument("--train-steps", type=int, default=200, help="training loop steps (default 200)")
     parser.add_argument("--remote-size-gib", type=float, default=1.0, help="checkpoint size for 'remote' (default 1)")
+    parser.add_argument("--rank-process", nargs=2, metavar=("CONFIG", "RANK"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    sections = args.only or ["sync", "async", "train", "remote"]
+    if args.rank_process is not None:  # a child of the dist section
+        rank_process(Path(args.rank_process[0]), int(args.rank_process[1]))
+        return 0
+    sections = args.only or ["sync", "async", "dist", "train", "remote"]
 
     states = make_states(int(args.size_gib * 2**30), args.ranks) if {"sync", "async"} & set(sections) else []
-    total = sum(a.nbytes for s in states for a in s.values())
+    total = int(args.size_gib * 2**30)
     print(
         f"state: {total / 2**30:.2f} GiB over {args.ranks} ranks, medians of {args.repeat} runs, cpus={os.cpu_count()}"
     )
@@ -439,6 +549,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "async" in sections:
             print("CheckpointManager async save:")
             bench_async(states, root, args.repeat)
+        if "dist" in sections:
+            print("rank processes under torch.distributed (gloo), each saving its part to the same disk:")
+            bench_dist(int(args.size_gib * 2**30), root, args.repeat)
         if "remote" in sections:
             print("remote tier (upload and download, against boto3 on the same server):")
             bench_remote(args.remote_size_gib, args.ranks, root, args.repeat)

@@ -115,10 +115,8 @@ def main() -> None:
     local_dir = Path(config.local.dir) / f"rank-{rank}"
     with tiered_ckpt.CheckpointManager.from_config(config, local_dir=local_dir, coordinator=coordinator) as manager:
         start = 0
-        try:
-            restored = manager.restore(reshard=args.reshard)  # collective: every rank gets the same step
-        except tiered_ckpt.IncompleteCheckpointError:
-            restored = None  # no checkpoint yet in either tier
+        # Collective: every rank gets the same step, or None if no rank and no bucket has one yet.
+        restored = manager.restore(reshard=args.reshard, missing_ok=True)
         if restored is not None:
             load_flat_state(model.module, optimizer, gather_flat(restored.torch_state(), world_size))
             start = restored.step

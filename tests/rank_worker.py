@@ -6,10 +6,10 @@ actions in order, and writes what happened to ``<results>/rank-<RANK>.json``. A
 CheckpointError ends the actions and is recorded as ``error``: [class name, message].
 
 Actions: {"do": "save", "step": S}, {"do": "wait"} (until uploaded), {"do": "restore",
-"reshard": bool}, {"do": "collectives"}, and {"do": "kill", "rank": R, "at": POINT}
-which makes rank R SIGKILL itself during its next save at POINT: "after-shard" (its
-shard is durable, the commit not agreed) or "before-commit" (every shard is durable,
-its own manifest not yet written).
+"reshard": bool}, {"do": "restore_if_any"} (records None), {"do": "collectives"}, and
+{"do": "kill", "rank": R, "at": POINT} which makes rank R SIGKILL itself during its
+next save at POINT: "after-shard" (its shard is durable, the commit not agreed) or
+"before-commit" (every shard is durable, its own manifest not yet written).
 """
 
 import hashlib
@@ -87,6 +87,8 @@ def run(config: dict, rank: int, coordinator: TorchDistributedCoordinator, resul
             elif action["do"] == "kill":
                 if action["rank"] == rank:
                     arm_kill(action["at"])
+            elif action["do"] == "restore_if_any":
+                result["restored_if_any"] = checkpoints.restore(missing_ok=True)
             elif action["do"] == "restore":
                 restored = checkpoints.restore(reshard=action.get("reshard", False))
                 result["restored"] = {

@@ -96,7 +96,13 @@ def saved_job(tmp_path_factory, moto_endpoint):
     ).create_bucket(Bucket=bucket)
     remote = (f"s3://{bucket}/run", s3_storage_options(moto_endpoint))
     root = tmp_path_factory.mktemp("job")
-    actions = [{"do": "collectives"}, {"do": "save", "step": 1}, {"do": "save", "step": 2}, {"do": "wait"}]
+    actions = [
+        {"do": "collectives"},
+        {"do": "restore_if_any"},
+        {"do": "save", "step": 1},
+        {"do": "save", "step": 2},
+        {"do": "wait"},
+    ]
     results = run_ranks(root, 4, actions, remote)
     return root, remote, results
 
@@ -122,6 +128,7 @@ def test_torch_coordinator_gathers_broadcasts_and_fails_every_rank_together(save
 def test_each_rank_writes_only_its_shard_and_the_step_commits_in_both_tiers(saved_job):
     root, remote, results = saved_job
     assert all("error" not in result for result in results.values()), results
+    assert all(result["restored_if_any"] is None for result in results.values())  # a fresh start on every rank
     manifests = set()
     for rank in range(4):
         directory = node(root, rank) / step_dir_name(2)

@@ -185,6 +185,25 @@ def test_restore_without_checkpoints_or_of_an_unknown_step(manager, states):
         manager.restore(7)
 
 
+def test_missing_ok_is_none_only_when_nothing_is_committed(manager, states):
+    assert manager.restore(missing_ok=True) is None
+    manager.save(1, states, blocking=True)
+    restored = manager.restore(missing_ok=True)
+    assert restored is not None and restored.ranks == (0, 1, 2, 3)
+    assert_states_equal(states, restored.states)
+    with pytest.raises(InvalidStateError, match="holds 4 ranks"):
+        _ = restored.state  # one process per rank only
+    flip_byte(manager.root / step_dir_name(1) / "rank-00001-of-00004.safetensors", 100)
+    with pytest.raises(ChecksumMismatchError):
+        manager.restore(missing_ok=True)  # a damaged step is not a fresh start
+
+
+def test_one_rank_saves_a_plain_dict_and_restores_it_as_state(tmp_path, states):
+    with CheckpointManager(tmp_path, world_size=1, sharded_keys=ZERO1_SHARDED_KEYS) as manager:
+        manager.save(1, states[0], blocking=True)
+        assert_states_equal([states[0]], [manager.restore().state])
+
+
 def test_fast_verify_restores_and_still_catches_a_flipped_byte(manager, states):
     manager.save(1, states, blocking=True)
     assert_states_equal(states, manager.restore(verify="fast").states)

@@ -46,7 +46,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 
@@ -633,6 +633,7 @@ class CheckpointManager:
             candidates.append(self._newest_remote)
         return max(candidates, default=None)
 
+    @overload
     def restore(
         self,
         step: int | None = None,
@@ -641,8 +642,36 @@ class CheckpointManager:
         reshard: bool = False,
         verify: Verify | None = None,
         into: Sequence[State] | State | None = None,
-    ) -> RestoreResult:
+        missing_ok: Literal[False] = False,
+    ) -> RestoreResult: ...
+
+    @overload
+    def restore(
+        self,
+        step: int | None = None,
+        *,
+        world_size: int | None = None,
+        reshard: bool = False,
+        verify: Verify | None = None,
+        into: Sequence[State] | State | None = None,
+        missing_ok: bool,
+    ) -> RestoreResult | None: ...
+
+    def restore(
+        self,
+        step: int | None = None,
+        *,
+        world_size: int | None = None,
+        reshard: bool = False,
+        verify: Verify | None = None,
+        into: Sequence[State] | State | None = None,
+        missing_ok: bool = False,
+    ) -> RestoreResult | None:
         """Load a committed step (default: the newest) with every shard verified.
+
+        ``missing_ok=True`` returns None instead of raising when no tier (on no rank)
+        holds any committed step: a fresh start. Steps that exist but cannot be
+        restored still raise.
 
         ``world_size`` (default: the manager's) must match the checkpoint's, else
         :class:`WorldSizeMismatchError`, unless ``reshard=True`` asks for the flat
@@ -666,7 +695,11 @@ class CheckpointManager:
         remote_steps: list[int] = reports[0]["remote"]
         held = [{int(key) for key in report["local"]} for report in reports]
         complete = sorted(set(remote_steps).union(held[0].intersection(*held[1:])))
-        chosen: int = leader_decides(self._coordinator, lambda: self._choose_step(step, complete, held))
+        chosen: int | None = leader_decides(
+            self._coordinator, lambda: self._choose_step(step, complete, held, missing_ok)
+        )
+        if chosen is None:
+            return None
         loaded: list[RestoreResult] = []
         agree(
             self._coordinator,
@@ -687,8 +720,10 @@ class CheckpointManager:
         remote = self.remote_steps() if self._coordinator.is_leader else None
         return {"local": local, "remote": remote}
 
-    def _choose_step(self, step: int | None, complete: list[int], held: list[set[int]]) -> int:
-        """Leader: the step every rank restores."""
+    def _choose_step(self, step: int | None, complete: list[int], held: list[set[int]], missing_ok: bool) -> int | None:
+        """Leader: the step every rank restores (None: nothing anywhere, and ``missing_ok``)."""
+        if missing_ok and step is None and not complete and not set().union(*held):
+            return None
         for partial in sorted(set().union(*held) - set(complete)):
             holders = [rank for rank, steps in enumerate(held) if partial in steps]
             logger.warning(

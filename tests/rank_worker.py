@@ -1,9 +1,10 @@
 """One rank of a multi-process test job: ``python rank_worker.py CONFIG_JSON RANK``.
 
 Joins a gloo job through a file store (no ports to pick), opens a CheckpointManager on
-``<local_root>/rank-<RANK>`` with a TorchDistributedCoordinator, runs the config's
-actions in order, and writes what happened to ``<results>/rank-<RANK>.json``. A
-CheckpointError ends the actions and is recorded as ``error``: [class name, message].
+``<local_root>/rank-<RANK>`` (``<local_root>/shared`` with "shared_dir") with a
+TorchDistributedCoordinator, runs the config's actions in order, and writes what
+happened to ``<results>/rank-<RANK>.json``. A CheckpointError ends the actions and is
+recorded as ``error``: [class name, message].
 
 Actions: {"do": "save", "step": S}, {"do": "wait"} (until uploaded), {"do": "restore",
 "reshard": bool}, {"do": "restore_if_any"} (records None), {"do": "collectives"}, and
@@ -73,7 +74,7 @@ def arm_kill(at: str) -> None:
 def run(config: dict, rank: int, coordinator: TorchDistributedCoordinator, result: dict) -> None:
     world_size = config["world_size"]
     with CheckpointManager(
-        Path(config["local_root"]) / f"rank-{rank}",
+        Path(config["local_root"]) / ("shared" if config.get("shared_dir") else f"rank-{rank}"),
         coordinator=coordinator,
         remote_url=config.get("url"),
         storage_options=config.get("options"),

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import S3_TEST_KEY, S3_TEST_SECRET, flip_byte, s3_storage_options
-from tiered_ckpt import Coordinator, ShardManifest, SingleProcessCoordinator
+from tiered_ckpt import CheckpointManager, Coordinator, ShardManifest, SingleProcessCoordinator
 from tiered_ckpt.layout import HELD_NAME, MANIFEST_NAME, shard_name, step_dir_name
 from tiered_ckpt.remote import RemoteTier
 
@@ -35,7 +35,9 @@ def test_single_process_coordinator_rejects_a_bad_world_size(world_size):
 WORKER = Path(__file__).with_name("rank_worker.py")
 
 
-def run_ranks(root: Path, world_size: int, actions: list[dict], remote=None, killed: int | None = None) -> dict:
+def run_ranks(
+    root: Path, world_size: int, actions: list[dict], remote=None, killed: int | None = None, **options
+) -> dict:
     """Run ``world_size`` rank processes of one job over ``root``'s local directories; return each rank's result.
 
     ``killed`` is the rank expected to SIGKILL itself (it leaves no result).
@@ -49,6 +51,7 @@ def run_ranks(root: Path, world_size: int, actions: list[dict], remote=None, kil
         "world_size": world_size,
         "actions": actions,
         "timeout_seconds": 60,
+        **options,
     }
     if remote is not None:
         config["url"], config["options"] = remote
@@ -205,3 +208,26 @@ def test_sigkill_of_one_rank_during_a_save_leaves_the_previous_step_on_every_ran
         assert result["restored"]["step"] == 1
         assert result["restored"]["digests"] == expected_digests(1, 4, rank)
     assert RemoteTier(*s3_url).committed_steps() == [1, 2]
+
+
+def test_two_ranks_given_one_directory_both_fail_to_start_naming_the_fix(tmp_path):
+    results = run_ranks(tmp_path, 2, [{"do": "save", "step": 1}], shared_dir=True)
+    for result in results.values():
+        assert result["error"][0] == "DirectoryInUseError"
+    # whichever rank lost the race says why and what to do; the other names that rank
+    assert any("give each rank a local_dir of its own" in result["error"][1] for result in results.values())
+
+
+class OneOfTwoRanks:
+    """A coordinator's answers for rank 0 of 2, for argument checks made before any collective."""
+
+    world_size, local_ranks, is_leader = 2, (0,), True
+
+
+def test_skipping_uploads_when_behind_is_refused_with_one_process_per_rank(tmp_path):
+    with pytest.raises(ValueError, match="ranks could skip different steps"):
+        CheckpointManager(tmp_path, coordinator=OneOfTwoRanks(), when_uploads_behind="skip")
+    with pytest.raises(ValueError, match="world_size is 3 but the coordinator has 2"):
+        CheckpointManager(tmp_path, world_size=3, coordinator=OneOfTwoRanks())
+    with pytest.raises(ValueError, match="world_size is required"):
+        CheckpointManager(tmp_path)

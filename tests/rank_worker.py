@@ -4,7 +4,8 @@ Joins a gloo job through a file store (no ports to pick), opens a CheckpointMana
 ``<local_root>/rank-<RANK>`` (``<local_root>/shared`` with "shared_dir") with a
 TorchDistributedCoordinator, runs the config's actions in order, and writes what
 happened to ``<results>/rank-<RANK>.json``. A CheckpointError ends the actions and is
-recorded as ``error``: [class name, message].
+recorded as ``error``: [class name, message]. With "subgroup": [ranks], only those
+ranks take part, through a coordinator on that process group (ranks renumbered in it).
 
 Actions: {"do": "save", "step": S}, {"do": "wait"} (until uploaded), {"do": "restore",
 "reshard": bool}, {"do": "restore_if_any"} (records None), {"do": "collectives"}, and
@@ -71,8 +72,8 @@ def arm_kill(at: str) -> None:
         raise ValueError(at)
 
 
-def run(config: dict, rank: int, coordinator: TorchDistributedCoordinator, result: dict) -> None:
-    world_size = config["world_size"]
+def run(config: dict, coordinator: TorchDistributedCoordinator, result: dict) -> None:
+    rank, world_size = coordinator.rank, coordinator.world_size
     with CheckpointManager(
         Path(config["local_root"]) / ("shared" if config.get("shared_dir") else f"rank-{rank}"),
         coordinator=coordinator,
@@ -120,8 +121,11 @@ def main() -> None:
         "gloo", init_method=f"file://{config['store']}", rank=rank, world_size=config["world_size"], timeout=timeout
     )
     result: dict = {"rank": rank}
+    members = config.get("subgroup")
+    group = dist.new_group(members) if members else None  # every rank of the job creates it
     try:
-        run(config, rank, TorchDistributedCoordinator(timeout=timeout), result)
+        if members is None or rank in members:
+            run(config, TorchDistributedCoordinator(group, timeout=timeout), result)
     except CheckpointError as exc:
         result["error"] = [type(exc).__name__, str(exc)]
     (Path(config["results"]) / f"rank-{rank}.json").write_text(json.dumps(result))

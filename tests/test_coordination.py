@@ -218,6 +218,17 @@ def test_two_ranks_given_one_directory_both_fail_to_start_naming_the_fix(tmp_pat
     assert any("give each rank a local_dir of its own" in result["error"][1] for result in results.values())
 
 
+def test_a_coordinator_on_a_process_group_saves_and_restores_only_that_groups_ranks(tmp_path):
+    actions = [{"do": "collectives"}, {"do": "save", "step": 1}, {"do": "restore"}]
+    results = run_ranks(tmp_path, 3, actions, subgroup=[0, 2])
+    assert set(results[1]) == {"rank"}  # not in the group: took no part
+    for job_rank, group_rank in [(0, 0), (2, 1)]:
+        result = results[job_rank]
+        assert result["gathered"] == [{"rank": 0}, {"rank": 1}]
+        assert result["restored"]["digests"] == expected_digests(1, 2, group_rank)
+    assert sorted(path.name for path in (tmp_path / "nodes").iterdir()) == ["rank-0", "rank-1"]
+
+
 class OneOfTwoRanks:
     """A coordinator's answers for rank 0 of 2, for argument checks made before any collective."""
 

@@ -17,8 +17,9 @@ processes under ``torch.distributed`` (gloo, one process per rank, each with its
 directory on the one disk) and prints the aggregate GB/s of a blocking save, from a
 barrier before it to a barrier after every rank committed, next to the same processes
 writing the same bytes to plain files with fsync, measured just before each save (so
-both see the disk at the same moment). One untimed save first allocates the staging
-buffers, as in a training run's steady state.
+both see the disk at the same moment; the ratio printed is the median of each run's
+ratio). One untimed save first allocates the staging buffers, as in a training run's
+steady state.
 
 Cold reads evict the files from the page cache with ``posix_fadvise(DONTNEED)`` first.
 """
@@ -165,6 +166,15 @@ class Timings:
     def print_ratio(self, label: str, name: str, baseline: str, target: str) -> None:
         """Print the rate of ``name`` over the rate of ``baseline``, with its target."""
         _ratio(label, self.rate(name) / self.rate(baseline), target)
+
+    def print_paired_ratio(self, label: str, name: str, baseline: str, target: str) -> None:
+        """Print the median over runs of each run's ``name`` rate over its ``baseline`` rate.
+
+        For measurements taken back to back in each run: on a disk whose speed swings,
+        the ratio of two medians can pair a fast moment with a slow one.
+        """
+        pairs = zip(self.seconds[baseline], self.seconds[name], strict=True)
+        _ratio(label, statistics.median(base / seconds for base, seconds in pairs), target)
 
     def print_rates(self) -> None:
         for name, values in self.seconds.items():
@@ -429,14 +439,17 @@ def bench_dist(total_bytes: int, root: Path, repeat: int) -> None:
         return
     timings = Timings(total_bytes)
     for processes in RANK_PROCESSES:
-        for raw_seconds, save_seconds in _rank_processes(total_bytes, processes, root / f"dist-{processes}", repeat):
+        directory = root / f"dist-{processes}"
+        for raw_seconds, save_seconds in _rank_processes(total_bytes, processes, directory, repeat):
             timings.record(_raw_label(processes), raw_seconds)
             timings.record(_save_label(processes), save_seconds)
+        shutil.rmtree(directory)  # 2 x size x (repeat + 1) bytes: more than some disks hold three times over
+        os.sync()
     print(f"  state {total_bytes / 2**30:.2f} GiB in total, split over the rank processes")
     timings.print_rates()
     print("ratios (target):")
     for processes in RANK_PROCESSES:
-        timings.print_ratio(
+        timings.print_paired_ratio(
             f"save / raw, {processes} rank process{'es' if processes > 1 else ''}",
             _save_label(processes),
             _raw_label(processes),

@@ -7,7 +7,9 @@ happened to ``<results>/rank-<RANK>.json``. A CheckpointError ends the actions a
 recorded as ``error``: [class name, message]. With "subgroup": [ranks], only those
 ranks take part, through a coordinator on that process group (ranks renumbered in it).
 
-Actions: {"do": "save", "step": S}, {"do": "wait"} (until uploaded), {"do": "restore",
+Actions: {"do": "save", "step": S, "step_by_rank": {R: S}}, {"do": "wait"} (until
+uploaded), {"do": "drain_uploads", "rank": R} (rank R waits for its uploader without
+raising its errors), {"do": "restore",
 "reshard": bool}, {"do": "restore_if_any"} (records None), {"do": "collectives"}, and
 {"do": "kill", "rank": R, "at": POINT} which makes rank R SIGKILL itself during its
 next save at POINT: "after-shard" (its shard is durable, the commit not agreed) or
@@ -74,37 +76,59 @@ def arm_kill(at: str) -> None:
 
 def run(config: dict, coordinator: TorchDistributedCoordinator, result: dict) -> None:
     rank, world_size = coordinator.rank, coordinator.world_size
-    with CheckpointManager(
+    checkpoints = CheckpointManager(
         Path(config["local_root"]) / ("shared" if config.get("shared_dir") else f"rank-{rank}"),
         coordinator=coordinator,
-        remote_url=config.get("url"),
+        remote_url=config.get("url_by_rank", {}).get(str(rank), config.get("url")),
         storage_options=config.get("options"),
         keep_last=config.get("keep_last", 3),
-    ) as checkpoints:
+        upload_max_tries=1,
+    )
+    try:
         for action in config["actions"]:
-            if action["do"] == "save":
-                checkpoints.save(action["step"], rank_state(action["step"], world_size, rank))
-            elif action["do"] == "wait":
-                checkpoints.wait(uploaded=True)
-            elif action["do"] == "kill":
-                if action["rank"] == rank:
-                    arm_kill(action["at"])
-            elif action["do"] == "restore_if_any":
-                result["restored_if_any"] = checkpoints.restore(missing_ok=True)
-            elif action["do"] == "restore":
-                restored = checkpoints.restore(reshard=action.get("reshard", False))
-                result["restored"] = {
-                    "step": restored.step,
-                    "sources": {str(old): tier for old, tier in restored.sources.items()},
-                    "digests": digests(restored.torch_state()),
-                }
-            elif action["do"] == "collectives":
-                result["gathered"] = coordinator.all_gather({"rank": rank})
-                result["broadcast"] = coordinator.broadcast(f"from rank {rank}")
-                try:
-                    agree(coordinator, lambda: _fail_on_rank_1(rank))
-                except CheckpointError as exc:
-                    result["agree_error"] = [type(exc).__name__, str(exc)]
+            act(action, rank, world_size, checkpoints, coordinator, result)
+    except CheckpointError as exc:
+        result["error"] = [type(exc).__name__, str(exc)]
+    try:
+        checkpoints.close()
+    except CheckpointError as exc:
+        result["close_error"] = [type(exc).__name__, str(exc)]
+
+
+def act(
+    action: dict,
+    rank: int,
+    world_size: int,
+    checkpoints: CheckpointManager,
+    coordinator: TorchDistributedCoordinator,
+    result: dict,
+) -> None:
+    if action["do"] == "save":
+        step = action.get("step_by_rank", {}).get(str(rank), action["step"])
+        checkpoints.save(step, rank_state(step, world_size, rank))
+    elif action["do"] == "wait":
+        checkpoints.wait(uploaded=True)
+    elif action["do"] == "drain_uploads" and action["rank"] == rank:
+        checkpoints._wait_for_last_save()  # the step is queued for upload
+        checkpoints._uploader.wait()  # and its upload is over: a failure is recorded, not yet raised
+    elif action["do"] == "kill" and action["rank"] == rank:
+        arm_kill(action["at"])
+    elif action["do"] == "restore_if_any":
+        result["restored_if_any"] = checkpoints.restore(missing_ok=True)
+    elif action["do"] == "restore":
+        restored = checkpoints.restore(reshard=action.get("reshard", False))
+        result["restored"] = {
+            "step": restored.step,
+            "sources": {str(old): tier for old, tier in restored.sources.items()},
+            "digests": digests(restored.torch_state()),
+        }
+    elif action["do"] == "collectives":
+        result["gathered"] = coordinator.all_gather({"rank": rank})
+        result["broadcast"] = coordinator.broadcast(f"from rank {rank}")
+        try:
+            agree(coordinator, lambda: _fail_on_rank_1(rank))
+        except CheckpointError as exc:
+            result["agree_error"] = [type(exc).__name__, str(exc)]
 
 
 def _fail_on_rank_1(rank: int) -> int:

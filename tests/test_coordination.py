@@ -197,6 +197,7 @@ def test_sigkill_of_one_rank_during_a_save_leaves_the_previous_step_on_every_ran
     survivors = run_ranks(tmp_path, 4, [*first, {"do": "save", "step": 2}, {"do": "wait"}], s3_url, killed=1)
     for result in survivors.values():
         assert result["error"][0] == ("SaveError" if at == "after-shard" else "UploadError"), result
+        assert "a collective with the other ranks failed" in result["error"][1]  # CoordinationError, chained
     assert RemoteTier(*s3_url).committed_steps() == [1]
     committed = [(node(tmp_path, rank) / step_dir_name(2) / MANIFEST_NAME).exists() for rank in range(4)]
     # killed before the commit was agreed, no rank commits; killed after, only rank 1 lacks the step
@@ -227,6 +228,24 @@ def test_a_coordinator_on_a_process_group_saves_and_restores_only_that_groups_ra
         assert result["gathered"] == [{"rank": 0}, {"rank": 1}]
         assert result["restored"]["digests"] == expected_digests(1, 2, group_rank)
     assert sorted(path.name for path in (tmp_path / "nodes").iterdir()) == ["rank-0", "rank-1"]
+
+
+def test_ranks_calling_save_with_different_steps_fail_together(tmp_path):
+    results = run_ranks(tmp_path, 2, [{"do": "save", "step": 1, "step_by_rank": {"1": 2}}])
+    for result in results.values():
+        assert result["error"][0] == "InvalidStateError"
+        assert "the ranks called save with different steps: {0: 1, 1: 2}" in result["error"][1]
+
+
+def test_a_failed_upload_is_raised_by_every_rank_at_the_same_call_and_only_once(tmp_path, s3_url):
+    url, options = s3_url
+    missing = url.replace("tiered-test-", "tiered-missing-")  # rank 1's uploads fail: no such bucket
+    actions = [{"do": "save", "step": 1}, {"do": "drain_uploads", "rank": 1}, {"do": "save", "step": 2}]
+    results = run_ranks(tmp_path, 2, actions, (url, options), url_by_rank={"1": missing})
+    for result in results.values():
+        assert result["error"][0] == "UploadError" and "step 1" in result["error"][1], result
+        assert "close_error" not in result, result  # not raised a second time when it arrives later
+    assert RemoteTier(url, options).committed_steps() == []
 
 
 class OneOfTwoRanks:

@@ -20,12 +20,13 @@ its part, and either every process gets every result or every process raises.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from . import errors
-from .errors import CheckpointError
+from .errors import CheckpointError, CoordinationError
 
 __all__ = ["Coordinator", "SingleProcessCoordinator", "TorchDistributedCoordinator", "agree", "leader_decides"]
 
@@ -161,10 +162,23 @@ class TorchDistributedCoordinator:
         return self._rank == 0
 
     def barrier(self) -> None:
-        self._dist.barrier(group=self._group)
+        with self._collective("barrier"):
+            self._dist.barrier(group=self._group)
 
     def all_gather(self, payload: Any) -> list[Any]:
-        return [json.loads(data) for data in self._all_gather_bytes(json.dumps(payload).encode())]
+        with self._collective("all_gather"):
+            gathered = self._all_gather_bytes(json.dumps(payload).encode())
+        return [json.loads(data) for data in gathered]
+
+    @contextmanager
+    def _collective(self, name: str) -> Iterator[None]:
+        try:
+            yield
+        except Exception as exc:  # the backend's own types (DistBackendError, RuntimeError) vary
+            raise CoordinationError(
+                f"rank {self._rank}: {name} over {len(self._ranks)} ranks failed "
+                f"(a collective with the other ranks failed: a rank died or timed out): {exc}"
+            ) from exc
 
     def broadcast(self, payload: Any) -> Any:
         # Payloads are a few KB: one all_gather (the others send null) costs less code

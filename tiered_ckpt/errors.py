@@ -18,6 +18,8 @@ so ``except CheckpointError`` catches all of them::
     ├── RemoteError                   the object store failed a request (.transient says
     │                                 whether trying again may help; the cause is chained)
     ├── UploadError                   a step could not be committed remotely (.tries)
+    ├── CoordinationError             a collective with the other ranks failed (a rank
+    │                                 died or timed out; the cause is chained)
     └── ConfigError                   a config file, variable or argument is not valid
 
 Messages name the directory or file, and the rank or field, that the error is about.
@@ -40,6 +42,7 @@ __all__ = [
     "SaveError",
     "RemoteError",
     "UploadError",
+    "CoordinationError",
     "ConfigError",
     "restated",
 ]
@@ -118,6 +121,13 @@ class UploadError(CheckpointError):
         super().__init__(message)
         self.step = step
         self.tries = tries
+
+
+class CoordinationError(CheckpointError):
+    """A collective call with the other ranks failed: a rank died, or did not join in time.
+
+    ``__cause__`` holds the backend's error. The checkpoint being saved is not committed.
+    """
 
 
 class ConfigError(CheckpointError):

@@ -35,18 +35,19 @@ Every rank must make the same calls in the same order, as with any collective.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import shutil
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, overload
+from typing import Any, Literal, TypeVar, overload
 
 import numpy as np
 
@@ -63,6 +64,7 @@ from .errors import (
     RemoteError,
     SaveError,
     ShardFormatError,
+    UploadError,
     restated,
 )
 from .layout import step_dir_name
@@ -103,6 +105,7 @@ __all__ = ["CheckpointManager", "SaveHandle", "RestoreResult", "StagingBuffers"]
 logger = logging.getLogger("tiered_ckpt")
 
 State = Mapping[str, np.ndarray]
+T = TypeVar("T")
 
 
 BACKGROUND_NICENESS = 10
@@ -293,6 +296,7 @@ class CheckpointManager:
         self._last_save: SaveHandle | None = None
         self._errors: list[SaveError] = []  # failed background saves not yet raised
         self._errors_lock = threading.Lock()
+        self._upload_errors_raised: set[int] = set()  # steps whose UploadError was raised on this rank
         self._retention_lock = threading.Lock()
         self._closed = False
         self._remote = RemoteTier(remote_url, storage_options) if remote_url is not None else None
@@ -469,17 +473,18 @@ class CheckpointManager:
         """
         self._check_open()
         self._wait_for_last_save()
-        self._raise_background_error()
         local: list[State] = []
 
         def check() -> dict[str, Any]:
+            self._raise_background_error()
             validate_step(step)
             given = [states] if isinstance(states, Mapping) else states
             validate_states(given, len(self._ranks))
             local.extend(numpy_state(state) for state in given)  # torch tensors become numpy views
-            return {"newest": self.latest_step(), "shapes": [sharding_summary(state) for state in local]}
+            return {"step": step, "newest": self.latest_step(), "shapes": [sharding_summary(s) for s in local]}
 
-        reports = agree(self._coordinator, check)
+        reports = self._agree(check)
+        _check_same_call(reports, "step", "save")
         newest = max((report["newest"] for report in reports if report["newest"] is not None), default=None)
         if newest is not None and step <= newest:
             raise CheckpointExistsError(
@@ -578,10 +583,28 @@ class CheckpointManager:
     def _raise_background_error(self) -> None:
         with self._errors_lock:
             error: CheckpointError | None = self._errors.pop(0) if self._errors else None
-        if error is None and self._uploader is not None:
-            error = self._uploader.pop_error()
+        while error is None and self._uploader is not None:
+            failed_upload = self._uploader.pop_error()
+            if failed_upload is None:
+                break
+            if failed_upload.step not in self._upload_errors_raised:  # else raised already, from another rank
+                error = failed_upload
         if error is not None:
             raise error
+
+    def _agree(self, action: Callable[[], T]) -> list[T]:
+        """:func:`agree` for the calls every rank makes; background errors are raised there, by every rank.
+
+        A rank's uploader may record a failed upload (agreed by every rank's uploader)
+        a moment before or after another's: the rank that has it raises it inside the
+        collective, so every rank raises it at the same call, and the others' copies,
+        when they arrive, are not raised again.
+        """
+        try:
+            return agree(self._coordinator, action)
+        except UploadError as error:
+            self._upload_errors_raised.add(error.step)
+            raise
 
     def wait(self, *, uploaded: bool = False) -> None:
         """Block until every save so far is committed locally (and remotely, with ``uploaded=True``).
@@ -686,12 +709,13 @@ class CheckpointManager:
         locally or the bucket holds, and a failure on any rank raises on every rank.
         """
         self._check_open()
-        self.wait()
+        self._wait_for_last_save()
         verify = self.verify if verify is None else verify
         target = self.world_size if world_size is None else world_size
         if not self._one_process and target != self.world_size:
             raise InvalidStateError(f"with one process per rank the world size is the coordinator's, {self.world_size}")
-        reports = agree(self._coordinator, self._report_steps)
+        reports = self._agree(lambda: self._report_steps(step))
+        _check_same_call(reports, "step", "restore")
         remote_steps: list[int] = reports[0]["remote"]
         held = [{int(key) for key in report["local"]} for report in reports]
         complete = sorted(set(remote_steps).union(held[0].intersection(*held[1:])))
@@ -708,9 +732,10 @@ class CheckpointManager:
         self._drop_unfinished_commits(chosen, complete, reports)
         return loaded[0]
 
-    def _report_steps(self) -> dict[str, Any]:
+    def _report_steps(self, asked: int | None) -> dict[str, Any]:
         """This process's committed steps (with the world size each was saved with) and, on the
-        leader, the bucket's."""
+        leader, the bucket's; a background error not yet raised is raised instead."""
+        self._raise_background_error()
         local: dict[str, int | None] = {}
         for step in committed_steps(self.root):
             try:
@@ -718,7 +743,7 @@ class CheckpointManager:
             except ManifestError:
                 local[str(step)] = None  # damaged: the restore falls back to the remote manifest or fails
         remote = self.remote_steps() if self._coordinator.is_leader else None
-        return {"local": local, "remote": remote}
+        return {"step": asked, "local": local, "remote": remote}
 
     def _choose_step(self, step: int | None, complete: list[int], held: list[set[int]], missing_ok: bool) -> int | None:
         """Leader: the step every rank restores (None: nothing anywhere, and ``missing_ok``)."""
@@ -913,6 +938,13 @@ class CheckpointManager:
         if remote is not None and remote.manifest.shards != local.shards:
             raise ManifestError(f"the local and remote manifests of step {step} describe different checkpoints")
         return local, remote
+
+
+def _check_same_call(reports: list[dict[str, Any]], field: str, call: str) -> None:
+    """Raise :class:`InvalidStateError` on every rank if the ranks made ``call`` with different ``field``."""
+    values = {rank: report[field] for rank, report in enumerate(reports)}
+    if len(set(map(json.dumps, values.values()))) > 1:
+        raise InvalidStateError(f"the ranks called {call} with different {field}s: {values}")
 
 
 _LOCAL_FAILURES = (IncompleteCheckpointError, ChecksumMismatchError, ShardFormatError)

@@ -178,6 +178,16 @@ def test_a_different_world_size_fails_on_every_rank_unless_resharding_is_asked(s
     assert json.loads((node(root, 0) / step_dir_name(2) / HELD_NAME).read_text()) == {"ranks": [0, 1]}
 
 
+def test_resharding_across_nodes_without_a_bucket_says_it_needs_one(saved_job, tmp_path):
+    job_root, _remote, _results = saved_job
+    root = copy_nodes(job_root, tmp_path, [0, 1])
+    for rank, result in run_ranks(root, 2, [{"do": "restore", "reshard": True}]).items():
+        assert result["error"][0] == "IncompleteCheckpointError"
+        absent = [2, 3] if rank == 1 else [1]  # new rank 0 needs old ranks 0-1, new rank 1 old ranks 2-3
+        assert f"the shards of ranks {absent} are not on this node's disk" in result["error"][1]
+        assert "needs a bucket" in result["error"][1]
+
+
 def test_the_cli_verifies_a_node_directory_without_counting_other_nodes_shards_as_missing(saved_job, tmp_path):
     job_root, _remote, _results = saved_job
     root = copy_nodes(job_root, tmp_path, [3])

@@ -797,6 +797,8 @@ class CheckpointManager:
                 wanted = sorted({old for rank in new_ranks for old in source_ranks(manifest, target, rank)})
             directory.mkdir(exist_ok=True)
             fallback = self._remote if remote is not None else None
+            if fallback is None and not self._one_process:
+                _check_on_this_node(directory, manifest, wanted)
             fetched = run_parallel(
                 lambda index: _fetch_shard(
                     directory,
@@ -938,6 +940,17 @@ class CheckpointManager:
         if remote is not None and remote.manifest.shards != local.shards:
             raise ManifestError(f"the local and remote manifests of step {step} describe different checkpoints")
         return local, remote
+
+
+def _check_on_this_node(directory: Path, manifest: ShardManifest, ranks: list[int]) -> None:
+    """Without a bucket, a rank can read only the shards on its own disk: say so if some are not."""
+    absent = [rank for rank in ranks if not (directory / manifest.shard(rank).path).is_file()]
+    if absent:
+        raise IncompleteCheckpointError(
+            f"{directory}: the shards of ranks {absent} are not on this node's disk and no remote tier holds "
+            f"step {manifest.step}; reading another node's shards (to reshard, or after ranks moved between "
+            "nodes) needs a bucket (remote_url)"
+        )
 
 
 def _check_same_call(reports: list[dict[str, Any]], field: str, call: str) -> None:

@@ -7,7 +7,8 @@ happened to ``<results>/rank-<RANK>.json``. A CheckpointError ends the actions a
 recorded as ``error``: [class name, message]. With "subgroup": [ranks], only those
 ranks take part, through a coordinator on that process group (ranks renumbered in it).
 
-Actions: {"do": "save", "step": S, "step_by_rank": {R: S}}, {"do": "wait"} (until
+Actions: {"do": "save", "step": S, "step_by_rank": {R: S}, "text_on_rank": R} (R adds
+an array of text), {"do": "wait"} (until
 uploaded), {"do": "drain_uploads", "rank": R} (rank R waits for its uploader without
 raising its errors), {"do": "restore",
 "reshard": bool}, {"do": "restore_if_any"} (records None), {"do": "collectives"}, and
@@ -105,7 +106,10 @@ def act(
 ) -> None:
     if action["do"] == "save":
         step = action.get("step_by_rank", {}).get(str(rank), action["step"])
-        checkpoints.save(step, rank_state(step, world_size, rank))
+        state = rank_state(step, world_size, rank)
+        if action.get("text_on_rank") == rank:
+            state["note"] = np.array(["not a tensor dtype a shard holds"])
+        checkpoints.save(step, state)
     elif action["do"] == "wait":
         checkpoints.wait(uploaded=True)
     elif action["do"] == "drain_uploads" and action["rank"] == rank:

@@ -247,6 +247,14 @@ def test_ranks_calling_save_with_different_steps_fail_together(tmp_path):
         assert "the ranks called save with different steps: {0: 1, 1: 2}" in result["error"][1]
 
 
+def test_an_array_one_rank_cannot_save_fails_the_save_on_every_rank(tmp_path):
+    actions = [{"do": "save", "step": 1, "text_on_rank": 1}]
+    for rank, result in run_ranks(tmp_path, 2, actions).items():
+        assert result["error"][0] == "InvalidStateError"
+        assert result["error"][1].startswith("rank 1: array 'note' has dtype <U32"), result  # named once, on both ranks
+        assert not (node(tmp_path, rank) / step_dir_name(1)).exists()
+
+
 def test_a_failed_upload_is_raised_by_every_rank_at_the_same_call_and_only_once(tmp_path, s3_url):
     url, options = s3_url
     missing = url.replace("tiered-test-", "tiered-missing-")  # rank 1's uploads fail: no such bucket

@@ -274,4 +274,6 @@ def _error_from(description: dict[str, Any], rank: int) -> CheckpointError:
     template.__dict__.update(
         {name: value for name, value in dict(description.get("attributes") or {}).items() if name in _ERROR_ATTRIBUTES}
     )
-    return errors.restated(template, f"rank {rank}: {description.get('message')}")
+    message = str(description.get("message"))
+    named = message if message.startswith(f"rank {rank}:") else f"rank {rank}: {message}"
+    return errors.restated(template, named)

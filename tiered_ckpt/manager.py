@@ -480,7 +480,11 @@ class CheckpointManager:
             validate_step(step)
             given = [states] if isinstance(states, Mapping) else states
             validate_states(given, len(self._ranks))
-            local.extend(numpy_state(state) for state in given)  # torch tensors become numpy views
+            # torch tensors become numpy views; every array is checked here, inside the
+            # collective, so a bad array raises on every rank rather than stranding the others
+            local.extend(
+                check_arrays(numpy_state(state), f"rank {r}") for r, state in zip(self._ranks, given, strict=True)
+            )
             return {"step": step, "newest": self.latest_step(), "shapes": [sharding_summary(s) for s in local]}
 
         reports = self._agree(check)
@@ -692,17 +696,14 @@ class CheckpointManager:
     ) -> RestoreResult | None:
         """Load a committed step (default: the newest) with every shard verified.
 
-        ``missing_ok=True`` returns None instead of raising when no tier (on no rank)
-        holds any committed step: a fresh start. Steps that exist but cannot be
-        restored still raise.
-
         ``world_size`` (default: the manager's) must match the checkpoint's, else
         :class:`WorldSizeMismatchError`, unless ``reshard=True`` asks for the flat
         shards to be re-cut for it. ``verify="fast"`` checks xxh3-64 instead of sha256
         (default: the manager's ``verify``).
         ``into`` fills the caller's arrays in place (not with resharding). A damaged
         step fails loudly with the step, rank and file named; it never falls back to
-        an older step by itself.
+        an older step by itself. ``missing_ok=True`` returns None instead of raising
+        when no tier (of no rank) holds any committed step: a fresh start.
 
         With one process per rank every rank calls it and gets its own rank's state
         (:attr:`RestoreResult.state`); the step is the newest that every rank holds
@@ -717,10 +718,10 @@ class CheckpointManager:
         reports = self._agree(lambda: self._report_steps(step))
         _check_same_call(reports, "step", "restore")
         remote_steps: list[int] = reports[0]["remote"]
-        held = [{int(key) for key in report["local"]} for report in reports]
-        complete = sorted(set(remote_steps).union(held[0].intersection(*held[1:])))
+        committed = [{int(key) for key in report["local"]} for report in reports]  # per process
+        complete = sorted(set(remote_steps).union(committed[0].intersection(*committed[1:])))
         chosen: int | None = leader_decides(
-            self._coordinator, lambda: self._choose_step(step, complete, held, missing_ok)
+            self._coordinator, lambda: self._choose_step(step, complete, committed, missing_ok)
         )
         if chosen is None:
             return None
@@ -745,12 +746,14 @@ class CheckpointManager:
         remote = self.remote_steps() if self._coordinator.is_leader else None
         return {"step": asked, "local": local, "remote": remote}
 
-    def _choose_step(self, step: int | None, complete: list[int], held: list[set[int]], missing_ok: bool) -> int | None:
+    def _choose_step(
+        self, step: int | None, complete: list[int], committed: list[set[int]], missing_ok: bool
+    ) -> int | None:
         """Leader: the step every rank restores (None: nothing anywhere, and ``missing_ok``)."""
-        if missing_ok and step is None and not complete and not set().union(*held):
+        if missing_ok and step is None and not complete and not set().union(*committed):
             return None
-        for partial in sorted(set().union(*held) - set(complete)):
-            holders = [rank for rank, steps in enumerate(held) if partial in steps]
+        for partial in sorted(set().union(*committed) - set(complete)):
+            holders = [rank for rank, steps in enumerate(committed) if partial in steps]
             logger.warning(
                 "step %d is committed on ranks %s only and not in the bucket (a save cut short between "
                 "ranks' commits, or a node's disk replaced): it cannot be restored",

@@ -244,7 +244,7 @@ def test_ranks_calling_save_with_different_steps_fail_together(tmp_path):
     results = run_ranks(tmp_path, 2, [{"do": "save", "step": 1, "step_by_rank": {"1": 2}}])
     for result in results.values():
         assert result["error"][0] == "InvalidStateError"
-        assert "the ranks called save with different steps: {0: 1, 1: 2}" in result["error"][1]
+        assert "the ranks called save with different arguments: {0: {'step': 1}, 1: {'step': 2}}" in result["error"][1]
 
 
 def test_an_array_one_rank_cannot_save_fails_the_save_on_every_rank(tmp_path):

@@ -485,10 +485,11 @@ class CheckpointManager:
             local.extend(
                 check_arrays(numpy_state(state), f"rank {r}") for r, state in zip(self._ranks, given, strict=True)
             )
-            return {"step": step, "newest": self.latest_step(), "shapes": [sharding_summary(s) for s in local]}
+            shapes = [sharding_summary(state) for state in local]
+            return {"arguments": {"step": step}, "newest": self.latest_step(), "shapes": shapes}
 
         reports = self._agree(check)
-        _check_same_call(reports, "step", "save")
+        _check_same_call(reports, "save")
         newest = max((report["newest"] for report in reports if report["newest"] is not None), default=None)
         if newest is not None and step <= newest:
             raise CheckpointExistsError(
@@ -713,10 +714,8 @@ class CheckpointManager:
         self._wait_for_last_save()
         verify = self.verify if verify is None else verify
         target = self.world_size if world_size is None else world_size
-        if not self._one_process and target != self.world_size:
-            raise InvalidStateError(f"with one process per rank the world size is the coordinator's, {self.world_size}")
-        reports = self._agree(lambda: self._report_steps(step))
-        _check_same_call(reports, "step", "restore")
+        reports = self._agree(lambda: self._report_steps(step, target, reshard))
+        _check_same_call(reports, "restore")
         remote_steps: list[int] = reports[0]["remote"]
         committed = [{int(key) for key in report["local"]} for report in reports]  # per process
         complete = sorted(set(remote_steps).union(committed[0].intersection(*committed[1:])))
@@ -733,10 +732,12 @@ class CheckpointManager:
         self._drop_unfinished_commits(chosen, complete, reports)
         return loaded[0]
 
-    def _report_steps(self, asked: int | None) -> dict[str, Any]:
-        """This process's committed steps (with the world size each was saved with) and, on the
-        leader, the bucket's; a background error not yet raised is raised instead."""
+    def _report_steps(self, asked: int | None, target: int, reshard: bool) -> dict[str, Any]:
+        """This process's restore arguments, committed steps (with the world size each was saved
+        with) and, on the leader, the bucket's; a background error not yet raised is raised instead."""
         self._raise_background_error()
+        if not self._one_process and target != self.world_size:
+            raise InvalidStateError(f"with one process per rank the world size is the coordinator's, {self.world_size}")
         local: dict[str, int | None] = {}
         for step in committed_steps(self.root):
             try:
@@ -744,7 +745,8 @@ class CheckpointManager:
             except ManifestError:
                 local[str(step)] = None  # damaged: the restore falls back to the remote manifest or fails
         remote = self.remote_steps() if self._coordinator.is_leader else None
-        return {"step": asked, "local": local, "remote": remote}
+        arguments = {"step": asked, "world_size": target, "reshard": reshard}
+        return {"arguments": arguments, "local": local, "remote": remote}
 
     def _choose_step(
         self, step: int | None, complete: list[int], committed: list[set[int]], missing_ok: bool
@@ -956,11 +958,11 @@ def _check_on_this_node(directory: Path, manifest: ShardManifest, ranks: list[in
         )
 
 
-def _check_same_call(reports: list[dict[str, Any]], field: str, call: str) -> None:
-    """Raise :class:`InvalidStateError` on every rank if the ranks made ``call`` with different ``field``."""
-    values = {rank: report[field] for rank, report in enumerate(reports)}
-    if len(set(map(json.dumps, values.values()))) > 1:
-        raise InvalidStateError(f"the ranks called {call} with different {field}s: {values}")
+def _check_same_call(reports: list[dict[str, Any]], call: str) -> None:
+    """Raise :class:`InvalidStateError` on every rank if the ranks made ``call`` with different arguments."""
+    arguments = {rank: report["arguments"] for rank, report in enumerate(reports)}
+    if len({json.dumps(value, sort_keys=True) for value in arguments.values()}) > 1:
+        raise InvalidStateError(f"the ranks called {call} with different arguments: {arguments}")
 
 
 _LOCAL_FAILURES = (IncompleteCheckpointError, ChecksumMismatchError, ShardFormatError)

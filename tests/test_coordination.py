@@ -196,6 +196,10 @@ def test_the_cli_verifies_a_node_directory_without_counting_other_nodes_shards_a
     assert verified.returncode == 0, verified.stderr
     assert "step 2 local  rank 1: held by another node" in verified.stdout
     assert "1 shards verified, 0 failed, 3 held by other nodes" in verified.stdout
+    listed = subprocess.run([*command[:-2], "--json", "ls"], capture_output=True, text=True, timeout=120)
+    assert [row["local_ranks"] for row in json.loads(listed.stdout)] == [[3], [3]]  # steps 1 and 2
+    listed = subprocess.run([*command[:-2], "ls"], capture_output=True, text=True, timeout=120)
+    assert "1/4" in listed.stdout.splitlines()[-1]
     flip_byte(node(root, 3) / step_dir_name(2) / shard_name(3, 4), 200)
     failed = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert failed.returncode == 1 and "0 shards verified, 1 failed, 3 held by other nodes" in failed.stdout

@@ -94,12 +94,14 @@ def command_ls(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
         else:
             remote_state = "partial" if step in remote_partial else "-"
         manifest = _manifest(config, remote, step, local, remote_committed)
+        held = held_ranks(directory, manifest) if manifest and local.get(step) == "committed" else None
         rows.append(
             {
                 "step": step,
                 "local": local.get(step, "-"),
                 "remote": remote_state,
                 "world_size": manifest.world_size if manifest else None,
+                "local_ranks": held,
                 "bytes": manifest.total_bytes if manifest else None,
                 "age_seconds": round(now - manifest.wall_clock_seconds, 1) if manifest else None,
             }
@@ -109,6 +111,8 @@ def command_ls(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
         size = f"{row['bytes'] / 2**20:.1f}M" if row["bytes"] is not None else "-"
         age = f"{row['age_seconds'] / 60:.1f}m" if row["age_seconds"] is not None else "-"
         ranks = row["world_size"] or "-"
+        if row["local_ranks"] is not None and len(row["local_ranks"]) < row["world_size"]:
+            ranks = f"{len(row['local_ranks'])}/{row['world_size']}"  # a node of a multi-process job
         lines.append(f"{row['step']:>12}  {row['local']:<10} {row['remote']:<10} {ranks:>5} {size:>10} {age:>10}")
     return EXIT_OK, (rows, "\n".join(lines))
 

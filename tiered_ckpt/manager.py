@@ -654,7 +654,11 @@ class CheckpointManager:
         return committed_steps(self.root)
 
     def latest_step(self) -> int | None:
-        """The newest step committed in either tier, or None if there is none."""
+        """The newest step committed in either tier, or None if there is none.
+
+        With one process per rank this is this rank's view (its own directory and the
+        bucket as of its last upload); :meth:`restore` is what makes the ranks agree.
+        """
         steps = self.steps()
         candidates = [steps[-1]] if steps else []
         if self._newest_remote is not None:

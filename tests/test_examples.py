@@ -63,3 +63,22 @@ def test_ddp_example_resumes_after_a_sigkill_to_the_same_parameters_as_an_uninte
     for rank in range(4):
         assert f"rank {rank}: resumed from step 20; shards from {{{rank}: 'local'}}" in resumed.stdout
     assert final_digest(resumed) == uninterrupted
+
+
+def test_ddp_example_resumes_with_fewer_ranks_through_the_bucket(tmp_path, s3_url, moto_endpoint):
+    url, _options = s3_url
+    config = write_s3_config(tmp_path / "job.toml", tmp_path / "nodes", url, moto_endpoint)
+
+    def torchrun(processes, *args):
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
+        script = [str(EXAMPLES / "torch_ddp_train.py"), "--config", str(config), *args]
+        run = subprocess.run([*command, *script], capture_output=True, text=True, env=s3_credentials_env(), timeout=300)
+        assert run.returncode == 0, run.stderr
+        return run.stdout
+
+    torchrun(4, "--steps", "20")
+    resumed = torchrun(2, "--steps", "30", "--reshard")
+    # new rank 0 holds old ranks 0-1: old rank 0's shard is on its disk (rank-0), old rank 1's in the bucket
+    assert "rank 0: resumed from step 20; shards from {0: 'local', 1: 'remote'}" in resumed
+    assert "rank 1: resumed from step 20; shards from {2: 'remote', 3: 'remote'}" in resumed
+    assert "step 30: loss" in resumed

@@ -129,6 +129,7 @@ def act(
     elif action["do"] == "collectives":
         result["gathered"] = coordinator.all_gather({"rank": rank})
         result["broadcast"] = coordinator.broadcast(f"from rank {rank}")
+        coordinator.barrier()
         try:
             agree(coordinator, lambda: _fail_on_rank_1(rank))
         except CheckpointError as exc:

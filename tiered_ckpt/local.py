@@ -283,9 +283,8 @@ def held_ranks(directory: Path, manifest: ShardManifest) -> list[int]:
         return list(range(manifest.world_size))
     except (OSError, ValueError) as exc:
         raise ManifestError(f"{path}: not a readable JSON record of held shards: {exc}") from exc
-    ranks = document.get("ranks") if isinstance(document, dict) else None
-    valid = isinstance(ranks, list) and all(type(rank) is int and 0 <= rank < manifest.world_size for rank in ranks)
-    if not valid or set(document) != {"ranks"}:
+    ranks = document.get("ranks") if isinstance(document, dict) and set(document) == {"ranks"} else None
+    if not isinstance(ranks, list) or not all(type(rank) is int and 0 <= rank < manifest.world_size for rank in ranks):
         raise ManifestError(f'{path}: expected {{"ranks": [ranks below {manifest.world_size}]}}, got {document!r}')
     return sorted(set(ranks))
 

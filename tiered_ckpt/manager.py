@@ -393,7 +393,12 @@ class CheckpointManager:
         remote_steps = listing["committed"]
         self._newest_remote = remote_steps[-1] if remote_steps else None
         mine: list[int] = []
-        wanted = agree(self._coordinator, lambda: mine.extend(self._steps_to_resume(remote_steps)) or mine)
+
+        def report() -> list[int]:
+            mine.extend(self._steps_to_resume(remote_steps))
+            return mine
+
+        wanted = agree(self._coordinator, report)
         resumed = sorted(set(wanted[0]).intersection(*wanted[1:]))
         for step in sorted(set(mine) - set(resumed)):
             logger.warning("step %d is committed in %s but not on every rank: it cannot be uploaded", step, self.root)

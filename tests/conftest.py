@@ -177,23 +177,28 @@ def s3_credentials_env() -> dict[str, str]:
     return {**os.environ, "AWS_ACCESS_KEY_ID": S3_TEST_KEY, "AWS_SECRET_ACCESS_KEY": S3_TEST_SECRET}
 
 
-@pytest.fixture
-def s3_url(moto_endpoint, request):
-    """A fresh bucket on the moto server; returns (url, storage_options)."""
+def new_s3_bucket(endpoint: str, prefix: str = "tiered-test") -> tuple[str, dict]:
+    """Create a fresh bucket on the moto server at ``endpoint``; return (url, storage_options)."""
     import uuid
 
     import boto3
 
-    bucket = f"tiered-test-{uuid.uuid4().hex[:16]}"
+    bucket = f"{prefix}-{uuid.uuid4().hex[:16]}"
     client = boto3.client(
         "s3",
-        endpoint_url=moto_endpoint,
+        endpoint_url=endpoint,
         aws_access_key_id=S3_TEST_KEY,
         aws_secret_access_key=S3_TEST_SECRET,
         region_name="us-east-1",
     )
     client.create_bucket(Bucket=bucket)
-    return f"s3://{bucket}/run", s3_storage_options(moto_endpoint)
+    return f"s3://{bucket}/run", s3_storage_options(endpoint)
+
+
+@pytest.fixture
+def s3_url(moto_endpoint, request):
+    """A fresh bucket on the moto server; returns (url, storage_options)."""
+    return new_s3_bucket(moto_endpoint)
 
 
 @pytest.fixture

@@ -3,12 +3,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
 
-from conftest import S3_TEST_KEY, S3_TEST_SECRET, flip_byte, s3_storage_options
+from conftest import flip_byte, new_s3_bucket
 from tiered_ckpt import CheckpointManager, Coordinator, ShardManifest, SingleProcessCoordinator
 from tiered_ckpt.layout import HELD_NAME, MANIFEST_NAME, shard_name, step_dir_name
 from tiered_ckpt.remote import RemoteTier
@@ -87,17 +86,7 @@ def node(root: Path, rank: int) -> Path:
 @pytest.fixture(scope="module")
 def saved_job(tmp_path_factory, moto_endpoint):
     """A 4-rank job that saved steps 1 and 2 asynchronously, each uploaded to a moto bucket."""
-    import boto3
-
-    bucket = f"tiered-dist-{uuid.uuid4().hex[:12]}"
-    boto3.client(
-        "s3",
-        endpoint_url=moto_endpoint,
-        aws_access_key_id=S3_TEST_KEY,
-        aws_secret_access_key=S3_TEST_SECRET,
-        region_name="us-east-1",
-    ).create_bucket(Bucket=bucket)
-    remote = (f"s3://{bucket}/run", s3_storage_options(moto_endpoint))
+    remote = new_s3_bucket(moto_endpoint, "tiered-dist")
     root = tmp_path_factory.mktemp("job")
     actions = [
         {"do": "collectives"},

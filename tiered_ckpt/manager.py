@@ -851,6 +851,9 @@ class CheckpointManager:
                 held = set(held_ranks(directory, manifest))
             except ManifestError:
                 logger.warning("%s: the record of held shards is damaged; rewriting it", directory, exc_info=True)
+            else:
+                if held >= set(fetched):
+                    return  # the record is already right: no durable rewrite on every restore
         record_held_ranks(directory, manifest, held | set(fetched))
 
     def _drop_unfinished_commits(self, restored: int, complete: list[int], reports: list[dict[str, Any]]) -> None:

@@ -209,7 +209,13 @@ def memory_url():
     return f"memory://tiered-test-{uuid.uuid4().hex[:16]}/run", {}
 
 
-@pytest.fixture(params=["memory", "s3", "gcs"])
+@pytest.fixture
+def file_url(tmp_path_factory):
+    """A directory on a shared file system (here: a fresh temp dir) as the remote tier: (url, options)."""
+    return f"file://{tmp_path_factory.mktemp('shared-fs')}/run", {}
+
+
+@pytest.fixture(params=["memory", "s3", "gcs", "file"])
 def remote_url(request):
     """Each remote backend in turn: (url, storage_options)."""
     return request.getfixturevalue(f"{request.param}_url")
@@ -217,13 +223,16 @@ def remote_url(request):
 
 class FaultInjectingProxy:
     """An HTTP proxy on a free loopback port in front of ``upstream`` that answers
-    ``failure_rate`` of the requests with ``503 SlowDown`` instead of forwarding them.
+    ``failure_rate`` of the requests (of ``methods`` only, if given) with ``503 SlowDown``
+    instead of forwarding them. ``requests`` counts every request it received.
 
     Which requests fail comes from a seeded generator, so the sequence of decisions is
     the same in every run (which request meets which decision depends on thread timing).
     """
 
-    def __init__(self, upstream: str, failure_rate: float = 0.3, seed: int = 1234) -> None:
+    def __init__(
+        self, upstream: str, failure_rate: float = 0.3, seed: int = 1234, methods: tuple[str, ...] | None = None
+    ) -> None:
         import http.client
         import http.server
         import random
@@ -248,7 +257,7 @@ class FaultInjectingProxy:
                 body = self.rfile.read(length) if length else b""
                 with proxy._lock:
                     proxy.requests += 1
-                    fail = decisions.random() < failure_rate
+                    fail = decisions.random() < failure_rate and (methods is None or self.command in methods)
                     proxy.injected += fail
                 if fail:
                     error = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"

@@ -23,7 +23,7 @@ import threading
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from conftest import large_states  # noqa: E402
-from tiered_ckpt import local, save_sharded, sharded, shardfile  # noqa: E402
+from tiered_ckpt import durable, save_sharded, sharded, shardfile  # noqa: E402
 from tiered_ckpt.layout import MANIFEST_NAME  # noqa: E402
 
 _announce = threading.Lock()
@@ -62,9 +62,9 @@ def install(point: str) -> None:
                 pause_forever()
             original_replace(src, dst)
 
-        local.os.replace = replace
+        durable.os.replace = replace
     elif point == "after-commit":
-        local.fsync_directory = pause_forever
+        durable.fsync_directory = pause_forever
     else:
         raise SystemExit(f"unknown point {point}")
 
@@ -82,13 +82,13 @@ def run_upload(directory: str, bytes_per_rank: int, remote_json: str) -> None:
     )
     manager.save(1, large_states(4, bytes_per_rank, version=1))
     manager.wait(uploaded=True)
-    original = RemoteTier.upload_shard
+    original = RemoteTier.put_shard
 
     def upload_then_pause(tier, step, local_path, record):
         original(tier, step, local_path, record)
         pause_forever()
 
-    RemoteTier.upload_shard = upload_then_pause
+    RemoteTier.put_shard = upload_then_pause
     manager.save(2, large_states(4, bytes_per_rank, version=2))
     manager.wait(uploaded=True)
 

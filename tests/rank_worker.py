@@ -29,7 +29,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tiered_ckpt import CheckpointError, CheckpointManager, InvalidStateError, TorchDistributedCoordinator, manager
+from tiered_ckpt import (
+    CheckpointError,
+    CheckpointManager,
+    InvalidStateError,
+    TorchDistributedCoordinator,
+    local,
+    writer,
+)
 from tiered_ckpt.coordination import agree
 
 TOTAL_NUMEL = 1003
@@ -67,10 +74,10 @@ def arm_kill(at: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     if at == "after-shard":
-        write_shards = manager.write_shards
-        manager.write_shards = lambda *args, **kwargs: (write_shards(*args, **kwargs), die())[0]
+        write_shards = writer.write_shards
+        writer.write_shards = lambda *args, **kwargs: (write_shards(*args, **kwargs), die())[0]
     elif at == "before-commit":
-        manager.commit_manifest = die
+        local.commit_manifest = die  # the local tier's commit of the manifest
     else:
         raise ValueError(at)
 
@@ -113,7 +120,7 @@ def act(
     elif action["do"] == "wait":
         checkpoints.wait(uploaded=True)
     elif action["do"] == "drain_uploads" and action["rank"] == rank:
-        checkpoints._wait_for_last_save()  # the step is queued for upload
+        checkpoints._writer.settle()  # the step is queued for upload
         checkpoints._uploader.wait()  # and its upload is over: a failure is recorded, not yet raised
     elif action["do"] == "kill" and action["rank"] == rank:
         arm_kill(action["at"])

@@ -131,3 +131,21 @@ def test_failure_to_reach_a_step_exits_1(tmp_path):
     env = {**os.environ, "TIERED_CKPT_LOCAL_DIR": str(tmp_path)}
     code, _, err = run(env, "verify", "9")
     assert code == 1 and "step 9 is committed in no tier" in err
+
+
+def test_global_options_work_after_the_command_and_sizes_fit_their_unit(setup):
+    config, local, url, options, env = setup
+    save_steps(local, url, options, [1])
+    code, out, err = run(env, "ls", "--config", str(config))  # as in git: options after the verb
+    assert code == 0, err
+    size = out.splitlines()[1].split()[4]
+    assert size.endswith("K") and float(size[:-1]) > 1  # a ~50 KB step, not "0.0M"
+    code, out, err = run(env, "verify", "1", "--json", "--config", str(config))
+    assert code == 0 and all(row["status"] == "ok" for row in json.loads(out)), err
+
+
+@pytest.mark.parametrize("size, shown", [(0, "0B"), (812, "812B"), (33 * 1024, "33.0K"), (3 << 29, "1.5G")])
+def test_human_size(size, shown):
+    from tiered_ckpt.cli import human_size
+
+    assert human_size(size) == shown

@@ -31,12 +31,12 @@ from tiered_ckpt import (
     RemoteError,
     SaveError,
     UploadError,
+    UsageError,
     WorldSizeMismatchError,
 )
-from tiered_ckpt.layout import MANIFEST_NAME, step_dir_name, temp_name
+from tiered_ckpt.layout import MANIFEST_NAME, RECEIPT_NAME, step_dir_name, temp_name
 from tiered_ckpt.manager import StagingBuffers
 from tiered_ckpt.remote import RemoteTier
-from tiered_ckpt.uploader import RECEIPT_NAME
 
 
 @pytest.fixture
@@ -191,7 +191,7 @@ def test_missing_ok_is_none_only_when_nothing_is_committed(manager, states):
     restored = manager.restore(missing_ok=True)
     assert restored is not None and restored.ranks == (0, 1, 2, 3)
     assert_states_equal(states, restored.states)
-    with pytest.raises(InvalidStateError, match="holds 4 ranks"):
+    with pytest.raises(UsageError, match="holds 4 ranks"):
         _ = restored.state  # one process per rank only
     flip_byte(manager.root / step_dir_name(1) / "rank-00001-of-00004.safetensors", 100)
     with pytest.raises(ChecksumMismatchError):
@@ -412,14 +412,14 @@ class BlockedUploads:
     def __init__(self, monkeypatch):
         self.started = threading.Event()  # set once the uploader holds a step
         self.release = threading.Event()
-        original = RemoteTier.upload_shard
+        original = RemoteTier.put_shard
 
-        def upload_shard(tier, step, local_path, record):
+        def put_shard(tier, step, local_path, record):
             self.started.set()
             self.release.wait()
             return original(tier, step, local_path, record)
 
-        monkeypatch.setattr(RemoteTier, "upload_shard", upload_shard)
+        monkeypatch.setattr(RemoteTier, "put_shard", put_shard)
 
 
 def test_uploads_behind_with_skip_upload_only_the_newest(tmp_path, memory_url, monkeypatch):
@@ -459,7 +459,7 @@ def test_credentials_never_appear_in_logs_errors_or_reprs(tmp_path, s3_url, moto
     with two_tier(tmp_path / "a", s3_url) as manager:
         manager.save(1, states)
         manager.wait(uploaded=True)
-        seen += [repr(manager), repr(manager._remote), repr(manager._uploader)]
+        seen += [repr(manager), repr(manager.store), repr(manager.store.remote), repr(manager._uploader)]
     broken = ("s3://tiered-no-such-bucket/run", options)
     with pytest.raises(UploadError) as caught:
         with two_tier(tmp_path / "b", broken) as manager:
@@ -488,13 +488,13 @@ def test_sigkill_during_upload_then_restart_completes_it_without_resending(tmp_p
     assert remote.committed_steps() == [1] and remote.uncommitted_steps() == [2]  # half-uploaded, invisible
 
     uploads = []
-    original = RemoteTier.upload_shard
+    original = RemoteTier._put  # the PUT itself, made only for a shard not already in the bucket intact
 
-    def counting_upload(tier, step, local_path, record):
+    def counting_upload(tier, local_path, step, record):
         uploads.append((step, record.rank))
-        return original(tier, step, local_path, record)
+        return original(tier, local_path, step, record)
 
-    monkeypatch.setattr(RemoteTier, "upload_shard", counting_upload)
+    monkeypatch.setattr(RemoteTier, "_put", counting_upload)
     with CheckpointManager(tmp_path, world_size=4, remote_url=url, storage_options=options) as manager:
         manager.wait(uploaded=True)
         assert manager.remote_steps() == [1, 2]
@@ -565,3 +565,35 @@ def test_a_failing_start_releases_the_directory_and_stops_the_uploader(tmp_path,
         CheckpointManager(tmp_path, world_size=4, remote_url=url, storage_options=options)
     assert not any(t.name.startswith("tiered-ckpt") for t in threading.enumerate() if t.name not in threads_before)
     CheckpointManager(tmp_path, world_size=4).close()  # the directory was released
+
+
+def test_a_store_that_always_refuses_costs_max_tries_requests_per_operation(tmp_path, moto_endpoint, s3_url, states):
+    """The one retry policy, counted on the wire: botocore's and s3fs's own retries are switched
+    off by the library itself (the test sets none), so a failing operation costs max_tries requests."""
+    from conftest import FaultInjectingProxy, s3_storage_options
+
+    url, _ = s3_url
+    options = {"remote_url": url, "upload_max_tries": 3, "upload_backoff_seconds": 0}
+    everything = FaultInjectingProxy(moto_endpoint, failure_rate=1.0)
+    with pytest.raises(RemoteError, match="listing") as caught:  # the start-up listing of the bucket
+        CheckpointManager(
+            tmp_path / "a", world_size=4, storage_options=s3_storage_options(everything.endpoint), **options
+        )
+    everything.close()
+    assert caught.value.tries == 3 and everything.requests == 3
+
+    puts = FaultInjectingProxy(moto_endpoint, failure_rate=1.0, methods=("PUT",))
+    with pytest.raises(UploadError, match="after 3 tries") as caught:
+        with CheckpointManager(
+            tmp_path / "b",
+            world_size=4,
+            storage_options=s3_storage_options(puts.endpoint),
+            sharded_keys=ZERO1_SHARDED_KEYS,
+            upload_concurrency=1,
+            **options,
+        ) as manager:
+            manager.save(1, states)
+            manager.wait(uploaded=True)
+    puts.close()
+    assert caught.value.tries == 3
+    assert 3 <= puts.injected <= 4 * 3  # at most max_tries PUTs per shard (4 shards): tries never multiply

@@ -1,4 +1,5 @@
 import errno
+import os
 
 import numpy as np
 import pytest
@@ -6,7 +7,9 @@ import pytest
 from conftest import flip_byte
 from tiered_ckpt import ChecksumMismatchError, ManifestError, RemoteError, save_sharded
 from tiered_ckpt.layout import MANIFEST_NAME
+from tiered_ckpt.local import LocalTier
 from tiered_ckpt.remote import RemoteTier, is_transient
+from tiered_ckpt.store import TieredStore
 
 
 @pytest.fixture
@@ -24,8 +27,16 @@ def tier(remote_url):
 
 def upload_all(tier, directory, manifest):
     for record in manifest.shards:
-        tier.upload_shard(manifest.step, directory / record.path, record)
-        tier.confirm_shard(manifest.step, record)
+        assert tier.put_shard(manifest.step, directory / record.path, record)
+
+
+def download(tier, step, record, root):
+    """Stream a shard into a step of a local tier at ``root`` through the store, as a restore does."""
+    store = TieredStore(LocalTier(root), tier)
+    with store.local.lock():
+        store.local.new_step_dir(step)
+        store.download_shard(step, record)
+    return store.local.shard_path(step, record)
 
 
 def test_upload_confirm_commit_download_delete(tier, saved, tmp_path):
@@ -36,8 +47,7 @@ def test_upload_confirm_commit_download_delete(tier, saved, tmp_path):
     remote = tier.commit(manifest)
     assert tier.committed_steps() == [3] and tier.uncommitted_steps() == []
     assert tier.read_manifest(3) == remote and remote.manifest == manifest
-    target = tmp_path / "downloaded"
-    tier.download_shard(3, manifest.shard(1), target)
+    target = download(tier, 3, manifest.shard(1), tmp_path / "downloaded")
     assert target.read_bytes() == (directory / manifest.shard(1).path).read_bytes()
     tier.delete_step(3)
     assert tier.committed_steps() == [] and tier.uncommitted_steps() == []
@@ -61,22 +71,21 @@ def test_a_changed_object_is_not_taken_as_uploaded(tier, saved):
     record = manifest.shard(0)
     tier._fs.pipe_file(f"{tier._root}/step-000000000003/{record.path}", b"short")
     assert not tier.shard_is_uploaded(3, record)
-    with pytest.raises(RemoteError, match="not confirmed after the upload: size 5") as caught:
-        tier.confirm_shard(3, record)
-    assert caught.value.transient
+    assert tier.put_shard(3, directory / record.path, record)  # put again, not skipped
+    assert tier.shard_is_uploaded(3, record)
+    assert not tier.put_shard(3, directory / record.path, record)  # intact: not sent again
 
 
 def test_download_of_a_corrupted_object_fails_and_leaves_no_file(tier, saved, tmp_path):
     directory, manifest = saved
     record = manifest.shard(1)
     flip_byte(directory / record.path, 200)  # upload a corrupted copy under the recorded size
+    tier._fs.makedirs(f"{tier._root}/step-000000000003", exist_ok=True)  # a no-op on object stores
     for each in manifest.shards:
-        tier.upload_shard(3, directory / each.path, each)
-    target = tmp_path / "downloaded"
-    with pytest.raises(ChecksumMismatchError, match=f"rank 1 shard {tier.location(3, record.path)}"):
-        tier.download_shard(3, record, target)
-    assert not target.exists()
-    assert list(tmp_path.glob(".downloaded.*")) == []
+        tier._fs.put_file(str(directory / each.path), f"{tier._root}/step-000000000003/{each.path}")
+    with pytest.raises(ChecksumMismatchError, match=f"rank 1 shard .*{record.path}: sha256 is"):
+        download(tier, 3, record, tmp_path / "downloaded")
+    assert os.listdir(tmp_path / "downloaded" / "step-000000000003") == []  # no shard, no temp file
 
 
 def test_remote_manifest_is_parsed_strictly(tier, saved):
@@ -95,7 +104,7 @@ def test_missing_bucket_is_a_permanent_remote_error(moto_endpoint, saved):
     tier = RemoteTier("s3://tiered-no-such-bucket/run", s3_storage_options(moto_endpoint))
     directory, manifest = saved
     with pytest.raises(RemoteError, match="permanent") as caught:
-        tier.upload_shard(3, directory / manifest.shard(0).path, manifest.shard(0))
+        tier.put_shard(3, directory / manifest.shard(0).path, manifest.shard(0))
     assert not caught.value.transient
     assert isinstance(caught.value.__cause__, FileNotFoundError)
 

@@ -11,6 +11,7 @@ import safetensors.numpy
 import xxhash
 
 from tiered_ckpt import ChecksumMismatchError, InvalidStateError, ShardFormatError
+from tiered_ckpt.manifest import ShardRecord
 from tiered_ckpt.shardfile import DTYPES, ShardDigest, read_shard, write_shard
 
 
@@ -27,8 +28,11 @@ def read_from_bytes(tmp_path):
     def read(data: bytes, digest: ShardDigest, verify="full"):
         path = tmp_path / "shard.safetensors"
         path.write_bytes(data)
+        record = ShardRecord(0, "shard.safetensors", digest.sha256, digest.xxh3_64, digest.size_bytes, 0, 0)
         with open(path, "rb") as source:
-            return read_shard(source, expected=digest, verify=verify, what="test shard")
+            return read_shard(
+                source, check=lambda got: record.verify(got, "test shard"), verify=verify, what="test shard"
+            )
 
     return read
 

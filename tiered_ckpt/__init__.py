@@ -18,12 +18,15 @@ from .errors import (
     ShardCountMismatchError,
     ShardFormatError,
     UploadError,
+    UsageError,
     WorldSizeMismatchError,
 )
 from .manager import CheckpointManager, RestoreResult, SaveHandle
 from .manifest import ShardManifest, ShardRecord
+from .options import LocalOptions, RemoteOptions, UploadOptions
 from .reshard import partition_sizes
 from .sharded import load_sharded, save_sharded
+from .store import TieredStore
 
 __all__ = [
     "CheckpointManager",
@@ -54,7 +57,12 @@ __all__ = [
     "ShardCountMismatchError",
     "ShardFormatError",
     "UploadError",
+    "UsageError",
     "WorldSizeMismatchError",
+    "LocalOptions",
+    "RemoteOptions",
+    "UploadOptions",
+    "TieredStore",
 ]
 
 __version__ = "0.1.0"

@@ -27,6 +27,7 @@ Cold reads evict the files from the page cache with ``posix_fadvise(DONTNEED)`` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import json
@@ -344,28 +345,21 @@ def _remote_run(
     timings: Timings,
 ) -> None:
     """One run of the remote benchmark: ours and boto3's, up and down, into one fresh bucket."""
+    from .local import LocalTier
     from .remote import RemoteTier
+    from .store import TieredStore
     from .uploader import Uploader
 
     client.create_bucket(Bucket=bucket)
     tier = RemoteTier(f"s3://{bucket}/ours", options)
-    uploader = Uploader(source, tier, on_committed=lambda remote: None)
-
-    def upload() -> None:
-        uploader.submit(manifest.step)
-        uploader.wait()
-        error = uploader.pop_error()
-        if error is not None:
-            raise error
-
-    timings.record("tiered_ckpt upload", _timed(upload))
-    uploader.close()
-    target.mkdir()
-    download = functools.partial(tier.download_shard, manifest.step)
-    timings.record(
-        "tiered_ckpt download+verify",
-        _timed(lambda: run_parallel(lambda r: download(r, target / r.path), manifest.shards, None)),
-    )
+    source_store = TieredStore(LocalTier(source), tier)
+    with source_store.local.lock(), contextlib.closing(Uploader(source_store)) as uploader:
+        timings.record("tiered_ckpt upload", _timed(lambda: uploader.push(manifest.step)))
+    target_store = TieredStore(LocalTier(target), tier)
+    with target_store.local.lock():
+        target_store.local.new_step_dir(manifest.step)
+        download = functools.partial(target_store.download_shard, manifest.step)
+        timings.record("tiered_ckpt download+verify", _timed(lambda: run_parallel(download, manifest.shards, None)))
     shard_files = [source / step_dir_name(manifest.step) / record.path for record in manifest.shards]
     timings.record(
         "boto3 upload_file",

@@ -16,10 +16,12 @@ of this shape; every key is optional but ``local.dir``::
     [remote.storage_options]    # passed to fsspec as they are (endpoint, profile, region...)
     endpoint_url = "https://s3.example.com"
 
-    [upload]
+    [upload]                    # the uploader, and every request to the remote tier
     concurrency = 2
-    max_tries = 5
+    max_tries = 5               # tries of one remote operation (a PUT and its check, a read...)
     backoff_seconds = 0.5
+    max_seconds = 300           # no new try of an operation after this long
+    timeout_seconds = 60        # a request with no answer fails after this long
     max_pending = 2
     when_behind = "wait"        # or "skip"
 
@@ -28,161 +30,90 @@ of this shape; every key is optional but ``local.dir``::
 
 Environment variables ``TIERED_CKPT_<TABLE>_<KEY>`` (``TIERED_CKPT_REMOTE_URL``,
 ``TIERED_CKPT_LOCAL_KEEP_LAST`` ...) override the file; explicit arguments override both.
-Parsing is strict: an unknown table, key or ``TIERED_CKPT_`` variable, a wrong type, an
-unsupported URL scheme or a credential in ``storage_options`` raises :class:`ConfigError`
-naming the file (or variable) and the key. Credentials come from the store's own chain
-(AWS environment or profile, ``GOOGLE_APPLICATION_CREDENTIALS``), never from a config.
+Each table becomes the options dataclass of :mod:`tiered_ckpt.options` that checks its
+values; this module only reads, merges and names where a value came from. Parsing is
+strict: an unknown table, key or ``TIERED_CKPT_`` variable, a value its option refuses
+(wrong type, out of range, a URL with an unsupported scheme or without a bucket), or a
+credential in ``storage_options`` raises :class:`ConfigError` naming the file (or
+variable) and the key. Credentials come from the store's own chain (AWS environment or
+profile, ``GOOGLE_APPLICATION_CREDENTIALS``), never from a config.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import yaml
 
 from .errors import ConfigError
+from .options import LocalOptions, RemoteOptions, UploadOptions, VerifyOptions
 
 __all__ = ["Config", "LocalConfig", "RemoteConfig", "UploadConfig", "VerifyConfig", "load_config", "ENV_PREFIX"]
 
 ENV_PREFIX = "TIERED_CKPT_"
-# Keys that would put a secret in a config file; gcsfs's ``token`` may name a method instead.
-_SECRET_KEYS = {
-    "secret",
-    "key",
-    "password",
-    "aws_secret_access_key",
-    "aws_session_token",
-    "session_token",
-    "client_secret",
-}
+# The names of keys that would put a secret in a config file (matched as parts of a key,
+# so "aws_secret_access_key", "sas_token" and "private_key" are all caught); gcsfs's
+# ``token`` may name a method instead.
+_SECRET_WORDS = ("secret", "password", "passphrase", "credential", "token", "private", "account_key", "connection")
+_SECRET_KEYS = {"key", "sas", "session"}
 _TOKEN_METHODS = {"anon", "google_default", "cloud", "browser", "cache"}
 
-
-@dataclass(frozen=True)
-class LocalConfig:
-    dir: Path
-    keep_last: int | None = 3
-    keep_every: int | None = None
-
-
-@dataclass(frozen=True)
-class RemoteConfig:
-    url: str
-    keep_last: int | None = None
-    keep_every: int | None = None
-    storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
-
-
-@dataclass(frozen=True)
-class UploadConfig:
-    concurrency: int = 2
-    max_tries: int = 5
-    backoff_seconds: float = 0.5
-    max_pending: int = 2
-    when_behind: str = "wait"
-
-
-@dataclass(frozen=True)
-class VerifyConfig:
-    mode: str = "full"
+# The tables of a config and the options each becomes (the old names stay as aliases).
+LocalConfig, RemoteConfig, UploadConfig, VerifyConfig = LocalOptions, RemoteOptions, UploadOptions, VerifyOptions
+_TABLES: dict[str, type] = {
+    "local": LocalOptions,
+    "remote": RemoteOptions,
+    "upload": UploadOptions,
+    "verify": VerifyOptions,
+}
 
 
 @dataclass(frozen=True)
 class Config:
     """A validated configuration; ``source`` names where it came from."""
 
-    local: LocalConfig
-    remote: RemoteConfig | None = None
-    upload: UploadConfig = UploadConfig()
-    verify: VerifyConfig = VerifyConfig()
+    local: LocalOptions
+    remote: RemoteOptions | None = None
+    upload: UploadOptions = UploadOptions()
+    verify: VerifyOptions = VerifyOptions()
     source: str = "<defaults>"
 
-    def manager_kwargs(self) -> dict[str, Any]:
-        """The :class:`~tiered_ckpt.CheckpointManager` arguments this config stands for."""
-        kwargs: dict[str, Any] = {
-            "keep_last": self.local.keep_last,
-            "keep_every": self.local.keep_every,
-            "upload_concurrency": self.upload.concurrency,
-            "upload_max_tries": self.upload.max_tries,
-            "upload_backoff_seconds": self.upload.backoff_seconds,
-            "max_pending_uploads": self.upload.max_pending,
-            "when_uploads_behind": self.upload.when_behind,
-        }
-        if self.remote is not None:
-            kwargs.update(
-                remote_url=self.remote.url,
-                storage_options=dict(self.remote.storage_options),
-                keep_last_remote=self.remote.keep_last,
-                keep_every_remote=self.remote.keep_every,
-            )
-        return kwargs
+
+def _fields(table: str) -> dict[str, dataclasses.Field[Any]]:
+    return {field.name: field for field in dataclasses.fields(_TABLES[table])}
 
 
-_TABLES: dict[str, type] = {
-    "local": LocalConfig,
-    "remote": RemoteConfig,
-    "upload": UploadConfig,
-    "verify": VerifyConfig,
-}
-# What each key must hold: (types accepted, None allowed, minimum or allowed values).
-_RULES: dict[tuple[str, str], tuple[tuple[type, ...], bool, Any]] = {
-    ("local", "dir"): ((str,), False, None),
-    ("local", "keep_last"): ((int,), True, 1),
-    ("local", "keep_every"): ((int,), True, 1),
-    ("remote", "url"): ((str,), False, None),
-    ("remote", "keep_last"): ((int,), True, 1),
-    ("remote", "keep_every"): ((int,), True, 1),
-    ("remote", "storage_options"): ((dict,), False, None),
-    ("upload", "concurrency"): ((int,), False, 1),
-    ("upload", "max_tries"): ((int,), False, 1),
-    ("upload", "backoff_seconds"): ((int, float), False, 0),
-    ("upload", "max_pending"): ((int,), False, 1),
-    ("upload", "when_behind"): ((str,), False, {"wait", "skip"}),
-    ("verify", "mode"): ((str,), False, {"full", "fast"}),
-}
+def _is_secret(key: str, value: Any) -> bool:
+    name = key.lower()
+    if name == "token":
+        return not (isinstance(value, str) and value in _TOKEN_METHODS)
+    return name in _SECRET_KEYS or any(word in name for word in _SECRET_WORDS)
 
 
-def _check_value(table: str, key: str, value: Any, where: str) -> Any:
-    rule = _RULES.get((table, key))
-    if rule is None:
-        raise ConfigError(f"{where}: unknown key '{table}.{key}'")
-    types, nullable, constraint = rule
-    name = f"'{table}.{key}'"
-    if value is None and nullable:
-        return None
-    if isinstance(value, bool) or not isinstance(value, types):
-        expected = " or ".join(t.__name__ for t in types)
-        raise ConfigError(f"{where}: key {name} must be {expected}, got {type(value).__name__} {value!r:.60}")
-    if isinstance(constraint, set) and value not in constraint:
-        raise ConfigError(f"{where}: key {name} must be one of {sorted(constraint)}, got {value!r}")
-    if isinstance(constraint, int) and value < constraint:
-        raise ConfigError(f"{where}: key {name} must be >= {constraint}, got {value!r}")
-    return value
-
-
-def _check_url(url: str, where: str) -> None:
-    scheme = url.split("://", 1)[0] if "://" in url else "file"
-    if scheme not in fsspec.available_protocols():
-        raise ConfigError(f"{where}: key 'remote.url' has unsupported URL scheme {scheme!r}")
-
-
-def _check_storage_options(options: Mapping[str, Any], where: str) -> None:
+def _check_storage_options(options: Any, where: str) -> None:
+    if not isinstance(options, Mapping):
+        # Never echo the value: it may be a secret.
+        raise ConfigError(f"{where}: key 'remote.storage_options' must be a table, got {type(options).__name__}")
     for key, value in options.items():
         if not isinstance(key, str):
-            raise ConfigError(f"{where}: key 'remote.storage_options' has a non-string key {key!r}")
-        if key.lower() in _SECRET_KEYS or (key == "token" and value not in _TOKEN_METHODS):
+            raise ConfigError(f"{where}: key 'remote.storage_options' has a key that is not a string")
+        if _is_secret(key, value):
             raise ConfigError(
                 f"{where}: key 'remote.storage_options.{key}' holds a credential; configs never hold secrets "
                 "(use the store's own credential chain: environment, profile, GOOGLE_APPLICATION_CREDENTIALS)"
             )
         if isinstance(value, Mapping):
             _check_storage_options(value, where)
+        elif isinstance(value, list):
+            for item in value:
+                if isinstance(item, Mapping):
+                    _check_storage_options(item, where)
 
 
 def _read_document(path: Path) -> dict[str, Any]:
@@ -204,25 +135,30 @@ def _read_document(path: Path) -> dict[str, Any]:
     return document
 
 
-def _env_overrides(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
-    overrides: dict[str, dict[str, Any]] = {}
+def _env_value(name: str, text: str, field: dataclasses.Field[Any]) -> Any:
+    """An environment variable's text as the type its option's field holds."""
+    kind = str(field.type)
+    try:
+        if kind.startswith("int"):
+            return int(text)
+        if kind.startswith("float"):
+            return float(text)
+    except ValueError:
+        expected = "an integer" if kind.startswith("int") else "a number"
+        raise ConfigError(f"environment variable {name}: expected {expected}, got {text!r}") from None
+    return text
+
+
+def _env_overrides(environ: Mapping[str, str]) -> dict[tuple[str, str], tuple[Any, str]]:
+    overrides: dict[tuple[str, str], tuple[Any, str]] = {}
     for name, text in environ.items():
         if not name.startswith(ENV_PREFIX):
             continue
-        rest = name[len(ENV_PREFIX) :].lower()
-        table, _, key = rest.partition("_")
-        if (table, key) not in _RULES or key == "storage_options":
+        table, _, key = name[len(ENV_PREFIX) :].lower().partition("_")
+        fields = _fields(table) if table in _TABLES else {}
+        if key not in fields or key == "storage_options":
             raise ConfigError(f"environment variable {name}: no such config key")
-        types = _RULES[(table, key)][0]
-        value: Any = text
-        if int in types or float in types:
-            try:
-                value = int(text) if int in types and text.strip().lstrip("-").isdigit() else float(text)
-            except ValueError:
-                raise ConfigError(f"environment variable {name}: expected a number, got {text!r}") from None
-            if types == (int,) and isinstance(value, float):
-                raise ConfigError(f"environment variable {name}: expected an integer, got {text!r}")
-        overrides.setdefault(table, {})[key] = value
+        overrides[(table, key)] = (_env_value(name, text, fields[key]), f"environment ({name})")
     return overrides
 
 
@@ -239,45 +175,53 @@ def load_config(
     :class:`ConfigError` naming the file or variable and the key.
     """
     source = str(path) if path is not None else "<no file>"
-    merged: dict[str, dict[str, Any]] = {}
+    merged: dict[tuple[str, str], tuple[Any, str]] = {}  # (table, key) -> (value, where it came from)
     if path is not None:
         for table, values in _read_document(Path(path)).items():
             if table not in _TABLES:
                 raise ConfigError(f"{source}: unknown table '{table}'")
             if not isinstance(values, dict):
                 raise ConfigError(f"{source}: '{table}' must be a table, got {type(values).__name__}")
-            merged[table] = {key: _check_value(table, key, value, source) for key, value in values.items()}
-    for table, values in _env_overrides(os.environ if environ is None else environ).items():
-        merged.setdefault(table, {}).update(
-            {
-                key: _check_value(table, key, value, f"environment ({ENV_PREFIX}{table.upper()}_{key.upper()})")
-                for key, value in values.items()
-            }
-        )
+            for key, value in values.items():
+                if key not in _fields(table):
+                    raise ConfigError(f"{source}: unknown key '{table}.{key}'")
+                merged[(table, key)] = (value, source)
+    merged.update(_env_overrides(os.environ if environ is None else environ))
     for name, value in overrides.items():
         table, _, key = name.partition("_")
-        if table not in _TABLES:
+        if table not in _TABLES or key not in _fields(table):
             raise ConfigError(f"argument {name}: no such config key")
-        merged.setdefault(table, {})[key] = _check_value(table, key, value, f"argument {name}")
+        merged[(table, key)] = (value, f"argument {name}")
     return _build(merged, source)
 
 
-def _build(merged: dict[str, dict[str, Any]], source: str) -> Config:
-    local = merged.get("local", {})
-    if "dir" not in local:
+def _options(table: str, merged: dict[tuple[str, str], tuple[Any, str]], source: str) -> Any:
+    """The options of ``table`` from the merged values; a refused value names where it came from."""
+    values = {key: value for (name, key), (value, _where) in merged.items() if name == table}
+    try:
+        return _TABLES[table](**values)
+    except ConfigError as exc:
+        if exc.field is None:
+            raise
+        where = merged.get((table, exc.field), (None, source))[1]
+        raise ConfigError(f"{where}: key '{table}.{exc.field}' {exc.problem}") from None
+
+
+def _build(merged: dict[tuple[str, str], tuple[Any, str]], source: str) -> Config:
+    if ("local", "dir") not in merged:
         raise ConfigError(f"{source}: key 'local.dir' is required (or {ENV_PREFIX}LOCAL_DIR)")
-    remote = merged.get("remote")
-    remote_config = None
-    if remote:
-        if "url" not in remote:
+    remote = None
+    if any(table == "remote" for table, _key in merged):
+        if ("remote", "url") not in merged:
             raise ConfigError(f"{source}: key 'remote.url' is required when [remote] is given")
-        _check_url(remote["url"], source)
-        _check_storage_options(remote.get("storage_options", {}), source)
-        remote_config = RemoteConfig(**remote)
+        if ("remote", "storage_options") in merged:
+            value, where = merged[("remote", "storage_options")]
+            _check_storage_options(value, where)
+        remote = _options("remote", merged, source)
     return Config(
-        local=LocalConfig(**{**local, "dir": Path(local["dir"]).expanduser()}),
-        remote=remote_config,
-        upload=UploadConfig(**merged.get("upload", {})),
-        verify=VerifyConfig(**merged.get("verify", {})),
+        local=_options("local", merged, source),
+        remote=remote,
+        upload=_options("upload", merged, source),
+        verify=_options("verify", merged, source),
         source=source,
     )

@@ -19,6 +19,7 @@ its part, and either every process gets every result or every process raises.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -28,9 +29,21 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from . import errors
 from .errors import CheckpointError, CoordinationError
 
-__all__ = ["Coordinator", "SingleProcessCoordinator", "TorchDistributedCoordinator", "agree", "leader_decides"]
+__all__ = [
+    "Coordinator",
+    "SingleProcessCoordinator",
+    "TorchDistributedCoordinator",
+    "agree",
+    "agree_on",
+    "exchange",
+    "leader_decides",
+    "decide",
+    "to_payload",
+    "from_payload",
+]
 
 T = TypeVar("T")
+P = TypeVar("P")
 
 
 @runtime_checkable
@@ -208,18 +221,20 @@ class TorchDistributedCoordinator:
         return [bytes(chunk[: int(length)].numpy()) for chunk, length in zip(received, lengths, strict=True)]
 
 
-def agree(coordinator: Coordinator, action: Callable[[], T]) -> list[T]:
-    """Run ``action`` on every process and return every process's result, in rank order.
+def agree_on(coordinator: Coordinator, action: Callable[[], T], share: Callable[[T], Any]) -> tuple[T, list[Any]]:
+    """Run ``action`` on every process; return its own result and every process's ``share(result)``.
 
-    If ``action`` fails on any process, every process raises: the failing one its own
-    exception, the others a :class:`CheckpointError` of the same class (or the base
-    class for an exception not ours) whose message names the rank and the error. So no
-    process goes on to a collective that the others will never join. ``action`` must
-    return a JSON value.
+    ``share`` turns the result into the JSON value the other processes see (the result
+    itself may hold arrays). If ``action`` fails on any process, every process raises:
+    the failing one its own exception, the others a :class:`CheckpointError` of the same
+    class (or the base class for an exception not ours) whose message names the rank and
+    the error. So no process goes on to a collective that the others will never join.
     """
     failure: BaseException | None = None
+    result: Any = None
     try:
-        payload: dict[str, Any] = {"result": action()}
+        result = action()
+        payload: dict[str, Any] = {"result": share(result)}
     except Exception as exc:
         failure = exc
         payload = {"error": _describe_error(exc)}
@@ -229,7 +244,41 @@ def agree(coordinator: Coordinator, action: Callable[[], T]) -> list[T]:
     for rank, item in enumerate(gathered):
         if "error" in item:
             raise _error_from(item["error"], rank)
-    return [item["result"] for item in gathered]
+    return result, [item["result"] for item in gathered]
+
+
+def agree(coordinator: Coordinator, action: Callable[[], T]) -> list[T]:
+    """Run ``action`` on every process and return every process's result (a JSON value), in rank order.
+
+    Fails on every process if it fails on one (see :func:`agree_on`).
+    """
+    return agree_on(coordinator, action, lambda result: result)[1]
+
+
+def exchange(coordinator: Coordinator, payload_type: type[P], action: Callable[[], P]) -> list[P]:
+    """:func:`agree` for a typed payload: ``action`` returns a frozen dataclass of JSON fields
+    (tuples for sequences), rebuilt as ``payload_type`` on every process."""
+    return [from_payload(payload_type, item) for item in agree(coordinator, lambda: to_payload(action()))]
+
+
+def decide(coordinator: Coordinator, payload_type: type[P], action: Callable[[], P]) -> P:
+    """:func:`leader_decides` for a typed payload (see :func:`exchange`)."""
+    return from_payload(payload_type, leader_decides(coordinator, lambda: to_payload(action())))
+
+
+def to_payload(payload: Any) -> Any:
+    """A frozen dataclass of JSON fields as the JSON value a collective carries."""
+    return dataclasses.asdict(payload)
+
+
+def _as_tuples(value: Any) -> Any:
+    return tuple(_as_tuples(item) for item in value) if isinstance(value, list) else value
+
+
+def from_payload(payload_type: type[P], document: Any) -> P:
+    """The dataclass :func:`to_payload` made ``document`` from (sequences come back as tuples)."""
+    fields = dataclasses.fields(payload_type)  # type: ignore[arg-type]
+    return payload_type(**{field.name: _as_tuples(document[field.name]) for field in fields})
 
 
 def leader_decides(coordinator: Coordinator, decide: Callable[[], T]) -> T:

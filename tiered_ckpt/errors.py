@@ -1,7 +1,9 @@
 """The one exception tree of tiered_ckpt.
 
 Every error this library raises on purpose derives from :class:`CheckpointError`,
-so ``except CheckpointError`` catches all of them::
+so ``except CheckpointError`` catches all of them. Data errors say that what is
+stored (or handed to ``save``) is not what it should be; usage errors say that the
+library was called wrongly::
 
     CheckpointError
     ├── ManifestError                 a manifest failed strict validation
@@ -20,12 +22,18 @@ so ``except CheckpointError`` catches all of them::
     ├── UploadError                   a step could not be committed remotely (.tries)
     ├── CoordinationError             a collective with the other ranks failed (a rank
     │                                 died or timed out; the cause is chained)
-    └── ConfigError                   a config file, variable or argument is not valid
+    ├── ConfigError                   a config file, variable or option is not valid
+    │                                 (also a ValueError)
+    └── UsageError                    an operation called out of order or where it does
+                                      not apply (a closed manager, pull on one rank of many)
 
 Messages name the directory or file, and the rank or field, that the error is about.
 """
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Hashable
 
 __all__ = [
     "CheckpointError",
@@ -44,6 +52,9 @@ __all__ = [
     "UploadError",
     "CoordinationError",
     "ConfigError",
+    "invalid_option",
+    "UsageError",
+    "ErrorBox",
     "restated",
 ]
 
@@ -104,7 +115,12 @@ class SaveError(CheckpointError):
 
 
 class RemoteError(CheckpointError):
-    """The remote store failed a request; ``transient`` is True when a retry may succeed."""
+    """The remote store failed a request; ``transient`` is True when a retry may succeed.
+
+    ``tries`` is the number of tries made of the operation that failed.
+    """
+
+    tries: int = 1
 
     def __init__(self, message: str, *, transient: bool) -> None:
         super().__init__(message)
@@ -130,8 +146,26 @@ class CoordinationError(CheckpointError):
     """
 
 
-class ConfigError(CheckpointError):
-    """A configuration is not valid; the message names the file (or variable) and the key."""
+class ConfigError(CheckpointError, ValueError):
+    """A configuration or option is not valid; the message names the file (or variable) and the key.
+
+    An option's own check sets ``field`` and ``problem`` (``"keep_last"``, ``"must be >= 1,
+    got 0"``) so that a config loader can name the file and table it came from.
+    """
+
+    field: str | None = None
+    problem: str | None = None
+
+
+def invalid_option(field: str, problem: str) -> ConfigError:
+    """The :class:`ConfigError` of an option that fails its check: "``field`` ``problem``"."""
+    error = ConfigError(f"{field} {problem}")
+    error.field, error.problem = field, problem
+    return error
+
+
+class UsageError(CheckpointError):
+    """The library was called wrongly: after ``close``, or an operation this object cannot do."""
 
 
 def restated(error: CheckpointError, message: str) -> CheckpointError:
@@ -141,3 +175,50 @@ def restated(error: CheckpointError, message: str) -> CheckpointError:
     Exception.__init__(copy, message)
     copy.__dict__.update(error.__dict__)
     return copy
+
+
+class ErrorBox:
+    """Where background threads leave their failures until a caller's thread raises them.
+
+    Each failure is raised once: :meth:`raise_first` raises the oldest one not yet
+    raised. A failure raised by another path (``SaveHandle.wait``, or another rank's copy
+    raised inside a collective) is passed to :meth:`mark_raised`: it is then dropped if
+    it is waiting here, or, if it has not arrived yet, dropped when it arrives. Two
+    errors are the same failure when they are the same object, or upload failures of
+    the same step. Thread-safe; never calls back into its owner.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._errors: list[CheckpointError] = []
+        self._expected: set[Hashable] = set()  # raised already; their own copy is still to come
+
+    @staticmethod
+    def _key(error: CheckpointError) -> Hashable:
+        return ("upload", error.step) if isinstance(error, UploadError) else id(error)
+
+    def put(self, error: CheckpointError) -> None:
+        """Record a background failure."""
+        with self._lock:
+            key = self._key(error)
+            if key in self._expected:
+                self._expected.discard(key)
+            else:
+                self._errors.append(error)
+
+    def mark_raised(self, error: CheckpointError) -> None:
+        """Note that ``error`` reached the caller another way, so it is not raised here again."""
+        with self._lock:
+            key = self._key(error)
+            waiting = [pending for pending in self._errors if self._key(pending) == key]
+            if waiting:
+                self._errors.remove(waiting[0])
+            elif isinstance(error, UploadError):
+                self._expected.add(key)
+
+    def raise_first(self) -> None:
+        """Raise the oldest failure not yet raised, if any (and forget it)."""
+        with self._lock:
+            error = self._errors.pop(0) if self._errors else None
+        if error is not None:
+            raise error

@@ -7,6 +7,10 @@ Pure functions, no I/O. The layout of one checkpoint directory::
       ...
       manifest.json
       held-shards.json     (a node of a multi-process job: the ranks whose shards it holds)
+      remote-commit.json   (the receipt of the step's remote commit)
+
+and under a remote URL the same step directories (shards, then ``manifest.json``, the
+remote manifest) and ``latest``, a pointer to the newest remote commit.
 
 A temp name is ``.<final name>.<random hex>.tmp``: it starts with a dot, which no
 committed name does, so a committed file can never be mistaken for a temp file and a
@@ -21,6 +25,8 @@ import secrets
 __all__ = [
     "MANIFEST_NAME",
     "HELD_NAME",
+    "RECEIPT_NAME",
+    "LATEST_NAME",
     "SHARD_SUFFIX",
     "step_dir_name",
     "parse_step_dir_name",
@@ -33,6 +39,8 @@ __all__ = [
 
 MANIFEST_NAME = "manifest.json"
 HELD_NAME = "held-shards.json"
+RECEIPT_NAME = "remote-commit.json"
+LATEST_NAME = "latest"
 SHARD_SUFFIX = ".safetensors"
 
 _STEP_DIR = re.compile(r"step-(\d{12,})")

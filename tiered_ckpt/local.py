@@ -1,26 +1,24 @@
-"""The local tier: atomic, durable writes and verified reads of checkpoint files on disk.
-
-An atomic write, step by step:
-
-1. create ``.<name>.<random>.tmp`` in the target directory (never an existing file);
-2. write the bytes, then ``fsync`` the file;
-3. ``os.replace`` it onto its final name;
-4. ``fsync`` the directory, so the rename itself survives a power cut (callers that
-   rename many files do this once, after the last one).
+"""The local tier: checkpoints in step directories on this node's disk.
 
 A checkpoint directory is committed exactly when its ``manifest.json`` exists, and the
-manifest is written only after every shard it names is durable under its final name.
+manifest is written (atomically, see :mod:`tiered_ckpt.durable`) only after every shard
+it names is durable under its final name. Deleting one removes the manifest first.
+
+Reads treat what is on disk as untrusted: a shard is opened only if it is a regular
+file (never a symlink, a FIFO or a device, which could lead outside the checkpoint or
+block forever), its size is checked before it is mapped, and its bytes are hashed
+before they are returned. :class:`LocalTier` holds a directory for a running job: its
+lock, its steps, and the receipts of their remote commits.
 """
 
 from __future__ import annotations
 
-import ctypes
+import errno
 import fcntl
-import io
 import json
 import os
 import shutil
-import sys
+import stat
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,17 +26,28 @@ from typing import BinaryIO, TypeVar
 
 import numpy as np
 
+from .durable import atomic_write, fsync_directory, write_bytes
 from .errors import (
     ChecksumMismatchError,
     DirectoryInUseError,
     IncompleteCheckpointError,
     ManifestError,
+    UsageError,
 )
-from .layout import HELD_NAME, MANIFEST_NAME, is_temp_name, parse_step_dir_name, temp_name, temp_target
-from .manifest import MAX_MANIFEST_BYTES, ShardManifest, ShardRecord
-from .shardfile import ShardDigest, Verify, hash_stream, read_shard, write_all, write_shard
+from .layout import (
+    HELD_NAME,
+    MANIFEST_NAME,
+    RECEIPT_NAME,
+    is_temp_name,
+    parse_step_dir_name,
+    step_dir_name,
+    temp_target,
+)
+from .manifest import MAX_MANIFEST_BYTES, RemoteManifest, ShardManifest, ShardRecord
+from .shardfile import ShardDigest, Verify, check_verify, hash_stream, read_shard, write_shard
 
 __all__ = [
+    "LocalTier",
     "fsync_directory",
     "atomic_write",
     "remove_temp_files",
@@ -54,102 +63,11 @@ __all__ = [
     "committed_steps",
     "delete_checkpoint",
     "remove_uncommitted",
+    "read_receipt",
+    "write_receipt",
 ]
 
 T = TypeVar("T")
-
-# Start writing dirty pages back after every 8 MiB, so the disk works while the CPU
-# hashes the next chunk instead of idling until the final fsync. The os module has
-# no sync_file_range, so it is called through libc (Linux only; a no-op elsewhere).
-WRITEBACK_BYTES = 8 << 20
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    function = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
-    if function is not None:
-        function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-        function.restype = ctypes.c_int
-    return function
-
-
-_sync_file_range = _load_sync_file_range()
-
-
-class _EagerWriteback(io.RawIOBase):
-    """A write-only raw file that asks the kernel to start writeback as it goes.
-
-    It only starts writeback early; durability still comes from the final fsync.
-    """
-
-    def __init__(self, raw: io.FileIO) -> None:
-        super().__init__()
-        self._raw = raw
-        self._position = 0
-        self._flushed_to = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def fileno(self) -> int:
-        return self._raw.fileno()
-
-    def write(self, data) -> int:  # type: ignore[override]
-        written = self._raw.write(data) or 0
-        self._position += written
-        if _sync_file_range is not None and self._position - self._flushed_to >= WRITEBACK_BYTES:
-            # Best effort: a failure here shows up again, and is raised, at fsync.
-            _sync_file_range(
-                self._raw.fileno(), self._flushed_to, self._position - self._flushed_to, _SYNC_FILE_RANGE_WRITE
-            )
-            self._flushed_to = self._position
-        return written
-
-
-def fsync_directory(directory: Path) -> None:
-    """Make the directory's entries (renames, creations, deletions) durable."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(
-    path: Path,
-    write: Callable[[BinaryIO], T],
-    *,
-    sync_directory: bool = True,
-    check: Callable[[T], None] | None = None,
-) -> T:
-    """Write ``path`` through a temp file so that it holds either its old content or all of the new.
-
-    ``write`` receives an unbuffered binary file. ``check``, if given, receives what
-    ``write`` returned and may raise to refuse the content. On success the file is
-    fsynced and renamed onto ``path`` (and the directory fsynced unless
-    ``sync_directory`` is False, for callers that fsync it once after many renames).
-    On any failure the temp file is removed and ``path`` is untouched.
-    """
-    temp = path.with_name(temp_name(path.name))
-    with open(temp, "xb", buffering=0) as out:
-        try:
-            result = write(_EagerWriteback(out))
-            if check is not None:
-                check(result)
-            os.fsync(out.fileno())
-        except BaseException:
-            temp.unlink(missing_ok=True)
-            raise
-    try:
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-    if sync_directory:
-        fsync_directory(path.parent)
-    return result
 
 
 def remove_temp_files(directory: Path, targets: Collection[str] | None = None) -> list[str]:
@@ -166,10 +84,11 @@ def remove_temp_files(directory: Path, targets: Collection[str] | None = None) -
 
 
 @contextmanager
-def directory_lock(directory: Path) -> Iterator[None]:
+def directory_lock(directory: Path) -> Iterator[tuple[int, int]]:
     """Hold an exclusive lock on ``directory`` against other saves, in any process.
 
-    Raises :class:`DirectoryInUseError` at once if another holder has it.
+    Yields the locked directory's (device, inode). Raises :class:`DirectoryInUseError`
+    at once if another holder has it.
     """
     # flock on the directory itself: no lock file is left among the checkpoint's files.
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
@@ -178,7 +97,8 @@ def directory_lock(directory: Path) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise DirectoryInUseError(f"{directory}: in use by another save or CheckpointManager") from None
-        yield
+        locked = os.fstat(fd)
+        yield locked.st_dev, locked.st_ino
     finally:
         os.close(fd)
 
@@ -186,6 +106,28 @@ def directory_lock(directory: Path) -> Iterator[None]:
 def write_shard_file(path: Path, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> ShardDigest:
     """Atomically write one shard file at ``path``; the directory fsync is left to the caller."""
     return atomic_write(path, lambda out: write_shard(out, arrays, metadata), sync_directory=False)
+
+
+def _open_regular(path: Path, what: str) -> BinaryIO:
+    """Open ``path`` for reading only if it is a regular file (not a symlink, FIFO, device or directory).
+
+    Raises :class:`IncompleteCheckpointError` naming ``what`` otherwise: such a file is
+    not the shard that was committed, and opening a FIFO would block forever.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(f"{what}: file is missing") from None
+    except OSError as exc:
+        problem = "is a symbolic link" if exc.errno == errno.ELOOP else f"cannot be opened: {exc.strerror}"
+        raise IncompleteCheckpointError(f"{what}: {problem}, not the committed file") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "is a directory" if stat.S_ISDIR(mode) else f"is not a regular file (mode {stat.filemode(mode)})"
+        raise IncompleteCheckpointError(f"{what}: {kind}, not the committed file")
+    os.set_blocking(fd, True)
+    return open(fd, "rb", buffering=0)
 
 
 def _describe(record: ShardRecord, path: Path) -> str:
@@ -202,39 +144,32 @@ def read_shard_file(
 
     With ``into``, fills those arrays instead (see :func:`~tiered_ckpt.shardfile.read_shard`).
 
-    Raises :class:`IncompleteCheckpointError` if the file is missing or shorter than
-    recorded, :class:`ChecksumMismatchError` if it is longer or its bytes differ.
+    Raises :class:`IncompleteCheckpointError` if the file is missing, not a regular file
+    or shorter than recorded, :class:`ChecksumMismatchError` if it is longer or its bytes
+    differ, and :class:`ConfigError` for a ``verify`` other than "full" or "fast".
     """
+    check_verify(verify)
     path = directory / record.path
     what = _describe(record, path)
-    try:
-        source = open(path, "rb", buffering=0)
-    except FileNotFoundError:
-        raise IncompleteCheckpointError(f"{what}: file is missing") from None
-    with source:
+    with _open_regular(path, what) as source:
         size = os.fstat(source.fileno()).st_size
         if size < record.size_bytes:
             raise IncompleteCheckpointError(f"{what}: file is short, {size} of {record.size_bytes} bytes")
         if size > record.size_bytes:
             raise ChecksumMismatchError(f"{what}: file has {size} bytes, the manifest records {record.size_bytes}")
-        expected = ShardDigest(record.size_bytes, record.sha256, record.xxh3_64)
-        return read_shard(source, expected=expected, verify=verify, what=what, into=into)
+        return read_shard(source, check=lambda digest: record.verify(digest, what), verify=verify, what=what, into=into)
 
 
 def check_shard_file(directory: Path, record: ShardRecord) -> str | None:
     """Hash a shard file against its record without loading it; return the problem, or None if it verifies."""
     path = directory / record.path
     try:
-        with open(path, "rb", buffering=0) as source:
+        with _open_regular(path, str(path)) as source:
             size = os.fstat(source.fileno()).st_size
-            if size != record.size_bytes:
-                return f"{path}: {size} bytes, the manifest records {record.size_bytes}"
-            digest = hash_stream(source, "full")
-    except FileNotFoundError:
-        return f"{path}: missing"
-    if digest.sha256 != record.sha256:
-        return f"{path}: sha256 is {digest.sha256}, the manifest records {record.sha256}"
-    return None
+            problem = record.mismatch(ShardDigest(size, "", "")) or record.mismatch(hash_stream(source, "full"))
+    except IncompleteCheckpointError as exc:
+        return str(exc)
+    return f"{path}: {problem}" if problem else None
 
 
 def commit_manifest(directory: Path, manifest: ShardManifest) -> None:
@@ -242,8 +177,7 @@ def commit_manifest(directory: Path, manifest: ShardManifest) -> None:
 
     Call only once every shard the manifest names is durable under its final name.
     """
-    data = manifest.to_json().encode()
-    atomic_write(directory / MANIFEST_NAME, lambda out: write_all(out, data))
+    write_bytes(directory / MANIFEST_NAME, manifest.to_json().encode())
 
 
 def is_committed(directory: Path) -> bool:
@@ -255,18 +189,22 @@ def read_manifest(directory: Path) -> ShardManifest:
     """Read and strictly validate the manifest of the checkpoint in ``directory``.
 
     Raises :class:`IncompleteCheckpointError` if there is none (the checkpoint was
-    never committed) and :class:`ManifestError` if it does not validate.
+    never committed) and :class:`ManifestError` if it does not validate. Reads only
+    what the file holds, and nothing of a file over the manifest size limit.
     """
     path = directory / MANIFEST_NAME
     try:
-        with open(path, "rb") as source:
-            data = source.read(MAX_MANIFEST_BYTES + 1)
-    except FileNotFoundError:
-        raise IncompleteCheckpointError(
-            f"{directory}: no {MANIFEST_NAME}, the checkpoint was never committed"
-        ) from None
-    except IsADirectoryError:
-        raise ManifestError(f"{path}: is a directory, not a manifest") from None
+        with _open_regular(path, str(path)) as source:
+            size = os.fstat(source.fileno()).st_size
+            if size > MAX_MANIFEST_BYTES:
+                raise ManifestError(f"{path}: {size} bytes, over the {MAX_MANIFEST_BYTES} byte limit of a manifest")
+            data = source.read(size + 1)
+    except IncompleteCheckpointError as exc:
+        if not os.path.lexists(path):
+            raise IncompleteCheckpointError(
+                f"{directory}: no {MANIFEST_NAME}, the checkpoint was never committed"
+            ) from None
+        raise ManifestError(str(exc)) from None
     return ShardManifest.from_json(data, source=str(path))
 
 
@@ -302,7 +240,7 @@ def record_held_ranks(directory: Path, manifest: ShardManifest, ranks: Collectio
             fsync_directory(directory)
         return
     data = json.dumps({"ranks": sorted(set(ranks))}).encode()
-    atomic_write(path, lambda out: write_all(out, data))
+    write_bytes(path, data)
 
 
 def committed_steps(root: Path) -> list[int]:
@@ -350,3 +288,150 @@ def remove_uncommitted(root: Path) -> list[str]:
     if removed:
         fsync_directory(root)
     return removed
+
+
+def write_receipt(directory: Path, url: str, remote: RemoteManifest) -> None:
+    """Record in a local step directory that the step is committed at ``url``."""
+    data = json.dumps({"url": url, "step": remote.manifest.step, "committed_at": remote.committed_at}).encode()
+    write_bytes(directory / RECEIPT_NAME, data)
+
+
+def read_receipt(directory: Path, url: str) -> bool:
+    """True if the step in ``directory`` has a receipt of its commit at ``url``."""
+    try:
+        document = json.loads((directory / RECEIPT_NAME).read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(document, dict) and document.get("url") == url
+
+
+class LocalTier:
+    """The checkpoints of one job under ``root``, on this node's disk.
+
+    Reading (steps, manifests, shards) needs nothing else; a job that writes first takes
+    :meth:`lock`, after which every write checks that ``root`` is still the directory it
+    locked (a directory deleted and recreated under a running job belongs to someone else).
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self._locked: tuple[int, int] | None = None
+
+    def __repr__(self) -> str:
+        return f"LocalTier({str(self.root)!r})"
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / step_dir_name(step)
+
+    @contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold ``root`` (created if needed) for one writer; see :func:`directory_lock`."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with directory_lock(self.root) as identity:
+            self._locked = identity
+            try:
+                yield
+            finally:
+                self._locked = None
+
+    def check_locked(self) -> None:
+        """Raise unless this tier holds the lock on the directory now at ``root``."""
+        if self._locked is None:
+            raise UsageError(f"{self.root}: writing needs the directory's lock (LocalTier.lock)")
+        try:
+            now = os.stat(self.root)
+        except FileNotFoundError:
+            now = None
+        if now is None or (now.st_dev, now.st_ino) != self._locked:
+            raise DirectoryInUseError(
+                f"{self.root}: the directory was removed or replaced since this job locked it; "
+                "refusing to write into (or delete from) a directory another job may hold"
+            )
+
+    # -- reading ------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first."""
+        return committed_steps(self.root)
+
+    def staged_steps(self) -> list[int]:
+        """Step directories without a manifest: being written, or left by a crash."""
+        if not self.root.is_dir():
+            return []
+        steps = [parse_step_dir_name(entry.name) for entry in os.scandir(self.root) if entry.is_dir()]
+        return sorted(step for step in steps if step is not None and not is_committed(self.step_dir(step)))
+
+    def manifest(self, step: int) -> ShardManifest:
+        """The validated manifest of committed ``step``; one that names another step is refused."""
+        manifest = read_manifest(self.step_dir(step))
+        if manifest.step != step:
+            raise ManifestError(
+                f"{self.step_dir(step) / MANIFEST_NAME}: field 'step' is {manifest.step}, the directory is step {step}"
+            )
+        return manifest
+
+    def read_shard(
+        self, step: int, record: ShardRecord, verify: Verify = "full", into: Mapping[str, np.ndarray] | None = None
+    ) -> dict[str, np.ndarray]:
+        return read_shard_file(self.step_dir(step), record, verify, into)
+
+    def check_shard(self, step: int, record: ShardRecord) -> str | None:
+        return check_shard_file(self.step_dir(step), record)
+
+    def shard_path(self, step: int, record: ShardRecord) -> Path:
+        return self.step_dir(step) / record.path
+
+    def held_ranks(self, step: int, manifest: ShardManifest) -> list[int]:
+        return held_ranks(self.step_dir(step), manifest)
+
+    def has_receipt(self, step: int, url: str) -> bool:
+        return read_receipt(self.step_dir(step), url)
+
+    # -- writing (under the lock) ---------------------------------------------------------
+
+    def remove_uncommitted(self) -> list[str]:
+        self.check_locked()
+        return remove_uncommitted(self.root)
+
+    def new_step_dir(self, step: int) -> Path:
+        """The directory of ``step``, created (and made durable) if needed."""
+        self.check_locked()
+        directory = self.step_dir(step)
+        if not directory.is_dir():
+            directory.mkdir()
+            fsync_directory(self.root)
+        return directory
+
+    def land_shard(self, step: int, record: ShardRecord, write: Callable[[BinaryIO], ShardDigest]) -> None:
+        """Write ``record``'s shard into ``step`` atomically: it appears only if what ``write``
+        wrote (and returned the digest of) matches the record."""
+        self.check_locked()
+        path = self.shard_path(step, record)
+        atomic_write(path, write, check=lambda digest: record.verify(digest, _describe(record, path)))
+
+    def commit(self, manifest: ShardManifest, held: Collection[int] | None = None) -> None:
+        """Commit ``manifest``'s step (its shards, ``held`` or all, must be durable here)."""
+        self.check_locked()
+        directory = self.step_dir(manifest.step)
+        fsync_directory(directory)
+        record_held_ranks(directory, manifest, range(manifest.world_size) if held is None else held)
+        commit_manifest(directory, manifest)
+
+    def record_held(self, step: int, manifest: ShardManifest, ranks: Collection[int]) -> None:
+        self.check_locked()
+        record_held_ranks(self.step_dir(step), manifest, ranks)
+
+    def write_receipt(self, step: int, url: str, remote: RemoteManifest) -> None:
+        self.check_locked()
+        write_receipt(self.step_dir(step), url, remote)
+
+    def delete(self, step: int) -> None:
+        self.check_locked()
+        delete_checkpoint(self.step_dir(step))
+
+    def discard_uncommitted(self, step: int) -> None:
+        """Remove ``step``'s directory if it was never committed (a failed save)."""
+        directory = self.step_dir(step)
+        if directory.is_dir() and not is_committed(directory):
+            self.check_locked()
+            shutil.rmtree(directory)

@@ -16,8 +16,9 @@ from collections.abc import Mapping
 from dataclasses import InitVar, dataclass
 from typing import Any
 
-from .errors import ManifestError, ShardCountMismatchError
+from .errors import ChecksumMismatchError, ManifestError, ShardCountMismatchError
 from .layout import MANIFEST_NAME, is_plain_name
+from .shardfile import ShardDigest
 
 __all__ = ["SCHEMA_VERSION", "ShardRecord", "ShardManifest", "RemoteManifest"]
 
@@ -47,6 +48,26 @@ class ShardRecord:
     size_bytes: int
     param_shard_offset: int
     param_shard_numel: int
+
+    def mismatch(self, digest: ShardDigest) -> str | None:
+        """How bytes with ``digest`` differ from this record, or None if they match.
+
+        The one comparison of a file, a stream or an object with its record: every tier
+        calls it. A checksum the digest leaves empty (not computed) is not compared.
+        """
+        if digest.size_bytes != self.size_bytes:
+            return f"{digest.size_bytes} bytes, the manifest records {self.size_bytes}"
+        if digest.sha256 and digest.sha256 != self.sha256:
+            return f"sha256 is {digest.sha256}, the manifest records {self.sha256}"
+        if digest.xxh3_64 and digest.xxh3_64 != self.xxh3_64:
+            return f"xxh3_64 is {digest.xxh3_64}, the manifest records {self.xxh3_64}"
+        return None
+
+    def verify(self, digest: ShardDigest, what: str) -> None:
+        """Raise :class:`ChecksumMismatchError` naming ``what`` unless :meth:`mismatch` finds nothing."""
+        problem = self.mismatch(digest)
+        if problem is not None:
+            raise ChecksumMismatchError(f"{what}: {problem}")
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -1,4 +1,4 @@
-"""The remote tier: committed checkpoints under one fsspec URL (``s3://``, ``gs://``, ``memory://`` ...).
+"""The remote tier: committed checkpoints under one fsspec URL (``s3://``, ``gs://``, ``file://`` ...).
 
 Layout under the URL::
 
@@ -7,45 +7,66 @@ Layout under the URL::
     step-000000001200/manifest.json     the remote manifest, written last
     latest                              the newest committed step (a hint, written after it)
 
-Uploading a step, as :class:`~tiered_ckpt.uploader.Uploader` drives it:
+Committing a step, as :class:`~tiered_ckpt.uploader.Uploader` drives it:
 
-1. :meth:`RemoteTier.upload_shard` puts each shard with its sha256 as object metadata
-   where the store keeps metadata (S3, GCS), and :meth:`RemoteTier.confirm_shard`
-   checks the object's size and stored sha256: a shard is never taken as uploaded on
-   the PUT's word alone;
+1. :meth:`RemoteTier.put_shard` puts each shard (its sha256 as object metadata where
+   the store keeps metadata: S3, GCS) and confirms it: the object's size and stored
+   sha256 must match the record, so a shard is never taken as uploaded on the PUT's
+   word alone. A shard already there intact is not sent again;
 2. :meth:`RemoteTier.commit` writes the remote manifest, create-only where the store
-   supports it; :meth:`RemoteTier.set_latest` then moves ``latest``. A step is visible remotely exactly when its
-   remote manifest exists.
+   supports it; :meth:`RemoteTier.set_latest` then moves ``latest``. A step is visible
+   remotely exactly when its remote manifest exists.
+
+On a file system (a plain path or ``file://``: NFS, Lustre), shards and manifests land
+by temp name, fsync and rename, parent directories are created, and the manifest is
+linked into place create-only.
+
+This tier knows nothing of the local one: downloads hand the object's byte stream to
+a function of the caller's (:meth:`RemoteTier.read_shard`).
+
+**One retry policy** (:class:`RetryPolicy`) covers every request this tier makes,
+reads included: an operation is tried at most ``max_tries`` times, with exponential
+backoff and full jitter, and no new try starts once ``max_seconds`` have passed since
+the first; each request times out after ``timeout_seconds``. The clients' own retry
+loops are turned off where they have a switch (botocore's and s3fs's), so tries do not
+multiply; gcsfs retries each request up to 6 times on its own and has no switch.
 
 Every backend error leaves this module as :class:`RemoteError`, its ``transient`` flag
-set when trying again may help (throttling, 5xx, resets, timeouts), the original
-exception chained. Storage options (credentials) are never put in messages or reprs.
+set when trying again may help (throttling, 5xx, resets, timeouts), ``tries`` counting
+the tries made, the original exception chained. Storage options (credentials) are never
+put in messages or reprs.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
+import random
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, TypeVar
 
 from fsspec.core import url_to_fs
 
-from .errors import ChecksumMismatchError, ManifestError, RemoteError
-from .layout import MANIFEST_NAME, parse_step_dir_name, step_dir_name
-from .local import atomic_write
+from .durable import atomic_write, write_bytes
+from .errors import CheckpointError, ManifestError, RemoteError
+from .layout import LATEST_NAME, MANIFEST_NAME, parse_step_dir_name, step_dir_name
 from .manifest import MAX_MANIFEST_BYTES, RemoteManifest, ShardManifest, ShardRecord
 from .shardfile import ShardDigest, copy_and_hash, hash_stream
 
-__all__ = ["RemoteTier", "is_transient"]
+__all__ = ["RemoteTier", "RetryPolicy", "is_transient"]
 
-LATEST_NAME = "latest"
+logger = logging.getLogger("tiered_ckpt")
+T = TypeVar("T")
+
 # s3fs's default 50 MiB parts leave a 256 MiB shard in 3-5 parts; 16 MiB parts let its
 # concurrent part uploads (max_concurrency, 10 by default) keep the link busy.
 DEFAULT_PART_BYTES = 16 << 20
 SHA256_METADATA_KEY = "sha256"
+STREAM_BLOCK_BYTES = 16 << 20
 
 _TRANSIENT_ERRNOS = {
     errno.EBUSY,  # s3fs: SlowDown, ServiceUnavailable
@@ -95,26 +116,116 @@ def is_transient(exc: BaseException) -> bool:
     return any(marker in text for marker in _TRANSIENT_TEXT)
 
 
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often, and for how long, one remote operation is tried.
+
+    An operation (a PUT and its confirmation, a listing, a download) is tried at most
+    ``max_tries`` times; after a transient failure it waits a random time up to
+    ``backoff_seconds * 2**(try-1)`` (at most ``max_backoff_seconds``), and it starts no
+    new try once ``max_seconds`` have passed since the first. Each request gives up after
+    ``timeout_seconds`` without an answer.
+    """
+
+    max_tries: int = 5
+    backoff_seconds: float = 0.5
+    max_backoff_seconds: float = 30.0
+    max_seconds: float = 300.0
+    timeout_seconds: float = 60.0
+
+    def run(
+        self,
+        what: str,
+        action: Callable[[], T],
+        *,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> T:
+        """Return ``action()``, retrying a transient :class:`RemoteError` as this policy allows.
+
+        The error finally raised carries ``tries``, the number of tries made.
+        """
+        started = clock()
+        for attempt in range(1, self.max_tries + 1):
+            try:
+                return action()
+            except RemoteError as exc:
+                delay = min(self.max_backoff_seconds, self.backoff_seconds * 2 ** (attempt - 1)) * random.random()
+                out_of_time = clock() - started + delay >= self.max_seconds
+                if not exc.transient or attempt == self.max_tries or out_of_time:
+                    exc.tries = attempt
+                    raise
+                logger.warning("%s: transient error (try %d of %d), retrying: %s", what, attempt, self.max_tries, exc)
+                sleep(delay)
+        raise AssertionError("unreachable")
+
+
+def _client_options(protocols: set[str], options: Mapping[str, Any], retry: RetryPolicy) -> dict[str, Any]:
+    """fsspec options with the client's own retries off (where it has a switch) and request timeouts set."""
+    merged = dict(options)
+    if protocols & {"s3", "s3a"}:
+        config = dict(merged.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", retry.timeout_seconds)
+        config.setdefault("read_timeout", retry.timeout_seconds)
+        config["retries"] = {"total_max_attempts": 1}  # ours are the only retries
+        merged["config_kwargs"] = config
+    elif protocols & {"gs", "gcs"}:
+        merged.setdefault("requests_timeout", retry.timeout_seconds)
+    merged.setdefault("skip_instance_cache", True)  # an instance of our own: its settings are ours to change
+    return merged
+
+
+class _Reader:
+    """A read-only stream whose backend errors become :class:`RemoteError` (reads are remote requests)."""
+
+    def __init__(self, source: BinaryIO, tier: RemoteTier, what: str) -> None:
+        self._source, self._tier, self._what = source, tier, what
+
+    def read(self, size: int = -1) -> bytes:
+        with self._tier._translated(self._what):
+            return self._source.read(size)
+
+    def readinto(self, buffer: Any) -> int:
+        with self._tier._translated(self._what):
+            return self._source.readinto(buffer)
+
+
 class RemoteTier:
-    """Checkpoints under ``url``, reached through fsspec with ``storage_options``."""
+    """Checkpoints under ``url``, reached through fsspec with ``storage_options``.
+
+    Every public method makes its requests under ``retry`` (see :class:`RetryPolicy`).
+    """
 
     def __init__(
-        self, url: str, storage_options: Mapping[str, Any] | None = None, *, part_bytes: int = DEFAULT_PART_BYTES
+        self,
+        url: str,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        retry: RetryPolicy | None = None,
+        part_bytes: int = DEFAULT_PART_BYTES,
     ) -> None:
         self.url = url.rstrip("/")
+        self.retry = retry or RetryPolicy()
         self._part_bytes = part_bytes
+        scheme = self.url.partition("://")[0] if "://" in self.url else "file"
+        options = _client_options({scheme}, storage_options or {}, self.retry)
         try:
-            self._fs, self._root = url_to_fs(self.url, **dict(storage_options or {}))
-        except (ImportError, ValueError, TypeError) as exc:  # a missing backend, a bad option
-            raise RemoteError(f"cannot open {self.url}: {exc}", transient=False) from exc
+            self._fs, self._root = url_to_fs(self.url, **options)
+        except Exception as exc:  # a missing backend, a bad option, a backend that connects at once and fails
+            raise RemoteError(
+                f"cannot open {self.url}: {type(exc).__name__}: {exc}", transient=is_transient(exc)
+            ) from exc
         self._root = self._root.rstrip("/")
         protocol = self._fs.protocol
         self._protocols = {protocol} if isinstance(protocol, str) else set(protocol)
+        if self._protocols & {"s3", "s3a"}:
+            self._fs.retries = 1  # s3fs's own retry loop (no constructor argument): ours are the only retries
+        self._posix = bool(self._protocols & {"file", "local"})
 
     def __repr__(self) -> str:
         return f"RemoteTier({self.url!r})"
 
-    # -- names --------------------------------------------------------------------------
+    # -- names and plumbing -----------------------------------------------------------------
 
     def _path(self, step: int, name: str | None = None) -> str:
         prefix = f"{self._root}/{step_dir_name(step)}"
@@ -129,12 +240,21 @@ class RemoteTier:
     def _translated(self, what: str) -> Iterator[None]:
         try:
             yield
-        except (RemoteError, ChecksumMismatchError, ManifestError):
+        except CheckpointError:
             raise
         except Exception as exc:
             transient = is_transient(exc)
             kind = "transient" if transient else "permanent"
             raise RemoteError(f"{what}: {kind} error {type(exc).__name__}: {exc}", transient=transient) from exc
+
+    def _run(self, what: str, action: Callable[[], T]) -> T:
+        """``action`` under the retry policy, its backend errors translated."""
+
+        def once() -> T:
+            with self._translated(what):
+                return action()
+
+        return self.retry.run(what, once)
 
     def _fresh_info(self, path: str) -> dict[str, Any]:
         self._fs.invalidate_cache(path)
@@ -144,7 +264,7 @@ class RemoteTier:
         self._fs.invalidate_cache(path)
         return self._fs.exists(path)
 
-    # -- listing ------------------------------------------------------------------------
+    # -- listing and reading ------------------------------------------------------------------
 
     def _step_prefixes(self) -> list[int]:
         self._fs.invalidate_cache(self._root)
@@ -155,30 +275,67 @@ class RemoteTier:
         steps = (parse_step_dir_name(entry.rstrip("/").rsplit("/", 1)[-1]) for entry in entries)
         return sorted(step for step in steps if step is not None)
 
+    def list_steps(self) -> tuple[list[int], list[int]]:
+        """(committed, uncommitted): steps whose remote manifest exists, and prefixes holding objects but none."""
+
+        def listing() -> tuple[list[int], list[int]]:
+            steps = self._step_prefixes()
+            committed = {step for step in steps if self._exists(self._path(step, MANIFEST_NAME))}
+            return sorted(committed), [step for step in steps if step not in committed]
+
+        return self._run(f"listing {self.url}", listing)
+
     def committed_steps(self) -> list[int]:
         """Steps whose remote manifest exists, oldest first."""
-        with self._translated(f"listing {self.url}"):
-            return [step for step in self._step_prefixes() if self._exists(self._path(step, MANIFEST_NAME))]
+        return self.list_steps()[0]
 
     def uncommitted_steps(self) -> list[int]:
         """Step prefixes holding objects but no remote manifest (half-uploaded steps)."""
-        with self._translated(f"listing {self.url}"):
-            return [step for step in self._step_prefixes() if not self._exists(self._path(step, MANIFEST_NAME))]
+        return self.list_steps()[1]
 
     def read_manifest(self, step: int) -> RemoteManifest:
         """Read and strictly validate the remote manifest of ``step``."""
         location = self.location(step, MANIFEST_NAME)
-        with self._translated(f"reading {location}"):
-            info = self._fresh_info(self._path(step, MANIFEST_NAME))
-            if info.get("size", 0) > MAX_MANIFEST_BYTES:
-                raise ManifestError(f"{location}: {info['size']} bytes, over the {MAX_MANIFEST_BYTES} limit")
-            data = self._fs.cat_file(self._path(step, MANIFEST_NAME))
-        remote = RemoteManifest.from_json(data, source=location)
+        path = self._path(step, MANIFEST_NAME)
+
+        def read() -> bytes:
+            size = self._fresh_info(path).get("size", 0)
+            if size > MAX_MANIFEST_BYTES:
+                raise ManifestError(f"{location}: {size} bytes, over the {MAX_MANIFEST_BYTES} limit")
+            return self._fs.cat_file(path)
+
+        remote = RemoteManifest.from_json(self._run(f"reading {location}", read), source=location)
         if remote.manifest.step != step:
             raise ManifestError(f"{location}: field 'step' is {remote.manifest.step}, the prefix is step {step}")
         return remote
 
-    # -- uploading ----------------------------------------------------------------------
+    def read_shard(self, step: int, record: ShardRecord, consume: Callable[[BinaryIO], T]) -> T:
+        """Open ``record``'s object and return ``consume(stream)``; retried from the start on a transient error.
+
+        ``consume`` must leave nothing behind when it fails (e.g. write through a temp
+        file); a :class:`CheckpointError` it raises (a checksum mismatch) is not retried.
+        """
+        location = self.location(step, record.path)
+
+        def read() -> T:
+            with self._fs.open(self._path(step, record.path), "rb", block_size=STREAM_BLOCK_BYTES) as source:
+                return consume(_Reader(source, self, f"downloading {location}"))  # type: ignore[arg-type]
+
+        return self._run(f"downloading {location}", read)
+
+    def check_shard(self, step: int, record: ShardRecord) -> str | None:
+        """Stream and hash one shard object; return the problem, or None if it matches the record."""
+        location = self.location(step, record.path)
+        try:
+            digest = self.read_shard(step, record, lambda source: hash_stream(source, "full"))
+        except RemoteError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):
+                return f"{location}: missing"
+            raise
+        problem = record.mismatch(digest)
+        return f"{location}: {problem}" if problem else None
+
+    # -- uploading ------------------------------------------------------------------------
 
     def _put_kwargs(self, sha256: str) -> dict[str, Any]:
         """Backend arguments of a shard's PUT: its sha256 as metadata, and the multipart part size."""
@@ -196,37 +353,50 @@ class RemoteTier:
             return (info.get("metadata") or {}).get(SHA256_METADATA_KEY)
         return None
 
-    def _confirmed(self, step: int, record: ShardRecord) -> tuple[bool, str]:
+    def _mismatch(self, step: int, record: ShardRecord) -> str | None:
+        """Why the shard's object does not match ``record`` (missing, size, stored sha256), or None."""
         path = self._path(step, record.path)
         try:
             info = self._fresh_info(path)
         except FileNotFoundError:
-            return False, "missing"
-        if info.get("size") != record.size_bytes:
-            return False, f"size {info.get('size')}, expected {record.size_bytes}"
+            return "missing"
         stored = self._stored_sha256(path, info)
-        if stored is not None and stored != record.sha256:
-            return False, f"stored sha256 {stored}, expected {record.sha256}"
-        return True, "ok"
+        return record.mismatch(ShardDigest(int(info.get("size") or 0), stored or "", ""))
 
     def shard_is_uploaded(self, step: int, record: ShardRecord) -> bool:
         """True if the shard's object exists with the recorded size (and sha256, where kept)."""
-        with self._translated(f"checking {self.location(step, record.path)}"):
-            return self._confirmed(step, record)[0]
-
-    def upload_shard(self, step: int, local_path: Path, record: ShardRecord) -> None:
-        """Put one shard (with its sha256 as metadata where kept); :meth:`confirm_shard` checks it."""
         location = self.location(step, record.path)
-        with self._translated(f"uploading {local_path} to {location}"):
-            self._fs.put_file(str(local_path), self._path(step, record.path), **self._put_kwargs(record.sha256))
+        return self._run(f"checking {location}", lambda: self._mismatch(step, record) is None)
 
-    def confirm_shard(self, step: int, record: ShardRecord) -> None:
-        """Raise :class:`RemoteError` (transient: upload it again) unless the object matches the record."""
+    def _put(self, local_path: Path, step: int, record: ShardRecord) -> None:
+        path = self._path(step, record.path)
+        if not self._posix:
+            self._fs.put_file(str(local_path), path, **self._put_kwargs(record.sha256))
+            return
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(local_path, "rb") as source:
+            what = f"{self.location(step, record.path)} from {local_path}"
+            atomic_write(target, lambda out: copy_and_hash(source, out), check=lambda d: record.verify(d, what))
+
+    def put_shard(self, step: int, local_path: Path, record: ShardRecord) -> bool:
+        """Make the shard's object match ``record``: put it unless it is already there intact, then confirm.
+
+        Returns True if it was put, False if it was already there. One operation under
+        the retry policy: a try that finds the object wrong afterwards puts it again.
+        """
         location = self.location(step, record.path)
-        with self._translated(f"confirming {location}"):
-            confirmed, problem = self._confirmed(step, record)
-        if not confirmed:
-            raise RemoteError(f"{location}: not confirmed after the upload: {problem}", transient=True)
+
+        def put_and_confirm() -> bool:
+            if self._mismatch(step, record) is None:
+                return False
+            self._put(local_path, step, record)
+            problem = self._mismatch(step, record)
+            if problem is not None:
+                raise RemoteError(f"{location}: not confirmed after the upload: {problem}", transient=True)
+            return True
+
+        return self._run(f"uploading {local_path} to {location}", put_and_confirm)
 
     def commit(self, manifest: ShardManifest) -> RemoteManifest:
         """Write the remote manifest of ``manifest``'s step, create-only where the store supports it.
@@ -235,64 +405,44 @@ class RemoteTier:
         the same shards (a retried or resumed commit), that commit is returned.
         """
         step = manifest.step
-        remote = RemoteManifest(manifest, committed_at=time.time())
         location = self.location(step, MANIFEST_NAME)
-        with self._translated(f"committing {location}"):
+        path = self._path(step, MANIFEST_NAME)
+
+        def create() -> RemoteManifest | None:
+            remote = RemoteManifest(manifest, committed_at=time.time())
             try:
-                self._fs.pipe_file(self._path(step, MANIFEST_NAME), remote.to_json().encode(), mode="create")
+                if self._posix:
+                    write_bytes(Path(path), remote.to_json().encode(), create_only=True)
+                else:
+                    self._fs.pipe_file(path, remote.to_json().encode(), mode="create")
             except FileExistsError:
-                existing = self.read_manifest(step)
-                if existing.manifest.shards != manifest.shards:
-                    raise RemoteError(
-                        f"{location}: a different checkpoint of step {step} is already committed", transient=False
-                    ) from None
-                remote = existing
-        return remote
+                return None
+            return remote
+
+        remote = self._run(f"committing {location}", create)
+        if remote is not None:
+            return remote
+        existing = self.read_manifest(step)
+        if existing.manifest.shards != manifest.shards:
+            raise RemoteError(
+                f"{location}: a different checkpoint of step {step} is already committed", transient=False
+            )
+        return existing
 
     def set_latest(self, step: int) -> None:
         """Point ``latest`` at ``step`` (a hint for people and tools; listing is the truth)."""
-        with self._translated(f"writing {self.url}/{LATEST_NAME}"):
-            self._fs.pipe_file(f"{self._root}/{LATEST_NAME}", f"{step}\n".encode())
-
-    # -- downloading --------------------------------------------------------------------
-
-    def download_shard(self, step: int, record: ShardRecord, target: Path) -> None:
-        """Stream a shard into ``target`` atomically, hashing as it streams.
-
-        ``target`` appears only if the bytes match the record's size and sha256;
-        otherwise :class:`ChecksumMismatchError` names the object.
-        """
-        location = self.location(step, record.path)
-
-        def check(digest: ShardDigest) -> None:
-            if digest.size_bytes != record.size_bytes or digest.sha256 != record.sha256:
-                raise ChecksumMismatchError(
-                    f"rank {record.rank} shard {location}: {digest.size_bytes} bytes with sha256 {digest.sha256}, "
-                    f"the manifest records {record.size_bytes} bytes with sha256 {record.sha256}"
-                )
-
-        with self._translated(f"downloading {location}"):
-            with self._fs.open(self._path(step, record.path), "rb", block_size=16 << 20) as source:
-                atomic_write(target, lambda out: copy_and_hash(source, out), check=check)
-
-    def check_shard(self, step: int, record: ShardRecord) -> str | None:
-        """Stream and hash one shard object; return the problem, or None if it matches the record."""
-        location = self.location(step, record.path)
-        with self._translated(f"reading {location}"):
-            try:
-                with self._fs.open(self._path(step, record.path), "rb", block_size=16 << 20) as source:
-                    digest = hash_stream(source, "full")
-            except FileNotFoundError:
-                return f"{location}: missing"
-        if digest.size_bytes != record.size_bytes or digest.sha256 != record.sha256:
-            return f"{location}: {digest.size_bytes} bytes with sha256 {digest.sha256}, expected {record.sha256}"
-        return None
+        path, data = f"{self._root}/{LATEST_NAME}", f"{step}\n".encode()
+        if self._posix:
+            self._run(f"writing {self.url}/{LATEST_NAME}", lambda: write_bytes(Path(path), data))
+        else:
+            self._run(f"writing {self.url}/{LATEST_NAME}", lambda: self._fs.pipe_file(path, data))
 
     # -- deleting -----------------------------------------------------------------------
 
     def delete_step(self, step: int) -> None:
         """Delete a step: its remote manifest first (the step turns invisible), then its objects."""
-        with self._translated(f"deleting {self.location(step)}"):
+
+        def delete() -> None:
             manifest = self._path(step, MANIFEST_NAME)
             if self._exists(manifest):
                 self._fs.rm_file(manifest)
@@ -300,3 +450,5 @@ class RemoteTier:
             self._fs.invalidate_cache(prefix)
             if self._fs.exists(prefix):
                 self._fs.rm(prefix, recursive=True)
+
+        self._run(f"deleting {self.location(step)}", delete)

@@ -1,127 +1,147 @@
 """The background upload queue: locally committed steps go to the remote tier, in order.
 
-For each queued step, the uploader thread:
+The uploader owns everything that happens to a step after its local commit:
 
-1. reads the step's local manifest;
-2. uploads every shard of its ``ranks`` not already in the bucket intact (several at a
-   time), each confirmed by size and stored sha256 — so a step resumed after a crash
-   sends only what is missing;
-3. waits until every process's uploader has confirmed its ranks' shards (a collective
-   on the uploader's own ``coordinator`` channel; a failure on any rank fails the step
-   on every rank);
+1. :meth:`Uploader.resume` (at start-up): queue the local steps a crash kept from
+   their remote commit (mending lost receipts), and remove half-uploaded steps from the
+   bucket (the leader does, once every rank agreed which steps resume);
+2. for each queued step, on the uploader's thread: put every shard of this process's
+   ``ranks`` not already in the bucket intact, ``concurrency`` at a time, each
+   confirmed (:meth:`RemoteTier.put_shard`);
+3. wait until every process's uploader has confirmed its ranks' shards (a collective on
+   the uploader's own coordinator channel: a failure on any rank fails the step on every
+   rank);
 4. the leader commits the remote manifest (create-only) and moves ``latest``; every
-   process then writes the local receipt (``remote-commit.json``) and calls
-   ``on_committed``.
+   process writes the local receipt;
+5. retention: the leader prunes the bucket, every process its local tier (steps the
+   bucket now holds are no longer protected).
 
-Transient errors are retried with exponential backoff and full jitter, up to
-``max_tries`` tries per request; a permanent error, or a transient one that outlasts its
-tries, becomes :class:`UploadError` (tries counted, cause chained) that the owner raises
-on its next call. The step's local copy is kept either way.
+A failure becomes :class:`UploadError` (``tries`` counted, cause chained) in the shared
+:class:`~tiered_ckpt.errors.ErrorBox`, raised by the owner's next call; the step's
+local copy is kept. Requests are retried by the remote tier's one retry policy, never
+again here.
 
-``concurrency`` shards of a step are uploaded at once (2 by default: the backend already
-sends a large shard's parts concurrently, and more requests in flight slowed uploads to
-the 2-core test server; raise it for many small shards).
-
-When uploads fall behind, at most ``max_pending`` steps wait in the queue. Beyond that
-``when_behind="wait"`` makes :meth:`Uploader.submit` block until there is room, and
-``"skip"`` drops the oldest waiting step (it stays local-only and is superseded by the
-newer one).
+At most ``max_pending`` steps wait in the queue. Beyond that ``when_behind="wait"``
+makes :meth:`Uploader.submit` block until there is room, and ``"skip"`` drops the
+oldest waiting step (it stays local-only, superseded by the newer one).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import random
 import threading
-import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Literal, TypeVar
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-from .coordination import Coordinator, SingleProcessCoordinator, agree, leader_decides
-from .errors import CheckpointError, RemoteError, UploadError
-from .layout import step_dir_name
-from .local import atomic_write, read_manifest
+from .coordination import Coordinator, SingleProcessCoordinator, agree, decide, exchange
+from .errors import CheckpointError, ErrorBox, IncompleteCheckpointError, RemoteError, UploadError
 from .manifest import RemoteManifest, ShardManifest
-from .remote import RemoteTier
+from .options import UploadOptions
+from .retention import RetentionPolicy
 from .sharded import run_parallel
-from .shardfile import write_all
+from .store import TieredStore
 
-__all__ = ["Uploader", "RECEIPT_NAME", "read_receipt", "write_receipt", "with_retries", "WhenBehind"]
+__all__ = ["Uploader"]
 
 logger = logging.getLogger("tiered_ckpt")
 
-RECEIPT_NAME = "remote-commit.json"
-WhenBehind = Literal["wait", "skip"]
-T = TypeVar("T")
+
+@dataclass(frozen=True)
+class _RemoteListing:
+    """The leader's listing of the bucket at start-up."""
+
+    committed: tuple[int, ...]
+    uncommitted: tuple[int, ...]
 
 
-def write_receipt(directory: Path, url: str, remote: RemoteManifest) -> None:
-    """Record in a local step directory that the step is committed at ``url``."""
-    data = json.dumps({"url": url, "step": remote.manifest.step, "committed_at": remote.committed_at}).encode()
-    atomic_write(directory / RECEIPT_NAME, lambda out: write_all(out, data))
+@dataclass(frozen=True)
+class _ResumeReport:
+    """The local steps one process could resume."""
 
-
-def read_receipt(directory: Path, url: str) -> bool:
-    """True if the step in ``directory`` has a receipt of its commit at ``url``."""
-    try:
-        document = json.loads((directory / RECEIPT_NAME).read_bytes())
-    except (OSError, ValueError):
-        return False
-    return isinstance(document, dict) and document.get("url") == url
+    steps: tuple[int, ...]
 
 
 class Uploader:
-    """One background thread that uploads and commits queued steps of ``local_root`` to ``remote``.
+    """One background thread that uploads and commits queued steps of ``store``'s local tier.
 
     ``ranks`` are the ranks whose shards this process uploads (default: every rank of
-    each step); ``coordinator`` must be a channel no other thread uses.
+    each step); ``coordinator`` must be a channel no other thread uses. Failures go to
+    ``errors``; ``local_retention`` and ``remote_retention`` are applied after each
+    remote commit.
     """
 
     def __init__(
         self,
-        local_root: Path,
-        remote: RemoteTier,
+        store: TieredStore,
         *,
-        on_committed: Callable[[RemoteManifest], None],
+        options: UploadOptions | None = None,
+        errors: ErrorBox | None = None,
         coordinator: Coordinator | None = None,
         ranks: Sequence[int] | None = None,
-        concurrency: int = 2,
-        max_tries: int = 5,
-        backoff_seconds: float = 0.5,
-        max_backoff_seconds: float = 30.0,
-        max_pending: int = 2,
-        when_behind: WhenBehind = "wait",
+        local_retention: RetentionPolicy | None = None,
+        remote_retention: RetentionPolicy | None = None,
     ) -> None:
-        if when_behind not in ("wait", "skip"):
-            raise ValueError(f"when_behind must be 'wait' or 'skip', got {when_behind!r}")
-        if max_tries < 1 or max_pending < 1 or concurrency < 1:
-            raise ValueError("max_tries, max_pending and concurrency must be >= 1")
-        self._root = local_root
-        self._remote = remote
-        self._on_committed = on_committed
+        if store.remote is None:
+            raise ValueError("an uploader needs a store with a remote tier")
+        self._store = store
+        self._remote = store.remote
+        self._options = options or UploadOptions()
+        self.errors = errors or ErrorBox()
         self._coordinator = coordinator or SingleProcessCoordinator(1)
         self._ranks = ranks
-        self._concurrency = concurrency
-        self._max_tries = max_tries
-        self._backoff = backoff_seconds
-        self._max_backoff = max_backoff_seconds
-        self._max_pending = max_pending
-        self._when_behind = when_behind
+        self._local_retention = local_retention or RetentionPolicy()
+        self._remote_retention = remote_retention or RetentionPolicy()
         self._queue: deque[int] = deque()
         self._active: int | None = None
-        self._errors: list[UploadError] = []
         self._closing = False
         self._changed = threading.Condition()
+        self.newest_committed: int | None = None  # the newest remote commit this uploader knows of
         self._thread = threading.Thread(target=self._run, name="tiered-ckpt-uploader", daemon=True)
         self._thread.start()
 
     def __repr__(self) -> str:
-        return f"Uploader({str(self._root)!r} -> {self._remote.url!r})"
+        return f"Uploader({str(self._store.local.root)!r} -> {self._remote.url!r})"
 
     # -- the owner's side -------------------------------------------------------------------
+
+    def resume(self) -> list[int]:
+        """Queue what a crash left unuploaded and clean half-uploaded steps; return the steps queued.
+
+        Call once, before any :meth:`submit`, on every process (it is collective).
+        """
+        listing = decide(
+            self._coordinator, _RemoteListing, lambda: _RemoteListing(*map(tuple, self._remote.list_steps()))
+        )
+        self.newest_committed = listing.committed[-1] if listing.committed else None
+        reports = exchange(self._coordinator, _ResumeReport, lambda: _ResumeReport(self._resumable(listing.committed)))
+        resumed = sorted(set(reports[0].steps).intersection(*(report.steps for report in reports[1:])))
+        for step in sorted(set(self._resumable(listing.committed)) - set(resumed)):
+            logger.warning("step %d is committed locally but not on every rank: it cannot be uploaded", step)
+        if self._coordinator.is_leader:
+            for step in listing.uncommitted:
+                if step not in resumed:
+                    logger.warning("removing half-uploaded step %d from %s", step, self._remote.url)
+                    self._remote.delete_step(step)
+        for step in resumed:
+            logger.warning("resuming the upload of step %d to %s", step, self._remote.url)
+            self.submit(step, bounded=False)
+        return resumed
+
+    def _resumable(self, remote_steps: Sequence[int]) -> tuple[int, ...]:
+        """Local steps whose remote commit a crash prevented (lost receipts are mended on the way)."""
+        resumed = []
+        for step in self._store.local.steps():
+            if self._store.receipted(step):
+                continue
+            if step in remote_steps:  # committed remotely, the receipt lost in a crash
+                committed = self._remote.read_manifest(step)
+                if committed.manifest.shards == self._store.local.manifest(step).shards:
+                    self._store.local.write_receipt(step, self._remote.url, committed)
+                    continue
+            if self.newest_committed is None or step > self.newest_committed:
+                resumed.append(step)
+        return tuple(resumed)
 
     def submit(self, step: int, *, bounded: bool = True) -> None:
         """Queue ``step`` (committed locally) for upload; see the module doc for a full queue.
@@ -131,8 +151,8 @@ class Uploader:
         with self._changed:
             if self._closing:
                 raise RuntimeError("the uploader is closed")
-            while bounded and len(self._queue) >= self._max_pending:
-                if self._when_behind == "skip":
+            while bounded and len(self._queue) >= self._options.max_pending:
+                if self._options.when_behind == "skip":
                     skipped = self._queue.popleft()
                     logger.warning("uploads behind: step %d stays local-only, superseded by step %d", skipped, step)
                 else:
@@ -151,10 +171,22 @@ class Uploader:
             while self._queue or self._active is not None:
                 self._changed.wait()
 
-    def pop_error(self) -> UploadError | None:
-        """The oldest upload failure not yet handed out, or None."""
-        with self._changed:
-            return self._errors.pop(0) if self._errors else None
+    def push(self, step: int | None = None) -> list[int]:
+        """Upload ``step`` (default: every local step without a remote commit) now, and wait for it.
+
+        Returns the steps uploaded; raises :class:`UploadError` if one fails.
+        """
+        local = self._store.local.steps()
+        if step is not None and step not in local:
+            raise IncompleteCheckpointError(f"{self._store.local.root}: step {step} is not committed locally")
+        unreceipted = [each for each in local if not self._store.receipted(each)]
+        chosen = [step] if step is not None else unreceipted
+        for each in chosen:
+            if each in unreceipted and each not in self.pending():
+                self.submit(each, bounded=False)
+        self.wait()
+        self.errors.raise_first()
+        return [each for each in chosen if each in unreceipted]
 
     def close(self) -> None:
         """Finish every queued upload, then stop the thread."""
@@ -177,91 +209,59 @@ class Uploader:
                 self._changed.notify_all()
             try:
                 self._upload(step)
-            except UploadError as error:
-                logger.error("%s", error)
-                with self._changed:
-                    self._errors.append(error)
-            except BaseException as exc:  # a bug or a local I/O error: never lose it silently
-                error = UploadError(f"upload of step {step} failed: {exc}", step=step, tries=1)
-                error.__cause__ = exc
-                with self._changed:
-                    self._errors.append(error)
+            except BaseException as exc:  # a remote failure, a local I/O error or a bug: never lost silently
+                self.errors.put(_as_upload_error(step, exc))
             finally:
                 with self._changed:
                     self._active = None
                     self._changed.notify_all()
 
     def _upload(self, step: int) -> None:
-        directory = self._root / step_dir_name(step)
-        manifest = read_manifest(directory)
-
-        def upload(rank: int) -> None:
-            record = manifest.shard(rank)
-            what = f"rank {rank} shard of step {step}"
-            if self._retrying(what, step, lambda: self._remote.shard_is_uploaded(step, record)):
-                return  # uploaded intact before a crash: not sent again
-
-            def put_and_confirm() -> None:
-                # Each request has its own retries; a confirmation that finds the wrong
-                # object is itself a transient error that puts the shard again.
-                self.retrying(what, lambda: self._remote.upload_shard(step, directory / record.path, record))
-                self.retrying(what, lambda: self._remote.confirm_shard(step, record))
-
-            self._retrying(what, step, put_and_confirm)
-
+        store = self._store
+        manifest = store.local.manifest(step)
         ranks = range(manifest.world_size) if self._ranks is None else self._ranks
-        agree(self._coordinator, lambda: run_parallel(upload, ranks, self._concurrency) and None)
-        remote = RemoteManifest.from_json(
-            leader_decides(self._coordinator, lambda: self._commit(step, manifest).to_json()),
-            source=self._remote.location(step),
-        )
-        write_receipt(directory, self._remote.url, remote)
+
+        def put(rank: int) -> None:
+            record = manifest.shard(rank)
+            self._remote.put_shard(step, store.local.shard_path(step, record), record)
+
+        agree(self._coordinator, lambda: run_parallel(put, ranks, self._options.concurrency) and None)
+        remote = decide(self._coordinator, _Committed, lambda: _Committed(self._commit(manifest).to_json()))
+        committed = RemoteManifest.from_json(remote.document, source=self._remote.location(step))
+        store.local.write_receipt(step, self._remote.url, committed)
+        self.newest_committed = max(self.newest_committed or 0, step)
         logger.info("step %d committed at %s", step, self._remote.location(step))
         try:
-            self._on_committed(remote)
+            if self._coordinator.is_leader:
+                store.retain_remote(self._remote_retention)
+            store.retain_local(self._local_retention, self.pending())
         except CheckpointError as exc:
             raise UploadError(
-                f"step {step} is committed at {self._remote.location(step)}, but what follows a commit "
-                f"(retention) failed: {exc}",
+                f"step {step} is committed at {self._remote.location(step)}, but the retention that follows "
+                f"failed: {exc}",
                 step=step,
                 tries=getattr(exc, "tries", 1),
             ) from exc
 
-    def _commit(self, step: int, manifest: ShardManifest) -> RemoteManifest:
-        remote = self._retrying(f"commit of step {step}", step, lambda: self._remote.commit(manifest))
-        self._retrying(f"latest pointer of step {step}", step, lambda: self._remote.set_latest(step))
+    def _commit(self, manifest: ShardManifest) -> RemoteManifest:
+        remote = self._remote.commit(manifest)
+        self._remote.set_latest(manifest.step)
         return remote
 
-    def retrying(self, what: str, action: Callable[[], T]) -> T:
-        """Run ``action`` with this uploader's retry policy (see :func:`with_retries`)."""
-        return with_retries(action, what, self._max_tries, self._backoff, self._max_backoff)
 
-    def _retrying(self, what: str, step: int, action: Callable[[], T]) -> T:
-        try:
-            return self.retrying(what, action)
-        except RemoteError as exc:
-            tries = getattr(exc, "tries", 1)
-            raise UploadError(
-                f"upload of step {step} failed: {what}: after {tries} {'try' if tries == 1 else 'tries'}: {exc}",
-                step=step,
-                tries=tries,
-            ) from exc
+@dataclass(frozen=True)
+class _Committed:
+    """The leader's remote manifest, as every process records it."""
+
+    document: str
 
 
-def with_retries(action: Callable[[], T], what: str, max_tries: int, backoff: float, max_backoff: float) -> T:
-    """Return ``action()``, retrying transient :class:`RemoteError` with exponential backoff and full jitter.
-
-    A permanent error is raised at once, a transient one after ``max_tries`` tries; the
-    error raised carries ``tries``, the number of tries made.
-    """
-    for attempt in range(1, max_tries + 1):
-        try:
-            return action()
-        except RemoteError as exc:
-            if not exc.transient or attempt == max_tries:
-                exc.tries = attempt  # type: ignore[attr-defined]
-                raise
-            delay = min(max_backoff, backoff * 2 ** (attempt - 1)) * random.random()
-            logger.warning("%s: transient error (try %d of %d), retrying: %s", what, attempt, max_tries, exc)
-            time.sleep(delay)
-    raise AssertionError("unreachable")
+def _as_upload_error(step: int, exc: BaseException) -> UploadError:
+    """``exc`` as the :class:`UploadError` of ``step`` (as it is, if it already is one)."""
+    if isinstance(exc, UploadError):
+        return exc
+    tries = exc.tries if isinstance(exc, RemoteError) else 1
+    message = f"upload of step {step} failed after {tries} {'try' if tries == 1 else 'tries'}: {exc}"
+    error = UploadError(message, step=step, tries=tries)
+    error.__cause__ = exc
+    return error

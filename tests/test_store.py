@@ -1,0 +1,109 @@
+"""The store's chain (local copy, else the bucket, verified and landed locally) on real files."""
+
+import os
+
+import numpy as np
+import pytest
+
+from conftest import flip_byte
+from tiered_ckpt import ChecksumMismatchError, IncompleteCheckpointError, UsageError, save_sharded
+from tiered_ckpt.layout import step_dir_name
+from tiered_ckpt.local import LocalTier
+from tiered_ckpt.remote import RemoteTier
+from tiered_ckpt.store import TieredStore
+
+
+@pytest.fixture
+def two_tiers(tmp_path, memory_url):
+    """A committed step 3 of 2 ranks in a local tier, uploaded and committed in a memory bucket."""
+    states = [{"w": np.arange(4096, dtype=np.float32) + rank} for rank in range(2)]
+    manifest = save_sharded(states, tmp_path / "ckpt" / step_dir_name(3), step=3)
+    url, options = memory_url
+    store = TieredStore(LocalTier(tmp_path / "ckpt"), RemoteTier(url, options))
+    for record in manifest.shards:
+        store.remote.put_shard(3, store.local.shard_path(3, record), record)
+    store.remote.commit(manifest)
+    with store.local.lock():
+        yield store, manifest, states
+
+
+def test_an_intact_local_shard_is_read_locally(two_tiers):
+    store, manifest, states = two_tiers
+    arrays, source = store.fetch_shard(3, manifest.shard(1))
+    assert source == "local" and arrays["w"].tobytes() == states[1]["w"].tobytes()
+
+
+@pytest.mark.parametrize("damage", ["flip", "delete", "truncate"])
+def test_a_damaged_local_shard_comes_from_the_bucket_and_is_landed_locally(two_tiers, damage):
+    store, manifest, states = two_tiers
+    record = manifest.shard(0)
+    path = store.local.shard_path(3, record)
+    if damage == "flip":
+        flip_byte(path, 500)
+    elif damage == "delete":
+        path.unlink()
+    else:
+        os.truncate(path, 100)
+    arrays, source = store.fetch_shard(3, record)
+    assert source == "remote" and arrays["w"].tobytes() == states[0]["w"].tobytes()
+    assert store.local.check_shard(3, record) is None  # the local tier was refilled
+    assert [name for name in os.listdir(path.parent) if name.startswith(".")] == []
+
+
+def test_no_copy_verifies_names_every_copy_tried(two_tiers):
+    store, manifest, _states = two_tiers
+    record = manifest.shard(1)
+    flip_byte(store.local.shard_path(3, record), 500)
+    remote_path = f"{store.remote._root}/{step_dir_name(3)}/{record.path}"
+    data = bytearray(store.remote._fs.cat_file(remote_path))
+    data[600] ^= 0xFF
+    store.remote._fs.pipe_file(remote_path, bytes(data))
+    with pytest.raises(ChecksumMismatchError, match="rank 1: no copy verifies") as caught:
+        store.fetch_shard(3, record)
+    message = str(caught.value)
+    assert message.count("remote memory://") == 2 and "local " in message  # the local copy, then two downloads
+    assert store.local.check_shard(3, record) is not None  # a bad download never replaced the file
+
+
+def test_without_a_bucket_a_damaged_shard_fails_as_it_is(two_tiers):
+    store, manifest, _states = two_tiers
+    local_only = TieredStore(store.local)
+    store.local.shard_path(3, manifest.shard(0)).unlink()
+    with pytest.raises(IncompleteCheckpointError, match="file is missing"):
+        local_only.fetch_shard(3, manifest.shard(0))
+    with pytest.raises(UsageError, match="needs a remote tier"):
+        local_only.pull()
+
+
+def test_status_and_verify_see_both_tiers(two_tiers):
+    store, manifest, _states = two_tiers
+    [status] = store.status()
+    assert (status.step, status.local, status.remote) == (3, "committed", "committed")
+    assert status.manifest == manifest
+    checks = store.verify()
+    assert sorted((c.tier, c.rank, c.status) for c in checks) == [
+        ("local", 0, "ok"),
+        ("local", 1, "ok"),
+        ("remote", 0, "ok"),
+        ("remote", 1, "ok"),
+    ]
+
+
+def test_pull_fills_an_empty_local_tier(two_tiers, tmp_path):
+    store, manifest, states = two_tiers
+    fresh = TieredStore(LocalTier(tmp_path / "fresh"), store.remote)
+    with fresh.local.lock():
+        step, sources = fresh.pull()
+    assert step == 3 and sources == {0: "remote", 1: "remote"}
+    assert fresh.local.steps() == [3] and fresh.receipted(3)
+    assert fresh.local.read_shard(3, manifest.shard(1))["w"].tobytes() == states[1]["w"].tobytes()
+
+
+def test_writes_refuse_a_directory_replaced_under_the_lock(two_tiers, tmp_path):
+    import shutil
+
+    store, manifest, _states = two_tiers
+    shutil.rmtree(store.local.root)
+    store.local.root.mkdir()  # another job's directory now, at the same path
+    with pytest.raises(Exception, match="removed or replaced since this job locked it"):
+        store.local.new_step_dir(4)

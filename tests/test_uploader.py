@@ -1,0 +1,170 @@
+"""The upload queue on its own, against an in-memory remote tier that fails on command."""
+
+import threading
+from collections import deque
+
+import numpy as np
+import pytest
+
+from tiered_ckpt import RemoteError, UploadError, save_sharded
+from tiered_ckpt.errors import ErrorBox
+from tiered_ckpt.layout import step_dir_name
+from tiered_ckpt.local import LocalTier
+from tiered_ckpt.options import UploadOptions
+from tiered_ckpt.remote import RemoteTier, RetryPolicy
+from tiered_ckpt.store import TieredStore
+from tiered_ckpt.uploader import Uploader
+
+
+class FailingRemote(RemoteTier):
+    """A memory:// remote tier whose PUTs raise the queued exceptions first, and can be held."""
+
+    def __init__(self, url, retry):
+        super().__init__(url, retry=retry)
+        self.failures: deque[BaseException] = deque()
+        self.puts: list[int] = []
+        self.hold = threading.Event()
+        self.hold.set()
+        self.holding = threading.Event()
+
+    def _put(self, local_path, step, record):
+        self.puts.append(step)
+        self.holding.set()
+        self.hold.wait()
+        if self.failures:
+            raise self.failures.popleft()
+        super()._put(local_path, step, record)
+
+
+def transient() -> OSError:
+    return ConnectionResetError("reset by peer")
+
+
+@pytest.fixture
+def job(tmp_path, memory_url):
+    """A local tier with steps 1..4 committed (1 rank each) and an uploader over a failing remote."""
+    for step in range(1, 5):
+        save_sharded([{"w": np.full(64, step, np.float32)}], tmp_path / "ckpt" / step_dir_name(step), step=step)
+    remote = FailingRemote(memory_url[0], RetryPolicy(max_tries=3, backoff_seconds=0))
+    store = TieredStore(LocalTier(tmp_path / "ckpt"), remote)
+    uploaders = []
+
+    def start(**options):
+        uploader = Uploader(store, options=UploadOptions(**options), errors=ErrorBox())
+        uploaders.append(uploader)
+        return uploader
+
+    with store.local.lock():
+        yield store, remote, start
+        for uploader in uploaders:
+            uploader.close()
+
+
+def test_transient_failures_within_the_tries_still_commit(job):
+    store, remote, start = job
+    remote.failures.extend([transient(), transient()])
+    uploader = start()
+    uploader.submit(1)
+    uploader.wait()
+    uploader.errors.raise_first()  # nothing failed
+    assert remote.committed_steps() == [1] and store.receipted(1)
+    assert remote.puts == [1, 1, 1]  # two failed tries, then the one that went through
+
+
+def test_a_persistent_transient_failure_costs_max_tries_puts_and_says_so(job):
+    store, remote, start = job
+    remote.failures.extend([transient() for _ in range(10)])
+    uploader = start()
+    uploader.submit(1)
+    uploader.wait()
+    with pytest.raises(UploadError, match="upload of step 1 failed after 3 tries") as caught:
+        uploader.errors.raise_first()
+    assert caught.value.tries == 3 and caught.value.step == 1
+    assert isinstance(caught.value.__cause__, RemoteError)
+    assert remote.puts == [1, 1, 1]  # one retry loop: tries never multiply
+    assert remote.committed_steps() == [] and not store.receipted(1)
+    uploader.errors.raise_first()  # raised once only
+
+
+def test_a_permanent_failure_is_not_retried(job):
+    _store, remote, start = job
+    remote.failures.append(PermissionError("AccessDenied"))
+    uploader = start()
+    uploader.submit(1)
+    uploader.wait()
+    with pytest.raises(UploadError) as caught:
+        uploader.errors.raise_first()
+    assert caught.value.tries == 1 and remote.puts == [1]
+
+
+def test_steps_are_uploaded_in_order_and_skip_drops_the_oldest_waiting(job):
+    _store, remote, start = job
+    remote.hold.clear()
+    uploader = start(max_pending=1, when_behind="skip")
+    uploader.submit(1)
+    remote.holding.wait()  # step 1 is being put, out of the queue
+    uploader.submit(2)
+    uploader.submit(3)  # the queue is full: 2 is dropped
+    assert uploader.pending() == [1, 3]
+    remote.hold.set()
+    uploader.wait()
+    assert remote.committed_steps() == [1, 3]
+
+
+def test_wait_mode_blocks_the_submitter_until_there_is_room(job):
+    _store, remote, start = job
+    remote.hold.clear()
+    uploader = start(max_pending=1, when_behind="wait")
+    uploader.submit(1)
+    remote.holding.wait()
+    uploader.submit(2)
+    third = threading.Thread(target=uploader.submit, args=(3,))
+    third.start()
+    third.join(timeout=0.5)  # a guard, not a timing assertion: it must still be blocked below
+    assert third.is_alive() and uploader.pending() == [1, 2]
+    remote.hold.set()
+    third.join()
+    uploader.wait()
+    assert remote.committed_steps() == [1, 2, 3]
+
+
+def test_retry_policy_stops_at_its_time_budget():
+    clock = [0.0]
+    calls = []
+
+    def failing():
+        calls.append(clock[0])
+        clock[0] += 10  # each try takes 10 s
+        raise RemoteError("slow down", transient=True)
+
+    policy = RetryPolicy(max_tries=100, backoff_seconds=0, max_seconds=25)
+    with pytest.raises(RemoteError) as caught:
+        policy.run("op", failing, sleep=lambda _s: None, clock=lambda: clock[0])
+    assert caught.value.tries == 3 and len(calls) == 3  # tries at 0, 10, 20 s; none starts past 25 s
+
+
+def test_retry_policy_backs_off_exponentially_with_jitter():
+    delays = []
+    outcomes = iter([RemoteError("x", transient=True)] * 4 + [None])
+
+    def action():
+        error = next(outcomes)
+        if error:
+            raise error
+        return "done"
+
+    policy = RetryPolicy(max_tries=5, backoff_seconds=1, max_backoff_seconds=4)
+    assert policy.run("op", action, sleep=delays.append) == "done"
+    assert len(delays) == 4 and all(0 <= delay <= bound for delay, bound in zip(delays, [1, 2, 4, 4], strict=True))
+
+
+def test_resume_queues_unuploaded_steps_and_removes_half_uploaded_ones(job):
+    store, remote, start = job
+    record = store.local.manifest(4).shard(0)
+    remote.put_shard(4, store.local.shard_path(4, record), record)  # a half upload of step 4, no manifest
+    assert remote.uncommitted_steps() == [4]
+    remote.commit(store.local.manifest(2))  # step 2 committed remotely, the receipt lost in a crash
+    uploader = start()
+    assert uploader.resume() == [3, 4]  # newer than the newest remote commit; step 1 is superseded
+    uploader.wait()
+    assert store.receipted(2) and remote.committed_steps() == [2, 3, 4]

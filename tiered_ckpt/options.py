@@ -1,0 +1,247 @@
+"""The manager's options as small frozen dataclasses, each checking its own fields.
+
+:func:`~tiered_ckpt.load_config` returns them (one per config table) and
+:class:`~tiered_ckpt.CheckpointManager` takes them; a value is checked here and nowhere
+else. A failing check raises :class:`~tiered_ckpt.ConfigError` (also a ``ValueError``)
+whose ``field`` and ``problem`` let a config loader name the file and key.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal, TypedDict
+
+import fsspec
+
+from .errors import invalid_option
+from .remote import RetryPolicy
+from .retention import RetentionPolicy
+from .shardfile import VERIFY_MODES, Verify
+
+__all__ = [
+    "LocalOptions",
+    "RemoteOptions",
+    "UploadOptions",
+    "VerifyOptions",
+    "Options",
+    "ManagerKeywords",
+    "KEYWORDS",
+    "resolve_options",
+    "WhenBehind",
+    "check_remote_url",
+]
+
+WhenBehind = Literal["wait", "skip"]
+
+
+def _check_type(name: str, value: Any, types: tuple[type, ...]) -> None:
+    if isinstance(value, bool) or not isinstance(value, types):
+        expected = " or ".join(t.__name__ for t in types)
+        raise invalid_option(name, f"must be {expected}, got {type(value).__name__} {value!r:.60}")
+
+
+def _check_number(name: str, value: Any, minimum: float, types: tuple[type, ...] = (int,)) -> None:
+    _check_type(name, value, types)
+    if value < minimum:
+        raise invalid_option(name, f"must be >= {minimum}, got {value!r}")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise invalid_option(name, f"must be one of {sorted(choices)}, got {value!r:.60}")
+
+
+def check_remote_url(url: Any) -> None:
+    """Refuse a remote URL fsspec cannot open, or one that names no bucket or directory.
+
+    ``s3://`` alone would otherwise open ``s3:`` as a relative local directory.
+    """
+    _check_type("url", url, (str,))
+    scheme, separator, rest = url.partition("://")
+    if not separator:
+        scheme, rest = "file", url
+    if scheme not in fsspec.available_protocols():
+        raise invalid_option("url", f"has unsupported URL scheme {scheme!r}")
+    if not rest.strip("/"):
+        raise invalid_option("url", f"{url!r} names no bucket or directory")
+
+
+class _Retained:
+    """A tier's options that hold ``keep_last`` and ``keep_every``."""
+
+    keep_last: int | None
+    keep_every: int | None
+
+    @property
+    def retention(self) -> RetentionPolicy:
+        """The tier's retention (constructing it checks ``keep_last`` and ``keep_every``)."""
+        return RetentionPolicy(self.keep_last, self.keep_every)
+
+
+@dataclass(frozen=True)
+class LocalOptions(_Retained):
+    """The local tier: its directory and its retention."""
+
+    dir: Path
+    keep_last: int | None = 3
+    keep_every: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dir, (str, os.PathLike)) or not str(self.dir):
+            raise invalid_option("dir", f"must be str, got {type(self.dir).__name__} {self.dir!r:.60}")
+        object.__setattr__(self, "dir", Path(self.dir).expanduser())
+        self.retention  # noqa: B018 -- checks keep_last and keep_every
+
+
+@dataclass(frozen=True)
+class RemoteOptions(_Retained):
+    """The remote tier: its URL, fsspec's options for it (never shown), and its retention."""
+
+    url: str
+    keep_last: int | None = None
+    keep_every: int | None = None
+    storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        check_remote_url(self.url)
+        if not isinstance(self.storage_options, Mapping):
+            # The value is never echoed: it may be a secret.
+            raise invalid_option("storage_options", f"must be a table, got {type(self.storage_options).__name__}")
+        self.retention  # noqa: B018 -- checks keep_last and keep_every
+
+
+@dataclass(frozen=True)
+class UploadOptions:
+    """The uploader and the remote tier's requests.
+
+    ``concurrency`` shards of a step go up at once; ``max_pending`` steps wait in the
+    queue before ``when_behind`` applies. Every remote request (uploads, reads,
+    listings, deletions) is tried at most ``max_tries`` times, backing off from
+    ``backoff_seconds``, and no more tries start once ``max_seconds`` have passed since
+    the first; a request that gets no answer fails after ``timeout_seconds``.
+    """
+
+    concurrency: int = 2
+    max_tries: int = 5
+    backoff_seconds: float = 0.5
+    max_seconds: float = 300.0
+    timeout_seconds: float = 60.0
+    max_pending: int = 2
+    when_behind: WhenBehind = "wait"
+
+    def __post_init__(self) -> None:
+        _check_number("concurrency", self.concurrency, 1)
+        _check_number("max_tries", self.max_tries, 1)
+        _check_number("backoff_seconds", self.backoff_seconds, 0, (int, float))
+        _check_number("max_seconds", self.max_seconds, 0, (int, float))
+        _check_number("timeout_seconds", self.timeout_seconds, 0.001, (int, float))
+        _check_number("max_pending", self.max_pending, 1)
+        _check_choice("when_behind", self.when_behind, ("wait", "skip"))
+
+    @property
+    def retry(self) -> RetryPolicy:
+        return RetryPolicy(
+            max_tries=self.max_tries,
+            backoff_seconds=self.backoff_seconds,
+            max_seconds=self.max_seconds,
+            timeout_seconds=self.timeout_seconds,
+        )
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    """How restores verify shards by default: "full" (sha256) or "fast" (xxh3-64)."""
+
+    mode: Verify = "full"
+
+    def __post_init__(self) -> None:
+        _check_choice("mode", self.mode, VERIFY_MODES)
+
+
+class ManagerKeywords(TypedDict, total=False):
+    """The keyword arguments :class:`~tiered_ckpt.CheckpointManager` takes for its options
+    (each sets one field of one options dataclass; see ``KEYWORDS``)."""
+
+    keep_last: int | None
+    keep_every: int | None
+    verify: Verify
+    remote_url: str | None
+    storage_options: Mapping[str, Any] | None
+    keep_last_remote: int | None
+    keep_every_remote: int | None
+    upload_concurrency: int
+    upload_max_tries: int
+    upload_backoff_seconds: float
+    max_pending_uploads: int
+    when_uploads_behind: WhenBehind
+
+
+KEYWORDS: dict[str, tuple[str, str]] = {
+    "keep_last": ("local", "keep_last"),
+    "keep_every": ("local", "keep_every"),
+    "verify": ("verify", "mode"),
+    "remote_url": ("remote", "url"),
+    "storage_options": ("remote", "storage_options"),
+    "keep_last_remote": ("remote", "keep_last"),
+    "keep_every_remote": ("remote", "keep_every"),
+    "upload_concurrency": ("upload", "concurrency"),
+    "upload_max_tries": ("upload", "max_tries"),
+    "upload_backoff_seconds": ("upload", "backoff_seconds"),
+    "max_pending_uploads": ("upload", "max_pending"),
+    "when_uploads_behind": ("upload", "when_behind"),
+}
+
+
+@dataclass(frozen=True)
+class Options:
+    """Everything a manager is configured with, resolved and checked."""
+
+    local: LocalOptions
+    remote: RemoteOptions | None
+    upload: UploadOptions
+    verify: VerifyOptions
+
+
+def resolve_options(
+    local: str | os.PathLike[str] | LocalOptions,
+    remote: RemoteOptions | None,
+    upload: UploadOptions | None,
+    keywords: Mapping[str, Any],
+) -> Options:
+    """The options that ``local``, ``remote``, ``upload`` and the keyword arguments stand for.
+
+    A keyword replaces one field of the options object it belongs to (``remote_url``
+    starts a :class:`RemoteOptions` if none is given; ``remote_url=None`` removes it).
+    An unknown keyword raises ``TypeError``, as Python does for any function.
+    """
+    unknown = sorted(set(keywords) - set(KEYWORDS))
+    if unknown:
+        raise TypeError(f"CheckpointManager got unexpected keyword arguments {unknown}")
+    fields: dict[str, dict[str, Any]] = {"local": {}, "remote": {}, "upload": {}, "verify": {}}
+    for keyword, value in keywords.items():
+        table, name = KEYWORDS[keyword]
+        fields[table][name] = value
+    if isinstance(local, LocalOptions):
+        local_options = replace(local, **fields["local"])
+    else:
+        local_options = LocalOptions(local, **fields["local"])  # type: ignore[arg-type]
+    remote_fields = fields["remote"]
+    if remote_fields.get("storage_options", {}) is None:
+        remote_fields["storage_options"] = {}
+    if "url" in remote_fields and remote_fields["url"] is None:
+        remote_options = None
+    elif remote is not None:
+        remote_options = replace(remote, **remote_fields)
+    elif "url" in remote_fields:
+        remote_options = RemoteOptions(**remote_fields)
+    else:
+        remote_options = None  # retention or storage options without a bucket have nothing to act on
+    return Options(
+        local_options,
+        remote_options,
+        replace(upload or UploadOptions(), **fields["upload"]),
+        VerifyOptions(**fields["verify"]),
+    )

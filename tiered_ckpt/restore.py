@@ -1,0 +1,283 @@
+"""Restoring a step: every process agrees on one, then reads its ranks' shards through the store.
+
+A restore, step by step (DESIGN.md section 7):
+
+1. every process reports its arguments and the steps its local tier has committed (with
+   the world size each was saved with); the leader adds the bucket's steps
+   (:class:`StepReport`, one collective);
+2. the leader picks the step: the one asked for, or the newest that every process
+   holds locally or the bucket holds, and every process gets it (a second collective);
+3. each process checks the world size (resharding only when asked), works out which
+   saved ranks it needs, and reads each through :meth:`TieredStore.fetch_shard`
+   (local copy, else the bucket, verified, refilling the local step); failures on any
+   process fail the restore on every process (a third collective);
+4. the shards are resharded if asked; local steps newer than the chosen one whose commit
+   never reached every rank are deleted (they could never be restored).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .coordination import Coordinator, agree_on, decide, exchange
+from .errors import (
+    CheckpointError,
+    IncompleteCheckpointError,
+    InvalidStateError,
+    ManifestError,
+    UsageError,
+    restated,
+)
+from .manifest import ShardManifest
+from .reshard import reshard as reshard_states
+from .reshard import reshard_rank, source_ranks
+from .sharded import check_into, check_world_size, run_parallel
+from .shardfile import Verify, check_verify
+from .store import Source, TieredStore
+from .tensors import torch_state
+
+__all__ = ["RestoreResult", "Restorer", "StepReport", "same_call"]
+
+logger = logging.getLogger("tiered_ckpt")
+
+State = Mapping[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    """What :meth:`CheckpointManager.restore` returns.
+
+    ``states[i]`` is the dict of arrays of rank ``ranks[i]``: every rank when one process
+    holds them all, this process's rank under a multi-process coordinator. ``sources``
+    maps each shard this process read (by the rank that saved it) to the tier it was
+    read from: ``"local"`` or ``"remote"``.
+    """
+
+    step: int
+    states: list[dict[str, np.ndarray]]
+    sources: dict[int, Source]
+    ranks: tuple[int, ...]
+    manifest: ShardManifest = field(repr=False)
+
+    @property
+    def state(self) -> dict[str, np.ndarray]:
+        """The one rank's arrays, when this process holds one rank (one process per rank)."""
+        if len(self.states) != 1:
+            raise UsageError(f"this result holds {len(self.states)} ranks; use .states")
+        return self.states[0]
+
+    def torch_states(self) -> list[dict[str, Any]]:
+        """``states`` as CPU torch tensors sharing the arrays' memory (needs torch)."""
+        return [torch_state(state) for state in self.states]
+
+    def torch_state(self) -> dict[str, Any]:
+        """:attr:`state` as CPU torch tensors sharing the arrays' memory (needs torch)."""
+        return torch_state(self.state)
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One process's part of step 1: its arguments (canonical JSON), its committed local
+    steps with the world size of each (None: the manifest does not validate), and, on the
+    leader only, the bucket's committed steps."""
+
+    arguments: str
+    local: tuple[tuple[int, int | None], ...]
+    remote: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class _Choice:
+    step: int | None
+
+
+def same_call(arguments: Sequence[str], call: str) -> None:
+    """Raise :class:`InvalidStateError` on every rank if the ranks made ``call`` with different arguments."""
+    if len(set(arguments)) > 1:
+        shown = {rank: json.loads(text) for rank, text in enumerate(arguments)}
+        raise InvalidStateError(f"the ranks called {call} with different arguments: {shown}")
+
+
+def check_restore_arguments(step: Any, world_size: Any, verify: Any, into: Any) -> None:
+    """Raise :class:`UsageError` for arguments :meth:`CheckpointManager.restore` cannot take."""
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise UsageError(f"restore: step must be None or an integer >= 0, got {step!r:.60}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise UsageError(f"restore: world_size must be an integer >= 1, got {world_size!r:.60}")
+    check_verify(verify)
+    if into is not None and (isinstance(into, (str, bytes)) or not isinstance(into, (Mapping, Sequence))):
+        raise UsageError(f"restore: into must be a dict of arrays or a list of them, got {type(into).__name__}")
+
+
+class Restorer:
+    """Restores for the ranks of ``coordinator`` (see the module doc) through ``store``."""
+
+    def __init__(
+        self, store: TieredStore, coordinator: Coordinator, world_size: int, max_workers: int | None = None
+    ) -> None:
+        self._store = store
+        self._coordinator = coordinator
+        self._ranks = tuple(coordinator.local_ranks)
+        self._world_size = world_size
+        self._max_workers = max_workers
+
+    @property
+    def _one_process(self) -> bool:
+        return len(self._ranks) == self._world_size
+
+    def restore(
+        self,
+        step: int | None,
+        *,
+        world_size: int,
+        reshard: bool,
+        verify: Verify,
+        into: Sequence[State] | State | None,
+        missing_ok: bool,
+        before: Callable[[], None] = lambda: None,
+    ) -> RestoreResult | None:
+        """Run a restore; ``before`` runs inside the first collective (to raise background errors on every rank)."""
+        arguments = json.dumps({"step": step, "world_size": world_size, "reshard": reshard}, sort_keys=True)
+        reports = exchange(self._coordinator, StepReport, lambda: self._report(arguments, world_size, before))
+        same_call([report.arguments for report in reports], "restore")
+        remote_steps = set(reports[0].remote or ())
+        committed = [{saved for saved, _size in report.local} for report in reports]
+        complete = sorted(remote_steps.union(committed[0].intersection(*committed[1:])))
+        chosen = decide(
+            self._coordinator, _Choice, lambda: _Choice(self._choose(step, complete, committed, missing_ok))
+        )
+        if chosen.step is None:
+            return None
+        result, _ = agree_on(
+            self._coordinator,
+            lambda: self._load(chosen.step, chosen.step in remote_steps, world_size, reshard, verify, into),
+            lambda _result: None,
+        )
+        self._drop_unfinished_commits(chosen.step, complete, reports)
+        return result
+
+    def _report(self, arguments: str, world_size: int, before: Callable[[], None]) -> StepReport:
+        before()
+        if not self._one_process and world_size != self._world_size:
+            raise UsageError(f"with one process per rank the world size is the coordinator's, {self._world_size}")
+        local = []
+        for step in self._store.local.steps():
+            try:
+                local.append((step, self._store.local.manifest(step).world_size))
+            except ManifestError:
+                local.append((step, None))  # damaged: the restore falls back to the remote manifest or fails
+        remote = tuple(self._store.remote_steps()) if self._coordinator.is_leader else None
+        return StepReport(arguments, tuple(local), remote)
+
+    def _choose(self, step: int | None, complete: list[int], committed: list[set[int]], missing_ok: bool) -> int | None:
+        """Leader: the step every rank restores (None: nothing anywhere, and ``missing_ok``)."""
+        if missing_ok and step is None and not complete and not set().union(*committed):
+            return None
+        for partial in sorted(set().union(*committed) - set(complete)):
+            holders = [rank for rank, steps in enumerate(committed) if partial in steps]
+            logger.warning(
+                "step %d is committed on ranks %s only and not in the bucket (a save cut short between "
+                "ranks' commits, or a node's disk replaced): it cannot be restored",
+                partial,
+                holders,
+            )
+        if step is None:
+            if not complete:
+                raise IncompleteCheckpointError(f"{self._store.where()}: no committed checkpoint to restore")
+            return complete[-1]
+        if step not in complete:
+            raise IncompleteCheckpointError(
+                f"{self._store.where()}: step {step} is not committed; committed steps: {complete}"
+            )
+        return step
+
+    def _needed(self, manifest: ShardManifest, target: int) -> list[int]:
+        """The saved ranks whose shards this process reads."""
+        if manifest.world_size == target:
+            return list(self._ranks)
+        new_ranks = range(target) if self._one_process else self._ranks
+        return sorted({old for rank in new_ranks for old in source_ranks(manifest, target, rank)})
+
+    def _load(
+        self,
+        step: int,
+        in_remote: bool,
+        target: int,
+        reshard: bool,
+        verify: Verify,
+        into: Sequence[State] | State | None,
+    ) -> RestoreResult:
+        """This process's part of a restore: its ranks' verified states (resharded when asked)."""
+        store = self._store
+        in_local = step in store.local.steps()
+        into_list = [into] if isinstance(into, Mapping) else into
+        try:
+            manifest, remote = store.manifests(step, in_local=in_local, in_remote=in_remote)
+            if not reshard:
+                check_world_size(manifest, target, str(store.local.step_dir(step)))
+            elif into_list is not None:
+                raise UsageError("into cannot be combined with reshard=True")
+            if self._one_process:
+                check_into(into_list, manifest)
+            elif into_list is not None and len(into_list) != len(self._ranks):
+                raise InvalidStateError(f"into holds {len(into_list)} rank states, this process restores one")
+            wanted = self._needed(manifest, target)
+            store.local.new_step_dir(step)
+            if remote is None and not self._one_process:
+                self._check_on_this_node(manifest, wanted)
+            fetched = run_parallel(
+                lambda index: store.fetch_shard(
+                    step,
+                    manifest.shard(wanted[index]),
+                    verify=verify,
+                    into=into_list[index] if into_list is not None else None,
+                    use_remote=remote is not None,
+                ),
+                range(len(wanted)),
+                self._max_workers,
+            )
+            store.record_refill(manifest, remote, wanted, was_committed=in_local)
+        except CheckpointError as exc:
+            raise restated(exc, f"restore of step {step}: {exc}") from exc
+        arrays = {rank: state for rank, (state, _source) in zip(wanted, fetched, strict=True)}
+        sources = {rank: source for rank, (_state, source) in zip(wanted, fetched, strict=True)}
+        if manifest.world_size == target:
+            return RestoreResult(step, [arrays[rank] for rank in self._ranks], sources, self._ranks, manifest)
+        if self._one_process:
+            states = reshard_states([arrays[rank] for rank in range(manifest.world_size)], manifest, target)
+            return RestoreResult(step, states, sources, tuple(range(target)), manifest)
+        states = [reshard_rank(arrays, manifest, target, rank) for rank in self._ranks]
+        return RestoreResult(step, states, sources, self._ranks, manifest)
+
+    def _check_on_this_node(self, manifest: ShardManifest, ranks: list[int]) -> None:
+        """Without a bucket, a rank can read only the shards on its own disk: say so if some are not."""
+        local = self._store.local
+        absent = [rank for rank in ranks if not local.shard_path(manifest.step, manifest.shard(rank)).is_file()]
+        if absent:
+            raise IncompleteCheckpointError(
+                f"{local.step_dir(manifest.step)}: the shards of ranks {absent} are not on this node's disk and "
+                f"no remote tier holds step {manifest.step}; reading another node's shards (to reshard, or "
+                "after ranks moved between nodes) needs a bucket (remote_url)"
+            )
+
+    def _drop_unfinished_commits(self, restored: int, complete: list[int], reports: list[StepReport]) -> None:
+        """Delete local steps newer than ``restored`` whose commit did not reach every rank.
+
+        Such a step can never be restored (a rank lacks it and so does the bucket), and
+        it would refuse the save of its step number again. Steps of another world size
+        are kept: the ranks that would complete them are not in this job.
+        """
+        sizes = [dict(report.local) for report in reports]
+        for step in self._store.local.steps():
+            saved_with = {known.get(step, self._world_size) for known in sizes}
+            if step > restored and step not in complete and saved_with == {self._world_size}:
+                logger.warning(
+                    "deleting step %d from %s: its commit did not reach every rank", step, self._store.local.root
+                )
+                self._store.local.delete(step)

@@ -1,0 +1,59 @@
+"""Retention as data: which steps of a tier to delete, and which must be kept whatever the policy says.
+
+Pure functions of step numbers: no I/O, no clock. Both tiers use the same policy class;
+what differs is what each protects (the local tier protects steps still waiting for
+their remote commit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+
+from .errors import invalid_option
+
+__all__ = ["RetentionPolicy", "awaiting_upload"]
+
+
+def _check_keep(name: str, value: object) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid_option(name, f"must be int, got {type(value).__name__} {value!r:.60} (or None: keep all)")
+    if value < 1:
+        raise invalid_option(name, f"must be >= 1, got {value!r} (or None: keep all)")
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """Keep the newest ``keep_last`` steps (None: all) and every step divisible by ``keep_every``.
+
+    The newest step is always kept, and so is every step the caller protects.
+    """
+
+    keep_last: int | None = None
+    keep_every: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_keep("keep_last", self.keep_last)
+        _check_keep("keep_every", self.keep_every)
+
+    @property
+    def keeps_everything(self) -> bool:
+        return self.keep_last is None
+
+    def to_delete(self, steps: Iterable[int], protected: Collection[int] = ()) -> list[int]:
+        """The steps of ``steps`` this policy deletes, oldest first; never the newest, never ``protected``."""
+        ordered = sorted(set(steps))
+        keep = set(ordered[-self.keep_last :]) if self.keep_last is not None else set(ordered)
+        if self.keep_every is not None:
+            keep |= {step for step in ordered if step % self.keep_every == 0}
+        keep |= set(ordered[-1:]) | set(protected)
+        return [step for step in ordered if step not in keep]
+
+
+def awaiting_upload(steps: Iterable[int], receipted: Collection[int], pending: Collection[int]) -> set[int]:
+    """Local steps that must stay until the bucket has them: not receipted, and either still
+    queued for upload or newer than the newest receipted step (not superseded remotely)."""
+    newest_receipted = max(receipted, default=-1)
+    return {step for step in steps if step not in receipted and (step in pending or step > newest_receipted)}

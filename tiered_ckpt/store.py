@@ -1,0 +1,327 @@
+"""The one place where the two tiers meet.
+
+A :class:`TieredStore` composes a :class:`~tiered_ckpt.local.LocalTier` and, optionally,
+a :class:`~tiered_ckpt.remote.RemoteTier`; neither tier knows the other. Reading a
+shard is a chain, in this order:
+
+1. the local copy, if its size and sha256 (or xxh3-64) match the manifest;
+2. else the remote object, hashed while it streams into a temp file in the local step,
+   renamed into place only if it matches (so the local tier is refilled), then read as
+   in 1; tried twice;
+3. else an error naming the step, the rank and every copy tried.
+
+The store also answers what each tier holds (:meth:`TieredStore.status`), verifies
+steps (:meth:`TieredStore.verify`), fills the local tier from the bucket
+(:meth:`TieredStore.pull`) and applies retention to either tier. Writing needs the
+local directory's lock (``store.local.lock()``), which a manager holds for its whole run
+and the CLI for one command.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from .errors import (
+    CheckpointError,
+    ChecksumMismatchError,
+    IncompleteCheckpointError,
+    ManifestError,
+    RemoteError,
+    ShardFormatError,
+    UsageError,
+)
+from .local import LocalTier
+from .manifest import RemoteManifest, ShardManifest, ShardRecord
+from .remote import RemoteTier
+from .retention import RetentionPolicy, awaiting_upload
+from .sharded import run_parallel
+from .shardfile import Verify, copy_and_hash
+
+__all__ = ["TieredStore", "StepStatus", "ShardCheck", "Source"]
+
+logger = logging.getLogger("tiered_ckpt")
+
+Source = Literal["local", "remote"]
+_LOCAL_FAILURES = (IncompleteCheckpointError, ChecksumMismatchError, ShardFormatError)
+
+
+@dataclass(frozen=True)
+class StepStatus:
+    """What each tier holds of one step.
+
+    ``local``: "committed", "staged" (being written, or left by a crash) or "-";
+    ``remote``: "committed", "uploading" (committed locally, not yet remotely),
+    "partial" (objects but no remote manifest) or "-". ``manifest`` is the local one if
+    it validates, else the remote one (None if neither tier committed the step);
+    ``held_ranks`` the ranks whose shards the local step holds (None if not committed).
+    """
+
+    step: int
+    local: str
+    remote: str
+    manifest: ShardManifest | None
+    held_ranks: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class ShardCheck:
+    """One shard of one tier checked: ``status`` is "ok", "failed" (``problem`` says why) or
+    "elsewhere" (a node of a multi-process job: held by another node's disk by design)."""
+
+    step: int
+    tier: Source
+    rank: int
+    status: str
+    problem: str | None = None
+
+
+def _checked(step: int, tier: Source, record: ShardRecord, problem: str | None) -> ShardCheck:
+    return ShardCheck(step, tier, record.rank, "ok" if problem is None else "failed", problem)
+
+
+class TieredStore:
+    """Steps and shards across ``local`` and, if given, ``remote``."""
+
+    def __init__(self, local: LocalTier, remote: RemoteTier | None = None) -> None:
+        self.local = local
+        self.remote = remote
+        self._retention_lock = threading.Lock()  # the writer's and the uploader's passes never interleave
+
+    def __repr__(self) -> str:
+        return f"TieredStore({self.local!r}, {self.remote!r})"
+
+    def where(self) -> str:
+        """Both tiers' locations, for messages."""
+        return str(self.local.root) + (f" and {self.remote.url}" if self.remote is not None else "")
+
+    # -- what each tier holds -------------------------------------------------------------
+
+    def remote_steps(self) -> list[int]:
+        """Steps committed remotely, oldest first (empty without a remote tier)."""
+        return self.remote.committed_steps() if self.remote is not None else []
+
+    def receipted(self, step: int) -> bool:
+        """True if the local step records its remote commit at this store's URL."""
+        return self.remote is not None and self.local.has_receipt(step, self.remote.url)
+
+    def manifests(self, step: int, *, in_local: bool, in_remote: bool) -> tuple[ShardManifest, RemoteManifest | None]:
+        """The step's manifest (the local one if it validates, else the remote one) and its remote manifest.
+
+        Raises :class:`ManifestError` if the two describe different checkpoints.
+        """
+        remote = self.remote.read_manifest(step) if in_remote and self.remote is not None else None
+        if not in_local:
+            if remote is None:
+                raise IncompleteCheckpointError(f"{self.where()}: step {step} is committed in no tier")
+            return remote.manifest, remote
+        try:
+            local = self.local.manifest(step)
+        except ManifestError:
+            if remote is None:
+                raise
+            logger.warning("the local manifest of step %d is damaged; using the remote one", step)
+            return remote.manifest, remote
+        if remote is not None and remote.manifest.shards != local.shards:
+            raise ManifestError(f"the local and remote manifests of step {step} describe different checkpoints")
+        return local, remote
+
+    def status(self) -> list[StepStatus]:
+        """Every step either tier knows of, oldest first."""
+        committed = set(self.local.steps())
+        staged = set(self.local.staged_steps())
+        remote_committed, remote_partial = self.remote.list_steps() if self.remote is not None else ([], [])
+        rows = []
+        for step in sorted(committed | staged | set(remote_committed) | set(remote_partial)):
+            if step in remote_committed:
+                remote_state = "committed"
+            elif step in committed and self.remote is not None and not self.receipted(step):
+                remote_state = "uploading"
+            else:
+                remote_state = "partial" if step in remote_partial else "-"
+            manifest = None
+            if step in committed or step in remote_committed:
+                manifest, _ = self.manifests(step, in_local=step in committed, in_remote=step in remote_committed)
+            held = tuple(self.local.held_ranks(step, manifest)) if manifest and step in committed else None
+            local_state = "committed" if step in committed else "staged" if step in staged else "-"
+            rows.append(StepStatus(step, local_state, remote_state, manifest, held))
+        return rows
+
+    # -- reading shards ---------------------------------------------------------------------
+
+    def download_shard(self, step: int, record: ShardRecord) -> None:
+        """Stream ``record``'s remote object into the local step, landing it only if it verifies."""
+        if self.remote is None:
+            raise UsageError("downloading a shard needs a remote tier")
+        self.remote.read_shard(
+            step, record, lambda source: self.local.land_shard(step, record, lambda out: copy_and_hash(source, out))
+        )
+
+    def fetch_shard(
+        self,
+        step: int,
+        record: ShardRecord,
+        *,
+        verify: Verify = "full",
+        into: Mapping[str, np.ndarray] | None = None,
+        use_remote: bool = True,
+    ) -> tuple[dict[str, np.ndarray], Source]:
+        """One shard's verified arrays and the tier they came from (see the module doc for the chain).
+
+        ``use_remote=False`` reads the local copy only (the step is not in the bucket).
+        """
+        try:
+            return self.local.read_shard(step, record, verify, into), "local"
+        except _LOCAL_FAILURES as local_error:
+            if self.remote is None or not use_remote:
+                raise
+            tried: list[tuple[str, CheckpointError]] = [(f"local {self.local.shard_path(step, record)}", local_error)]
+        for _attempt in range(2):
+            try:
+                self.download_shard(step, record)
+                return self.local.read_shard(step, record, verify, into), "remote"
+            except (*_LOCAL_FAILURES, RemoteError) as remote_error:
+                tried.append((f"remote {self.remote.location(step, record.path)}", remote_error))
+        mismatch = any(isinstance(error, ChecksumMismatchError) for _copy, error in tried)
+        error_type = ChecksumMismatchError if mismatch else IncompleteCheckpointError
+        listing = "; ".join(f"{copy}: {error}" for copy, error in tried)
+        raise error_type(f"rank {record.rank}: no copy verifies; tried {listing}") from tried[-1][1]
+
+    def verify(
+        self, step: int | None = None, *, progress: Callable[[ShardCheck], None] | None = None
+    ) -> list[ShardCheck]:
+        """Hash every shard of ``step`` (default: every committed step) in each tier that holds it.
+
+        ``progress`` is called with each shard's result as soon as it is known.
+        """
+        local_steps = set(self.local.steps())
+        remote_steps = set(self.remote_steps())
+        steps = sorted(local_steps | remote_steps)
+        if step is not None:
+            if step not in steps:
+                raise IncompleteCheckpointError(f"{self.where()}: step {step} is committed in no tier")
+            steps = [step]
+        checks: list[ShardCheck] = []
+
+        def add(check: ShardCheck) -> None:
+            checks.append(check)
+            if progress is not None:
+                progress(check)
+
+        for each in steps:
+            if each in local_steps:
+                manifest = self.local.manifest(each)
+                held = set(self.local.held_ranks(each, manifest))
+                for record in manifest.shards:
+                    if record.rank not in held:
+                        add(ShardCheck(each, "local", record.rank, "elsewhere"))
+                    else:
+                        add(_checked(each, "local", record, self.local.check_shard(each, record)))
+            if each in remote_steps and self.remote is not None:
+                for record in self.remote.read_manifest(each).manifest.shards:
+                    add(_checked(each, "remote", record, self.remote.check_shard(each, record)))
+        return checks
+
+    # -- writing the local tier from the bucket ----------------------------------------------
+
+    def record_refill(
+        self, manifest: ShardManifest, remote: RemoteManifest | None, fetched: Collection[int], was_committed: bool
+    ) -> None:
+        """After shards of ``fetched`` ranks were read into the local step: record what it holds,
+        and commit it locally (with its receipt) if it was not committed here before."""
+        step = manifest.step
+        held: set[int] = set()
+        if was_committed:
+            try:
+                held = set(self.local.held_ranks(step, manifest))
+            except ManifestError:
+                logger.warning("step %d: the record of held shards is damaged; rewriting it", step, exc_info=True)
+            else:
+                if held >= set(fetched):
+                    return  # the record is already right: no durable rewrite on every restore
+        held |= set(fetched)
+        if was_committed:
+            self.local.record_held(step, manifest, held)
+            return
+        self.local.commit(manifest, held)
+        if remote is not None and self.remote is not None:
+            self.local.write_receipt(step, self.remote.url, remote)
+
+    def pull(self, step: int | None = None, *, max_workers: int | None = None) -> tuple[int, dict[int, Source]]:
+        """Fill the local tier with remote ``step`` (default: the newest) without loading it.
+
+        Local shards that verify are kept; the others are streamed from the bucket and
+        verified. Returns the step and, per rank, the tier each shard on disk came from.
+        """
+        if self.remote is None:
+            raise UsageError("pull needs a remote tier (remote_url)")
+        remote_steps = self.remote_steps()
+        step = remote_steps[-1] if step is None and remote_steps else step
+        if step is None or step not in remote_steps:
+            raise IncompleteCheckpointError(f"{self.remote.url}: step {step} is not committed remotely")
+        remote = self.remote.read_manifest(step)
+        self.local.new_step_dir(step)
+
+        def fetch(record: ShardRecord) -> Source:
+            if self.local.check_shard(step, record) is None:
+                return "local"
+            self.download_shard(step, record)
+            return "remote"
+
+        sources = run_parallel(fetch, remote.manifest.shards, max_workers)
+        ranks = range(remote.manifest.world_size)
+        if step in self.local.steps():
+            self.local.record_held(step, remote.manifest, ranks)
+        else:
+            self.local.commit(remote.manifest, ranks)
+        self.local.write_receipt(step, self.remote.url, remote)
+        return step, dict(enumerate(sources))
+
+    # -- retention ----------------------------------------------------------------------
+
+    def local_to_delete(self, policy: RetentionPolicy, pending_uploads: Collection[int] = ()) -> list[int]:
+        """Local steps ``policy`` deletes now: never one still waiting for its remote commit."""
+        steps = self.local.steps()
+        protected: set[int] = set()
+        if self.remote is not None:
+            receipted = {step for step in steps if self.receipted(step)}
+            protected = awaiting_upload(steps, receipted, pending_uploads)
+        return policy.to_delete(steps, protected)
+
+    def retain_local(self, policy: RetentionPolicy, pending_uploads: Collection[int] = ()) -> list[int]:
+        """Delete the local steps :meth:`local_to_delete` names; return them."""
+        if policy.keeps_everything:
+            return []
+        with self._retention_lock:
+            deleted = self.local_to_delete(policy, pending_uploads)
+            for step in deleted:
+                self.local.delete(step)
+                logger.info("retention: deleted step %d from %s", step, self.local.root)
+        return deleted
+
+    def remote_to_delete(self, policy: RetentionPolicy) -> list[int]:
+        return policy.to_delete(self.remote_steps()) if self.remote is not None else []
+
+    def retain_remote(self, policy: RetentionPolicy) -> list[int]:
+        """Delete the remote steps ``policy`` deletes (manifest first); return them."""
+        if self.remote is None or policy.keeps_everything:
+            return []
+        deleted = self.remote_to_delete(policy)
+        for step in deleted:
+            self.remote.delete_step(step)
+            logger.info("remote retention: deleted step %d from %s", step, self.remote.url)
+        return deleted
+
+    def prune(
+        self, local: RetentionPolicy, remote: RetentionPolicy | None, *, dry_run: bool = False
+    ) -> dict[str, list[int]]:
+        """Apply both tiers' retention now; return the steps deleted (or, with ``dry_run``, to delete)."""
+        remote = remote or RetentionPolicy()
+        if dry_run:
+            return {"local": self.local_to_delete(local), "remote": self.remote_to_delete(remote)}
+        return {"local": self.retain_local(local), "remote": self.retain_remote(remote)}

@@ -1,0 +1,210 @@
+"""The background writer: staged arrays to durable shards, the commit, and the retention after it.
+
+A save, from the moment its call has been checked on every rank:
+
+1. :meth:`Writer.submit` copies this process's arrays into staging buffers reused from
+   save to save (the only time the training loop is blocked) and queues the write;
+2. the writer thread writes each shard (temp file, hashed as it streams, fsync,
+   rename), the ranks exchange their shard records (a collective), and the manifest is
+   committed in the local tier once every rank's shard is durable;
+3. the committed step goes to the uploader's queue, and the save's handle resolves;
+4. local retention runs on a thread of its own, off the write path, before the next
+   write starts deleting nothing the next save needs (it only deletes committed steps
+   older than the newest).
+
+A failure is recorded in the shared :class:`~tiered_ckpt.errors.ErrorBox` as
+:class:`SaveError` (cause chained), and what the failed save left is removed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .coordination import Coordinator, agree_on, from_payload, to_payload
+from .errors import CheckpointError, ErrorBox, SaveError
+from .manifest import ShardManifest, ShardRecord
+from .retention import RetentionPolicy
+from .sharded import write_shards
+from .state import StagingBuffers, State
+from .store import TieredStore
+from .uploader import Uploader
+
+__all__ = ["Writer", "SaveHandle"]
+
+logger = logging.getLogger("tiered_ckpt")
+
+BACKGROUND_NICENESS = 10
+
+
+def _lower_thread_priority() -> None:
+    """Let the training loop's threads win the CPU over the background writer.
+
+    On Linux the nice value is per thread, and threads the writer starts inherit it.
+    """
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICENESS)
+    except (AttributeError, OSError):  # not Linux, or not allowed: run at normal priority
+        logger.debug("could not lower the background writer's priority", exc_info=True)
+
+
+class SaveHandle:
+    """The pending result of one :meth:`CheckpointManager.save`."""
+
+    def __init__(self, step: int, future: Future[ShardManifest], errors: ErrorBox) -> None:
+        self.step = step
+        self._future = future
+        self._errors = errors
+
+    def __repr__(self) -> str:
+        return f"SaveHandle(step={self.step}, {'done' if self._future.done() else 'pending'})"
+
+    def done(self) -> bool:
+        """True once the save has committed or failed."""
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> ShardManifest:
+        """Block until the checkpoint is committed locally and return its manifest.
+
+        Raises :class:`SaveError` (cause chained) if the save failed; an error raised
+        here is not raised again by the manager's next call.
+        """
+        try:
+            return self._future.result(timeout)
+        except SaveError as error:
+            self._errors.mark_raised(error)
+            raise
+
+    def settle(self) -> None:
+        """Block until the save has committed or failed, raising nothing (the error box has the failure)."""
+        self._future.exception()
+
+    @property
+    def manifest(self) -> ShardManifest | None:
+        """The committed manifest, or None while the save is running or if it failed."""
+        if self._future.done() and self._future.exception() is None:
+            return self._future.result()
+        return None
+
+
+@dataclass(frozen=True)
+class _Written:
+    """One process's durable shards of a step, and (the leader's is used) the time of the commit."""
+
+    shards: tuple[Mapping[str, Any], ...]
+    time: float
+
+
+class Writer:
+    """The writer and retention threads of one manager (see the module doc).
+
+    ``ranks`` are this process's ranks of ``world_size``; committed steps go to
+    ``uploader`` if there is one; failures go to ``errors``.
+    """
+
+    def __init__(
+        self,
+        store: TieredStore,
+        coordinator: Coordinator,
+        *,
+        world_size: int,
+        errors: ErrorBox,
+        retention: RetentionPolicy,
+        uploader: Uploader | None = None,
+        max_workers: int | None = None,
+    ) -> None:
+        self._store = store
+        self._coordinator = coordinator
+        self._ranks = tuple(coordinator.local_ranks)
+        self._world_size = world_size
+        self._errors = errors
+        self._retention = retention
+        self._uploader = uploader
+        self._max_workers = max_workers
+        self._staging = StagingBuffers()
+        self._last_save: SaveHandle | None = None
+        self._last_retention: Future[None] | None = None
+        self._writer = ThreadPoolExecutor(1, "tiered-ckpt-writer", initializer=_lower_thread_priority)
+        self._janitor = ThreadPoolExecutor(1, "tiered-ckpt-retention", initializer=_lower_thread_priority)
+
+    def submit(self, step: int, states: Sequence[State], keys: tuple[str, ...], numels: list[int]) -> SaveHandle:
+        """Stage ``states`` (this process's ranks, checked) and queue their write as ``step``."""
+        staged = self._staging.stage(states)
+        handle = SaveHandle(step, self._writer.submit(self._write, step, staged, keys, numels), self._errors)
+        self._last_save = handle
+        return handle
+
+    def settle(self) -> None:
+        """Wait for the previous save's write and the retention after it (their errors stay in the box)."""
+        if self._last_save is not None:
+            self._last_save.settle()
+        if self._last_retention is not None:
+            self._last_retention.result()
+
+    def close(self) -> None:
+        """Finish the queued write and retention, then stop both threads."""
+        self._writer.shutdown(wait=True)
+        self._janitor.shutdown(wait=True)
+
+    def _write(
+        self, step: int, staged: list[dict[str, np.ndarray]], keys: tuple[str, ...], numels: list[int]
+    ) -> ShardManifest:
+        """Writer thread: write this process's shards, commit once every rank's are durable, queue the upload."""
+        local = self._store.local
+        try:
+
+            def write() -> _Written:
+                directory = local.new_step_dir(step)
+                records = write_shards(
+                    directory, staged, self._ranks, step, world_size=self._world_size, numels=numels,
+                    max_workers=self._max_workers,
+                )  # fmt: skip
+                return _Written(tuple(record.to_dict() for record in records), time.time())
+
+            _, written = agree_on(self._coordinator, write, to_payload)
+            parts = [from_payload(_Written, part) for part in written]
+            manifest = ShardManifest(
+                world_size=self._world_size,
+                step=step,
+                wall_clock_seconds=parts[0].time,  # the leader's clock
+                sharded_keys=keys,
+                shards=tuple(ShardRecord(**shard) for part in parts for shard in part.shards),
+                source=f"the shard records of step {step}",
+            )
+            local.commit(manifest, held=self._ranks)  # other ranks' shards are on their nodes
+            logger.info("committed step %d (%d bytes) in %s", step, manifest.total_bytes, local.step_dir(step))
+            if self._uploader is not None:
+                self._uploader.submit(step)
+            self._last_retention = self._janitor.submit(self._retain, step)
+            return manifest
+        except BaseException as exc:
+            self._discard_uncommitted(step)
+            error = SaveError(f"background save of step {step} to {local.step_dir(step)} failed: {exc}", step=step)
+            error.__cause__ = exc
+            self._errors.put(error)
+            raise error from exc
+
+    def _retain(self, step: int) -> None:
+        """Retention thread: local retention after ``step``'s commit (off the write path)."""
+        pending = self._uploader.pending() if self._uploader is not None else ()
+        try:
+            self._store.retain_local(self._retention, pending)
+        except (CheckpointError, OSError) as exc:
+            error = SaveError(f"step {step} is committed, but the retention that follows failed: {exc}", step=step)
+            error.__cause__ = exc
+            self._errors.put(error)
+
+    def _discard_uncommitted(self, step: int) -> None:
+        """Free the space a failed save took; its step was never visible."""
+        try:
+            self._store.local.discard_uncommitted(step)
+        except (CheckpointError, OSError):
+            logger.warning("could not remove step %d after a failed save; the next start will", step, exc_info=True)

@@ -16,6 +16,7 @@ def test_benchmark_runs_every_section_and_prints_its_ratios(tmp_path):
         "warm load+verify / sha256 all cores",
         "save(blocking=False) / np.copyto",
         "extra peak RSS / state size",
+        "keep_last=1 / no retention (throughput)",
         "upload / boto3 upload_file",
         "save / raw, 1 rank process",
         "save / raw, 4 rank processes",

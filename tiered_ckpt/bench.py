@@ -265,6 +265,32 @@ def bench_async(states: list[dict[str, np.ndarray]], root: Path, repeat: int) ->
     _ratio("extra peak RSS / state size", growth / state_bytes, "<= 1.05")
 
 
+def bench_retention(states: list[dict[str, np.ndarray]], root: Path, repeat: int) -> None:
+    """A blocking save with keep_last=1 next to one without retention, in interleaved rounds.
+
+    Each round saves 4 steps with each manager (the first untimed: it allocates the staging
+    buffers), alternating which goes first; the figure is the median over rounds of each
+    round's ratio of median save times.
+    """
+    timings = Timings(sum(a.nbytes for s in states for a in s.values()))
+    names = {None: "blocking save, keep_last=None", 1: "blocking save, keep_last=1"}
+    for run in range(repeat):
+        order = [None, 1] if run % 2 == 0 else [1, None]
+        for keep_last in order:
+            seconds = []
+            directory = root / f"retention-{run}-{keep_last}"
+            with CheckpointManager(directory, world_size=len(states), keep_last=keep_last) as manager:
+                for step in range(4):
+                    start = time.perf_counter()
+                    manager.save(step, states, blocking=True)
+                    seconds.append(time.perf_counter() - start)
+            timings.record(names[keep_last], statistics.median(seconds[1:]))
+            shutil.rmtree(directory)
+    timings.print_rates()
+    print("ratios (target):")
+    timings.print_paired_ratio("keep_last=1 / no retention (throughput)", names[1], names[None], ">= 0.91")
+
+
 TRAIN_DIM, TRAIN_LAYERS = 1024, 3
 
 
@@ -528,7 +554,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=None, help="directory on the disk to measure")
     parser.add_argument(
         "--only",
-        choices=["sync", "async", "dist", "train", "remote"],
+        choices=["sync", "async", "retention", "dist", "train", "remote"],
         action="append",
         help="run only these sections (repeatable)",
     )
@@ -539,9 +565,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rank_process is not None:  # a child of the dist section
         rank_process(Path(args.rank_process[0]), int(args.rank_process[1]))
         return 0
-    sections = args.only or ["sync", "async", "dist", "train", "remote"]
+    sections = args.only or ["sync", "async", "retention", "dist", "train", "remote"]
 
-    states = make_states(int(args.size_gib * 2**30), args.ranks) if {"sync", "async"} & set(sections) else []
+    in_memory = {"sync", "async", "retention"}
+    states = make_states(int(args.size_gib * 2**30), args.ranks) if in_memory & set(sections) else []
     total = int(args.size_gib * 2**30)
     print(
         f"state: {total / 2**30:.2f} GiB over {args.ranks} ranks, medians of {args.repeat} runs, cpus={os.cpu_count()}"
@@ -556,6 +583,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "async" in sections:
             print("CheckpointManager async save:")
             bench_async(states, root, args.repeat)
+        if "retention" in sections:
+            print("CheckpointManager blocking save, with and without local retention (interleaved):")
+            bench_retention(states, root, args.repeat)
         if "dist" in sections:
             print("rank processes under torch.distributed (gloo), each saving its part to the same disk:")
             bench_dist(int(args.size_gib * 2**30), root, args.repeat)

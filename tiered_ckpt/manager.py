@@ -30,6 +30,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack, closing
 from dataclasses import dataclass, replace
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypeVar, Unpack, overload
 
@@ -44,7 +45,7 @@ from .errors import (
     UsageError,
 )
 from .local import LocalTier
-from .options import LocalOptions, ManagerKeywords, RemoteOptions, UploadOptions, resolve_options
+from .options import LocalOptions, ManagerKeywords, Options, RemoteOptions, UploadOptions, resolve_options
 from .remote import RemoteTier
 from .restore import Restorer, RestoreResult, check_restore_arguments, same_call
 from .sharded import resolve_sharded_keys, sharding_summary, validate_states, validate_step
@@ -154,7 +155,8 @@ class CheckpointManager:
             max_workers=max_workers,
         )
 
-    def _start_uploader(self, options: Any) -> Uploader:
+    def _start_uploader(self, options: Options) -> Uploader:
+        assert options.remote is not None
         return Uploader(
             self._store,
             options=options.upload,
@@ -207,7 +209,7 @@ class CheckpointManager:
     # -- what the manager is ------------------------------------------------------------
 
     @property
-    def root(self) -> os.PathLike[str]:
+    def root(self) -> Path:
         """The local directory."""
         return self.options.local.dir
 
@@ -266,7 +268,7 @@ class CheckpointManager:
         input or directory is at fault).
         """
         self._check_open()
-        self._writer.settle()
+        self._writer.settle(retention=False)
         local, reports = self._collective(lambda: self._check_save(step, states), lambda checked: checked[1])
         parsed = [from_payload(_SaveReport, report) for report in reports]
         same_call([report.arguments for report in parsed], "save")

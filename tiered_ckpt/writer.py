@@ -8,9 +8,9 @@ A save, from the moment its call has been checked on every rank:
    rename), the ranks exchange their shard records (a collective), and the manifest is
    committed in the local tier once every rank's shard is durable;
 3. the committed step goes to the uploader's queue, and the save's handle resolves;
-4. local retention runs on a thread of its own, off the write path, before the next
-   write starts deleting nothing the next save needs (it only deletes committed steps
-   older than the newest).
+4. local retention runs on a thread of its own, off the write path and alongside the next
+   save (it deletes only committed steps older than the newest, never the step being
+   written).
 
 A failure is recorded in the shared :class:`~tiered_ckpt.errors.ErrorBox` as
 :class:`SaveError` (cause chained), and what the failed save left is removed.
@@ -142,11 +142,15 @@ class Writer:
         self._last_save = handle
         return handle
 
-    def settle(self) -> None:
-        """Wait for the previous save's write and the retention after it (their errors stay in the box)."""
+    def settle(self, *, retention: bool = True) -> None:
+        """Wait for the previous save's write and, unless ``retention=False``, the retention after it.
+
+        Their errors stay in the box. The next save need not wait for retention: it deletes
+        only committed steps older than the newest, never the directory being written.
+        """
         if self._last_save is not None:
             self._last_save.settle()
-        if self._last_retention is not None:
+        if retention and self._last_retention is not None:
             self._last_retention.result()
 
     def close(self) -> None:

@@ -224,14 +224,22 @@ def remote_url(request):
 class FaultInjectingProxy:
     """An HTTP proxy on a free loopback port in front of ``upstream`` that answers
     ``failure_rate`` of the requests (of ``methods`` only, if given) with ``503 SlowDown``
-    instead of forwarding them. ``requests`` counts every request it received.
+    instead of forwarding them. ``requests`` counts every request it received. Requests
+    whose method is in ``corrupt`` are forwarded with one byte of their body flipped (bytes
+    changed in transit); those in ``stall`` are read and never answered (until close).
 
     Which requests fail comes from a seeded generator, so the sequence of decisions is
     the same in every run (which request meets which decision depends on thread timing).
     """
 
     def __init__(
-        self, upstream: str, failure_rate: float = 0.3, seed: int = 1234, methods: tuple[str, ...] | None = None
+        self,
+        upstream: str,
+        failure_rate: float = 0.3,
+        seed: int = 1234,
+        methods: tuple[str, ...] | None = None,
+        corrupt: tuple[str, ...] = (),
+        stall: tuple[str, ...] = (),
     ) -> None:
         import http.client
         import http.server
@@ -241,6 +249,7 @@ class FaultInjectingProxy:
 
         target = urllib.parse.urlsplit(upstream)
         proxy = self
+        self._closed = threading.Event()
         self.requests = 0
         self.injected = 0
         self._lock = threading.Lock()
@@ -255,6 +264,13 @@ class FaultInjectingProxy:
             def _handle(self):
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
+                if self.command in stall:
+                    proxy._closed.wait()
+                    return
+                if self.command in corrupt and body:
+                    flipped = bytearray(body)
+                    flipped[len(body) // 2] ^= 0xFF
+                    body = bytes(flipped)
                 with proxy._lock:
                     proxy.requests += 1
                     fail = decisions.random() < failure_rate and (methods is None or self.command in methods)
@@ -295,6 +311,7 @@ class FaultInjectingProxy:
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
 
     def close(self) -> None:
+        self._closed.set()
         self._server.shutdown()
         self._server.server_close()
 

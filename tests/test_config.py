@@ -142,3 +142,34 @@ def test_manager_from_config_uses_the_bucket_and_retention(tmp_path, s3_url, sta
         manager.wait(uploaded=True)
         assert manager.remote_steps() == [1]
         assert_states_equal(states, manager.restore().states)
+
+
+@pytest.mark.parametrize(
+    "key", ["account_key", "sas_token", "connection_string", "credential", "private_key", "passphrase", "Password"]
+)
+def test_credentials_are_refused_by_pattern_without_echoing_them(tmp_path, key):
+    base = "[local]\ndir = 'x'\n[remote]\nurl = 'gs://b/run'\n[remote.storage_options]\n"
+    with pytest.raises(ConfigError, match=f"remote.storage_options.{key}' holds a credential") as caught:
+        load_config(write(tmp_path, base + f"{key} = 'hunter2-secret'\n"), environ={})
+    assert "hunter2" not in str(caught.value)
+
+
+@pytest.mark.parametrize("token", ["token = { refresh = 'hunter2-secret' }\n", "token = ['hunter2-secret']\n"])
+def test_a_token_given_as_a_table_or_list_is_refused_typed(tmp_path, token):
+    base = "[local]\ndir = 'x'\n[remote]\nurl = 'gs://b/run'\n[remote.storage_options]\n"
+    with pytest.raises(ConfigError, match="storage_options.token' holds a credential") as caught:
+        load_config(write(tmp_path, base + token), environ={})
+    assert "hunter2" not in str(caught.value)
+
+
+def test_storage_options_that_are_not_a_table_are_refused_without_echoing_them(tmp_path):
+    text = "[local]\ndir = 'x'\n[remote]\nurl = 's3://b/run'\nstorage_options = 'hunter2-secret'\n"
+    with pytest.raises(ConfigError, match="must be a table, got str") as caught:
+        load_config(write(tmp_path, text), environ={})
+    assert "hunter2" not in str(caught.value)
+
+
+@pytest.mark.parametrize("url", ["s3://", "gs://", "memory://", ""])
+def test_a_remote_url_without_a_bucket_is_a_config_error(tmp_path, url):
+    with pytest.raises(ConfigError, match="key 'remote.url' .* names no bucket or directory"):
+        load_config(write(tmp_path, f"[local]\ndir = 'x'\n[remote]\nurl = '{url}'\n"), environ={})

@@ -1,3 +1,4 @@
+import json
 import os
 
 import numpy as np
@@ -121,3 +122,136 @@ def test_a_damaged_record_of_held_ranks_is_a_manifest_error_naming_the_file(tmp_
     (tmp_path / HELD_NAME).write_bytes(content)
     with pytest.raises(ManifestError, match=HELD_NAME):
         held_ranks(tmp_path, _manifest_of(4))
+
+
+# --- files that are not what was committed ---------------------------------------------
+
+
+def _in_thread(action):
+    """Run ``action`` in a daemon thread; return its exception (None if it returned).
+
+    The join's timeout is a guard against a hang (the defect these tests pin down), not
+    a timing assertion: a correct read returns at once.
+    """
+    import threading
+
+    outcome = []
+
+    def run():
+        try:
+            action()
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 -- handed back to the test
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "the read blocked"
+    return outcome[0]
+
+
+@pytest.fixture
+def committed(tmp_path):
+    from tiered_ckpt import save_sharded
+
+    manifest = save_sharded([{"w": np.arange(64, dtype=np.float32)}] * 2, tmp_path / "ckpt", step=1)
+    return tmp_path / "ckpt", manifest
+
+
+def test_a_fifo_in_place_of_a_shard_fails_at_once_instead_of_blocking(committed):
+    from tiered_ckpt import load_sharded
+    from tiered_ckpt.local import check_shard_file
+
+    directory, manifest = committed
+    shard = directory / manifest.shard(1).path
+    shard.unlink()
+    os.mkfifo(shard)
+    error = _in_thread(lambda: load_sharded(directory, 2))
+    assert isinstance(error, IncompleteCheckpointError) and "is not a regular file" in str(error)
+    assert str(shard) in str(error)
+    problem = []
+    assert _in_thread(lambda: problem.append(check_shard_file(directory, manifest.shard(1)))) is None
+    assert "is not a regular file" in problem[0]
+
+
+def test_a_fifo_in_place_of_a_manifest_or_record_does_not_block(committed):
+    directory, manifest = committed
+    (directory / MANIFEST_NAME).unlink()
+    os.mkfifo(directory / MANIFEST_NAME)
+    error = _in_thread(lambda: read_manifest(directory))
+    assert isinstance(error, ManifestError) and "is not a regular file" in str(error)
+    os.mkfifo(directory / HELD_NAME)
+    error = _in_thread(lambda: held_ranks(directory, manifest))
+    assert isinstance(error, ManifestError) and HELD_NAME in str(error)
+
+
+def test_a_symlinked_shard_is_refused_even_if_its_target_verifies(committed, tmp_path):
+    from tiered_ckpt import load_sharded
+
+    directory, manifest = committed
+    shard = directory / manifest.shard(0).path
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    os.replace(shard, elsewhere)  # the very bytes that were committed, outside the checkpoint
+    shard.symlink_to(elsewhere)
+    with pytest.raises(IncompleteCheckpointError, match="is a symbolic link"):
+        load_sharded(directory, 2)
+
+
+def test_a_manifest_is_read_without_allocating_more_than_it_holds(committed):
+    """Under an address-space limit of what the process already maps plus 64 MiB, reading a
+    small manifest succeeds (the limit a read of the size bound, 256 MiB, would break)."""
+    import subprocess
+    import sys
+
+    directory, _manifest = committed
+    code = (
+        "import resource, sys\n"
+        "from tiered_ckpt import load_sharded\n"
+        "size = int(open('/proc/self/statm').read().split()[0]) * resource.getpagesize()\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (size + (64 << 20),) * 2)\n"
+        f"print(len(load_sharded({str(directory)!r}, 2)))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "2"
+
+
+def test_a_step_directory_whose_manifest_names_another_step_is_refused(committed, tmp_path):
+    import shutil
+
+    from tiered_ckpt.layout import step_dir_name
+    from tiered_ckpt.local import LocalTier
+
+    directory, _manifest = committed
+    root = tmp_path / "root"
+    root.mkdir()
+    shutil.copytree(directory, root / step_dir_name(9))  # holds step 1's checkpoint
+    with pytest.raises(ManifestError, match="field 'step' is 1, the directory is step 9"):
+        LocalTier(root).manifest(9)
+
+
+@pytest.mark.parametrize(
+    "path, problem",
+    [
+        ("é" * 128, "not a plain file name"),  # 128 characters, 256 bytes: over what a file system takes
+        ("rank-\udcff.safetensors", "not a plain file name"),  # a lone surrogate has no UTF-8 form
+    ],
+)
+def test_shard_paths_the_os_would_refuse_are_refused_by_the_manifest(committed, path, problem):
+    directory, manifest = committed
+    document = json.loads((directory / MANIFEST_NAME).read_text())
+    document["shards"][0]["path"] = path
+    with pytest.raises(ManifestError, match=problem):
+        ShardManifest.from_json(json.dumps(document), source="m.json")
+
+
+def test_a_directory_in_place_of_a_shard_is_incomplete(committed):
+    from tiered_ckpt import load_sharded
+
+    directory, manifest = committed
+    shard = directory / manifest.shard(0).path
+    shard.unlink()
+    shard.mkdir()
+    with pytest.raises(IncompleteCheckpointError, match="is a directory"):
+        load_sharded(directory, 2)

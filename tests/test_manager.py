@@ -24,6 +24,7 @@ from tiered_ckpt import (
     CheckpointExistsError,
     CheckpointManager,
     ChecksumMismatchError,
+    ConfigError,
     DirectoryInUseError,
     IncompleteCheckpointError,
     InvalidStateError,
@@ -597,3 +598,127 @@ def test_a_store_that_always_refuses_costs_max_tries_requests_per_operation(tmp_
     puts.close()
     assert caught.value.tries == 3
     assert 3 <= puts.injected <= 4 * 3  # at most max_tries PUTs per shard (4 shards): tries never multiply
+
+
+# --- hostile input and faults ------------------------------------------------------------
+
+
+def test_a_typo_in_verify_is_refused_not_taken_as_fast(manager, states):
+    manager.save(1, states, blocking=True)
+    with pytest.raises(ConfigError, match="verify must be 'full'"):
+        manager.restore(verify="Full")
+    with pytest.raises(ValueError, match="verify must be one of"):
+        CheckpointManager(manager.root / "other", world_size=4, verify="sha256")
+
+
+@pytest.mark.parametrize(
+    "arguments, problem",
+    [
+        ({"world_size": 0, "reshard": True}, "world_size must be an integer >= 1"),
+        ({"step": 1.0}, "step must be None or an integer"),
+        ({"step": True}, "step must be None or an integer"),
+        ({"into": 5}, "into must be a dict of arrays or a list"),
+    ],
+)
+def test_restore_arguments_it_cannot_take_are_usage_errors(manager, states, arguments, problem):
+    manager.save(1, states, blocking=True)
+    with pytest.raises(UsageError, match=problem):
+        manager.restore(**arguments)
+
+
+@pytest.mark.parametrize("url", ["s3://", "gs://", "memory://", "", "s3:///"])
+def test_a_remote_url_without_a_bucket_is_refused(tmp_path, url, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="names no bucket or directory"):
+        CheckpointManager(tmp_path / "ckpt", world_size=1, remote_url=url)
+    assert sorted(os.listdir(tmp_path)) == []  # nothing created, here or as a "s3:" directory
+
+
+def test_a_masked_array_is_refused_before_anything_is_written(manager, states):
+    bad = [dict(state) for state in states]
+    bad[2]["mask"] = np.ma.masked_array([1.0, 2.0], mask=[False, True])
+    with pytest.raises(InvalidStateError, match="rank 2: 'mask' is a masked array"):
+        manager.save(1, bad)
+    assert os.listdir(manager.root) == []
+
+
+def test_a_directory_replaced_under_a_running_manager_is_never_written(tmp_path, states):
+    import shutil
+
+    first = CheckpointManager(tmp_path, world_size=4, keep_last=1, sharded_keys=ZERO1_SHARDED_KEYS)
+    first.save(1, states, blocking=True)
+    shutil.rmtree(tmp_path)  # the directory is deleted under the running job...
+    with CheckpointManager(tmp_path, world_size=4, keep_last=1, sharded_keys=ZERO1_SHARDED_KEYS) as second:
+        second.save(5, states, blocking=True)  # ...and another job recreates and locks it
+        with pytest.raises(DirectoryInUseError, match="removed or replaced since this job locked it"):
+            first.save(6, states, blocking=True)
+        with pytest.raises(DirectoryInUseError, match="removed or replaced"):
+            first.restore()  # the checkpoints there are another job's now
+        assert second.steps() == [5]
+        assert_states_equal(states, second.restore().states)
+    first.close()
+
+
+def test_a_closed_port_is_a_typed_error_at_start(tmp_path):
+    from conftest import free_port
+
+    with pytest.raises(RemoteError, match="cannot open ftp://127.0.0.1"):
+        CheckpointManager(tmp_path, world_size=1, remote_url=f"ftp://127.0.0.1:{free_port()}/x")
+
+
+@pytest.mark.parametrize("store", ["s3", "gcs"])
+def test_bytes_changed_in_transit_are_never_committed(tmp_path, store, request, monkeypatch, states):
+    """A proxy flips a byte of every PUT/POST body: the checksum the store computed of what it
+    received (S3's ETag, GCS's md5Hash) differs from the file's, so no shard is confirmed."""
+    from conftest import FaultInjectingProxy
+
+    endpoint = request.getfixturevalue("moto_endpoint" if store == "s3" else "gcs_endpoint")
+    url, options = request.getfixturevalue(f"{store}_url")
+    proxy = FaultInjectingProxy(endpoint, failure_rate=0.0, corrupt=("PUT", "POST"))
+    if store == "s3":
+        from conftest import s3_storage_options
+
+        options = s3_storage_options(proxy.endpoint)
+    else:
+        import asyncio
+        import types
+
+        import gcsfs.retry
+
+        async def no_sleep(_seconds):
+            await asyncio.sleep(0)
+
+        monkeypatch.setattr(gcsfs.retry, "asyncio", types.SimpleNamespace(sleep=no_sleep))
+        options = {**options, "endpoint_url": proxy.endpoint}
+    try:
+        with pytest.raises(UploadError, match="not confirmed after the upload") as caught:
+            with two_tier(tmp_path, (url, options), upload_max_tries=2) as manager:
+                manager.save(1, states)
+                manager.wait(uploaded=True)
+        assert caught.value.tries == 2
+    finally:
+        proxy.close()
+    assert RemoteTier(*request.getfixturevalue(f"{store}_url")).committed_steps() == []
+
+
+def test_a_store_that_accepts_a_put_and_never_answers_fails_in_bounded_time(tmp_path, moto_endpoint, s3_url, states):
+    from conftest import FaultInjectingProxy, s3_storage_options
+    from tiered_ckpt import UploadOptions
+
+    url, _ = s3_url
+    proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0, stall=("PUT",))
+    try:
+        with pytest.raises(UploadError, match="Timeout") as caught:
+            with CheckpointManager(
+                tmp_path,
+                world_size=4,
+                sharded_keys=ZERO1_SHARDED_KEYS,
+                remote_url=url,
+                storage_options=s3_storage_options(proxy.endpoint),
+                upload=UploadOptions(max_tries=2, backoff_seconds=0, timeout_seconds=1),
+            ) as manager:
+                manager.save(1, states)
+                manager.wait(uploaded=True)
+        assert caught.value.tries == 2
+    finally:
+        proxy.close()

@@ -2,6 +2,8 @@ import copy
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tiered_ckpt import ManifestError, ShardCountMismatchError, ShardManifest
 from tiered_ckpt.manifest import ShardRecord
@@ -161,3 +163,48 @@ def test_manifest_is_frozen():
     manifest = parse(valid_document())
     with pytest.raises(AttributeError):
         manifest.step = 13  # type: ignore[misc]
+
+
+# --- fuzzing: a typed error naming the file, or exactly the manifest that was written ------
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4),
+    max_leaves=20,
+)
+FIELDS = ["schema_version", "world_size", "step", "wall_clock_seconds", "sharded_keys", "shards"]
+SHARD_FIELDS = ["rank", "path", "sha256", "xxh3_64", "size_bytes", "param_shard_offset", "param_shard_numel"]
+
+
+def _parse_or_typed_error(text) -> ShardManifest | None:
+    try:
+        manifest = ShardManifest.from_json(text, source=SOURCE)
+    except ManifestError as error:
+        assert SOURCE in str(error)
+        return None
+    assert ShardManifest.from_json(manifest.to_json(), source=SOURCE) == manifest  # what parses, round-trips
+    return manifest
+
+
+@given(st.binary(max_size=300) | st.text(max_size=300))
+@settings(max_examples=300, deadline=None)
+def test_any_bytes_parse_or_fail_with_a_manifest_error(data):
+    _parse_or_typed_error(data)
+
+
+@given(field=st.sampled_from(FIELDS), value=JSON_VALUES)
+@settings(max_examples=300, deadline=None)
+def test_any_value_in_any_field_parses_or_fails_with_a_manifest_error(field, value):
+    document = valid_document()
+    document[field] = value
+    _parse_or_typed_error(json.dumps(document))
+
+
+@given(rank=st.integers(0, 3), field=st.sampled_from(SHARD_FIELDS), value=JSON_VALUES)
+@settings(max_examples=300, deadline=None)
+def test_any_value_in_any_shard_field_parses_or_fails_with_a_manifest_error(rank, field, value):
+    document = valid_document()
+    document["shards"][rank][field] = value
+    manifest = _parse_or_typed_error(json.dumps(document))
+    if manifest is not None:
+        assert manifest.shard(rank).to_dict()[field] == value  # accepted only as exactly what was given

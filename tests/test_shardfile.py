@@ -9,6 +9,8 @@ import pytest
 import safetensors
 import safetensors.numpy
 import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tiered_ckpt import ChecksumMismatchError, InvalidStateError, ShardFormatError
 from tiered_ckpt.manifest import ShardRecord
@@ -174,6 +176,9 @@ def handmade_shard(header: dict, payload: bytes) -> tuple[bytes, ShardDigest]:
         ({"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1], "extra": 1}}, b"\0"),
         ({"__metadata__": {"k": 1}}, b""),
         ([1, 2], b""),
+        ({"a": {"dtype": "U8", "shape": [2**63, 0], "data_offsets": [0, 0]}}, b""),  # numpy cannot make it
+        ({"a": {"dtype": "U8", "shape": [2**40, 2**40, 0], "data_offsets": [0, 0]}}, b""),
+        ({"a": {"dtype": "U8", "shape": [1] * 65, "data_offsets": [0, 1]}}, b"\0"),  # 65 dimensions
     ],
 )
 def test_verified_but_malformed_shard_is_a_format_error(header, payload, read_from_bytes):
@@ -187,3 +192,62 @@ def test_header_length_beyond_the_file_is_a_format_error_when_bytes_verify(read_
     digest = ShardDigest(len(data), hashlib.sha256(data).hexdigest(), xxhash.xxh3_64(data).hexdigest())
     with pytest.raises(ShardFormatError, match="header length"):
         read_from_bytes(data, digest)
+
+
+def test_unknown_verify_modes_are_refused_rather_than_skipping_the_sha256(read_from_bytes):
+    from tiered_ckpt import ConfigError
+
+    data, digest = write_to_bytes({"a": np.arange(10.0)})
+    for mode in ("Full", "none", "", None):
+        with pytest.raises(ConfigError, match="verify must be 'full'"):
+            read_from_bytes(data, digest, mode)
+
+
+def test_arrays_a_shard_cannot_hold_faithfully_are_refused_before_writing():
+    out = io.BytesIO()
+    with pytest.raises(InvalidStateError, match="'m' is a masked array"):
+        write_shard(out, {"m": np.ma.masked_array([1.0, 2.0], mask=[False, True])})
+    with pytest.raises(InvalidStateError, match="invalid array name"):
+        write_shard(out, {"bad\udcff": np.zeros(1)})  # a lone surrogate: no UTF-8 form
+    assert out.getvalue() == b""
+
+
+@given(data=st.binary(max_size=512))
+@settings(max_examples=300, deadline=None)
+def test_any_bytes_that_verify_load_or_fail_with_a_typed_error_naming_the_file(data, tmp_path_factory):
+    """Fuzz of the header parser: bytes whose checksum matches the record either are a shard
+    or raise ShardFormatError naming the file; never another exception or a hang."""
+    path = tmp_path_factory.mktemp("fuzz") / "shard.safetensors"
+    path.write_bytes(data)
+    record = ShardRecord(
+        0, path.name, hashlib.sha256(data).hexdigest(), xxhash.xxh3_64(data).hexdigest(), len(data), 0, 0
+    )
+    with open(path, "rb") as source:
+        try:
+            arrays = read_shard(source, check=lambda got: record.verify(got, str(path)), what=str(path))
+        except ShardFormatError as error:
+            assert str(path) in str(error)
+            return
+    out = io.BytesIO()  # what loaded is exactly what the header described: it writes back to a valid shard
+    write_shard(out, arrays)
+
+
+@given(
+    arrays=st.dictionaries(
+        st.text(min_size=1, max_size=8).filter(lambda k: k != "__metadata__"),
+        st.lists(st.integers(-(2**31), 2**31 - 1), max_size=20),
+        max_size=4,
+    ),
+    flip=st.integers(min_value=0),
+)
+@settings(max_examples=200, deadline=None)
+def test_a_shard_with_any_flipped_byte_fails_or_loads_exactly_what_was_saved(arrays, flip, tmp_path_factory):
+    saved = {key: np.array(values, dtype=np.int32) for key, values in arrays.items()}
+    data, digest = write_to_bytes(saved)
+    damaged = bytearray(data)
+    damaged[flip % len(damaged)] ^= 0x10
+    path = tmp_path_factory.mktemp("fuzz") / "shard.safetensors"
+    path.write_bytes(bytes(damaged))
+    record = ShardRecord(0, path.name, digest.sha256, digest.xxh3_64, digest.size_bytes, 0, 0)
+    with open(path, "rb") as source, pytest.raises(ChecksumMismatchError, match=str(path)):
+        read_shard(source, check=lambda got: record.verify(got, str(path)), what=str(path))

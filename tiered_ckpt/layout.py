@@ -87,6 +87,12 @@ def is_plain_name(name: str) -> bool:
     """True if ``name`` is a committed file name that stays inside its directory.
 
     Plain names are non-empty, contain no path separator or NUL, are not ``.`` or
-    ``..`` and do not start with a dot (which temp names and hidden files do).
+    ``..``, do not start with a dot (which temp names and hidden files do), and take at
+    most 255 bytes in UTF-8 (what file systems allow; a lone surrogate has no UTF-8 form).
     """
-    return bool(name) and not name.startswith(".") and not any(ch in name for ch in "/\\\0") and len(name) <= 255
+    if not name or name.startswith(".") or any(ch in name for ch in "/\\\0"):
+        return False
+    try:
+        return len(name.encode("utf-8")) <= 255
+    except UnicodeEncodeError:
+        return False

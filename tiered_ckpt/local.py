@@ -28,6 +28,7 @@ import numpy as np
 
 from .durable import atomic_write, fsync_directory, write_bytes
 from .errors import (
+    CheckpointError,
     ChecksumMismatchError,
     DirectoryInUseError,
     IncompleteCheckpointError,
@@ -130,6 +131,16 @@ def _open_regular(path: Path, what: str) -> BinaryIO:
     return open(fd, "rb", buffering=0)
 
 
+def _read_small(path: Path, limit: int = MAX_MANIFEST_BYTES) -> bytes:
+    """The bytes of a small regular file (a manifest, a record); never more than the file
+    holds, and nothing of a file over ``limit`` bytes (:class:`ManifestError`)."""
+    with _open_regular(path, str(path)) as source:
+        size = os.fstat(source.fileno()).st_size
+        if size > limit:
+            raise ManifestError(f"{path}: {size} bytes, over the {limit} byte limit of a manifest or record")
+        return source.read(size + 1)
+
+
 def _describe(record: ShardRecord, path: Path) -> str:
     return f"rank {record.rank} shard {path}"
 
@@ -194,11 +205,7 @@ def read_manifest(directory: Path) -> ShardManifest:
     """
     path = directory / MANIFEST_NAME
     try:
-        with _open_regular(path, str(path)) as source:
-            size = os.fstat(source.fileno()).st_size
-            if size > MAX_MANIFEST_BYTES:
-                raise ManifestError(f"{path}: {size} bytes, over the {MAX_MANIFEST_BYTES} byte limit of a manifest")
-            data = source.read(size + 1)
+        data = _read_small(path)
     except IncompleteCheckpointError as exc:
         if not os.path.lexists(path):
             raise IncompleteCheckpointError(
@@ -215,11 +222,11 @@ def held_ranks(directory: Path, manifest: ShardManifest) -> list[int]:
     validate against ``manifest`` raises :class:`ManifestError` naming the file.
     """
     path = directory / HELD_NAME
-    try:
-        document = json.loads(path.read_bytes())
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return list(range(manifest.world_size))
-    except (OSError, ValueError) as exc:
+    try:
+        document = json.loads(_read_small(path))
+    except (IncompleteCheckpointError, OSError, ValueError) as exc:
         raise ManifestError(f"{path}: not a readable JSON record of held shards: {exc}") from exc
     ranks = document.get("ranks") if isinstance(document, dict) and set(document) == {"ranks"} else None
     if not isinstance(ranks, list) or not all(type(rank) is int and 0 <= rank < manifest.world_size for rank in ranks):
@@ -299,8 +306,8 @@ def write_receipt(directory: Path, url: str, remote: RemoteManifest) -> None:
 def read_receipt(directory: Path, url: str) -> bool:
     """True if the step in ``directory`` has a receipt of its commit at ``url``."""
     try:
-        document = json.loads((directory / RECEIPT_NAME).read_bytes())
-    except (OSError, ValueError):
+        document = json.loads(_read_small(directory / RECEIPT_NAME))
+    except (CheckpointError, OSError, ValueError):
         return False
     return isinstance(document, dict) and document.get("url") == url
 

@@ -286,7 +286,7 @@ class CheckpointManager:
 
     def _check_save(self, step: int, states: Sequence[State] | State) -> tuple[list[State], Any]:
         """This process's part of a save's check: its arrays (checked) and its report to the others."""
-        self._errors.raise_first()
+        self._before_collective()
         validate_step(step)
         given = [states] if isinstance(states, Mapping) else states
         validate_states(given, len(self._ranks))
@@ -296,6 +296,12 @@ class CheckpointManager:
         shapes = tuple(tuple((key, tuple(shape)) for key, shape in sharding_summary(s).items()) for s in local)
         report = _SaveReport(json.dumps({"step": step}), self.latest_step(), shapes)
         return local, to_payload(report)
+
+    def _before_collective(self) -> None:
+        """What every save and restore checks first, on every rank: a background error not yet
+        raised, and that the directory is still the one this manager locked."""
+        self._errors.raise_first()
+        self._store.local.check_locked()
 
     def _collective(self, action: Callable[[], T], share: Callable[[T], Any]) -> tuple[T, list[Any]]:
         """:func:`agree_on` for the calls every rank makes; background errors are raised there, by every rank.
@@ -421,7 +427,7 @@ class CheckpointManager:
                 verify=verify,
                 into=into,
                 missing_ok=missing_ok,
-                before=self._errors.raise_first,
+                before=self._before_collective,
             )
         except UploadError as error:
             self._errors.mark_raised(error)

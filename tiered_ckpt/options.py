@@ -16,7 +16,7 @@ from typing import Any, Literal, TypedDict
 
 import fsspec
 
-from .errors import invalid_option
+from .errors import ConfigError, invalid_option
 from .remote import RetryPolicy
 from .retention import RetentionPolicy
 from .shardfile import VERIFY_MODES, Verify
@@ -224,13 +224,28 @@ def resolve_options(
     for keyword, value in keywords.items():
         table, name = KEYWORDS[keyword]
         fields[table][name] = value
+    if fields["remote"].get("storage_options", {}) is None:
+        fields["remote"]["storage_options"] = {}
+    try:
+        return _resolve(local, remote, upload, fields)
+    except ConfigError as exc:  # name the keyword the caller used, not the dataclass field
+        if exc.field is None:
+            raise
+        given = [k for k, (table, name) in KEYWORDS.items() if name == exc.field and k in keywords]
+        raise invalid_option(given[0] if given else exc.field, exc.problem or "") from None
+
+
+def _resolve(
+    local: str | os.PathLike[str] | LocalOptions,
+    remote: RemoteOptions | None,
+    upload: UploadOptions | None,
+    fields: dict[str, dict[str, Any]],
+) -> Options:
     if isinstance(local, LocalOptions):
         local_options = replace(local, **fields["local"])
     else:
         local_options = LocalOptions(local, **fields["local"])  # type: ignore[arg-type]
     remote_fields = fields["remote"]
-    if remote_fields.get("storage_options", {}) is None:
-        remote_fields["storage_options"] = {}
     if "url" in remote_fields and remote_fields["url"] is None:
         remote_options = None
     elif remote is not None:

@@ -39,7 +39,9 @@ put in messages or reprs.
 
 from __future__ import annotations
 
+import base64
 import errno
+import hashlib
 import logging
 import random
 import time
@@ -353,15 +355,51 @@ class RemoteTier:
             return (info.get("metadata") or {}).get(SHA256_METADATA_KEY)
         return None
 
-    def _mismatch(self, step: int, record: ShardRecord) -> str | None:
-        """Why the shard's object does not match ``record`` (missing, size, stored sha256), or None."""
+    def _store_checksum(self, local_path: Path, record: ShardRecord) -> str | None:
+        """The checksum the store will compute of ``local_path``'s bytes once uploaded, in its own form
+        (S3: the ETag, an MD5 of the bytes or of the parts' MD5s; GCS: md5Hash), or None where
+        the store computes none we can read.
+
+        The same pass checks the file against the record's sha256, so a shard damaged on
+        local disk is never uploaded (:class:`ChecksumMismatchError`).
+        """
+        s3, gcs = bool(self._protocols & {"s3", "s3a"}), bool(self._protocols & {"gs", "gcs"})
+        if not (s3 or gcs):
+            return None
+        whole, parts, sha = hashlib.md5(), [], hashlib.sha256()
+        size = 0
+        with open(local_path, "rb") as source:
+            while chunk := source.read(self._part_bytes):
+                sha.update(chunk)
+                whole.update(chunk)
+                parts.append(hashlib.md5(chunk).digest())
+                size += len(chunk)
+        record.verify(ShardDigest(size, sha.hexdigest(), ""), f"{local_path} (before its upload)")
+        if gcs:
+            return base64.b64encode(whole.digest()).decode()
+        if size < 2 * self._part_bytes:  # s3fs puts it in one request, its ETag the MD5 of the body
+            return f'"{whole.hexdigest()}"'
+        return f'"{hashlib.md5(b"".join(parts)).hexdigest()}-{len(parts)}"'
+
+    def _mismatch(self, step: int, record: ShardRecord, store_checksum: str | None = None) -> str | None:
+        """Why the shard's object does not match ``record``, or None.
+
+        Compared: the object's size, the sha256 stored with it (metadata we sent), and,
+        when ``store_checksum`` is given, the checksum the store computed from the bytes
+        it received (which catches bytes changed in transit).
+        """
         path = self._path(step, record.path)
         try:
             info = self._fresh_info(path)
         except FileNotFoundError:
             return "missing"
         stored = self._stored_sha256(path, info)
-        return record.mismatch(ShardDigest(int(info.get("size") or 0), stored or "", ""))
+        problem = record.mismatch(ShardDigest(int(info.get("size") or 0), stored or "", ""))
+        if problem is None and store_checksum is not None:
+            computed = info.get("ETag") if self._protocols & {"s3", "s3a"} else info.get("md5Hash")
+            if computed != store_checksum:
+                problem = f"the store computed checksum {computed} of the bytes it holds, expected {store_checksum}"
+        return problem
 
     def shard_is_uploaded(self, step: int, record: ShardRecord) -> bool:
         """True if the shard's object exists with the recorded size (and sha256, where kept)."""
@@ -384,14 +422,17 @@ class RemoteTier:
 
         Returns True if it was put, False if it was already there. One operation under
         the retry policy: a try that finds the object wrong afterwards puts it again.
+        "Intact" includes the checksum the store computed of what it received (S3's ETag,
+        GCS's md5Hash), so bytes changed in transit are never confirmed.
         """
         location = self.location(step, record.path)
+        store_checksum = self._store_checksum(local_path, record)
 
         def put_and_confirm() -> bool:
-            if self._mismatch(step, record) is None:
+            if self._mismatch(step, record, store_checksum) is None:
                 return False
             self._put(local_path, step, record)
-            problem = self._mismatch(step, record)
+            problem = self._mismatch(step, record, store_checksum)
             if problem is not None:
                 raise RemoteError(f"{location}: not confirmed after the upload: {problem}", transient=True)
             return True

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import os
 import struct
@@ -73,6 +74,11 @@ _CODES = {dtype: code for code, dtype in DTYPES.items()}
 CHUNK_BYTES = 1 << 20
 # safetensors refuses headers over 100 MB; so do we, before allocating anything.
 MAX_HEADER_BYTES = 100_000_000
+# Shapes numpy can make: at most 64 dimensions, and the product of the non-zero ones
+# times the item size below 2**63 (numpy checks it even when another dimension is 0).
+# A header asking for more is not a shard we wrote, whatever its bytes.
+MAX_DIMS = 64
+MAX_BYTES = 2**63
 _METADATA = "__metadata__"
 
 
@@ -130,17 +136,30 @@ def _dtype_code(name: str, array: np.ndarray, owner: str = "state") -> str:
     return code
 
 
+def _is_utf8(text: str) -> bool:
+    """True if ``text`` encodes as UTF-8 (a lone surrogate does not; safetensors refuses such a name)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def check_arrays(arrays: Mapping[str, np.ndarray], owner: str = "state") -> dict[str, np.ndarray]:
     """Return ``arrays`` with numpy scalars as 0-d arrays; raise :class:`InvalidStateError`
     naming ``owner`` and the key if a name or value cannot go into a shard."""
     checked: dict[str, np.ndarray] = {}
     for name, array in arrays.items():
-        if not isinstance(name, str) or not name or name == _METADATA:
-            raise InvalidStateError(f"{owner}: invalid array name {name!r}")
+        if not isinstance(name, str) or not name or name == _METADATA or not _is_utf8(name):
+            raise InvalidStateError(f"{owner}: invalid array name {name!r} (a non-empty UTF-8 string)")
         if isinstance(array, np.generic):  # a numpy scalar is saved as a 0-d array
             array = np.asarray(array)
         if not isinstance(array, np.ndarray):
             raise InvalidStateError(f"{owner}: {name!r} is a {type(array).__name__}, not a numpy array")
+        if isinstance(array, np.ma.MaskedArray):
+            raise InvalidStateError(
+                f"{owner}: {name!r} is a masked array, whose mask a shard cannot hold; pass .filled() or .data"
+            )
         _dtype_code(name, array, owner)
         checked[name] = array
     return checked
@@ -252,7 +271,9 @@ def _parse_header(raw: bytes, data_bytes: int) -> list[_Entry]:
             raise ValueError(f"entry {name!r} has unsupported dtype {info['dtype']!r}")
         shape, offsets = info["shape"], info["data_offsets"]
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            raise ValueError(f"entry {name!r} has invalid shape {shape!r}")
+            raise ValueError(f"entry {name!r} has invalid shape {str(shape)[:200]}")
+        if len(shape) > MAX_DIMS or math.prod(d for d in shape if d) * dtype.itemsize >= MAX_BYTES:
+            raise ValueError(f"entry {name!r} has a shape numpy cannot make: {str(shape)[:200]}")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
             raise ValueError(f"entry {name!r} has invalid data_offsets {offsets!r}")
         begin, end = offsets

@@ -33,7 +33,7 @@ def test_an_intact_local_shard_is_read_locally(two_tiers):
     assert source == "local" and arrays["w"].tobytes() == states[1]["w"].tobytes()
 
 
-@pytest.mark.parametrize("damage", ["flip", "delete", "truncate"])
+@pytest.mark.parametrize("damage", ["flip", "delete", "truncate", "fifo", "symlink"])
 def test_a_damaged_local_shard_comes_from_the_bucket_and_is_landed_locally(two_tiers, damage):
     store, manifest, states = two_tiers
     record = manifest.shard(0)
@@ -42,8 +42,14 @@ def test_a_damaged_local_shard_comes_from_the_bucket_and_is_landed_locally(two_t
         flip_byte(path, 500)
     elif damage == "delete":
         path.unlink()
-    else:
+    elif damage == "truncate":
         os.truncate(path, 100)
+    elif damage == "fifo":  # would block a plain open() forever
+        path.unlink()
+        os.mkfifo(path)
+    else:  # the committed bytes, but through a link that leaves the checkpoint
+        os.replace(path, path.parent.parent / "elsewhere")
+        path.symlink_to(path.parent.parent / "elsewhere")
     arrays, source = store.fetch_shard(3, record)
     assert source == "remote" and arrays["w"].tobytes() == states[0]["w"].tobytes()
     assert store.local.check_shard(3, record) is None  # the local tier was refilled

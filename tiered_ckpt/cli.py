@@ -126,7 +126,11 @@ def command_push(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     store = _store(config)
     if store.remote is None:
         raise CheckpointError("push needs a remote tier (remote.url)")
-    with store.local.lock(), closing(Uploader(store, options=config.upload)) as uploader:
+    retention = {
+        "local_retention": config.local.retention,
+        "remote_retention": config.remote.retention if config.remote is not None else None,
+    }
+    with store.local.lock(), closing(Uploader(store, options=config.upload, **retention)) as uploader:
         pushed = uploader.push(args.step)
     return EXIT_OK, ({"uploaded_steps": pushed}, f"uploaded steps: {pushed or 'none needed'}")
 

@@ -35,6 +35,7 @@ __all__ = [
     "TorchDistributedCoordinator",
     "agree",
     "agree_on",
+    "resolve_coordinator",
     "exchange",
     "leader_decides",
     "decide",
@@ -219,6 +220,20 @@ class TorchDistributedCoordinator:
         received = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
         dist.all_gather(received, padded, group=self._group)
         return [bytes(chunk[: int(length)].numpy()) for chunk, length in zip(received, lengths, strict=True)]
+
+
+def resolve_coordinator(coordinator: Coordinator | None, world_size: int | None) -> Coordinator:
+    """The coordinator a manager uses: ``coordinator``, or one process holding ``world_size`` ranks.
+
+    Raises ``ValueError`` if neither is given, or if they disagree on the world size.
+    """
+    if coordinator is None:
+        if world_size is None:
+            raise ValueError("world_size is required when no coordinator is given")
+        return SingleProcessCoordinator(world_size)
+    if world_size is not None and coordinator.world_size != world_size:
+        raise ValueError(f"world_size is {world_size} but the coordinator has {coordinator.world_size}")
+    return coordinator
 
 
 def agree_on(coordinator: Coordinator, action: Callable[[], T], share: Callable[[T], Any]) -> tuple[T, list[Any]]:

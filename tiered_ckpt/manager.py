@@ -35,7 +35,7 @@ from types import TracebackType
 from typing import Any, Literal, TypeVar, Unpack, overload
 
 from .config import Config, load_config
-from .coordination import Coordinator, SingleProcessCoordinator, agree_on, from_payload, to_payload
+from .coordination import Coordinator, agree_on, from_payload, resolve_coordinator, to_payload
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -110,13 +110,8 @@ class CheckpointManager:
         **keywords: Unpack[ManagerKeywords],
     ) -> None:
         options = resolve_options(local_dir, remote, upload, keywords)
-        if coordinator is None:
-            if world_size is None:
-                raise ValueError("world_size is required when no coordinator is given")
-            coordinator = SingleProcessCoordinator(world_size)
-        world_size = coordinator.world_size if world_size is None else world_size
-        if coordinator.world_size != world_size:
-            raise ValueError(f"world_size is {world_size} but the coordinator has {coordinator.world_size}")
+        coordinator = resolve_coordinator(coordinator, world_size)
+        world_size = coordinator.world_size
         self._ranks = tuple(coordinator.local_ranks)
         if len(self._ranks) != world_size and options.upload.when_behind == "skip":
             raise ValueError(

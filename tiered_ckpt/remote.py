@@ -366,20 +366,22 @@ class RemoteTier:
         s3, gcs = bool(self._protocols & {"s3", "s3a"}), bool(self._protocols & {"gs", "gcs"})
         if not (s3 or gcs):
             return None
-        whole, parts, sha = hashlib.md5(), [], hashlib.sha256()
-        size = 0
-        with open(local_path, "rb") as source:
+        # One MD5 per object (S3 multipart: one per part, as s3fs cuts them) and the sha256.
+        multipart = s3 and record.size_bytes >= 2 * self._part_bytes
+        digests, sha, size = [hashlib.md5()], hashlib.sha256(), 0
+        with open(local_path, "rb", buffering=0) as source:
             while chunk := source.read(self._part_bytes):
                 sha.update(chunk)
-                whole.update(chunk)
-                parts.append(hashlib.md5(chunk).digest())
+                if multipart and size:
+                    digests.append(hashlib.md5())
+                digests[-1].update(chunk)
                 size += len(chunk)
         record.verify(ShardDigest(size, sha.hexdigest(), ""), f"{local_path} (before its upload)")
         if gcs:
-            return base64.b64encode(whole.digest()).decode()
-        if size < 2 * self._part_bytes:  # s3fs puts it in one request, its ETag the MD5 of the body
-            return f'"{whole.hexdigest()}"'
-        return f'"{hashlib.md5(b"".join(parts)).hexdigest()}-{len(parts)}"'
+            return base64.b64encode(digests[0].digest()).decode()
+        if not multipart:  # s3fs puts it in one request, its ETag the MD5 of the body
+            return f'"{digests[0].hexdigest()}"'
+        return f'"{hashlib.md5(b"".join(d.digest() for d in digests)).hexdigest()}-{len(digests)}"'
 
     def _mismatch(self, step: int, record: ShardRecord, store_checksum: str | None = None) -> str | None:
         """Why the shard's object does not match ``record``, or None.

@@ -131,6 +131,16 @@ class TieredStore:
             raise ManifestError(f"the local and remote manifests of step {step} describe different checkpoints")
         return local, remote
 
+    def _any_manifest(self, step: int, in_local: bool, in_remote: bool) -> ShardManifest | None:
+        """The step's local manifest if it validates, else its remote one (one read, not both)."""
+        if in_local:
+            try:
+                return self.local.manifest(step)
+            except ManifestError:
+                if not in_remote:
+                    raise
+        return self.remote.read_manifest(step).manifest if in_remote and self.remote is not None else None
+
     def status(self) -> list[StepStatus]:
         """Every step either tier knows of, oldest first."""
         committed = set(self.local.steps())
@@ -144,9 +154,7 @@ class TieredStore:
                 remote_state = "uploading"
             else:
                 remote_state = "partial" if step in remote_partial else "-"
-            manifest = None
-            if step in committed or step in remote_committed:
-                manifest, _ = self.manifests(step, in_local=step in committed, in_remote=step in remote_committed)
+            manifest = self._any_manifest(step, step in committed, step in remote_committed)
             held = tuple(self.local.held_ranks(step, manifest)) if manifest and step in committed else None
             local_state = "committed" if step in committed else "staged" if step in staged else "-"
             rows.append(StepStatus(step, local_state, remote_state, manifest, held))

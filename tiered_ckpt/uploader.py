@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .coordination import Coordinator, SingleProcessCoordinator, agree, decide, exchange
-from .errors import CheckpointError, ErrorBox, IncompleteCheckpointError, RemoteError, UploadError
+from .errors import CheckpointError, ErrorBox, IncompleteCheckpointError, RemoteError, UploadError, UsageError
 from .manifest import RemoteManifest, ShardManifest
 from .options import UploadOptions
 from .retention import RetentionPolicy
@@ -83,7 +83,7 @@ class Uploader:
         remote_retention: RetentionPolicy | None = None,
     ) -> None:
         if store.remote is None:
-            raise ValueError("an uploader needs a store with a remote tier")
+            raise UsageError("an uploader needs a store with a remote tier")
         self._store = store
         self._remote = store.remote
         self._options = options or UploadOptions()

@@ -97,7 +97,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
     parser.add_argument("--reshard", action="store_true", help="resume a checkpoint of another world size")
-    parser.add_argument("--kill-at-step", type=int, help="(for tests) rank 1 kills itself with SIGKILL at this step")
+    parser.add_argument(
+        "--kill-at-step",
+        type=int,
+        help="(for tests) at this step, once every rank has committed its last checkpoint, rank 1 kills itself "
+        "with SIGKILL",
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # one core per rank, and bit-for-bit repeatable arithmetic
@@ -123,8 +128,11 @@ def main() -> None:
             print(f"rank {rank}: resumed from step {start}; shards from {restored.sources}", flush=True)
         numel = sum(p.numel() for p in model.parameters())
         for step in range(start + 1, args.steps + 1):
-            if step == args.kill_at_step and rank == 1:
-                os.kill(os.getpid(), signal.SIGKILL)
+            if step == args.kill_at_step:  # (for tests) a kill after every rank committed the last save
+                manager.wait()
+                dist.barrier()
+                if rank == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
             inputs, targets = batch(step, rank)
             optimizer.zero_grad()
             loss = nn.functional.mse_loss(model(inputs), targets)

@@ -25,6 +25,7 @@ usage or an invalid config.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -126,11 +127,15 @@ def command_push(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     store = _store(config)
     if store.remote is None:
         raise CheckpointError("push needs a remote tier (remote.url)")
-    retention = {
-        "local_retention": config.local.retention,
-        "remote_retention": config.remote.retention if config.remote is not None else None,
-    }
-    with store.local.lock(), closing(Uploader(store, options=config.upload, **retention)) as uploader:
+    remote_retention = config.remote.retention if config.remote is not None else None
+    start = functools.partial(
+        Uploader,
+        store,
+        options=config.upload,
+        local_retention=config.local.retention,
+        remote_retention=remote_retention,
+    )
+    with store.local.lock(), closing(start()) as uploader:
         pushed = uploader.push(args.step)
     return EXIT_OK, ({"uploaded_steps": pushed}, f"uploaded steps: {pushed or 'none needed'}")
 

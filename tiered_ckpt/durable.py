@@ -22,7 +22,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, TypeVar
+from typing import BinaryIO, TypeVar, cast
 
 from .layout import temp_name
 
@@ -112,7 +112,7 @@ def atomic_write(
     temp = path.with_name(temp_name(path.name))
     with open(temp, "xb", buffering=0) as out:
         try:
-            result = write(_EagerWriteback(out))
+            result = write(cast(BinaryIO, _EagerWriteback(out)))
             if check is not None:
                 check(result)
             os.fsync(out.fileno())

@@ -34,6 +34,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypeVar, Unpack, overload
 
+import numpy as np
+
 from .config import Config, load_config
 from .coordination import Coordinator, agree_on, from_payload, resolve_coordinator, to_payload
 from .errors import (
@@ -197,7 +199,7 @@ class CheckpointManager:
         """
         if not isinstance(config, Config):
             config = load_config(config)
-        local = config.local if local_dir is None else replace(config.local, dir=local_dir)
+        local = config.local if local_dir is None else replace(config.local, dir=Path(local_dir))
         arguments = {"remote": config.remote, "upload": config.upload, "verify": config.verify.mode, **kwargs}
         return cls(local, world_size=world_size, **arguments)
 
@@ -279,7 +281,7 @@ class CheckpointManager:
             handle.wait()
         return handle
 
-    def _check_save(self, step: int, states: Sequence[State] | State) -> tuple[list[State], Any]:
+    def _check_save(self, step: int, states: Sequence[State] | State) -> tuple[list[dict[str, np.ndarray]], Any]:
         """This process's part of a save's check: its arrays (checked) and its report to the others."""
         self._before_collective()
         validate_step(step)

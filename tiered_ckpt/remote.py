@@ -180,7 +180,7 @@ def _client_options(protocols: set[str], options: Mapping[str, Any], retry: Retr
 class _Reader:
     """A read-only stream whose backend errors become :class:`RemoteError` (reads are remote requests)."""
 
-    def __init__(self, source: BinaryIO, tier: RemoteTier, what: str) -> None:
+    def __init__(self, source: Any, tier: RemoteTier, what: str) -> None:
         self._source, self._tier, self._what = source, tier, what
 
     def read(self, size: int = -1) -> bytes:

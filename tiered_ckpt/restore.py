@@ -152,21 +152,22 @@ class Restorer:
         chosen = decide(
             self._coordinator, _Choice, lambda: _Choice(self._choose(step, complete, committed, missing_ok))
         )
-        if chosen.step is None:
+        restored = chosen.step
+        if restored is None:
             return None
         result, _ = agree_on(
             self._coordinator,
-            lambda: self._load(chosen.step, chosen.step in remote_steps, world_size, reshard, verify, into),
+            lambda: self._load(restored, restored in remote_steps, world_size, reshard, verify, into),
             lambda _result: None,
         )
-        self._drop_unfinished_commits(chosen.step, complete, reports)
+        self._drop_unfinished_commits(restored, complete, reports)
         return result
 
     def _report(self, arguments: str, world_size: int, before: Callable[[], None]) -> StepReport:
         before()
         if not self._one_process and world_size != self._world_size:
             raise UsageError(f"with one process per rank the world size is the coordinator's, {self._world_size}")
-        local = []
+        local: list[tuple[int, int | None]] = []
         for step in self._store.local.steps():
             try:
                 local.append((step, self._store.local.manifest(step).world_size))

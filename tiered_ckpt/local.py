@@ -417,10 +417,9 @@ class LocalTier:
         atomic_write(path, write, check=lambda digest: record.verify(digest, _describe(record, path)))
 
     def commit(self, manifest: ShardManifest, held: Collection[int] | None = None) -> None:
-        """Commit ``manifest``'s step (its shards, ``held`` or all, must be durable here)."""
+        """Commit ``manifest``'s step (its shards, ``held`` or all, must be durable here already)."""
         self.check_locked()
         directory = self.step_dir(manifest.step)
-        fsync_directory(directory)
         record_held_ranks(directory, manifest, range(manifest.world_size) if held is None else held)
         commit_manifest(directory, manifest)
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import ExitStack, closing
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, closing, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
@@ -266,7 +266,8 @@ class CheckpointManager:
         """
         self._check_open()
         self._writer.settle(retention=False)
-        local, reports = self._collective(lambda: self._check_save(step, states), lambda checked: checked[1])
+        with self._raised_on_every_rank():
+            local, reports = agree_on(self._coordinator, lambda: self._check_save(step, states), lambda c: c[1])
         parsed = [from_payload(_SaveReport, report) for report in reports]
         same_call([report.arguments for report in parsed], "save")
         newest = max((report.newest for report in parsed if report.newest is not None), default=None)
@@ -300,8 +301,9 @@ class CheckpointManager:
         self._errors.raise_first()
         self._store.local.check_locked()
 
-    def _collective(self, action: Callable[[], T], share: Callable[[T], Any]) -> tuple[T, list[Any]]:
-        """:func:`agree_on` for the calls every rank makes; background errors are raised there, by every rank.
+    @contextmanager
+    def _raised_on_every_rank(self) -> Iterator[None]:
+        """Around the collectives of save and restore, where background errors are raised by every rank.
 
         A rank's uploader may record a failed upload (agreed by every rank's uploader)
         a moment before or after another's: the rank that has it raises it inside the
@@ -309,7 +311,7 @@ class CheckpointManager:
         when they arrive, are not raised again.
         """
         try:
-            return agree_on(self._coordinator, action, share)
+            yield
         except UploadError as error:
             self._errors.mark_raised(error)
             raise
@@ -416,7 +418,7 @@ class CheckpointManager:
         verify = self.verify if verify is None else verify
         target = self.world_size if world_size is None else world_size
         check_restore_arguments(step, target, verify, into)
-        try:
+        with self._raised_on_every_rank():
             return self._restorer.restore(
                 step,
                 world_size=target,
@@ -426,9 +428,6 @@ class CheckpointManager:
                 missing_ok=missing_ok,
                 before=self._before_collective,
             )
-        except UploadError as error:
-            self._errors.mark_raised(error)
-            raise
 
     # -- moving whole steps (one process holding every rank, as the CLI runs it) ---------------
 

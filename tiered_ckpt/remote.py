@@ -408,6 +408,13 @@ class RemoteTier:
         location = self.location(step, record.path)
         return self._run(f"checking {location}", lambda: self._mismatch(step, record) is None)
 
+    def _pipe(self, path: str, data: bytes, *, create_only: bool = False) -> None:
+        """Write a small object whole; ``create_only`` raises FileExistsError if it exists."""
+        if self._posix:  # temp name, fsync, rename (or link, create-only)
+            write_bytes(Path(path), data, create_only=create_only)
+        else:
+            self._fs.pipe_file(path, data, mode="create" if create_only else "overwrite")
+
     def _put(self, local_path: Path, step: int, record: ShardRecord) -> None:
         path = self._path(step, record.path)
         if not self._posix:
@@ -454,10 +461,7 @@ class RemoteTier:
         def create() -> RemoteManifest | None:
             remote = RemoteManifest(manifest, committed_at=time.time())
             try:
-                if self._posix:
-                    write_bytes(Path(path), remote.to_json().encode(), create_only=True)
-                else:
-                    self._fs.pipe_file(path, remote.to_json().encode(), mode="create")
+                self._pipe(path, remote.to_json().encode(), create_only=True)
             except FileExistsError:
                 return None
             return remote
@@ -475,10 +479,7 @@ class RemoteTier:
     def set_latest(self, step: int) -> None:
         """Point ``latest`` at ``step`` (a hint for people and tools; listing is the truth)."""
         path, data = f"{self._root}/{LATEST_NAME}", f"{step}\n".encode()
-        if self._posix:
-            self._run(f"writing {self.url}/{LATEST_NAME}", lambda: write_bytes(Path(path), data))
-        else:
-            self._run(f"writing {self.url}/{LATEST_NAME}", lambda: self._fs.pipe_file(path, data))
+        self._run(f"writing {self.url}/{LATEST_NAME}", lambda: self._pipe(path, data))
 
     # -- deleting -----------------------------------------------------------------------
 

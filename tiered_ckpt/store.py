@@ -241,23 +241,21 @@ class TieredStore:
         self, manifest: ShardManifest, remote: RemoteManifest | None, fetched: Collection[int], was_committed: bool
     ) -> None:
         """After shards of ``fetched`` ranks were read into the local step: record what it holds,
-        and commit it locally (with its receipt) if it was not committed here before."""
+        commit it locally if it was not committed here before, and record its remote commit
+        (``remote``) if the step has no receipt. Nothing is rewritten that is already right."""
         step = manifest.step
-        held: set[int] = set()
-        if was_committed:
+        if not was_committed:
+            self.local.commit(manifest, fetched)
+        else:
+            held: set[int] | None
             try:
                 held = set(self.local.held_ranks(step, manifest))
             except ManifestError:
                 logger.warning("step %d: the record of held shards is damaged; rewriting it", step, exc_info=True)
-            else:
-                if held >= set(fetched):
-                    return  # the record is already right: no durable rewrite on every restore
-        held |= set(fetched)
-        if was_committed:
-            self.local.record_held(step, manifest, held)
-            return
-        self.local.commit(manifest, held)
-        if remote is not None and self.remote is not None:
+                held = None
+            if held is None or not held >= set(fetched):
+                self.local.record_held(step, manifest, (held or set()) | set(fetched))
+        if remote is not None and self.remote is not None and not self.receipted(step):
             self.local.write_receipt(step, self.remote.url, remote)
 
     def pull(self, step: int | None = None, *, max_workers: int | None = None) -> tuple[int, dict[int, Source]]:
@@ -281,13 +279,9 @@ class TieredStore:
             self.download_shard(step, record)
             return "remote"
 
+        was_committed = step in self.local.steps()
         sources = run_parallel(fetch, remote.manifest.shards, max_workers)
-        ranks = range(remote.manifest.world_size)
-        if step in self.local.steps():
-            self.local.record_held(step, remote.manifest, ranks)
-        else:
-            self.local.commit(remote.manifest, ranks)
-        self.local.write_receipt(step, self.remote.url, remote)
+        self.record_refill(remote.manifest, remote, range(remote.manifest.world_size), was_committed)
         return step, dict(enumerate(sources))
 
     # -- retention ----------------------------------------------------------------------

@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .coordination import Coordinator, SingleProcessCoordinator, agree, decide, exchange
+from .coordination import Coordinator, SingleProcessCoordinator, agree, agree_on, decide, from_payload, to_payload
 from .errors import CheckpointError, ErrorBox, IncompleteCheckpointError, RemoteError, UploadError, UsageError
 from .manifest import RemoteManifest, ShardManifest
 from .options import UploadOptions
@@ -114,9 +114,12 @@ class Uploader:
             self._coordinator, _RemoteListing, lambda: _RemoteListing(*map(tuple, self._remote.list_steps()))
         )
         self.newest_committed = listing.committed[-1] if listing.committed else None
-        reports = exchange(self._coordinator, _ResumeReport, lambda: _ResumeReport(self._resumable(listing.committed)))
+        mine, shared = agree_on(
+            self._coordinator, lambda: _ResumeReport(self._resumable(listing.committed)), to_payload
+        )
+        reports = [from_payload(_ResumeReport, report) for report in shared]
         resumed = sorted(set(reports[0].steps).intersection(*(report.steps for report in reports[1:])))
-        for step in sorted(set(self._resumable(listing.committed)) - set(resumed)):
+        for step in sorted(set(mine.steps) - set(resumed)):
             logger.warning("step %d is committed locally but not on every rank: it cannot be uploaded", step)
         if self._coordinator.is_leader:
             for step in listing.uncommitted:

@@ -1,17 +1,24 @@
-"""Train a small torch model with DDP on the CPU, checkpointing through tiered_ckpt; resume after a kill.
+"""Train a small torch model with DDP on the CPU, checkpointing its whole training state through tiered_ckpt.
 
     torchrun --standalone --nproc-per-node 4 examples/torch_ddp_train.py --config configs/local.toml
 
-Kill it (``kill -9`` any rank: torchrun then stops the others) and run the same command
-again: every rank resumes from the newest step that all ranks hold on their own disk or
-the bucket holds. Each rank writes its checkpoints to ``<config's local dir>/rank-<r>``,
-as if each were on its own node.
+Each rank saves one nested state: its ZeRO-1 slice of the flat parameters and of AdamW's
+moments (so the checkpoint is sharded across ranks, and can be resharded when the job
+restarts with another number of processes: --reshard), AdamW's param groups and step,
+the LR scheduler, the torch, numpy and python RNG states, and the data sampler's position.
+A resumed run continues bit for bit as if it had never stopped.
 
-The model is replicated by DDP, so each rank saves only its slice (ZeRO-1 style) of the
-flat parameters and Adam moments, plus the replicated step counter: the checkpoint is
-sharded across ranks and can be resharded when the job restarts with another number of
-processes (--reshard). Without --config, TIERED_CKPT_LOCAL_DIR (and TIERED_CKPT_REMOTE_URL
-for a bucket) say where checkpoints go.
+- Kill it (``kill -9`` any rank: torchrun then stops the others) and run the same command
+  again: every rank resumes from the newest step that all ranks hold on their own disk
+  or the bucket holds.
+- Send SIGTERM to any rank (a preemption notice): every rank stops at the same step,
+  saves it, waits until the bucket has it and exits 0. A new node with an empty disk
+  resumes from the bucket.
+
+Each rank writes its checkpoints to ``<config's local dir>/rank-<r>``, as if each were on
+its own node. Without --config, TIERED_CKPT_LOCAL_DIR (and TIERED_CKPT_REMOTE_URL for a
+bucket) say where checkpoints go. Every rank seeds its RNGs alike (the RNG states are
+then replicated, which resharding requires of every value that is not a flat slice).
 """
 
 from __future__ import annotations
@@ -19,23 +26,28 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import random
 import signal
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DistributedSampler
 
 import tiered_ckpt
 
-FEATURES, HIDDEN, BATCH = 32, 64, 64
+FEATURES, HIDDEN, BATCH, SAMPLES = 32, 64, 16, 1024
+# The arrays that are each rank's slice of a flat vector: named by their paths in the state.
+SHARDED = [("model", "params"), ("optim", "exp_avg"), ("optim", "exp_avg_sq")]
 
 
-def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s batch at ``step``: the same on every run, so a resumed run sees the same data."""
-    generator = torch.Generator().manual_seed(step * 1000 + rank)
-    inputs = torch.randn(BATCH, FEATURES, generator=generator)
+def dataset() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1234)
+    inputs = torch.randn(SAMPLES, FEATURES, generator=generator)
     return inputs, torch.sin(inputs.sum(dim=1, keepdim=True))
 
 
@@ -46,49 +58,72 @@ def slice_of(numel: int, world_size: int, rank: int) -> slice:
     return slice(start, start + sizes[rank])
 
 
-def flat_state(model: nn.Module, optimizer: torch.optim.Adam) -> dict[str, torch.Tensor]:
-    """The flat parameters and Adam moments, and Adam's step count, of the whole model."""
+def training_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, data: dict[str, int], mine: slice
+) -> dict[str, Any]:
+    """This rank's checkpoint: one nested state of tensors, arrays and plain values."""
     params = list(model.parameters())
     moments = [optimizer.state[p] for p in params]
     return {
-        "params": torch.cat([p.detach().reshape(-1) for p in params]),
-        "exp_avg": torch.cat([m["exp_avg"].reshape(-1) for m in moments]),
-        "exp_avg_sq": torch.cat([m["exp_avg_sq"].reshape(-1) for m in moments]),
-        "adam_step": moments[0]["step"].reshape(1, 1),  # 2-D: replicated, not a flat slice
+        "model": {"params": torch.cat([p.detach().reshape(-1) for p in params])[mine]},
+        "optim": {
+            "exp_avg": torch.cat([m["exp_avg"].reshape(-1) for m in moments])[mine],
+            "exp_avg_sq": torch.cat([m["exp_avg_sq"].reshape(-1) for m in moments])[mine],
+            "step": moments[0]["step"],
+            "param_groups": optimizer.state_dict()["param_groups"],  # floats, ints, the betas tuple
+        },
+        "sched": scheduler.state_dict(),
+        "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+        "data": dict(data),
     }
 
 
-def load_flat_state(model: nn.Module, optimizer: torch.optim.Adam, flat: dict[str, torch.Tensor]) -> None:
-    """Put whole flat vectors (gathered from every rank's slice) back into the model and Adam."""
-    offset = 0
-    state = {}
+def gather(piece: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Every rank's slice of a flat vector, concatenated in rank order (slices differ in length by one)."""
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(lengths, torch.tensor([piece.numel()]))
+    padded = torch.zeros(int(max(lengths)), dtype=piece.dtype)
+    padded[: piece.numel()] = piece
+    parts = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.all_gather(parts, padded)
+    return torch.cat([part[: int(n)] for part, n in zip(parts, lengths, strict=True)])
+
+
+def load_training_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, state: dict[str, Any], world_size: int
+) -> dict[str, int]:
+    """Put a restored state back (each flat vector gathered from every rank's slice); return the data position."""
+    flat = {name: gather(state[part][name], world_size) for part, name in SHARDED}
+    offset, per_param = 0, {}
     with torch.no_grad():
         for index, param in enumerate(model.parameters()):
-            numel = param.numel()
-            param.copy_(flat["params"][offset : offset + numel].view_as(param))
-            state[index] = {
-                "step": flat["adam_step"].reshape(()).clone(),
-                "exp_avg": flat["exp_avg"][offset : offset + numel].view_as(param).clone(),
-                "exp_avg_sq": flat["exp_avg_sq"][offset : offset + numel].view_as(param).clone(),
+            window = slice(offset, offset + param.numel())
+            param.copy_(flat["params"][window].view_as(param))
+            per_param[index] = {
+                "step": state["optim"]["step"].clone(),
+                "exp_avg": flat["exp_avg"][window].view_as(param).clone(),
+                "exp_avg_sq": flat["exp_avg_sq"][window].view_as(param).clone(),
             }
-            offset += numel
-    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+            offset += param.numel()
+    optimizer.load_state_dict({"state": per_param, "param_groups": state["optim"]["param_groups"]})
+    scheduler.load_state_dict(state["sched"])
+    torch.set_rng_state(state["rng"]["torch"])
+    np.random.set_state(state["rng"]["numpy"])
+    random.setstate(state["rng"]["python"])
+    return state["data"]
 
 
-def gather_flat(shard: dict[str, torch.Tensor], world_size: int) -> dict[str, torch.Tensor]:
-    """Every rank's slice of each flat vector, concatenated in rank order (slices differ in length by one)."""
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
-    dist.all_gather(lengths, torch.tensor([shard["params"].numel()]))
-    longest = int(max(lengths))
-    whole = {}
-    for key in ("params", "exp_avg", "exp_avg_sq"):
-        padded = torch.zeros(longest, dtype=shard[key].dtype)
-        padded[: shard[key].numel()] = shard[key]
-        parts = [torch.empty_like(padded) for _ in range(world_size)]
-        dist.all_gather(parts, padded)
-        whole[key] = torch.cat([part[: int(n)] for part, n in zip(parts, lengths, strict=True)])
-    whole["adam_step"] = shard["adam_step"]
-    return whole
+def next_batch(sampler: DistributedSampler, data: dict[str, int], inputs: torch.Tensor, targets: torch.Tensor):
+    """The batch at the data position, which then moves on (to the next epoch at the end of one)."""
+    batches = len(sampler) // BATCH
+    if data["batch"] >= batches:
+        data["epoch"], data["batch"] = data["epoch"] + 1, 0
+    sampler.set_epoch(data["epoch"])
+    indices = list(sampler)[data["batch"] * BATCH : (data["batch"] + 1) * BATCH]
+    data["batch"] += 1
+    noise = torch.from_numpy(np.random.normal(0.0, 0.01, (BATCH, FEATURES)).astype(np.float32))  # numpy RNG
+    scale = 1.0 + 0.01 * random.random()  # python RNG
+    return (inputs[indices] + noise) * scale, targets[indices]
 
 
 def main() -> None:
@@ -96,6 +131,7 @@ def main() -> None:
     parser.add_argument("--config", type=Path, help="a config file (see configs/)")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
+    parser.add_argument("--log-every", type=int, default=10, help="print the loss every N steps")
     parser.add_argument("--reshard", action="store_true", help="resume a checkpoint of another world size")
     parser.add_argument(
         "--kill-at-step",
@@ -108,46 +144,67 @@ def main() -> None:
     torch.set_num_threads(1)  # one core per rank, and bit-for-bit repeatable arithmetic
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    print(f"rank {rank}: pid {os.getpid()}", flush=True)
     torch.manual_seed(0)
-    model = DistributedDataParallel(nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, 1)))
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    np.random.seed(0)
+    random.seed(0)
+    model = DistributedDataParallel(
+        nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.Tanh(), nn.Dropout(0.1), nn.Linear(HIDDEN, 1))
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=15, gamma=0.5)
+    inputs, targets = dataset()
+    # One warm-up step, the same on every run, before anything is restored: DDP re-lays
+    # its gradient buckets after its first step, and with more than two ranks the order
+    # of a ring all-reduce's sums (so the last bits) follows that layout. Run it here and
+    # a resumed run sums exactly as an uninterrupted one. (The restore overwrites what it changed.)
+    model(inputs[:BATCH]).sum().backward()
+    optimizer.step()
     optimizer.zero_grad()
-    model(batch(0, rank)[0]).sum().backward()
-    optimizer.step()  # one warm-up step at step 0 so Adam's state exists; the same on every run
+    sampler = DistributedSampler(range(SAMPLES), num_replicas=world_size, rank=rank, shuffle=True, seed=7)
+    data = {"epoch": 0, "batch": 0}
+    numel = sum(p.numel() for p in model.parameters())
+    mine = slice_of(numel, world_size, rank)
 
     config = tiered_ckpt.load_config(args.config)
     coordinator = tiered_ckpt.TorchDistributedCoordinator()  # a gloo group of its own: saves never race DDP
     local_dir = Path(config.local.dir) / f"rank-{rank}"
-    with tiered_ckpt.CheckpointManager.from_config(config, local_dir=local_dir, coordinator=coordinator) as manager:
-        start = 0
+    with tiered_ckpt.CheckpointManager.from_config(
+        config, local_dir=local_dir, coordinator=coordinator, sharded_keys=SHARDED, preemption_signals=[signal.SIGTERM]
+    ) as manager:
+        start, preempted = 0, False
         # Collective: every rank gets the same step, or None if no rank and no bucket has one yet.
         restored = manager.restore(reshard=args.reshard, missing_ok=True)
         if restored is not None:
-            load_flat_state(model.module, optimizer, gather_flat(restored.torch_state(), world_size))
+            data = load_training_state(model.module, optimizer, scheduler, restored.torch_state(), world_size)
             start = restored.step
             print(f"rank {rank}: resumed from step {start}; shards from {restored.sources}", flush=True)
-        numel = sum(p.numel() for p in model.parameters())
         for step in range(start + 1, args.steps + 1):
             if step == args.kill_at_step:  # (for tests) a kill after every rank committed the last save
                 manager.wait()
                 dist.barrier()
                 if rank == 1:
                     os.kill(os.getpid(), signal.SIGKILL)
-            inputs, targets = batch(step, rank)
+            batch_inputs, batch_targets = next_batch(sampler, data, inputs, targets)
             optimizer.zero_grad()
-            loss = nn.functional.mse_loss(model(inputs), targets)
+            loss = nn.functional.mse_loss(model(batch_inputs), batch_targets)
             loss.backward()  # DDP all-reduces the gradients on the default group
             optimizer.step()
-            if step % args.every == 0:
-                mine = slice_of(numel, world_size, rank)
-                flat = flat_state(model.module, optimizer)
-                shard = {key: (value[mine] if key != "adam_step" else value) for key, value in flat.items()}
-                manager.save(step, shard)  # returns once staged; written and uploaded in the background
-                if rank == 0:
-                    print(f"step {step}: loss {loss.item():.6f}, checkpoint saved", flush=True)
+            scheduler.step()
+            if step % args.every == 0:  # returns once staged; written and uploaded in the background
+                manager.save(step, training_state(model.module, optimizer, scheduler, data, mine))
+            if rank == 0 and step % args.log_every == 0:
+                print(f"step {step}: loss {loss.item():.6f}", flush=True)
+            if manager.reached_preemption(step):  # the same step on every rank, once any rank got SIGTERM
+                if step % args.every != 0:
+                    manager.save(step, training_state(model.module, optimizer, scheduler, data, mine), blocking=True)
+                manager.wait(uploaded=True)
+                print(f"rank {rank}: preempted at step {step}; step {step} is committed", flush=True)
+                preempted = True
+                break
         manager.wait(uploaded=True)
-    if rank == 0:
-        params = flat_state(model.module, optimizer)["params"]
+    if rank == 0 and not preempted:
+        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         print(f"final parameters sha256 {hashlib.sha256(params.numpy().tobytes()).hexdigest()}", flush=True)
     dist.destroy_process_group()
 

@@ -244,7 +244,9 @@ def test_an_array_one_rank_cannot_save_fails_the_save_on_every_rank(tmp_path):
     actions = [{"do": "save", "step": 1, "text_on_rank": 1}]
     for rank, result in run_ranks(tmp_path, 2, actions).items():
         assert result["error"][0] == "InvalidStateError"
-        assert result["error"][1].startswith("rank 1: array 'note' has dtype <U32"), result  # named once, on both ranks
+        assert result["error"][1].startswith('rank 1: state["note"] has dtype <U32'), (
+            result
+        )  # named once, on both ranks
         assert not (node(tmp_path, rank) / step_dir_name(1)).exists()
 
 

@@ -1,10 +1,15 @@
 import os
+import random
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import s3_credentials_env, write_s3_config
+from tiered_ckpt.remote import RemoteTier
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -82,3 +87,58 @@ def test_ddp_example_resumes_with_fewer_ranks_through_the_bucket(tmp_path, s3_ur
     assert "rank 0: resumed from step 20; shards from {0: 'local', 1: 'remote'}" in resumed
     assert "rank 1: resumed from step 20; shards from {2: 'remote', 3: 'remote'}" in resumed
     assert "step 30: loss" in resumed
+
+
+def preempted_ddp_run(tmp_path, config, processes, signalled_rank, after_step, env):
+    """Run the DDP example, send SIGTERM to one rank once rank 0 reports ``after_step``; return its output."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
+    script = [str(EXAMPLES / "torch_ddp_train.py"), "--config", str(config), "--steps", "60", "--log-every", "1"]
+    job = subprocess.Popen([*command, *script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines, pids = [], {}
+    try:
+        for line in job.stdout:
+            lines.append(line)
+            if match := re.match(r"rank (\d+): pid (\d+)", line):
+                pids[int(match.group(1))] = int(match.group(2))
+            if line.startswith(f"step {after_step}:"):
+                os.kill(pids[signalled_rank], signal.SIGTERM)  # a preemption notice, to one rank only
+                break
+        rest, errors = job.communicate(timeout=120)  # the grace period
+    finally:
+        job.kill()
+    assert job.returncode == 0, errors
+    return "".join(lines) + rest
+
+
+@pytest.mark.parametrize("processes, signalled_rank", [(1, 0), (3, 1)])
+def test_ddp_example_preempted_by_sigterm_commits_that_step_and_a_fresh_node_resumes_bit_for_bit(
+    tmp_path, s3_url, moto_endpoint, processes, signalled_rank
+):
+    url, _options = s3_url
+    env = s3_credentials_env()
+    config = write_s3_config(tmp_path / "job.toml", tmp_path / "node-a", url, moto_endpoint)
+    after_step = random.choice([s for s in range(12, 40) if s % 10 not in (0, 9)])
+    preempted = preempted_ddp_run(tmp_path, config, processes, signalled_rank, after_step, env)
+    stops = {int(m.group(2)) for m in re.finditer(r"rank (\d+): preempted at step (\d+)", preempted)}
+    assert len(stops) == 1 and len(re.findall(r"preempted at step", preempted)) == processes  # one step, every rank
+    stop = stops.pop()
+    assert stop >= after_step and "final parameters" not in preempted
+    remote = RemoteTier(url, _options)
+    assert remote.committed_steps()[-1] == stop  # that very step is in the bucket
+
+    def torchrun(config_path, local_dir):
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
+        script = [str(EXAMPLES / "torch_ddp_train.py"), "--config", str(config_path), "--steps", "60"]
+        run_env = {**env, "TIERED_CKPT_LOCAL_DIR": str(local_dir)}
+        run = subprocess.run([*command, *script], capture_output=True, text=True, env=run_env, timeout=300)
+        assert run.returncode == 0, run.stderr
+        return run.stdout
+
+    fresh = torchrun(config, tmp_path / "node-b")  # an empty disk: every shard from the bucket
+    expected = {rank: "remote" for rank in range(processes)}
+    for rank in range(processes):
+        assert f"rank {rank}: resumed from step {stop}; shards from {{{rank}: '{expected[rank]}'}}" in fresh
+    other = write_s3_config(tmp_path / "other.toml", tmp_path / "node-c", url + "-uninterrupted", moto_endpoint)
+    uninterrupted = torchrun(other, tmp_path / "node-c")
+    digest = re.compile(r"final parameters sha256 ([0-9a-f]{64})")
+    assert digest.search(fresh).group(1) == digest.search(uninterrupted).group(1)

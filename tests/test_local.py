@@ -84,7 +84,7 @@ def written_record(tmp_path) -> tuple[ShardRecord, dict]:
 
 def test_shard_file_round_trip_and_size_checks(tmp_path):
     record, arrays = written_record(tmp_path)
-    np.testing.assert_array_equal(read_shard_file(tmp_path, record)["w"], arrays["w"])
+    np.testing.assert_array_equal(read_shard_file(tmp_path, record).arrays["w"], arrays["w"])
     path = tmp_path / record.path
     with open(path, "ab") as f:
         f.write(b"!")

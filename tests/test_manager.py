@@ -119,7 +119,7 @@ def test_bad_input_is_refused_at_the_call_and_writes_nothing(manager, states):
     with pytest.raises(InvalidStateError, match="world_size is 4 but 3 rank states"):
         manager.save(1, states[:3])
     states[1]["bad"] = np.ones(2, np.complex64)
-    with pytest.raises(InvalidStateError, match="rank 1: array 'bad' has dtype complex64"):
+    with pytest.raises(InvalidStateError, match=r'rank 1: state\["bad"\] has dtype complex64'):
         manager.save(1, states)
     assert os.listdir(manager.root) == []
 
@@ -637,7 +637,7 @@ def test_a_remote_url_without_a_bucket_is_refused(tmp_path, url, monkeypatch):
 def test_a_masked_array_is_refused_before_anything_is_written(manager, states):
     bad = [dict(state) for state in states]
     bad[2]["mask"] = np.ma.masked_array([1.0, 2.0], mask=[False, True])
-    with pytest.raises(InvalidStateError, match="rank 2: 'mask' is a masked array"):
+    with pytest.raises(InvalidStateError, match=r'rank 2: state\["mask"\] is a masked array'):
         manager.save(1, bad)
     assert os.listdir(manager.root) == []
 

@@ -46,6 +46,13 @@ def test_round_trip_is_lossless():
     assert manifest.total_bytes == 4006
 
 
+@pytest.mark.parametrize("version", [1, 2])
+def test_both_schema_versions_are_read_and_written_back_unchanged(version):
+    manifest = parse({**valid_document(), "schema_version": version})
+    assert manifest.schema_version == version
+    assert json.loads(manifest.to_json())["schema_version"] == version
+
+
 def test_shards_may_be_listed_in_any_order():
     document = valid_document()
     document["shards"].reverse()
@@ -73,7 +80,7 @@ def mutate(path: str, value):
 DELETE = object()
 
 VIOLATIONS = {
-    "unknown schema version": (mutate("schema_version", 2), "schema_version"),
+    "unknown schema version": (mutate("schema_version", 3), "schema_version"),
     "schema version as string": (mutate("schema_version", "1"), "schema_version"),
     "world size as string": (mutate("world_size", "4"), "world_size"),
     "world size zero": (mutate("world_size", 0), "world_size"),

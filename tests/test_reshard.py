@@ -36,7 +36,7 @@ def test_replicated_arrays_must_agree_on_every_rank(tmp_path):
     states = zero1_states(world_size=4)
     states[2]["step"] = np.array(1235, dtype=np.int64)
     manifest = save_sharded(states, tmp_path, step=1, sharded_keys=ZERO1_SHARDED_KEYS)
-    with pytest.raises(ReshardError, match="replicated key 'step' differs between rank 0 and rank 2"):
+    with pytest.raises(ReshardError, match=r'replicated state\["step"\] differs between rank 0 and rank 2'):
         reshard(load_sharded(tmp_path, 4), manifest, 2)
 
 
@@ -44,7 +44,7 @@ def test_ranks_must_hold_the_same_keys(tmp_path):
     states = zero1_states(world_size=2)
     del states[1]["loss_scale"]
     manifest = save_sharded(states, tmp_path, step=1, sharded_keys=ZERO1_SHARDED_KEYS)
-    with pytest.raises(ReshardError, match=r"rank 1 holds different keys than rank 0: \['loss_scale'\]"):
+    with pytest.raises(ReshardError, match=r"rank 1 holds different arrays than rank 0: \['loss_scale'\]"):
         reshard(load_sharded(tmp_path, 2), manifest, 4)
 
 
@@ -52,5 +52,48 @@ def test_sharded_dtype_must_agree_on_every_rank(tmp_path):
     states = zero1_states(world_size=2)
     states[1]["exp_avg"] = states[1]["exp_avg"].astype(np.float64)
     manifest = save_sharded(states, tmp_path, step=1, sharded_keys=ZERO1_SHARDED_KEYS)
-    with pytest.raises(ReshardError, match="sharded key 'exp_avg' on rank 1 is float64"):
+    with pytest.raises(ReshardError, match=r'sharded state\["exp_avg"\] on rank 1 is float64'):
         reshard(load_sharded(tmp_path, 2), manifest, 3)
+
+
+def nested_zero1(world_size: int, epoch: int = 3) -> list[dict]:
+    """ZeRO-1 slices inside a nested training state, with replicated scalars and arrays beside them."""
+    return [
+        {
+            "model": {"flat": flat["master_fp32"]},
+            "optim": {
+                "state": {0: {"exp_avg": flat["exp_avg"]}},
+                "param_groups": [{"lr": 0.001, "betas": (0.9, 0.95), "params": [0]}],
+                "step": flat["step"],
+            },
+            "data": {"epoch": epoch, "seed": 2**70},
+        }
+        for flat in zero1_states(world_size=world_size)
+    ]
+
+
+NESTED_SHARDED = [("model", "flat"), ("optim", "state", 0, "exp_avg")]
+
+
+@pytest.mark.parametrize("old, new", [(4, 3), (3, 5)])
+def test_flat_slices_inside_a_nested_state_reshard_by_their_paths(tmp_path, old, new):
+    with CheckpointManager(tmp_path, world_size=old, sharded_keys=NESTED_SHARDED) as manager:
+        manifest = manager.save(1, nested_zero1(old), blocking=True).wait()
+    assert manifest.sharded_keys == ("model/flat", "optim/state/#0/exp_avg")
+    with CheckpointManager(tmp_path, world_size=new) as manager:
+        result = manager.restore(reshard=True)
+    expected = nested_zero1(new)
+    for restored, wanted in zip(result.states, expected, strict=True):
+        assert restored["model"]["flat"].tobytes() == wanted["model"]["flat"].tobytes()
+        assert restored["optim"]["state"][0]["exp_avg"].tobytes() == wanted["optim"]["state"][0]["exp_avg"].tobytes()
+        assert restored["optim"]["param_groups"] == wanted["optim"]["param_groups"]
+        assert restored["data"] == {"epoch": 3, "seed": 2**70}
+
+
+def test_a_scalar_that_differs_between_ranks_refuses_to_reshard_naming_its_path(tmp_path):
+    states = nested_zero1(2)
+    states[1]["data"]["epoch"] = 4
+    manifest = save_sharded(states, tmp_path, step=1, sharded_keys=NESTED_SHARDED)
+    with pytest.raises(ReshardError, match=r'state\["data"\]\["epoch"\] differs between rank 0 and rank 1'):
+        reshard(load_sharded(tmp_path, 2), manifest, 3)
+    assert [s["data"]["epoch"] for s in load_sharded(tmp_path, 2)] == [3, 4]  # without resharding it loads

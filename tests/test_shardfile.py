@@ -34,7 +34,7 @@ def read_from_bytes(tmp_path):
         with open(path, "rb") as source:
             return read_shard(
                 source, check=lambda got: record.verify(got, "test shard"), verify=verify, what="test shard"
-            )
+            ).arrays
 
     return read
 
@@ -224,7 +224,7 @@ def test_any_bytes_that_verify_load_or_fail_with_a_typed_error_naming_the_file(d
     )
     with open(path, "rb") as source:
         try:
-            arrays = read_shard(source, check=lambda got: record.verify(got, str(path)), what=str(path))
+            arrays = read_shard(source, check=lambda got: record.verify(got, str(path)), what=str(path)).arrays
         except ShardFormatError as error:
             assert str(path) in str(error)
             return

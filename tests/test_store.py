@@ -29,7 +29,8 @@ def two_tiers(tmp_path, memory_url):
 
 def test_an_intact_local_shard_is_read_locally(two_tiers):
     store, manifest, states = two_tiers
-    arrays, source = store.fetch_shard(3, manifest.shard(1))
+    state, source = store.fetch_shard(3, manifest.shard(1))
+    arrays = state.arrays
     assert source == "local" and arrays["w"].tobytes() == states[1]["w"].tobytes()
 
 
@@ -50,7 +51,8 @@ def test_a_damaged_local_shard_comes_from_the_bucket_and_is_landed_locally(two_t
     else:  # the committed bytes, but through a link that leaves the checkpoint
         os.replace(path, path.parent.parent / "elsewhere")
         path.symlink_to(path.parent.parent / "elsewhere")
-    arrays, source = store.fetch_shard(3, record)
+    state, source = store.fetch_shard(3, record)
+    arrays = state.arrays
     assert source == "remote" and arrays["w"].tobytes() == states[0]["w"].tobytes()
     assert store.local.check_shard(3, record) is None  # the local tier was refilled
     assert [name for name in os.listdir(path.parent) if name.startswith(".")] == []
@@ -102,7 +104,7 @@ def test_pull_fills_an_empty_local_tier(two_tiers, tmp_path):
         step, sources = fresh.pull()
     assert step == 3 and sources == {0: "remote", 1: "remote"}
     assert fresh.local.steps() == [3] and fresh.receipted(3)
-    assert fresh.local.read_shard(3, manifest.shard(1))["w"].tobytes() == states[1]["w"].tobytes()
+    assert fresh.local.read_shard(3, manifest.shard(1)).arrays["w"].tobytes() == states[1]["w"].tobytes()
 
 
 def test_writes_refuse_a_directory_replaced_under_the_lock(two_tiers, tmp_path):

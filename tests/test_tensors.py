@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from tiered_ckpt import CheckpointManager, load_sharded, save_sharded
+from tiered_ckpt import CheckpointManager, InvalidStateError, load_sharded, save_sharded
 from tiered_ckpt.tensors import is_tensor, numpy_state, to_numpy, to_torch, torch_state
 
 DTYPES = [
@@ -88,3 +88,29 @@ def test_the_core_imports_without_torch():
     code = "import sys; sys.modules['torch'] = None; import tiered_ckpt; print('ok')"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_restore_into_a_nested_torch_state_fills_the_callers_tensors_in_place(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    saved = {"model": model.state_dict(), "optim": optimizer.state_dict(), "epoch": 7}
+    expected = {key: value.clone() for key, value in model.state_dict().items()}
+    with CheckpointManager(tmp_path, world_size=1) as manager:
+        manager.save(1, saved, blocking=True)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.zero_()
+        target = {"model": model.state_dict(), "optim": optimizer.state_dict(), "epoch": 0}
+        restored = manager.restore(into=target)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, expected[key])  # the model's own tensors hold the checkpoint
+    assert restored.state["epoch"] == 7 and restored.state["optim"]["param_groups"][0]["momentum"] == 0.9
+
+
+def test_restore_into_refuses_a_state_of_another_shape_naming_the_path(tmp_path):
+    with CheckpointManager(tmp_path, world_size=1) as manager:
+        manager.save(1, {"model": {"w": torch.zeros(3)}}, blocking=True)
+        with pytest.raises(InvalidStateError, match=r"into\['model/w'\] is float32 \(4,\)"):
+            manager.restore(into={"model": {"w": torch.zeros(4)}})

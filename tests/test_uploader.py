@@ -168,3 +168,22 @@ def test_resume_queues_unuploaded_steps_and_removes_half_uploaded_ones(job):
     assert uploader.resume() == [3, 4]  # newer than the newest remote commit; step 1 is superseded
     uploader.wait()
     assert store.receipted(2) and remote.committed_steps() == [2, 3, 4]
+
+
+def test_after_a_preemption_notice_the_newest_step_goes_next_and_older_queued_steps_are_dropped(job):
+    store, remote, start = job
+    remote.hold.clear()
+    uploader = start(max_pending=1, when_behind="wait")
+    uploader.submit(1)
+    remote.holding.wait()  # step 1 is being put
+    uploader.submit(2)
+    uploader.preempt()
+    uploader.submit(3)  # a full queue no longer blocks the submitter once preempted
+    uploader.submit(4)
+    assert uploader.pending() == [1, 2, 3, 4]
+    remote.hold.set()
+    uploader.wait()
+    uploader.errors.raise_first()
+    assert remote.committed_steps() == [1, 4]  # the step in flight finishes; 2 and 3 are superseded
+    assert remote.puts == [1, 4]
+    assert not store.receipted(2) and not store.receipted(3)

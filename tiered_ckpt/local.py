@@ -46,6 +46,7 @@ from .layout import (
 )
 from .manifest import MAX_MANIFEST_BYTES, RemoteManifest, ShardManifest, ShardRecord
 from .shardfile import ShardDigest, Verify, check_verify, hash_stream, read_shard, write_shard
+from .state import FlatState
 
 __all__ = [
     "LocalTier",
@@ -150,14 +151,15 @@ def read_shard_file(
     record: ShardRecord,
     verify: Verify = "full",
     into: Mapping[str, np.ndarray] | None = None,
-) -> dict[str, np.ndarray]:
-    """Return the arrays of ``record``'s shard in ``directory``, verified against the record.
+) -> FlatState:
+    """Return the state in ``record``'s shard in ``directory``, verified against the record.
 
     With ``into``, fills those arrays instead (see :func:`~tiered_ckpt.shardfile.read_shard`).
 
     Raises :class:`IncompleteCheckpointError` if the file is missing, not a regular file
     or shorter than recorded, :class:`ChecksumMismatchError` if it is longer or its bytes
-    differ, and :class:`ConfigError` for a ``verify`` other than "full" or "fast".
+    differ, :class:`ShardFormatError` if they verify but are not a valid shard (or
+    structure document), and :class:`ConfigError` for a ``verify`` other than "full" or "fast".
     """
     check_verify(verify)
     path = directory / record.path
@@ -168,7 +170,10 @@ def read_shard_file(
             raise IncompleteCheckpointError(f"{what}: file is short, {size} of {record.size_bytes} bytes")
         if size > record.size_bytes:
             raise ChecksumMismatchError(f"{what}: file has {size} bytes, the manifest records {record.size_bytes}")
-        return read_shard(source, check=lambda digest: record.verify(digest, what), verify=verify, what=what, into=into)
+        contents = read_shard(
+            source, check=lambda digest: record.verify(digest, what), verify=verify, what=what, into=into
+        )
+    return FlatState.from_shard(contents, what)
 
 
 def check_shard_file(directory: Path, record: ShardRecord) -> str | None:
@@ -379,7 +384,7 @@ class LocalTier:
 
     def read_shard(
         self, step: int, record: ShardRecord, verify: Verify = "full", into: Mapping[str, np.ndarray] | None = None
-    ) -> dict[str, np.ndarray]:
+    ) -> FlatState:
         return read_shard_file(self.step_dir(step), record, verify, into)
 
     def check_shard(self, step: int, record: ShardRecord) -> str | None:

@@ -27,14 +27,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, closing, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypeVar, Unpack, overload
-
-import numpy as np
 
 from .config import Config, load_config
 from .coordination import Coordinator, agree_on, from_payload, resolve_coordinator, to_payload
@@ -48,13 +47,13 @@ from .errors import (
 )
 from .local import LocalTier
 from .options import LocalOptions, ManagerKeywords, Options, RemoteOptions, UploadOptions, resolve_options
+from .preemption import PreemptionNotice, PreemptionWatch
 from .remote import RemoteTier
 from .restore import Restorer, RestoreResult, check_restore_arguments, same_call
 from .sharded import resolve_sharded_keys, sharding_summary, validate_states, validate_step
-from .shardfile import Verify, check_arrays
-from .state import StagingBuffers, State
+from .shardfile import Verify
+from .state import FlatState, StagingBuffers, State, flatten
 from .store import TieredStore
-from .tensors import numpy_state
 from .uploader import Uploader
 from .writer import SaveHandle, Writer
 
@@ -66,11 +65,13 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class _SaveReport:
-    """One process's check of a save call: its arguments, its newest step, its arrays' shapes per rank."""
+    """One process's check of a save call: its arguments, its newest step, its arrays' shapes per
+    rank, and whether each of its ranks' states is a flat dict of arrays."""
 
     arguments: str
     newest: int | None
     shapes: tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]
+    flat: bool
 
 
 class CheckpointManager:
@@ -96,6 +97,10 @@ class CheckpointManager:
     keeps the newest steps (None keeps all), ``keep_every`` also keeps every step
     divisible by it; the newest committed step is never deleted.
 
+    ``preemption_signals`` (e.g. ``(signal.SIGTERM,)``; default none) installs handlers
+    that note a preemption notice for :meth:`reached_preemption` (chained to the handlers
+    they replace, which :meth:`close` puts back); only from the main thread.
+
     Use it as a context manager, or call :meth:`close` at the end of the run.
     """
 
@@ -107,8 +112,9 @@ class CheckpointManager:
         coordinator: Coordinator | None = None,
         remote: RemoteOptions | None = None,
         upload: UploadOptions | None = None,
-        sharded_keys: Iterable[str] | None = None,
+        sharded_keys: Iterable[str | Sequence[str | int]] | None = None,
         max_workers: int | None = None,
+        preemption_signals: Iterable[int | signal.Signals] = (),
         **keywords: Unpack[ManagerKeywords],
     ) -> None:
         options = resolve_options(local_dir, remote, upload, keywords)
@@ -139,6 +145,9 @@ class CheckpointManager:
             if remote_tier is not None:
                 self._uploader = self._exit_stack.enter_context(closing(self._start_uploader(options)))
                 self._uploader.resume()
+            notice = self._exit_stack.enter_context(closing(PreemptionNotice(preemption_signals)))
+            channel = coordinator if self._one_process else coordinator.new_channel()
+            self._preemption = PreemptionWatch(notice, channel, self._preempt_uploads)
         except BaseException:
             self._exit_stack.close()  # release the directory and stop the uploader: nothing is half-open
             raise
@@ -253,10 +262,12 @@ class CheckpointManager:
     # -- saving -------------------------------------------------------------------------
 
     def save(self, step: int, states: Sequence[State] | State, *, blocking: bool = False) -> SaveHandle:
-        """Checkpoint ``states`` (one dict of numpy arrays or torch tensors per rank) as ``step``.
+        """Checkpoint ``states`` (one state per rank) as ``step``.
 
-        With one process per rank, ``states`` is this rank's dict (every rank calls
-        ``save`` with the same step). Returns once the arrays are copied to staging
+        A state is a dict nesting dicts, lists and tuples of numpy arrays, torch tensors
+        and scalars (see :mod:`tiered_ckpt.state`); ``restore`` gives it back with its
+        types. With one process per rank, ``states`` is this rank's state (every rank
+        calls ``save`` with the same step). Returns once the arrays are copied to staging
         buffers: the caller may then overwrite its arrays. The write runs in the
         background; ``blocking=True`` waits for the commit. Raises first any background
         error not yet raised (:class:`SaveError`, :class:`UploadError`), then
@@ -276,23 +287,25 @@ class CheckpointManager:
                 f"{self.root}: step {step} is not newer than the newest checkpoint, step {newest}"
             )
         shapes = [dict(rank_shapes) for report in parsed for rank_shapes in report.shapes]
-        keys, numels = resolve_sharded_keys(shapes, self._sharded_keys)
+        flat = all(report.flat for report in parsed)
+        keys, numels = resolve_sharded_keys(shapes, self._sharded_keys, flat=flat)
         handle = self._writer.submit(step, local[0], keys, numels)
         if blocking:
             handle.wait()
         return handle
 
-    def _check_save(self, step: int, states: Sequence[State] | State) -> tuple[list[dict[str, np.ndarray]], Any]:
-        """This process's part of a save's check: its arrays (checked) and its report to the others."""
+    def _check_save(self, step: int, states: Sequence[State] | State) -> tuple[list[FlatState], Any]:
+        """This process's part of a save's check: its flattened states (checked) and its report to the others."""
         self._before_collective()
         validate_step(step)
         given = [states] if isinstance(states, Mapping) else states
         validate_states(given, len(self._ranks))
-        # torch tensors become numpy views; every array is checked here, inside the
-        # collective, so a bad array raises on every rank rather than stranding the others
-        local = [check_arrays(numpy_state(state), f"rank {r}") for r, state in zip(self._ranks, given, strict=True)]
-        shapes = tuple(tuple((key, tuple(shape)) for key, shape in sharding_summary(s).items()) for s in local)
-        report = _SaveReport(json.dumps({"step": step}), self.latest_step(), shapes)
+        # torch tensors become numpy views; every value is checked here, inside the
+        # collective, so bad input raises on every rank rather than stranding the others
+        local = [flatten(state, f"rank {r}") for r, state in zip(self._ranks, given, strict=True)]
+        shapes = tuple(tuple((key, tuple(shape)) for key, shape in sharding_summary(s.arrays).items()) for s in local)
+        flat = all(s.structure.flat for s in local)
+        report = _SaveReport(json.dumps({"step": step}), self.latest_step(), shapes, flat)
         return local, to_payload(report)
 
     def _before_collective(self) -> None:
@@ -315,6 +328,25 @@ class CheckpointManager:
         except UploadError as error:
             self._errors.mark_raised(error)
             raise
+
+    def reached_preemption(self, step: int) -> bool:
+        """True once a ``preemption_signals`` signal has arrived: save ``step`` now and wait for its upload.
+
+        Cheap enough to call at every step. With one process per rank it is a collective
+        (every rank calls it at the same step) that returns True on every rank at the same
+        step if any rank was signalled. From then on, uploads put the newest step first::
+
+            if manager.reached_preemption(step):
+                manager.save(step, state, blocking=True)
+                manager.wait(uploaded=True)
+                sys.exit(0)
+        """
+        self._check_open()
+        return self._preemption.reached(step)
+
+    def _preempt_uploads(self, step: int) -> None:
+        if self._uploader is not None:
+            self._uploader.preempt()
 
     def wait(self, *, uploaded: bool = False) -> None:
         """Block until every save so far is committed locally (and remotely, with ``uploaded=True``).

@@ -20,9 +20,13 @@ from .errors import ChecksumMismatchError, ManifestError, ShardCountMismatchErro
 from .layout import MANIFEST_NAME, is_plain_name
 from .shardfile import ShardDigest
 
-__all__ = ["SCHEMA_VERSION", "ShardRecord", "ShardManifest", "RemoteManifest"]
+__all__ = ["SCHEMA_VERSION", "READABLE_SCHEMA_VERSIONS", "ShardRecord", "ShardManifest", "RemoteManifest"]
 
-SCHEMA_VERSION = 1
+# Version 2: shards carry the structure document of a nested state (tiered_ckpt.state).
+# Version 1 manifests (flat states, no structure documents) are still read; a reader
+# of version 1 refuses a version 2 checkpoint rather than misreading its nested state.
+SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)
 # Bounds what a hostile manifest can make us allocate; 10**5 ranks take ~30 MB.
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 
@@ -141,10 +145,10 @@ class ShardManifest:
         fields = _Fields(document, source, "")
         fields.reject_unknown({"schema_version", "world_size", "step", "wall_clock_seconds", "sharded_keys", "shards"})
         version = fields.integer("schema_version", minimum=0)
-        if version != SCHEMA_VERSION:
+        if version not in READABLE_SCHEMA_VERSIONS:
             raise ManifestError(
                 f"{source}: field 'schema_version': unsupported version {version} "
-                f"(this library reads version {SCHEMA_VERSION})"
+                f"(this library reads versions {', '.join(map(str, READABLE_SCHEMA_VERSIONS))})"
             )
         shards = fields.list_of("shards", Mapping)
         return cls(

@@ -23,8 +23,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from .coordination import Coordinator, agree_on, decide, exchange
 from .errors import (
     CheckpointError,
@@ -35,50 +33,54 @@ from .errors import (
     restated,
 )
 from .manifest import ShardManifest
-from .reshard import reshard as reshard_states
-from .reshard import reshard_rank, source_ranks
+from .reshard import reshard_flat, reshard_rank, source_ranks
 from .sharded import check_into, check_world_size, run_parallel
 from .shardfile import Verify, check_verify
+from .state import FlatState, State, flatten_into
 from .store import Source, TieredStore
-from .tensors import torch_state
 
 __all__ = ["RestoreResult", "Restorer", "StepReport", "same_call"]
 
 logger = logging.getLogger("tiered_ckpt")
-
-State = Mapping[str, np.ndarray]
 
 
 @dataclass(frozen=True)
 class RestoreResult:
     """What :meth:`CheckpointManager.restore` returns.
 
-    ``states[i]`` is the dict of arrays of rank ``ranks[i]``: every rank when one process
-    holds them all, this process's rank under a multi-process coordinator. ``sources``
-    maps each shard this process read (by the rank that saved it) to the tier it was
-    read from: ``"local"`` or ``"remote"``.
+    ``states[i]`` is the state of rank ``ranks[i]`` as it was saved (nested dicts, lists,
+    tuples and scalars with their types), every array as a numpy array: every rank when
+    one process holds them all, this process's rank under a multi-process coordinator.
+    ``sources`` maps each shard this process read (by the rank that saved it) to the
+    tier it was read from: ``"local"`` or ``"remote"``.
     """
 
     step: int
-    states: list[dict[str, np.ndarray]]
+    states: list[dict[Any, Any]]
     sources: dict[int, Source]
     ranks: tuple[int, ...]
     manifest: ShardManifest = field(repr=False)
+    flat: tuple[FlatState, ...] = field(repr=False, default=())
 
     @property
-    def state(self) -> dict[str, np.ndarray]:
-        """The one rank's arrays, when this process holds one rank (one process per rank)."""
+    def state(self) -> dict[Any, Any]:
+        """The one rank's state, when this process holds one rank (one process per rank)."""
+        return self.states[self._single()]
+
+    def _single(self) -> int:
         if len(self.states) != 1:
             raise UsageError(f"this result holds {len(self.states)} ranks; use .states")
-        return self.states[0]
+        return 0
 
-    def torch_states(self) -> list[dict[str, Any]]:
-        """``states`` as CPU torch tensors sharing the arrays' memory (needs torch)."""
-        return [torch_state(state) for state in self.states]
+    def torch_states(self) -> list[dict[Any, Any]]:
+        """``states`` with every leaf that was saved as a torch tensor as a CPU tensor sharing
+        the array's memory (leaves saved as numpy stay numpy; every array of a shard written
+        before structure documents becomes a tensor). Needs torch."""
+        return [state.unflatten(torch=True) for state in self.flat]
 
-    def torch_state(self) -> dict[str, Any]:
-        """:attr:`state` as CPU torch tensors sharing the arrays' memory (needs torch)."""
-        return torch_state(self.state)
+    def torch_state(self) -> dict[Any, Any]:
+        """:attr:`state` with each leaf saved as a torch tensor as a CPU tensor (see :meth:`torch_states`)."""
+        return self.flat[self._single()].unflatten(torch=True)
 
 
 @dataclass(frozen=True)
@@ -219,6 +221,11 @@ class Restorer:
         in_local = step in store.local.steps()
         into_list = [into] if isinstance(into, Mapping) else into
         try:
+            targets = (
+                [flatten_into(state, f"into[{index}]") for index, state in enumerate(into_list)]
+                if into_list is not None
+                else None
+            )
             manifest, remote = store.manifests(step, in_local=in_local, in_remote=in_remote)
             if not reshard:
                 check_world_size(manifest, target, str(store.local.step_dir(step)))
@@ -237,7 +244,7 @@ class Restorer:
                     step,
                     manifest.shard(wanted[index]),
                     verify=verify,
-                    into=into_list[index] if into_list is not None else None,
+                    into=targets[index] if targets is not None else None,
                     use_remote=remote is not None,
                 ),
                 range(len(wanted)),
@@ -246,15 +253,17 @@ class Restorer:
             store.record_refill(manifest, remote, wanted, was_committed=in_local)
         except CheckpointError as exc:
             raise restated(exc, f"restore of step {step}: {exc}") from exc
-        arrays = {rank: state for rank, (state, _source) in zip(wanted, fetched, strict=True)}
+        read = {rank: state for rank, (state, _source) in zip(wanted, fetched, strict=True)}
         sources = {rank: source for rank, (_state, source) in zip(wanted, fetched, strict=True)}
+        ranks = self._ranks
         if manifest.world_size == target:
-            return RestoreResult(step, [arrays[rank] for rank in self._ranks], sources, self._ranks, manifest)
-        if self._one_process:
-            states = reshard_states([arrays[rank] for rank in range(manifest.world_size)], manifest, target)
-            return RestoreResult(step, states, sources, tuple(range(target)), manifest)
-        states = [reshard_rank(arrays, manifest, target, rank) for rank in self._ranks]
-        return RestoreResult(step, states, sources, self._ranks, manifest)
+            states = [read[rank] for rank in ranks]
+        elif self._one_process:
+            states = reshard_flat([read[rank] for rank in range(manifest.world_size)], manifest, target)
+            ranks = tuple(range(target))
+        else:
+            states = [reshard_rank(read, manifest, target, rank) for rank in ranks]
+        return RestoreResult(step, [state.unflatten() for state in states], sources, ranks, manifest, tuple(states))
 
     def _check_on_this_node(self, manifest: ShardManifest, ranks: list[int]) -> None:
         """Without a bucket, a rank can read only the shards on its own disk: say so if some are not."""

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -37,8 +37,8 @@ from .local import (
     write_shard_file,
 )
 from .manifest import ShardManifest, ShardRecord
-from .shardfile import Verify, check_arrays
-from .tensors import numpy_state
+from .shardfile import Verify
+from .state import FlatState, flatten, flatten_into, sharded_names
 
 __all__ = [
     "save_sharded",
@@ -55,7 +55,7 @@ __all__ = [
     "default_workers",
 ]
 
-State = Mapping[str, np.ndarray]
+State = Mapping[Any, Any]
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -93,19 +93,24 @@ def sharding_summary(state: State) -> dict[str, list[int]]:
 
 
 def resolve_sharded_keys(
-    summaries: Sequence[Mapping[str, Sequence[int]]], sharded_keys: Iterable[str] | None
+    summaries: Sequence[Mapping[str, Sequence[int]]],
+    sharded_keys: Iterable[str | Sequence[str | int]] | None,
+    *,
+    flat: bool = True,
 ) -> tuple[tuple[str, ...], list[int]]:
-    """Return the sharded keys (sorted) and each rank's ``param_shard_numel``.
+    """Return the sharded keys (tensor names, sorted) and each rank's ``param_shard_numel``.
 
-    ``summaries`` holds each rank's :func:`sharding_summary`, in rank order. Raises
-    :class:`InvalidStateError` naming the rank and key if the states do not follow the
-    flat-parameter rule.
+    ``summaries`` holds each rank's :func:`sharding_summary` (shapes by tensor name), in
+    rank order; ``sharded_keys`` names tensors or paths (:func:`~tiered_ckpt.state.sharded_names`).
+    Without them, the 1-D arrays are the sharded keys if every rank's state is ``flat``
+    (a dict of arrays), and no array is otherwise. Raises :class:`InvalidStateError`
+    naming the rank and key if the states do not follow the flat-parameter rule.
     """
     if sharded_keys is None:
-        common = set(summaries[0]).intersection(*summaries[1:]) if summaries else set()
+        common = set(summaries[0]).intersection(*summaries[1:]) if summaries and flat else set()
         keys = sorted(k for k in common if all(len(summary[k]) == 1 for summary in summaries))
     else:
-        keys = sorted(set(sharded_keys))
+        keys = sorted(set(sharded_names(sharded_keys, summaries[0] if summaries else ())))
         for rank, summary in enumerate(summaries):
             for key in keys:
                 if key not in summary:
@@ -147,7 +152,7 @@ def validate_step(step: int) -> None:
 
 def write_shards(
     directory: Path,
-    states: Sequence[State],
+    states: Sequence[FlatState],
     ranks: Sequence[int],
     step: int,
     *,
@@ -155,7 +160,8 @@ def write_shards(
     numels: Sequence[int],
     max_workers: int | None = None,
 ) -> list[ShardRecord]:
-    """Durably write the shards of ``ranks`` (``states[i]`` is rank ``ranks[i]``'s) into ``directory``.
+    """Durably write the shards of ``ranks`` (``states[i]`` is rank ``ranks[i]``'s) into ``directory``,
+    each with its structure document.
 
     The caller owns ``directory``; temp files an earlier crash left there are removed
     first. Returns the shards' records, in the order of ``ranks``.
@@ -169,8 +175,9 @@ def write_shards(
             "tiered_ckpt.rank": str(rank),
             "tiered_ckpt.world_size": str(world_size),
             "tiered_ckpt.step": str(step),
+            **states[index].metadata(),
         }
-        digest = write_shard_file(directory / name, states[index], metadata)
+        digest = write_shard_file(directory / name, states[index].arrays, metadata)
         return ShardRecord(
             rank=rank,
             path=name,
@@ -188,7 +195,7 @@ def write_shards(
 
 def write_checkpoint(
     directory: Path,
-    states_per_rank: Sequence[State],
+    states_per_rank: Sequence[FlatState],
     step: int,
     *,
     sharded_keys: tuple[str, ...],
@@ -222,7 +229,7 @@ def save_sharded(
     step: int,
     *,
     world_size: int | None = None,
-    sharded_keys: Iterable[str] | None = None,
+    sharded_keys: Iterable[str | Sequence[str | int]] | None = None,
     max_workers: int | None = None,
 ) -> ShardManifest:
     """Save one checkpoint of ``len(states_per_rank)`` ranks into ``directory`` and commit it.
@@ -235,18 +242,16 @@ def save_sharded(
     """
     validate_states(states_per_rank, world_size)
     validate_step(step)
-    states_per_rank = [numpy_state(state) for state in states_per_rank]  # torch tensors become numpy views
-    keys, numels = resolve_sharded_keys([sharding_summary(s) for s in states_per_rank], sharded_keys)
-    for rank, state in enumerate(states_per_rank):
-        check_arrays(state, f"rank {rank}")
+    flat = [flatten(state, f"rank {rank}") for rank, state in enumerate(states_per_rank)]
+    keys, numels = resolve_sharded_keys(
+        [sharding_summary(s.arrays) for s in flat], sharded_keys, flat=all(s.structure.flat for s in flat)
+    )
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     with directory_lock(directory):
         if is_committed(directory):
             raise CheckpointExistsError(f"{directory}: already holds a committed checkpoint ({MANIFEST_NAME})")
-        return write_checkpoint(
-            directory, states_per_rank, step, sharded_keys=keys, numels=numels, max_workers=max_workers
-        )
+        return write_checkpoint(directory, flat, step, sharded_keys=keys, numels=numels, max_workers=max_workers)
 
 
 def check_world_size(manifest: ShardManifest, expected_world_size: int, where: str) -> None:
@@ -269,14 +274,17 @@ def load_sharded(
     expected_world_size: int,
     *,
     verify: Verify = "full",
-    into: Sequence[Mapping[str, np.ndarray]] | None = None,
+    into: Sequence[State] | None = None,
     max_workers: int | None = None,
-) -> list[dict[str, np.ndarray]]:
-    """Load the committed checkpoint in ``directory``: one dict of arrays per rank.
+) -> list[dict[Any, Any]]:
+    """Load the committed checkpoint in ``directory``: each rank's state as it was saved
+    (nested dicts, lists, tuples and scalars included), its arrays as numpy arrays.
 
-    With ``into`` (one dict per rank, e.g. the training job's own buffers), the arrays
-    are filled in place instead of allocated; names, dtypes and shapes must match the
-    shards exactly. If loading raises, arrays in ``into`` may hold unspecified values.
+    With ``into`` (one state per rank, e.g. the training job's own arrays or CPU
+    tensors), the arrays are filled in place instead of allocated; their paths, dtypes
+    and shapes must match the shards exactly (scalars in ``into`` are not filled: they
+    come back in the returned state). If loading raises, arrays in ``into`` may hold
+    unspecified values.
 
     Every shard is checked against the manifest (size, then sha256, or xxh3-64 with
     ``verify="fast"``) before any array is returned. Raises
@@ -288,8 +296,11 @@ def load_sharded(
     manifest = read_manifest(directory)
     check_world_size(manifest, expected_world_size, str(directory))
     check_into(into, manifest)
+    targets = [flatten_into(state, f"into[{rank}]") for rank, state in enumerate(into)] if into is not None else None
     return run_parallel(
-        lambda record: read_shard_file(directory, record, verify, into[record.rank] if into is not None else None),
+        lambda record: read_shard_file(
+            directory, record, verify, targets[record.rank] if targets is not None else None
+        ).unflatten(),
         manifest.shards,
         max_workers,
     )

@@ -42,8 +42,10 @@ __all__ = [
     "ShardDigest",
     "DTYPES",
     "check_arrays",
+    "array_problem",
     "write_shard",
     "read_shard",
+    "ShardContents",
     "hash_stream",
     "copy_and_hash",
 ]
@@ -129,10 +131,7 @@ def _dtype_code(name: str, array: np.ndarray, owner: str = "state") -> str:
         dtype = dtype.newbyteorder("<")
     code = _CODES.get(dtype)
     if code is None:
-        supported = ", ".join(str(d) for d in DTYPES.values())
-        raise InvalidStateError(
-            f"{owner}: array {name!r} has dtype {array.dtype}, which a shard cannot hold ({supported})"
-        )
+        raise InvalidStateError(f"{owner}: array {name!r} {array_problem(array)}")
     return code
 
 
@@ -143,6 +142,17 @@ def _is_utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def array_problem(array: np.ndarray) -> str | None:
+    """Why a shard cannot hold ``array`` (a phrase: "has dtype ..."), or None if it can."""
+    if isinstance(array, np.ma.MaskedArray):
+        return "is a masked array, whose mask a shard cannot hold; pass .filled() or .data"
+    dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
+    if dtype not in _CODES:
+        supported = ", ".join(str(d) for d in DTYPES.values())
+        return f"has dtype {array.dtype}, which a shard cannot hold ({supported})"
+    return None
 
 
 def check_arrays(arrays: Mapping[str, np.ndarray], owner: str = "state") -> dict[str, np.ndarray]:
@@ -156,11 +166,9 @@ def check_arrays(arrays: Mapping[str, np.ndarray], owner: str = "state") -> dict
             array = np.asarray(array)
         if not isinstance(array, np.ndarray):
             raise InvalidStateError(f"{owner}: {name!r} is a {type(array).__name__}, not a numpy array")
-        if isinstance(array, np.ma.MaskedArray):
-            raise InvalidStateError(
-                f"{owner}: {name!r} is a masked array, whose mask a shard cannot hold; pass .filled() or .data"
-            )
-        _dtype_code(name, array, owner)
+        problem = array_problem(array)
+        if problem is not None:
+            raise InvalidStateError(f"{owner}: {name!r} {problem}")
         checked[name] = array
     return checked
 
@@ -245,6 +253,14 @@ def copy_and_hash(source: BinaryIO, out: BinaryIO, chunk_bytes: int = 8 * CHUNK_
 
 
 @dataclass(frozen=True)
+class ShardContents:
+    """What a verified shard holds: its arrays by name, and its ``__metadata__``."""
+
+    arrays: dict[str, np.ndarray]
+    metadata: dict[str, str]
+
+
+@dataclass(frozen=True)
 class _Entry:
     name: str
     dtype: np.dtype
@@ -253,16 +269,18 @@ class _Entry:
     end: int
 
 
-def _parse_header(raw: bytes, data_bytes: int) -> list[_Entry]:
-    """Parse a header strictly; raise ValueError describing the first problem."""
+def _parse_header(raw: bytes, data_bytes: int) -> tuple[list[_Entry], dict[str, str]]:
+    """Parse a header strictly into its entries and metadata; raise ValueError describing the first problem."""
     document = json.loads(raw.decode("utf-8"))
     if not isinstance(document, dict):
         raise ValueError("header is not a JSON object")
     entries = []
+    metadata: dict[str, str] = {}
     for name, info in document.items():
         if name == _METADATA:
             if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
                 raise ValueError("__metadata__ must map strings to strings")
+            metadata = info
             continue
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
             raise ValueError(f"entry {name!r} must have exactly dtype, shape and data_offsets")
@@ -288,13 +306,13 @@ def _parse_header(raw: bytes, data_bytes: int) -> list[_Entry]:
         position = entry.end
     if position != data_bytes:
         raise ValueError(f"arrays cover {position} bytes but the file holds {data_bytes}")
-    return entries
+    return entries, metadata
 
 
-def _parse_prefix(data: np.ndarray, hasher: _Hasher) -> tuple[int, list[_Entry]]:
+def _parse_prefix(data: np.ndarray, hasher: _Hasher) -> tuple[int, list[_Entry], dict[str, str]]:
     """Hash and parse the length and header at the start of ``data``; ValueError if invalid.
 
-    Returns where the arrays' bytes start and the arrays in file order.
+    Returns where the arrays' bytes start, the arrays in file order and the metadata.
     """
     if len(data) < 8:
         hasher.update(memoryview(data))
@@ -305,7 +323,7 @@ def _parse_prefix(data: np.ndarray, hasher: _Hasher) -> tuple[int, list[_Entry]]
         raise ValueError(f"header length {header_bytes} does not fit a file of {len(data)} bytes")
     hasher.update(memoryview(data[: 8 + header_bytes]))
     start = 8 + header_bytes
-    return start, _parse_header(data[8:start].tobytes(), len(data) - start)
+    return (start, *_parse_header(data[8:start].tobytes(), len(data) - start))
 
 
 def _hash_chunks(data: np.ndarray, hasher: _Hasher) -> None:
@@ -320,8 +338,8 @@ def read_shard(
     verify: Verify = "full",
     what: str,
     into: Mapping[str, np.ndarray] | None = None,
-) -> dict[str, np.ndarray]:
-    """Read one shard file into arrays and return them only if its bytes verify.
+) -> ShardContents:
+    """Read one shard file into arrays and return them (and its metadata) only if its bytes verify.
 
     ``source`` is an open regular file whose size the caller has checked, that nobody
     truncates while it is read (committed shards never are). ``verify`` picks which
@@ -349,7 +367,7 @@ def read_shard(
         else np.empty(0, np.uint8)
     )
     try:
-        start, entries = _parse_prefix(data, hasher)
+        start, entries, metadata = _parse_prefix(data, hasher)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         # A broken header is usually a corrupted file: hash the rest to tell which.
         _hash_chunks(data[hasher.size :], hasher)
@@ -361,7 +379,7 @@ def read_shard(
         for entry in entries
     }
     check(hasher.digest())
-    return arrays
+    return ShardContents(arrays, metadata)
 
 
 def _targets(entries: list[_Entry], into: Mapping[str, np.ndarray] | None, what: str) -> dict[str, np.ndarray]:

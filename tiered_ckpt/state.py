@@ -1,21 +1,457 @@
-"""What a rank hands to ``save``: its arrays, and the host buffers they are staged in.
+"""What a rank hands to ``save``: a nested state, flattened to named arrays and a structure document.
 
-``save`` copies a rank's arrays (numpy arrays, or torch tensors seen through numpy
-views) into :class:`StagingBuffers` and returns; the background writer then streams the
-buffers to disk while the training loop overwrites its own arrays.
+A rank's state is a dict nesting dicts, lists and tuples whose leaves are arrays (numpy
+arrays, numpy scalars, torch tensors) or JSON-like scalars (``int`` of any size,
+``float``, ``bool``, ``str``, ``None``). Dict keys are ``str`` or ``int``. It is saved as
+
+- its arrays, each under a **tensor name** made from its path (:func:`leaf_name`): the
+  path's keys joined by ``/``, a ``str`` key as itself with ``%``, ``/`` and a leading
+  ``#`` percent-escaped (and ``""`` as ``%``), an ``int`` key as ``#<n>``, a list or tuple
+  index as ``<n>``. So ``state["optim"]["state"][0]["exp_avg"]`` is
+  ``optim/state/#0/exp_avg`` and a flat ``{"w": ...}`` keeps the name ``w``. Distinct
+  paths give distinct names, whatever characters the keys hold;
+- the **structure document** (:class:`Structure`), strict versioned JSON in the shard's
+  safetensors ``__metadata__`` under ``tiered_ckpt.structure``, so the shard's sha256
+  covers it. It is the state with every array replaced by ``{"array": name}`` (or
+  ``{"tensor": name}`` for a torch tensor), and every container and scalar typed:
+  ``{"dict": [[key, node], ...]}`` (key order kept), ``{"list": [...]}``,
+  ``{"tuple": [...]}``, ``null``, ``true``/``false``, a JSON string, a JSON integer (for
+  ``-2**63 <= n < 2**63``), ``{"int": "<hex>"}`` (any other int), ``{"float": "<16 hex
+  digits>"}`` (the IEEE-754 bits: -0.0, inf, nan payloads and subnormals exact).
+
+Nothing else is accepted: :func:`flatten` raises :class:`InvalidStateError` naming the
+path (``state["optim"]["foo"]``) of the first value it cannot store, before anything is
+written. No pickle anywhere.
+
+This module also holds the host buffers (:class:`StagingBuffers`) a save's arrays are
+copied into before the background write.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import json
+import re
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import numpy as np
 
-from .shardfile import check_arrays
+from .errors import InvalidStateError, ShardFormatError
+from .shardfile import ShardContents, array_problem, check_arrays
+from .tensors import is_tensor, to_numpy, to_torch
 
-__all__ = ["StagingBuffers", "State"]
+__all__ = [
+    "State",
+    "Structure",
+    "FlatState",
+    "STRUCTURE_KEY",
+    "STRUCTURE_VERSION",
+    "MAX_DEPTH",
+    "flatten",
+    "flatten_into",
+    "leaf_name",
+    "path_text",
+    "sharded_names",
+    "StagingBuffers",
+]
 
-State = Mapping[str, np.ndarray]
+State = Mapping[Any, Any]
+"""A rank's state: a dict of arrays, tensors, scalars and nested dicts, lists and tuples."""
+
+STRUCTURE_KEY = "tiered_ckpt.structure"
+STRUCTURE_VERSION = 1
+# Real states nest a handful of levels; a bound keeps a hostile document (or a state
+# that contains itself) from exhausting the stack.
+MAX_DEPTH = 100
+
+PathKey = tuple[Literal["key", "index"], str | int]
+Kind = Literal["array", "tensor", "legacy"]
+_SMALL_INT = 2**63
+_HEX_INT = re.compile(r"-?0x[0-9a-f]+")
+_FLOAT_BITS = re.compile(r"[0-9a-f]{16}")
+_SCALARS = (type(None), bool, int, float, str)
+
+
+def _escape(key: str) -> str:
+    if not key:
+        return "%"
+    escaped = key.replace("%", "%25").replace("/", "%2F")
+    return "%23" + escaped[1:] if escaped.startswith("#") else escaped
+
+
+def _segment(kind: str, key: str | int) -> str:
+    if kind == "index":
+        return str(key)
+    return f"#{key}" if isinstance(key, int) else _escape(key)
+
+
+def leaf_name(path: Sequence[str | int], kinds: Sequence[str] | None = None) -> str:
+    """The tensor name of the array at ``path`` (dict keys; ints are dict keys unless ``kinds``
+    marks them ``"index"`` of a list or tuple)."""
+    kinds = kinds if kinds is not None else ["key"] * len(path)
+    name = "/".join(_segment(kind, key) for kind, key in zip(kinds, path, strict=True))
+    return "%5F_metadata__" if name == "__metadata__" else name  # the safetensors header's own key
+
+
+def path_text(path: Sequence[str | int]) -> str:
+    """``path`` as the Python expression a user would write: ``state["optim"][0]``."""
+    return "state" + "".join(f"[{json.dumps(key) if isinstance(key, str) else key}]" for key in path)
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _encode_int(value: int) -> Any:
+    return value if -_SMALL_INT <= value < _SMALL_INT else {"int": hex(value)}
+
+
+def _encode_float(value: float) -> dict[str, str]:
+    return {"float": struct.pack(">d", value).hex()}
+
+
+@dataclass(frozen=True)
+class Structure:
+    """A rank's state with its arrays replaced by their names (see the module doc).
+
+    ``root`` is the validated JSON tree; ``kinds`` maps each tensor name to how it was
+    handed to ``save`` (``"array"``: numpy, ``"tensor"``: torch, ``"legacy"``: a shard
+    written without a structure document); ``paths`` maps it to its path in the state.
+    ``flat`` is True for a dict of arrays under ``str`` keys and nothing else.
+    """
+
+    root: Any = field(repr=False)
+    kinds: Mapping[str, Kind] = field(repr=False)
+    paths: Mapping[str, tuple[str | int, ...]] = field(repr=False)
+    flat: bool
+
+    @classmethod
+    def of_names(cls, names: Iterable[str]) -> Structure:
+        """The structure of a shard written without a document: a flat dict of its arrays."""
+        ordered = sorted(names)
+        root = {"dict": [[name, {"array": name}] for name in ordered]}
+        return cls(root, dict.fromkeys(ordered, "legacy"), {name: (name,) for name in ordered}, True)
+
+    def to_json(self) -> str:
+        """The document as a shard's metadata holds it."""
+        return json.dumps({"version": STRUCTURE_VERSION, "root": self.root}, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str, names: Iterable[str], what: str) -> Structure:
+        """Parse and strictly validate a structure document against the shard's tensor ``names``.
+
+        Raises :class:`ShardFormatError` naming ``what`` (the file) and the problem: not
+        JSON, an unknown version, a node of the wrong shape, a tensor the shard lacks or
+        names twice, a shard array the document leaves out, nesting deeper than
+        :data:`MAX_DEPTH`.
+        """
+        try:
+            document = json.loads(text)
+        except (ValueError, RecursionError) as exc:  # ValueError: bad JSON, or an int too long to parse
+            raise ShardFormatError(f"{what}: the structure document is not valid JSON: {exc}") from None
+        if not isinstance(document, dict) or set(document) != {"version", "root"}:
+            raise ShardFormatError(f"{what}: the structure document must be an object with version and root")
+        if document["version"] != STRUCTURE_VERSION or type(document["version"]) is not int:
+            raise ShardFormatError(
+                f"{what}: the structure document has version {document['version']!r:.40}; "
+                f"this library reads version {STRUCTURE_VERSION}"
+            )
+        parser = _Parser(set(names), what)
+        parser.node(document["root"], (), 0, is_root=True)
+        missing = sorted(set(names) - set(parser.kinds))
+        if missing:
+            raise ShardFormatError(f"{what}: the structure document leaves out the shard's arrays {missing[:5]}")
+        return cls(document["root"], parser.kinds, parser.paths, _is_flat(document["root"]))
+
+    def build(self, arrays: Mapping[str, Any], *, torch: bool = False) -> dict[Any, Any]:
+        """The state, with each array taken from ``arrays`` by name; ``torch=True`` gives the
+        leaves saved as torch tensors (and those of a legacy shard) as CPU tensors."""
+        return _build(self.root, arrays, self.kinds if torch else None)
+
+    def difference(self, other: Structure) -> str | None:
+        """The path of the first place where ``other`` differs from this structure (keys,
+        container types, scalars, array names or kinds), or None if they are the same."""
+        return _difference(self.root, other.root, ())
+
+
+class _Parser:
+    """One validating walk over a structure document's tree."""
+
+    def __init__(self, names: set[str], what: str) -> None:
+        self.names = names
+        self.what = what
+        self.kinds: dict[str, Kind] = {}
+        self.paths: dict[str, tuple[str | int, ...]] = {}
+
+    def fail(self, path: tuple[str | int, ...], problem: str) -> ShardFormatError:
+        return ShardFormatError(f"{self.what}: structure document, at {path_text(path)}: {problem}")
+
+    def node(self, node: Any, path: tuple[str | int, ...], depth: int, is_root: bool = False) -> None:
+        if depth > MAX_DEPTH:
+            raise self.fail(path, f"nested deeper than {MAX_DEPTH} levels")
+        if is_root and not (isinstance(node, dict) and set(node) == {"dict"}):
+            raise self.fail(path, f"the root must be a dict node, got {str(node)[:80]}")
+        if node is None or type(node) in (bool, str):
+            return
+        if type(node) is int:
+            if not -_SMALL_INT <= node < _SMALL_INT:
+                raise self.fail(path, "an integer outside [-2**63, 2**63) must be written as {'int': hex}")
+            return
+        if not isinstance(node, dict) or len(node) != 1:
+            raise self.fail(path, f"expected a typed node (an object with one key), got {str(node)[:80]}")
+        ((tag, value),) = node.items()
+        if tag in ("array", "tensor"):
+            self.leaf(tag, value, path, depth)
+        elif tag in ("list", "tuple"):
+            if not isinstance(value, list):
+                raise self.fail(path, f"{tag} must hold a JSON list")
+            for index, item in enumerate(value):
+                self.node(item, (*path, index), depth + 1)
+        elif tag == "dict":
+            self.mapping(value, path, depth)
+        elif tag == "int":
+            if not isinstance(value, str) or not _HEX_INT.fullmatch(value):
+                raise self.fail(path, "an int must be a hex string like '-0x1f'")
+        elif tag == "float":
+            if not isinstance(value, str) or not _FLOAT_BITS.fullmatch(value):
+                raise self.fail(path, "a float must be 16 lowercase hex digits (its IEEE-754 bits)")
+        else:
+            raise self.fail(path, f"unknown node type {tag!r:.40}")
+
+    def leaf(self, tag: Kind, name: Any, path: tuple[str | int, ...], depth: int) -> None:
+        if not isinstance(name, str):
+            raise self.fail(path, "an array's name must be a string")
+        if name not in self.names:
+            raise self.fail(path, f"names the array {name!r:.200}, which the shard does not hold")
+        if name in self.kinds:
+            raise self.fail(path, f"names the array {name!r:.200} a second time")
+        self.kinds[name] = tag
+        self.paths[name] = path
+
+    def mapping(self, items: Any, path: tuple[str | int, ...], depth: int) -> None:
+        if not isinstance(items, list):
+            raise self.fail(path, "a dict must hold a JSON list of [key, value] pairs")
+        seen: set[tuple[type, Any]] = set()
+        for item in items:
+            if not isinstance(item, list) or len(item) != 2:
+                raise self.fail(path, f"a dict item must be a [key, value] pair, got {str(item)[:80]}")
+            key = self.key(item[0], path)
+            if (type(key), key) in seen:
+                raise self.fail(path, f"the key {key!r:.80} appears twice")
+            seen.add((type(key), key))
+            self.node(item[1], (*path, key), depth + 1)
+
+    def key(self, key: Any, path: tuple[str | int, ...]) -> str | int:
+        if type(key) is str or (type(key) is int and -_SMALL_INT <= key < _SMALL_INT):
+            return key
+        if isinstance(key, dict) and set(key) == {"int"} and isinstance(key["int"], str):
+            if _HEX_INT.fullmatch(key["int"]):
+                return int(key["int"], 16)
+        raise self.fail(path, f"a dict key must be a string or an integer, got {str(key)[:80]}")
+
+
+def _is_flat(root: Any) -> bool:
+    """True for a dict node of arrays under string keys and nothing else."""
+    return all(type(key) is str and isinstance(item, dict) and set(item) <= {"array", "tensor"}
+               for key, item in root["dict"])  # fmt: skip
+
+
+def _decode_key(key: Any) -> Any:
+    return int(key["int"], 16) if isinstance(key, dict) else key
+
+
+def _build(node: Any, arrays: Mapping[str, Any], torch_kinds: Mapping[str, Kind] | None) -> Any:
+    if not isinstance(node, dict):
+        return node  # None, bool, str, a small int
+    ((tag, value),) = node.items()
+    if tag == "dict":
+        return {_decode_key(key): _build(item, arrays, torch_kinds) for key, item in value}
+    if tag == "list":
+        return [_build(item, arrays, torch_kinds) for item in value]
+    if tag == "tuple":
+        return tuple(_build(item, arrays, torch_kinds) for item in value)
+    if tag in ("array", "tensor"):
+        array = arrays[value]
+        if torch_kinds is not None and torch_kinds[value] != "array" and isinstance(array, np.ndarray):
+            return to_torch(array)
+        return array
+    if tag == "int":
+        return int(value, 16)
+    return struct.unpack(">d", bytes.fromhex(value))[0]  # "float"
+
+
+def _difference(mine: Any, theirs: Any, path: tuple[str | int, ...]) -> str | None:
+    if type(mine) is not type(theirs):
+        return path_text(path)
+    if not isinstance(mine, dict):
+        return None if mine == theirs else path_text(path)
+    ((tag, value),), ((other_tag, other_value),) = mine.items(), theirs.items()
+    if tag != other_tag:
+        return path_text(path)
+    if tag == "dict":
+        keys = [_decode_key(key) for key, _ in value]
+        if keys != [_decode_key(key) for key, _ in other_value]:
+            return path_text(path)
+        for key, (_, item), (_, other_item) in zip(keys, value, other_value, strict=True):
+            if (found := _difference(item, other_item, (*path, key))) is not None:
+                return found
+        return None
+    if tag in ("list", "tuple"):
+        if len(value) != len(other_value):
+            return path_text(path)
+        for index, (item, other_item) in enumerate(zip(value, other_value, strict=True)):
+            if (found := _difference(item, other_item, (*path, index))) is not None:
+                return found
+        return None
+    return None if value == other_value else path_text(path)
+
+
+class _Flattener:
+    """One walk over a state handed to ``save`` (or ``into``), building its structure."""
+
+    def __init__(self, owner: str, into: bool) -> None:
+        self.owner = owner
+        self.into = into
+        self.arrays: dict[str, np.ndarray] = {}
+        self.kinds: dict[str, Kind] = {}
+        self.paths: dict[str, tuple[str | int, ...]] = {}
+        self._open: set[int] = set()
+
+    def fail(self, path: tuple[str | int, ...], problem: str) -> InvalidStateError:
+        return InvalidStateError(f"{self.owner}: {path_text(path)} {problem}")
+
+    def node(self, value: Any, path: tuple[str | int, ...], kinds: tuple[str, ...]) -> Any:
+        if type(value) in _SCALARS:
+            return self.scalar(value, path)
+        if isinstance(value, (np.ndarray, np.generic)) or is_tensor(value):
+            return self.leaf(value, path, kinds)
+        if len(path) >= MAX_DEPTH:
+            raise self.fail(path, f"is nested deeper than {MAX_DEPTH} levels")
+        if id(value) in self._open:
+            raise self.fail(path, "contains itself (a state must be a tree)")
+        self._open.add(id(value))
+        try:
+            if isinstance(value, dict):
+                return {"dict": [self.item(key, item, path, kinds) for key, item in value.items()]}
+            if type(value) in (list, tuple):
+                tag = "list" if type(value) is list else "tuple"
+                return {tag: [self.node(item, (*path, i), (*kinds, "index")) for i, item in enumerate(value)]}
+        finally:
+            self._open.discard(id(value))
+        raise self.fail(path, f"is a {type(value).__module__}.{type(value).__qualname__}, which a checkpoint "
+                        "cannot hold without pickle (arrays, tensors, dicts, lists, tuples, int, float, bool, "
+                        "str and None can)")  # fmt: skip
+
+    def item(self, key: Any, value: Any, path: tuple[str | int, ...], kinds: tuple[str, ...]) -> list[Any]:
+        if type(key) is str:
+            if not _is_text(key):
+                raise self.fail(path, f"has the key {key!r:.80}, which is not valid Unicode text")
+            encoded: Any = key
+        elif type(key) is int:
+            encoded = _encode_int(key)
+        else:
+            raise self.fail(path, f"has the key {key!r:.80} of type {type(key).__name__}; keys must be str or int")
+        return [encoded, self.node(value, (*path, key), (*kinds, "key"))]
+
+    def scalar(self, value: Any, path: tuple[str | int, ...]) -> Any:
+        if type(value) is int:
+            return _encode_int(value)
+        if type(value) is float:
+            return _encode_float(value)
+        if type(value) is str and not _is_text(value):
+            raise self.fail(path, "is a str that is not valid Unicode text (a lone surrogate)")
+        return value
+
+    def leaf(self, value: Any, path: tuple[str | int, ...], kinds: tuple[str, ...]) -> dict[str, str]:
+        name = leaf_name(path, kinds)
+        kind: Kind = "tensor" if is_tensor(value) else "array"
+        if kind == "tensor":
+            array = self.tensor(value, path)
+        else:
+            array = np.asarray(value) if isinstance(value, np.generic) else value
+        problem = array_problem(array)
+        if problem is not None:
+            raise self.fail(path, problem)
+        self.arrays[name] = array
+        self.kinds[name] = kind
+        self.paths[name] = path
+        return {kind: name}
+
+    def tensor(self, value: Any, path: tuple[str | int, ...]) -> np.ndarray:
+        if type(value).__name__ == "DTensor":
+            raise self.fail(path, "is a DTensor; save its .to_local() chunk or .full_tensor()")
+        if self.into and value.device.type != "cpu":
+            raise self.fail(path, f"is on {value.device}; into= fills CPU tensors and arrays in place")
+        try:
+            return to_numpy(value)
+        except (RuntimeError, TypeError) as exc:  # sparse, quantized or otherwise non-strided tensors
+            raise self.fail(path, f"is a tensor numpy cannot view: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class FlatState:
+    """A rank's state as a shard holds it: arrays by tensor name, and their structure."""
+
+    arrays: dict[str, np.ndarray]
+    structure: Structure
+
+    def unflatten(self, *, torch: bool = False) -> dict[Any, Any]:
+        """The nested state: arrays as numpy, or (``torch=True``) as each leaf was saved."""
+        return self.structure.build(self.arrays, torch=torch)
+
+    def metadata(self) -> dict[str, str]:
+        """What the shard's ``__metadata__`` holds of this state."""
+        return {STRUCTURE_KEY: self.structure.to_json()}
+
+    @classmethod
+    def from_shard(cls, contents: ShardContents, what: str) -> FlatState:
+        """The state a verified shard holds; a shard without a structure document (written
+        before there were any) is a flat dict of its arrays. Raises :class:`ShardFormatError`
+        naming ``what`` if the document is not valid."""
+        text = contents.metadata.get(STRUCTURE_KEY)
+        if text is None:
+            return cls(contents.arrays, Structure.of_names(contents.arrays))
+        return cls(contents.arrays, Structure.from_json(text, contents.arrays, what))
+
+
+def flatten(state: Any, owner: str = "state", *, into: bool = False) -> FlatState:
+    """``state`` as named numpy arrays (torch tensors as views, copied to host from another
+    device) and its structure; raise :class:`InvalidStateError` naming ``owner`` and the
+    path of the first value that cannot be saved. ``into=True`` checks a state to fill in
+    place instead: every tensor must then be on the CPU."""
+    if not isinstance(state, dict):
+        raise InvalidStateError(f"{owner}: the state is a {type(state).__name__}, not a dict")
+    flattener = _Flattener(owner, into)
+    root = flattener.node(state, (), ())
+    structure = Structure(root, flattener.kinds, flattener.paths, _is_flat(root))
+    return FlatState(flattener.arrays, structure)
+
+
+def flatten_into(into: Any, owner: str) -> dict[str, np.ndarray]:
+    """The arrays of a state to fill in place, by tensor name (its scalars are not filled)."""
+    return flatten(into, owner, into=True).arrays
+
+
+def sharded_names(keys: Iterable[str | Sequence[str | int]], names: Iterable[str]) -> list[str]:
+    """The tensor names of ``sharded_keys``: a tuple is a path of dict keys, a string a tensor
+    name (or a top-level key, e.g. ``"a/b"`` for the name ``a%2Fb``)."""
+    known = set(names)
+    resolved = []
+    for key in keys:
+        if isinstance(key, str):
+            name = key if key in known or leaf_name((key,)) not in known else leaf_name((key,))
+        elif isinstance(key, Sequence) and all(type(part) in (str, int) for part in key):
+            name = leaf_name(tuple(key))
+        else:
+            raise InvalidStateError(f"sharded_keys: {key!r:.80} is neither a tensor name nor a path of keys")
+        resolved.append(name)
+    return resolved
 
 
 class StagingBuffers:
@@ -28,8 +464,8 @@ class StagingBuffers:
     def __init__(self) -> None:
         self._buffers: list[dict[str, np.ndarray]] = []
 
-    def stage(self, states: Sequence[State]) -> list[dict[str, np.ndarray]]:
-        """Copy ``states`` into the buffers and return the buffers (C-contiguous copies)."""
+    def stage(self, states: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        """Copy ``states`` (arrays by name) into the buffers and return the buffers (C-contiguous copies)."""
         staged = []
         for rank, state in enumerate(states):
             previous = self._buffers[rank] if rank < len(self._buffers) else {}

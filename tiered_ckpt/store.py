@@ -42,6 +42,7 @@ from .remote import RemoteTier
 from .retention import RetentionPolicy, awaiting_upload
 from .sharded import run_parallel
 from .shardfile import Verify, copy_and_hash
+from .state import FlatState
 
 __all__ = ["TieredStore", "StepStatus", "ShardCheck", "Source"]
 
@@ -178,8 +179,8 @@ class TieredStore:
         verify: Verify = "full",
         into: Mapping[str, np.ndarray] | None = None,
         use_remote: bool = True,
-    ) -> tuple[dict[str, np.ndarray], Source]:
-        """One shard's verified arrays and the tier they came from (see the module doc for the chain).
+    ) -> tuple[FlatState, Source]:
+        """One shard's verified state and the tier it came from (see the module doc for the chain).
 
         ``use_remote=False`` reads the local copy only (the step is not in the bucket).
         """

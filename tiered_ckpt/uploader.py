@@ -24,6 +24,14 @@ again here.
 At most ``max_pending`` steps wait in the queue. Beyond that ``when_behind="wait"``
 makes :meth:`Uploader.submit` block until there is room, and ``"skip"`` drops the
 oldest waiting step (it stays local-only, superseded by the newer one).
+
+After :meth:`Uploader.preempt` (a preemption notice: the job has seconds to minutes
+left), the newest queued step goes next and the older queued ones are dropped (they
+stay local-only, superseded), and :meth:`Uploader.submit` no longer waits for room. A
+step already being uploaded is finished first. The processes pick each next step
+together (one small collective): every one proposes its oldest queued step, or its
+newest once preempted, and the oldest proposal wins, so every process uploads the same
+step even while their queues and notices differ for a moment.
 """
 
 from __future__ import annotations
@@ -95,6 +103,7 @@ class Uploader:
         self._queue: deque[int] = deque()
         self._active: int | None = None
         self._closing = False
+        self._preempted = False
         self._changed = threading.Condition()
         self.newest_committed: int | None = None  # the newest remote commit this uploader knows of
         self._thread = threading.Thread(target=self._run, name="tiered-ckpt-uploader", daemon=True)
@@ -154,13 +163,19 @@ class Uploader:
         with self._changed:
             if self._closing:
                 raise RuntimeError("the uploader is closed")
-            while bounded and len(self._queue) >= self._options.max_pending:
+            while bounded and not self._preempted and len(self._queue) >= self._options.max_pending:
                 if self._options.when_behind == "skip":
                     skipped = self._queue.popleft()
                     logger.warning("uploads behind: step %d stays local-only, superseded by step %d", skipped, step)
                 else:
                     self._changed.wait()
             self._queue.append(step)
+            self._changed.notify_all()
+
+    def preempt(self) -> None:
+        """From now on, upload the newest queued step first and drop the older ones (see the module doc)."""
+        with self._changed:
+            self._preempted = True
             self._changed.notify_all()
 
     def pending(self) -> list[int]:
@@ -207,9 +222,15 @@ class Uploader:
                     self._changed.wait()
                 if not self._queue:
                     return
-                step = self._queue.popleft()
-                self._active = step
-                self._changed.notify_all()
+                proposal = self._queue[-1] if self._preempted else self._queue[0]
+            try:
+                step = self._next_step(proposal)
+            except BaseException as exc:  # the processes could not agree: every one records it, none goes on
+                self.errors.put(_as_upload_error(proposal, exc))
+                with self._changed:
+                    self._queue.clear()
+                    self._changed.notify_all()
+                continue
             try:
                 self._upload(step)
             except BaseException as exc:  # a remote failure, a local I/O error or a bug: never lost silently
@@ -218,6 +239,18 @@ class Uploader:
                 with self._changed:
                     self._active = None
                     self._changed.notify_all()
+
+    def _next_step(self, proposal: int) -> int:
+        """Agree with the other processes on the next step; take it (and the older ones it supersedes) off the queue."""
+        step = min(agree(self._coordinator, lambda: proposal))
+        with self._changed:
+            superseded = [each for each in self._queue if each < step]
+            self._queue = deque(each for each in self._queue if each > step)
+            self._active = step
+            self._changed.notify_all()
+        if superseded:
+            logger.warning("preemption: steps %s stay local-only, superseded by step %d", superseded, step)
+        return step
 
     def _upload(self, step: int) -> None:
         store = self._store

@@ -27,14 +27,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from .coordination import Coordinator, agree_on, from_payload, to_payload
 from .errors import CheckpointError, ErrorBox, SaveError
 from .manifest import ShardManifest, ShardRecord
 from .retention import RetentionPolicy
 from .sharded import write_shards
-from .state import StagingBuffers, State
+from .state import FlatState, StagingBuffers
 from .store import TieredStore
 from .uploader import Uploader
 
@@ -135,9 +133,10 @@ class Writer:
         self._writer = ThreadPoolExecutor(1, "tiered-ckpt-writer", initializer=_lower_thread_priority)
         self._janitor = ThreadPoolExecutor(1, "tiered-ckpt-retention", initializer=_lower_thread_priority)
 
-    def submit(self, step: int, states: Sequence[State], keys: tuple[str, ...], numels: list[int]) -> SaveHandle:
+    def submit(self, step: int, states: Sequence[FlatState], keys: tuple[str, ...], numels: list[int]) -> SaveHandle:
         """Stage ``states`` (this process's ranks, checked) and queue their write as ``step``."""
-        staged = self._staging.stage(states)
+        buffers = self._staging.stage([state.arrays for state in states])
+        staged = [FlatState(arrays, state.structure) for arrays, state in zip(buffers, states, strict=True)]
         handle = SaveHandle(step, self._writer.submit(self._write, step, staged, keys, numels), self._errors)
         self._last_save = handle
         return handle
@@ -158,9 +157,7 @@ class Writer:
         self._writer.shutdown(wait=True)
         self._janitor.shutdown(wait=True)
 
-    def _write(
-        self, step: int, staged: list[dict[str, np.ndarray]], keys: tuple[str, ...], numels: list[int]
-    ) -> ShardManifest:
+    def _write(self, step: int, staged: list[FlatState], keys: tuple[str, ...], numels: list[int]) -> ShardManifest:
         """Writer thread: write this process's shards, commit once every rank's are durable, queue the upload."""
         local = self._store.local
         try:

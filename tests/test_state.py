@@ -1,0 +1,361 @@
+"""Nested state: flattening, the structure document, round trips, refusals and a hostile parser input."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import struct
+from collections import OrderedDict, namedtuple
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tiered_ckpt import CheckpointManager, InvalidStateError, ShardFormatError, load_sharded, save_sharded
+from tiered_ckpt.local import read_shard_file
+from tiered_ckpt.shardfile import ShardContents, write_shard
+from tiered_ckpt.state import (
+    MAX_DEPTH,
+    STRUCTURE_KEY,
+    FlatState,
+    Structure,
+    flatten,
+    leaf_name,
+    sharded_names,
+)
+
+torch = pytest.importorskip("torch")
+
+
+def bits(value: float) -> bytes:
+    return struct.pack(">d", value)
+
+
+def assert_same(restored, saved, path="state"):
+    """Equal values of the same types, containers and key order; arrays byte-equal with their dtype."""
+    if isinstance(saved, (np.ndarray, np.generic)) or torch.is_tensor(saved):
+        expected = saved.detach().numpy() if torch.is_tensor(saved) else np.asarray(saved)
+        actual = restored.detach().numpy() if torch.is_tensor(restored) else restored
+        assert isinstance(actual, np.ndarray), path
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, path
+        assert actual.tobytes() == expected.tobytes(), path
+        return
+    if isinstance(saved, dict):
+        assert type(restored) is dict and list(restored) == list(saved), path
+        assert [type(k) for k in restored] == [type(k) for k in saved], path
+        for key in saved:
+            assert_same(restored[key], saved[key], f"{path}[{key!r}]")
+        return
+    assert type(restored) is type(saved), path
+    if isinstance(saved, (list, tuple)):
+        assert len(restored) == len(saved), path
+        for index, (mine, theirs) in enumerate(zip(restored, saved, strict=True)):
+            assert_same(mine, theirs, f"{path}[{index}]")
+    elif isinstance(saved, float):
+        assert bits(restored) == bits(saved), path
+    else:
+        assert restored == saved, path
+
+
+def training_state(seed: int = 0) -> dict:
+    """What a torch job checkpoints: model, AdamW after two steps, scheduler, RNG states, data position."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    for _ in range(2):
+        model(torch.randn(3, 4)).square().mean().backward()
+        optimizer.step()
+        scheduler.step()
+    return {
+        "model": model.state_dict(),
+        "optim": optimizer.state_dict(),
+        "sched": scheduler.state_dict(),
+        "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+        "data": {"epoch": 3, "position": 12_345, "shuffle_seed": 2**70 + 1},
+        "note": "run-7",
+        "resumed_from": None,
+    }
+
+
+def test_a_torch_training_state_round_trips_with_its_types(tmp_path):
+    state = training_state()
+    with CheckpointManager(tmp_path, world_size=1) as manager:
+        manager.save(10, state, blocking=True)
+        restored = manager.restore()
+    assert_same(restored.state, state)
+    assert isinstance(restored.state["optim"]["state"][0]["exp_avg"], np.ndarray)
+    assert restored.state["optim"]["param_groups"][0]["betas"] == (0.9, 0.95)
+    assert list(restored.state["optim"]["state"]) == [0, 1, 2, 3, 4, 5]  # int keys stay ints
+    as_torch = restored.torch_state()
+    assert torch.is_tensor(as_torch["model"]["0.weight"]) and torch.is_tensor(as_torch["rng"]["torch"])
+    assert isinstance(as_torch["rng"]["numpy"][1], np.ndarray)  # saved as numpy: stays numpy
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    model.load_state_dict(as_torch["model"])
+    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer.load_state_dict(as_torch["optim"])
+    torch.set_rng_state(as_torch["rng"]["torch"])
+    np.random.set_state(as_torch["rng"]["numpy"])
+    random.setstate(as_torch["rng"]["python"])
+    after_restore = (torch.rand(2).tolist(), np.random.random(), random.random())
+    torch.set_rng_state(state["rng"]["torch"])
+    np.random.set_state(state["rng"]["numpy"])
+    random.setstate(state["rng"]["python"])
+    assert after_restore == (torch.rand(2).tolist(), np.random.random(), random.random())
+
+
+SCALARS = {
+    "zero": 0.0,
+    "negative zero": -0.0,
+    "inf": math.inf,
+    "-inf": -math.inf,
+    "nan with payload": struct.unpack(">d", bytes.fromhex("7ff8000000c0ffee"))[0],
+    "negative nan": struct.unpack(">d", bytes.fromhex("fff8000000000001"))[0],
+    "subnormal": 5e-324,
+    "big int": 2**64 + 7,
+    "huge negative int": -(2**20000),
+    "int64 edge": -(2**63),
+    "true": True,
+    "false": False,
+    "none": None,
+    "text": "naïve ☃ / % # \x00",
+    "empty": "",
+}
+
+
+def test_scalars_come_back_bit_exact_and_with_their_type(tmp_path):
+    state = {"scalars": dict(SCALARS), "keys": {1: "one", "1": "string one", -5: [], 2**80: ()}}
+    save_sharded([state], tmp_path, step=1)
+    (restored,) = load_sharded(tmp_path, 1)
+    assert_same(restored, state)
+
+
+def test_names_of_distinct_paths_are_distinct_and_readable():
+    state = {
+        "model": {"layer.0.weight": np.zeros(1)},
+        "a/b": np.zeros(1),
+        "a": {"b": np.zeros(1), "%2F": np.zeros(1), "#0": np.zeros(1), 0: np.zeros(1), "": np.zeros(1)},
+        "list": [np.zeros(1), {"x": np.zeros(1)}],
+        "__metadata__": np.zeros(1),
+    }
+    names = set(flatten(state).arrays)
+    assert names == {
+        "model/layer.0.weight",
+        "a%2Fb",
+        "a/b",
+        "a/%252F",
+        "a/%230",
+        "a/#0",
+        "a/%",
+        "list/0",
+        "list/1/x",
+        "%5F_metadata__",
+    }
+    assert flatten({"w": np.zeros(1)}).arrays.keys() == {"w"}  # a flat state keeps its keys as names
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.one_of(st.text(max_size=4), st.integers(-3, 3)), min_size=1, max_size=4), max_size=8))
+def test_distinct_paths_never_share_a_name(paths):
+    unique = {tuple((type(k), k) for k in path) for path in paths}
+    names = {leaf_name([k for _, k in path]) for path in unique}
+    prefixes = {p[:i] for p in unique for i in range(1, len(p))}
+    if not unique & prefixes:  # a path that is a prefix of another cannot hold an array in one state
+        assert len(names) == len(unique)
+
+
+WhatNot = namedtuple("WhatNot", "a b")
+
+
+@pytest.mark.parametrize(
+    "value, path, problem",
+    [
+        ({1, 2}, 'state["optim"]["foo"]', "builtins.set"),
+        (lambda: 1, 'state["optim"]["foo"]', "function"),
+        (object(), 'state["optim"]["foo"]', "builtins.object"),
+        ({(1, 2): 3}, 'state["optim"]["foo"]', "key (1, 2) of type tuple"),
+        ({True: 3}, 'state["optim"]["foo"]', "key True of type bool"),
+        (WhatNot(1, 2), 'state["optim"]["foo"]', "WhatNot"),
+        ([1, {"x": np.array(["text"])}], 'state["optim"]["foo"][1]["x"]', "dtype <U4"),
+        ("\ud800", 'state["optim"]["foo"]', "lone surrogate"),
+        ({"\udc80": 1}, 'state["optim"]["foo"]', "not valid Unicode"),
+        (np.ma.masked_array([1.0]), 'state["optim"]["foo"]', "masked array"),
+    ],
+)
+def test_a_value_a_checkpoint_cannot_hold_is_refused_naming_its_path_before_anything_is_written(
+    tmp_path, value, path, problem
+):
+    state = {"model": {"w": np.ones(3)}, "optim": {"foo": value}}
+    with CheckpointManager(tmp_path, world_size=1) as manager:
+        with pytest.raises(InvalidStateError) as caught:
+            manager.save(1, state)
+        assert path in str(caught.value) and problem in str(caught.value)
+        assert manager.steps() == []
+    assert not any(p.name.startswith("step-") for p in tmp_path.iterdir())
+
+
+def test_a_state_that_contains_itself_or_nests_too_deep_is_refused():
+    looped: dict = {"a": []}
+    looped["a"].append(looped)
+    with pytest.raises(InvalidStateError, match=r'state\["a"\]\[0\] contains itself'):
+        flatten(looped)
+    deep: dict = {}
+    node = deep
+    for _ in range(MAX_DEPTH + 1):
+        node["x"] = {}
+        node = node["x"]
+    with pytest.raises(InvalidStateError, match=f"deeper than {MAX_DEPTH}"):
+        flatten(deep)
+
+
+def test_an_ordered_dict_comes_back_as_a_dict_in_its_order():
+    state = OrderedDict([("b", 1), ("a", np.arange(3))])
+    flat = flatten(state)
+    restored = Structure.from_json(flat.structure.to_json(), flat.arrays, "test").build(flat.arrays)
+    assert type(restored) is dict and list(restored) == ["b", "a"]
+
+
+def test_sharded_keys_may_name_paths_tensor_names_or_flat_keys():
+    names = ["optim/state/#0/exp_avg", "a%2Fb", "w"]
+    keys = [("optim", "state", 0, "exp_avg"), "a/b", "w"]
+    assert sharded_names(keys, names) == names
+    with pytest.raises(InvalidStateError, match="sharded_keys"):
+        sharded_names([3.5], names)
+
+
+# -- round trips generated by hypothesis ----------------------------------------------------
+
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.integers(min_value=-(2**200), max_value=2**200),
+    st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=True),
+    st.text(max_size=8),
+)
+arrays = st.builds(
+    lambda dtype, shape, seed: np.random.default_rng(seed).integers(0, 255, size=shape).astype(dtype),
+    st.sampled_from([np.float32, np.float16, np.int64, np.uint8, np.bool_]),
+    st.lists(st.integers(0, 3), max_size=3).map(tuple),
+    st.integers(0, 2**32 - 1),
+)
+keys = st.one_of(st.text(max_size=6), st.integers(-(2**70), 2**70))
+nested = st.recursive(
+    st.one_of(scalars, arrays),
+    lambda children: st.one_of(
+        st.lists(children, max_size=4),
+        st.lists(children, max_size=4).map(tuple),
+        st.dictionaries(keys, children, max_size=4),
+    ),
+    max_leaves=20,
+)
+states = st.dictionaries(keys, nested, max_size=5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(states)
+def test_any_generated_state_survives_flatten_document_and_build(state):
+    flat = flatten(state)
+    parsed = Structure.from_json(flat.structure.to_json(), flat.arrays, "generated")
+    assert_same(parsed.build(flat.arrays), state)
+    assert parsed.difference(flat.structure) is None
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(states)
+def test_any_generated_state_round_trips_through_a_shard_file(tmp_path_factory, state):
+    directory = tmp_path_factory.mktemp("shard")
+    save_sharded([state], directory, step=1, sharded_keys=())
+    (restored,) = load_sharded(directory, 1)
+    assert_same(restored, state)
+
+
+# -- the structure document as hostile input --------------------------------------------------
+
+
+def shard_with_document(tmp_path, document: str | None, arrays=None):
+    """A shard whose sha256 matches its bytes, whatever structure document it carries."""
+    from tiered_ckpt.manifest import ShardRecord
+
+    arrays = {"w": np.arange(4, dtype=np.float32)} if arrays is None else arrays
+    path = tmp_path / "rank-00000-of-00001.safetensors"
+    with open(path, "wb") as out:
+        digest = write_shard(out, arrays, {STRUCTURE_KEY: document} if document is not None else {})
+    return ShardRecord(0, path.name, digest.sha256, digest.xxh3_64, digest.size_bytes, 0, 0)
+
+
+VALID = json.dumps({"version": 1, "root": {"dict": [["w", {"array": "w"}]]}})
+HOSTILE = {
+    "not json": '{"version": 1, "root": ',
+    "not an object": "[1, 2]",
+    "extra field": json.dumps({"version": 1, "root": {"dict": []}, "more": 1}),
+    "unknown version": json.dumps({"version": 2, "root": {"dict": [["w", {"array": "w"}]]}}),
+    "version as string": json.dumps({"version": "1", "root": {"dict": [["w", {"array": "w"}]]}}),
+    "root not a dict": json.dumps({"version": 1, "root": {"list": [{"array": "w"}]}}),
+    "array the shard lacks": json.dumps({"version": 1, "root": {"dict": [["w", {"array": "v"}]]}}),
+    "array named twice": json.dumps({"version": 1, "root": {"dict": [["w", {"array": "w"}], ["v", {"array": "w"}]]}}),
+    "array left out": json.dumps({"version": 1, "root": {"dict": []}}),
+    "unknown node": json.dumps({"version": 1, "root": {"dict": [["w", {"array": "w"}], ["s", {"set": [1]}]]}}),
+    "two tags": json.dumps({"version": 1, "root": {"dict": [["w", {"array": "w", "list": []}]]}}),
+    "float as json number": json.dumps({"version": 1, "root": {"dict": [["w", {"array": "w"}], ["f", 1.5]]}}),
+    "bad float bits": json.dumps({"version": 1, "root": {"dict": [["w", {"array": "w"}], ["f", {"float": "xyz"}]]}}),
+    "bad hex int": json.dumps({"version": 1, "root": {"dict": [["w", {"array": "w"}], ["i", {"int": "12"}]]}}),
+    "int out of range": '{"version": 1, "root": {"dict": [["w", {"array": "w"}], ["i", 99999999999999999999]]}}',
+    "int too long to parse": '{"version": 1, "root": {"dict": [["w", {"array": "w"}], ["i", ' + "9" * 5000 + "]]}}",
+    "duplicate key": json.dumps({"version": 1, "root": {"dict": [["w", {"array": "w"}], ["w", None]]}}),
+    "key of wrong type": json.dumps({"version": 1, "root": {"dict": [["w", {"array": "w"}], [[1], None]]}}),
+    "item not a pair": json.dumps({"version": 1, "root": {"dict": [["w", {"array": "w"}], ["x"]]}}),
+    "list not a list": json.dumps({"version": 1, "root": {"dict": [["w", {"array": "w"}], ["l", {"list": 3}]]}}),
+    "huge nesting": '{"version": 1, "root": {"dict": [["w", {"array": "w"}], ["x", '
+    + '{"list": [' * 100_000
+    + "]}" * 100_000
+    + "]]}}",
+    "deep but valid json": '{"version": 1, "root": {"dict": [["w", {"array": "w"}], ["x", '
+    + '{"list": [' * (MAX_DEPTH + 5)
+    + "]}" * (MAX_DEPTH + 5)
+    + "]]}}",
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+def test_a_hostile_structure_document_is_a_shard_format_error_naming_the_file(tmp_path, case):
+    record = shard_with_document(tmp_path, HOSTILE[case])
+    with pytest.raises(ShardFormatError, match="rank-00000-of-00001.safetensors"):
+        read_shard_file(tmp_path, record)
+
+
+def test_a_shard_without_a_document_reads_as_a_flat_dict_and_converts_wholly_to_torch(tmp_path):
+    record = shard_with_document(tmp_path, None, {"w": np.arange(3.0), "b": np.zeros(2, np.float16)})
+    state = read_shard_file(tmp_path, record)
+    assert sorted(state.unflatten()) == ["b", "w"]
+    assert all(torch.is_tensor(value) for value in state.unflatten(torch=True).values())
+    assert read_shard_file(tmp_path, shard_with_document(tmp_path, VALID)).unflatten()["w"].tolist() == [0, 1, 2, 3]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_mutated_documents_parse_or_raise_shard_format_error(data):
+    state = {"w": np.zeros(2), "opt": {0: {"m": np.ones(1)}, "lr": 0.5, "betas": (0.9, 0.99)}, "e": [1, None, "x"]}
+    flat = flatten(state)
+    text = flat.structure.to_json()
+    kind = data.draw(st.sampled_from(["truncate", "replace", "insert"]))
+    at = data.draw(st.integers(0, len(text)))
+    if kind == "truncate":
+        text = text[:at]
+    else:
+        piece = data.draw(st.sampled_from(['"', "[", "]", "{", "}", ",", "1", "-", "null", '"int"', '"x"', ":", "e9"]))
+        text = text[:at] + piece + text[at + (1 if kind == "replace" else 0) :]
+    try:
+        parsed = Structure.from_json(text, flat.arrays, "mutated")
+    except ShardFormatError as error:
+        assert "mutated" in str(error)
+    else:
+        parsed.build(flat.arrays)  # whatever parses, builds
+
+
+def test_from_shard_reads_the_document_from_the_metadata():
+    arrays = {"w": np.zeros(1)}
+    flat = FlatState.from_shard(ShardContents(arrays, {STRUCTURE_KEY: VALID}), "x")
+    assert flat.structure.kinds == {"w": "array"}

@@ -15,6 +15,10 @@ raising its errors), {"do": "restore",
 {"do": "kill", "rank": R, "at": POINT} which makes rank R SIGKILL itself during its
 next save at POINT: "after-shard" (its shard is durable, the commit not agreed) or
 "before-commit" (every shard is durable, its own manifest not yet written).
+{"do": "train", "steps": N, "signal_rank": R, "signal_at": S} runs steps 1..N asking
+reached_preemption at each (rank R sends itself SIGUSR1, the manager's preemption signal,
+at step S), and on True saves that step, waits for its upload and records it as
+"preempted_at". {"do": "ask_preemption", "step": S, "step_by_rank": {R: S}} asks once.
 """
 
 import hashlib
@@ -91,6 +95,7 @@ def run(config: dict, coordinator: TorchDistributedCoordinator, result: dict) ->
         storage_options=config.get("options"),
         keep_last=config.get("keep_last", 3),
         upload_max_tries=1,
+        preemption_signals=(signal.SIGUSR1,),
     )
     try:
         for action in config["actions"]:
@@ -133,6 +138,17 @@ def act(
             "sources": {str(old): tier for old, tier in restored.sources.items()},
             "digests": digests(restored.torch_state()),
         }
+    elif action["do"] == "train":
+        for step in range(1, action["steps"] + 1):
+            if rank == action["signal_rank"] and step == action["signal_at"]:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            if checkpoints.reached_preemption(step):
+                checkpoints.save(step, rank_state(step, world_size, rank), blocking=True)
+                checkpoints.wait(uploaded=True)
+                result["preempted_at"] = step
+                break
+    elif action["do"] == "ask_preemption":
+        result["asked"] = checkpoints.reached_preemption(action.get("step_by_rank", {}).get(str(rank), action["step"]))
     elif action["do"] == "collectives":
         result["gathered"] = coordinator.all_gather({"rank": rank})
         result["broadcast"] = coordinator.broadcast(f"from rank {rank}")

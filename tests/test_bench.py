@@ -5,7 +5,7 @@ import sys
 def test_benchmark_runs_every_section_and_prints_its_ratios(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "tiered_ckpt.bench", "--size-gib", "0.02", "--remote-size-gib", "0.02"]
-        + ["--repeat", "1", "--train-steps", "20", "--dir", str(tmp_path)],
+        + ["--repeat", "1", "--train-steps", "20", "--params", "200", "--dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -21,6 +21,8 @@ def test_benchmark_runs_every_section_and_prints_its_ratios(tmp_path):
         "save / raw, 1 rank process",
         "save / raw, 4 rank processes",
         "slowdown",
+        "structure / save_sharded",
+        "structure / load_sharded",
     ):
         assert line in result.stdout
     assert list(tmp_path.iterdir()) == []  # the benchmark's files are removed

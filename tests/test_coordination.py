@@ -274,3 +274,20 @@ def test_skipping_uploads_when_behind_is_refused_with_one_process_per_rank(tmp_p
         CheckpointManager(tmp_path, world_size=3, coordinator=OneOfTwoRanks())
     with pytest.raises(ValueError, match="world_size is required"):
         CheckpointManager(tmp_path)
+
+
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step_with_it_committed_in_the_bucket(tmp_path, s3_url):
+    url, options = s3_url
+    actions = [{"do": "train", "steps": 50, "signal_rank": 2, "signal_at": 17}]
+    results = run_ranks(tmp_path, 3, actions, remote=s3_url)
+    assert [results[rank].get("preempted_at") for rank in range(3)] == [17, 17, 17], results
+    assert RemoteTier(url, options).committed_steps() == [17]
+    for rank in range(3):
+        assert (tmp_path / "nodes" / f"rank-{rank}" / step_dir_name(17) / MANIFEST_NAME).is_file()
+
+
+def test_ranks_asking_about_preemption_at_different_steps_fail_together(tmp_path):
+    results = run_ranks(tmp_path, 2, [{"do": "ask_preemption", "step": 3, "step_by_rank": {"1": 4}}])
+    for rank in range(2):
+        assert results[rank]["error"][0] == "UsageError", results
+        assert "different steps [3, 4]" in results[rank]["error"][1]

@@ -359,3 +359,15 @@ def test_from_shard_reads_the_document_from_the_metadata():
     arrays = {"w": np.zeros(1)}
     flat = FlatState.from_shard(ShardContents(arrays, {STRUCTURE_KEY: VALID}), "x")
     assert flat.structure.kinds == {"w": "array"}
+
+
+def test_a_nested_state_shard_opens_with_safetensors_under_its_tensor_names(tmp_path):
+    from safetensors import safe_open
+
+    state = {"optim": {"state": {0: {"exp_avg": np.ones(3, np.float32)}}, "lr": 0.1}, "a/b": np.zeros(2)}
+    save_sharded([state], tmp_path, step=1)
+    (path,) = tmp_path.glob("rank-*")
+    with safe_open(str(path), "np") as shard:
+        assert sorted(shard.keys()) == ["a%2Fb", "optim/state/#0/exp_avg"]
+        assert shard.get_tensor("optim/state/#0/exp_avg").tolist() == [1.0, 1.0, 1.0]
+        assert json.loads(shard.metadata()[STRUCTURE_KEY])["version"] == 1

@@ -326,11 +326,12 @@ class _Flattener:
     def fail(self, path: tuple[str | int, ...], problem: str) -> InvalidStateError:
         return InvalidStateError(f"{self.owner}: {path_text(path)} {problem}")
 
-    def node(self, value: Any, path: tuple[str | int, ...], kinds: tuple[str, ...]) -> Any:
+    def node(self, value: Any, path: tuple[str | int, ...], name: str) -> Any:
+        """``value``'s node; ``name`` is its tensor name so far (the escaped keys of ``path``)."""
         if type(value) in _SCALARS:
             return self.scalar(value, path)
         if isinstance(value, (np.ndarray, np.generic)) or is_tensor(value):
-            return self.leaf(value, path, kinds)
+            return self.leaf(value, path, "%5F_metadata__" if name == "__metadata__" else name)
         if len(path) >= MAX_DEPTH:
             raise self.fail(path, f"is nested deeper than {MAX_DEPTH} levels")
         if id(value) in self._open:
@@ -338,17 +339,18 @@ class _Flattener:
         self._open.add(id(value))
         try:
             if isinstance(value, dict):
-                return {"dict": [self.item(key, item, path, kinds) for key, item in value.items()]}
+                return {"dict": [self.item(key, item, path, name) for key, item in value.items()]}
             if type(value) in (list, tuple):
                 tag = "list" if type(value) is list else "tuple"
-                return {tag: [self.node(item, (*path, i), (*kinds, "index")) for i, item in enumerate(value)]}
+                prefix = f"{name}/" if path else ""
+                return {tag: [self.node(item, (*path, i), f"{prefix}{i}") for i, item in enumerate(value)]}
         finally:
             self._open.discard(id(value))
         raise self.fail(path, f"is a {type(value).__module__}.{type(value).__qualname__}, which a checkpoint "
                         "cannot hold without pickle (arrays, tensors, dicts, lists, tuples, int, float, bool, "
                         "str and None can)")  # fmt: skip
 
-    def item(self, key: Any, value: Any, path: tuple[str | int, ...], kinds: tuple[str, ...]) -> list[Any]:
+    def item(self, key: Any, value: Any, path: tuple[str | int, ...], name: str) -> list[Any]:
         if type(key) is str:
             if not _is_text(key):
                 raise self.fail(path, f"has the key {key!r:.80}, which is not valid Unicode text")
@@ -357,7 +359,8 @@ class _Flattener:
             encoded = _encode_int(key)
         else:
             raise self.fail(path, f"has the key {key!r:.80} of type {type(key).__name__}; keys must be str or int")
-        return [encoded, self.node(value, (*path, key), (*kinds, "key"))]
+        segment = _segment("key", key)
+        return [encoded, self.node(value, (*path, key), f"{name}/{segment}" if path else segment)]
 
     def scalar(self, value: Any, path: tuple[str | int, ...]) -> Any:
         if type(value) is int:
@@ -368,8 +371,9 @@ class _Flattener:
             raise self.fail(path, "is a str that is not valid Unicode text (a lone surrogate)")
         return value
 
-    def leaf(self, value: Any, path: tuple[str | int, ...], kinds: tuple[str, ...]) -> dict[str, str]:
-        name = leaf_name(path, kinds)
+    def leaf(self, value: Any, path: tuple[str | int, ...], name: str) -> dict[str, str]:
+        if name in self.arrays:  # distinct paths make distinct names; this guards that rule
+            raise self.fail(path, f"has the tensor name {name!r} of {path_text(self.paths[name])}")
         kind: Kind = "tensor" if is_tensor(value) else "array"
         if kind == "tensor":
             array = self.tensor(value, path)
@@ -428,7 +432,7 @@ def flatten(state: Any, owner: str = "state", *, into: bool = False) -> FlatStat
     if not isinstance(state, dict):
         raise InvalidStateError(f"{owner}: the state is a {type(state).__name__}, not a dict")
     flattener = _Flattener(owner, into)
-    root = flattener.node(state, (), ())
+    root = flattener.node(state, (), "")
     structure = Structure(root, flattener.kinds, flattener.paths, _is_flat(root))
     return FlatState(flattener.arrays, structure)
 

@@ -1,5 +1,6 @@
 import copy
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -215,3 +216,46 @@ def test_any_value_in_any_shard_field_parses_or_fails_with_a_manifest_error(rank
     manifest = _parse_or_typed_error(json.dumps(document))
     if manifest is not None:
         assert manifest.shard(rank).to_dict()[field] == value  # accepted only as exactly what was given
+
+
+def chunked_document() -> dict:
+    document = valid_document(world_size=2)
+    for rank, shard in enumerate(document["shards"]):
+        shard["chunks"] = [
+            {
+                "name": "model/w",
+                "dtype": "F32",
+                "global_shape": [5, 3],
+                "offsets": [3 * rank, 0],
+                "sizes": [3 - rank, 3],
+            }
+        ]
+    return document
+
+
+def test_dtensor_chunks_round_trip_in_the_shard_records():
+    manifest = parse(chunked_document())
+    assert manifest.shard(1).chunks[0].offsets == (3, 0) and manifest.shard(1).chunks[0].sizes == (2, 3)
+    assert ShardManifest.from_json(manifest.to_json(), source=SOURCE) == manifest
+    assert "chunks" not in json.loads(parse(valid_document()).to_json())["shards"][0]  # absent when there are none
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (lambda c: c.update(dtype="F128"), "chunks[0].dtype"),
+        (lambda c: c.update(sizes=[9, 3]), "chunks[0].sizes"),
+        (lambda c: c.update(offsets=[0]), "chunks[0]"),
+        (lambda c: c.update(offsets=[-1, 0]), "chunks[0].offsets"),
+        (lambda c: c.update(offsets=[True, 0]), "chunks[0].offsets"),
+        (lambda c: c.update(global_shape=[6, 3]), "chunks"),
+        (lambda c: c.update(name=""), "chunks[0].name"),
+        (lambda c: c.update(extra=1), "chunks[0].extra"),
+        (lambda c: c.pop("sizes"), "chunks[0].sizes"),
+    ],
+)
+def test_a_bad_chunk_record_is_a_manifest_error_naming_the_field(change, field):
+    document = chunked_document()
+    change(document["shards"][1]["chunks"][0])
+    with pytest.raises(ManifestError, match=re.escape(field)):
+        parse(document)

@@ -1,9 +1,11 @@
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import ZERO1_SHARDED_KEYS, assert_states_equal, split_sizes, zero1_states
 from tiered_ckpt import CheckpointManager, ReshardError, partition_sizes, save_sharded
-from tiered_ckpt.reshard import reshard
+from tiered_ckpt.reshard import copy_overlap, reshard
 from tiered_ckpt.sharded import load_sharded
 
 
@@ -97,3 +99,29 @@ def test_a_scalar_that_differs_between_ranks_refuses_to_reshard_naming_its_path(
     with pytest.raises(ReshardError, match=r'state\["data"\]\["epoch"\] differs between rank 0 and rank 1'):
         reshard(load_sharded(tmp_path, 2), manifest, 3)
     assert [s["data"]["epoch"] for s in load_sharded(tmp_path, 2)] == [3, 4]  # without resharding it loads
+
+
+def boxes(shape: tuple[int, ...], cuts: list[list[int]]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Every box of the grid that ``cuts`` (sorted cut points per dimension) makes of ``shape``."""
+    import itertools
+
+    edges = [[0, *sorted(set(c for c in dim_cuts if 0 < c < n)), n] for dim_cuts, n in zip(cuts, shape, strict=True)]
+    spans = [list(zip(e[:-1], e[1:], strict=True)) for e in edges]
+    return [(tuple(a for a, _ in combo), tuple(b - a for a, b in combo)) for combo in itertools.product(*spans)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_chunks_of_any_grid_refill_any_other_grid_exactly(data):
+    shape = tuple(data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=3)))
+    whole = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
+    old = boxes(shape, [data.draw(st.lists(st.integers(0, n), max_size=3)) for n in shape])
+    new = boxes(shape, [data.draw(st.lists(st.integers(0, n), max_size=3)) for n in shape])
+    for offsets, sizes in new:
+        target = np.full(sizes, -1, np.float32)
+        copied = 0
+        for source_offsets, source_sizes in old:
+            window = tuple(slice(o, o + s) for o, s in zip(source_offsets, source_sizes, strict=True))
+            copied += copy_overlap(target, offsets, whole[window], source_offsets)
+        assert copied == target.size
+        assert target.tobytes() == whole[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))].tobytes()

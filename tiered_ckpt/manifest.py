@@ -12,17 +12,25 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import InitVar, dataclass
 from typing import Any
 
 from .errors import ChecksumMismatchError, ManifestError, ShardCountMismatchError
 from .layout import MANIFEST_NAME, is_plain_name
-from .shardfile import ShardDigest
+from .shardfile import DTYPES, MAX_DIMS, ShardDigest
 
-__all__ = ["SCHEMA_VERSION", "READABLE_SCHEMA_VERSIONS", "ShardRecord", "ShardManifest", "RemoteManifest"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "READABLE_SCHEMA_VERSIONS",
+    "ChunkRecord",
+    "ShardRecord",
+    "ShardManifest",
+    "RemoteManifest",
+]
 
-# Version 2: shards carry the structure document of a nested state (tiered_ckpt.state).
+# Version 2: shards carry the structure document of a nested state (tiered_ckpt.state),
+# and a shard record may list the DTensor chunks its shard holds ("chunks").
 # Version 1 manifests (flat states, no structure documents) are still read; a reader
 # of version 1 refuses a version 2 checkpoint rather than misreading its nested state.
 SCHEMA_VERSION = 2
@@ -36,13 +44,36 @@ _RESERVED_KEY = "__metadata__"
 
 
 @dataclass(frozen=True)
+class ChunkRecord:
+    """One chunk of a DTensor in a shard: the shard's array ``name`` (of safetensors dtype
+    code ``dtype``) is the box of the global tensor (``global_shape``) that starts at
+    ``offsets`` and spans ``sizes``."""
+
+    name: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "global_shape": list(self.global_shape),
+            "offsets": list(self.offsets),
+            "sizes": list(self.sizes),
+        }
+
+
+@dataclass(frozen=True)
 class ShardRecord:
     """One rank's shard file as the manifest records it.
 
     ``param_shard_offset`` / ``param_shard_numel`` place this rank's slice in the flat
     parameter vector: the slice is the common length of the rank's sharded 1-D arrays,
     and the slices of ranks ``0..world_size-1`` follow each other without gaps.
-    ``sha256`` and ``xxh3_64`` are over the whole file's bytes.
+    ``sha256`` and ``xxh3_64`` are over the whole file's bytes. ``chunks`` lists the
+    DTensor chunks the shard holds (empty for a state without DTensors).
     """
 
     rank: int
@@ -52,6 +83,12 @@ class ShardRecord:
     size_bytes: int
     param_shard_offset: int
     param_shard_numel: int
+    chunks: tuple[ChunkRecord, ...] = ()
+
+    @classmethod
+    def from_dict(cls, document: Mapping[str, Any], *, source: str = "shard record") -> ShardRecord:
+        """Validate a parsed JSON shard record (what :meth:`to_dict` made); errors name ``source``."""
+        return _parse_record(document, source, "")
 
     def mismatch(self, digest: ShardDigest) -> str | None:
         """How bytes with ``digest`` differ from this record, or None if they match.
@@ -82,6 +119,7 @@ class ShardRecord:
             "size_bytes": self.size_bytes,
             "param_shard_offset": self.param_shard_offset,
             "param_shard_numel": self.param_shard_numel,
+            **({"chunks": [chunk.to_dict() for chunk in self.chunks]} if self.chunks else {}),
         }
 
 
@@ -228,9 +266,11 @@ def _reject_constant(name: str) -> None:
 def _parse_record(document: Mapping[str, Any], source: str, prefix: str) -> ShardRecord:
     fields = _Fields(document, source, prefix)
     fields.reject_unknown(
-        {"rank", "path", "sha256", "xxh3_64", "size_bytes", "param_shard_offset", "param_shard_numel"}
+        {"rank", "path", "sha256", "xxh3_64", "size_bytes", "param_shard_offset", "param_shard_numel", "chunks"}
     )
+    chunks = fields.list_of("chunks", Mapping) if "chunks" in document else []
     return ShardRecord(
+        chunks=tuple(_parse_chunk(chunk, source, f"{prefix}chunks[{i}].") for i, chunk in enumerate(chunks)),
         rank=fields.integer("rank", minimum=0),
         path=fields.string("path"),
         sha256=fields.string("sha256"),
@@ -238,6 +278,22 @@ def _parse_record(document: Mapping[str, Any], source: str, prefix: str) -> Shar
         size_bytes=fields.integer("size_bytes", minimum=0),
         param_shard_offset=fields.integer("param_shard_offset", minimum=0),
         param_shard_numel=fields.integer("param_shard_numel", minimum=0),
+    )
+
+
+def _parse_chunk(document: Mapping[str, Any], source: str, prefix: str) -> ChunkRecord:
+    fields = _Fields(document, source, prefix)
+    fields.reject_unknown({"name", "dtype", "global_shape", "offsets", "sizes"})
+    dims = {key: fields.list_of(key, int) for key in ("global_shape", "offsets", "sizes")}
+    for key, values in dims.items():
+        if len(values) > MAX_DIMS or any(isinstance(v, bool) or v < 0 for v in values):
+            raise ManifestError(f"{source}: field '{prefix}{key}': at most {MAX_DIMS} integers >= 0")
+    return ChunkRecord(
+        name=fields.string("name"),
+        dtype=fields.string("dtype"),
+        global_shape=tuple(dims["global_shape"]),
+        offsets=tuple(dims["offsets"]),
+        sizes=tuple(dims["sizes"]),
     )
 
 
@@ -337,3 +393,35 @@ def _check_manifest(manifest: ShardManifest, source: str) -> None:
                 f"is {record.param_shard_offset} but the previous ranks' slices end at {expected_offset}",
             )
         expected_offset += record.param_shard_numel
+        _check_chunks(record, f"{where}.chunks", fail)
+    _check_same_tensors(manifest, fail)
+
+
+def _check_chunks(record: ShardRecord, where: str, fail: Callable[[str, str], ManifestError]) -> None:
+    """Each chunk of a record names a distinct array, a known dtype and a box inside its tensor."""
+    names: set[str] = set()
+    for index, chunk in enumerate(record.chunks):
+        field = f"{where}[{index}]"
+        if not chunk.name or chunk.name == _RESERVED_KEY or chunk.name in names:
+            raise fail(f"{field}.name", f"{chunk.name!r:.80} is empty, reserved or listed twice")
+        names.add(chunk.name)
+        if chunk.dtype not in DTYPES:
+            raise fail(f"{field}.dtype", f"unknown dtype {chunk.dtype!r:.40}")
+        if not len(chunk.global_shape) == len(chunk.offsets) == len(chunk.sizes):
+            raise fail(field, "global_shape, offsets and sizes must have as many dimensions")
+        for dim, (whole, start, size) in enumerate(zip(chunk.global_shape, chunk.offsets, chunk.sizes, strict=True)):
+            if start + size > whole:
+                raise fail(f"{field}.sizes", f"dimension {dim}: {start} + {size} is beyond the tensor's {whole}")
+
+
+def _check_same_tensors(manifest: ShardManifest, fail: Callable[[str, str], ManifestError]) -> None:
+    """Every chunk of one tensor, on whichever rank, has the tensor's one dtype and global shape."""
+    seen: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for record in manifest.shards:
+        for chunk in record.chunks:
+            first = seen.setdefault(chunk.name, (chunk.dtype, chunk.global_shape))
+            if first != (chunk.dtype, chunk.global_shape):
+                raise fail(
+                    f"shards[rank {record.rank}].chunks",
+                    f"{chunk.name!r:.80} is {chunk.dtype} {chunk.global_shape} here, {first[0]} {first[1]} elsewhere",
+                )

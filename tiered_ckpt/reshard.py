@@ -1,4 +1,4 @@
-"""N -> M resharding of flat ZeRO-style shards.
+"""N -> M resharding: flat ZeRO-style slices, and the chunks of DTensors.
 
 The partition rule, shared with saving: a flat vector of ``total`` elements over
 ``world_size`` ranks gives rank ``r`` a contiguous slice of ``total // world_size``
@@ -6,20 +6,38 @@ elements, plus one more for the first ``total % world_size`` ranks (see
 :func:`partition_sizes`). Resharding concatenates the sharded arrays of the old ranks
 in offset order and cuts the result by that rule; replicated arrays, scalars and the
 state's structure must be identical on every old rank and are copied to every new one.
+
+A DTensor leaf is saved as its rank's chunk, a box of the global tensor recorded in the
+manifest (:class:`~tiered_ckpt.manifest.ChunkRecord`). A new rank fills each of its own
+chunks from the saved chunks that overlap it (:func:`plan_chunks`, :func:`fill_chunks`),
+whatever the old and new placements and world sizes; its other leaves come from the
+same rank of the checkpoint, or rank 0's when the world size changed.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .errors import ReshardError
-from .manifest import ShardManifest
+from .errors import InvalidStateError, ReshardError
+from .manifest import ChunkRecord, ShardManifest
 from .state import FlatState, State, Structure, flatten, path_text
 
-__all__ = ["partition_sizes", "reshard", "reshard_flat", "reshard_rank", "source_ranks"]
+__all__ = [
+    "partition_sizes",
+    "reshard",
+    "reshard_flat",
+    "reshard_rank",
+    "source_ranks",
+    "ChunkPlan",
+    "plan_chunks",
+    "copy_overlap",
+    "fill_chunks",
+]
 
 
 def partition_sizes(total: int, world_size: int) -> list[int]:
@@ -144,3 +162,109 @@ def reshard(states: Sequence[State], manifest: ShardManifest, world_size: int) -
     """
     flat = [flatten(state, f"rank {rank}") for rank, state in enumerate(states)]
     return [state.unflatten() for state in reshard_flat(flat, manifest, world_size)]
+
+
+# -- DTensor chunks ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """What one new rank reads to fill a state of DTensor chunks: the saved ranks whose shards
+    it needs, the rank its other leaves (plain arrays, scalars) come from, and per DTensor
+    leaf the saved chunks that overlap its own."""
+
+    ranks: tuple[int, ...]
+    plain_source: int
+    overlaps: Mapping[str, tuple[tuple[int, ChunkRecord], ...]]
+
+
+def _overlaps(
+    a_offsets: Sequence[int], a_sizes: Sequence[int], b_offsets: Sequence[int], b_sizes: Sequence[int]
+) -> bool:
+    return all(
+        a < b + m and b < a + n for a, n, b, m in zip(a_offsets, a_sizes, b_offsets, b_sizes, strict=True)
+    ) and 0 not in (*a_sizes, *b_sizes)
+
+
+def plan_chunks(manifest: ShardManifest, target: FlatState, rank: int, world_size: int) -> ChunkPlan:
+    """The reads that fill ``target`` (new rank ``rank`` of ``world_size``) from ``manifest``'s chunks.
+
+    A box saved by several ranks (a replicated mesh dimension) is read once, from this
+    rank if it saved it, else from the lowest rank that did. Raises :class:`ReshardError`
+    naming the path if a DTensor is not one in the checkpoint or has another global shape.
+    """
+    saved: dict[str, list[tuple[int, ChunkRecord]]] = {}
+    for record in manifest.shards:
+        for chunk in record.chunks:
+            saved.setdefault(chunk.name, []).append((record.rank, chunk))
+    plain_source = rank if manifest.world_size == world_size else 0
+    ranks = {plain_source}
+    overlaps: dict[str, tuple[tuple[int, ChunkRecord], ...]] = {}
+    for name, mine in target.structure.chunks.items():
+        where = path_text(target.structure.paths[name])
+        candidates = saved.get(name)
+        if not candidates:
+            raise ReshardError(f"{where} is a DTensor here, but the checkpoint holds no chunks of it")
+        if candidates[0][1].global_shape != mine.global_shape:
+            raise ReshardError(
+                f"{where} is a DTensor of global shape {mine.global_shape} here, "
+                f"{candidates[0][1].global_shape} in the checkpoint"
+            )
+        sizes = target.arrays[name].shape
+        chosen: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[int, ChunkRecord]] = {}
+        for saved_rank, chunk in sorted(candidates, key=lambda item: (item[0] != rank, item[0])):
+            if _overlaps(mine.offsets, sizes, chunk.offsets, chunk.sizes):
+                chosen.setdefault((chunk.offsets, chunk.sizes), (saved_rank, chunk))
+        overlaps[name] = tuple(chosen.values())
+        ranks.update(saved_rank for saved_rank, _chunk in chosen.values())
+    return ChunkPlan(tuple(sorted(ranks)), plain_source, overlaps)
+
+
+def copy_overlap(
+    target: np.ndarray, target_offsets: Sequence[int], source: np.ndarray, source_offsets: Sequence[int]
+) -> int:
+    """Copy the part of ``source`` (a box at ``source_offsets``) that overlaps ``target`` (a box
+    at ``target_offsets`` of the same global tensor) into ``target``; return the elements copied."""
+    low = [max(t, s) for t, s in zip(target_offsets, source_offsets, strict=True)]
+    high = [
+        min(t + n, s + m) for t, n, s, m in zip(target_offsets, target.shape, source_offsets, source.shape, strict=True)
+    ]
+    if any(h <= lo for lo, h in zip(low, high, strict=True)):
+        return 0
+    into = tuple(slice(lo - t, h - t) for lo, h, t in zip(low, high, target_offsets, strict=True))
+    out_of = tuple(slice(lo - s, h - s) for lo, h, s in zip(low, high, source_offsets, strict=True))
+    target[into] = source[out_of]
+    return math.prod(h - lo for lo, h in zip(low, high, strict=True))
+
+
+def fill_chunks(plan: ChunkPlan, read: Mapping[int, FlatState], target: FlatState) -> FlatState:
+    """Fill ``target``'s arrays in place from the verified saved states ``read`` (by saved rank);
+    return the restored state (``target``'s arrays under the saved structure of the plain source).
+
+    Raises :class:`ReshardError` if the saved chunks do not cover a target chunk, and
+    :class:`InvalidStateError` naming the path if the target's leaves differ from the
+    checkpoint's (names, dtypes, shapes of plain arrays).
+    """
+    source = read[plan.plain_source]
+    differing = sorted(set(source.arrays) ^ set(target.arrays))
+    if differing:
+        raise InvalidStateError(f"into and the checkpoint hold different arrays: {differing[:10]}")
+    for name, array in target.arrays.items():
+        where = path_text(target.structure.paths[name])
+        if source.arrays[name].dtype != array.dtype:
+            raise InvalidStateError(f"into {where} is {array.dtype}, the checkpoint holds {source.arrays[name].dtype}")
+        if name not in plan.overlaps:
+            if source.arrays[name].shape != array.shape:
+                raise InvalidStateError(
+                    f"into {where} has shape {array.shape}, the checkpoint holds {source.arrays[name].shape}"
+                )
+            np.copyto(array, source.arrays[name])
+            continue
+        offsets = target.structure.chunks[name].offsets
+        copied = sum(
+            copy_overlap(array, offsets, read[saved_rank].arrays[name], chunk.offsets)
+            for saved_rank, chunk in plan.overlaps[name]
+        )
+        if copied != array.size:
+            raise ReshardError(f"the checkpoint's chunks cover {copied} of the {array.size} elements of {where} here")
+    return FlatState(target.arrays, source.structure)

@@ -32,8 +32,8 @@ from .errors import (
     UsageError,
     restated,
 )
-from .manifest import ShardManifest
-from .reshard import reshard_flat, reshard_rank, source_ranks
+from .manifest import RemoteManifest, ShardManifest
+from .reshard import fill_chunks, plan_chunks, reshard_flat, reshard_rank, source_ranks
 from .sharded import check_into, check_world_size, run_parallel
 from .shardfile import Verify, check_verify
 from .state import FlatState, State, flatten_into
@@ -229,8 +229,10 @@ class Restorer:
             manifest, remote = store.manifests(step, in_local=in_local, in_remote=in_remote)
             if not reshard:
                 check_world_size(manifest, target, str(store.local.step_dir(step)))
-            elif into_list is not None:
-                raise UsageError("into cannot be combined with reshard=True")
+            if targets is not None and any(state.structure.chunks for state in targets):
+                return self._load_chunks(step, manifest, remote, in_local, target, verify, targets)
+            if reshard and into_list is not None:
+                raise UsageError("into cannot be combined with reshard=True (except into a state of DTensors)")
             if self._one_process:
                 check_into(into_list, manifest)
             elif into_list is not None and len(into_list) != len(self._ranks):
@@ -244,7 +246,7 @@ class Restorer:
                     step,
                     manifest.shard(wanted[index]),
                     verify=verify,
-                    into=targets[index] if targets is not None else None,
+                    into=targets[index].arrays if targets is not None else None,
                     use_remote=remote is not None,
                 ),
                 range(len(wanted)),
@@ -264,6 +266,39 @@ class Restorer:
         else:
             states = [reshard_rank(read, manifest, target, rank) for rank in ranks]
         return RestoreResult(step, [state.unflatten() for state in states], sources, ranks, manifest, tuple(states))
+
+    def _load_chunks(
+        self,
+        step: int,
+        manifest: ShardManifest,
+        remote: RemoteManifest | None,
+        in_local: bool,
+        target: int,
+        verify: Verify,
+        targets: list[FlatState],
+    ) -> RestoreResult:
+        """Fill states of DTensor chunks in place: each of this process's ranks reads the saved
+        shards whose chunks overlap its own (every one verified whole, through the store)."""
+        if len(targets) != len(self._ranks):
+            raise InvalidStateError(f"into holds {len(targets)} rank states, this process restores {len(self._ranks)}")
+        store = self._store
+        plans = [plan_chunks(manifest, state, rank, target) for rank, state in zip(self._ranks, targets, strict=True)]
+        wanted = sorted(set().union(*(plan.ranks for plan in plans)))
+        store.local.new_step_dir(step)
+        if remote is None and not self._one_process:
+            self._check_on_this_node(manifest, wanted)
+        fetched = run_parallel(
+            lambda rank: store.fetch_shard(step, manifest.shard(rank), verify=verify, use_remote=remote is not None),
+            wanted,
+            self._max_workers,
+        )
+        store.record_refill(manifest, remote, wanted, was_committed=in_local)
+        read = {rank: state for rank, (state, _source) in zip(wanted, fetched, strict=True)}
+        sources = {rank: source for rank, (_state, source) in zip(wanted, fetched, strict=True)}
+        states = [fill_chunks(plan, read, state) for plan, state in zip(plans, targets, strict=True)]
+        return RestoreResult(
+            step, [state.unflatten() for state in states], sources, self._ranks, manifest, tuple(states)
+        )
 
     def _check_on_this_node(self, manifest: ShardManifest, ranks: list[int]) -> None:
         """Without a bucket, a rank can read only the shards on its own disk: say so if some are not."""

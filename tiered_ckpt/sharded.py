@@ -186,6 +186,7 @@ def write_shards(
             size_bytes=digest.size_bytes,
             param_shard_offset=sum(numels[:rank]),
             param_shard_numel=numels[rank],
+            chunks=states[index].chunk_records(),
         )
 
     records = run_parallel(write, range(len(ranks)), max_workers)
@@ -296,7 +297,7 @@ def load_sharded(
     manifest = read_manifest(directory)
     check_world_size(manifest, expected_world_size, str(directory))
     check_into(into, manifest)
-    targets = [flatten_into(state, f"into[{rank}]") for rank, state in enumerate(into)] if into is not None else None
+    targets = [flatten_into(state, f"into[{rank}]").arrays for rank, state in enumerate(into)] if into else None
     return run_parallel(
         lambda record: read_shard_file(
             directory, record, verify, targets[record.rank] if targets is not None else None

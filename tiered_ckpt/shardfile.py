@@ -43,6 +43,7 @@ __all__ = [
     "DTYPES",
     "check_arrays",
     "array_problem",
+    "dtype_code",
     "write_shard",
     "read_shard",
     "ShardContents",
@@ -133,6 +134,11 @@ def _dtype_code(name: str, array: np.ndarray, owner: str = "state") -> str:
     if code is None:
         raise InvalidStateError(f"{owner}: array {name!r} {array_problem(array)}")
     return code
+
+
+def dtype_code(array: np.ndarray) -> str:
+    """The safetensors dtype code of ``array`` (``"F32"``, ``"BF16"``...); :class:`InvalidStateError` if none."""
+    return _dtype_code("array", array)
 
 
 def _is_utf8(text: str) -> bool:

@@ -17,7 +17,9 @@ arrays, numpy scalars, torch tensors) or JSON-like scalars (``int`` of any size,
   ``{"dict": [[key, node], ...]}`` (key order kept), ``{"list": [...]}``,
   ``{"tuple": [...]}``, ``null``, ``true``/``false``, a JSON string, a JSON integer (for
   ``-2**63 <= n < 2**63``), ``{"int": "<hex>"}`` (any other int), ``{"float": "<16 hex
-  digits>"}`` (the IEEE-754 bits: -0.0, inf, nan payloads and subnormals exact).
+  digits>"}`` (the IEEE-754 bits: -0.0, inf, nan payloads and subnormals exact). A
+  ``DTensor`` (one process per rank) is saved as its local chunk, ``{"dtensor": [name,
+  global_shape, offsets]}``: the box of the global tensor the chunk is.
 
 Nothing else is accepted: :func:`flatten` raises :class:`InvalidStateError` naming the
 path (``state["optim"]["foo"]``) of the first value it cannot store, before anything is
@@ -39,11 +41,13 @@ from typing import Any, Literal
 import numpy as np
 
 from .errors import InvalidStateError, ShardFormatError
-from .shardfile import ShardContents, array_problem, check_arrays
+from .manifest import ChunkRecord
+from .shardfile import MAX_DIMS, ShardContents, array_problem, check_arrays, dtype_code
 from .tensors import is_tensor, to_numpy, to_torch
 
 __all__ = [
     "State",
+    "Chunk",
     "Structure",
     "FlatState",
     "STRUCTURE_KEY",
@@ -67,7 +71,7 @@ STRUCTURE_VERSION = 1
 MAX_DEPTH = 100
 
 PathKey = tuple[Literal["key", "index"], str | int]
-Kind = Literal["array", "tensor", "legacy"]
+Kind = Literal["array", "tensor", "dtensor", "legacy"]
 _SMALL_INT = 2**63
 _HEX_INT = re.compile(r"-?0x[0-9a-f]+")
 _FLOAT_BITS = re.compile(r"[0-9a-f]{16}")
@@ -117,19 +121,29 @@ def _encode_float(value: float) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
+class Chunk:
+    """Where a DTensor's local chunk sits in the global tensor."""
+
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Structure:
     """A rank's state with its arrays replaced by their names (see the module doc).
 
     ``root`` is the validated JSON tree; ``kinds`` maps each tensor name to how it was
     handed to ``save`` (``"array"``: numpy, ``"tensor"``: torch, ``"legacy"``: a shard
     written without a structure document); ``paths`` maps it to its path in the state.
-    ``flat`` is True for a dict of arrays under ``str`` keys and nothing else.
+    ``flat`` is True for a dict of arrays under ``str`` keys and nothing else; ``chunks``
+    places each DTensor leaf's chunk in its global tensor.
     """
 
     root: Any = field(repr=False)
     kinds: Mapping[str, Kind] = field(repr=False)
     paths: Mapping[str, tuple[str | int, ...]] = field(repr=False)
     flat: bool
+    chunks: Mapping[str, Chunk] = field(default_factory=dict, repr=False)
 
     @classmethod
     def of_names(cls, names: Iterable[str]) -> Structure:
@@ -167,7 +181,7 @@ class Structure:
         missing = sorted(set(names) - set(parser.kinds))
         if missing:
             raise ShardFormatError(f"{what}: the structure document leaves out the shard's arrays {missing[:5]}")
-        return cls(document["root"], parser.kinds, parser.paths, _is_flat(document["root"]))
+        return cls(document["root"], parser.kinds, parser.paths, _is_flat(document["root"]), parser.chunks)
 
     def build(self, arrays: Mapping[str, Any], *, torch: bool = False) -> dict[Any, Any]:
         """The state, with each array taken from ``arrays`` by name; ``torch=True`` gives the
@@ -188,6 +202,7 @@ class _Parser:
         self.what = what
         self.kinds: dict[str, Kind] = {}
         self.paths: dict[str, tuple[str | int, ...]] = {}
+        self.chunks: dict[str, Chunk] = {}
 
     def fail(self, path: tuple[str | int, ...], problem: str) -> ShardFormatError:
         return ShardFormatError(f"{self.what}: structure document, at {path_text(path)}: {problem}")
@@ -207,7 +222,9 @@ class _Parser:
             raise self.fail(path, f"expected a typed node (an object with one key), got {str(node)[:80]}")
         ((tag, value),) = node.items()
         if tag in ("array", "tensor"):
-            self.leaf(tag, value, path, depth)
+            self.leaf(tag, value, path)
+        elif tag == "dtensor":
+            self.dtensor(value, path)
         elif tag in ("list", "tuple"):
             if not isinstance(value, list):
                 raise self.fail(path, f"{tag} must hold a JSON list")
@@ -224,7 +241,17 @@ class _Parser:
         else:
             raise self.fail(path, f"unknown node type {tag!r:.40}")
 
-    def leaf(self, tag: Kind, name: Any, path: tuple[str | int, ...], depth: int) -> None:
+    def dtensor(self, value: Any, path: tuple[str | int, ...]) -> None:
+        if not (isinstance(value, list) and len(value) == 3 and all(isinstance(v, list) for v in value[1:])):
+            raise self.fail(path, "a dtensor must be [name, global_shape, offsets]")
+        name, shape, offsets = value
+        dims = [*shape, *offsets]
+        if len(shape) != len(offsets) or len(shape) > MAX_DIMS or any(type(d) is not int or d < 0 for d in dims):
+            raise self.fail(path, "a dtensor's global_shape and offsets must be as many integers >= 0")
+        self.leaf("dtensor", name, path)
+        self.chunks[name] = Chunk(tuple(shape), tuple(offsets))
+
+    def leaf(self, tag: Kind, name: Any, path: tuple[str | int, ...]) -> None:
         if not isinstance(name, str):
             raise self.fail(path, "an array's name must be a string")
         if name not in self.names:
@@ -258,7 +285,7 @@ class _Parser:
 
 def _is_flat(root: Any) -> bool:
     """True for a dict node of arrays under string keys and nothing else."""
-    return all(type(key) is str and isinstance(item, dict) and set(item) <= {"array", "tensor"}
+    return all(type(key) is str and isinstance(item, dict) and set(item) <= {"array", "tensor", "dtensor"}
                for key, item in root["dict"])  # fmt: skip
 
 
@@ -276,9 +303,10 @@ def _build(node: Any, arrays: Mapping[str, Any], torch_kinds: Mapping[str, Kind]
         return [_build(item, arrays, torch_kinds) for item in value]
     if tag == "tuple":
         return tuple(_build(item, arrays, torch_kinds) for item in value)
-    if tag in ("array", "tensor"):
-        array = arrays[value]
-        if torch_kinds is not None and torch_kinds[value] != "array" and isinstance(array, np.ndarray):
+    if tag in ("array", "tensor", "dtensor"):
+        name = value[0] if tag == "dtensor" else value
+        array = arrays[name]
+        if torch_kinds is not None and torch_kinds[name] != "array" and isinstance(array, np.ndarray):
             return to_torch(array)
         return array
     if tag == "int":
@@ -321,6 +349,7 @@ class _Flattener:
         self.arrays: dict[str, np.ndarray] = {}
         self.kinds: dict[str, Kind] = {}
         self.paths: dict[str, tuple[str | int, ...]] = {}
+        self.chunks: dict[str, Chunk] = {}
         self._open: set[int] = set()
 
     def fail(self, path: tuple[str | int, ...], problem: str) -> InvalidStateError:
@@ -371,11 +400,16 @@ class _Flattener:
             raise self.fail(path, "is a str that is not valid Unicode text (a lone surrogate)")
         return value
 
-    def leaf(self, value: Any, path: tuple[str | int, ...], name: str) -> dict[str, str]:
+    def leaf(self, value: Any, path: tuple[str | int, ...], name: str) -> dict[str, Any]:
         if name in self.arrays:  # distinct paths make distinct names; this guards that rule
             raise self.fail(path, f"has the tensor name {name!r} of {path_text(self.paths[name])}")
-        kind: Kind = "tensor" if is_tensor(value) else "array"
-        if kind == "tensor":
+        kind: Kind = ("dtensor" if _is_dtensor(value) else "tensor") if is_tensor(value) else "array"
+        node: Any = name
+        if kind == "dtensor":
+            array, chunk = self.dtensor(value, path)
+            self.chunks[name] = chunk
+            node = [name, list(chunk.global_shape), list(chunk.offsets)]
+        elif kind == "tensor":
             array = self.tensor(value, path)
         else:
             array = np.asarray(value) if isinstance(value, np.generic) else value
@@ -385,11 +419,21 @@ class _Flattener:
         self.arrays[name] = array
         self.kinds[name] = kind
         self.paths[name] = path
-        return {kind: name}
+        return {kind: node}
+
+    def dtensor(self, value: Any, path: tuple[str | int, ...]) -> tuple[np.ndarray, Chunk]:
+        """A DTensor's local chunk (a view of it) and where it sits in the global tensor."""
+        if any(placement.is_partial() for placement in value.placements):
+            raise self.fail(path, "is a DTensor with a Partial placement (a pending reduction): reduce it first")
+        chunks = value.__create_chunk_list__()  # DTensor's own metadata, as DCP's planner reads it
+        local = value.to_local()
+        if len(chunks) != 1 or tuple(chunks[0].sizes) != tuple(local.shape):
+            raise self.fail(path, f"is a DTensor whose local tensor is {len(chunks)} chunks, not one")
+        if not local.is_contiguous():
+            raise self.fail(path, "is a DTensor whose local tensor is not contiguous")
+        return self.tensor(local, path), Chunk(tuple(value.shape), tuple(chunks[0].offsets))
 
     def tensor(self, value: Any, path: tuple[str | int, ...]) -> np.ndarray:
-        if type(value).__name__ == "DTensor":
-            raise self.fail(path, "is a DTensor; save its .to_local() chunk or .full_tensor()")
         if self.into and value.device.type != "cpu":
             raise self.fail(path, f"is on {value.device}; into= fills CPU tensors and arrays in place")
         try:
@@ -398,12 +442,24 @@ class _Flattener:
             raise self.fail(path, f"is a tensor numpy cannot view: {exc}") from exc
 
 
+def _is_dtensor(value: Any) -> bool:
+    return type(value).__name__ == "DTensor" and hasattr(value, "placements")
+
+
 @dataclass(frozen=True)
 class FlatState:
     """A rank's state as a shard holds it: arrays by tensor name, and their structure."""
 
     arrays: dict[str, np.ndarray]
     structure: Structure
+
+    def chunk_records(self) -> tuple[ChunkRecord, ...]:
+        """The DTensor chunks of this state, as the manifest records them."""
+        return tuple(
+            ChunkRecord(name, dtype_code(self.arrays[name]), chunk.global_shape, chunk.offsets,
+                        tuple(self.arrays[name].shape))
+            for name, chunk in self.structure.chunks.items()
+        )  # fmt: skip
 
     def unflatten(self, *, torch: bool = False) -> dict[Any, Any]:
         """The nested state: arrays as numpy, or (``torch=True``) as each leaf was saved."""
@@ -433,13 +489,14 @@ def flatten(state: Any, owner: str = "state", *, into: bool = False) -> FlatStat
         raise InvalidStateError(f"{owner}: the state is a {type(state).__name__}, not a dict")
     flattener = _Flattener(owner, into)
     root = flattener.node(state, (), "")
-    structure = Structure(root, flattener.kinds, flattener.paths, _is_flat(root))
+    structure = Structure(root, flattener.kinds, flattener.paths, _is_flat(root), flattener.chunks)
     return FlatState(flattener.arrays, structure)
 
 
-def flatten_into(into: Any, owner: str) -> dict[str, np.ndarray]:
-    """The arrays of a state to fill in place, by tensor name (its scalars are not filled)."""
-    return flatten(into, owner, into=True).arrays
+def flatten_into(into: Any, owner: str) -> FlatState:
+    """A state to fill in place: its arrays by tensor name (views of its tensors and DTensor
+    chunks) and where its DTensor chunks sit; its scalars are not filled."""
+    return flatten(into, owner, into=True)
 
 
 def sharded_names(keys: Iterable[str | Sequence[str | int]], names: Iterable[str]) -> list[str]:

@@ -177,7 +177,7 @@ class Writer:
                 step=step,
                 wall_clock_seconds=parts[0].time,  # the leader's clock
                 sharded_keys=keys,
-                shards=tuple(ShardRecord(**shard) for part in parts for shard in part.shards),
+                shards=tuple(ShardRecord.from_dict(shard) for part in parts for shard in part.shards),
                 source=f"the shard records of step {step}",
             )
             local.commit(manifest, held=self._ranks)  # other ranks' shards are on their nodes

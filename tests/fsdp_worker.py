@@ -1,0 +1,108 @@
+"""One rank of an FSDP2 test job: ``python fsdp_worker.py CONFIG_JSON RANK``.
+
+Joins a gloo job through a file store, shards a small model with ``fully_shard`` on a
+CPU device mesh, and either trains it a few steps and saves ``get_state_dict(model,
+optimizer)`` ("save"), or builds it afresh (other initial values) and restores into its
+state dict ("restore", any world size). Either way it writes to
+``<results>/rank-<RANK>.json`` the sha256 of every tensor of the full (unsharded) state,
+and what the restore read from where. A CheckpointError is recorded as ``error``.
+"""
+
+import hashlib
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from tiered_ckpt import CheckpointError, CheckpointManager, TorchDistributedCoordinator
+
+
+def build(seed: int, world_size: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3), torch.nn.Linear(3, 2))
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def full_digests(state) -> dict[str, str]:
+    """The sha256 of every tensor of a (nested) state, DTensors gathered whole."""
+    digests = {}
+
+    def walk(value, path):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{path}/{key}")
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                walk(item, f"{path}/{index}")
+        elif isinstance(value, torch.Tensor):
+            whole = value.full_tensor() if isinstance(value, DTensor) else value
+            digests[path] = f"{whole.dtype} {tuple(whole.shape)} " + hashlib.sha256(whole.numpy().tobytes()).hexdigest()
+        else:
+            digests[path] = repr(value)
+
+    walk(state, "")
+    return digests
+
+
+def run(config: dict, rank: int, world_size: int, result: dict) -> None:
+    coordinator = TorchDistributedCoordinator()
+    directory = Path(config["local_root"]) / f"rank-{rank}"
+    with CheckpointManager(directory, coordinator=coordinator, remote_url=config.get("url"),
+                           storage_options=config.get("options")) as manager:  # fmt: skip
+        if config["do"] == "save":
+            model, optimizer = build(0, world_size)
+            for step in range(3):
+                generator = torch.Generator().manual_seed(step)
+                model(torch.randn(4, 5, generator=generator)).square().sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            model_state, optim_state = get_state_dict(model, optimizer)
+            state = {"model": model_state, "optim": optim_state, "epoch": 3}
+            manager.save(3, state, blocking=True)
+            manager.wait(uploaded=True)
+        else:
+            model, optimizer = build(1234, world_size)  # other values: the restore must replace them all
+            model_state, optim_state = get_state_dict(model, optimizer)
+            into = {"model": model_state, "optim": optim_state, "epoch": 0}
+            restored = manager.restore(into=into, reshard=True)
+            optim_state["param_groups"] = restored.torch_state()["optim"]["param_groups"]
+            set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+            model_state, optim_state = get_state_dict(model, optimizer)
+            state = {"model": model_state, "optim": optim_state, "epoch": restored.state["epoch"]}
+            result["sources"] = {str(old): tier for old, tier in restored.sources.items()}
+        result["digests"] = full_digests(state)
+
+
+def main() -> None:
+    config = json.loads(Path(sys.argv[1]).read_text())
+    rank = int(sys.argv[2])
+    world_size = config["world_size"]
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{config['store']}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+    )
+    result: dict = {"rank": rank}
+    try:
+        run(config, rank, world_size, result)
+    except CheckpointError as exc:
+        result["error"] = [type(exc).__name__, str(exc)]
+    (Path(config["results"]) / f"rank-{rank}.json").write_text(json.dumps(result))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

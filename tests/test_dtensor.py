@@ -1,0 +1,75 @@
+"""DTensor (FSDP2) state saved by N rank processes and restored into M, through both tiers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import flip_byte
+from tiered_ckpt.layout import shard_name, step_dir_name
+
+WORKER = Path(__file__).resolve().parent / "fsdp_worker.py"
+
+
+def run_job(root: Path, world_size: int, do: str, remote=None) -> dict[int, dict]:
+    """Run ``world_size`` FSDP2 rank processes over ``root/nodes``; return each rank's result."""
+    launch = root / f"launch-{len(list(root.glob('launch-*')))}"
+    (launch / "results").mkdir(parents=True)
+    config = {
+        "store": str(launch / "store"),
+        "results": str(launch / "results"),
+        "local_root": str(root / "nodes"),
+        "world_size": world_size,
+        "do": do,
+    }
+    if remote is not None:
+        config["url"], config["options"] = remote
+    (launch / "config.json").write_text(json.dumps(config))
+    processes = [
+        subprocess.Popen([sys.executable, str(WORKER), str(launch / "config.json"), str(rank)])
+        for rank in range(world_size)
+    ]
+    try:
+        codes = [process.wait(timeout=300) for process in processes]  # a guard against a hang, not a timing
+    finally:
+        for process in processes:
+            process.kill()
+    assert codes == [0] * world_size
+    return {rank: json.loads((launch / "results" / f"rank-{rank}.json").read_text()) for rank in range(world_size)}
+
+
+@pytest.mark.parametrize("old, new", [(2, 4), (4, 2), (2, 3), (3, 3)])
+def test_an_fsdp2_state_restores_byte_equal_on_another_world_size(tmp_path, s3_url, old, new):
+    saved = run_job(tmp_path, old, "save", remote=s3_url)
+    assert all("error" not in result for result in saved.values()), saved
+    expected = saved[0]["digests"]
+    assert all(result["digests"] == expected for result in saved.values())  # the full state, seen from any rank
+    restored = run_job(tmp_path, new, "restore", remote=s3_url)
+    for rank, result in restored.items():
+        assert "error" not in result, result
+        assert result["digests"] == expected  # model and AdamW state, every byte, and the scalars
+        if rank >= old:  # a rank that did not exist before: an empty disk, every shard from the bucket
+            assert set(result["sources"].values()) == {"remote"}, result
+
+
+def test_a_flipped_byte_in_a_needed_shard_is_caught_and_read_from_the_bucket(tmp_path, s3_url):
+    saved = run_job(tmp_path, 2, "save", remote=s3_url)
+    step_dir = tmp_path / "nodes" / "rank-0" / step_dir_name(3)
+    shard = step_dir / shard_name(0, 2)
+    flip_byte(shard, shard.stat().st_size - 8)  # inside the last chunk's bytes
+    restored = run_job(tmp_path, 3, "restore", remote=s3_url)
+    assert restored[0]["sources"]["0"] == "remote"  # the damaged local copy was refused
+    assert all(result["digests"] == saved[0]["digests"] for result in restored.values())
+
+
+def test_without_a_bucket_a_flipped_byte_fails_the_restore_on_every_rank(tmp_path):
+    run_job(tmp_path, 2, "save")
+    shard = tmp_path / "nodes" / "rank-1" / step_dir_name(3) / shard_name(1, 2)
+    flip_byte(shard, shard.stat().st_size - 8)
+    restored = run_job(tmp_path, 2, "restore")
+    for result in restored.values():
+        assert result["error"][0] == "ChecksumMismatchError", result

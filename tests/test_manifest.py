@@ -228,8 +228,10 @@ def chunked_document() -> dict:
                 "global_shape": [5, 3],
                 "offsets": [3 * rank, 0],
                 "sizes": [3 - rank, 3],
+                "sha256": f"{rank + 7:064x}",
             }
         ]
+        shard["header_bytes"], shard["header_sha256"] = 200, f"{rank + 9:064x}"
     return document
 
 
@@ -252,10 +254,18 @@ def test_dtensor_chunks_round_trip_in_the_shard_records():
         (lambda c: c.update(name=""), "chunks[0].name"),
         (lambda c: c.update(extra=1), "chunks[0].extra"),
         (lambda c: c.pop("sizes"), "chunks[0].sizes"),
+        (lambda c: c.update(sha256="ab"), "chunks[0].sha256"),
     ],
 )
 def test_a_bad_chunk_record_is_a_manifest_error_naming_the_field(change, field):
     document = chunked_document()
     change(document["shards"][1]["chunks"][0])
     with pytest.raises(ManifestError, match=re.escape(field)):
+        parse(document)
+
+
+def test_a_shard_with_chunks_must_record_its_header():
+    document = chunked_document()
+    document["shards"][0]["header_sha256"] = "nope"
+    with pytest.raises(ManifestError, match=re.escape("shards[rank 0].header_sha256")):
         parse(document)

@@ -115,3 +115,56 @@ def test_writes_refuse_a_directory_replaced_under_the_lock(two_tiers, tmp_path):
     store.local.root.mkdir()  # another job's directory now, at the same path
     with pytest.raises(Exception, match="removed or replaced since this job locked it"):
         store.local.new_step_dir(4)
+
+
+@pytest.fixture
+def chunked_tiers(tmp_path, memory_url):
+    """Step 3 of one rank holding a DTensor chunk "a" and a plain array "b", in both tiers."""
+    import json
+
+    from tiered_ckpt.manifest import ShardManifest
+    from tiered_ckpt.sharded import write_checkpoint
+    from tiered_ckpt.state import FlatState, Structure
+
+    arrays = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(4096, dtype=np.float32)}
+    root = {"dict": [["a", {"dtensor": ["a", [4, 3], [2, 0]]}], ["b", {"array": "b"}], ["epoch", 3]]}
+    structure = Structure.from_json(json.dumps({"version": 1, "root": root}), arrays, "test")
+    directory = tmp_path / "ckpt" / step_dir_name(3)
+    directory.mkdir(parents=True)
+    manifest = write_checkpoint(directory, [FlatState(arrays, structure)], 3, sharded_keys=(), numels=[0])
+    assert isinstance(manifest, ShardManifest) and {c.name for c in manifest.shard(0).chunks} == {"a", "b"}
+    url, options = memory_url
+    store = TieredStore(LocalTier(tmp_path / "ckpt"), RemoteTier(url, options))
+    store.remote.put_shard(3, store.local.shard_path(3, manifest.shard(0)), manifest.shard(0))
+    store.remote.commit(manifest)
+    with store.local.lock():
+        yield store, manifest, arrays
+
+
+def byte_of(store, manifest, name: str) -> int:
+    """An offset inside array ``name``'s bytes in the local shard."""
+    from tiered_ckpt.shardfile import read_header
+
+    record = manifest.shard(0)
+    with open(store.local.shard_path(3, record), "rb") as shard:
+        header = read_header(shard.read(record.header_bytes), record.size_bytes, "test")
+    return header.arrays[name].begin + 5
+
+
+def test_reading_parts_verifies_only_what_it_reads(chunked_tiers):
+    store, manifest, arrays = chunked_tiers
+    flip_byte(store.local.shard_path(3, manifest.shard(0)), byte_of(store, manifest, "b"))
+    state, source = store.read_parts(3, manifest.shard(0), {"a"})
+    assert source == "local" and state.arrays["a"].tobytes() == arrays["a"].tobytes()  # "b" was not read
+    assert set(state.arrays) == {"a"} and set(state.structure.kinds) == {"a", "b"}  # the whole structure
+    state, source = store.read_parts(3, manifest.shard(0), {"a", "b"})
+    assert source == "remote" and state.arrays["b"].tobytes() == arrays["b"].tobytes()  # the flip is caught
+
+
+@pytest.mark.parametrize("where", ["header", "a"])
+def test_a_damaged_part_without_a_bucket_is_a_checksum_mismatch_naming_the_file(chunked_tiers, where):
+    store, manifest, _arrays = chunked_tiers
+    offset = 20 if where == "header" else byte_of(store, manifest, "a")
+    flip_byte(store.local.shard_path(3, manifest.shard(0)), offset)
+    with pytest.raises(ChecksumMismatchError, match="rank-00000-of-00001"):
+        store.read_parts(3, manifest.shard(0), {"a"}, use_remote=False)

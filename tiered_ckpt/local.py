@@ -56,6 +56,7 @@ __all__ = [
     "directory_lock",
     "write_shard_file",
     "read_shard_file",
+    "read_shard_range",
     "check_shard_file",
     "commit_manifest",
     "read_manifest",
@@ -105,9 +106,12 @@ def directory_lock(directory: Path) -> Iterator[tuple[int, int]]:
         os.close(fd)
 
 
-def write_shard_file(path: Path, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> ShardDigest:
+def write_shard_file(
+    path: Path, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str], *, part_digests: bool = False
+) -> ShardDigest:
     """Atomically write one shard file at ``path``; the directory fsync is left to the caller."""
-    return atomic_write(path, lambda out: write_shard(out, arrays, metadata), sync_directory=False)
+    write = lambda out: write_shard(out, arrays, metadata, part_digests=part_digests)  # noqa: E731
+    return atomic_write(path, write, sync_directory=False)
 
 
 def _open_regular(path: Path, what: str) -> BinaryIO:
@@ -174,6 +178,23 @@ def read_shard_file(
             source, check=lambda digest: record.verify(digest, what), verify=verify, what=what, into=into
         )
     return FlatState.from_shard(contents, what)
+
+
+def read_shard_range(directory: Path, record: ShardRecord, begin: int, end: int) -> bytes:
+    """Bytes ``begin`` to ``end`` of ``record``'s shard in ``directory`` (a regular file of the recorded size).
+
+    Raises :class:`IncompleteCheckpointError` if it is missing, not a regular file or
+    short, :class:`ChecksumMismatchError` if it is longer than recorded.
+    """
+    path = directory / record.path
+    what = _describe(record, path)
+    with _open_regular(path, what) as source:
+        size = os.fstat(source.fileno()).st_size
+        if size < record.size_bytes:
+            raise IncompleteCheckpointError(f"{what}: file is short, {size} of {record.size_bytes} bytes")
+        if size > record.size_bytes:
+            raise ChecksumMismatchError(f"{what}: file has {size} bytes, the manifest records {record.size_bytes}")
+        return os.pread(source.fileno(), end - begin, begin)
 
 
 def check_shard_file(directory: Path, record: ShardRecord) -> str | None:
@@ -386,6 +407,9 @@ class LocalTier:
         self, step: int, record: ShardRecord, verify: Verify = "full", into: Mapping[str, np.ndarray] | None = None
     ) -> FlatState:
         return read_shard_file(self.step_dir(step), record, verify, into)
+
+    def read_range(self, step: int, record: ShardRecord, begin: int, end: int) -> bytes:
+        return read_shard_range(self.step_dir(step), record, begin, end)
 
     def check_shard(self, step: int, record: ShardRecord) -> str | None:
         return check_shard_file(self.step_dir(step), record)

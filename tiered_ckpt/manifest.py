@@ -45,15 +45,18 @@ _RESERVED_KEY = "__metadata__"
 
 @dataclass(frozen=True)
 class ChunkRecord:
-    """One chunk of a DTensor in a shard: the shard's array ``name`` (of safetensors dtype
-    code ``dtype``) is the box of the global tensor (``global_shape``) that starts at
-    ``offsets`` and spans ``sizes``."""
+    """One array of a state of DTensors, as a chunk: the shard's array ``name`` (of
+    safetensors dtype code ``dtype``) is the box of the global tensor (``global_shape``)
+    that starts at ``offsets`` and spans ``sizes`` (a plain array is the one chunk of
+    itself); ``sha256`` is over the array's bytes, so that a reader of only this chunk
+    verifies what it read."""
 
     name: str
     dtype: str
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
+    sha256: str
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -62,6 +65,7 @@ class ChunkRecord:
             "global_shape": list(self.global_shape),
             "offsets": list(self.offsets),
             "sizes": list(self.sizes),
+            "sha256": self.sha256,
         }
 
 
@@ -72,8 +76,10 @@ class ShardRecord:
     ``param_shard_offset`` / ``param_shard_numel`` place this rank's slice in the flat
     parameter vector: the slice is the common length of the rank's sharded 1-D arrays,
     and the slices of ranks ``0..world_size-1`` follow each other without gaps.
-    ``sha256`` and ``xxh3_64`` are over the whole file's bytes. ``chunks`` lists the
-    DTensor chunks the shard holds (empty for a state without DTensors).
+    ``sha256`` and ``xxh3_64`` are over the whole file's bytes. For a state of DTensors,
+    ``chunks`` lists every array of the shard, and ``header_bytes`` / ``header_sha256``
+    measure the file's header (where the arrays are, and the structure document): with
+    them a reader verifies the parts of the file it reads without reading all of it.
     """
 
     rank: int
@@ -84,6 +90,8 @@ class ShardRecord:
     param_shard_offset: int
     param_shard_numel: int
     chunks: tuple[ChunkRecord, ...] = ()
+    header_bytes: int = 0
+    header_sha256: str = ""
 
     @classmethod
     def from_dict(cls, document: Mapping[str, Any], *, source: str = "shard record") -> ShardRecord:
@@ -119,7 +127,15 @@ class ShardRecord:
             "size_bytes": self.size_bytes,
             "param_shard_offset": self.param_shard_offset,
             "param_shard_numel": self.param_shard_numel,
-            **({"chunks": [chunk.to_dict() for chunk in self.chunks]} if self.chunks else {}),
+            **(
+                {
+                    "chunks": [chunk.to_dict() for chunk in self.chunks],
+                    "header_bytes": self.header_bytes,
+                    "header_sha256": self.header_sha256,
+                }
+                if self.chunks
+                else {}
+            ),
         }
 
 
@@ -266,10 +282,13 @@ def _reject_constant(name: str) -> None:
 def _parse_record(document: Mapping[str, Any], source: str, prefix: str) -> ShardRecord:
     fields = _Fields(document, source, prefix)
     fields.reject_unknown(
-        {"rank", "path", "sha256", "xxh3_64", "size_bytes", "param_shard_offset", "param_shard_numel", "chunks"}
+        {"rank", "path", "sha256", "xxh3_64", "size_bytes", "param_shard_offset", "param_shard_numel"}
+        | {"chunks", "header_bytes", "header_sha256"}
     )
     chunks = fields.list_of("chunks", Mapping) if "chunks" in document else []
     return ShardRecord(
+        header_bytes=fields.integer("header_bytes", minimum=8) if chunks else 0,
+        header_sha256=fields.string("header_sha256") if chunks else "",
         chunks=tuple(_parse_chunk(chunk, source, f"{prefix}chunks[{i}].") for i, chunk in enumerate(chunks)),
         rank=fields.integer("rank", minimum=0),
         path=fields.string("path"),
@@ -283,7 +302,7 @@ def _parse_record(document: Mapping[str, Any], source: str, prefix: str) -> Shar
 
 def _parse_chunk(document: Mapping[str, Any], source: str, prefix: str) -> ChunkRecord:
     fields = _Fields(document, source, prefix)
-    fields.reject_unknown({"name", "dtype", "global_shape", "offsets", "sizes"})
+    fields.reject_unknown({"name", "dtype", "global_shape", "offsets", "sizes", "sha256"})
     dims = {key: fields.list_of(key, int) for key in ("global_shape", "offsets", "sizes")}
     for key, values in dims.items():
         if len(values) > MAX_DIMS or any(isinstance(v, bool) or v < 0 for v in values):
@@ -294,6 +313,7 @@ def _parse_chunk(document: Mapping[str, Any], source: str, prefix: str) -> Chunk
         global_shape=tuple(dims["global_shape"]),
         offsets=tuple(dims["offsets"]),
         sizes=tuple(dims["sizes"]),
+        sha256=fields.string("sha256"),
     )
 
 
@@ -399,6 +419,10 @@ def _check_manifest(manifest: ShardManifest, source: str) -> None:
 
 def _check_chunks(record: ShardRecord, where: str, fail: Callable[[str, str], ManifestError]) -> None:
     """Each chunk of a record names a distinct array, a known dtype and a box inside its tensor."""
+    if record.chunks and not (_SHA256.fullmatch(record.header_sha256) and record.header_bytes <= record.size_bytes):
+        raise fail(
+            f"{where[: -len('.chunks')]}.header_sha256", "a shard with chunks needs its header's size and sha256"
+        )
     names: set[str] = set()
     for index, chunk in enumerate(record.chunks):
         field = f"{where}[{index}]"
@@ -407,6 +431,8 @@ def _check_chunks(record: ShardRecord, where: str, fail: Callable[[str, str], Ma
         names.add(chunk.name)
         if chunk.dtype not in DTYPES:
             raise fail(f"{field}.dtype", f"unknown dtype {chunk.dtype!r:.40}")
+        if not _SHA256.fullmatch(chunk.sha256):
+            raise fail(f"{field}.sha256", f"expected 64 lowercase hex digits, got {chunk.sha256[:80]!r}")
         if not len(chunk.global_shape) == len(chunk.offsets) == len(chunk.sizes):
             raise fail(field, "global_shape, offsets and sizes must have as many dimensions")
         for dim, (whole, start, size) in enumerate(zip(chunk.global_shape, chunk.offsets, chunk.sizes, strict=True)):

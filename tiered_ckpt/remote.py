@@ -54,7 +54,7 @@ from typing import Any, BinaryIO, TypeVar
 from fsspec.core import url_to_fs
 
 from .durable import atomic_write, write_bytes
-from .errors import CheckpointError, ManifestError, RemoteError
+from .errors import CheckpointError, IncompleteCheckpointError, ManifestError, RemoteError
 from .layout import LATEST_NAME, MANIFEST_NAME, parse_step_dir_name, step_dir_name
 from .manifest import MAX_MANIFEST_BYTES, RemoteManifest, ShardManifest, ShardRecord
 from .shardfile import ShardDigest, copy_and_hash, hash_stream
@@ -324,6 +324,18 @@ class RemoteTier:
                 return consume(_Reader(source, self, f"downloading {location}"))  # type: ignore[arg-type]
 
         return self._run(f"downloading {location}", read)
+
+    def read_range(self, step: int, record: ShardRecord, begin: int, end: int) -> bytes:
+        """Bytes ``begin`` to ``end`` of ``record``'s object (one ranged GET, retried on a transient error).
+
+        Raises :class:`IncompleteCheckpointError` if the object holds fewer bytes.
+        """
+        location = self.location(step, record.path)
+        what = f"reading bytes {begin}-{end} of {location}"
+        data = self._run(what, lambda: self._fs.cat_file(self._path(step, record.path), start=begin, end=end))
+        if len(data) != end - begin:
+            raise IncompleteCheckpointError(f"{what}: got {len(data)} bytes; the object is shorter than recorded")
+        return bytes(data)
 
     def check_shard(self, step: int, record: ShardRecord) -> str | None:
         """Stream and hash one shard object; return the problem, or None if it matches the record."""

@@ -25,7 +25,7 @@ import numpy as np
 
 from .errors import InvalidStateError, ReshardError
 from .manifest import ChunkRecord, ShardManifest
-from .state import FlatState, State, Structure, flatten, path_text
+from .state import Chunk, FlatState, State, Structure, flatten, path_text
 
 __all__ = [
     "partition_sizes",
@@ -169,55 +169,59 @@ def reshard(states: Sequence[State], manifest: ShardManifest, world_size: int) -
 
 @dataclass(frozen=True)
 class ChunkPlan:
-    """What one new rank reads to fill a state of DTensor chunks: the saved ranks whose shards
-    it needs, the rank its other leaves (plain arrays, scalars) come from, and per DTensor
-    leaf the saved chunks that overlap its own."""
+    """What one new rank reads to fill a state of DTensors: per saved rank, the arrays it
+    reads from that rank's shard; per array of its own, the saved chunks that overlap it;
+    and the saved rank whose structure (scalars) it takes."""
 
-    ranks: tuple[int, ...]
-    plain_source: int
+    reads: Mapping[int, frozenset[str]]
     overlaps: Mapping[str, tuple[tuple[int, ChunkRecord], ...]]
+    plain_source: int
 
 
 def _overlaps(
     a_offsets: Sequence[int], a_sizes: Sequence[int], b_offsets: Sequence[int], b_sizes: Sequence[int]
 ) -> bool:
-    return all(
-        a < b + m and b < a + n for a, n, b, m in zip(a_offsets, a_sizes, b_offsets, b_sizes, strict=True)
-    ) and 0 not in (*a_sizes, *b_sizes)
+    if 0 in (*a_sizes, *b_sizes):
+        return False
+    return all(a < b + m and b < a + n for a, n, b, m in zip(a_offsets, a_sizes, b_offsets, b_sizes, strict=True))
 
 
 def plan_chunks(manifest: ShardManifest, target: FlatState, rank: int, world_size: int) -> ChunkPlan:
     """The reads that fill ``target`` (new rank ``rank`` of ``world_size``) from ``manifest``'s chunks.
 
-    A box saved by several ranks (a replicated mesh dimension) is read once, from this
-    rank if it saved it, else from the lowest rank that did. Raises :class:`ReshardError`
-    naming the path if a DTensor is not one in the checkpoint or has another global shape.
+    A DTensor leaf takes the saved chunks that overlap its own; a plain array (the one
+    chunk of itself) and the scalars come from the same rank of the checkpoint, or rank
+    0's when the world size changed. A box saved by several ranks (a replicated mesh
+    dimension) is read once, from this rank if it saved it, else from the lowest rank
+    that did. Raises :class:`ReshardError` naming the path if an array is not one in the
+    checkpoint or has another global shape there.
     """
     saved: dict[str, list[tuple[int, ChunkRecord]]] = {}
     for record in manifest.shards:
         for chunk in record.chunks:
             saved.setdefault(chunk.name, []).append((record.rank, chunk))
     plain_source = rank if manifest.world_size == world_size else 0
-    ranks = {plain_source}
+    reads: dict[int, set[str]] = {plain_source: set()}
     overlaps: dict[str, tuple[tuple[int, ChunkRecord], ...]] = {}
-    for name, mine in target.structure.chunks.items():
+    for name, array in target.arrays.items():
         where = path_text(target.structure.paths[name])
+        mine = target.structure.chunks.get(name, Chunk(tuple(array.shape), (0,) * array.ndim))
         candidates = saved.get(name)
         if not candidates:
-            raise ReshardError(f"{where} is a DTensor here, but the checkpoint holds no chunks of it")
+            raise ReshardError(f"{where}: the checkpoint holds no chunks of it (was it saved as a state of DTensors?)")
         if candidates[0][1].global_shape != mine.global_shape:
             raise ReshardError(
-                f"{where} is a DTensor of global shape {mine.global_shape} here, "
-                f"{candidates[0][1].global_shape} in the checkpoint"
+                f"{where} has global shape {mine.global_shape} here, {candidates[0][1].global_shape} in the checkpoint"
             )
-        sizes = target.arrays[name].shape
+        preferred = rank if name in target.structure.chunks else plain_source
         chosen: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[int, ChunkRecord]] = {}
-        for saved_rank, chunk in sorted(candidates, key=lambda item: (item[0] != rank, item[0])):
-            if _overlaps(mine.offsets, sizes, chunk.offsets, chunk.sizes):
+        for saved_rank, chunk in sorted(candidates, key=lambda item: (item[0] != preferred, item[0])):
+            if _overlaps(mine.offsets, array.shape, chunk.offsets, chunk.sizes):
                 chosen.setdefault((chunk.offsets, chunk.sizes), (saved_rank, chunk))
         overlaps[name] = tuple(chosen.values())
-        ranks.update(saved_rank for saved_rank, _chunk in chosen.values())
-    return ChunkPlan(tuple(sorted(ranks)), plain_source, overlaps)
+        for saved_rank, _chunk in chosen.values():
+            reads.setdefault(saved_rank, set()).add(name)
+    return ChunkPlan({r: frozenset(names) for r, names in reads.items()}, overlaps, plain_source)
 
 
 def copy_overlap(
@@ -238,33 +242,26 @@ def copy_overlap(
 
 
 def fill_chunks(plan: ChunkPlan, read: Mapping[int, FlatState], target: FlatState) -> FlatState:
-    """Fill ``target``'s arrays in place from the verified saved states ``read`` (by saved rank);
+    """Fill ``target``'s arrays in place from the verified saved arrays ``read`` (by saved rank);
     return the restored state (``target``'s arrays under the saved structure of the plain source).
 
-    Raises :class:`ReshardError` if the saved chunks do not cover a target chunk, and
-    :class:`InvalidStateError` naming the path if the target's leaves differ from the
-    checkpoint's (names, dtypes, shapes of plain arrays).
+    Raises :class:`InvalidStateError` naming the path if the target's arrays are not the
+    checkpoint's (names, dtypes), and :class:`ReshardError` if the saved chunks do not
+    cover one of them.
     """
-    source = read[plan.plain_source]
-    differing = sorted(set(source.arrays) ^ set(target.arrays))
+    structure = read[plan.plain_source].structure
+    differing = sorted(set(structure.kinds) ^ set(target.arrays))
     if differing:
         raise InvalidStateError(f"into and the checkpoint hold different arrays: {differing[:10]}")
     for name, array in target.arrays.items():
         where = path_text(target.structure.paths[name])
-        if source.arrays[name].dtype != array.dtype:
-            raise InvalidStateError(f"into {where} is {array.dtype}, the checkpoint holds {source.arrays[name].dtype}")
-        if name not in plan.overlaps:
-            if source.arrays[name].shape != array.shape:
-                raise InvalidStateError(
-                    f"into {where} has shape {array.shape}, the checkpoint holds {source.arrays[name].shape}"
-                )
-            np.copyto(array, source.arrays[name])
-            continue
-        offsets = target.structure.chunks[name].offsets
-        copied = sum(
-            copy_overlap(array, offsets, read[saved_rank].arrays[name], chunk.offsets)
-            for saved_rank, chunk in plan.overlaps[name]
-        )
+        offsets = target.structure.chunks[name].offsets if name in target.structure.chunks else (0,) * array.ndim
+        copied = 0
+        for saved_rank, chunk in plan.overlaps[name]:
+            source = read[saved_rank].arrays[name]
+            if source.dtype != array.dtype:
+                raise InvalidStateError(f"into {where} is {array.dtype}, the checkpoint holds {source.dtype}")
+            copied += copy_overlap(array, offsets, source, chunk.offsets)
         if copied != array.size:
             raise ReshardError(f"the checkpoint's chunks cover {copied} of the {array.size} elements of {where} here")
-    return FlatState(target.arrays, source.structure)
+    return FlatState(target.arrays, structure)

@@ -230,7 +230,7 @@ class Restorer:
             if not reshard:
                 check_world_size(manifest, target, str(store.local.step_dir(step)))
             if targets is not None and any(state.structure.chunks for state in targets):
-                return self._load_chunks(step, manifest, remote, in_local, target, verify, targets)
+                return self._load_chunks(step, manifest, remote, target, targets)
             if reshard and into_list is not None:
                 raise UsageError("into cannot be combined with reshard=True (except into a state of DTensors)")
             if self._one_process:
@@ -272,29 +272,27 @@ class Restorer:
         step: int,
         manifest: ShardManifest,
         remote: RemoteManifest | None,
-        in_local: bool,
         target: int,
-        verify: Verify,
         targets: list[FlatState],
     ) -> RestoreResult:
-        """Fill states of DTensor chunks in place: each of this process's ranks reads the saved
-        shards whose chunks overlap its own (every one verified whole, through the store)."""
+        """Fill states of DTensors in place: each of this process's ranks reads, of the saved
+        shards whose chunks overlap its own, just the header and those chunks, each verified
+        against the sha256 the manifest records for it (:meth:`TieredStore.read_parts`)."""
         if len(targets) != len(self._ranks):
             raise InvalidStateError(f"into holds {len(targets)} rank states, this process restores {len(self._ranks)}")
-        store = self._store
         plans = [plan_chunks(manifest, state, rank, target) for rank, state in zip(self._ranks, targets, strict=True)]
-        wanted = sorted(set().union(*(plan.ranks for plan in plans)))
-        store.local.new_step_dir(step)
-        if remote is None and not self._one_process:
-            self._check_on_this_node(manifest, wanted)
+        names: dict[int, set[str]] = {}
+        for plan in plans:
+            for saved_rank, wanted in plan.reads.items():
+                names.setdefault(saved_rank, set()).update(wanted)
+        ranks = sorted(names)
         fetched = run_parallel(
-            lambda rank: store.fetch_shard(step, manifest.shard(rank), verify=verify, use_remote=remote is not None),
-            wanted,
+            lambda rank: self._store.read_parts(step, manifest.shard(rank), names[rank], use_remote=remote is not None),
+            ranks,
             self._max_workers,
         )
-        store.record_refill(manifest, remote, wanted, was_committed=in_local)
-        read = {rank: state for rank, (state, _source) in zip(wanted, fetched, strict=True)}
-        sources = {rank: source for rank, (_state, source) in zip(wanted, fetched, strict=True)}
+        read = {rank: state for rank, (state, _source) in zip(ranks, fetched, strict=True)}
+        sources = {rank: source for rank, (_state, source) in zip(ranks, fetched, strict=True)}
         states = [fill_chunks(plan, read, state) for plan, state in zip(plans, targets, strict=True)]
         return RestoreResult(
             step, [state.unflatten() for state in states], sources, self._ranks, manifest, tuple(states)

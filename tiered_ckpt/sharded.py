@@ -177,7 +177,8 @@ def write_shards(
             "tiered_ckpt.step": str(step),
             **states[index].metadata(),
         }
-        digest = write_shard_file(directory / name, states[index].arrays, metadata)
+        chunked = bool(states[index].structure.chunks)  # a state of DTensors: readable in parts
+        digest = write_shard_file(directory / name, states[index].arrays, metadata, part_digests=chunked)
         return ShardRecord(
             rank=rank,
             path=name,
@@ -186,7 +187,9 @@ def write_shards(
             size_bytes=digest.size_bytes,
             param_shard_offset=sum(numels[:rank]),
             param_shard_numel=numels[rank],
-            chunks=states[index].chunk_records(),
+            chunks=states[index].chunk_records(digest.arrays) if chunked else (),
+            header_bytes=digest.header_bytes,
+            header_sha256=digest.header_sha256,
         )
 
     records = run_parallel(write, range(len(ranks)), max_workers)

@@ -25,7 +25,7 @@ import mmap
 import os
 import struct
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import BinaryIO, Literal
 
 import ml_dtypes
@@ -47,6 +47,9 @@ __all__ = [
     "write_shard",
     "read_shard",
     "ShardContents",
+    "ShardHeader",
+    "read_header",
+    "array_from_bytes",
     "hash_stream",
     "copy_and_hash",
 ]
@@ -87,11 +90,16 @@ _METADATA = "__metadata__"
 
 @dataclass(frozen=True)
 class ShardDigest:
-    """Size and checksums of a shard file's bytes."""
+    """Size and checksums of a shard file's bytes; from :func:`write_shard` asked for them,
+    also the size and sha256 of its header (the 8 length bytes and the JSON) and the sha256
+    of each array's bytes, so that a reader of parts of the file can verify what it read."""
 
     size_bytes: int
     sha256: str
     xxh3_64: str
+    header_bytes: int = 0
+    header_sha256: str = ""
+    arrays: Mapping[str, str] = field(default_factory=dict)
 
 
 VERIFY_MODES = ("full", "fast")
@@ -219,25 +227,40 @@ def _byte_chunks(array: np.ndarray) -> Iterator[memoryview]:
 
 
 def write_shard(
-    out: BinaryIO, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None
+    out: BinaryIO,
+    arrays: Mapping[str, np.ndarray],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    part_digests: bool = False,
 ) -> ShardDigest:
     """Write ``arrays`` to ``out`` as one shard and return the size and checksums of what was written.
 
     Guarantees: one pass over each array's memory, no copy of a C-contiguous
     little-endian array, extra memory bounded by one chunk for any other. Raises
     :class:`InvalidStateError` (before writing anything) for a name or dtype a shard
-    cannot hold. Flushing to stable storage is the caller's job.
+    cannot hold. Flushing to stable storage is the caller's job. ``part_digests=True``
+    also hashes the header and each array on its own (a second sha256 of every byte,
+    in the same pass), for readers of parts of the file (:func:`read_header`).
     """
     layout = _layout(arrays)
     hasher = _Hasher()
     header = _header_bytes(layout, metadata or {})
     hasher.update(header)
     write_all(out, header)
-    for _name, _code, array, _begin, _end in layout:
+    digests: dict[str, str] = {}
+    for name, _code, array, _begin, _end in layout:
+        part = hashlib.sha256() if part_digests else None
         for chunk in _byte_chunks(array):
             hasher.update(chunk)
+            if part is not None:
+                part.update(chunk)
             write_all(out, chunk)
-    return hasher.digest()
+        if part is not None:
+            digests[name] = part.hexdigest()
+    digest = hasher.digest()
+    if not part_digests:
+        return digest
+    return replace(digest, header_bytes=len(header), header_sha256=hashlib.sha256(header).hexdigest(), arrays=digests)
 
 
 def hash_stream(source: BinaryIO, verify: Verify | None = None) -> ShardDigest:
@@ -330,6 +353,42 @@ def _parse_prefix(data: np.ndarray, hasher: _Hasher) -> tuple[int, list[_Entry],
     hasher.update(memoryview(data[: 8 + header_bytes]))
     start = 8 + header_bytes
     return (start, *_parse_header(data[8:start].tobytes(), len(data) - start))
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    """A shard's header, parsed: where each array's bytes are in the file (``begin``, ``end``,
+    counted from the file's start), their dtypes and shapes, and the metadata."""
+
+    size: int
+    arrays: Mapping[str, _Entry]
+    metadata: dict[str, str]
+
+
+def read_header(raw: bytes, file_size: int, what: str) -> ShardHeader:
+    """Parse the first bytes of a shard (exactly its header: the 8 length bytes and the JSON,
+    as :func:`write_shard` measured it) of a file of ``file_size`` bytes.
+
+    The caller verifies ``raw`` first (its recorded sha256); this only checks it is a valid
+    header of such a file, raising :class:`ShardFormatError` naming ``what`` otherwise.
+    """
+    try:
+        if len(raw) < 8:
+            raise ValueError("too short to hold a header")
+        (length,) = struct.unpack("<Q", raw[:8])
+        if length != len(raw) - 8:
+            raise ValueError(f"the header says {length} bytes, {len(raw) - 8} were recorded")
+        entries, metadata = _parse_header(raw[8:], file_size - len(raw))
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise ShardFormatError(f"{what}: not a valid shard header: {exc}") from exc
+    start = len(raw)
+    placed = {e.name: _Entry(e.name, e.dtype, e.shape, start + e.begin, start + e.end) for e in entries}
+    return ShardHeader(start, placed, metadata)
+
+
+def array_from_bytes(entry: _Entry, data: bytes) -> np.ndarray:
+    """The array ``entry`` describes, from its ``data`` (its bytes, ``entry.end - entry.begin`` of them)."""
+    return np.frombuffer(bytearray(data), dtype=entry.dtype).reshape(entry.shape)
 
 
 def _hash_chunks(data: np.ndarray, hasher: _Hasher) -> None:

@@ -453,13 +453,17 @@ class FlatState:
     arrays: dict[str, np.ndarray]
     structure: Structure
 
-    def chunk_records(self) -> tuple[ChunkRecord, ...]:
-        """The DTensor chunks of this state, as the manifest records them."""
-        return tuple(
-            ChunkRecord(name, dtype_code(self.arrays[name]), chunk.global_shape, chunk.offsets,
-                        tuple(self.arrays[name].shape))
-            for name, chunk in self.structure.chunks.items()
-        )  # fmt: skip
+    def chunk_records(self, digests: Mapping[str, str]) -> tuple[ChunkRecord, ...]:
+        """Every array of this state as the chunk the manifest records (a plain array is the
+        one chunk of itself), with the sha256 of its bytes from ``digests``."""
+        records = []
+        for name, array in self.arrays.items():
+            shape = tuple(array.shape)
+            chunk = self.structure.chunks.get(name, Chunk(shape, (0,) * array.ndim))
+            records.append(
+                ChunkRecord(name, dtype_code(array), chunk.global_shape, chunk.offsets, shape, digests[name])
+            )
+        return tuple(records)
 
     def unflatten(self, *, torch: bool = False) -> dict[Any, Any]:
         """The nested state: arrays as numpy, or (``torch=True``) as each leaf was saved."""

@@ -19,11 +19,12 @@ and the CLI for one command.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NoReturn
 
 import numpy as np
 
@@ -41,8 +42,8 @@ from .manifest import RemoteManifest, ShardManifest, ShardRecord
 from .remote import RemoteTier
 from .retention import RetentionPolicy, awaiting_upload
 from .sharded import run_parallel
-from .shardfile import Verify, copy_and_hash
-from .state import FlatState
+from .shardfile import Verify, array_from_bytes, copy_and_hash, read_header
+from .state import STRUCTURE_KEY, FlatState, Structure
 
 __all__ = ["TieredStore", "StepStatus", "ShardCheck", "Source"]
 
@@ -196,10 +197,37 @@ class TieredStore:
                 return self.local.read_shard(step, record, verify, into), "remote"
             except (*_LOCAL_FAILURES, RemoteError) as remote_error:
                 tried.append((f"remote {self.remote.location(step, record.path)}", remote_error))
-        mismatch = any(isinstance(error, ChecksumMismatchError) for _copy, error in tried)
-        error_type = ChecksumMismatchError if mismatch else IncompleteCheckpointError
-        listing = "; ".join(f"{copy}: {error}" for copy, error in tried)
-        raise error_type(f"rank {record.rank}: no copy verifies; tried {listing}") from tried[-1][1]
+        return _no_copy_verifies(record, tried)
+
+    def read_parts(
+        self, step: int, record: ShardRecord, names: Collection[str], *, use_remote: bool = True
+    ) -> tuple[FlatState, Source]:
+        """Some arrays of ``record``'s shard (a state of DTensors), verified, and the tier they came from.
+
+        Reads only the shard's header and those arrays' bytes, each checked against the
+        sha256 the manifest records for it: the local copy, else the remote object (tried
+        twice). The state returned has the whole structure but only ``names``' arrays.
+        Raises :class:`ChecksumMismatchError` or :class:`IncompleteCheckpointError`
+        naming every copy tried.
+        """
+        local_what = f"rank {record.rank} shard {self.local.shard_path(step, record)}"
+        try:
+            return _read_parts(
+                lambda b, e: self.local.read_range(step, record, b, e), record, names, local_what
+            ), "local"
+        except _LOCAL_FAILURES as local_error:
+            if self.remote is None or not use_remote:
+                raise
+            tried: list[tuple[str, CheckpointError]] = [(f"local {self.local.shard_path(step, record)}", local_error)]
+        remote = self.remote
+        remote_what = f"rank {record.rank} shard {remote.location(step, record.path)}"
+        for _attempt in range(2):
+            try:
+                read = lambda b, e: remote.read_range(step, record, b, e)  # noqa: E731
+                return _read_parts(read, record, names, remote_what), "remote"
+            except (*_LOCAL_FAILURES, RemoteError) as remote_error:
+                tried.append((f"remote {remote.location(step, record.path)}", remote_error))
+        return _no_copy_verifies(record, tried)
 
     def verify(
         self, step: int | None = None, *, progress: Callable[[ShardCheck], None] | None = None
@@ -328,3 +356,33 @@ class TieredStore:
         if dry_run:
             return {"local": self.local_to_delete(local), "remote": self.remote_to_delete(remote)}
         return {"local": self.retain_local(local), "remote": self.retain_remote(remote)}
+
+
+def _no_copy_verifies(record: ShardRecord, tried: list[tuple[str, CheckpointError]]) -> NoReturn:
+    mismatch = any(isinstance(error, ChecksumMismatchError) for _copy, error in tried)
+    error_type = ChecksumMismatchError if mismatch else IncompleteCheckpointError
+    listing = "; ".join(f"{copy}: {error}" for copy, error in tried)
+    raise error_type(f"rank {record.rank}: no copy verifies; tried {listing}") from tried[-1][1]
+
+
+def _read_parts(read: Callable[[int, int], bytes], record: ShardRecord, names: Collection[str], what: str) -> FlatState:
+    """Read and verify a shard's header, then each of ``names``' arrays, through ``read(begin, end)``."""
+    raw = read(0, record.header_bytes)
+    if hashlib.sha256(raw).hexdigest() != record.header_sha256:
+        raise ChecksumMismatchError(f"{what}: its header's sha256 is not the one the manifest records")
+    header = read_header(raw, record.size_bytes, what)
+    recorded = {chunk.name: chunk for chunk in record.chunks}
+    arrays = {}
+    for name in names:
+        entry, chunk = header.arrays.get(name), recorded.get(name)
+        if entry is None or chunk is None or entry.shape != chunk.sizes:
+            raise ShardFormatError(f"{what}: the array {name!r} is not in the shard as the manifest records it")
+        data = read(entry.begin, entry.end)
+        if hashlib.sha256(data).hexdigest() != chunk.sha256:
+            raise ChecksumMismatchError(f"{what}: the bytes of {name!r} do not match the sha256 the manifest records")
+        arrays[name] = array_from_bytes(entry, data)
+    text = header.metadata.get(STRUCTURE_KEY)
+    structure = (
+        Structure.from_json(text, header.arrays, what) if text is not None else Structure.of_names(header.arrays)
+    )
+    return FlatState(arrays, structure)

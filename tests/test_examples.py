@@ -142,3 +142,33 @@ def test_ddp_example_preempted_by_sigterm_commits_that_step_and_a_fresh_node_res
     uninterrupted = torchrun(other, tmp_path / "node-c")
     digest = re.compile(r"final parameters sha256 ([0-9a-f]{64})")
     assert digest.search(fresh).group(1) == digest.search(uninterrupted).group(1)
+
+
+def test_fsdp2_example_resumes_bit_for_bit_and_on_another_world_size_through_the_bucket(
+    tmp_path, s3_url, moto_endpoint
+):
+    url, _options = s3_url
+    env = s3_credentials_env()
+
+    def torchrun(processes, config, *args, ok=True):
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
+        script = [str(EXAMPLES / "torch_fsdp2_train.py"), "--config", str(config), "--steps", "24", *args]
+        run = subprocess.run([*command, *script], capture_output=True, text=True, env=env, timeout=300)
+        if ok:
+            assert run.returncode == 0, run.stderr
+        return run
+
+    def final_digest(run):
+        return re.search(r"final parameters sha256 ([0-9a-f]{64})", run.stdout).group(1)
+
+    uninterrupted = torchrun(2, write_s3_config(tmp_path / "a.toml", tmp_path / "a", url + "-a", moto_endpoint))
+    config = write_s3_config(tmp_path / "b.toml", tmp_path / "b", url, moto_endpoint)
+    killed = torchrun(2, config, "--kill-at-step", "17", ok=False)
+    assert killed.returncode != 0 and "SIGKILL" in killed.stderr
+    resumed = torchrun(2, config)
+    for rank in range(2):
+        assert f"rank {rank}: resumed from step 15; shards from {{{rank}: 'local'}}" in resumed.stdout
+    assert final_digest(resumed) == final_digest(uninterrupted)
+    wider = torchrun(3, config, "--steps", "30", "--reshard")
+    assert "rank 2: resumed from step 20; shards from {0: 'remote', 1: 'remote'}" in wider.stdout
+    assert "step 30: loss" in wider.stdout

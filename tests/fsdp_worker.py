@@ -57,18 +57,51 @@ def full_digests(state) -> dict[str, str]:
     return digests
 
 
+def trained(world_size: int):
+    model, optimizer = build(0, world_size)
+    for step in range(3):
+        generator = torch.Generator().manual_seed(step)
+        model(torch.randn(4, 5, generator=generator)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def run_dcp(do: str, manager: CheckpointManager, world_size: int, result: dict) -> None:
+    """Save or load the same state through torch.distributed.checkpoint with the tiered backend."""
+    import torch.distributed.checkpoint as dcp
+
+    from tiered_ckpt.torch import TieredReader, TieredWriter
+
+    if do in ("dcp_save", "dcp_async_save"):
+        model, optimizer = trained(world_size)
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        if do == "dcp_save":
+            dcp.save(state, storage_writer=TieredWriter(manager, 3))
+        else:
+            dcp.async_save(state, storage_writer=TieredWriter(manager, 3)).result()
+        manager.wait(uploaded=True)
+    else:
+        model, optimizer = build(1234, world_size)
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, storage_reader=TieredReader(manager))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        model_state, optim_state = get_state_dict(model, optimizer)
+    result["digests"] = full_digests({"model": model_state, "optim": optim_state})
+
+
 def run(config: dict, rank: int, world_size: int, result: dict) -> None:
     coordinator = TorchDistributedCoordinator()
     directory = Path(config["local_root"]) / f"rank-{rank}"
     with CheckpointManager(directory, coordinator=coordinator, remote_url=config.get("url"),
                            storage_options=config.get("options")) as manager:  # fmt: skip
+        if config["do"].startswith("dcp_"):
+            run_dcp(config["do"], manager, world_size, result)
+            return
         if config["do"] == "save":
-            model, optimizer = build(0, world_size)
-            for step in range(3):
-                generator = torch.Generator().manual_seed(step)
-                model(torch.randn(4, 5, generator=generator)).square().sum().backward()
-                optimizer.step()
-                optimizer.zero_grad()
+            model, optimizer = trained(world_size)
             model_state, optim_state = get_state_dict(model, optimizer)
             state = {"model": model_state, "optim": optim_state, "epoch": 3}
             manager.save(3, state, blocking=True)

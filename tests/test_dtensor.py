@@ -73,3 +73,15 @@ def test_without_a_bucket_a_flipped_byte_fails_the_restore_on_every_rank(tmp_pat
     restored = run_job(tmp_path, 2, "restore")
     for result in restored.values():
         assert result["error"][0] == "ChecksumMismatchError", result
+
+
+@pytest.mark.parametrize("save, old, new", [("dcp_save", 2, 3), ("dcp_async_save", 3, 2)])
+def test_the_dcp_backend_round_trips_an_fsdp2_state_across_world_sizes(tmp_path, s3_url, save, old, new):
+    saved = run_job(tmp_path, old, save, remote=s3_url)
+    assert all("error" not in result for result in saved.values()), saved
+    loaded = run_job(tmp_path, new, "dcp_load", remote=s3_url)
+    for result in loaded.values():
+        assert "error" not in result, result
+        assert result["digests"] == saved[0]["digests"]
+    manifest = json.loads((tmp_path / "nodes" / "rank-0" / step_dir_name(3) / "manifest.json").read_text())
+    assert manifest["world_size"] == old and all(shard["chunks"] for shard in manifest["shards"])

@@ -46,6 +46,7 @@ from .errors import (
     UsageError,
 )
 from .local import LocalTier
+from .manifest import ShardManifest
 from .options import LocalOptions, ManagerKeywords, Options, RemoteOptions, UploadOptions, resolve_options
 from .preemption import PreemptionNotice, PreemptionWatch
 from .remote import RemoteTier
@@ -460,6 +461,15 @@ class CheckpointManager:
                 missing_ok=missing_ok,
                 before=self._before_collective,
             )
+
+    def locate(self, step: int | None = None) -> ShardManifest:
+        """The manifest of ``step`` (default: the newest step every rank can restore), agreed by
+        every rank (a collective with one process per rank). For readers of their own, such as
+        :class:`tiered_ckpt.torch.TieredReader`; :meth:`restore` does this itself."""
+        self._check_open()
+        self._writer.settle()
+        with self._raised_on_every_rank():
+            return self._restorer.locate(step, before=self._before_collective)
 
     # -- moving whole steps (one process holding every rank, as the CLI runs it) ---------------
 

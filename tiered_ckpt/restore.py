@@ -146,15 +146,7 @@ class Restorer:
     ) -> RestoreResult | None:
         """Run a restore; ``before`` runs inside the first collective (to raise background errors on every rank)."""
         arguments = json.dumps({"step": step, "world_size": world_size, "reshard": reshard}, sort_keys=True)
-        reports = exchange(self._coordinator, StepReport, lambda: self._report(arguments, world_size, before))
-        same_call([report.arguments for report in reports], "restore")
-        remote_steps = set(reports[0].remote or ())
-        committed = [{saved for saved, _size in report.local} for report in reports]
-        complete = sorted(remote_steps.union(committed[0].intersection(*committed[1:])))
-        chosen = decide(
-            self._coordinator, _Choice, lambda: _Choice(self._choose(step, complete, committed, missing_ok))
-        )
-        restored = chosen.step
+        restored, remote_steps, complete, reports = self._agree_on_step(step, arguments, world_size, missing_ok, before)
         if restored is None:
             return None
         result, _ = agree_on(
@@ -164,6 +156,37 @@ class Restorer:
         )
         self._drop_unfinished_commits(restored, complete, reports)
         return result
+
+    def _agree_on_step(
+        self, step: int | None, arguments: str, world_size: int, missing_ok: bool, before: Callable[[], None]
+    ) -> tuple[int | None, set[int], list[int], list[StepReport]]:
+        """Steps 1 and 2: the step every process restores (None: none, and ``missing_ok``), the
+        bucket's steps, the steps complete in some tier, and every process's report."""
+        reports = exchange(self._coordinator, StepReport, lambda: self._report(arguments, world_size, before))
+        same_call([report.arguments for report in reports], "restore")
+        remote_steps = set(reports[0].remote or ())
+        committed = [{saved for saved, _size in report.local} for report in reports]
+        complete = sorted(remote_steps.union(committed[0].intersection(*committed[1:])))
+        chosen = decide(
+            self._coordinator, _Choice, lambda: _Choice(self._choose(step, complete, committed, missing_ok))
+        )
+        return chosen.step, remote_steps, complete, reports
+
+    def locate(self, step: int | None, before: Callable[[], None] = lambda: None) -> ShardManifest:
+        """The manifest of ``step`` (default: the newest step every process can restore), the
+        same on every process (collective); for readers that read parts of shards themselves."""
+        arguments = json.dumps({"step": step, "locate": True}, sort_keys=True)
+        chosen, remote_steps, _complete, _reports = self._agree_on_step(
+            step, arguments, self._world_size, False, before
+        )
+        assert chosen is not None  # missing_ok=False raises instead
+        in_local = chosen in self._store.local.steps()
+        manifest, _remote = agree_on(
+            self._coordinator,
+            lambda: self._store.manifests(chosen, in_local=in_local, in_remote=chosen in remote_steps),
+            lambda _found: None,
+        )[0]
+        return manifest
 
     def _report(self, arguments: str, world_size: int, before: Callable[[], None]) -> StepReport:
         before()

@@ -48,6 +48,7 @@ from .tensors import is_tensor, to_numpy, to_torch
 __all__ = [
     "State",
     "Chunk",
+    "ChunkOf",
     "Structure",
     "FlatState",
     "STRUCTURE_KEY",
@@ -56,6 +57,7 @@ __all__ = [
     "flatten",
     "flatten_into",
     "leaf_name",
+    "unescape",
     "path_text",
     "sharded_names",
     "StagingBuffers",
@@ -83,6 +85,15 @@ def _escape(key: str) -> str:
         return "%"
     escaped = key.replace("%", "%25").replace("/", "%2F")
     return "%23" + escaped[1:] if escaped.startswith("#") else escaped
+
+
+def unescape(segment: str) -> str:
+    """The ``str`` key a name segment was made of (the inverse of the escaping in :func:`leaf_name`)."""
+    if segment == "%":
+        return ""
+    if segment.startswith("%23"):
+        segment = "#" + segment[3:]
+    return segment.replace("%2F", "/").replace("%25", "%")
 
 
 def _segment(kind: str, key: str | int) -> str:
@@ -124,6 +135,18 @@ def _encode_float(value: float) -> dict[str, str]:
 class Chunk:
     """Where a DTensor's local chunk sits in the global tensor."""
 
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ChunkOf:
+    """A leaf that is one box of a larger tensor: ``data`` (an array or tensor) is the part of
+    a tensor of ``global_shape`` that starts at ``offsets``. It is saved and restored as a
+    DTensor's local chunk is (this is how a DTensor is saved), for writers that shard
+    tensors themselves (the torch.distributed.checkpoint backend)."""
+
+    data: Any
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
 
@@ -359,7 +382,7 @@ class _Flattener:
         """``value``'s node; ``name`` is its tensor name so far (the escaped keys of ``path``)."""
         if type(value) in _SCALARS:
             return self.scalar(value, path)
-        if isinstance(value, (np.ndarray, np.generic)) or is_tensor(value):
+        if isinstance(value, (np.ndarray, np.generic, ChunkOf)) or is_tensor(value):
             return self.leaf(value, path, "%5F_metadata__" if name == "__metadata__" else name)
         if len(path) >= MAX_DEPTH:
             raise self.fail(path, f"is nested deeper than {MAX_DEPTH} levels")
@@ -404,9 +427,11 @@ class _Flattener:
         if name in self.arrays:  # distinct paths make distinct names; this guards that rule
             raise self.fail(path, f"has the tensor name {name!r} of {path_text(self.paths[name])}")
         kind: Kind = ("dtensor" if _is_dtensor(value) else "tensor") if is_tensor(value) else "array"
+        if isinstance(value, ChunkOf):
+            kind = "dtensor"
         node: Any = name
         if kind == "dtensor":
-            array, chunk = self.dtensor(value, path)
+            array, chunk = self.chunk_of(value, path) if isinstance(value, ChunkOf) else self.dtensor(value, path)
             self.chunks[name] = chunk
             node = [name, list(chunk.global_shape), list(chunk.offsets)]
         elif kind == "tensor":
@@ -432,6 +457,17 @@ class _Flattener:
         if not local.is_contiguous():
             raise self.fail(path, "is a DTensor whose local tensor is not contiguous")
         return self.tensor(local, path), Chunk(tuple(value.shape), tuple(chunks[0].offsets))
+
+    def chunk_of(self, value: ChunkOf, path: tuple[str | int, ...]) -> tuple[np.ndarray, Chunk]:
+        array = self.tensor(value.data, path) if is_tensor(value.data) else value.data
+        if not isinstance(array, np.ndarray):
+            raise self.fail(path, f"is a ChunkOf a {type(array).__name__}, not of an array or tensor")
+        shape, offsets = tuple(value.global_shape), tuple(value.offsets)
+        if not (len(shape) == len(offsets) == array.ndim) or any(
+            o < 0 or o + n > whole for o, n, whole in zip(offsets, array.shape, shape, strict=True)
+        ):
+            raise self.fail(path, f"is a chunk {array.shape} at {offsets} that is not inside a tensor of {shape}")
+        return array, Chunk(shape, offsets)
 
     def tensor(self, value: Any, path: tuple[str | int, ...]) -> np.ndarray:
         if self.into and value.device.type != "cpu":

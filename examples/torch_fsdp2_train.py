@@ -7,7 +7,10 @@ each rank saves, asynchronously, ``get_state_dict(model, optimizer)`` (its DTens
 chunks of the parameters and AdamW moments), the LR scheduler and the step. Kill it
 (``kill -9`` any rank) and run it again: it resumes bit for bit. Run it with another
 ``--nproc-per-node`` and ``--reshard``: every rank fills its new chunks from the saved
-chunks that overlap them (its own disk, else the bucket), and the loss goes on.
+chunks that overlap them (its own disk, else the bucket), and the loss goes on. With
+``--compare-dcp DIR`` every checkpoint is also written by DCP's own ``FileSystemWriter``
+into DIR, and a resumed run checks that DCP's own load of that copy (its planner, its
+resharding) gives exactly the state tiered_ckpt restored.
 Without --config, TIERED_CKPT_LOCAL_DIR (and TIERED_CKPT_REMOTE_URL for a bucket) say
 where checkpoints go; each rank uses ``rank-<r>`` under the local directory.
 """
@@ -22,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -67,6 +71,21 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def same_as_dcp_load(model: nn.Module, directory: Path, world_size: int) -> bool:
+    """True if DCP's own load of ``directory`` into a fresh model (this world size) equals ``model``."""
+    with torch.random.fork_rng():  # leave the training run's RNG as it was
+        torch.manual_seed(1234)
+        other = Model()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in other.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(other, mesh=mesh)
+    state = {"model": other.state_dict()}
+    dcp.load(state, checkpoint_id=directory)
+    ours = model.state_dict()
+    return all(torch.equal(ours[name].full_tensor(), tensor.full_tensor()) for name, tensor in state["model"].items())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, help="a config file (see configs/)")
@@ -74,6 +93,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=5, help="checkpoint every N steps")
     parser.add_argument("--reshard", action="store_true", help="resume a checkpoint of another world size")
     parser.add_argument("--kill-at-step", type=int, help="(for tests) rank 1 kills itself with SIGKILL at this step")
+    parser.add_argument("--compare-dcp", type=Path, help="also save with DCP's FileSystemWriter here, and compare")
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # bit-for-bit repeatable arithmetic
@@ -105,6 +125,9 @@ def main() -> None:
             scheduler.load_state_dict(saved["sched"])
             start = saved["step"]
             print(f"rank {rank}: resumed from step {start}; shards from {restored.sources}", flush=True)
+            if args.compare_dcp is not None:
+                same = same_as_dcp_load(model, args.compare_dcp / f"step-{start}", world_size)
+                print(f"rank {rank}: restored state equals DCP's own load of step {start}: {same}", flush=True)
         for step in range(start + 1, args.steps + 1):
             if step == args.kill_at_step:
                 manager.wait()
@@ -121,6 +144,8 @@ def main() -> None:
                 model_state, optim_state = get_state_dict(model, optimizer)
                 state = {"model": model_state, "optim": optim_state, "sched": scheduler.state_dict(), "step": step}
                 manager.save(step, state)  # returns once this rank's chunks are staged
+                if args.compare_dcp is not None:
+                    dcp.save({"model": model_state}, checkpoint_id=args.compare_dcp / f"step-{step}")
                 if rank == 0:
                     print(f"step {step}: loss {loss.item():.6f}, checkpoint saved", flush=True)
         manager.wait(uploaded=True)

@@ -163,12 +163,14 @@ def test_fsdp2_example_resumes_bit_for_bit_and_on_another_world_size_through_the
 
     uninterrupted = torchrun(2, write_s3_config(tmp_path / "a.toml", tmp_path / "a", url + "-a", moto_endpoint))
     config = write_s3_config(tmp_path / "b.toml", tmp_path / "b", url, moto_endpoint)
-    killed = torchrun(2, config, "--kill-at-step", "17", ok=False)
+    killed = torchrun(2, config, "--kill-at-step", "17", "--compare-dcp", str(tmp_path / "dcp"), ok=False)
     assert killed.returncode != 0 and "SIGKILL" in killed.stderr
-    resumed = torchrun(2, config)
+    resumed = torchrun(2, config, "--compare-dcp", str(tmp_path / "dcp"))
     for rank in range(2):
         assert f"rank {rank}: resumed from step 15; shards from {{{rank}: 'local'}}" in resumed.stdout
     assert final_digest(resumed) == final_digest(uninterrupted)
-    wider = torchrun(3, config, "--steps", "30", "--reshard")
+    wider = torchrun(3, config, "--steps", "30", "--reshard", "--compare-dcp", str(tmp_path / "dcp"))
     assert "rank 2: resumed from step 20; shards from {0: 'remote', 1: 'remote'}" in wider.stdout
+    for rank in range(3):  # the same state as DCP's own resharding load of the same step
+        assert f"rank {rank}: restored state equals DCP's own load of step 20: True" in wider.stdout
     assert "step 30: loss" in wider.stdout

@@ -596,7 +596,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=None, help="directory on the disk to measure")
     parser.add_argument(
         "--only",
-        choices=["sync", "async", "retention", "dist", "train", "remote", "structure"],
+        choices=["sync", "async", "retention", "dist", "train", "remote", "structure", "fsdp"],
         action="append",
         help="run only these sections (repeatable)",
     )
@@ -608,7 +608,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rank_process is not None:  # a child of the dist section
         rank_process(Path(args.rank_process[0]), int(args.rank_process[1]))
         return 0
-    sections = args.only or ["sync", "async", "retention", "dist", "train", "remote", "structure"]
+    sections = args.only or ["sync", "async", "retention", "dist", "train", "remote", "structure", "fsdp"]
 
     in_memory = {"sync", "async", "retention"}
     states = make_states(int(args.size_gib * 2**30), args.ranks) if in_memory & set(sections) else []
@@ -638,6 +638,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "structure" in sections:
             print("the structure document of a nested optimizer state (save_sharded / load_sharded, warm):")
             bench_structure(args.params, total, root, args.repeat)
+        if "fsdp" in sections:
+            from .bench_fsdp import bench_fsdp
+
+            print("FSDP2 state from rank processes (gloo), next to torch.distributed.checkpoint on the same disk:")
+            bench_fsdp(total, root, args.repeat)
         if "train" in sections:
             del states
             print("training loop (numpy matmuls, checkpoint every 20 steps):")

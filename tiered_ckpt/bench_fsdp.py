@@ -1,0 +1,156 @@
+"""The ``fsdp`` section of the benchmark: an FSDP2 state saved and loaded next to DCP's own.
+
+Rank processes (gloo, a CPU device mesh) hold a model of ``total_bytes`` of parameters and
+AdamW state, sharded with ``fully_shard``. In interleaved rounds, each times (from a
+barrier before to a barrier after every rank finished): ``CheckpointManager.save``
+(blocking) next to ``dcp.save`` with DCP's ``FileSystemWriter``; ``restore(into=...)``
+(every chunk verified) next to ``dcp.load`` with ``FileSystemReader`` (nothing
+verified), both warm; and how long each blocks the training loop when asynchronous:
+``save(blocking=False)`` next to ``dcp.async_save``. Run through ``tiered_ckpt.bench``
+(``--only fsdp``); the figures are rank 0's, medians of the rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["bench_fsdp", "rank_process"]
+
+RANK_PROCESSES = (2, 4)
+WIDTH = 2048  # one layer: 4 Mi parameters, 48 MiB with AdamW's two moments
+MEASURES = ("save", "dcp.save", "load", "dcp.load", "stall", "dcp.async_save stall")
+
+
+def bench_fsdp(total_bytes: int, root: Path, repeat: int) -> None:
+    """Print the section's figures for 2 and 4 rank processes."""
+    try:
+        import torch.distributed.fsdp  # noqa: F401
+    except ImportError:
+        print("  skipped: needs torch (pip install 'tiered-ckpt[torch]')")
+        return
+    layers = max(1, total_bytes // (WIDTH * WIDTH * 12))
+    print(f"  state {layers * WIDTH * WIDTH * 12 / 2**30:.2f} GiB ({layers} layers of {WIDTH}x{WIDTH}, AdamW)")
+    for processes in RANK_PROCESSES:
+        directory = root / f"fsdp-{processes}"
+        rounds = _run(directory, processes, layers, repeat)
+        shutil.rmtree(directory)
+        median = {name: statistics.median(r[name] for r in rounds) for name in MEASURES}
+        size = layers * WIDTH * WIDTH * 12
+        print(f"  {processes} rank processes:")
+        for name in ("save", "dcp.save", "load", "dcp.load"):
+            print(f"    {name:<22} {size / median[name] / 1e9:6.2f} GB/s  ({median[name]:.2f} s)")
+        print(f"    {'save(blocking=False) blocks':<22} {median['stall']:6.3f} s")
+        print(f"    {'dcp.async_save blocks':<22} {median['dcp.async_save stall']:6.3f} s")
+        print("  ratios (target):")
+        print(f"    {'save / dcp.save (throughput)':<44} {median['dcp.save'] / median['save']:5.2f}  (>= 1.0)")
+        print(f"    {'load+verify / dcp.load (throughput)':<44} {median['dcp.load'] / median['load']:5.2f}  (>= 1.0)")
+        stall = median["stall"] / median["dcp.async_save stall"]
+        print(f"    {'stall: save(blocking=False) / dcp.async_save':<44} {stall:5.2f}  (<= 0.20)")
+
+
+def _run(root: Path, processes: int, layers: int, repeat: int) -> list[dict[str, float]]:
+    root.mkdir()
+    config = root / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "store": str(root / "store"),
+                "root": str(root),
+                "layers": layers,
+                "processes": processes,
+                "repeat": repeat,
+                "results": str(root / "timings.json"),
+            }
+        )  # fmt: skip
+    )
+    command = [sys.executable, "-m", "tiered_ckpt.bench_fsdp", str(config)]
+    children = [subprocess.Popen([*command, str(rank)]) for rank in range(processes)]
+    codes = [child.wait() for child in children]
+    if any(codes):
+        raise RuntimeError(f"rank processes of the fsdp benchmark exited with {codes}")
+    rounds: list[dict[str, float]] = json.loads((root / "timings.json").read_text())
+    return rounds
+
+
+def rank_process(config_path: Path, rank: int) -> None:
+    """One rank: build and shard the model, then time each measure once per round."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from .coordination import TorchDistributedCoordinator
+    from .manager import CheckpointManager
+
+    config = json.loads(config_path.read_text())
+    processes = config["processes"]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{config['store']}", rank=rank, world_size=processes)
+    mesh = init_device_mesh("cpu", (processes,))
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(config["layers"])))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(rank)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.to_local().uniform_(-0.01, 0.01, generator=generator)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model_state, optim_state = get_state_dict(model, optimizer)  # creates AdamW's state
+    state: dict[str, Any] = {"model": model_state, "optim": optim_state}
+    coordinator = TorchDistributedCoordinator()
+    root = Path(config["root"])
+
+    def timed(action: Callable[[], object]) -> float:
+        coordinator.barrier()
+        start = time.perf_counter()
+        action()
+        coordinator.barrier()
+        return time.perf_counter() - start
+
+    rounds = []
+    # keep_last=None: deleting older steps inside a timed save would time the deletion too
+    with CheckpointManager(root / f"rank-{rank}", coordinator=coordinator, keep_last=None) as manager:
+        manager.save(0, state, blocking=True)  # warm-up: staging buffers allocated
+        for run in range(1, config["repeat"] + 1):
+            step, theirs = 2 * run, root / f"dcp-{run}"
+            figures = {
+                "save": timed(lambda: manager.save(step, state, blocking=True)),  # noqa: B023
+                "dcp.save": timed(lambda: dcp.save(state, checkpoint_id=theirs)),  # noqa: B023
+                "load": timed(lambda: manager.restore(step, into=state, reshard=True)),  # noqa: B023
+                "dcp.load": timed(lambda: dcp.load(state, checkpoint_id=theirs)),  # noqa: B023
+            }
+            coordinator.barrier()
+            start = time.perf_counter()
+            manager.save(step + 1, state)
+            figures["stall"] = time.perf_counter() - start
+            manager.wait()
+            coordinator.barrier()
+            start = time.perf_counter()
+            pending = dcp.async_save(state, checkpoint_id=root / f"dcp-async-{run}")
+            figures["dcp.async_save stall"] = time.perf_counter() - start
+            pending.result()
+            coordinator.barrier()
+            if rank == 0:  # DCP's copies are not kept: a run of 5 rounds of 2 GiB would fill a small disk
+                shutil.rmtree(theirs)
+                shutil.rmtree(root / f"dcp-async-{run}")
+            rounds.append(figures)
+    if rank == 0:
+        Path(config["results"]).write_text(json.dumps(rounds))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    rank_process(Path(sys.argv[1]), int(sys.argv[2]))

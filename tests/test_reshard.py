@@ -125,3 +125,15 @@ def test_chunks_of_any_grid_refill_any_other_grid_exactly(data):
             copied += copy_overlap(target, offsets, whole[window], source_offsets)
         assert copied == target.size
         assert target.tobytes() == whole[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))].tobytes()
+
+
+def test_a_zero_dimensional_chunk_is_read_in_place_and_copied_in_place():
+    from tiered_ckpt.manifest import ChunkRecord
+    from tiered_ckpt.reshard import direct_destination
+
+    target = np.zeros((), np.float32)
+    part = direct_destination(target, (), ChunkRecord("step", "F32", (), (), (), "0" * 64))
+    assert part is not None
+    part[...] = 7.0
+    assert float(target) == 7.0  # a view, not a copy
+    assert copy_overlap(target, (), np.array(9.0, np.float32), ()) == 1 and float(target) == 9.0

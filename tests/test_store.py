@@ -168,3 +168,18 @@ def test_a_damaged_part_without_a_bucket_is_a_checksum_mismatch_naming_the_file(
     flip_byte(store.local.shard_path(3, manifest.shard(0)), offset)
     with pytest.raises(ChecksumMismatchError, match="rank-00000-of-00001"):
         store.read_parts(3, manifest.shard(0), {"a"}, use_remote=False)
+
+
+def test_any_new_shard_has_a_verifiable_header_and_an_old_record_without_one_is_refused(two_tiers):
+    import dataclasses
+
+    from tiered_ckpt import ShardFormatError
+
+    store, manifest, _states = two_tiers
+    record = manifest.shard(0)
+    assert record.header_bytes > 8 and not record.chunks  # measured for every shard; chunks only for DTensors
+    state, source = store.read_parts(3, record, ())
+    assert source == "local" and set(state.structure.kinds) == {"w"} and state.arrays == {}
+    old = dataclasses.replace(record, header_bytes=0, header_sha256="")
+    with pytest.raises(ShardFormatError, match="can only be read whole"):
+        store.read_parts(3, old, (), use_remote=False)

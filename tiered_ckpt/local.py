@@ -16,11 +16,12 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import mmap
 import os
 import shutil
 import stat
 from collections.abc import Callable, Collection, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
@@ -45,7 +46,7 @@ from .layout import (
     temp_target,
 )
 from .manifest import MAX_MANIFEST_BYTES, RemoteManifest, ShardManifest, ShardRecord
-from .shardfile import ShardDigest, Verify, check_verify, hash_stream, read_shard, write_shard
+from .shardfile import ShardDigest, Verify, check_verify, copy_hashing, hash_stream, read_shard, write_shard
 from .state import FlatState
 
 __all__ = [
@@ -56,7 +57,7 @@ __all__ = [
     "directory_lock",
     "write_shard_file",
     "read_shard_file",
-    "read_shard_range",
+    "open_shard_ranges",
     "check_shard_file",
     "commit_manifest",
     "read_manifest",
@@ -180,11 +181,13 @@ def read_shard_file(
     return FlatState.from_shard(contents, what)
 
 
-def read_shard_range(directory: Path, record: ShardRecord, begin: int, end: int) -> bytes:
-    """Bytes ``begin`` to ``end`` of ``record``'s shard in ``directory`` (a regular file of the recorded size).
+@contextmanager
+def open_shard_ranges(directory: Path, record: ShardRecord) -> Iterator[Callable[[int, memoryview], str]]:
+    """Open ``record``'s shard in ``directory`` for reading parts: yields ``read_into(offset, buffer)``,
+    which fills ``buffer`` with the file's bytes from ``offset`` and returns their sha256.
 
-    Raises :class:`IncompleteCheckpointError` if it is missing, not a regular file or
-    short, :class:`ChecksumMismatchError` if it is longer than recorded.
+    Raises :class:`IncompleteCheckpointError` if the file is missing, not a regular file
+    or short, :class:`ChecksumMismatchError` if it is longer than recorded.
     """
     path = directory / record.path
     what = _describe(record, path)
@@ -194,7 +197,15 @@ def read_shard_range(directory: Path, record: ShardRecord, begin: int, end: int)
             raise IncompleteCheckpointError(f"{what}: file is short, {size} of {record.size_bytes} bytes")
         if size > record.size_bytes:
             raise ChecksumMismatchError(f"{what}: file has {size} bytes, the manifest records {record.size_bytes}")
-        return os.pread(source.fileno(), end - begin, begin)
+        data = np.frombuffer(mmap.mmap(source.fileno(), 0, access=mmap.ACCESS_READ), np.uint8) if size else None
+
+        def read_into(offset: int, buffer: memoryview) -> str:
+            if offset + len(buffer) > size or data is None and len(buffer):
+                raise IncompleteCheckpointError(f"{what}: bytes {offset}-{offset + len(buffer)} are beyond its end")
+            target = np.frombuffer(buffer, np.uint8)
+            return copy_hashing(data[offset : offset + len(buffer)] if data is not None else target, target)
+
+        yield read_into
 
 
 def check_shard_file(directory: Path, record: ShardRecord) -> str | None:
@@ -408,8 +419,8 @@ class LocalTier:
     ) -> FlatState:
         return read_shard_file(self.step_dir(step), record, verify, into)
 
-    def read_range(self, step: int, record: ShardRecord, begin: int, end: int) -> bytes:
-        return read_shard_range(self.step_dir(step), record, begin, end)
+    def open_ranges(self, step: int, record: ShardRecord) -> AbstractContextManager[Callable[[int, memoryview], str]]:
+        return open_shard_ranges(self.step_dir(step), record)
 
     def check_shard(self, step: int, record: ShardRecord) -> str | None:
         return check_shard_file(self.step_dir(step), record)

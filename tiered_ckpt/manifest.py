@@ -76,10 +76,11 @@ class ShardRecord:
     ``param_shard_offset`` / ``param_shard_numel`` place this rank's slice in the flat
     parameter vector: the slice is the common length of the rank's sharded 1-D arrays,
     and the slices of ranks ``0..world_size-1`` follow each other without gaps.
-    ``sha256`` and ``xxh3_64`` are over the whole file's bytes. For a state of DTensors,
-    ``chunks`` lists every array of the shard, and ``header_bytes`` / ``header_sha256``
-    measure the file's header (where the arrays are, and the structure document): with
-    them a reader verifies the parts of the file it reads without reading all of it.
+    ``sha256`` and ``xxh3_64`` are over the whole file's bytes; ``header_bytes`` /
+    ``header_sha256`` measure the file's header (where the arrays are, and the structure
+    document; 0 and "" in manifests written before them). For a state of DTensors,
+    ``chunks`` lists every array of the shard with its own sha256: with them a reader
+    verifies the parts of the file it reads without reading all of it.
     """
 
     rank: int
@@ -127,15 +128,8 @@ class ShardRecord:
             "size_bytes": self.size_bytes,
             "param_shard_offset": self.param_shard_offset,
             "param_shard_numel": self.param_shard_numel,
-            **(
-                {
-                    "chunks": [chunk.to_dict() for chunk in self.chunks],
-                    "header_bytes": self.header_bytes,
-                    "header_sha256": self.header_sha256,
-                }
-                if self.chunks
-                else {}
-            ),
+            **({"chunks": [chunk.to_dict() for chunk in self.chunks]} if self.chunks else {}),
+            **({"header_bytes": self.header_bytes, "header_sha256": self.header_sha256} if self.header_bytes else {}),
         }
 
 
@@ -287,8 +281,8 @@ def _parse_record(document: Mapping[str, Any], source: str, prefix: str) -> Shar
     )
     chunks = fields.list_of("chunks", Mapping) if "chunks" in document else []
     return ShardRecord(
-        header_bytes=fields.integer("header_bytes", minimum=8) if chunks else 0,
-        header_sha256=fields.string("header_sha256") if chunks else "",
+        header_bytes=fields.integer("header_bytes", minimum=8) if chunks or "header_bytes" in document else 0,
+        header_sha256=fields.string("header_sha256") if chunks or "header_bytes" in document else "",
         chunks=tuple(_parse_chunk(chunk, source, f"{prefix}chunks[{i}].") for i, chunk in enumerate(chunks)),
         rank=fields.integer("rank", minimum=0),
         path=fields.string("path"),
@@ -419,7 +413,10 @@ def _check_manifest(manifest: ShardManifest, source: str) -> None:
 
 def _check_chunks(record: ShardRecord, where: str, fail: Callable[[str, str], ManifestError]) -> None:
     """Each chunk of a record names a distinct array, a known dtype and a box inside its tensor."""
-    if record.chunks and not (_SHA256.fullmatch(record.header_sha256) and record.header_bytes <= record.size_bytes):
+    has_header = record.header_bytes > 0
+    if (record.chunks or has_header) and not (
+        _SHA256.fullmatch(record.header_sha256) and 8 <= record.header_bytes <= record.size_bytes
+    ):
         raise fail(
             f"{where[: -len('.chunks')]}.header_sha256", "a shard with chunks needs its header's size and sha256"
         )

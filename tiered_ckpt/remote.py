@@ -51,13 +51,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
+import numpy as np
 from fsspec.core import url_to_fs
 
 from .durable import atomic_write, write_bytes
 from .errors import CheckpointError, IncompleteCheckpointError, ManifestError, RemoteError
 from .layout import LATEST_NAME, MANIFEST_NAME, parse_step_dir_name, step_dir_name
 from .manifest import MAX_MANIFEST_BYTES, RemoteManifest, ShardManifest, ShardRecord
-from .shardfile import ShardDigest, copy_and_hash, hash_stream
+from .shardfile import ShardDigest, copy_and_hash, copy_hashing, hash_stream
 
 __all__ = ["RemoteTier", "RetryPolicy", "is_transient"]
 
@@ -325,17 +326,16 @@ class RemoteTier:
 
         return self._run(f"downloading {location}", read)
 
-    def read_range(self, step: int, record: ShardRecord, begin: int, end: int) -> bytes:
-        """Bytes ``begin`` to ``end`` of ``record``'s object (one ranged GET, retried on a transient error).
-
-        Raises :class:`IncompleteCheckpointError` if the object holds fewer bytes.
-        """
-        location = self.location(step, record.path)
-        what = f"reading bytes {begin}-{end} of {location}"
-        data = self._run(what, lambda: self._fs.cat_file(self._path(step, record.path), start=begin, end=end))
-        if len(data) != end - begin:
+    def read_range_into(self, step: int, record: ShardRecord, offset: int, buffer: memoryview) -> str:
+        """Fill ``buffer`` with ``record``'s object's bytes from ``offset`` (one ranged GET, retried
+        on a transient error) and return their sha256. Raises :class:`IncompleteCheckpointError`
+        if the object is shorter."""
+        end = offset + len(buffer)
+        what = f"reading bytes {offset}-{end} of {self.location(step, record.path)}"
+        data = self._run(what, lambda: self._fs.cat_file(self._path(step, record.path), start=offset, end=end))
+        if len(data) != len(buffer):
             raise IncompleteCheckpointError(f"{what}: got {len(data)} bytes; the object is shorter than recorded")
-        return bytes(data)
+        return copy_hashing(np.frombuffer(data, np.uint8), np.frombuffer(buffer, np.uint8))
 
     def check_shard(self, step: int, record: ShardRecord) -> str | None:
         """Stream and hash one shard object; return the problem, or None if it matches the record."""

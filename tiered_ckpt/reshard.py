@@ -36,6 +36,7 @@ __all__ = [
     "ChunkPlan",
     "plan_chunks",
     "copy_overlap",
+    "direct_destination",
     "fill_chunks",
 ]
 
@@ -237,8 +238,33 @@ def copy_overlap(
         return 0
     into = tuple(slice(lo - t, h - t) for lo, h, t in zip(low, high, target_offsets, strict=True))
     out_of = tuple(slice(lo - s, h - s) for lo, h, s in zip(low, high, source_offsets, strict=True))
-    target[into] = source[out_of]
+    destination, part = target[(*into, ...)], source[(*out_of, ...)]  # views, 0-d arrays included
+    if not _same_memory(destination, part):  # read in place already (see direct_destination)
+        destination[...] = part
     return math.prod(h - lo for lo, h in zip(low, high, strict=True))
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    return (
+        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        and a.shape == b.shape
+        and a.strides == b.strides
+    )
+
+
+def direct_destination(target: np.ndarray, target_offsets: Sequence[int], chunk: ChunkRecord) -> np.ndarray | None:
+    """The part of ``target`` (a box at ``target_offsets``) that saved ``chunk`` fills whole, if the
+    chunk lies inside the target and that part is contiguous memory: the chunk can then be
+    read straight into it (no new memory, no copy). None otherwise."""
+    inside = all(
+        t <= o and o + n <= t + m
+        for t, m, o, n in zip(target_offsets, target.shape, chunk.offsets, chunk.sizes, strict=True)
+    )
+    if not inside or not target.flags.c_contiguous:
+        return None
+    box = tuple(slice(o - t, o - t + n) for t, o, n in zip(target_offsets, chunk.offsets, chunk.sizes, strict=True))
+    part = target[(*box, ...)]  # a view, 0-d arrays included
+    return part if part.flags.c_contiguous else None
 
 
 def fill_chunks(plan: ChunkPlan, read: Mapping[int, FlatState], target: FlatState) -> FlatState:

@@ -23,6 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from .coordination import Coordinator, agree_on, decide, exchange
 from .errors import (
     CheckpointError,
@@ -33,7 +35,7 @@ from .errors import (
     restated,
 )
 from .manifest import RemoteManifest, ShardManifest
-from .reshard import fill_chunks, plan_chunks, reshard_flat, reshard_rank, source_ranks
+from .reshard import direct_destination, fill_chunks, plan_chunks, reshard_flat, reshard_rank, source_ranks
 from .sharded import check_into, check_world_size, run_parallel
 from .shardfile import Verify, check_verify
 from .state import FlatState, State, flatten_into
@@ -305,12 +307,23 @@ class Restorer:
             raise InvalidStateError(f"into holds {len(targets)} rank states, this process restores {len(self._ranks)}")
         plans = [plan_chunks(manifest, state, rank, target) for rank, state in zip(self._ranks, targets, strict=True)]
         names: dict[int, set[str]] = {}
-        for plan in plans:
+        direct: dict[int, dict[str, np.ndarray]] = {}
+        for plan, state in zip(plans, targets, strict=True):
             for saved_rank, wanted in plan.reads.items():
                 names.setdefault(saved_rank, set()).update(wanted)
+            for name, overlaps in plan.overlaps.items():
+                array = state.arrays[name]
+                chunked = state.structure.chunks.get(name)
+                offsets = chunked.offsets if chunked is not None else (0,) * array.ndim
+                for saved_rank, chunk in overlaps:
+                    destination = direct_destination(array, offsets, chunk)
+                    if destination is not None:
+                        direct.setdefault(saved_rank, {})[name] = destination
         ranks = sorted(names)
         fetched = run_parallel(
-            lambda rank: self._store.read_parts(step, manifest.shard(rank), names[rank], use_remote=remote is not None),
+            lambda rank: self._store.read_parts(
+                step, manifest.shard(rank), names[rank], use_remote=remote is not None, into=direct.get(rank)
+            ),
             ranks,
             self._max_workers,
         )

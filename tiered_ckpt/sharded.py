@@ -177,7 +177,7 @@ def write_shards(
             "tiered_ckpt.step": str(step),
             **states[index].metadata(),
         }
-        chunked = bool(states[index].structure.chunks)  # a state of DTensors: readable in parts
+        chunked = bool(states[index].structure.chunks)  # a state of DTensors: each array readable alone
         digest = write_shard_file(directory / name, states[index].arrays, metadata, part_digests=chunked)
         return ShardRecord(
             rank=rank,

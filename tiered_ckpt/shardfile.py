@@ -49,9 +49,9 @@ __all__ = [
     "ShardContents",
     "ShardHeader",
     "read_header",
-    "array_from_bytes",
     "hash_stream",
     "copy_and_hash",
+    "copy_hashing",
 ]
 
 Verify = Literal["full", "fast"]
@@ -238,9 +238,10 @@ def write_shard(
     Guarantees: one pass over each array's memory, no copy of a C-contiguous
     little-endian array, extra memory bounded by one chunk for any other. Raises
     :class:`InvalidStateError` (before writing anything) for a name or dtype a shard
-    cannot hold. Flushing to stable storage is the caller's job. ``part_digests=True``
-    also hashes the header and each array on its own (a second sha256 of every byte,
-    in the same pass), for readers of parts of the file (:func:`read_header`).
+    cannot hold. Flushing to stable storage is the caller's job. The header's size and
+    sha256 are measured too; ``part_digests=True`` also hashes each array on its own (a
+    second sha256 of every byte, in the same pass): with both, a reader of parts of the
+    file verifies what it reads (:func:`read_header`).
     """
     layout = _layout(arrays)
     hasher = _Hasher()
@@ -257,10 +258,9 @@ def write_shard(
             write_all(out, chunk)
         if part is not None:
             digests[name] = part.hexdigest()
-    digest = hasher.digest()
-    if not part_digests:
-        return digest
-    return replace(digest, header_bytes=len(header), header_sha256=hashlib.sha256(header).hexdigest(), arrays=digests)
+    return replace(
+        hasher.digest(), header_bytes=len(header), header_sha256=hashlib.sha256(header).hexdigest(), arrays=digests
+    )
 
 
 def hash_stream(source: BinaryIO, verify: Verify | None = None) -> ShardDigest:
@@ -386,9 +386,15 @@ def read_header(raw: bytes, file_size: int, what: str) -> ShardHeader:
     return ShardHeader(start, placed, metadata)
 
 
-def array_from_bytes(entry: _Entry, data: bytes) -> np.ndarray:
-    """The array ``entry`` describes, from its ``data`` (its bytes, ``entry.end - entry.begin`` of them)."""
-    return np.frombuffer(bytearray(data), dtype=entry.dtype).reshape(entry.shape)
+def copy_hashing(source: np.ndarray, target: np.ndarray) -> str:
+    """Copy bytes ``source`` into ``target`` (1-D uint8 arrays of one length) and return their
+    sha256, hashing each piece of the copy while it is in cache (as :func:`read_shard` does)."""
+    hasher = hashlib.sha256()
+    for start in range(0, len(target), CHUNK_BYTES):
+        piece = target[start : start + CHUNK_BYTES]
+        np.copyto(piece, source[start : start + CHUNK_BYTES])
+        hasher.update(memoryview(piece))
+    return hasher.hexdigest()
 
 
 def _hash_chunks(data: np.ndarray, hasher: _Hasher) -> None:

@@ -19,7 +19,7 @@ and the CLI for one command.
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import logging
 import threading
 from collections.abc import Callable, Collection, Mapping
@@ -42,7 +42,7 @@ from .manifest import RemoteManifest, ShardManifest, ShardRecord
 from .remote import RemoteTier
 from .retention import RetentionPolicy, awaiting_upload
 from .sharded import run_parallel
-from .shardfile import Verify, array_from_bytes, copy_and_hash, read_header
+from .shardfile import Verify, copy_and_hash, read_header
 from .state import STRUCTURE_KEY, FlatState, Structure
 
 __all__ = ["TieredStore", "StepStatus", "ShardCheck", "Source"]
@@ -200,21 +200,29 @@ class TieredStore:
         return _no_copy_verifies(record, tried)
 
     def read_parts(
-        self, step: int, record: ShardRecord, names: Collection[str], *, use_remote: bool = True
+        self,
+        step: int,
+        record: ShardRecord,
+        names: Collection[str],
+        *,
+        use_remote: bool = True,
+        into: Mapping[str, np.ndarray] | None = None,
     ) -> tuple[FlatState, Source]:
         """Some arrays of ``record``'s shard (a state of DTensors), verified, and the tier they came from.
 
         Reads only the shard's header and those arrays' bytes, each checked against the
         sha256 the manifest records for it: the local copy, else the remote object (tried
         twice). The state returned has the whole structure but only ``names``' arrays.
+        An array named in ``into`` (C-contiguous, of its dtype and shape) is read into that
+        memory rather than new memory; if no copy verifies, it holds unspecified values.
         Raises :class:`ChecksumMismatchError` or :class:`IncompleteCheckpointError`
         naming every copy tried.
         """
+        into = into or {}
         local_what = f"rank {record.rank} shard {self.local.shard_path(step, record)}"
         try:
-            return _read_parts(
-                lambda b, e: self.local.read_range(step, record, b, e), record, names, local_what
-            ), "local"
+            with self.local.open_ranges(step, record) as read_into:
+                return _read_parts(read_into, record, names, local_what, into), "local"
         except _LOCAL_FAILURES as local_error:
             if self.remote is None or not use_remote:
                 raise
@@ -223,8 +231,8 @@ class TieredStore:
         remote_what = f"rank {record.rank} shard {remote.location(step, record.path)}"
         for _attempt in range(2):
             try:
-                read = lambda b, e: remote.read_range(step, record, b, e)  # noqa: E731
-                return _read_parts(read, record, names, remote_what), "remote"
+                read_into = functools.partial(remote.read_range_into, step, record)
+                return _read_parts(read_into, record, names, remote_what, into), "remote"
             except (*_LOCAL_FAILURES, RemoteError) as remote_error:
                 tried.append((f"remote {remote.location(step, record.path)}", remote_error))
         return _no_copy_verifies(record, tried)
@@ -365,22 +373,36 @@ def _no_copy_verifies(record: ShardRecord, tried: list[tuple[str, CheckpointErro
     raise error_type(f"rank {record.rank}: no copy verifies; tried {listing}") from tried[-1][1]
 
 
-def _read_parts(read: Callable[[int, int], bytes], record: ShardRecord, names: Collection[str], what: str) -> FlatState:
-    """Read and verify a shard's header, then each of ``names``' arrays, through ``read(begin, end)``."""
-    raw = read(0, record.header_bytes)
-    if hashlib.sha256(raw).hexdigest() != record.header_sha256:
+def _read_parts(
+    read_into: Callable[[int, memoryview], str],
+    record: ShardRecord,
+    names: Collection[str],
+    what: str,
+    into: Mapping[str, np.ndarray],
+) -> FlatState:
+    """Read and verify a shard's header, then each of ``names``' arrays, through ``read_into(offset, buffer)``.
+
+    Each array is copied straight into its memory (``into``'s, else new) and hashed
+    piece by piece while each piece is in cache, with no copy through Python bytes.
+    """
+    if not record.header_bytes:
+        raise ShardFormatError(f"{what}: the manifest records no digest of its header: it can only be read whole")
+    raw = bytearray(record.header_bytes)
+    if read_into(0, memoryview(raw)) != record.header_sha256:
         raise ChecksumMismatchError(f"{what}: its header's sha256 is not the one the manifest records")
-    header = read_header(raw, record.size_bytes, what)
+    header = read_header(bytes(raw), record.size_bytes, what)
     recorded = {chunk.name: chunk for chunk in record.chunks}
     arrays = {}
     for name in names:
         entry, chunk = header.arrays.get(name), recorded.get(name)
         if entry is None or chunk is None or entry.shape != chunk.sizes:
             raise ShardFormatError(f"{what}: the array {name!r} is not in the shard as the manifest records it")
-        data = read(entry.begin, entry.end)
-        if hashlib.sha256(data).hexdigest() != chunk.sha256:
+        array = into[name] if name in into else np.empty(entry.shape, dtype=entry.dtype)
+        if array.shape != entry.shape or array.dtype != entry.dtype or not array.flags.c_contiguous:
+            raise UsageError(f"{what}: into[{name!r}] is not a C-contiguous {entry.dtype} array of {entry.shape}")
+        if read_into(entry.begin, memoryview(array.reshape(-1).view(np.uint8))) != chunk.sha256:
             raise ChecksumMismatchError(f"{what}: the bytes of {name!r} do not match the sha256 the manifest records")
-        arrays[name] = array_from_bytes(entry, data)
+        arrays[name] = array
     text = header.metadata.get(STRUCTURE_KEY)
     structure = (
         Structure.from_json(text, header.arrays, what) if text is not None else Structure.of_names(header.arrays)

@@ -23,6 +23,9 @@ def test_benchmark_runs_every_section_and_prints_its_ratios(tmp_path):
         "slowdown",
         "structure / save_sharded",
         "structure / load_sharded",
+        "save / dcp.save (throughput)",
+        "load+verify / dcp.load (throughput)",
+        "stall: save(blocking=False) / dcp.async_save",
     ):
         assert line in result.stdout
     assert list(tmp_path.iterdir()) == []  # the benchmark's files are removed

@@ -56,9 +56,24 @@ def test_every_dtype_and_shape_round_trips_byte_for_byte(code, shape, read_from_
     assert got.tobytes() == array.tobytes()
 
 
-def test_digest_covers_every_byte_written():
+def test_digest_covers_every_byte_written_and_measures_the_header():
     data, digest = write_to_bytes({"a": np.arange(10.0), "b": np.ones((2, 2), np.float16)})
-    assert digest == ShardDigest(len(data), hashlib.sha256(data).hexdigest(), xxhash.xxh3_64(data).hexdigest())
+    (length,) = struct.unpack("<Q", data[:8])
+    header = data[: 8 + length]
+    assert digest == ShardDigest(
+        len(data),
+        hashlib.sha256(data).hexdigest(),
+        xxhash.xxh3_64(data).hexdigest(),
+        header_bytes=len(header),
+        header_sha256=hashlib.sha256(header).hexdigest(),
+    )
+
+
+def test_part_digests_hash_each_array_on_its_own():
+    arrays = {"a": np.arange(10.0), "b": np.ones((2, 2), np.float16)}
+    out = io.BytesIO()
+    digest = write_shard(out, arrays, part_digests=True)
+    assert digest.arrays == {name: hashlib.sha256(array.tobytes()).hexdigest() for name, array in arrays.items()}
 
 
 def test_non_contiguous_big_endian_and_scalar_inputs_are_saved_as_their_values(read_from_bytes):

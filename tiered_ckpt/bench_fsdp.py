@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 __all__ = ["bench_fsdp", "rank_process"]
 
@@ -106,7 +106,7 @@ def rank_process(config_path: Path, rank: int) -> None:
     generator = torch.Generator().manual_seed(rank)
     with torch.no_grad():
         for param in model.parameters():
-            param.to_local().uniform_(-0.01, 0.01, generator=generator)
+            cast(Any, param).to_local().uniform_(-0.01, 0.01, generator=generator)  # a DTensor
     optimizer = torch.optim.AdamW(model.parameters())
     model_state, optim_state = get_state_dict(model, optimizer)  # creates AdamW's state
     state: dict[str, Any] = {"model": model_state, "optim": optim_state}
@@ -141,7 +141,8 @@ def rank_process(config_path: Path, rank: int) -> None:
             start = time.perf_counter()
             pending = dcp.async_save(state, checkpoint_id=root / f"dcp-async-{run}")
             figures["dcp.async_save stall"] = time.perf_counter() - start
-            pending.result()
+            completion: Any = getattr(pending, "upload_completion", pending)  # a Future, or an AsyncSaveResponse
+            completion.result()
             coordinator.barrier()
             if rank == 0:  # DCP's copies are not kept: a run of 5 rounds of 2 GiB would fill a small disk
                 shutil.rmtree(theirs)

@@ -238,7 +238,9 @@ def copy_overlap(
         return 0
     into = tuple(slice(lo - t, h - t) for lo, h, t in zip(low, high, target_offsets, strict=True))
     out_of = tuple(slice(lo - s, h - s) for lo, h, s in zip(low, high, source_offsets, strict=True))
-    destination, part = target[(*into, ...)], source[(*out_of, ...)]  # views, 0-d arrays included
+    view_into: tuple[Any, ...] = (*into, ...)  # with the ellipsis: views, 0-d arrays included
+    view_out_of: tuple[Any, ...] = (*out_of, ...)
+    destination, part = target[view_into], source[view_out_of]
     if not _same_memory(destination, part):  # read in place already (see direct_destination)
         destination[...] = part
     return math.prod(h - lo for lo, h in zip(low, high, strict=True))
@@ -263,7 +265,8 @@ def direct_destination(target: np.ndarray, target_offsets: Sequence[int], chunk:
     if not inside or not target.flags.c_contiguous:
         return None
     box = tuple(slice(o - t, o - t + n) for t, o, n in zip(target_offsets, chunk.offsets, chunk.sizes, strict=True))
-    part = target[(*box, ...)]  # a view, 0-d arrays included
+    view: tuple[Any, ...] = (*box, ...)  # with the ellipsis: a view, 0-d arrays included
+    part = target[view]
     return part if part.flags.c_contiguous else None
 
 

@@ -371,3 +371,11 @@ def test_a_nested_state_shard_opens_with_safetensors_under_its_tensor_names(tmp_
         assert sorted(shard.keys()) == ["a%2Fb", "optim/state/#0/exp_avg"]
         assert shard.get_tensor("optim/state/#0/exp_avg").tolist() == [1.0, 1.0, 1.0]
         assert json.loads(shard.metadata()[STRUCTURE_KEY])["version"] == 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.sampled_from("%#/2F35ab_"), max_size=10).filter(lambda key: key != "__metadata__"))
+def test_unescape_gives_back_the_key_a_name_segment_was_made_of(key):
+    from tiered_ckpt.state import unescape
+
+    assert unescape(leaf_name([key])) == key

@@ -28,6 +28,7 @@ import hashlib
 import os
 import random
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,13 @@ def next_batch(sampler: DistributedSampler, data: dict[str, int], inputs: torch.
     return (inputs[indices] + noise) * scale, targets[indices]
 
 
+def say(line: str) -> None:
+    """Print ``line`` in one write: every rank shares the terminal (print() writes the text and
+    the newline apart, so with unbuffered output another rank's line could land in between)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, help="a config file (see configs/)")
@@ -144,7 +152,7 @@ def main() -> None:
     torch.set_num_threads(1)  # one core per rank, and bit-for-bit repeatable arithmetic
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    print(f"rank {rank}: pid {os.getpid()}", flush=True)
+    say(f"rank {rank}: pid {os.getpid()}")
     torch.manual_seed(0)
     np.random.seed(0)
     random.seed(0)
@@ -178,7 +186,7 @@ def main() -> None:
         if restored is not None:
             data = load_training_state(model.module, optimizer, scheduler, restored.torch_state(), world_size)
             start = restored.step
-            print(f"rank {rank}: resumed from step {start}; shards from {restored.sources}", flush=True)
+            say(f"rank {rank}: resumed from step {start}; shards from {restored.sources}")
         for step in range(start + 1, args.steps + 1):
             if step == args.kill_at_step:  # (for tests) a kill after every rank committed the last save
                 manager.wait()
@@ -194,18 +202,18 @@ def main() -> None:
             if step % args.every == 0:  # returns once staged; written and uploaded in the background
                 manager.save(step, training_state(model.module, optimizer, scheduler, data, mine))
             if rank == 0 and step % args.log_every == 0:
-                print(f"step {step}: loss {loss.item():.6f}", flush=True)
+                say(f"step {step}: loss {loss.item():.6f}")
             if manager.reached_preemption(step):  # the same step on every rank, once any rank got SIGTERM
                 if step % args.every != 0:
                     manager.save(step, training_state(model.module, optimizer, scheduler, data, mine), blocking=True)
                 manager.wait(uploaded=True)
-                print(f"rank {rank}: preempted at step {step}; step {step} is committed", flush=True)
+                say(f"rank {rank}: preempted at step {step}; step {step} is committed")
                 preempted = True
                 break
         manager.wait(uploaded=True)
     if rank == 0 and not preempted:
         params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        print(f"final parameters sha256 {hashlib.sha256(params.numpy().tobytes()).hexdigest()}", flush=True)
+        say(f"final parameters sha256 {hashlib.sha256(params.numpy().tobytes()).hexdigest()}")
     dist.destroy_process_group()
 
 

@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import os
 import signal
+import sys
 from pathlib import Path
 
 import torch
@@ -86,6 +87,13 @@ def same_as_dcp_load(model: nn.Module, directory: Path, world_size: int) -> bool
     return all(torch.equal(ours[name].full_tensor(), tensor.full_tensor()) for name, tensor in state["model"].items())
 
 
+def say(line: str) -> None:
+    """Print ``line`` in one write: every rank shares the terminal (print() writes the text and
+    the newline apart, so with unbuffered output another rank's line could land in between)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, help="a config file (see configs/)")
@@ -124,10 +132,10 @@ def main() -> None:
             set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
             scheduler.load_state_dict(saved["sched"])
             start = saved["step"]
-            print(f"rank {rank}: resumed from step {start}; shards from {restored.sources}", flush=True)
+            say(f"rank {rank}: resumed from step {start}; shards from {restored.sources}")
             if args.compare_dcp is not None:
                 same = same_as_dcp_load(model, args.compare_dcp / f"step-{start}", world_size)
-                print(f"rank {rank}: restored state equals DCP's own load of step {start}: {same}", flush=True)
+                say(f"rank {rank}: restored state equals DCP's own load of step {start}: {same}")
         for step in range(start + 1, args.steps + 1):
             if step == args.kill_at_step:
                 manager.wait()
@@ -147,13 +155,13 @@ def main() -> None:
                 if args.compare_dcp is not None:
                     dcp.save({"model": model_state}, checkpoint_id=args.compare_dcp / f"step-{step}")
                 if rank == 0:
-                    print(f"step {step}: loss {loss.item():.6f}, checkpoint saved", flush=True)
+                    say(f"step {step}: loss {loss.item():.6f}, checkpoint saved")
         manager.wait(uploaded=True)
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():  # full_tensor() is a collective: every rank calls it
         digest.update(name.encode() + tensor.full_tensor().numpy().tobytes())
     if rank == 0:
-        print(f"final parameters sha256 {digest.hexdigest()}", flush=True)
+        say(f"final parameters sha256 {digest.hexdigest()}")
     dist.destroy_process_group()
 
 

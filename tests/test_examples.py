@@ -53,7 +53,7 @@ def test_training_example_resumes_and_a_fresh_node_restores_from_the_bucket(tmp_
 def test_ddp_example_resumes_after_a_sigkill_to_the_same_parameters_as_an_uninterrupted_run(tmp_path):
     def torchrun(local_dir, *args):
         env = {**os.environ, "TIERED_CKPT_LOCAL_DIR": str(local_dir)}
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
         script = [str(EXAMPLES / "torch_ddp_train.py"), "--steps", "30", *args]
         return subprocess.run([*command, *script], capture_output=True, text=True, env=env, timeout=300)
 
@@ -65,7 +65,7 @@ def test_ddp_example_resumes_after_a_sigkill_to_the_same_parameters_as_an_uninte
     killed = torchrun(tmp_path / "b", "--kill-at-step", "25")
     assert killed.returncode != 0 and "SIGKILL" in killed.stderr
     resumed = torchrun(tmp_path / "b")
-    for rank in range(4):
+    for rank in range(3):  # three ranks: a ring all-reduce whose sums' order follows DDP's buckets
         assert f"rank {rank}: resumed from step 20; shards from {{{rank}: 'local'}}" in resumed.stdout
     assert final_digest(resumed) == uninterrupted
 
@@ -110,7 +110,7 @@ def preempted_ddp_run(tmp_path, config, processes, signalled_rank, after_step, e
     return "".join(lines) + rest
 
 
-@pytest.mark.parametrize("processes, signalled_rank", [(1, 0), (3, 1)])
+@pytest.mark.parametrize("processes, signalled_rank", [(1, 0), (2, 1)])
 def test_ddp_example_preempted_by_sigterm_commits_that_step_and_a_fresh_node_resumes_bit_for_bit(
     tmp_path, s3_url, moto_endpoint, processes, signalled_rank
 ):

@@ -436,9 +436,12 @@ class CheckpointManager:
         ``world_size`` (default: the manager's) must match the checkpoint's, else
         :class:`WorldSizeMismatchError`, unless ``reshard=True`` asks for the flat
         shards to be re-cut for it. ``verify="fast"`` checks xxh3-64 instead of sha256
-        (default: the manager's ``verify``). ``into`` fills the caller's arrays in place
-        (not with resharding). A damaged step fails loudly with the step, rank and file
-        named; it never falls back to an older step by itself. ``missing_ok=True``
+        (default: the manager's ``verify``). ``into`` (a state of the same nesting) fills
+        the caller's arrays and CPU tensors in place; with resharding only a state of
+        DTensors, whose chunks are then filled from the saved chunks that overlap them,
+        each read in part and verified by its own sha256. A damaged step fails loudly
+        with the step, rank and file named; it never falls back to an older step by
+        itself. ``missing_ok=True``
         returns None instead of raising when no tier (of no rank) holds any committed
         step: a fresh start.
 

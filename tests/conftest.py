@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import signal
@@ -102,6 +103,44 @@ def temp_files(directory: Path) -> list[str]:
     from tiered_ckpt.layout import is_temp_name
 
     return sorted(name for name in os.listdir(directory) if is_temp_name(name))
+
+
+def launch_ranks(
+    worker: Path, root: Path, world_size: int, config: dict, remote=None, killed: int | None = None
+) -> dict[int, dict]:
+    """Run ``world_size`` processes of ``worker`` (one job, joined through a file store, over
+    ``root/nodes``) with ``config``; return each rank's result (``<results>/rank-<r>.json``).
+
+    ``killed`` is the rank expected to SIGKILL itself (it leaves no result).
+    """
+    launch = root / f"launch-{len(list(root.glob('launch-*')))}"
+    (launch / "results").mkdir(parents=True)
+    config = {
+        "store": str(launch / "store"),
+        "results": str(launch / "results"),
+        "local_root": str(root / "nodes"),
+        "world_size": world_size,
+        **config,
+    }
+    if remote is not None:
+        config["url"], config["options"] = remote
+    (launch / "config.json").write_text(json.dumps(config))
+    processes = [
+        subprocess.Popen([sys.executable, str(worker), str(launch / "config.json"), str(rank)])
+        for rank in range(world_size)
+    ]
+    try:
+        codes = [process.wait(timeout=300) for process in processes]  # a guard against a hang, not a timing
+    finally:
+        for process in processes:
+            process.kill()
+    for rank, code in enumerate(codes):
+        assert code == (-signal.SIGKILL if rank == killed else 0), f"rank {rank} exited with {code}"
+    return {
+        rank: json.loads((launch / "results" / f"rank-{rank}.json").read_text())
+        for rank in range(world_size)
+        if rank != killed
+    }
 
 
 def running_as_root() -> bool:

@@ -1,13 +1,12 @@
 import json
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import flip_byte, new_s3_bucket
+from conftest import flip_byte, launch_ranks, new_s3_bucket
 from tiered_ckpt import CheckpointManager, Coordinator, ShardManifest, SingleProcessCoordinator
 from tiered_ckpt.layout import HELD_NAME, MANIFEST_NAME, shard_name, step_dir_name
 from tiered_ckpt.remote import RemoteTier
@@ -41,36 +40,8 @@ def run_ranks(
 
     ``killed`` is the rank expected to SIGKILL itself (it leaves no result).
     """
-    launch = root / f"launch-{len(list(root.glob('launch-*')))}"
-    (launch / "results").mkdir(parents=True)
-    config = {
-        "store": str(launch / "store"),
-        "results": str(launch / "results"),
-        "local_root": str(root / "nodes"),
-        "world_size": world_size,
-        "actions": actions,
-        "timeout_seconds": 60,
-        **options,
-    }
-    if remote is not None:
-        config["url"], config["options"] = remote
-    (launch / "config.json").write_text(json.dumps(config))
-    processes = [
-        subprocess.Popen([sys.executable, str(WORKER), str(launch / "config.json"), str(rank)])
-        for rank in range(world_size)
-    ]
-    try:
-        codes = [process.wait(timeout=300) for process in processes]  # a guard against a hang, not a timing
-    finally:
-        for process in processes:
-            process.kill()
-    for rank, code in enumerate(codes):
-        assert code == (-signal.SIGKILL if rank == killed else 0), f"rank {rank} exited with {code}"
-    return {
-        rank: json.loads((launch / "results" / f"rank-{rank}.json").read_text())
-        for rank in range(world_size)
-        if rank != killed
-    }
+    config = {"actions": actions, "timeout_seconds": 60, **options}
+    return launch_ranks(WORKER, root, world_size, config, remote=remote, killed=killed)
 
 
 def expected_digests(step: int, world_size: int, rank: int) -> dict:

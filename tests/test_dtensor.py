@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import flip_byte
+from conftest import flip_byte, launch_ranks
 from tiered_ckpt.layout import shard_name, step_dir_name
 
 WORKER = Path(__file__).resolve().parent / "fsdp_worker.py"
@@ -17,29 +15,7 @@ WORKER = Path(__file__).resolve().parent / "fsdp_worker.py"
 
 def run_job(root: Path, world_size: int, do: str, remote=None) -> dict[int, dict]:
     """Run ``world_size`` FSDP2 rank processes over ``root/nodes``; return each rank's result."""
-    launch = root / f"launch-{len(list(root.glob('launch-*')))}"
-    (launch / "results").mkdir(parents=True)
-    config = {
-        "store": str(launch / "store"),
-        "results": str(launch / "results"),
-        "local_root": str(root / "nodes"),
-        "world_size": world_size,
-        "do": do,
-    }
-    if remote is not None:
-        config["url"], config["options"] = remote
-    (launch / "config.json").write_text(json.dumps(config))
-    processes = [
-        subprocess.Popen([sys.executable, str(WORKER), str(launch / "config.json"), str(rank)])
-        for rank in range(world_size)
-    ]
-    try:
-        codes = [process.wait(timeout=300) for process in processes]  # a guard against a hang, not a timing
-    finally:
-        for process in processes:
-            process.kill()
-    assert codes == [0] * world_size
-    return {rank: json.loads((launch / "results" / f"rank-{rank}.json").read_text()) for rank in range(world_size)}
+    return launch_ranks(WORKER, root, world_size, {"do": do}, remote=remote)
 
 
 @pytest.mark.parametrize("old, news", [(2, (4, 3)), (4, (2,)), (3, (3,))])

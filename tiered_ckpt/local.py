@@ -151,6 +151,22 @@ def _describe(record: ShardRecord, path: Path) -> str:
     return f"rank {record.rank} shard {path}"
 
 
+@contextmanager
+def _open_recorded(directory: Path, record: ShardRecord) -> Iterator[tuple[BinaryIO, str]]:
+    """Open ``record``'s shard in ``directory``, a regular file of the recorded size; yields it
+    and its description for errors. Raises :class:`IncompleteCheckpointError` if it is missing,
+    not a regular file or short, :class:`ChecksumMismatchError` if it is longer."""
+    path = directory / record.path
+    what = _describe(record, path)
+    with _open_regular(path, what) as source:
+        size = os.fstat(source.fileno()).st_size
+        if size < record.size_bytes:
+            raise IncompleteCheckpointError(f"{what}: file is short, {size} of {record.size_bytes} bytes")
+        if size > record.size_bytes:
+            raise ChecksumMismatchError(f"{what}: file has {size} bytes, the manifest records {record.size_bytes}")
+        yield source, what
+
+
 def read_shard_file(
     directory: Path,
     record: ShardRecord,
@@ -167,14 +183,7 @@ def read_shard_file(
     structure document), and :class:`ConfigError` for a ``verify`` other than "full" or "fast".
     """
     check_verify(verify)
-    path = directory / record.path
-    what = _describe(record, path)
-    with _open_regular(path, what) as source:
-        size = os.fstat(source.fileno()).st_size
-        if size < record.size_bytes:
-            raise IncompleteCheckpointError(f"{what}: file is short, {size} of {record.size_bytes} bytes")
-        if size > record.size_bytes:
-            raise ChecksumMismatchError(f"{what}: file has {size} bytes, the manifest records {record.size_bytes}")
+    with _open_recorded(directory, record) as (source, what):
         contents = read_shard(
             source, check=lambda digest: record.verify(digest, what), verify=verify, what=what, into=into
         )
@@ -189,14 +198,8 @@ def open_shard_ranges(directory: Path, record: ShardRecord) -> Iterator[Callable
     Raises :class:`IncompleteCheckpointError` if the file is missing, not a regular file
     or short, :class:`ChecksumMismatchError` if it is longer than recorded.
     """
-    path = directory / record.path
-    what = _describe(record, path)
-    with _open_regular(path, what) as source:
-        size = os.fstat(source.fileno()).st_size
-        if size < record.size_bytes:
-            raise IncompleteCheckpointError(f"{what}: file is short, {size} of {record.size_bytes} bytes")
-        if size > record.size_bytes:
-            raise ChecksumMismatchError(f"{what}: file has {size} bytes, the manifest records {record.size_bytes}")
+    with _open_recorded(directory, record) as (source, what):
+        size = record.size_bytes
         data = np.frombuffer(mmap.mmap(source.fileno(), 0, access=mmap.ACCESS_READ), np.uint8) if size else None
 
         def read_into(offset: int, buffer: memoryview) -> str:

@@ -24,7 +24,7 @@ import logging
 import threading
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Literal, NoReturn
+from typing import Literal, NoReturn, TypeVar
 
 import numpy as np
 
@@ -50,6 +50,7 @@ __all__ = ["TieredStore", "StepStatus", "ShardCheck", "Source"]
 logger = logging.getLogger("tiered_ckpt")
 
 Source = Literal["local", "remote"]
+T = TypeVar("T")
 _LOCAL_FAILURES = (IncompleteCheckpointError, ChecksumMismatchError, ShardFormatError)
 
 
@@ -185,16 +186,29 @@ class TieredStore:
 
         ``use_remote=False`` reads the local copy only (the step is not in the bucket).
         """
+
+        def from_bucket() -> FlatState:
+            self.download_shard(step, record)
+            return self.local.read_shard(step, record, verify, into)
+
+        return self._first_that_verifies(
+            step, record, lambda: self.local.read_shard(step, record, verify, into), from_bucket, use_remote
+        )
+
+    def _first_that_verifies(
+        self, step: int, record: ShardRecord, local: Callable[[], T], remote: Callable[[], T], use_remote: bool
+    ) -> tuple[T, Source]:
+        """The chain of every read: ``local()``, else (with a bucket, and ``use_remote``) ``remote()``,
+        tried twice; raises naming every copy tried if none verifies."""
         try:
-            return self.local.read_shard(step, record, verify, into), "local"
+            return local(), "local"
         except _LOCAL_FAILURES as local_error:
             if self.remote is None or not use_remote:
                 raise
             tried: list[tuple[str, CheckpointError]] = [(f"local {self.local.shard_path(step, record)}", local_error)]
         for _attempt in range(2):
             try:
-                self.download_shard(step, record)
-                return self.local.read_shard(step, record, verify, into), "remote"
+                return remote(), "remote"
             except (*_LOCAL_FAILURES, RemoteError) as remote_error:
                 tried.append((f"remote {self.remote.location(step, record.path)}", remote_error))
         return _no_copy_verifies(record, tried)
@@ -218,24 +232,20 @@ class TieredStore:
         Raises :class:`ChecksumMismatchError` or :class:`IncompleteCheckpointError`
         naming every copy tried.
         """
-        into = into or {}
+        targets = into or {}
         local_what = f"rank {record.rank} shard {self.local.shard_path(step, record)}"
-        try:
+
+        def from_disk() -> FlatState:
             with self.local.open_ranges(step, record) as read_into:
-                return _read_parts(read_into, record, names, local_what, into), "local"
-        except _LOCAL_FAILURES as local_error:
-            if self.remote is None or not use_remote:
-                raise
-            tried: list[tuple[str, CheckpointError]] = [(f"local {self.local.shard_path(step, record)}", local_error)]
-        remote = self.remote
-        remote_what = f"rank {record.rank} shard {remote.location(step, record.path)}"
-        for _attempt in range(2):
-            try:
-                read_into = functools.partial(remote.read_range_into, step, record)
-                return _read_parts(read_into, record, names, remote_what, into), "remote"
-            except (*_LOCAL_FAILURES, RemoteError) as remote_error:
-                tried.append((f"remote {remote.location(step, record.path)}", remote_error))
-        return _no_copy_verifies(record, tried)
+                return _read_parts(read_into, record, names, local_what, targets)
+
+        def from_bucket() -> FlatState:
+            assert self.remote is not None
+            remote_what = f"rank {record.rank} shard {self.remote.location(step, record.path)}"
+            read_into = functools.partial(self.remote.read_range_into, step, record)
+            return _read_parts(read_into, record, names, remote_what, targets)
+
+        return self._first_that_verifies(step, record, from_disk, from_bucket, use_remote)
 
     def verify(
         self, step: int | None = None, *, progress: Callable[[ShardCheck], None] | None = None

@@ -72,15 +72,21 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def sharded_model(world_size: int) -> Model:
+    """A new model, each block and the whole sharded with FSDP2 over a CPU mesh of ``world_size``."""
+    model = Model()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def same_as_dcp_load(model: nn.Module, directory: Path, world_size: int) -> bool:
     """True if DCP's own load of ``directory`` into a fresh model (this world size) equals ``model``."""
     with torch.random.fork_rng():  # leave the training run's RNG as it was
         torch.manual_seed(1234)
-        other = Model()
-    mesh = init_device_mesh("cpu", (world_size,))
-    for block in other.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(other, mesh=mesh)
+        other = sharded_model(world_size)
     state = {"model": other.state_dict()}
     dcp.load(state, checkpoint_id=directory)
     ours = model.state_dict()
@@ -108,11 +114,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = Model()
-    mesh = init_device_mesh("cpu", (world_size,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = sharded_model(world_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.7)
     # get_state_dict creates AdamW's state (a step with lr 0): done on every run, resumed or

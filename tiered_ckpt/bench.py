@@ -51,7 +51,6 @@ from .layout import step_dir_name
 from .manager import CheckpointManager
 from .manifest import ShardManifest
 from .sharded import load_sharded, run_parallel, save_sharded
-from .state import Structure, flatten
 
 __all__ = ["main"]
 
@@ -547,47 +546,6 @@ def rank_process(config_path: Path, rank: int) -> None:
     dist.destroy_process_group()
 
 
-def optimizer_state(params: int, total_bytes: int) -> dict[str, Any]:
-    """A model and AdamW state of ``params`` parameter tensors, as ``state_dict()`` nests them."""
-    numel = max(1, total_bytes // (params * 3 * 4))
-    rng = np.random.default_rng(0)
-    template = rng.standard_normal(numel, dtype=np.float32)
-    return {
-        "model": {f"layers.{i}.weight": template.copy() for i in range(params)},
-        "optim": {
-            "state": {
-                i: {"step": np.array(100.0, np.float32), "exp_avg": template.copy(), "exp_avg_sq": template.copy()}
-                for i in range(params)
-            },
-            "param_groups": [{"params": list(range(params)), "lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8}],
-        },
-        "epoch": 3,
-    }
-
-
-def bench_structure(params: int, total_bytes: int, root: Path, repeat: int) -> None:
-    """What the structure document of a nested state costs next to saving and loading its arrays."""
-    state = optimizer_state(params, total_bytes)
-    flat = flatten(state)
-    document = flat.structure.to_json()
-    size = sum(array.nbytes for array in flat.arrays.values())
-    timings: dict[str, list[float]] = {name: [] for name in ("flatten", "parse", "save", "load")}
-    for run in range(repeat):
-        timings["flatten"].append(_timed(lambda: flatten(state).structure.to_json()))
-        timings["parse"].append(_timed(lambda: Structure.from_json(document, flat.arrays, "bench").build(flat.arrays)))
-        directory = root / f"structure-{run}"
-        timings["save"].append(_timed(functools.partial(save_sharded, [state], directory, step=run, sharded_keys=())))
-        timings["load"].append(_timed(functools.partial(load_sharded, directory, 1)))
-    median = {name: statistics.median(values) for name, values in timings.items()}
-    print(f"  {params} parameter tensors: {len(flat.arrays)} arrays of {size / 2**20:.1f} MiB, "
-          f"a structure document of {len(document) / 2**20:.2f} MiB")  # fmt: skip
-    print(f"  flatten + document {median['flatten']:7.3f} s  of save_sharded {median['save']:7.3f} s")
-    print(f"  parse + rebuild    {median['parse']:7.3f} s  of load_sharded {median['load']:7.3f} s")
-    print("ratios (target):")
-    _ratio("structure / save_sharded", median["flatten"] / median["save"], "small")
-    _ratio("structure / load_sharded", median["parse"] / median["load"], "small")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tiered_ckpt.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-gib", type=float, default=2.0, help="total state size (default 2)")
@@ -637,6 +595,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             bench_remote(args.remote_size_gib, args.ranks, root, args.repeat)
         if "structure" in sections:
             print("the structure document of a nested optimizer state (save_sharded / load_sharded, warm):")
+            from .bench_structure import bench_structure
+
             bench_structure(args.params, total, root, args.repeat)
         if "fsdp" in sections:
             from .bench_fsdp import bench_fsdp

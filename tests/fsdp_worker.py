@@ -57,6 +57,30 @@ def full_digests(state) -> dict[str, str]:
     return digests
 
 
+def local_digests(state) -> dict[str, str]:
+    """The sha256 of every tensor of a (nested) state as this rank holds it (a DTensor's local chunk)."""
+    local = {}
+
+    def walk(value, path):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{path}/{key}")
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                walk(item, f"{path}/{index}")
+        elif isinstance(value, torch.Tensor):
+            part = value.to_local() if isinstance(value, DTensor) else value
+            local[path] = hashlib.sha256(part.contiguous().numpy().tobytes()).hexdigest()
+
+    walk(state, "")
+    return local
+
+
+def extras(rank: int) -> dict:
+    """Plain tensors beside the FSDP2 state: one the same on every rank, one of each rank's own."""
+    return {"table": torch.arange(1000, dtype=torch.float32), "seed": torch.tensor([rank], dtype=torch.int64)}
+
+
 def trained(world_size: int):
     model, optimizer = build(0, world_size)
     for step in range(3):
@@ -103,20 +127,29 @@ def run(config: dict, rank: int, world_size: int, result: dict) -> None:
         if config["do"] == "save":
             model, optimizer = trained(world_size)
             model_state, optim_state = get_state_dict(model, optimizer)
-            state = {"model": model_state, "optim": optim_state, "epoch": 3}
+            state = {"model": model_state, "optim": optim_state, "epoch": 3, "extras": extras(rank)}
             manager.save(3, state, blocking=True)
             manager.wait(uploaded=True)
+            result["local"] = local_digests(state)
+        elif config["do"] == "restore_plain":  # no into: this rank's own arrays as it saved them
+            restored = manager.restore()
+            result["local"] = local_digests(restored.torch_state())
+            result["sources"] = {str(old): tier for old, tier in restored.sources.items()}
+            return
         else:
             model, optimizer = build(1234, world_size)  # other values: the restore must replace them all
             model_state, optim_state = get_state_dict(model, optimizer)
-            into = {"model": model_state, "optim": optim_state, "epoch": 0}
+            into = {"model": model_state, "optim": optim_state, "epoch": 0, "extras": extras(-1)}
+            into["extras"]["table"].zero_()
             restored = manager.restore(into=into, reshard=True)
             optim_state["param_groups"] = restored.torch_state()["optim"]["param_groups"]
             set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
             model_state, optim_state = get_state_dict(model, optimizer)
             state = {"model": model_state, "optim": optim_state, "epoch": restored.state["epoch"]}
+            state["extras"] = {"table": into["extras"]["table"]}
+            result["seed"] = int(into["extras"]["seed"])
             result["sources"] = {str(old): tier for old, tier in restored.sources.items()}
-        result["digests"] = full_digests(state)
+        result["digests"] = full_digests({**state, "extras": {"table": state["extras"]["table"]}})
 
 
 def main() -> None:

@@ -29,8 +29,33 @@ def test_an_fsdp2_state_restores_byte_equal_on_another_world_size(tmp_path, s3_u
         for rank, result in restored.items():
             assert "error" not in result, result
             assert result["digests"] == expected  # model and AdamW state, every byte, and the scalars
+            assert result["seed"] == (rank if new == old else 0)  # a rank's own array: rank 0's when resharded
             if rank >= old and new == max(news):  # a rank that never existed: an empty disk, all from the bucket
                 assert set(result["sources"].values()) == {"remote"}, result
+
+
+def test_replicated_arrays_are_written_once_and_each_rank_keeps_its_own(tmp_path):
+    saved = run_job(tmp_path, 3, "save")  # no bucket: a same-size restore needs none
+    manifest = json.loads((tmp_path / "nodes" / "rank-0" / step_dir_name(3) / "manifest.json").read_text())
+    held = {shard["rank"]: {chunk["name"] for chunk in shard["chunks"]} for shard in manifest["shards"]}
+    left = {shard["rank"]: dict(shard.get("replicas", [])) for shard in manifest["shards"]}
+    for name in ("extras/table", "optim/state/0.weight/step"):  # the same on every rank
+        holders = [rank for rank, names in held.items() if name in names]
+        assert len(holders) == 1, (name, holders)
+        assert all(left[rank] == {**left[rank], name: holders[0]} for rank in range(3) if rank != holders[0])
+    assert all("extras/seed" in names for names in held.values())  # each rank's own value stays in its shard
+    assert all("model/0.weight" in names for names in held.values())  # FSDP2 chunks: every rank its own
+    assert sum(len(names) for names in left.values()) == 2 * 6 + 2  # 6 AdamW steps and the table, 2 ranks each
+
+    for do in ("restore", "restore_plain"):  # into a fresh FSDP2 state, and as saved; from the other ranks
+        restored = run_job(tmp_path, 3, do)
+        for rank, result in restored.items():
+            assert "error" not in result, result
+            assert set(result["sources"]) == {str(rank)} and result["sources"][str(rank)] == "local"
+            if do == "restore":
+                assert result["digests"] == saved[rank]["digests"] and result["seed"] == rank
+            else:
+                assert result["local"] == saved[rank]["local"]
 
 
 def test_a_flipped_byte_in_a_needed_shard_is_caught_and_read_from_the_bucket(tmp_path, s3_url):

@@ -2,7 +2,8 @@
 
 A :class:`Coordinator` is what :class:`~tiered_ckpt.CheckpointManager` asks whenever
 more than one process could be involved. Payloads are small JSON values (shard records,
-step numbers, error descriptions), never arrays.
+step numbers, error descriptions); the one exception is :meth:`Coordinator.broadcast_array`,
+which a restore uses to hand a rank the replicated arrays another rank's shard holds.
 
 :class:`SingleProcessCoordinator` is the case of the original lesson: one process holds
 every rank's state, so it is the leader, gathers from itself and needs no barrier.
@@ -25,6 +26,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import numpy as np
 
 from . import errors
 from .errors import CheckpointError, CoordinationError
@@ -81,6 +84,11 @@ class Coordinator(Protocol):
         """Return the leader's payload on every process."""
         ...
 
+    def broadcast_array(self, array: np.ndarray, source: int) -> None:
+        """Fill ``array`` (C-contiguous, writable, of the same dtype and shape on every process)
+        with the process ``source``'s ``array`` (``source`` is that process's first rank)."""
+        ...
+
     def new_channel(self) -> Coordinator:
         """A coordinator over the same processes whose collectives never interleave with this one's.
 
@@ -120,6 +128,10 @@ class SingleProcessCoordinator:
 
     def broadcast(self, payload: Any) -> Any:
         return payload
+
+    def broadcast_array(self, array: np.ndarray, source: int) -> None:
+        if not 0 <= source < self._world_size:
+            raise ValueError(f"source must be a rank of 0..{self._world_size - 1}, got {source}")
 
     def new_channel(self) -> SingleProcessCoordinator:
         return self
@@ -198,6 +210,15 @@ class TorchDistributedCoordinator:
         # Payloads are a few KB: one all_gather (the others send null) costs less code
         # than a size broadcast followed by a data broadcast, and no more time.
         return self.all_gather(payload if self.is_leader else None)[0]
+
+    def broadcast_array(self, array: np.ndarray, source: int) -> None:
+        import torch
+
+        if array.nbytes == 0:
+            return
+        data = torch.from_numpy(array.reshape(-1).view(np.uint8))
+        with self._collective("broadcast_array"):
+            self._dist.broadcast(data, group=self._group, group_src=source)
 
     def new_channel(self) -> TorchDistributedCoordinator:
         channel = object.__new__(TorchDistributedCoordinator)

@@ -176,6 +176,8 @@ def read_shard_file(
     """Return the state in ``record``'s shard in ``directory``, verified against the record.
 
     With ``into``, fills those arrays instead (see :func:`~tiered_ckpt.shardfile.read_shard`).
+    The arrays the record lists as replicas (held by another rank's shard) are not in the
+    state returned (nor filled in ``into``): :func:`~tiered_ckpt.replicas.take_replicas` adds them.
 
     Raises :class:`IncompleteCheckpointError` if the file is missing, not a regular file
     or shorter than recorded, :class:`ChecksumMismatchError` if it is longer or its bytes
@@ -183,11 +185,13 @@ def read_shard_file(
     structure document), and :class:`ConfigError` for a ``verify`` other than "full" or "fast".
     """
     check_verify(verify)
+    elsewhere = {name for name, _holder in record.replicas}
+    held = {name: array for name, array in into.items() if name not in elsewhere} if into is not None else None
     with _open_recorded(directory, record) as (source, what):
         contents = read_shard(
-            source, check=lambda digest: record.verify(digest, what), verify=verify, what=what, into=into
+            source, check=lambda digest: record.verify(digest, what), verify=verify, what=what, into=held
         )
-    return FlatState.from_shard(contents, what)
+    return FlatState.from_shard(contents, what, elsewhere)
 
 
 @contextmanager

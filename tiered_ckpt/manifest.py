@@ -80,7 +80,10 @@ class ShardRecord:
     ``header_sha256`` measure the file's header (where the arrays are, and the structure
     document; 0 and "" in manifests written before them). For a state of DTensors,
     ``chunks`` lists every array of the shard with its own sha256: with them a reader
-    verifies the parts of the file it reads without reading all of it.
+    verifies the parts of the file it reads without reading all of it. ``replicas`` lists
+    the arrays of this rank's state that its shard leaves out because they are identical
+    to an array another rank's shard holds, as ``(name, holder rank)`` pairs (the holder
+    records that array among its ``chunks``; see :mod:`tiered_ckpt.replicas`).
     """
 
     rank: int
@@ -93,6 +96,7 @@ class ShardRecord:
     chunks: tuple[ChunkRecord, ...] = ()
     header_bytes: int = 0
     header_sha256: str = ""
+    replicas: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def from_dict(cls, document: Mapping[str, Any], *, source: str = "shard record") -> ShardRecord:
@@ -130,6 +134,7 @@ class ShardRecord:
             "param_shard_numel": self.param_shard_numel,
             **({"chunks": [chunk.to_dict() for chunk in self.chunks]} if self.chunks else {}),
             **({"header_bytes": self.header_bytes, "header_sha256": self.header_sha256} if self.header_bytes else {}),
+            **({"replicas": [[name, holder] for name, holder in self.replicas]} if self.replicas else {}),
         }
 
 
@@ -277,10 +282,12 @@ def _parse_record(document: Mapping[str, Any], source: str, prefix: str) -> Shar
     fields = _Fields(document, source, prefix)
     fields.reject_unknown(
         {"rank", "path", "sha256", "xxh3_64", "size_bytes", "param_shard_offset", "param_shard_numel"}
-        | {"chunks", "header_bytes", "header_sha256"}
+        | {"chunks", "header_bytes", "header_sha256", "replicas"}
     )
     chunks = fields.list_of("chunks", Mapping) if "chunks" in document else []
+    replicas = fields.list_of("replicas", list) if "replicas" in document else []
     return ShardRecord(
+        replicas=tuple(_parse_replica(item, source, f"{prefix}replicas[{i}]") for i, item in enumerate(replicas)),
         header_bytes=fields.integer("header_bytes", minimum=8) if chunks or "header_bytes" in document else 0,
         header_sha256=fields.string("header_sha256") if chunks or "header_bytes" in document else "",
         chunks=tuple(_parse_chunk(chunk, source, f"{prefix}chunks[{i}].") for i, chunk in enumerate(chunks)),
@@ -292,6 +299,12 @@ def _parse_record(document: Mapping[str, Any], source: str, prefix: str) -> Shar
         param_shard_offset=fields.integer("param_shard_offset", minimum=0),
         param_shard_numel=fields.integer("param_shard_numel", minimum=0),
     )
+
+
+def _parse_replica(item: list[Any], source: str, field: str) -> tuple[str, int]:
+    if len(item) != 2 or type(item[0]) is not str or type(item[1]) is not int:
+        raise ManifestError(f"{source}: field '{field}': expected [array name, holder rank], got {str(item)[:80]}")
+    return item[0], item[1]
 
 
 def _parse_chunk(document: Mapping[str, Any], source: str, prefix: str) -> ChunkRecord:
@@ -409,6 +422,7 @@ def _check_manifest(manifest: ShardManifest, source: str) -> None:
         expected_offset += record.param_shard_numel
         _check_chunks(record, f"{where}.chunks", fail)
     _check_same_tensors(manifest, fail)
+    _check_replicas(manifest, fail)
 
 
 def _check_chunks(record: ShardRecord, where: str, fail: Callable[[str, str], ManifestError]) -> None:
@@ -435,6 +449,22 @@ def _check_chunks(record: ShardRecord, where: str, fail: Callable[[str, str], Ma
         for dim, (whole, start, size) in enumerate(zip(chunk.global_shape, chunk.offsets, chunk.sizes, strict=True)):
             if start + size > whole:
                 raise fail(f"{field}.sizes", f"dimension {dim}: {start} + {size} is beyond the tensor's {whole}")
+
+
+def _check_replicas(manifest: ShardManifest, fail: Callable[[str, str], ManifestError]) -> None:
+    """Each array a shard leaves out is named once, and held as a chunk by another rank's shard."""
+    held = [{chunk.name for chunk in record.chunks} for record in manifest.shards]
+    for record in manifest.shards:
+        names: set[str] = set()
+        for index, (name, holder) in enumerate(record.replicas):
+            field = f"shards[rank {record.rank}].replicas[{index}]"
+            if name in names or name in held[record.rank]:
+                raise fail(field, f"{name!r:.80} is listed twice, or also held by this shard")
+            names.add(name)
+            if not 0 <= holder < manifest.world_size or holder == record.rank:
+                raise fail(field, f"holder rank {holder} is not another rank of 0..{manifest.world_size - 1}")
+            if name not in held[holder]:
+                raise fail(field, f"rank {holder}'s shard does not hold {name!r:.80}")
 
 
 def _check_same_tensors(manifest: ShardManifest, fail: Callable[[str, str], ManifestError]) -> None:

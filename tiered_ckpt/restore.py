@@ -34,8 +34,17 @@ from .errors import (
     UsageError,
     restated,
 )
-from .manifest import RemoteManifest, ShardManifest
-from .reshard import direct_destination, fill_chunks, plan_chunks, reshard_flat, reshard_rank, source_ranks
+from .manifest import RemoteManifest, ShardManifest, ShardRecord
+from .replicas import missing, put_back, share
+from .reshard import (
+    ChunkPlan,
+    direct_destination,
+    fill_chunks,
+    plan_chunks,
+    reshard_flat,
+    reshard_rank,
+    source_ranks,
+)
 from .sharded import check_into, check_world_size, run_parallel
 from .shardfile import Verify, check_verify
 from .state import FlatState, State, flatten_into
@@ -83,6 +92,26 @@ class RestoreResult:
     def torch_state(self) -> dict[Any, Any]:
         """:attr:`state` with each leaf saved as a torch tensor as a CPU tensor (see :meth:`torch_states`)."""
         return self.flat[self._single()].unflatten(torch=True)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """This process's part of a restore once its own reads are done: the ``result``, or (None)
+    the ``finish`` that completes it with the arrays other processes hold (by holder rank);
+    ``held`` are this process's verified arrays, which it sends to them."""
+
+    manifest: ShardManifest
+    held: Mapping[str, np.ndarray]
+    finish: Callable[[Mapping[int, Mapping[str, np.ndarray]]], RestoreResult]
+    result: RestoreResult | None
+
+
+def _without_replicas(plan: ChunkPlan, record: ShardRecord) -> ChunkPlan:
+    """``plan`` without reading the arrays ``record``'s shard left to other ranks (their processes send them)."""
+    left = set(record.replicas)
+    reads = {rank: frozenset(name for name in names if (name, rank) not in left) for rank, names in plan.reads.items()}
+    return ChunkPlan({rank: names for rank, names in reads.items() if names or rank == plan.plain_source},
+                     plan.overlaps, plan.plain_source)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -151,13 +180,24 @@ class Restorer:
         restored, remote_steps, complete, reports = self._agree_on_step(step, arguments, world_size, missing_ok, before)
         if restored is None:
             return None
-        result, _ = agree_on(
+        pending, _ = agree_on(
             self._coordinator,
             lambda: self._load(restored, restored in remote_steps, world_size, reshard, verify, into),
-            lambda _result: None,
+            lambda _pending: None,
         )
+        result = pending.result
+        if result is None:  # the same on every process: they hold one manifest and world size
+            result, _ = agree_on(self._coordinator, lambda: self._finish_from_peers(pending), lambda _result: None)
         self._drop_unfinished_commits(restored, complete, reports)
         return result
+
+    def _finish_from_peers(self, pending: _Pending) -> RestoreResult:
+        """Step 3 continued, with one process per rank on the saved world size: the arrays
+        this rank's shard left to other ranks come from their processes (collective)."""
+        try:
+            return pending.finish(share(self._coordinator, pending.manifest, pending.held))
+        except CheckpointError as exc:
+            raise restated(exc, f"restore of step {pending.manifest.step}: {exc}") from exc
 
     def _agree_on_step(
         self, step: int | None, arguments: str, world_size: int, missing_ok: bool, before: Callable[[], None]
@@ -240,8 +280,9 @@ class Restorer:
         reshard: bool,
         verify: Verify,
         into: Sequence[State] | State | None,
-    ) -> RestoreResult:
-        """This process's part of a restore: its ranks' verified states (resharded when asked)."""
+    ) -> _Pending:
+        """This process's part of a restore: its ranks' verified states (resharded when asked),
+        or, when their replicated arrays must come from other processes, all but those."""
         store = self._store
         in_local = step in store.local.steps()
         into_list = [into] if isinstance(into, Mapping) else into
@@ -256,6 +297,7 @@ class Restorer:
                 check_world_size(manifest, target, str(store.local.step_dir(step)))
             if targets is not None and any(state.structure.chunks for state in targets):
                 return self._load_chunks(step, manifest, remote, target, targets)
+            from_peers = self._from_peers(manifest, target)
             if reshard and into_list is not None:
                 raise UsageError("into cannot be combined with reshard=True (except into a state of DTensors)")
             if self._one_process:
@@ -278,10 +320,63 @@ class Restorer:
                 self._max_workers,
             )
             store.record_refill(manifest, remote, wanted, was_committed=in_local)
+            read = {rank: state for rank, (state, _source) in zip(wanted, fetched, strict=True)}
+            sources = {rank: source for rank, (_state, source) in zip(wanted, fetched, strict=True)}
+            into_by_rank = {rank: state.arrays for rank, state in zip(wanted, targets or (), strict=False)}
+
+            def finish(received: Mapping[int, Mapping[str, np.ndarray]]) -> RestoreResult:
+                if not from_peers:
+                    received = self._replicas_read(step, manifest, read, remote is not None)
+                for rank, state in read.items():
+                    put_back(state, manifest.shard(rank), manifest, received, into_by_rank.get(rank))
+                return self._resharded(step, manifest, target, read, sources)
+
+            return self._pending(manifest, read, finish, from_peers)
         except CheckpointError as exc:
             raise restated(exc, f"restore of step {step}: {exc}") from exc
-        read = {rank: state for rank, (state, _source) in zip(wanted, fetched, strict=True)}
-        sources = {rank: source for rank, (_state, source) in zip(wanted, fetched, strict=True)}
+
+    def _from_peers(self, manifest: ShardManifest, target: int) -> bool:
+        """True if this process's rank gets the arrays its shard left out from the ranks holding
+        them (one process per rank on the saved world size, and the checkpoint has some)."""
+        return not self._one_process and manifest.world_size == target and any(r.replicas for r in manifest.shards)
+
+    def _pending(
+        self,
+        manifest: ShardManifest,
+        read: Mapping[int, FlatState],
+        finish: Callable[[Mapping[int, Mapping[str, np.ndarray]]], RestoreResult],
+        from_peers: bool,
+    ) -> _Pending:
+        if not from_peers:
+            return _Pending(manifest, {}, finish, finish({}))
+        (rank,) = self._ranks
+        return _Pending(manifest, read[rank].arrays if rank in read else {}, finish, None)
+
+    def _replicas_read(
+        self, step: int, manifest: ShardManifest, read: Mapping[int, FlatState], use_remote: bool
+    ) -> dict[int, Mapping[str, np.ndarray]]:
+        """By holder rank, the arrays the shards in ``read`` left to other ranks: from the
+        holder's shard if it is in ``read``, else by a verified partial read of it."""
+        needed = missing(manifest.shard(rank) for rank in read)
+        found: dict[int, Mapping[str, np.ndarray]] = {h: read[h].arrays for h in needed if h in read}
+        absent = sorted(holder for holder in needed if holder not in read)
+        parts = run_parallel(
+            lambda holder: self._store.read_parts(step, manifest.shard(holder), needed[holder], use_remote=use_remote),
+            absent,
+            self._max_workers,
+        )
+        found.update((holder, state.arrays) for holder, (state, _source) in zip(absent, parts, strict=True))
+        return found
+
+    def _resharded(
+        self,
+        step: int,
+        manifest: ShardManifest,
+        target: int,
+        read: Mapping[int, FlatState],
+        sources: dict[int, Source],
+    ) -> RestoreResult:
+        """The result: the states read, resharded for ``target`` ranks when the world size changed."""
         ranks = self._ranks
         if manifest.world_size == target:
             states = [read[rank] for rank in ranks]
@@ -299,13 +394,18 @@ class Restorer:
         remote: RemoteManifest | None,
         target: int,
         targets: list[FlatState],
-    ) -> RestoreResult:
+    ) -> _Pending:
         """Fill states of DTensors in place: each of this process's ranks reads, of the saved
         shards whose chunks overlap its own, just the header and those chunks, each verified
-        against the sha256 the manifest records for it (:meth:`TieredStore.read_parts`)."""
+        against the sha256 the manifest records for it (:meth:`TieredStore.read_parts`).
+        With one process per rank on the saved world size, the arrays a rank's shard left
+        to other ranks come from their processes instead (see :meth:`_finish_from_peers`)."""
         if len(targets) != len(self._ranks):
             raise InvalidStateError(f"into holds {len(targets)} rank states, this process restores {len(self._ranks)}")
+        from_peers = self._from_peers(manifest, target)
         plans = [plan_chunks(manifest, state, rank, target) for rank, state in zip(self._ranks, targets, strict=True)]
+        if from_peers:
+            plans = [_without_replicas(plan, manifest.shard(plan.plain_source)) for plan in plans]
         names: dict[int, set[str]] = {}
         direct: dict[int, dict[str, np.ndarray]] = {}
         for plan, state in zip(plans, targets, strict=True):
@@ -329,10 +429,17 @@ class Restorer:
         )
         read = {rank: state for rank, (state, _source) in zip(ranks, fetched, strict=True)}
         sources = {rank: source for rank, (_state, source) in zip(ranks, fetched, strict=True)}
-        states = [fill_chunks(plan, read, state) for plan, state in zip(plans, targets, strict=True)]
-        return RestoreResult(
-            step, [state.unflatten() for state in states], sources, self._ranks, manifest, tuple(states)
-        )
+
+        def finish(received: Mapping[int, Mapping[str, np.ndarray]]) -> RestoreResult:
+            for holder, arrays in received.items():
+                base = read.get(holder, read[plans[0].plain_source])
+                read[holder] = FlatState({**base.arrays, **arrays} if holder in read else dict(arrays), base.structure)
+            states = [fill_chunks(plan, read, state) for plan, state in zip(plans, targets, strict=True)]
+            return RestoreResult(
+                step, [state.unflatten() for state in states], sources, self._ranks, manifest, tuple(states)
+            )
+
+        return self._pending(manifest, read, finish, from_peers)
 
     def _check_on_this_node(self, manifest: ShardManifest, ranks: list[int]) -> None:
         """Without a bucket, a rank can read only the shards on its own disk: say so if some are not."""

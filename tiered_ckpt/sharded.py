@@ -37,6 +37,7 @@ from .local import (
     write_shard_file,
 )
 from .manifest import ShardManifest, ShardRecord
+from .replicas import assign, offer, put_back, written
 from .shardfile import Verify
 from .state import FlatState, flatten, flatten_into, sharded_names
 
@@ -159,26 +160,31 @@ def write_shards(
     world_size: int,
     numels: Sequence[int],
     max_workers: int | None = None,
+    left_out: Mapping[int, Mapping[str, int]] | None = None,
 ) -> list[ShardRecord]:
     """Durably write the shards of ``ranks`` (``states[i]`` is rank ``ranks[i]``'s) into ``directory``,
     each with its structure document.
 
-    The caller owns ``directory``; temp files an earlier crash left there are removed
-    first. Returns the shards' records, in the order of ``ranks``.
+    ``left_out[rank]`` maps the arrays that rank's shard leaves out to the rank whose
+    shard holds them (:func:`~tiered_ckpt.replicas.leave_out`); its record lists them as
+    replicas. The caller owns ``directory``; temp files an earlier crash left there are
+    removed first. Returns the shards' records, in the order of ``ranks``.
     """
     remove_temp_files(directory)
 
     def write(index: int) -> ShardRecord:
         rank = ranks[index]
         name = shard_name(rank, world_size)
+        others = (left_out or {}).get(rank, {})
+        state = written(states[index], others)
         metadata = {
             "tiered_ckpt.rank": str(rank),
             "tiered_ckpt.world_size": str(world_size),
             "tiered_ckpt.step": str(step),
-            **states[index].metadata(),
+            **state.metadata(),
         }
-        chunked = bool(states[index].structure.chunks)  # a state of DTensors: each array readable alone
-        digest = write_shard_file(directory / name, states[index].arrays, metadata, part_digests=chunked)
+        chunked = bool(state.structure.chunks)  # a state of DTensors: each array readable alone
+        digest = write_shard_file(directory / name, state.arrays, metadata, part_digests=chunked)
         return ShardRecord(
             rank=rank,
             path=name,
@@ -187,9 +193,10 @@ def write_shards(
             size_bytes=digest.size_bytes,
             param_shard_offset=sum(numels[:rank]),
             param_shard_numel=numels[rank],
-            chunks=states[index].chunk_records(digest.arrays) if chunked else (),
+            chunks=state.chunk_records(digest.arrays) if chunked else (),
             header_bytes=digest.header_bytes,
             header_sha256=digest.header_sha256,
+            replicas=tuple(sorted(others.items())),
         )
 
     records = run_parallel(write, range(len(ranks)), max_workers)
@@ -213,9 +220,11 @@ def write_checkpoint(
     """
     world_size = len(states_per_rank)
     ranks = range(world_size)
+    left_out = assign([offer(states_per_rank, ranks)])
     records = write_shards(
-        directory, states_per_rank, ranks, step, world_size=world_size, numels=numels, max_workers=max_workers
-    )
+        directory, states_per_rank, ranks, step, world_size=world_size, numels=numels, max_workers=max_workers,
+        left_out=left_out,
+    )  # fmt: skip
     manifest = ShardManifest(
         world_size=world_size,
         step=step,
@@ -301,10 +310,12 @@ def load_sharded(
     check_world_size(manifest, expected_world_size, str(directory))
     check_into(into, manifest)
     targets = [flatten_into(state, f"into[{rank}]").arrays for rank, state in enumerate(into)] if into else None
-    return run_parallel(
-        lambda record: read_shard_file(
-            directory, record, verify, targets[record.rank] if targets is not None else None
-        ).unflatten(),
+    states = run_parallel(
+        lambda record: read_shard_file(directory, record, verify, None if targets is None else targets[record.rank]),
         manifest.shards,
         max_workers,
     )
+    found = {record.rank: state.arrays for record, state in zip(manifest.shards, states, strict=True)}
+    for record, state in zip(manifest.shards, states, strict=True):
+        put_back(state, record, manifest, found, targets[record.rank] if targets is not None else None)
+    return [state.unflatten() for state in states]

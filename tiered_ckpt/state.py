@@ -56,6 +56,7 @@ __all__ = [
     "MAX_DEPTH",
     "flatten",
     "flatten_into",
+    "structure_of",
     "leaf_name",
     "unescape",
     "path_text",
@@ -373,6 +374,7 @@ class _Flattener:
         self.kinds: dict[str, Kind] = {}
         self.paths: dict[str, tuple[str | int, ...]] = {}
         self.chunks: dict[str, Chunk] = {}
+        self.replicated: set[str] = set()
         self._open: set[int] = set()
 
     def fail(self, path: tuple[str | int, ...], problem: str) -> InvalidStateError:
@@ -433,6 +435,8 @@ class _Flattener:
         if kind == "dtensor":
             array, chunk = self.chunk_of(value, path) if isinstance(value, ChunkOf) else self.dtensor(value, path)
             self.chunks[name] = chunk
+            if not isinstance(value, ChunkOf) and any(placement.is_replicate() for placement in value.placements):
+                self.replicated.add(name)
             node = [name, list(chunk.global_shape), list(chunk.offsets)]
         elif kind == "tensor":
             array = self.tensor(value, path)
@@ -484,10 +488,16 @@ def _is_dtensor(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class FlatState:
-    """A rank's state as a shard holds it: arrays by tensor name, and their structure."""
+    """A rank's state as a shard holds it: arrays by tensor name, and their structure.
+
+    ``shared`` names the arrays of a state of DTensors that other ranks may hold identical
+    copies of (its plain arrays, and DTensor chunks on a replicated mesh dimension): a
+    save writes each such copy once (:mod:`tiered_ckpt.replicas`).
+    """
 
     arrays: dict[str, np.ndarray]
     structure: Structure
+    shared: frozenset[str] = frozenset()
 
     def chunk_records(self, digests: Mapping[str, str]) -> tuple[ChunkRecord, ...]:
         """Every array of this state as the chunk the manifest records (a plain array is the
@@ -510,14 +520,27 @@ class FlatState:
         return {STRUCTURE_KEY: self.structure.to_json()}
 
     @classmethod
-    def from_shard(cls, contents: ShardContents, what: str) -> FlatState:
+    def from_shard(cls, contents: ShardContents, what: str, elsewhere: Iterable[str] = ()) -> FlatState:
         """The state a verified shard holds; a shard without a structure document (written
-        before there were any) is a flat dict of its arrays. Raises :class:`ShardFormatError`
-        naming ``what`` if the document is not valid."""
-        text = contents.metadata.get(STRUCTURE_KEY)
-        if text is None:
-            return cls(contents.arrays, Structure.of_names(contents.arrays))
-        return cls(contents.arrays, Structure.from_json(text, contents.arrays, what))
+        before there were any) is a flat dict of its arrays. ``elsewhere`` names the arrays
+        the document names but another rank's shard holds (the manifest's replicas): they
+        are not in the state returned. Raises :class:`ShardFormatError` naming ``what`` if
+        the document is not valid."""
+        return cls(contents.arrays, structure_of(contents.metadata, contents.arrays, what, elsewhere))
+
+
+def structure_of(
+    metadata: Mapping[str, str], names: Iterable[str], what: str, elsewhere: Iterable[str] = ()
+) -> Structure:
+    """The structure of a shard with ``metadata`` holding the arrays ``names`` (and naming
+    ``elsewhere``, held by another rank's shard); see :meth:`FlatState.from_shard`."""
+    text = metadata.get(STRUCTURE_KEY)
+    held_elsewhere = list(elsewhere)
+    if text is None:
+        if held_elsewhere:
+            raise ShardFormatError(f"{what}: a shard without a structure document cannot leave arrays to others")
+        return Structure.of_names(names)
+    return Structure.from_json(text, [*names, *held_elsewhere], what)
 
 
 def flatten(state: Any, owner: str = "state", *, into: bool = False) -> FlatState:
@@ -530,7 +553,9 @@ def flatten(state: Any, owner: str = "state", *, into: bool = False) -> FlatStat
     flattener = _Flattener(owner, into)
     root = flattener.node(state, (), "")
     structure = Structure(root, flattener.kinds, flattener.paths, _is_flat(root), flattener.chunks)
-    return FlatState(flattener.arrays, structure)
+    plain = {name for name, kind in flattener.kinds.items() if kind != "dtensor"}
+    shared = frozenset(plain | flattener.replicated) if flattener.chunks else frozenset()
+    return FlatState(flattener.arrays, structure, shared)
 
 
 def flatten_into(into: Any, owner: str) -> FlatState:

@@ -43,7 +43,7 @@ from .remote import RemoteTier
 from .retention import RetentionPolicy, awaiting_upload
 from .sharded import run_parallel
 from .shardfile import Verify, copy_and_hash, read_header
-from .state import STRUCTURE_KEY, FlatState, Structure
+from .state import FlatState, structure_of
 
 __all__ = ["TieredStore", "StepStatus", "ShardCheck", "Source"]
 
@@ -413,8 +413,5 @@ def _read_parts(
         if read_into(entry.begin, memoryview(array.reshape(-1).view(np.uint8))) != chunk.sha256:
             raise ChecksumMismatchError(f"{what}: the bytes of {name!r} do not match the sha256 the manifest records")
         arrays[name] = array
-    text = header.metadata.get(STRUCTURE_KEY)
-    structure = (
-        Structure.from_json(text, header.arrays, what) if text is not None else Structure.of_names(header.arrays)
-    )
-    return FlatState(arrays, structure)
+    elsewhere = [name for name, _holder in record.replicas]
+    return FlatState(arrays, structure_of(header.metadata, header.arrays, what, elsewhere))

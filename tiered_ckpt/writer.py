@@ -4,9 +4,11 @@ A save, from the moment its call has been checked on every rank:
 
 1. :meth:`Writer.submit` copies this process's arrays into staging buffers reused from
    save to save (the only time the training loop is blocked) and queues the write;
-2. the writer thread writes each shard (temp file, hashed as it streams, fsync,
-   rename), the ranks exchange their shard records (a collective), and the manifest is
-   committed in the local tier once every rank's shard is durable;
+2. the writer thread agrees with the other ranks which of them writes each replicated
+   array of a state of DTensors (:mod:`~tiered_ckpt.replicas`, a collective), writes each
+   shard (temp file, hashed as it streams, fsync, rename), the ranks exchange their shard
+   records (a collective), and the manifest is committed in the local tier once every
+   rank's shard is durable;
 3. the committed step goes to the uploader's queue, and the save's handle resolves;
 4. local retention runs on a thread of its own, off the write path and alongside the next
    save (it deletes only committed steps older than the newest, never the step being
@@ -18,6 +20,7 @@ A failure is recorded in the shared :class:`~tiered_ckpt.errors.ErrorBox` as
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -30,6 +33,7 @@ from typing import Any
 from .coordination import Coordinator, agree_on, from_payload, to_payload
 from .errors import CheckpointError, ErrorBox, SaveError
 from .manifest import ShardManifest, ShardRecord
+from .replicas import leave_out
 from .retention import RetentionPolicy
 from .sharded import write_shards
 from .state import FlatState, StagingBuffers
@@ -136,7 +140,7 @@ class Writer:
     def submit(self, step: int, states: Sequence[FlatState], keys: tuple[str, ...], numels: list[int]) -> SaveHandle:
         """Stage ``states`` (this process's ranks, checked) and queue their write as ``step``."""
         buffers = self._staging.stage([state.arrays for state in states])
-        staged = [FlatState(arrays, state.structure) for arrays, state in zip(buffers, states, strict=True)]
+        staged = [dataclasses.replace(state, arrays=arrays) for arrays, state in zip(buffers, states, strict=True)]
         handle = SaveHandle(step, self._writer.submit(self._write, step, staged, keys, numels), self._errors)
         self._last_save = handle
         return handle
@@ -161,12 +165,13 @@ class Writer:
         """Writer thread: write this process's shards, commit once every rank's are durable, queue the upload."""
         local = self._store.local
         try:
+            left_out = leave_out(self._coordinator, staged)  # replicated arrays: each written by one rank
 
             def write() -> _Written:
                 directory = local.new_step_dir(step)
                 records = write_shards(
                     directory, staged, self._ranks, step, world_size=self._world_size, numels=numels,
-                    max_workers=self._max_workers,
+                    max_workers=self._max_workers, left_out=left_out,
                 )  # fmt: skip
                 return _Written(tuple(record.to_dict() for record in records), time.time())
 

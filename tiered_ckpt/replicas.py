@@ -1,0 +1,205 @@
+"""Replicated arrays of a state of DTensors: written once, put back on every rank that held them.
+
+A state of DTensors (FSDP2, tensor parallelism) holds arrays that several ranks have
+identical copies of: plain tensors (an optimizer's ``step``, buffers) and DTensor chunks
+on a replicated mesh dimension (:attr:`FlatState.shared`). A save writes each such copy
+once:
+
+1. every rank fingerprints its shared arrays: name, dtype, shape, place in the global
+   tensor, and xxh3-128 of the bytes (:func:`offer`); equal fingerprints are taken as equal
+   bytes (a chance collision of xxh3-128 is 2**-64 even over 2**32 arrays);
+2. one collective exchanges the offers and :func:`assign` gives each group of identical
+   copies to one of its holders (the one with the fewest bytes so far, then the lowest
+   rank), the same way on every process (:func:`leave_out` runs both steps);
+3. the other ranks leave the array out of their shard (:func:`written`) and their manifest
+   record lists it with its holder (``ShardRecord.replicas``); the holder's record has it
+   among its chunks, with its sha256.
+
+A restore puts the arrays back (:func:`put_back`) from the holder's shard when this process
+read it whole, else from the holder's process (:func:`share`: the holder broadcasts what it
+read and verified, each receiver checks the sha256 the manifest records), else by a
+partial read of the holder's shard, verified the same way (the store's ``read_parts``).
+Arrays that differ between ranks (an RNG state) have different fingerprints and stay in
+every rank's shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from .coordination import Coordinator, exchange
+from .errors import ChecksumMismatchError, InvalidStateError, ShardFormatError
+from .manifest import ChunkRecord, ShardManifest, ShardRecord
+from .shardfile import DTYPES, dtype_code
+from .state import Chunk, FlatState, path_text
+
+__all__ = ["Offer", "offer", "assign", "leave_out", "written", "missing", "put_back", "share"]
+
+
+@dataclass(frozen=True)
+class Offer:
+    """One process's shared arrays, as ``(rank, name, fingerprint, bytes)``, and each of its
+    ranks' bytes in arrays no other rank could hold (what crosses the collective)."""
+
+    arrays: tuple[tuple[int, str, str, int], ...]
+    unshared_bytes: tuple[tuple[int, int], ...]
+
+
+def _bytes_of(array: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+
+
+def _fingerprint(state: FlatState, name: str) -> str:
+    array = state.arrays[name]
+    chunk = state.structure.chunks.get(name, Chunk(tuple(array.shape), (0,) * array.ndim))
+    digest = xxhash.xxh3_128_hexdigest(_bytes_of(array))
+    return f"{dtype_code(array)}|{list(array.shape)}|{list(chunk.global_shape)}|{list(chunk.offsets)}|{digest}"
+
+
+def offer(states: Sequence[FlatState], ranks: Sequence[int]) -> Offer:
+    """This process's offer: the fingerprints of ``states``' shared arrays (``states[i]`` is rank ``ranks[i]``'s)."""
+    arrays, unshared = [], []
+    for rank, state in zip(ranks, states, strict=True):
+        shared = sorted(state.shared & set(state.arrays))
+        arrays += [(rank, name, _fingerprint(state, name), state.arrays[name].nbytes) for name in shared]
+        unshared.append((rank, sum(a.nbytes for n, a in state.arrays.items() if n not in state.shared)))
+    return Offer(tuple(arrays), tuple(unshared))
+
+
+def assign(offers: Iterable[Offer]) -> dict[int, dict[str, int]]:
+    """Per rank, the arrays it leaves out and the rank that writes them instead.
+
+    Every group of ranks offering the same name and fingerprint has one writer: largest
+    arrays first, each goes to the holder with the fewest bytes so far (ties: the lowest
+    rank). Deterministic, so every process computes the same answer from the same offers.
+    """
+    load: dict[int, int] = {}
+    groups: dict[tuple[str, str], list[int]] = {}
+    sizes: dict[tuple[str, str], int] = {}
+    for one in offers:
+        for rank, nbytes in one.unshared_bytes:
+            load[rank] = load.get(rank, 0) + nbytes
+        for rank, name, fingerprint, nbytes in one.arrays:
+            groups.setdefault((name, fingerprint), []).append(rank)
+            sizes[(name, fingerprint)] = nbytes
+    left_out: dict[int, dict[str, int]] = {}
+    for key in sorted(groups, key=lambda key: (-sizes[key], key)):
+        holders = sorted(groups[key])
+        writer = min(holders, key=lambda rank: (load.get(rank, 0), rank))
+        load[writer] = load.get(writer, 0) + sizes[key]
+        for rank in holders:
+            if rank != writer:
+                left_out.setdefault(rank, {})[key[0]] = writer
+    return left_out
+
+
+def leave_out(coordinator: Coordinator, states: Sequence[FlatState]) -> dict[int, dict[str, int]]:
+    """Collective (every process calls it at the same point of a save): :func:`assign` over
+    every process's :func:`offer` for ``states`` (this process's ranks, in order)."""
+    ranks = tuple(coordinator.local_ranks)
+    return assign(exchange(coordinator, Offer, lambda: offer(states, ranks)))
+
+
+def written(state: FlatState, left: Collection[str]) -> FlatState:
+    """``state`` without the arrays ``left`` (written by other ranks): what its shard holds."""
+    if not left:
+        return state
+    return FlatState({name: a for name, a in state.arrays.items() if name not in left}, state.structure)
+
+
+def missing(records: Iterable[ShardRecord]) -> dict[int, set[str]]:
+    """Per holder rank, the arrays ``records``' shards leave out for it to hold."""
+    needed: dict[int, set[str]] = {}
+    for record in records:
+        for name, holder in record.replicas:
+            needed.setdefault(holder, set()).add(name)
+    return needed
+
+
+def _held_chunk(manifest: ShardManifest, holder: int, name: str) -> ChunkRecord:
+    return next(chunk for chunk in manifest.shard(holder).chunks if chunk.name == name)
+
+
+def put_back(
+    state: FlatState,
+    record: ShardRecord,
+    manifest: ShardManifest,
+    found: Mapping[int, Mapping[str, np.ndarray]],
+    into: Mapping[str, np.ndarray] | None = None,
+) -> None:
+    """Add to ``state`` (rank ``record.rank``'s, as its shard holds it) the arrays its shard
+    leaves out, copied from ``found[holder][name]`` (verified arrays) into ``into``'s arrays
+    when given, else into new ones.
+
+    Raises :class:`ShardFormatError` if the rank's structure places an array elsewhere in
+    its tensor than the holder's chunk, and :class:`InvalidStateError` if ``into``'s array
+    has another dtype or shape.
+    """
+    for name, holder in record.replicas:
+        chunk = _held_chunk(manifest, holder, name)
+        mine = state.structure.chunks.get(name, Chunk(chunk.sizes, (0,) * len(chunk.sizes)))
+        if (mine.global_shape, mine.offsets) != (chunk.global_shape, chunk.offsets):
+            raise ShardFormatError(
+                f"rank {record.rank}: {path_text(state.structure.paths[name])} is at {mine.offsets} of "
+                f"{mine.global_shape}, but the copy rank {holder} holds is at {chunk.offsets} of {chunk.global_shape}"
+            )
+        source = found[holder][name]
+        target = into.get(name) if into is not None else None
+        if target is None:
+            target = np.empty_like(source)
+        elif target.dtype != source.dtype or target.shape != source.shape:
+            raise InvalidStateError(
+                f"into[{name!r}] is {target.dtype} {target.shape}, the checkpoint holds {source.dtype} {source.shape}"
+            )
+        np.copyto(target, source)
+        state.arrays[name] = target
+
+
+def share(
+    coordinator: Coordinator, manifest: ShardManifest, held: Mapping[str, np.ndarray]
+) -> dict[int, dict[str, np.ndarray]]:
+    """Collective (every process, same point, same ``manifest``): each holder broadcasts the
+    arrays other ranks left out for it; return, by holder, those this process's rank left out.
+
+    ``held`` are this process's verified arrays (its rank's shard, read whole or in part).
+    Every broadcast runs on every process even after a problem, so that none waits for a
+    collective the others skipped; then :class:`ChecksumMismatchError` names each array
+    whose bytes did not match the sha256 the holder's record has for it.
+    """
+    (rank,) = coordinator.local_ranks
+    wanted = dict(manifest.shard(rank).replicas)
+    received: dict[int, dict[str, np.ndarray]] = {}
+    problems = []
+    for holder, names in sorted(missing(manifest.shards).items()):
+        for name in sorted(names):
+            chunk = _held_chunk(manifest, holder, name)
+            buffer = _buffer(chunk, held.get(name) if holder == rank else None)
+            coordinator.broadcast_array(buffer, holder)
+            if wanted.get(name) != holder:
+                continue
+            if hashlib.sha256(_bytes_of(buffer)).hexdigest() != chunk.sha256:
+                problems.append(f"{name!r} from rank {holder}")
+            received.setdefault(holder, {})[name] = buffer
+    if problems:
+        raise ChecksumMismatchError(
+            f"rank {rank}: arrays received from the ranks holding them do not match their recorded sha256: "
+            + ", ".join(problems)
+        )
+    return received
+
+
+def _buffer(chunk: ChunkRecord, mine: np.ndarray | None) -> np.ndarray:
+    """What a rank sends (its array) or receives into (new memory of the chunk's dtype and sizes).
+
+    A holder that lacks the array sends zeros of the right size: the receivers' sha256 check
+    then fails loudly instead of a collective hanging.
+    """
+    empty = np.zeros(chunk.sizes, dtype=DTYPES[chunk.dtype])
+    if mine is None or mine.shape != empty.shape or mine.dtype != empty.dtype:
+        return empty
+    return np.ascontiguousarray(mine)

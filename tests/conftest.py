@@ -273,6 +273,7 @@ class FaultInjectingProxy:
     instead of forwarding them. ``requests`` counts every request it received. Requests
     whose method is in ``corrupt`` are forwarded with one byte of their body flipped (bytes
     changed in transit); those in ``stall`` are read and never answered (until close).
+    ``failure_rate`` and ``stall`` are attributes a test may change while it runs.
 
     Which requests fail comes from a seeded generator, so the sequence of decisions is
     the same in every run (which request meets which decision depends on thread timing).
@@ -296,6 +297,8 @@ class FaultInjectingProxy:
         target = urllib.parse.urlsplit(upstream)
         proxy = self
         self._closed = threading.Event()
+        self.stall = stall
+        self.failure_rate = failure_rate
         self.requests = 0
         self.injected = 0
         self._lock = threading.Lock()
@@ -310,7 +313,7 @@ class FaultInjectingProxy:
             def _handle(self):
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
-                if self.command in stall:
+                if self.command in proxy.stall:
                     proxy._closed.wait()
                     return
                 if self.command in corrupt and body:
@@ -319,7 +322,7 @@ class FaultInjectingProxy:
                     body = bytes(flipped)
                 with proxy._lock:
                     proxy.requests += 1
-                    fail = decisions.random() < failure_rate and (methods is None or self.command in methods)
+                    fail = decisions.random() < proxy.failure_rate and (methods is None or self.command in methods)
                     proxy.injected += fail
                 if fail:
                     error = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
@@ -327,7 +330,8 @@ class FaultInjectingProxy:
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(error)))
                     self.end_headers()
-                    self.wfile.write(error)
+                    if self.command != "HEAD":  # a HEAD answer has no body
+                        self.wfile.write(error)
                     return
                 connection = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
                 connection.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)

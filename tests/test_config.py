@@ -85,6 +85,7 @@ def test_precedence_is_argument_then_environment_then_file_then_default(tmp_path
         ("[local]\ndir = 'x'\n[remote]\nurl = 'nosuch://bucket'\n", "unsupported URL scheme 'nosuch'"),
         ("[local]\ndir = 'x'\n[remote]\nkeep_last = 2\n", "key 'remote.url' is required"),
         ("[local]\ndir = 'x'\n[upload]\nwhen_behind = 'later'\n", "must be one of \\['skip', 'wait'\\]"),
+        ("[local]\ndir = 'x'\n[upload]\ndeadline_seconds = 0\n", "key 'upload.deadline_seconds' must be >= 0.001"),
         ("[local]\ndir = 'x'\n[verify]\nmode = 'none'\n", "key 'verify.mode' must be one of"),
         (
             "[local]\ndir = 'x'\n[remote]\nurl = 's3://b'\n[remote.storage_options]\nsecret = 'abc'\n",

@@ -701,6 +701,39 @@ def test_bytes_changed_in_transit_are_never_committed(tmp_path, store, request, 
     assert RemoteTier(*request.getfixturevalue(f"{store}_url")).committed_steps() == []
 
 
+@pytest.mark.parametrize("fault", ["stall", "throttle"])
+def test_a_step_not_committed_within_its_deadline_fails_and_the_next_step_goes_on(
+    tmp_path, moto_endpoint, s3_url, states, fault
+):
+    from conftest import FaultInjectingProxy, s3_storage_options
+    from tiered_ckpt import UploadOptions
+
+    url, _ = s3_url
+    proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0)
+    # Retry bounds far beyond the deadline: only the deadline can end the first step's upload.
+    upload = UploadOptions(max_tries=10_000, backoff_seconds=0.05, max_seconds=3600, timeout_seconds=3600)
+    try:
+        with CheckpointManager(
+            tmp_path, world_size=4, sharded_keys=ZERO1_SHARDED_KEYS, remote_url=url,
+            storage_options=s3_storage_options(proxy.endpoint), upload=upload, upload_deadline_seconds=2,
+        ) as manager:  # fmt: skip
+            if fault == "stall":
+                proxy.stall = ("PUT",)  # shards are sent and never answered
+            else:
+                proxy.failure_rate = 1.0  # every request: 503 SlowDown
+            manager.save(1, states)
+            with pytest.raises(UploadError, match="step 1 was not committed .* within its deadline of 2 s") as caught:
+                manager.wait(uploaded=True)
+            assert caught.value.step == 1 and isinstance(caught.value.__cause__, RemoteError)
+            proxy.stall, proxy.failure_rate = (), 0.0
+            manager.save(2, states)
+            manager.wait(uploaded=True)
+            assert manager.remote_steps() == [2]
+            assert 1 in manager.steps()  # the step that missed its deadline stays on local disk
+    finally:
+        proxy.close()
+
+
 def test_a_store_that_accepts_a_put_and_never_answers_fails_in_bounded_time(tmp_path, moto_endpoint, s3_url, states):
     from conftest import FaultInjectingProxy, s3_storage_options
     from tiered_ckpt import UploadOptions

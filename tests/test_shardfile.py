@@ -73,7 +73,10 @@ def test_part_digests_hash_each_array_on_its_own():
     arrays = {"a": np.arange(10.0), "b": np.ones((2, 2), np.float16)}
     out = io.BytesIO()
     digest = write_shard(out, arrays, part_digests=True)
-    assert digest.arrays == {name: hashlib.sha256(array.tobytes()).hexdigest() for name, array in arrays.items()}
+    assert {name: (d.size_bytes, d.sha256, d.xxh3_64) for name, d in digest.arrays.items()} == {
+        name: (array.nbytes, hashlib.sha256(array.tobytes()).hexdigest(), xxhash.xxh3_64(array.tobytes()).hexdigest())
+        for name, array in arrays.items()
+    }
 
 
 def test_non_contiguous_big_endian_and_scalar_inputs_are_saved_as_their_values(read_from_bytes):

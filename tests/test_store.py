@@ -170,6 +170,25 @@ def test_a_damaged_part_without_a_bucket_is_a_checksum_mismatch_naming_the_file(
         store.read_parts(3, manifest.shard(0), {"a"}, use_remote=False)
 
 
+@pytest.mark.parametrize("verify", ["full", "fast"])
+def test_a_damaged_part_is_caught_by_either_recorded_digest(chunked_tiers, verify):
+    import dataclasses
+
+    store, manifest, arrays = chunked_tiers
+    record = manifest.shard(0)
+    assert all(len(chunk.xxh3_64) == 16 for chunk in record.chunks)  # recorded beside each sha256
+    state, _source = store.read_parts(3, record, {"a", "b"}, verify=verify, use_remote=False)
+    assert state.arrays["b"].tobytes() == arrays["b"].tobytes()
+    flip_byte(store.local.shard_path(3, record), byte_of(store, manifest, "b"))
+    kind = "xxh3-64" if verify == "fast" else "sha256"
+    with pytest.raises(ChecksumMismatchError, match=f"'b' do not match the {kind}"):
+        store.read_parts(3, record, {"b"}, verify=verify, use_remote=False)
+    # A record without xxh3-64 digests (written before them): "fast" falls back to the sha256.
+    old = dataclasses.replace(record, chunks=tuple(dataclasses.replace(c, xxh3_64="") for c in record.chunks))
+    with pytest.raises(ChecksumMismatchError, match="'b' do not match the sha256"):
+        store.read_parts(3, old, {"b"}, verify="fast", use_remote=False)
+
+
 def test_any_new_shard_has_a_verifiable_header_and_an_old_record_without_one_is_refused(two_tiers):
     import dataclasses
 

@@ -195,9 +195,10 @@ def read_shard_file(
 
 
 @contextmanager
-def open_shard_ranges(directory: Path, record: ShardRecord) -> Iterator[Callable[[int, memoryview], str]]:
-    """Open ``record``'s shard in ``directory`` for reading parts: yields ``read_into(offset, buffer)``,
-    which fills ``buffer`` with the file's bytes from ``offset`` and returns their sha256.
+def open_shard_ranges(directory: Path, record: ShardRecord) -> Iterator[Callable[[int, memoryview, Verify], str]]:
+    """Open ``record``'s shard in ``directory`` for reading parts: yields ``read_into(offset, buffer, verify)``,
+    which fills ``buffer`` with the file's bytes from ``offset`` and returns their sha256
+    (``verify="fast"``: their xxh3-64).
 
     Raises :class:`IncompleteCheckpointError` if the file is missing, not a regular file
     or short, :class:`ChecksumMismatchError` if it is longer than recorded.
@@ -206,11 +207,11 @@ def open_shard_ranges(directory: Path, record: ShardRecord) -> Iterator[Callable
         size = record.size_bytes
         data = np.frombuffer(mmap.mmap(source.fileno(), 0, access=mmap.ACCESS_READ), np.uint8) if size else None
 
-        def read_into(offset: int, buffer: memoryview) -> str:
+        def read_into(offset: int, buffer: memoryview, verify: Verify) -> str:
             if offset + len(buffer) > size or data is None and len(buffer):
                 raise IncompleteCheckpointError(f"{what}: bytes {offset}-{offset + len(buffer)} are beyond its end")
             target = np.frombuffer(buffer, np.uint8)
-            return copy_hashing(data[offset : offset + len(buffer)] if data is not None else target, target)
+            return copy_hashing(data[offset : offset + len(buffer)] if data is not None else target, target, verify)
 
         yield read_into
 
@@ -426,7 +427,9 @@ class LocalTier:
     ) -> FlatState:
         return read_shard_file(self.step_dir(step), record, verify, into)
 
-    def open_ranges(self, step: int, record: ShardRecord) -> AbstractContextManager[Callable[[int, memoryview], str]]:
+    def open_ranges(
+        self, step: int, record: ShardRecord
+    ) -> AbstractContextManager[Callable[[int, memoryview, Verify], str]]:
         return open_shard_ranges(self.step_dir(step), record)
 
     def check_shard(self, step: int, record: ShardRecord) -> str | None:

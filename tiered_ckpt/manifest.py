@@ -48,8 +48,9 @@ class ChunkRecord:
     """One array of a state of DTensors, as a chunk: the shard's array ``name`` (of
     safetensors dtype code ``dtype``) is the box of the global tensor (``global_shape``)
     that starts at ``offsets`` and spans ``sizes`` (a plain array is the one chunk of
-    itself); ``sha256`` is over the array's bytes, so that a reader of only this chunk
-    verifies what it read."""
+    itself); ``sha256`` (and ``xxh3_64``, for ``verify="fast"``; empty in manifests written
+    before it) is over the array's bytes, so that a reader of only this chunk verifies what
+    it read."""
 
     name: str
     dtype: str
@@ -57,6 +58,7 @@ class ChunkRecord:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     sha256: str
+    xxh3_64: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -66,6 +68,7 @@ class ChunkRecord:
             "offsets": list(self.offsets),
             "sizes": list(self.sizes),
             "sha256": self.sha256,
+            **({"xxh3_64": self.xxh3_64} if self.xxh3_64 else {}),
         }
 
 
@@ -309,7 +312,7 @@ def _parse_replica(item: list[Any], source: str, field: str) -> tuple[str, int]:
 
 def _parse_chunk(document: Mapping[str, Any], source: str, prefix: str) -> ChunkRecord:
     fields = _Fields(document, source, prefix)
-    fields.reject_unknown({"name", "dtype", "global_shape", "offsets", "sizes", "sha256"})
+    fields.reject_unknown({"name", "dtype", "global_shape", "offsets", "sizes", "sha256", "xxh3_64"})
     dims = {key: fields.list_of(key, int) for key in ("global_shape", "offsets", "sizes")}
     for key, values in dims.items():
         if len(values) > MAX_DIMS or any(isinstance(v, bool) or v < 0 for v in values):
@@ -321,6 +324,7 @@ def _parse_chunk(document: Mapping[str, Any], source: str, prefix: str) -> Chunk
         offsets=tuple(dims["offsets"]),
         sizes=tuple(dims["sizes"]),
         sha256=fields.string("sha256"),
+        xxh3_64=fields.string("xxh3_64") if "xxh3_64" in document else "",
     )
 
 
@@ -444,6 +448,8 @@ def _check_chunks(record: ShardRecord, where: str, fail: Callable[[str, str], Ma
             raise fail(f"{field}.dtype", f"unknown dtype {chunk.dtype!r:.40}")
         if not _SHA256.fullmatch(chunk.sha256):
             raise fail(f"{field}.sha256", f"expected 64 lowercase hex digits, got {chunk.sha256[:80]!r}")
+        if chunk.xxh3_64 and not _XXH3_64.fullmatch(chunk.xxh3_64):
+            raise fail(f"{field}.xxh3_64", f"expected 16 lowercase hex digits, got {chunk.xxh3_64[:80]!r}")
         if not len(chunk.global_shape) == len(chunk.offsets) == len(chunk.sizes):
             raise fail(field, "global_shape, offsets and sizes must have as many dimensions")
         for dim, (whole, start, size) in enumerate(zip(chunk.global_shape, chunk.offsets, chunk.sizes, strict=True)):

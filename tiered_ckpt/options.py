@@ -121,7 +121,10 @@ class UploadOptions:
     queue before ``when_behind`` applies. Every remote request (uploads, reads,
     listings, deletions) is tried at most ``max_tries`` times, backing off from
     ``backoff_seconds``, and no more tries start once ``max_seconds`` have passed since
-    the first; a request that gets no answer fails after ``timeout_seconds``.
+    the first; a request that gets no answer fails after ``timeout_seconds``. A step not
+    committed in the bucket ``deadline_seconds`` after its upload started fails with
+    :class:`~tiered_ckpt.UploadError` (requests still running are cut short) and the
+    queue moves on; None: no deadline beyond the retry bounds.
     """
 
     concurrency: int = 2
@@ -131,6 +134,7 @@ class UploadOptions:
     timeout_seconds: float = 60.0
     max_pending: int = 2
     when_behind: WhenBehind = "wait"
+    deadline_seconds: float | None = 3600.0
 
     def __post_init__(self) -> None:
         _check_number("concurrency", self.concurrency, 1)
@@ -140,6 +144,8 @@ class UploadOptions:
         _check_number("timeout_seconds", self.timeout_seconds, 0.001, (int, float))
         _check_number("max_pending", self.max_pending, 1)
         _check_choice("when_behind", self.when_behind, ("wait", "skip"))
+        if self.deadline_seconds is not None:
+            _check_number("deadline_seconds", self.deadline_seconds, 0.001, (int, float))
 
     @property
     def retry(self) -> RetryPolicy:
@@ -177,6 +183,7 @@ class ManagerKeywords(TypedDict, total=False):
     upload_backoff_seconds: float
     max_pending_uploads: int
     when_uploads_behind: WhenBehind
+    upload_deadline_seconds: float | None
 
 
 KEYWORDS: dict[str, tuple[str, str]] = {
@@ -192,6 +199,7 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "upload_backoff_seconds": ("upload", "backoff_seconds"),
     "max_pending_uploads": ("upload", "max_pending"),
     "when_uploads_behind": ("upload", "when_behind"),
+    "upload_deadline_seconds": ("upload", "deadline_seconds"),
 }
 
 

@@ -44,6 +44,7 @@ import errno
 import hashlib
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -58,7 +59,7 @@ from .durable import atomic_write, write_bytes
 from .errors import CheckpointError, IncompleteCheckpointError, ManifestError, RemoteError
 from .layout import LATEST_NAME, MANIFEST_NAME, parse_step_dir_name, step_dir_name
 from .manifest import MAX_MANIFEST_BYTES, RemoteManifest, ShardManifest, ShardRecord
-from .shardfile import ShardDigest, copy_and_hash, copy_hashing, hash_stream
+from .shardfile import ShardDigest, Verify, copy_and_hash, copy_hashing, hash_stream
 
 __all__ = ["RemoteTier", "RetryPolicy", "is_transient"]
 
@@ -143,8 +144,10 @@ class RetryPolicy:
         *,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
+        deadline: float | None = None,
     ) -> T:
-        """Return ``action()``, retrying a transient :class:`RemoteError` as this policy allows.
+        """Return ``action()``, retrying a transient :class:`RemoteError` as this policy allows;
+        no try starts after ``deadline`` (a time of ``clock``) either.
 
         The error finally raised carries ``tries``, the number of tries made.
         """
@@ -154,7 +157,8 @@ class RetryPolicy:
                 return action()
             except RemoteError as exc:
                 delay = min(self.max_backoff_seconds, self.backoff_seconds * 2 ** (attempt - 1)) * random.random()
-                out_of_time = clock() - started + delay >= self.max_seconds
+                resumes = clock() + delay
+                out_of_time = resumes - started >= self.max_seconds or (deadline is not None and resumes >= deadline)
                 if not exc.transient or attempt == self.max_tries or out_of_time:
                     exc.tries = attempt
                     raise
@@ -219,6 +223,7 @@ class RemoteTier:
                 f"cannot open {self.url}: {type(exc).__name__}: {exc}", transient=is_transient(exc)
             ) from exc
         self._root = self._root.rstrip("/")
+        self._deadline = threading.local()  # per thread: uploads of several shards run at once
         protocol = self._fs.protocol
         self._protocols = {protocol} if isinstance(protocol, str) else set(protocol)
         if self._protocols & {"s3", "s3a"}:
@@ -250,18 +255,35 @@ class RemoteTier:
             kind = "transient" if transient else "permanent"
             raise RemoteError(f"{what}: {kind} error {type(exc).__name__}: {exc}", transient=transient) from exc
 
-    def _run(self, what: str, action: Callable[[], T]) -> T:
-        """``action`` under the retry policy, its backend errors translated."""
+    def _run(self, what: str, action: Callable[[], T], deadline: float | None = None) -> T:
+        """``action`` under the retry policy, its backend errors translated; with a ``deadline``
+        (a ``time.monotonic()`` time), no try starts after it and a request still running
+        then is cut short (see :meth:`_limit`)."""
 
         def once() -> T:
             with self._translated(what):
                 return action()
 
-        return self.retry.run(what, once)
+        self._deadline.at = deadline
+        try:
+            return self.retry.run(what, once, deadline=deadline)
+        finally:
+            self._deadline.at = None
+
+    def _limit(self) -> dict[str, Any]:
+        """The keyword that cuts an fsspec call short at this thread's deadline (async backends
+        take ``timeout``: fsspec cancels the request's coroutine), or none without one."""
+        deadline = getattr(self._deadline, "at", None)
+        if deadline is None or not getattr(self._fs, "async_impl", False):
+            return {}
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RemoteError("the deadline passed before this request could start", transient=False)
+        return {"timeout": remaining}
 
     def _fresh_info(self, path: str) -> dict[str, Any]:
         self._fs.invalidate_cache(path)
-        return self._fs.info(path)
+        return self._fs.info(path, **self._limit())
 
     def _exists(self, path: str) -> bool:
         self._fs.invalidate_cache(path)
@@ -326,16 +348,18 @@ class RemoteTier:
 
         return self._run(f"downloading {location}", read)
 
-    def read_range_into(self, step: int, record: ShardRecord, offset: int, buffer: memoryview) -> str:
+    def read_range_into(
+        self, step: int, record: ShardRecord, offset: int, buffer: memoryview, verify: Verify = "full"
+    ) -> str:
         """Fill ``buffer`` with ``record``'s object's bytes from ``offset`` (one ranged GET, retried
-        on a transient error) and return their sha256. Raises :class:`IncompleteCheckpointError`
-        if the object is shorter."""
+        on a transient error) and return their sha256 (``verify="fast"``: their xxh3-64).
+        Raises :class:`IncompleteCheckpointError` if the object is shorter."""
         end = offset + len(buffer)
         what = f"reading bytes {offset}-{end} of {self.location(step, record.path)}"
         data = self._run(what, lambda: self._fs.cat_file(self._path(step, record.path), start=offset, end=end))
         if len(data) != len(buffer):
             raise IncompleteCheckpointError(f"{what}: got {len(data)} bytes; the object is shorter than recorded")
-        return copy_hashing(np.frombuffer(data, np.uint8), np.frombuffer(buffer, np.uint8))
+        return copy_hashing(np.frombuffer(data, np.uint8), np.frombuffer(buffer, np.uint8), verify)
 
     def check_shard(self, step: int, record: ShardRecord) -> str | None:
         """Stream and hash one shard object; return the problem, or None if it matches the record."""
@@ -362,7 +386,7 @@ class RemoteTier:
     def _stored_sha256(self, path: str, info: Mapping[str, Any]) -> str | None:
         """The sha256 the store keeps for an object, or None where it keeps none."""
         if self._protocols & {"s3", "s3a"}:
-            return self._fs.metadata(path).get(SHA256_METADATA_KEY)
+            return self._fs.metadata(path, **self._limit()).get(SHA256_METADATA_KEY)
         if self._protocols & {"gs", "gcs"}:
             return (info.get("metadata") or {}).get(SHA256_METADATA_KEY)
         return None
@@ -425,12 +449,12 @@ class RemoteTier:
         if self._posix:  # temp name, fsync, rename (or link, create-only)
             write_bytes(Path(path), data, create_only=create_only)
         else:
-            self._fs.pipe_file(path, data, mode="create" if create_only else "overwrite")
+            self._fs.pipe_file(path, data, mode="create" if create_only else "overwrite", **self._limit())
 
     def _put(self, local_path: Path, step: int, record: ShardRecord) -> None:
         path = self._path(step, record.path)
         if not self._posix:
-            self._fs.put_file(str(local_path), path, **self._put_kwargs(record.sha256))
+            self._fs.put_file(str(local_path), path, **self._put_kwargs(record.sha256), **self._limit())
             return
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -438,11 +462,12 @@ class RemoteTier:
             what = f"{self.location(step, record.path)} from {local_path}"
             atomic_write(target, lambda out: copy_and_hash(source, out), check=lambda d: record.verify(d, what))
 
-    def put_shard(self, step: int, local_path: Path, record: ShardRecord) -> bool:
+    def put_shard(self, step: int, local_path: Path, record: ShardRecord, *, deadline: float | None = None) -> bool:
         """Make the shard's object match ``record``: put it unless it is already there intact, then confirm.
 
         Returns True if it was put, False if it was already there. One operation under
-        the retry policy: a try that finds the object wrong afterwards puts it again.
+        the retry policy (and ``deadline``, see :meth:`_run`): a try that finds the object
+        wrong afterwards puts it again.
         "Intact" includes the checksum the store computed of what it received (S3's ETag,
         GCS's md5Hash), so bytes changed in transit are never confirmed.
         """
@@ -458,10 +483,11 @@ class RemoteTier:
                 raise RemoteError(f"{location}: not confirmed after the upload: {problem}", transient=True)
             return True
 
-        return self._run(f"uploading {local_path} to {location}", put_and_confirm)
+        return self._run(f"uploading {local_path} to {location}", put_and_confirm, deadline)
 
-    def commit(self, manifest: ShardManifest) -> RemoteManifest:
-        """Write the remote manifest of ``manifest``'s step, create-only where the store supports it.
+    def commit(self, manifest: ShardManifest, *, deadline: float | None = None) -> RemoteManifest:
+        """Write the remote manifest of ``manifest``'s step, create-only where the store supports it
+        (under ``deadline``, see :meth:`_run`).
 
         Call only once every shard is confirmed. If the step is already committed with
         the same shards (a retried or resumed commit), that commit is returned.
@@ -478,7 +504,7 @@ class RemoteTier:
                 return None
             return remote
 
-        remote = self._run(f"committing {location}", create)
+        remote = self._run(f"committing {location}", create, deadline)
         if remote is not None:
             return remote
         existing = self.read_manifest(step)

@@ -296,7 +296,7 @@ class Restorer:
             if not reshard:
                 check_world_size(manifest, target, str(store.local.step_dir(step)))
             if targets is not None and any(state.structure.chunks for state in targets):
-                return self._load_chunks(step, manifest, remote, target, targets)
+                return self._load_chunks(step, manifest, remote, target, targets, verify)
             from_peers = self._from_peers(manifest, target)
             if reshard and into_list is not None:
                 raise UsageError("into cannot be combined with reshard=True (except into a state of DTensors)")
@@ -394,12 +394,14 @@ class Restorer:
         remote: RemoteManifest | None,
         target: int,
         targets: list[FlatState],
+        verify: Verify,
     ) -> _Pending:
         """Fill states of DTensors in place: each of this process's ranks reads, of the saved
         shards whose chunks overlap its own, just the header and those chunks, each verified
-        against the sha256 the manifest records for it (:meth:`TieredStore.read_parts`).
-        With one process per rank on the saved world size, the arrays a rank's shard left
-        to other ranks come from their processes instead (see :meth:`_finish_from_peers`)."""
+        against the sha256 the manifest records for it, or its xxh3-64 with ``verify="fast"``
+        (:meth:`TieredStore.read_parts`). With one process per rank on the saved world size,
+        the arrays a rank's shard left to other ranks come from their processes instead
+        (see :meth:`_finish_from_peers`)."""
         if len(targets) != len(self._ranks):
             raise InvalidStateError(f"into holds {len(targets)} rank states, this process restores {len(self._ranks)}")
         from_peers = self._from_peers(manifest, target)
@@ -422,8 +424,13 @@ class Restorer:
         ranks = sorted(names)
         fetched = run_parallel(
             lambda rank: self._store.read_parts(
-                step, manifest.shard(rank), names[rank], use_remote=remote is not None, into=direct.get(rank)
-            ),
+                step,
+                manifest.shard(rank),
+                names[rank],
+                use_remote=remote is not None,
+                into=direct.get(rank),
+                verify=verify,
+            ),  # fmt: skip
             ranks,
             self._max_workers,
         )

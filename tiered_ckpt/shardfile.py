@@ -91,15 +91,16 @@ _METADATA = "__metadata__"
 @dataclass(frozen=True)
 class ShardDigest:
     """Size and checksums of a shard file's bytes; from :func:`write_shard` asked for them,
-    also the size and sha256 of its header (the 8 length bytes and the JSON) and the sha256
-    of each array's bytes, so that a reader of parts of the file can verify what it read."""
+    also the size and sha256 of its header (the 8 length bytes and the JSON) and the digest
+    of each array's bytes (``arrays``: sha256 and xxh3-64 of each), so that a reader of
+    parts of the file can verify what it read."""
 
     size_bytes: int
     sha256: str
     xxh3_64: str
     header_bytes: int = 0
     header_sha256: str = ""
-    arrays: Mapping[str, str] = field(default_factory=dict)
+    arrays: Mapping[str, ShardDigest] = field(default_factory=dict)
 
 
 VERIFY_MODES = ("full", "fast")
@@ -240,24 +241,24 @@ def write_shard(
     :class:`InvalidStateError` (before writing anything) for a name or dtype a shard
     cannot hold. Flushing to stable storage is the caller's job. The header's size and
     sha256 are measured too; ``part_digests=True`` also hashes each array on its own (a
-    second sha256 of every byte, in the same pass): with both, a reader of parts of the
-    file verifies what it reads (:func:`read_header`).
+    second sha256 and xxh3-64 of every byte, in the same pass): with both, a reader of
+    parts of the file verifies what it reads (:func:`read_header`).
     """
     layout = _layout(arrays)
     hasher = _Hasher()
     header = _header_bytes(layout, metadata or {})
     hasher.update(header)
     write_all(out, header)
-    digests: dict[str, str] = {}
+    digests: dict[str, ShardDigest] = {}
     for name, _code, array, _begin, _end in layout:
-        part = hashlib.sha256() if part_digests else None
+        part = _Hasher() if part_digests else None
         for chunk in _byte_chunks(array):
             hasher.update(chunk)
             if part is not None:
                 part.update(chunk)
             write_all(out, chunk)
         if part is not None:
-            digests[name] = part.hexdigest()
+            digests[name] = part.digest()
     return replace(
         hasher.digest(), header_bytes=len(header), header_sha256=hashlib.sha256(header).hexdigest(), arrays=digests
     )
@@ -386,15 +387,17 @@ def read_header(raw: bytes, file_size: int, what: str) -> ShardHeader:
     return ShardHeader(start, placed, metadata)
 
 
-def copy_hashing(source: np.ndarray, target: np.ndarray) -> str:
+def copy_hashing(source: np.ndarray, target: np.ndarray, verify: Verify = "full") -> str:
     """Copy bytes ``source`` into ``target`` (1-D uint8 arrays of one length) and return their
-    sha256, hashing each piece of the copy while it is in cache (as :func:`read_shard` does)."""
-    hasher = hashlib.sha256()
+    sha256 (``verify="fast"``: their xxh3-64), hashing each piece of the copy while it is in
+    cache (as :func:`read_shard` does)."""
+    hasher = _Hasher(verify)
     for start in range(0, len(target), CHUNK_BYTES):
         piece = target[start : start + CHUNK_BYTES]
         np.copyto(piece, source[start : start + CHUNK_BYTES])
         hasher.update(memoryview(piece))
-    return hasher.hexdigest()
+    digest = hasher.digest()
+    return digest.xxh3_64 if verify == "fast" else digest.sha256
 
 
 def _hash_chunks(data: np.ndarray, hasher: _Hasher) -> None:

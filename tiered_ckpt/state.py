@@ -42,7 +42,7 @@ import numpy as np
 
 from .errors import InvalidStateError, ShardFormatError
 from .manifest import ChunkRecord
-from .shardfile import MAX_DIMS, ShardContents, array_problem, check_arrays, dtype_code
+from .shardfile import MAX_DIMS, ShardContents, ShardDigest, array_problem, check_arrays, dtype_code
 from .tensors import is_tensor, to_numpy, to_torch
 
 __all__ = [
@@ -499,15 +499,23 @@ class FlatState:
     structure: Structure
     shared: frozenset[str] = frozenset()
 
-    def chunk_records(self, digests: Mapping[str, str]) -> tuple[ChunkRecord, ...]:
+    def chunk_records(self, digests: Mapping[str, ShardDigest]) -> tuple[ChunkRecord, ...]:
         """Every array of this state as the chunk the manifest records (a plain array is the
-        one chunk of itself), with the sha256 of its bytes from ``digests``."""
+        one chunk of itself), with the sha256 and xxh3-64 of its bytes from ``digests``."""
         records = []
         for name, array in self.arrays.items():
             shape = tuple(array.shape)
             chunk = self.structure.chunks.get(name, Chunk(shape, (0,) * array.ndim))
             records.append(
-                ChunkRecord(name, dtype_code(array), chunk.global_shape, chunk.offsets, shape, digests[name])
+                ChunkRecord(
+                    name,
+                    dtype_code(array),
+                    chunk.global_shape,
+                    chunk.offsets,
+                    shape,
+                    digests[name].sha256,
+                    digests[name].xxh3_64,
+                )  # fmt: skip
             )
         return tuple(records)
 

@@ -221,12 +221,14 @@ class TieredStore:
         *,
         use_remote: bool = True,
         into: Mapping[str, np.ndarray] | None = None,
+        verify: Verify = "full",
     ) -> tuple[FlatState, Source]:
         """Some arrays of ``record``'s shard (a state of DTensors), verified, and the tier they came from.
 
         Reads only the shard's header and those arrays' bytes, each checked against the
-        sha256 the manifest records for it: the local copy, else the remote object (tried
-        twice). The state returned has the whole structure but only ``names``' arrays.
+        sha256 the manifest records for it (``verify="fast"``: its xxh3-64, where the
+        manifest records one; the header always by sha256): the local copy, else the
+        remote object (tried twice). The state returned has the whole structure but only ``names``' arrays.
         An array named in ``into`` (C-contiguous, of its dtype and shape) is read into that
         memory rather than new memory; if no copy verifies, it holds unspecified values.
         Raises :class:`ChecksumMismatchError` or :class:`IncompleteCheckpointError`
@@ -237,13 +239,13 @@ class TieredStore:
 
         def from_disk() -> FlatState:
             with self.local.open_ranges(step, record) as read_into:
-                return _read_parts(read_into, record, names, local_what, targets)
+                return _read_parts(read_into, record, names, local_what, targets, verify)
 
         def from_bucket() -> FlatState:
             assert self.remote is not None
             remote_what = f"rank {record.rank} shard {self.remote.location(step, record.path)}"
             read_into = functools.partial(self.remote.read_range_into, step, record)
-            return _read_parts(read_into, record, names, remote_what, targets)
+            return _read_parts(read_into, record, names, remote_what, targets, verify)
 
         return self._first_that_verifies(step, record, from_disk, from_bucket, use_remote)
 
@@ -384,11 +386,12 @@ def _no_copy_verifies(record: ShardRecord, tried: list[tuple[str, CheckpointErro
 
 
 def _read_parts(
-    read_into: Callable[[int, memoryview], str],
+    read_into: Callable[[int, memoryview, Verify], str],
     record: ShardRecord,
     names: Collection[str],
     what: str,
     into: Mapping[str, np.ndarray],
+    verify: Verify,
 ) -> FlatState:
     """Read and verify a shard's header, then each of ``names``' arrays, through ``read_into(offset, buffer)``.
 
@@ -398,7 +401,7 @@ def _read_parts(
     if not record.header_bytes:
         raise ShardFormatError(f"{what}: the manifest records no digest of its header: it can only be read whole")
     raw = bytearray(record.header_bytes)
-    if read_into(0, memoryview(raw)) != record.header_sha256:
+    if read_into(0, memoryview(raw), "full") != record.header_sha256:
         raise ChecksumMismatchError(f"{what}: its header's sha256 is not the one the manifest records")
     header = read_header(bytes(raw), record.size_bytes, what)
     recorded = {chunk.name: chunk for chunk in record.chunks}
@@ -410,8 +413,11 @@ def _read_parts(
         array = into[name] if name in into else np.empty(entry.shape, dtype=entry.dtype)
         if array.shape != entry.shape or array.dtype != entry.dtype or not array.flags.c_contiguous:
             raise UsageError(f"{what}: into[{name!r}] is not a C-contiguous {entry.dtype} array of {entry.shape}")
-        if read_into(entry.begin, memoryview(array.reshape(-1).view(np.uint8))) != chunk.sha256:
-            raise ChecksumMismatchError(f"{what}: the bytes of {name!r} do not match the sha256 the manifest records")
+        fast = verify == "fast" and bool(chunk.xxh3_64)
+        expected = chunk.xxh3_64 if fast else chunk.sha256
+        if read_into(entry.begin, memoryview(array.reshape(-1).view(np.uint8)), "fast" if fast else "full") != expected:
+            kind = "xxh3-64" if fast else "sha256"
+            raise ChecksumMismatchError(f"{what}: the bytes of {name!r} do not match the {kind} the manifest records")
         arrays[name] = array
     elsewhere = [name for name, _holder in record.replicas]
     return FlatState(arrays, structure_of(header.metadata, header.arrays, what, elsewhere))

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -253,16 +254,33 @@ class Uploader:
         return step
 
     def _upload(self, step: int) -> None:
+        started = time.monotonic()
+        limit = self._options.deadline_seconds
+        deadline = started + limit if limit is not None else None
+        try:
+            self._put_and_commit(step, deadline)
+        except RemoteError as exc:
+            if deadline is None or time.monotonic() < deadline:
+                raise
+            raise UploadError(
+                f"step {step} was not committed at {self._remote.location(step)} within its deadline of {limit} s "
+                f"(upload_deadline_seconds; {time.monotonic() - started:.1f} s since its upload began); "
+                f"the next step goes on: {exc}",
+                step=step,
+                tries=exc.tries,
+            ) from exc
+
+    def _put_and_commit(self, step: int, deadline: float | None) -> None:
         store = self._store
         manifest = store.local.manifest(step)
         ranks = range(manifest.world_size) if self._ranks is None else self._ranks
 
         def put(rank: int) -> None:
             record = manifest.shard(rank)
-            self._remote.put_shard(step, store.local.shard_path(step, record), record)
+            self._remote.put_shard(step, store.local.shard_path(step, record), record, deadline=deadline)
 
         agree(self._coordinator, lambda: run_parallel(put, ranks, self._options.concurrency) and None)
-        remote = decide(self._coordinator, _Committed, lambda: _Committed(self._commit(manifest).to_json()))
+        remote = decide(self._coordinator, _Committed, lambda: _Committed(self._commit(manifest, deadline).to_json()))
         committed = RemoteManifest.from_json(remote.document, source=self._remote.location(step))
         store.local.write_receipt(step, self._remote.url, committed)
         self.newest_committed = max(self.newest_committed or 0, step)
@@ -279,8 +297,8 @@ class Uploader:
                 tries=getattr(exc, "tries", 1),
             ) from exc
 
-    def _commit(self, manifest: ShardManifest) -> RemoteManifest:
-        remote = self._remote.commit(manifest)
+    def _commit(self, manifest: ShardManifest, deadline: float | None) -> RemoteManifest:
+        remote = self._remote.commit(manifest, deadline=deadline)
         self._remote.set_latest(manifest.step)
         return remote
 

@@ -84,8 +84,8 @@ def run_upload(directory: str, bytes_per_rank: int, remote_json: str) -> None:
     manager.wait(uploaded=True)
     original = RemoteTier.put_shard
 
-    def upload_then_pause(tier, step, local_path, record):
-        original(tier, step, local_path, record)
+    def upload_then_pause(tier, step, local_path, record, **options):
+        original(tier, step, local_path, record, **options)
         pause_forever()
 
     RemoteTier.put_shard = upload_then_pause

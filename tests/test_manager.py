@@ -415,10 +415,10 @@ class BlockedUploads:
         self.release = threading.Event()
         original = RemoteTier.put_shard
 
-        def put_shard(tier, step, local_path, record):
+        def put_shard(tier, step, local_path, record, **options):
             self.started.set()
             self.release.wait()
-            return original(tier, step, local_path, record)
+            return original(tier, step, local_path, record, **options)
 
         monkeypatch.setattr(RemoteTier, "put_shard", put_shard)
 

@@ -117,10 +117,12 @@ class SaveError(CheckpointError):
 class RemoteError(CheckpointError):
     """The remote store failed a request; ``transient`` is True when a retry may succeed.
 
-    ``tries`` is the number of tries made of the operation that failed.
+    ``tries`` is the number of tries made of the operation that failed; ``deadline`` is
+    True when it stopped because its deadline came (see ``upload_deadline_seconds``).
     """
 
     tries: int = 1
+    deadline: bool = False
 
     def __init__(self, message: str, *, transient: bool) -> None:
         super().__init__(message)

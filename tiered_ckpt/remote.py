@@ -53,12 +53,15 @@ from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 import numpy as np
+import xxhash
+from fsspec.asyn import sync
 from fsspec.core import url_to_fs
 
 from .durable import atomic_write, write_bytes
 from .errors import CheckpointError, IncompleteCheckpointError, ManifestError, RemoteError
 from .layout import LATEST_NAME, MANIFEST_NAME, parse_step_dir_name, step_dir_name
 from .manifest import MAX_MANIFEST_BYTES, RemoteManifest, ShardManifest, ShardRecord
+from .multipart import Window, upload_file
 from .shardfile import ShardDigest, Verify, copy_and_hash, copy_hashing, hash_stream
 
 __all__ = ["RemoteTier", "RetryPolicy", "is_transient"]
@@ -69,6 +72,7 @@ T = TypeVar("T")
 # s3fs's default 50 MiB parts leave a 256 MiB shard in 3-5 parts; 16 MiB parts let its
 # concurrent part uploads (max_concurrency, 10 by default) keep the link busy.
 DEFAULT_PART_BYTES = 16 << 20
+DEFAULT_PART_CONCURRENCY = 8  # parts in flight per tier (S3), before throttling lowers it
 SHA256_METADATA_KEY = "sha256"
 STREAM_BLOCK_BYTES = 16 << 20
 
@@ -158,9 +162,11 @@ class RetryPolicy:
             except RemoteError as exc:
                 delay = min(self.max_backoff_seconds, self.backoff_seconds * 2 ** (attempt - 1)) * random.random()
                 resumes = clock() + delay
-                out_of_time = resumes - started >= self.max_seconds or (deadline is not None and resumes >= deadline)
+                past_deadline = deadline is not None and resumes >= deadline
+                out_of_time = resumes - started >= self.max_seconds or past_deadline
                 if not exc.transient or attempt == self.max_tries or out_of_time:
-                    exc.tries = attempt
+                    exc.tries = max(attempt, exc.tries)  # tries made inside the action count too
+                    exc.deadline = exc.deadline or (exc.transient and past_deadline)
                     raise
                 logger.warning("%s: transient error (try %d of %d), retrying: %s", what, attempt, self.max_tries, exc)
                 sleep(delay)
@@ -197,6 +203,14 @@ class _Reader:
             return self._source.readinto(buffer)
 
 
+@dataclass(frozen=True)
+class _Sums:
+    """A shard's checksums as the store will compute them (see :meth:`RemoteTier._store_checksums`)."""
+
+    store: str | None
+    parts: tuple[str, ...] = ()
+
+
 class RemoteTier:
     """Checkpoints under ``url``, reached through fsspec with ``storage_options``.
 
@@ -210,6 +224,7 @@ class RemoteTier:
         *,
         retry: RetryPolicy | None = None,
         part_bytes: int = DEFAULT_PART_BYTES,
+        part_concurrency: int = DEFAULT_PART_CONCURRENCY,
     ) -> None:
         self.url = url.rstrip("/")
         self.retry = retry or RetryPolicy()
@@ -223,7 +238,12 @@ class RemoteTier:
                 f"cannot open {self.url}: {type(exc).__name__}: {exc}", transient=is_transient(exc)
             ) from exc
         self._root = self._root.rstrip("/")
-        self._deadline = threading.local()  # per thread: uploads of several shards run at once
+        # The operation running on each thread (uploads of several shards run at once): its
+        # deadline (``at``) and the parts' checksums computed before the upload (``parts``).
+        self._context = threading.local()
+        self.window = Window(part_concurrency)
+        self.requests = 0  # S3 upload requests made, and how many of them the store throttled
+        self.throttled = 0
         protocol = self._fs.protocol
         self._protocols = {protocol} if isinstance(protocol, str) else set(protocol)
         if self._protocols & {"s3", "s3a"}:
@@ -264,21 +284,23 @@ class RemoteTier:
             with self._translated(what):
                 return action()
 
-        self._deadline.at = deadline
+        self._context.at = deadline
         try:
             return self.retry.run(what, once, deadline=deadline)
         finally:
-            self._deadline.at = None
+            self._context.at, self._context.parts = None, ()
 
     def _limit(self) -> dict[str, Any]:
         """The keyword that cuts an fsspec call short at this thread's deadline (async backends
         take ``timeout``: fsspec cancels the request's coroutine), or none without one."""
-        deadline = getattr(self._deadline, "at", None)
+        deadline = getattr(self._context, "at", None)
         if deadline is None or not getattr(self._fs, "async_impl", False):
             return {}
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise RemoteError("the deadline passed before this request could start", transient=False)
+            error = RemoteError("the deadline passed before this request could start", transient=False)
+            error.deadline = True
+            raise error
         return {"timeout": remaining}
 
     def _fresh_info(self, path: str) -> dict[str, Any]:
@@ -391,33 +413,38 @@ class RemoteTier:
             return (info.get("metadata") or {}).get(SHA256_METADATA_KEY)
         return None
 
-    def _store_checksum(self, local_path: Path, record: ShardRecord) -> str | None:
-        """The checksum the store will compute of ``local_path``'s bytes once uploaded, in its own form
-        (S3: the ETag, an MD5 of the bytes or of the parts' MD5s; GCS: md5Hash), or None where
-        the store computes none we can read.
+    def _store_checksums(self, local_path: Path, record: ShardRecord) -> _Sums:
+        """What the store will compute of ``local_path``'s bytes once uploaded, in its own form
+        (S3: the ETag, an MD5 of the bytes or of the parts' MD5s; GCS: md5Hash; None where the
+        store computes none we can read), and for S3 the SHA256 of each part as it is sent.
 
-        The same pass checks the file against the record's sha256, so a shard damaged on
-        local disk is never uploaded (:class:`ChecksumMismatchError`).
+        The same pass checks the file against the record's xxh3-64 (a shard damaged on local
+        disk is never uploaded: :class:`ChecksumMismatchError`); xxh3 rather than the
+        sha256 because this pass costs the upload CPU, and the store's own checksums then
+        guard the bytes on their way.
         """
         s3, gcs = bool(self._protocols & {"s3", "s3a"}), bool(self._protocols & {"gs", "gcs"})
         if not (s3 or gcs):
-            return None
-        # One MD5 per object (S3 multipart: one per part, as s3fs cuts them) and the sha256.
+            return _Sums(None)
+        # One MD5 and one SHA256 per part (parts cut as the upload cuts them), and the xxh3.
         multipart = s3 and record.size_bytes >= 2 * self._part_bytes
-        digests, sha, size = [hashlib.md5()], hashlib.sha256(), 0
+        md5s, shas, whole, size = [hashlib.md5()], [hashlib.sha256()], xxhash.xxh3_64(), 0
         with open(local_path, "rb", buffering=0) as source:
             while chunk := source.read(self._part_bytes):
-                sha.update(chunk)
+                whole.update(chunk)
                 if multipart and size:
-                    digests.append(hashlib.md5())
-                digests[-1].update(chunk)
+                    md5s.append(hashlib.md5())
+                    shas.append(hashlib.sha256())
+                md5s[-1].update(chunk)
+                shas[-1].update(chunk)
                 size += len(chunk)
-        record.verify(ShardDigest(size, sha.hexdigest(), ""), f"{local_path} (before its upload)")
+        record.verify(ShardDigest(size, "", whole.hexdigest()), f"{local_path} (before its upload)")
+        parts = tuple(base64.b64encode(sha.digest()).decode() for sha in shas) if s3 else ()
         if gcs:
-            return base64.b64encode(digests[0].digest()).decode()
-        if not multipart:  # s3fs puts it in one request, its ETag the MD5 of the body
-            return f'"{digests[0].hexdigest()}"'
-        return f'"{hashlib.md5(b"".join(d.digest() for d in digests)).hexdigest()}-{len(digests)}"'
+            return _Sums(base64.b64encode(md5s[0].digest()).decode())
+        if not multipart:  # one request, its ETag the MD5 of the body
+            return _Sums(f'"{md5s[0].hexdigest()}"', parts)
+        return _Sums(f'"{hashlib.md5(b"".join(d.digest() for d in md5s)).hexdigest()}-{len(md5s)}"', parts)
 
     def _mismatch(self, step: int, record: ShardRecord, store_checksum: str | None = None) -> str | None:
         """Why the shard's object does not match ``record``, or None.
@@ -453,6 +480,18 @@ class RemoteTier:
 
     def _put(self, local_path: Path, step: int, record: ShardRecord) -> None:
         path = self._path(step, record.path)
+        if self._protocols & {"s3", "s3a"}:
+            bucket, key, _version = self._fs.split_path(path)
+            stats = sync(
+                self._fs.loop, upload_file, self._fs, local_path, bucket, key, part_bytes=self._part_bytes,
+                window=self.window, max_tries=self.retry.max_tries, backoff_seconds=self.retry.backoff_seconds,
+                extra={"Metadata": {SHA256_METADATA_KEY: record.sha256}}, deadline=getattr(self._context, "at", None),
+                part_sha256=getattr(self._context, "parts", ()),
+                **self._limit(),
+            )  # fmt: skip
+            self.requests += stats.requests
+            self.throttled += stats.throttled
+            return
         if not self._posix:
             self._fs.put_file(str(local_path), path, **self._put_kwargs(record.sha256), **self._limit())
             return
@@ -472,13 +511,14 @@ class RemoteTier:
         GCS's md5Hash), so bytes changed in transit are never confirmed.
         """
         location = self.location(step, record.path)
-        store_checksum = self._store_checksum(local_path, record)
+        sums = self._store_checksums(local_path, record)
 
         def put_and_confirm() -> bool:
-            if self._mismatch(step, record, store_checksum) is None:
+            if self._mismatch(step, record, sums.store) is None:
                 return False
+            self._context.parts = sums.parts  # read by _put on this thread (see _store_checksums)
             self._put(local_path, step, record)
-            problem = self._mismatch(step, record, store_checksum)
+            problem = self._mismatch(step, record, sums.store)
             if problem is not None:
                 raise RemoteError(f"{location}: not confirmed after the upload: {problem}", transient=True)
             return True

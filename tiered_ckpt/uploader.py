@@ -260,7 +260,7 @@ class Uploader:
         try:
             self._put_and_commit(step, deadline)
         except RemoteError as exc:
-            if deadline is None or time.monotonic() < deadline:
+            if not exc.deadline:
                 raise
             raise UploadError(
                 f"step {step} was not committed at {self._remote.location(step)} within its deadline of {limit} s "

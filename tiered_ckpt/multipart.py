@@ -1,0 +1,280 @@
+"""S3 uploads for the remote tier: parts in a sliding window sized by AIMD, the store's own
+SHA256 checksum on every request, and no multipart upload left open when one fails.
+
+Why by hand: s3fs's ``put_file`` (the library under the remote tier) sends the parts of a
+large file in batches (no part of the next batch starts before the slowest of the last
+one ends), reads the file on its event loop, sends no checksum with a part, fails the
+whole file when one part is throttled, and leaves its multipart upload open when it is
+cancelled (a deadline). This module makes the same S3 requests through the client of the
+same s3fs instance (its credentials, endpoint and session), without those five limits:
+
+1. a file below ``2 * part_bytes`` goes up in one ``PutObject`` with its ``ChecksumSHA256``;
+2. a larger one: ``CreateMultipartUpload`` (``ChecksumAlgorithm="SHA256"``), then its parts
+   (cut every ``part_bytes``, as s3fs cuts them, so the ETag the store computes stays
+   predictable), each read and hashed in a worker thread and sent with its
+   ``ChecksumSHA256`` while at most :attr:`Window.size` parts are in flight;
+3. a part the store throttles (503 SlowDown, 429) is sent again after a backoff and halves
+   the window (multiplicative decrease); each part sent grows it by ``1 / size``
+   (additive increase: one more part per window's worth of parts), up to ``limit``;
+4. ``CompleteMultipartUpload`` with every part's checksum; on any failure, cancellation
+   included, ``AbortMultipartUpload``.
+
+The store's checksum of the whole object is then the SHA256 of the object (one request)
+or ``base64(sha256(part digests))-N`` (multipart, S3's composite form), which
+:func:`composite_sha256` computes from the local file for a later check without download.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import errno
+import hashlib
+import logging
+import os
+import random
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import RemoteError
+
+__all__ = ["Window", "UploadStats", "upload_file", "composite_sha256", "is_throttle"]
+
+logger = logging.getLogger("tiered_ckpt")
+
+_THROTTLE_TEXT = ("SlowDown", "Service Unavailable", "Too Many Requests", "reduce your request rate", "Throttl")
+
+
+def is_throttle(exc: BaseException) -> bool:
+    """True if ``exc`` is the store asking for fewer requests (503 SlowDown, 429): s3fs turns
+    those into ``OSError(EBUSY)``; other clients say so in their message."""
+    if isinstance(exc, OSError) and exc.errno == errno.EBUSY:
+        return True
+    text = f"{type(exc).__name__} {exc}"
+    return any(marker in text for marker in _THROTTLE_TEXT)
+
+
+@dataclass
+class Window:
+    """How many parts may be in flight at once, shared by the uploads of one remote tier.
+
+    Starts at ``limit``; :meth:`throttled` halves it (at least 1), :meth:`sent` adds
+    ``1 / size`` (so one more part per window's worth of parts sent), never past ``limit``.
+    Used only on the event loop of the tier's filesystem, so it needs no lock.
+    """
+
+    limit: int = 16
+    size: float = field(init=False)
+    in_flight: int = field(default=0, init=False)
+    throttles: int = field(default=0, init=False)
+    _changed: asyncio.Condition | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.size = float(self.limit)
+
+    def sent(self) -> None:
+        self.size = min(float(self.limit), self.size + 1.0 / self.size)
+
+    def throttled(self) -> None:
+        self.throttles += 1
+        self.size = max(1.0, self.size / 2)
+
+    def _condition(self) -> asyncio.Condition:
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        return self._changed
+
+    async def acquire(self) -> None:
+        changed = self._condition()
+        async with changed:
+            await changed.wait_for(lambda: self.in_flight < int(self.size))
+            self.in_flight += 1
+
+    async def release(self) -> None:
+        changed = self._condition()
+        async with changed:
+            self.in_flight -= 1
+            changed.notify_all()
+
+
+@dataclass
+class UploadStats:
+    """What one upload took: requests made, of which throttled, and the object's store checksum."""
+
+    requests: int = 0
+    throttled: int = 0
+    checksum_sha256: str = ""
+
+
+def _b64(digest: bytes) -> str:
+    return base64.b64encode(digest).decode()
+
+
+def composite_sha256(path: Path, part_bytes: int) -> str:
+    """The ``ChecksumSHA256`` S3 reports for ``path`` uploaded by :func:`upload_file`."""
+    size = path.stat().st_size
+    digests = []
+    with open(path, "rb", buffering=0) as source:
+        if size < 2 * part_bytes:
+            return _b64(hashlib.sha256(source.read()).digest())
+        while chunk := source.read(part_bytes):
+            digests.append(hashlib.sha256(chunk).digest())
+    return f"{_b64(hashlib.sha256(b''.join(digests)).digest())}-{len(digests)}"
+
+
+def _read_part(path: Path, offset: int, length: int, checksum: str | None) -> tuple[bytes, str]:
+    """A part's bytes and their SHA256 (base64; ``checksum`` if the caller has it already),
+    read in a worker thread (off the event loop)."""
+    with open(path, "rb", buffering=0) as source:
+        data = os.pread(source.fileno(), length, offset)
+    if len(data) != length:
+        raise RemoteError(f"{path}: shorter than when its upload began", transient=False)
+    return data, checksum or _b64(hashlib.sha256(data).digest())
+
+
+class _Upload:
+    """One file's upload (see the module doc)."""
+
+    def __init__(
+        self,
+        fs: Any,
+        path: Path,
+        bucket: str,
+        key: str,
+        *,
+        part_bytes: int,
+        window: Window,
+        max_tries: int,
+        backoff_seconds: float,
+        extra: Mapping[str, Any],
+        deadline: float | None,
+        part_sha256: Sequence[str],
+    ) -> None:
+        self.fs, self.path, self.bucket, self.key = fs, path, bucket, key
+        self.part_bytes, self.window = part_bytes, window
+        self.max_tries, self.backoff_seconds = max_tries, backoff_seconds
+        self.extra, self.deadline = dict(extra), deadline
+        self.part_sha256 = part_sha256
+        self.stats = UploadStats()
+
+    def known(self, index: int) -> str | None:
+        return self.part_sha256[index] if index < len(self.part_sha256) else None
+
+    async def call(self, method: str, **kwargs: Any) -> Any:
+        """One request, tried again after a backoff while the store throttles it (up to ``max_tries``).
+
+        Throttling is retried here, request by request, and nowhere else: when it persists,
+        the error says so and is not transient, so the tier's retry loop does not multiply
+        the tries. Other errors are raised as the client raised them.
+        """
+        for attempt in range(1, self.max_tries + 1):
+            self.stats.requests += 1
+            try:
+                return await self.fs._call_s3(method, **kwargs)
+            except Exception as exc:
+                if not is_throttle(exc):
+                    raise
+                self.stats.throttled += 1
+                self.window.throttled()
+                delay = self.backoff_seconds * 2 ** (attempt - 1) * random.random()
+                past_deadline = self.deadline is not None and time.monotonic() + delay >= self.deadline
+                if attempt == self.max_tries or past_deadline:
+                    error = RemoteError(
+                        f"{method} of s3://{self.bucket}/{self.key}: throttled by the store {attempt} times "
+                        f"({'the deadline came' if past_deadline else 'max_tries reached'}): {exc}",
+                        transient=False,
+                    )
+                    error.tries, error.deadline = attempt, past_deadline
+                    raise error from exc
+                await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
+
+    async def run(self) -> UploadStats:
+        size = self.path.stat().st_size
+        loop = asyncio.get_running_loop()
+        if size < 2 * self.part_bytes:
+            data, checksum = await loop.run_in_executor(None, _read_part, self.path, 0, size, self.known(0))
+            await self.call(
+                "put_object", Bucket=self.bucket, Key=self.key, Body=data, ChecksumSHA256=checksum, **self.extra
+            )
+            self.stats.checksum_sha256 = checksum
+            return self.stats
+        created = await self.call(
+            "create_multipart_upload", Bucket=self.bucket, Key=self.key, ChecksumAlgorithm="SHA256", **self.extra
+        )
+        upload_id = created["UploadId"]
+        try:
+            parts = await self._parts(upload_id, size)
+            await self.call(
+                "complete_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id,
+                MultipartUpload={"Parts": parts},
+            )  # fmt: skip
+        except BaseException:  # cancellation (a deadline) included: never leave the upload open
+            await asyncio.shield(self._abort(upload_id))
+            raise
+        digests = b"".join(base64.b64decode(part["ChecksumSHA256"]) for part in parts)
+        self.stats.checksum_sha256 = f"{_b64(hashlib.sha256(digests).digest())}-{len(parts)}"
+        return self.stats
+
+    async def _parts(self, upload_id: str, size: int) -> list[dict[str, Any]]:
+        offsets = range(0, size, self.part_bytes)
+        loop = asyncio.get_running_loop()
+
+        async def part(number: int, offset: int) -> dict[str, Any]:
+            await self.window.acquire()
+            try:
+                length = min(self.part_bytes, size - offset)
+                known = self.known(number - 1)
+                data, checksum = await loop.run_in_executor(None, _read_part, self.path, offset, length, known)
+                answer = await self.call(
+                    "upload_part", Bucket=self.bucket, Key=self.key, UploadId=upload_id, PartNumber=number,
+                    Body=data, ChecksumSHA256=checksum,
+                )  # fmt: skip
+                self.window.sent()
+                return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumSHA256": checksum}
+            finally:
+                await self.window.release()
+
+        tasks = [asyncio.ensure_future(part(number, offset)) for number, offset in enumerate(offsets, 1)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def _abort(self, upload_id: str) -> None:
+        try:
+            await self.fs._call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id)
+        except Exception:  # the next start lists and aborts what is left (see RemoteTier.abort_orphans)
+            logger.warning("could not abort the multipart upload of s3://%s/%s", self.bucket, self.key, exc_info=True)
+
+
+async def upload_file(
+    fs: Any,
+    path: Path,
+    bucket: str,
+    key: str,
+    *,
+    part_bytes: int,
+    window: Window,
+    max_tries: int,
+    backoff_seconds: float,
+    extra: Mapping[str, Any] | None = None,
+    deadline: float | None = None,
+    part_sha256: Sequence[str] = (),
+) -> UploadStats:
+    """Upload ``path`` to ``s3://bucket/key`` through ``fs`` (an s3fs filesystem), as the module
+    doc says; ``extra`` are arguments of the object's creation (``Metadata``). A throttled
+    request is sent again up to ``max_tries`` times, backing off from ``backoff_seconds``
+    (never past ``deadline``, a ``time.monotonic()`` time); any other error is raised as the
+    client raised it, after the multipart upload is aborted. ``part_sha256`` are the parts'
+    SHA256 (base64) when the caller computed them already (else each part is hashed here)."""
+    return await _Upload(
+        fs, path, bucket, key, part_bytes=part_bytes, window=window, max_tries=max_tries,
+        backoff_seconds=backoff_seconds, extra=extra or {}, deadline=deadline, part_sha256=part_sha256,
+    ).run()  # fmt: skip

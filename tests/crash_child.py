@@ -6,7 +6,9 @@ Without "manager" it calls save_sharded for step 2. With "manager" it opens a
 CheckpointManager on DIRECTORY, saves step 1 (version 1 of the states) blocking, then
 step 2 (version 2) asynchronously, and the pause hits the background writer. With
 POINT "upload" and a JSON {"url", "options"} it saves and uploads step 1, then pauses
-step 2's upload right after its first shard is uploaded and confirmed.
+step 2's upload right after its first shard is uploaded and confirmed. With POINT
+"multipart" (and the JSON) it saves step 1 and pauses its upload once the first shard's
+multipart upload is open in the bucket (parts of 5 MiB).
 
 It prints "PAUSED" once the save reaches POINT and then blocks until it is killed;
 the parent sends SIGKILL. Points:
@@ -93,6 +95,22 @@ def run_upload(directory: str, bytes_per_rank: int, remote_json: str) -> None:
     manager.wait(uploaded=True)
 
 
+def run_multipart(directory: str, bytes_per_rank: int, remote_json: str) -> None:
+    """Save step 1 and pause its upload when the first part is about to be read (the multipart upload is open)."""
+    import json
+
+    from tiered_ckpt import CheckpointManager, multipart
+
+    remote = json.loads(remote_json)
+    manager = CheckpointManager(
+        directory, world_size=4, remote_url=remote["url"], storage_options=remote["options"], upload_concurrency=1
+    )
+    manager.store.remote._part_bytes = 5 << 20  # test instrumentation: a multipart upload for a small shard
+    multipart._read_part = pause_forever
+    manager.save(1, large_states(4, bytes_per_rank, version=1))
+    manager.wait(uploaded=True)
+
+
 def run_manager(directory: str, point: str, bytes_per_rank: int) -> None:
     from tiered_ckpt import CheckpointManager
 
@@ -109,6 +127,8 @@ if __name__ == "__main__":
         run_manager(directory, point, bytes_per_rank)
     elif point == "upload":
         run_upload(directory, bytes_per_rank, sys.argv[4])
+    elif point == "multipart":
+        run_multipart(directory, bytes_per_rank, sys.argv[4])
     else:
         states = large_states(4, bytes_per_rank)
         install(point)

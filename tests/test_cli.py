@@ -105,10 +105,10 @@ def test_prune_dry_run_then_prune(setup):
     save_steps(local, url, options, [1, 2, 3])
     code, out, err = run(env, "--config", str(config), "--json", "prune", "--dry-run")
     assert code == 0, err
-    assert json.loads(out) == {"dry_run": True, "local": [1, 2], "remote": [1]}
+    assert json.loads(out) == {"dry_run": True, "local": [1, 2], "remote": [1], "aborted": []}
     assert sorted(p.name for p in local.iterdir()) == [step_dir_name(s) for s in (1, 2, 3)]
     code, out, _ = run(env, "--config", str(config), "--json", "prune")
-    assert code == 0 and json.loads(out) == {"dry_run": False, "local": [1, 2], "remote": [1]}
+    assert code == 0 and json.loads(out) == {"dry_run": False, "local": [1, 2], "remote": [1], "aborted": []}
     assert sorted(p.name for p in local.iterdir()) == [step_dir_name(3)]
     assert RemoteTier(url, options).committed_steps() == [2, 3]
 

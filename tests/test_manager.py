@@ -479,6 +479,23 @@ def test_credentials_never_appear_in_logs_errors_or_reprs(tmp_path, s3_url, moto
     assert not [record for record in caplog.records if secret in record.getMessage()]
 
 
+def test_a_multipart_upload_killed_midway_is_aborted_by_the_next_start(tmp_path, s3_url, caplog):
+    import json
+
+    url, options = s3_url
+    kill_child_at(tmp_path, "multipart", json.dumps({"url": url, "options": options}), bytes_per_rank=12 << 20)
+    tier = RemoteTier(url, options)
+    bucket, prefix, _version = tier._fs.split_path(tier._root)
+    open_uploads = tier._fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix).get("Uploads", [])
+    assert [upload["Key"].rsplit("/", 1)[-1] for upload in open_uploads] == ["rank-00000-of-00004.safetensors"]
+    with caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
+        with CheckpointManager(tmp_path, world_size=4, remote_url=url, storage_options=options) as manager:
+            manager.wait(uploaded=True)  # the killed step's upload, resumed and completed
+            assert manager.remote_steps() == [1]
+    assert "Uploads" not in tier._fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
+    assert any("aborted an unfinished multipart upload" in record.getMessage() for record in caplog.records)
+
+
 def test_sigkill_during_upload_then_restart_completes_it_without_resending(tmp_path, cloud_url, monkeypatch):
     import json
 

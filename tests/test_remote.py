@@ -168,6 +168,28 @@ def test_a_url_or_option_fsspec_cannot_use_is_a_permanent_remote_error():
     assert not caught.value.transient
 
 
+def test_abort_orphans_aborts_only_this_librarys_unfinished_uploads_old_enough(s3_url, monkeypatch):
+    import time
+
+    url, options = s3_url
+    tier = RemoteTier(url, options)
+    bucket, prefix, _version = tier._fs.split_path(tier._root)
+    for key in (f"{prefix}/step-000000000007/rank-00000-of-00001.safetensors", f"{prefix}/someone-elses/file"):
+        tier._fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+
+    def open_keys():
+        uploads = tier._fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix).get("Uploads", [])
+        return sorted(upload["Key"][len(prefix) + 1 :] for upload in uploads)
+
+    started = tier._fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)["Uploads"][0]["Initiated"]
+    with monkeypatch.context() as clock:  # moto dates every upload 2010-11-10: the test's "now" is 10 s after it
+        clock.setattr(time, "time", lambda: started.timestamp() + 10)
+        assert tier.abort_orphans(older_than_seconds=3600) == []  # just started: may be a running upload
+    assert len(open_keys()) == 2
+    assert tier.abort_orphans() == [f"{url}/step-000000000007/rank-00000-of-00001.safetensors"]
+    assert open_keys() == ["someone-elses/file"]  # not an object of ours: left alone
+
+
 def test_a_multipart_upload_is_confirmed_against_the_etag_s3_computed(s3_url, tmp_path):
     """11 MiB in 5 MiB parts: the ETag is the MD5 of the parts' MD5s, which the confirmation
     recomputes from the file; a corrupted part would not match (see the in-transit test)."""

@@ -143,12 +143,14 @@ def command_push(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
 def command_prune(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     store = _store(config)
     remote = config.remote.retention if config.remote is not None else None
+    deadline = config.upload.deadline_seconds
     with store.local.lock():
-        plan = store.prune(config.local.retention, remote, dry_run=args.dry_run)
+        plan = store.prune(config.local.retention, remote, dry_run=args.dry_run, orphans_older_than=deadline or 3600.0)
     verb = "would delete" if args.dry_run else "deleted"
+    aborted = f"; aborted unfinished uploads: {plan['aborted']}" if plan["aborted"] else ""
     return EXIT_OK, (
         {"dry_run": args.dry_run, **plan},
-        f"{verb}: local {plan['local'] or 'none'}, remote {plan['remote'] or 'none'}",
+        f"{verb}: local {plan['local'] or 'none'}, remote {plan['remote'] or 'none'}{aborted}",
     )
 
 

@@ -561,6 +561,51 @@ class RemoteTier:
 
     # -- deleting -----------------------------------------------------------------------
 
+    def abort_orphans(self, older_than_seconds: float = 0.0) -> list[str]:
+        """Abort the multipart uploads left open under this tier's URL (S3) by an upload that
+        failed or was killed, started at least ``older_than_seconds`` ago; return their URLs.
+
+        Only uploads of this library's objects (``step-*/...`` under the URL) are touched.
+        Elsewhere there is nothing to do: a file system leaves temp files the next upload
+        replaces, and GCS offers no listing of unfinished resumable uploads (it expires them
+        after a week).
+        """
+        if not self._protocols & {"s3", "s3a"}:
+            return []
+        bucket, prefix, _version = self._fs.split_path(self._root)
+        uploads = self._run(
+            f"listing unfinished multipart uploads under {self.url}", lambda: self._uploads(bucket, prefix)
+        )
+        now = time.time()
+        aborted = []
+        for upload in uploads:
+            key, started = upload["Key"], upload.get("Initiated")
+            relative = key[len(prefix) :].lstrip("/") if prefix else key
+            if parse_step_dir_name(relative.split("/", 1)[0]) is None or "/" not in relative:
+                continue  # not an object of ours
+            if started is not None and now - started.timestamp() < older_than_seconds:
+                continue  # may belong to an upload still running
+            location = f"{self.url}/{relative}"
+            self._run(
+                f"aborting the unfinished multipart upload of {location}",
+                lambda key=key, upload=upload: self._fs.call_s3(
+                    "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload["UploadId"]
+                ),
+            )
+            logger.warning("aborted an unfinished multipart upload of %s (started %s)", location, started)
+            aborted.append(location)
+        return aborted
+
+    def _uploads(self, bucket: str, prefix: str) -> list[dict[str, Any]]:
+        uploads: list[dict[str, Any]] = []
+        arguments: dict[str, Any] = {"Bucket": bucket, "Prefix": f"{prefix}/" if prefix else ""}
+        while True:
+            page = self._fs.call_s3("list_multipart_uploads", **arguments)
+            uploads += page.get("Uploads", [])
+            if not page.get("IsTruncated"):
+                return uploads
+            arguments["KeyMarker"], arguments["UploadIdMarker"] = page["NextKeyMarker"], page["NextUploadIdMarker"]
+
     def delete_step(self, step: int) -> None:
         """Delete a step: its remote manifest first (the step turns invisible), then its objects."""
 

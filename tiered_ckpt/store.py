@@ -24,7 +24,7 @@ import logging
 import threading
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Literal, NoReturn, TypeVar
+from typing import Any, Literal, NoReturn, TypeVar
 
 import numpy as np
 
@@ -369,13 +369,22 @@ class TieredStore:
         return deleted
 
     def prune(
-        self, local: RetentionPolicy, remote: RetentionPolicy | None, *, dry_run: bool = False
-    ) -> dict[str, list[int]]:
-        """Apply both tiers' retention now; return the steps deleted (or, with ``dry_run``, to delete)."""
+        self,
+        local: RetentionPolicy,
+        remote: RetentionPolicy | None,
+        *,
+        dry_run: bool = False,
+        orphans_older_than: float = 3600.0,
+    ) -> dict[str, list[Any]]:
+        """Apply both tiers' retention now, and abort the bucket's unfinished multipart uploads
+        started ``orphans_older_than`` seconds ago or earlier (younger ones may belong to a
+        running job); return the steps deleted (or, with ``dry_run``, to delete) and the
+        uploads aborted."""
         remote = remote or RetentionPolicy()
         if dry_run:
-            return {"local": self.local_to_delete(local), "remote": self.remote_to_delete(remote)}
-        return {"local": self.retain_local(local), "remote": self.retain_remote(remote)}
+            return {"local": self.local_to_delete(local), "remote": self.remote_to_delete(remote), "aborted": []}
+        aborted = self.remote.abort_orphans(orphans_older_than) if self.remote is not None else []
+        return {"local": self.retain_local(local), "remote": self.retain_remote(remote), "aborted": aborted}
 
 
 def _no_copy_verifies(record: ShardRecord, tried: list[tuple[str, CheckpointError]]) -> NoReturn:

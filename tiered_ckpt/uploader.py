@@ -120,9 +120,7 @@ class Uploader:
 
         Call once, before any :meth:`submit`, on every process (it is collective).
         """
-        listing = decide(
-            self._coordinator, _RemoteListing, lambda: _RemoteListing(*map(tuple, self._remote.list_steps()))
-        )
+        listing = decide(self._coordinator, _RemoteListing, self._clean_and_list)
         self.newest_committed = listing.committed[-1] if listing.committed else None
         mine, shared = agree_on(
             self._coordinator, lambda: _ResumeReport(self._resumable(listing.committed)), to_payload
@@ -140,6 +138,12 @@ class Uploader:
             logger.warning("resuming the upload of step %d to %s", step, self._remote.url)
             self.submit(step, bounded=False)
         return resumed
+
+    def _clean_and_list(self) -> _RemoteListing:
+        """Leader, while every process waits for it (so no upload of this job is running): abort
+        the multipart uploads a failed or killed upload left open, then list the bucket."""
+        self._remote.abort_orphans()
+        return _RemoteListing(*map(tuple, self._remote.list_steps()))
 
     def _resumable(self, remote_steps: Sequence[int]) -> tuple[int, ...]:
         """Local steps whose remote commit a crash prevented (lost receipts are mended on the way)."""

@@ -102,10 +102,12 @@ def run_multipart(directory: str, bytes_per_rank: int, remote_json: str) -> None
     from tiered_ckpt import CheckpointManager, multipart
 
     remote = json.loads(remote_json)
+    from tiered_ckpt import UploadOptions
+
     manager = CheckpointManager(
-        directory, world_size=4, remote_url=remote["url"], storage_options=remote["options"], upload_concurrency=1
-    )
-    manager.store.remote._part_bytes = 5 << 20  # test instrumentation: a multipart upload for a small shard
+        directory, world_size=4, remote_url=remote["url"], storage_options=remote["options"],
+        upload=UploadOptions(concurrency=1, part_bytes=5 << 20),
+    )  # fmt: skip
     multipart._read_part = pause_forever
     manager.save(1, large_states(4, bytes_per_rank, version=1))
     manager.wait(uploaded=True)

@@ -751,6 +751,38 @@ def test_a_step_not_committed_within_its_deadline_fails_and_the_next_step_goes_o
         proxy.close()
 
 
+def test_a_bucket_throttling_half_the_requests_for_a_while_gets_every_step_within_a_request_bound(
+    tmp_path, moto_endpoint, s3_url
+):
+    from conftest import FaultInjectingProxy, large_states, s3_storage_options
+    from tiered_ckpt import UploadOptions
+
+    url, _ = s3_url
+    proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0)
+    # Parts of 5 MiB: each 12 MiB shard goes up as a multipart upload of 3 parts.
+    upload = UploadOptions(max_tries=30, backoff_seconds=0.01, part_bytes=5 << 20, part_concurrency=8)
+    counts = []
+    try:
+        with CheckpointManager(
+            tmp_path, world_size=4, remote_url=url, storage_options=s3_storage_options(proxy.endpoint), upload=upload
+        ) as manager:
+            for step, rate in ((1, 0.0), (2, 0.5), (3, 0.0)):  # clean, throttled for a while, clean again
+                proxy.failure_rate = rate
+                before = proxy.requests
+                manager.save(step, large_states(4, 12 << 20, version=step))
+                manager.wait(uploaded=True)
+                counts.append(proxy.requests - before)
+            assert manager.remote_steps() == [1, 2, 3]
+            assert manager.store.remote.throttled > 0 and manager.store.remote.window.throttles > 0
+    finally:
+        proxy.close()
+    clean, throttled, after = counts
+    assert proxy.injected > 0
+    # Half the requests refused: about twice the requests of a clean step (each one tried until it
+    # passes, none multiplied by a second retry loop); bound: four times.
+    assert throttled <= 4 * clean and after <= clean + 2  # and no backlog of retries once it stops
+
+
 def test_a_store_that_accepts_a_put_and_never_answers_fails_in_bounded_time(tmp_path, moto_endpoint, s3_url, states):
     from conftest import FaultInjectingProxy, s3_storage_options
     from tiered_ckpt import UploadOptions

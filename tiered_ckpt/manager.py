@@ -136,7 +136,8 @@ class CheckpointManager:
         self._closed = False
         remote_tier = None
         if options.remote is not None:
-            remote_tier = RemoteTier(options.remote.url, options.remote.storage_options, retry=options.upload.retry)
+            remote = options.remote
+            remote_tier = RemoteTier(remote.url, remote.storage_options, **options.upload.tier_arguments)
         self._store = TieredStore(LocalTier(options.local.dir), remote_tier)
         self._restorer = Restorer(self._store, coordinator, world_size, max_workers)
         self._uploader: Uploader | None = None

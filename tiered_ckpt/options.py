@@ -17,7 +17,7 @@ from typing import Any, Literal, TypedDict
 import fsspec
 
 from .errors import ConfigError, invalid_option
-from .remote import RetryPolicy
+from .remote import DEFAULT_PART_BYTES, DEFAULT_PART_CONCURRENCY, RetryPolicy
 from .retention import RetentionPolicy
 from .shardfile import VERIFY_MODES, Verify
 
@@ -124,7 +124,9 @@ class UploadOptions:
     the first; a request that gets no answer fails after ``timeout_seconds``. A step not
     committed in the bucket ``deadline_seconds`` after its upload started fails with
     :class:`~tiered_ckpt.UploadError` (requests still running are cut short) and the
-    queue moves on; None: no deadline beyond the retry bounds.
+    queue moves on; None: no deadline beyond the retry bounds. S3 objects of at least
+    ``2 * part_bytes`` go up in parts of ``part_bytes``, at most ``part_concurrency`` in
+    flight (fewer while the store throttles).
     """
 
     concurrency: int = 2
@@ -135,6 +137,8 @@ class UploadOptions:
     max_pending: int = 2
     when_behind: WhenBehind = "wait"
     deadline_seconds: float | None = 3600.0
+    part_bytes: int = DEFAULT_PART_BYTES
+    part_concurrency: int = DEFAULT_PART_CONCURRENCY
 
     def __post_init__(self) -> None:
         _check_number("concurrency", self.concurrency, 1)
@@ -146,6 +150,13 @@ class UploadOptions:
         _check_choice("when_behind", self.when_behind, ("wait", "skip"))
         if self.deadline_seconds is not None:
             _check_number("deadline_seconds", self.deadline_seconds, 0.001, (int, float))
+        _check_number("part_bytes", self.part_bytes, 5 << 20)  # S3's smallest part
+        _check_number("part_concurrency", self.part_concurrency, 1)
+
+    @property
+    def tier_arguments(self) -> dict[str, Any]:
+        """The keyword arguments of :class:`~tiered_ckpt.remote.RemoteTier` these options set."""
+        return {"retry": self.retry, "part_bytes": self.part_bytes, "part_concurrency": self.part_concurrency}
 
     @property
     def retry(self) -> RetryPolicy:

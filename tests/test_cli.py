@@ -59,6 +59,20 @@ def test_ls_shows_each_step_in_each_tier(setup):
     assert code == 0 and "STEP" in out.splitlines()[0] and "uploading" in out
 
 
+def test_status_says_how_far_the_bucket_is_behind(setup):
+    config, local, url, options, env = setup
+    save_steps(local, url, options, [1, 2])
+    save_steps(local, url, options, [3, 4], upload=False)  # the bucket is two steps behind
+    code, out, err = run(env, "--config", str(config), "--json", "status")
+    assert code == 0, err
+    lag = json.loads(out)
+    assert (lag["newest_local"], lag["newest_remote"], lag["steps_behind"]) == (4, 2, 2)
+    assert [w["step"] for w in lag["waiting"]] == [3, 4] and all(w["bytes"] > 0 for w in lag["waiting"])
+    assert lag["waiting_seconds"] >= 0 and lag["last_error"] is None
+    code, out, _ = run(env, "--config", str(config), "status")
+    assert code == 0 and "2 steps waiting for upload: 3 (" in out
+
+
 def test_verify_passes_then_fails_on_a_flipped_byte_in_either_tier(setup):
     config, local, url, options, env = setup
     save_steps(local, url, options, [5])

@@ -718,6 +718,38 @@ def test_bytes_changed_in_transit_are_never_committed(tmp_path, store, request, 
     assert RemoteTier(*request.getfixturevalue(f"{store}_url")).committed_steps() == []
 
 
+def test_status_reports_the_lag_the_upload_rate_and_the_last_error(tmp_path, moto_endpoint, s3_url, states, caplog):
+    from conftest import FaultInjectingProxy, s3_storage_options
+    from tiered_ckpt import UploadOptions
+
+    url, _ = s3_url
+    proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0)
+    upload = UploadOptions(max_tries=1, backoff_seconds=0)
+    try:
+        with caplog.at_level(logging.INFO, logger="tiered_ckpt"), CheckpointManager(
+            tmp_path, world_size=4, sharded_keys=ZERO1_SHARDED_KEYS, remote_url=url,
+            storage_options=s3_storage_options(proxy.endpoint), upload=upload,
+        ) as manager:  # fmt: skip
+            assert manager.status().newest_remote is None and manager.status().upload_bytes_per_second is None
+            manager.save(1, states)
+            manager.wait(uploaded=True)
+            lag = manager.status()
+            assert (lag.newest_local, lag.newest_remote, lag.waiting, lag.last_error) == (1, 1, (), None)
+            assert lag.upload_bytes_per_second > 0
+            assert any("step 1 committed at" in r.getMessage() and "MB/s" in r.getMessage() for r in caplog.records)
+            proxy.failure_rate = 1.0  # the bucket is down
+            manager.save(2, states)
+            with pytest.raises(UploadError):
+                manager.wait(uploaded=True)
+            lag = manager.status()
+            assert (lag.newest_local, lag.newest_remote, lag.steps_behind) == (2, 1, 1)
+            assert lag.waiting[0][0] == 2 and lag.waiting[0][1] == manager.store.local.manifest(2).total_bytes
+            assert "upload of step 2 failed" in lag.last_error and lag.last_error_at > 0
+            proxy.failure_rate = 0.0
+    finally:
+        proxy.close()
+
+
 @pytest.mark.parametrize("fault", ["stall", "throttle"])
 def test_a_step_not_committed_within_its_deadline_fails_and_the_next_step_goes_on(
     tmp_path, moto_endpoint, s3_url, states, fault

@@ -26,7 +26,7 @@ from .manifest import ShardManifest, ShardRecord
 from .options import LocalOptions, RemoteOptions, UploadOptions
 from .reshard import partition_sizes
 from .sharded import load_sharded, save_sharded
-from .store import TieredStore
+from .store import Lag, TieredStore
 
 __all__ = [
     "CheckpointManager",
@@ -63,6 +63,7 @@ __all__ = [
     "RemoteOptions",
     "UploadOptions",
     "TieredStore",
+    "Lag",
 ]
 
 __version__ = "0.1.0"

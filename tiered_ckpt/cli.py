@@ -3,6 +3,7 @@
 Usage (also ``python -m tiered_ckpt``)::
 
     tiered-ckpt ls [--config FILE] [--json]              every step and its state in each tier
+    tiered-ckpt status [--config FILE] [--json]          how far the bucket is behind the local disk
     tiered-ckpt verify [STEP] [--config FILE] [--json]   sha256 of every shard in each tier
     tiered-ckpt pull [STEP] [--config FILE] [--json]     fill the local tier from the bucket
     tiered-ckpt push [STEP] [--config FILE] [--json]     upload what is not yet in the bucket
@@ -13,7 +14,7 @@ Usage (also ``python -m tiered_ckpt``)::
 The global options (``--config``, ``--local-dir``, ``--remote-url``, ``--json``) go
 before or after the command, as in git. Without ``--config`` the ``TIERED_CKPT_*`` environment variables (at least
 ``TIERED_CKPT_LOCAL_DIR``) describe the tiers; ``--local-dir`` and ``--remote-url``
-override both. ``ls`` and ``verify`` only read, and work while a job is training;
+override both. ``ls``, ``status`` and ``verify`` only read, and work while a job is training;
 ``pull``, ``push`` and ``prune`` lock the directory as a running manager does. Every
 command works on the :class:`~tiered_ckpt.store.TieredStore` the config describes: no
 world size, no coordinator.
@@ -163,11 +164,23 @@ def _global_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
     parser.add_argument("--json", action="store_true", default=False if top else argparse.SUPPRESS, help="print JSON")
 
 
+def command_status(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
+    lag = _store(config).lag()
+    waiting = ", ".join(f"{step} ({human_size(size)})" for step, size in lag.waiting) or "none"
+    since = f", the oldest for {lag.waiting_seconds / 60:.1f} min" if lag.waiting_seconds is not None else ""
+    text = (
+        f"newest local step {lag.newest_local}, newest remote step {lag.newest_remote}; "
+        f"{lag.steps_behind} steps waiting for upload: {waiting}{since}"
+    )
+    return EXIT_OK, (lag.to_dict(), text)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tiered-ckpt", description=__doc__.split("\n\n")[0])
     _global_options(parser, top=True)
     commands = parser.add_subparsers(dest="command", required=True)
     _global_options(commands.add_parser("ls", help="every step and its state in each tier"), top=False)
+    _global_options(commands.add_parser("status", help="how far the bucket is behind the local disk"), top=False)
     for name, text in [("verify", "check every shard's sha256"), ("pull", "fill the local tier"), ("push", "upload")]:
         sub = commands.add_parser(name, help=text)
         sub.add_argument("step", type=int, nargs="?", help="one step (default: all, or the newest for pull)")
@@ -182,6 +195,7 @@ def _parser() -> argparse.ArgumentParser:
 
 COMMANDS = {
     "ls": command_ls,
+    "status": command_status,
     "verify": command_verify,
     "pull": command_pull,
     "push": command_push,

@@ -24,6 +24,7 @@ rank must make the same calls in the same order, as with any collective.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -54,7 +55,7 @@ from .restore import Restorer, RestoreResult, check_restore_arguments, same_call
 from .sharded import resolve_sharded_keys, sharding_summary, validate_states, validate_step
 from .shardfile import Verify
 from .state import FlatState, StagingBuffers, State, flatten
-from .store import TieredStore
+from .store import Lag, TieredStore
 from .uploader import Uploader
 from .writer import SaveHandle, Writer
 
@@ -397,6 +398,24 @@ class CheckpointManager:
         steps = self.steps()
         remote = self._uploader.newest_committed if self._uploader is not None else None
         return max([*steps[-1:], *([remote] if remote is not None else [])], default=None)
+
+    def status(self) -> Lag:
+        """How far the bucket is behind this process's disk: the newest step of each tier, the
+        steps waiting for upload with their bytes and how long the oldest has waited, the rate
+        of the last remote commits, and the last upload failure with its time (see
+        :class:`~tiered_ckpt.store.Lag`). Cheap enough to call every step: it reads local
+        manifests and lists nothing remote."""
+        uploader = self._uploader
+        if uploader is None:
+            return self._store.lag()
+        lag = self._store.lag(uploader.pending(), uploader.newest_committed)
+        failed = uploader.last_error
+        return dataclasses.replace(
+            lag,
+            upload_bytes_per_second=uploader.upload_rate(),
+            last_error=failed[1] if failed else None,
+            last_error_at=failed[0] if failed else None,
+        )
 
     @overload
     def restore(

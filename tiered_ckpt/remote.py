@@ -600,7 +600,10 @@ class RemoteTier:
         uploads: list[dict[str, Any]] = []
         arguments: dict[str, Any] = {"Bucket": bucket, "Prefix": f"{prefix}/" if prefix else ""}
         while True:
-            page = self._fs.call_s3("list_multipart_uploads", **arguments)
+            try:
+                page = self._fs.call_s3("list_multipart_uploads", **arguments)
+            except FileNotFoundError:  # no bucket (yet): nothing left open in it; the upload will say so
+                return uploads
             uploads += page.get("Uploads", [])
             if not page.get("IsTruncated"):
                 return uploads

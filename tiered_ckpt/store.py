@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn, TypeVar
@@ -45,7 +46,7 @@ from .sharded import run_parallel
 from .shardfile import Verify, copy_and_hash, read_header
 from .state import FlatState, structure_of
 
-__all__ = ["TieredStore", "StepStatus", "ShardCheck", "Source"]
+__all__ = ["TieredStore", "StepStatus", "ShardCheck", "Lag", "Source"]
 
 logger = logging.getLogger("tiered_ckpt")
 
@@ -70,6 +71,52 @@ class StepStatus:
     remote: str
     manifest: ShardManifest | None
     held_ranks: tuple[int, ...] | None
+
+
+class Unknown:
+    """The type of :data:`UNKNOWN`: a value the caller does not know (None being a value)."""
+
+
+UNKNOWN = Unknown()
+
+
+@dataclass(frozen=True)
+class Lag:
+    """How far the bucket is behind the local disk, for dashboards and alerts.
+
+    ``newest_local`` / ``newest_remote``: the newest step committed in each tier (None:
+    none). ``waiting``: the steps committed locally and waiting for their remote commit, as
+    ``(step, bytes)``, oldest first; ``waiting_seconds``: how long ago the oldest of them
+    was committed locally (None: nothing waits). ``upload_bytes_per_second``: the rate of
+    the last remote commits, and ``last_error`` / ``last_error_at`` (Unix time) the last
+    upload failure, as the running manager saw them (None from a process that uploads
+    nothing, such as the CLI).
+    """
+
+    newest_local: int | None
+    newest_remote: int | None
+    waiting: tuple[tuple[int, int], ...]
+    waiting_seconds: float | None
+    upload_bytes_per_second: float | None = None
+    last_error: str | None = None
+    last_error_at: float | None = None
+
+    @property
+    def steps_behind(self) -> int:
+        """Steps committed locally and not yet remotely."""
+        return len(self.waiting)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "newest_local": self.newest_local,
+            "newest_remote": self.newest_remote,
+            "steps_behind": self.steps_behind,
+            "waiting": [{"step": step, "bytes": size} for step, size in self.waiting],
+            "waiting_seconds": self.waiting_seconds,
+            "upload_bytes_per_second": self.upload_bytes_per_second,
+            "last_error": self.last_error,
+            "last_error_at": self.last_error_at,
+        }
 
 
 @dataclass(frozen=True)
@@ -162,6 +209,27 @@ class TieredStore:
             local_state = "committed" if step in committed else "staged" if step in staged else "-"
             rows.append(StepStatus(step, local_state, remote_state, manifest, held))
         return rows
+
+    def lag(
+        self, pending: Collection[int] = (), newest_remote: int | None | Unknown = UNKNOWN, now: float | None = None
+    ) -> Lag:
+        """How far the bucket is behind: ``pending`` are the steps queued for upload, and
+        ``newest_remote`` the newest remote commit if the caller knows it (by default the
+        bucket is listed). The running manager adds its upload rate and last error."""
+        steps = self.local.steps()
+        if self.remote is None:
+            return Lag(steps[-1] if steps else None, None, (), None)
+        if isinstance(newest_remote, Unknown):
+            remote_steps = self.remote_steps()
+            newest_remote = remote_steps[-1] if remote_steps else None
+        receipted = {step for step in steps if self.receipted(step)}
+        waiting = []
+        for step in sorted(awaiting_upload(steps, receipted, pending)):
+            manifest = self.local.manifest(step)
+            waiting.append((step, manifest.total_bytes, manifest.wall_clock_seconds))
+        now = time.time() if now is None else now
+        oldest = round(now - waiting[0][2], 3) if waiting else None
+        return Lag(steps[-1] if steps else None, newest_remote, tuple((s, b) for s, b, _ in waiting), oldest)
 
     # -- reading shards ---------------------------------------------------------------------
 

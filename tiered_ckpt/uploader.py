@@ -55,6 +55,8 @@ __all__ = ["Uploader"]
 
 logger = logging.getLogger("tiered_ckpt")
 
+RATE_WINDOW = 5  # remote commits the upload rate is measured over
+
 
 @dataclass(frozen=True)
 class _RemoteListing:
@@ -107,6 +109,8 @@ class Uploader:
         self._preempted = False
         self._changed = threading.Condition()
         self.newest_committed: int | None = None  # the newest remote commit this uploader knows of
+        self._commits: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW)  # (bytes, seconds) of recent commits
+        self.last_error: tuple[float, str] | None = None  # (Unix time, message) of the last failure
         self._thread = threading.Thread(target=self._run, name="tiered-ckpt-uploader", daemon=True)
         self._thread.start()
 
@@ -220,6 +224,17 @@ class Uploader:
 
     # -- the uploader thread ----------------------------------------------------------------
 
+    def upload_rate(self) -> float | None:
+        """Bytes per second of the last remote commits (None before the first)."""
+        with self._changed:
+            commits = list(self._commits)
+        seconds = sum(seconds for _bytes, seconds in commits)
+        return round(sum(size for size, _seconds in commits) / seconds, 1) if commits and seconds > 0 else None
+
+    def _failed(self, error: UploadError) -> None:
+        self.last_error = (time.time(), str(error))
+        self.errors.put(error)
+
     def _run(self) -> None:
         while True:
             with self._changed:
@@ -231,7 +246,7 @@ class Uploader:
             try:
                 step = self._next_step(proposal)
             except BaseException as exc:  # the processes could not agree: every one records it, none goes on
-                self.errors.put(_as_upload_error(proposal, exc))
+                self._failed(_as_upload_error(proposal, exc))
                 with self._changed:
                     self._queue.clear()
                     self._changed.notify_all()
@@ -239,7 +254,7 @@ class Uploader:
             try:
                 self._upload(step)
             except BaseException as exc:  # a remote failure, a local I/O error or a bug: never lost silently
-                self.errors.put(_as_upload_error(step, exc))
+                self._failed(_as_upload_error(step, exc))
             finally:
                 with self._changed:
                     self._active = None
@@ -277,6 +292,7 @@ class Uploader:
     def _put_and_commit(self, step: int, deadline: float | None) -> None:
         store = self._store
         manifest = store.local.manifest(step)
+        started = time.monotonic()
         ranks = range(manifest.world_size) if self._ranks is None else self._ranks
 
         def put(rank: int) -> None:
@@ -288,7 +304,14 @@ class Uploader:
         committed = RemoteManifest.from_json(remote.document, source=self._remote.location(step))
         store.local.write_receipt(step, self._remote.url, committed)
         self.newest_committed = max(self.newest_committed or 0, step)
-        logger.info("step %d committed at %s", step, self._remote.location(step))
+        seconds = time.monotonic() - started
+        sent = sum(manifest.shard(rank).size_bytes for rank in ranks)
+        with self._changed:
+            self._commits.append((sent, seconds))
+        logger.info(
+            "step %d committed at %s: %d bytes from this process in %.2f s (%.1f MB/s)",
+            step, self._remote.location(step), sent, seconds, sent / max(seconds, 1e-9) / 1e6,
+        )  # fmt: skip
         try:
             if self._coordinator.is_leader:
                 store.retain_remote(self._remote_retention)

@@ -437,6 +437,28 @@ def test_uploads_behind_with_skip_upload_only_the_newest(tmp_path, memory_url, m
     manager.close()
 
 
+def test_a_bucket_that_is_down_does_not_fill_the_disk(tmp_path, memory_url, monkeypatch, caplog):
+    def unreachable(tier, step, local_path, record, **options):
+        raise RemoteError("the bucket is unreachable", transient=False)
+
+    with monkeypatch.context() as down:
+        down.setattr(RemoteTier, "put_shard", unreachable)
+        with caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
+            manager = two_tier(tmp_path, memory_url, keep_last=1, max_awaiting_upload=2)
+            for step in range(1, 7):
+                manager.save(step, zero1_states(seed=step), blocking=True)
+                with pytest.raises(UploadError, match=f"step {step}"):
+                    manager.wait(uploaded=True)
+            manager.wait()
+        assert manager.steps() == [5, 6]  # the newest two waiting steps; never the newest
+        assert manager.status().steps_behind == 2
+        assert any("deleted step 1" in r.getMessage() and "before it reached" in r.getMessage() for r in caplog.records)
+    manager.save(7, zero1_states(seed=7), blocking=True)  # the bucket is back
+    manager.wait(uploaded=True)
+    assert manager.remote_steps() == [7] and manager.steps() == [7]
+    manager.close()
+
+
 def test_uploads_behind_with_wait_hold_the_next_save(tmp_path, memory_url, monkeypatch):
     blocked = BlockedUploads(monkeypatch)
     manager = two_tier(tmp_path, memory_url, max_pending_uploads=1, when_uploads_behind="wait")

@@ -1,7 +1,7 @@
 import pytest
 
 from tiered_ckpt import ConfigError
-from tiered_ckpt.retention import RetentionPolicy, awaiting_upload
+from tiered_ckpt.retention import RetentionPolicy, awaiting_upload, protected_locally
 
 
 @pytest.mark.parametrize(
@@ -39,3 +39,14 @@ def test_awaiting_upload_protects_unreceipted_pending_and_newer_steps():
     assert awaiting_upload(steps, receipted={2, 4}, pending=()) == {5}
     assert awaiting_upload(steps, receipted={2, 4}, pending=(3,)) == {3, 5}
     assert awaiting_upload(steps, receipted=set(), pending=()) == set(steps)
+
+
+def test_a_bound_protects_only_the_newest_waiting_steps_and_those_queued():
+    steps = list(range(1, 11))  # the bucket has been down since step 2
+    assert protected_locally(steps, receipted={1}, pending=(), limit=None) == set(range(2, 11))
+    assert protected_locally(steps, receipted={1}, pending=(), limit=3) == {8, 9, 10}
+    assert protected_locally(steps, receipted={1}, pending=(4,), limit=3) == {4, 8, 9, 10}  # queued: kept
+    policy = RetentionPolicy(keep_last=1, max_awaiting_upload=3)
+    assert policy.to_delete(steps, protected_locally(steps, {1}, (), policy.max_awaiting_upload)) == list(range(1, 8))
+    with pytest.raises(ConfigError, match="max_awaiting_upload"):
+        RetentionPolicy(max_awaiting_upload=0)

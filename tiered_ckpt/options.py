@@ -78,16 +78,20 @@ class _Retained:
     @property
     def retention(self) -> RetentionPolicy:
         """The tier's retention (constructing it checks ``keep_last`` and ``keep_every``)."""
-        return RetentionPolicy(self.keep_last, self.keep_every)
+        return RetentionPolicy(self.keep_last, self.keep_every, getattr(self, "max_awaiting_upload", None))
 
 
 @dataclass(frozen=True)
 class LocalOptions(_Retained):
-    """The local tier: its directory and its retention."""
+    """The local tier: its directory and its retention. While the bucket is unreachable,
+    at most ``max_awaiting_upload`` steps waiting for their upload are kept beyond what
+    ``keep_last`` / ``keep_every`` keep (the newest ones; None: every one, and the disk
+    may fill)."""
 
     dir: Path
     keep_last: int | None = 3
     keep_every: int | None = None
+    max_awaiting_upload: int | None = 8
 
     def __post_init__(self) -> None:
         if not isinstance(self.dir, (str, os.PathLike)) or not str(self.dir):
@@ -195,6 +199,7 @@ class ManagerKeywords(TypedDict, total=False):
     max_pending_uploads: int
     when_uploads_behind: WhenBehind
     upload_deadline_seconds: float | None
+    max_awaiting_upload: int | None
 
 
 KEYWORDS: dict[str, tuple[str, str]] = {
@@ -211,6 +216,7 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "max_pending_uploads": ("upload", "max_pending"),
     "when_uploads_behind": ("upload", "when_behind"),
     "upload_deadline_seconds": ("upload", "deadline_seconds"),
+    "max_awaiting_upload": ("local", "max_awaiting_upload"),
 }
 
 

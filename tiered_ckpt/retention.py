@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .errors import invalid_option
 
-__all__ = ["RetentionPolicy", "awaiting_upload"]
+__all__ = ["RetentionPolicy", "awaiting_upload", "protected_locally"]
 
 
 def _check_keep(name: str, value: object) -> None:
@@ -29,14 +29,18 @@ class RetentionPolicy:
     """Keep the newest ``keep_last`` steps (None: all) and every step divisible by ``keep_every``.
 
     The newest step is always kept, and so is every step the caller protects.
+    ``max_awaiting_upload`` (local tier) bounds how many steps still waiting for their
+    upload are protected beyond that (the newest ones; None: all of them).
     """
 
     keep_last: int | None = None
     keep_every: int | None = None
+    max_awaiting_upload: int | None = None
 
     def __post_init__(self) -> None:
         _check_keep("keep_last", self.keep_last)
         _check_keep("keep_every", self.keep_every)
+        _check_keep("max_awaiting_upload", self.max_awaiting_upload)
 
     @property
     def keeps_everything(self) -> bool:
@@ -53,7 +57,19 @@ class RetentionPolicy:
 
 
 def awaiting_upload(steps: Iterable[int], receipted: Collection[int], pending: Collection[int]) -> set[int]:
-    """Local steps that must stay until the bucket has them: not receipted, and either still
-    queued for upload or newer than the newest receipted step (not superseded remotely)."""
+    """Local steps waiting for the bucket: not receipted, and either still queued for upload
+    or newer than the newest receipted step (not superseded remotely)."""
     newest_receipted = max(receipted, default=-1)
     return {step for step in steps if step not in receipted and (step in pending or step > newest_receipted)}
+
+
+def protected_locally(
+    steps: Iterable[int], receipted: Collection[int], pending: Collection[int], limit: int | None
+) -> set[int]:
+    """The local steps retention must keep for the bucket's sake: the steps queued for upload
+    and the newest ``limit`` of the steps :func:`awaiting_upload` (all with None). Older
+    waiting steps are left to the policy (the newest step it always keeps; a step already
+    in the bucket, the newest remote commit included, is never a waiting step)."""
+    waiting = sorted(awaiting_upload(steps, receipted, pending))
+    kept = set(waiting if limit is None else waiting[len(waiting) - limit :])
+    return kept | set(pending).intersection(waiting)

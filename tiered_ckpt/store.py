@@ -41,7 +41,7 @@ from .errors import (
 from .local import LocalTier
 from .manifest import RemoteManifest, ShardManifest, ShardRecord
 from .remote import RemoteTier
-from .retention import RetentionPolicy, awaiting_upload
+from .retention import RetentionPolicy, awaiting_upload, protected_locally
 from .sharded import run_parallel
 from .shardfile import Verify, copy_and_hash, read_header
 from .state import FlatState, structure_of
@@ -409,7 +409,7 @@ class TieredStore:
         protected: set[int] = set()
         if self.remote is not None:
             receipted = {step for step in steps if self.receipted(step)}
-            protected = awaiting_upload(steps, receipted, pending_uploads)
+            protected = protected_locally(steps, receipted, pending_uploads, policy.max_awaiting_upload)
         return policy.to_delete(steps, protected)
 
     def retain_local(self, policy: RetentionPolicy, pending_uploads: Collection[int] = ()) -> list[int]:
@@ -418,9 +418,20 @@ class TieredStore:
             return []
         with self._retention_lock:
             deleted = self.local_to_delete(policy, pending_uploads)
+            never_uploaded = set()
+            if self.remote is not None:
+                steps = self.local.steps()
+                never_uploaded = awaiting_upload(steps, {s for s in steps if self.receipted(s)}, pending_uploads)
             for step in deleted:
                 self.local.delete(step)
-                logger.info("retention: deleted step %d from %s", step, self.local.root)
+                if step in never_uploaded:
+                    logger.warning(
+                        "retention: deleted step %d from %s before it reached %s: more than max_awaiting_upload=%s "
+                        "steps are waiting for upload (is the bucket reachable?)",
+                        step, self.local.root, self.remote.url if self.remote else None, policy.max_awaiting_upload,
+                    )  # fmt: skip
+                else:
+                    logger.info("retention: deleted step %d from %s", step, self.local.root)
         return deleted
 
     def remote_to_delete(self, policy: RetentionPolicy) -> list[int]:

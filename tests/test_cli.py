@@ -90,6 +90,33 @@ def test_verify_passes_then_fails_on_a_flipped_byte_in_either_tier(setup):
     assert code == 1 and failed == [("local", 2), ("remote", 0)]
 
 
+def test_verify_remote_checks_the_stores_own_checksums_without_downloading(setup, monkeypatch):
+    config, local, url, options, env = setup
+    save_steps(local, url, options, [5])
+    tier = RemoteTier(url, options)
+    remote = tier.read_manifest(5)
+    assert set(remote.store_checksums) == {record.path for record in remote.manifest.shards}
+    assert all(value.startswith("sha256:") for value in remote.store_checksums.values())
+    code, out, err = run(env, "--config", str(config), "--json", "verify", "--remote")
+    assert code == 0, err
+    assert [(r["tier"], r["status"]) for r in json.loads(out)] == [("remote", "ok")] * 4  # the bucket only
+    # An object replaced behind the library's back (same size, other bytes and checksum) is caught by a HEAD.
+    record = remote.manifest.shard(1)
+    key = f"{tier._root}/{step_dir_name(5)}/{record.path}"
+    bucket, name, _version = tier._fs.split_path(key)
+    tier._fs.call_s3("put_object", Bucket=bucket, Key=name, Body=b"\0" * record.size_bytes, ChecksumAlgorithm="SHA256")
+    code, out, _ = run(env, "--config", str(config), "--json", "verify", "--remote")
+    failed = [(r["rank"], r["problem"]) for r in json.loads(out) if r["status"] == "failed"]
+    assert code == 1 and failed[0][0] == 1 and "the store keeps checksum" in failed[0][1]
+    # No download: with reads made impossible, the check of the stores' checksums still runs.
+    monkeypatch.setattr(RemoteTier, "read_shard", lambda *args: pytest.fail("downloaded"))
+    from tiered_ckpt import TieredStore
+    from tiered_ckpt.local import LocalTier
+
+    checks = TieredStore(LocalTier(local), tier).verify(5, remote_only=True)
+    assert [check.status for check in checks] == ["ok", "failed", "ok", "ok"]
+
+
 def test_pull_refills_a_lost_local_directory(setup):
     config, local, url, options, env = setup
     save_steps(local, url, options, [7])

@@ -4,7 +4,8 @@ Usage (also ``python -m tiered_ckpt``)::
 
     tiered-ckpt ls [--config FILE] [--json]              every step and its state in each tier
     tiered-ckpt status [--config FILE] [--json]          how far the bucket is behind the local disk
-    tiered-ckpt verify [STEP] [--config FILE] [--json]   sha256 of every shard in each tier
+    tiered-ckpt verify [STEP] [--remote] [--config FILE] [--json]   sha256 of every shard in each tier
+                                                         (--remote: the bucket, without downloads where it can)
     tiered-ckpt pull [STEP] [--config FILE] [--json]     fill the local tier from the bucket
     tiered-ckpt push [STEP] [--config FILE] [--json]     upload what is not yet in the bucket
     tiered-ckpt prune [--dry-run] [--config FILE] [--json]   apply retention to both tiers
@@ -94,7 +95,7 @@ def command_ls(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
 
 def command_verify(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     with tqdm(desc="verify", unit="shard", disable=not sys.stderr.isatty(), leave=False) as bar:
-        checks = _store(config).verify(args.step, progress=lambda _check: bar.update())
+        checks = _store(config).verify(args.step, progress=lambda _check: bar.update(), remote_only=args.remote)
     results = [
         {"step": c.step, "tier": c.tier, "rank": c.rank, "status": c.status, "problem": c.problem} for c in checks
     ]
@@ -184,6 +185,10 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in [("verify", "check every shard's sha256"), ("pull", "fill the local tier"), ("push", "upload")]:
         sub = commands.add_parser(name, help=text)
         sub.add_argument("step", type=int, nargs="?", help="one step (default: all, or the newest for pull)")
+        if name == "verify":
+            sub.add_argument(
+                "--remote", action="store_true", help="the bucket only, by the store's own checksums where recorded"
+            )
         _global_options(sub, top=False)
     prune = commands.add_parser("prune", help="apply retention to both tiers")
     prune.add_argument("--dry-run", action="store_true", help="only say what would be deleted")

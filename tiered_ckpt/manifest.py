@@ -13,7 +13,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import InitVar, dataclass
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from .errors import ChecksumMismatchError, ManifestError, ShardCountMismatchError
@@ -40,6 +40,7 @@ MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _XXH3_64 = re.compile(r"[0-9a-f]{16}")
+_STORE_CHECKSUM = re.compile(r"sha256:[A-Za-z0-9+/]{43}=(-[1-9][0-9]{0,4})?")
 _RESERVED_KEY = "__metadata__"
 
 
@@ -232,15 +233,26 @@ class RemoteManifest:
 
     It holds the same shard records (sizes, sha256s, offsets; each ``path`` is the
     object's name under the step's prefix) and ``committed_at``, the Unix time at which
-    every shard had been uploaded and confirmed. Its ``kind`` field keeps it from being
-    read as a local manifest, and the other way round.
+    every shard had been uploaded and confirmed. ``store_checksums`` maps a shard's path to
+    the checksum the store keeps for its object (S3: ``"sha256:<base64>"``, with ``-N`` for
+    N parts), for checks without a download; empty where the store keeps none. Its
+    ``kind`` field keeps it from being read as a local manifest, and the other way round.
     """
 
     manifest: ShardManifest
     committed_at: float
+    store_checksums: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        paths = {record.path for record in self.manifest.shards}
+        for path, checksum in self.store_checksums.items():
+            if path not in paths or not isinstance(checksum, str) or not _STORE_CHECKSUM.fullmatch(checksum):
+                raise ManifestError(f"remote manifest: field 'store_checksums': {path!r:.80}: {checksum!r:.80}")
 
     def to_json(self) -> str:
         document = {"kind": REMOTE_KIND, "committed_at": self.committed_at, **self.manifest.to_dict()}
+        if self.store_checksums:
+            document["store_checksums"] = dict(sorted(self.store_checksums.items()))
         return json.dumps(document, indent=1) + "\n"
 
     @classmethod
@@ -252,8 +264,15 @@ class RemoteManifest:
         if kind != REMOTE_KIND:
             raise ManifestError(f"{source}: field 'kind': expected {REMOTE_KIND!r}, got {kind[:80]!r}")
         committed_at = fields.number("committed_at")
-        rest = {key: value for key, value in document.items() if key not in ("kind", "committed_at")}
-        return cls(ShardManifest.from_dict(rest, source=source), committed_at)
+        checksums = document.get("store_checksums", {})
+        if not isinstance(checksums, dict):
+            raise ManifestError(f"{source}: field 'store_checksums': expected an object")
+        rest = {key: value for key, value in document.items() if key not in ("kind", "committed_at", "store_checksums")}
+        manifest = ShardManifest.from_dict(rest, source=source)
+        try:
+            return cls(manifest, committed_at, checksums)
+        except ManifestError as exc:
+            raise ManifestError(f"{source}: {exc}") from None
 
 
 def _load_json_object(text: str | bytes, source: str) -> dict[str, Any]:

@@ -198,7 +198,13 @@ class _Upload:
         if size < 2 * self.part_bytes:
             data, checksum = await loop.run_in_executor(None, _read_part, self.path, 0, size, self.known(0))
             await self.call(
-                "put_object", Bucket=self.bucket, Key=self.key, Body=data, ChecksumSHA256=checksum, **self.extra
+                "put_object",
+                Bucket=self.bucket,
+                Key=self.key,
+                Body=data,
+                ChecksumAlgorithm="SHA256",
+                ChecksumSHA256=checksum,
+                **self.extra,
             )
             self.stats.checksum_sha256 = checksum
             return self.stats
@@ -231,7 +237,7 @@ class _Upload:
                 data, checksum = await loop.run_in_executor(None, _read_part, self.path, offset, length, known)
                 answer = await self.call(
                     "upload_part", Bucket=self.bucket, Key=self.key, UploadId=upload_id, PartNumber=number,
-                    Body=data, ChecksumSHA256=checksum,
+                    Body=data, ChecksumAlgorithm="SHA256", ChecksumSHA256=checksum,
                 )  # fmt: skip
                 self.window.sent()
                 return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumSHA256": checksum}

@@ -203,6 +203,15 @@ class _Reader:
             return self._source.readinto(buffer)
 
 
+def _composite(parts: tuple[str, ...]) -> str:
+    """S3's checksum of an object from its parts' SHA256 (base64): the one part's, or the
+    SHA256 of the parts' digests with ``-N``."""
+    if len(parts) == 1:
+        return parts[0]
+    digests = b"".join(base64.b64decode(part) for part in parts)
+    return f"{base64.b64encode(hashlib.sha256(digests).digest()).decode()}-{len(parts)}"
+
+
 @dataclass(frozen=True)
 class _Sums:
     """A shard's checksums as the store will compute them (see :meth:`RemoteTier._store_checksums`)."""
@@ -242,6 +251,7 @@ class RemoteTier:
         # deadline (``at``) and the parts' checksums computed before the upload (``parts``).
         self._context = threading.local()
         self.window = Window(part_concurrency)
+        self._kept: dict[tuple[int, str], str] = {}  # (step, shard path) -> the store's checksum of the object
         self.requests = 0  # S3 upload requests made, and how many of them the store throttled
         self.throttled = 0
         protocol = self._fs.protocol
@@ -512,6 +522,8 @@ class RemoteTier:
         """
         location = self.location(step, record.path)
         sums = self._store_checksums(local_path, record)
+        if sums.parts:  # the checksum S3 keeps for the object: of the one body, or of the parts' digests
+            self._kept[(step, record.path)] = "sha256:" + _composite(sums.parts)
 
         def put_and_confirm() -> bool:
             if self._mismatch(step, record, sums.store) is None:
@@ -525,7 +537,43 @@ class RemoteTier:
 
         return self._run(f"uploading {local_path} to {location}", put_and_confirm, deadline)
 
-    def commit(self, manifest: ShardManifest, *, deadline: float | None = None) -> RemoteManifest:
+    def store_checksum(self, step: int, record: ShardRecord) -> str | None:
+        """The checksum the store keeps for ``record``'s object, as :meth:`put_shard` of this
+        tier computed it (None: not put by this tier, or a store that keeps none we read)."""
+        return self._kept.get((step, record.path))
+
+    def check_store_checksum(self, step: int, record: ShardRecord, expected: str) -> str | None:
+        """Compare the checksum the store keeps for ``record``'s object with ``expected`` (from
+        the remote manifest) without downloading it; return the problem, or None if they match.
+
+        On a real S3 the store checked every part against its SHA256 on receipt; moto's
+        server keeps what the client sent without checking it."""
+        location = self.location(step, record.path)
+        bucket, key, _version = self._fs.split_path(self._path(step, record.path))
+
+        def head() -> dict[str, Any]:
+            return self._fs.call_s3("head_object", Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+
+        try:
+            answer = self._run(f"reading the checksum of {location}", head)
+        except RemoteError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):
+                return f"{location}: missing"
+            raise
+        kept = answer.get("ChecksumSHA256")
+        if int(answer.get("ContentLength", -1)) != record.size_bytes:
+            return f"{location}: {answer.get('ContentLength')} bytes, the manifest records {record.size_bytes}"
+        if kept is None or f"sha256:{kept}" != expected:
+            return f"{location}: the store keeps checksum {kept}, the remote manifest records {expected}"
+        return None
+
+    def commit(
+        self,
+        manifest: ShardManifest,
+        *,
+        deadline: float | None = None,
+        store_checksums: Mapping[str, str] | None = None,
+    ) -> RemoteManifest:
         """Write the remote manifest of ``manifest``'s step, create-only where the store supports it
         (under ``deadline``, see :meth:`_run`).
 
@@ -537,7 +585,7 @@ class RemoteTier:
         path = self._path(step, MANIFEST_NAME)
 
         def create() -> RemoteManifest | None:
-            remote = RemoteManifest(manifest, committed_at=time.time())
+            remote = RemoteManifest(manifest, committed_at=time.time(), store_checksums=dict(store_checksums or {}))
             try:
                 self._pipe(path, remote.to_json().encode(), create_only=True)
             except FileExistsError:

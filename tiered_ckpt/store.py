@@ -318,11 +318,17 @@ class TieredStore:
         return self._first_that_verifies(step, record, from_disk, from_bucket, use_remote)
 
     def verify(
-        self, step: int | None = None, *, progress: Callable[[ShardCheck], None] | None = None
+        self,
+        step: int | None = None,
+        *,
+        progress: Callable[[ShardCheck], None] | None = None,
+        remote_only: bool = False,
     ) -> list[ShardCheck]:
         """Hash every shard of ``step`` (default: every committed step) in each tier that holds it.
 
-        ``progress`` is called with each shard's result as soon as it is known.
+        ``progress`` is called with each shard's result as soon as it is known. With
+        ``remote_only``, only the bucket is checked, and an object whose remote manifest
+        records the store's checksum is checked against it without a download.
         """
         local_steps = set(self.local.steps())
         remote_steps = set(self.remote_steps())
@@ -339,7 +345,7 @@ class TieredStore:
                 progress(check)
 
         for each in steps:
-            if each in local_steps:
+            if each in local_steps and not remote_only:
                 manifest = self.local.manifest(each)
                 held = set(self.local.held_ranks(each, manifest))
                 for record in manifest.shards:
@@ -348,8 +354,15 @@ class TieredStore:
                     else:
                         add(_checked(each, "local", record, self.local.check_shard(each, record)))
             if each in remote_steps and self.remote is not None:
-                for record in self.remote.read_manifest(each).manifest.shards:
-                    add(_checked(each, "remote", record, self.remote.check_shard(each, record)))
+                remote = self.remote.read_manifest(each)
+                for record in remote.manifest.shards:
+                    kept = remote.store_checksums.get(record.path) if remote_only else None
+                    problem = (
+                        self.remote.check_store_checksum(each, record, kept)
+                        if kept is not None
+                        else self.remote.check_shard(each, record)
+                    )
+                    add(_checked(each, "remote", record, problem))
         return checks
 
     # -- writing the local tier from the bucket ----------------------------------------------

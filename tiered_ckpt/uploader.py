@@ -295,12 +295,19 @@ class Uploader:
         started = time.monotonic()
         ranks = range(manifest.world_size) if self._ranks is None else self._ranks
 
-        def put(rank: int) -> None:
+        def put(rank: int) -> tuple[str, str] | None:
             record = manifest.shard(rank)
             self._remote.put_shard(step, store.local.shard_path(step, record), record, deadline=deadline)
+            checksum = self._remote.store_checksum(step, record)
+            return (record.path, checksum) if checksum is not None else None
 
-        agree(self._coordinator, lambda: run_parallel(put, ranks, self._options.concurrency) and None)
-        remote = decide(self._coordinator, _Committed, lambda: _Committed(self._commit(manifest, deadline).to_json()))
+        def put_mine() -> dict[str, str]:
+            return dict(pair for pair in run_parallel(put, ranks, self._options.concurrency) if pair is not None)
+
+        kept = {path: checksum for part in agree(self._coordinator, put_mine) for path, checksum in part.items()}
+        remote = decide(
+            self._coordinator, _Committed, lambda: _Committed(self._commit(manifest, deadline, kept).to_json())
+        )
         committed = RemoteManifest.from_json(remote.document, source=self._remote.location(step))
         store.local.write_receipt(step, self._remote.url, committed)
         self.newest_committed = max(self.newest_committed or 0, step)
@@ -324,8 +331,8 @@ class Uploader:
                 tries=getattr(exc, "tries", 1),
             ) from exc
 
-    def _commit(self, manifest: ShardManifest, deadline: float | None) -> RemoteManifest:
-        remote = self._remote.commit(manifest, deadline=deadline)
+    def _commit(self, manifest: ShardManifest, deadline: float | None, kept: dict[str, str]) -> RemoteManifest:
+        remote = self._remote.commit(manifest, deadline=deadline, store_checksums=kept)
         self._remote.set_latest(manifest.step)
         return remote
 

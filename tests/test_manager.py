@@ -329,6 +329,31 @@ def two_tier(local_dir, remote, **kwargs) -> CheckpointManager:
     )
 
 
+@pytest.mark.parametrize("layout", ["flat", "hashed"])
+def test_both_object_layouts_restore_and_rotate(tmp_path, remote_url, layout):
+    import re
+
+    url, options = remote_url
+    with two_tier(tmp_path / "a", remote_url, remote_layout=layout, keep_last_remote=1) as manager:
+        for step in (1, 2):
+            manager.save(step, zero1_states(seed=step))
+        manager.wait(uploaded=True)
+    tier = RemoteTier(url, options)  # a reader with the default (flat) layout
+    remote = tier.read_manifest(2)
+    names = [tier.object_name(2, record.path) for record in remote.manifest.shards]
+    if layout == "hashed":  # recorded in the remote manifest, so any reader finds them
+        assert all(re.fullmatch(r"[0-9a-f]{2}/rank-0000[0-3]-of-00004\.safetensors", name) for name in names)
+        assert len(set(name[:2] for name in names)) > 1 and remote.locations
+    else:
+        assert names == [record.path for record in remote.manifest.shards] and not remote.locations
+    objects = [path for path in tier._fs.find(tier._root) if "/rank-" in path]
+    assert len(objects) == 4 and all(step_dir_name(2) in path for path in objects)  # step 1 rotated out whole
+    with two_tier(tmp_path / "b", remote_url) as fresh:  # an empty disk, the default layout configured
+        result = fresh.restore()
+    assert result.step == 2 and set(result.sources.values()) == {"remote"}
+    assert_states_equal(zero1_states(seed=2), result.states)
+
+
 def test_lost_local_directory_restores_entirely_from_the_bucket(tmp_path, remote_url, states):
     with two_tier(tmp_path / "node-a", remote_url) as manager:
         manager.save(1, zero1_states(seed=1))

@@ -53,7 +53,10 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 def _store(config: Config) -> TieredStore:
     remote = None
     if config.remote is not None:
-        remote = RemoteTier(config.remote.url, config.remote.storage_options, **config.upload.tier_arguments)
+        remote = RemoteTier(
+            config.remote.url, config.remote.storage_options, layout=config.remote.layout,
+            **config.upload.tier_arguments,
+        )  # fmt: skip
     return TieredStore(LocalTier(config.local.dir), remote)
 
 

@@ -138,7 +138,9 @@ class CheckpointManager:
         remote_tier = None
         if options.remote is not None:
             remote = options.remote
-            remote_tier = RemoteTier(remote.url, remote.storage_options, **options.upload.tier_arguments)
+            remote_tier = RemoteTier(
+                remote.url, remote.storage_options, layout=remote.layout, **options.upload.tier_arguments
+            )
         self._store = TieredStore(LocalTier(options.local.dir), remote_tier)
         self._restorer = Restorer(self._store, coordinator, world_size, max_workers)
         self._uploader: Uploader | None = None

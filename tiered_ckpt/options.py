@@ -17,7 +17,7 @@ from typing import Any, Literal, TypedDict
 import fsspec
 
 from .errors import ConfigError, invalid_option
-from .remote import DEFAULT_PART_BYTES, DEFAULT_PART_CONCURRENCY, RetryPolicy
+from .remote import DEFAULT_PART_BYTES, DEFAULT_PART_CONCURRENCY, Layout, RetryPolicy
 from .retention import RetentionPolicy
 from .shardfile import VERIFY_MODES, Verify
 
@@ -102,15 +102,19 @@ class LocalOptions(_Retained):
 
 @dataclass(frozen=True)
 class RemoteOptions(_Retained):
-    """The remote tier: its URL, fsspec's options for it (never shown), and its retention."""
+    """The remote tier: its URL, fsspec's options for it (never shown), its retention, and
+    the layout of its shard objects ("flat", or "hashed": spread over 256 key prefixes
+    per step; see :meth:`~tiered_ckpt.remote.RemoteTier.object_name`)."""
 
     url: str
     keep_last: int | None = None
     keep_every: int | None = None
     storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    layout: Layout = "flat"
 
     def __post_init__(self) -> None:
         check_remote_url(self.url)
+        _check_choice("layout", self.layout, ("flat", "hashed"))
         if not isinstance(self.storage_options, Mapping):
             # The value is never echoed: it may be a secret.
             raise invalid_option("storage_options", f"must be a table, got {type(self.storage_options).__name__}")
@@ -200,6 +204,7 @@ class ManagerKeywords(TypedDict, total=False):
     when_uploads_behind: WhenBehind
     upload_deadline_seconds: float | None
     max_awaiting_upload: int | None
+    remote_layout: Layout
 
 
 KEYWORDS: dict[str, tuple[str, str]] = {
@@ -217,6 +222,7 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "when_uploads_behind": ("upload", "when_behind"),
     "upload_deadline_seconds": ("upload", "deadline_seconds"),
     "max_awaiting_upload": ("local", "max_awaiting_upload"),
+    "remote_layout": ("remote", "layout"),
 }
 
 

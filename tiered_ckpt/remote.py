@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, Literal, TypeVar
 
 import numpy as np
 import xxhash
@@ -68,6 +68,7 @@ __all__ = ["RemoteTier", "RetryPolicy", "is_transient"]
 
 logger = logging.getLogger("tiered_ckpt")
 T = TypeVar("T")
+Layout = Literal["flat", "hashed"]
 
 # s3fs's default 50 MiB parts leave a 256 MiB shard in 3-5 parts; 16 MiB parts let its
 # concurrent part uploads (max_concurrency, 10 by default) keep the link busy.
@@ -234,6 +235,7 @@ class RemoteTier:
         retry: RetryPolicy | None = None,
         part_bytes: int = DEFAULT_PART_BYTES,
         part_concurrency: int = DEFAULT_PART_CONCURRENCY,
+        layout: Layout = "flat",
     ) -> None:
         self.url = url.rstrip("/")
         self.retry = retry or RetryPolicy()
@@ -251,6 +253,10 @@ class RemoteTier:
         # deadline (``at``) and the parts' checksums computed before the upload (``parts``).
         self._context = threading.local()
         self.window = Window(part_concurrency)
+        if layout not in ("flat", "hashed"):
+            raise RemoteError(f"{self.url}: layout must be 'flat' or 'hashed', got {layout!r:.40}", transient=False)
+        self.layout = layout
+        self._locations: dict[int, Mapping[str, str]] = {}  # step -> its remote manifest's object names
         self._kept: dict[tuple[int, str], str] = {}  # (step, shard path) -> the store's checksum of the object
         self.requests = 0  # S3 upload requests made, and how many of them the store throttled
         self.throttled = 0
@@ -268,6 +274,21 @@ class RemoteTier:
     def _path(self, step: int, name: str | None = None) -> str:
         prefix = f"{self._root}/{step_dir_name(step)}"
         return f"{prefix}/{name}" if name else prefix
+
+    def object_name(self, step: int, path: str) -> str:
+        """Where the shard file ``path`` of ``step`` is under the step's prefix: as the step's
+        remote manifest records it once read, else as this tier's layout puts it ("flat":
+        ``path``; "hashed": ``<2 hex digits of a hash>/path``, spreading a step's objects over
+        256 key prefixes so that a store's request rate per prefix is not the limit)."""
+        recorded = self._locations.get(step, {}).get(path)
+        if recorded is not None:
+            return recorded
+        if self.layout == "hashed":
+            return f"{hashlib.sha256(f'{step_dir_name(step)}/{path}'.encode()).hexdigest()[:2]}/{path}"
+        return path
+
+    def _shard(self, step: int, record: ShardRecord) -> str:
+        return self._path(step, self.object_name(step, record.path))
 
     def location(self, step: int, name: str | None = None) -> str:
         """The URL of a step's prefix or of one object in it, for messages."""
@@ -364,6 +385,7 @@ class RemoteTier:
         remote = RemoteManifest.from_json(self._run(f"reading {location}", read), source=location)
         if remote.manifest.step != step:
             raise ManifestError(f"{location}: field 'step' is {remote.manifest.step}, the prefix is step {step}")
+        self._locations[step] = remote.locations
         return remote
 
     def read_shard(self, step: int, record: ShardRecord, consume: Callable[[BinaryIO], T]) -> T:
@@ -372,10 +394,10 @@ class RemoteTier:
         ``consume`` must leave nothing behind when it fails (e.g. write through a temp
         file); a :class:`CheckpointError` it raises (a checksum mismatch) is not retried.
         """
-        location = self.location(step, record.path)
+        location = self.location(step, self.object_name(step, record.path))
 
         def read() -> T:
-            with self._fs.open(self._path(step, record.path), "rb", block_size=STREAM_BLOCK_BYTES) as source:
+            with self._fs.open(self._shard(step, record), "rb", block_size=STREAM_BLOCK_BYTES) as source:
                 return consume(_Reader(source, self, f"downloading {location}"))  # type: ignore[arg-type]
 
         return self._run(f"downloading {location}", read)
@@ -387,15 +409,15 @@ class RemoteTier:
         on a transient error) and return their sha256 (``verify="fast"``: their xxh3-64).
         Raises :class:`IncompleteCheckpointError` if the object is shorter."""
         end = offset + len(buffer)
-        what = f"reading bytes {offset}-{end} of {self.location(step, record.path)}"
-        data = self._run(what, lambda: self._fs.cat_file(self._path(step, record.path), start=offset, end=end))
+        what = f"reading bytes {offset}-{end} of {self.location(step, self.object_name(step, record.path))}"
+        data = self._run(what, lambda: self._fs.cat_file(self._shard(step, record), start=offset, end=end))
         if len(data) != len(buffer):
             raise IncompleteCheckpointError(f"{what}: got {len(data)} bytes; the object is shorter than recorded")
         return copy_hashing(np.frombuffer(data, np.uint8), np.frombuffer(buffer, np.uint8), verify)
 
     def check_shard(self, step: int, record: ShardRecord) -> str | None:
         """Stream and hash one shard object; return the problem, or None if it matches the record."""
-        location = self.location(step, record.path)
+        location = self.location(step, self.object_name(step, record.path))
         try:
             digest = self.read_shard(step, record, lambda source: hash_stream(source, "full"))
         except RemoteError as exc:
@@ -463,7 +485,7 @@ class RemoteTier:
         when ``store_checksum`` is given, the checksum the store computed from the bytes
         it received (which catches bytes changed in transit).
         """
-        path = self._path(step, record.path)
+        path = self._shard(step, record)
         try:
             info = self._fresh_info(path)
         except FileNotFoundError:
@@ -478,7 +500,7 @@ class RemoteTier:
 
     def shard_is_uploaded(self, step: int, record: ShardRecord) -> bool:
         """True if the shard's object exists with the recorded size (and sha256, where kept)."""
-        location = self.location(step, record.path)
+        location = self.location(step, self.object_name(step, record.path))
         return self._run(f"checking {location}", lambda: self._mismatch(step, record) is None)
 
     def _pipe(self, path: str, data: bytes, *, create_only: bool = False) -> None:
@@ -489,7 +511,7 @@ class RemoteTier:
             self._fs.pipe_file(path, data, mode="create" if create_only else "overwrite", **self._limit())
 
     def _put(self, local_path: Path, step: int, record: ShardRecord) -> None:
-        path = self._path(step, record.path)
+        path = self._shard(step, record)
         if self._protocols & {"s3", "s3a"}:
             bucket, key, _version = self._fs.split_path(path)
             stats = sync(
@@ -508,7 +530,7 @@ class RemoteTier:
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         with open(local_path, "rb") as source:
-            what = f"{self.location(step, record.path)} from {local_path}"
+            what = f"{self.location(step, self.object_name(step, record.path))} from {local_path}"
             atomic_write(target, lambda out: copy_and_hash(source, out), check=lambda d: record.verify(d, what))
 
     def put_shard(self, step: int, local_path: Path, record: ShardRecord, *, deadline: float | None = None) -> bool:
@@ -520,7 +542,7 @@ class RemoteTier:
         "Intact" includes the checksum the store computed of what it received (S3's ETag,
         GCS's md5Hash), so bytes changed in transit are never confirmed.
         """
-        location = self.location(step, record.path)
+        location = self.location(step, self.object_name(step, record.path))
         sums = self._store_checksums(local_path, record)
         if sums.parts:  # the checksum S3 keeps for the object: of the one body, or of the parts' digests
             self._kept[(step, record.path)] = "sha256:" + _composite(sums.parts)
@@ -548,8 +570,8 @@ class RemoteTier:
 
         On a real S3 the store checked every part against its SHA256 on receipt; moto's
         server keeps what the client sent without checking it."""
-        location = self.location(step, record.path)
-        bucket, key, _version = self._fs.split_path(self._path(step, record.path))
+        location = self.location(step, self.object_name(step, record.path))
+        bucket, key, _version = self._fs.split_path(self._shard(step, record))
 
         def head() -> dict[str, Any]:
             return self._fs.call_s3("head_object", Bucket=bucket, Key=key, ChecksumMode="ENABLED")
@@ -585,7 +607,14 @@ class RemoteTier:
         path = self._path(step, MANIFEST_NAME)
 
         def create() -> RemoteManifest | None:
-            remote = RemoteManifest(manifest, committed_at=time.time(), store_checksums=dict(store_checksums or {}))
+            locations = {
+                record.path: self.object_name(step, record.path)
+                for record in manifest.shards
+                if self.object_name(step, record.path) != record.path
+            }
+            remote = RemoteManifest(
+                manifest, committed_at=time.time(), store_checksums=dict(store_checksums or {}), locations=locations
+            )
             try:
                 self._pipe(path, remote.to_json().encode(), create_only=True)
             except FileExistsError:

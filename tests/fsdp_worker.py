@@ -36,9 +36,10 @@ def build(seed: int, world_size: int):
     return model, torch.optim.AdamW(model.parameters(), lr=0.01)
 
 
-def full_digests(state) -> dict[str, str]:
-    """The sha256 of every tensor of a (nested) state, DTensors gathered whole."""
-    digests = {}
+def digests(state, whole: bool) -> dict[str, str]:
+    """The sha256 of every tensor of a (nested) state: DTensors gathered whole (``whole``), or
+    as this rank holds them (their local chunks); with ``whole``, scalars by their repr too."""
+    found = {}
 
     def walk(value, path):
         if isinstance(value, dict):
@@ -48,32 +49,23 @@ def full_digests(state) -> dict[str, str]:
             for index, item in enumerate(value):
                 walk(item, f"{path}/{index}")
         elif isinstance(value, torch.Tensor):
-            whole = value.full_tensor() if isinstance(value, DTensor) else value
-            digests[path] = f"{whole.dtype} {tuple(whole.shape)} " + hashlib.sha256(whole.numpy().tobytes()).hexdigest()
-        else:
-            digests[path] = repr(value)
+            if isinstance(value, DTensor):
+                value = value.full_tensor() if whole else value.to_local()
+            data = hashlib.sha256(value.contiguous().numpy().tobytes()).hexdigest()
+            found[path] = f"{value.dtype} {tuple(value.shape)} {data}" if whole else data
+        elif whole:
+            found[path] = repr(value)
 
     walk(state, "")
-    return digests
+    return found
+
+
+def full_digests(state) -> dict[str, str]:
+    return digests(state, whole=True)
 
 
 def local_digests(state) -> dict[str, str]:
-    """The sha256 of every tensor of a (nested) state as this rank holds it (a DTensor's local chunk)."""
-    local = {}
-
-    def walk(value, path):
-        if isinstance(value, dict):
-            for key, item in value.items():
-                walk(item, f"{path}/{key}")
-        elif isinstance(value, (list, tuple)):
-            for index, item in enumerate(value):
-                walk(item, f"{path}/{index}")
-        elif isinstance(value, torch.Tensor):
-            part = value.to_local() if isinstance(value, DTensor) else value
-            local[path] = hashlib.sha256(part.contiguous().numpy().tobytes()).hexdigest()
-
-    walk(state, "")
-    return local
+    return digests(state, whole=False)
 
 
 def extras(rank: int) -> dict:

@@ -10,7 +10,7 @@ import hashlib
 import pytest
 
 from tiered_ckpt import RemoteError
-from tiered_ckpt.multipart import Window, composite_sha256, is_throttle, upload_file
+from tiered_ckpt.multipart import Upload, Window, composite_sha256, is_throttle
 
 PART = 1024
 
@@ -61,19 +61,10 @@ class FakeS3:
 
 
 def run(fs, path, window=None, max_tries=5, **options):
-    return asyncio.run(
-        upload_file(
-            fs,
-            path,
-            "b",
-            "k",
-            part_bytes=PART,
-            window=window or Window(4),
-            max_tries=max_tries,
-            backoff_seconds=0,
-            **options,
-        )  # fmt: skip
-    )
+    window = window or Window(4)
+    upload = Upload(fs, path, "b", "k", part_bytes=PART, window=window, max_tries=max_tries, backoff_seconds=0,
+                    **options)  # fmt: skip
+    return asyncio.run(upload.run())
 
 
 @pytest.fixture
@@ -149,7 +140,7 @@ def test_a_cancelled_upload_is_aborted_too(big):
 
     async def cut_short():
         upload = asyncio.ensure_future(
-            upload_file(fs, big, "b", "k", part_bytes=PART, window=Window(4), max_tries=5, backoff_seconds=0)
+            Upload(fs, big, "b", "k", part_bytes=PART, window=Window(4), max_tries=5, backoff_seconds=0).run()
         )
         while "upload_part" not in fs.methods():
             await asyncio.sleep(0)

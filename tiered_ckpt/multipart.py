@@ -41,7 +41,7 @@ from typing import Any
 
 from .errors import RemoteError
 
-__all__ = ["Window", "UploadStats", "upload_file", "composite_sha256", "is_throttle"]
+__all__ = ["Window", "UploadStats", "Upload", "composite_sha256", "is_throttle"]
 
 logger = logging.getLogger("tiered_ckpt")
 
@@ -114,7 +114,7 @@ def _b64(digest: bytes) -> str:
 
 
 def composite_sha256(path: Path, part_bytes: int) -> str:
-    """The ``ChecksumSHA256`` S3 reports for ``path`` uploaded by :func:`upload_file`."""
+    """The ``ChecksumSHA256`` S3 reports for ``path`` uploaded by :class:`Upload`."""
     size = path.stat().st_size
     digests = []
     with open(path, "rb", buffering=0) as source:
@@ -135,30 +135,28 @@ def _read_part(path: Path, offset: int, length: int, checksum: str | None) -> tu
     return data, checksum or _b64(hashlib.sha256(data).digest())
 
 
-class _Upload:
-    """One file's upload (see the module doc)."""
+@dataclass
+class Upload:
+    """One file's upload to ``s3://bucket/key`` through ``fs`` (an s3fs filesystem), as the
+    module doc says: ``await Upload(...).run()``. ``extra`` are arguments of the object's
+    creation (``Metadata``). A throttled request is sent again up to ``max_tries`` times,
+    backing off from ``backoff_seconds`` (never past ``deadline``, a ``time.monotonic()``
+    time); any other error is raised as the client raised it, after the multipart upload
+    is aborted. ``part_sha256`` are the parts' SHA256 (base64) when the caller computed them
+    already (else each part is hashed here)."""
 
-    def __init__(
-        self,
-        fs: Any,
-        path: Path,
-        bucket: str,
-        key: str,
-        *,
-        part_bytes: int,
-        window: Window,
-        max_tries: int,
-        backoff_seconds: float,
-        extra: Mapping[str, Any],
-        deadline: float | None,
-        part_sha256: Sequence[str],
-    ) -> None:
-        self.fs, self.path, self.bucket, self.key = fs, path, bucket, key
-        self.part_bytes, self.window = part_bytes, window
-        self.max_tries, self.backoff_seconds = max_tries, backoff_seconds
-        self.extra, self.deadline = dict(extra), deadline
-        self.part_sha256 = part_sha256
-        self.stats = UploadStats()
+    fs: Any
+    path: Path
+    bucket: str
+    key: str
+    part_bytes: int
+    window: Window
+    max_tries: int
+    backoff_seconds: float
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    deadline: float | None = None
+    part_sha256: Sequence[str] = ()
+    stats: UploadStats = field(default_factory=UploadStats, init=False)
 
     def known(self, index: int) -> str | None:
         return self.part_sha256[index] if index < len(self.part_sha256) else None
@@ -258,29 +256,3 @@ class _Upload:
             await self.fs._call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id)
         except Exception:  # the next start lists and aborts what is left (see RemoteTier.abort_orphans)
             logger.warning("could not abort the multipart upload of s3://%s/%s", self.bucket, self.key, exc_info=True)
-
-
-async def upload_file(
-    fs: Any,
-    path: Path,
-    bucket: str,
-    key: str,
-    *,
-    part_bytes: int,
-    window: Window,
-    max_tries: int,
-    backoff_seconds: float,
-    extra: Mapping[str, Any] | None = None,
-    deadline: float | None = None,
-    part_sha256: Sequence[str] = (),
-) -> UploadStats:
-    """Upload ``path`` to ``s3://bucket/key`` through ``fs`` (an s3fs filesystem), as the module
-    doc says; ``extra`` are arguments of the object's creation (``Metadata``). A throttled
-    request is sent again up to ``max_tries`` times, backing off from ``backoff_seconds``
-    (never past ``deadline``, a ``time.monotonic()`` time); any other error is raised as the
-    client raised it, after the multipart upload is aborted. ``part_sha256`` are the parts'
-    SHA256 (base64) when the caller computed them already (else each part is hashed here)."""
-    return await _Upload(
-        fs, path, bucket, key, part_bytes=part_bytes, window=window, max_tries=max_tries,
-        backoff_seconds=backoff_seconds, extra=extra or {}, deadline=deadline, part_sha256=part_sha256,
-    ).run()  # fmt: skip

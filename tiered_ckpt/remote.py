@@ -61,7 +61,7 @@ from .durable import atomic_write, write_bytes
 from .errors import CheckpointError, IncompleteCheckpointError, ManifestError, RemoteError
 from .layout import LATEST_NAME, MANIFEST_NAME, parse_step_dir_name, step_dir_name
 from .manifest import MAX_MANIFEST_BYTES, RemoteManifest, ShardManifest, ShardRecord
-from .multipart import Window, upload_file
+from .multipart import Upload, Window
 from .shardfile import ShardDigest, Verify, copy_and_hash, copy_hashing, hash_stream
 
 __all__ = ["RemoteTier", "RetryPolicy", "is_transient"]
@@ -514,13 +514,13 @@ class RemoteTier:
         path = self._shard(step, record)
         if self._protocols & {"s3", "s3a"}:
             bucket, key, _version = self._fs.split_path(path)
-            stats = sync(
-                self._fs.loop, upload_file, self._fs, local_path, bucket, key, part_bytes=self._part_bytes,
-                window=self.window, max_tries=self.retry.max_tries, backoff_seconds=self.retry.backoff_seconds,
+            upload = Upload(
+                self._fs, local_path, bucket, key, part_bytes=self._part_bytes, window=self.window,
+                max_tries=self.retry.max_tries, backoff_seconds=self.retry.backoff_seconds,
                 extra={"Metadata": {SHA256_METADATA_KEY: record.sha256}}, deadline=getattr(self._context, "at", None),
                 part_sha256=getattr(self._context, "parts", ()),
-                **self._limit(),
             )  # fmt: skip
+            stats = sync(self._fs.loop, upload.run, **self._limit())
             self.requests += stats.requests
             self.throttled += stats.throttled
             return

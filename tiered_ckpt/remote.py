@@ -544,8 +544,6 @@ class RemoteTier:
         """
         location = self.location(step, self.object_name(step, record.path))
         sums = self._store_checksums(local_path, record)
-        if sums.parts:  # the checksum S3 keeps for the object: of the one body, or of the parts' digests
-            self._kept[(step, record.path)] = "sha256:" + _composite(sums.parts)
 
         def put_and_confirm() -> bool:
             if self._mismatch(step, record, sums.store) is None:
@@ -555,14 +553,17 @@ class RemoteTier:
             problem = self._mismatch(step, record, sums.store)
             if problem is not None:
                 raise RemoteError(f"{location}: not confirmed after the upload: {problem}", transient=True)
+            if sums.parts:  # the checksum S3 keeps for what we sent: of the one body, or of the parts' digests
+                self._kept[(step, record.path)] = "sha256:" + _composite(sums.parts)
             return True
 
         return self._run(f"uploading {local_path} to {location}", put_and_confirm, deadline)
 
     def store_checksum(self, step: int, record: ShardRecord) -> str | None:
-        """The checksum the store keeps for ``record``'s object, as :meth:`put_shard` of this
-        tier computed it (None: not put by this tier, or a store that keeps none we read)."""
-        return self._kept.get((step, record.path))
+        """The checksum the store keeps for ``record``'s object, as :meth:`put_shard` of this tier
+        computed it when it sent the object (None: not sent by this tier, e.g. already there
+        intact, or a store that keeps none we read). Asked once: it is forgotten then."""
+        return self._kept.pop((step, record.path), None)
 
     def check_store_checksum(self, step: int, record: ShardRecord, expected: str) -> str | None:
         """Compare the checksum the store keeps for ``record``'s object with ``expected`` (from

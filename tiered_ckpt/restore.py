@@ -10,7 +10,10 @@ A restore, step by step (DESIGN.md section 7):
 3. each process checks the world size (resharding only when asked), works out which
    saved ranks it needs, and reads each through :meth:`TieredStore.fetch_shard`
    (local copy, else the bucket, verified, refilling the local step); failures on any
-   process fail the restore on every process (a third collective);
+   process fail the restore on every process (a third collective); with one process per
+   rank on the saved world size, the replicated arrays a rank's shard left to another
+   rank then come from that rank's process (:func:`~tiered_ckpt.replicas.share`, a
+   fourth collective);
 4. the shards are resharded if asked; local steps newer than the chosen one whose commit
    never reached every rank are deleted (they could never be restored).
 """

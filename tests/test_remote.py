@@ -168,6 +168,25 @@ def test_a_url_or_option_fsspec_cannot_use_is_a_permanent_remote_error():
     assert not caught.value.transient
 
 
+@pytest.mark.parametrize("cloud_url", ["s3", "gcs"], indirect=True)
+def test_the_stores_own_checksum_is_recorded_and_checked_without_a_download(cloud_url, tmp_path, monkeypatch):
+    url, options = cloud_url
+    tier = RemoteTier(url, options)
+    states = [{"w": np.arange(300_000, dtype=np.float32)}]
+    manifest = save_sharded(states, tmp_path / "local", step=4)
+    record = manifest.shard(0)
+    assert tier.put_shard(4, tmp_path / "local" / record.path, record)
+    kept = tier.store_checksum(4, record)
+    assert kept.startswith("crc32c:" if url.startswith("gs://") else "sha256:")
+    assert tier.store_checksum(4, record) is None  # handed over once
+    remote = tier.commit(manifest, store_checksums={record.path: kept})
+    assert tier.read_manifest(4).store_checksums == remote.store_checksums == {record.path: kept}
+    monkeypatch.setattr(RemoteTier, "read_shard", lambda *args: pytest.fail("downloaded"))
+    assert tier.check_store_checksum(4, record, kept) is None
+    tier._fs.pipe_file(f"{tier._root}/step-000000000004/{record.path}", bytes(record.size_bytes))  # same size
+    assert "the store keeps checksum" in tier.check_store_checksum(4, record, kept)
+
+
 def test_abort_orphans_aborts_only_this_librarys_unfinished_uploads_old_enough(s3_url, monkeypatch):
     import time
 

@@ -204,6 +204,13 @@ class _Reader:
             return self._source.readinto(buffer)
 
 
+def _crc32c() -> Any:
+    """A CRC32C hasher (google-crc32c, which gcsfs brings; part of the ``gcs`` extra)."""
+    import google_crc32c
+
+    return google_crc32c.Checksum()
+
+
 def _composite(parts: tuple[str, ...]) -> str:
     """S3's checksum of an object from its parts' SHA256 (base64): the one part's, or the
     SHA256 of the parts' digests with ``-N``."""
@@ -219,6 +226,7 @@ class _Sums:
 
     store: str | None
     parts: tuple[str, ...] = ()
+    crc32c: str | None = None  # GCS: the CRC32C (base64) it computes of every object
 
 
 class RemoteTier:
@@ -461,9 +469,12 @@ class RemoteTier:
         # One MD5 and one SHA256 per part (parts cut as the upload cuts them), and the xxh3.
         multipart = s3 and record.size_bytes >= 2 * self._part_bytes
         md5s, shas, whole, size = [hashlib.md5()], [hashlib.sha256()], xxhash.xxh3_64(), 0
+        crc = _crc32c() if gcs else None
         with open(local_path, "rb", buffering=0) as source:
             while chunk := source.read(self._part_bytes):
                 whole.update(chunk)
+                if crc is not None:
+                    crc.update(chunk)
                 if multipart and size:
                     md5s.append(hashlib.md5())
                     shas.append(hashlib.sha256())
@@ -472,8 +483,8 @@ class RemoteTier:
                 size += len(chunk)
         record.verify(ShardDigest(size, "", whole.hexdigest()), f"{local_path} (before its upload)")
         parts = tuple(base64.b64encode(sha.digest()).decode() for sha in shas) if s3 else ()
-        if gcs:
-            return _Sums(base64.b64encode(md5s[0].digest()).decode())
+        if crc is not None:
+            return _Sums(base64.b64encode(md5s[0].digest()).decode(), crc32c=base64.b64encode(crc.digest()).decode())
         if not multipart:  # one request, its ETag the MD5 of the body
             return _Sums(f'"{md5s[0].hexdigest()}"', parts)
         return _Sums(f'"{hashlib.md5(b"".join(d.digest() for d in md5s)).hexdigest()}-{len(md5s)}"', parts)
@@ -555,6 +566,8 @@ class RemoteTier:
                 raise RemoteError(f"{location}: not confirmed after the upload: {problem}", transient=True)
             if sums.parts:  # the checksum S3 keeps for what we sent: of the one body, or of the parts' digests
                 self._kept[(step, record.path)] = "sha256:" + _composite(sums.parts)
+            elif sums.crc32c is not None:
+                self._kept[(step, record.path)] = "crc32c:" + sums.crc32c
             return True
 
         return self._run(f"uploading {local_path} to {location}", put_and_confirm, deadline)
@@ -572,21 +585,27 @@ class RemoteTier:
         On a real S3 the store checked every part against its SHA256 on receipt; moto's
         server keeps what the client sent without checking it."""
         location = self.location(step, self.object_name(step, record.path))
-        bucket, key, _version = self._fs.split_path(self._shard(step, record))
+        path = self._shard(step, record)
+        gcs = expected.startswith("crc32c:")
 
-        def head() -> dict[str, Any]:
-            return self._fs.call_s3("head_object", Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+        def head() -> tuple[int, str | None]:
+            if gcs:  # GCS computes an object's CRC32C itself; its metadata carries it
+                info = self._fresh_info(path)
+                return int(info.get("size") or 0), "crc32c:" + str(info.get("crc32c"))
+            bucket, key, _version = self._fs.split_path(path)
+            answer = self._fs.call_s3("head_object", Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+            kept = answer.get("ChecksumSHA256")
+            return int(answer.get("ContentLength", -1)), f"sha256:{kept}" if kept else None
 
         try:
-            answer = self._run(f"reading the checksum of {location}", head)
+            size, kept = self._run(f"reading the checksum of {location}", head)
         except RemoteError as exc:
             if isinstance(exc.__cause__, FileNotFoundError):
                 return f"{location}: missing"
             raise
-        kept = answer.get("ChecksumSHA256")
-        if int(answer.get("ContentLength", -1)) != record.size_bytes:
-            return f"{location}: {answer.get('ContentLength')} bytes, the manifest records {record.size_bytes}"
-        if kept is None or f"sha256:{kept}" != expected:
+        if size != record.size_bytes:
+            return f"{location}: {size} bytes, the manifest records {record.size_bytes}"
+        if kept != expected:
             return f"{location}: the store keeps checksum {kept}, the remote manifest records {expected}"
         return None
 

@@ -10,7 +10,7 @@ import hashlib
 import pytest
 
 from tiered_ckpt import RemoteError
-from tiered_ckpt.multipart import Upload, Window, composite_sha256, is_throttle
+from tiered_ckpt.multipart import Upload, Window, is_throttle
 
 PART = 1024
 
@@ -58,6 +58,15 @@ class FakeS3:
 
     def methods(self) -> list[str]:
         return [method for method, _ in self.calls]
+
+
+def composite_sha256(path, part_bytes):
+    """The ChecksumSHA256 S3 reports for ``path`` sent as parts of ``part_bytes`` (or whole, if small)."""
+    data = path.read_bytes()
+    if len(data) < 2 * part_bytes:
+        return base64.b64encode(hashlib.sha256(data).digest()).decode()
+    digests = [hashlib.sha256(data[i : i + part_bytes]).digest() for i in range(0, len(data), part_bytes)]
+    return f"{base64.b64encode(hashlib.sha256(b''.join(digests)).digest()).decode()}-{len(digests)}"
 
 
 def run(fs, path, window=None, max_tries=5, **options):

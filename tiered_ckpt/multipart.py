@@ -21,7 +21,8 @@ same s3fs instance (its credentials, endpoint and session), without those five l
 
 The store's checksum of the whole object is then the SHA256 of the object (one request)
 or ``base64(sha256(part digests))-N`` (multipart, S3's composite form), which
-:func:`composite_sha256` computes from the local file for a later check without download.
+:func:`~tiered_ckpt.checksums.composite_sha256` computes from the parts' digests for a
+later check without download.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .checksums import composite_sha256
 from .errors import RemoteError
 
-__all__ = ["Window", "UploadStats", "Upload", "composite_sha256", "is_throttle"]
+__all__ = ["Window", "UploadStats", "Upload", "is_throttle", "list_open_uploads"]
 
 logger = logging.getLogger("tiered_ckpt")
 
@@ -111,18 +113,6 @@ class UploadStats:
 
 def _b64(digest: bytes) -> str:
     return base64.b64encode(digest).decode()
-
-
-def composite_sha256(path: Path, part_bytes: int) -> str:
-    """The ``ChecksumSHA256`` S3 reports for ``path`` uploaded by :class:`Upload`."""
-    size = path.stat().st_size
-    digests = []
-    with open(path, "rb", buffering=0) as source:
-        if size < 2 * part_bytes:
-            return _b64(hashlib.sha256(source.read()).digest())
-        while chunk := source.read(part_bytes):
-            digests.append(hashlib.sha256(chunk).digest())
-    return f"{_b64(hashlib.sha256(b''.join(digests)).digest())}-{len(digests)}"
 
 
 def _read_part(path: Path, offset: int, length: int, checksum: str | None) -> tuple[bytes, str]:
@@ -219,8 +209,7 @@ class Upload:
         except BaseException:  # cancellation (a deadline) included: never leave the upload open
             await asyncio.shield(self._abort(upload_id))
             raise
-        digests = b"".join(base64.b64decode(part["ChecksumSHA256"]) for part in parts)
-        self.stats.checksum_sha256 = f"{_b64(hashlib.sha256(digests).digest())}-{len(parts)}"
+        self.stats.checksum_sha256 = composite_sha256([part["ChecksumSHA256"] for part in parts])
         return self.stats
 
     async def _parts(self, upload_id: str, size: int) -> list[dict[str, Any]]:
@@ -256,3 +245,19 @@ class Upload:
             await self.fs._call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id)
         except Exception:  # the next start lists and aborts what is left (see RemoteTier.abort_orphans)
             logger.warning("could not abort the multipart upload of s3://%s/%s", self.bucket, self.key, exc_info=True)
+
+
+def list_open_uploads(fs: Any, bucket: str, prefix: str) -> list[dict[str, Any]]:
+    """The multipart uploads open under ``prefix`` in ``bucket`` (every page of the listing),
+    through ``fs`` (an s3fs filesystem); none if the bucket does not exist."""
+    uploads: list[dict[str, Any]] = []
+    arguments: dict[str, Any] = {"Bucket": bucket, "Prefix": f"{prefix}/" if prefix else ""}
+    while True:
+        try:
+            page = fs.call_s3("list_multipart_uploads", **arguments)
+        except FileNotFoundError:  # no bucket (yet): nothing left open in it; the upload will say so
+            return uploads
+        uploads += page.get("Uploads", [])
+        if not page.get("IsTruncated"):
+            return uploads
+        arguments["KeyMarker"], arguments["UploadIdMarker"] = page["NextKeyMarker"], page["NextUploadIdMarker"]

@@ -17,8 +17,9 @@ from typing import Any, Literal, TypedDict
 import fsspec
 
 from .errors import ConfigError, invalid_option
-from .remote import DEFAULT_PART_BYTES, DEFAULT_PART_CONCURRENCY, Layout, RetryPolicy
+from .remote import DEFAULT_PART_BYTES, DEFAULT_PART_CONCURRENCY, Layout
 from .retention import RetentionPolicy
+from .retry import RetryPolicy
 from .shardfile import VERIFY_MODES, Verify
 
 __all__ = [

@@ -39,29 +39,26 @@ put in messages or reprs.
 
 from __future__ import annotations
 
-import base64
-import errno
 import hashlib
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, TypeVar
 
 import numpy as np
-import xxhash
 from fsspec.asyn import sync
 from fsspec.core import url_to_fs
 
+from .checksums import store_sums
 from .durable import atomic_write, write_bytes
 from .errors import CheckpointError, IncompleteCheckpointError, ManifestError, RemoteError
 from .layout import LATEST_NAME, MANIFEST_NAME, parse_step_dir_name, step_dir_name
 from .manifest import MAX_MANIFEST_BYTES, RemoteManifest, ShardManifest, ShardRecord
-from .multipart import Upload, Window
+from .multipart import Upload, Window, list_open_uploads
+from .retry import RetryPolicy, is_transient
 from .shardfile import ShardDigest, Verify, copy_and_hash, copy_hashing, hash_stream
 
 __all__ = ["RemoteTier", "RetryPolicy", "is_transient"]
@@ -76,102 +73,6 @@ DEFAULT_PART_BYTES = 16 << 20
 DEFAULT_PART_CONCURRENCY = 8  # parts in flight per tier (S3), before throttling lowers it
 SHA256_METADATA_KEY = "sha256"
 STREAM_BLOCK_BYTES = 16 << 20
-
-_TRANSIENT_ERRNOS = {
-    errno.EBUSY,  # s3fs: SlowDown, ServiceUnavailable
-    errno.EAGAIN,
-    errno.ETIMEDOUT,
-    errno.ECONNRESET,
-    errno.ECONNABORTED,
-    errno.ECONNREFUSED,
-    errno.EPIPE,
-    getattr(errno, "EREMOTEIO", errno.EIO),  # s3fs: InternalError (HTTP 500)
-}
-_TRANSIENT_NAMES = (
-    "Timeout",
-    "ConnectionError",
-    "ConnectionClosed",
-    "ServerDisconnected",
-    "ClientPayloadError",
-    "ClientOSError",
-    "EndpointConnectionError",
-    "IncompleteRead",
-    "RetryError",
-    "ServiceUnavailable",
-    "TransportError",
-)
-_TRANSIENT_TEXT = (
-    "SlowDown",
-    "Service Unavailable",
-    "503",
-    "500 Internal",
-    "Throttl",
-    "Please reduce your request rate",
-)
-
-
-def is_transient(exc: BaseException) -> bool:
-    """True if a request that failed with ``exc`` may succeed when tried again."""
-    if isinstance(exc, (PermissionError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError)):
-        return False
-    if isinstance(exc, (TimeoutError, ConnectionError)):
-        return True
-    if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
-        return True
-    names = [cls.__name__ for cls in type(exc).__mro__]
-    if any(marker in name for name in names for marker in _TRANSIENT_NAMES):
-        return True
-    text = str(exc)
-    return any(marker in text for marker in _TRANSIENT_TEXT)
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How often, and for how long, one remote operation is tried.
-
-    An operation (a PUT and its confirmation, a listing, a download) is tried at most
-    ``max_tries`` times; after a transient failure it waits a random time up to
-    ``backoff_seconds * 2**(try-1)`` (at most ``max_backoff_seconds``), and it starts no
-    new try once ``max_seconds`` have passed since the first. Each request gives up after
-    ``timeout_seconds`` without an answer.
-    """
-
-    max_tries: int = 5
-    backoff_seconds: float = 0.5
-    max_backoff_seconds: float = 30.0
-    max_seconds: float = 300.0
-    timeout_seconds: float = 60.0
-
-    def run(
-        self,
-        what: str,
-        action: Callable[[], T],
-        *,
-        sleep: Callable[[float], None] = time.sleep,
-        clock: Callable[[], float] = time.monotonic,
-        deadline: float | None = None,
-    ) -> T:
-        """Return ``action()``, retrying a transient :class:`RemoteError` as this policy allows;
-        no try starts after ``deadline`` (a time of ``clock``) either.
-
-        The error finally raised carries ``tries``, the number of tries made.
-        """
-        started = clock()
-        for attempt in range(1, self.max_tries + 1):
-            try:
-                return action()
-            except RemoteError as exc:
-                delay = min(self.max_backoff_seconds, self.backoff_seconds * 2 ** (attempt - 1)) * random.random()
-                resumes = clock() + delay
-                past_deadline = deadline is not None and resumes >= deadline
-                out_of_time = resumes - started >= self.max_seconds or past_deadline
-                if not exc.transient or attempt == self.max_tries or out_of_time:
-                    exc.tries = max(attempt, exc.tries)  # tries made inside the action count too
-                    exc.deadline = exc.deadline or (exc.transient and past_deadline)
-                    raise
-                logger.warning("%s: transient error (try %d of %d), retrying: %s", what, attempt, self.max_tries, exc)
-                sleep(delay)
-        raise AssertionError("unreachable")
 
 
 def _client_options(protocols: set[str], options: Mapping[str, Any], retry: RetryPolicy) -> dict[str, Any]:
@@ -202,31 +103,6 @@ class _Reader:
     def readinto(self, buffer: Any) -> int:
         with self._tier._translated(self._what):
             return self._source.readinto(buffer)
-
-
-def _crc32c() -> Any:
-    """A CRC32C hasher (google-crc32c, which gcsfs brings; part of the ``gcs`` extra)."""
-    import google_crc32c
-
-    return google_crc32c.Checksum()
-
-
-def _composite(parts: tuple[str, ...]) -> str:
-    """S3's checksum of an object from its parts' SHA256 (base64): the one part's, or the
-    SHA256 of the parts' digests with ``-N``."""
-    if len(parts) == 1:
-        return parts[0]
-    digests = b"".join(base64.b64decode(part) for part in parts)
-    return f"{base64.b64encode(hashlib.sha256(digests).digest()).decode()}-{len(parts)}"
-
-
-@dataclass(frozen=True)
-class _Sums:
-    """A shard's checksums as the store will compute them (see :meth:`RemoteTier._store_checksums`)."""
-
-    store: str | None
-    parts: tuple[str, ...] = ()
-    crc32c: str | None = None  # GCS: the CRC32C (base64) it computes of every object
 
 
 class RemoteTier:
@@ -453,42 +329,6 @@ class RemoteTier:
             return (info.get("metadata") or {}).get(SHA256_METADATA_KEY)
         return None
 
-    def _store_checksums(self, local_path: Path, record: ShardRecord) -> _Sums:
-        """What the store will compute of ``local_path``'s bytes once uploaded, in its own form
-        (S3: the ETag, an MD5 of the bytes or of the parts' MD5s; GCS: md5Hash; None where the
-        store computes none we can read), and for S3 the SHA256 of each part as it is sent.
-
-        The same pass checks the file against the record's xxh3-64 (a shard damaged on local
-        disk is never uploaded: :class:`ChecksumMismatchError`); xxh3 rather than the
-        sha256 because this pass costs the upload CPU, and the store's own checksums then
-        guard the bytes on their way.
-        """
-        s3, gcs = bool(self._protocols & {"s3", "s3a"}), bool(self._protocols & {"gs", "gcs"})
-        if not (s3 or gcs):
-            return _Sums(None)
-        # One MD5 and one SHA256 per part (parts cut as the upload cuts them), and the xxh3.
-        multipart = s3 and record.size_bytes >= 2 * self._part_bytes
-        md5s, shas, whole, size = [hashlib.md5()], [hashlib.sha256()], xxhash.xxh3_64(), 0
-        crc = _crc32c() if gcs else None
-        with open(local_path, "rb", buffering=0) as source:
-            while chunk := source.read(self._part_bytes):
-                whole.update(chunk)
-                if crc is not None:
-                    crc.update(chunk)
-                if multipart and size:
-                    md5s.append(hashlib.md5())
-                    shas.append(hashlib.sha256())
-                md5s[-1].update(chunk)
-                shas[-1].update(chunk)
-                size += len(chunk)
-        record.verify(ShardDigest(size, "", whole.hexdigest()), f"{local_path} (before its upload)")
-        parts = tuple(base64.b64encode(sha.digest()).decode() for sha in shas) if s3 else ()
-        if crc is not None:
-            return _Sums(base64.b64encode(md5s[0].digest()).decode(), crc32c=base64.b64encode(crc.digest()).decode())
-        if not multipart:  # one request, its ETag the MD5 of the body
-            return _Sums(f'"{md5s[0].hexdigest()}"', parts)
-        return _Sums(f'"{hashlib.md5(b"".join(d.digest() for d in md5s)).hexdigest()}-{len(md5s)}"', parts)
-
     def _mismatch(self, step: int, record: ShardRecord, store_checksum: str | None = None) -> str | None:
         """Why the shard's object does not match ``record``, or None.
 
@@ -554,20 +394,19 @@ class RemoteTier:
         GCS's md5Hash), so bytes changed in transit are never confirmed.
         """
         location = self.location(step, self.object_name(step, record.path))
-        sums = self._store_checksums(local_path, record)
+        s3, gcs = bool(self._protocols & {"s3", "s3a"}), bool(self._protocols & {"gs", "gcs"})
+        sums = store_sums(local_path, record, s3=s3, gcs=gcs, part_bytes=self._part_bytes)
 
         def put_and_confirm() -> bool:
             if self._mismatch(step, record, sums.store) is None:
                 return False
-            self._context.parts = sums.parts  # read by _put on this thread (see _store_checksums)
+            self._context.parts = sums.parts  # read by _put on this thread: the parts are not hashed again
             self._put(local_path, step, record)
             problem = self._mismatch(step, record, sums.store)
             if problem is not None:
                 raise RemoteError(f"{location}: not confirmed after the upload: {problem}", transient=True)
-            if sums.parts:  # the checksum S3 keeps for what we sent: of the one body, or of the parts' digests
-                self._kept[(step, record.path)] = "sha256:" + _composite(sums.parts)
-            elif sums.crc32c is not None:
-                self._kept[(step, record.path)] = "crc32c:" + sums.crc32c
+            if sums.kept is not None:  # what the store keeps for the bytes we sent
+                self._kept[(step, record.path)] = sums.kept
             return True
 
         return self._run(f"uploading {local_path} to {location}", put_and_confirm, deadline)
@@ -671,7 +510,8 @@ class RemoteTier:
             return []
         bucket, prefix, _version = self._fs.split_path(self._root)
         uploads = self._run(
-            f"listing unfinished multipart uploads under {self.url}", lambda: self._uploads(bucket, prefix)
+            f"listing unfinished multipart uploads under {self.url}",
+            lambda: list_open_uploads(self._fs, bucket, prefix),
         )
         now = time.time()
         aborted = []
@@ -692,19 +532,6 @@ class RemoteTier:
             logger.warning("aborted an unfinished multipart upload of %s (started %s)", location, started)
             aborted.append(location)
         return aborted
-
-    def _uploads(self, bucket: str, prefix: str) -> list[dict[str, Any]]:
-        uploads: list[dict[str, Any]] = []
-        arguments: dict[str, Any] = {"Bucket": bucket, "Prefix": f"{prefix}/" if prefix else ""}
-        while True:
-            try:
-                page = self._fs.call_s3("list_multipart_uploads", **arguments)
-            except FileNotFoundError:  # no bucket (yet): nothing left open in it; the upload will say so
-                return uploads
-            uploads += page.get("Uploads", [])
-            if not page.get("IsTruncated"):
-                return uploads
-            arguments["KeyMarker"], arguments["UploadIdMarker"] = page["NextKeyMarker"], page["NextUploadIdMarker"]
 
     def delete_step(self, step: int) -> None:
         """Delete a step: its remote manifest first (the step turns invisible), then its objects."""

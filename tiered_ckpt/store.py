@@ -417,24 +417,25 @@ class TieredStore:
     # -- retention ----------------------------------------------------------------------
 
     def local_to_delete(self, policy: RetentionPolicy, pending_uploads: Collection[int] = ()) -> list[int]:
-        """Local steps ``policy`` deletes now: never one still waiting for its remote commit."""
+        """Local steps ``policy`` deletes now: never one still waiting for its remote commit
+        (beyond ``policy.max_awaiting_upload`` of them)."""
+        return self._local_plan(policy, pending_uploads)[0]
+
+    def _local_plan(self, policy: RetentionPolicy, pending_uploads: Collection[int]) -> tuple[list[int], set[int]]:
+        """The local steps ``policy`` deletes now, and the local steps waiting for their upload."""
         steps = self.local.steps()
-        protected: set[int] = set()
-        if self.remote is not None:
-            receipted = {step for step in steps if self.receipted(step)}
-            protected = protected_locally(steps, receipted, pending_uploads, policy.max_awaiting_upload)
-        return policy.to_delete(steps, protected)
+        if self.remote is None:
+            return policy.to_delete(steps), set()
+        receipted = {step for step in steps if self.receipted(step)}
+        protected = protected_locally(steps, receipted, pending_uploads, policy.max_awaiting_upload)
+        return policy.to_delete(steps, protected), awaiting_upload(steps, receipted, pending_uploads)
 
     def retain_local(self, policy: RetentionPolicy, pending_uploads: Collection[int] = ()) -> list[int]:
         """Delete the local steps :meth:`local_to_delete` names; return them."""
         if policy.keeps_everything:
             return []
         with self._retention_lock:
-            deleted = self.local_to_delete(policy, pending_uploads)
-            never_uploaded = set()
-            if self.remote is not None:
-                steps = self.local.steps()
-                never_uploaded = awaiting_upload(steps, {s for s in steps if self.receipted(s)}, pending_uploads)
+            deleted, never_uploaded = self._local_plan(policy, pending_uploads)
             for step in deleted:
                 self.local.delete(step)
                 if step in never_uploaded:

@@ -39,6 +39,7 @@ put in messages or reprs.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import threading
@@ -523,12 +524,10 @@ class RemoteTier:
             if started is not None and now - started.timestamp() < older_than_seconds:
                 continue  # may belong to an upload still running
             location = f"{self.url}/{relative}"
-            self._run(
-                f"aborting the unfinished multipart upload of {location}",
-                lambda key=key, upload=upload: self._fs.call_s3(
-                    "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload["UploadId"]
-                ),
+            abort = functools.partial(
+                self._fs.call_s3, "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload["UploadId"]
             )
+            self._run(f"aborting the unfinished multipart upload of {location}", abort)
             logger.warning("aborted an unfinished multipart upload of %s (started %s)", location, started)
             aborted.append(location)
         return aborted

@@ -490,26 +490,25 @@ def _rank_processes(total_bytes: int, processes: int, root: Path, repeat: int) -
 
     Returns rank 0's (raw write seconds, save seconds) of each run.
     """
+    command = [sys.executable, "-m", "tiered_ckpt.bench", "--rank-process"]
+    timings = run_rank_processes(command, root, processes, "dist", total_bytes=total_bytes, repeat=repeat)
+    return [(float(raw), float(save)) for raw, save in timings]
+
+
+def run_rank_processes(command: list[str], root: Path, processes: int, section: str, **settings: Any) -> Any:
+    """Run ``processes`` rank processes (``command CONFIG RANK``) joined through a file store in
+    ``root`` (created here), with a config of ``settings`` plus the store, ``root``, the process
+    count and where rank 0 writes its timings; return those timings (JSON)."""
     root.mkdir()
     config = root / "config.json"
-    config.write_text(
-        json.dumps(
-            {
-                "store": str(root / "store"),
-                "root": str(root),
-                "results": str(root / "timings.json"),
-                "total_bytes": total_bytes,
-                "processes": processes,
-                "repeat": repeat,
-            }
-        )
-    )
-    command = [sys.executable, "-m", "tiered_ckpt.bench", "--rank-process", str(config)]
-    children = [subprocess.Popen([*command, str(rank)]) for rank in range(processes)]
+    results = root / "timings.json"
+    paths = {"store": str(root / "store"), "root": str(root), "results": str(results)}
+    config.write_text(json.dumps({**paths, "processes": processes, **settings}))
+    children = [subprocess.Popen([*command, str(config), str(rank)]) for rank in range(processes)]
     codes = [child.wait() for child in children]
     if any(codes):
-        raise RuntimeError(f"rank processes of the dist benchmark exited with {codes}")
-    return [(float(raw), float(save)) for raw, save in json.loads((root / "timings.json").read_text())]
+        raise RuntimeError(f"rank processes of the {section} benchmark exited with {codes}")
+    return json.loads(results.read_text())
 
 
 def rank_process(config_path: Path, rank: int) -> None:

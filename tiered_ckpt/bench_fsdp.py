@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -60,26 +59,10 @@ def bench_fsdp(total_bytes: int, root: Path, repeat: int) -> None:
 
 
 def _run(root: Path, processes: int, layers: int, repeat: int) -> list[dict[str, float]]:
-    root.mkdir()
-    config = root / "config.json"
-    config.write_text(
-        json.dumps(
-            {
-                "store": str(root / "store"),
-                "root": str(root),
-                "layers": layers,
-                "processes": processes,
-                "repeat": repeat,
-                "results": str(root / "timings.json"),
-            }
-        )  # fmt: skip
-    )
-    command = [sys.executable, "-m", "tiered_ckpt.bench_fsdp", str(config)]
-    children = [subprocess.Popen([*command, str(rank)]) for rank in range(processes)]
-    codes = [child.wait() for child in children]
-    if any(codes):
-        raise RuntimeError(f"rank processes of the fsdp benchmark exited with {codes}")
-    rounds: list[dict[str, float]] = json.loads((root / "timings.json").read_text())
+    from .bench import run_rank_processes  # bench imports this module when it runs the section
+
+    command = [sys.executable, "-m", "tiered_ckpt.bench_fsdp"]
+    rounds: list[dict[str, float]] = run_rank_processes(command, root, processes, "fsdp", layers=layers, repeat=repeat)
     return rounds
 
 

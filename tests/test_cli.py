@@ -7,6 +7,7 @@ import pytest
 
 from conftest import ZERO1_SHARDED_KEYS, flip_byte, s3_credentials_env, write_s3_config, zero1_states
 from tiered_ckpt import CheckpointManager
+from tiered_ckpt.checksums import part_crc32c
 from tiered_ckpt.layout import step_dir_name
 from tiered_ckpt.remote import RemoteTier
 
@@ -96,7 +97,7 @@ def test_verify_remote_checks_the_stores_own_checksums_without_downloading(setup
     tier = RemoteTier(url, options)
     remote = tier.read_manifest(5)
     assert set(remote.store_checksums) == {record.path for record in remote.manifest.shards}
-    assert all(value.startswith("sha256:") for value in remote.store_checksums.values())
+    assert all(value.startswith("crc32c:") for value in remote.store_checksums.values())
     code, out, err = run(env, "--config", str(config), "--json", "verify", "--remote")
     assert code == 0, err
     assert [(r["tier"], r["status"]) for r in json.loads(out)] == [("remote", "ok")] * 4  # the bucket only
@@ -104,7 +105,8 @@ def test_verify_remote_checks_the_stores_own_checksums_without_downloading(setup
     record = remote.manifest.shard(1)
     key = f"{tier._root}/{step_dir_name(5)}/{record.path}"
     bucket, name, _version = tier._fs.split_path(key)
-    tier._fs.call_s3("put_object", Bucket=bucket, Key=name, Body=b"\0" * record.size_bytes, ChecksumAlgorithm="SHA256")
+    zeros = b"\0" * record.size_bytes
+    tier._fs.call_s3("put_object", Bucket=bucket, Key=name, Body=zeros, ChecksumCRC32C=part_crc32c(zeros))
     code, out, _ = run(env, "--config", str(config), "--json", "verify", "--remote")
     failed = [(r["rank"], r["problem"]) for r in json.loads(out) if r["status"] == "failed"]
     assert code == 1 and failed[0][0] == 1 and "the store keeps checksum" in failed[0][1]

@@ -7,9 +7,10 @@ import base64
 import errno
 import hashlib
 
+import crc32c
 import pytest
 
-from tiered_ckpt import RemoteError
+from tiered_ckpt import ChecksumMismatchError, RemoteError
 from tiered_ckpt.multipart import Upload, Window, is_throttle
 
 PART = 1024
@@ -44,7 +45,7 @@ class FakeS3:
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
             await asyncio.sleep(0)  # let the other parts in the window start
             self.in_flight -= 1
-            assert kwargs["ChecksumSHA256"] == base64.b64encode(hashlib.sha256(kwargs["Body"]).digest()).decode()
+            assert kwargs["ChecksumCRC32C"] == crc32c_b64(kwargs["Body"])
             self.parts[number] = kwargs["Body"]
             return {"ETag": f'"e{number}"'}
         if method == "complete_multipart_upload":
@@ -60,13 +61,17 @@ class FakeS3:
         return [method for method, _ in self.calls]
 
 
-def composite_sha256(path, part_bytes):
-    """The ChecksumSHA256 S3 reports for ``path`` sent as parts of ``part_bytes`` (or whole, if small)."""
+def crc32c_b64(data: bytes) -> str:
+    return base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode()
+
+
+def composite_crc32c(path, part_bytes):
+    """The ChecksumCRC32C S3 reports for ``path`` sent as parts of ``part_bytes`` (or whole, if small)."""
     data = path.read_bytes()
     if len(data) < 2 * part_bytes:
-        return base64.b64encode(hashlib.sha256(data).digest()).decode()
-    digests = [hashlib.sha256(data[i : i + part_bytes]).digest() for i in range(0, len(data), part_bytes)]
-    return f"{base64.b64encode(hashlib.sha256(b''.join(digests)).digest()).decode()}-{len(digests)}"
+        return crc32c_b64(data)
+    digests = [crc32c.crc32c(data[i : i + part_bytes]).to_bytes(4, "big") for i in range(0, len(data), part_bytes)]
+    return f"{crc32c_b64(b''.join(digests))}-{len(digests)}"
 
 
 def run(fs, path, window=None, max_tries=5, **options):
@@ -89,19 +94,45 @@ def test_a_large_file_goes_up_in_parts_within_the_window_with_the_composite_chec
     assert fs.objects["k"] == big.read_bytes()
     assert fs.methods().count("upload_part") == 10 and 1 < fs.most_in_flight <= 3
     assert stats.requests == 12 and stats.throttled == 0
-    assert stats.checksum_sha256 == composite_sha256(big, PART) and stats.checksum_sha256.endswith("-10")
+    assert stats.sums.kept == "crc32c:" + composite_crc32c(big, PART) and stats.sums.kept.endswith("-10")
+    assert stats.sums.etag is None  # a multipart object is confirmed by its CRC32C, not its ETag
     created = fs.calls[0][1]
-    assert created["ChecksumAlgorithm"] == "SHA256"
+    assert created["ChecksumAlgorithm"] == "CRC32C"
 
 
-def test_a_small_file_is_one_put_with_its_sha256(tmp_path):
+def test_a_small_file_is_one_put_with_its_crc32c_and_the_md5_the_store_takes_for_its_etag(tmp_path):
     path = tmp_path / "small"
     path.write_bytes(b"x" * (2 * PART - 1))
     fs = FakeS3()
     stats = run(fs, path, extra={"Metadata": {"sha256": "abc"}})
     assert fs.methods() == ["put_object"] and fs.calls[0][1]["Metadata"] == {"sha256": "abc"}
-    assert stats.checksum_sha256 == base64.b64encode(hashlib.sha256(path.read_bytes()).digest()).decode()
-    assert stats.checksum_sha256 == composite_sha256(path, PART)
+    assert fs.calls[0][1]["ChecksumCRC32C"] == crc32c_b64(path.read_bytes())
+    assert stats.sums.kept == "crc32c:" + composite_crc32c(path, PART)
+    assert stats.sums.etag == f'"{hashlib.md5(path.read_bytes()).hexdigest()}"'
+
+
+def refuse(path):
+    def verify_source():
+        raise ChecksumMismatchError(f"{path}: damaged")
+
+    return verify_source
+
+
+def test_a_source_found_damaged_while_its_parts_go_up_is_never_completed(big):
+    fs = FakeS3()
+    with pytest.raises(ChecksumMismatchError, match="damaged"):
+        run(fs, big, verify_source=refuse(big))
+    assert fs.methods()[-1] == "abort_multipart_upload" and "complete_multipart_upload" not in fs.methods()
+    assert "k" not in fs.objects
+
+
+def test_a_small_source_found_damaged_is_never_sent(tmp_path):
+    path = tmp_path / "small"
+    path.write_bytes(b"x" * 10)
+    fs = FakeS3()
+    with pytest.raises(ChecksumMismatchError):
+        run(fs, path, verify_source=refuse(path))
+    assert fs.calls == []
 
 
 def test_throttling_halves_the_window_and_each_part_sent_grows_it_back(big):

@@ -8,7 +8,7 @@ from conftest import flip_byte
 from tiered_ckpt import ChecksumMismatchError, ManifestError, RemoteError, save_sharded
 from tiered_ckpt.layout import MANIFEST_NAME
 from tiered_ckpt.local import LocalTier
-from tiered_ckpt.remote import RemoteTier, is_transient
+from tiered_ckpt.remote import RemoteTier, RetryPolicy, is_transient
 from tiered_ckpt.store import TieredStore
 
 
@@ -177,7 +177,7 @@ def test_the_stores_own_checksum_is_recorded_and_checked_without_a_download(clou
     record = manifest.shard(0)
     assert tier.put_shard(4, tmp_path / "local" / record.path, record)
     kept = tier.store_checksum(4, record)
-    assert kept.startswith("crc32c:" if url.startswith("gs://") else "sha256:")
+    assert kept.startswith("crc32c:")
     assert tier.store_checksum(4, record) is None  # handed over once
     remote = tier.commit(manifest, store_checksums={record.path: kept})
     assert tier.read_manifest(4).store_checksums == remote.store_checksums == {record.path: kept}
@@ -209,15 +209,48 @@ def test_abort_orphans_aborts_only_this_librarys_unfinished_uploads_old_enough(s
     assert open_keys() == ["someone-elses/file"]  # not an object of ours: left alone
 
 
-def test_a_multipart_upload_is_confirmed_against_the_etag_s3_computed(s3_url, tmp_path):
-    """11 MiB in 5 MiB parts: the ETag is the MD5 of the parts' MD5s, which the confirmation
-    recomputes from the file; a corrupted part would not match (see the in-transit test)."""
-    url, options = s3_url
-    tier = RemoteTier(url, options, part_bytes=5 << 20)
+def eleven_mib_shard(tmp_path):
     states = [{"w": np.random.default_rng(0).integers(0, 255, 11 << 20, dtype=np.uint8)}]
     manifest = save_sharded(states, tmp_path / "local", step=4)
-    record = manifest.shard(0)
-    assert tier.put_shard(4, tmp_path / "local" / record.path, record)
-    info = tier._fs.info(f"{tier._root}/step-000000000004/{record.path}")
-    assert info["ETag"].endswith('-3"')  # really a multipart upload, of 3 parts
-    assert not tier.put_shard(4, tmp_path / "local" / record.path, record)  # confirmed intact: not sent again
+    return tmp_path / "local" / manifest.shard(0).path, manifest.shard(0)
+
+
+def test_a_multipart_upload_is_confirmed_against_the_crc32c_the_store_composed(s3_url, tmp_path):
+    """11 MiB in 5 MiB parts: moto composes the object's CRC32C from the parts it received,
+    which the confirmation recomputes from the file (S3 checks each part on receipt)."""
+    url, options = s3_url
+    tier = RemoteTier(url, options, part_bytes=5 << 20)
+    path, record = eleven_mib_shard(tmp_path)
+    assert tier.put_shard(4, path, record)
+    bucket, key, _version = tier._fs.split_path(f"{tier._root}/step-000000000004/{record.path}")
+    head = tier._fs.call_s3("head_object", Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+    assert head["ETag"].endswith('-3"')  # really a multipart upload, of 3 parts
+    kept = tier.store_checksum(4, record)
+    assert kept.endswith("-3") and kept.removesuffix("-3") == "crc32c:" + head["ChecksumCRC32C"]  # moto's HEAD: no -N
+    assert not tier.put_shard(4, path, record)  # confirmed intact: not sent again
+
+
+def test_a_part_changed_in_transit_is_never_confirmed(moto_endpoint, s3_url, tmp_path):
+    from conftest import FaultInjectingProxy, s3_storage_options
+
+    url, _options = s3_url
+    proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0, corrupt=("PUT",))  # parts are PUTs
+    try:
+        tier = RemoteTier(url, s3_storage_options(proxy.endpoint), retry=RetryPolicy(max_tries=1), part_bytes=5 << 20)
+        path, record = eleven_mib_shard(tmp_path)
+        with pytest.raises(RemoteError, match="not confirmed after the upload: the store computed ChecksumCRC32C"):
+            tier.put_shard(4, path, record)
+    finally:
+        proxy.close()
+
+
+def test_a_shard_damaged_on_local_disk_is_never_uploaded_in_parts(s3_url, tmp_path):
+    url, options = s3_url
+    tier = RemoteTier(url, options, part_bytes=5 << 20)
+    path, record = eleven_mib_shard(tmp_path)
+    flip_byte(path, 7 << 20)
+    with pytest.raises(ChecksumMismatchError, match="before its upload"):
+        tier.put_shard(4, path, record)
+    bucket, prefix, _version = tier._fs.split_path(tier._root)
+    assert not tier._fs.exists(f"{tier._root}/step-000000000004/{record.path}")
+    assert tier._fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix).get("Uploads", []) == []

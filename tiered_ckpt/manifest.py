@@ -41,7 +41,7 @@ MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _XXH3_64 = re.compile(r"[0-9a-f]{16}")
 _LOCATION = re.compile(r"[0-9a-f]{2}/[^/]+")
-_STORE_CHECKSUM = re.compile(r"sha256:[A-Za-z0-9+/]{43}=(-[1-9][0-9]{0,4})?|crc32c:[A-Za-z0-9+/]{6}==")
+_STORE_CHECKSUM = re.compile(r"(sha256:[A-Za-z0-9+/]{43}=|crc32c:[A-Za-z0-9+/]{6}==)(-[1-9][0-9]{0,4})?")
 _RESERVED_KEY = "__metadata__"
 
 
@@ -235,9 +235,9 @@ class RemoteManifest:
     It holds the same shard records (sizes, sha256s, offsets; each ``path`` is the
     object's name under the step's prefix) and ``committed_at``, the Unix time at which
     every shard had been uploaded and confirmed. ``store_checksums`` maps a shard's path to
-    the checksum the store keeps for its object (S3: ``"sha256:<base64>"``, with ``-N`` for
-    N parts; GCS: ``"crc32c:<base64>"``, which it computes itself), for checks without a
-    download; empty where the store keeps none.
+    the checksum the store keeps for its object (``"crc32c:<base64>"``, on S3 with ``-N`` for
+    an object of N parts; ``"sha256:<base64>[-N]"`` from earlier versions), for checks
+    without a download; empty where the store keeps none.
     ``locations`` maps a shard's path to its object's name under the step's prefix where
     that is not the path itself (the "hashed" layout: ``"3f/rank-..."``). Its ``kind``
     field keeps it from being read as a local manifest, and the other way round.

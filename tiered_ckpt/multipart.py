@@ -1,5 +1,5 @@
 """S3 uploads for the remote tier: parts in a sliding window sized by AIMD, the store's own
-SHA256 checksum on every request, and no multipart upload left open when one fails.
+CRC32C checksum on every request, and no multipart upload left open when one fails.
 
 Why by hand: s3fs's ``put_file`` (the library under the remote tier) sends the parts of a
 large file in batches (no part of the next batch starts before the slowest of the last
@@ -8,39 +8,39 @@ whole file when one part is throttled, and leaves its multipart upload open when
 cancelled (a deadline). This module makes the same S3 requests through the client of the
 same s3fs instance (its credentials, endpoint and session), without those five limits:
 
-1. a file below ``2 * part_bytes`` goes up in one ``PutObject`` with its ``ChecksumSHA256``;
-2. a larger one: ``CreateMultipartUpload`` (``ChecksumAlgorithm="SHA256"``), then its parts
-   (cut every ``part_bytes``, as s3fs cuts them, so the ETag the store computes stays
-   predictable), each read and hashed in a worker thread and sent with its
-   ``ChecksumSHA256`` while at most :attr:`Window.size` parts are in flight;
+1. a file below ``2 * part_bytes`` is checked (``verify_source``), then goes up in one
+   ``PutObject`` with its ``ChecksumCRC32C``;
+2. a larger one: ``CreateMultipartUpload`` (``ChecksumAlgorithm="CRC32C"``), then its parts
+   (cut every ``part_bytes``, as s3fs cuts them), each read and hashed in a worker thread
+   and sent with its ``ChecksumCRC32C`` while at most :attr:`Window.size` parts are in
+   flight; ``verify_source`` runs beside them, in a worker thread of its own;
 3. a part the store throttles (503 SlowDown, 429) is sent again after a backoff and halves
    the window (multiplicative decrease); each part sent grows it by ``1 / size``
    (additive increase: one more part per window's worth of parts), up to ``limit``;
-4. ``CompleteMultipartUpload`` with every part's checksum; on any failure, cancellation
-   included, ``AbortMultipartUpload``.
+4. once every part is sent and ``verify_source`` passed, ``CompleteMultipartUpload`` with
+   every part's checksum; on any failure, cancellation included, ``AbortMultipartUpload``.
 
-The store's checksum of the whole object is then the SHA256 of the object (one request)
-or ``base64(sha256(part digests))-N`` (multipart, S3's composite form), which
-:func:`~tiered_ckpt.checksums.composite_sha256` computes from the parts' digests for a
-later check without download.
+The checksums the store will hold (:class:`~tiered_ckpt.checksums.StoreSums`: the one
+request's MD5 ETag, the parts' CRC32C) come out in :attr:`UploadStats.sums`, computed from
+the bytes as they were sent: hashing rides along with the sending instead of a pass
+over the file before it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import errno
 import hashlib
 import logging
 import os
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checksums import composite_sha256
+from .checksums import StoreSums, part_crc32c
 from .errors import RemoteError
 
 __all__ = ["Window", "UploadStats", "Upload", "is_throttle", "list_open_uploads"]
@@ -104,25 +104,21 @@ class Window:
 
 @dataclass
 class UploadStats:
-    """What one upload took: requests made, of which throttled, and the object's store checksum."""
+    """What one upload took: requests made, of which throttled, and the checksums the store
+    computes of the object (from the bytes sent)."""
 
     requests: int = 0
     throttled: int = 0
-    checksum_sha256: str = ""
+    sums: StoreSums = field(default_factory=lambda: StoreSums(None))
 
 
-def _b64(digest: bytes) -> str:
-    return base64.b64encode(digest).decode()
-
-
-def _read_part(path: Path, offset: int, length: int, checksum: str | None) -> tuple[bytes, str]:
-    """A part's bytes and their SHA256 (base64; ``checksum`` if the caller has it already),
-    read in a worker thread (off the event loop)."""
+def _read_part(path: Path, offset: int, length: int) -> tuple[bytes, str]:
+    """A part's bytes and their CRC32C (base64), read in a worker thread (off the event loop)."""
     with open(path, "rb", buffering=0) as source:
         data = os.pread(source.fileno(), length, offset)
     if len(data) != length:
         raise RemoteError(f"{path}: shorter than when its upload began", transient=False)
-    return data, checksum or _b64(hashlib.sha256(data).digest())
+    return data, part_crc32c(data)
 
 
 @dataclass
@@ -132,8 +128,8 @@ class Upload:
     creation (``Metadata``). A throttled request is sent again up to ``max_tries`` times,
     backing off from ``backoff_seconds`` (never past ``deadline``, a ``time.monotonic()``
     time); any other error is raised as the client raised it, after the multipart upload
-    is aborted. ``part_sha256`` are the parts' SHA256 (base64) when the caller computed them
-    already (else each part is hashed here)."""
+    is aborted. ``verify_source`` (run in a worker thread) raises if the file is not what
+    should be uploaded; no object is created unless it returns."""
 
     fs: Any
     path: Path
@@ -145,11 +141,8 @@ class Upload:
     backoff_seconds: float
     extra: Mapping[str, Any] = field(default_factory=dict)
     deadline: float | None = None
-    part_sha256: Sequence[str] = ()
+    verify_source: Callable[[], None] = lambda: None
     stats: UploadStats = field(default_factory=UploadStats, init=False)
-
-    def known(self, index: int) -> str | None:
-        return self.part_sha256[index] if index < len(self.part_sha256) else None
 
     async def call(self, method: str, **kwargs: Any) -> Any:
         """One request, tried again after a backoff while the store throttles it (up to ``max_tries``).
@@ -184,32 +177,37 @@ class Upload:
         size = self.path.stat().st_size
         loop = asyncio.get_running_loop()
         if size < 2 * self.part_bytes:
-            data, checksum = await loop.run_in_executor(None, _read_part, self.path, 0, size, self.known(0))
+            await loop.run_in_executor(None, self.verify_source)
+            data, checksum = await loop.run_in_executor(None, _read_part, self.path, 0, size)
             await self.call(
                 "put_object",
                 Bucket=self.bucket,
                 Key=self.key,
                 Body=data,
-                ChecksumAlgorithm="SHA256",
-                ChecksumSHA256=checksum,
+                ChecksumAlgorithm="CRC32C",
+                ChecksumCRC32C=checksum,
                 **self.extra,
             )
-            self.stats.checksum_sha256 = checksum
+            etag = await loop.run_in_executor(None, lambda: hashlib.md5(data).hexdigest())
+            self.stats.sums = StoreSums(f'"{etag}"', (checksum,))
             return self.stats
         created = await self.call(
-            "create_multipart_upload", Bucket=self.bucket, Key=self.key, ChecksumAlgorithm="SHA256", **self.extra
+            "create_multipart_upload", Bucket=self.bucket, Key=self.key, ChecksumAlgorithm="CRC32C", **self.extra
         )
         upload_id = created["UploadId"]
+        checked = loop.run_in_executor(None, self.verify_source)
         try:
             parts = await self._parts(upload_id, size)
+            await checked
             await self.call(
                 "complete_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id,
                 MultipartUpload={"Parts": parts},
             )  # fmt: skip
         except BaseException:  # cancellation (a deadline) included: never leave the upload open
+            await asyncio.gather(checked, return_exceptions=True)
             await asyncio.shield(self._abort(upload_id))
             raise
-        self.stats.checksum_sha256 = composite_sha256([part["ChecksumSHA256"] for part in parts])
+        self.stats.sums = StoreSums(None, tuple(part["ChecksumCRC32C"] for part in parts))
         return self.stats
 
     async def _parts(self, upload_id: str, size: int) -> list[dict[str, Any]]:
@@ -220,14 +218,13 @@ class Upload:
             await self.window.acquire()
             try:
                 length = min(self.part_bytes, size - offset)
-                known = self.known(number - 1)
-                data, checksum = await loop.run_in_executor(None, _read_part, self.path, offset, length, known)
+                data, checksum = await loop.run_in_executor(None, _read_part, self.path, offset, length)
                 answer = await self.call(
                     "upload_part", Bucket=self.bucket, Key=self.key, UploadId=upload_id, PartNumber=number,
-                    Body=data, ChecksumAlgorithm="SHA256", ChecksumSHA256=checksum,
+                    Body=data, ChecksumAlgorithm="CRC32C", ChecksumCRC32C=checksum,
                 )  # fmt: skip
                 self.window.sent()
-                return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumSHA256": checksum}
+                return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32C": checksum}
             finally:
                 await self.window.release()
 

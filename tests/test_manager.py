@@ -81,6 +81,26 @@ def test_staging_buffers_are_reused_and_reallocated_only_when_shapes_change():
     assert staging.nbytes == 40
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="thread affinity is Linux's")
+def test_the_writer_runs_on_the_cpus_it_is_given_and_the_training_thread_is_left_alone(tmp_path, states):
+    cpu = min(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    with CheckpointManager(tmp_path, world_size=4, sharded_keys=ZERO1_SHARDED_KEYS, writer_cpus={cpu}) as manager:
+        manager.save(1, states)
+        manager.wait()
+        writer = next(thread for thread in threading.enumerate() if thread.name.startswith("tiered-ckpt-writer"))
+        assert os.sched_getaffinity(writer.native_id) == {cpu}
+        assert os.sched_getaffinity(0) == before  # the caller's thread
+        assert manager.restore().step == 1
+
+
+@pytest.mark.parametrize("cpus", [[], {10**6}, 3, "0"])
+def test_writer_cpus_that_cannot_be_used_are_refused(tmp_path, cpus):
+    with pytest.raises(ConfigError, match="writer_cpus"):
+        CheckpointManager(tmp_path, world_size=1, writer_cpus=cpus)
+    CheckpointManager(tmp_path, world_size=1).close()  # nothing was left holding the directory
+
+
 def test_blocking_save_and_several_steps(manager, states):
     for step in (10, 20, 30):
         manager.save(step, states, blocking=True)

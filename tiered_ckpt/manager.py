@@ -57,7 +57,7 @@ from .shardfile import Verify
 from .state import FlatState, StagingBuffers, State, flatten
 from .store import Lag, TieredStore
 from .uploader import Uploader
-from .writer import SaveHandle, Writer
+from .writer import SaveHandle, Writer, check_cpus
 
 __all__ = ["CheckpointManager", "SaveHandle", "RestoreResult", "StagingBuffers"]
 
@@ -99,6 +99,10 @@ class CheckpointManager:
     keeps the newest steps (None keeps all), ``keep_every`` also keeps every step
     divisible by it; the newest committed step is never deleted.
 
+    ``writer_cpus`` (e.g. ``{3}``; Linux) keeps the background writer and retention threads,
+    and the threads they start, on those CPUs (say, cores the training loop leaves free);
+    they always run at a lower priority than the training loop.
+
     ``preemption_signals`` (e.g. ``(signal.SIGTERM,)``; default none) installs handlers
     that note a preemption notice for :meth:`reached_preemption` (chained to the handlers
     they replace, which :meth:`close` puts back); only from the main thread.
@@ -116,10 +120,12 @@ class CheckpointManager:
         upload: UploadOptions | None = None,
         sharded_keys: Iterable[str | Sequence[str | int]] | None = None,
         max_workers: int | None = None,
+        writer_cpus: Iterable[int] | None = None,
         preemption_signals: Iterable[int | signal.Signals] = (),
         **keywords: Unpack[ManagerKeywords],
     ) -> None:
         options = resolve_options(local_dir, remote, upload, keywords)
+        cpus = check_cpus(writer_cpus)
         coordinator = resolve_coordinator(coordinator, world_size)
         world_size = coordinator.world_size
         self._ranks = tuple(coordinator.local_ranks)
@@ -164,6 +170,7 @@ class CheckpointManager:
             retention=options.local.retention,
             uploader=self._uploader,
             max_workers=max_workers,
+            cpus=cpus,
         )
 
     def _start_uploader(self, options: Options) -> Uploader:

@@ -25,13 +25,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from .coordination import Coordinator, agree_on, from_payload, to_payload
-from .errors import CheckpointError, ErrorBox, SaveError
+from .errors import CheckpointError, ConfigError, ErrorBox, SaveError
 from .manifest import ShardManifest, ShardRecord
 from .replicas import leave_out
 from .retention import RetentionPolicy
@@ -40,22 +40,43 @@ from .state import FlatState, StagingBuffers
 from .store import TieredStore
 from .uploader import Uploader
 
-__all__ = ["Writer", "SaveHandle"]
+__all__ = ["Writer", "SaveHandle", "check_cpus"]
 
 logger = logging.getLogger("tiered_ckpt")
 
 BACKGROUND_NICENESS = 10
 
 
-def _lower_thread_priority() -> None:
-    """Let the training loop's threads win the CPU over the background writer.
+def _background_thread(cpus: frozenset[int] | None) -> None:
+    """Let the training loop's threads win the CPU over the background writer, and keep the
+    writer on ``cpus`` if given.
 
-    On Linux the nice value is per thread, and threads the writer starts inherit it.
+    On Linux the nice value and the CPU affinity are per thread, and threads the writer
+    starts (the pools that write shards) inherit both.
     """
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICENESS)
     except (AttributeError, OSError):  # not Linux, or not allowed: run at normal priority
         logger.debug("could not lower the background writer's priority", exc_info=True)
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)  # 0: this thread (checked by check_cpus at construction)
+
+
+def check_cpus(cpus: Iterable[int] | None) -> frozenset[int] | None:
+    """``cpus`` as a set the background threads may be pinned to, or None (any CPU).
+
+    Raises :class:`ConfigError` if it is empty, or names a CPU this process may not run on,
+    or pinning threads is not supported here (not Linux).
+    """
+    if cpus is None:
+        return None
+    if not hasattr(os, "sched_setaffinity"):
+        raise ConfigError("writer_cpus: pinning threads to CPUs needs Linux (os.sched_setaffinity)")
+    allowed = os.sched_getaffinity(0)
+    chosen = frozenset(cpus) if isinstance(cpus, Iterable) and not isinstance(cpus, (str, bytes)) else frozenset()
+    if not chosen or not chosen <= allowed:
+        raise ConfigError(f"writer_cpus must be a non-empty set of this process's CPUs {sorted(allowed)}: {cpus!r:.60}")
+    return chosen
 
 
 class SaveHandle:
@@ -109,7 +130,8 @@ class Writer:
     """The writer and retention threads of one manager (see the module doc).
 
     ``ranks`` are this process's ranks of ``world_size``; committed steps go to
-    ``uploader`` if there is one; failures go to ``errors``.
+    ``uploader`` if there is one; failures go to ``errors``; both threads (and the ones
+    they start) run at a lower priority, on ``cpus`` if given (see :func:`check_cpus`).
     """
 
     def __init__(
@@ -122,6 +144,7 @@ class Writer:
         retention: RetentionPolicy,
         uploader: Uploader | None = None,
         max_workers: int | None = None,
+        cpus: frozenset[int] | None = None,
     ) -> None:
         self._store = store
         self._coordinator = coordinator
@@ -134,8 +157,8 @@ class Writer:
         self._staging = StagingBuffers()
         self._last_save: SaveHandle | None = None
         self._last_retention: Future[None] | None = None
-        self._writer = ThreadPoolExecutor(1, "tiered-ckpt-writer", initializer=_lower_thread_priority)
-        self._janitor = ThreadPoolExecutor(1, "tiered-ckpt-retention", initializer=_lower_thread_priority)
+        self._writer = ThreadPoolExecutor(1, "tiered-ckpt-writer", initializer=_background_thread, initargs=(cpus,))
+        self._janitor = ThreadPoolExecutor(1, "tiered-ckpt-retention", initializer=_background_thread, initargs=(cpus,))
 
     def submit(self, step: int, states: Sequence[FlatState], keys: tuple[str, ...], numels: list[int]) -> SaveHandle:
         """Stage ``states`` (this process's ranks, checked) and queue their write as ``step``."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench import _ratio, _timed
+from .bench import show_ratio, timed
 from .sharded import load_sharded, save_sharded
 from .state import Structure, flatten
 
@@ -48,16 +48,16 @@ def bench_structure(params: int, total_bytes: int, root: Path, repeat: int) -> N
     size = sum(array.nbytes for array in flat.arrays.values())
     timings: dict[str, list[float]] = {name: [] for name in ("flatten", "parse", "save", "load")}
     for run in range(repeat):
-        timings["flatten"].append(_timed(lambda: flatten(state).structure.to_json()))
-        timings["parse"].append(_timed(lambda: Structure.from_json(document, flat.arrays, "bench").build(flat.arrays)))
+        timings["flatten"].append(timed(lambda: flatten(state).structure.to_json()))
+        timings["parse"].append(timed(lambda: Structure.from_json(document, flat.arrays, "bench").build(flat.arrays)))
         directory = root / f"structure-{run}"
-        timings["save"].append(_timed(functools.partial(save_sharded, [state], directory, step=run, sharded_keys=())))
-        timings["load"].append(_timed(functools.partial(load_sharded, directory, 1)))
+        timings["save"].append(timed(functools.partial(save_sharded, [state], directory, step=run, sharded_keys=())))
+        timings["load"].append(timed(functools.partial(load_sharded, directory, 1)))
     median = {name: statistics.median(values) for name, values in timings.items()}
     print(f"  {params} parameter tensors: {len(flat.arrays)} arrays of {size / 2**20:.1f} MiB, "
           f"a structure document of {len(document) / 2**20:.2f} MiB")  # fmt: skip
     print(f"  flatten + document {median['flatten']:7.3f} s  of save_sharded {median['save']:7.3f} s")
     print(f"  parse + rebuild    {median['parse']:7.3f} s  of load_sharded {median['load']:7.3f} s")
     print("ratios (target):")
-    _ratio("structure / save_sharded", median["flatten"] / median["save"], "small")
-    _ratio("structure / load_sharded", median["parse"] / median["load"], "small")
+    show_ratio("structure / save_sharded", median["flatten"] / median["save"], "small")
+    show_ratio("structure / load_sharded", median["parse"] / median["load"], "small")

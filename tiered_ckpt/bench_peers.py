@@ -1,0 +1,296 @@
+"""The ``peers`` section of the benchmark: the same state through this library and its peers.
+
+In one process, in interleaved rounds (the order of the methods rotates each round), each
+method saves the same state of ``ranks`` shards durably (fsync) into a directory of its
+own, loads it back warm (from the page cache) and cold (after evicting its files), and,
+where it has one, saves asynchronously, timing how long that call blocks the caller:
+
+- ``tiered_ckpt``: ``save_sharded`` (sha256 + xxh3 of every byte, atomic commit),
+  ``load_sharded`` into new arrays (every byte verified), ``CheckpointManager.save(blocking=False)``;
+- ``safetensors``: ``save_file`` per shard + fsync, one thread per shard like the others,
+  ``load_file`` (nothing verified);
+- ``torch.save``: one file per shard + fsync, ``torch.load`` (pickle; nothing verified);
+- ``dcp``: ``torch.distributed.checkpoint.save`` with ``FileSystemWriter`` (2 threads) of a
+  state holding every shard, ``dcp.load`` into it (nothing verified), ``dcp.async_save``.
+
+Peak extra RSS is that of the save (blocking), above the RSS before it. A round's files
+are removed after it. Beside them the
+same run measures the limits: write + fsync with as many writers as shards and writeback
+started every few MiB, raw sequential reads warm and cold, sha256 on all cores.
+Every figure is a median of the rounds.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["PeerRow", "PeerTable", "bench_peers", "plot"]
+
+
+@dataclass(frozen=True)
+class PeerRow:
+    """One method's medians: GB/s of save, warm and cold load; seconds an async save blocks
+    (None: it has none); peak extra RSS of a save in bytes."""
+
+    method: str
+    save: float
+    load_warm: float
+    load_cold: float
+    async_stall: float | None
+    peak_rss: int
+
+
+@dataclass(frozen=True)
+class PeerTable:
+    """The rows, this library's first, and the limits (GB/s) measured in the same run."""
+
+    total_bytes: int
+    rows: tuple[PeerRow, ...]
+    limits: dict[str, float] = field(default_factory=dict)
+
+
+States = list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class _Method:
+    """How one peer saves ``states`` into a directory and loads them from it (``states`` only
+    give the shapes to a peer that loads in place), and saves asynchronously: returning the
+    seconds the call blocked and a function that waits for the save to end."""
+
+    name: str
+    save: Callable[[States, Path], object]
+    load: Callable[[States, Path], object]
+    async_save: Callable[[States, Path], tuple[float, Callable[[], None]]] | None = None
+
+
+def _fsync_tree(directory: Path) -> None:
+    for path in [*directory.rglob("*"), directory]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _per_shard(function: Callable[[int], object], shards: int) -> list[object]:
+    with ThreadPoolExecutor(shards) as pool:
+        return list(pool.map(function, range(shards)))
+
+
+def _blocked(call: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    call()
+    return time.perf_counter() - started
+
+
+def _ours() -> _Method:
+    from .manager import CheckpointManager
+    from .sharded import load_sharded, save_sharded
+
+    def async_save(states: States, directory: Path) -> tuple[float, Callable[[], None]]:
+        manager = CheckpointManager(directory, world_size=len(states), keep_last=None)
+        manager.save(1, states)  # allocates the staging buffers, which a job's later saves reuse
+        manager.wait()
+        return _blocked(lambda: manager.save(2, states, blocking=False)), manager.close
+
+    return _Method(
+        "tiered_ckpt",
+        lambda states, directory: save_sharded(states, directory, step=1),
+        lambda states, directory: load_sharded(directory, len(states)),
+        async_save,
+    )
+
+
+def _safetensors() -> _Method | None:
+    try:
+        from safetensors.numpy import load_file, save_file
+    except ImportError:
+        return None
+
+    def save(states: States, directory: Path) -> None:
+        directory.mkdir(parents=True)
+        _per_shard(lambda rank: save_file(states[rank], str(directory / f"{rank}.safetensors")), len(states))
+        _fsync_tree(directory)
+
+    def load(states: States, directory: Path) -> object:
+        return _per_shard(lambda rank: load_file(str(directory / f"{rank}.safetensors")), len(states))
+
+    return _Method("safetensors", save, load)
+
+
+def _tensors(states: States) -> States:
+    import torch
+
+    return [{key: torch.from_numpy(np.asarray(value)) for key, value in state.items()} for state in states]
+
+
+def _torch_save() -> _Method | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+
+    def save(states: States, directory: Path) -> None:
+        directory.mkdir(parents=True)
+        tensors = _tensors(states)
+        _per_shard(lambda rank: torch.save(tensors[rank], directory / f"{rank}.pt"), len(states))
+        _fsync_tree(directory)
+
+    def load(states: States, directory: Path) -> object:
+        return _per_shard(lambda rank: torch.load(directory / f"{rank}.pt", weights_only=True), len(states))
+
+    return _Method("torch.save", save, load)
+
+
+def _dcp() -> _Method | None:
+    try:
+        import torch
+        import torch.distributed.checkpoint as dcp
+    except ImportError:
+        return None
+
+    def flat(states: States) -> dict[str, Any]:
+        return {f"{rank}/{key}": value for rank, state in enumerate(_tensors(states)) for key, value in state.items()}
+
+    def writer(directory: Path) -> Any:
+        return dcp.FileSystemWriter(str(directory), thread_count=2)
+
+    def load(states: States, directory: Path) -> object:
+        target = {key: torch.empty_like(value) for key, value in flat(states).items()}  # dcp loads in place
+        dcp.load(target, storage_reader=dcp.FileSystemReader(str(directory)))
+        return target
+
+    def async_save(states: States, directory: Path) -> tuple[float, Callable[[], None]]:
+        state = flat(states)
+        futures: list[Any] = []  # a Future (CPU, no staging option given)
+        stall = _blocked(lambda: futures.append(dcp.async_save(state, storage_writer=writer(directory))))
+        return stall, lambda: futures[0].result()
+
+    return _Method("dcp", lambda states, directory: dcp.save(flat(states), storage_writer=writer(directory)), load,
+                   async_save)  # fmt: skip
+
+
+def bench_peers(
+    states: list[dict[str, np.ndarray]],
+    root: Path,
+    repeat: int,
+    limits: Callable[[Path, int], dict[str, float]],
+) -> PeerTable:
+    """Run the section (see the module doc) and print its table; ``limits(scratch, round)``
+    measures the limits in a round."""
+    import warnings
+
+    from .bench import clear, evict, peak_rss_growth
+
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    methods = [method for method in (_ours(), _safetensors(), _torch_save(), _dcp()) if method is not None]
+    total = sum(array.nbytes for state in states for array in state.values())
+    seconds: dict[tuple[str, str], list[float]] = {}
+    rss: dict[str, list[int]] = {}
+    measured_limits: dict[str, list[float]] = {}
+    for run in range(repeat):
+        scratch = root / f"peers-{run}"
+        scratch.mkdir()
+        for name, value in limits(scratch / "limits", run).items():
+            measured_limits.setdefault(name, []).append(value)
+        shift = run % len(methods)
+        for method in methods[shift:] + methods[:shift]:
+            _one_round(method, states, scratch, seconds, rss, evict, peak_rss_growth)
+        clear(scratch)
+
+    def rate(name: str, kind: str) -> float:
+        return total / statistics.median(seconds[(name, kind)]) / 1e9
+
+    rows = tuple(
+        PeerRow(
+            method.name,
+            rate(method.name, "save"),
+            rate(method.name, "warm"),
+            rate(method.name, "cold"),
+            statistics.median(seconds[(method.name, "stall")]) if method.async_save is not None else None,
+            max(0, int(statistics.median(rss[method.name]))),
+        )
+        for method in methods
+    )
+    table = PeerTable(total, rows, {name: statistics.median(rates) for name, rates in measured_limits.items()})
+    print_table(table)
+    return table
+
+
+def _one_round(
+    method: _Method,
+    states: States,
+    scratch: Path,
+    seconds: dict[tuple[str, str], list[float]],
+    rss: dict[str, list[int]],
+    evict: Callable[[list[Path]], None],
+    peak_rss_growth: Callable[[Callable[[], object]], int],
+) -> None:
+    """Save, load cold, load warm and save asynchronously with ``method``, recording the times."""
+    directory = scratch / method.name
+    started = time.perf_counter()
+    rss.setdefault(method.name, []).append(peak_rss_growth(lambda: method.save(states, directory)))
+    seconds.setdefault((method.name, "save"), []).append(time.perf_counter() - started)
+    evict(sorted(path for path in directory.rglob("*") if path.is_file()))
+    for kind in ("cold", "warm"):
+        seconds.setdefault((method.name, kind), []).append(_blocked(lambda: method.load(states, directory)))
+    if method.async_save is not None:
+        stall, finish = method.async_save(states, scratch / f"{method.name}-async")
+        seconds.setdefault((method.name, "stall"), []).append(stall)
+        finish()
+
+
+def print_table(table: PeerTable) -> None:
+    print(f"  {table.total_bytes / 2**30:.2f} GiB state; GB/s, durable (fsync); medians of the rounds")
+    print(
+        f"  {'method':<13} {'save':>6} {'load warm':>10} {'load cold':>10} {'async stall':>12} {'peak extra RSS':>15}"
+    )
+    for row in table.rows:
+        stall = f"{row.async_stall:10.2f} s" if row.async_stall is not None else f"{'-':>12}"
+        print(
+            f"  {row.method:<13} {row.save:6.2f} {row.load_warm:10.2f} {row.load_cold:10.2f} {stall} "
+            f"{row.peak_rss / 2**20:11.0f} MiB"
+        )
+    print("  limits in the same run:")
+    for name, value in table.limits.items():
+        print(f"    {name:<40} {value:6.2f} GB/s")
+
+
+def plot(table: PeerTable, path: Path) -> None:
+    """Draw ``table`` into ``path`` (PNG): per method, bars of save / load warm / load cold GB/s,
+    and the limits as horizontal lines. Needs matplotlib (``pip install 'tiered-ckpt[plot]'``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = (("save", "save"), ("load_warm", "load warm"), ("load_cold", "load cold"))
+    figure, axes = plt.subplots(figsize=(9, 5))
+    width = 0.8 / len(kinds)
+    positions = np.arange(len(table.rows))
+    for index, (attribute, label) in enumerate(kinds):
+        values = [getattr(row, attribute) for row in table.rows]
+        axes.bar(positions + (index - 1) * width, values, width, label=label)
+    styles = (("tab:red", "--"), ("tab:purple", ":"), ("tab:gray", "-."), ("black", "--"))
+    for (name, value), (color, style) in zip(table.limits.items(), styles * 2, strict=False):
+        axes.axhline(value, color=color, linestyle=style, linewidth=1.2, label=f"limit: {name} ({value:.2f})")
+    axes.set_xticks(positions, [row.method for row in table.rows])
+    axes.set_ylabel("GB/s")
+    axes.set_title(
+        f"{table.total_bytes / 2**30:.2f} GiB state, {os.cpu_count()} cores: "
+        "each method next to the limits measured in the same run"
+    )
+    axes.legend(fontsize="small", loc="upper right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

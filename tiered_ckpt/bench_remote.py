@@ -1,0 +1,123 @@
+"""The ``remote`` section of the benchmark: uploads and verified downloads next to boto3's.
+
+A checkpoint goes up to moto's S3 server (its own process, on loopback) through the
+remote tier's defaults and comes back verified, and the same shard files go up and down
+with boto3's ``upload_file`` / ``download_file``, into a fresh bucket per round. Run
+through ``tiered_ckpt.bench`` (``--only remote``; needs the test extra: moto, boto3).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from .bench import Timings, make_states, timed
+from .layout import step_dir_name
+from .manifest import ShardManifest
+from .sharded import run_parallel, save_sharded
+
+__all__ = ["bench_remote"]
+
+
+def _start_moto(port: int) -> subprocess.Popen[bytes]:
+    """moto's S3 server in its own process (so it does not share this process's GIL)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def _remote_run(
+    bucket: str,
+    client: Any,
+    options: dict[str, Any],
+    source: Path,
+    manifest: ShardManifest,
+    target: Path,
+    timings: Timings,
+) -> None:
+    """One run of the remote benchmark: ours and boto3's, up and down, into one fresh bucket."""
+    from .local import LocalTier
+    from .remote import RemoteTier
+    from .store import TieredStore
+    from .uploader import Uploader
+
+    client.create_bucket(Bucket=bucket)
+    tier = RemoteTier(f"s3://{bucket}/ours", options)
+    source_store = TieredStore(LocalTier(source), tier)
+    with source_store.local.lock(), contextlib.closing(Uploader(source_store)) as uploader:
+        timings.record("tiered_ckpt upload", timed(lambda: uploader.push(manifest.step)))
+    target_store = TieredStore(LocalTier(target), tier)
+    with target_store.local.lock():
+        target_store.local.new_step_dir(manifest.step)
+        download = functools.partial(target_store.download_shard, manifest.step)
+        timings.record("tiered_ckpt download+verify", timed(lambda: run_parallel(download, manifest.shards, None)))
+    shard_files = [source / step_dir_name(manifest.step) / record.path for record in manifest.shards]
+    timings.record(
+        "boto3 upload_file",
+        timed(lambda: [client.upload_file(str(path), bucket, f"boto3/{path.name}") for path in shard_files]),
+    )
+    timings.record(
+        "boto3 download_file",
+        timed(
+            lambda: [
+                client.download_file(bucket, f"boto3/{path.name}", str(target / f"boto3-{path.name}"))
+                for path in shard_files
+            ]
+        ),
+    )
+    shutil.rmtree(target)
+
+
+def bench_remote(size_gib: float, ranks: int, root: Path, repeat: int) -> None:
+    """Upload and download GB/s to a local moto S3 server, next to boto3's upload_file/download_file."""
+    try:
+        import boto3
+    except ImportError:
+        print("  skipped: needs boto3 and moto (pip install 'tiered-ckpt[test]')")
+        return
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = _start_moto(port)
+    endpoint = f"http://127.0.0.1:{port}"
+    credentials = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench", "region_name": "us-east-1"}
+    client = boto3.client("s3", endpoint_url=endpoint, **credentials)
+    for _ in range(600):  # readiness poll: go on as soon as the server answers
+        try:
+            client.list_buckets()
+            break
+        except Exception:
+            time.sleep(0.1)
+    options = {
+        "key": "bench",
+        "secret": "bench",
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+        "skip_instance_cache": True,
+    }
+    try:
+        source = root / "remote-source"
+        manifest = save_sharded(make_states(int(size_gib * 2**30), ranks), source / step_dir_name(1), step=1)
+        timings = Timings(manifest.total_bytes)
+        for run in range(repeat):
+            _remote_run(f"tiered-bench-{run}", client, options, source, manifest, root / f"download-{run}", timings)
+            urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")).read()
+        print(f"  checkpoint {manifest.total_bytes / 2**30:.2f} GiB in {ranks} shards, moto S3 server on loopback")
+        timings.print_rates()
+        print("ratios (target):")
+        timings.print_ratio("upload / boto3 upload_file", "tiered_ckpt upload", "boto3 upload_file", ">= 1.0")
+        timings.print_ratio(
+            "download+verify / boto3 download_file", "tiered_ckpt download+verify", "boto3 download_file", ">= 1.0"
+        )
+    finally:
+        server.terminate()
+        server.wait()

@@ -114,7 +114,8 @@ def raw_write(directory: Path, states: list[dict[str, np.ndarray]], writers: int
 
 
 def raw_read(paths: Sequence[Path]) -> float:
-    """Read the files sequentially, two at a time, into a reused buffer."""
+    """Read the files sequentially into reused buffers, as many at a time as a load of as many
+    shards reads (:func:`~tiered_ckpt.sharded.default_workers`)."""
 
     def read(path: Path) -> None:
         buffer = bytearray(CHUNK * 8)
@@ -123,7 +124,7 @@ def raw_read(paths: Sequence[Path]) -> float:
                 pass
 
     start = time.perf_counter()
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(default_workers(len(paths))) as pool:
         list(pool.map(read, paths))
     return time.perf_counter() - start
 

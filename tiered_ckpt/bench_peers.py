@@ -87,6 +87,13 @@ def _per_shard(function: Callable[[int], object], shards: int) -> list[object]:
         return list(pool.map(function, range(shards)))
 
 
+def _files_per_shard(directory: Path, shards: int, write: Callable[[int, Path], object], suffix: str) -> None:
+    """``write(rank, path)`` each shard's file in ``directory``, one thread per shard, then fsync them all."""
+    directory.mkdir(parents=True)
+    _per_shard(lambda rank: write(rank, directory / f"{rank}{suffix}"), shards)
+    _fsync_tree(directory)
+
+
 def _blocked(call: Callable[[], object]) -> float:
     started = time.perf_counter()
     call()
@@ -118,9 +125,7 @@ def _safetensors() -> _Method | None:
         return None
 
     def save(states: States, directory: Path) -> None:
-        directory.mkdir(parents=True)
-        _per_shard(lambda rank: save_file(states[rank], str(directory / f"{rank}.safetensors")), len(states))
-        _fsync_tree(directory)
+        _files_per_shard(directory, len(states), lambda rank, path: save_file(states[rank], str(path)), ".safetensors")
 
     def load(states: States, directory: Path) -> object:
         return _per_shard(lambda rank: load_file(str(directory / f"{rank}.safetensors")), len(states))
@@ -141,10 +146,8 @@ def _torch_save() -> _Method | None:
         return None
 
     def save(states: States, directory: Path) -> None:
-        directory.mkdir(parents=True)
         tensors = _tensors(states)
-        _per_shard(lambda rank: torch.save(tensors[rank], directory / f"{rank}.pt"), len(states))
-        _fsync_tree(directory)
+        _files_per_shard(directory, len(states), lambda rank, path: torch.save(tensors[rank], path), ".pt")
 
     def load(states: States, directory: Path) -> object:
         return _per_shard(lambda rank: torch.load(directory / f"{rank}.pt", weights_only=True), len(states))
@@ -281,9 +284,15 @@ def plot(table: PeerTable, path: Path) -> None:
     for index, (attribute, label) in enumerate(kinds):
         values = [getattr(row, attribute) for row in table.rows]
         axes.bar(positions + (index - 1) * width, values, width, label=label)
+    tallest = max((max(row.save, row.load_warm, row.load_cold) for row in table.rows), default=1.0)
+    shown = {name: value for name, value in table.limits.items() if value <= 2 * tallest}
     styles = (("tab:red", "--"), ("tab:purple", ":"), ("tab:gray", "-."), ("black", "--"))
-    for (name, value), (color, style) in zip(table.limits.items(), styles * 2, strict=False):
+    for (name, value), (color, style) in zip(shown.items(), styles * 2, strict=False):
         axes.axhline(value, color=color, linestyle=style, linewidth=1.2, label=f"limit: {name} ({value:.2f})")
+    off_chart = [f"{name} {value:.2f}" for name, value in table.limits.items() if name not in shown]
+    if off_chart:  # a limit far above every bar (a warm read) would flatten them
+        axes.annotate("limits above the chart: " + ", ".join(off_chart), (0.01, 0.97), xycoords="axes fraction",
+                      fontsize="small", va="top")  # fmt: skip
     axes.set_xticks(positions, [row.method for row in table.rows])
     axes.set_ylabel("GB/s")
     axes.set_title(
@@ -291,6 +300,7 @@ def plot(table: PeerTable, path: Path) -> None:
         "each method next to the limits measured in the same run"
     )
     axes.legend(fontsize="small", loc="upper right")
+    axes.set_ylim(0, max([tallest, *shown.values()]) * 1.35)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

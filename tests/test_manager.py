@@ -36,7 +36,6 @@ from tiered_ckpt import (
     WorldSizeMismatchError,
 )
 from tiered_ckpt.layout import MANIFEST_NAME, RECEIPT_NAME, step_dir_name, temp_name
-from tiered_ckpt.manager import StagingBuffers
 from tiered_ckpt.remote import RemoteTier
 
 
@@ -68,17 +67,6 @@ def test_caller_may_overwrite_arrays_once_save_returns(tmp_path):
                 array.fill(-1)
         manager.wait()
         assert_states_equal(expected, manager.restore().states)
-
-
-def test_staging_buffers_are_reused_and_reallocated_only_when_shapes_change():
-    staging = StagingBuffers()
-    first = staging.stage([{"a": np.ones(4), "b": np.zeros(2, np.int8)}])
-    second = staging.stage([{"a": np.full(4, 2.0), "b": np.ones(2, np.int8)}])
-    assert second[0]["a"] is first[0]["a"] and second[0]["b"] is first[0]["b"]
-    np.testing.assert_array_equal(second[0]["a"], np.full(4, 2.0))
-    third = staging.stage([{"a": np.ones(5)}])
-    assert third[0]["a"] is not first[0]["a"] and "b" not in third[0]
-    assert staging.nbytes == 40
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="thread affinity is Linux's")

@@ -54,7 +54,8 @@ from .remote import RemoteTier
 from .restore import Restorer, RestoreResult, check_restore_arguments, same_call
 from .sharded import resolve_sharded_keys, sharding_summary, validate_states, validate_step
 from .shardfile import Verify
-from .state import FlatState, StagingBuffers, State, flatten
+from .staging import StagingBuffers
+from .state import FlatState, State, flatten
 from .store import Lag, TieredStore
 from .uploader import Uploader
 from .writer import SaveHandle, Writer, check_cpus

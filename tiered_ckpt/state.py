@@ -25,8 +25,6 @@ Nothing else is accepted: :func:`flatten` raises :class:`InvalidStateError` nami
 path (``state["optim"]["foo"]``) of the first value it cannot store, before anything is
 written. No pickle anywhere.
 
-This module also holds the host buffers (:class:`StagingBuffers`) a save's arrays are
-copied into before the background write.
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ import numpy as np
 
 from .errors import InvalidStateError, ShardFormatError
 from .manifest import ChunkRecord
-from .shardfile import MAX_DIMS, ShardContents, ShardDigest, array_problem, check_arrays, dtype_code
+from .shardfile import MAX_DIMS, ShardContents, ShardDigest, array_problem, dtype_code
 from .tensors import is_tensor, to_numpy, to_torch
 
 __all__ = [
@@ -61,7 +59,6 @@ __all__ = [
     "unescape",
     "path_text",
     "sharded_names",
-    "StagingBuffers",
 ]
 
 State = Mapping[Any, Any]
@@ -586,35 +583,3 @@ def sharded_names(keys: Iterable[str | Sequence[str | int]], names: Iterable[str
             raise InvalidStateError(f"sharded_keys: {key!r:.80} is neither a tensor name nor a path of keys")
         resolved.append(name)
     return resolved
-
-
-class StagingBuffers:
-    """Host buffers that hold a copy of every rank's arrays between a save call and its write.
-
-    A buffer is reused from save to save and reallocated only when its array's dtype or
-    shape changes; arrays that are no longer saved are released.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: list[dict[str, np.ndarray]] = []
-
-    def stage(self, states: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-        """Copy ``states`` (arrays by name) into the buffers and return the buffers (C-contiguous copies)."""
-        staged = []
-        for rank, state in enumerate(states):
-            previous = self._buffers[rank] if rank < len(self._buffers) else {}
-            buffers = {}
-            for key, array in check_arrays(state, f"rank {rank}").items():
-                buffer = previous.get(key)
-                if buffer is None or buffer.dtype != array.dtype or buffer.shape != array.shape:
-                    buffer = np.empty(array.shape, dtype=array.dtype)
-                np.copyto(buffer, array, casting="no")
-                buffers[key] = buffer
-            staged.append(buffers)
-        self._buffers = staged
-        return staged
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the buffers."""
-        return sum(buffer.nbytes for buffers in self._buffers for buffer in buffers.values())

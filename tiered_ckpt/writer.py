@@ -36,7 +36,8 @@ from .manifest import ShardManifest, ShardRecord
 from .replicas import leave_out
 from .retention import RetentionPolicy
 from .sharded import write_shards
-from .state import FlatState, StagingBuffers
+from .staging import StagingBuffers
+from .state import FlatState
 from .store import TieredStore
 from .uploader import Uploader
 

@@ -79,7 +79,8 @@ STREAM_BLOCK_BYTES = 16 << 20
 def _same_checksum(kept: str | None, expected: str) -> bool:
     """True if the store's checksum ``kept`` is ``expected``; a composite's part count (``-N``)
     may be left off by the store (moto's HEAD leaves it off; its GET and S3 say it)."""
-    return kept is not None and (kept == expected or kept == expected.rpartition("-")[0])
+    base, dash, parts = expected.rpartition("-")
+    return kept is not None and (kept == expected or (bool(dash) and parts.isdigit() and kept == base))
 
 
 def _client_options(protocols: set[str], options: Mapping[str, Any], retry: RetryPolicy) -> dict[str, Any]:

@@ -253,10 +253,13 @@ def write_shard(
     for name, _code, array, _begin, _end in layout:
         part = _Hasher() if part_digests else None
         for chunk in _byte_chunks(array):
+            # Written first, hashed after: the kernel's copy into the page cache reads the
+            # chunk from memory, and the hashes then read it from the CPU's cache; the other
+            # order has sha256 read from memory, which took ~25 % more CPU per save here.
+            write_all(out, chunk)
             hasher.update(chunk)
             if part is not None:
                 part.update(chunk)
-            write_all(out, chunk)
         if part is not None:
             digests[name] = part.digest()
     return replace(

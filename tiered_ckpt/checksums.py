@@ -30,7 +30,7 @@ import xxhash
 from .manifest import ShardRecord
 from .shardfile import ShardDigest
 
-__all__ = ["StoreSums", "store_sums", "part_crc32c", "composite_crc32c", "composite_sha256", "check_source"]
+__all__ = ["StoreSums", "store_sums", "part_crc32c", "composite_crc32c", "check_source"]
 
 _READ_BYTES = 16 << 20
 
@@ -50,15 +50,6 @@ def composite_crc32c(parts: Sequence[str]) -> str:
     if len(parts) == 1:
         return parts[0]
     return f"{part_crc32c(b''.join(base64.b64decode(part) for part in parts))}-{len(parts)}"
-
-
-def composite_sha256(parts: Sequence[str]) -> str:
-    """The ``ChecksumSHA256`` S3 keeps for an object sent as ``parts`` (their SHA256, base64):
-    the one part's, or the SHA256 of the parts' digests with ``-N`` (what earlier versions sent)."""
-    if len(parts) == 1:
-        return parts[0]
-    digests = b"".join(base64.b64decode(part) for part in parts)
-    return f"{_b64(hashlib.sha256(digests).digest())}-{len(parts)}"
 
 
 @dataclass(frozen=True)

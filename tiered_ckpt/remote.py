@@ -153,10 +153,12 @@ class RemoteTier:
         self.requests = 0  # S3 upload requests made, and how many of them the store throttled
         self.throttled = 0
         protocol = self._fs.protocol
-        self._protocols = {protocol} if isinstance(protocol, str) else set(protocol)
-        if self._protocols & {"s3", "s3a"}:
+        protocols = {protocol} if isinstance(protocol, str) else set(protocol)
+        self._s3 = bool(protocols & {"s3", "s3a"})
+        self._gcs = bool(protocols & {"gs", "gcs"})
+        self._posix = bool(protocols & {"file", "local"})
+        if self._s3:
             self._fs.retries = 1  # s3fs's own retry loop (no constructor argument): ours are the only retries
-        self._posix = bool(self._protocols & {"file", "local"})
 
     def __repr__(self) -> str:
         return f"RemoteTier({self.url!r})"
@@ -181,6 +183,9 @@ class RemoteTier:
 
     def _shard(self, step: int, record: ShardRecord) -> str:
         return self._path(step, self.object_name(step, record.path))
+
+    def _shard_location(self, step: int, record: ShardRecord) -> str:
+        return self.location(step, self.object_name(step, record.path))
 
     def location(self, step: int, name: str | None = None) -> str:
         """The URL of a step's prefix or of one object in it, for messages."""
@@ -286,7 +291,7 @@ class RemoteTier:
         ``consume`` must leave nothing behind when it fails (e.g. write through a temp
         file); a :class:`CheckpointError` it raises (a checksum mismatch) is not retried.
         """
-        location = self.location(step, self.object_name(step, record.path))
+        location = self._shard_location(step, record)
 
         def read() -> T:
             with self._fs.open(self._shard(step, record), "rb", block_size=STREAM_BLOCK_BYTES) as source:
@@ -301,7 +306,7 @@ class RemoteTier:
         on a transient error) and return their sha256 (``verify="fast"``: their xxh3-64).
         Raises :class:`IncompleteCheckpointError` if the object is shorter."""
         end = offset + len(buffer)
-        what = f"reading bytes {offset}-{end} of {self.location(step, self.object_name(step, record.path))}"
+        what = f"reading bytes {offset}-{end} of {self._shard_location(step, record)}"
         data = self._run(what, lambda: self._fs.cat_file(self._shard(step, record), start=offset, end=end))
         if len(data) != len(buffer):
             raise IncompleteCheckpointError(f"{what}: got {len(data)} bytes; the object is shorter than recorded")
@@ -309,7 +314,7 @@ class RemoteTier:
 
     def check_shard(self, step: int, record: ShardRecord) -> str | None:
         """Stream and hash one shard object; return the problem, or None if it matches the record."""
-        location = self.location(step, self.object_name(step, record.path))
+        location = self._shard_location(step, record)
         try:
             digest = self.read_shard(step, record, lambda source: hash_stream(source, "full"))
         except RemoteError as exc:
@@ -323,26 +328,26 @@ class RemoteTier:
 
     def _put_kwargs(self, sha256: str) -> dict[str, Any]:
         """Backend arguments of a shard's PUT: its sha256 as metadata, and the multipart part size."""
-        if self._protocols & {"s3", "s3a"}:
+        if self._s3:
             return {"Metadata": {SHA256_METADATA_KEY: sha256}, "chunksize": self._part_bytes}
-        if self._protocols & {"gs", "gcs"}:
+        if self._gcs:
             return {"metadata": {SHA256_METADATA_KEY: sha256}, "chunksize": self._part_bytes}
         return {}
 
     def _head(self, path: str) -> tuple[int, str | None, dict[str, Any]]:
         """The object's size, the sha256 stored with it (metadata we sent; None where the store
         keeps none) and what the store says of it (S3: HEAD with its checksums; else fsspec's info)."""
-        if self._protocols & {"s3", "s3a"}:
+        if self._s3:
             bucket, key, _version = self._fs.split_path(path)
             answer = self._fs.call_s3("head_object", Bucket=bucket, Key=key, ChecksumMode="ENABLED", **self._limit())
             return int(answer.get("ContentLength", -1)), answer.get("Metadata", {}).get(SHA256_METADATA_KEY), answer
         info = self._fresh_info(path)
-        stored = (info.get("metadata") or {}).get(SHA256_METADATA_KEY) if self._protocols & {"gs", "gcs"} else None
+        stored = (info.get("metadata") or {}).get(SHA256_METADATA_KEY) if self._gcs else None
         return int(info.get("size") or 0), stored, info
 
     def _store_problem(self, head: Mapping[str, Any], sums: StoreSums) -> str | None:
         """Where the checksums the store computed of the bytes it holds differ from ``sums``."""
-        if self._protocols & {"s3", "s3a"}:
+        if self._s3:
             computed = {"ETag": sums.etag, "ChecksumCRC32C": sums.kept and sums.kept.removeprefix("crc32c:")}
         else:
             computed = {"md5Hash": sums.etag}
@@ -351,12 +356,15 @@ class RemoteTier:
                 return f"the store computed {name} {head.get(name)} of the bytes it holds, expected {expected}"
         return None
 
-    def _mismatch(self, step: int, record: ShardRecord, sums: StoreSums | None = None) -> str | None:
+    def _mismatch(
+        self, step: int, record: ShardRecord, sums: Callable[[], StoreSums | None] | None = None
+    ) -> str | None:
         """Why the shard's object does not match ``record``, or None.
 
         Compared: the object's size, the sha256 stored with it (metadata we sent), and,
-        when ``sums`` are given, the checksums the store computed from the bytes it received
-        (which catches bytes changed in transit; see :mod:`~tiered_ckpt.checksums`).
+        when ``sums`` is given, the checksums the store computed from the bytes it received
+        (which catches bytes changed in transit; see :mod:`~tiered_ckpt.checksums`) against
+        ``sums()``, called only once the rest matches (None: nothing more to compare).
         """
         path = self._shard(step, record)
         try:
@@ -364,13 +372,12 @@ class RemoteTier:
         except FileNotFoundError:
             return "missing"
         problem = record.mismatch(ShardDigest(size, stored or "", ""))
-        if problem is None and sums is not None:
-            problem = self._store_problem(head, sums)
-        return problem
+        expected = sums() if problem is None and sums is not None else None
+        return self._store_problem(head, expected) if expected is not None else problem
 
     def shard_is_uploaded(self, step: int, record: ShardRecord) -> bool:
         """True if the shard's object exists with the recorded size (and sha256, where kept)."""
-        location = self.location(step, self.object_name(step, record.path))
+        location = self._shard_location(step, record)
         return self._run(f"checking {location}", lambda: self._mismatch(step, record) is None)
 
     def _pipe(self, path: str, data: bytes, *, create_only: bool = False) -> None:
@@ -383,7 +390,7 @@ class RemoteTier:
     def _put(self, local_path: Path, step: int, record: ShardRecord) -> StoreSums | None:
         """Send the shard's file; return the checksums the store computes of it (None: none compared)."""
         path = self._shard(step, record)
-        if self._protocols & {"s3", "s3a"}:
+        if self._s3:
             bucket, key, _version = self._fs.split_path(path)
             upload = Upload(
                 self._fs, local_path, bucket, key, part_bytes=self._part_bytes, window=self.window,
@@ -396,26 +403,15 @@ class RemoteTier:
             self.throttled += stats.throttled
             return stats.sums
         if not self._posix:
-            sums = store_sums(
-                local_path, record, s3=False, gcs=bool(self._protocols & {"gs", "gcs"}), part_bytes=self._part_bytes
-            )
+            sums = store_sums(local_path, record, s3=False, gcs=self._gcs, part_bytes=self._part_bytes)
             self._fs.put_file(str(local_path), path, **self._put_kwargs(record.sha256), **self._limit())
             return sums
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         with open(local_path, "rb") as source:
-            what = f"{self.location(step, self.object_name(step, record.path))} from {local_path}"
+            what = f"{self._shard_location(step, record)} from {local_path}"
             atomic_write(target, lambda out: copy_and_hash(source, out), check=lambda d: record.verify(d, what))
         return None
-
-    def _already_there(self, step: int, local_path: Path, record: ShardRecord) -> bool:
-        """True if the shard's object matches ``record`` and the checksums the store computed
-        match the file's (these are computed only when the object is there)."""
-        if self._mismatch(step, record) is not None:
-            return False
-        s3, gcs = bool(self._protocols & {"s3", "s3a"}), bool(self._protocols & {"gs", "gcs"})
-        sums = store_sums(local_path, record, s3=s3, gcs=gcs, part_bytes=self._part_bytes)
-        return sums is None or self._mismatch(step, record, sums) is None
 
     def put_shard(self, step: int, local_path: Path, record: ShardRecord, *, deadline: float | None = None) -> bool:
         """Make the shard's object match ``record``: put it unless it is already there intact, then confirm.
@@ -427,13 +423,16 @@ class RemoteTier:
         what it received (see :mod:`~tiered_ckpt.checksums`), so bytes changed in transit
         are never confirmed.
         """
-        location = self.location(step, self.object_name(step, record.path))
+        location = self._shard_location(step, record)
+
+        def sums_of_the_file() -> StoreSums | None:  # computed only when the object is there already
+            return store_sums(local_path, record, s3=self._s3, gcs=self._gcs, part_bytes=self._part_bytes)
 
         def put_and_confirm() -> bool:
-            if self._already_there(step, local_path, record):
+            if self._mismatch(step, record, sums_of_the_file) is None:
                 return False
             sums = self._put(local_path, step, record)
-            problem = self._mismatch(step, record, sums)
+            problem = self._mismatch(step, record, lambda: sums)
             if problem is not None:
                 raise RemoteError(f"{location}: not confirmed after the upload: {problem}", transient=True)
             if sums is not None and sums.kept is not None:  # what the store keeps for the bytes we sent
@@ -455,13 +454,13 @@ class RemoteTier:
         S3 checks every part against its CRC32C on receipt (moto's server computes a multipart
         object's from the parts it received, and keeps a one-request object's as sent); GCS
         computes an object's CRC32C itself. ``expected`` may name SHA256 (earlier versions)."""
-        location = self.location(step, self.object_name(step, record.path))
+        location = self._shard_location(step, record)
         path = self._shard(step, record)
         algorithm = expected.partition(":")[0]
 
         def head() -> tuple[int, str | None]:
             size, _stored, answer = self._head(path)
-            if self._protocols & {"s3", "s3a"}:
+            if self._s3:
                 kept = answer.get("ChecksumCRC32C" if algorithm == "crc32c" else "ChecksumSHA256")
             else:  # GCS keeps it in the object's metadata
                 kept = answer.get("crc32c")
@@ -537,7 +536,7 @@ class RemoteTier:
         replaces, and GCS offers no listing of unfinished resumable uploads (it expires them
         after a week).
         """
-        if not self._protocols & {"s3", "s3a"}:
+        if not self._s3:
             return []
         bucket, prefix, _version = self._fs.split_path(self._root)
         uploads = self._run(

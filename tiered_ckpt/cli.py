@@ -41,7 +41,6 @@ from tqdm import tqdm
 from .config import Config, load_config
 from .errors import CheckpointError, ConfigError
 from .local import LocalTier
-from .remote import RemoteTier
 from .store import TieredStore
 from .uploader import Uploader
 
@@ -51,12 +50,7 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def _store(config: Config) -> TieredStore:
-    remote = None
-    if config.remote is not None:
-        remote = RemoteTier(
-            config.remote.url, config.remote.storage_options, layout=config.remote.layout,
-            **config.upload.tier_arguments,
-        )  # fmt: skip
+    remote = config.remote.open_tier(config.upload) if config.remote is not None else None
     return TieredStore(LocalTier(config.local.dir), remote)
 
 

@@ -50,7 +50,6 @@ from .local import LocalTier
 from .manifest import ShardManifest
 from .options import LocalOptions, ManagerKeywords, Options, RemoteOptions, UploadOptions, resolve_options
 from .preemption import PreemptionNotice, PreemptionWatch
-from .remote import RemoteTier
 from .restore import Restorer, RestoreResult, check_restore_arguments, same_call
 from .sharded import resolve_sharded_keys, sharding_summary, validate_states, validate_step
 from .shardfile import Verify
@@ -142,12 +141,7 @@ class CheckpointManager:
         self._max_workers = max_workers
         self._errors = ErrorBox()
         self._closed = False
-        remote_tier = None
-        if options.remote is not None:
-            remote = options.remote
-            remote_tier = RemoteTier(
-                remote.url, remote.storage_options, layout=remote.layout, **options.upload.tier_arguments
-            )
+        remote_tier = options.remote.open_tier(options.upload) if options.remote is not None else None
         self._store = TieredStore(LocalTier(options.local.dir), remote_tier)
         self._restorer = Restorer(self._store, coordinator, world_size, max_workers)
         self._uploader: Uploader | None = None

@@ -17,7 +17,7 @@ from typing import Any, Literal, TypedDict
 import fsspec
 
 from .errors import ConfigError, invalid_option
-from .remote import DEFAULT_PART_BYTES, DEFAULT_PART_CONCURRENCY, Layout
+from .remote import DEFAULT_PART_BYTES, DEFAULT_PART_CONCURRENCY, Layout, RemoteTier
 from .retention import RetentionPolicy
 from .retry import RetryPolicy
 from .shardfile import VERIFY_MODES, Verify
@@ -121,6 +121,13 @@ class RemoteOptions(_Retained):
             raise invalid_option("storage_options", f"must be a table, got {type(self.storage_options).__name__}")
         self.retention  # noqa: B018 -- checks keep_last and keep_every
 
+    def open_tier(self, upload: UploadOptions) -> RemoteTier:
+        """The remote tier these options describe, making its requests as ``upload`` says."""
+        return RemoteTier(
+            self.url, self.storage_options, retry=upload.retry, part_bytes=upload.part_bytes,
+            part_concurrency=upload.part_concurrency, layout=self.layout,
+        )  # fmt: skip
+
 
 @dataclass(frozen=True)
 class UploadOptions:
@@ -161,11 +168,6 @@ class UploadOptions:
             _check_number("deadline_seconds", self.deadline_seconds, 0.001, (int, float))
         _check_number("part_bytes", self.part_bytes, 5 << 20)  # S3's smallest part
         _check_number("part_concurrency", self.part_concurrency, 1)
-
-    @property
-    def tier_arguments(self) -> dict[str, Any]:
-        """The keyword arguments of :class:`~tiered_ckpt.remote.RemoteTier` these options set."""
-        return {"retry": self.retry, "part_bytes": self.part_bytes, "part_concurrency": self.part_concurrency}
 
     @property
     def retry(self) -> RetryPolicy:

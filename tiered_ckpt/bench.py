@@ -463,15 +463,6 @@ def rank_process(config_path: Path, rank: int) -> None:
     dist.destroy_process_group()
 
 
-def _limit_rates(states: list[dict[str, np.ndarray]], scratch: Path, _round: int) -> dict[str, float]:
-    """The limits of :func:`measure_limits` as GB/s, for the peers section."""
-    timings = Timings(sum(a.nbytes for s in states for a in s.values()))
-    measure_limits(states, scratch, timings)
-    names = {DISK_LIMIT: f"write+fsync, {default_workers(len(states))} writers", COLD_READ: "read, cold"}
-    names |= {"raw read, warm": "read, warm", SHA256_LIMIT: "sha256, all cores"}
-    return {label: timings.rate(name) for name, label in names.items()}
-
-
 def _check_plotting(path: Path) -> None:
     """Fail before measuring anything if ``path`` cannot be drawn: no matplotlib, or no such directory."""
     try:
@@ -552,7 +543,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .bench_peers import bench_peers, plot
 
             print("peers: the same state saved and loaded by each (interleaved rounds):")
-            table = bench_peers(states, root, args.repeat, functools.partial(_limit_rates, states))
+            table = bench_peers(states, root, args.repeat)
             if args.plot is not None:
                 plot(table, args.plot)
                 print(f"  plot written to {args.plot}")

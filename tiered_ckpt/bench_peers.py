@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,6 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .bench import COLD_READ, DISK_LIMIT, SHA256_LIMIT, Timings, clear, evict, measure_limits, peak_rss_growth, timed
+from .sharded import default_workers
 
 __all__ = ["PeerRow", "PeerTable", "bench_peers", "plot"]
 
@@ -94,12 +98,6 @@ def _files_per_shard(directory: Path, shards: int, write: Callable[[int, Path], 
     _fsync_tree(directory)
 
 
-def _blocked(call: Callable[[], object]) -> float:
-    started = time.perf_counter()
-    call()
-    return time.perf_counter() - started
-
-
 def _ours() -> _Method:
     from .manager import CheckpointManager
     from .sharded import load_sharded, save_sharded
@@ -108,7 +106,7 @@ def _ours() -> _Method:
         manager = CheckpointManager(directory, world_size=len(states), keep_last=None)
         manager.save(1, states)  # allocates the staging buffers, which a job's later saves reuse
         manager.wait()
-        return _blocked(lambda: manager.save(2, states, blocking=False)), manager.close
+        return timed(lambda: manager.save(2, states, blocking=False)), manager.close
 
     return _Method(
         "tiered_ckpt",
@@ -176,25 +174,24 @@ def _dcp() -> _Method | None:
     def async_save(states: States, directory: Path) -> tuple[float, Callable[[], None]]:
         state = flat(states)
         futures: list[Any] = []  # a Future (CPU, no staging option given)
-        stall = _blocked(lambda: futures.append(dcp.async_save(state, storage_writer=writer(directory))))
+        stall = timed(lambda: futures.append(dcp.async_save(state, storage_writer=writer(directory))))
         return stall, lambda: futures[0].result()
 
     return _Method("dcp", lambda states, directory: dcp.save(flat(states), storage_writer=writer(directory)), load,
                    async_save)  # fmt: skip
 
 
-def bench_peers(
-    states: list[dict[str, np.ndarray]],
-    root: Path,
-    repeat: int,
-    limits: Callable[[Path, int], dict[str, float]],
-) -> PeerTable:
-    """Run the section (see the module doc) and print its table; ``limits(scratch, round)``
-    measures the limits in a round."""
-    import warnings
+def _limits(states: States, scratch: Path) -> dict[str, float]:
+    """The limits :func:`~tiered_ckpt.bench.measure_limits` measures now, as GB/s by label."""
+    timings = Timings(sum(array.nbytes for state in states for array in state.values()))
+    measure_limits(states, scratch, timings)
+    labels = {DISK_LIMIT: f"write+fsync, {default_workers(len(states))} writers", COLD_READ: "read, cold"}
+    labels |= {"raw read, warm": "read, warm", SHA256_LIMIT: "sha256, all cores"}
+    return {label: timings.rate(name) for name, label in labels.items()}
 
-    from .bench import clear, evict, peak_rss_growth
 
+def bench_peers(states: list[dict[str, np.ndarray]], root: Path, repeat: int) -> PeerTable:
+    """Run the section (see the module doc) and print its table."""
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     methods = [method for method in (_ours(), _safetensors(), _torch_save(), _dcp()) if method is not None]
     total = sum(array.nbytes for state in states for array in state.values())
@@ -204,11 +201,11 @@ def bench_peers(
     for run in range(repeat):
         scratch = root / f"peers-{run}"
         scratch.mkdir()
-        for name, value in limits(scratch / "limits", run).items():
+        for name, value in _limits(states, scratch / "limits").items():
             measured_limits.setdefault(name, []).append(value)
         shift = run % len(methods)
         for method in methods[shift:] + methods[:shift]:
-            _one_round(method, states, scratch, seconds, rss, evict, peak_rss_growth)
+            _one_round(method, states, scratch, seconds, rss)
         clear(scratch)
 
     def rate(name: str, kind: str) -> float:
@@ -236,8 +233,6 @@ def _one_round(
     scratch: Path,
     seconds: dict[tuple[str, str], list[float]],
     rss: dict[str, list[int]],
-    evict: Callable[[list[Path]], None],
-    peak_rss_growth: Callable[[Callable[[], object]], int],
 ) -> None:
     """Save, load cold, load warm and save asynchronously with ``method``, recording the times."""
     directory = scratch / method.name
@@ -246,7 +241,7 @@ def _one_round(
     seconds.setdefault((method.name, "save"), []).append(time.perf_counter() - started)
     evict(sorted(path for path in directory.rglob("*") if path.is_file()))
     for kind in ("cold", "warm"):
-        seconds.setdefault((method.name, kind), []).append(_blocked(lambda: method.load(states, directory)))
+        seconds.setdefault((method.name, kind), []).append(timed(lambda: method.load(states, directory)))
     if method.async_save is not None:
         stall, finish = method.async_save(states, scratch / f"{method.name}-async")
         seconds.setdefault((method.name, "stall"), []).append(stall)

@@ -32,7 +32,7 @@ import ml_dtypes
 import numpy as np
 import xxhash
 
-from .durable import write_all
+from .durable import observe_writes, write_all
 from .errors import ConfigError, InvalidStateError, ShardFormatError
 
 __all__ = [
@@ -247,17 +247,20 @@ def write_shard(
     layout = _layout(arrays)
     hasher = _Hasher()
     header = _header_bytes(layout, metadata or {})
-    hasher.update(header)
+    # A file from atomic_write hashes each piece right after copying it into its staging
+    # block, while the piece is in the CPU's cache: sha256 reading from memory instead
+    # took ~25 % more CPU per save on the development machine.
+    observed = observe_writes(out, hasher.update)
     write_all(out, header)
+    if not observed:
+        hasher.update(header)
     digests: dict[str, ShardDigest] = {}
     for name, _code, array, _begin, _end in layout:
         part = _Hasher() if part_digests else None
         for chunk in _byte_chunks(array):
-            # Written first, hashed after: the kernel's copy into the page cache reads the
-            # chunk from memory, and the hashes then read it from the CPU's cache; the other
-            # order has sha256 read from memory, which took ~25 % more CPU per save here.
             write_all(out, chunk)
-            hasher.update(chunk)
+            if not observed:
+                hasher.update(chunk)
             if part is not None:
                 part.update(chunk)
         if part is not None:
@@ -279,9 +282,11 @@ def hash_stream(source: BinaryIO, verify: Verify | None = None) -> ShardDigest:
 def copy_and_hash(source: BinaryIO, out: BinaryIO, chunk_bytes: int = 8 * CHUNK_BYTES) -> ShardDigest:
     """Copy everything readable from ``source`` to ``out``, hashing the bytes as they pass."""
     hasher = _Hasher()
+    observed = observe_writes(out, hasher.update)
     while chunk := source.read(chunk_bytes):
-        hasher.update(chunk)
         write_all(out, chunk)
+        if not observed:
+            hasher.update(chunk)
     return hasher.digest()
 
 

@@ -96,6 +96,13 @@ def evict(paths: Sequence[Path]) -> None:
             os.close(fd)
 
 
+def cache(paths: Sequence[Path]) -> None:
+    """Read the files through the page cache, so that the next read finds them there: a save
+    writes, and a load of an uncached file reads, past the page cache, so neither leaves it
+    there."""
+    raw_read(paths)
+
+
 def raw_write(directory: Path, states: list[dict[str, np.ndarray]], writers: int, *, direct: bool = True) -> float:
     """The disk's write limit as plain code reaches it: each rank's arrays to a file of its own,
     ``writers`` files at a time, paced like a save (:func:`~tiered_ckpt.durable.atomic_write`:
@@ -273,6 +280,8 @@ def _save_and_loads(states: list[dict[str, np.ndarray]], scratch: Path, timings:
                 ("load_sharded", load),
                 ("manager restore", functools.partial(manager.restore, 1)),
             ]
+            if temperature == "warm":
+                cache(files)
             for name, action in [("load_sharded into arrays", functools.partial(load, into=buffers))] + (
                 new_arrays if run % 2 == 0 else new_arrays[::-1]
             ):

@@ -1,0 +1,136 @@
+"""Tests of blockread.py: a file read front to back in aligned blocks by a thread of its own,
+past the page cache unless the file is already in it."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from tiered_ckpt import blockread
+from tiered_ckpt.blockread import BLOCK_BYTES, read_blocks
+
+SIZES = [0, 1, 4095, 4096, BLOCK_BYTES - 1, BLOCK_BYTES, BLOCK_BYTES + 1, 3 * BLOCK_BYTES + 777]
+
+
+def _write(path: Path, size: int) -> bytes:
+    data = hashlib.shake_256(str(size).encode()).digest(size) if size else b""
+    path.write_bytes(data)
+    return data
+
+
+def _evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _read_all(path: Path, size: int | None = None) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with read_blocks(fd, os.fstat(fd).st_size if size is None else size) as blocks:
+            return b"".join(bytes(view) for view in blocks)
+    finally:
+        os.close(fd)
+
+
+def _reader_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name == "tiered-ckpt-read"]
+
+
+@pytest.mark.parametrize("cached", [True, False])
+@pytest.mark.parametrize("size", SIZES)
+def test_every_byte_comes_back_in_order(tmp_path: Path, size: int, cached: bool) -> None:
+    data = _write(tmp_path / "file", size)
+    if not cached:
+        _evict(tmp_path / "file")
+    assert _read_all(tmp_path / "file") == data
+    assert not _reader_threads()
+
+
+def test_a_file_system_without_direct_reads_is_read_through_the_page_cache(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(blockread, "_open_direct", lambda fd: None)
+    data = _write(tmp_path / "file", 2 * BLOCK_BYTES + 5)
+    _evict(tmp_path / "file")
+    assert _read_all(tmp_path / "file") == data
+
+
+def test_direct_reads_refused_at_read_time_fall_back_to_the_page_cache(tmp_path, monkeypatch) -> None:
+    """Some file systems take O_DIRECT at open and refuse the reads (EINVAL)."""
+    real_preadv = os.preadv
+    refused = []
+
+    def preadv_refusing_direct(fd, buffers, offset, *flags):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_preadv(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(blockread.os, "preadv", preadv_refusing_direct)
+    data = _write(tmp_path / "file", 3 * BLOCK_BYTES + 1)
+    _evict(tmp_path / "file")
+    assert _read_all(tmp_path / "file") == data
+    assert len(refused) <= 1
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_a_file_shorter_than_expected_raises(tmp_path: Path, cached: bool) -> None:
+    _write(tmp_path / "short", BLOCK_BYTES + 10)
+    if not cached:
+        _evict(tmp_path / "short")
+    with pytest.raises(OSError, match="file ended at byte"):
+        _read_all(tmp_path / "short", size=BLOCK_BYTES + 4096 * 3)
+    assert not _reader_threads()
+
+
+def test_leaving_early_stops_the_thread(tmp_path: Path) -> None:
+    _write(tmp_path / "file", 8 * BLOCK_BYTES)
+    _evict(tmp_path / "file")
+    fd = os.open(tmp_path / "file", os.O_RDONLY)
+    try:
+        with read_blocks(fd, 8 * BLOCK_BYTES) as blocks:
+            first = bytes(next(iter(blocks)))
+    finally:
+        os.close(fd)
+    assert len(first) == BLOCK_BYTES
+    assert not _reader_threads()
+
+
+
+def _is_cached(path: Path, offset: int = 0) -> bool:
+    """Whether the page cache holds the block at ``offset`` (asking starts readahead there)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.preadv(fd, [bytearray(BLOCK_BYTES)], offset, os.RWF_NOWAIT) == BLOCK_BYTES
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_only_an_uncached_file_is_read_past_the_page_cache_and_stays_out_of_it(tmp_path, monkeypatch, cached) -> None:
+    path = tmp_path / "file"
+    data = _write(path, 4 * BLOCK_BYTES)
+    if not cached:
+        _evict(path)
+    assert _is_cached(path) == cached
+    readers = []
+    real_reader = blockread._Reader
+
+    def counted_reader(*args):
+        readers.append(args)
+        return real_reader(*args)
+
+    monkeypatch.setattr(blockread, "_Reader", counted_reader)
+    assert _read_all(path) == data
+    assert len(readers) == (0 if cached else 1)
+    assert _is_cached(path, offset=2 * BLOCK_BYTES) == cached

@@ -1,0 +1,154 @@
+"""A shard file read front to back, a block at a time.
+
+A file whose first block is in the page cache (a read that must not wait, ``RWF_NOWAIT``,
+tells) is read through a memory map of it: copying out of the cache is one copy. Any other
+is read ahead in aligned blocks by a thread of its own, straight from the disk into the
+blocks (``O_DIRECT``), where the file system allows it: a cold read then neither allocates
+cache pages nor copies out of them (on the development machine a cold load into the
+caller's arrays ran ~2.5x faster), and restoring a checkpoint does not push the training
+job's own files out of the cache.
+
+Call sequence: ``with read_blocks(fd, size) as blocks:``, then iterate: each view is valid
+until the next one is asked for. Leaving the ``with`` stops the thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import queue
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+
+__all__ = ["BLOCK_BYTES", "read_blocks"]
+
+# 1 MiB: this project's development disk read fastest at it with a reader per shard; three
+# blocks per file keep two reads in flight while the caller copies and hashes the third.
+BLOCK_BYTES = 1 << 20
+_BLOCKS_PER_FILE = 3
+_ALIGNMENT = 4096
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def _open_direct(fd: int) -> int | None:
+    """A second descriptor of ``fd``'s file that bypasses the page cache, or None if the
+    file system (or the platform) refuses it. Opened through /proc, so it is the same file
+    even if its name has since been replaced."""
+    if not _O_DIRECT:
+        return None
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC | _O_DIRECT)
+    except OSError:
+        return None
+
+
+class _Reader:
+    """The thread's side: fill free blocks with the file's bytes, in order, and queue them."""
+
+    def __init__(self, fd: int, direct: int, size: int) -> None:
+        self.fd = fd
+        self.size = size
+        self.direct: int | None = direct
+        self.free: queue.SimpleQueue[np.ndarray | None] = queue.SimpleQueue()
+        self.filled: queue.SimpleQueue[tuple[np.ndarray, int] | BaseException | None] = queue.SimpleQueue()
+        for _ in range(_BLOCKS_PER_FILE):
+            # An anonymous mapping is page-aligned, as O_DIRECT needs.
+            self.free.put(np.frombuffer(mmap.mmap(-1, BLOCK_BYTES), np.uint8))
+
+    def run(self) -> None:
+        try:
+            for offset in range(0, self.size, BLOCK_BYTES):
+                block = self.free.get()
+                if block is None:  # the consumer stopped
+                    return
+                self.filled.put((block, self._fill(block, offset, min(BLOCK_BYTES, self.size - offset))))
+            self.filled.put(None)
+        except BaseException as error:  # raised in the consumer's thread
+            self.filled.put(error)
+        finally:
+            if self.direct is not None:
+                os.close(self.direct)
+
+    def _fill(self, block: np.ndarray, offset: int, wanted: int) -> int:
+        got = 0
+        while got < wanted:
+            count = self._from_disk(block, offset, got, wanted)
+            if count == 0:
+                raise OSError(errno.EIO, f"file ended at byte {offset + got}, {self.size} were expected")
+            got += count
+        return wanted
+
+    def _from_disk(self, block: np.ndarray, offset: int, got: int, wanted: int) -> int:
+        if self.direct is not None and got % _ALIGNMENT == 0:
+            try:
+                # The read asks for the block's aligned rest; past the end of the file it is short.
+                return os.preadv(self.direct, [block[got:]], offset + got)
+            except OSError as error:
+                if error.errno != errno.EINVAL:
+                    raise
+                os.close(self.direct)  # this file system takes O_DIRECT at open but not at read
+                self.direct = None
+        return os.preadv(self.fd, [block[got:wanted]], offset + got)
+
+
+def _cached(fd: int, size: int) -> bool:
+    """Whether the page cache holds the file's first block (asked without waiting for the disk;
+    asking starts the kernel's readahead of the file's first few hundred KiB if it does not)."""
+    if not _RWF_NOWAIT:
+        return False
+    wanted = min(BLOCK_BYTES, size)
+    try:
+        return os.preadv(fd, [bytearray(wanted)], 0, _RWF_NOWAIT) == wanted
+    except OSError:  # BlockingIOError: not cached; EOPNOTSUPP / EINVAL: cannot tell
+        return False
+
+
+def _mapped(fd: int, size: int) -> Iterator[memoryview]:
+    """The file's bytes through a memory map of the page cache, a block at a time. The map
+    is unmapped once no view of it is left."""
+    if size:
+        data = memoryview(mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
+        if len(data) < size:
+            raise OSError(errno.EIO, f"file ended at byte {len(data)}, {size} were expected")
+        for start in range(0, size, BLOCK_BYTES):
+            yield data[start : start + BLOCK_BYTES]
+
+
+@contextmanager
+def read_blocks(fd: int, size: int) -> Iterator[Iterator[memoryview]]:
+    """The first ``size`` bytes of the open file ``fd``, in order, as views of blocks of up to
+    :data:`BLOCK_BYTES`, each valid until the next is asked for.
+
+    A file whose first block is in the page cache (or that cannot be read past it) is read
+    through a memory map: copying out of the cache costs one copy. Any other is read ahead
+    by a thread, past the page cache. A read error (or a file shorter than ``size``) is
+    raised, as OSError, where the failed block would have been yielded.
+    """
+    direct = _open_direct(fd) if size else None
+    if direct is None or _cached(fd, size):
+        if direct is not None:
+            os.close(direct)
+        yield _mapped(fd, size)
+        return
+    reader = _Reader(fd, direct, size)
+    thread = threading.Thread(target=reader.run, name="tiered-ckpt-read", daemon=True)
+    thread.start()
+
+    def blocks() -> Iterator[memoryview]:
+        while (item := reader.filled.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            block, count = item
+            yield memoryview(block[:count])
+            reader.free.put(block)
+
+    try:
+        yield blocks()
+    finally:
+        reader.free.put(None)
+        thread.join()

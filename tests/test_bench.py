@@ -18,6 +18,7 @@ def test_benchmark_runs_every_section_and_prints_its_ratios(tmp_path):
         "load_sharded warm / sha256 all cores",
         "manager restore cold / raw cold read",
         "manager restore / load_sharded, warm",
+        "into arrays, cold / raw cold read",
         "save(blocking=False) / np.copyto",
         "extra peak RSS / state size",
         "keep_last=1 / no retention (throughput)",

@@ -13,8 +13,10 @@ measured in the same round):
   as the save, paced like it (a thread per file writing 1 MiB blocks, fsync), the faster
   of bypassing the page cache (O_DIRECT, as a save does) and going through it (writeback
   started every few MiB);
-- load and the manager's restore into new arrays, warm / sha256 on all cores and cold /
-  the raw cold sequential read.
+- load and the manager's restore into new arrays, and a load into the caller's arrays,
+  warm / sha256 on all cores and cold / the raw cold sequential read (before a warm load
+  the files are read into the page cache: neither a save nor a cold load leaves them
+  there).
 
 ``--peers`` adds the peers section (:mod:`tiered_ckpt.bench_peers`: safetensors,
 ``torch.save``, DCP on the same state); ``--plot FILE.png`` draws its table (needs
@@ -317,6 +319,7 @@ def bench_sync(states: list[dict[str, np.ndarray]], root: Path, repeat: int) -> 
         ("manager restore cold / raw cold read", "manager restore, cold", COLD_READ, ">= 0.85"),
         ("manager restore / load_sharded, warm", "manager restore, warm", "load_sharded, warm", ">= 1.0"),
         ("into arrays, warm / sha256 all cores", "load_sharded into arrays, warm", SHA256_LIMIT, ">= 0.90"),
+        ("into arrays, cold / raw cold read", "load_sharded into arrays, cold", COLD_READ, ">= 0.85"),
     )
     for label, name, baseline, target in ratios:
         timings.print_paired_ratio(label, name, baseline, target)

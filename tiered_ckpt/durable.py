@@ -52,13 +52,12 @@ T = TypeVar("T")
 WRITEBACK_BYTES = 8 << 20
 _SYNC_FILE_RANGE_WRITE = 2
 
-# Direct writes go out in blocks of 1 MiB, three per file at a time (one being filled, up
-# to two on their way to the disk): the size at which this project's development disk
-# wrote fastest with a writer per shard. 4096 covers the logical block size O_DIRECT
-# requires of buffers, lengths and offsets on common devices.
+# Writes go out in blocks of 1 MiB, three per file (one being filled, up to two queued
+# for the disk): the size at which this project's development disk wrote fastest with
+# O_DIRECT and a writer per shard. Blocks are page-aligned and a multiple of 4096 bytes,
+# as O_DIRECT requires of buffers, lengths and offsets on common devices.
 BLOCK_BYTES = 1 << 20
 _BLOCKS_PER_FILE = 3
-_ALIGNMENT = 4096
 
 
 def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:

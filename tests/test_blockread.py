@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tiered_ckpt import blockread
+from tiered_ckpt.bench import evict
 from tiered_ckpt.blockread import BLOCK_BYTES, read_blocks
 
 SIZES = [0, 1, 4095, 4096, BLOCK_BYTES - 1, BLOCK_BYTES, BLOCK_BYTES + 1, 3 * BLOCK_BYTES + 777]
@@ -25,12 +26,7 @@ def _write(path: Path, size: int) -> bytes:
 
 
 def _evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    evict([path])
 
 
 def _read_all(path: Path, size: int | None = None) -> bytes:
@@ -102,7 +98,6 @@ def test_leaving_early_stops_the_thread(tmp_path: Path) -> None:
         os.close(fd)
     assert len(first) == BLOCK_BYTES
     assert not _reader_threads()
-
 
 
 def _is_cached(path: Path, offset: int = 0) -> bool:

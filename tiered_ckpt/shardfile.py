@@ -18,6 +18,7 @@ nor fsyncs, while a checkpoint must stream the arrays once, hashing as it writes
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -377,8 +378,8 @@ class _Stream:
         position = 0
         while position < len(target):
             view = self._current()
-            if not view:
-                raise ValueError(f"file ends {len(target) - position} bytes short")
+            if not view:  # read_blocks raises first; a header that fits the file ensures it
+                raise OSError(errno.EIO, f"file ends {len(target) - position} bytes short")
             count = min(len(view), len(target) - position)
             piece = target[position : position + count]
             np.copyto(piece, np.frombuffer(view[:count], np.uint8))

@@ -24,11 +24,12 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from .durable import BLOCK_BYTES, aligned_block
+
 __all__ = ["BLOCK_BYTES", "read_blocks"]
 
-# 1 MiB: this project's development disk read fastest at it with a reader per shard; three
-# blocks per file keep two reads in flight while the caller copies and hashes the third.
-BLOCK_BYTES = 1 << 20
+# Blocks of durable.BLOCK_BYTES (1 MiB); three per file keep two reads in flight while the
+# caller copies and hashes the third.
 _BLOCKS_PER_FILE = 3
 _ALIGNMENT = 4096
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
@@ -57,8 +58,7 @@ class _Reader:
         self.free: queue.SimpleQueue[np.ndarray | None] = queue.SimpleQueue()
         self.filled: queue.SimpleQueue[tuple[np.ndarray, int] | BaseException | None] = queue.SimpleQueue()
         for _ in range(_BLOCKS_PER_FILE):
-            # An anonymous mapping is page-aligned, as O_DIRECT needs.
-            self.free.put(np.frombuffer(mmap.mmap(-1, BLOCK_BYTES), np.uint8))
+            self.free.put(aligned_block())
 
     def run(self) -> None:
         try:

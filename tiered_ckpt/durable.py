@@ -40,6 +40,7 @@ __all__ = [
     "observe_writes",
     "write_bytes",
     "write_all",
+    "aligned_block",
     "BLOCK_BYTES",
     "WRITEBACK_BYTES",
 ]
@@ -72,6 +73,12 @@ def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
 
 _sync_file_range = _load_sync_file_range()
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def aligned_block() -> np.ndarray:
+    """A new block of :data:`BLOCK_BYTES` bytes that O_DIRECT can read or write: an anonymous
+    mapping, so page-aligned."""
+    return np.frombuffer(mmap.mmap(-1, BLOCK_BYTES), np.uint8)
 
 
 def _set_direct(fd: int, on: bool) -> bool:
@@ -161,8 +168,7 @@ class _StagedFile(io.RawIOBase):
         thread has written (raising the thread's error, if a write failed)."""
         if self._blocks < _BLOCKS_PER_FILE:
             self._blocks += 1
-            # An anonymous mapping is page-aligned, as O_DIRECT needs.
-            block = np.frombuffer(mmap.mmap(-1, BLOCK_BYTES), np.uint8)
+            block = aligned_block()
         else:
             block = self._free.get()
         if self._error is not None:

@@ -24,7 +24,6 @@ arrays, numpy scalars, torch tensors) or JSON-like scalars (``int`` of any size,
 Nothing else is accepted: :func:`flatten` raises :class:`InvalidStateError` naming the
 path (``state["optim"]["foo"]``) of the first value it cannot store, before anything is
 written. No pickle anywhere.
-
 """
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ def test_sigkill_of_one_rank_during_a_save_leaves_the_previous_step_on_every_ran
     first = [{"do": "save", "step": 1}, {"do": "wait"}, {"do": "kill", "rank": 1, "at": at}]
     survivors = run_ranks(tmp_path, 4, [*first, {"do": "save", "step": 2}, {"do": "wait"}], s3_url, killed=1)
     for result in survivors.values():
-        assert result["error"][0] == ("SaveError" if at == "after-shard" else "UploadError"), result
+        assert result["error"][0] == "SaveError", result  # the commit is agreed: it fails with the others
         assert "a collective with the other ranks failed" in result["error"][1]  # CoordinationError, chained
     assert RemoteTier(*s3_url).committed_steps() == [1]
     committed = [(node(tmp_path, rank) / step_dir_name(2) / MANIFEST_NAME).exists() for rank in range(4)]

@@ -1,7 +1,15 @@
+from pathlib import Path
+
+import numpy as np
 import pytest
 
-from tiered_ckpt import ConfigError
-from tiered_ckpt.retention import RetentionPolicy, awaiting_upload, protected_locally
+from conftest import launch_ranks
+from tiered_ckpt import ConfigError, save_sharded
+from tiered_ckpt.layout import shard_name, step_dir_name
+from tiered_ckpt.local import LocalTier, record_held_ranks, write_receipt
+from tiered_ckpt.remote import RemoteTier
+from tiered_ckpt.retention import RetentionPolicy, awaiting_upload, protected_locally, retainable
+from tiered_ckpt.store import TieredStore
 
 
 @pytest.mark.parametrize(
@@ -50,3 +58,93 @@ def test_a_bound_protects_only_the_newest_waiting_steps_and_those_queued():
     assert policy.to_delete(steps, protected_locally(steps, {1}, (), policy.max_awaiting_upload)) == list(range(1, 8))
     with pytest.raises(ConfigError, match="max_awaiting_upload"):
         RetentionPolicy(max_awaiting_upload=0)
+
+
+# --- one process per rank: retention waits for a step every rank committed (real processes) ---
+
+WORKER = Path(__file__).with_name("rank_worker.py")
+
+
+def run_ranks(root: Path, actions: list[dict], remote=None, killed: int | None = None) -> dict:
+    """Two rank processes of one job with keep_last=1 over ``root``'s local directories."""
+    config = {"actions": actions, "timeout_seconds": 60, "keep_last": 1}
+    return launch_ranks(WORKER, root, 2, config, remote=remote, killed=killed)
+
+
+def committed(root: Path, rank: int) -> list[int]:
+    return LocalTier(root / "nodes" / f"rank-{rank}").steps()
+
+
+@pytest.mark.parametrize("bucket", [False, True], ids=["no-bucket", "s3"])
+def test_a_rank_killed_before_its_commit_leaves_the_older_step_restorable_from_every_disk(tmp_path, request, bucket):
+    remote = request.getfixturevalue("s3_url") if bucket else None
+    actions = [
+        {"do": "save", "step": 1},
+        {"do": "wait"},
+        {"do": "kill", "rank": 1, "at": "before-commit"},  # rank 1 dies just before writing its step-2 manifest
+        {"do": "save", "step": 2},
+        {"do": "wait"},
+    ]
+    survivor = run_ranks(tmp_path, actions, remote, killed=1)[0]
+    assert survivor["error"][0] == "SaveError", survivor
+    assert "committed in" in survivor["error"][1] and "but not on every rank" in survivor["error"][1]
+    # rank 0 committed step 2 on its own: that proves nothing of rank 1, so step 1 stays on both disks
+    assert committed(tmp_path, 0) == [1, 2] and committed(tmp_path, 1) == [1]
+
+    import rank_worker
+
+    relaunched = run_ranks(tmp_path, [{"do": "restore"}, {"do": "save", "step": 2}, {"do": "wait"}], remote)
+    for rank, result in relaunched.items():
+        assert "error" not in result, result
+        assert result["restored"]["step"] == 1
+        assert result["restored"]["sources"] == {str(rank): "local"}  # from each rank's own disk, no download
+        assert result["restored"]["digests"] == rank_worker.digests(rank_worker.rank_state(1, 2, rank))
+        # step 2, committed by every rank this time, lets retention delete step 1 everywhere
+        assert committed(tmp_path, rank) == [2]
+
+
+def per_rank_store(tmp_path: Path, remote=None, uploaded: tuple[int, ...] = ()) -> TieredStore:
+    """Rank 0's directory of a 2-rank job holding steps 1 and 2 (its own shard of each); the
+    steps ``uploaded`` are committed in ``remote`` with their receipts."""
+    root = tmp_path / "rank-0"
+    store = TieredStore(LocalTier(root), RemoteTier(*remote) if remote is not None else None)
+    for step in (1, 2):
+        states = [{"w": np.arange(64, dtype=np.float32) + step}, {"w": np.zeros(64, dtype=np.float32)}]
+        directory = root / step_dir_name(step)
+        manifest = save_sharded(states, directory, step)
+        if step in uploaded:
+            for record in manifest.shards:
+                store.remote.put_shard(step, directory / record.path, record)
+            write_receipt(directory, store.remote.url, store.remote.commit(manifest))
+        (directory / shard_name(1, 2)).unlink()
+        record_held_ranks(directory, manifest, [0])  # rank 1's shard is on its node
+    return store
+
+
+def test_retention_of_a_rank_directory_deletes_only_below_a_step_every_rank_committed(tmp_path):
+    store = per_rank_store(tmp_path)
+    policy = RetentionPolicy(keep_last=1)
+    with store.local.lock():
+        assert store.local_to_delete(policy) == []  # step 2 is this rank's commit only
+        assert store.retain_local(policy) == [] and store.local.steps() == [1, 2]
+        assert store.retain_local(policy, complete=2) == [1]  # the ranks agreed on step 2's commit
+        assert store.local.steps() == [2]
+
+
+@pytest.mark.parametrize("uploaded", [(), (1,)], ids=["bucket-empty", "step-1-in-bucket"])
+def test_retention_after_a_remote_commit_never_counts_this_ranks_own_newer_commit(tmp_path, memory_url, uploaded):
+    """The uploader's pass after a remote commit (no step agreed by the writer): only a step in
+    the bucket is known complete on every rank; step 2 is this rank's own commit."""
+    store = per_rank_store(tmp_path, memory_url, uploaded)
+    with store.local.lock():
+        assert store.retain_local(RetentionPolicy(keep_last=1)) == []
+        assert store.retain_local(RetentionPolicy(keep_last=1, max_awaiting_upload=1)) == []
+        assert store.local.steps() == [1, 2]
+        # once the ranks agreed on step 2, step 1 may go (with max_awaiting_upload=1 even unuploaded)
+        assert store.retain_local(RetentionPolicy(keep_last=1, max_awaiting_upload=1), complete=2) == [1]
+
+
+def test_only_steps_no_newer_than_the_newest_complete_one_are_weighed():
+    assert retainable([3, 1, 2], None) == []
+    assert retainable([3, 1, 2], 2) == [1, 2]
+    assert RetentionPolicy(keep_last=1).to_delete(retainable([1, 2, 3], 2)) == [1]  # 3 is kept, uncounted

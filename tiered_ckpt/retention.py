@@ -2,7 +2,7 @@
 
 Pure functions of step numbers: no I/O, no clock. Both tiers use the same policy class;
 what differs is what each protects (the local tier protects steps still waiting for
-their remote commit).
+their remote commit, and weighs only the steps no newer than one complete on every rank).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .errors import invalid_option
 
-__all__ = ["RetentionPolicy", "awaiting_upload", "protected_locally"]
+__all__ = ["RetentionPolicy", "awaiting_upload", "protected_locally", "retainable"]
 
 
 def _check_keep(name: str, value: object) -> None:
@@ -73,3 +73,17 @@ def protected_locally(
     waiting = sorted(awaiting_upload(steps, receipted, pending))
     kept = set(waiting if limit is None else waiting[len(waiting) - limit :])
     return kept | set(pending).intersection(waiting)
+
+
+def retainable(steps: Iterable[int], newest_complete: int | None) -> list[int]:
+    """The local steps a policy may weigh, oldest first: those no newer than ``newest_complete``,
+    the newest step known to be complete on every rank (None: none is, and nothing may go).
+
+    A step newer than it is kept whatever the policy says, and it does not count towards
+    ``keep_last``: with one process per rank, a step one rank committed may be missing on
+    another (killed before its commit), and deleting older steps for it could leave no step
+    every rank can restore.
+    """
+    if newest_complete is None:
+        return []
+    return sorted(step for step in set(steps) if step <= newest_complete)

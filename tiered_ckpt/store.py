@@ -41,7 +41,7 @@ from .errors import (
 from .local import LocalTier
 from .manifest import RemoteManifest, ShardManifest, ShardRecord
 from .remote import RemoteTier
-from .retention import RetentionPolicy, awaiting_upload, protected_locally
+from .retention import RetentionPolicy, awaiting_upload, protected_locally, retainable
 from .sharded import run_parallel
 from .shardfile import Verify, copy_and_hash, read_header
 from .state import FlatState, structure_of
@@ -416,26 +416,52 @@ class TieredStore:
 
     # -- retention ----------------------------------------------------------------------
 
-    def local_to_delete(self, policy: RetentionPolicy, pending_uploads: Collection[int] = ()) -> list[int]:
-        """Local steps ``policy`` deletes now: never one still waiting for its remote commit
-        (beyond ``policy.max_awaiting_upload`` of them)."""
-        return self._local_plan(policy, pending_uploads)[0]
+    def local_to_delete(
+        self, policy: RetentionPolicy, pending_uploads: Collection[int] = (), *, complete: int | None = None
+    ) -> list[int]:
+        """Local steps ``policy`` deletes now: only steps older than one every rank can restore
+        (``complete``, a step the caller knows every rank committed; a step committed in the
+        bucket; a step this directory holds every rank's shard of), never one still waiting
+        for its remote commit (beyond ``policy.max_awaiting_upload`` of them)."""
+        return self._local_plan(policy, pending_uploads, complete)[0]
 
-    def _local_plan(self, policy: RetentionPolicy, pending_uploads: Collection[int]) -> tuple[list[int], set[int]]:
+    def _newest_complete(self, steps: list[int], receipted: Collection[int], complete: int | None) -> int | None:
+        """The newest of ``steps`` every rank can restore (None: none is known to be): ``complete``
+        (the caller knows every rank committed it), the newest step with a receipt of its remote
+        commit (every shard is in the bucket), or a step this directory holds every rank's shard of."""
+        known = [step for step in (complete, max(receipted, default=None)) if step is not None]
+        floor = max(known, default=None)
+        for step in reversed(steps):
+            if floor is not None and step <= floor:
+                break
+            try:
+                manifest = self.local.manifest(step)
+                if set(self.local.held_ranks(step, manifest)) >= set(range(manifest.world_size)):
+                    return step
+            except (IncompleteCheckpointError, ManifestError):  # deleted meanwhile, or damaged: no proof
+                continue
+        return floor
+
+    def _local_plan(
+        self, policy: RetentionPolicy, pending_uploads: Collection[int], complete: int | None
+    ) -> tuple[list[int], set[int]]:
         """The local steps ``policy`` deletes now, and the local steps waiting for their upload."""
         steps = self.local.steps()
+        receipted = {step for step in steps if self.receipted(step)} if self.remote is not None else set()
+        candidates = retainable(steps, self._newest_complete(steps, receipted, complete))
         if self.remote is None:
-            return policy.to_delete(steps), set()
-        receipted = {step for step in steps if self.receipted(step)}
+            return policy.to_delete(candidates), set()
         protected = protected_locally(steps, receipted, pending_uploads, policy.max_awaiting_upload)
-        return policy.to_delete(steps, protected), awaiting_upload(steps, receipted, pending_uploads)
+        return policy.to_delete(candidates, protected), awaiting_upload(steps, receipted, pending_uploads)
 
-    def retain_local(self, policy: RetentionPolicy, pending_uploads: Collection[int] = ()) -> list[int]:
+    def retain_local(
+        self, policy: RetentionPolicy, pending_uploads: Collection[int] = (), *, complete: int | None = None
+    ) -> list[int]:
         """Delete the local steps :meth:`local_to_delete` names; return them."""
         if policy.keeps_everything:
             return []
         with self._retention_lock:
-            deleted, never_uploaded = self._local_plan(policy, pending_uploads)
+            deleted, never_uploaded = self._local_plan(policy, pending_uploads, complete)
             for step in deleted:
                 self.local.delete(step)
                 if step in never_uploaded:

@@ -7,12 +7,15 @@ A save, from the moment its call has been checked on every rank:
 2. the writer thread agrees with the other ranks which of them writes each replicated
    array of a state of DTensors (:mod:`~tiered_ckpt.replicas`, a collective), writes each
    shard (temp file, hashed as it streams, fsync, rename), the ranks exchange their shard
-   records (a collective), and the manifest is committed in the local tier once every
-   rank's shard is durable;
+   records (a collective), and every process commits the manifest in its local tier once
+   every rank's shard is durable; the processes then agree that every one of them
+   committed (a collective: the commit itself is agreed);
 3. the committed step goes to the uploader's queue, and the save's handle resolves;
 4. local retention runs on a thread of its own, off the write path and alongside the next
-   save (it deletes only committed steps older than the newest, never the step being
-   written).
+   save. It deletes only steps older than one committed on every rank (the step whose
+   commit the processes agreed on), never on this process's own commit: a rank killed
+   before its commit leaves the older step restorable everywhere. Nor does it delete the
+   step being written.
 
 A failure is recorded in the shared :class:`~tiered_ckpt.errors.ErrorBox` as
 :class:`SaveError` (cause chained), and what the failed save left is removed.
@@ -188,6 +191,7 @@ class Writer:
     def _write(self, step: int, staged: list[FlatState], keys: tuple[str, ...], numels: list[int]) -> ShardManifest:
         """Writer thread: write this process's shards, commit once every rank's are durable, queue the upload."""
         local = self._store.local
+        committed_here = False
         try:
             left_out = leave_out(self._coordinator, staged)  # replicated arrays: each written by one rank
 
@@ -209,7 +213,16 @@ class Writer:
                 shards=tuple(ShardRecord.from_dict(shard) for part in parts for shard in part.shards),
                 source=f"the shard records of step {step}",
             )
-            local.commit(manifest, held=self._ranks)  # other ranks' shards are on their nodes
+
+            # The commit is agreed: retention may delete older steps only once every rank has
+            # committed this one. A collective on the writer's own channel, so a rank that died
+            # fails it on the others (within the coordinator's timeout) rather than hanging them.
+            def commit() -> None:
+                nonlocal committed_here
+                local.commit(manifest, held=self._ranks)  # other ranks' shards are on their nodes
+                committed_here = True
+
+            agree_on(self._coordinator, commit, lambda _none: None)
             logger.info("committed step %d (%d bytes) in %s", step, manifest.total_bytes, local.step_dir(step))
             if self._uploader is not None:
                 self._uploader.submit(step)
@@ -217,16 +230,24 @@ class Writer:
             return manifest
         except BaseException as exc:
             self._discard_uncommitted(step)
-            error = SaveError(f"background save of step {step} to {local.step_dir(step)} failed: {exc}", step=step)
+            where = local.step_dir(step)
+            if committed_here:  # but not known to be committed on every rank
+                message = (
+                    f"background save of step {step} failed: committed in {where}, but not on every rank, so it "
+                    f"may not be restorable (and retention keeps the older steps): {exc}"
+                )
+            else:
+                message = f"background save of step {step} to {where} failed: {exc}"
+            error = SaveError(message, step=step)
             error.__cause__ = exc
             self._errors.put(error)
             raise error from exc
 
     def _retain(self, step: int) -> None:
-        """Retention thread: local retention after ``step``'s commit (off the write path)."""
+        """Retention thread: local retention after ``step``'s commit, which every rank made (off the write path)."""
         pending = self._uploader.pending() if self._uploader is not None else ()
         try:
-            self._store.retain_local(self._retention, pending)
+            self._store.retain_local(self._retention, pending, complete=step)
         except (CheckpointError, OSError) as exc:
             error = SaveError(f"step {step} is committed, but the retention that follows failed: {exc}", step=step)
             error.__cause__ = exc

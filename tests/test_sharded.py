@@ -1,5 +1,8 @@
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -259,3 +262,59 @@ def test_load_into_needs_one_dict_per_rank(saved, states):
     directory, _ = saved
     with pytest.raises(InvalidStateError, match="into holds 3 rank states"):
         load_sharded(directory, 4, into=states[:3])
+
+
+# --- a real full disk: the file size limit (RLIMIT_FSIZE) makes a later rank's write fail (EFBIG) ---
+
+FULL_DISK_SAVE = """
+import errno, resource, sys
+import numpy as np
+from tiered_ckpt import save_sharded
+sizes = [int(n) for n in sys.argv[2].split(",")]
+states = [{"w": np.full(n, rank, np.float32), "table": np.arange(6).reshape(2, 3)} for rank, n in enumerate(sizes)]
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[3]), int(sys.argv[3])))
+try:
+    save_sharded(states, sys.argv[1], step=2, max_workers=1)  # one thread: the ranks in order
+except OSError as error:
+    print("raised", errno.errorcode[error.errno])
+    sys.exit(0)
+print("no error")
+"""
+
+
+def save_on_a_full_disk(directory: Path, sizes: list[int], limit: int) -> None:
+    """Save ranks of ``sizes`` float32s into ``directory`` in a process whose files cannot pass ``limit`` bytes."""
+    run = subprocess.run(
+        [sys.executable, "-c", FULL_DISK_SAVE, str(directory), ",".join(map(str, sizes)), str(limit)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.stdout.strip() == "raised EFBIG", run.stderr
+
+
+@pytest.mark.parametrize("made", [True, False], ids=["new-directory", "existing-directory"])
+def test_a_save_failing_on_a_full_disk_removes_every_file_it_wrote_and_keeps_the_previous_step(tmp_path, made):
+    previous = tmp_path / "step-1"
+    states = [{"w": np.full(1000, rank, np.float32)} for rank in range(3)]
+    save_sharded(states, previous, step=1)
+    failing = tmp_path / "step-2"
+    if not made:
+        failing.mkdir()
+        (failing / "notes.txt").write_text("the user's own file")
+    # ranks 0 and 1 (256 KiB each) fit under 2 MiB and are renamed into place; rank 2's 8 MiB do not
+    save_on_a_full_disk(failing, [64 << 10, 64 << 10, 2 << 20], 2 << 20)
+    if made:
+        assert not failing.exists()
+    else:
+        assert sorted(path.name for path in failing.iterdir()) == ["notes.txt"]
+    assert_states_equal(states, load_sharded(previous, 3))
+    fresh = [{"w": np.full(10, rank, np.float32)} for rank in range(3)]
+    save_sharded(fresh, failing, step=2)  # and the step can be saved again
+    assert_states_equal(fresh, load_sharded(failing, 3))
+
+
+def test_a_save_whose_manifest_does_not_fit_removes_every_rank_file(tmp_path):
+    failing = tmp_path / "step-2"
+    save_on_a_full_disk(failing, [4] * 16, 5000)  # 16 shards of ~300 bytes fit; a manifest of ~6 KB does not
+    assert not failing.exists()

@@ -15,6 +15,7 @@ array is 1-D too).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -55,6 +56,8 @@ __all__ = [
     "run_parallel",
     "default_workers",
 ]
+
+logger = logging.getLogger("tiered_ckpt")
 
 State = Mapping[Any, Any]
 T = TypeVar("T")
@@ -248,9 +251,10 @@ def save_sharded(
     """Save one checkpoint of ``len(states_per_rank)`` ranks into ``directory`` and commit it.
 
     Guarantees, once it returns: every shard file and the manifest are durable, and
-    the checkpoint loads byte-for-byte. If it raises or the process dies at any point,
-    ``directory`` holds no manifest and so no checkpoint (temp files it left are
-    removed by the next save into ``directory``). A directory that already holds a
+    the checkpoint loads byte-for-byte. If it raises, what it wrote is removed (its
+    shard files, temp files and the directory if it made it); if the process dies at
+    any point, ``directory`` holds no manifest and so no checkpoint (temp files it left
+    are removed by the next save into ``directory``). A directory that already holds a
     committed checkpoint is never touched: :class:`CheckpointExistsError`.
     """
     validate_states(states_per_rank, world_size)
@@ -260,11 +264,35 @@ def save_sharded(
         [sharding_summary(s.arrays) for s in flat], sharded_keys, flat=all(s.structure.flat for s in flat)
     )
     directory = Path(directory)
+    made = not directory.exists()
     directory.mkdir(parents=True, exist_ok=True)
     with directory_lock(directory):
         if is_committed(directory):
             raise CheckpointExistsError(f"{directory}: already holds a committed checkpoint ({MANIFEST_NAME})")
-        return write_checkpoint(directory, flat, step, sharded_keys=keys, numels=numels, max_workers=max_workers)
+        try:
+            return write_checkpoint(directory, flat, step, sharded_keys=keys, numels=numels, max_workers=max_workers)
+        except BaseException:
+            _discard_failed_save(directory, len(flat), made)
+            raise
+
+
+def _discard_failed_save(directory: Path, world_size: int, made: bool) -> None:
+    """Remove what a failed :func:`save_sharded` wrote into ``directory`` (held locked; it
+    held no committed checkpoint): the manifest first, if its rename happened before the
+    failure, then every rank's shard file and temp file, then ``directory`` if the save
+    ``made`` it and it is empty. Never raises: the save's own error is the one to see."""
+    try:
+        (directory / MANIFEST_NAME).unlink(missing_ok=True)
+        for rank in range(world_size):
+            (directory / shard_name(rank, world_size)).unlink(missing_ok=True)
+        remove_temp_files(directory)
+        if made and not any(directory.iterdir()):
+            directory.rmdir()
+            fsync_directory(directory.parent)
+        else:
+            fsync_directory(directory)
+    except OSError:
+        logger.warning("could not remove what the failed save left in %s", directory, exc_info=True)
 
 
 def check_world_size(manifest: ShardManifest, expected_world_size: int, where: str) -> None:

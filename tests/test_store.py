@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from conftest import flip_byte
-from tiered_ckpt import ChecksumMismatchError, IncompleteCheckpointError, UsageError, save_sharded
+from tiered_ckpt import ChecksumMismatchError, IncompleteCheckpointError, UsageError, cli, save_sharded
 from tiered_ckpt.layout import step_dir_name
-from tiered_ckpt.local import LocalTier
+from tiered_ckpt.local import LocalTier, delete_checkpoint
 from tiered_ckpt.remote import RemoteTier
 from tiered_ckpt.store import TieredStore
 
@@ -202,3 +202,90 @@ def test_any_new_shard_has_a_verifiable_header_and_an_old_record_without_one_is_
     old = dataclasses.replace(record, header_bytes=0, header_sha256="")
     with pytest.raises(ShardFormatError, match="can only be read whole"):
         store.read_parts(3, old, (), use_remote=False)
+
+
+# --- beside a running job: a step its retention deletes between the listing and the reading ---
+
+
+@pytest.fixture
+def job_dirs(tmp_path, memory_url):
+    """Steps 1 and 2 of 2 ranks in a local tier and committed in a memory bucket, without receipts
+    (as the CLI sees a running job's directory: steps 1 and 2 waiting for upload)."""
+    url, options = memory_url
+    store = TieredStore(LocalTier(tmp_path / "ckpt"), RemoteTier(url, options))
+    for step in (1, 2):
+        states = [{"w": np.arange(1024, dtype=np.float32) + rank + step} for rank in range(2)]
+        manifest = save_sharded(states, store.local.step_dir(step), step=step)
+        for record in manifest.shards:
+            store.remote.put_shard(step, store.local.shard_path(step, record), record)
+        store.remote.commit(manifest)
+    return store
+
+
+def delete_first(monkeypatch, owner, name: str, step: int, delete) -> None:
+    """Make ``owner.name(step, ...)`` first ``delete()`` the step (really, as retention does), once."""
+    read, done = getattr(owner, name), []
+
+    def deleting(*args, **kwargs):
+        if step in args[:2] and not done:  # (step, ...) on an instance; (self, step, ...) on a class
+            done.append(delete())
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, deleting)
+
+
+def delete_locally(store, step):
+    return lambda: delete_checkpoint(store.local.step_dir(step))
+
+
+def test_verify_skips_a_local_step_deleted_while_its_shards_are_checked(job_dirs, monkeypatch):
+    store = TieredStore(job_dirs.local)  # the local tier only
+    delete_first(monkeypatch, store.local, "check_shard", 1, delete_locally(store, 1))
+    checks = store.verify()
+    assert [(c.step, c.rank, c.status) for c in checks] == [(2, 0, "ok"), (2, 1, "ok")]
+
+
+def test_verify_skips_a_step_whose_manifest_is_deleted_before_it_is_read_in_either_tier(job_dirs, monkeypatch):
+    store = job_dirs
+    delete_first(monkeypatch, store.local, "manifest", 1, delete_locally(store, 1))
+    delete_first(monkeypatch, store.remote, "read_manifest", 2, lambda: store.remote.delete_step(2))
+    checks = store.verify()
+    assert sorted((c.step, c.tier, c.status) for c in checks) == [
+        (1, "remote", "ok"), (1, "remote", "ok"), (2, "local", "ok"), (2, "local", "ok"),
+    ]  # fmt: skip
+
+
+def test_verify_skips_a_remote_step_deleted_while_its_objects_are_checked(job_dirs, monkeypatch):
+    store = job_dirs
+    delete_first(monkeypatch, store.remote, "check_shard", 1, lambda: store.remote.delete_step(1))
+    checks = store.verify()
+    assert [(c.step, c.tier) for c in checks if c.status != "ok"] == []
+    assert sorted((c.step, c.tier) for c in checks) == [(1, "local")] * 2 + [(2, "local")] * 2 + [(2, "remote")] * 2
+
+
+def test_a_missing_shard_of_a_step_still_committed_is_a_failure(job_dirs):
+    store = TieredStore(job_dirs.local)
+    store.local.shard_path(1, store.local.manifest(1).shard(1)).unlink()
+    failed = [c for c in store.verify() if c.status == "failed"]
+    assert [(c.step, c.rank) for c in failed] == [(1, 1)] and "file is missing" in failed[0].problem
+
+
+def test_status_and_lag_leave_out_a_step_deleted_before_its_manifest_is_read(job_dirs, monkeypatch):
+    store = job_dirs
+    delete_first(monkeypatch, store.local, "manifest", 1, delete_locally(store, 1))
+    lag = store.lag()  # steps 1 and 2 have no receipt: both were waiting
+    assert [step for step, _size in lag.waiting] == [2]
+    assert LocalTier(store.local.root).steps() == [2]
+    delete_first(monkeypatch, store.local, "manifest", 2, delete_locally(store, 2))
+    rows = store.status()  # step 2 is still in the bucket: shown there only
+    assert [(row.step, row.local, row.remote) for row in rows] == [(1, "-", "committed"), (2, "-", "committed")]
+    local_only = TieredStore(LocalTier(store.local.root))
+    assert local_only.status() == [] and local_only.lag().newest_local is None
+
+
+def test_the_cli_verify_beside_a_running_job_skips_the_step_its_retention_deletes(job_dirs, monkeypatch, capsys):
+    root = job_dirs.local.root
+    delete_first(monkeypatch, LocalTier, "check_shard", 1, lambda: delete_checkpoint(root / step_dir_name(1)))
+    assert cli.main(["--local-dir", str(root), "verify"]) == 0
+    out = capsys.readouterr().out
+    assert "FAILED" not in out and "2 shards verified, 0 failed" in out, out

@@ -23,7 +23,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn, TypeVar
 
@@ -192,30 +192,54 @@ class TieredStore:
         return self.remote.read_manifest(step).manifest if in_remote and self.remote is not None else None
 
     def status(self) -> list[StepStatus]:
-        """Every step either tier knows of, oldest first."""
+        """Every step either tier knows of, oldest first.
+
+        Safe beside a running job: a step its retention deletes between the listing and
+        the reading of its manifest is left out (or shown only in the tier still holding it).
+        """
         committed = set(self.local.steps())
         staged = set(self.local.staged_steps())
         remote_committed, remote_partial = self.remote.list_steps() if self.remote is not None else ([], [])
         rows = []
         for step in sorted(committed | staged | set(remote_committed) | set(remote_partial)):
-            if step in remote_committed:
-                remote_state = "committed"
-            elif step in committed and self.remote is not None and not self.receipted(step):
-                remote_state = "uploading"
-            else:
-                remote_state = "partial" if step in remote_partial else "-"
-            manifest = self._any_manifest(step, step in committed, step in remote_committed)
-            held = tuple(self.local.held_ranks(step, manifest)) if manifest and step in committed else None
-            local_state = "committed" if step in committed else "staged" if step in staged else "-"
-            rows.append(StepStatus(step, local_state, remote_state, manifest, held))
+            listed = step in committed, step in remote_committed
+            others = step in staged, step in remote_partial
+            try:
+                rows.append(self._step_status(step, *listed, *others))
+            except (IncompleteCheckpointError, ManifestError, RemoteError):
+                still = self._still_committed(step, *listed)
+                if still == listed:
+                    raise  # still committed where it was: the failure is not a deletion
+                if any(still) or any(others):
+                    rows.append(self._step_status(step, *still, *others))
         return rows
+
+    def _step_status(self, step: int, in_local: bool, in_remote: bool, staged: bool, partial: bool) -> StepStatus:
+        if in_remote:
+            remote_state = "committed"
+        elif in_local and self.remote is not None and not self.receipted(step):
+            remote_state = "uploading"
+        else:
+            remote_state = "partial" if partial else "-"
+        manifest = self._any_manifest(step, in_local, in_remote)
+        held = tuple(self.local.held_ranks(step, manifest)) if manifest and in_local else None
+        local_state = "committed" if in_local else "staged" if staged else "-"
+        return StepStatus(step, local_state, remote_state, manifest, held)
+
+    def _still_committed(self, step: int, in_local: bool, in_remote: bool) -> tuple[bool, bool]:
+        """Whether ``step`` is still committed in each tier that listed it (a running job's
+        retention may have deleted it since): a failure to read a step that is gone is no error."""
+        local = in_local and step in self.local.steps()
+        remote = in_remote and self.remote is not None and step in self.remote.committed_steps()
+        return local, remote
 
     def lag(
         self, pending: Collection[int] = (), newest_remote: int | None | Unknown = UNKNOWN, now: float | None = None
     ) -> Lag:
         """How far the bucket is behind: ``pending`` are the steps queued for upload, and
         ``newest_remote`` the newest remote commit if the caller knows it (by default the
-        bucket is listed). The running manager adds its upload rate and last error."""
+        bucket is listed). The running manager adds its upload rate and last error. A step
+        retention deletes while this runs is not counted."""
         steps = self.local.steps()
         if self.remote is None:
             return Lag(steps[-1] if steps else None, None, (), None)
@@ -225,7 +249,12 @@ class TieredStore:
         receipted = {step for step in steps if self.receipted(step)}
         waiting = []
         for step in sorted(awaiting_upload(steps, receipted, pending)):
-            manifest = self.local.manifest(step)
+            try:
+                manifest = self.local.manifest(step)
+            except (IncompleteCheckpointError, ManifestError):
+                if self._still_committed(step, True, False)[0]:
+                    raise
+                continue  # deleted by retention since the listing: no longer waiting
             waiting.append((step, manifest.total_bytes, manifest.wall_clock_seconds))
         now = time.time() if now is None else now
         oldest = round(now - waiting[0][2], 3) if waiting else None
@@ -329,6 +358,11 @@ class TieredStore:
         ``progress`` is called with each shard's result as soon as it is known. With
         ``remote_only``, only the bucket is checked, and an object whose remote manifest
         records the store's checksum is checked against it without a download.
+
+        Safe beside a running job: a step whose manifest is gone from a tier when one of
+        its shards (or its manifest) fails to read there was deleted by retention since the
+        listing, and is skipped in that tier (its failure is not reported). A step whose
+        manifest is still there and a shard missing is a failure.
         """
         local_steps = set(self.local.steps())
         remote_steps = set(self.remote_steps())
@@ -346,24 +380,53 @@ class TieredStore:
 
         for each in steps:
             if each in local_steps and not remote_only:
-                manifest = self.local.manifest(each)
-                held = set(self.local.held_ranks(each, manifest))
-                for record in manifest.shards:
-                    if record.rank not in held:
-                        add(ShardCheck(each, "local", record.rank, "elsewhere"))
-                    else:
-                        add(_checked(each, "local", record, self.local.check_shard(each, record)))
+                self._verify_in(each, "local", self._local_checks, add)
             if each in remote_steps and self.remote is not None:
-                remote = self.remote.read_manifest(each)
-                for record in remote.manifest.shards:
-                    kept = remote.store_checksums.get(record.path) if remote_only else None
-                    problem = (
-                        self.remote.check_store_checksum(each, record, kept)
-                        if kept is not None
-                        else self.remote.check_shard(each, record)
-                    )
-                    add(_checked(each, "remote", record, problem))
+                self._verify_in(each, "remote", functools.partial(self._remote_checks, remote_only=remote_only), add)
         return checks
+
+    def _verify_in(
+        self,
+        step: int,
+        tier: Source,
+        checks: Callable[[int], Iterator[ShardCheck]],
+        add: Callable[[ShardCheck], None],
+    ) -> None:
+        """Pass each of ``checks(step)`` to ``add``, unless the step was deleted from ``tier``
+        since the listing: then from its first failure on, nothing (see :meth:`verify`)."""
+        in_local, in_remote = tier == "local", tier == "remote"
+        try:
+            for check in checks(step):
+                if check.status == "failed" and self._still_committed(step, in_local, in_remote) == (False, False):
+                    break
+                add(check)
+            else:
+                return
+        except (IncompleteCheckpointError, ManifestError, RemoteError):
+            if self._still_committed(step, in_local, in_remote) != (False, False):
+                raise
+        logger.info("verify: step %d was deleted from the %s tier while it was checked; skipped", step, tier)
+
+    def _local_checks(self, step: int) -> Iterator[ShardCheck]:
+        manifest = self.local.manifest(step)
+        held = set(self.local.held_ranks(step, manifest))
+        for record in manifest.shards:
+            if record.rank not in held:
+                yield ShardCheck(step, "local", record.rank, "elsewhere")
+            else:
+                yield _checked(step, "local", record, self.local.check_shard(step, record))
+
+    def _remote_checks(self, step: int, *, remote_only: bool) -> Iterator[ShardCheck]:
+        assert self.remote is not None
+        remote = self.remote.read_manifest(step)
+        for record in remote.manifest.shards:
+            kept = remote.store_checksums.get(record.path) if remote_only else None
+            problem = (
+                self.remote.check_store_checksum(step, record, kept)
+                if kept is not None
+                else self.remote.check_shard(step, record)
+            )
+            yield _checked(step, "remote", record, problem)
 
     # -- writing the local tier from the bucket ----------------------------------------------
 

@@ -394,16 +394,19 @@ class TieredStore:
     ) -> None:
         """Pass each of ``checks(step)`` to ``add``, unless the step was deleted from ``tier``
         since the listing: then from its first failure on, nothing (see :meth:`verify`)."""
-        in_local, in_remote = tier == "local", tier == "remote"
+
+        def gone() -> bool:
+            return not any(self._still_committed(step, tier == "local", tier == "remote"))
+
         try:
             for check in checks(step):
-                if check.status == "failed" and self._still_committed(step, in_local, in_remote) == (False, False):
+                if check.status == "failed" and gone():
                     break
                 add(check)
             else:
                 return
         except (IncompleteCheckpointError, ManifestError, RemoteError):
-            if self._still_committed(step, in_local, in_remote) != (False, False):
+            if not gone():
                 raise
         logger.info("verify: step %d was deleted from the %s tier while it was checked; skipped", step, tier)
 

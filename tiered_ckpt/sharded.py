@@ -282,7 +282,9 @@ def _discard_failed_save(directory: Path, world_size: int, made: bool) -> None:
     failure, then every rank's shard file and temp file, then ``directory`` if the save
     ``made`` it and it is empty. Never raises: the save's own error is the one to see."""
     try:
-        (directory / MANIFEST_NAME).unlink(missing_ok=True)
+        if (directory / MANIFEST_NAME).exists():  # invisible first, durably, as a deletion is
+            (directory / MANIFEST_NAME).unlink()
+            fsync_directory(directory)
         for rank in range(world_size):
             (directory / shard_name(rank, world_size)).unlink(missing_ok=True)
         remove_temp_files(directory)

@@ -3,16 +3,95 @@ from pathlib import Path
 import pytest
 
 from conftest import ZERO1_SHARDED_KEYS, assert_states_equal
-from tiered_ckpt import CheckpointManager, Config, ConfigError, load_config
+from tiered_ckpt import CheckpointManager, Config, ConfigError, UploadOptions, load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").iterdir())
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_every_shipped_config_loads(path):
+def test_every_shipped_config_loads_and_works_with_one_process_per_rank(path):
     config = load_config(path, environ={})
     assert isinstance(config, Config) and config.source == str(path)
-    assert config.local.dir.is_absolute() or not str(config.local.dir).startswith("~")
+    assert config.local.dir.is_absolute() and not config.local.dir.is_relative_to(Path.home())
+    # "skip" is refused with one process per rank (torchrun); no shipped config may need one process
+    assert config.upload.when_behind == "wait"
+    # a named AWS profile fails for everyone who does not have it
+    assert "profile" not in (config.remote.storage_options if config.remote else {})
+
+
+def test_the_local_config_writes_next_to_itself_not_into_the_home_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = load_config(CONFIGS[0].parent / "local.toml", environ={})
+    assert config.local.dir == CONFIGS[0].parent.resolve() / "checkpoints" / "my-run"
+
+
+def test_a_relative_local_dir_is_taken_from_the_config_files_folder(tmp_path, monkeypatch):
+    folder = tmp_path / "project"
+    folder.mkdir()
+    write(folder, "[local]\ndir = 'ckpt/run'\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_config("project/ckpt.toml", environ={}).local.dir == folder / "ckpt" / "run"
+    # the environment and arguments are relative to the working directory, as on a command line
+    assert load_config("project/ckpt.toml", environ={"TIERED_CKPT_LOCAL_DIR": "here"}).local.dir == Path("here")
+    assert load_config(folder / "ckpt.toml", environ={}, local_dir="there").local.dir == Path("there")
+
+
+class OneOfTwoRanks:
+    """A coordinator's answers for rank 0 of 2, for argument checks made before any collective."""
+
+    world_size, local_ranks, is_leader = 2, (0,), True
+
+
+def test_skip_from_a_config_is_refused_with_one_process_per_rank_naming_the_file_and_key(tmp_path):
+    path = write(tmp_path, "local: {dir: x}\nupload: {when_behind: skip}\n", "ckpt.yaml")
+    with pytest.raises(ConfigError, match="key 'upload.when_behind' is 'skip'.*one process holding every rank") as e:
+        CheckpointManager.from_config(path, coordinator=OneOfTwoRanks())
+    assert str(e.value).startswith(f"{path}: ") and "when_uploads_behind" not in str(e.value)
+    environ = {"TIERED_CKPT_LOCAL_DIR": str(tmp_path), "TIERED_CKPT_UPLOAD_WHEN_BEHIND": "skip"}
+    with pytest.raises(ConfigError, match=r"^environment \(TIERED_CKPT_UPLOAD_WHEN_BEHIND\): key 'upload.when_"):
+        CheckpointManager.from_config(load_config(environ=environ), coordinator=OneOfTwoRanks())
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "-1.0"])
+@pytest.mark.parametrize("key", ["deadline_seconds", "timeout_seconds", "backoff_seconds", "max_seconds"])
+def test_nan_infinite_and_negative_seconds_are_refused_naming_the_source_and_key(tmp_path, key, value):
+    toml = {"nan": "nan", "inf": "inf", "-inf": "-inf", "-1.0": "-1.0"}[value]
+    with pytest.raises(ConfigError, match=f"ckpt.toml: key 'upload.{key}' must be"):
+        load_config(write(tmp_path, f"[local]\ndir = 'x'\n[upload]\n{key} = {toml}\n"), environ={})
+    variable = f"TIERED_CKPT_UPLOAD_{key.upper()}"
+    with pytest.raises(ConfigError, match=rf"environment \({variable}\): key 'upload.{key}' must be"):
+        load_config(environ={"TIERED_CKPT_LOCAL_DIR": "x", variable: value})
+    with pytest.raises(ConfigError, match=f"must be"):
+        UploadOptions(**{key: float(value)})
+
+
+def test_nan_given_as_a_manager_keyword_is_refused_naming_the_keyword(tmp_path):
+    with pytest.raises(ConfigError, match="keyword argument upload_deadline_seconds must be a finite number"):
+        CheckpointManager(tmp_path, world_size=1, upload_deadline_seconds=float("nan"))
+
+
+def test_yaml_aliases_are_refused_so_a_tiny_file_cannot_expand_into_billions_of_values(tmp_path):
+    # nine levels of ten aliases each: 10**9 leaves from a file of under 1 KB ("billion laughs")
+    lines = ["local: {dir: x}", "remote:", "  url: s3://b/run", "  storage_options:", '    a0: &a0 ["lol"]']
+    lines += [f"    a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 10)]
+    path = write(tmp_path, "\n".join(lines) + "\n", "bomb.yaml")
+    assert path.stat().st_size < 2048
+    with pytest.raises(ConfigError, match=r"bomb.yaml: line 6: YAML aliases \(\*a0\) are not allowed"):
+        load_config(path, environ={})
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        "{config_kwargs: {proxies: [[{aws_secret_access_key: hunter2-secret}]]}}",
+        "{client_kwargs: [{nested: [[[{password: hunter2-secret}]]]}]}",
+    ],
+)
+def test_a_credential_anywhere_in_lists_of_lists_is_refused(tmp_path, options):
+    path = write(tmp_path, f"local: {{dir: x}}\nremote: {{url: 's3://b/run', storage_options: {options}}}\n", "c.yaml")
+    with pytest.raises(ConfigError, match="holds a credential") as caught:
+        load_config(path, environ={})
+    assert "hunter2" not in str(caught.value)
 
 
 def test_shipped_configs_cover_local_s3_compatible_gcs_and_demo():

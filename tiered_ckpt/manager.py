@@ -137,8 +137,9 @@ class CheckpointManager:
                 "is 'skip', which needs one process holding every rank "
                 "(with one process per rank, ranks could skip different steps); use 'wait'"
             )
-            error = ConfigError(f"{'keyword argument when_uploads_behind' if given else 'upload.when_behind'} {problem}")
-            error.field, error.problem = ("when_uploads_behind" if given else "upload.when_behind"), problem
+            key = "when_uploads_behind" if given else "upload.when_behind"
+            error = ConfigError(f"{'keyword argument ' if given else ''}{key} {problem}")
+            error.field, error.problem = key, problem
             raise error
         self.options = options
         self.world_size = world_size

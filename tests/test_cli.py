@@ -54,7 +54,7 @@ def test_ls_shows_each_step_in_each_tier(setup):
     assert code == 0, err
     rows = {row["step"]: row for row in json.loads(out)}
     assert [rows[s]["local"] for s in (1, 2, 3, 4)] == ["committed", "committed", "committed", "staged"]
-    assert [rows[s]["remote"] for s in (1, 2, 3, 4)] == ["committed", "committed", "uploading", "-"]
+    assert [rows[s]["remote"] for s in (1, 2, 3, 4)] == ["committed", "committed", "uploading", None]  # JSON null
     assert rows[2]["world_size"] == 4 and rows[2]["bytes"] > 0 and rows[2]["age_seconds"] >= 0
     code, out, _ = run(env, "--config", str(config), "ls")
     assert code == 0 and "STEP" in out.splitlines()[0] and "uploading" in out

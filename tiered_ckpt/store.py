@@ -64,6 +64,7 @@ class StepStatus:
     "partial" (objects but no remote manifest) or "-". ``manifest`` is the local one if
     it validates, else the remote one (None if neither tier committed the step);
     ``held_ranks`` the ranks whose shards the local step holds (None if not committed).
+    ``problem`` says why no manifest of a committed step could be read (a damaged one), else None.
     """
 
     step: int
@@ -71,6 +72,7 @@ class StepStatus:
     remote: str
     manifest: ShardManifest | None
     held_ranks: tuple[int, ...] | None
+    problem: str | None = None
 
 
 class Unknown:
@@ -122,11 +124,12 @@ class Lag:
 @dataclass(frozen=True)
 class ShardCheck:
     """One shard of one tier checked: ``status`` is "ok", "failed" (``problem`` says why) or
-    "elsewhere" (a node of a multi-process job: held by another node's disk by design)."""
+    "elsewhere" (a node of a multi-process job: held by another node's disk by design).
+    ``rank`` is None for a step whose manifest in that tier is damaged (no shard could be checked)."""
 
     step: int
     tier: Source
-    rank: int
+    rank: int | None
     status: str
     problem: str | None = None
 
@@ -204,9 +207,13 @@ class TieredStore:
                 remote_state = "uploading"
             else:
                 remote_state = "partial" if step in remote_partial else "-"
-            manifest = self._any_manifest(step, step in committed, step in remote_committed)
-            held = tuple(self.local.held_ranks(step, manifest)) if manifest and step in committed else None
             local_state = "committed" if step in committed else "staged" if step in staged else "-"
+            try:  # one damaged step is shown as such; the others are still listed
+                manifest = self._any_manifest(step, step in committed, step in remote_committed)
+                held = tuple(self.local.held_ranks(step, manifest)) if manifest and step in committed else None
+            except ManifestError as exc:
+                rows.append(StepStatus(step, local_state, remote_state, None, None, str(exc)))
+                continue
             rows.append(StepStatus(step, local_state, remote_state, manifest, held))
         return rows
 
@@ -346,15 +353,23 @@ class TieredStore:
 
         for each in steps:
             if each in local_steps and not remote_only:
-                manifest = self.local.manifest(each)
-                held = set(self.local.held_ranks(each, manifest))
-                for record in manifest.shards:
+                try:
+                    manifest = self.local.manifest(each)
+                    held = set(self.local.held_ranks(each, manifest))
+                except ManifestError as exc:  # reported, and the other steps still checked
+                    add(ShardCheck(each, "local", None, "failed", str(exc)))
+                    manifest, held = None, set()
+                for record in manifest.shards if manifest is not None else ():
                     if record.rank not in held:
                         add(ShardCheck(each, "local", record.rank, "elsewhere"))
                     else:
                         add(_checked(each, "local", record, self.local.check_shard(each, record)))
             if each in remote_steps and self.remote is not None:
-                remote = self.remote.read_manifest(each)
+                try:
+                    remote = self.remote.read_manifest(each)
+                except ManifestError as exc:
+                    add(ShardCheck(each, "remote", None, "failed", str(exc)))
+                    continue
                 for record in remote.manifest.shards:
                     kept = remote.store_checksums.get(record.path) if remote_only else None
                     problem = (
@@ -388,11 +403,18 @@ class TieredStore:
         if remote is not None and self.remote is not None and not self.receipted(step):
             self.local.write_receipt(step, self.remote.url, remote)
 
-    def pull(self, step: int | None = None, *, max_workers: int | None = None) -> tuple[int, dict[int, Source]]:
+    def pull(
+        self,
+        step: int | None = None,
+        *,
+        max_workers: int | None = None,
+        progress: Callable[[ShardRecord, Source], None] | None = None,
+    ) -> tuple[int, dict[int, Source]]:
         """Fill the local tier with remote ``step`` (default: the newest) without loading it.
 
         Local shards that verify are kept; the others are streamed from the bucket and
         verified. Returns the step and, per rank, the tier each shard on disk came from.
+        ``progress`` is called with each shard and where it came from once it is on disk.
         """
         if self.remote is None:
             raise UsageError("pull needs a remote tier (remote_url)")
@@ -404,10 +426,13 @@ class TieredStore:
         self.local.new_step_dir(step)
 
         def fetch(record: ShardRecord) -> Source:
-            if self.local.check_shard(step, record) is None:
-                return "local"
-            self.download_shard(step, record)
-            return "remote"
+            source: Source = "local"
+            if self.local.check_shard(step, record) is not None:
+                self.download_shard(step, record)
+                source = "remote"
+            if progress is not None:
+                progress(record, source)
+            return source
 
         was_committed = step in self.local.steps()
         sources = run_parallel(fetch, remote.manifest.shards, max_workers)

@@ -1,5 +1,6 @@
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import ZERO1_SHARDED_KEYS, assert_states_equal
@@ -253,3 +254,30 @@ def test_storage_options_that_are_not_a_table_are_refused_without_echoing_them(t
 def test_a_remote_url_without_a_bucket_is_a_config_error(tmp_path, url):
     with pytest.raises(ConfigError, match="key 'remote.url' .* names no bucket or directory"):
         load_config(write(tmp_path, f"[local]\ndir = 'x'\n[remote]\nurl = '{url}'\n"), environ={})
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gcs"])
+def test_endpoint_url_from_a_config_or_the_environment_reaches_the_store(tmp_path, request, scheme, monkeypatch):
+    from conftest import S3_TEST_KEY, S3_TEST_SECRET
+
+    url, options = request.getfixturevalue(f"{scheme}_url")
+    endpoint = options["endpoint_url"] if scheme == "gcs" else options["client_kwargs"]["endpoint_url"]
+    with CheckpointManager(tmp_path / "job", world_size=1, remote_url=url, storage_options=options) as manager:
+        manager.save(1, [{"w": np.arange(3.0)}])
+        manager.wait(uploaded=True)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", S3_TEST_KEY)  # the store's own chain, not the config
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_TEST_SECRET)
+    storage = (
+        "[remote.storage_options]\nproject = 'test'\ntoken = 'anon'\n"
+        if scheme == "gcs"
+        else "[remote.storage_options.client_kwargs]\nregion_name = 'us-east-1'\n"
+    )
+    given = write(tmp_path, f"[local]\ndir = 'x'\n[remote]\nurl = '{url}'\nendpoint_url = '{endpoint}'\n{storage}")
+    unnamed = write(tmp_path, f"[local]\ndir = 'x'\n[remote]\nurl = '{url}'\n{storage}", "unnamed.toml")
+    for config in (
+        load_config(given, environ={}),
+        load_config(unnamed, environ={"TIERED_CKPT_REMOTE_ENDPOINT_URL": endpoint}),
+        load_config(given, environ={"TIERED_CKPT_REMOTE_ENDPOINT_URL": "http://wrong:9"}, remote_endpoint_url=endpoint),
+    ):
+        assert config.remote.endpoint_url == endpoint
+        assert config.remote.open_tier(config.upload).committed_steps() == [1]

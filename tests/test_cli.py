@@ -212,6 +212,17 @@ def test_a_missing_local_dir_is_named_and_never_created(tmp_path, command):
     assert not missing.exists()
 
 
+def test_verify_remote_reads_only_the_bucket_and_needs_one(setup, tmp_path):
+    config, local, url, options, env = setup
+    save_steps(local, url, options, [1])
+    missing = tmp_path / "fresh-node"
+    code, out, err = run(env, "--config", str(config), "verify", "--remote", "--local-dir", str(missing))
+    assert code == 0 and "4 shards verified, 0 failed" in out, err
+    assert not missing.exists()
+    code, _, err = run(os.environ, "verify", "--remote", "--local-dir", str(local))
+    assert code == 2 and "verify --remote needs a remote tier" in err
+
+
 def test_a_step_directory_given_as_the_root_is_named_with_its_parent(tmp_path):
     with CheckpointManager(tmp_path, world_size=2) as manager:
         manager.save(3, [{"w": np.arange(4.0)}, {"w": np.arange(4.0)}], blocking=True)

@@ -149,8 +149,11 @@ def command_ls(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
 
 
 def command_verify(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
+    store = _store(config)
+    if args.remote and store.remote is None:
+        raise UsageError("verify --remote needs a remote tier (remote.url, --remote-url or TIERED_CKPT_REMOTE_URL)")
     with _progress("verify", unit="shard") as bar:
-        checks = _store(config).verify(args.step, progress=lambda _check: bar.update(), remote_only=args.remote)
+        checks = store.verify(args.step, progress=lambda _check: bar.update(), remote_only=args.remote)
     results = [
         {"step": c.step, "tier": c.tier, "rank": c.rank, "status": c.status, "problem": c.problem} for c in checks
     ]
@@ -166,6 +169,7 @@ def command_verify(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     lines.append(
         f"{len(verified)} shards verified, {len(failures)} failed"
         + (f", {elsewhere} held by other nodes" if elsewhere else "")
+        + ("" if results else f" (no committed step in {store.where()})")
     )
     return (EXIT_FAILED if failures else EXIT_OK), (results, "\n".join(lines))
 
@@ -311,7 +315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = load_config(args.config, **{key: value for key, value in given.items() if value is not None})
         # pull creates the directory it fills; verify --remote reads the bucket only
-        _check_local_dir(config, may_be_missing=args.command == "pull" or getattr(args, "remote", False))
+        bucket_only = getattr(args, "remote", False) and config.remote is not None
+        _check_local_dir(config, may_be_missing=args.command == "pull" or bucket_only)
         code, (data, text) = COMMANDS[args.command](config, args)
     except (ConfigError, UsageError) as exc:
         print(f"tiered-ckpt: {exc}", file=sys.stderr)

@@ -177,6 +177,9 @@ def test_precedence_is_argument_then_environment_then_file_then_default(tmp_path
             "holds a credential",
         ),
         ("[local\ndir = 'x'\n", "not a valid TOML config"),
+        ("[local]\ndir = 'x'\n[remote]\nurl = 's3://b/r'\nendpoint_url = 'minio:9000'\n", "must be an http:// or"),
+        ("[local]\ndir = 'x'\n[remote]\nurl = 's3://b/r'\nendpoint_url = 'http://k:abc@h'\n", "not hold credentials"),
+        ("[local]\ndir = 'x'\n[remote]\nurl = 'memory://b/r'\nendpoint_url = 'http://h'\n", "s3:// and gs:// URLs"),
     ],
 )
 def test_bad_config_names_the_file_and_the_key(tmp_path, text, problem):

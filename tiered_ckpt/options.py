@@ -79,6 +79,8 @@ _ENDPOINT_SCHEMES = ("s3", "s3a", "gs", "gcs")
 def _check_endpoint_url(endpoint: Any, url: str) -> None:
     _check_type("endpoint_url", endpoint, (str,))
     scheme, separator, host = endpoint.partition("://")
+    if "@" in host.partition("/")[0]:  # never echoed: user:password@host
+        raise invalid_option("endpoint_url", "must not hold credentials (use the store's own credential chain)")
     if scheme not in ("http", "https") or not separator or not host.strip("/"):
         raise invalid_option("endpoint_url", f"must be an http:// or https:// URL, got {endpoint!r:.80}")
     if url.partition("://")[0] not in _ENDPOINT_SCHEMES:

@@ -113,6 +113,7 @@ def main() -> None:
     torch.set_num_threads(1)  # bit-for-bit repeatable arithmetic
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    say(f"rank {rank}: pid {os.getpid()}")  # e.g. to kill -9 one rank and watch the run resume
     torch.manual_seed(0)
     model = sharded_model(world_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
@@ -156,9 +157,14 @@ def main() -> None:
                 manager.save(step, state)  # returns once this rank's chunks are staged
                 if args.compare_dcp is not None:
                     dcp.save({"model": model_state}, checkpoint_id=args.compare_dcp / f"step-{step}")
-                if rank == 0:
-                    say(f"step {step}: loss {loss.item():.6f}, checkpoint saved")
+                if rank == 0:  # staged: in memory; committed: on disk with its manifest, written in the background
+                    committed = manager.steps()
+                    newest = f"step {committed[-1]}" if committed else "none yet"
+                    say(f"step {step}: loss {loss.item():.6f}, checkpoint staged; newest committed on disk: {newest}")
         manager.wait(uploaded=True)
+        if rank == 0:
+            where = "on disk and in the bucket" if config.remote is not None else "on disk"
+            say(f"every checkpoint committed {where}; newest step {manager.latest_step()}")
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():  # full_tensor() is a collective: every rank calls it
         digest.update(name.encode() + tensor.full_tensor().numpy().tobytes())

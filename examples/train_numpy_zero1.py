@@ -68,7 +68,7 @@ def main() -> None:
             loss = train_step(states, step)
             if step % args.every == 0:
                 manager.save(step, states)  # returns once staged; written in the background
-                print(f"step {step}: loss {loss:.6f}, checkpoint saved")
+                print(f"step {step}: loss {loss:.6f}, checkpoint staged (committed in the background)")
         manager.wait(uploaded=True)  # the last checkpoint is in every tier before we exit
     print(f"done at step {args.steps}")
 

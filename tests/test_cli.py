@@ -1,14 +1,16 @@
 import json
 import os
+import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import ZERO1_SHARDED_KEYS, flip_byte, s3_credentials_env, write_s3_config, zero1_states
 from tiered_ckpt import CheckpointManager
 from tiered_ckpt.checksums import part_crc32c
-from tiered_ckpt.layout import step_dir_name
+from tiered_ckpt.layout import MANIFEST_NAME, step_dir_name
 from tiered_ckpt.remote import RemoteTier
 
 
@@ -54,7 +56,7 @@ def test_ls_shows_each_step_in_each_tier(setup):
     assert code == 0, err
     rows = {row["step"]: row for row in json.loads(out)}
     assert [rows[s]["local"] for s in (1, 2, 3, 4)] == ["committed", "committed", "committed", "staged"]
-    assert [rows[s]["remote"] for s in (1, 2, 3, 4)] == ["committed", "committed", "uploading", "-"]
+    assert [rows[s]["remote"] for s in (1, 2, 3, 4)] == ["committed", "committed", "uploading", None]  # JSON null
     assert rows[2]["world_size"] == 4 and rows[2]["bytes"] > 0 and rows[2]["age_seconds"] >= 0
     code, out, _ = run(env, "--config", str(config), "ls")
     assert code == 0 and "STEP" in out.splitlines()[0] and "uploading" in out
@@ -192,3 +194,197 @@ def test_human_size(size, shown):
     from tiered_ckpt.cli import human_size
 
     assert human_size(size) == shown
+
+
+# --- a directory that is not the checkpoints' root (item 8) -------------------------------
+
+
+@pytest.mark.parametrize("command", [["ls"], ["status"], ["verify"], ["prune"], ["prune", "--dry-run"], ["push"]])
+def test_a_missing_local_dir_is_named_and_never_created(tmp_path, command):
+    missing = tmp_path / "no-such-dir"
+    code, out, err = run(os.environ, *command, "--local-dir", str(missing))
+    assert code == 2 and out == "", err
+    assert f"{missing} (local.dir, from --local-dir): no such directory" in err
+    assert not missing.exists()
+    env = {**os.environ, "TIERED_CKPT_LOCAL_DIR": str(missing)}
+    code, _, err = run(env, *command)
+    assert code == 2 and "from environment (TIERED_CKPT_LOCAL_DIR)): no such directory" in err
+    assert not missing.exists()
+
+
+def test_verify_remote_reads_only_the_bucket_and_needs_one(setup, tmp_path):
+    config, local, url, options, env = setup
+    save_steps(local, url, options, [1])
+    missing = tmp_path / "fresh-node"
+    code, out, err = run(env, "--config", str(config), "verify", "--remote", "--local-dir", str(missing))
+    assert code == 0 and "4 shards verified, 0 failed" in out, err
+    assert not missing.exists()
+    code, _, err = run(os.environ, "verify", "--remote", "--local-dir", str(local))
+    assert code == 2 and "verify --remote needs a remote tier" in err
+
+
+def test_a_step_directory_given_as_the_root_is_named_with_its_parent(tmp_path):
+    with CheckpointManager(tmp_path, world_size=2) as manager:
+        manager.save(3, [{"w": np.arange(4.0)}, {"w": np.arange(4.0)}], blocking=True)
+    step_dir = tmp_path / step_dir_name(3)
+    for command in (["ls"], ["verify"], ["prune"], ["pull"]):
+        code, out, err = run(os.environ, *command, "--local-dir", str(step_dir))
+        assert code == 2 and out == "", err
+        assert f"this looks like a step directory; give its parent, {tmp_path}" in err
+    code, out, err = run(os.environ, "--json", "ls", "--local-dir", str(tmp_path))
+    assert code == 0 and [row["step"] for row in json.loads(out)] == [3], err
+
+
+def test_a_relative_local_dir_in_a_config_is_read_from_the_config_files_folder(tmp_path):
+    with CheckpointManager(tmp_path / "ckpt", world_size=1) as manager:
+        manager.save(5, [{"w": np.arange(4.0)}], blocking=True)
+    config = tmp_path / "job.toml"
+    config.write_text("[local]\ndir = 'ckpt'\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    result = subprocess.run(
+        [sys.executable, "-m", "tiered_ckpt", "--json", "ls", "--config", str(config)],
+        capture_output=True, text=True, cwd=elsewhere, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert [row["step"] for row in json.loads(result.stdout)] == [5]
+
+
+# --- naming an S3 endpoint (item 11) -----------------------------------------------------
+
+
+def test_endpoint_url_option_and_environment_variables_reach_the_store(tmp_path, s3_url, moto_endpoint):
+    url, options = s3_url
+    save_steps(tmp_path / "job", url, options, [1, 2])
+    empty = tmp_path / "fresh-node"
+    empty.mkdir()
+    env = s3_credentials_env()
+    common = ("--json", "ls", "--local-dir", str(empty), "--remote-url", url)
+
+    def remote_steps(env, *extra):
+        code, out, err = run(env, *common, *extra)
+        assert code == 0, err
+        return [(row["step"], row["local"], row["remote"]) for row in json.loads(out)]
+
+    expected = [(1, None, "committed"), (2, None, "committed")]
+    assert remote_steps(env, "--endpoint-url", moto_endpoint) == expected
+    assert remote_steps({**env, "TIERED_CKPT_REMOTE_ENDPOINT_URL": moto_endpoint}) == expected
+    assert remote_steps({**env, "AWS_ENDPOINT_URL": moto_endpoint}) == expected  # botocore's own, as --help says
+    assert remote_steps({**env, "AWS_ENDPOINT_URL_S3": moto_endpoint}) == expected
+    # the option wins over the variable
+    wrong = {**env, "TIERED_CKPT_REMOTE_ENDPOINT_URL": "http://127.0.0.1:9"}
+    assert remote_steps(wrong, "--endpoint-url", moto_endpoint) == expected
+
+
+def test_a_bad_endpoint_url_is_refused_naming_where_it_came_from(tmp_path):
+    code, _, err = run(os.environ, "ls", "--local-dir", str(tmp_path), "--remote-url", "s3://b/run",
+                       "--endpoint-url", "minio:9000")  # fmt: skip
+    assert code == 2 and "argument remote_endpoint_url: key 'remote.endpoint_url' must be an http" in err
+    env = {**os.environ, "TIERED_CKPT_REMOTE_ENDPOINT_URL": "http://127.0.0.1:9000"}
+    code, _, err = run(env, "ls", "--local-dir", str(tmp_path))
+    assert code == 2 and "TIERED_CKPT_REMOTE_ENDPOINT_URL): key 'remote.url' is required" in err
+    code, _, err = run(env, "ls", "--local-dir", str(tmp_path), "--remote-url", f"file://{tmp_path}/bucket")
+    assert code == 2 and "applies to s3:// and gs:// URLs only" in err
+
+
+# --- version, help, JSON, progress (item 15) --------------------------------------------
+
+
+def test_version_is_the_installed_distributions():
+    import importlib.metadata
+
+    import tiered_ckpt
+
+    code, out, _ = run(os.environ, "--version")
+    assert code == 0 and out.strip() == f"tiered-ckpt {importlib.metadata.version('tiered-ckpt')}"
+    assert tiered_ckpt.__version__ == importlib.metadata.version("tiered-ckpt")
+
+
+@pytest.mark.parametrize("command", [[], ["ls"], ["verify"], ["pull"]])
+def test_help_is_plain_text_and_lists_the_environment_variables_and_exit_codes(command):
+    code, out, _ = run(os.environ, *command, "--help")
+    assert code == 0
+    for markup in ("``", ":class:", ":func:", ":meth:", ":mod:", "~tiered_ckpt"):
+        assert markup not in out
+    variables = ("TIERED_CKPT_LOCAL_DIR", "TIERED_CKPT_REMOTE_URL", "TIERED_CKPT_REMOTE_ENDPOINT_URL", "AWS_ENDPOINT_URL")
+    assert all(name in out for name in variables)
+    assert "exit codes:" in out and "--endpoint-url" in out
+    assert re.search(r"^\s+0\s+success", out, re.M) and re.search(r"^\s+2\s+bad usage", out, re.M)
+
+
+def run_on_a_terminal(env, *args):
+    """Run the CLI with stderr on a pseudo-terminal; return (exit code, stdout, what the terminal showed)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    controller, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a terminal 100 columns wide
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tiered_ckpt", *args], stdout=subprocess.PIPE, stderr=terminal, text=True, env=env
+    )
+    os.close(terminal)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(controller, 65536)
+        except OSError:  # EIO: the process closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+    out = process.stdout.read()
+    code = process.wait(timeout=300)
+    os.close(controller)
+    return code, out, shown.decode(errors="replace")
+
+
+def test_pull_and_push_show_progress_on_a_terminal_only(setup):
+    config, local, url, options, env = setup
+    save_steps(local, url, options, [1, 2], upload=False)
+    code, out, shown = run_on_a_terminal(env, "--config", str(config), "push")
+    assert code == 0 and "uploaded steps: [1, 2]" in out, shown
+    assert re.search(r"push: +0%.*\| 0/2 ", shown), shown  # the bar, before the first step is done
+    import shutil
+
+    shutil.rmtree(local)
+    code, out, shown = run_on_a_terminal(env, "--config", str(config), "pull")
+    assert code == 0 and "4 shards downloaded" in out, shown
+    assert re.search(r"pull: .*B ", shown), shown  # bytes downloaded so far
+    shutil.rmtree(local)
+    code, out, err = run(env, "--config", str(config), "pull")  # stderr is a pipe: no bar
+    assert code == 0 and err == "", err
+
+
+# --- a damaged manifest among good ones (item 22) -----------------------------------------
+
+
+def test_ls_lists_every_step_and_marks_a_damaged_remote_manifest_and_verify_fails_it(setup):
+    config, local, url, options, env = setup
+    save_steps(local, url, options, [1, 2, 3])
+    import shutil
+
+    shutil.rmtree(local / step_dir_name(1))  # an old step only the bucket holds
+    tier = RemoteTier(url, options)
+    tier._fs.pipe_file(tier._path(1, MANIFEST_NAME), b'{"not": "a manifest"')
+    code, out, err = run(env, "--config", str(config), "--json", "ls")
+    assert code == 0, err  # the listing itself succeeded; verify is the check that fails
+    rows = {row["step"]: row for row in json.loads(out)}
+    assert sorted(rows) == [1, 2, 3]
+    assert rows[1]["remote"] == "committed" and rows[1]["world_size"] is None and "manifest" in rows[1]["problem"]
+    assert rows[2]["problem"] is None and rows[3]["world_size"] == 4
+    assert "step 1 is damaged" in err and "tiered-ckpt verify 1" in err
+    code, out, err = run(env, "--config", str(config), "ls")
+    assert code == 0 and re.search(r"^\s+1\s+-\s+committed .*DAMAGED$", out, re.M), out
+    code, out, _ = run(env, "--config", str(config), "--json", "verify")
+    results = json.loads(out)
+    failed = [(r["step"], r["tier"], r["rank"]) for r in results if r["status"] == "failed"]
+    assert code == 1 and failed == [(1, "remote", None)]
+    assert {(r["step"], r["tier"]) for r in results if r["status"] == "ok"} == {
+        (step, tier) for step in (2, 3) for tier in ("local", "remote")
+    }
+    code, out, _ = run(env, "--config", str(config), "verify", "2")
+    assert code == 0 and "8 shards verified, 0 failed" in out
+    code, out, _ = run(env, "--config", str(config), "verify", "1")
+    assert code == 1 and "step 1 remote manifest: FAILED" in out

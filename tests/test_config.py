@@ -1,18 +1,98 @@
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import ZERO1_SHARDED_KEYS, assert_states_equal
-from tiered_ckpt import CheckpointManager, Config, ConfigError, load_config
+from tiered_ckpt import CheckpointManager, Config, ConfigError, UploadOptions, load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").iterdir())
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_every_shipped_config_loads(path):
+def test_every_shipped_config_loads_and_works_with_one_process_per_rank(path):
     config = load_config(path, environ={})
     assert isinstance(config, Config) and config.source == str(path)
-    assert config.local.dir.is_absolute() or not str(config.local.dir).startswith("~")
+    assert config.local.dir.is_absolute() and not config.local.dir.is_relative_to(Path.home())
+    # "skip" is refused with one process per rank (torchrun); no shipped config may need one process
+    assert config.upload.when_behind == "wait"
+    # a named AWS profile fails for everyone who does not have it
+    assert "profile" not in (config.remote.storage_options if config.remote else {})
+
+
+def test_the_local_config_writes_next_to_itself_not_into_the_home_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = load_config(CONFIGS[0].parent / "local.toml", environ={})
+    assert config.local.dir == CONFIGS[0].parent.resolve() / "checkpoints" / "my-run"
+
+
+def test_a_relative_local_dir_is_taken_from_the_config_files_folder(tmp_path, monkeypatch):
+    folder = tmp_path / "project"
+    folder.mkdir()
+    write(folder, "[local]\ndir = 'ckpt/run'\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_config("project/ckpt.toml", environ={}).local.dir == folder / "ckpt" / "run"
+    # the environment and arguments are relative to the working directory, as on a command line
+    assert load_config("project/ckpt.toml", environ={"TIERED_CKPT_LOCAL_DIR": "here"}).local.dir == Path("here")
+    assert load_config(folder / "ckpt.toml", environ={}, local_dir="there").local.dir == Path("there")
+
+
+class OneOfTwoRanks:
+    """A coordinator's answers for rank 0 of 2, for argument checks made before any collective."""
+
+    world_size, local_ranks, is_leader = 2, (0,), True
+
+
+def test_skip_from_a_config_is_refused_with_one_process_per_rank_naming_the_file_and_key(tmp_path):
+    path = write(tmp_path, "local: {dir: x}\nupload: {when_behind: skip}\n", "ckpt.yaml")
+    with pytest.raises(ConfigError, match="key 'upload.when_behind' is 'skip'.*one process holding every rank") as e:
+        CheckpointManager.from_config(path, coordinator=OneOfTwoRanks())
+    assert str(e.value).startswith(f"{path}: ") and "when_uploads_behind" not in str(e.value)
+    environ = {"TIERED_CKPT_LOCAL_DIR": str(tmp_path), "TIERED_CKPT_UPLOAD_WHEN_BEHIND": "skip"}
+    with pytest.raises(ConfigError, match=r"^environment \(TIERED_CKPT_UPLOAD_WHEN_BEHIND\): key 'upload.when_"):
+        CheckpointManager.from_config(load_config(environ=environ), coordinator=OneOfTwoRanks())
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "-1.0"])
+@pytest.mark.parametrize("key", ["deadline_seconds", "timeout_seconds", "backoff_seconds", "max_seconds"])
+def test_nan_infinite_and_negative_seconds_are_refused_naming_the_source_and_key(tmp_path, key, value):
+    toml = {"nan": "nan", "inf": "inf", "-inf": "-inf", "-1.0": "-1.0"}[value]
+    with pytest.raises(ConfigError, match=f"ckpt.toml: key 'upload.{key}' must be"):
+        load_config(write(tmp_path, f"[local]\ndir = 'x'\n[upload]\n{key} = {toml}\n"), environ={})
+    variable = f"TIERED_CKPT_UPLOAD_{key.upper()}"
+    with pytest.raises(ConfigError, match=rf"environment \({variable}\): key 'upload.{key}' must be"):
+        load_config(environ={"TIERED_CKPT_LOCAL_DIR": "x", variable: value})
+    with pytest.raises(ConfigError, match=f"must be"):
+        UploadOptions(**{key: float(value)})
+
+
+def test_nan_given_as_a_manager_keyword_is_refused_naming_the_keyword(tmp_path):
+    with pytest.raises(ConfigError, match="keyword argument upload_deadline_seconds must be a finite number"):
+        CheckpointManager(tmp_path, world_size=1, upload_deadline_seconds=float("nan"))
+
+
+def test_yaml_aliases_are_refused_so_a_tiny_file_cannot_expand_into_billions_of_values(tmp_path):
+    # nine levels of ten aliases each: 10**9 leaves from a file of under 1 KB ("billion laughs")
+    lines = ["local: {dir: x}", "remote:", "  url: s3://b/run", "  storage_options:", '    a0: &a0 ["lol"]']
+    lines += [f"    a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 10)]
+    path = write(tmp_path, "\n".join(lines) + "\n", "bomb.yaml")
+    assert path.stat().st_size < 2048
+    with pytest.raises(ConfigError, match=r"bomb.yaml: line 6: YAML aliases \(\*a0\) are not allowed"):
+        load_config(path, environ={})
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        "{config_kwargs: {proxies: [[{aws_secret_access_key: hunter2-secret}]]}}",
+        "{client_kwargs: [{nested: [[[{password: hunter2-secret}]]]}]}",
+    ],
+)
+def test_a_credential_anywhere_in_lists_of_lists_is_refused(tmp_path, options):
+    path = write(tmp_path, f"local: {{dir: x}}\nremote: {{url: 's3://b/run', storage_options: {options}}}\n", "c.yaml")
+    with pytest.raises(ConfigError, match="holds a credential") as caught:
+        load_config(path, environ={})
+    assert "hunter2" not in str(caught.value)
 
 
 def test_shipped_configs_cover_local_s3_compatible_gcs_and_demo():
@@ -97,6 +177,9 @@ def test_precedence_is_argument_then_environment_then_file_then_default(tmp_path
             "holds a credential",
         ),
         ("[local\ndir = 'x'\n", "not a valid TOML config"),
+        ("[local]\ndir = 'x'\n[remote]\nurl = 's3://b/r'\nendpoint_url = 'minio:9000'\n", "must be an http:// or"),
+        ("[local]\ndir = 'x'\n[remote]\nurl = 's3://b/r'\nendpoint_url = 'http://k:abc@h'\n", "not hold credentials"),
+        ("[local]\ndir = 'x'\n[remote]\nurl = 'memory://b/r'\nendpoint_url = 'http://h'\n", "s3:// and gs:// URLs"),
     ],
 )
 def test_bad_config_names_the_file_and_the_key(tmp_path, text, problem):
@@ -174,3 +257,30 @@ def test_storage_options_that_are_not_a_table_are_refused_without_echoing_them(t
 def test_a_remote_url_without_a_bucket_is_a_config_error(tmp_path, url):
     with pytest.raises(ConfigError, match="key 'remote.url' .* names no bucket or directory"):
         load_config(write(tmp_path, f"[local]\ndir = 'x'\n[remote]\nurl = '{url}'\n"), environ={})
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gcs"])
+def test_endpoint_url_from_a_config_or_the_environment_reaches_the_store(tmp_path, request, scheme, monkeypatch):
+    from conftest import S3_TEST_KEY, S3_TEST_SECRET
+
+    url, options = request.getfixturevalue(f"{scheme}_url")
+    endpoint = options["endpoint_url"] if scheme == "gcs" else options["client_kwargs"]["endpoint_url"]
+    with CheckpointManager(tmp_path / "job", world_size=1, remote_url=url, storage_options=options) as manager:
+        manager.save(1, [{"w": np.arange(3.0)}])
+        manager.wait(uploaded=True)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", S3_TEST_KEY)  # the store's own chain, not the config
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_TEST_SECRET)
+    storage = (
+        "[remote.storage_options]\nproject = 'test'\ntoken = 'anon'\n"
+        if scheme == "gcs"
+        else "[remote.storage_options.client_kwargs]\nregion_name = 'us-east-1'\n"
+    )
+    given = write(tmp_path, f"[local]\ndir = 'x'\n[remote]\nurl = '{url}'\nendpoint_url = '{endpoint}'\n{storage}")
+    unnamed = write(tmp_path, f"[local]\ndir = 'x'\n[remote]\nurl = '{url}'\n{storage}", "unnamed.toml")
+    for config in (
+        load_config(given, environ={}),
+        load_config(unnamed, environ={"TIERED_CKPT_REMOTE_ENDPOINT_URL": endpoint}),
+        load_config(given, environ={"TIERED_CKPT_REMOTE_ENDPOINT_URL": "http://wrong:9"}, remote_endpoint_url=endpoint),
+    ):
+        assert config.remote.endpoint_url == endpoint
+        assert config.remote.open_tier(config.upload).committed_steps() == [1]

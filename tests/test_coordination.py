@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 
 from conftest import flip_byte, launch_ranks, new_s3_bucket
-from tiered_ckpt import CheckpointManager, Coordinator, ShardManifest, SingleProcessCoordinator
+from tiered_ckpt import (
+    CheckpointManager,
+    ConfigError,
+    Coordinator,
+    ShardManifest,
+    SingleProcessCoordinator,
+    UsageError,
+)
 from tiered_ckpt.layout import HELD_NAME, MANIFEST_NAME, shard_name, step_dir_name
 from tiered_ckpt.remote import RemoteTier
 
@@ -239,11 +246,11 @@ class OneOfTwoRanks:
 
 
 def test_skipping_uploads_when_behind_is_refused_with_one_process_per_rank(tmp_path):
-    with pytest.raises(ValueError, match="ranks could skip different steps"):
+    with pytest.raises(ConfigError, match="keyword argument when_uploads_behind is 'skip'.*ranks could skip"):
         CheckpointManager(tmp_path, coordinator=OneOfTwoRanks(), when_uploads_behind="skip")
-    with pytest.raises(ValueError, match="world_size is 3 but the coordinator has 2"):
+    with pytest.raises(UsageError, match="world_size is 3 but the coordinator has 2"):
         CheckpointManager(tmp_path, world_size=3, coordinator=OneOfTwoRanks())
-    with pytest.raises(ValueError, match="world_size is required"):
+    with pytest.raises(UsageError, match="world_size is required"):
         CheckpointManager(tmp_path)
 
 

@@ -6,9 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import s3_credentials_env, write_s3_config
+from tiered_ckpt import CheckpointManager
 from tiered_ckpt.remote import RemoteTier
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -48,6 +50,22 @@ def test_training_example_resumes_and_a_fresh_node_restores_from_the_bucket(tmp_
     assert "restored step 30 of 4 ranks" in fresh
     assert "{0: 'remote', 1: 'remote', 2: 'remote', 3: 'remote'}" in fresh
     assert sorted(p.name for p in (tmp_path / "node-b").iterdir()) == ["step-000000000030"]
+
+
+def test_resume_from_bucket_takes_the_world_size_from_the_manifest(tmp_path, s3_url, moto_endpoint):
+    url, options = s3_url
+    with CheckpointManager(tmp_path / "job", world_size=3, remote_url=url, storage_options=options) as manager:
+        manager.save(7, [{"w": np.full(5, rank, dtype=np.float32)} for rank in range(3)])
+        manager.wait(uploaded=True)
+    config = write_s3_config(tmp_path / "job.toml", tmp_path / "job", url, moto_endpoint)
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "resume_from_bucket.py"), "--config", str(config),
+         "--local-dir", str(tmp_path / "fresh")],
+        capture_output=True, text=True, env=s3_credentials_env(), timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "restored step 7 of 3 ranks" in result.stdout
+    assert "{0: 'remote', 1: 'remote', 2: 'remote'}" in result.stdout
 
 
 def test_ddp_example_resumes_after_a_sigkill_to_the_same_parameters_as_an_uninterrupted_run(tmp_path):
@@ -162,6 +180,15 @@ def test_fsdp2_example_resumes_bit_for_bit_and_on_another_world_size_through_the
         return re.search(r"final parameters sha256 ([0-9a-f]{64})", run.stdout).group(1)
 
     uninterrupted = torchrun(2, write_s3_config(tmp_path / "a.toml", tmp_path / "a", url + "-a", moto_endpoint))
+    pids = dict(re.findall(r"rank (\d+): pid (\d+)", uninterrupted.stdout))
+    assert sorted(pids) == ["0", "1"] and len(set(pids.values())) == 2  # one process per rank, each named
+    # a save returns once staged; the commit comes later, and is only claimed once it happened
+    assert "step 5: loss" in uninterrupted.stdout and "checkpoint saved" not in uninterrupted.stdout
+    line = r"^step (\d+): loss [0-9.]+, checkpoint staged; newest committed on disk: (.*)$"
+    staged = re.findall(line, uninterrupted.stdout, re.M)
+    assert [int(step) for step, _ in staged] == [5, 10, 15, 20]
+    assert all(newest in ("none yet", *(f"step {s}" for s in range(5, int(step) + 1, 5))) for step, newest in staged)
+    assert "every checkpoint committed on disk and in the bucket; newest step 20" in uninterrupted.stdout
     config = write_s3_config(tmp_path / "b.toml", tmp_path / "b", url, moto_endpoint)
     killed = torchrun(2, config, "--kill-at-step", "17", "--compare-dcp", str(tmp_path / "dcp"), ok=False)
     assert killed.returncode != 0 and "SIGKILL" in killed.stderr

@@ -66,4 +66,13 @@ __all__ = [
     "Lag",
 ]
 
-__version__ = "0.1.0"
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tiered-ckpt")  # the one place of the version: pyproject.toml
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "0+unknown"
+
+
+__version__ = _version()

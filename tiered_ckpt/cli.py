@@ -1,27 +1,9 @@
-"""``tiered-ckpt``: look at, check and move checkpoints from the command line.
+"""The ``tiered-ckpt`` command: look at, check and move checkpoints from the command line.
 
-Usage (also ``python -m tiered_ckpt``)::
-
-    tiered-ckpt ls [--config FILE] [--json]              every step and its state in each tier
-    tiered-ckpt status [--config FILE] [--json]          how far the bucket is behind the local disk
-    tiered-ckpt verify [STEP] [--remote] [--config FILE] [--json]   sha256 of every shard in each tier
-                                                         (--remote: the bucket, without downloads where it can)
-    tiered-ckpt pull [STEP] [--config FILE] [--json]     fill the local tier from the bucket
-    tiered-ckpt push [STEP] [--config FILE] [--json]     upload what is not yet in the bucket
-    tiered-ckpt prune [--dry-run] [--config FILE] [--json]   apply retention to both tiers
-    tiered-ckpt demo [--dir DIR]                         kill -9, a lost disk, a bit-exact resume
-    tiered-ckpt bench [ARGS...]                          the benchmark (python -m tiered_ckpt.bench)
-
-The global options (``--config``, ``--local-dir``, ``--remote-url``, ``--json``) go
-before or after the command, as in git. Without ``--config`` the ``TIERED_CKPT_*`` environment variables (at least
-``TIERED_CKPT_LOCAL_DIR``) describe the tiers; ``--local-dir`` and ``--remote-url``
-override both. ``ls``, ``status`` and ``verify`` only read, and work while a job is training;
-``pull``, ``push`` and ``prune`` lock the directory as a running manager does. Every
-command works on the :class:`~tiered_ckpt.store.TieredStore` the config describes: no
-world size, no coordinator.
-
-Exit codes: 0 success; 1 a shard failed verification or an operation failed; 2 bad
-usage or an invalid config.
+Also ``python -m tiered_ckpt``; ``tiered-ckpt --help`` prints what it does (the text of
+``DESCRIPTION`` and ``EPILOG`` below: plain text, since a terminal shows it as it is).
+Every command works on the :class:`~tiered_ckpt.store.TieredStore` the config describes:
+no world size, no coordinator.
 """
 
 from __future__ import annotations
@@ -31,27 +13,80 @@ import functools
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import closing
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from .config import Config, load_config
-from .errors import CheckpointError, ConfigError
+from . import __version__
+from .config import ENV_PREFIX, Config, load_config
+from .errors import CheckpointError, ConfigError, UsageError
+from .layout import MANIFEST_NAME, parse_step_dir_name
 from .local import LocalTier
 from .store import TieredStore
 from .uploader import Uploader
 
-__all__ = ["main"]
+__all__ = ["main", "DESCRIPTION", "EPILOG"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+DESCRIPTION = """\
+Look at, check and move the checkpoints of a tiered_ckpt job: a local directory and,
+optionally, a bucket (s3://, gs://, or any fsspec URL).
+
+ls, status and verify only read, and work while a job is training; pull, push and prune
+lock the local directory as a running job does. The global options (--config,
+--local-dir, --remote-url, --endpoint-url, --json) go before or after the command."""
+
+EPILOG = f"""\
+environment variables (used when no option names the value; a config file's value is
+overridden by its variable, and both by an option):
+  {ENV_PREFIX}LOCAL_DIR            the local directory (local.dir)
+  {ENV_PREFIX}REMOTE_URL           the bucket, e.g. s3://bucket/run (remote.url)
+  {ENV_PREFIX}REMOTE_ENDPOINT_URL  the S3 or GCS endpoint, e.g. http://127.0.0.1:9000
+                                    (remote.endpoint_url)
+  {ENV_PREFIX}<TABLE>_<KEY>        any other config key, e.g. {ENV_PREFIX}LOCAL_KEEP_LAST=5
+  AWS_ENDPOINT_URL, AWS_ENDPOINT_URL_S3
+                                    honoured for s3:// when no endpoint is configured
+                                    (botocore's own setting)
+  AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE, GOOGLE_APPLICATION_CREDENTIALS
+                                    credentials, read by the store's own chain (never
+                                    from a config file)
+
+exit codes:
+  0  success
+  1  a shard or manifest failed verification, or an operation failed
+  2  bad usage: an invalid option or config, or a local directory that does not
+     exist or is a step directory"""
 
 
 def _store(config: Config) -> TieredStore:
     remote = config.remote.open_tier(config.upload) if config.remote is not None else None
     return TieredStore(LocalTier(config.local.dir), remote)
+
+
+def _origin(config: Config, key: str) -> str:
+    """Where a config value came from, as the command line spells it."""
+    where = config.origins.get(key, config.source)
+    return f"--{where.removeprefix('argument ').replace('_', '-')}" if where.startswith("argument ") else where
+
+
+def _check_local_dir(config: Config, *, may_be_missing: bool) -> None:
+    """Refuse a local directory that is a step directory, not a directory, or (unless
+    ``may_be_missing``) missing; a read never creates it, and so never reports an empty one
+    for a mistyped path."""
+    root = config.local.dir
+    where = _origin(config, "local.dir")
+    if parse_step_dir_name(root.name) is not None or (root / MANIFEST_NAME).is_file():
+        raise UsageError(
+            f"{root} (local.dir, from {where}): this looks like a step directory; give its parent, {root.parent}"
+        )
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"{root} (local.dir, from {where}) is not a directory")
+    if not root.exists() and not may_be_missing:
+        raise UsageError(f"{root} (local.dir, from {where}): no such directory")
 
 
 def human_size(size: int) -> str:
@@ -63,7 +98,21 @@ def human_size(size: int) -> str:
     raise AssertionError("unreachable")
 
 
+def _progress(description: str, total: int | None = None, unit: str = "it") -> tqdm:
+    """A progress bar on stderr, shown only when stderr is a terminal."""
+    return tqdm(
+        desc=description, total=total, unit=unit, unit_scale=unit == "B", disable=not sys.stderr.isatty(), leave=False
+    )
+
+
+def _absent(state: str) -> str | None:
+    return None if state == "-" else state
+
+
 def command_ls(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
+    """Every step either tier knows of. A step whose manifest is damaged is listed and marked
+    (its problem in ``problem``, and on stderr); the command still exits 0, since the listing
+    itself succeeded: ``tiered-ckpt verify`` exits 1 for it."""
     rows = []
     now = time.time()
     for status in _store(config).status():
@@ -71,12 +120,13 @@ def command_ls(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
         rows.append(
             {
                 "step": status.step,
-                "local": status.local,
-                "remote": status.remote,
+                "local": _absent(status.local),
+                "remote": _absent(status.remote),
                 "world_size": manifest.world_size if manifest else None,
                 "local_ranks": list(status.held_ranks) if status.held_ranks is not None else None,
                 "bytes": manifest.total_bytes if manifest else None,
                 "age_seconds": round(now - manifest.wall_clock_seconds, 1) if manifest else None,
+                "problem": status.problem,
             }
         )
     lines = [f"{'STEP':>12}  {'LOCAL':<10} {'REMOTE':<10} {'RANKS':>5} {'SIZE':>10} {'AGE':>10}"]
@@ -86,13 +136,24 @@ def command_ls(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
         ranks = row["world_size"] or "-"
         if row["local_ranks"] is not None and len(row["local_ranks"]) < row["world_size"]:
             ranks = f"{len(row['local_ranks'])}/{row['world_size']}"  # a node of a multi-process job
-        lines.append(f"{row['step']:>12}  {row['local']:<10} {row['remote']:<10} {ranks:>5} {size:>10} {age:>10}")
+        local, remote = row["local"] or "-", row["remote"] or "-"
+        damaged = "  DAMAGED" if row["problem"] else ""
+        lines.append(f"{row['step']:>12}  {local:<10} {remote:<10} {ranks:>5} {size:>10} {age:>10}{damaged}")
+    for row in rows:
+        if row["problem"]:
+            print(
+                f"tiered-ckpt: step {row['step']} is damaged: {row['problem']} (see tiered-ckpt verify {row['step']})",
+                file=sys.stderr,
+            )
     return EXIT_OK, (rows, "\n".join(lines))
 
 
 def command_verify(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
-    with tqdm(desc="verify", unit="shard", disable=not sys.stderr.isatty(), leave=False) as bar:
-        checks = _store(config).verify(args.step, progress=lambda _check: bar.update(), remote_only=args.remote)
+    store = _store(config)
+    if args.remote and store.remote is None:
+        raise UsageError("verify --remote needs a remote tier (remote.url, --remote-url or TIERED_CKPT_REMOTE_URL)")
+    with _progress("verify", unit="shard") as bar:
+        checks = store.verify(args.step, progress=lambda _check: bar.update(), remote_only=args.remote)
     results = [
         {"step": c.step, "tier": c.tier, "rank": c.rank, "status": c.status, "problem": c.problem} for c in checks
     ]
@@ -100,21 +161,23 @@ def command_verify(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     verified = [r for r in results if r["status"] == "ok"]
     shown = {"ok": "ok", "elsewhere": "held by another node"}
     lines = [
-        f"step {r['step']} {r['tier']:<6} rank {r['rank']}: {shown.get(r['status']) or 'FAILED ' + r['problem']}"
+        f"step {r['step']} {r['tier']:<6} {'manifest' if r['rank'] is None else 'rank ' + str(r['rank'])}: "
+        f"{shown.get(r['status']) or 'FAILED ' + r['problem']}"
         for r in results
     ]
     elsewhere = len(results) - len(failures) - len(verified)
     lines.append(
         f"{len(verified)} shards verified, {len(failures)} failed"
         + (f", {elsewhere} held by other nodes" if elsewhere else "")
+        + ("" if results else f" (no committed step in {store.where()})")
     )
     return (EXIT_FAILED if failures else EXIT_OK), (results, "\n".join(lines))
 
 
 def command_pull(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     store = _store(config)
-    with store.local.lock():
-        step, sources = store.pull(args.step)
+    with store.local.lock(), _progress("pull", unit="B") as bar:
+        step, sources = store.pull(args.step, progress=lambda record, _source: bar.update(record.size_bytes))
     fetched = sorted(rank for rank, source in sources.items() if source == "remote")
     return EXIT_OK, (
         {"step": step, "downloaded_ranks": fetched},
@@ -125,7 +188,7 @@ def command_pull(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
 def command_push(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     store = _store(config)
     if store.remote is None:
-        raise CheckpointError("push needs a remote tier (remote.url)")
+        raise UsageError("push needs a remote tier (remote.url, --remote-url or TIERED_CKPT_REMOTE_URL)")
     remote_retention = config.remote.retention if config.remote is not None else None
     start = functools.partial(
         Uploader,
@@ -135,7 +198,13 @@ def command_push(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
         remote_retention=remote_retention,
     )
     with store.local.lock(), closing(start()) as uploader:
-        pushed = uploader.push(args.step)
+        # One step at a time, so that a terminal shows how many are done.
+        steps = [args.step] if args.step is not None else [s for s in store.local.steps() if not store.receipted(s)]
+        pushed: list[int] = []
+        with _progress("push", total=len(steps), unit="step") as bar:
+            for step in steps:
+                pushed += uploader.push(step)
+                bar.update()
     return EXIT_OK, ({"uploaded_steps": pushed}, f"uploaded steps: {pushed or 'none needed'}")
 
 
@@ -153,15 +222,6 @@ def command_prune(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     )
 
 
-def _global_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
-    """The options every command takes, before or after it (after it, they win)."""
-    default = None if top else argparse.SUPPRESS
-    parser.add_argument("--config", type=Path, default=default, help="TOML or YAML config (see configs/)")
-    parser.add_argument("--local-dir", default=default, help="override local.dir")
-    parser.add_argument("--remote-url", default=default, help="override remote.url")
-    parser.add_argument("--json", action="store_true", default=False if top else argparse.SUPPRESS, help="print JSON")
-
-
 def command_status(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     lag = _store(config).lag()
     waiting = ", ".join(f"{step} ({human_size(size)})" for step, size in lag.waiting) or "none"
@@ -173,21 +233,56 @@ def command_status(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     return EXIT_OK, (lag.to_dict(), text)
 
 
+def _global_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
+    """The options every command takes, before or after it (after it, they win)."""
+    default = None if top else argparse.SUPPRESS
+    parser.add_argument("--config", type=Path, default=default, help="a TOML or YAML config file (see configs/)")
+    parser.add_argument("--local-dir", default=default, help="the local directory (overrides local.dir)")
+    parser.add_argument("--remote-url", default=default, help="the bucket, e.g. s3://bucket/run (overrides remote.url)")
+    parser.add_argument(
+        "--endpoint-url",
+        default=default,
+        help="the S3 or GCS endpoint, e.g. http://127.0.0.1:9000 for MinIO (overrides remote.endpoint_url)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", default=False if top else argparse.SUPPRESS, help="print JSON (null: none)"
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tiered-ckpt", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="tiered-ckpt",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     _global_options(parser, top=True)
-    commands = parser.add_subparsers(dest="command", required=True)
-    _global_options(commands.add_parser("ls", help="every step and its state in each tier"), top=False)
-    _global_options(commands.add_parser("status", help="how far the bucket is behind the local disk"), top=False)
-    for name, text in [("verify", "check every shard's sha256"), ("pull", "fill the local tier"), ("push", "upload")]:
-        sub = commands.add_parser(name, help=text)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        return commands.add_parser(
+            name, help=text, description=text, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
+
+    _global_options(command("ls", "every step and its state in each tier"), top=False)
+    _global_options(command("status", "how far the bucket is behind the local disk"), top=False)
+    helps = [
+        ("verify", "check every shard's sha256 in each tier"),
+        ("pull", "fill the local directory from the bucket (created if missing)"),
+        ("push", "upload what the bucket does not hold yet"),
+    ]
+    for name, text in helps:
+        sub = command(name, text)
         sub.add_argument("step", type=int, nargs="?", help="one step (default: all, or the newest for pull)")
         if name == "verify":
             sub.add_argument(
-                "--remote", action="store_true", help="the bucket only, by the store's own checksums where recorded"
+                "--remote",
+                action="store_true",
+                help="the bucket only, by the store's own checksums where recorded (no download)",
             )
         _global_options(sub, top=False)
-    prune = commands.add_parser("prune", help="apply retention to both tiers")
+    prune = command("prune", "apply retention to both tiers")
     prune.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
     _global_options(prune, top=False)
     commands.add_parser("demo", help="the demo: a run killed, a disk lost, a bit-exact resume", add_help=False)
@@ -195,7 +290,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-COMMANDS = {
+COMMANDS: dict[str, Callable[[Config, argparse.Namespace], tuple[int, Any]]] = {
     "ls": command_ls,
     "status": command_status,
     "verify": command_verify,
@@ -216,11 +311,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return demo_main(arguments[1:])
     args = _parser().parse_args(arguments)
+    given = {"local_dir": args.local_dir, "remote_url": args.remote_url, "remote_endpoint_url": args.endpoint_url}
     try:
-        overrides = {k: v for k, v in (("local_dir", args.local_dir), ("remote_url", args.remote_url)) if v is not None}
-        config = load_config(args.config, **overrides)
+        config = load_config(args.config, **{key: value for key, value in given.items() if value is not None})
+        # pull creates the directory it fills; verify --remote reads the bucket only
+        bucket_only = getattr(args, "remote", False) and config.remote is not None
+        _check_local_dir(config, may_be_missing=args.command == "pull" or bucket_only)
         code, (data, text) = COMMANDS[args.command](config, args)
-    except ConfigError as exc:
+    except (ConfigError, UsageError) as exc:
         print(f"tiered-ckpt: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except CheckpointError as exc:

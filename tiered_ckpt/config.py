@@ -4,7 +4,7 @@ A config is TOML (read with the standard library's ``tomllib``) or YAML (``yaml.
 of this shape; every key is optional but ``local.dir``::
 
     [local]
-    dir = "/nvme/ckpt"          # the fast local tier
+    dir = "/nvme/ckpt"          # the fast local tier (a relative path is taken from the file's folder)
     keep_last = 3               # retention of local steps
     keep_every = 1000
 
@@ -12,6 +12,7 @@ of this shape; every key is optional but ``local.dir``::
     url = "s3://my-bucket/run-42"
     keep_last = 10
     keep_every = 5000
+    endpoint_url = "http://127.0.0.1:9000"   # s3:// and gs:// only: another endpoint (MinIO, R2...)
 
     [remote.storage_options]    # passed to fsspec as they are (endpoint, profile, region...)
     endpoint_url = "https://s3.example.com"
@@ -29,11 +30,13 @@ of this shape; every key is optional but ``local.dir``::
     mode = "full"               # or "fast" (xxh3-64 instead of sha256)
 
 Environment variables ``TIERED_CKPT_<TABLE>_<KEY>`` (``TIERED_CKPT_REMOTE_URL``,
-``TIERED_CKPT_LOCAL_KEEP_LAST`` ...) override the file; explicit arguments override both.
+``TIERED_CKPT_REMOTE_ENDPOINT_URL``, ``TIERED_CKPT_LOCAL_KEEP_LAST`` ...) override the file;
+explicit arguments override both. YAML aliases (``*name``) are refused: a config is a few
+tables, and an alias is how a tiny file expands into billions of values.
 Each table becomes the options dataclass of :mod:`tiered_ckpt.options` that checks its
 values; this module only reads, merges and names where a value came from. Parsing is
 strict: an unknown table, key or ``TIERED_CKPT_`` variable, a value its option refuses
-(wrong type, out of range, a URL with an unsupported scheme or without a bucket), or a
+(wrong type, out of range, nan or infinity, a URL with an unsupported scheme or without a bucket), or a
 credential in ``storage_options`` raises :class:`ConfigError` naming the file (or
 variable) and the key. Credentials come from the store's own chain (AWS environment or
 profile, ``GOOGLE_APPLICATION_CREDENTIALS``), never from a config.
@@ -76,13 +79,16 @@ _TABLES: dict[str, type] = {
 
 @dataclass(frozen=True)
 class Config:
-    """A validated configuration; ``source`` names where it came from."""
+    """A validated configuration; ``source`` names where it came from, and ``origins`` where
+    each value that is not a default came from (``{"upload.when_behind": "configs/x.yaml"}``,
+    or ``"environment (TIERED_CKPT_UPLOAD_WHEN_BEHIND)"``), for errors found later."""
 
     local: LocalOptions
     remote: RemoteOptions | None = None
     upload: UploadOptions = UploadOptions()
     verify: VerifyOptions = VerifyOptions()
     source: str = "<defaults>"
+    origins: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 def _fields(table: str) -> dict[str, dataclasses.Field[Any]]:
@@ -97,23 +103,51 @@ def _is_secret(key: str, value: Any) -> bool:
 
 
 def _check_storage_options(options: Any, where: str) -> None:
+    """Refuse ``options`` if a key anywhere in it (in tables, lists, lists of lists...) names a credential.
+
+    Each container is walked once (a YAML document may share one many times; see
+    :class:`_ConfigLoader`, which refuses aliases anyway).
+    """
     if not isinstance(options, Mapping):
         # Never echo the value: it may be a secret.
         raise ConfigError(f"{where}: key 'remote.storage_options' must be a table, got {type(options).__name__}")
-    for key, value in options.items():
-        if not isinstance(key, str):
-            raise ConfigError(f"{where}: key 'remote.storage_options' has a key that is not a string")
-        if _is_secret(key, value):
-            raise ConfigError(
-                f"{where}: key 'remote.storage_options.{key}' holds a credential; configs never hold secrets "
-                "(use the store's own credential chain: environment, profile, GOOGLE_APPLICATION_CREDENTIALS)"
-            )
+    seen: set[int] = set()
+    pending: list[tuple[Any, str]] = [(options, "remote.storage_options")]
+    while pending:
+        value, name = pending.pop()
+        if not isinstance(value, (Mapping, list, tuple)) or id(value) in seen:
+            continue
+        seen.add(id(value))
         if isinstance(value, Mapping):
-            _check_storage_options(value, where)
-        elif isinstance(value, list):
-            for item in value:
-                if isinstance(item, Mapping):
-                    _check_storage_options(item, where)
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise ConfigError(f"{where}: key '{name}' has a key that is not a string")
+                if _is_secret(key, item):
+                    raise ConfigError(
+                        f"{where}: key '{name}.{key}' holds a credential; configs never hold secrets "
+                        "(use the store's own credential chain: environment, profile, GOOGLE_APPLICATION_CREDENTIALS)"
+                    )
+                pending.append((item, f"{name}.{key}"))
+        else:
+            pending.extend((item, f"{name}[{index}]") for index, item in enumerate(value))
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` without aliases.
+
+    A config is a few hand-written tables, which never need an anchor's copy; an alias is
+    refused rather than expanded, so that a few hundred bytes of nested aliases (a "billion
+    laughs") cannot make a checker or fsspec walk billions of values.
+    """
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise ConfigError(
+                f"line {event.start_mark.line + 1}: YAML aliases (*{event.anchor}) are not allowed in a config; "
+                "write the value out"
+            )
+        return super().compose_node(parent, index)
 
 
 def _read_document(path: Path) -> dict[str, Any]:
@@ -123,9 +157,11 @@ def _read_document(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: cannot read the config: {exc}") from exc
     try:
         if path.suffix.lower() in (".yaml", ".yml"):
-            document = yaml.safe_load(raw.decode("utf-8")) or {}
+            document = yaml.load(raw.decode("utf-8"), Loader=_ConfigLoader) or {}  # noqa: S506 -- a SafeLoader
         else:
             document = tomllib.loads(raw.decode("utf-8"))
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     except (tomllib.TOMLDecodeError, yaml.YAMLError, UnicodeDecodeError) as exc:
         raise ConfigError(
             f"{path}: not a valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'TOML'} config: {exc}"
@@ -185,6 +221,8 @@ def load_config(
             for key, value in values.items():
                 if key not in _fields(table):
                     raise ConfigError(f"{source}: unknown key '{table}.{key}'")
+                if (table, key) == ("local", "dir"):
+                    value = _relative_to(Path(path), value)
                 merged[(table, key)] = (value, source)
     merged.update(_env_overrides(os.environ if environ is None else environ))
     for name, value in overrides.items():
@@ -193,6 +231,14 @@ def load_config(
             raise ConfigError(f"argument {name}: no such config key")
         merged[(table, key)] = (value, f"argument {name}")
     return _build(merged, source)
+
+
+def _relative_to(config: Path, directory: Any) -> Any:
+    """A relative ``local.dir`` of a config file is taken from the file's folder, as paths in
+    configs usually are (the same file then names the same directory from any working directory)."""
+    if not isinstance(directory, str) or not directory or Path(directory).expanduser().is_absolute():
+        return directory  # the option's own check refuses what is not a path
+    return config.absolute().parent / directory
 
 
 def _options(table: str, merged: dict[tuple[str, str], tuple[Any, str]], source: str) -> Any:
@@ -211,9 +257,11 @@ def _build(merged: dict[tuple[str, str], tuple[Any, str]], source: str) -> Confi
     if ("local", "dir") not in merged:
         raise ConfigError(f"{source}: key 'local.dir' is required (or {ENV_PREFIX}LOCAL_DIR)")
     remote = None
-    if any(table == "remote" for table, _key in merged):
+    given = [(key, where) for (table, key), (_value, where) in merged.items() if table == "remote"]
+    if given:
         if ("remote", "url") not in merged:
-            raise ConfigError(f"{source}: key 'remote.url' is required when [remote] is given")
+            key, where = given[0]
+            raise ConfigError(f"{where}: key 'remote.url' is required when remote.{key} is given")
         if ("remote", "storage_options") in merged:
             value, where = merged[("remote", "storage_options")]
             _check_storage_options(value, where)
@@ -224,4 +272,5 @@ def _build(merged: dict[tuple[str, str], tuple[Any, str]], source: str) -> Confi
         upload=_options("upload", merged, source),
         verify=_options("verify", merged, source),
         source=source,
+        origins={f"{table}.{key}": where for (table, key), (_value, where) in merged.items()},
     )

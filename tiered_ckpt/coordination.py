@@ -30,7 +30,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import numpy as np
 
 from . import errors
-from .errors import CheckpointError, CoordinationError
+from .errors import CheckpointError, CoordinationError, UsageError, invalid_option
 
 __all__ = [
     "Coordinator",
@@ -102,7 +102,7 @@ class SingleProcessCoordinator:
 
     def __init__(self, world_size: int) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+            raise invalid_option("world_size", f"must be an integer >= 1, got {world_size!r:.40}")
         self._world_size = world_size
 
     def __repr__(self) -> str:
@@ -246,14 +246,18 @@ class TorchDistributedCoordinator:
 def resolve_coordinator(coordinator: Coordinator | None, world_size: int | None) -> Coordinator:
     """The coordinator a manager uses: ``coordinator``, or one process holding ``world_size`` ranks.
 
-    Raises ``ValueError`` if neither is given, or if they disagree on the world size.
+    Raises :class:`UsageError` if neither is given, or if they disagree on the world size,
+    and :class:`ConfigError` for a ``world_size`` that is not an integer >= 1.
     """
     if coordinator is None:
         if world_size is None:
-            raise ValueError("world_size is required when no coordinator is given")
+            raise UsageError(
+                "world_size is required when no coordinator is given "
+                "(e.g. CheckpointManager(dir, world_size=4), or coordinator=TorchDistributedCoordinator())"
+            )
         return SingleProcessCoordinator(world_size)
     if world_size is not None and coordinator.world_size != world_size:
-        raise ValueError(f"world_size is {world_size} but the coordinator has {coordinator.world_size}")
+        raise UsageError(f"world_size is {world_size} but the coordinator has {coordinator.world_size}")
     return coordinator
 
 

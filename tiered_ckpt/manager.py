@@ -41,6 +41,7 @@ from .coordination import Coordinator, agree_on, from_payload, resolve_coordinat
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
+    ConfigError,
     DirectoryInUseError,
     ErrorBox,
     UploadError,
@@ -130,10 +131,16 @@ class CheckpointManager:
         world_size = coordinator.world_size
         self._ranks = tuple(coordinator.local_ranks)
         if len(self._ranks) != world_size and options.upload.when_behind == "skip":
-            raise ValueError(
-                "when_uploads_behind='skip' needs one process holding every rank: "
-                "with one process per rank, ranks could skip different steps"
+            # from_config names the file or variable of a value that came from a config (field "upload.when_behind")
+            given = "when_uploads_behind" in keywords
+            problem = (
+                "is 'skip', which needs one process holding every rank "
+                "(with one process per rank, ranks could skip different steps); use 'wait'"
             )
+            key = "when_uploads_behind" if given else "upload.when_behind"
+            error = ConfigError(f"{'keyword argument ' if given else ''}{key} {problem}")
+            error.field, error.problem = key, problem
+            raise error
         self.options = options
         self.world_size = world_size
         self._coordinator = coordinator
@@ -217,7 +224,12 @@ class CheckpointManager:
             config = load_config(config)
         local = config.local if local_dir is None else replace(config.local, dir=Path(local_dir))
         arguments = {"remote": config.remote, "upload": config.upload, "verify": config.verify.mode, **kwargs}
-        return cls(local, world_size=world_size, **arguments)
+        try:
+            return cls(local, world_size=world_size, **arguments)
+        except ConfigError as exc:  # a config value refused here (not by its own check) names its file or variable
+            if exc.field is None or exc.field not in config.origins:
+                raise
+            raise ConfigError(f"{config.origins[exc.field]}: key '{exc.field}' {exc.problem}") from None
 
     # -- what the manager is ------------------------------------------------------------
 

@@ -8,6 +8,7 @@ whose ``field`` and ``problem`` let a config loader name the file and key.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -46,6 +47,8 @@ def _check_type(name: str, value: Any, types: tuple[type, ...]) -> None:
 
 def _check_number(name: str, value: Any, minimum: float, types: tuple[type, ...] = (int,)) -> None:
     _check_type(name, value, types)
+    if isinstance(value, float) and not math.isfinite(value):  # nan passes every comparison
+        raise invalid_option(name, f"must be a finite number, got {value!r}")
     if value < minimum:
         raise invalid_option(name, f"must be >= {minimum}, got {value!r}")
 
@@ -68,6 +71,20 @@ def check_remote_url(url: Any) -> None:
         raise invalid_option("url", f"has unsupported URL scheme {scheme!r}")
     if not rest.strip("/"):
         raise invalid_option("url", f"{url!r} names no bucket or directory")
+
+
+_ENDPOINT_SCHEMES = ("s3", "s3a", "gs", "gcs")
+
+
+def _check_endpoint_url(endpoint: Any, url: str) -> None:
+    _check_type("endpoint_url", endpoint, (str,))
+    scheme, separator, host = endpoint.partition("://")
+    if "@" in host.partition("/")[0]:  # never echoed: user:password@host
+        raise invalid_option("endpoint_url", "must not hold credentials (use the store's own credential chain)")
+    if scheme not in ("http", "https") or not separator or not host.strip("/"):
+        raise invalid_option("endpoint_url", f"must be an http:// or https:// URL, got {endpoint!r:.80}")
+    if url.partition("://")[0] not in _ENDPOINT_SCHEMES:
+        raise invalid_option("endpoint_url", f"applies to s3:// and gs:// URLs only, not {url!r:.80}")
 
 
 class _Retained:
@@ -105,13 +122,16 @@ class LocalOptions(_Retained):
 class RemoteOptions(_Retained):
     """The remote tier: its URL, fsspec's options for it (never shown), its retention, and
     the layout of its shard objects ("flat", or "hashed": spread over 256 key prefixes
-    per step; see :meth:`~tiered_ckpt.remote.RemoteTier.object_name`)."""
+    per step; see :meth:`~tiered_ckpt.remote.RemoteTier.object_name`). ``endpoint_url``
+    (``s3://`` and ``gs://`` only) names the store's endpoint, e.g. a MinIO server; it
+    takes precedence over ``storage_options["endpoint_url"]``."""
 
     url: str
     keep_last: int | None = None
     keep_every: int | None = None
     storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
     layout: Layout = "flat"
+    endpoint_url: str | None = None
 
     def __post_init__(self) -> None:
         check_remote_url(self.url)
@@ -119,12 +139,17 @@ class RemoteOptions(_Retained):
         if not isinstance(self.storage_options, Mapping):
             # The value is never echoed: it may be a secret.
             raise invalid_option("storage_options", f"must be a table, got {type(self.storage_options).__name__}")
+        if self.endpoint_url is not None:
+            _check_endpoint_url(self.endpoint_url, self.url)
         self.retention  # noqa: B018 -- checks keep_last and keep_every
 
     def open_tier(self, upload: UploadOptions) -> RemoteTier:
         """The remote tier these options describe, making its requests as ``upload`` says."""
+        storage_options = dict(self.storage_options)
+        if self.endpoint_url is not None:
+            storage_options["endpoint_url"] = self.endpoint_url
         return RemoteTier(
-            self.url, self.storage_options, retry=upload.retry, part_bytes=upload.part_bytes,
+            self.url, storage_options, retry=upload.retry, part_bytes=upload.part_bytes,
             part_concurrency=upload.part_concurrency, layout=self.layout,
         )  # fmt: skip
 
@@ -266,7 +291,15 @@ def resolve_options(
         if exc.field is None:
             raise
         given = [k for k, (table, name) in KEYWORDS.items() if name == exc.field and k in keywords]
-        raise invalid_option(given[0] if given else exc.field, exc.problem or "") from None
+        if given:
+            source = f"keyword argument {given[0]}"
+        elif exc.field == "dir" and not isinstance(local, LocalOptions):
+            source = "argument local_dir"
+        else:
+            raise
+        error = ConfigError(f"{source} {exc.problem}")
+        error.field, error.problem = given[0] if given else "local_dir", exc.problem
+        raise error from None
 
 
 def _resolve(

@@ -64,6 +64,7 @@ class StepStatus:
     "partial" (objects but no remote manifest) or "-". ``manifest`` is the local one if
     it validates, else the remote one (None if neither tier committed the step);
     ``held_ranks`` the ranks whose shards the local step holds (None if not committed).
+    ``problem`` says why no manifest of a committed step could be read (a damaged one), else None.
     """
 
     step: int
@@ -71,6 +72,7 @@ class StepStatus:
     remote: str
     manifest: ShardManifest | None
     held_ranks: tuple[int, ...] | None
+    problem: str | None = None
 
 
 class Unknown:
@@ -122,11 +124,12 @@ class Lag:
 @dataclass(frozen=True)
 class ShardCheck:
     """One shard of one tier checked: ``status`` is "ok", "failed" (``problem`` says why) or
-    "elsewhere" (a node of a multi-process job: held by another node's disk by design)."""
+    "elsewhere" (a node of a multi-process job: held by another node's disk by design).
+    ``rank`` is None for a step whose manifest in that tier is damaged (no shard could be checked)."""
 
     step: int
     tier: Source
-    rank: int
+    rank: int | None
     status: str
     problem: str | None = None
 
@@ -206,25 +209,31 @@ class TieredStore:
             others = step in staged, step in remote_partial
             try:
                 rows.append(self._step_status(step, *listed, *others))
-            except (IncompleteCheckpointError, ManifestError, RemoteError):
+            except (IncompleteCheckpointError, ManifestError, RemoteError) as exc:
                 still = self._still_committed(step, *listed)
-                if still == listed:
-                    raise  # still committed where it was: the failure is not a deletion
-                if any(still) or any(others):
+                if still == listed:  # still committed where it was: the failure is not a deletion
+                    if not isinstance(exc, ManifestError):
+                        raise
+                    # one damaged step is shown as such; the others are still listed
+                    rows.append(StepStatus(step, *self._tier_states(step, *listed, *others), None, None, str(exc)))
+                elif any(still) or any(others):
                     rows.append(self._step_status(step, *still, *others))
         return rows
 
-    def _step_status(self, step: int, in_local: bool, in_remote: bool, staged: bool, partial: bool) -> StepStatus:
+    def _tier_states(self, step: int, in_local: bool, in_remote: bool, staged: bool, partial: bool) -> tuple[str, str]:
+        """(local, remote) state names of a step, from what the listings say of it."""
         if in_remote:
             remote_state = "committed"
         elif in_local and self.remote is not None and not self.receipted(step):
             remote_state = "uploading"
         else:
             remote_state = "partial" if partial else "-"
+        return "committed" if in_local else "staged" if staged else "-", remote_state
+
+    def _step_status(self, step: int, in_local: bool, in_remote: bool, staged: bool, partial: bool) -> StepStatus:
         manifest = self._any_manifest(step, in_local, in_remote)
         held = tuple(self.local.held_ranks(step, manifest)) if manifest and in_local else None
-        local_state = "committed" if in_local else "staged" if staged else "-"
-        return StepStatus(step, local_state, remote_state, manifest, held)
+        return StepStatus(step, *self._tier_states(step, in_local, in_remote, staged, partial), manifest, held)
 
     def _still_committed(self, step: int, in_local: bool, in_remote: bool) -> tuple[bool, bool]:
         """Whether ``step`` is still committed in each tier that listed it (a running job's
@@ -405,9 +414,12 @@ class TieredStore:
                 add(check)
             else:
                 return
-        except (IncompleteCheckpointError, ManifestError, RemoteError):
+        except (IncompleteCheckpointError, ManifestError, RemoteError) as exc:
             if not gone():
-                raise
+                if not isinstance(exc, ManifestError):
+                    raise
+                add(ShardCheck(step, tier, None, "failed", str(exc)))  # reported; the other steps still checked
+                return
         logger.info("verify: step %d was deleted from the %s tier while it was checked; skipped", step, tier)
 
     def _local_checks(self, step: int) -> Iterator[ShardCheck]:
@@ -454,11 +466,18 @@ class TieredStore:
         if remote is not None and self.remote is not None and not self.receipted(step):
             self.local.write_receipt(step, self.remote.url, remote)
 
-    def pull(self, step: int | None = None, *, max_workers: int | None = None) -> tuple[int, dict[int, Source]]:
+    def pull(
+        self,
+        step: int | None = None,
+        *,
+        max_workers: int | None = None,
+        progress: Callable[[ShardRecord, Source], None] | None = None,
+    ) -> tuple[int, dict[int, Source]]:
         """Fill the local tier with remote ``step`` (default: the newest) without loading it.
 
         Local shards that verify are kept; the others are streamed from the bucket and
         verified. Returns the step and, per rank, the tier each shard on disk came from.
+        ``progress`` is called with each shard and where it came from once it is on disk.
         """
         if self.remote is None:
             raise UsageError("pull needs a remote tier (remote_url)")
@@ -470,10 +489,13 @@ class TieredStore:
         self.local.new_step_dir(step)
 
         def fetch(record: ShardRecord) -> Source:
-            if self.local.check_shard(step, record) is None:
-                return "local"
-            self.download_shard(step, record)
-            return "remote"
+            source: Source = "local"
+            if self.local.check_shard(step, record) is not None:
+                self.download_shard(step, record)
+                source = "remote"
+            if progress is not None:
+                progress(record, source)
+            return source
 
         was_committed = step in self.local.steps()
         sources = run_parallel(fetch, remote.manifest.shards, max_workers)

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from tiered_ckpt import ChecksumMismatchError, InvalidStateError, ShardFormatError
 from tiered_ckpt.manifest import ShardRecord
-from tiered_ckpt.shardfile import DTYPES, ShardDigest, read_shard, write_shard
+from tiered_ckpt import shardfile
+from tiered_ckpt.shardfile import DTYPES, ShardDigest, header_length, header_problem, read_shard, write_shard
 
 
 def write_to_bytes(arrays, metadata=None) -> tuple[bytes, ShardDigest]:
@@ -159,6 +160,20 @@ def test_unsavable_state_is_refused_before_anything_is_written(arrays, problem):
     with pytest.raises(InvalidStateError, match=problem):
         write_shard(out, arrays)
     assert out.getvalue() == b""
+
+
+def test_a_header_the_reader_would_refuse_is_refused_before_writing(monkeypatch):
+    monkeypatch.setattr(shardfile, "MAX_HEADER_BYTES", 64_000)  # both the reader's and the writer's limit
+    fits = {"w": np.ones(1)}, {"note": "x" * 63_000}
+    data, digest = write_to_bytes(*fits)
+    assert 63_000 < struct.unpack("<Q", data[:8])[0] <= 64_000
+    assert header_length(*fits) == struct.unpack("<Q", data[:8])[0]  # what flatten measures is what is written
+    out = io.BytesIO()
+    with pytest.raises(InvalidStateError, match="over the 64,000"):
+        write_shard(out, {"w": np.ones(1)}, {"note": "x" * 64_000})
+    assert out.getvalue() == b""
+    assert header_problem({"w": np.ones(1)}, {"note": "x" * 64_000}) is not None
+    assert header_problem(*fits) is None and header_problem(*fits, reserve=1_000) is not None
 
 
 @pytest.mark.parametrize("offset", [0, 3, 9, 40, -1])

@@ -104,8 +104,11 @@ class CheckpointManager:
     they always run at a lower priority than the training loop.
 
     ``preemption_signals`` (e.g. ``(signal.SIGTERM,)``; default none) installs handlers
-    that note a preemption notice for :meth:`reached_preemption` (chained to the handlers
-    they replace, which :meth:`close` puts back); only from the main thread.
+    that note a preemption notice for :meth:`reached_preemption`, only from the main
+    thread: one per signal for the process, shared by every manager, chained to a Python
+    handler it replaced but never to the default action (``SIG_DFL``, SIGINT's
+    ``KeyboardInterrupt``), which the notice replaces; the last manager to close puts the
+    old handler back, whatever order managers close in.
 
     Use it as a context manager, or call :meth:`close` at the end of the run.
     """
@@ -290,8 +293,13 @@ class CheckpointManager:
         same_call([report.arguments for report in parsed], "save")
         newest = max((report.newest for report in parsed if report.newest is not None), default=None)
         if newest is not None and step <= newest:
+            hint = (
+                "; ask reached_preemption(step) before the step's regular save, so that the stop step is a new one"
+                if self._preemption.step == step == newest
+                else ""
+            )
             raise CheckpointExistsError(
-                f"{self.root}: step {step} is not newer than the newest checkpoint, step {newest}"
+                f"{self.root}: step {step} is not newer than the newest checkpoint, step {newest}{hint}"
             )
         shapes = [dict(rank_shapes) for report in parsed for rank_shapes in report.shapes]
         flat = all(report.flat for report in parsed)
@@ -341,12 +349,18 @@ class CheckpointManager:
 
         Cheap enough to call at every step. With one process per rank it is a collective
         (every rank calls it at the same step) that returns True on every rank at the same
-        step if any rank was signalled. From then on, uploads put the newest step first::
+        step if any rank was signalled. From then on, uploads put the newest step first.
+        Ask it after the step's training and before the step's regular save, so that the
+        stop step is never one saved already (a signal that arrives during or after the
+        regular save is answered at the next step)::
 
+            train_one_step()
             if manager.reached_preemption(step):
                 manager.save(step, state, blocking=True)
                 manager.wait(uploaded=True)
                 sys.exit(0)
+            if step % 200 == 0:
+                manager.save(step, state)
         """
         self._check_open()
         return self._preemption.reached(step)

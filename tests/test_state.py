@@ -514,3 +514,31 @@ def test_a_chunk_placed_by_numpy_or_torch_integers_round_trips(tmp_path):
 def test_a_chunk_placed_by_what_the_reader_refuses_is_refused_naming_its_path(tmp_path, global_shape, offsets):
     state = {"w": ChunkOf(np.ones((2, 3)), global_shape, offsets)}
     assert_refused_before_anything_is_written(tmp_path, state, 'state["w"]')
+
+
+def chunked_states(arrays_per_rank: int, world_size: int = 2) -> list[dict]:
+    """Per rank, ``arrays_per_rank`` DTensor-like chunks (each rank holds one row of each tensor)."""
+    return [
+        {"layers": [ChunkOf(np.full((1, 3), float(rank)), (world_size, 3), (rank, 0)) for _ in range(arrays_per_rank)]}
+        for rank in range(world_size)
+    ]
+
+
+def test_a_step_whose_manifest_the_reader_would_refuse_is_refused_on_every_rank_before_anything_is_written(
+    tmp_path, monkeypatch
+):
+    from tiered_ckpt import manifest
+
+    monkeypatch.setattr(manifest, "MAX_MANIFEST_BYTES", 200_000)  # the reader's limit, small to stay cheap
+    with CheckpointManager(tmp_path / "run", world_size=2) as manager:
+        manager.save(1, chunked_states(150), blocking=True)  # fits: the reader reads it back
+        assert len(manager.restore().states[1]["layers"]) == 150
+        written = (tmp_path / "run" / "step-000000000001" / "manifest.json").stat().st_size
+        before = files_under(tmp_path / "run")
+        with pytest.raises(InvalidStateError, match=r"step 2: the manifest of its 2 ranks .* over the 200,000"):
+            manager.save(2, chunked_states(400))
+        assert files_under(tmp_path / "run") == before and manager.steps() == [1]
+    assert written < 200_000
+    with pytest.raises(InvalidStateError, match="over the 200,000"):
+        save_sharded(chunked_states(400), tmp_path / "sharded", step=1)
+    assert not (tmp_path / "sharded").exists()

@@ -51,7 +51,7 @@ from .manifest import ShardManifest
 from .options import LocalOptions, ManagerKeywords, Options, RemoteOptions, UploadOptions, resolve_options
 from .preemption import PreemptionNotice, PreemptionWatch
 from .restore import Restorer, RestoreResult, check_restore_arguments, same_call
-from .sharded import resolve_sharded_keys, sharding_summary, validate_states, validate_step
+from .sharded import check_manifest_fits, resolve_sharded_keys, sharding_summary, validate_states, validate_step
 from .shardfile import Verify
 from .staging import StagingBuffers
 from .state import FlatState, State, flatten
@@ -68,12 +68,14 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class _SaveReport:
     """One process's check of a save call: its arguments, its newest step, its arrays' shapes per
-    rank, and whether each of its ranks' states is a flat dict of arrays."""
+    rank, whether each of its ranks' states is a flat dict of arrays, and the most bytes each of
+    its ranks' records may add to the manifest."""
 
     arguments: str
     newest: int | None
     shapes: tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]
     flat: bool
+    record_bytes: tuple[int, ...]
 
 
 class CheckpointManager:
@@ -304,6 +306,7 @@ class CheckpointManager:
         shapes = [dict(rank_shapes) for report in parsed for rank_shapes in report.shapes]
         flat = all(report.flat for report in parsed)
         keys, numels = resolve_sharded_keys(shapes, self._sharded_keys, flat=flat)
+        check_manifest_fits([size for report in parsed for size in report.record_bytes], keys, step)
         handle = self._writer.submit(step, local[0], keys, numels)
         if blocking:
             handle.wait()
@@ -320,7 +323,8 @@ class CheckpointManager:
         local = [flatten(state, f"rank {r}") for r, state in zip(self._ranks, given, strict=True)]
         shapes = tuple(tuple((key, tuple(shape)) for key, shape in sharding_summary(s.arrays).items()) for s in local)
         flat = all(s.structure.flat for s in local)
-        report = _SaveReport(json.dumps({"step": step}), self.latest_step(), shapes, flat)
+        records = tuple(s.record_bytes() for s in local)
+        report = _SaveReport(json.dumps({"step": step}), self.latest_step(), shapes, flat, records)
         return local, to_payload(report)
 
     def _before_collective(self) -> None:

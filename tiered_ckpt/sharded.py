@@ -36,7 +36,7 @@ from .local import (
     remove_temp_files,
     write_shard_file,
 )
-from .manifest import ShardManifest, ShardRecord
+from .manifest import ShardManifest, ShardRecord, manifest_problem
 from .replicas import assign, offer, put_back, written
 from .shardfile import Verify
 from .state import FlatState, flatten, flatten_into, sharded_names
@@ -50,6 +50,7 @@ __all__ = [
     "write_shards",
     "validate_states",
     "validate_step",
+    "check_manifest_fits",
     "check_world_size",
     "check_into",
     "run_parallel",
@@ -149,6 +150,17 @@ def validate_states(states_per_rank: Sequence[State], world_size: int | None) ->
 def validate_step(step: int) -> None:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise InvalidStateError(f"step must be an integer >= 0, got {step!r}")
+
+
+def check_manifest_fits(record_bytes: Sequence[int], sharded_keys: Sequence[str], step: int) -> None:
+    """Raise :class:`InvalidStateError` if the manifest of ``step``, whose ranks' records take at most
+    ``record_bytes`` (:meth:`FlatState.record_bytes`), might be over the size a reader accepts."""
+    problem = manifest_problem(record_bytes, sharded_keys)
+    if problem is not None:
+        raise InvalidStateError(
+            f"step {step}: the manifest of its {len(record_bytes)} ranks (a record of every array of a state of "
+            f"DTensors) {problem}: save fewer, larger arrays"
+        )
 
 
 def write_shards(
@@ -259,6 +271,7 @@ def save_sharded(
     keys, numels = resolve_sharded_keys(
         [sharding_summary(s.arrays) for s in flat], sharded_keys, flat=all(s.structure.flat for s in flat)
     )
+    check_manifest_fits([s.record_bytes() for s in flat], keys, step)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     with directory_lock(directory):

@@ -44,7 +44,7 @@ from typing import Any, Literal
 import numpy as np
 
 from .errors import InvalidStateError, ShardFormatError
-from .manifest import ChunkRecord
+from .manifest import ChunkRecord, record_bytes_bound
 from .shardfile import (
     MAX_DIMS,
     ShardContents,
@@ -593,6 +593,12 @@ class FlatState:
                 )  # fmt: skip
             )
         return tuple(records)
+
+    def record_bytes(self) -> int:
+        """At least the bytes this rank's record adds to its step's manifest (a state of DTensors
+        records every array as a chunk; :func:`~tiered_ckpt.manifest.record_bytes_bound`)."""
+        chunks = ((name, array.ndim) for name, array in self.arrays.items()) if self.structure.chunks else ()
+        return record_bytes_bound(chunks)
 
     def unflatten(self, *, torch: bool = False) -> dict[Any, Any]:
         """The nested state: arrays as numpy, or (``torch=True``) as each leaf was saved."""

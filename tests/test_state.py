@@ -7,6 +7,7 @@ import math
 import random
 import struct
 from collections import OrderedDict, namedtuple
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -542,3 +543,16 @@ def test_a_step_whose_manifest_the_reader_would_refuse_is_refused_on_every_rank_
     with pytest.raises(InvalidStateError, match="over the 200,000"):
         save_sharded(chunked_states(400), tmp_path / "sharded", step=1)
     assert not (tmp_path / "sharded").exists()
+
+
+def test_a_state_one_rank_could_never_load_fails_the_save_on_every_rank_before_anything_is_written(tmp_path):
+    from conftest import launch_ranks
+
+    worker = Path(__file__).with_name("rank_worker.py")
+    config = {"actions": [{"do": "save", "step": 1, "long_note_on_rank": 1}], "timeout_seconds": 60}
+    results = launch_ranks(worker, tmp_path, 2, config)
+    for rank, result in results.items():
+        assert result["error"][0] == "InvalidStateError", result
+        assert result["error"][1].startswith("rank 1: the state's shard header"), result
+        assert 'state["note"]' in result["error"][1]
+        assert not (tmp_path / "nodes" / f"rank-{rank}" / "step-000000000001").exists()

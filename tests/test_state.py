@@ -556,3 +556,16 @@ def test_a_state_one_rank_could_never_load_fails_the_save_on_every_rank_before_a
         assert result["error"][1].startswith("rank 1: the state's shard header"), result
         assert 'state["note"]' in result["error"][1]
         assert not (tmp_path / "nodes" / f"rank-{rank}" / "step-000000000001").exists()
+
+
+@pytest.mark.parametrize("step", [2**63, 10**300])
+def test_a_step_no_directory_name_or_reader_can_hold_is_refused_before_anything_is_written(tmp_path, step):
+    with CheckpointManager(tmp_path / "run", world_size=1) as manager:
+        manager.save(2**63 - 1, {"w": np.ones(2)}, blocking=True)  # the largest step saves and loads
+        assert manager.restore().step == 2**63 - 1
+        before = files_under(tmp_path / "run")
+        with pytest.raises(InvalidStateError, match=r"step must be an integer from 0 to 2\*\*63 - 1"):
+            manager.save(step, {"w": np.ones(2)})
+        assert files_under(tmp_path / "run") == before
+    with pytest.raises(InvalidStateError, match="step must be"):
+        save_sharded([{"w": np.ones(2)}], tmp_path / "sharded", step=step)

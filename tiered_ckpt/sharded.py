@@ -147,9 +147,15 @@ def validate_states(states_per_rank: Sequence[State], world_size: int | None) ->
     return len(states_per_rank)
 
 
+# A step names a directory (step-<digits>: a file name of at most 255 bytes) and is a JSON
+# integer every reader parses: an int64, as any training loop's counter is.
+MAX_STEP = 2**63 - 1
+
+
 def validate_step(step: int) -> None:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise InvalidStateError(f"step must be an integer >= 0, got {step!r}")
+    """Raise :class:`InvalidStateError` unless ``step`` is an integer in ``[0, MAX_STEP]``."""
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise InvalidStateError(f"step must be an integer from 0 to 2**63 - 1, got {step!r:.80}")
 
 
 def check_manifest_fits(record_bytes: Sequence[int], sharded_keys: Sequence[str], step: int) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from .errors import ChecksumMismatchError, ManifestError, ShardCountMismatchError
 from .layout import MANIFEST_NAME, is_plain_name
-from .shardfile import DTYPES, MAX_DIMS, ShardDigest
+from .shardfile import DTYPES, MAX_DIMS, ShardDigest, json_length_bound
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -297,25 +297,17 @@ class RemoteManifest:
             raise ManifestError(f"{source}: {exc}") from None
 
 
-def _json_length_bound(text: str) -> int:
-    """At least the length of ``text`` as a JSON string: exact for printable ASCII without
-    quotes or backslashes (every tensor name of a real state), 12 per character otherwise."""
-    if text.isascii() and text.isprintable() and '"' not in text and "\\" not in text:
-        return len(text) + 2
-    return 2 + 12 * len(text)
-
-
 def record_bytes_bound(chunks: Iterable[tuple[str, int]] = ()) -> int:
     """At least the bytes one rank's shard record adds to a step's manifest, local or remote
     (as :meth:`ShardManifest.to_json` writes it), whose shard lists ``chunks``: the name and
     number of dimensions of each array it records as a chunk, or leaves to another rank."""
-    return _RECORD_BYTES + sum(_CHUNK_BYTES + _json_length_bound(name) + _DIM_BYTES * ndim for name, ndim in chunks)
+    return _RECORD_BYTES + sum(_CHUNK_BYTES + json_length_bound(name) + _DIM_BYTES * ndim for name, ndim in chunks)
 
 
 def manifest_problem(records: Iterable[int], sharded_keys: Iterable[str]) -> str | None:
     """Why the manifest of a step whose shard records take at most ``records`` bytes each
     (:func:`record_bytes_bound`) might not be read back, as a phrase; None if it will."""
-    bound = _MANIFEST_BYTES + sum(records) + sum(_json_length_bound(key) + 8 for key in sharded_keys)
+    bound = _MANIFEST_BYTES + sum(records) + sum(json_length_bound(key) + 8 for key in sharded_keys)
     if bound > MAX_MANIFEST_BYTES:
         return f"may take up to {bound:,} bytes, over the {MAX_MANIFEST_BYTES:,} a reader accepts"
     return None

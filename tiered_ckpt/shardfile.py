@@ -52,6 +52,7 @@ __all__ = [
     "read_header",
     "header_length",
     "header_problem",
+    "json_length_bound",
     "MAX_HEADER_BYTES",
     "MAX_DIMS",
     "hash_stream",
@@ -231,10 +232,15 @@ def header_length(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] 
     return length + (-length % 8)
 
 
-def _json_bound(text: str) -> int:
-    """At least the length of ``text`` as a JSON string: ASCII escapes take at most 6 characters
-    (\\u0001), any other character at most 12 (a surrogate pair)."""
-    return 2 + len(text) * (6 if text.isascii() else 12)
+def json_length_bound(text: str) -> int:
+    """At least the length of ``text`` as a JSON string (``json.dumps``): exact for printable
+    ASCII without quotes or backslashes (any real tensor name), 6 characters per character for
+    other ASCII (``\\u0001``), 12 for the rest (a surrogate pair)."""
+    if not text.isascii():
+        return 2 + 12 * len(text)
+    if text.isprintable() and '"' not in text and "\\" not in text:
+        return 2 + len(text)
+    return 2 + 6 * len(text)
 
 
 # Bytes of one header entry besides its name and shape: its keys, dtype code, two offsets.
@@ -251,8 +257,8 @@ def header_problem(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str]
     any state well under it (a bound from the names' and values' lengths); a header near
     the limit is measured exactly, as :func:`write_shard` would write it.
     """
-    bound = 32 + reserve + sum(_json_bound(key) + _json_bound(value) for key, value in metadata.items())
-    bound += sum(_json_bound(name) + _ENTRY_BYTES + _DIM_BYTES * array.ndim for name, array in arrays.items())
+    bound = 32 + reserve + sum(json_length_bound(key) + json_length_bound(value) for key, value in metadata.items())
+    bound += sum(json_length_bound(name) + _ENTRY_BYTES + _DIM_BYTES * array.ndim for name, array in arrays.items())
     if bound <= MAX_HEADER_BYTES:
         return None
     length = header_length(arrays, metadata) + reserve

@@ -7,7 +7,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiered_ckpt import ManifestError, ShardCountMismatchError, ShardManifest
-from tiered_ckpt.manifest import ShardRecord
+from tiered_ckpt import manifest as manifest_module
+from tiered_ckpt.manifest import (
+    MAX_MANIFEST_BYTES,
+    ChunkRecord,
+    RemoteManifest,
+    ShardRecord,
+    manifest_problem,
+    record_bytes_bound,
+)
 
 SOURCE = "/ckpt/step-000000000012/manifest.json"
 
@@ -269,3 +277,39 @@ def test_a_shard_with_chunks_must_record_its_header():
     document["shards"][0]["header_sha256"] = "nope"
     with pytest.raises(ManifestError, match=re.escape("shards[rank 0].header_sha256")):
         parse(document)
+
+
+def widest_record(rank: int, world_size: int, chunks, replicas=()) -> ShardRecord:
+    """A shard record whose every number has as many digits as a saved one can."""
+    big = 2**63 - 1
+    return ShardRecord(
+        rank, f"rank-{rank:05d}-of-{world_size:05d}.safetensors", "a" * 64, "b" * 16, big, big * rank, big,
+        chunks, big, "c" * 64, replicas,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("ndim", [0, 1, 2, 4, 8])
+@pytest.mark.parametrize("name", ["w", "model/layers/#17/attn/wq", 'quote"back\\slash', "naïve ☃ 🚀", "\x01"])
+def test_the_record_bound_is_never_below_what_a_manifest_takes(monkeypatch, ndim, name):
+    big = 2**63 - 1
+    chunks = tuple(
+        ChunkRecord(f"{name}{i}", "F8_E4M3", (big,) * ndim, (0,) * ndim, (big,) * ndim, "d" * 64, "e" * 16)
+        for i in range(3)
+    )
+    records = (widest_record(0, 2, chunks), widest_record(1, 2, (), tuple((c.name, 0) for c in chunks)))
+    keys = (f"{name}0",) if ndim == 1 else ()
+    manifest = ShardManifest(2, big, 1e18, keys, records)
+    paths = [record.path for record in records]
+    remote = RemoteManifest(
+        manifest, 1e18, {path: "crc32c:AAAAAA==-99999" for path in paths}, {path: "3f/" + path for path in paths}
+    )
+    names = [(c.name, ndim) for c in chunks]
+    records_bytes = [record_bytes_bound(names), record_bytes_bound(names)]
+    largest = max(len(manifest.to_json()), len(remote.to_json()))
+    monkeypatch.setattr(manifest_module, "MAX_MANIFEST_BYTES", largest - 1)  # a reader would refuse either
+    assert manifest_problem(records_bytes, keys) is not None  # so the writer refuses first
+
+
+def test_a_manifest_that_may_be_over_the_limit_is_a_problem():
+    assert manifest_problem([MAX_MANIFEST_BYTES // 2] * 2, ()) is not None
+    assert manifest_problem([MAX_MANIFEST_BYTES // 4] * 2, ()) is None

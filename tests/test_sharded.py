@@ -178,7 +178,7 @@ def test_bad_state_on_one_rank_commits_nothing_and_leaves_no_temp_files(tmp_path
     "call, problem",
     [
         (lambda s, d: save_sharded(s, d, step=1, world_size=3), "world_size is 3 but 4 rank states"),
-        (lambda s, d: save_sharded(s, d, step=-1), "step must be an integer >= 0"),
+        (lambda s, d: save_sharded(s, d, step=-1), "step must be an integer from 0"),
         (lambda s, d: save_sharded([], d, step=1), "empty"),
         (lambda s, d: save_sharded(s[0], d, step=1), "one dict of arrays per rank"),
         (lambda s, d: save_sharded([*s[:3], [1]], d, step=1), "rank 3: state is a list"),

@@ -14,7 +14,16 @@ from hypothesis import strategies as st
 
 from tiered_ckpt import ChecksumMismatchError, InvalidStateError, ShardFormatError
 from tiered_ckpt.manifest import ShardRecord
-from tiered_ckpt.shardfile import DTYPES, ShardDigest, read_shard, write_shard
+from tiered_ckpt import shardfile
+from tiered_ckpt.shardfile import (
+    DTYPES,
+    ShardDigest,
+    header_length,
+    header_problem,
+    json_length_bound,
+    read_shard,
+    write_shard,
+)
 
 
 def write_to_bytes(arrays, metadata=None) -> tuple[bytes, ShardDigest]:
@@ -159,6 +168,43 @@ def test_unsavable_state_is_refused_before_anything_is_written(arrays, problem):
     with pytest.raises(InvalidStateError, match=problem):
         write_shard(out, arrays)
     assert out.getvalue() == b""
+
+
+def test_a_header_the_reader_would_refuse_is_refused_before_writing(monkeypatch):
+    monkeypatch.setattr(shardfile, "MAX_HEADER_BYTES", 64_000)  # both the reader's and the writer's limit
+    fits = {"w": np.ones(1)}, {"note": "x" * 63_000}
+    data, digest = write_to_bytes(*fits)
+    assert 63_000 < struct.unpack("<Q", data[:8])[0] <= 64_000
+    assert header_length(*fits) == struct.unpack("<Q", data[:8])[0]  # what flatten measures is what is written
+    out = io.BytesIO()
+    with pytest.raises(InvalidStateError, match="over the 64,000"):
+        write_shard(out, {"w": np.ones(1)}, {"note": "x" * 64_000})
+    assert out.getvalue() == b""
+    assert header_problem({"w": np.ones(1)}, {"note": "x" * 64_000}) is not None
+    assert header_problem(*fits) is None and header_problem(*fits, reserve=1_000) is not None
+
+
+@given(st.text())
+def test_the_json_length_bound_is_never_below_the_json_length(text):
+    assert json_length_bound(text) >= len(json.dumps(text))
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.dictionaries(st.text(min_size=1), st.sampled_from([(), (0,), (3, 2), (1,) * 9]), max_size=5),
+    st.dictionaries(st.text(), st.text(), max_size=3),
+)
+def test_a_header_a_reader_would_refuse_is_always_found(shapes, metadata):
+    arrays = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
+    try:
+        length = header_length(arrays, metadata)
+    except InvalidStateError:  # a name a shard cannot hold at all
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(shardfile, "MAX_HEADER_BYTES", length - 1)  # a reader would refuse this header
+        assert header_problem(arrays, metadata) is not None
+        patch.setattr(shardfile, "MAX_HEADER_BYTES", length)
+        assert header_problem(arrays, metadata) is None
 
 
 @pytest.mark.parametrize("offset", [0, 3, 9, 40, -1])

@@ -7,6 +7,7 @@ import math
 import random
 import struct
 from collections import OrderedDict, namedtuple
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,11 +15,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tiered_ckpt import CheckpointManager, InvalidStateError, ShardFormatError, load_sharded, save_sharded
+from tiered_ckpt import shardfile
 from tiered_ckpt.local import read_shard_file
 from tiered_ckpt.shardfile import ShardContents, write_shard
 from tiered_ckpt.state import (
     MAX_DEPTH,
     STRUCTURE_KEY,
+    Chunk,
+    ChunkOf,
     FlatState,
     Structure,
     flatten,
@@ -379,3 +383,189 @@ def test_unescape_gives_back_the_key_a_name_segment_was_made_of(key):
     from tiered_ckpt.state import unescape
 
     assert unescape(leaf_name([key])) == key
+
+
+# -- whatever the reader refuses, the writer refuses first ---------------------------------------
+
+
+def files_under(root) -> list[tuple[str, int]]:
+    """Every file under ``root`` with its size: a save that refuses must leave this unchanged."""
+    return sorted((str(p.relative_to(root)), p.stat().st_size) for p in root.rglob("*") if p.is_file())
+
+
+def assert_refused_before_anything_is_written(tmp_path, state, *phrases):
+    """``save`` (through the manager, and save_sharded) raises InvalidStateError with ``phrases``; no file changes."""
+    with CheckpointManager(tmp_path / "run", world_size=1) as manager:
+        before = files_under(tmp_path / "run")
+        with pytest.raises(InvalidStateError) as caught:
+            manager.save(1, state)
+        assert files_under(tmp_path / "run") == before and manager.steps() == []
+    for phrase in phrases:
+        assert phrase in str(caught.value), str(caught.value)[:400]
+    with pytest.raises(InvalidStateError):
+        save_sharded([state], tmp_path / "sharded", step=1)
+    assert not (tmp_path / "sharded").exists()
+    return str(caught.value)
+
+
+def round_trips(tmp_path, state) -> None:
+    with CheckpointManager(tmp_path / "fits", world_size=1) as manager:
+        manager.save(1, state, blocking=True)
+        assert_same(manager.restore().state, state)
+
+
+def test_a_string_whose_shard_header_the_reader_would_refuse_is_refused_naming_its_path(tmp_path):
+    # 14.5 M characters of é: 7 bytes each in the header (\\u00e9), over the reader's 100 MB
+    state = {"w": np.ones(3, np.float32), "meta": {"note": "é" * 14_500_000}}
+    message = assert_refused_before_anything_is_written(
+        tmp_path, state, 'rank 0: the state\'s shard header', 'state["meta"]["note"]', "over the 100,000,000"
+    )
+    assert "é" * 100 not in message  # the value itself is not repeated in the error
+
+
+@pytest.fixture
+def small_header_limit(monkeypatch):
+    """The reader's (and so the writer's) header limit made small, so that states at its edge are cheap."""
+    limit = 64_000
+    monkeypatch.setattr(shardfile, "MAX_HEADER_BYTES", limit)
+    return limit
+
+
+def largest_accepted(make, low: int, high: int) -> int:
+    """The largest n in [low, high) for which flatten(make(n)) succeeds (flatten(make(low)) does, make(high) not)."""
+    while high - low > 1:
+        middle = (low + high) // 2
+        try:
+            flatten(make(middle))
+            low = middle
+        except InvalidStateError:
+            high = middle
+    return low
+
+
+@pytest.mark.parametrize(
+    "what, make, named",
+    [
+        ("a long string", lambda n: {"w": np.ones(2), "note": "x" * n}, 'state["note"]'),
+        ("a long key", lambda n: {"w": np.ones(2), "k" * n: np.zeros(2)}, 'state["kkkkkkkkkk'),
+        ("a huge int", lambda n: {"w": np.ones(2), "seed": 2 ** (4 * n)}, 'state["seed"]'),
+        ("many arrays", lambda n: {"layers": [np.zeros(1, np.float16) for _ in range(n)]}, "save fewer, larger"),
+    ],
+)
+def test_a_state_at_the_header_limit_round_trips_and_one_just_over_it_is_refused(
+    tmp_path, small_header_limit, what, make, named
+):
+    n = largest_accepted(make, 1, small_header_limit)
+    round_trips(tmp_path, make(n))  # the reader takes the largest state the writer takes
+    shard = next((tmp_path / "fits").rglob("rank-*.safetensors"))
+    (header,) = struct.unpack("<Q", shard.read_bytes()[:8])
+    assert small_header_limit - 1100 < header <= small_header_limit  # at the edge (the writer keeps 1 KiB spare)
+    message = assert_refused_before_anything_is_written(tmp_path, make(n + 1), named, "over the 64,000")
+    assert message.startswith("rank 0: ")
+
+
+def nested(depth: int, leaf) -> dict:
+    """A state whose innermost container sits ``depth`` keys below the root (alternating dicts and lists)."""
+    node = leaf
+    for level in range(depth - 1):
+        node = {"d": node} if level % 2 else [node]
+    return {"top": node} if depth else node
+
+
+def test_nesting_at_the_depth_limit_round_trips_and_one_level_more_is_refused(tmp_path):
+    state = nested(MAX_DEPTH - 1, {"w": np.arange(3.0), "s": "leaf"})  # its leaves at MAX_DEPTH
+    round_trips(tmp_path, state)
+    assert_refused_before_anything_is_written(
+        tmp_path, nested(MAX_DEPTH, {"w": np.arange(3.0)}), f"nested deeper than {MAX_DEPTH}"
+    )
+    assert_refused_before_anything_is_written(tmp_path, nested(MAX_DEPTH, {}), f"nested deeper than {MAX_DEPTH}")
+
+
+def test_the_reader_refuses_a_container_where_the_writer_would_and_no_sooner(tmp_path):
+    def document(lists: int) -> str:  # the innermost list `lists` keys below the root
+        return (
+            '{"version": 1, "root": {"dict": [["w", {"array": "w"}], ["x", ' + '{"list": [' * lists
+            + "]}" * lists + "]]}}"
+        )  # fmt: skip
+
+    read_shard_file(tmp_path, shard_with_document(tmp_path, document(MAX_DEPTH - 1)))
+    with pytest.raises(ShardFormatError, match=f"deeper than {MAX_DEPTH}"):
+        read_shard_file(tmp_path, shard_with_document(tmp_path, document(MAX_DEPTH)))
+    with pytest.raises(InvalidStateError, match=f"deeper than {MAX_DEPTH}"):
+        flatten({"w": np.ones(1), "x": nested(MAX_DEPTH - 1, [])})
+
+
+def test_a_chunk_placed_by_numpy_or_torch_integers_round_trips(tmp_path):
+    whole = np.arange(12.0).reshape(4, 3)
+    state = {
+        "numpy": ChunkOf(whole[2:], np.array([4, 3]), (np.int64(2), np.int32(0))),
+        "torch": ChunkOf(whole[:2], torch.Size([4, 3]), (torch.tensor(0), 0)),
+    }
+    with CheckpointManager(tmp_path, world_size=1) as manager:
+        manager.save(1, state, blocking=True)
+        restored = manager.restore()
+    np.testing.assert_array_equal(restored.state["numpy"], whole[2:])
+    assert restored.flat[0].structure.chunks["numpy"] == Chunk((4, 3), (2, 0))
+
+
+@pytest.mark.parametrize(
+    "global_shape, offsets",
+    [((True, 3), (0, 0)), ((4, 3), (0.0, 0)), ((4, 3), (-1, 0)), ((4, 3), ("0", 0)), (4, (0, 0))],
+)
+def test_a_chunk_placed_by_what_the_reader_refuses_is_refused_naming_its_path(tmp_path, global_shape, offsets):
+    state = {"w": ChunkOf(np.ones((2, 3)), global_shape, offsets)}
+    assert_refused_before_anything_is_written(tmp_path, state, 'state["w"]')
+
+
+def chunked_states(arrays_per_rank: int, world_size: int = 2) -> list[dict]:
+    """Per rank, ``arrays_per_rank`` DTensor-like chunks (each rank holds one row of each tensor)."""
+    return [
+        {"layers": [ChunkOf(np.full((1, 3), float(rank)), (world_size, 3), (rank, 0)) for _ in range(arrays_per_rank)]}
+        for rank in range(world_size)
+    ]
+
+
+def test_a_step_whose_manifest_the_reader_would_refuse_is_refused_on_every_rank_before_anything_is_written(
+    tmp_path, monkeypatch
+):
+    from tiered_ckpt import manifest
+
+    monkeypatch.setattr(manifest, "MAX_MANIFEST_BYTES", 200_000)  # the reader's limit, small to stay cheap
+    with CheckpointManager(tmp_path / "run", world_size=2) as manager:
+        manager.save(1, chunked_states(150), blocking=True)  # fits: the reader reads it back
+        assert len(manager.restore().states[1]["layers"]) == 150
+        written = (tmp_path / "run" / "step-000000000001" / "manifest.json").stat().st_size
+        before = files_under(tmp_path / "run")
+        with pytest.raises(InvalidStateError, match=r"step 2: the manifest of its 2 ranks .* over the 200,000"):
+            manager.save(2, chunked_states(400))
+        assert files_under(tmp_path / "run") == before and manager.steps() == [1]
+    assert written < 200_000
+    with pytest.raises(InvalidStateError, match="over the 200,000"):
+        save_sharded(chunked_states(400), tmp_path / "sharded", step=1)
+    assert not (tmp_path / "sharded").exists()
+
+
+def test_a_state_one_rank_could_never_load_fails_the_save_on_every_rank_before_anything_is_written(tmp_path):
+    from conftest import launch_ranks
+
+    worker = Path(__file__).with_name("rank_worker.py")
+    config = {"actions": [{"do": "save", "step": 1, "long_note_on_rank": 1}], "timeout_seconds": 60}
+    results = launch_ranks(worker, tmp_path, 2, config)
+    for rank, result in results.items():
+        assert result["error"][0] == "InvalidStateError", result
+        assert result["error"][1].startswith("rank 1: the state's shard header"), result
+        assert 'state["note"]' in result["error"][1]
+        assert not (tmp_path / "nodes" / f"rank-{rank}" / "step-000000000001").exists()
+
+
+@pytest.mark.parametrize("step", [2**63, 10**300])
+def test_a_step_no_directory_name_or_reader_can_hold_is_refused_before_anything_is_written(tmp_path, step):
+    with CheckpointManager(tmp_path / "run", world_size=1) as manager:
+        manager.save(2**63 - 1, {"w": np.ones(2)}, blocking=True)  # the largest step saves and loads
+        assert manager.restore().step == 2**63 - 1
+        before = files_under(tmp_path / "run")
+        with pytest.raises(InvalidStateError, match=r"step must be an integer from 0 to 2\*\*63 - 1"):
+            manager.save(step, {"w": np.ones(2)})
+        assert files_under(tmp_path / "run") == before
+    with pytest.raises(InvalidStateError, match="step must be"):
+        save_sharded([{"w": np.ones(2)}], tmp_path / "sharded", step=step)

@@ -52,7 +52,7 @@ from .manifest import ShardManifest
 from .options import LocalOptions, ManagerKeywords, Options, RemoteOptions, UploadOptions, resolve_options
 from .preemption import PreemptionNotice, PreemptionWatch
 from .restore import Restorer, RestoreResult, check_restore_arguments, same_call
-from .sharded import resolve_sharded_keys, sharding_summary, validate_states, validate_step
+from .sharded import check_manifest_fits, resolve_sharded_keys, sharding_summary, validate_states, validate_step
 from .shardfile import Verify
 from .staging import StagingBuffers
 from .state import FlatState, State, flatten
@@ -69,12 +69,14 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class _SaveReport:
     """One process's check of a save call: its arguments, its newest step, its arrays' shapes per
-    rank, and whether each of its ranks' states is a flat dict of arrays."""
+    rank, whether each of its ranks' states is a flat dict of arrays, and the most bytes each of
+    its ranks' records may add to the manifest."""
 
     arguments: str
     newest: int | None
     shapes: tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]
     flat: bool
+    record_bytes: tuple[int, ...]
 
 
 class CheckpointManager:
@@ -105,8 +107,11 @@ class CheckpointManager:
     they always run at a lower priority than the training loop.
 
     ``preemption_signals`` (e.g. ``(signal.SIGTERM,)``; default none) installs handlers
-    that note a preemption notice for :meth:`reached_preemption` (chained to the handlers
-    they replace, which :meth:`close` puts back); only from the main thread.
+    that note a preemption notice for :meth:`reached_preemption`, only from the main
+    thread: one per signal for the process, shared by every manager, chained to a Python
+    handler it replaced but never to the default action (``SIG_DFL``, SIGINT's
+    ``KeyboardInterrupt``), which the notice replaces; the last manager to close puts the
+    old handler back, whatever order managers close in.
 
     Use it as a context manager, or call :meth:`close` at the end of the run.
     """
@@ -302,12 +307,18 @@ class CheckpointManager:
         same_call([report.arguments for report in parsed], "save")
         newest = max((report.newest for report in parsed if report.newest is not None), default=None)
         if newest is not None and step <= newest:
+            hint = (
+                "; ask reached_preemption(step) before the step's regular save, so that the stop step is a new one"
+                if self._preemption.step == step == newest
+                else ""
+            )
             raise CheckpointExistsError(
-                f"{self.root}: step {step} is not newer than the newest checkpoint, step {newest}"
+                f"{self.root}: step {step} is not newer than the newest checkpoint, step {newest}{hint}"
             )
         shapes = [dict(rank_shapes) for report in parsed for rank_shapes in report.shapes]
         flat = all(report.flat for report in parsed)
         keys, numels = resolve_sharded_keys(shapes, self._sharded_keys, flat=flat)
+        check_manifest_fits([size for report in parsed for size in report.record_bytes], keys, step)
         handle = self._writer.submit(step, local[0], keys, numels)
         if blocking:
             handle.wait()
@@ -324,7 +335,8 @@ class CheckpointManager:
         local = [flatten(state, f"rank {r}") for r, state in zip(self._ranks, given, strict=True)]
         shapes = tuple(tuple((key, tuple(shape)) for key, shape in sharding_summary(s.arrays).items()) for s in local)
         flat = all(s.structure.flat for s in local)
-        report = _SaveReport(json.dumps({"step": step}), self.latest_step(), shapes, flat)
+        records = tuple(s.record_bytes() for s in local)
+        report = _SaveReport(json.dumps({"step": step}), self.latest_step(), shapes, flat, records)
         return local, to_payload(report)
 
     def _before_collective(self) -> None:
@@ -353,12 +365,18 @@ class CheckpointManager:
 
         Cheap enough to call at every step. With one process per rank it is a collective
         (every rank calls it at the same step) that returns True on every rank at the same
-        step if any rank was signalled. From then on, uploads put the newest step first::
+        step if any rank was signalled. From then on, uploads put the newest step first.
+        Ask it after the step's training and before the step's regular save, so that the
+        stop step is never one saved already (a signal that arrives during or after the
+        regular save is answered at the next step)::
 
+            train_one_step()
             if manager.reached_preemption(step):
                 manager.save(step, state, blocking=True)
                 manager.wait(uploaded=True)
                 sys.exit(0)
+            if step % 200 == 0:
+                manager.save(step, state)
         """
         self._check_open()
         return self._preemption.reached(step)

@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from .errors import ChecksumMismatchError, ManifestError, ShardCountMismatchError
 from .layout import MANIFEST_NAME, is_plain_name
-from .shardfile import DTYPES, MAX_DIMS, ShardDigest
+from .shardfile import DTYPES, MAX_DIMS, ShardDigest, json_length_bound
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -27,6 +27,9 @@ __all__ = [
     "ShardRecord",
     "ShardManifest",
     "RemoteManifest",
+    "MAX_MANIFEST_BYTES",
+    "record_bytes_bound",
+    "manifest_problem",
 ]
 
 # Version 2: shards carry the structure document of a nested state (tiered_ckpt.state),
@@ -35,8 +38,16 @@ __all__ = [
 # of version 1 refuses a version 2 checkpoint rather than misreading its nested state.
 SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)
-# Bounds what a hostile manifest can make us allocate; 10**5 ranks take ~30 MB.
+# Bounds what a hostile manifest can make us allocate; 10**5 ranks take ~30 MB. A save
+# whose manifest might not fit is refused up front (manifest_problem): a step that saves loads.
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+# At least what to_json (indented) and a remote manifest's entries take, measured: a shard
+# record with its fields; one chunk record (or replica) besides its name; one dimension in
+# each of a chunk's three lists; the manifest's own fields.
+_RECORD_BYTES = 1024
+_CHUNK_BYTES = 260
+_DIM_BYTES = 90
+_MANIFEST_BYTES = 4096
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _XXH3_64 = re.compile(r"[0-9a-f]{16}")
@@ -284,6 +295,22 @@ class RemoteManifest:
             return cls(manifest, committed_at, extras["store_checksums"], extras["locations"])
         except ManifestError as exc:
             raise ManifestError(f"{source}: {exc}") from None
+
+
+def record_bytes_bound(chunks: Iterable[tuple[str, int]] = ()) -> int:
+    """At least the bytes one rank's shard record adds to a step's manifest, local or remote
+    (as :meth:`ShardManifest.to_json` writes it), whose shard lists ``chunks``: the name and
+    number of dimensions of each array it records as a chunk, or leaves to another rank."""
+    return _RECORD_BYTES + sum(_CHUNK_BYTES + json_length_bound(name) + _DIM_BYTES * ndim for name, ndim in chunks)
+
+
+def manifest_problem(records: Iterable[int], sharded_keys: Iterable[str]) -> str | None:
+    """Why the manifest of a step whose shard records take at most ``records`` bytes each
+    (:func:`record_bytes_bound`) might not be read back, as a phrase; None if it will."""
+    bound = _MANIFEST_BYTES + sum(records) + sum(json_length_bound(key) + 8 for key in sharded_keys)
+    if bound > MAX_MANIFEST_BYTES:
+        return f"may take up to {bound:,} bytes, over the {MAX_MANIFEST_BYTES:,} a reader accepts"
+    return None
 
 
 def _load_json_object(text: str | bytes, source: str) -> dict[str, Any]:

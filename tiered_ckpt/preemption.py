@@ -25,58 +25,134 @@ __all__ = ["PreemptionNotice", "PreemptionWatch"]
 logger = logging.getLogger("tiered_ckpt")
 
 
-class PreemptionNotice:
-    """Handlers for ``signals`` that record the first one received.
+class _Dispatcher:
+    """The one handler of one signal in this process, shared by every notice of that signal.
 
-    The handler a signal had before is called after ours when it is a Python function
-    (so a framework's own handler still runs); the default action and "ignore" are
-    not (the point is to survive the signal and save). :meth:`close` puts the previous
-    handlers back, unless something else replaced ours since. Handlers can only be
-    installed from the main thread (:class:`UsageError` otherwise).
+    Installed when the first notice registers, over the handler the signal had then
+    (``previous``); put back when the last one goes, whatever order the notices went in.
+    Handling a signal, it notes it in every registered notice, then chains to
+    ``previous`` if that is a Python function of someone else's; not to the default
+    action (``SIG_DFL``, or SIGINT's ``KeyboardInterrupt``): a notice replaces it.
+    With no notice left (the last one closed off the main thread, or a handler
+    installed over ours since chains to us), it acts as ``previous`` would have.
+    """
+
+    def __init__(self, signum: signal.Signals) -> None:
+        self.signum = signum
+        self.previous: Any = signal.SIG_DFL
+        self.notices: tuple[PreemptionNotice, ...] = ()  # replaced whole, never mutated: the handler reads it unlocked
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        notices = self.notices
+        for notice in notices:
+            notice._note(self.signum)
+        previous = self.previous
+        if callable(previous) and previous is not signal.default_int_handler:
+            previous(signum, frame)
+        elif not notices:
+            _act_as(previous, signum, frame)
+
+
+def _act_as(handler: Any, signum: int, frame: FrameType | None) -> None:
+    """Do what ``handler`` (a signal's handler before ours) does with the signal, from a handler (the main thread)."""
+    if handler is signal.SIG_IGN:
+        return
+    if callable(handler):  # SIGINT's default_int_handler: KeyboardInterrupt
+        handler(signum, frame)
+        return
+    current = signal.signal(signum, signal.SIG_DFL)
+    try:
+        signal.raise_signal(signum)  # the default action: for SIGTERM the process ends here, killed by the signal
+    finally:
+        signal.signal(signum, current)  # a signal whose default is to stop or to do nothing gets back its handler
+
+
+# One dispatcher per signal, process-wide; changed (under the lock) only by registering and
+# closing notices. Signal handlers never take the lock: they run on the main thread, which may hold it.
+_dispatchers: dict[signal.Signals, _Dispatcher] = {}
+_lock = threading.Lock()
+
+
+def _register(notice: PreemptionNotice, signum: signal.Signals) -> None:
+    with _lock:
+        dispatcher = _dispatchers.get(signum)
+        if dispatcher is None:
+            dispatcher = _Dispatcher(signum)
+            previous = signal.signal(signum, dispatcher.handle)
+            stale = getattr(previous, "__self__", None)
+            if isinstance(stale, _Dispatcher):  # left installed by a close off the main thread: take its place
+                previous = stale.previous
+            dispatcher.previous = previous if previous is not None else signal.SIG_DFL  # None: set from C
+            _dispatchers[signum] = dispatcher
+        dispatcher.notices = (*dispatcher.notices, notice)
+
+
+def _unregister(notice: PreemptionNotice, signum: signal.Signals) -> None:
+    with _lock:
+        dispatcher = _dispatchers.get(signum)
+        if dispatcher is None or notice not in dispatcher.notices:
+            return
+        dispatcher.notices = tuple(each for each in dispatcher.notices if each is not notice)
+        if dispatcher.notices:
+            return
+        del _dispatchers[signum]  # a later notice installs a dispatcher of its own
+        try:
+            if signal.getsignal(signum) == dispatcher.handle:
+                signal.signal(signum, dispatcher.previous)
+        except ValueError:  # not the main thread: ours stays installed, and acts as the previous handler
+            pass
+
+
+class PreemptionNotice:
+    """Notes the first of ``signals`` this process receives, for the training loop to ask about.
+
+    Every notice of a signal shares one process-wide handler, installed over the handler
+    the signal had before the first notice and put back once the last notice is closed,
+    in whatever order notices are closed (unless something else replaced ours since: that
+    handler is left alone). The handler a signal had before is called after ours when it
+    is a Python function of someone else's (so a framework's own handler still runs);
+    the default action (``SIG_DFL``, SIGINT's ``KeyboardInterrupt``) and "ignore" are not:
+    the point is to survive the signal and save. Handlers can only be installed from the
+    main thread (:class:`UsageError` otherwise).
     """
 
     def __init__(self, signals: Iterable[int | signal.Signals] = ()) -> None:
         self._received: signal.Signals | None = None
-        self._previous: dict[signal.Signals, Any] = {}
-        chosen = [_as_signal(each) for each in signals]
+        self._signals: tuple[signal.Signals, ...] = ()
+        chosen = list(dict.fromkeys(_as_signal(each) for each in signals))
         if chosen and threading.current_thread() is not threading.main_thread():
             raise UsageError("preemption_signals: signal handlers can only be installed from the main thread")
         try:
             for each in chosen:
-                self._previous[each] = signal.signal(each, self._handle)
+                _register(self, each)
+                self._signals = (*self._signals, each)
         except BaseException:
             self.close()
             raise
 
     def __repr__(self) -> str:
-        names = ", ".join(each.name for each in self._previous)
+        names = ", ".join(each.name for each in self._signals)
         return f"PreemptionNotice([{names}], received={self.received.name if self.received else None})"
 
     @property
     def signals(self) -> tuple[signal.Signals, ...]:
-        return tuple(self._previous)
+        """The signals this notice is registered for (none once closed)."""
+        return self._signals
 
     @property
     def received(self) -> signal.Signals | None:
         """The first signal received since the handlers were installed, or None."""
         return self._received
 
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
+    def _note(self, signum: signal.Signals) -> None:
         if self._received is None:
-            self._received = signal.Signals(signum)
-        previous = self._previous.get(signal.Signals(signum))
-        if callable(previous):
-            previous(signum, frame)
+            self._received = signum
 
     def close(self) -> None:
-        """Put back the handlers that were installed before ours (where ours is still installed)."""
-        previous, self._previous = self._previous, {}
-        for each, handler in previous.items():
-            try:
-                if signal.getsignal(each) == self._handle:
-                    signal.signal(each, handler if handler is not None else signal.SIG_DFL)
-            except ValueError:  # not the main thread: ours stays installed, and only notes a signal
-                pass
+        """Stop noting signals; the last notice of a signal to close puts its previous handler back. Idempotent."""
+        signals, self._signals = self._signals, ()
+        for each in signals:
+            _unregister(self, each)
 
 
 @dataclass(frozen=True)

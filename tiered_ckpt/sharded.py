@@ -37,7 +37,7 @@ from .local import (
     remove_temp_files,
     write_shard_file,
 )
-from .manifest import ShardManifest, ShardRecord
+from .manifest import ShardManifest, ShardRecord, manifest_problem
 from .replicas import assign, offer, put_back, written
 from .shardfile import Verify
 from .state import FlatState, flatten, flatten_into, sharded_names
@@ -51,6 +51,7 @@ __all__ = [
     "write_shards",
     "validate_states",
     "validate_step",
+    "check_manifest_fits",
     "check_world_size",
     "check_into",
     "run_parallel",
@@ -149,9 +150,26 @@ def validate_states(states_per_rank: Sequence[State], world_size: int | None) ->
     return len(states_per_rank)
 
 
+# A step names a directory (step-<digits>: a file name of at most 255 bytes) and is a JSON
+# integer every reader parses: an int64, as any training loop's counter is.
+MAX_STEP = 2**63 - 1
+
+
 def validate_step(step: int) -> None:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise InvalidStateError(f"step must be an integer >= 0, got {step!r}")
+    """Raise :class:`InvalidStateError` unless ``step`` is an integer in ``[0, MAX_STEP]``."""
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise InvalidStateError(f"step must be an integer from 0 to 2**63 - 1, got {step!r:.80}")
+
+
+def check_manifest_fits(record_bytes: Sequence[int], sharded_keys: Sequence[str], step: int) -> None:
+    """Raise :class:`InvalidStateError` if the manifest of ``step``, whose ranks' records take at most
+    ``record_bytes`` (:meth:`FlatState.record_bytes`), might be over the size a reader accepts."""
+    problem = manifest_problem(record_bytes, sharded_keys)
+    if problem is not None:
+        raise InvalidStateError(
+            f"step {step}: the manifest of its {len(record_bytes)} ranks (a record of every array of a state of "
+            f"DTensors) {problem}: save fewer, larger arrays"
+        )
 
 
 def write_shards(
@@ -263,6 +281,7 @@ def save_sharded(
     keys, numels = resolve_sharded_keys(
         [sharding_summary(s.arrays) for s in flat], sharded_keys, flat=all(s.structure.flat for s in flat)
     )
+    check_manifest_fits([s.record_bytes() for s in flat], keys, step)
     directory = Path(directory)
     made = not directory.exists()
     directory.mkdir(parents=True, exist_ok=True)

@@ -50,6 +50,11 @@ __all__ = [
     "ShardContents",
     "ShardHeader",
     "read_header",
+    "header_length",
+    "header_problem",
+    "json_length_bound",
+    "MAX_HEADER_BYTES",
+    "MAX_DIMS",
     "hash_stream",
     "copy_and_hash",
     "copy_hashing",
@@ -79,7 +84,8 @@ _CODES = {dtype: code for code, dtype in DTYPES.items()}
 
 # 1 MiB stays in L2 between hashing a chunk and copying it to the page cache.
 CHUNK_BYTES = 1 << 20
-# safetensors refuses headers over 100 MB; so do we, before allocating anything.
+# safetensors refuses headers over 100 MB; so does our reader, before allocating anything,
+# and so does the writer (header_problem), before writing anything: a shard that saves loads.
 MAX_HEADER_BYTES = 100_000_000
 # Shapes numpy can make: at most 64 dimensions, and the product of the non-zero ones
 # times the item size below 2**63 (numpy checks it even when another dimension is 0).
@@ -168,6 +174,7 @@ def array_problem(array: np.ndarray) -> str | None:
     if dtype not in _CODES:
         supported = ", ".join(str(d) for d in DTYPES.values())
         return f"has dtype {array.dtype}, which a shard cannot hold ({supported})"
+    # The reader's limits on a shape (MAX_DIMS, MAX_BYTES) are numpy's own: every array meets them.
     return None
 
 
@@ -201,15 +208,63 @@ def _layout(arrays: Mapping[str, np.ndarray]) -> list[tuple[str, str, np.ndarray
     return layout
 
 
-def _header_bytes(layout: list[tuple[str, str, np.ndarray, int, int]], metadata: Mapping[str, str]) -> bytes:
+def _header_text(layout: list[tuple[str, str, np.ndarray, int, int]], metadata: Mapping[str, str]) -> str:
+    """The header's JSON, unpadded; ASCII (json escapes the rest), so its length is its size in bytes."""
     header: dict[str, object] = {}
     if metadata:
         header[_METADATA] = {str(k): str(v) for k, v in metadata.items()}
     for name, code, array, begin, end in layout:
         header[name] = {"dtype": code, "shape": list(array.shape), "data_offsets": [begin, end]}
-    encoded = json.dumps(header, separators=(",", ":")).encode()
+    return json.dumps(header, separators=(",", ":"))
+
+
+def _header_bytes(layout: list[tuple[str, str, np.ndarray, int, int]], metadata: Mapping[str, str]) -> bytes:
+    encoded = _header_text(layout, metadata).encode()
     encoded += b" " * (-len(encoded) % 8)
     return struct.pack("<Q", len(encoded)) + encoded
+
+
+def header_length(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> int:
+    """The length of the (padded) JSON header :func:`write_shard` writes for ``arrays`` and
+    ``metadata``: the number the reader compares with :data:`MAX_HEADER_BYTES`. Touches no
+    array's bytes; raises :class:`InvalidStateError` as :func:`write_shard` would."""
+    length = len(_header_text(_layout(arrays), metadata))
+    return length + (-length % 8)
+
+
+def json_length_bound(text: str) -> int:
+    """At least the length of ``text`` as a JSON string (``json.dumps``): exact for printable
+    ASCII without quotes or backslashes (any real tensor name), 6 characters per character for
+    other ASCII (``\\u0001``), 12 for the rest (a surrogate pair)."""
+    if not text.isascii():
+        return 2 + 12 * len(text)
+    if text.isprintable() and '"' not in text and "\\" not in text:
+        return 2 + len(text)
+    return 2 + 6 * len(text)
+
+
+# Bytes of one header entry besides its name and shape: its keys, dtype code, two offsets.
+_ENTRY_BYTES = 100
+_DIM_BYTES = 21  # a dimension of at most 20 digits, and its comma
+
+
+def header_problem(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str], reserve: int = 0) -> str | None:
+    """Why the shard of ``arrays`` and ``metadata`` (checked arrays: what :func:`check_arrays`
+    returns) cannot be read back, its header being over :data:`MAX_HEADER_BYTES` with
+    ``reserve`` more bytes of metadata still to come, as a phrase; None if it can.
+
+    What the reader refuses, the writer refuses: this is the reader's own limit. Cheap for
+    any state well under it (a bound from the names' and values' lengths); a header near
+    the limit is measured exactly, as :func:`write_shard` would write it.
+    """
+    bound = 32 + reserve + sum(json_length_bound(key) + json_length_bound(value) for key, value in metadata.items())
+    bound += sum(json_length_bound(name) + _ENTRY_BYTES + _DIM_BYTES * array.ndim for name, array in arrays.items())
+    if bound <= MAX_HEADER_BYTES:
+        return None
+    length = header_length(arrays, metadata) + reserve
+    if length > MAX_HEADER_BYTES:
+        return f"takes {length:,} bytes, over the {MAX_HEADER_BYTES:,} a shard's reader accepts"
+    return None
 
 
 def _byte_chunks(array: np.ndarray) -> Iterator[memoryview]:
@@ -257,8 +312,9 @@ def write_shard(
 
     Guarantees: one pass over each array's memory, no copy of a C-contiguous
     little-endian array, extra memory bounded by one chunk for any other. Raises
-    :class:`InvalidStateError` (before writing anything) for a name or dtype a shard
-    cannot hold. Flushing to stable storage is the caller's job. The header's size and
+    :class:`InvalidStateError` (before writing anything) for a name, dtype or shape a
+    shard cannot hold, or a header over :data:`MAX_HEADER_BYTES` (whatever the reader
+    refuses). Flushing to stable storage is the caller's job. The header's size and
     sha256 are measured too; ``part_digests=True`` also hashes each array on its own (a
     second sha256 and xxh3-64 of every byte, in the same pass): with both, a reader of
     parts of the file verifies what it reads (:func:`read_header`).
@@ -266,6 +322,11 @@ def write_shard(
     layout = _layout(arrays)
     hasher = _Hasher()
     header = _header_bytes(layout, metadata or {})
+    if len(header) - 8 > MAX_HEADER_BYTES:
+        raise InvalidStateError(
+            f"state: the shard's header (array names, shapes and metadata) takes {len(header) - 8:,} bytes, "
+            f"over the {MAX_HEADER_BYTES:,} a shard's reader accepts"
+        )
     write = _write_hashing(out, hasher)
     write(header)
     digests: dict[str, ShardDigest] = {}

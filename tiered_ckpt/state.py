@@ -23,23 +23,36 @@ arrays, numpy scalars, torch tensors) or JSON-like scalars (``int`` of any size,
 
 Nothing else is accepted: :func:`flatten` raises :class:`InvalidStateError` naming the
 path (``state["optim"]["foo"]``) of the first value it cannot store, before anything is
-written. No pickle anywhere.
+written. Nor is what the reader would refuse (a shard that saves always loads): a
+container nested :data:`MAX_DEPTH` keys deep, a shard header over the reader's limit
+(:data:`~tiered_ckpt.shardfile.MAX_HEADER_BYTES`: the arrays' names and shapes, and the
+structure document with every scalar in it; the error names the largest value), a
+chunk placed by anything but integers. No pickle anywhere.
 """
 
 from __future__ import annotations
 
 import json
+import operator
 import re
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Literal
 
 import numpy as np
 
 from .errors import InvalidStateError, ShardFormatError
-from .manifest import ChunkRecord
-from .shardfile import MAX_DIMS, ShardContents, ShardDigest, array_problem, dtype_code
+from .manifest import ChunkRecord, record_bytes_bound
+from .shardfile import (
+    MAX_DIMS,
+    ShardContents,
+    ShardDigest,
+    array_problem,
+    dtype_code,
+    header_problem,
+)
 from .tensors import is_tensor, to_numpy, to_torch
 
 __all__ = [
@@ -66,8 +79,13 @@ State = Mapping[Any, Any]
 STRUCTURE_KEY = "tiered_ckpt.structure"
 STRUCTURE_VERSION = 1
 # Real states nest a handful of levels; a bound keeps a hostile document (or a state
-# that contains itself) from exhausting the stack.
+# that contains itself) from exhausting the stack. One rule for the writer and the
+# reader (_too_deep): a container sits less than MAX_DEPTH keys deep, a leaf at most MAX_DEPTH.
 MAX_DEPTH = 100
+# Room flatten keeps in a shard's header for what the writer adds next to the structure
+# document (the rank, world size and step: ~100 bytes), so that what flatten accepts fits.
+_WRITER_METADATA_BYTES = 1024
+_NAMED_VALUE_BYTES = 1024  # a header over its limit names its largest value if it is at least this large
 
 PathKey = tuple[Literal["key", "index"], str | int]
 Kind = Literal["array", "tensor", "dtensor", "legacy"]
@@ -110,6 +128,11 @@ def leaf_name(path: Sequence[str | int], kinds: Sequence[str] | None = None) -> 
 def path_text(path: Sequence[str | int]) -> str:
     """``path`` as the Python expression a user would write: ``state["optim"][0]``."""
     return "state" + "".join(f"[{json.dumps(key) if isinstance(key, str) else key}]" for key in path)
+
+
+def _too_deep(depth: int) -> bool:
+    """True for a container ``depth`` keys below the root that neither the writer nor the reader accepts."""
+    return depth >= MAX_DEPTH
 
 
 def _is_text(value: str) -> bool:
@@ -174,6 +197,10 @@ class Structure:
 
     def to_json(self) -> str:
         """The document as a shard's metadata holds it."""
+        return self._json
+
+    @cached_property
+    def _json(self) -> str:  # made once: flatten measures it, the writer writes it
         return json.dumps({"version": STRUCTURE_VERSION, "root": self.root}, separators=(",", ":"))
 
     @classmethod
@@ -228,8 +255,6 @@ class _Parser:
         return ShardFormatError(f"{self.what}: structure document, at {path_text(path)}: {problem}")
 
     def node(self, node: Any, path: tuple[str | int, ...], depth: int, is_root: bool = False) -> None:
-        if depth > MAX_DEPTH:
-            raise self.fail(path, f"nested deeper than {MAX_DEPTH} levels")
         if is_root and not (isinstance(node, dict) and set(node) == {"dict"}):
             raise self.fail(path, f"the root must be a dict node, got {str(node)[:80]}")
         if node is None or type(node) in (bool, str):
@@ -241,6 +266,8 @@ class _Parser:
         if not isinstance(node, dict) or len(node) != 1:
             raise self.fail(path, f"expected a typed node (an object with one key), got {str(node)[:80]}")
         ((tag, value),) = node.items()
+        if tag in ("list", "tuple", "dict") and _too_deep(depth):
+            raise self.fail(path, f"nested deeper than {MAX_DEPTH} levels")
         if tag in ("array", "tensor"):
             self.leaf(tag, value, path)
         elif tag == "dtensor":
@@ -372,6 +399,12 @@ class _Flattener:
         self.chunks: dict[str, Chunk] = {}
         self.replicated: set[str] = set()
         self._open: set[int] = set()
+        self.largest: tuple[int, tuple[str | int, ...]] = (0, ())  # roughly the most header bytes, and where
+
+    def note(self, size: int, path: tuple[str | int, ...]) -> None:
+        """Remember the value (or key) that takes the most of the header, to name it if the header is too large."""
+        if size > self.largest[0]:
+            self.largest = (size, path)
 
     def fail(self, path: tuple[str | int, ...], problem: str) -> InvalidStateError:
         return InvalidStateError(f"{self.owner}: {path_text(path)} {problem}")
@@ -382,7 +415,7 @@ class _Flattener:
             return self.scalar(value, path)
         if isinstance(value, (np.ndarray, np.generic, ChunkOf)) or is_tensor(value):
             return self.leaf(value, path, "%5F_metadata__" if name == "__metadata__" else name)
-        if len(path) >= MAX_DEPTH:
+        if _too_deep(len(path)):
             raise self.fail(path, f"is nested deeper than {MAX_DEPTH} levels")
         if id(value) in self._open:
             raise self.fail(path, "contains itself (a state must be a tree)")
@@ -404,6 +437,7 @@ class _Flattener:
         if type(key) is str:
             if not _is_text(key):
                 raise self.fail(path, f"has the key {key!r:.80}, which is not valid Unicode text")
+            self.note(_text_bytes(key), (*path, key))
             encoded: Any = key
         elif type(key) is int:
             encoded = _encode_int(key)
@@ -414,12 +448,33 @@ class _Flattener:
 
     def scalar(self, value: Any, path: tuple[str | int, ...]) -> Any:
         if type(value) is int:
-            return _encode_int(value)
+            encoded = _encode_int(value)
+            if isinstance(encoded, dict):
+                self.note(len(encoded["int"]), path)
+            return encoded
         if type(value) is float:
             return _encode_float(value)
-        if type(value) is str and not _is_text(value):
-            raise self.fail(path, "is a str that is not valid Unicode text (a lone surrogate)")
+        if type(value) is str:
+            if not _is_text(value):
+                raise self.fail(path, "is a str that is not valid Unicode text (a lone surrogate)")
+            self.note(_text_bytes(value), path)
         return value
+
+    def check_header(self, state: FlatState) -> None:
+        """Raise :class:`InvalidStateError` if the shard of ``state`` would have a header its reader refuses."""
+        problem = header_problem(state.arrays, state.metadata(), _WRITER_METADATA_BYTES)
+        if problem is None:
+            return
+        size, path = self.largest
+        advice = (
+            f"its largest value is {path_text(path)} (~{size:,} bytes of it): store large values as arrays"
+            if size >= _NAMED_VALUE_BYTES
+            else "save fewer, larger arrays"
+        )
+        raise InvalidStateError(
+            f"{self.owner}: the state's shard header (the names and shapes of its {len(state.arrays):,} arrays, "
+            f"and the structure document with every scalar) {problem}; {advice}"
+        )
 
     def leaf(self, value: Any, path: tuple[str | int, ...], name: str) -> dict[str, Any]:
         if name in self.arrays:  # distinct paths make distinct names; this guards that rule
@@ -462,12 +517,24 @@ class _Flattener:
         array = self.tensor(value.data, path) if is_tensor(value.data) else value.data
         if not isinstance(array, np.ndarray):
             raise self.fail(path, f"is a ChunkOf a {type(array).__name__}, not of an array or tensor")
-        shape, offsets = tuple(value.global_shape), tuple(value.offsets)
+        shape, offsets = self.dims(value.global_shape, path), self.dims(value.offsets, path)
         if not (len(shape) == len(offsets) == array.ndim) or any(
             o < 0 or o + n > whole for o, n, whole in zip(offsets, array.shape, shape, strict=True)
         ):
             raise self.fail(path, f"is a chunk {array.shape} at {offsets} that is not inside a tensor of {shape}")
         return array, Chunk(shape, offsets)
+
+    def dims(self, values: Any, path: tuple[str | int, ...]) -> tuple[int, ...]:
+        """A chunk's global shape or offsets as the integers the structure document holds (a numpy or
+        torch integer becomes an ``int``); a bool, a float or a negative number is refused, as the reader would."""
+        try:
+            dims = tuple(_dimension(d) for d in values)
+        except TypeError:
+            dims = None
+        if dims is None or len(dims) > MAX_DIMS or any(d < 0 for d in dims):
+            raise self.fail(path, f"is a ChunkOf whose global_shape or offsets {values!r:.120} are not "
+                            f"at most {MAX_DIMS} integers >= 0")  # fmt: skip
+        return dims
 
     def tensor(self, value: Any, path: tuple[str | int, ...]) -> np.ndarray:
         if self.into and value.device.type != "cpu":
@@ -476,6 +543,18 @@ class _Flattener:
             return to_numpy(value)
         except (RuntimeError, TypeError) as exc:  # sparse, quantized or otherwise non-strided tensors
             raise self.fail(path, f"is a tensor numpy cannot view: {exc}") from exc
+
+
+def _dimension(value: Any) -> int:
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError("a bool is not a dimension")
+    return operator.index(value)
+
+
+def _text_bytes(text: str) -> int:
+    """Roughly the bytes ``text`` takes in a shard's header: json escapes a non-ASCII character
+    as ``\\uXXXX`` in the structure document, and its backslash again in the header."""
+    return len(text) if text.isascii() else 7 * len(text)
 
 
 def _is_dtensor(value: Any) -> bool:
@@ -514,6 +593,12 @@ class FlatState:
                 )  # fmt: skip
             )
         return tuple(records)
+
+    def record_bytes(self) -> int:
+        """At least the bytes this rank's record adds to its step's manifest (a state of DTensors
+        records every array as a chunk; :func:`~tiered_ckpt.manifest.record_bytes_bound`)."""
+        chunks = ((name, array.ndim) for name, array in self.arrays.items()) if self.structure.chunks else ()
+        return record_bytes_bound(chunks)
 
     def unflatten(self, *, torch: bool = False) -> dict[Any, Any]:
         """The nested state: arrays as numpy, or (``torch=True``) as each leaf was saved."""
@@ -559,7 +644,10 @@ def flatten(state: Any, owner: str = "state", *, into: bool = False) -> FlatStat
     structure = Structure(root, flattener.kinds, flattener.paths, _is_flat(root), flattener.chunks)
     plain = {name for name, kind in flattener.kinds.items() if kind != "dtensor"}
     shared = frozenset(plain | flattener.replicated) if flattener.chunks else frozenset()
-    return FlatState(flattener.arrays, structure, shared)
+    flat = FlatState(flattener.arrays, structure, shared)
+    if not into:
+        flattener.check_header(flat)
+    return flat
 
 
 def flatten_into(into: Any, owner: str) -> FlatState:

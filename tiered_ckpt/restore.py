@@ -331,7 +331,8 @@ class Restorer:
                 if not from_peers:
                     received = self._replicas_read(step, manifest, read, remote is not None)
                 for rank, state in read.items():
-                    put_back(state, manifest.shard(rank), manifest, received, into_by_rank.get(rank))
+                    record = manifest.shard(rank)
+                    put_back(state, record, manifest, received, into_by_rank.get(rank), store.local.step_dir(step))
                 return self._resharded(step, manifest, target, read, sources)
 
             return self._pending(manifest, read, finish, from_peers)

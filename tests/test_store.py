@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import flip_byte
-from tiered_ckpt import ChecksumMismatchError, IncompleteCheckpointError, UsageError, save_sharded
+from tiered_ckpt import ChecksumMismatchError, IncompleteCheckpointError, UsageError, load_sharded, save_sharded
 from tiered_ckpt.layout import step_dir_name
 from tiered_ckpt.local import LocalTier
 from tiered_ckpt.remote import RemoteTier
@@ -202,3 +202,74 @@ def test_any_new_shard_has_a_verifiable_header_and_an_old_record_without_one_is_
     old = dataclasses.replace(record, header_bytes=0, header_sha256="")
     with pytest.raises(ShardFormatError, match="can only be read whole"):
         store.read_parts(3, old, (), use_remote=False)
+
+
+def fail_reads_of(monkeypatch, path) -> None:
+    """Make every read of the file now at ``path`` fail with EIO, as a failing disk does (injected
+    where the shard reader asks for its blocks, by the file's inode: a copy landed under the
+    same name later is a new file, and reads)."""
+    import errno
+    from contextlib import contextmanager
+
+    from tiered_ckpt import shardfile
+
+    bad = os.stat(path).st_ino
+    real = shardfile.read_blocks
+
+    @contextmanager
+    def read_blocks(fd, size):
+        with real(fd, size) as blocks:
+            if os.fstat(fd).st_ino != bad:
+                yield blocks
+                return
+
+            def failing():
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+                yield from blocks
+
+            yield failing()
+
+    monkeypatch.setattr(shardfile, "read_blocks", read_blocks)
+
+
+def test_an_io_error_reading_the_local_shard_takes_the_bucket_copy_and_refills_it(two_tiers, monkeypatch, caplog):
+    store, manifest, states = two_tiers
+    record = manifest.shard(1)
+    path = store.local.shard_path(3, record)
+    fail_reads_of(monkeypatch, path)
+    with caplog.at_level("WARNING", logger="tiered_ckpt"):
+        state, source = store.fetch_shard(3, record)
+    assert source == "remote" and state.arrays["w"].tobytes() == states[1]["w"].tobytes()
+    assert store.local.check_shard(3, record) is None and store.fetch_shard(3, record)[1] == "local"  # refilled
+    (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert "step 3 rank 1: repaired the local copy from memory://" in warning.getMessage()
+    assert f"{path}: read error: Input/output error" in warning.getMessage()
+
+
+def test_an_io_error_with_no_good_copy_names_every_copy_and_its_problem(two_tiers, monkeypatch):
+    store, manifest, _states = two_tiers
+    record = manifest.shard(1)
+    path = store.local.shard_path(3, record)
+    fail_reads_of(monkeypatch, path)
+    remote_path = f"{store.remote._root}/{step_dir_name(3)}/{record.path}"
+    data = bytearray(store.remote._fs.cat_file(remote_path))
+    data[600] ^= 0xFF
+    store.remote._fs.pipe_file(remote_path, bytes(data))
+    with pytest.raises(ChecksumMismatchError, match="rank 1: no copy verifies") as caught:
+        store.fetch_shard(3, record)
+    message = str(caught.value)
+    assert f"local {path}: rank 1 shard {path}: read error: Input/output error" in message
+    assert message.count("remote memory://") == 2 and message.count("sha256") == 2
+
+
+def test_an_io_error_without_a_bucket_is_an_incomplete_checkpoint_naming_the_file(two_tiers, monkeypatch):
+    import errno
+
+    store, manifest, _states = two_tiers
+    path = store.local.shard_path(3, manifest.shard(0))
+    fail_reads_of(monkeypatch, path)
+    with pytest.raises(IncompleteCheckpointError, match=f"rank 0 shard {path}: read error") as caught:
+        TieredStore(store.local).fetch_shard(3, manifest.shard(0))
+    assert isinstance(caught.value.__cause__, OSError) and caught.value.__cause__.errno == errno.EIO
+    with pytest.raises(IncompleteCheckpointError, match=f"rank 0 shard {path}: read error"):
+        load_sharded(store.local.step_dir(3), expected_world_size=2)

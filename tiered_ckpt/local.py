@@ -177,21 +177,31 @@ def read_shard_file(
 
     With ``into``, fills those arrays instead (see :func:`~tiered_ckpt.shardfile.read_shard`).
     The arrays the record lists as replicas (held by another rank's shard) are not in the
-    state returned (nor filled in ``into``): :func:`~tiered_ckpt.replicas.take_replicas` adds them.
+    state returned (nor filled in ``into``): :func:`~tiered_ckpt.replicas.put_back` adds them.
 
-    Raises :class:`IncompleteCheckpointError` if the file is missing, not a regular file
-    or shorter than recorded, :class:`ChecksumMismatchError` if it is longer or its bytes
-    differ, :class:`ShardFormatError` if they verify but are not a valid shard (or
-    structure document), and :class:`ConfigError` for a ``verify`` other than "full" or "fast".
+    Raises :class:`IncompleteCheckpointError` if the file is missing, not a regular file,
+    shorter than recorded or cannot be read (an I/O error, chained), :class:`ChecksumMismatchError`
+    if it is longer or its bytes differ, :class:`ShardFormatError` if they verify but are not
+    a valid shard (or structure document), and :class:`ConfigError` for a ``verify`` other than "full" or "fast".
     """
     check_verify(verify)
     elsewhere = {name for name, _holder in record.replicas}
     held = {name: array for name, array in into.items() if name not in elsewhere} if into is not None else None
-    with _open_recorded(directory, record) as (source, what):
+    with _open_recorded(directory, record) as (source, what), _read_errors(what):
         contents = read_shard(
             source, check=lambda digest: record.verify(digest, what), verify=verify, what=what, into=held
         )
     return FlatState.from_shard(contents, what, elsewhere)
+
+
+@contextmanager
+def _read_errors(what: str) -> Iterator[None]:
+    """Raise an OSError of reading a shard (EIO from a failing disk) as :class:`IncompleteCheckpointError`
+    naming ``what``, the OSError chained: the copy cannot be read, and the store then tries the next tier."""
+    try:
+        yield
+    except OSError as exc:
+        raise IncompleteCheckpointError(f"{what}: read error: {exc.strerror or exc}") from exc
 
 
 @contextmanager
@@ -200,10 +210,10 @@ def open_shard_ranges(directory: Path, record: ShardRecord) -> Iterator[Callable
     which fills ``buffer`` with the file's bytes from ``offset`` and returns their sha256
     (``verify="fast"``: their xxh3-64).
 
-    Raises :class:`IncompleteCheckpointError` if the file is missing, not a regular file
-    or short, :class:`ChecksumMismatchError` if it is longer than recorded.
+    Raises :class:`IncompleteCheckpointError` if the file is missing, not a regular file,
+    short or cannot be read (an I/O error, chained), :class:`ChecksumMismatchError` if it is longer than recorded.
     """
-    with _open_recorded(directory, record) as (source, what):
+    with _open_recorded(directory, record) as (source, what), _read_errors(what):
         size = record.size_bytes
         data = np.frombuffer(mmap.mmap(source.fileno(), 0, access=mmap.ACCESS_READ), np.uint8) if size else None
 
@@ -225,6 +235,8 @@ def check_shard_file(directory: Path, record: ShardRecord) -> str | None:
             problem = record.mismatch(ShardDigest(size, "", "")) or record.mismatch(hash_stream(source, "full"))
     except IncompleteCheckpointError as exc:
         return str(exc)
+    except OSError as exc:
+        return f"{path}: read error: {exc.strerror or exc}"
     return f"{path}: {problem}" if problem else None
 
 

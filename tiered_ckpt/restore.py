@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -53,12 +54,12 @@ from .shardfile import Verify, check_verify
 from .state import FlatState, State, flatten_into
 from .store import Source, TieredStore
 
-__all__ = ["RestoreResult", "Restorer", "StepReport", "same_call"]
+__all__ = ["RestoreResult", "Restorer", "StepReport", "same_call", "rank_ranges"]
 
 logger = logging.getLogger("tiered_ckpt")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class RestoreResult:
     """What :meth:`CheckpointManager.restore` returns.
 
@@ -66,15 +67,26 @@ class RestoreResult:
     tuples and scalars with their types), every array as a numpy array: every rank when
     one process holds them all, this process's rank under a multi-process coordinator.
     ``sources`` maps each shard this process read (by the rank that saved it) to the
-    tier it was read from: ``"local"`` or ``"remote"``.
+    tier it was read from: ``"local"`` or ``"remote"``. ``bytes_read`` counts the bytes of
+    shards this process read (whole, or the parts it needed), ``seconds`` the time the
+    restore took. The repr names the step, ranks, sources and sizes, never the arrays.
     """
 
     step: int
     states: list[dict[Any, Any]]
     sources: dict[int, Source]
     ranks: tuple[int, ...]
-    manifest: ShardManifest = field(repr=False)
-    flat: tuple[FlatState, ...] = field(repr=False, default=())
+    manifest: ShardManifest
+    flat: tuple[FlatState, ...] = ()
+    bytes_read: int = 0
+    seconds: float = 0.0
+
+    def __repr__(self) -> str:
+        arrays = [array for state in self.flat for array in state.arrays.values()]
+        return (
+            f"RestoreResult(step={self.step}, ranks={rank_ranges(self.ranks)}, sources={_by_tier(self.sources)}, "
+            f"arrays={len(arrays)}, nbytes={sum(array.nbytes for array in arrays)}, bytes_read={self.bytes_read})"
+        )
 
     @property
     def state(self) -> dict[Any, Any]:
@@ -95,6 +107,29 @@ class RestoreResult:
     def torch_state(self) -> dict[Any, Any]:
         """:attr:`state` with each leaf saved as a torch tensor as a CPU tensor (see :meth:`torch_states`)."""
         return self.flat[self._single()].unflatten(torch=True)
+
+
+def rank_ranges(ranks: Collection[int]) -> str:
+    """``ranks`` as short runs, for messages: "0-3,6,8-9" ("-" if none)."""
+    runs: list[list[int]] = []
+    for rank in sorted(set(ranks)):
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return ",".join(str(first) if first == last else f"{first}-{last}" for first, last in runs) or "-"
+
+
+def _by_tier(sources: Mapping[int, Source]) -> str:
+    """``sources`` as "{local: 0-2, remote: 3}"."""
+    tiers = sorted(set(sources.values()))
+    listed = (f"{tier}: {rank_ranges([rank for rank, held in sources.items() if held == tier])}" for tier in tiers)
+    return "{" + ", ".join(listed) + "}"
+
+
+def _part_bytes(record: ShardRecord, state: FlatState) -> int:
+    """The bytes a partial read of ``record``'s shard took: its header and the arrays in ``state``."""
+    return record.header_bytes + sum(array.nbytes for array in state.arrays.values())
 
 
 @dataclass(frozen=True)
@@ -179,9 +214,11 @@ class Restorer:
         before: Callable[[], None] = lambda: None,
     ) -> RestoreResult | None:
         """Run a restore; ``before`` runs inside the first collective (to raise background errors on every rank)."""
+        started = time.monotonic()
         arguments = json.dumps({"step": step, "world_size": world_size, "reshard": reshard}, sort_keys=True)
         restored, remote_steps, complete, reports = self._agree_on_step(step, arguments, world_size, missing_ok, before)
         if restored is None:
+            logger.info("restore: no step committed in %s; starting fresh", self._store.where())
             return None
         pending, _ = agree_on(
             self._coordinator,
@@ -192,6 +229,12 @@ class Restorer:
         if result is None:  # the same on every process: they hold one manifest and world size
             result, _ = agree_on(self._coordinator, lambda: self._finish_from_peers(pending), lambda _result: None)
         self._drop_unfinished_commits(restored, complete, reports)
+        result = replace(result, seconds=time.monotonic() - started)
+        logger.info(
+            "restored step %d for rank(s) %s: %d bytes of %d shard(s) read in %.3f s; shards by tier: %s",
+            result.step, rank_ranges(result.ranks), result.bytes_read, len(result.sources), result.seconds,
+            _by_tier(result.sources),
+        )  # fmt: skip
         return result
 
     def _finish_from_peers(self, pending: _Pending) -> RestoreResult:
@@ -323,17 +366,20 @@ class Restorer:
                 self._max_workers,
             )
             store.record_refill(manifest, remote, wanted, was_committed=in_local)
+            whole_bytes = sum(manifest.shard(rank).size_bytes for rank in wanted)
             read = {rank: state for rank, (state, _source) in zip(wanted, fetched, strict=True)}
             sources = {rank: source for rank, (_state, source) in zip(wanted, fetched, strict=True)}
             into_by_rank = {rank: state.arrays for rank, state in zip(wanted, targets or (), strict=False)}
 
             def finish(received: Mapping[int, Mapping[str, np.ndarray]]) -> RestoreResult:
+                parts_bytes = 0
                 if not from_peers:
-                    received = self._replicas_read(step, manifest, read, remote is not None)
+                    received, parts_bytes = self._replicas_read(step, manifest, read, remote is not None)
                 for rank, state in read.items():
                     record = manifest.shard(rank)
                     put_back(state, record, manifest, received, into_by_rank.get(rank), store.local.step_dir(step))
-                return self._resharded(step, manifest, target, read, sources)
+                result = self._resharded(step, manifest, target, read, sources)
+                return replace(result, bytes_read=whole_bytes + parts_bytes)
 
             return self._pending(manifest, read, finish, from_peers)
         except CheckpointError as exc:
@@ -358,9 +404,10 @@ class Restorer:
 
     def _replicas_read(
         self, step: int, manifest: ShardManifest, read: Mapping[int, FlatState], use_remote: bool
-    ) -> dict[int, Mapping[str, np.ndarray]]:
+    ) -> tuple[dict[int, Mapping[str, np.ndarray]], int]:
         """By holder rank, the arrays the shards in ``read`` left to other ranks: from the
-        holder's shard if it is in ``read``, else by a verified partial read of it."""
+        holder's shard if it is in ``read``, else by a verified partial read of it; and the
+        bytes those partial reads took."""
         needed = missing(manifest.shard(rank) for rank in read)
         found: dict[int, Mapping[str, np.ndarray]] = {h: read[h].arrays for h in needed if h in read}
         absent = sorted(holder for holder in needed if holder not in read)
@@ -370,7 +417,7 @@ class Restorer:
             self._max_workers,
         )
         found.update((holder, state.arrays) for holder, (state, _source) in zip(absent, parts, strict=True))
-        return found
+        return found, sum(_part_bytes(manifest.shard(h), state) for h, (state, _) in zip(absent, parts, strict=True))
 
     def _resharded(
         self,
@@ -440,15 +487,15 @@ class Restorer:
         )
         read = {rank: state for rank, (state, _source) in zip(ranks, fetched, strict=True)}
         sources = {rank: source for rank, (_state, source) in zip(ranks, fetched, strict=True)}
+        bytes_read = sum(_part_bytes(manifest.shard(rank), state) for rank, state in read.items())
 
         def finish(received: Mapping[int, Mapping[str, np.ndarray]]) -> RestoreResult:
             for holder, arrays in received.items():
                 base = read.get(holder, read[plans[0].plain_source])
                 read[holder] = FlatState({**base.arrays, **arrays} if holder in read else dict(arrays), base.structure)
             states = [fill_chunks(plan, read, state) for plan, state in zip(plans, targets, strict=True)]
-            return RestoreResult(
-                step, [state.unflatten() for state in states], sources, self._ranks, manifest, tuple(states)
-            )
+            unflattened = [state.unflatten() for state in states]
+            return RestoreResult(step, unflattened, sources, self._ranks, manifest, tuple(states), bytes_read)
 
         return self._pending(manifest, read, finish, from_peers)
 

@@ -3,11 +3,12 @@
 import logging
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import flip_byte
+from conftest import flip_byte, launch_ranks
 from test_store import fail_reads_of
 from tiered_ckpt import CheckpointManager, InvalidStateError
 from tiered_ckpt.layout import shard_name, step_dir_name
@@ -139,3 +140,58 @@ def test_an_io_error_on_a_local_shard_restores_from_the_bucket_and_refills_it(up
     with CheckpointManager(directory, world_size=2) as manager:  # the refilled copy reads, without the bucket
         assert manager.restore().sources == {0: "local", 1: "local"}
     shutil.rmtree(directory)
+
+
+# --- one process per rank: a world size the disks cannot serve without a bucket (real rank processes) ---
+
+RANK_WORKER = Path(__file__).with_name("rank_worker.py")
+FSDP_WORKER = Path(__file__).with_name("fsdp_worker.py")
+
+
+def run_ranks(root: Path, world_size: int, actions: list[dict], remote=None) -> dict[int, dict]:
+    return launch_ranks(RANK_WORKER, root, world_size, {"actions": actions, "timeout_seconds": 60}, remote=remote)
+
+
+@pytest.fixture(scope="module")
+def two_rank_disks(tmp_path_factory) -> Path:
+    """Steps 1 and 2 of a 2-rank job without a bucket, each rank on a disk of its own (``nodes/rank-<r>``)."""
+    root = tmp_path_factory.mktemp("two-ranks")
+    saved = run_ranks(root, 2, [{"do": "save", "step": 1}, {"do": "save", "step": 2}, {"do": "wait"}])
+    assert all("error" not in result for result in saved.values()), saved
+    return root
+
+
+@pytest.mark.parametrize("reshard", [False, True])
+def test_growing_the_world_size_without_a_bucket_says_the_step_exists_and_what_restores_it(
+    two_rank_disks, tmp_path, reshard
+):
+    shutil.copytree(two_rank_disks / "nodes", tmp_path / "nodes")
+    results = run_ranks(tmp_path, 3, [{"do": "restore", "reshard": reshard}])
+    expected = "IncompleteCheckpointError" if reshard else "WorldSizeMismatchError"
+    for rank, result in results.items():
+        kind, message = result["error"]
+        assert kind == expected, result
+        assert "no committed checkpoint" not in message
+        assert (
+            "step 2, saved by 2 ranks, is committed on the disks of ranks 0-1 only and no bucket is configured "
+            "(remote_url): rank 2 of this job's 3 holds no copy, and without a bucket a rank cannot read the "
+            "shards on other nodes' disks; to restore it on 3 ranks, give the job a bucket holding step 2 (remote_url)"
+        ) in message, message
+        assert message.endswith("(remote_url)" if reshard else "and restore with reshard=True (--reshard)"), message
+    assert sorted(path.name for path in (tmp_path / "nodes").iterdir()) == ["rank-0", "rank-1"]  # no empty rank-2
+    for rank in range(2):  # nothing the ranks held was touched
+        assert sorted(path.name for path in (tmp_path / "nodes" / f"rank-{rank}").iterdir()) == [
+            step_dir_name(1), step_dir_name(2)
+        ]
+
+
+def test_a_state_of_dtensors_resharded_without_a_bucket_says_it_needs_one_not_file_is_missing(tmp_path):
+    saved = launch_ranks(FSDP_WORKER, tmp_path, 3, {"do": "save"})
+    assert all("error" not in result for result in saved.values()), saved
+    shutil.rmtree(tmp_path / "nodes" / "rank-2")  # the job resumes on the first two nodes
+    for rank, result in launch_ranks(FSDP_WORKER, tmp_path, 2, {"do": "restore"}).items():
+        kind, message = result["error"]
+        assert kind == "IncompleteCheckpointError" and "file is missing" not in message, result
+        absent = re.search(r"step 3 was saved by 3 ranks; the shards of ranks \[([\d, ]+)\] are not on this", message)
+        assert absent and str(rank) not in absent.group(1).split(", "), message  # another node's shards
+        assert "needs a bucket (remote_url) holding it" in message

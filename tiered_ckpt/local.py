@@ -369,6 +369,15 @@ def read_receipt(directory: Path, url: str) -> bool:
     return isinstance(document, dict) and document.get("url") == url
 
 
+def _remove_empty(directories: list[Path]) -> None:
+    """Remove ``directories`` (each the parent of the one before) while they are empty."""
+    for directory in directories:
+        try:
+            directory.rmdir()
+        except OSError:  # not empty (a step was saved), or already gone: keep it and its parents
+            return
+
+
 class LocalTier:
     """The checkpoints of one job under ``root``, on this node's disk.
 
@@ -389,7 +398,12 @@ class LocalTier:
 
     @contextmanager
     def lock(self) -> Iterator[None]:
-        """Hold ``root`` (created if needed) for one writer; see :func:`directory_lock`."""
+        """Hold ``root`` (created if needed) for one writer; see :func:`directory_lock`.
+
+        Directories it created that are still empty when it lets go are removed again (a
+        job that failed before its first save, a restore that found nothing, leaves none).
+        """
+        created = [directory for directory in (self.root, *self.root.parents) if not directory.exists()]
         self.root.mkdir(parents=True, exist_ok=True)
         with directory_lock(self.root) as identity:
             self._locked = identity
@@ -397,6 +411,7 @@ class LocalTier:
                 yield
             finally:
                 self._locked = None
+                _remove_empty(created)
 
     def check_locked(self) -> None:
         """Raise unless this tier holds the lock on the directory now at ``root``."""

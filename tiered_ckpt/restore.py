@@ -23,7 +23,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -36,6 +37,7 @@ from .errors import (
     InvalidStateError,
     ManifestError,
     UsageError,
+    WorldSizeMismatchError,
     restated,
 )
 from .manifest import RemoteManifest, ShardManifest, ShardRecord
@@ -118,6 +120,11 @@ def rank_ranges(ranks: Collection[int]) -> str:
         else:
             runs.append([rank, rank])
     return ",".join(str(first) if first == last else f"{first}-{last}" for first, last in runs) or "-"
+
+
+def _ranks_text(ranks: Collection[int]) -> str:
+    """"rank 2" or "ranks 0-1,3"."""
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {rank_ranges(ranks)}"
 
 
 def _by_tier(sources: Mapping[int, Source]) -> str:
@@ -216,7 +223,9 @@ class Restorer:
         """Run a restore; ``before`` runs inside the first collective (to raise background errors on every rank)."""
         started = time.monotonic()
         arguments = json.dumps({"step": step, "world_size": world_size, "reshard": reshard}, sort_keys=True)
-        restored, remote_steps, complete, reports = self._agree_on_step(step, arguments, world_size, missing_ok, before)
+        restored, remote_steps, complete, reports = self._agree_on_step(
+            step, arguments, world_size, missing_ok, before, reshard
+        )
         if restored is None:
             logger.info("restore: no step committed in %s; starting fresh", self._store.where())
             return None
@@ -246,7 +255,13 @@ class Restorer:
             raise restated(exc, f"restore of step {pending.manifest.step}: {exc}") from exc
 
     def _agree_on_step(
-        self, step: int | None, arguments: str, world_size: int, missing_ok: bool, before: Callable[[], None]
+        self,
+        step: int | None,
+        arguments: str,
+        world_size: int,
+        missing_ok: bool,
+        before: Callable[[], None],
+        reshard: bool = False,
     ) -> tuple[int | None, set[int], list[int], list[StepReport]]:
         """Steps 1 and 2: the step every process restores (None: none, and ``missing_ok``), the
         bucket's steps, the steps complete in some tier, and every process's report."""
@@ -255,9 +270,9 @@ class Restorer:
         remote_steps = set(reports[0].remote or ())
         committed = [{saved for saved, _size in report.local} for report in reports]
         complete = sorted(remote_steps.union(committed[0].intersection(*committed[1:])))
-        chosen = decide(
-            self._coordinator, _Choice, lambda: _Choice(self._choose(step, complete, committed, missing_ok))
-        )
+        sizes = [dict(report.local) for report in reports]
+        choose = lambda: _Choice(self._choose(step, complete, committed, missing_ok, sizes, reshard))  # noqa: E731
+        chosen = decide(self._coordinator, _Choice, choose)
         return chosen.step, remote_steps, complete, reports
 
     def locate(self, step: int | None, before: Callable[[], None] = lambda: None) -> ShardManifest:
@@ -289,11 +304,29 @@ class Restorer:
         remote = tuple(self._store.remote_steps()) if self._coordinator.is_leader else None
         return StepReport(arguments, tuple(local), remote)
 
-    def _choose(self, step: int | None, complete: list[int], committed: list[set[int]], missing_ok: bool) -> int | None:
+    def _choose(
+        self,
+        step: int | None,
+        complete: list[int],
+        committed: list[set[int]],
+        missing_ok: bool,
+        sizes: list[dict[int, int | None]],
+        reshard: bool,
+    ) -> int | None:
         """Leader: the step every rank restores (None: nothing anywhere, and ``missing_ok``)."""
-        if missing_ok and step is None and not complete and not set().union(*committed):
+        held = set().union(*committed)
+        if missing_ok and step is None and not complete and not held:
             return None
-        for partial in sorted(set().union(*committed) - set(complete)):
+        if step is None and not complete or step is not None and step not in complete:
+            wanted = max(held, default=None) if step is None else step
+            if wanted in held:
+                raise self._held_by_some(wanted, committed, sizes, reshard)
+            if step is None:
+                raise IncompleteCheckpointError(f"{self._store.where()}: no committed checkpoint to restore")
+            raise IncompleteCheckpointError(
+                f"{self._store.where()}: step {step} is not committed; committed steps: {complete}"
+            )
+        for partial in sorted(held - set(complete)):
             holders = [rank for rank, steps in enumerate(committed) if partial in steps]
             logger.warning(
                 "step %d is committed on ranks %s only and not in the bucket (a save cut short between "
@@ -301,15 +334,33 @@ class Restorer:
                 partial,
                 holders,
             )
-        if step is None:
-            if not complete:
-                raise IncompleteCheckpointError(f"{self._store.where()}: no committed checkpoint to restore")
-            return complete[-1]
-        if step not in complete:
-            raise IncompleteCheckpointError(
-                f"{self._store.where()}: step {step} is not committed; committed steps: {complete}"
+        return complete[-1] if step is None else step
+
+    def _held_by_some(
+        self, step: int, committed: list[set[int]], sizes: list[dict[int, int | None]], reshard: bool
+    ) -> CheckpointError:
+        """Leader, one process per rank: the error for ``step``, committed on some ranks' disks
+        only and in no bucket. It says what is true: the step exists, saved by so many ranks;
+        the ranks without a copy cannot read other nodes' disks; what would restore it."""
+        holders = [rank for rank, steps in enumerate(committed) if step in steps]
+        lacking = [rank for rank, steps in enumerate(committed) if step not in steps]
+        saved_by = next((known[step] for known in sizes if known.get(step) is not None), None)
+        remote = self._store.remote
+        bucket = "no bucket is configured (remote_url)" if remote is None else f"the bucket {remote.url} lacks it"
+        problem = (
+            f"{self._store.local.root}: step {step}, saved by {saved_by or 'an unknown number of'} ranks, "
+            f"is committed on the disks of {_ranks_text(holders)} only and {bucket}: {_ranks_text(lacking)} of "
+            f"this job's {self._world_size} {'holds' if len(lacking) == 1 else 'hold'} no copy, and without a bucket "
+            "a rank cannot read the shards on other nodes' disks"
+        )
+        if saved_by is None or saved_by == self._world_size:
+            return IncompleteCheckpointError(
+                f"{problem} (a save cut short between ranks' commits, or a node's disk replaced)"
             )
-        return step
+        fix = f"to restore it on {self._world_size} ranks, give the job a bucket holding step {step} (remote_url)"
+        if reshard:
+            return IncompleteCheckpointError(f"{problem}; {fix}")
+        return WorldSizeMismatchError(f"{problem}; {fix} and restore with reshard=True (--reshard)")
 
     def _needed(self, manifest: ShardManifest, target: int) -> list[int]:
         """The saved ranks whose shards this process reads."""
@@ -351,21 +402,21 @@ class Restorer:
             elif into_list is not None and len(into_list) != len(self._ranks):
                 raise InvalidStateError(f"into holds {len(into_list)} rank states, this process restores one")
             wanted = self._needed(manifest, target)
-            store.local.new_step_dir(step)
             if remote is None and not self._one_process:
                 self._check_on_this_node(manifest, wanted)
-            fetched = run_parallel(
-                lambda index: store.fetch_shard(
-                    step,
-                    manifest.shard(wanted[index]),
-                    verify=verify,
-                    into=targets[index].arrays if targets is not None else None,
-                    use_remote=remote is not None,
-                ),
-                range(len(wanted)),
-                self._max_workers,
-            )
-            store.record_refill(manifest, remote, wanted, was_committed=in_local)
+            with self._step_dir(step):
+                fetched = run_parallel(
+                    lambda index: store.fetch_shard(
+                        step,
+                        manifest.shard(wanted[index]),
+                        verify=verify,
+                        into=targets[index].arrays if targets is not None else None,
+                        use_remote=remote is not None,
+                    ),
+                    range(len(wanted)),
+                    self._max_workers,
+                )
+                store.record_refill(manifest, remote, wanted, was_committed=in_local)
             whole_bytes = sum(manifest.shard(rank).size_bytes for rank in wanted)
             read = {rank: state for rank, (state, _source) in zip(wanted, fetched, strict=True)}
             sources = {rank: source for rank, (_state, source) in zip(wanted, fetched, strict=True)}
@@ -384,6 +435,19 @@ class Restorer:
             return self._pending(manifest, read, finish, from_peers)
         except CheckpointError as exc:
             raise restated(exc, f"restore of step {step}: {exc}") from exc
+
+    @contextmanager
+    def _step_dir(self, step: int) -> Iterator[None]:
+        """The local directory of ``step`` while shards are read into it: created if needed, and
+        removed again if this restore created it and fails before committing it."""
+        created = not self._store.local.step_dir(step).is_dir()
+        self._store.local.new_step_dir(step)
+        try:
+            yield
+        except BaseException:
+            if created:
+                self._store.local.discard_uncommitted(step)
+            raise
 
     def _from_peers(self, manifest: ShardManifest, target: int) -> bool:
         """True if this process's rank gets the arrays its shard left out from the ranks holding
@@ -459,6 +523,8 @@ class Restorer:
         plans = [plan_chunks(manifest, state, rank, target) for rank, state in zip(self._ranks, targets, strict=True)]
         if from_peers:
             plans = [_without_replicas(plan, manifest.shard(plan.plain_source)) for plan in plans]
+        if remote is None and not self._one_process:
+            self._check_on_this_node(manifest, sorted({rank for plan in plans for rank in plan.reads}))
         names: dict[int, set[str]] = {}
         direct: dict[int, dict[str, np.ndarray]] = {}
         for plan, state in zip(plans, targets, strict=True):
@@ -505,9 +571,10 @@ class Restorer:
         absent = [rank for rank in ranks if not local.shard_path(manifest.step, manifest.shard(rank)).is_file()]
         if absent:
             raise IncompleteCheckpointError(
-                f"{local.step_dir(manifest.step)}: the shards of ranks {absent} are not on this node's disk and "
-                f"no remote tier holds step {manifest.step}; reading another node's shards (to reshard, or "
-                "after ranks moved between nodes) needs a bucket (remote_url)"
+                f"{local.step_dir(manifest.step)}: step {manifest.step} was saved by {manifest.world_size} ranks; "
+                f"the shards of ranks {absent} are not on this node's disk and no remote tier holds the step; "
+                "reading another node's shards (to reshard, or after ranks moved between nodes) needs a bucket "
+                "(remote_url) holding it"
             )
 
     def _drop_unfinished_commits(self, restored: int, complete: list[int], reports: list[StepReport]) -> None:

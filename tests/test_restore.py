@@ -174,8 +174,8 @@ def test_growing_the_world_size_without_a_bucket_says_the_step_exists_and_what_r
         assert "no committed checkpoint" not in message
         assert (
             "step 2, saved by 2 ranks, is committed on the disks of ranks 0-1 only and no bucket is configured "
-            "(remote_url): rank 2 of this job's 3 holds no copy, and without a bucket a rank cannot read the "
-            "shards on other nodes' disks; to restore it on 3 ranks, give the job a bucket holding step 2 (remote_url)"
+            "(remote_url): rank 2 of this job's 3 holds no copy, and a rank can read the shards on other nodes' "
+            "disks only through a bucket; to restore it on 3 ranks, give the job a bucket holding step 2 (remote_url)"
         ) in message, message
         assert message.endswith("(remote_url)" if reshard else "and restore with reshard=True (--reshard)"), message
     assert sorted(path.name for path in (tmp_path / "nodes").iterdir()) == ["rank-0", "rank-1"]  # no empty rank-2
@@ -183,6 +183,19 @@ def test_growing_the_world_size_without_a_bucket_says_the_step_exists_and_what_r
         assert sorted(path.name for path in (tmp_path / "nodes" / f"rank-{rank}").iterdir()) == [
             step_dir_name(1), step_dir_name(2)
         ]
+
+
+def test_a_replaced_disk_without_a_bucket_says_the_step_exists_and_where(two_rank_disks, tmp_path):
+    shutil.copytree(two_rank_disks / "nodes" / "rank-0", tmp_path / "nodes" / "rank-0")  # rank 1's disk is new
+    for result in run_ranks(tmp_path, 2, [{"do": "restore_if_any"}]).values():
+        kind, message = result["error"]  # not None: a step exists, and starting fresh would lose it
+        assert kind == "IncompleteCheckpointError", result
+        assert (
+            "step 2, saved by 2 ranks, is committed on the disks of rank 0 only and no bucket is configured "
+            "(remote_url): rank 1 of this job's 2 holds no copy"
+        ) in message
+        assert message.endswith("(a save cut short between ranks' commits, or a node's disk replaced)")
+    assert not (tmp_path / "nodes" / "rank-1").exists()
 
 
 def test_a_state_of_dtensors_resharded_without_a_bucket_says_it_needs_one_not_file_is_missing(tmp_path):

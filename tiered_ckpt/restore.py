@@ -280,7 +280,7 @@ class Restorer:
         same on every process (collective); for readers that read parts of shards themselves."""
         arguments = json.dumps({"step": step, "locate": True}, sort_keys=True)
         chosen, remote_steps, _complete, _reports = self._agree_on_step(
-            step, arguments, self._world_size, False, before
+            step, arguments, self._world_size, False, before, reshard=True  # a reader reshards as it reads
         )
         assert chosen is not None  # missing_ok=False raises instead
         in_local = chosen in self._store.local.steps()
@@ -317,7 +317,8 @@ class Restorer:
         held = set().union(*committed)
         if missing_ok and step is None and not complete and not held:
             return None
-        if step is None and not complete or step is not None and step not in complete:
+        unavailable = not complete if step is None else step not in complete
+        if unavailable:
             wanted = max(held, default=None) if step is None else step
             if wanted in held:
                 raise self._held_by_some(wanted, committed, sizes, reshard)
@@ -350,8 +351,8 @@ class Restorer:
         problem = (
             f"{self._store.local.root}: step {step}, saved by {saved_by or 'an unknown number of'} ranks, "
             f"is committed on the disks of {_ranks_text(holders)} only and {bucket}: {_ranks_text(lacking)} of "
-            f"this job's {self._world_size} {'holds' if len(lacking) == 1 else 'hold'} no copy, and without a bucket "
-            "a rank cannot read the shards on other nodes' disks"
+            f"this job's {self._world_size} {'holds' if len(lacking) == 1 else 'hold'} no copy, and a rank can read "
+            "the shards on other nodes' disks only through a bucket"
         )
         if saved_by is None or saved_by == self._world_size:
             return IncompleteCheckpointError(

@@ -273,3 +273,36 @@ def test_an_io_error_without_a_bucket_is_an_incomplete_checkpoint_naming_the_fil
     assert isinstance(caught.value.__cause__, OSError) and caught.value.__cause__.errno == errno.EIO
     with pytest.raises(IncompleteCheckpointError, match=f"rank 0 shard {path}: read error"):
         load_sharded(store.local.step_dir(3), expected_world_size=2)
+
+
+def test_an_io_error_in_a_partial_read_takes_the_arrays_from_the_bucket(tmp_path, memory_url, monkeypatch, caplog):
+    """A state of DTensors reads parts of shards: a read error there (pread, as a failing disk
+    answers; through a memory map it would be SIGBUS) is one more reason to read the bucket."""
+    import errno
+
+    from test_replicas import chunked_states
+
+    manifest = save_sharded(chunked_states(2), tmp_path / "ckpt" / step_dir_name(3), step=3)
+    store = TieredStore(LocalTier(tmp_path / "ckpt"), RemoteTier(*memory_url))
+    for record in manifest.shards:
+        store.remote.put_shard(3, store.local.shard_path(3, record), record)
+    store.remote.commit(manifest)
+    record = manifest.shard(0)
+    path = store.local.shard_path(3, record)
+    bad, real = os.stat(path).st_ino, os.preadv
+
+    def preadv(fd, buffers, offset, *flags):
+        if os.fstat(fd).st_ino == bad:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    with caplog.at_level("WARNING", logger="tiered_ckpt"):
+        state, source = store.read_parts(3, record, ["weight"])
+    assert source == "remote" and state.arrays["weight"].tobytes() == chunked_states(2)[0]["weight"].data.tobytes()
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "step 3 rank 0: read it instead from memory://" in warning
+    assert f"rank 0 shard {path}: read error: Input/output error" in warning
+    with pytest.raises(IncompleteCheckpointError, match=f"rank 0 shard {path}: read error") as caught:
+        TieredStore(store.local).read_parts(3, record, ["weight"])
+    assert caught.value.__cause__.errno == errno.EIO

@@ -16,7 +16,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
-import mmap
 import os
 import shutil
 import stat
@@ -46,7 +45,7 @@ from .layout import (
     temp_target,
 )
 from .manifest import MAX_MANIFEST_BYTES, RemoteManifest, ShardManifest, ShardRecord
-from .shardfile import ShardDigest, Verify, check_verify, copy_hashing, hash_stream, read_shard, write_shard
+from .shardfile import ShardDigest, Verify, check_verify, hash_stream, read_hashing, read_shard, write_shard
 from .state import FlatState
 
 __all__ = [
@@ -215,13 +214,11 @@ def open_shard_ranges(directory: Path, record: ShardRecord) -> Iterator[Callable
     """
     with _open_recorded(directory, record) as (source, what), _read_errors(what):
         size = record.size_bytes
-        data = np.frombuffer(mmap.mmap(source.fileno(), 0, access=mmap.ACCESS_READ), np.uint8) if size else None
 
         def read_into(offset: int, buffer: memoryview, verify: Verify) -> str:
-            if offset + len(buffer) > size or data is None and len(buffer):
+            if offset + len(buffer) > size:
                 raise IncompleteCheckpointError(f"{what}: bytes {offset}-{offset + len(buffer)} are beyond its end")
-            target = np.frombuffer(buffer, np.uint8)
-            return copy_hashing(data[offset : offset + len(buffer)] if data is not None else target, target, verify)
+            return read_hashing(source.fileno(), offset, np.frombuffer(buffer, np.uint8), verify)
 
         yield read_into
 

@@ -53,6 +53,7 @@ __all__ = [
     "hash_stream",
     "copy_and_hash",
     "copy_hashing",
+    "read_hashing",
     "into_difference",
 ]
 
@@ -455,6 +456,28 @@ def copy_hashing(source: np.ndarray, target: np.ndarray, verify: Verify = "full"
     for start in range(0, len(target), CHUNK_BYTES):
         piece = target[start : start + CHUNK_BYTES]
         np.copyto(piece, source[start : start + CHUNK_BYTES])
+        hasher.update(memoryview(piece))
+    digest = hasher.digest()
+    return digest.xxh3_64 if verify == "fast" else digest.sha256
+
+
+def read_hashing(fd: int, offset: int, target: np.ndarray, verify: Verify = "full") -> str:
+    """Read the bytes of the open file ``fd`` from ``offset`` into ``target`` (a 1-D uint8 array)
+    and return their sha256 (``verify="fast"``: their xxh3-64), hashing each piece while it is in cache.
+
+    Read with ``pread``, not through a memory map: a failing disk then raises OSError (EIO),
+    which the caller can answer, where a mapped page would kill the process with SIGBUS. A
+    file that ends before ``target`` is full raises OSError (EIO) too.
+    """
+    hasher = _Hasher(verify)
+    for start in range(0, len(target), CHUNK_BYTES):
+        piece = target[start : start + CHUNK_BYTES]
+        got = 0
+        while got < len(piece):
+            count = os.preadv(fd, [piece[got:]], offset + start + got)
+            if count == 0:
+                raise OSError(errno.EIO, f"file ended at byte {offset + start + got}")
+            got += count
         hasher.update(memoryview(piece))
     digest = hasher.digest()
     return digest.xxh3_64 if verify == "fast" else digest.sha256

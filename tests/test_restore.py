@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from conftest import flip_byte, launch_ranks
-from test_store import fail_reads_of
 from tiered_ckpt import CheckpointManager, InvalidStateError
 from tiered_ckpt.layout import shard_name, step_dir_name
 from tiered_ckpt.restore import rank_ranges
@@ -129,6 +128,8 @@ def test_a_node_with_an_empty_disk_reads_from_the_bucket_without_a_warning(uploa
 
 
 def test_an_io_error_on_a_local_shard_restores_from_the_bucket_and_refills_it(uploaded, caplog, monkeypatch):
+    from test_store import fail_reads_of
+
     directory, url, options, states = uploaded
     failing = directory / step_dir_name(1) / shard_name(0, 2)
     fail_reads_of(monkeypatch, failing)
@@ -168,7 +169,7 @@ def test_growing_the_world_size_without_a_bucket_says_the_step_exists_and_what_r
     shutil.copytree(two_rank_disks / "nodes", tmp_path / "nodes")
     results = run_ranks(tmp_path, 3, [{"do": "restore", "reshard": reshard}])
     expected = "IncompleteCheckpointError" if reshard else "WorldSizeMismatchError"
-    for rank, result in results.items():
+    for result in results.values():
         kind, message = result["error"]
         assert kind == expected, result
         assert "no committed checkpoint" not in message
@@ -181,7 +182,8 @@ def test_growing_the_world_size_without_a_bucket_says_the_step_exists_and_what_r
     assert sorted(path.name for path in (tmp_path / "nodes").iterdir()) == ["rank-0", "rank-1"]  # no empty rank-2
     for rank in range(2):  # nothing the ranks held was touched
         assert sorted(path.name for path in (tmp_path / "nodes" / f"rank-{rank}").iterdir()) == [
-            step_dir_name(1), step_dir_name(2)
+            step_dir_name(1),
+            step_dir_name(2),
         ]
 
 

@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -123,7 +123,7 @@ def rank_ranges(ranks: Collection[int]) -> str:
 
 
 def _ranks_text(ranks: Collection[int]) -> str:
-    """"rank 2" or "ranks 0-1,3"."""
+    """``rank 2`` or ``ranks 0-1,3``."""
     return f"{'rank' if len(ranks) == 1 else 'ranks'} {rank_ranges(ranks)}"
 
 
@@ -279,8 +279,9 @@ class Restorer:
         """The manifest of ``step`` (default: the newest step every process can restore), the
         same on every process (collective); for readers that read parts of shards themselves."""
         arguments = json.dumps({"step": step, "locate": True}, sort_keys=True)
+        # reshard=True: a reader reshards as it reads (an error never tells it to ask for it)
         chosen, remote_steps, _complete, _reports = self._agree_on_step(
-            step, arguments, self._world_size, False, before, reshard=True  # a reader reshards as it reads
+            step, arguments, self._world_size, False, before, reshard=True
         )
         assert chosen is not None  # missing_ok=False raises instead
         in_local = chosen in self._store.local.steps()

@@ -140,7 +140,6 @@ def test_an_io_error_on_a_local_shard_restores_from_the_bucket_and_refills_it(up
     assert f"rank 0 shard {failing}: read error: Input/output error" in warning
     with CheckpointManager(directory, world_size=2) as manager:  # the refilled copy reads, without the bucket
         assert manager.restore().sources == {0: "local", 1: "local"}
-    shutil.rmtree(directory)
 
 
 # --- one process per rank: a world size the disks cannot serve without a bucket (real rank processes) ---

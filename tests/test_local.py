@@ -255,3 +255,21 @@ def test_a_directory_in_place_of_a_shard_is_incomplete(committed):
     shard.mkdir()
     with pytest.raises(IncompleteCheckpointError, match="is a directory"):
         load_sharded(directory, 2)
+
+
+def test_a_lock_removes_the_directories_it_created_if_they_are_still_empty(tmp_path):
+    from tiered_ckpt.layout import step_dir_name
+    from tiered_ckpt.local import LocalTier
+
+    tier = LocalTier(tmp_path / "job" / "rank-2")
+    with tier.lock():
+        assert tier.root.is_dir()
+    assert not (tmp_path / "job").exists()  # a job that failed before its first save leaves nothing
+    with tier.lock():
+        tier.new_step_dir(1)
+    assert (tier.root / step_dir_name(1)).is_dir()  # anything written is kept
+    existing = LocalTier(tmp_path / "kept")
+    existing.root.mkdir()
+    with existing.lock():
+        pass
+    assert existing.root.is_dir()  # a directory it did not create is never removed

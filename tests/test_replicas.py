@@ -16,7 +16,7 @@ from tiered_ckpt import (
     load_sharded,
     save_sharded,
 )
-from tiered_ckpt.layout import MANIFEST_NAME
+from tiered_ckpt.layout import MANIFEST_NAME, step_dir_name
 from tiered_ckpt.replicas import Offer, assign, offer, share
 from tiered_ckpt.state import ChunkOf, flatten
 
@@ -160,3 +160,50 @@ def test_share_verifies_what_a_holder_sends_against_the_recorded_sha256(tmp_path
     with pytest.raises(ChecksumMismatchError, match="'table' from rank 0"):
         share(wire, manifest, {})  # type: ignore[arg-type]
     assert wire.calls == [0]
+
+
+def _lie_about_a_holder(directory) -> int:
+    """Edit ``directory``'s manifest (3 ranks; rank 0 saved no table, so ranks 1 and 2 share one
+    copy) to say rank 0's shard holds the table: a manifest that validates, over shards that
+    verify, naming an array the holder's shard does not hold. Returns the rank misled."""
+    document = json.loads((directory / MANIFEST_NAME).read_text())
+    (holder,) = [shard["rank"] for shard in document["shards"] if any(c["name"] == "table" for c in shard["chunks"])]
+    misled = 3 - holder  # of ranks 1 and 2, the one that left the table out
+    table = next(c for c in document["shards"][holder]["chunks"] if c["name"] == "table")
+    document["shards"][0]["chunks"].append(table)
+    document["shards"][misled]["replicas"] = [["table", 0]]
+    ShardManifest.from_dict(document)  # it validates
+    (directory / MANIFEST_NAME).write_text(json.dumps(document))
+    return misled
+
+
+def test_a_manifest_naming_a_replica_its_holders_shard_does_not_hold_is_a_manifest_error(tmp_path):
+    states = chunked_states(3)
+    del states[0]["table"]
+    save_sharded(states, tmp_path / "ckpt", step=5)
+    misled = _lie_about_a_holder(tmp_path / "ckpt")
+    shard = tmp_path / "ckpt" / "rank-00000-of-00003.safetensors"
+    problem = f"rank {misled}'s record lists 'table' as held by rank 0, but rank 0's shard {shard} does not hold it"
+    with pytest.raises(ManifestError) as raised:
+        load_sharded(tmp_path / "ckpt", expected_world_size=3)
+    assert problem in str(raised.value)
+
+    root = tmp_path / "job"
+    root.mkdir()
+    (tmp_path / "ckpt").rename(root / step_dir_name(5))
+    with CheckpointManager(root, world_size=3) as manager, pytest.raises(ManifestError) as raised:
+        manager.restore()
+    assert "restore of step 5" in str(raised.value)
+    assert problem.replace(str(tmp_path / "ckpt"), str(root / step_dir_name(5))) in str(raised.value)
+
+
+def test_a_manifest_leaving_out_an_array_the_ranks_own_shard_holds_is_a_manifest_error(tmp_path):
+    save_sharded(chunked_states(3), tmp_path / "ckpt", step=5)
+    document = json.loads((tmp_path / "ckpt" / MANIFEST_NAME).read_text())
+    # rank 1's record says its seed is rank 0's (whose seed differs): refused, not rank 0's value
+    document["shards"][1]["chunks"] = [c for c in document["shards"][1]["chunks"] if c["name"] != "seed"]
+    document["shards"][1]["replicas"].append(["seed", 0])
+    (tmp_path / "ckpt" / MANIFEST_NAME).write_text(json.dumps(document))
+    problem = "rank 1's record lists 'seed' as held by rank 0, but rank 1's shard .*rank-00001.* holds it itself"
+    with pytest.raises(ManifestError, match=problem):
+        load_sharded(tmp_path / "ckpt", expected_world_size=3)

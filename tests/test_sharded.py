@@ -238,9 +238,9 @@ def test_load_into_preallocated_arrays_fills_them_in_place(saved, states):
 @pytest.mark.parametrize(
     "change, problem",
     [
-        (lambda b: b[1].pop("exp_avg"), "into holds"),
-        (lambda b: b[1].update(exp_avg=np.zeros(3, np.float32)), r"into\['exp_avg'\] is float32 \(3,\)"),
-        (lambda b: b[1].update(step=np.zeros((), np.int32)), r"into\['step'\] is int32"),
+        (lambda b: b[1].pop("exp_avg"), "into does not match the shard: 1 missing from into: 'exp_avg'$"),
+        (lambda b: b[1].update(exp_avg=np.zeros(3, np.float32)), r"'exp_avg' float32 3 \(the shard: float32 25\d\)"),
+        (lambda b: b[1].update(step=np.zeros((), np.int32)), r"'step' int32 scalar \(the shard: int64 scalar\)"),
         (
             lambda b: b[1].update(
                 embedding_bf16=np.zeros((16, 8), np.float32).T.astype(b[1]["embedding_bf16"].dtype, order="K")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import flip_byte
-from tiered_ckpt import ChecksumMismatchError, IncompleteCheckpointError, UsageError, cli, save_sharded
+from tiered_ckpt import ChecksumMismatchError, IncompleteCheckpointError, UsageError, cli, load_sharded, save_sharded
 from tiered_ckpt.layout import step_dir_name
 from tiered_ckpt.local import LocalTier, delete_checkpoint
 from tiered_ckpt.remote import RemoteTier
@@ -289,3 +289,107 @@ def test_the_cli_verify_beside_a_running_job_skips_the_step_its_retention_delete
     assert cli.main(["--local-dir", str(root), "verify"]) == 0
     out = capsys.readouterr().out
     assert "FAILED" not in out and "2 shards verified, 0 failed" in out, out
+
+
+def fail_reads_of(monkeypatch, path) -> None:
+    """Make every read of the file now at ``path`` fail with EIO, as a failing disk does (injected
+    where the shard reader asks for its blocks, by the file's inode: a copy landed under the
+    same name later is a new file, and reads)."""
+    import errno
+    from contextlib import contextmanager
+
+    from tiered_ckpt import shardfile
+
+    bad = os.stat(path).st_ino
+    real = shardfile.read_blocks
+
+    @contextmanager
+    def read_blocks(fd, size):
+        with real(fd, size) as blocks:
+            if os.fstat(fd).st_ino != bad:
+                yield blocks
+                return
+
+            def failing():
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+                yield from blocks
+
+            yield failing()
+
+    monkeypatch.setattr(shardfile, "read_blocks", read_blocks)
+
+
+def test_an_io_error_reading_the_local_shard_takes_the_bucket_copy_and_refills_it(two_tiers, monkeypatch, caplog):
+    store, manifest, states = two_tiers
+    record = manifest.shard(1)
+    path = store.local.shard_path(3, record)
+    fail_reads_of(monkeypatch, path)
+    with caplog.at_level("WARNING", logger="tiered_ckpt"):
+        state, source = store.fetch_shard(3, record)
+    assert source == "remote" and state.arrays["w"].tobytes() == states[1]["w"].tobytes()
+    assert store.local.check_shard(3, record) is None and store.fetch_shard(3, record)[1] == "local"  # refilled
+    (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert "step 3 rank 1: repaired the local copy from memory://" in warning.getMessage()
+    assert f"{path}: read error: Input/output error" in warning.getMessage()
+
+
+def test_an_io_error_with_no_good_copy_names_every_copy_and_its_problem(two_tiers, monkeypatch):
+    store, manifest, _states = two_tiers
+    record = manifest.shard(1)
+    path = store.local.shard_path(3, record)
+    fail_reads_of(monkeypatch, path)
+    remote_path = f"{store.remote._root}/{step_dir_name(3)}/{record.path}"
+    data = bytearray(store.remote._fs.cat_file(remote_path))
+    data[600] ^= 0xFF
+    store.remote._fs.pipe_file(remote_path, bytes(data))
+    with pytest.raises(ChecksumMismatchError, match="rank 1: no copy verifies") as caught:
+        store.fetch_shard(3, record)
+    message = str(caught.value)
+    assert f"local {path}: rank 1 shard {path}: read error: Input/output error" in message
+    assert message.count("remote memory://") == 2 and message.count("sha256") == 2
+
+
+def test_an_io_error_without_a_bucket_is_an_incomplete_checkpoint_naming_the_file(two_tiers, monkeypatch):
+    import errno
+
+    store, manifest, _states = two_tiers
+    path = store.local.shard_path(3, manifest.shard(0))
+    fail_reads_of(monkeypatch, path)
+    with pytest.raises(IncompleteCheckpointError, match=f"rank 0 shard {path}: read error") as caught:
+        TieredStore(store.local).fetch_shard(3, manifest.shard(0))
+    assert isinstance(caught.value.__cause__, OSError) and caught.value.__cause__.errno == errno.EIO
+    with pytest.raises(IncompleteCheckpointError, match=f"rank 0 shard {path}: read error"):
+        load_sharded(store.local.step_dir(3), expected_world_size=2)
+
+
+def test_an_io_error_in_a_partial_read_takes_the_arrays_from_the_bucket(tmp_path, memory_url, monkeypatch, caplog):
+    """A state of DTensors reads parts of shards: a read error there (pread, as a failing disk
+    answers; through a memory map it would be SIGBUS) is one more reason to read the bucket."""
+    import errno
+
+    from test_replicas import chunked_states
+
+    manifest = save_sharded(chunked_states(2), tmp_path / "ckpt" / step_dir_name(3), step=3)
+    store = TieredStore(LocalTier(tmp_path / "ckpt"), RemoteTier(*memory_url))
+    for record in manifest.shards:
+        store.remote.put_shard(3, store.local.shard_path(3, record), record)
+    store.remote.commit(manifest)
+    record = manifest.shard(0)
+    path = store.local.shard_path(3, record)
+    bad, real = os.stat(path).st_ino, os.preadv
+
+    def preadv(fd, buffers, offset, *flags):
+        if os.fstat(fd).st_ino == bad:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    with caplog.at_level("WARNING", logger="tiered_ckpt"):
+        state, source = store.read_parts(3, record, ["weight"])
+    assert source == "remote" and state.arrays["weight"].tobytes() == chunked_states(2)[0]["weight"].data.tobytes()
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "step 3 rank 0: read it instead from memory://" in warning
+    assert f"rank 0 shard {path}: read error: Input/output error" in warning
+    with pytest.raises(IncompleteCheckpointError, match=f"rank 0 shard {path}: read error") as caught:
+        TieredStore(store.local).read_parts(3, record, ["weight"])
+    assert caught.value.__cause__.errno == errno.EIO

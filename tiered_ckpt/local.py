@@ -16,7 +16,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
-import mmap
 import os
 import shutil
 import stat
@@ -46,7 +45,7 @@ from .layout import (
     temp_target,
 )
 from .manifest import MAX_MANIFEST_BYTES, RemoteManifest, ShardManifest, ShardRecord
-from .shardfile import ShardDigest, Verify, check_verify, copy_hashing, hash_stream, read_shard, write_shard
+from .shardfile import ShardDigest, Verify, check_verify, hash_stream, read_hashing, read_shard, write_shard
 from .state import FlatState
 
 __all__ = [
@@ -177,21 +176,31 @@ def read_shard_file(
 
     With ``into``, fills those arrays instead (see :func:`~tiered_ckpt.shardfile.read_shard`).
     The arrays the record lists as replicas (held by another rank's shard) are not in the
-    state returned (nor filled in ``into``): :func:`~tiered_ckpt.replicas.take_replicas` adds them.
+    state returned (nor filled in ``into``): :func:`~tiered_ckpt.replicas.put_back` adds them.
 
-    Raises :class:`IncompleteCheckpointError` if the file is missing, not a regular file
-    or shorter than recorded, :class:`ChecksumMismatchError` if it is longer or its bytes
-    differ, :class:`ShardFormatError` if they verify but are not a valid shard (or
-    structure document), and :class:`ConfigError` for a ``verify`` other than "full" or "fast".
+    Raises :class:`IncompleteCheckpointError` if the file is missing, not a regular file,
+    shorter than recorded or cannot be read (an I/O error, chained), :class:`ChecksumMismatchError`
+    if it is longer or its bytes differ, :class:`ShardFormatError` if they verify but are not
+    a valid shard (or structure document), and :class:`ConfigError` for a ``verify`` other than "full" or "fast".
     """
     check_verify(verify)
     elsewhere = {name for name, _holder in record.replicas}
     held = {name: array for name, array in into.items() if name not in elsewhere} if into is not None else None
-    with _open_recorded(directory, record) as (source, what):
+    with _open_recorded(directory, record) as (source, what), _read_errors(what):
         contents = read_shard(
             source, check=lambda digest: record.verify(digest, what), verify=verify, what=what, into=held
         )
     return FlatState.from_shard(contents, what, elsewhere)
+
+
+@contextmanager
+def _read_errors(what: str) -> Iterator[None]:
+    """Raise an OSError of reading a shard (EIO from a failing disk) as :class:`IncompleteCheckpointError`
+    naming ``what``, the OSError chained: the copy cannot be read, and the store then tries the next tier."""
+    try:
+        yield
+    except OSError as exc:
+        raise IncompleteCheckpointError(f"{what}: read error: {exc.strerror or exc}") from exc
 
 
 @contextmanager
@@ -200,18 +209,16 @@ def open_shard_ranges(directory: Path, record: ShardRecord) -> Iterator[Callable
     which fills ``buffer`` with the file's bytes from ``offset`` and returns their sha256
     (``verify="fast"``: their xxh3-64).
 
-    Raises :class:`IncompleteCheckpointError` if the file is missing, not a regular file
-    or short, :class:`ChecksumMismatchError` if it is longer than recorded.
+    Raises :class:`IncompleteCheckpointError` if the file is missing, not a regular file,
+    short or cannot be read (an I/O error, chained), :class:`ChecksumMismatchError` if it is longer than recorded.
     """
-    with _open_recorded(directory, record) as (source, what):
+    with _open_recorded(directory, record) as (source, what), _read_errors(what):
         size = record.size_bytes
-        data = np.frombuffer(mmap.mmap(source.fileno(), 0, access=mmap.ACCESS_READ), np.uint8) if size else None
 
         def read_into(offset: int, buffer: memoryview, verify: Verify) -> str:
-            if offset + len(buffer) > size or data is None and len(buffer):
+            if offset + len(buffer) > size:
                 raise IncompleteCheckpointError(f"{what}: bytes {offset}-{offset + len(buffer)} are beyond its end")
-            target = np.frombuffer(buffer, np.uint8)
-            return copy_hashing(data[offset : offset + len(buffer)] if data is not None else target, target, verify)
+            return read_hashing(source.fileno(), offset, np.frombuffer(buffer, np.uint8), verify)
 
         yield read_into
 
@@ -225,6 +232,8 @@ def check_shard_file(directory: Path, record: ShardRecord) -> str | None:
             problem = record.mismatch(ShardDigest(size, "", "")) or record.mismatch(hash_stream(source, "full"))
     except IncompleteCheckpointError as exc:
         return str(exc)
+    except OSError as exc:
+        return f"{path}: read error: {exc.strerror or exc}"
     return f"{path}: {problem}" if problem else None
 
 
@@ -357,6 +366,15 @@ def read_receipt(directory: Path, url: str) -> bool:
     return isinstance(document, dict) and document.get("url") == url
 
 
+def _remove_empty(directories: list[Path]) -> None:
+    """Remove ``directories`` (each the parent of the one before) while they are empty."""
+    for directory in directories:
+        try:
+            directory.rmdir()
+        except OSError:  # not empty (a step was saved), or already gone: keep it and its parents
+            return
+
+
 class LocalTier:
     """The checkpoints of one job under ``root``, on this node's disk.
 
@@ -377,7 +395,12 @@ class LocalTier:
 
     @contextmanager
     def lock(self) -> Iterator[None]:
-        """Hold ``root`` (created if needed) for one writer; see :func:`directory_lock`."""
+        """Hold ``root`` (created if needed) for one writer; see :func:`directory_lock`.
+
+        Directories it created that are still empty when it lets go are removed again (a
+        job that failed before its first save, a restore that found nothing, leaves none).
+        """
+        created = [directory for directory in (self.root, *self.root.parents) if not directory.exists()]
         self.root.mkdir(parents=True, exist_ok=True)
         with directory_lock(self.root) as identity:
             self._locked = identity
@@ -385,6 +408,7 @@ class LocalTier:
                 yield
             finally:
                 self._locked = None
+                _remove_empty(created)
 
     def check_locked(self) -> None:
         """Raise unless this tier holds the lock on the directory now at ``root``."""

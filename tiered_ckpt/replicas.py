@@ -26,14 +26,16 @@ every rank's shard.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import xxhash
 
 from .coordination import Coordinator, exchange
-from .errors import ChecksumMismatchError, InvalidStateError, ShardFormatError
+from .errors import ChecksumMismatchError, InvalidStateError, ManifestError, ShardFormatError
 from .manifest import ChunkRecord, ShardManifest, ShardRecord
 from .shardfile import DTYPES, dtype_code
 from .state import Chunk, FlatState, path_text
@@ -131,16 +133,35 @@ def put_back(
     manifest: ShardManifest,
     found: Mapping[int, Mapping[str, np.ndarray]],
     into: Mapping[str, np.ndarray] | None = None,
+    directory: str | os.PathLike[str] | None = None,
 ) -> None:
     """Add to ``state`` (rank ``record.rank``'s, as its shard holds it) the arrays its shard
     leaves out, copied from ``found[holder][name]`` (verified arrays) into ``into``'s arrays
-    when given, else into new ones.
+    when given, else into new ones. ``directory`` (where the shards were read) is named in errors.
 
-    Raises :class:`ShardFormatError` if the rank's structure places an array elsewhere in
-    its tensor than the holder's chunk, and :class:`InvalidStateError` if ``into``'s array
-    has another dtype or shape.
+    Raises :class:`ManifestError` naming the shard file, the rank and the array if the
+    manifest leaves an array to a holder whose shard does not hold it, or to another rank
+    while the rank's own shard holds it (a manifest that does not describe its shards);
+    :class:`ShardFormatError` if the rank's structure places an array elsewhere in its
+    tensor than the holder's chunk, and :class:`InvalidStateError` if ``into``'s array has
+    another dtype or shape.
     """
+
+    def shard_file(rank: int) -> str:
+        name = manifest.shard(rank).path
+        return str(Path(directory) / name) if directory is not None else name
+
     for name, holder in record.replicas:
+        if name in state.arrays:
+            raise ManifestError(
+                f"manifest of step {manifest.step}: rank {record.rank}'s record lists {name!r:.200} as held by "
+                f"rank {holder}, but rank {record.rank}'s shard {shard_file(record.rank)} holds it itself"
+            )
+        if name not in found.get(holder, {}):
+            raise ManifestError(
+                f"manifest of step {manifest.step}: rank {record.rank}'s record lists {name!r:.200} as held by "
+                f"rank {holder}, but rank {holder}'s shard {shard_file(holder)} does not hold it"
+            )
         chunk = _held_chunk(manifest, holder, name)
         mine = state.structure.chunks.get(name, Chunk(chunk.sizes, (0,) * len(chunk.sizes)))
         if (mine.global_shape, mine.offsets) != (chunk.global_shape, chunk.offsets):

@@ -25,6 +25,7 @@ import numpy as np
 
 from .errors import InvalidStateError, ReshardError
 from .manifest import ChunkRecord, ShardManifest
+from .shardfile import into_difference
 from .state import Chunk, FlatState, State, Structure, flatten, path_text
 
 __all__ = [
@@ -279,9 +280,9 @@ def fill_chunks(plan: ChunkPlan, read: Mapping[int, FlatState], target: FlatStat
     cover one of them.
     """
     structure = read[plan.plain_source].structure
-    differing = sorted(set(structure.kinds) ^ set(target.arrays))
+    differing = into_difference(dict.fromkeys(structure.kinds), target.arrays, "the checkpoint")
     if differing:
-        raise InvalidStateError(f"into and the checkpoint hold different arrays: {differing[:10]}")
+        raise InvalidStateError(f"into does not match the checkpoint's arrays: {differing}")
     for name, array in target.arrays.items():
         where = path_text(target.structure.paths[name])
         offsets = target.structure.chunks[name].offsets if name in target.structure.chunks else (0,) * array.ndim

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+import time
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -35,6 +37,7 @@ from .errors import (
     InvalidStateError,
     ManifestError,
     UsageError,
+    WorldSizeMismatchError,
     restated,
 )
 from .manifest import RemoteManifest, ShardManifest, ShardRecord
@@ -53,12 +56,12 @@ from .shardfile import Verify, check_verify
 from .state import FlatState, State, flatten_into
 from .store import Source, TieredStore
 
-__all__ = ["RestoreResult", "Restorer", "StepReport", "same_call"]
+__all__ = ["RestoreResult", "Restorer", "StepReport", "same_call", "rank_ranges"]
 
 logger = logging.getLogger("tiered_ckpt")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class RestoreResult:
     """What :meth:`CheckpointManager.restore` returns.
 
@@ -66,15 +69,26 @@ class RestoreResult:
     tuples and scalars with their types), every array as a numpy array: every rank when
     one process holds them all, this process's rank under a multi-process coordinator.
     ``sources`` maps each shard this process read (by the rank that saved it) to the
-    tier it was read from: ``"local"`` or ``"remote"``.
+    tier it was read from: ``"local"`` or ``"remote"``. ``bytes_read`` counts the bytes of
+    shards this process read (whole, or the parts it needed), ``seconds`` the time the
+    restore took. The repr names the step, ranks, sources and sizes, never the arrays.
     """
 
     step: int
     states: list[dict[Any, Any]]
     sources: dict[int, Source]
     ranks: tuple[int, ...]
-    manifest: ShardManifest = field(repr=False)
-    flat: tuple[FlatState, ...] = field(repr=False, default=())
+    manifest: ShardManifest
+    flat: tuple[FlatState, ...] = ()
+    bytes_read: int = 0
+    seconds: float = 0.0
+
+    def __repr__(self) -> str:
+        arrays = [array for state in self.flat for array in state.arrays.values()]
+        return (
+            f"RestoreResult(step={self.step}, ranks={rank_ranges(self.ranks)}, sources={_by_tier(self.sources)}, "
+            f"arrays={len(arrays)}, nbytes={sum(array.nbytes for array in arrays)}, bytes_read={self.bytes_read})"
+        )
 
     @property
     def state(self) -> dict[Any, Any]:
@@ -95,6 +109,34 @@ class RestoreResult:
     def torch_state(self) -> dict[Any, Any]:
         """:attr:`state` with each leaf saved as a torch tensor as a CPU tensor (see :meth:`torch_states`)."""
         return self.flat[self._single()].unflatten(torch=True)
+
+
+def rank_ranges(ranks: Collection[int]) -> str:
+    """``ranks`` as short runs, for messages: "0-3,6,8-9" ("-" if none)."""
+    runs: list[list[int]] = []
+    for rank in sorted(set(ranks)):
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return ",".join(str(first) if first == last else f"{first}-{last}" for first, last in runs) or "-"
+
+
+def _ranks_text(ranks: Collection[int]) -> str:
+    """``rank 2`` or ``ranks 0-1,3``."""
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {rank_ranges(ranks)}"
+
+
+def _by_tier(sources: Mapping[int, Source]) -> str:
+    """``sources`` as "{local: 0-2, remote: 3}"."""
+    tiers = sorted(set(sources.values()))
+    listed = (f"{tier}: {rank_ranges([rank for rank, held in sources.items() if held == tier])}" for tier in tiers)
+    return "{" + ", ".join(listed) + "}"
+
+
+def _part_bytes(record: ShardRecord, state: FlatState) -> int:
+    """The bytes a partial read of ``record``'s shard took: its header and the arrays in ``state``."""
+    return record.header_bytes + sum(array.nbytes for array in state.arrays.values())
 
 
 @dataclass(frozen=True)
@@ -179,9 +221,13 @@ class Restorer:
         before: Callable[[], None] = lambda: None,
     ) -> RestoreResult | None:
         """Run a restore; ``before`` runs inside the first collective (to raise background errors on every rank)."""
+        started = time.monotonic()
         arguments = json.dumps({"step": step, "world_size": world_size, "reshard": reshard}, sort_keys=True)
-        restored, remote_steps, complete, reports = self._agree_on_step(step, arguments, world_size, missing_ok, before)
+        restored, remote_steps, complete, reports = self._agree_on_step(
+            step, arguments, world_size, missing_ok, before, reshard
+        )
         if restored is None:
+            logger.info("restore: no step committed in %s; starting fresh", self._store.where())
             return None
         pending, _ = agree_on(
             self._coordinator,
@@ -192,6 +238,12 @@ class Restorer:
         if result is None:  # the same on every process: they hold one manifest and world size
             result, _ = agree_on(self._coordinator, lambda: self._finish_from_peers(pending), lambda _result: None)
         self._drop_unfinished_commits(restored, complete, reports)
+        result = replace(result, seconds=time.monotonic() - started)
+        logger.info(
+            "restored step %d for rank(s) %s: %d bytes of %d shard(s) read in %.3f s; shards by tier: %s",
+            result.step, rank_ranges(result.ranks), result.bytes_read, len(result.sources), result.seconds,
+            _by_tier(result.sources),
+        )  # fmt: skip
         return result
 
     def _finish_from_peers(self, pending: _Pending) -> RestoreResult:
@@ -203,7 +255,13 @@ class Restorer:
             raise restated(exc, f"restore of step {pending.manifest.step}: {exc}") from exc
 
     def _agree_on_step(
-        self, step: int | None, arguments: str, world_size: int, missing_ok: bool, before: Callable[[], None]
+        self,
+        step: int | None,
+        arguments: str,
+        world_size: int,
+        missing_ok: bool,
+        before: Callable[[], None],
+        reshard: bool = False,
     ) -> tuple[int | None, set[int], list[int], list[StepReport]]:
         """Steps 1 and 2: the step every process restores (None: none, and ``missing_ok``), the
         bucket's steps, the steps complete in some tier, and every process's report."""
@@ -212,17 +270,18 @@ class Restorer:
         remote_steps = set(reports[0].remote or ())
         committed = [{saved for saved, _size in report.local} for report in reports]
         complete = sorted(remote_steps.union(committed[0].intersection(*committed[1:])))
-        chosen = decide(
-            self._coordinator, _Choice, lambda: _Choice(self._choose(step, complete, committed, missing_ok))
-        )
+        sizes = [dict(report.local) for report in reports]
+        choose = lambda: _Choice(self._choose(step, complete, committed, missing_ok, sizes, reshard))  # noqa: E731
+        chosen = decide(self._coordinator, _Choice, choose)
         return chosen.step, remote_steps, complete, reports
 
     def locate(self, step: int | None, before: Callable[[], None] = lambda: None) -> ShardManifest:
         """The manifest of ``step`` (default: the newest step every process can restore), the
         same on every process (collective); for readers that read parts of shards themselves."""
         arguments = json.dumps({"step": step, "locate": True}, sort_keys=True)
+        # reshard=True: a reader reshards as it reads (an error never tells it to ask for it)
         chosen, remote_steps, _complete, _reports = self._agree_on_step(
-            step, arguments, self._world_size, False, before
+            step, arguments, self._world_size, False, before, reshard=True
         )
         assert chosen is not None  # missing_ok=False raises instead
         in_local = chosen in self._store.local.steps()
@@ -246,11 +305,30 @@ class Restorer:
         remote = tuple(self._store.remote_steps()) if self._coordinator.is_leader else None
         return StepReport(arguments, tuple(local), remote)
 
-    def _choose(self, step: int | None, complete: list[int], committed: list[set[int]], missing_ok: bool) -> int | None:
+    def _choose(
+        self,
+        step: int | None,
+        complete: list[int],
+        committed: list[set[int]],
+        missing_ok: bool,
+        sizes: list[dict[int, int | None]],
+        reshard: bool,
+    ) -> int | None:
         """Leader: the step every rank restores (None: nothing anywhere, and ``missing_ok``)."""
-        if missing_ok and step is None and not complete and not set().union(*committed):
+        held = set().union(*committed)
+        if missing_ok and step is None and not complete and not held:
             return None
-        for partial in sorted(set().union(*committed) - set(complete)):
+        unavailable = not complete if step is None else step not in complete
+        if unavailable:
+            wanted = max(held, default=None) if step is None else step
+            if wanted in held:
+                raise self._held_by_some(wanted, committed, sizes, reshard)
+            if step is None:
+                raise IncompleteCheckpointError(f"{self._store.where()}: no committed checkpoint to restore")
+            raise IncompleteCheckpointError(
+                f"{self._store.where()}: step {step} is not committed; committed steps: {complete}"
+            )
+        for partial in sorted(held - set(complete)):
             holders = [rank for rank, steps in enumerate(committed) if partial in steps]
             logger.warning(
                 "step %d is committed on ranks %s only and not in the bucket (a save cut short between "
@@ -258,15 +336,33 @@ class Restorer:
                 partial,
                 holders,
             )
-        if step is None:
-            if not complete:
-                raise IncompleteCheckpointError(f"{self._store.where()}: no committed checkpoint to restore")
-            return complete[-1]
-        if step not in complete:
-            raise IncompleteCheckpointError(
-                f"{self._store.where()}: step {step} is not committed; committed steps: {complete}"
+        return complete[-1] if step is None else step
+
+    def _held_by_some(
+        self, step: int, committed: list[set[int]], sizes: list[dict[int, int | None]], reshard: bool
+    ) -> CheckpointError:
+        """Leader, one process per rank: the error for ``step``, committed on some ranks' disks
+        only and in no bucket. It says what is true: the step exists, saved by so many ranks;
+        the ranks without a copy cannot read other nodes' disks; what would restore it."""
+        holders = [rank for rank, steps in enumerate(committed) if step in steps]
+        lacking = [rank for rank, steps in enumerate(committed) if step not in steps]
+        saved_by = next((known[step] for known in sizes if known.get(step) is not None), None)
+        remote = self._store.remote
+        bucket = "no bucket is configured (remote_url)" if remote is None else f"the bucket {remote.url} lacks it"
+        problem = (
+            f"{self._store.local.root}: step {step}, saved by {saved_by or 'an unknown number of'} ranks, "
+            f"is committed on the disks of {_ranks_text(holders)} only and {bucket}: {_ranks_text(lacking)} of "
+            f"this job's {self._world_size} {'holds' if len(lacking) == 1 else 'hold'} no copy, and a rank can read "
+            "the shards on other nodes' disks only through a bucket"
+        )
+        if saved_by is None or saved_by == self._world_size:
+            return IncompleteCheckpointError(
+                f"{problem} (a save cut short between ranks' commits, or a node's disk replaced)"
             )
-        return step
+        fix = f"to restore it on {self._world_size} ranks, give the job a bucket holding step {step} (remote_url)"
+        if reshard:
+            return IncompleteCheckpointError(f"{problem}; {fix}")
+        return WorldSizeMismatchError(f"{problem}; {fix} and restore with reshard=True (--reshard)")
 
     def _needed(self, manifest: ShardManifest, target: int) -> list[int]:
         """The saved ranks whose shards this process reads."""
@@ -308,35 +404,52 @@ class Restorer:
             elif into_list is not None and len(into_list) != len(self._ranks):
                 raise InvalidStateError(f"into holds {len(into_list)} rank states, this process restores one")
             wanted = self._needed(manifest, target)
-            store.local.new_step_dir(step)
             if remote is None and not self._one_process:
                 self._check_on_this_node(manifest, wanted)
-            fetched = run_parallel(
-                lambda index: store.fetch_shard(
-                    step,
-                    manifest.shard(wanted[index]),
-                    verify=verify,
-                    into=targets[index].arrays if targets is not None else None,
-                    use_remote=remote is not None,
-                ),
-                range(len(wanted)),
-                self._max_workers,
-            )
-            store.record_refill(manifest, remote, wanted, was_committed=in_local)
+            with self._step_dir(step):
+                fetched = run_parallel(
+                    lambda index: store.fetch_shard(
+                        step,
+                        manifest.shard(wanted[index]),
+                        verify=verify,
+                        into=targets[index].arrays if targets is not None else None,
+                        use_remote=remote is not None,
+                    ),
+                    range(len(wanted)),
+                    self._max_workers,
+                )
+                store.record_refill(manifest, remote, wanted, was_committed=in_local)
+            whole_bytes = sum(manifest.shard(rank).size_bytes for rank in wanted)
             read = {rank: state for rank, (state, _source) in zip(wanted, fetched, strict=True)}
             sources = {rank: source for rank, (_state, source) in zip(wanted, fetched, strict=True)}
             into_by_rank = {rank: state.arrays for rank, state in zip(wanted, targets or (), strict=False)}
 
             def finish(received: Mapping[int, Mapping[str, np.ndarray]]) -> RestoreResult:
+                parts_bytes = 0
                 if not from_peers:
-                    received = self._replicas_read(step, manifest, read, remote is not None)
+                    received, parts_bytes = self._replicas_read(step, manifest, read, remote is not None)
                 for rank, state in read.items():
-                    put_back(state, manifest.shard(rank), manifest, received, into_by_rank.get(rank))
-                return self._resharded(step, manifest, target, read, sources)
+                    record = manifest.shard(rank)
+                    put_back(state, record, manifest, received, into_by_rank.get(rank), store.local.step_dir(step))
+                result = self._resharded(step, manifest, target, read, sources)
+                return replace(result, bytes_read=whole_bytes + parts_bytes)
 
             return self._pending(manifest, read, finish, from_peers)
         except CheckpointError as exc:
             raise restated(exc, f"restore of step {step}: {exc}") from exc
+
+    @contextmanager
+    def _step_dir(self, step: int) -> Iterator[None]:
+        """The local directory of ``step`` while shards are read into it: created if needed, and
+        removed again if this restore created it and fails before committing it."""
+        created = not self._store.local.step_dir(step).is_dir()
+        self._store.local.new_step_dir(step)
+        try:
+            yield
+        except BaseException:
+            if created:
+                self._store.local.discard_uncommitted(step)
+            raise
 
     def _from_peers(self, manifest: ShardManifest, target: int) -> bool:
         """True if this process's rank gets the arrays its shard left out from the ranks holding
@@ -357,9 +470,10 @@ class Restorer:
 
     def _replicas_read(
         self, step: int, manifest: ShardManifest, read: Mapping[int, FlatState], use_remote: bool
-    ) -> dict[int, Mapping[str, np.ndarray]]:
+    ) -> tuple[dict[int, Mapping[str, np.ndarray]], int]:
         """By holder rank, the arrays the shards in ``read`` left to other ranks: from the
-        holder's shard if it is in ``read``, else by a verified partial read of it."""
+        holder's shard if it is in ``read``, else by a verified partial read of it; and the
+        bytes those partial reads took."""
         needed = missing(manifest.shard(rank) for rank in read)
         found: dict[int, Mapping[str, np.ndarray]] = {h: read[h].arrays for h in needed if h in read}
         absent = sorted(holder for holder in needed if holder not in read)
@@ -369,7 +483,7 @@ class Restorer:
             self._max_workers,
         )
         found.update((holder, state.arrays) for holder, (state, _source) in zip(absent, parts, strict=True))
-        return found
+        return found, sum(_part_bytes(manifest.shard(h), state) for h, (state, _) in zip(absent, parts, strict=True))
 
     def _resharded(
         self,
@@ -411,6 +525,8 @@ class Restorer:
         plans = [plan_chunks(manifest, state, rank, target) for rank, state in zip(self._ranks, targets, strict=True)]
         if from_peers:
             plans = [_without_replicas(plan, manifest.shard(plan.plain_source)) for plan in plans]
+        if remote is None and not self._one_process:
+            self._check_on_this_node(manifest, sorted({rank for plan in plans for rank in plan.reads}))
         names: dict[int, set[str]] = {}
         direct: dict[int, dict[str, np.ndarray]] = {}
         for plan, state in zip(plans, targets, strict=True):
@@ -439,15 +555,15 @@ class Restorer:
         )
         read = {rank: state for rank, (state, _source) in zip(ranks, fetched, strict=True)}
         sources = {rank: source for rank, (_state, source) in zip(ranks, fetched, strict=True)}
+        bytes_read = sum(_part_bytes(manifest.shard(rank), state) for rank, state in read.items())
 
         def finish(received: Mapping[int, Mapping[str, np.ndarray]]) -> RestoreResult:
             for holder, arrays in received.items():
                 base = read.get(holder, read[plans[0].plain_source])
                 read[holder] = FlatState({**base.arrays, **arrays} if holder in read else dict(arrays), base.structure)
             states = [fill_chunks(plan, read, state) for plan, state in zip(plans, targets, strict=True)]
-            return RestoreResult(
-                step, [state.unflatten() for state in states], sources, self._ranks, manifest, tuple(states)
-            )
+            unflattened = [state.unflatten() for state in states]
+            return RestoreResult(step, unflattened, sources, self._ranks, manifest, tuple(states), bytes_read)
 
         return self._pending(manifest, read, finish, from_peers)
 
@@ -457,9 +573,10 @@ class Restorer:
         absent = [rank for rank in ranks if not local.shard_path(manifest.step, manifest.shard(rank)).is_file()]
         if absent:
             raise IncompleteCheckpointError(
-                f"{local.step_dir(manifest.step)}: the shards of ranks {absent} are not on this node's disk and "
-                f"no remote tier holds step {manifest.step}; reading another node's shards (to reshard, or "
-                "after ranks moved between nodes) needs a bucket (remote_url)"
+                f"{local.step_dir(manifest.step)}: step {manifest.step} was saved by {manifest.world_size} ranks; "
+                f"the shards of ranks {absent} are not on this node's disk and no remote tier holds the step; "
+                "reading another node's shards (to reshard, or after ranks moved between nodes) needs a bucket "
+                "(remote_url) holding it"
             )
 
     def _drop_unfinished_commits(self, restored: int, complete: list[int], reports: list[StepReport]) -> None:

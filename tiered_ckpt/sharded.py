@@ -366,5 +366,5 @@ def load_sharded(
     )
     found = {record.rank: state.arrays for record, state in zip(manifest.shards, states, strict=True)}
     for record, state in zip(manifest.shards, states, strict=True):
-        put_back(state, record, manifest, found, targets[record.rank] if targets is not None else None)
+        put_back(state, record, manifest, found, targets[record.rank] if targets is not None else None, directory)
     return [state.unflatten() for state in states]

@@ -26,7 +26,7 @@ import os
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import BinaryIO, Literal
+from typing import Any, BinaryIO, Literal
 
 import ml_dtypes
 import numpy as np
@@ -58,6 +58,8 @@ __all__ = [
     "hash_stream",
     "copy_and_hash",
     "copy_hashing",
+    "read_hashing",
+    "into_difference",
 ]
 
 Verify = Literal["full", "fast"]
@@ -520,6 +522,28 @@ def copy_hashing(source: np.ndarray, target: np.ndarray, verify: Verify = "full"
     return digest.xxh3_64 if verify == "fast" else digest.sha256
 
 
+def read_hashing(fd: int, offset: int, target: np.ndarray, verify: Verify = "full") -> str:
+    """Read the bytes of the open file ``fd`` from ``offset`` into ``target`` (a 1-D uint8 array)
+    and return their sha256 (``verify="fast"``: their xxh3-64), hashing each piece while it is in cache.
+
+    Read with ``pread``, not through a memory map: a failing disk then raises OSError (EIO),
+    which the caller can answer, where a mapped page would kill the process with SIGBUS. A
+    file that ends before ``target`` is full raises OSError (EIO) too.
+    """
+    hasher = _Hasher(verify)
+    for start in range(0, len(target), CHUNK_BYTES):
+        piece = target[start : start + CHUNK_BYTES]
+        got = 0
+        while got < len(piece):
+            count = os.preadv(fd, [piece[got:]], offset + start + got)
+            if count == 0:
+                raise OSError(errno.EIO, f"file ended at byte {offset + start + got}")
+            got += count
+        hasher.update(memoryview(piece))
+    digest = hasher.digest()
+    return digest.xxh3_64 if verify == "fast" else digest.sha256
+
+
 def read_shard(
     source: BinaryIO,
     *,
@@ -566,16 +590,49 @@ def _targets(entries: list[_Entry], into: Mapping[str, np.ndarray] | None, what:
     """The arrays to fill: new ones, or the caller's after checking they match the shard."""
     if into is None:
         return {entry.name: np.empty(entry.shape, dtype=entry.dtype) for entry in entries}
-    names = {entry.name for entry in entries}
-    if set(into) != names:
-        raise InvalidStateError(f"{what}: into holds {sorted(into)}, the shard holds {sorted(names)}")
+    difference = into_difference({entry.name: (entry.dtype, entry.shape) for entry in entries}, into)
+    if difference:
+        raise InvalidStateError(f"{what}: into does not match the shard: {difference}")
     for entry in entries:
         array = into[entry.name]
-        if not isinstance(array, np.ndarray) or array.dtype != entry.dtype or array.shape != entry.shape:
-            got = f"{array.dtype} {array.shape}" if isinstance(array, np.ndarray) else type(array).__name__
-            raise InvalidStateError(
-                f"{what}: into[{entry.name!r}] is {got}, the shard holds {entry.dtype} {entry.shape}"
-            )
         if not (array.flags.c_contiguous and array.flags.writeable):
             raise InvalidStateError(f"{what}: into[{entry.name!r}] must be writable and C-contiguous")
     return dict(into)
+
+
+_LISTED = 5  # names shown per kind of difference; a state of thousands of arrays keeps a short message
+
+
+def into_difference(
+    expected: Mapping[str, tuple[np.dtype, tuple[int, ...]] | None], into: Mapping[str, Any], holder: str = "the shard"
+) -> str:
+    """What differs between the arrays ``holder`` holds (``expected``: name -> dtype and shape,
+    or None to compare the name only) and ``into``'s: the names missing from ``into``, those
+    it has in excess, and those of another dtype or shape (a few of each, with counts); ""
+    if they match."""
+    missing = sorted(name for name in expected if name not in into)
+    extra = sorted(name for name in into if name not in expected)
+    mismatched = []
+    for name, kind in sorted(expected.items()):
+        if kind is None or name not in into:
+            continue
+        dtype, shape = kind
+        array = into[name]
+        if not isinstance(array, np.ndarray) or array.dtype != dtype or array.shape != shape:
+            got = f"{array.dtype} {_shape(array.shape)}" if isinstance(array, np.ndarray) else type(array).__name__
+            mismatched.append(f"{name!r:.120} {got} ({holder}: {dtype} {_shape(shape)})")
+    parts = [
+        _listed(f"{len(missing)} missing from into", [f"{name!r:.120}" for name in missing]),
+        _listed(f"{len(extra)} not in {holder}", [f"{name!r:.120}" for name in extra]),
+        _listed(f"{len(mismatched)} of another dtype or shape", mismatched),
+    ]
+    return "; ".join(part for part, items in zip(parts, (missing, extra, mismatched), strict=True) if items)
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape)) if shape else "scalar"
+
+
+def _listed(title: str, items: list[str]) -> str:
+    more = f", and {len(items) - _LISTED} more" if len(items) > _LISTED else ""
+    return f"{title}: {', '.join(items[:_LISTED])}{more}"

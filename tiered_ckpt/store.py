@@ -298,26 +298,57 @@ class TieredStore:
             return self.local.read_shard(step, record, verify, into)
 
         return self._first_that_verifies(
-            step, record, lambda: self.local.read_shard(step, record, verify, into), from_bucket, use_remote
+            step, record, lambda: self.local.read_shard(step, record, verify, into), from_bucket, use_remote, True
         )
 
     def _first_that_verifies(
-        self, step: int, record: ShardRecord, local: Callable[[], T], remote: Callable[[], T], use_remote: bool
+        self,
+        step: int,
+        record: ShardRecord,
+        local: Callable[[], T],
+        remote: Callable[[], T],
+        use_remote: bool,
+        refills: bool,
     ) -> tuple[T, Source]:
         """The chain of every read: ``local()``, else (with a bucket, and ``use_remote``) ``remote()``,
-        tried twice; raises naming every copy tried if none verifies."""
+        tried twice; raises naming every copy tried if none verifies.
+
+        A local copy that fails (missing, short, unreadable, not matching) is one more reason to
+        read the bucket; a shard the local step should hold and is taken from the bucket is
+        logged at WARNING with the local copy's problem (``refills``: ``remote()`` wrote a good
+        copy back), one this node never held (a replaced node, a reshard) at INFO. Each failed
+        try of the bucket is logged at WARNING.
+        """
         try:
             return local(), "local"
         except _LOCAL_FAILURES as local_error:
             if self.remote is None or not use_remote:
                 raise
             tried: list[tuple[str, CheckpointError]] = [(f"local {self.local.shard_path(step, record)}", local_error)]
-        for _attempt in range(2):
+        where = self.remote.location(step, record.path)
+        for attempt in range(1, 3):
             try:
-                return remote(), "remote"
+                found = remote()
             except (*_LOCAL_FAILURES, RemoteError) as remote_error:
-                tried.append((f"remote {self.remote.location(step, record.path)}", remote_error))
+                tried.append((f"remote {where}", remote_error))
+                logger.warning("step %d rank %d: try %d of 2 of %s failed: %s", step, record.rank, attempt, where,
+                               remote_error)  # fmt: skip
+                continue
+            if self._held_locally(step, record.rank):
+                done = "repaired the local copy from" if refills else "read it instead from"
+                logger.warning("step %d rank %d: %s %s; the local copy failed: %s", step, record.rank, done, where,
+                               tried[0][1])  # fmt: skip
+            else:
+                logger.info("step %d rank %d: not on this node's disk; read from %s", step, record.rank, where)
+            return found, "remote"
         return _no_copy_verifies(record, tried)
+
+    def _held_locally(self, step: int, rank: int) -> bool:
+        """True if the local tier committed ``step`` holding ``rank``'s shard (which then failed)."""
+        try:
+            return rank in self.local.held_ranks(step, self.local.manifest(step))
+        except CheckpointError:  # not committed here, or its records are damaged (logged where they are read)
+            return False
 
     def read_parts(
         self,
@@ -353,7 +384,7 @@ class TieredStore:
             read_into = functools.partial(self.remote.read_range_into, step, record)
             return _read_parts(read_into, record, names, remote_what, targets, verify)
 
-        return self._first_that_verifies(step, record, from_disk, from_bucket, use_remote)
+        return self._first_that_verifies(step, record, from_disk, from_bucket, use_remote, False)
 
     def verify(
         self,

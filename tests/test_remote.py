@@ -1,3 +1,4 @@
+import dataclasses
 import errno
 import os
 
@@ -9,6 +10,7 @@ from tiered_ckpt import ChecksumMismatchError, ManifestError, RemoteError, save_
 from tiered_ckpt.layout import MANIFEST_NAME
 from tiered_ckpt.local import LocalTier
 from tiered_ckpt.remote import RemoteTier, RetryPolicy, _same_checksum, is_transient
+from tiered_ckpt.retention import RetentionPolicy
 from tiered_ckpt.store import TieredStore
 
 
@@ -263,3 +265,36 @@ def test_a_stores_checksum_matches_with_or_without_the_part_count_and_nothing_el
     assert not _same_checksum("crc32c:qg7Tjw==-4", "crc32c:qg7Tjw==-3")
     assert not _same_checksum("", "crc32c:qg7Tjw==") and not _same_checksum(None, "crc32c:qg7Tjw==")
     assert not _same_checksum("", "-")  # no part count to leave off
+
+
+# -- exact keys: glob characters in a URL name only themselves ------------------------------------
+
+
+@pytest.mark.parametrize("name", ["sweep[12]", "sweep*", "sweep?"])
+def test_a_url_with_glob_characters_touches_only_its_own_steps(remote_url, saved, name, tmp_path):
+    """Siblings ``sweep1`` and ``sweep2`` (which ``sweep[12]``, ``sweep*`` and ``sweep?`` match as
+    patterns) keep every object while a run at the pattern's name lists, reads, prunes and
+    deletes its own steps."""
+    url, options = remote_url
+    directory, manifest = saved
+    base = url.rsplit("/", 1)[0]
+    siblings = [RemoteTier(f"{base}/{sibling}", options) for sibling in ("sweep1", "sweep2")]
+    for sibling in siblings:
+        upload_all(sibling, directory, manifest)
+        sibling.commit(manifest)
+    tier = RemoteTier(f"{base}/{name}", options)
+    assert tier.list_steps() == ([], [])
+    for step in (3, 4):
+        step_manifest = dataclasses.replace(manifest, step=step)
+        upload_all(tier, directory, step_manifest)
+        tier.commit(step_manifest)
+    assert tier.list_steps() == ([3, 4], [])
+    target = download(tier, 4, manifest.shard(1), tmp_path / "downloaded")
+    assert target.read_bytes() == (directory / manifest.shard(1).path).read_bytes()
+    store = TieredStore(LocalTier(tmp_path / "local-of-the-run"), tier)
+    assert store.retain_remote(RetentionPolicy(keep_last=1)) == [3]
+    tier.delete_step(4)
+    assert tier.list_steps() == ([], [])
+    for sibling in siblings:
+        assert sibling.list_steps() == ([3], [])
+        assert all(sibling.check_shard(3, record) is None for record in manifest.shards)

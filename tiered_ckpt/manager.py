@@ -178,6 +178,7 @@ class CheckpointManager:
             ranks=self._ranks,
             local_retention=options.local.retention,
             remote_retention=options.remote.retention,
+            ownership=options.remote.ownership,
         )
 
     def _open_local_dir(self) -> None:

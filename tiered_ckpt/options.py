@@ -17,6 +17,7 @@ from typing import Any, Literal, TypedDict
 import fsspec
 
 from .errors import ConfigError, invalid_option
+from .owners import OtherOwners, OwnershipPolicy
 from .remote import DEFAULT_PART_BYTES, DEFAULT_PART_CONCURRENCY, Layout, RemoteTier
 from .retention import RetentionPolicy
 from .retry import RetryPolicy
@@ -105,13 +106,23 @@ class LocalOptions(_Retained):
 class RemoteOptions(_Retained):
     """The remote tier: its URL, fsspec's options for it (never shown), its retention, and
     the layout of its shard objects ("flat", or "hashed": spread over 256 key prefixes
-    per step; see :meth:`~tiered_ckpt.remote.RemoteTier.object_name`)."""
+    per step; see :meth:`~tiered_ckpt.remote.RemoteTier.object_name`).
+
+    How a run holds the URL (see :mod:`~tiered_ckpt.owners`): its lease on it lasts
+    ``lease_seconds`` unrenewed (it is renewed every quarter of that while the run lives);
+    multipart uploads left open are aborted at start-up only once ``orphan_age_seconds``
+    old, and only while no other run's lease is live; another live run on the URL is a
+    WARNING naming it (``other_owners="warn"``) or :class:`~tiered_ckpt.RemoteInUseError`
+    at start-up (``"refuse"``)."""
 
     url: str
     keep_last: int | None = None
     keep_every: int | None = None
     storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
     layout: Layout = "flat"
+    lease_seconds: float = 300.0
+    orphan_age_seconds: float = 3600.0
+    other_owners: OtherOwners = "warn"
 
     def __post_init__(self) -> None:
         check_remote_url(self.url)
@@ -120,13 +131,27 @@ class RemoteOptions(_Retained):
             # The value is never echoed: it may be a secret.
             raise invalid_option("storage_options", f"must be a table, got {type(self.storage_options).__name__}")
         self.retention  # noqa: B018 -- checks keep_last and keep_every
+        self.ownership  # noqa: B018 -- checks lease_seconds, orphan_age_seconds and other_owners
 
-    def open_tier(self, upload: UploadOptions) -> RemoteTier:
-        """The remote tier these options describe, making its requests as ``upload`` says."""
-        return RemoteTier(
+    @property
+    def ownership(self) -> OwnershipPolicy:
+        """How a run holds the URL (constructing it checks the three fields)."""
+        return OwnershipPolicy(self.lease_seconds, self.orphan_age_seconds, self.other_owners)
+
+    def open_tier(self, upload: UploadOptions, *, check_bucket: bool = True) -> RemoteTier:
+        """The remote tier these options describe, making its requests as ``upload`` says.
+
+        Its bucket is checked first (one request, see
+        :meth:`~tiered_ckpt.remote.RemoteTier.check_bucket`): a missing or unlistable bucket
+        raises :class:`~tiered_ckpt.RemoteError` naming it here, not at the first upload.
+        """
+        tier = RemoteTier(
             self.url, self.storage_options, retry=upload.retry, part_bytes=upload.part_bytes,
             part_concurrency=upload.part_concurrency, layout=self.layout,
         )  # fmt: skip
+        if check_bucket:
+            tier.check_bucket()
+        return tier
 
 
 @dataclass(frozen=True)

@@ -192,3 +192,13 @@ def test_human_size(size, shown):
     from tiered_ckpt.cli import human_size
 
     assert human_size(size) == shown
+
+
+@pytest.mark.parametrize("command", [["ls"], ["status"], ["verify", "--remote"], ["--json", "ls"]])
+def test_a_missing_bucket_is_named_and_fails_the_command(tmp_path, moto_endpoint, command):
+    local = tmp_path / "local"
+    local.mkdir()
+    config = write_s3_config(tmp_path / "ckpt.toml", local, "s3://tiered-no-such-bucket/run", moto_endpoint)
+    code, out, err = run(s3_credentials_env(), "--config", str(config), *command)
+    assert code == 1 and out == ""
+    assert "the bucket 'tiered-no-such-bucket' does not exist" in err

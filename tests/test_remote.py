@@ -1,16 +1,18 @@
 import dataclasses
 import errno
+import io
 import os
 
 import numpy as np
 import pytest
 
 from conftest import flip_byte
-from tiered_ckpt import ChecksumMismatchError, ManifestError, RemoteError, save_sharded
+from tiered_ckpt import CheckpointManager, ChecksumMismatchError, ManifestError, RemoteError, save_sharded
 from tiered_ckpt.layout import MANIFEST_NAME
 from tiered_ckpt.local import LocalTier
 from tiered_ckpt.remote import RemoteTier, RetryPolicy, _same_checksum, is_transient
 from tiered_ckpt.retention import RetentionPolicy
+from tiered_ckpt.shardfile import hash_stream
 from tiered_ckpt.store import TieredStore
 
 
@@ -298,3 +300,63 @@ def test_a_url_with_glob_characters_touches_only_its_own_steps(remote_url, saved
     for sibling in siblings:
         assert sibling.list_steps() == ([3], [])
         assert all(sibling.check_shard(3, record) is None for record in manifest.shards)
+
+
+# -- the bucket is checked when the tier is opened ---------------------------------------------
+
+
+def test_a_missing_bucket_is_refused_at_manager_construction_naming_it(tmp_path, cloud_url):
+    url, options = cloud_url
+    scheme, bucket = url.split("://")[0], "tiered-no-such-bucket"
+    with pytest.raises(RemoteError, match=f"the bucket '{bucket}' does not exist") as caught:
+        CheckpointManager(
+            tmp_path / "ckpt", world_size=1, remote_url=f"{scheme}://{bucket}/run", storage_options=options
+        )
+    assert not caught.value.transient and caught.value.tries == 1  # permanent: one request, no retries
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+    RemoteTier(url, options).check_bucket()  # a bucket that exists (and an empty prefix in it) is fine
+
+
+def test_a_bucket_unreachable_at_construction_is_retried_then_raised(tmp_path, moto_endpoint, s3_url):
+    from conftest import FaultInjectingProxy, s3_storage_options
+
+    url, _ = s3_url
+    proxy = FaultInjectingProxy(moto_endpoint, failure_rate=1.0)
+    try:
+        with pytest.raises(RemoteError, match="check its bucket") as caught:
+            CheckpointManager(
+                tmp_path / "ckpt", world_size=1, remote_url=url, storage_options=s3_storage_options(proxy.endpoint),
+                upload_max_tries=3, upload_backoff_seconds=0,
+            )  # fmt: skip
+    finally:
+        proxy.close()
+    assert caught.value.transient and caught.value.tries == 3 and proxy.requests == 3
+
+
+# -- an object longer than its record is never read whole ---------------------------------------
+
+
+def test_an_object_32_mib_longer_than_its_record_is_refused_before_it_is_read(remote_url, saved, tmp_path):
+    url, options = remote_url
+    tier = RemoteTier(url, options)
+    directory, manifest = saved
+    upload_all(tier, directory, manifest)
+    tier.commit(manifest)
+    record = manifest.shard(1)
+    longer = (directory / record.path).read_bytes() + bytes(32 << 20)
+    tier._fs.pipe_file(f"{tier._root}/step-000000000003/{record.path}", longer)
+    read = []
+
+    def count(source):
+        while chunk := source.read(1 << 20):
+            read.append(len(chunk))
+        return record.verify(hash_stream(io.BytesIO(b"")), "never")  # not reached: too long
+
+    with pytest.raises(ChecksumMismatchError, match=f"{record.size_bytes + 1} bytes|{len(longer)} bytes"):
+        tier.read_shard(3, record, count)
+    assert sum(read) <= record.size_bytes + 1  # at most one byte past the record, whatever the object holds
+    root = tmp_path / "refill"
+    with pytest.raises(ChecksumMismatchError, match=record.path):
+        download(tier, 3, record, root)
+    assert sum(path.stat().st_size for path in root.rglob("*") if path.is_file()) == 0  # nothing landed
+    assert "bytes, the manifest records" in tier.check_shard(3, record)

@@ -360,3 +360,38 @@ def test_an_object_32_mib_longer_than_its_record_is_refused_before_it_is_read(re
         download(tier, 3, record, root)
     assert sum(path.stat().st_size for path in root.rglob("*") if path.is_file()) == 0  # nothing landed
     assert "bytes, the manifest records" in tier.check_shard(3, record)
+
+
+def test_a_bucket_that_cannot_be_listed_is_refused_as_access_denied(tmp_path):
+    """An S3 endpoint on loopback that answers every request 403 AccessDenied, as S3 does for
+    credentials without s3:ListBucket: told apart from a missing bucket, and not retried."""
+    import http.server
+    import threading
+
+    from conftest import s3_storage_options
+
+    class Denying(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _deny(self):
+            body = b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
+            self.send_response(403)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _deny
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Denying)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        options = s3_storage_options(f"http://127.0.0.1:{server.server_address[1]}")
+        with pytest.raises(RemoteError, match="access to the bucket 'locked' is denied") as caught:
+            CheckpointManager(tmp_path / "ckpt", world_size=1, remote_url="s3://locked/run", storage_options=options)
+        assert not caught.value.transient and caught.value.tries == 1
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -562,12 +562,15 @@ class RemoteTier:
             kept = head.get("crc32c")
         return f"{algorithm}:{kept}" if kept else None
 
-    def confirm_shard(self, step: int, record: ShardRecord, kept: str | None = None) -> str | None:
+    def confirm_shard(
+        self, step: int, record: ShardRecord, kept: str | None = None, *, deadline: float | None = None
+    ) -> str | None:
         """Check ``record``'s object once more, by one HEAD, and return the problem (naming the
         object), or None if it is there as recorded: its size, the sha256 stored with it (where
         the store keeps metadata: S3, GCS) and, given ``kept`` (the checksum the store keeps for
         the bytes this job sent, see :meth:`store_checksum`), the store's own checksum of it.
-        Made right before a commit: an object deleted or replaced since it was put is caught."""
+        Made right before a commit: an object deleted or replaced since it was put is caught.
+        Under ``deadline`` (see :meth:`_run`)."""
         location = self._shard_location(step, record)
         path = self._shard(step, record)
 
@@ -585,7 +588,7 @@ class RemoteTier:
                     problem = f"the store keeps checksum {found}, the upload sent {kept}"
             return problem
 
-        problem = self._run(f"confirming {location}", head)
+        problem = self._run(f"confirming {location}", head, deadline)
         return f"{location}: {problem}" if problem else None
 
     def commit(

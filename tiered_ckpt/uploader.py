@@ -144,13 +144,14 @@ class Uploader:
         for step in sorted(set(mine.steps) - set(resumed)):
             logger.warning("step %d is committed locally but not on every rank: it cannot be uploaded", step)
         leftover = [step for step in listing.uncommitted if step not in resumed]
-        if self._coordinator.is_leader and listing.other_runs and leftover:
-            logger.warning(
-                "half-uploaded steps %s stay in %s: run(s) %s may be uploading them",
-                leftover, self._remote.url, ", ".join(listing.other_runs),
-            )  # fmt: skip
-        elif self._coordinator.is_leader:
-            for step in leftover:
+        if self._coordinator.is_leader and leftover:
+            others = list(listing.other_runs) or self._other_runs()  # asked again: one may have started since
+            if others:
+                logger.warning(
+                    "half-uploaded steps %s stay in %s: run(s) %s may be uploading them",
+                    leftover, self._remote.url, ", ".join(others),
+                )  # fmt: skip
+            for step in [] if others else leftover:
                 logger.warning("removing half-uploaded step %d from %s", step, self._remote.url)
                 self._remote.delete_step(step)
         for step in resumed:
@@ -354,12 +355,16 @@ class Uploader:
                 tries=getattr(exc, "tries", 1),
             ) from exc
 
+    def _other_runs(self) -> list[str]:
+        """The other live runs under the URL now (their leases unreadable counts as one)."""
+        try:
+            return [other.run_id for other in self._lease.others()]
+        except RemoteError as exc:
+            return [f"(leases unreadable: {exc})"]
+
     def _retain_remote(self) -> None:
         """The bucket's retention, unless another live run writes there (its steps are not ours to delete)."""
-        try:
-            others = [other.run_id for other in self._lease.others()]
-        except RemoteError as exc:
-            others = [f"(leases unreadable: {exc})"]
+        others = self._other_runs()
         if others:
             logger.warning(
                 "remote retention of %s skipped: run(s) %s also write there",
@@ -374,7 +379,7 @@ class Uploader:
         step = manifest.step
 
         def confirm(record: ShardRecord) -> str | None:
-            return self._remote.confirm_shard(step, record, kept.get(record.path))
+            return self._remote.confirm_shard(step, record, kept.get(record.path), deadline=deadline)
 
         problems = [problem for problem in run_parallel(confirm, manifest.shards, self._options.concurrency) if problem]
         if problems:

@@ -103,14 +103,20 @@ def _machine() -> str:
     return f"{boot}/{namespace}" if boot else ""
 
 
-def _process_start(pid: int) -> str:
-    """When process ``pid`` started (clock ticks since boot), or "" if it does not run (a zombie
-    does not run)."""
+def _process_start(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot); "" if it does not run (a zombie
+    does not run); None if this process may not know (``/proc`` hides it, yet it exists)."""
     stat = _read(f"/proc/{pid}/stat")
     fields = stat.rpartition(")")[2].split()
-    if len(fields) < 20 or fields[0] == "Z":
+    if len(fields) >= 20:
+        return "" if fields[0] == "Z" else fields[19]
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return ""
-    return fields[19]
+    except OSError:  # PermissionError: it exists, owned by someone else
+        return None
+    return None
 
 
 @dataclass(frozen=True)
@@ -164,7 +170,8 @@ class OwnerRecord:
         if now - self.renewed_at > self.ttl_seconds:
             return False
         if self.machine and self.machine == _machine():
-            return _process_start(self.pid) == self.process_start
+            start = _process_start(self.pid)
+            return start is None or start == self.process_start  # another start: the PID was reused
         return True
 
     def describe(self, now: float) -> str:
@@ -174,8 +181,12 @@ class OwnerRecord:
         )
 
 
-def live_owners(remote: RemoteTier, now: float, *, besides: str | None = None) -> list[OwnerRecord]:
-    """The runs whose records under ``remote``'s URL are live at ``now`` (besides run ``besides``).
+def live_owners(
+    remote: RemoteTier, now: float, *, besides: str | None = None, remove_dead: bool = False
+) -> list[OwnerRecord]:
+    """The runs whose records under ``remote``'s URL are live at ``now`` (besides run ``besides``);
+    with ``remove_dead``, the records of dead runs are deleted on the way (a run that comes
+    back writes its record again at its next renewal).
 
     A record that does not parse counts as live (logged at WARNING; see the module doc).
     """
@@ -191,6 +202,9 @@ def live_owners(remote: RemoteTier, now: float, *, besides: str | None = None) -
             record = OwnerRecord(run_id, "?", 0, "", "", now, now, math.inf)
         if record.live(now):
             found.append(record)
+        elif remove_dead:
+            logger.info("removing the lease of %s: it is dead", record.describe(now))
+            remote.delete_owner(run_id)
     return found
 
 
@@ -234,7 +248,7 @@ class Lease:
             host=socket.gethostname(),
             pid=os.getpid(),
             machine=machine,
-            process_start=_process_start(os.getpid()) if machine else "",
+            process_start=(_process_start(os.getpid()) or "") if machine else "",
             started_at=self._started_at,
             renewed_at=self._clock(),
             ttl_seconds=float(self.policy.lease_seconds),
@@ -259,7 +273,7 @@ class Lease:
             self._thread = threading.Thread(target=self._renew_until_released, name="tiered-ckpt-lease", daemon=True)
             self._thread.start()
         try:
-            others = self.others()
+            others = live_owners(self._remote, self._clock(), besides=self.run_id, remove_dead=True)
         except RemoteError as exc:
             if self.policy.other_owners == "refuse":
                 raise

@@ -306,7 +306,12 @@ def test_help_is_plain_text_and_lists_the_environment_variables_and_exit_codes(c
     assert code == 0
     for markup in ("``", ":class:", ":func:", ":meth:", ":mod:", "~tiered_ckpt"):
         assert markup not in out
-    variables = ("TIERED_CKPT_LOCAL_DIR", "TIERED_CKPT_REMOTE_URL", "TIERED_CKPT_REMOTE_ENDPOINT_URL", "AWS_ENDPOINT_URL")
+    variables = (
+        "TIERED_CKPT_LOCAL_DIR",
+        "TIERED_CKPT_REMOTE_URL",
+        "TIERED_CKPT_REMOTE_ENDPOINT_URL",
+        "AWS_ENDPOINT_URL",
+    )
     assert all(name in out for name in variables)
     assert "exit codes:" in out and "--endpoint-url" in out
     assert re.search(r"^\s+0\s+success", out, re.M) and re.search(r"^\s+2\s+bad usage", out, re.M)
@@ -388,3 +393,13 @@ def test_ls_lists_every_step_and_marks_a_damaged_remote_manifest_and_verify_fail
     assert code == 0 and "8 shards verified, 0 failed" in out
     code, out, _ = run(env, "--config", str(config), "verify", "1")
     assert code == 1 and "step 1 remote manifest: FAILED" in out
+
+
+@pytest.mark.parametrize("command", [["ls"], ["status"], ["verify", "--remote"], ["--json", "ls"]])
+def test_a_missing_bucket_is_named_and_fails_the_command(tmp_path, moto_endpoint, command):
+    local = tmp_path / "local"
+    local.mkdir()
+    config = write_s3_config(tmp_path / "ckpt.toml", local, "s3://tiered-no-such-bucket/run", moto_endpoint)
+    code, out, err = run(s3_credentials_env(), "--config", str(config), *command)
+    assert code == 1 and out == ""
+    assert "the bucket 'tiered-no-such-bucket' does not exist" in err

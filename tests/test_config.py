@@ -62,7 +62,7 @@ def test_nan_infinite_and_negative_seconds_are_refused_naming_the_source_and_key
     variable = f"TIERED_CKPT_UPLOAD_{key.upper()}"
     with pytest.raises(ConfigError, match=rf"environment \({variable}\): key 'upload.{key}' must be"):
         load_config(environ={"TIERED_CKPT_LOCAL_DIR": "x", variable: value})
-    with pytest.raises(ConfigError, match=f"must be"):
+    with pytest.raises(ConfigError, match="must be"):
         UploadOptions(**{key: float(value)})
 
 

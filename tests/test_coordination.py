@@ -230,13 +230,23 @@ def test_an_array_one_rank_cannot_save_fails_the_save_on_every_rank(tmp_path):
 
 def test_a_failed_upload_is_raised_by_every_rank_at_the_same_call_and_only_once(tmp_path, s3_url):
     url, options = s3_url
-    missing = url.replace("tiered-test-", "tiered-missing-")  # rank 1's uploads fail: no such bucket
+    (tmp_path / "a-file").write_bytes(b"")
+    missing = f"file://{tmp_path}/a-file/run"  # rank 1's uploads fail: its directory cannot be made
     actions = [{"do": "save", "step": 1}, {"do": "drain_uploads", "rank": 1}, {"do": "save", "step": 2}]
     results = run_ranks(tmp_path, 2, actions, (url, options), url_by_rank={"1": missing})
     for result in results.values():
         assert result["error"][0] == "UploadError" and "step 1" in result["error"][1], result
         assert "close_error" not in result, result  # not raised a second time when it arrives later
     assert RemoteTier(url, options).committed_steps() == []
+
+
+def test_a_missing_bucket_on_one_rank_is_raised_by_every_rank_at_construction(tmp_path, s3_url):
+    url, options = s3_url
+    missing = url.replace("tiered-test-", "tiered-missing-")
+    results = run_ranks(tmp_path, 2, [{"do": "save", "step": 1}], (url, options), url_by_rank={"1": missing})
+    for result in results.values():
+        assert result["error"][0] == "RemoteError" and "does not exist" in result["error"][1], result
+    assert RemoteTier(url, options).list_steps() == ([], [])
 
 
 class OneOfTwoRanks:

@@ -1,14 +1,18 @@
+import dataclasses
 import errno
+import io
 import os
 
 import numpy as np
 import pytest
 
 from conftest import flip_byte
-from tiered_ckpt import ChecksumMismatchError, ManifestError, RemoteError, save_sharded
+from tiered_ckpt import CheckpointManager, ChecksumMismatchError, ManifestError, RemoteError, save_sharded
 from tiered_ckpt.layout import MANIFEST_NAME
 from tiered_ckpt.local import LocalTier
 from tiered_ckpt.remote import RemoteTier, RetryPolicy, _same_checksum, is_transient
+from tiered_ckpt.retention import RetentionPolicy
+from tiered_ckpt.shardfile import hash_stream
 from tiered_ckpt.store import TieredStore
 
 
@@ -263,3 +267,131 @@ def test_a_stores_checksum_matches_with_or_without_the_part_count_and_nothing_el
     assert not _same_checksum("crc32c:qg7Tjw==-4", "crc32c:qg7Tjw==-3")
     assert not _same_checksum("", "crc32c:qg7Tjw==") and not _same_checksum(None, "crc32c:qg7Tjw==")
     assert not _same_checksum("", "-")  # no part count to leave off
+
+
+# -- exact keys: glob characters in a URL name only themselves ------------------------------------
+
+
+@pytest.mark.parametrize("name", ["sweep[12]", "sweep*", "sweep?"])
+def test_a_url_with_glob_characters_touches_only_its_own_steps(remote_url, saved, name, tmp_path):
+    """Siblings ``sweep1`` and ``sweep2`` (which ``sweep[12]``, ``sweep*`` and ``sweep?`` match as
+    patterns) keep every object while a run at the pattern's name lists, reads, prunes and
+    deletes its own steps."""
+    url, options = remote_url
+    directory, manifest = saved
+    base = url.rsplit("/", 1)[0]
+    siblings = [RemoteTier(f"{base}/{sibling}", options) for sibling in ("sweep1", "sweep2")]
+    for sibling in siblings:
+        upload_all(sibling, directory, manifest)
+        sibling.commit(manifest)
+    tier = RemoteTier(f"{base}/{name}", options)
+    assert tier.list_steps() == ([], [])
+    for step in (3, 4):
+        step_manifest = dataclasses.replace(manifest, step=step)
+        upload_all(tier, directory, step_manifest)
+        tier.commit(step_manifest)
+    assert tier.list_steps() == ([3, 4], [])
+    target = download(tier, 4, manifest.shard(1), tmp_path / "downloaded")
+    assert target.read_bytes() == (directory / manifest.shard(1).path).read_bytes()
+    store = TieredStore(LocalTier(tmp_path / "local-of-the-run"), tier)
+    assert store.retain_remote(RetentionPolicy(keep_last=1)) == [3]
+    tier.delete_step(4)
+    assert tier.list_steps() == ([], [])
+    for sibling in siblings:
+        assert sibling.list_steps() == ([3], [])
+        assert all(sibling.check_shard(3, record) is None for record in manifest.shards)
+
+
+# -- the bucket is checked when the tier is opened ---------------------------------------------
+
+
+def test_a_missing_bucket_is_refused_at_manager_construction_naming_it(tmp_path, cloud_url):
+    url, options = cloud_url
+    scheme, bucket = url.split("://")[0], "tiered-no-such-bucket"
+    with pytest.raises(RemoteError, match=f"the bucket '{bucket}' does not exist") as caught:
+        CheckpointManager(
+            tmp_path / "ckpt", world_size=1, remote_url=f"{scheme}://{bucket}/run", storage_options=options
+        )
+    assert not caught.value.transient and caught.value.tries == 1  # permanent: one request, no retries
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+    RemoteTier(url, options).check_bucket()  # a bucket that exists (and an empty prefix in it) is fine
+
+
+def test_a_bucket_unreachable_at_construction_is_retried_then_raised(tmp_path, moto_endpoint, s3_url):
+    from conftest import FaultInjectingProxy, s3_storage_options
+
+    url, _ = s3_url
+    proxy = FaultInjectingProxy(moto_endpoint, failure_rate=1.0)
+    try:
+        with pytest.raises(RemoteError, match="check its bucket") as caught:
+            CheckpointManager(
+                tmp_path / "ckpt", world_size=1, remote_url=url, storage_options=s3_storage_options(proxy.endpoint),
+                upload_max_tries=3, upload_backoff_seconds=0,
+            )  # fmt: skip
+    finally:
+        proxy.close()
+    assert caught.value.transient and caught.value.tries == 3 and proxy.requests == 3
+
+
+# -- an object longer than its record is never read whole ---------------------------------------
+
+
+def test_an_object_32_mib_longer_than_its_record_is_refused_before_it_is_read(remote_url, saved, tmp_path):
+    url, options = remote_url
+    tier = RemoteTier(url, options)
+    directory, manifest = saved
+    upload_all(tier, directory, manifest)
+    tier.commit(manifest)
+    record = manifest.shard(1)
+    longer = (directory / record.path).read_bytes() + bytes(32 << 20)
+    tier._fs.pipe_file(f"{tier._root}/step-000000000003/{record.path}", longer)
+    read = []
+
+    def count(source):
+        while chunk := source.read(1 << 20):
+            read.append(len(chunk))
+        return record.verify(hash_stream(io.BytesIO(b"")), "never")  # not reached: too long
+
+    with pytest.raises(ChecksumMismatchError, match=f"{record.size_bytes + 1} bytes|{len(longer)} bytes"):
+        tier.read_shard(3, record, count)
+    assert sum(read) <= record.size_bytes + 1  # at most one byte past the record, whatever the object holds
+    root = tmp_path / "refill"
+    with pytest.raises(ChecksumMismatchError, match=record.path):
+        download(tier, 3, record, root)
+    assert sum(path.stat().st_size for path in root.rglob("*") if path.is_file()) == 0  # nothing landed
+    assert "bytes, the manifest records" in tier.check_shard(3, record)
+
+
+def test_a_bucket_that_cannot_be_listed_is_refused_as_access_denied(tmp_path):
+    """An S3 endpoint on loopback that answers every request 403 AccessDenied, as S3 does for
+    credentials without s3:ListBucket: told apart from a missing bucket, and not retried."""
+    import http.server
+    import threading
+
+    from conftest import s3_storage_options
+
+    class Denying(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _deny(self):
+            body = b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
+            self.send_response(403)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _deny
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Denying)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        options = s3_storage_options(f"http://127.0.0.1:{server.server_address[1]}")
+        with pytest.raises(RemoteError, match="access to the bucket 'locked' is denied") as caught:
+            CheckpointManager(tmp_path / "ckpt", world_size=1, remote_url="s3://locked/run", storage_options=options)
+        assert not caught.value.transient and caught.value.tries == 1
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -12,9 +12,8 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiered_ckpt import ChecksumMismatchError, InvalidStateError, ShardFormatError
+from tiered_ckpt import ChecksumMismatchError, InvalidStateError, ShardFormatError, shardfile
 from tiered_ckpt.manifest import ShardRecord
-from tiered_ckpt import shardfile
 from tiered_ckpt.shardfile import (
     DTYPES,
     ShardDigest,

@@ -14,8 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tiered_ckpt import CheckpointManager, InvalidStateError, ShardFormatError, load_sharded, save_sharded
-from tiered_ckpt import shardfile
+from tiered_ckpt import CheckpointManager, InvalidStateError, ShardFormatError, load_sharded, save_sharded, shardfile
 from tiered_ckpt.local import read_shard_file
 from tiered_ckpt.shardfile import ShardContents, write_shard
 from tiered_ckpt.state import (
@@ -418,7 +417,7 @@ def test_a_string_whose_shard_header_the_reader_would_refuse_is_refused_naming_i
     # 14.5 M characters of é: 7 bytes each in the header (\\u00e9), over the reader's 100 MB
     state = {"w": np.ones(3, np.float32), "meta": {"note": "é" * 14_500_000}}
     message = assert_refused_before_anything_is_written(
-        tmp_path, state, 'rank 0: the state\'s shard header', 'state["meta"]["note"]', "over the 100,000,000"
+        tmp_path, state, "rank 0: the state's shard header", 'state["meta"]["note"]', "over the 100,000,000"
     )
     assert "é" * 100 not in message  # the value itself is not repeated in the error
 

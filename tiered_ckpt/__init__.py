@@ -13,6 +13,7 @@ from .errors import (
     InvalidStateError,
     ManifestError,
     RemoteError,
+    RemoteInUseError,
     ReshardError,
     SaveError,
     ShardCountMismatchError,
@@ -52,6 +53,7 @@ __all__ = [
     "InvalidStateError",
     "ManifestError",
     "RemoteError",
+    "RemoteInUseError",
     "ReshardError",
     "SaveError",
     "ShardCountMismatchError",
@@ -65,6 +67,7 @@ __all__ = [
     "TieredStore",
     "Lag",
 ]
+
 
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version

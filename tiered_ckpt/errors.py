@@ -19,6 +19,8 @@ library was called wrongly::
     ├── SaveError                     a background save failed (the cause is chained)
     ├── RemoteError                   the object store failed a request (.transient says
     │                                 whether trying again may help; the cause is chained)
+    │   └── RemoteInUseError          another live run writes under the remote URL
+    │                                 (raised only with other_owners="refuse")
     ├── UploadError                   a step could not be committed remotely (.tries)
     ├── CoordinationError             a collective with the other ranks failed (a rank
     │                                 died or timed out; the cause is chained)
@@ -49,6 +51,7 @@ __all__ = [
     "ReshardError",
     "SaveError",
     "RemoteError",
+    "RemoteInUseError",
     "UploadError",
     "CoordinationError",
     "ConfigError",
@@ -127,6 +130,14 @@ class RemoteError(CheckpointError):
     def __init__(self, message: str, *, transient: bool) -> None:
         super().__init__(message)
         self.transient = transient
+
+
+class RemoteInUseError(RemoteError):
+    """Another live run holds a lease on the remote URL (see :mod:`~tiered_ckpt.owners`), and the
+    remote options say ``other_owners="refuse"``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, transient=False)
 
 
 class UploadError(CheckpointError):

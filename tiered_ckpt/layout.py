@@ -10,7 +10,9 @@ Pure functions, no I/O. The layout of one checkpoint directory::
       remote-commit.json   (the receipt of the step's remote commit)
 
 and under a remote URL the same step directories (shards, then ``manifest.json``, the
-remote manifest) and ``latest``, a pointer to the newest remote commit.
+remote manifest), ``latest``, a pointer to the newest remote commit, and
+``owners/<run id>.json``, the lease of each run writing under the URL (see
+:mod:`~tiered_ckpt.owners`).
 
 A temp name is ``.<final name>.<random hex>.tmp``: it starts with a dot, which no
 committed name does, so a committed file can never be mistaken for a temp file and a
@@ -27,6 +29,7 @@ __all__ = [
     "HELD_NAME",
     "RECEIPT_NAME",
     "LATEST_NAME",
+    "OWNERS_DIR",
     "SHARD_SUFFIX",
     "step_dir_name",
     "parse_step_dir_name",
@@ -35,15 +38,19 @@ __all__ = [
     "is_temp_name",
     "temp_target",
     "is_plain_name",
+    "owner_name",
+    "parse_owner_name",
 ]
 
 MANIFEST_NAME = "manifest.json"
 HELD_NAME = "held-shards.json"
 RECEIPT_NAME = "remote-commit.json"
 LATEST_NAME = "latest"
+OWNERS_DIR = "owners"
 SHARD_SUFFIX = ".safetensors"
 
 _STEP_DIR = re.compile(r"step-(\d{12,})")
+_OWNER = re.compile(r"(?P<run>[0-9a-f]{16,64})\.json")
 _TEMP = re.compile(r"\.(?P<target>[^/\\]+)\.[0-9a-f]{16}\.tmp")
 
 
@@ -96,3 +103,17 @@ def is_plain_name(name: str) -> bool:
         return len(name.encode("utf-8")) <= 255
     except UnicodeEncodeError:
         return False
+
+
+def owner_name(run_id: str) -> str:
+    """Return the object name, inside ``OWNERS_DIR``, of the owner record of run ``run_id``."""
+    name = f"{run_id}.json"
+    if _OWNER.fullmatch(name) is None:
+        raise ValueError(f"run id must be 16 to 64 lowercase hex digits, got {run_id!r:.80}")
+    return name
+
+
+def parse_owner_name(name: str) -> str | None:
+    """Return the run id an owner record's object name stands for, or None if it is not one."""
+    match = _OWNER.fullmatch(name)
+    return match.group("run") if match else None

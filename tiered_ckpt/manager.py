@@ -153,7 +153,9 @@ class CheckpointManager:
         self._max_workers = max_workers
         self._errors = ErrorBox()
         self._closed = False
-        remote_tier = options.remote.open_tier(options.upload) if options.remote is not None else None
+        remote_tier = (
+            options.remote.open_tier(options.upload, check_bucket=False) if options.remote is not None else None
+        )
         self._store = TieredStore(LocalTier(options.local.dir), remote_tier)
         self._restorer = Restorer(self._store, coordinator, world_size, max_workers)
         self._uploader: Uploader | None = None
@@ -190,10 +192,11 @@ class CheckpointManager:
             ranks=self._ranks,
             local_retention=options.local.retention,
             remote_retention=options.remote.retention,
+            ownership=options.remote.ownership,
         )
 
     def _open_local_dir(self) -> None:
-        """Lock the local directory and remove what crashed saves left in it."""
+        """Lock the local directory, remove what crashed saves left in it, and check the bucket."""
         try:
             self._exit_stack.enter_context(self._store.local.lock())
         except DirectoryInUseError as exc:
@@ -205,6 +208,8 @@ class CheckpointManager:
         removed = self._store.local.remove_uncommitted()
         if removed:
             logger.warning("removed what crashed saves left in %s: %s", self.root, ", ".join(removed))
+        if self._store.remote is not None:  # on every rank, in this collective: one rank's failure fails all
+            self._store.remote.check_bucket()
 
     @property
     def _one_process(self) -> bool:

@@ -18,6 +18,7 @@ from typing import Any, Literal, TypedDict
 import fsspec
 
 from .errors import ConfigError, invalid_option
+from .owners import OtherOwners, OwnershipPolicy
 from .remote import DEFAULT_PART_BYTES, DEFAULT_PART_CONCURRENCY, Layout, RemoteTier
 from .retention import RetentionPolicy
 from .retry import RetryPolicy
@@ -124,7 +125,14 @@ class RemoteOptions(_Retained):
     the layout of its shard objects ("flat", or "hashed": spread over 256 key prefixes
     per step; see :meth:`~tiered_ckpt.remote.RemoteTier.object_name`). ``endpoint_url``
     (``s3://`` and ``gs://`` only) names the store's endpoint, e.g. a MinIO server; it
-    takes precedence over ``storage_options["endpoint_url"]``."""
+    takes precedence over ``storage_options["endpoint_url"]``.
+
+    How a run holds the URL (see :mod:`~tiered_ckpt.owners`): its lease on it lasts
+    ``lease_seconds`` unrenewed (it is renewed every quarter of that while the run lives);
+    multipart uploads left open are aborted at start-up only once ``orphan_age_seconds``
+    old, and only while no other run's lease is live; another live run on the URL is a
+    WARNING naming it (``other_owners="warn"``) or :class:`~tiered_ckpt.RemoteInUseError`
+    at start-up (``"refuse"``)."""
 
     url: str
     keep_last: int | None = None
@@ -132,6 +140,9 @@ class RemoteOptions(_Retained):
     storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
     layout: Layout = "flat"
     endpoint_url: str | None = None
+    lease_seconds: float = 300.0
+    orphan_age_seconds: float = 3600.0
+    other_owners: OtherOwners = "warn"
 
     def __post_init__(self) -> None:
         check_remote_url(self.url)
@@ -142,16 +153,30 @@ class RemoteOptions(_Retained):
         if self.endpoint_url is not None:
             _check_endpoint_url(self.endpoint_url, self.url)
         self.retention  # noqa: B018 -- checks keep_last and keep_every
+        self.ownership  # noqa: B018 -- checks lease_seconds, orphan_age_seconds and other_owners
 
-    def open_tier(self, upload: UploadOptions) -> RemoteTier:
-        """The remote tier these options describe, making its requests as ``upload`` says."""
+    @property
+    def ownership(self) -> OwnershipPolicy:
+        """How a run holds the URL (constructing it checks the three fields)."""
+        return OwnershipPolicy(self.lease_seconds, self.orphan_age_seconds, self.other_owners)
+
+    def open_tier(self, upload: UploadOptions, *, check_bucket: bool = True) -> RemoteTier:
+        """The remote tier these options describe, making its requests as ``upload`` says.
+
+        Its bucket is checked first (one request, see
+        :meth:`~tiered_ckpt.remote.RemoteTier.check_bucket`): a missing or unlistable bucket
+        raises :class:`~tiered_ckpt.RemoteError` naming it here, not at the first upload.
+        """
         storage_options = dict(self.storage_options)
         if self.endpoint_url is not None:
             storage_options["endpoint_url"] = self.endpoint_url
-        return RemoteTier(
+        tier = RemoteTier(
             self.url, storage_options, retry=upload.retry, part_bytes=upload.part_bytes,
             part_concurrency=upload.part_concurrency, layout=self.layout,
         )  # fmt: skip
+        if check_bucket:
+            tier.check_bucket()
+        return tier
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,18 @@ by temp name, fsync and rename, parent directories are created, and the manifest
 linked into place create-only.
 
 This tier knows nothing of the local one: downloads hand the object's byte stream to
-a function of the caller's (:meth:`RemoteTier.read_shard`).
+a function of the caller's (:meth:`RemoteTier.read_shard`), which never sees more than
+the recorded size plus one byte of it.
+
+**Exact keys.** Every list, read, write and delete names exact keys or prefixes: fsspec's
+``rm(recursive=True)``, ``glob`` and ``expand_path`` treat ``[]``, ``*`` and ``?`` as
+patterns and are never called, so a URL such as ``s3://b/sweep[12]`` is as good as any
+(its steps are listed with ``ls``/``find`` on the exact prefix and deleted object by
+object, or by S3's ``DeleteObjects`` naming each key). No character is refused.
+
+**A bucket that exists.** :meth:`RemoteTier.check_bucket` (the manager and the CLI call
+it when they open the tier) makes one listing request and raises :class:`RemoteError`
+naming the bucket if it does not exist or cannot be listed.
 
 **One retry policy** (:class:`RetryPolicy`) covers every request this tier makes,
 reads included: an operation is tried at most ``max_tries`` times, with exponential
@@ -42,6 +53,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -55,8 +67,16 @@ from fsspec.core import url_to_fs
 
 from .checksums import StoreSums, check_source, store_sums
 from .durable import atomic_write, write_bytes
-from .errors import CheckpointError, IncompleteCheckpointError, ManifestError, RemoteError
-from .layout import LATEST_NAME, MANIFEST_NAME, parse_step_dir_name, step_dir_name
+from .errors import CheckpointError, ChecksumMismatchError, IncompleteCheckpointError, ManifestError, RemoteError
+from .layout import (
+    LATEST_NAME,
+    MANIFEST_NAME,
+    OWNERS_DIR,
+    owner_name,
+    parse_owner_name,
+    parse_step_dir_name,
+    step_dir_name,
+)
 from .manifest import MAX_MANIFEST_BYTES, RemoteManifest, ShardManifest, ShardRecord
 from .multipart import Upload, Window, list_open_uploads
 from .retry import RetryPolicy, is_transient
@@ -74,6 +94,8 @@ DEFAULT_PART_BYTES = 16 << 20
 DEFAULT_PART_CONCURRENCY = 8  # parts in flight per tier (S3), before throttling lowers it
 SHA256_METADATA_KEY = "sha256"
 STREAM_BLOCK_BYTES = 16 << 20
+MAX_OWNER_BYTES = 64 << 10  # an owner record is a few hundred bytes; a bigger object is not one
+DELETE_BATCH = 1000  # keys per S3 DeleteObjects request (its limit)
 
 
 def _same_checksum(kept: str | None, expected: str) -> bool:
@@ -99,18 +121,31 @@ def _client_options(protocols: set[str], options: Mapping[str, Any], retry: Retr
 
 
 class _Reader:
-    """A read-only stream whose backend errors become :class:`RemoteError` (reads are remote requests)."""
+    """A read-only stream whose backend errors become :class:`RemoteError` (reads are remote
+    requests), ending after ``limit`` bytes: an object longer than its record is never read
+    past one byte more than the record (enough to tell it is longer)."""
 
-    def __init__(self, source: Any, tier: RemoteTier, what: str) -> None:
+    def __init__(self, source: Any, tier: RemoteTier, what: str, limit: int) -> None:
         self._source, self._tier, self._what = source, tier, what
+        self._left = limit
 
     def read(self, size: int = -1) -> bytes:
+        size = self._left if size is None or size < 0 else min(size, self._left)
+        if size == 0:
+            return b""
         with self._tier._translated(self._what):
-            return self._source.read(size)
+            data = self._source.read(size)
+        self._left -= len(data)
+        return data
 
     def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")[: self._left]
+        if not len(view):
+            return 0
         with self._tier._translated(self._what):
-            return self._source.readinto(buffer)
+            count = self._source.readinto(view)
+        self._left -= count
+        return count
 
 
 class RemoteTier:
@@ -157,11 +192,45 @@ class RemoteTier:
         self._s3 = bool(protocols & {"s3", "s3a"})
         self._gcs = bool(protocols & {"gs", "gcs"})
         self._posix = bool(protocols & {"file", "local"})
+        self._memory = "memory" in protocols
         if self._s3:
             self._fs.retries = 1  # s3fs's own retry loop (no constructor argument): ours are the only retries
 
     def __repr__(self) -> str:
         return f"RemoteTier({self.url!r})"
+
+    def check_bucket(self) -> None:
+        """Raise :class:`RemoteError` naming the bucket unless it exists and can be listed.
+
+        One listing request (S3: ``ListObjectsV2`` of at most one key under the URL; GCS: a
+        listing of at most one object), under the retry policy: a transient error is tried
+        again, then raised (``transient`` set); a missing bucket or a refused listing is
+        raised at once, saying which. A file system or memory URL has no bucket: its
+        directory is created by the first upload, so nothing is checked.
+        """
+        if not (self._s3 or self._gcs):
+            return
+        bucket, prefix = self._root.partition("/")[::2]
+        scheme = "s3" if self._s3 else "gs"
+
+        def list_one() -> None:
+            try:
+                if self._s3:
+                    self._fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=f"{prefix}/" if prefix else "", MaxKeys=1)
+                else:
+                    self._fs.call("GET", "b/{}/o", bucket, prefix=f"{prefix}/" if prefix else None, maxResults=1)
+            except FileNotFoundError as exc:
+                raise RemoteError(
+                    f"{self.url}: the bucket {bucket!r} does not exist ({scheme}://{bucket}): {exc}", transient=False
+                ) from exc
+            except PermissionError as exc:
+                raise RemoteError(
+                    f"{self.url}: access to the bucket {bucket!r} is denied (it cannot be listed with these "
+                    f"credentials): {exc}",
+                    transient=False,
+                ) from exc
+
+        self._run(f"listing {self.url} to check its bucket {scheme}://{bucket}", list_one)
 
     # -- names and plumbing -----------------------------------------------------------------
 
@@ -290,12 +359,21 @@ class RemoteTier:
 
         ``consume`` must leave nothing behind when it fails (e.g. write through a temp
         file); a :class:`CheckpointError` it raises (a checksum mismatch) is not retried.
+        The stream ends after ``record.size_bytes + 1`` bytes, so an object longer than its
+        record is never read whole; where the store tells the object's size on opening it
+        (S3, GCS), a size other than the record's raises before ``consume`` is called:
+        :class:`IncompleteCheckpointError` if shorter, :class:`ChecksumMismatchError` if longer.
         """
         location = self._shard_location(step, record)
 
         def read() -> T:
             with self._fs.open(self._shard(step, record), "rb", block_size=STREAM_BLOCK_BYTES) as source:
-                return consume(_Reader(source, self, f"downloading {location}"))  # type: ignore[arg-type]
+                size = getattr(source, "size", None)
+                if isinstance(size, int) and size != record.size_bytes:
+                    error = IncompleteCheckpointError if size < record.size_bytes else ChecksumMismatchError
+                    raise error(f"{location}: the object has {size} bytes, the manifest records {record.size_bytes}")
+                stream = _Reader(source, self, f"downloading {location}", record.size_bytes + 1)
+                return consume(stream)  # type: ignore[arg-type]
 
         return self._run(f"downloading {location}", read)
 
@@ -317,6 +395,8 @@ class RemoteTier:
         location = self._shard_location(step, record)
         try:
             digest = self.read_shard(step, record, lambda source: hash_stream(source, "full"))
+        except (ChecksumMismatchError, IncompleteCheckpointError) as exc:  # the object's size, told on opening
+            return str(exc)
         except RemoteError as exc:
             if isinstance(exc.__cause__, FileNotFoundError):
                 return f"{location}: missing"
@@ -460,11 +540,7 @@ class RemoteTier:
 
         def head() -> tuple[int, str | None]:
             size, _stored, answer = self._head(path)
-            if self._s3:
-                kept = answer.get("ChecksumCRC32C" if algorithm == "crc32c" else "ChecksumSHA256")
-            else:  # GCS keeps it in the object's metadata
-                kept = answer.get("crc32c")
-            return size, f"{algorithm}:{kept}" if kept else None
+            return size, self._kept_checksum(answer, algorithm)
 
         try:
             size, kept = self._run(f"reading the checksum of {location}", head)
@@ -477,6 +553,43 @@ class RemoteTier:
         if not _same_checksum(kept, expected):
             return f"{location}: the store keeps checksum {kept}, the remote manifest records {expected}"
         return None
+
+    def _kept_checksum(self, head: Mapping[str, Any], algorithm: str) -> str | None:
+        """The checksum of ``algorithm`` the store keeps for an object, from its HEAD answer ``head``."""
+        if self._s3:
+            kept = head.get("ChecksumCRC32C" if algorithm == "crc32c" else "ChecksumSHA256")
+        else:  # GCS keeps it in the object's metadata
+            kept = head.get("crc32c")
+        return f"{algorithm}:{kept}" if kept else None
+
+    def confirm_shard(
+        self, step: int, record: ShardRecord, kept: str | None = None, *, deadline: float | None = None
+    ) -> str | None:
+        """Check ``record``'s object once more, by one HEAD, and return the problem (naming the
+        object), or None if it is there as recorded: its size, the sha256 stored with it (where
+        the store keeps metadata: S3, GCS) and, given ``kept`` (the checksum the store keeps for
+        the bytes this job sent, see :meth:`store_checksum`), the store's own checksum of it.
+        Made right before a commit: an object deleted or replaced since it was put is caught.
+        Under ``deadline`` (see :meth:`_run`)."""
+        location = self._shard_location(step, record)
+        path = self._shard(step, record)
+
+        def head() -> str | None:
+            try:
+                size, stored, answer = self._head(path)
+            except FileNotFoundError:
+                return "missing"
+            problem = record.mismatch(ShardDigest(size, stored or "", ""))
+            if problem is None and (self._s3 or self._gcs) and stored is None:
+                problem = "the sha256 stored with it is gone"
+            if problem is None and kept is not None:
+                found = self._kept_checksum(answer, kept.partition(":")[0])
+                if not _same_checksum(found, kept):
+                    problem = f"the store keeps checksum {found}, the upload sent {kept}"
+            return problem
+
+        problem = self._run(f"confirming {location}", head, deadline)
+        return f"{location}: {problem}" if problem else None
 
     def commit(
         self,
@@ -527,10 +640,13 @@ class RemoteTier:
 
     # -- deleting -----------------------------------------------------------------------
 
-    def abort_orphans(self, older_than_seconds: float = 0.0) -> list[str]:
+    def abort_orphans(self, older_than_seconds: float = 0.0, *, now: float | None = None) -> list[str]:
         """Abort the multipart uploads left open under this tier's URL (S3) by an upload that
-        failed or was killed, started at least ``older_than_seconds`` ago; return their URLs.
+        failed or was killed, started at least ``older_than_seconds`` before ``now`` (a Unix
+        time; default: the clock's); return their URLs.
 
+        The caller makes sure no live run is uploading under the URL (see
+        :mod:`~tiered_ckpt.owners`): an open upload does not say which run started it.
         Only uploads of this library's objects (``step-*/...`` under the URL) are touched.
         Elsewhere there is nothing to do: a file system leaves temp files the next upload
         replaces, and GCS offers no listing of unfinished resumable uploads (it expires them
@@ -543,7 +659,7 @@ class RemoteTier:
             f"listing unfinished multipart uploads under {self.url}",
             lambda: list_open_uploads(self._fs, bucket, prefix),
         )
-        now = time.time()
+        now = time.time() if now is None else now
         aborted = []
         for upload in uploads:
             key, started = upload["Key"], upload.get("Initiated")
@@ -561,16 +677,95 @@ class RemoteTier:
             aborted.append(location)
         return aborted
 
+    def _objects(self, prefix: str) -> list[str]:
+        """Every object under ``prefix``: exact, since ``find`` lists by prefix and expands no
+        glob characters (unlike ``rm(recursive=True)`` and ``glob``)."""
+        self._fs.invalidate_cache(prefix)
+        try:
+            found = self._fs.find(prefix)
+        except FileNotFoundError:
+            return []
+        return sorted(path for path in found if path.startswith(f"{prefix}/"))
+
+    def _delete_objects(self, paths: list[str]) -> None:
+        """Delete exactly the objects ``paths`` (S3: ``DeleteObjects`` naming each key, 1000 a
+        request; elsewhere one by one); an object already gone is no error."""
+        if self._s3:
+            bucket = self._fs.split_path(self._root)[0]
+            keys = [self._fs.split_path(path)[1] for path in paths]
+            for start in range(0, len(keys), DELETE_BATCH):
+                batch = [{"Key": key} for key in keys[start : start + DELETE_BATCH]]
+                answer = self._fs.call_s3("delete_objects", Bucket=bucket, Delete={"Objects": batch, "Quiet": True})
+                failed = answer.get("Errors") or []
+                if failed:
+                    first = failed[0]
+                    raise OSError(
+                        f"deleting s3://{bucket}/{first.get('Key')}: {first.get('Code')} {first.get('Message')}"
+                    )
+            return
+        for path in paths:
+            try:
+                self._fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+
     def delete_step(self, step: int) -> None:
-        """Delete a step: its remote manifest first (the step turns invisible), then its objects."""
+        """Delete a step: its remote manifest first (the step turns invisible), then its objects,
+        each named by its exact key (see the module doc: no glob expansion)."""
 
         def delete() -> None:
             manifest = self._path(step, MANIFEST_NAME)
             if self._exists(manifest):
                 self._fs.rm_file(manifest)
             prefix = self._path(step)
+            if self._posix:
+                if Path(prefix).is_dir():
+                    shutil.rmtree(prefix)
+                return
+            self._delete_objects(self._objects(prefix))
+            if self._memory:  # fsspec's memory filesystem keeps directories of its own
+                for directory in sorted(d for d in self._fs.pseudo_dirs if d == prefix or d.startswith(f"{prefix}/")):
+                    self._fs.pseudo_dirs.remove(directory)
             self._fs.invalidate_cache(prefix)
-            if self._fs.exists(prefix):
-                self._fs.rm(prefix, recursive=True)
 
         self._run(f"deleting {self.location(step)}", delete)
+
+    # -- owner records (see tiered_ckpt.owners) -----------------------------------------------
+
+    def _owner_path(self, run_id: str) -> str:
+        return f"{self._root}/{OWNERS_DIR}/{owner_name(run_id)}"
+
+    def owner_location(self, run_id: str) -> str:
+        """The URL of run ``run_id``'s owner record, for messages."""
+        return f"{self.url}/{OWNERS_DIR}/{owner_name(run_id)}"
+
+    def write_owner(self, run_id: str, document: bytes) -> None:
+        """Write (or overwrite) run ``run_id``'s owner record."""
+        path = self._owner_path(run_id)
+        if self._posix:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._run(f"writing {self.owner_location(run_id)}", lambda: self._pipe(path, document))
+
+    def read_owners(self) -> dict[str, bytes]:
+        """Every owner record under the URL, by run id (an exact listing of ``owners/``; a
+        record deleted while listed is left out; at most 64 KiB + 1 byte of each is read)."""
+        directory = f"{self._root}/{OWNERS_DIR}"
+
+        def read() -> dict[str, bytes]:
+            records: dict[str, bytes] = {}
+            for path in self._objects(directory):
+                run_id = parse_owner_name(path.rsplit("/", 1)[-1])
+                if run_id is None:
+                    continue
+                try:
+                    records[run_id] = self._fs.cat_file(path, start=0, end=MAX_OWNER_BYTES + 1)
+                except FileNotFoundError:
+                    continue  # released while we listed
+            return records
+
+        return self._run(f"reading the owner records under {self.url}/{OWNERS_DIR}", read)
+
+    def delete_owner(self, run_id: str) -> None:
+        """Delete run ``run_id``'s owner record (none there is no error)."""
+        path = self._owner_path(run_id)
+        self._run(f"deleting {self.owner_location(run_id)}", lambda: self._delete_objects([path]))

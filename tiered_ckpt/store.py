@@ -40,6 +40,7 @@ from .errors import (
 )
 from .local import LocalTier
 from .manifest import RemoteManifest, ShardManifest, ShardRecord
+from .owners import live_owners
 from .remote import RemoteTier
 from .retention import RetentionPolicy, awaiting_upload, protected_locally, retainable
 from .sharded import run_parallel
@@ -616,12 +617,22 @@ class TieredStore:
     ) -> dict[str, list[Any]]:
         """Apply both tiers' retention now, and abort the bucket's unfinished multipart uploads
         started ``orphans_older_than`` seconds ago or earlier (younger ones may belong to a
-        running job); return the steps deleted (or, with ``dry_run``, to delete) and the
-        uploads aborted."""
+        running job; none while a run's lease on the URL is live); return the steps deleted
+        (or, with ``dry_run``, to delete) and the uploads aborted."""
         remote = remote or RetentionPolicy()
         if dry_run:
             return {"local": self.local_to_delete(local), "remote": self.remote_to_delete(remote), "aborted": []}
-        aborted = self.remote.abort_orphans(orphans_older_than) if self.remote is not None else []
+        aborted = []
+        if self.remote is not None:
+            others = live_owners(self.remote, time.time())
+            if others:  # an open upload does not say whose it is: a live run's may be among them
+                logger.warning(
+                    "unfinished uploads left alone: run(s) %s write under %s",
+                    [o.run_id for o in others],
+                    self.remote.url,
+                )
+            else:
+                aborted = self.remote.abort_orphans(orphans_older_than)
         return {"local": self.retain_local(local), "remote": self.retain_remote(remote), "aborted": aborted}
 
 

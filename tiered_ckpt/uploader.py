@@ -2,19 +2,22 @@
 
 The uploader owns everything that happens to a step after its local commit:
 
-1. :meth:`Uploader.resume` (at start-up): queue the local steps a crash kept from
-   their remote commit (mending lost receipts), and remove half-uploaded steps from the
-   bucket (the leader does, once every rank agreed which steps resume);
+1. :meth:`Uploader.resume` (at start-up): take this run's lease on the URL (see
+   :mod:`~tiered_ckpt.owners`), queue the local steps a crash kept from their remote
+   commit (mending lost receipts), and, unless another live run holds a lease there,
+   remove half-uploaded steps from the bucket and abort multipart uploads left open past
+   the orphan age (the leader does, once every rank agreed which steps resume);
 2. for each queued step, on the uploader's thread: put every shard of this process's
    ``ranks`` not already in the bucket intact, ``concurrency`` at a time, each
    confirmed (:meth:`RemoteTier.put_shard`);
 3. wait until every process's uploader has confirmed its ranks' shards (a collective on
    the uploader's own coordinator channel: a failure on any rank fails the step on every
    rank);
-4. the leader commits the remote manifest (create-only) and moves ``latest``; every
-   process writes the local receipt;
-5. retention: the leader prunes the bucket, every process its local tier (steps the
-   bucket now holds are no longer protected).
+4. the leader confirms every shard's object once more (HEAD: size, stored sha256, the
+   store's checksum) and only then commits the remote manifest (create-only) and moves
+   ``latest``; every process writes the local receipt;
+5. retention: the leader prunes the bucket (not while another run's lease is live),
+   every process its local tier (steps the bucket now holds are no longer protected).
 
 A failure becomes :class:`UploadError` (``tries`` counted, cause chained) in the shared
 :class:`~tiered_ckpt.errors.ErrorBox`, raised by the owner's next call; the step's
@@ -40,13 +43,14 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .coordination import Coordinator, SingleProcessCoordinator, agree, agree_on, decide, from_payload, to_payload
 from .errors import CheckpointError, ErrorBox, IncompleteCheckpointError, RemoteError, UploadError, UsageError
-from .manifest import RemoteManifest, ShardManifest
+from .manifest import RemoteManifest, ShardManifest, ShardRecord
 from .options import UploadOptions
+from .owners import Lease, OwnershipPolicy
 from .retention import RetentionPolicy
 from .sharded import run_parallel
 from .store import TieredStore
@@ -60,10 +64,11 @@ RATE_WINDOW = 5  # remote commits the upload rate is measured over
 
 @dataclass(frozen=True)
 class _RemoteListing:
-    """The leader's listing of the bucket at start-up."""
+    """The leader's listing of the bucket at start-up, and the other live runs writing there."""
 
     committed: tuple[int, ...]
     uncommitted: tuple[int, ...]
+    other_runs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,7 +84,8 @@ class Uploader:
     ``ranks`` are the ranks whose shards this process uploads (default: every rank of
     each step); ``coordinator`` must be a channel no other thread uses. Failures go to
     ``errors``; ``local_retention`` and ``remote_retention`` are applied after each
-    remote commit.
+    remote commit. ``ownership`` says how the leader holds its lease on the URL;
+    ``clock`` (Unix times) dates the lease and judges others' leases and open uploads.
     """
 
     def __init__(
@@ -92,6 +98,8 @@ class Uploader:
         ranks: Sequence[int] | None = None,
         local_retention: RetentionPolicy | None = None,
         remote_retention: RetentionPolicy | None = None,
+        ownership: OwnershipPolicy | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         if store.remote is None:
             raise UsageError("an uploader needs a store with a remote tier")
@@ -103,6 +111,8 @@ class Uploader:
         self._ranks = ranks
         self._local_retention = local_retention or RetentionPolicy()
         self._remote_retention = remote_retention or RetentionPolicy()
+        self._clock = clock
+        self._lease = Lease(self._remote, ownership, clock=clock)  # the leader's, held from resume() or push()
         self._queue: deque[int] = deque()
         self._active: int | None = None
         self._closing = False
@@ -133,21 +143,32 @@ class Uploader:
         resumed = sorted(set(reports[0].steps).intersection(*(report.steps for report in reports[1:])))
         for step in sorted(set(mine.steps) - set(resumed)):
             logger.warning("step %d is committed locally but not on every rank: it cannot be uploaded", step)
-        if self._coordinator.is_leader:
-            for step in listing.uncommitted:
-                if step not in resumed:
-                    logger.warning("removing half-uploaded step %d from %s", step, self._remote.url)
-                    self._remote.delete_step(step)
+        leftover = [step for step in listing.uncommitted if step not in resumed]
+        if self._coordinator.is_leader and leftover:
+            others = list(listing.other_runs) or self._other_runs()  # asked again: one may have started since
+            if others:
+                logger.warning(
+                    "half-uploaded steps %s stay in %s: run(s) %s may be uploading them",
+                    leftover, self._remote.url, ", ".join(others),
+                )  # fmt: skip
+            for step in [] if others else leftover:
+                logger.warning("removing half-uploaded step %d from %s", step, self._remote.url)
+                self._remote.delete_step(step)
         for step in resumed:
             logger.warning("resuming the upload of step %d to %s", step, self._remote.url)
             self.submit(step, bounded=False)
         return resumed
 
     def _clean_and_list(self) -> _RemoteListing:
-        """Leader, while every process waits for it (so no upload of this job is running): abort
-        the multipart uploads a failed or killed upload left open, then list the bucket."""
-        self._remote.abort_orphans()
-        return _RemoteListing(*map(tuple, self._remote.list_steps()))
+        """Leader, while every process waits for it (so no upload of this job is running): take
+        the lease; unless another live run holds one, abort the multipart uploads a failed or
+        killed upload left open past the orphan age; then list the bucket."""
+        others = self._lease.hold()
+        if others == []:
+            self._remote.abort_orphans(self._lease.policy.orphan_age_seconds, now=self._clock())
+        committed, uncommitted = self._remote.list_steps()
+        other_runs = ("(leases unreadable)",) if others is None else tuple(other.run_id for other in others)
+        return _RemoteListing(tuple(committed), tuple(uncommitted), other_runs)
 
     def _resumable(self, remote_steps: Sequence[int]) -> tuple[int, ...]:
         """Local steps whose remote commit a crash prevented (lost receipts are mended on the way)."""
@@ -221,6 +242,7 @@ class Uploader:
             self._closing = True
             self._changed.notify_all()
         self._thread.join()
+        self._lease.release()
 
     # -- the uploader thread ----------------------------------------------------------------
 
@@ -302,6 +324,8 @@ class Uploader:
             return (record.path, checksum) if checksum is not None else None
 
         def put_mine() -> dict[str, str]:
+            if self._coordinator.is_leader and not self._lease.held:  # push() without resume()
+                self._lease.hold()
             return dict(pair for pair in run_parallel(put, ranks, self._options.concurrency) if pair is not None)
 
         kept = {path: checksum for part in agree(self._coordinator, put_mine) for path, checksum in part.items()}
@@ -321,7 +345,7 @@ class Uploader:
         )  # fmt: skip
         try:
             if self._coordinator.is_leader:
-                store.retain_remote(self._remote_retention)
+                self._retain_remote()
             store.retain_local(self._local_retention, self.pending())
         except CheckpointError as exc:
             raise UploadError(
@@ -331,7 +355,40 @@ class Uploader:
                 tries=getattr(exc, "tries", 1),
             ) from exc
 
+    def _other_runs(self) -> list[str]:
+        """The other live runs under the URL now (their leases unreadable counts as one)."""
+        try:
+            return [other.run_id for other in self._lease.others()]
+        except RemoteError as exc:
+            return [f"(leases unreadable: {exc})"]
+
+    def _retain_remote(self) -> None:
+        """The bucket's retention, unless another live run writes there (its steps are not ours to delete)."""
+        others = self._other_runs()
+        if others:
+            logger.warning(
+                "remote retention of %s skipped: run(s) %s also write there",
+                self._remote.url, ", ".join(others),
+            )  # fmt: skip
+            return
+        self._store.retain_remote(self._remote_retention)
+
     def _commit(self, manifest: ShardManifest, deadline: float | None, kept: dict[str, str]) -> RemoteManifest:
+        """Confirm every shard's object once more, then commit; a commit over an object missing or
+        changed since it was confirmed is never written (:class:`RemoteError`, not transient)."""
+        step = manifest.step
+
+        def confirm(record: ShardRecord) -> str | None:
+            return self._remote.confirm_shard(step, record, kept.get(record.path), deadline=deadline)
+
+        problems = [problem for problem in run_parallel(confirm, manifest.shards, self._options.concurrency) if problem]
+        if problems:
+            raise RemoteError(
+                f"step {step} was not committed at {self._remote.location(step)}: {len(problems)} of its objects "
+                f"changed after their upload was confirmed (deleted or replaced by someone else?): "
+                + "; ".join(problems[:5]),
+                transient=False,
+            )
         remote = self._remote.commit(manifest, deadline=deadline, store_checksums=kept)
         self._remote.set_latest(manifest.step)
         return remote

@@ -6,7 +6,6 @@ from __future__ import annotations
 import inspect
 import io
 import shutil
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -126,13 +125,15 @@ def test_bytes_bytesio_numpy_and_complex_values_come_back_as_they_were_saved(man
         "train": {"blob": b"", "io": io.BytesIO(), "np": None, "scalar": None, "complex_np": None, "list": None},
     }
     dcp.load(into, storage_reader=TieredReader(manager, 1))
-    assert into["model"]["rope"].dtype == torch.complex128 and torch.equal(into["model"]["rope"], state["model"]["rope"])
+    rope = into["model"]["rope"]
+    assert rope.dtype == torch.complex128 and torch.equal(rope, state["model"]["rope"])
     train = into["train"]
     assert type(train["blob"]) is bytes and train["blob"] == b"\x00\xff"
     assert type(train["io"]) is io.BytesIO and train["io"].getvalue() == b"titan"
     assert type(train["np"]) is np.ndarray and np.array_equal(train["np"], state["train"]["np"])
     assert type(train["scalar"]) is np.int16 and train["scalar"] == -3
-    assert train["complex_np"].dtype == np.complex64 and np.array_equal(train["complex_np"], state["train"]["complex_np"])
+    assert train["complex_np"].dtype == np.complex64
+    assert np.array_equal(train["complex_np"], state["train"]["complex_np"])
     assert train["list"] == [1, (2.5, None)]
     shard = next((manager.root / step_dir_name(1)).glob("*.safetensors"))
     assert b"torch" not in shard.read_bytes()[:64] and b"\x80\x02" not in shard.read_bytes()  # no pickle
@@ -163,7 +164,8 @@ def test_read_metadata_takes_no_rank_argument_so_dcp_never_retries_it_on_one_ran
 def test_async_save_in_a_process_is_refused_saying_why(tmp_path):
     result = launch_ranks(WORKER, tmp_path, 1, {"actions": [{"do": "async_save_process", "step": 10}]})[0]
     assert result["error"][0] == "UsageError", result
-    assert "AsyncCheckpointerType.PROCESS" in result["error"][1] and "AsyncCheckpointerType.THREAD" in result["error"][1]
+    assert "AsyncCheckpointerType.PROCESS" in result["error"][1]  # what was refused
+    assert "AsyncCheckpointerType.THREAD" in result["error"][1]  # and what works
     assert not list((tmp_path / "nodes" / "rank-0").glob("step-*"))
 
 
@@ -185,16 +187,28 @@ def test_two_ranks_with_a_disk_each_and_no_bucket_save_and_load_each_step_by_id(
     for rank, result in results.items():
         assert "error" not in result, result
         saved = result["saved"]
-        assert saved["10"] != saved["20"] and saved["10"]["/extra/rank_note"] != results[1 - rank]["saved"]["10"]["/extra/rank_note"]
+        other = results[1 - rank]["saved"]["10"]
+        assert saved["10"] != saved["20"] and saved["10"]["/extra/rank_note"] != other["/extra/rank_note"]
         assert result["loaded"]["10"] == saved["10"]  # every tensor, value and the rank's own bytes of step 10
         assert result["loaded"]["newest"] == saved["20"] and result["loaded"]["20"] == saved["20"]
+
+    # one process holding both ranks, their shards gathered in one directory, consolidates the step
+    step_dir = tmp_path / "nodes" / "rank-0" / step_dir_name(10)
+    shutil.copy(next((tmp_path / "nodes" / "rank-1" / step_dir_name(10)).glob("rank-00001-*")), step_dir)
+    with CheckpointManager(tmp_path / "nodes" / "rank-0", world_size=2) as manager:
+        whole = _load_state_dict_from_keys(storage_reader=TieredReader(manager, 10))
+    assert digests(whole) == results[0]["saved"]["10"]  # rank 0's values
 
 
 def test_a_load_right_after_a_save_reads_nothing_another_rank_has_not_uploaded(tmp_path, moto_endpoint, s3_url):
     proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0, stall=("PUT", "POST"))  # no upload lands
     try:
         remote = (s3_url[0], s3_storage_options(proxy.endpoint))
-        actions = [{"do": "save", "step": 10}, {"do": "load", "id": None, "as": "newest"}, {"do": "load", "id": 10, "as": "10"}]
+        actions = [
+            {"do": "save", "step": 10},
+            {"do": "load", "id": None, "as": "newest"},
+            {"do": "load", "id": 10, "as": "10"},
+        ]
         results = run_job(tmp_path, actions, remote=remote)
     finally:
         proxy.close()

@@ -311,7 +311,9 @@ HOSTILE = {
     "complex wrapping a list": json.dumps(
         {"version": 1, "root": {"dict": [["w", {"complex64": {"list": [{"array": "w"}]}}]]}}
     ),
-    "bytes naming no string": json.dumps({"version": 1, "root": {"dict": [["w", {"array": "w"}], ["b", {"bytes": 1}]]}}),
+    "bytes naming no string": json.dumps(
+        {"version": 1, "root": {"dict": [["w", {"array": "w"}], ["b", {"bytes": 1}]]}}
+    ),
     "list not a list": json.dumps({"version": 1, "root": {"dict": [["w", {"array": "w"}], ["l", {"list": 3}]]}}),
     "huge nesting": '{"version": 1, "root": {"dict": [["w", {"array": "w"}], ["x", '
     + '{"list": [' * 100_000
@@ -418,7 +420,8 @@ def test_complex_arrays_and_tensors_round_trip_as_float_pairs_with_their_dtype(t
         restored = manager.restore()
         torch_state = restored.torch_state()
         assert torch_state["rope"].dtype == torch.complex64 and torch.equal(torch_state["rope"], rope)
-        assert torch_state["rope128"].dtype == torch.complex128 and torch.equal(torch_state["rope128"], state["rope128"])
+        assert torch_state["rope128"].dtype == torch.complex128
+        assert torch.equal(torch_state["rope128"], state["rope128"])
         assert restored.state["np"].dtype == np.complex64 and np.array_equal(restored.state["np"], state["np"])
         assert restored.state["scalar"].dtype == np.complex128 and restored.state["scalar"] == 3 - 4j
         into = {"rope": torch.zeros(4, 3, dtype=torch.complex64), "rope128": torch.zeros(4, 2, dtype=torch.complex128),

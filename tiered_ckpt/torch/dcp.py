@@ -4,8 +4,8 @@
 save or a load (its planners, its resharding of DTensors and ShardedTensors) while the
 bytes go through this library: one safetensors shard per rank written and committed
 atomically, uploaded to the bucket, verified by sha256 when read, each rank reading only
-the chunks it needs (its own disk, else the bucket). The manager must hold one rank per
-process (a ``TorchDistributedCoordinator``, or ``world_size=1``).
+the chunks it needs (its own disk, else the bucket). A writer's manager holds one rank
+per process (a ``TorchDistributedCoordinator``, or ``world_size=1``), as DCP saves.
 
 **The step.** ``checkpoint_id`` names the step, as it names the directory for DCP's
 ``FileSystemWriter``: ``dcp.save(..., checkpoint_id=20, storage_writer=writer)`` saves
@@ -48,7 +48,10 @@ The call sequence, as DCP makes it (every rank):
    tiers hold, the ranks' choices compared in DCP's global plan (different steps raise
    on every rank, asking for a ``checkpoint_id``). :meth:`TieredReader.read_data` reads,
    from each saved shard that holds a chunk this rank's plan needs, the shard's header
-   and those chunks, each verified against its recorded sha256.
+   and those chunks, each verified against its recorded sha256. A chunk this rank's shard
+   does not hold (a load at another world size, or into another sharding) comes from the
+   bucket: right after a save, wait for its upload first (``manager.wait(uploaded=True)``
+   on every rank).
 
 ``dcp.async_save`` works the same way, its write running on DCP's thread: do not call
 the manager from the training loop until its future is done. DCP's process-based
@@ -122,20 +125,19 @@ def _offsets_key(offsets: Sequence[int]) -> str:
     return ",".join(str(offset) for offset in offsets)
 
 
-def _one_rank(manager: CheckpointManager, who: str) -> int:
+def _check_one_rank(manager: CheckpointManager, who: str) -> None:
     if len(manager.ranks) != 1:
         raise UsageError(
             f"{who} needs a manager holding one rank per process (a TorchDistributedCoordinator, or "
             f"world_size=1), as DCP runs one rank per process; this one holds ranks {list(manager.ranks)}"
         )
-    return manager.ranks[0]
 
 
-def step_of(checkpoint_id: Any, manager: CheckpointManager) -> int:
+def _step_of(checkpoint_id: Any, manager: CheckpointManager) -> int:
     """The step a DCP ``checkpoint_id`` names (see the module doc), or :class:`UsageError`."""
     if type(checkpoint_id) is int and checkpoint_id >= 0:
         return checkpoint_id
-    if isinstance(checkpoint_id, (str, os.PathLike)) and not isinstance(checkpoint_id, bool):
+    if isinstance(checkpoint_id, (str, os.PathLike)):
         text = os.fspath(checkpoint_id)
         if isinstance(text, str):
             if text.isascii() and text.isdigit():
@@ -170,9 +172,9 @@ class TieredWriter(StorageWriter):
 
     def __init__(self, manager: CheckpointManager, step: int | str | os.PathLike[str] | None = None) -> None:
         super().__init__()
-        _one_rank(manager, "TieredWriter")
+        _check_one_rank(manager, "TieredWriter")
         self._manager = manager
-        self._step = None if step is None else step_of(step, manager)
+        self._step = None if step is None else _step_of(step, manager)
         self._local_plan: SavePlan | None = None
 
     def __reduce__(self) -> NoReturn:
@@ -181,7 +183,7 @@ class TieredWriter(StorageWriter):
     def reset(self, checkpoint_id: str | os.PathLike[str] | int | None = None) -> None:
         """Make ``checkpoint_id`` (a step, see the module doc) the step to write; None keeps the step."""
         if checkpoint_id is not None:
-            self._step = step_of(checkpoint_id, self._manager)
+            self._step = _step_of(checkpoint_id, self._manager)
         self._local_plan = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -318,6 +320,10 @@ class _Located:
 class TieredReader(StorageReader):
     """DCP's reads of ``step`` through ``manager`` (see the module doc).
 
+    With one process holding every rank (``world_size=N``, one directory holding every
+    shard, or the bucket), one process reads a checkpoint that N ranks saved: DCP's
+    template-free loads and ``dcp_to_torch_save`` consolidate it; its values are rank 0's.
+
     ``step`` (or a ``checkpoint_id`` given to ``dcp.load``, which replaces it) names the
     step; by default, the newest step this rank's disk or the bucket holds (the ranks must
     agree on it, else the load raises on every rank asking for a ``checkpoint_id``).
@@ -326,14 +332,14 @@ class TieredReader(StorageReader):
     def __init__(self, manager: CheckpointManager, step: int | str | os.PathLike[str] | None = None) -> None:
         super().__init__()
         self._manager = manager
-        self._rank = _one_rank(manager, "TieredReader")
-        self._step = None if step is None else step_of(step, manager)
+        self._ranks = manager.ranks  # one with one process per rank; every rank in a process holding them all
+        self._step = None if step is None else _step_of(step, manager)
         self._located: _Located | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | int | None = None) -> None:
         """Make ``checkpoint_id`` (a step, see the module doc) the step to read; None keeps the step."""
         if checkpoint_id is not None:
-            self._step = step_of(checkpoint_id, self._manager)
+            self._step = _step_of(checkpoint_id, self._manager)
         self._located = None
 
     def read_metadata(self) -> Metadata:
@@ -355,7 +361,8 @@ class TieredReader(StorageReader):
                 f"{sorted(set(local_steps) | set(remote_steps))}"
             )
         manifest, _remote = store.manifests(step, in_local=step in local_steps, in_remote=step in remote_steps)
-        rank = self._rank if self._rank < manifest.world_size else 0  # a new rank takes rank 0's values
+        first = self._ranks[0]
+        rank = first if first < manifest.world_size else 0  # a new rank takes rank 0's values
         structure = store.read_parts(step, manifest.shard(rank), ())[0].structure
         complex_dtypes = _json_at(structure, ("complex",), f"rank {rank} of step {step}")
         where = self._chunks(manifest, complex_dtypes)
@@ -381,7 +388,9 @@ class TieredReader(StorageReader):
             planner_data={fqn: tuple(path) for fqn, path in planner_data.items()} if planner_data else None,
         )
 
-    def _chunks(self, manifest: ShardManifest, complex_dtypes: Mapping[str, str]) -> dict[MetadataIndex, tuple[int, str]]:
+    def _chunks(
+        self, manifest: ShardManifest, complex_dtypes: Mapping[str, str]
+    ) -> dict[MetadataIndex, tuple[int, str]]:
         """Every saved chunk's index and where it is read from: this rank's shard if it holds a copy."""
         where: dict[MetadataIndex, tuple[int, str]] = {}
         for record in manifest.shards:
@@ -391,7 +400,7 @@ class TieredReader(StorageReader):
                 fqn = _fqn_of(chunk.name, f"rank {record.rank} of step {manifest.step}")
                 offsets = chunk.offsets[:-1] if fqn in complex_dtypes else chunk.offsets
                 index = MetadataIndex(fqn, offsets)
-                if index not in where or record.rank == self._rank:
+                if index not in where or record.rank in self._ranks:
                     where[index] = (record.rank, chunk.name)
         return where
 

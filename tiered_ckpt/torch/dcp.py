@@ -94,7 +94,7 @@ from torch.futures import Future
 from ..errors import IncompleteCheckpointError, InvalidStateError, ShardFormatError, UsageError
 from ..layout import parse_step_dir_name, step_dir_name
 from ..manager import CheckpointManager
-from ..manifest import ShardManifest
+from ..manifest import ChunkRecord, ShardManifest
 from ..sharded import run_parallel
 from ..shardfile import DTYPES
 from ..state import ChunkOf, Structure, path_text, unescape
@@ -349,8 +349,9 @@ class TieredReader(StorageReader):
         manager.wait()  # a save still being written commits first (its errors raise here)
         store = manager.store
         local_steps = manager.steps()
-        remote_steps = manager.remote_steps()
         step = self._step
+        # a step on this rank's disk needs nothing of the bucket (which may be out of reach)
+        remote_steps = [] if step is not None and step in local_steps else manager.remote_steps()
         if step is None:
             step = max([*local_steps, *remote_steps], default=None)
             if step is None:
@@ -364,24 +365,31 @@ class TieredReader(StorageReader):
         first = self._ranks[0]
         rank = first if first < manifest.world_size else 0  # a new rank takes rank 0's values
         structure = store.read_parts(step, manifest.shard(rank), ())[0].structure
-        complex_dtypes = _json_at(structure, ("complex",), f"rank {rank} of step {step}")
-        where = self._chunks(manifest, complex_dtypes)
+        what = f"rank {rank} of step {step}"
+        complex_dtypes = _json_at(structure, ("complex",), what)
+        if any(dtype not in _COMPLEX_DTYPES for dtype in complex_dtypes.values()):
+            raise ShardFormatError(f"{what}: dcp/complex names a dtype other than {sorted(_COMPLEX_DTYPES)}")
+        chunks = self._chunks(manifest, complex_dtypes)
         state: dict[str, Any] = {}
-        for index, (holder, name) in where.items():
-            fqn = index.fqn
-            chunk = next(c for c in manifest.shard(holder).chunks if c.name == name)
-            shape = chunk.global_shape[:-1] if fqn in complex_dtypes else chunk.global_shape
-            dtype = _COMPLEX_DTYPES[complex_dtypes[fqn]] if fqn in complex_dtypes else _torch_dtype(chunk.dtype)
+        for index, (_holder, chunk) in chunks.items():
+            fqn, pairs = index.fqn, index.fqn in complex_dtypes
+            if pairs and chunk.global_shape[-1:] != (2,):
+                raise ShardFormatError(f"{what}: {chunk.name!r} is not the float pairs of a complex tensor")
+            shape, sizes = (chunk.global_shape[:-1], chunk.sizes[:-1]) if pairs else (chunk.global_shape, chunk.sizes)
+            dtype = _COMPLEX_DTYPES[complex_dtypes[fqn]] if pairs else _torch_dtype(chunk.dtype)
             entry = state.setdefault(fqn, TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), []))
-            sizes = chunk.sizes[:-1] if fqn in complex_dtypes else chunk.sizes
             entry.chunks.append(ChunkStorageMetadata(torch.Size(index.offset or ()), torch.Size(sizes)))
+        where = {index: (holder, chunk.name) for index, (holder, chunk) in chunks.items()}
         values: dict[str, tuple[str, ...]] = {}
         for section in ("blobs", "objects"):
             for fqn in _keys_at(structure, (_ROOT, section)):
                 if isinstance(fqn, str):
                     values[fqn] = (_ROOT, section, fqn)
                     state[fqn] = BytesStorageMetadata()
-        planner_data = _json_at(structure, ("planner_data",), f"rank {rank} of step {step}")
+        planner_data = _json_at(structure, ("planner_data",), what)
+        paths = planner_data.values()
+        if not all(isinstance(path, list) and all(type(key) in (str, int) for key in path) for path in paths):
+            raise ShardFormatError(f"{what}: dcp/planner_data must map each key to a list of str and int keys")
         self._located = _Located(manifest, rank, structure, where, complex_dtypes, values)
         return Metadata(
             state_dict_metadata=state,
@@ -390,9 +398,9 @@ class TieredReader(StorageReader):
 
     def _chunks(
         self, manifest: ShardManifest, complex_dtypes: Mapping[str, str]
-    ) -> dict[MetadataIndex, tuple[int, str]]:
-        """Every saved chunk's index and where it is read from: this rank's shard if it holds a copy."""
-        where: dict[MetadataIndex, tuple[int, str]] = {}
+    ) -> dict[MetadataIndex, tuple[int, ChunkRecord]]:
+        """Every saved chunk's index and where it is read from: this process's shard if it holds a copy."""
+        where: dict[MetadataIndex, tuple[int, ChunkRecord]] = {}
         for record in manifest.shards:
             for chunk in record.chunks:
                 if chunk.name.startswith(_VALUE_PREFIXES):
@@ -401,7 +409,7 @@ class TieredReader(StorageReader):
                 offsets = chunk.offsets[:-1] if fqn in complex_dtypes else chunk.offsets
                 index = MetadataIndex(fqn, offsets)
                 if index not in where or record.rank in self._ranks:
-                    where[index] = (record.rank, chunk.name)
+                    where[index] = (record.rank, chunk)
         return where
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool) -> None:

@@ -7,7 +7,8 @@ S} saves :func:`train_state` through ``dcp.save(..., checkpoint_id=S)`` ({"do":
 "async_save_process", "step": S} through DCP's process-based ``async_save``); {"do": "load",
 "id": ID, "as": LABEL} loads into a fresh template through a new TieredReader
 (``checkpoint_id=ID``; none if ID is null). Writes to ``<results>/rank-<RANK>.json`` the
-digests of every state saved ("saved": {S: ...}) and loaded ("loaded": {LABEL: ...}). A
+digests of every state saved ("saved": {S: ...}) and loaded ("loaded": {LABEL: ...}), and
+the steps the bucket has committed at the end ("remote_steps"). A
 CheckpointError (or DCP's CheckpointException wrapping one) is recorded as "error". The
 manager is not closed: with uploads held back, closing would wait for them.
 """
@@ -114,6 +115,7 @@ def run(config: dict, rank: int, result: dict) -> None:
             state = template()
             dcp.load(state, storage_reader=TieredReader(manager), checkpoint_id=action["id"])
             result["loaded"][action["as"]] = digests(state)
+    result["remote_steps"] = manager.remote_steps()
 
 
 def main() -> None:

@@ -201,7 +201,8 @@ def test_two_ranks_with_a_disk_each_and_no_bucket_save_and_load_each_step_by_id(
 
 
 def test_a_load_right_after_a_save_reads_nothing_another_rank_has_not_uploaded(tmp_path, moto_endpoint, s3_url):
-    proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0, stall=("PUT", "POST"))  # no upload lands
+    # no shard upload lands (what else the manager writes to the bucket goes through)
+    proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0, stall=("PUT", "POST"), stall_paths=(".safetensors",))
     try:
         remote = (s3_url[0], s3_storage_options(proxy.endpoint))
         actions = [
@@ -215,6 +216,7 @@ def test_a_load_right_after_a_save_reads_nothing_another_rank_has_not_uploaded(t
     for result in results.values():
         assert "error" not in result, result
         assert result["loaded"]["newest"] == result["saved"]["10"] == result["loaded"]["10"]
+        assert result["remote_steps"] == []  # the loads ran with no shard in the bucket
 
 
 def test_ranks_that_find_different_newest_steps_refuse_the_load_on_every_rank(tmp_path):

@@ -4,7 +4,8 @@ Joins a gloo job through a file store, opens a CheckpointManager on
 ``<local_root>/rank-<RANK>`` (its own disk; the bucket if the config names one) and runs
 the config's actions with one TieredWriter reused for every save: {"do": "save", "step":
 S} saves :func:`train_state` through ``dcp.save(..., checkpoint_id=S)`` ({"do":
-"async_save_process", "step": S} through DCP's process-based ``async_save``); {"do": "load",
+"async_save_process", "step": S} through DCP's process-based ``async_save``; "save_as_0_2"
+writes the layout 0.2's TieredWriter wrote, "load_0_2" loads it); {"do": "load",
 "id": ID, "as": LABEL} loads into a fresh template through a new TieredReader
 (``checkpoint_id=ID``; none if ID is null). Writes to ``<results>/rank-<RANK>.json`` the
 digests of every state saved ("saved": {S: ...}) and loaded ("loaded": {LABEL: ...}), and
@@ -100,7 +101,18 @@ def run(config: dict, rank: int, result: dict) -> None:
     writer = TieredWriter(manager)
     result["saved"], result["loaded"] = {}, {}
     for action in config["actions"]:
-        if action["do"] == "async_save_process":
+        if action["do"] == "save_as_0_2":  # the layout 0.2's TieredWriter wrote: values on rank 0 only
+            from tiered_ckpt.state import ChunkOf
+
+            tensors = {"w": {"0": ChunkOf(torch.arange(4.0) + rank * 4, (8,), (rank * 4,))}}
+            objects = {"epoch": action["step"]} if rank == 0 else {}
+            manager.save(action["step"], {"dcp": {"tensors": tensors, "objects": objects}}, blocking=True)
+            manager.wait(uploaded=True)
+        elif action["do"] == "load_0_2":
+            state = {"w": torch.zeros(8), "epoch": 0}
+            dcp.load(state, storage_reader=TieredReader(manager), checkpoint_id=action["id"])
+            result["loaded"][action["as"]] = {"w": state["w"].tolist(), "epoch": state["epoch"]}
+        elif action["do"] == "async_save_process":
             from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
             state = train_state(action["step"], rank)

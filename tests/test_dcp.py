@@ -227,3 +227,10 @@ def test_ranks_that_find_different_newest_steps_refuse_the_load_on_every_rank(tm
         assert "different steps" in result["error"][1] and "checkpoint_id" in result["error"][1], result
     results = run_job(tmp_path, [{"do": "load", "id": 10, "as": "10"}])
     assert all("error" not in result for result in results.values()), results
+
+
+def test_a_step_the_writer_of_0_2_saved_loads_its_values_from_rank_0s_shard(tmp_path, file_url):
+    actions = [{"do": "save_as_0_2", "step": 5}, {"do": "load_0_2", "id": 5, "as": "5"}]
+    for result in run_job(tmp_path, actions, remote=file_url).values():
+        assert "error" not in result, result
+        assert result["loaded"]["5"] == {"w": [float(i) for i in range(8)], "epoch": 5}

@@ -365,6 +365,10 @@ class TieredReader(StorageReader):
         first = self._ranks[0]
         rank = first if first < manifest.world_size else 0  # a new rank takes rank 0's values
         structure = store.read_parts(step, manifest.shard(rank), ())[0].structure
+        if rank != 0 and "planner_data" not in _keys_at(structure, (_ROOT,)):
+            # written by a TieredWriter of 0.2, which stored the values in rank 0's shard only
+            rank = 0
+            structure = store.read_parts(step, manifest.shard(rank), ())[0].structure
         what = f"rank {rank} of step {step}"
         complex_dtypes = _json_at(structure, ("complex",), what)
         if any(dtype not in _COMPLEX_DTYPES for dtype in complex_dtypes.values()):

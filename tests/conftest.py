@@ -272,8 +272,9 @@ class FaultInjectingProxy:
     ``failure_rate`` of the requests (of ``methods`` only, if given) with ``503 SlowDown``
     instead of forwarding them. ``requests`` counts every request it received. Requests
     whose method is in ``corrupt`` are forwarded with one byte of their body flipped (bytes
-    changed in transit); those in ``stall`` are read and never answered (until close).
-    ``failure_rate`` and ``stall`` are attributes a test may change while it runs.
+    changed in transit); those in ``stall`` are read and never answered (until close), or
+    with ``stall_paths`` only those whose path holds one of its strings (``".safetensors"``:
+    shard uploads). ``failure_rate`` and ``stall`` are attributes a test may change while it runs.
 
     Which requests fail comes from a seeded generator, so the sequence of decisions is
     the same in every run (which request meets which decision depends on thread timing).
@@ -287,6 +288,7 @@ class FaultInjectingProxy:
         methods: tuple[str, ...] | None = None,
         corrupt: tuple[str, ...] = (),
         stall: tuple[str, ...] = (),
+        stall_paths: tuple[str, ...] = (),
     ) -> None:
         import http.client
         import http.server
@@ -313,7 +315,7 @@ class FaultInjectingProxy:
             def _handle(self):
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
-                if self.command in proxy.stall:
+                if self.command in proxy.stall and (not stall_paths or any(p in self.path for p in stall_paths)):
                     proxy._closed.wait()
                     return
                 if self.command in corrupt and body:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import random
@@ -310,6 +311,12 @@ HOSTILE = {
     "duplicate key": json.dumps({"version": 1, "root": {"dict": [["w", {"array": "w"}], ["w", None]]}}),
     "key of wrong type": json.dumps({"version": 1, "root": {"dict": [["w", {"array": "w"}], [[1], None]]}}),
     "item not a pair": json.dumps({"version": 1, "root": {"dict": [["w", {"array": "w"}], ["x"]]}}),
+    "complex wrapping a list": json.dumps(
+        {"version": 1, "root": {"dict": [["w", {"complex64": {"list": [{"array": "w"}]}}]]}}
+    ),
+    "bytes naming no string": json.dumps(
+        {"version": 1, "root": {"dict": [["w", {"array": "w"}], ["b", {"bytes": 1}]]}}
+    ),
     "list not a list": json.dumps({"version": 1, "root": {"dict": [["w", {"array": "w"}], ["l", {"list": 3}]]}}),
     "huge nesting": '{"version": 1, "root": {"dict": [["w", {"array": "w"}], ["x", '
     + '{"list": [' * 100_000
@@ -568,3 +575,53 @@ def test_a_step_no_directory_name_or_reader_can_hold_is_refused_before_anything_
         assert files_under(tmp_path / "run") == before
     with pytest.raises(InvalidStateError, match="step must be"):
         save_sharded([{"w": np.ones(2)}], tmp_path / "sharded", step=step)
+
+
+def test_bytes_and_bytesio_values_round_trip_as_uint8_arrays_with_their_type(tmp_path):
+    state = {
+        "train": {"state": io.BytesIO(b"\x00torchtitan\xff"), "rng": b"\x01\x02", "empty": b""},
+        "list": [b"a", (io.BytesIO(b""), 3)],
+    }
+    with CheckpointManager(tmp_path, world_size=1) as manager:
+        manager.save(1, state, blocking=True)
+        restored = manager.restore()
+        shard = next((tmp_path / "step-000000000001").glob("*.safetensors"))
+    train = restored.state["train"]
+    assert type(train["state"]) is io.BytesIO and train["state"].getvalue() == b"\x00torchtitan\xff"
+    assert type(train["rng"]) is bytes and train["rng"] == b"\x01\x02" and train["empty"] == b""
+    assert restored.state["list"][0] == b"a" and restored.state["list"][1][0].getvalue() == b""
+    assert restored.torch_state()["train"]["rng"] == b"\x01\x02"  # not a tensor: bytes stay bytes
+    from safetensors.numpy import load_file  # no pickle: the bytes are a uint8 array any reader opens
+
+    assert load_file(shard)["train/rng"].tolist() == [1, 2]
+
+
+def test_complex_arrays_and_tensors_round_trip_as_float_pairs_with_their_dtype(tmp_path):
+    rope = torch.polar(torch.ones(4, 3), torch.arange(12.0).reshape(4, 3))
+    state = {
+        "rope": rope,
+        "rope128": rope.to(torch.complex128)[:, ::2],  # not contiguous
+        "np": (np.arange(5) * (1 + 2j)).astype(np.complex64),
+        "scalar": np.complex128(3 - 4j),
+    }
+    with CheckpointManager(tmp_path, world_size=1) as manager:
+        manager.save(1, state, blocking=True)
+        restored = manager.restore()
+        torch_state = restored.torch_state()
+        assert torch_state["rope"].dtype == torch.complex64 and torch.equal(torch_state["rope"], rope)
+        assert torch_state["rope128"].dtype == torch.complex128
+        assert torch.equal(torch_state["rope128"], state["rope128"])
+        assert restored.state["np"].dtype == np.complex64 and np.array_equal(restored.state["np"], state["np"])
+        assert restored.state["scalar"].dtype == np.complex128 and restored.state["scalar"] == 3 - 4j
+        into = {"rope": torch.zeros(4, 3, dtype=torch.complex64), "rope128": torch.zeros(4, 2, dtype=torch.complex128),
+                "np": np.zeros(5, np.complex64), "scalar": np.zeros((), np.complex128)}  # fmt: skip
+        manager.restore(into=into)
+        assert torch.equal(into["rope"], rope) and np.array_equal(into["np"], state["np"])  # filled in place
+
+
+def test_a_complex_leaf_whose_pairs_are_not_floats_is_a_shard_format_error(tmp_path):
+    document = json.dumps({"version": 1, "root": {"dict": [["w", {"complex64": {"array": "w"}}]]}})
+    record = shard_with_document(tmp_path, document, {"w": np.arange(4, dtype=np.int32)})
+    state = read_shard_file(tmp_path, record)
+    with pytest.raises(ShardFormatError, match="complex64"):
+        state.unflatten()

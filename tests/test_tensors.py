@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tiered_ckpt import CheckpointManager, InvalidStateError, load_sharded, save_sharded
-from tiered_ckpt.tensors import is_tensor, numpy_state, to_numpy, to_torch, torch_state
+from tiered_ckpt.tensors import as_complex, float_pairs, is_tensor, numpy_state, to_numpy, to_torch, torch_state
 
 DTYPES = [
     torch.bfloat16,
@@ -114,3 +114,21 @@ def test_restore_into_refuses_a_state_of_another_shape_naming_the_path(tmp_path)
         manager.save(1, {"model": {"w": torch.zeros(3)}}, blocking=True)
         with pytest.raises(InvalidStateError, match=r"'model/w' float32 4 \(the shard: float32 3\)"):
             manager.restore(into={"model": {"w": torch.zeros(4)}})
+
+
+@pytest.mark.parametrize("dtype", [np.complex64, np.complex128])
+def test_complex_arrays_are_viewed_as_float_pairs_and_back_in_numpy_and_torch(dtype):
+    values = (np.arange(12).reshape(3, 4) * (1 - 0.5j)).astype(dtype)[:, ::2]  # a strided view
+    pairs = float_pairs(values)
+    assert pairs.shape == (3, 2, 2) and pairs.dtype == values.real.dtype and np.shares_memory(pairs, values)
+    assert np.array_equal(pairs[..., 0], values.real) and np.array_equal(pairs[..., 1], values.imag)
+    assert np.array_equal(as_complex(pairs, np.dtype(dtype).name), values)
+    tensor = as_complex(to_torch(np.ascontiguousarray(pairs)), np.dtype(dtype).name)
+    assert tensor.dtype == getattr(torch, np.dtype(dtype).name) and np.array_equal(tensor.numpy(), values)
+
+
+def test_pairs_of_another_dtype_or_shape_are_not_taken_for_complex():
+    with pytest.raises(ValueError, match="complex64 needs float32 pairs"):
+        as_complex(np.zeros((2, 2), np.float64), "complex64")
+    with pytest.raises(ValueError, match="complex128 needs float64 pairs"):
+        as_complex(torch.zeros(3, 3, dtype=torch.float64), "complex128")

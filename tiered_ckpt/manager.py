@@ -249,6 +249,11 @@ class CheckpointManager:
         return self.options.local.dir
 
     @property
+    def ranks(self) -> tuple[int, ...]:
+        """The ranks this process saves and restores (one, with one process per rank)."""
+        return self._ranks
+
+    @property
     def keep_last(self) -> int | None:
         return self.options.local.keep_last
 

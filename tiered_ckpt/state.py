@@ -1,8 +1,9 @@
 """What a rank hands to ``save``: a nested state, flattened to named arrays and a structure document.
 
 A rank's state is a dict nesting dicts, lists and tuples whose leaves are arrays (numpy
-arrays, numpy scalars, torch tensors) or JSON-like scalars (``int`` of any size,
-``float``, ``bool``, ``str``, ``None``). Dict keys are ``str`` or ``int``. It is saved as
+arrays, numpy scalars, torch tensors), ``bytes`` and ``io.BytesIO`` values, or JSON-like
+scalars (``int`` of any size, ``float``, ``bool``, ``str``, ``None``). Dict keys are
+``str`` or ``int``. It is saved as
 
 - its arrays, each under a **tensor name** made from its path (:func:`leaf_name`): the
   path's keys joined by ``/``, a ``str`` key as itself with ``%``, ``/`` and a leading
@@ -19,7 +20,12 @@ arrays, numpy scalars, torch tensors) or JSON-like scalars (``int`` of any size,
   ``-2**63 <= n < 2**63``), ``{"int": "<hex>"}`` (any other int), ``{"float": "<16 hex
   digits>"}`` (the IEEE-754 bits: -0.0, inf, nan payloads and subnormals exact). A
   ``DTensor`` (one process per rank) is saved as its local chunk, ``{"dtensor": [name,
-  global_shape, offsets]}``: the box of the global tensor the chunk is.
+  global_shape, offsets]}``: the box of the global tensor the chunk is. A ``bytes`` or
+  ``io.BytesIO`` value is saved as a 1-D uint8 array, ``{"bytes": name}`` or
+  ``{"bytesio": name}``, and comes back as the same type. A complex64 or complex128
+  array, tensor or DTensor (a shard has no complex dtype) is saved as its float pairs
+  (the real and imaginary parts, a trailing dimension of 2: ``view_as_real``), its node
+  wrapped as ``{"complex64": node}`` or ``{"complex128": node}``, and comes back complex.
 
 Nothing else is accepted: :func:`flatten` raises :class:`InvalidStateError` naming the
 path (``state["optim"]["foo"]``) of the first value it cannot store, before anything is
@@ -32,6 +38,7 @@ chunk placed by anything but integers. No pickle anywhere.
 
 from __future__ import annotations
 
+import io
 import json
 import operator
 import re
@@ -53,7 +60,7 @@ from .shardfile import (
     dtype_code,
     header_problem,
 )
-from .tensors import is_tensor, to_numpy, to_torch
+from .tensors import as_complex, float_pairs, is_tensor, to_numpy, to_torch
 
 __all__ = [
     "State",
@@ -88,11 +95,13 @@ _WRITER_METADATA_BYTES = 1024
 _NAMED_VALUE_BYTES = 1024  # a header over its limit names its largest value if it is at least this large
 
 PathKey = tuple[Literal["key", "index"], str | int]
-Kind = Literal["array", "tensor", "dtensor", "legacy"]
+Kind = Literal["array", "tensor", "dtensor", "legacy", "bytes", "bytesio"]
 _SMALL_INT = 2**63
 _HEX_INT = re.compile(r"-?0x[0-9a-f]+")
 _FLOAT_BITS = re.compile(r"[0-9a-f]{16}")
 _SCALARS = (type(None), bool, int, float, str)
+_COMPLEX = ("complex64", "complex128")  # the wrapper tags of complex leaves, saved as float pairs
+_BLOBS: dict[type, Kind] = {bytes: "bytes", io.BytesIO: "bytesio"}
 
 
 def _escape(key: str) -> str:
@@ -176,8 +185,9 @@ class Structure:
     """A rank's state with its arrays replaced by their names (see the module doc).
 
     ``root`` is the validated JSON tree; ``kinds`` maps each tensor name to how it was
-    handed to ``save`` (``"array"``: numpy, ``"tensor"``: torch, ``"legacy"``: a shard
-    written without a structure document); ``paths`` maps it to its path in the state.
+    handed to ``save`` (``"array"``: numpy, ``"tensor"``: torch, ``"bytes"``/``"bytesio"``:
+    a ``bytes``/``io.BytesIO`` value, ``"legacy"``: a shard written without a structure
+    document); ``paths`` maps it to its path in the state.
     ``flat`` is True for a dict of arrays under ``str`` keys and nothing else; ``chunks``
     places each DTensor leaf's chunk in its global tensor.
     """
@@ -235,6 +245,34 @@ class Structure:
         leaves saved as torch tensors (and those of a legacy shard) as CPU tensors."""
         return _build(self.root, arrays, self.kinds if torch else None)
 
+    def build_at(self, path: Sequence[str | int], arrays: Mapping[str, Any], *, torch: bool = False) -> Any:
+        """The value at ``path`` (dict keys and list indices from the root), built as
+        :meth:`build` builds the whole state; ``arrays`` needs only the arrays under it.
+        Raises ``KeyError`` if there is no such path."""
+        return _build(self._node_at(path), arrays, self.kinds if torch else None)
+
+    def keys_at(self, path: Sequence[str | int]) -> list[str | int]:
+        """The keys of the dict at ``path``, in order; raises ``KeyError`` if there is no dict there."""
+        node = self._node_at(path)
+        if not (isinstance(node, dict) and "dict" in node):
+            raise KeyError(tuple(path))
+        return [_decode_key(key) for key, _item in node["dict"]]
+
+    def _node_at(self, path: Sequence[str | int]) -> Any:
+        node = self.root
+        for key in path:
+            ((tag, value),) = node.items() if isinstance(node, dict) else ((None, None),)
+            if tag == "dict":
+                matches = [item for item_key, item in value if _decode_key(item_key) == key]
+                if not matches:
+                    raise KeyError(key)
+                node = matches[0]
+            elif tag in ("list", "tuple") and type(key) is int and 0 <= key < len(value):
+                node = value[key]
+            else:
+                raise KeyError(key)
+        return node
+
     def difference(self, other: Structure) -> str | None:
         """The path of the first place where ``other`` differs from this structure (keys,
         container types, scalars, array names or kinds), or None if they are the same."""
@@ -268,10 +306,14 @@ class _Parser:
         ((tag, value),) = node.items()
         if tag in ("list", "tuple", "dict") and _too_deep(depth):
             raise self.fail(path, f"nested deeper than {MAX_DEPTH} levels")
-        if tag in ("array", "tensor"):
+        if tag in ("array", "tensor", "bytes", "bytesio"):
             self.leaf(tag, value, path)
         elif tag == "dtensor":
             self.dtensor(value, path)
+        elif tag in _COMPLEX:
+            if not (isinstance(value, dict) and len(value) == 1 and set(value) <= {"array", "tensor", "dtensor"}):
+                raise self.fail(path, f"{tag} must wrap an array, tensor or dtensor node")
+            self.node(value, path, depth + 1)
         elif tag in ("list", "tuple"):
             if not isinstance(value, list):
                 raise self.fail(path, f"{tag} must hold a JSON list")
@@ -356,6 +398,15 @@ def _build(node: Any, arrays: Mapping[str, Any], torch_kinds: Mapping[str, Kind]
         if torch_kinds is not None and torch_kinds[name] != "array" and isinstance(array, np.ndarray):
             return to_torch(array)
         return array
+    if tag == "bytes":
+        return np.asarray(arrays[value]).tobytes()
+    if tag == "bytesio":
+        return io.BytesIO(np.asarray(arrays[value]).tobytes())
+    if tag in _COMPLEX:
+        try:
+            return as_complex(_build(value, arrays, torch_kinds), tag)
+        except ValueError as exc:  # a document that wraps an array of other values
+            raise ShardFormatError(f"structure document: a {tag} leaf: {exc}") from None
     if tag == "int":
         return int(value, 16)
     return struct.unpack(">d", bytes.fromhex(value))[0]  # "float"
@@ -415,6 +466,8 @@ class _Flattener:
             return self.scalar(value, path)
         if isinstance(value, (np.ndarray, np.generic, ChunkOf)) or is_tensor(value):
             return self.leaf(value, path, "%5F_metadata__" if name == "__metadata__" else name)
+        if type(value) in _BLOBS:
+            return self.blob(value, path, "%5F_metadata__" if name == "__metadata__" else name)
         if _too_deep(len(path)):
             raise self.fail(path, f"is nested deeper than {MAX_DEPTH} levels")
         if id(value) in self._open:
@@ -430,8 +483,8 @@ class _Flattener:
         finally:
             self._open.discard(id(value))
         raise self.fail(path, f"is a {type(value).__module__}.{type(value).__qualname__}, which a checkpoint "
-                        "cannot hold without pickle (arrays, tensors, dicts, lists, tuples, int, float, bool, "
-                        "str and None can)")  # fmt: skip
+                        "cannot hold without pickle (arrays, tensors, dicts, lists, tuples, bytes, io.BytesIO, "
+                        "int, float, bool, str and None can)")  # fmt: skip
 
     def item(self, key: Any, value: Any, path: tuple[str | int, ...], name: str) -> list[Any]:
         if type(key) is str:
@@ -493,13 +546,32 @@ class _Flattener:
             array = self.tensor(value, path)
         else:
             array = np.asarray(value) if isinstance(value, np.generic) else value
+        complex_tag = None
+        if array.dtype.kind == "c" and array.dtype.name in _COMPLEX:
+            complex_tag, array = array.dtype.name, float_pairs(array)
+            if kind == "dtensor":  # the pairs are one more dimension of the global tensor
+                chunk = Chunk((*chunk.global_shape, 2), (*chunk.offsets, 0))
+                self.chunks[name] = chunk
+                node = [name, list(chunk.global_shape), list(chunk.offsets)]
         problem = array_problem(array)
         if problem is not None:
             raise self.fail(path, problem)
         self.arrays[name] = array
         self.kinds[name] = kind
         self.paths[name] = path
-        return {kind: node}
+        return {complex_tag: {kind: node}} if complex_tag else {kind: node}
+
+    def blob(self, value: bytes | io.BytesIO, path: tuple[str | int, ...], name: str) -> dict[str, str]:
+        """A ``bytes`` or ``io.BytesIO`` value as a uint8 array (no pickle: its bytes are the array)."""
+        if name in self.arrays:
+            raise self.fail(path, f"has the tensor name {name!r} of {path_text(self.paths[name])}")
+        kind = _BLOBS[type(value)]
+        data = value if isinstance(value, bytes) else value.getvalue()
+        array = np.frombuffer(data, dtype=np.uint8)
+        self.arrays[name] = array.copy() if self.into else array  # into= fills it: it must be writable
+        self.kinds[name] = kind
+        self.paths[name] = path
+        return {kind: name}
 
     def dtensor(self, value: Any, path: tuple[str | int, ...]) -> tuple[np.ndarray, Chunk]:
         """A DTensor's local chunk (a view of it) and where it sits in the global tensor."""

@@ -3,7 +3,10 @@
 torch is optional: this module imports it only when called, and the rest of the library
 never imports it. A CPU tensor becomes a numpy *view* of the same memory (bf16 and fp8
 through an integer view reinterpreted with ``ml_dtypes``); a tensor on another device
-is copied to host memory first. Every dtype round-trips byte for byte.
+is copied to host memory first. Every dtype round-trips byte for byte. A complex array
+has no dtype in a shard: :func:`float_pairs` views it as its float pairs (the real and
+imaginary parts along a trailing dimension of 2, as ``torch.view_as_real``) and
+:func:`as_complex` views the pairs as complex again, numpy or torch.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-__all__ = ["is_tensor", "to_numpy", "to_torch", "numpy_state", "torch_state"]
+__all__ = ["is_tensor", "to_numpy", "to_torch", "float_pairs", "as_complex", "numpy_state", "torch_state"]
 
 # torch dtypes numpy has no type for: (torch dtype name, same-size integer view, ml_dtypes type)
 _REINTERPRETED = {
@@ -51,6 +54,31 @@ def to_torch(array: np.ndarray) -> Any:
         if array.dtype == np.dtype(numpy_type):
             return torch.from_numpy(array.view(integer)).view(getattr(torch, name))
     return torch.from_numpy(array)
+
+
+_PAIRS = {"complex64": np.dtype(np.float32), "complex128": np.dtype(np.float64)}
+
+
+def float_pairs(array: np.ndarray) -> np.ndarray:
+    """A complex64/complex128 array as a view of its float32/float64 pairs, shape ``(*shape, 2)``."""
+    return array[..., np.newaxis].view(_PAIRS[array.dtype.name])
+
+
+def as_complex(pairs: Any, dtype: str) -> Any:
+    """The complex ``dtype`` ("complex64" or "complex128") view of float ``pairs`` (a numpy array
+    or a torch tensor, its last dimension 2); raises ValueError if they are not such pairs."""
+    if is_tensor(pairs):
+        import torch
+
+        if str(pairs.dtype).removeprefix("torch.") != _PAIRS[dtype].name or pairs.ndim == 0 or pairs.shape[-1] != 2:
+            raise ValueError(f"{dtype} needs {_PAIRS[dtype].name} pairs, got {pairs.dtype} {tuple(pairs.shape)}")
+        return torch.view_as_complex(pairs if pairs.stride()[-1] == 1 else pairs.contiguous())
+    array = np.asarray(pairs)
+    if array.dtype != _PAIRS[dtype] or array.ndim == 0 or array.shape[-1] != 2:
+        raise ValueError(f"{dtype} needs {_PAIRS[dtype].name} pairs, got {array.dtype} {array.shape}")
+    if array.strides[-1] != array.itemsize:
+        array = np.ascontiguousarray(array)
+    return array.view(np.dtype(dtype))[..., 0]
 
 
 def numpy_state(state: Mapping[str, Any]) -> dict[str, Any]:

@@ -279,6 +279,18 @@ def test_a_shard_with_chunks_must_record_its_header():
         parse(document)
 
 
+def test_a_header_larger_than_a_reader_accepts_is_refused_before_anything_is_allocated():
+    from tiered_ckpt.shardfile import MAX_HEADER_BYTES
+
+    document = chunked_document()
+    document["shards"][1]["size_bytes"] = 2**62
+    document["shards"][1]["header_bytes"] = MAX_HEADER_BYTES + 8
+    parse(document)  # the largest header a reader accepts
+    document["shards"][1]["header_bytes"] = 2**61  # a hostile manifest asking for 2 EiB of memory
+    with pytest.raises(ManifestError, match=re.escape("shards[rank 1].header_bytes")):
+        parse(document)
+
+
 def widest_record(rank: int, world_size: int, chunks, replicas=()) -> ShardRecord:
     """A shard record whose every number has as many digits as a saved one can."""
     big = 2**63 - 1

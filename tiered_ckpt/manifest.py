@@ -18,7 +18,7 @@ from typing import Any
 
 from .errors import ChecksumMismatchError, ManifestError, ShardCountMismatchError
 from .layout import MANIFEST_NAME, is_plain_name
-from .shardfile import DTYPES, MAX_DIMS, ShardDigest, json_length_bound
+from .shardfile import DTYPES, MAX_DIMS, MAX_HEADER_BYTES, ShardDigest, json_length_bound
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -494,6 +494,11 @@ def _check_chunks(record: ShardRecord, where: str, fail: Callable[[str, str], Ma
     ):
         raise fail(
             f"{where[: -len('.chunks')]}.header_sha256", "a shard with chunks needs its header's size and sha256"
+        )
+    if record.header_bytes > MAX_HEADER_BYTES + 8:  # read into memory of this size before it is verified
+        raise fail(
+            f"{where[: -len('.chunks')]}.header_bytes",
+            f"is {record.header_bytes:,}, over the {MAX_HEADER_BYTES + 8:,} bytes a shard's header may take",
         )
     names: set[str] = set()
     for index, chunk in enumerate(record.chunks):

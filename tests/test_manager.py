@@ -207,6 +207,31 @@ def test_missing_ok_is_none_only_when_nothing_is_committed(manager, states):
         manager.restore(missing_ok=True)  # a damaged step is not a fresh start
 
 
+@pytest.mark.parametrize("damage", ["shard deleted", "shard cut short", "manifest damaged", "bucket only, object lost"])
+def test_missing_ok_never_takes_a_damaged_or_partial_step_for_a_fresh_start(tmp_path, memory_url, states, damage):
+    url, options = memory_url
+    shard = f"{step_dir_name(1)}/rank-00002-of-00004.safetensors"
+    with two_tier(tmp_path / "a", memory_url) as manager:
+        assert manager.restore(missing_ok=True) is None
+        manager.save(1, states)
+        manager.wait(uploaded=True)
+    local = tmp_path / "a" / shard
+    if damage == "shard deleted":
+        local.unlink()
+        RemoteTier(url, options)._fs.rm(f"{url}/{shard}")
+    elif damage == "shard cut short":
+        os.truncate(local, local.stat().st_size - 1)
+        RemoteTier(url, options)._fs.rm(f"{url}/{shard}")
+    elif damage == "manifest damaged":
+        (tmp_path / "a" / step_dir_name(1) / MANIFEST_NAME).write_text("{")
+        RemoteTier(url, options)._fs.pipe(f"{url}/{step_dir_name(1)}/{MANIFEST_NAME}", b"{")
+    else:  # a new node: an empty disk, and the bucket lost one object of the step
+        RemoteTier(url, options)._fs.rm(f"{url}/{shard}")
+    with two_tier(tmp_path / ("a" if damage != "bucket only, object lost" else "b"), memory_url) as manager:
+        with pytest.raises((IncompleteCheckpointError, ManifestError)):
+            manager.restore(missing_ok=True)
+
+
 def test_one_rank_saves_a_plain_dict_and_restores_it_as_state(tmp_path, states):
     with CheckpointManager(tmp_path, world_size=1, sharded_keys=ZERO1_SHARDED_KEYS) as manager:
         manager.save(1, states[0], blocking=True)

@@ -372,9 +372,8 @@ class Uploader:
         in_time = deadline is None or time.monotonic() + delay < deadline
         with self._changed:
             superseded = self._preempted and any(each > step for each in self._queue)
-        views = agree(
-            self._coordinator, lambda: [failure.transient and not failure.deadline and in_time, transient, superseded, delay]
-        )
+        again = failure.transient and not failure.deadline and in_time
+        views = agree(self._coordinator, lambda: [again, transient, superseded, delay])
         transient_everywhere = all(view[1] for view in views)
         return (
             all(view[0] for view in views),

@@ -559,6 +559,26 @@ def test_a_bucket_outage_never_fails_save_wait_or_close_and_every_step_saved_sin
         assert manager.status().retrying_step is None and manager.steps() == [5, 6]
 
 
+def test_an_outage_keeps_at_most_max_awaiting_upload_waiting_steps_beside_the_one_being_retried(
+    tmp_path, stoppable_s3, caplog
+):
+    server, url, options = stoppable_s3
+    caplog.set_level(logging.WARNING, logger="tiered_ckpt")
+    upload = outage_options(max_pending=1)
+    with two_tier(tmp_path, (url, options), upload=upload, keep_last=1, max_awaiting_upload=2) as manager:
+        server.stop()
+        manager.save(1, zero1_states(seed=1), blocking=True)
+        until(lambda: manager.status().retrying_step == 1, "step 1's upload is retried")
+        for step in range(2, 7):
+            manager.save(step, zero1_states(seed=step), blocking=True)  # never waits for the bucket
+        manager.wait()
+        assert manager.steps() == [1, 5, 6]  # the step being retried and the newest two waiting ones
+        assert any("deleted step 2" in r.getMessage() and "before it reached" in r.getMessage() for r in caplog.records)
+        server.start()
+        manager.wait(uploaded=True)
+        assert manager.remote_steps() == [1, 5, 6] and manager.steps() == [6]
+
+
 def test_a_step_that_missed_its_deadline_in_an_outage_fails_only_wait_uploaded_and_stays_local(
     tmp_path, stoppable_s3, caplog
 ):

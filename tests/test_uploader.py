@@ -238,3 +238,21 @@ def test_after_a_preemption_notice_the_newest_step_goes_next_and_older_queued_st
     assert remote.committed_steps() == [1, 4]  # the step in flight finishes; 2 and 3 are superseded
     assert remote.puts == [1, 4]
     assert not store.receipted(2) and not store.receipted(3)
+
+
+def test_after_a_preemption_notice_a_step_retried_for_a_failing_bucket_gives_way_to_the_newest(job):
+    store, remote, start = job
+    remote.down = True
+    uploader = start(max_pending=1)
+    uploader.submit(1)
+    while uploader.retrying() is None:  # its first try failed (guarded by the test timeout)
+        remote.failed.wait()
+    uploader.submit(2)
+    uploader.preempt()
+    uploader.submit(3)
+    while uploader.pending() != [3]:  # step 1 given up, step 2 dropped (guarded by the test timeout)
+        remote.failed.wait()
+    remote.down = False
+    uploader.wait()
+    uploader.errors.raise_first()  # superseded, not failed
+    assert remote.committed_steps() == [3] and not store.receipted(1)

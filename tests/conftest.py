@@ -469,7 +469,8 @@ def faulty_gcs(gcs_endpoint, gcs_url, monkeypatch):
 
 class StoppableS3:
     """moto's S3 server on a loopback port of its own that a test can stop (a real outage:
-    connection refused) and start again on the same port, with the buckets it held."""
+    connection refused) and start again on the same port, with the buckets it held (moto
+    keeps them per process: every moto server of the test process sees the same buckets)."""
 
     def __init__(self) -> None:
         import logging

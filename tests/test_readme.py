@@ -67,13 +67,22 @@ def test_no_sample_takes_a_missing_checkpoint_for_a_fresh_start():
 def bucket():
     """moto on loopback with the samples' bucket; the environment a sample process runs in."""
     server = StoppableS3()
-    boto3.client(
+    client = boto3.client(
         "s3",
         endpoint_url=server.endpoint,
         aws_access_key_id=S3_TEST_KEY,
         aws_secret_access_key=S3_TEST_SECRET,
         region_name="us-east-1",
-    ).create_bucket(Bucket="my-bucket")
+    )
+    # moto keeps its buckets per process, across servers: an earlier test's "my-bucket" goes first.
+    if "my-bucket" in [each["Name"] for each in client.list_buckets()["Buckets"]]:
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket="my-bucket"):
+            for item in page.get("Contents", []):
+                client.delete_object(Bucket="my-bucket", Key=item["Key"])
+        for upload in client.list_multipart_uploads(Bucket="my-bucket").get("Uploads", []):
+            client.abort_multipart_upload(Bucket="my-bucket", Key=upload["Key"], UploadId=upload["UploadId"])
+        client.delete_bucket(Bucket="my-bucket")
+    client.create_bucket(Bucket="my-bucket")
     env = {
         **os.environ,
         "AWS_ENDPOINT_URL": server.endpoint,

@@ -73,8 +73,6 @@ def _not_saved(step: int) -> Iterator[None]:
     try:
         yield
     except (SaveError, UploadError) as exc:
-        if "was not saved" in str(exc):
-            raise
         raise restated(exc, f"{exc} (so step {step} was not saved: nothing of it was written)") from exc.__cause__
 
 

@@ -328,7 +328,7 @@ class Uploader:
                     self._failing = False
                     self._changed.notify_all()
                 return
-            retry, transient, superseded, delay = self._agree_on_retry(step, failure, attempt, deadline)
+            again, transient, superseded, delay = self._agree_on_retry(step, failure, attempt, deadline)
             if transient:
                 with self._changed:
                     self._failing = True
@@ -341,7 +341,7 @@ class Uploader:
                     "superseded by a newer step", step, failure,
                 )  # fmt: skip
                 return
-            if not retry:
+            if not again:
                 break
             left = f"its deadline in {deadline - time.monotonic():.0f} s" if deadline is not None else "no deadline"
             logger.warning(

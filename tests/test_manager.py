@@ -610,6 +610,28 @@ def test_a_step_that_missed_its_deadline_in_an_outage_fails_only_wait_uploaded_a
         assert again.remote_steps() == [1, 4, 5]
 
 
+def test_leaving_the_with_block_on_an_error_does_not_wait_for_a_failing_bucket(tmp_path, stoppable_s3, caplog):
+    import time
+
+    server, url, options = stoppable_s3
+    caplog.set_level(logging.WARNING, logger="tiered_ckpt")
+    with pytest.raises(RuntimeError, match="the training loop failed"):
+        with two_tier(tmp_path, (url, options), upload=outage_options(deadline_seconds=3600)) as manager:
+            manager.save(1, zero1_states(seed=1))
+            manager.wait(uploaded=True)
+            server.stop()
+            manager.save(2, zero1_states(seed=2), blocking=True)
+            until(lambda: manager.status().retrying_step == 2, "step 2's upload is retried")
+            left = time.monotonic()
+            raise RuntimeError("the training loop failed")
+    assert time.monotonic() - left < 120  # a guard: not the hour of step 2's deadline
+    assert any("step 2 is on local disk only" in r.getMessage() for r in caplog.records)
+    server.start()
+    with two_tier(tmp_path, (url, options)) as again:
+        again.wait(uploaded=True)  # the next run uploads it
+        assert again.remote_steps() == [1, 2]
+
+
 def test_a_permanent_upload_failure_is_raised_by_the_next_save_saying_its_step_was_not_saved(tmp_path, s3_url):
     url, options = s3_url
     manager = two_tier(tmp_path, s3_url)

@@ -271,6 +271,8 @@ class CheckpointManager:
         if exc is None:
             self.close()
             return
+        if self._uploader is not None:  # leaving on an error: a failing bucket is not waited for
+            self._uploader.give_up_retries()
         try:
             self.close()
         except CheckpointError:
@@ -402,7 +404,9 @@ class CheckpointManager:
         missed its deadline while the bucket was unreachable is logged (WARNING), not raised:
         it is safe on local disk, a manager started on this directory uploads it again, and
         a job ending while its bucket is down should not fail for it. A permanent failure
-        (no such bucket, access denied, a failed save) is raised. Calling it again does nothing.
+        (no such bucket, access denied, a failed save) is raised. Leaving a ``with`` block on an
+        exception does not wait for a failing bucket: each upload still queued gets one try.
+        Calling it again does nothing.
         """
         if self._closed:
             return

@@ -129,6 +129,7 @@ class Uploader:
         self.last_error: tuple[float, str] | None = None  # (Unix time, message) of the last failure
         self._failing = False  # a try failed for a transient reason and no commit succeeded since
         self._retry: tuple[int, int] | None = None  # (step, tries so far) of a step being retried
+        self._giving_up = False  # see give_up_retries
         self._thread = threading.Thread(target=self._run, name="tiered-ckpt-uploader", daemon=True)
         self._thread.start()
 
@@ -218,6 +219,13 @@ class Uploader:
         """From now on, upload the newest queued step first and drop the older ones (see the module doc)."""
         with self._changed:
             self._preempted = True
+            self._changed.notify_all()
+
+    def give_up_retries(self) -> None:
+        """From now on a step whose try fails for a transient reason is not tried again (it stays
+        local-only at once): a job leaving on an error does not wait for its bucket to come back."""
+        with self._changed:
+            self._giving_up = True
             self._changed.notify_all()
 
     def pending(self) -> list[int]:
@@ -349,12 +357,19 @@ class Uploader:
                 step, attempt, tries, failure, delay, left,
             )  # fmt: skip
             with self._changed:  # a preemption notice cuts the wait short (the step may be superseded)
-                self._changed.wait_for(lambda: self._preempted and any(s > step for s in self._queue), delay)
+                self._changed.wait_for(
+                    lambda: self._giving_up or (self._preempted and any(s > step for s in self._queue)), delay
+                )
         if not transient:
             raise _as_upload_error(step, failure, tries)
+        why = (
+            "before the manager closed on an error"
+            if self._giving_up
+            else f"within its deadline of {limit} s (upload_deadline_seconds)"
+        )
         raise UploadError(
-            f"step {step} was not committed at {self._remote.location(step)} within its deadline of {limit} s "
-            f"(upload_deadline_seconds; {time.monotonic() - started:.1f} s and {tries} tries since its upload began): "
+            f"step {step} was not committed at {self._remote.location(step)} {why} "
+            f"({time.monotonic() - started:.1f} s and {tries} tries since its upload began): "
             f"it stays local-only and the next step goes on; the last failure: {failure}",
             step=step,
             tries=tries,
@@ -369,7 +384,7 @@ class Uploader:
         notice superseded the step, and how long to wait (the leader's draw)."""
         delay = self._remote.retry.delay(attempt)  # the policy the tier's requests are tried under
         transient = failure.transient or failure.deadline
-        in_time = deadline is None or time.monotonic() + delay < deadline
+        in_time = not self._giving_up and (deadline is None or time.monotonic() + delay < deadline)
         with self._changed:
             superseded = self._preempted and any(each > step for each in self._queue)
         again = failure.transient and not failure.deadline and in_time

@@ -139,7 +139,7 @@ def test_the_use_sample_trains_saves_to_the_bucket_and_resumes(tmp_path, bucket)
 def test_the_one_process_per_rank_sample_resumes_and_a_damaged_step_is_never_a_fresh_start(tmp_path, bucket):
     server, env = bucket
     prelude = TRAINING + "    import torch\n    model = torch.nn.Linear(8, 8)\n"
-    epilogue = 'print(f"rank {rank}: restored", restored and restored.step)'
+    epilogue = 'print(f"rank {rank}: restored {restored and restored.step}")'
     path = script(tmp_path, "per_rank", prelude, sample(MARKERS["per_rank"]), epilogue)
     first = run(path, env, tmp_path, ranks=2)
     assert first.returncode == 0, first.stderr[-5000:]
@@ -192,7 +192,7 @@ def test_the_fsdp2_and_dcp_samples_save_and_restore_a_sharded_model(tmp_path, bu
     between = "\nstep = 2\nstate = {'model': model_sd, 'optim': optim_sd}\n"
     epilogue = """
         manager.wait(uploaded=True)
-        print(f"rank {rank}: steps", manager.steps())
+        print(f"rank {rank}: steps {manager.steps()}")  # one write: the ranks share stdout
         manager.close()
         dist.destroy_process_group()
     """

@@ -467,3 +467,40 @@ def faulty_gcs(gcs_endpoint, gcs_url, monkeypatch):
     url, options = gcs_url
     yield proxy, url, {**options, "endpoint_url": proxy.endpoint}
     proxy.close()
+
+
+class StoppableS3:
+    """moto's S3 server on a loopback port of its own that a test can stop (a real outage:
+    connection refused) and start again on the same port, with the buckets it held (moto
+    keeps them per process: every moto server of the test process sees the same buckets)."""
+
+    def __init__(self) -> None:
+        import logging
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._server = None
+        self.start()
+
+    def start(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self._server.start()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+
+@pytest.fixture
+def stoppable_s3():
+    """(server, url, storage_options): a fresh bucket on a :class:`StoppableS3`."""
+    server = StoppableS3()
+    try:
+        url, options = new_s3_bucket(server.endpoint)
+        yield server, url, options
+    finally:
+        server.stop()

@@ -279,3 +279,32 @@ def test_ranks_asking_about_preemption_at_different_steps_fail_together(tmp_path
     for rank in range(2):
         assert results[rank]["error"][0] == "UsageError", results
         assert "different steps [3, 4]" in results[rank]["error"][1]
+
+
+def test_ranks_retry_a_failing_bucket_together_and_commit_every_step_once_it_is_back(tmp_path, moto_endpoint, s3_url):
+    import threading
+    import time
+
+    from conftest import FaultInjectingProxy, s3_storage_options
+
+    url, options = s3_url
+    proxy = FaultInjectingProxy(moto_endpoint, failure_rate=1.0, methods=("PUT",))  # every upload refused: 503
+    actions = [{"do": "save", "step": 1}, {"do": "save", "step": 2}, {"do": "wait"}]
+    results: dict = {}
+    job = threading.Thread(
+        target=lambda: results.update(run_ranks(tmp_path, 2, actions, (url, s3_storage_options(proxy.endpoint))))
+    )
+    job.start()
+    try:
+        give_up = time.monotonic() + 120  # a guard against a hang, not a timing
+        while proxy.injected < 6 and job.is_alive():  # the step's upload tried again, on every rank, together
+            assert time.monotonic() < give_up
+            time.sleep(0.05)
+        proxy.failure_rate = 0.0  # the bucket is back
+        job.join(timeout=300)
+    finally:
+        proxy.close()
+    assert not job.is_alive()
+    for result in results.values():
+        assert "error" not in result and "close_error" not in result, result  # no rank failed for the bucket
+    assert RemoteTier(url, options).committed_steps() == [1, 2]

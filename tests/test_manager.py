@@ -207,6 +207,31 @@ def test_missing_ok_is_none_only_when_nothing_is_committed(manager, states):
         manager.restore(missing_ok=True)  # a damaged step is not a fresh start
 
 
+@pytest.mark.parametrize("damage", ["shard deleted", "shard cut short", "manifest damaged", "bucket only, object lost"])
+def test_missing_ok_never_takes_a_damaged_or_partial_step_for_a_fresh_start(tmp_path, memory_url, states, damage):
+    url, options = memory_url
+    shard = f"{step_dir_name(1)}/rank-00002-of-00004.safetensors"
+    with two_tier(tmp_path / "a", memory_url) as manager:
+        assert manager.restore(missing_ok=True) is None
+        manager.save(1, states)
+        manager.wait(uploaded=True)
+    local = tmp_path / "a" / shard
+    if damage == "shard deleted":
+        local.unlink()
+        RemoteTier(url, options)._fs.rm(f"{url}/{shard}")
+    elif damage == "shard cut short":
+        os.truncate(local, local.stat().st_size - 1)
+        RemoteTier(url, options)._fs.rm(f"{url}/{shard}")
+    elif damage == "manifest damaged":
+        (tmp_path / "a" / step_dir_name(1) / MANIFEST_NAME).write_text("{")
+        RemoteTier(url, options)._fs.pipe(f"{url}/{step_dir_name(1)}/{MANIFEST_NAME}", b"{")
+    else:  # a new node: an empty disk, and the bucket lost one object of the step
+        RemoteTier(url, options)._fs.rm(f"{url}/{shard}")
+    with two_tier(tmp_path / ("a" if damage != "bucket only, object lost" else "b"), memory_url) as manager:
+        with pytest.raises((IncompleteCheckpointError, ManifestError)):
+            manager.restore(missing_ok=True)
+
+
 def test_one_rank_saves_a_plain_dict_and_restores_it_as_state(tmp_path, states):
     with CheckpointManager(tmp_path, world_size=1, sharded_keys=ZERO1_SHARDED_KEYS) as manager:
         manager.save(1, states[0], blocking=True)
@@ -492,6 +517,140 @@ def test_a_bucket_that_is_down_does_not_fill_the_disk(tmp_path, memory_url, monk
     manager.close()
 
 
+def until(condition, what, guard_seconds=120.0):
+    """Wait for ``condition()`` to hold (a guard against a hang, not a timing assertion)."""
+    import time
+
+    give_up = time.monotonic() + guard_seconds
+    while not condition():
+        assert time.monotonic() < give_up, f"never: {what}"
+        time.sleep(0.02)
+
+
+def outage_options(**fields):
+    """Small backoffs so that a test's bucket outage costs little time."""
+    from tiered_ckpt import UploadOptions
+
+    return UploadOptions(**{"max_tries": 2, "backoff_seconds": 0.01, "max_backoff_seconds": 0.2, **fields})
+
+
+def test_a_bucket_outage_never_fails_save_wait_or_close_and_every_step_saved_since_commits_once_back(
+    tmp_path, stoppable_s3, caplog
+):
+    server, url, options = stoppable_s3
+    caplog.set_level(logging.WARNING, logger="tiered_ckpt")
+    with two_tier(tmp_path, (url, options), upload=outage_options(), keep_last=2, max_awaiting_upload=10) as manager:
+        manager.save(1, zero1_states(seed=1))
+        manager.wait(uploaded=True)
+        server.stop()  # connection refused from now on
+        for step in range(2, 7):
+            manager.save(step, zero1_states(seed=step), blocking=True)  # never raises, never blocks for long
+        until(lambda: manager.status().retrying_step == 2 and manager.status().retry_tries >= 4, "retried twice")
+        lag = manager.status()
+        assert lag.newest_remote == 1 and [step for step, _ in lag.waiting] == [2, 3, 4, 5, 6]
+        assert "upload of step 2" in lag.last_error and "Connect" in lag.last_error and lag.last_error_at > 0
+        manager.wait()  # the local commits are all there; the bucket is no error of wait()
+        tries = [r for r in caplog.records if r.getMessage().startswith("upload of step 2 failed (try")]
+        assert len(tries) >= 2 and all(r.levelno == logging.WARNING for r in tries)
+        assert all(options["secret"] not in r.getMessage() for r in caplog.records)
+        server.start()  # the bucket is back, on the same port
+        manager.wait(uploaded=True)
+        assert manager.remote_steps() == [1, 2, 3, 4, 5, 6]  # every step saved during the outage
+        assert manager.status().retrying_step is None and manager.steps() == [5, 6]
+
+
+def test_an_outage_keeps_at_most_max_awaiting_upload_waiting_steps_beside_the_one_being_retried(
+    tmp_path, stoppable_s3, caplog
+):
+    server, url, options = stoppable_s3
+    caplog.set_level(logging.WARNING, logger="tiered_ckpt")
+    upload = outage_options(max_pending=1)
+    with two_tier(tmp_path, (url, options), upload=upload, keep_last=1, max_awaiting_upload=2) as manager:
+        server.stop()
+        manager.save(1, zero1_states(seed=1), blocking=True)
+        until(lambda: manager.status().retrying_step == 1, "step 1's upload is retried")
+        for step in range(2, 7):
+            manager.save(step, zero1_states(seed=step), blocking=True)  # never waits for the bucket
+        manager.wait()
+        assert manager.steps() == [1, 5, 6]  # the step being retried and the newest two waiting ones
+        assert any("deleted step 2" in r.getMessage() and "before it reached" in r.getMessage() for r in caplog.records)
+        server.start()
+        manager.wait(uploaded=True)
+        assert manager.remote_steps() == [1, 5, 6] and manager.steps() == [6]
+
+
+def test_a_step_that_missed_its_deadline_in_an_outage_fails_only_wait_uploaded_and_stays_local(
+    tmp_path, stoppable_s3, caplog
+):
+    server, url, options = stoppable_s3
+    with two_tier(tmp_path, (url, options), upload=outage_options(deadline_seconds=1)) as manager:
+        manager.save(1, zero1_states(seed=1))
+        manager.wait(uploaded=True)
+        server.stop()
+        manager.save(2, zero1_states(seed=2))
+        until(lambda: "within its deadline" in (manager.status().last_error or ""), "step 2 missed its deadline")
+        manager.save(3, zero1_states(seed=3), blocking=True)  # a missed deadline is no error of save
+        manager.wait()
+        with pytest.raises(UploadError, match="steps 2, 3 missed their upload deadline") as caught:
+            manager.wait(uploaded=True)
+        assert caught.value.transient and caught.value.step == 3
+        assert isinstance(caught.value.__cause__, RemoteError) and caught.value.__cause__.transient
+        server.start()
+        manager.save(4, zero1_states(seed=4))
+        manager.wait(uploaded=True)  # each missed step is reported once
+        assert manager.remote_steps() == [1, 4] and {2, 3} <= set(manager.steps())
+        server.stop()
+        manager.save(5, zero1_states(seed=5))
+        with caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
+            manager.close()  # waits for step 5's deadline, logs it, does not raise
+        assert any("step 5 is on local disk only" in r.getMessage() for r in caplog.records)
+    server.start()
+    with two_tier(tmp_path, (url, options), upload=outage_options()) as again:
+        again.wait(uploaded=True)  # the next manager on the directory uploads it
+        assert again.remote_steps() == [1, 4, 5]
+
+
+def test_leaving_the_with_block_on_an_error_does_not_wait_for_a_failing_bucket(tmp_path, stoppable_s3, caplog):
+    import time
+
+    server, url, options = stoppable_s3
+    caplog.set_level(logging.WARNING, logger="tiered_ckpt")
+    with pytest.raises(RuntimeError, match="the training loop failed"):
+        with two_tier(tmp_path, (url, options), upload=outage_options(deadline_seconds=3600)) as manager:
+            manager.save(1, zero1_states(seed=1))
+            manager.wait(uploaded=True)
+            server.stop()
+            manager.save(2, zero1_states(seed=2), blocking=True)
+            until(lambda: manager.status().retrying_step == 2, "step 2's upload is retried")
+            left = time.monotonic()
+            raise RuntimeError("the training loop failed")
+    assert time.monotonic() - left < 120  # a guard: not the hour of step 2's deadline
+    assert any("step 2 is on local disk only" in r.getMessage() for r in caplog.records)
+    server.start()
+    with two_tier(tmp_path, (url, options)) as again:
+        again.wait(uploaded=True)  # the next run uploads it
+        assert again.remote_steps() == [1, 2]
+
+
+def test_a_permanent_upload_failure_is_raised_by_the_next_save_saying_its_step_was_not_saved(tmp_path, s3_url):
+    url, options = s3_url
+    manager = two_tier(tmp_path, s3_url)
+    manager.save(1, zero1_states(seed=1))
+    manager.wait(uploaded=True)
+    tier = RemoteTier(url, options)
+    tier._fs.rm(tier._root.split("/")[0], recursive=True)  # no such bucket: permanent
+    manager.save(2, zero1_states(seed=2), blocking=True)
+    until(lambda: manager.status().last_error is not None, "the upload of step 2 failed")
+    with pytest.raises(UploadError, match="upload of step 2 failed.*so step 3 was not saved") as caught:
+        manager.save(3, zero1_states(seed=3))
+    assert caught.value.step == 2 and not caught.value.transient
+    assert isinstance(caught.value.__cause__, RemoteError) and not caught.value.__cause__.transient
+    assert manager.steps() == [1, 2]
+    manager.save(3, zero1_states(seed=3), blocking=True)  # raised once: the next save goes on
+    with pytest.raises(UploadError, match="upload of step 3 failed after 1 try"):
+        manager.close()  # a permanent failure is raised by close too
+
+
 def test_uploads_behind_with_wait_hold_the_next_save(tmp_path, memory_url, monkeypatch):
     blocked = BlockedUploads(monkeypatch)
     manager = two_tier(tmp_path, memory_url, max_pending_uploads=1, when_uploads_behind="wait")
@@ -655,20 +814,22 @@ def test_a_store_that_always_refuses_costs_max_tries_requests_per_operation(tmp_
     assert caught.value.tries == 3 and everything.requests == 3
 
     puts = FaultInjectingProxy(moto_endpoint, failure_rate=1.0, methods=("PUT",))
-    with pytest.raises(UploadError, match="after 3 tries") as caught:
+    with pytest.raises(UploadError, match="within its deadline") as caught:
         with CheckpointManager(
             tmp_path / "b",
             world_size=4,
             storage_options=s3_storage_options(puts.endpoint),
             sharded_keys=ZERO1_SHARDED_KEYS,
             upload_concurrency=1,
+            upload_deadline_seconds=1,
             **options,
         ) as manager:
             manager.save(1, states)
             manager.wait(uploaded=True)
     puts.close()
-    assert caught.value.tries == 3
-    assert 3 <= puts.injected <= 4 * 3  # at most max_tries PUTs per shard (4 shards): tries never multiply
+    # The step is tried again as a whole until its deadline; each try of it costs at most
+    # max_tries PUTs per shard (4 shards): tries never multiply.
+    assert 3 <= puts.injected <= 4 * caught.value.tries
 
 
 # --- hostile input and faults ------------------------------------------------------------
@@ -763,10 +924,10 @@ def test_bytes_changed_in_transit_are_never_committed(tmp_path, store, request, 
         options = {**options, "endpoint_url": proxy.endpoint}
     try:
         with pytest.raises(UploadError, match="not confirmed after the upload") as caught:
-            with two_tier(tmp_path, (url, options), upload_max_tries=2) as manager:
+            with two_tier(tmp_path, (url, options), upload_max_tries=2, upload_deadline_seconds=2) as manager:
                 manager.save(1, states)
                 manager.wait(uploaded=True)
-        assert caught.value.tries == 2
+        assert caught.value.tries >= 2 and caught.value.transient  # tried again until the deadline
     finally:
         proxy.close()
     assert RemoteTier(*request.getfixturevalue(f"{store}_url")).committed_steps() == []
@@ -778,7 +939,7 @@ def test_status_reports_the_lag_the_upload_rate_and_the_last_error(tmp_path, mot
 
     url, _ = s3_url
     proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0)
-    upload = UploadOptions(max_tries=1, backoff_seconds=0)
+    upload = UploadOptions(max_tries=1, backoff_seconds=0.01, max_backoff_seconds=0.05, deadline_seconds=1)
     try:
         with caplog.at_level(logging.INFO, logger="tiered_ckpt"), CheckpointManager(
             tmp_path, world_size=4, sharded_keys=ZERO1_SHARDED_KEYS, remote_url=url,
@@ -793,12 +954,12 @@ def test_status_reports_the_lag_the_upload_rate_and_the_last_error(tmp_path, mot
             assert any("step 1 committed at" in r.getMessage() and "MB/s" in r.getMessage() for r in caplog.records)
             proxy.failure_rate = 1.0  # the bucket is down
             manager.save(2, states)
-            with pytest.raises(UploadError):
+            with pytest.raises(UploadError, match="step 2 was not committed .* within its deadline"):
                 manager.wait(uploaded=True)
             lag = manager.status()
             assert (lag.newest_local, lag.newest_remote, lag.steps_behind) == (2, 1, 1)
             assert lag.waiting[0][0] == 2 and lag.waiting[0][1] == manager.store.local.manifest(2).total_bytes
-            assert "upload of step 2 failed" in lag.last_error and lag.last_error_at > 0
+            assert "step 2 was not committed" in lag.last_error and lag.last_error_at > 0
             proxy.failure_rate = 0.0
     finally:
         proxy.close()
@@ -876,17 +1037,17 @@ def test_a_store_that_accepts_a_put_and_never_answers_fails_in_bounded_time(tmp_
     url, _ = s3_url
     proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0, stall=("PUT",))
     try:
-        with pytest.raises(UploadError, match="Timeout") as caught:
+        with pytest.raises(UploadError, match="within its deadline of 3 s") as caught:
             with CheckpointManager(
                 tmp_path,
                 world_size=4,
                 sharded_keys=ZERO1_SHARDED_KEYS,
                 remote_url=url,
                 storage_options=s3_storage_options(proxy.endpoint),
-                upload=UploadOptions(max_tries=2, backoff_seconds=0, timeout_seconds=1),
+                upload=UploadOptions(max_tries=2, backoff_seconds=0, timeout_seconds=1, deadline_seconds=3),
             ) as manager:
                 manager.save(1, states)
                 manager.wait(uploaded=True)
-        assert caught.value.tries == 2
+        assert caught.value.tries >= 2 and "Timeout" in str(caught.value) + str(caught.value.__cause__)
     finally:
         proxy.close()

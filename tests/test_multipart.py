@@ -164,7 +164,8 @@ def test_a_store_that_keeps_throttling_fails_the_upload_after_max_tries_and_abor
     fs = FakeS3(throttle=lambda method, count: method == "upload_part")
     with pytest.raises(RemoteError, match="throttled by the store 3 times") as caught:
         run(fs, big, max_tries=3)
-    assert caught.value.tries == 3 and not caught.value.transient  # the tier's retry loop does not multiply it
+    assert caught.value.tries == 3 and caught.value.exhausted  # the tier's retry loop does not multiply it
+    assert caught.value.transient  # the uploader tries the step again later
     assert fs.methods()[-1] == "abort_multipart_upload" and "complete_multipart_upload" not in fs.methods()
 
 

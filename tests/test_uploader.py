@@ -1,5 +1,6 @@
 """The upload queue on its own, against an in-memory remote tier that fails on command."""
 
+import logging
 import threading
 from collections import deque
 
@@ -12,6 +13,7 @@ from tiered_ckpt.layout import step_dir_name
 from tiered_ckpt.local import LocalTier
 from tiered_ckpt.options import UploadOptions
 from tiered_ckpt.remote import RemoteTier, RetryPolicy
+from tiered_ckpt.retention import RetentionPolicy
 from tiered_ckpt.store import TieredStore
 from tiered_ckpt.uploader import Uploader
 
@@ -26,13 +28,16 @@ class FailingRemote(RemoteTier):
         self.hold = threading.Event()
         self.hold.set()
         self.holding = threading.Event()
+        self.down = False  # while True, every PUT fails with a transient error
+        self.failed = threading.Event()  # set by each failed PUT
 
     def _put(self, local_path, step, record):
         self.puts.append(step)
         self.holding.set()
         self.hold.wait()
-        if self.failures:
-            raise self.failures.popleft()
+        if self.failures or self.down:
+            self.failed.set()
+            raise self.failures.popleft() if self.failures else transient()
         super()._put(local_path, step, record)
 
 
@@ -71,19 +76,65 @@ def test_transient_failures_within_the_tries_still_commit(job):
     assert remote.puts == [1, 1, 1]  # two failed tries, then the one that went through
 
 
-def test_a_persistent_transient_failure_costs_max_tries_puts_and_says_so(job):
+def test_a_transient_failure_that_outlasts_max_tries_is_tried_again_until_the_step_commits(job, caplog):
     store, remote, start = job
-    remote.failures.extend([transient() for _ in range(10)])
+    remote.failures.extend([transient() for _ in range(10)])  # 3 whole tries of 3 requests, then 1 more
     uploader = start()
+    with caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
+        uploader.submit(1)
+        uploader.wait()
+    uploader.errors.raise_first()  # nothing failed: a transient failure is no error
+    assert remote.committed_steps() == [1] and store.receipted(1)
+    assert remote.puts == [1] * 11  # one retry loop per try of the step: tries never multiply
+    retried = [r.getMessage() for r in caplog.records if r.getMessage().startswith("upload of step 1 failed")]
+    assert len(retried) == 3 and all("reset by peer" in message for message in retried)
+    assert "try 3, 9 requests tried" in retried[-1]
+    assert uploader.retrying() is None
+
+
+def test_a_step_that_misses_its_deadline_while_the_bucket_fails_stays_local_and_the_next_goes_on(job):
+    store, remote, start = job
+    remote.down = True
+    uploader = start(deadline_seconds=0.3)
     uploader.submit(1)
     uploader.wait()
-    with pytest.raises(UploadError, match="upload of step 1 failed after 3 tries") as caught:
+    with pytest.raises(UploadError, match="step 1 was not committed .* within its deadline of 0.3 s") as caught:
         uploader.errors.raise_first()
-    assert caught.value.tries == 3 and caught.value.step == 1
-    assert isinstance(caught.value.__cause__, RemoteError)
-    assert remote.puts == [1, 1, 1]  # one retry loop: tries never multiply
-    assert remote.committed_steps() == [] and not store.receipted(1)
-    uploader.errors.raise_first()  # raised once only
+    assert caught.value.transient and caught.value.step == 1 and caught.value.tries > 3
+    assert "it stays local-only" in str(caught.value) and isinstance(caught.value.__cause__, RemoteError)
+    assert remote.committed_steps() == [] and not store.receipted(1) and 1 in store.local.steps()
+    remote.down = False  # the bucket is back
+    uploader.submit(2)
+    uploader.wait()
+    uploader.errors.raise_first()
+    assert remote.committed_steps() == [2]
+
+
+def test_while_the_bucket_fails_the_queue_takes_steps_without_blocking_up_to_max_awaiting_upload(job, tmp_path):
+    store, remote, start = job
+    for step in range(5, 9):
+        save_sharded([{"w": np.full(64, step, np.float32)}], tmp_path / "ckpt" / step_dir_name(step), step=step)
+    remote.down = True
+    uploader = Uploader(
+        store,
+        options=UploadOptions(max_pending=1, when_behind="wait", deadline_seconds=None),
+        errors=ErrorBox(),
+        local_retention=RetentionPolicy(keep_last=1, max_awaiting_upload=3),
+    )
+    try:
+        uploader.submit(1)
+        while uploader.retrying() is None:  # wait for the first failed try (guarded by the test timeout)
+            remote.failed.wait()
+        for step in range(2, 9):  # with a healthy bucket the second submit would block (max_pending=1)
+            uploader.submit(step)
+        assert uploader.pending() == [1, 6, 7, 8]  # the oldest queued dropped beyond 3 waiting steps
+        assert uploader.retrying()[0] == 1
+        remote.down = False
+        uploader.wait()
+        uploader.errors.raise_first()
+        assert remote.committed_steps() == [1, 6, 7, 8]
+    finally:
+        uploader.close()
 
 
 def test_a_permanent_failure_is_not_retried(job):
@@ -187,3 +238,21 @@ def test_after_a_preemption_notice_the_newest_step_goes_next_and_older_queued_st
     assert remote.committed_steps() == [1, 4]  # the step in flight finishes; 2 and 3 are superseded
     assert remote.puts == [1, 4]
     assert not store.receipted(2) and not store.receipted(3)
+
+
+def test_after_a_preemption_notice_a_step_retried_for_a_failing_bucket_gives_way_to_the_newest(job):
+    store, remote, start = job
+    remote.down = True
+    uploader = start(max_pending=1)
+    uploader.submit(1)
+    while uploader.retrying() is None:  # its first try failed (guarded by the test timeout)
+        remote.failed.wait()
+    uploader.submit(2)
+    uploader.preempt()
+    uploader.submit(3)
+    while uploader.pending() != [3]:  # step 1 given up, step 2 dropped (guarded by the test timeout)
+        remote.failed.wait()
+    remote.down = False
+    uploader.wait()
+    uploader.errors.raise_first()  # superseded, not failed
+    assert remote.committed_steps() == [3] and not store.receipted(1)

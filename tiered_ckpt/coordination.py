@@ -343,7 +343,7 @@ def leader_decides(coordinator: Coordinator, decide: Callable[[], T]) -> T:
     return decision["result"]
 
 
-_ERROR_ATTRIBUTES = ("step", "tries", "transient")
+_ERROR_ATTRIBUTES = ("step", "tries", "transient", "deadline")
 
 
 def _describe_error(exc: BaseException) -> dict[str, Any]:

@@ -121,11 +121,14 @@ class RemoteError(CheckpointError):
     """The remote store failed a request; ``transient`` is True when a retry may succeed.
 
     ``tries`` is the number of tries made of the operation that failed; ``deadline`` is
-    True when it stopped because its deadline came (see ``upload_deadline_seconds``).
+    True when it stopped because its deadline came (see ``upload_deadline_seconds``);
+    ``exhausted`` is True when a lower layer already spent the tries on it (the retry
+    policy does not try it again, though a later try of the whole step may succeed).
     """
 
     tries: int = 1
     deadline: bool = False
+    exhausted: bool = False
 
     def __init__(self, message: str, *, transient: bool) -> None:
         super().__init__(message)
@@ -143,13 +146,17 @@ class RemoteInUseError(RemoteError):
 class UploadError(CheckpointError):
     """Step ``step`` could not be committed to the remote tier after ``tries`` tries.
 
-    The local copy of the step is kept; ``__cause__`` holds the last error.
+    The local copy of the step is kept; ``__cause__`` holds the last error. ``transient``
+    is True when only transient failures (an unreachable or failing bucket) kept the step
+    from its remote commit until its deadline: ``wait(uploaded=True)`` raises such an
+    error, ``save`` and ``close`` do not (the step stays local-only).
     """
 
-    def __init__(self, message: str, *, step: int, tries: int) -> None:
+    def __init__(self, message: str, *, step: int, tries: int, transient: bool = False) -> None:
         super().__init__(message)
         self.step = step
         self.tries = tries
+        self.transient = transient
 
 
 class CoordinationError(CheckpointError):
@@ -229,9 +236,23 @@ class ErrorBox:
             elif isinstance(error, UploadError):
                 self._expected.add(key)
 
-    def raise_first(self) -> None:
-        """Raise the oldest failure not yet raised, if any (and forget it)."""
+    def raise_first(self, *, transient: bool = True) -> None:
+        """Raise the oldest failure not yet raised, if any (and forget it); ``transient=False``
+        passes over the upload failures that only missed their deadline (see :class:`UploadError`)."""
         with self._lock:
-            error = self._errors.pop(0) if self._errors else None
-        if error is not None:
-            raise error
+            chosen = [error for error in self._errors if transient or not _missed_deadline(error)]
+            if chosen:
+                self._errors.remove(chosen[0])
+        if chosen:
+            raise chosen[0]
+
+    def take_transient(self) -> list[UploadError]:
+        """Remove and return the upload failures that only missed their deadline, oldest first."""
+        with self._lock:
+            taken = [error for error in self._errors if _missed_deadline(error)]
+            self._errors = [error for error in self._errors if not _missed_deadline(error)]
+        return taken  # type: ignore[return-value]
+
+
+def _missed_deadline(error: CheckpointError) -> bool:
+    return isinstance(error, UploadError) and getattr(error, "transient", False)

@@ -44,8 +44,10 @@ from .errors import (
     ConfigError,
     DirectoryInUseError,
     ErrorBox,
+    SaveError,
     UploadError,
     UsageError,
+    restated,
 )
 from .local import LocalTier
 from .manifest import ShardManifest
@@ -64,6 +66,15 @@ __all__ = ["CheckpointManager", "SaveHandle", "RestoreResult", "StagingBuffers"]
 
 logger = logging.getLogger("tiered_ckpt")
 T = TypeVar("T")
+
+
+@contextmanager
+def _not_saved(step: int) -> Iterator[None]:
+    """Around a save's check: a background error it raises says that this save's step was not saved."""
+    try:
+        yield
+    except (SaveError, UploadError) as exc:
+        raise restated(exc, f"{exc} (so step {step} was not saved: nothing of it was written)") from exc.__cause__
 
 
 @dataclass(frozen=True)
@@ -287,6 +298,8 @@ class CheckpointManager:
         if exc is None:
             self.close()
             return
+        if self._uploader is not None:  # leaving on an error: a failing bucket is not waited for
+            self._uploader.give_up_retries()
         try:
             self.close()
         except CheckpointError:
@@ -304,14 +317,17 @@ class CheckpointManager:
         calls ``save`` with the same step). Returns once the arrays are copied to staging
         buffers: the caller may then overwrite its arrays. The write runs in the
         background; ``blocking=True`` waits for the commit. Raises first any background
-        error not yet raised (:class:`SaveError`, :class:`UploadError`), then
+        error not yet raised (:class:`SaveError`, or a permanent :class:`UploadError`: no
+        such bucket, access denied), saying that ``step`` was not saved, then
         :class:`InvalidStateError` for bad input and :class:`CheckpointExistsError` if
         ``step`` is not newer than every committed step (on every rank, whichever rank's
-        input or directory is at fault).
+        input or directory is at fault). A bucket that is unreachable or failing never
+        makes it raise: the upload is retried until its deadline, and a step that misses it
+        stays local-only (see :meth:`wait` and :meth:`status`).
         """
         self._check_open()
         self._writer.settle(retention=False)
-        with self._raised_on_every_rank():
+        with self._raised_on_every_rank(), _not_saved(step):
             local, reports = agree_on(self._coordinator, lambda: self._check_save(step, states), lambda c: c[1])
         parsed = [from_payload(_SaveReport, report) for report in reports]
         same_call([report.arguments for report in parsed], "save")
@@ -351,8 +367,9 @@ class CheckpointManager:
 
     def _before_collective(self) -> None:
         """What every save and restore checks first, on every rank: a background error not yet
-        raised, and that the directory is still the one this manager locked."""
-        self._errors.raise_first()
+        raised (not a step that only missed its upload deadline), and that the directory is
+        still the one this manager locked."""
+        self._errors.raise_first(transient=False)
         self._store.local.check_locked()
 
     @contextmanager
@@ -396,18 +413,39 @@ class CheckpointManager:
             self._uploader.preempt()
 
     def wait(self, *, uploaded: bool = False) -> None:
-        """Block until every save so far is committed locally (and remotely, with ``uploaded=True``).
+        """Block until every save so far is committed locally (and, with ``uploaded=True``,
+        committed remotely or past its upload deadline).
 
-        Raises a background error not yet raised: :class:`SaveError` or :class:`UploadError`.
+        Raises a background error not yet raised: :class:`SaveError` or a permanent
+        :class:`UploadError`; with ``uploaded=True`` also the :class:`UploadError` (``transient``
+        True) of the steps that missed their deadline while the bucket was unreachable (one
+        error naming them all; ``step`` is the newest), since the caller asked for the
+        bucket's copy (e.g. before exiting on a preemption notice) and does not have it. Each
+        such step is reported once; its local copy is kept.
         """
         self._writer.settle()
         if uploaded and self._uploader is not None:
             self._uploader.wait()
-        self._errors.raise_first()
+        self._errors.raise_first(transient=False)
+        missed = self._errors.take_transient() if uploaded else []
+        if len(missed) == 1:
+            raise missed[0]
+        if missed:
+            steps = ", ".join(str(error.step) for error in missed)
+            last = missed[-1]
+            raise restated(
+                last, f"steps {steps} missed their upload deadline and stay local-only; the last: {last}"
+            ) from last.__cause__
 
     def close(self) -> None:
         """Finish pending saves and uploads, release the directory, and raise a background error not yet raised.
 
+        Uploads are waited for until each is committed or past its deadline. A step that
+        missed its deadline while the bucket was unreachable is logged (WARNING), not raised:
+        it is safe on local disk, a manager started on this directory uploads it again, and
+        a job ending while its bucket is down should not fail for it. A permanent failure
+        (no such bucket, access denied, a failed save) is raised. Leaving a ``with`` block on an
+        exception does not wait for a failing bucket: each upload still queued gets one try.
         Calling it again does nothing.
         """
         if self._closed:
@@ -417,6 +455,8 @@ class CheckpointManager:
             self._writer.close()
         finally:
             self._exit_stack.close()  # finishes the uploads (LIFO), then releases the directory
+        for missed in self._errors.take_transient():
+            logger.warning("closing %r: step %d is on local disk only: %s", self, missed.step, missed)
         self._errors.raise_first()
 
     def _check_open(self) -> None:
@@ -454,11 +494,14 @@ class CheckpointManager:
             return self._store.lag()
         lag = self._store.lag(uploader.pending(), uploader.newest_committed)
         failed = uploader.last_error
+        retrying = uploader.retrying()
         return dataclasses.replace(
             lag,
             upload_bytes_per_second=uploader.upload_rate(),
             last_error=failed[1] if failed else None,
             last_error_at=failed[0] if failed else None,
+            retrying_step=retrying[0] if retrying else None,
+            retry_tries=retrying[1] if retrying else 0,
         )
 
     @overload

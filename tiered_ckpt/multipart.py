@@ -148,8 +148,9 @@ class Upload:
         """One request, tried again after a backoff while the store throttles it (up to ``max_tries``).
 
         Throttling is retried here, request by request, and nowhere else: when it persists,
-        the error says so and is not transient, so the tier's retry loop does not multiply
-        the tries. Other errors are raised as the client raised them.
+        the error says so and is ``exhausted``, so the tier's retry loop does not multiply
+        the tries (it stays transient: the uploader tries the step again later). Other
+        errors are raised as the client raised them.
         """
         for attempt in range(1, self.max_tries + 1):
             self.stats.requests += 1
@@ -166,9 +167,9 @@ class Upload:
                     error = RemoteError(
                         f"{method} of s3://{self.bucket}/{self.key}: throttled by the store {attempt} times "
                         f"({'the deadline came' if past_deadline else 'max_tries reached'}): {exc}",
-                        transient=False,
+                        transient=True,
                     )
-                    error.tries, error.deadline = attempt, past_deadline
+                    error.tries, error.deadline, error.exhausted = attempt, past_deadline, True
                     raise error from exc
                 await asyncio.sleep(delay)
         raise AssertionError("unreachable")

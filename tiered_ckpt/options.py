@@ -186,11 +186,13 @@ class UploadOptions:
     ``concurrency`` shards of a step go up at once; ``max_pending`` steps wait in the
     queue before ``when_behind`` applies. Every remote request (uploads, reads,
     listings, deletions) is tried at most ``max_tries`` times, backing off from
-    ``backoff_seconds``, and no more tries start once ``max_seconds`` have passed since
-    the first; a request that gets no answer fails after ``timeout_seconds``. A step not
-    committed in the bucket ``deadline_seconds`` after its upload started fails with
-    :class:`~tiered_ckpt.UploadError` (requests still running are cut short) and the
-    queue moves on; None: no deadline beyond the retry bounds. S3 objects of at least
+    ``backoff_seconds`` (each wait at most ``max_backoff_seconds``), and no more tries
+    start once ``max_seconds`` have passed since the first; a request that gets no answer
+    fails after ``timeout_seconds``. A step's upload that fails for a transient reason is
+    tried again as a whole, with the same capped backoff, until ``deadline_seconds`` after
+    it started; then it fails with :class:`~tiered_ckpt.UploadError` (requests still
+    running are cut short), the step stays local-only and the queue moves on. None: no
+    deadline (a transient failure is retried until the bucket answers). S3 objects of at least
     ``2 * part_bytes`` go up in parts of ``part_bytes``, at most ``part_concurrency`` in
     flight (fewer while the store throttles).
     """
@@ -198,6 +200,7 @@ class UploadOptions:
     concurrency: int = 2
     max_tries: int = 5
     backoff_seconds: float = 0.5
+    max_backoff_seconds: float = 30.0
     max_seconds: float = 300.0
     timeout_seconds: float = 60.0
     max_pending: int = 2
@@ -210,6 +213,7 @@ class UploadOptions:
         _check_number("concurrency", self.concurrency, 1)
         _check_number("max_tries", self.max_tries, 1)
         _check_number("backoff_seconds", self.backoff_seconds, 0, (int, float))
+        _check_number("max_backoff_seconds", self.max_backoff_seconds, 0, (int, float))
         _check_number("max_seconds", self.max_seconds, 0, (int, float))
         _check_number("timeout_seconds", self.timeout_seconds, 0.001, (int, float))
         _check_number("max_pending", self.max_pending, 1)
@@ -224,6 +228,7 @@ class UploadOptions:
         return RetryPolicy(
             max_tries=self.max_tries,
             backoff_seconds=self.backoff_seconds,
+            max_backoff_seconds=self.max_backoff_seconds,
             max_seconds=self.max_seconds,
             timeout_seconds=self.timeout_seconds,
         )

@@ -87,6 +87,11 @@ class RetryPolicy:
     max_seconds: float = 300.0
     timeout_seconds: float = 60.0
 
+    def delay(self, attempt: int) -> float:
+        """The random wait after failed try ``attempt`` (1, 2, ...): up to ``backoff_seconds *
+        2**(attempt-1)``, at most ``max_backoff_seconds`` ("full jitter")."""
+        return min(self.max_backoff_seconds, self.backoff_seconds * 2 ** min(attempt - 1, 64)) * random.random()
+
     def run(
         self,
         what: str,
@@ -106,11 +111,11 @@ class RetryPolicy:
             try:
                 return action()
             except RemoteError as exc:
-                delay = min(self.max_backoff_seconds, self.backoff_seconds * 2 ** (attempt - 1)) * random.random()
+                delay = self.delay(attempt)
                 resumes = clock() + delay
                 past_deadline = deadline is not None and resumes >= deadline
                 out_of_time = resumes - started >= self.max_seconds or past_deadline
-                if not exc.transient or attempt == self.max_tries or out_of_time:
+                if not exc.transient or exc.exhausted or attempt == self.max_tries or out_of_time:
                     exc.tries = max(attempt, exc.tries)  # tries made inside the action count too
                     exc.deadline = exc.deadline or (exc.transient and past_deadline)
                     raise

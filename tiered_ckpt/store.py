@@ -92,8 +92,10 @@ class Lag:
     ``(step, bytes)``, oldest first; ``waiting_seconds``: how long ago the oldest of them
     was committed locally (None: nothing waits). ``upload_bytes_per_second``: the rate of
     the last remote commits, and ``last_error`` / ``last_error_at`` (Unix time) the last
-    upload failure, as the running manager saw them (None from a process that uploads
-    nothing, such as the CLI).
+    upload failure (each failed try included), as the running manager saw them (None from
+    a process that uploads nothing, such as the CLI). ``retrying_step``: the step whose
+    upload is being tried again after a transient failure (the bucket is unreachable or
+    failing; None: none is), ``retry_tries`` the requests tried for it so far.
     """
 
     newest_local: int | None
@@ -103,6 +105,8 @@ class Lag:
     upload_bytes_per_second: float | None = None
     last_error: str | None = None
     last_error_at: float | None = None
+    retrying_step: int | None = None
+    retry_tries: int = 0
 
     @property
     def steps_behind(self) -> int:
@@ -119,6 +123,8 @@ class Lag:
             "upload_bytes_per_second": self.upload_bytes_per_second,
             "last_error": self.last_error,
             "last_error_at": self.last_error_at,
+            "retrying_step": self.retrying_step,
+            "retry_tries": self.retry_tries,
         }
 
 

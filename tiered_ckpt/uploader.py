@@ -19,14 +19,29 @@ The uploader owns everything that happens to a step after its local commit:
 5. retention: the leader prunes the bucket (not while another run's lease is live),
    every process its local tier (steps the bucket now holds are no longer protected).
 
-A failure becomes :class:`UploadError` (``tries`` counted, cause chained) in the shared
-:class:`~tiered_ckpt.errors.ErrorBox`, raised by the owner's next call; the step's
-local copy is kept. Requests are retried by the remote tier's one retry policy, never
-again here.
+Each request is retried by the remote tier's one retry policy. A step whose upload still
+fails for a transient reason (connection refused, timeouts, 5xx, throttling: the bucket
+is unreachable or failing) is tried again as a whole, after the policy's capped backoff,
+until its deadline (``deadline_seconds`` after its upload began); shards already in the
+bucket intact are not sent again. Every failed try is logged (WARNING, with the step and
+the cause) and shown by :meth:`Uploader.retrying` and ``last_error``. A step that misses
+its deadline so stays local-only (the local tier is the safety net), the queue moves
+on, and its :class:`UploadError` has ``transient=True`` (``wait(uploaded=True)`` raises
+it; ``save`` and ``close`` do not). Any other failure (a permanent remote error such as
+access denied, a local I/O error, a bug) becomes a :class:`UploadError` with
+``transient=False``, logged at once and raised by the owner's next call. Both go to the
+shared :class:`~tiered_ckpt.errors.ErrorBox` with ``tries`` counted and the cause
+chained; the step's local copy is kept. With one process per rank the processes agree
+on every retry (one small collective), so they try, wait and give up together.
 
 At most ``max_pending`` steps wait in the queue. Beyond that ``when_behind="wait"``
 makes :meth:`Uploader.submit` block until there is room, and ``"skip"`` drops the
-oldest waiting step (it stays local-only, superseded by the newer one).
+oldest waiting step (it stays local-only, superseded by the newer one). While the
+bucket is failing (a try failed and no commit has succeeded since), the queue takes up
+to the local tier's ``max_awaiting_upload`` steps without blocking, so saves go on;
+beyond that, one process holding every rank drops the oldest waiting step (local-only;
+local retention may then delete it), while with one process per rank (whose queues
+must stay the same) :meth:`Uploader.submit` waits for room.
 
 After :meth:`Uploader.preempt` (a preemption notice: the job has seconds to minutes
 left), the newest queued step goes next and the older queued ones are dropped (they
@@ -39,6 +54,7 @@ step even while their queues and notices differ for a moment.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -121,6 +137,9 @@ class Uploader:
         self.newest_committed: int | None = None  # the newest remote commit this uploader knows of
         self._commits: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW)  # (bytes, seconds) of recent commits
         self.last_error: tuple[float, str] | None = None  # (Unix time, message) of the last failure
+        self._failing = False  # a try failed for a transient reason and no commit succeeded since
+        self._retry: tuple[int, int] | None = None  # (step, tries so far) of a step being retried
+        self._giving_up = False  # see give_up_retries
         self._thread = threading.Thread(target=self._run, name="tiered-ckpt-uploader", daemon=True)
         self._thread.start()
 
@@ -190,22 +209,44 @@ class Uploader:
 
         ``bounded=False`` queues it whatever the queue holds (steps resumed at start-up).
         """
+        one_process = len(self._coordinator.local_ranks) == self._coordinator.world_size
         with self._changed:
             if self._closing:
                 raise RuntimeError("the uploader is closed")
-            while bounded and not self._preempted and len(self._queue) >= self._options.max_pending:
-                if self._options.when_behind == "skip":
+            while bounded and not self._preempted and len(self._queue) >= self._room():
+                if self._options.when_behind == "skip" or (self._failing and one_process):
                     skipped = self._queue.popleft()
-                    logger.warning("uploads behind: step %d stays local-only, superseded by step %d", skipped, step)
+                    why = "the bucket is failing" if self._failing else "uploads behind"
+                    logger.warning("%s: step %d stays local-only, superseded by step %d", why, skipped, step)
                 else:
                     self._changed.wait()
             self._queue.append(step)
             self._changed.notify_all()
 
+    def _room(self) -> float:
+        """How many steps the queue holds before ``when_behind`` applies (see the module doc)."""
+        if not self._failing:
+            return self._options.max_pending
+        bound = self._local_retention.max_awaiting_upload
+        return float("inf") if bound is None else max(bound, self._options.max_pending)
+
+    def retrying(self) -> tuple[int, int] | None:
+        """The step whose upload is being tried again after a transient failure, and the tries
+        made of it so far (None: no step is)."""
+        with self._changed:
+            return self._retry
+
     def preempt(self) -> None:
         """From now on, upload the newest queued step first and drop the older ones (see the module doc)."""
         with self._changed:
             self._preempted = True
+            self._changed.notify_all()
+
+    def give_up_retries(self) -> None:
+        """From now on a step whose try fails for a transient reason is not tried again (it stays
+        local-only at once): a job leaving on an error does not wait for its bucket to come back."""
+        with self._changed:
+            self._giving_up = True
             self._changed.notify_all()
 
     def pending(self) -> list[int]:
@@ -255,6 +296,10 @@ class Uploader:
 
     def _failed(self, error: UploadError) -> None:
         self.last_error = (time.time(), str(error))
+        if error.transient:
+            logger.warning("%s", error)
+        else:
+            logger.error("%s", error)
         self.errors.put(error)
 
     def _run(self) -> None:
@@ -280,6 +325,7 @@ class Uploader:
             finally:
                 with self._changed:
                     self._active = None
+                    self._retry = None
                     self._changed.notify_all()
 
     def _next_step(self, proposal: int) -> int:
@@ -295,21 +341,83 @@ class Uploader:
         return step
 
     def _upload(self, step: int) -> None:
+        """Put and commit ``step``, trying it again after transient failures until its deadline
+        (see the module doc); raises :class:`UploadError` if it is not committed."""
         started = time.monotonic()
         limit = self._options.deadline_seconds
         deadline = started + limit if limit is not None else None
-        try:
-            self._put_and_commit(step, deadline)
-        except RemoteError as exc:
-            if not exc.deadline:
-                raise
-            raise UploadError(
-                f"step {step} was not committed at {self._remote.location(step)} within its deadline of {limit} s "
-                f"(upload_deadline_seconds; {time.monotonic() - started:.1f} s since its upload began); "
-                f"the next step goes on: {exc}",
-                step=step,
-                tries=exc.tries,
-            ) from exc
+        tries = 0
+        for attempt in itertools.count(1):
+            try:
+                self._put_and_commit(step, deadline)
+            except RemoteError as exc:
+                tries += exc.tries
+                failure = exc
+            else:
+                with self._changed:
+                    self._failing = False
+                    self._changed.notify_all()
+                return
+            again, transient, superseded, delay = self._agree_on_retry(step, failure, attempt, deadline)
+            if transient:
+                with self._changed:
+                    self._failing = True
+                    self._retry = (step, tries)
+                    self._changed.notify_all()
+            self.last_error = (time.time(), f"upload of step {step}, try {attempt}: {failure}")
+            if superseded:
+                logger.warning(
+                    "upload of step %d failed (%s); after the preemption notice it stays local-only, "
+                    "superseded by a newer step", step, failure,
+                )  # fmt: skip
+                return
+            if not again:
+                break
+            left = f"its deadline in {deadline - time.monotonic():.0f} s" if deadline is not None else "no deadline"
+            logger.warning(
+                "upload of step %d failed (try %d, %d requests tried): %s; trying again in %.1f s (%s)",
+                step, attempt, tries, failure, delay, left,
+            )  # fmt: skip
+            with self._changed:  # a preemption notice cuts the wait short (the step may be superseded)
+                self._changed.wait_for(
+                    lambda: self._giving_up or (self._preempted and any(s > step for s in self._queue)), delay
+                )
+        if not transient:
+            raise _as_upload_error(step, failure, tries)
+        why = (
+            "before the manager closed on an error"
+            if self._giving_up
+            else f"within its deadline of {limit} s (upload_deadline_seconds)"
+        )
+        raise UploadError(
+            f"step {step} was not committed at {self._remote.location(step)} {why} "
+            f"({time.monotonic() - started:.1f} s and {tries} tries since its upload began): "
+            f"it stays local-only and the next step goes on; the last failure: {failure}",
+            step=step,
+            tries=tries,
+            transient=True,
+        ) from failure
+
+    def _agree_on_retry(
+        self, step: int, failure: RemoteError, attempt: int, deadline: float | None
+    ) -> tuple[bool, bool, bool, float]:
+        """After a failed try of ``step``, what every process does (one collective): whether to try
+        again, whether every failure was transient (or the deadline's), whether a preemption
+        notice superseded the step, and how long to wait (the leader's draw)."""
+        delay = self._remote.retry.delay(attempt)  # the policy the tier's requests are tried under
+        transient = failure.transient or failure.deadline
+        in_time = not self._giving_up and (deadline is None or time.monotonic() + delay < deadline)
+        with self._changed:
+            superseded = self._preempted and any(each > step for each in self._queue)
+        again = failure.transient and not failure.deadline and in_time
+        views = agree(self._coordinator, lambda: [again, transient, superseded, delay])
+        transient_everywhere = all(view[1] for view in views)
+        return (
+            all(view[0] for view in views),
+            transient_everywhere,
+            transient_everywhere and any(view[2] for view in views),
+            float(views[0][3]),
+        )
 
     def _put_and_commit(self, step: int, deadline: float | None) -> None:
         store = self._store
@@ -347,6 +455,14 @@ class Uploader:
             if self._coordinator.is_leader:
                 self._retain_remote()
             store.retain_local(self._local_retention, self.pending())
+        except RemoteError as exc:
+            if not exc.transient:
+                raise UploadError(
+                    f"step {step} is committed at {self._remote.location(step)}, but the retention that follows "
+                    f"failed: {exc}", step=step, tries=exc.tries,
+                ) from exc
+            # Retention runs again after the next commit; a bucket failing now is no error of this step.
+            logger.warning("step %d is committed; the remote retention that follows failed (%s)", step, exc)
         except CheckpointError as exc:
             raise UploadError(
                 f"step {step} is committed at {self._remote.location(step)}, but the retention that follows "
@@ -401,11 +517,11 @@ class _Committed:
     document: str
 
 
-def _as_upload_error(step: int, exc: BaseException) -> UploadError:
+def _as_upload_error(step: int, exc: BaseException, tries: int | None = None) -> UploadError:
     """``exc`` as the :class:`UploadError` of ``step`` (as it is, if it already is one)."""
     if isinstance(exc, UploadError):
         return exc
-    tries = exc.tries if isinstance(exc, RemoteError) else 1
+    tries = tries if tries is not None else exc.tries if isinstance(exc, RemoteError) else 1
     message = f"upload of step {step} failed after {tries} {'try' if tries == 1 else 'tries'}: {exc}"
     error = UploadError(message, step=step, tries=tries)
     error.__cause__ = exc

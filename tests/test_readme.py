@@ -58,6 +58,17 @@ def test_every_python_sample_of_the_readme_is_run_here():
     assert sorted(claimed) == sorted(MARKERS), "a README sample without a test here (or a marker matching two)"
 
 
+def test_the_config_sample_loads_with_the_values_it_shows(tmp_path):
+    from tiered_ckpt import load_config
+
+    (text,) = re.findall(r"^```toml\n(.*?)^```", README.read_text(), flags=re.DOTALL | re.MULTILINE)
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    config = load_config(path, environ={})
+    assert config.remote is not None and config.remote.url == BUCKET_URL
+    assert (config.local.keep_last, config.remote.keep_last, config.upload.when_behind) == (3, 10, "wait")
+
+
 def test_no_sample_takes_a_missing_checkpoint_for_a_fresh_start():
     for text in python_samples():
         assert "except tiered_ckpt.IncompleteCheckpointError" not in text  # restore(missing_ok=True) instead

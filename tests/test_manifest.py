@@ -293,10 +293,12 @@ def test_a_header_larger_than_a_reader_accepts_is_refused_before_anything_is_all
 
 def widest_record(rank: int, world_size: int, chunks, replicas=()) -> ShardRecord:
     """A shard record whose every number has as many digits as a saved one can."""
+    from tiered_ckpt.shardfile import MAX_HEADER_BYTES
+
     big = 2**63 - 1
     return ShardRecord(
         rank, f"rank-{rank:05d}-of-{world_size:05d}.safetensors", "a" * 64, "b" * 16, big, big * rank, big,
-        chunks, big, "c" * 64, replicas,
+        chunks, MAX_HEADER_BYTES + 8, "c" * 64, replicas,
     )  # fmt: skip
 
 

@@ -20,7 +20,7 @@ import os
 import shutil
 import stat
 from collections.abc import Callable, Collection, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
@@ -425,9 +425,21 @@ class LocalTier:
         Directories it created that are still empty when it lets go are removed again (a
         job that failed before its first save, a restore that found nothing, leaves none).
         """
-        created = [directory for directory in (self.root, *self.root.parents) if not directory.exists()]
-        self.root.mkdir(parents=True, exist_ok=True)
-        with directory_lock(self.root) as identity:
+        with ExitStack() as stack:
+            for last_try in (False, True):
+                created = [directory for directory in (self.root, *self.root.parents) if not directory.exists()]
+                self.root.mkdir(parents=True, exist_ok=True)
+                try:
+                    identity = stack.enter_context(directory_lock(self.root))
+                    break
+                except FileNotFoundError as exc:
+                    # Another holder letting go removed the directory it had created (empty)
+                    # between the mkdir and the lock: make it again, once.
+                    if last_try:
+                        raise DirectoryInUseError(
+                            f"{self.root}: removed twice while this job was taking its lock; is another job "
+                            "opening and closing on it?"
+                        ) from exc
             self._locked = identity
             try:
                 yield

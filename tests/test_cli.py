@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from conftest import ZERO1_SHARDED_KEYS, flip_byte, s3_credentials_env, write_s3_config, zero1_states
-from tiered_ckpt import CheckpointManager
+from tiered_ckpt import CheckpointManager, save_sharded
 from tiered_ckpt.checksums import part_crc32c
-from tiered_ckpt.layout import MANIFEST_NAME, step_dir_name
+from tiered_ckpt.layout import MANIFEST_NAME, shard_name, step_dir_name
+from tiered_ckpt.local import record_held_ranks
 from tiered_ckpt.remote import RemoteTier
 
 
@@ -150,12 +151,41 @@ def test_prune_dry_run_then_prune(setup):
     save_steps(local, url, options, [1, 2, 3])
     code, out, err = run(env, "--config", str(config), "--json", "prune", "--dry-run")
     assert code == 0, err
-    assert json.loads(out) == {"dry_run": True, "local": [1, 2], "remote": [1], "aborted": []}
+    assert json.loads(out) == {
+        "dry_run": True, "local": [1, 2], "remote": [1], "aborted": [], "local_kept_unproven": []
+    }  # fmt: skip
     assert sorted(p.name for p in local.iterdir()) == [step_dir_name(s) for s in (1, 2, 3)]
     code, out, _ = run(env, "--config", str(config), "--json", "prune")
-    assert code == 0 and json.loads(out) == {"dry_run": False, "local": [1, 2], "remote": [1], "aborted": []}
+    assert code == 0 and json.loads(out) == {
+        "dry_run": False, "local": [1, 2], "remote": [1], "aborted": [], "local_kept_unproven": []
+    }  # fmt: skip
     assert sorted(p.name for p in local.iterdir()) == [step_dir_name(3)]
     assert RemoteTier(url, options).committed_steps() == [2, 3]
+
+
+def test_prune_of_one_ranks_directory_says_which_steps_it_keeps_and_why(tmp_path):
+    """A rank's directory of a 2-rank job: one rank's commit of step 3 proves nothing of the other's."""
+    root = tmp_path / "rank-0"
+    for step in (1, 2, 3):
+        states = [{"w": np.arange(64, dtype=np.float32) + step}, {"w": np.zeros(64, dtype=np.float32)}]
+        directory = root / step_dir_name(step)
+        manifest = save_sharded(states, directory, step)
+        (directory / shard_name(1, 2)).unlink()  # rank 1's shard is on its node
+        record_held_ranks(directory, manifest, [0])
+    config = tmp_path / "rank.toml"
+    config.write_text(f"[local]\ndir = '{root}'\nkeep_last = 1\n")
+    for dry_run in (["--dry-run"], []):
+        code, out, err = run(os.environ, "--config", str(config), "prune", *dry_run)
+        assert code == 0, err
+        assert out.splitlines()[0].endswith("local none, remote none")
+        assert (
+            "kept local steps [1, 2]: no newer step is known to be complete on every rank (in "
+            f"{root}, the directory of one rank of a multi-process job"
+        ) in out, out
+        assert "the job's own retention deletes them" in out and "--remote-url" in out
+    code, out, _ = run(os.environ, "--config", str(config), "--json", "prune")
+    assert json.loads(out)["local_kept_unproven"] == [1, 2]
+    assert sorted(path.name for path in root.iterdir()) == [step_dir_name(step) for step in (1, 2, 3)]
 
 
 def test_bad_config_exits_2_naming_the_key(tmp_path):

@@ -273,3 +273,59 @@ def test_a_lock_removes_the_directories_it_created_if_they_are_still_empty(tmp_p
     with existing.lock():
         pass
     assert existing.root.is_dir()  # a directory it did not create is never removed
+
+
+def test_a_lock_taken_while_another_holder_removes_the_new_directory_makes_it_again(tmp_path, monkeypatch):
+    """The second manager's mkdir lands before the first's release removes the (empty) directory
+    it created, and the second's open after: run in that order, deterministically."""
+    from contextlib import ExitStack
+
+    from tiered_ckpt import local
+    from tiered_ckpt.layout import step_dir_name
+    from tiered_ckpt.local import LocalTier
+
+    first, second = LocalTier(tmp_path / "job" / "rank-0"), LocalTier(tmp_path / "job" / "rank-0")
+    holding = ExitStack()
+    holding.enter_context(first.lock())
+    real_lock = local.directory_lock
+    calls = []
+
+    def release_first_then_lock(directory):
+        calls.append(directory)
+        if len(calls) == 1:
+            holding.close()  # the first manager closes: its directories, still empty, are removed
+            assert not directory.exists()
+        return real_lock(directory)
+
+    monkeypatch.setattr(local, "directory_lock", release_first_then_lock)
+    with second.lock():
+        assert second.root.is_dir() and len(calls) == 2
+        second.new_step_dir(1)  # the lock is on the directory now at root
+    assert (second.root / step_dir_name(1)).is_dir()
+
+    def removed_every_time(directory):
+        directory.rmdir()
+        return real_lock(directory)
+
+    monkeypatch.setattr(local, "directory_lock", removed_every_time)
+    with pytest.raises(DirectoryInUseError, match="removed twice while this job was taking its lock"):
+        with LocalTier(tmp_path / "other").lock():
+            pass
+
+
+def test_the_record_of_a_commits_agreement_reads_back_and_a_bad_one_says_nothing(tmp_path):
+    from tiered_ckpt.layout import AGREEMENT_NAME
+    from tiered_ckpt.local import read_agreement, record_agreement, remove_uncommitted
+
+    directory = tmp_path / "step-000000000007"
+    directory.mkdir()
+    assert read_agreement(directory, 7) is None  # no record: a step of a version before them
+    record_agreement(directory, 7, False)
+    assert read_agreement(directory, 7) is False
+    record_agreement(directory, 7, True)
+    assert read_agreement(directory, 7) is True and read_agreement(directory, 8) is None  # another step's record
+    for damaged in (b"{", b'{"step": 7, "agreed": 1}', b"[]"):
+        (directory / AGREEMENT_NAME).write_bytes(damaged)
+        assert read_agreement(directory, 7) is None
+    (directory / MANIFEST_NAME).write_bytes(b"{}")
+    assert remove_uncommitted(tmp_path) == [] and (directory / AGREEMENT_NAME).exists()  # part of a committed step

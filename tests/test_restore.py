@@ -10,7 +10,8 @@ import pytest
 
 from conftest import flip_byte, launch_ranks
 from tiered_ckpt import CheckpointManager, InvalidStateError
-from tiered_ckpt.layout import shard_name, step_dir_name
+from tiered_ckpt.layout import AGREEMENT_NAME, shard_name, step_dir_name
+from tiered_ckpt.local import LocalTier
 from tiered_ckpt.restore import rank_ranges
 
 
@@ -186,8 +187,12 @@ def test_growing_the_world_size_without_a_bucket_says_the_step_exists_and_what_r
         ]
 
 
-def test_a_replaced_disk_without_a_bucket_says_the_step_exists_and_where(two_rank_disks, tmp_path):
+@pytest.mark.parametrize("saved_by", ["this-version", "0.2"])
+def test_a_replaced_disk_without_a_bucket_says_the_step_exists_and_where(two_rank_disks, tmp_path, saved_by):
     shutil.copytree(two_rank_disks / "nodes" / "rank-0", tmp_path / "nodes" / "rank-0")  # rank 1's disk is new
+    if saved_by == "0.2":  # no record of the commit's agreement: it cannot be told from a save cut short
+        for record in (tmp_path / "nodes" / "rank-0").glob(f"*/{AGREEMENT_NAME}"):
+            record.unlink()
     for result in run_ranks(tmp_path, 2, [{"do": "restore_if_any"}]).values():
         kind, message = result["error"]  # not None: a step exists, and starting fresh would lose it
         assert kind == "IncompleteCheckpointError", result
@@ -195,8 +200,23 @@ def test_a_replaced_disk_without_a_bucket_says_the_step_exists_and_where(two_ran
             "step 2, saved by 2 ranks, is committed on the disks of rank 0 only and no bucket is configured "
             "(remote_url): rank 1 of this job's 2 holds no copy"
         ) in message
-        assert message.endswith("(a save cut short between ranks' commits, or a node's disk replaced)")
+        cause = (
+            "(every rank committed it: a node's disk was replaced)"
+            if saved_by == "this-version"
+            else "(a save cut short between ranks' commits, or a node's disk replaced)"
+        )
+        assert message.endswith(cause), message
     assert not (tmp_path / "nodes" / "rank-1").exists()
+    assert LocalTier(tmp_path / "nodes" / "rank-0").steps() == [1, 2]  # nothing deleted
+
+
+def test_steps_saved_before_commit_agreements_were_recorded_still_restore(two_rank_disks, tmp_path):
+    shutil.copytree(two_rank_disks / "nodes", tmp_path / "nodes")
+    for record in (tmp_path / "nodes").glob(f"*/*/{AGREEMENT_NAME}"):
+        record.unlink()  # as 0.2 wrote them
+    for rank, result in run_ranks(tmp_path, 2, [{"do": "restore"}]).items():
+        assert result["restored"]["step"] == 2, result
+        assert LocalTier(tmp_path / "nodes" / f"rank-{rank}").steps() == [1, 2]
 
 
 def test_a_state_of_dtensors_resharded_without_a_bucket_says_it_needs_one_not_file_is_missing(tmp_path):
@@ -209,3 +229,33 @@ def test_a_state_of_dtensors_resharded_without_a_bucket_says_it_needs_one_not_fi
         absent = re.search(r"step 3 was saved by 3 ranks; the shards of ranks \[([\d, ]+)\] are not on this", message)
         assert absent and str(rank) not in absent.group(1).split(", "), message  # another node's shards
         assert "needs a bucket (remote_url) holding it" in message
+
+
+# --- one process per rank: a save cut short between the ranks' commits (real rank processes) ---
+
+
+def test_a_job_killed_during_its_first_save_relaunches_fresh_and_saves_that_step_again(tmp_path, capfd):
+    actions = [{"do": "kill", "rank": 1, "at": "before-commit"}, {"do": "save", "step": 1}, {"do": "wait"}]
+    config = {"actions": actions, "timeout_seconds": 60}
+    survivor = launch_ranks(RANK_WORKER, tmp_path, 2, config, killed=1)[0]
+    assert survivor["error"][0] == "SaveError", survivor
+    # rank 0 committed step 1 on its own disk; rank 1 never did
+    assert LocalTier(tmp_path / "nodes" / "rank-0").steps() == [1]
+    assert LocalTier(tmp_path / "nodes" / "rank-0").agreement(1) is False
+
+    capfd.readouterr()
+    relaunched = run_ranks(tmp_path, 2, [{"do": "restore_if_any"}, {"do": "save", "step": 1}, {"do": "wait"}])
+    logged = capfd.readouterr().err  # the rank processes' warnings
+    assert (
+        "step 1 is committed on the disks of rank 0 only, and no rank recorded that every rank committed it "
+        "(a save cut short before every rank committed)"
+    ) in logged, logged
+    assert f"deleting step 1 from {tmp_path / 'nodes' / 'rank-0'}: the save was cut short" in logged
+    for rank, result in relaunched.items():
+        assert "error" not in result, result
+        assert result["restored_if_any"] is None  # nothing was ever committed on every rank
+        assert LocalTier(tmp_path / "nodes" / f"rank-{rank}").agreement(1) is True  # the new save of step 1
+    again = run_ranks(tmp_path, 2, [{"do": "restore"}])
+    for rank, result in again.items():
+        assert result["restored"]["step"] == 1, result
+

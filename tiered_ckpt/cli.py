@@ -216,9 +216,17 @@ def command_prune(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
         plan = store.prune(config.local.retention, remote, dry_run=args.dry_run, orphans_older_than=deadline or 3600.0)
     verb = "would delete" if args.dry_run else "deleted"
     aborted = f"; aborted unfinished uploads: {plan['aborted']}" if plan["aborted"] else ""
+    kept = ""
+    if plan["local_kept_unproven"]:
+        kept = (
+            f"\nkept local steps {plan['local_kept_unproven']}: no newer step is known to be complete on every rank "
+            f"(in {store.local.root}, the directory of one rank of a multi-process job, one rank's commit proves "
+            "nothing of the others); the job's own retention deletes them once its ranks agree on a newer step, "
+            "or give the bucket holding a newer step (--remote-url)"
+        )
     return EXIT_OK, (
         {"dry_run": args.dry_run, **plan},
-        f"{verb}: local {plan['local'] or 'none'}, remote {plan['remote'] or 'none'}{aborted}",
+        f"{verb}: local {plan['local'] or 'none'}, remote {plan['remote'] or 'none'}{aborted}{kept}",
     )
 
 

@@ -7,6 +7,7 @@ Pure functions, no I/O. The layout of one checkpoint directory::
       ...
       manifest.json
       held-shards.json     (a node of a multi-process job: the ranks whose shards it holds)
+      commit-agreement.json  (whether every rank is known to have committed the step)
       remote-commit.json   (the receipt of the step's remote commit)
 
 and under a remote URL the same step directories (shards, then ``manifest.json``, the
@@ -27,6 +28,7 @@ import secrets
 __all__ = [
     "MANIFEST_NAME",
     "HELD_NAME",
+    "AGREEMENT_NAME",
     "RECEIPT_NAME",
     "LATEST_NAME",
     "OWNERS_DIR",
@@ -44,6 +46,7 @@ __all__ = [
 
 MANIFEST_NAME = "manifest.json"
 HELD_NAME = "held-shards.json"
+AGREEMENT_NAME = "commit-agreement.json"
 RECEIPT_NAME = "remote-commit.json"
 LATEST_NAME = "latest"
 OWNERS_DIR = "owners"

@@ -20,7 +20,7 @@ import os
 import shutil
 import stat
 from collections.abc import Callable, Collection, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
@@ -36,6 +36,7 @@ from .errors import (
     UsageError,
 )
 from .layout import (
+    AGREEMENT_NAME,
     HELD_NAME,
     MANIFEST_NAME,
     RECEIPT_NAME,
@@ -63,6 +64,8 @@ __all__ = [
     "is_committed",
     "held_ranks",
     "record_held_ranks",
+    "read_agreement",
+    "record_agreement",
     "committed_steps",
     "delete_checkpoint",
     "remove_uncommitted",
@@ -304,6 +307,28 @@ def record_held_ranks(directory: Path, manifest: ShardManifest, ranks: Collectio
     write_bytes(path, data)
 
 
+def record_agreement(directory: Path, step: int, agreed: bool) -> None:
+    """Durably record whether every rank is known to have committed ``step`` in ``directory``.
+
+    A multi-process save records ``agreed=False`` before its manifest and ``True`` once the
+    ranks agreed that every one of them committed: a step some ranks hold, and none marked
+    agreed, is a save cut short (never restorable), not a step a node's disk lost.
+    """
+    write_bytes(directory / AGREEMENT_NAME, json.dumps({"step": step, "agreed": agreed}).encode())
+
+
+def read_agreement(directory: Path, step: int) -> bool | None:
+    """Whether the commit of ``step`` in ``directory`` was agreed by every rank; None if no valid
+    record says (a step saved before these records existed, or a damaged record)."""
+    try:
+        document = json.loads(_read_small(directory / AGREEMENT_NAME))
+    except (CheckpointError, OSError, ValueError):
+        return None
+    if not isinstance(document, dict) or document.get("step") != step or type(document.get("agreed")) is not bool:
+        return None
+    return bool(document["agreed"])
+
+
 def committed_steps(root: Path) -> list[int]:
     """Steps under ``root`` whose step directory holds a manifest, oldest first."""
     if not root.is_dir():
@@ -400,9 +425,21 @@ class LocalTier:
         Directories it created that are still empty when it lets go are removed again (a
         job that failed before its first save, a restore that found nothing, leaves none).
         """
-        created = [directory for directory in (self.root, *self.root.parents) if not directory.exists()]
-        self.root.mkdir(parents=True, exist_ok=True)
-        with directory_lock(self.root) as identity:
+        with ExitStack() as stack:
+            for last_try in (False, True):
+                created = [directory for directory in (self.root, *self.root.parents) if not directory.exists()]
+                self.root.mkdir(parents=True, exist_ok=True)
+                try:
+                    identity = stack.enter_context(directory_lock(self.root))
+                    break
+                except FileNotFoundError as exc:
+                    # Another holder letting go removed the directory it had created (empty)
+                    # between the mkdir and the lock: make it again, once.
+                    if last_try:
+                        raise DirectoryInUseError(
+                            f"{self.root}: removed twice while this job was taking its lock; is another job "
+                            "opening and closing on it?"
+                        ) from exc
             self._locked = identity
             try:
                 yield
@@ -468,6 +505,10 @@ class LocalTier:
     def has_receipt(self, step: int, url: str) -> bool:
         return read_receipt(self.step_dir(step), url)
 
+    def agreement(self, step: int) -> bool | None:
+        """See :func:`read_agreement`."""
+        return read_agreement(self.step_dir(step), step)
+
     # -- writing (under the lock) ---------------------------------------------------------
 
     def remove_uncommitted(self) -> list[str]:
@@ -490,12 +531,22 @@ class LocalTier:
         path = self.shard_path(step, record)
         atomic_write(path, write, check=lambda digest: record.verify(digest, _describe(record, path)))
 
-    def commit(self, manifest: ShardManifest, held: Collection[int] | None = None) -> None:
-        """Commit ``manifest``'s step (its shards, ``held`` or all, must be durable here already)."""
+    def commit(self, manifest: ShardManifest, held: Collection[int] | None = None, *, agreed: bool = True) -> None:
+        """Commit ``manifest``'s step (its shards, ``held`` or all, must be durable here already).
+
+        ``agreed=False``: every rank is not yet known to have committed it (a multi-process
+        save, before its agreement; :meth:`mark_agreed` records it once made).
+        """
         self.check_locked()
         directory = self.step_dir(manifest.step)
         record_held_ranks(directory, manifest, range(manifest.world_size) if held is None else held)
+        record_agreement(directory, manifest.step, agreed)
         commit_manifest(directory, manifest)
+
+    def mark_agreed(self, step: int) -> None:
+        """Record that every rank committed ``step`` (see :func:`record_agreement`)."""
+        self.check_locked()
+        record_agreement(self.step_dir(step), step, True)
 
     def record_held(self, step: int, manifest: ShardManifest, ranks: Collection[int]) -> None:
         self.check_locked()

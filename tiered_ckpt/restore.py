@@ -7,6 +7,8 @@ A restore, step by step (DESIGN.md section 7):
    (:class:`StepReport`, one collective);
 2. the leader picks the step: the one asked for, or the newest that every process
    holds locally or the bucket holds, and every process gets it (a second collective);
+   a step some processes hold and none recorded the agreement of (a save cut short
+   between the ranks' commits) is skipped, and deleted from the disks holding it;
 3. each process checks the world size (resharding only when asked), works out which
    saved ranks it needs, and reads each through :meth:`TieredStore.fetch_shard`
    (local copy, else the bucket, verified, refilling the local step); failures on any
@@ -162,17 +164,22 @@ def _without_replicas(plan: ChunkPlan, record: ShardRecord) -> ChunkPlan:
 @dataclass(frozen=True)
 class StepReport:
     """One process's part of step 1: its arguments (canonical JSON), its committed local
-    steps with the world size of each (None: the manifest does not validate), and, on the
-    leader only, the bucket's committed steps."""
+    steps with the world size of each (None: the manifest does not validate), on the
+    leader only the bucket's committed steps, and for each local step whether the ranks
+    agreed on its commit (None: no record says, e.g. a step saved before such records)."""
 
     arguments: str
     local: tuple[tuple[int, int | None], ...]
     remote: tuple[int, ...] | None
+    agreed: tuple[tuple[int, bool | None], ...] = ()
 
 
 @dataclass(frozen=True)
 class _Choice:
+    """The step every process restores (None: none), and the unfinished saves every process deletes."""
+
     step: int | None
+    unfinished: tuple[int, ...] = ()
 
 
 def same_call(arguments: Sequence[str], call: str) -> None:
@@ -223,9 +230,11 @@ class Restorer:
         """Run a restore; ``before`` runs inside the first collective (to raise background errors on every rank)."""
         started = time.monotonic()
         arguments = json.dumps({"step": step, "world_size": world_size, "reshard": reshard}, sort_keys=True)
-        restored, remote_steps, complete, reports = self._agree_on_step(
+        chosen, remote_steps, complete, reports = self._agree_on_step(
             step, arguments, world_size, missing_ok, before, reshard
         )
+        self._drop_unfinished_saves(chosen.unfinished)
+        restored = chosen.step
         if restored is None:
             logger.info("restore: no step committed in %s; starting fresh", self._store.where())
             return None
@@ -262,27 +271,30 @@ class Restorer:
         missing_ok: bool,
         before: Callable[[], None],
         reshard: bool = False,
-    ) -> tuple[int | None, set[int], list[int], list[StepReport]]:
-        """Steps 1 and 2: the step every process restores (None: none, and ``missing_ok``), the
-        bucket's steps, the steps complete in some tier, and every process's report."""
+    ) -> tuple[_Choice, set[int], list[int], list[StepReport]]:
+        """Steps 1 and 2: the step every process restores (None: none, and ``missing_ok``) with
+        the unfinished saves to delete, the bucket's steps, the steps complete in some tier,
+        and every process's report."""
         reports = exchange(self._coordinator, StepReport, lambda: self._report(arguments, world_size, before))
         same_call([report.arguments for report in reports], "restore")
         remote_steps = set(reports[0].remote or ())
         committed = [{saved for saved, _size in report.local} for report in reports]
         complete = sorted(remote_steps.union(committed[0].intersection(*committed[1:])))
         sizes = [dict(report.local) for report in reports]
-        choose = lambda: _Choice(self._choose(step, complete, committed, missing_ok, sizes, reshard))  # noqa: E731
+        agreed = [dict(report.agreed) for report in reports]
+        choose = lambda: self._choose(step, complete, committed, missing_ok, sizes, reshard, agreed)  # noqa: E731
         chosen = decide(self._coordinator, _Choice, choose)
-        return chosen.step, remote_steps, complete, reports
+        return chosen, remote_steps, complete, reports
 
     def locate(self, step: int | None, before: Callable[[], None] = lambda: None) -> ShardManifest:
         """The manifest of ``step`` (default: the newest step every process can restore), the
         same on every process (collective); for readers that read parts of shards themselves."""
         arguments = json.dumps({"step": step, "locate": True}, sort_keys=True)
         # reshard=True: a reader reshards as it reads (an error never tells it to ask for it)
-        chosen, remote_steps, _complete, _reports = self._agree_on_step(
+        choice, remote_steps, _complete, _reports = self._agree_on_step(
             step, arguments, self._world_size, False, before, reshard=True
         )
+        chosen = choice.step
         assert chosen is not None  # missing_ok=False raises instead
         in_local = chosen in self._store.local.steps()
         manifest, _remote = agree_on(
@@ -297,13 +309,15 @@ class Restorer:
         if not self._one_process and world_size != self._world_size:
             raise UsageError(f"with one process per rank the world size is the coordinator's, {self._world_size}")
         local: list[tuple[int, int | None]] = []
-        for step in self._store.local.steps():
+        steps = self._store.local.steps()
+        for step in steps:
             try:
                 local.append((step, self._store.local.manifest(step).world_size))
             except ManifestError:
                 local.append((step, None))  # damaged: the restore falls back to the remote manifest or fails
         remote = tuple(self._store.remote_steps()) if self._coordinator.is_leader else None
-        return StepReport(arguments, tuple(local), remote)
+        agreed = tuple((step, self._store.local.agreement(step)) for step in steps)
+        return StepReport(arguments, tuple(local), remote, agreed)
 
     def _choose(
         self,
@@ -313,8 +327,57 @@ class Restorer:
         missing_ok: bool,
         sizes: list[dict[int, int | None]],
         reshard: bool,
+        agreed: list[dict[int, bool | None]],
+    ) -> _Choice:
+        """Leader: the step every rank restores (None: nothing anywhere, and ``missing_ok``),
+        passing over the saves cut short between the ranks' commits (:meth:`_unfinished`)."""
+        unfinished = self._unfinished(set().union(*committed) - set(complete), committed, sizes, agreed)
+        for partial in unfinished:
+            logger.warning(
+                "step %d is committed on the disks of %s only, and no rank recorded that every rank committed it "
+                "(a save cut short before every rank committed): it was never restorable; deleting it from "
+                "those disks and restoring an older step, if any",
+                partial, _ranks_text([rank for rank, steps in enumerate(committed) if partial in steps]),
+            )  # fmt: skip
+        if step in unfinished:
+            raise IncompleteCheckpointError(
+                f"{self._store.where()}: step {step} was never committed on every rank (a save cut short before "
+                f"every rank committed); committed steps: {complete}"
+            )
+        held = [steps - set(unfinished) for steps in committed]
+        return _Choice(self._chosen(step, complete, held, missing_ok, sizes, reshard, agreed), unfinished)
+
+    def _unfinished(
+        self,
+        partial: set[int],
+        committed: list[set[int]],
+        sizes: list[dict[int, int | None]],
+        agreed: list[dict[int, bool | None]],
+    ) -> tuple[int, ...]:
+        """Of the ``partial`` steps (committed on some ranks' disks, not on all and not in the
+        bucket), those saved by this job's world size that every rank holding one recorded as
+        not agreed: the save was cut short before every rank committed, so it never existed
+        on every rank. A step some rank marked agreed was committed everywhere (a disk lost it
+        since); one with no record (saved by an older version) cannot be told apart: both
+        stay, and refuse the restore as before."""
+        found = []
+        for step in sorted(partial):
+            holders = [rank for rank, steps in enumerate(committed) if step in steps]
+            if all(sizes[rank].get(step) == self._world_size and agreed[rank].get(step) is False for rank in holders):
+                found.append(step)
+        return tuple(found)
+
+    def _chosen(
+        self,
+        step: int | None,
+        complete: list[int],
+        committed: list[set[int]],
+        missing_ok: bool,
+        sizes: list[dict[int, int | None]],
+        reshard: bool,
+        agreed: list[dict[int, bool | None]],
     ) -> int | None:
-        """Leader: the step every rank restores (None: nothing anywhere, and ``missing_ok``)."""
+        """:meth:`_choose` once the unfinished saves are left out of ``committed``."""
         held = set().union(*committed)
         if missing_ok and step is None and not complete and not held:
             return None
@@ -322,7 +385,7 @@ class Restorer:
         if unavailable:
             wanted = max(held, default=None) if step is None else step
             if wanted in held:
-                raise self._held_by_some(wanted, committed, sizes, reshard)
+                raise self._held_by_some(wanted, committed, sizes, reshard, agreed)
             if step is None:
                 raise IncompleteCheckpointError(f"{self._store.where()}: no committed checkpoint to restore")
             raise IncompleteCheckpointError(
@@ -339,7 +402,12 @@ class Restorer:
         return complete[-1] if step is None else step
 
     def _held_by_some(
-        self, step: int, committed: list[set[int]], sizes: list[dict[int, int | None]], reshard: bool
+        self,
+        step: int,
+        committed: list[set[int]],
+        sizes: list[dict[int, int | None]],
+        reshard: bool,
+        agreed: list[dict[int, bool | None]],
     ) -> CheckpointError:
         """Leader, one process per rank: the error for ``step``, committed on some ranks' disks
         only and in no bucket. It says what is true: the step exists, saved by so many ranks;
@@ -356,6 +424,8 @@ class Restorer:
             "the shards on other nodes' disks only through a bucket"
         )
         if saved_by is None or saved_by == self._world_size:
+            if any(agreed[rank].get(step) for rank in holders):
+                return IncompleteCheckpointError(f"{problem} (every rank committed it: a node's disk was replaced)")
             return IncompleteCheckpointError(
                 f"{problem} (a save cut short between ranks' commits, or a node's disk replaced)"
             )
@@ -578,6 +648,19 @@ class Restorer:
                 "reading another node's shards (to reshard, or after ranks moved between nodes) needs a bucket "
                 "(remote_url) holding it"
             )
+
+    def _drop_unfinished_saves(self, steps: Collection[int]) -> None:
+        """Delete this process's copies of ``steps``, saves cut short before every rank committed
+        (:meth:`_unfinished`): never restorable, never in the bucket, and each would refuse
+        the save of its step number again."""
+        held = set(self._store.local.steps())
+        for step in steps:
+            if step in held:
+                logger.warning(
+                    "deleting step %d from %s: the save was cut short before every rank committed it",
+                    step, self._store.local.root,
+                )  # fmt: skip
+                self._store.local.delete(step)
 
     def _drop_unfinished_commits(self, restored: int, complete: list[int], reports: list[StepReport]) -> None:
         """Delete local steps newer than ``restored`` whose commit did not reach every rank.

@@ -568,13 +568,33 @@ class TieredStore:
                 continue
         return floor
 
+    def local_unproven(
+        self, policy: RetentionPolicy, pending_uploads: Collection[int] = (), *, complete: int | None = None
+    ) -> list[int]:
+        """Local steps ``policy`` would delete now, were every step known complete on every rank,
+        but keeps because no newer step is known to be (see :meth:`local_to_delete`): in one
+        rank's directory of a multi-process job, only the job's own retention (once its ranks
+        agreed on a newer commit) or a bucket holding a newer step proves one."""
+        if policy.keeps_everything:
+            return []
+        proven = set(self._local_plan(policy, pending_uploads, complete)[0])
+        assumed = self._local_plan(policy, pending_uploads, complete, assume_complete=True)[0]
+        return [step for step in assumed if step not in proven]
+
     def _local_plan(
-        self, policy: RetentionPolicy, pending_uploads: Collection[int], complete: int | None
+        self,
+        policy: RetentionPolicy,
+        pending_uploads: Collection[int],
+        complete: int | None,
+        *,
+        assume_complete: bool = False,
     ) -> tuple[list[int], set[int]]:
-        """The local steps ``policy`` deletes now, and the local steps waiting for their upload."""
+        """The local steps ``policy`` deletes now, and the local steps waiting for their upload
+        (``assume_complete``: as if every step were known complete on every rank)."""
         steps = self.local.steps()
         receipted = {step for step in steps if self.receipted(step)} if self.remote is not None else set()
-        candidates = retainable(steps, self._newest_complete(steps, receipted, complete))
+        newest = max(steps, default=None) if assume_complete else self._newest_complete(steps, receipted, complete)
+        candidates = retainable(steps, newest)
         if self.remote is None:
             return policy.to_delete(candidates), set()
         protected = protected_locally(steps, receipted, pending_uploads, policy.max_awaiting_upload)
@@ -624,10 +644,18 @@ class TieredStore:
         """Apply both tiers' retention now, and abort the bucket's unfinished multipart uploads
         started ``orphans_older_than`` seconds ago or earlier (younger ones may belong to a
         running job; none while a run's lease on the URL is live); return the steps deleted
-        (or, with ``dry_run``, to delete) and the uploads aborted."""
+        (or, with ``dry_run``, to delete), the uploads aborted, and (``local_kept_unproven``)
+        the local steps the policy would delete but keeps, none newer being known complete
+        on every rank (:meth:`local_unproven`)."""
         remote = remote or RetentionPolicy()
+        unproven = self.local_unproven(local)
         if dry_run:
-            return {"local": self.local_to_delete(local), "remote": self.remote_to_delete(remote), "aborted": []}
+            return {
+                "local": self.local_to_delete(local),
+                "remote": self.remote_to_delete(remote),
+                "aborted": [],
+                "local_kept_unproven": unproven,
+            }
         aborted = []
         if self.remote is not None:
             others = live_owners(self.remote, time.time())
@@ -639,7 +667,12 @@ class TieredStore:
                 )
             else:
                 aborted = self.remote.abort_orphans(orphans_older_than)
-        return {"local": self.retain_local(local), "remote": self.retain_remote(remote), "aborted": aborted}
+        return {
+            "local": self.retain_local(local),
+            "remote": self.retain_remote(remote),
+            "aborted": aborted,
+            "local_kept_unproven": unproven,
+        }
 
 
 def _no_copy_verifies(record: ShardRecord, tried: list[tuple[str, CheckpointError]]) -> NoReturn:

@@ -9,7 +9,8 @@ A save, from the moment its call has been checked on every rank:
    shard (temp file, hashed as it streams, fsync, rename), the ranks exchange their shard
    records (a collective), and every process commits the manifest in its local tier once
    every rank's shard is durable; the processes then agree that every one of them
-   committed (a collective: the commit itself is agreed);
+   committed (a collective: the commit itself is agreed), and each records that
+   agreement in its step (:func:`~tiered_ckpt.local.record_agreement`);
 3. the committed step goes to the uploader's queue, and the save's handle resolves;
 4. local retention runs on a thread of its own, off the write path and alongside the next
    save. It deletes only steps older than one committed on every rank (the step whose
@@ -217,12 +218,17 @@ class Writer:
             # The commit is agreed: retention may delete older steps only once every rank has
             # committed this one. A collective on the writer's own channel, so a rank that died
             # fails it on the others (within the coordinator's timeout) rather than hanging them.
+            one_process = len(self._ranks) == self._world_size
+
             def commit() -> None:
                 nonlocal committed_here
-                local.commit(manifest, held=self._ranks)  # other ranks' shards are on their nodes
+                # other ranks' shards are on their nodes; with them, the commit is not agreed yet
+                local.commit(manifest, held=self._ranks, agreed=one_process)
                 committed_here = True
 
             agree_on(self._coordinator, commit, lambda _none: None)
+            if not one_process:  # a restore then tells a lost disk from a save cut short between commits
+                local.mark_agreed(step)
             logger.info("committed step %d (%d bytes) in %s", step, manifest.total_bytes, local.step_dir(step))
             if self._uploader is not None:
                 self._uploader.submit(step)

@@ -302,7 +302,8 @@ def test_a_bad_endpoint_url_is_refused_naming_where_it_came_from(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "endpoint", ["admin:hunter2@minio:9000", "http://admin:hunter2@minio:9000", "s3://admin:hunter2@m", "http://a:b/hunter2@m"]
+    "endpoint",
+    ["admin:hunter2@minio:9000", "http://admin:hunter2@minio:9000", "s3://admin:hunter2@m", "http://a:b/hunter2@m"],
 )
 def test_an_endpoint_url_with_a_password_is_refused_without_showing_it(tmp_path, endpoint):
     toml = tmp_path / "ckpt.toml"

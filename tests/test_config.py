@@ -47,7 +47,7 @@ def test_an_endpoint_url_with_a_password_is_refused_from_a_file_the_environment_
         lambda: RemoteOptions("s3://b/run", endpoint_url=endpoint),
     ]
     for way in ways:
-        with pytest.raises(ConfigError, match="endpoint_url' must not hold credentials|endpoint_url must not") as caught:
+        with pytest.raises(ConfigError, match="endpoint_url'? must not hold credentials") as caught:
             way()
         assert "hunter2" not in str(caught.value) and "admin" not in str(caught.value)
 

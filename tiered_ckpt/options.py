@@ -91,7 +91,9 @@ def _check_endpoint_url(endpoint: Any, url: str) -> None:
     if not separator:
         scheme, rest = "", endpoint
     if "@" in endpoint:  # user:password@host, whatever the scheme (anywhere: a password may hold a "/")
-        raise invalid_option("endpoint_url", "must not hold credentials, a user or password (use the store's own credential chain)")
+        raise invalid_option(
+            "endpoint_url", "must not hold credentials, a user or password (use the store's own credential chain)"
+        )
     if scheme not in ("http", "https"):
         known = scheme in fsspec.available_protocols()  # a name anyone may read, unlike an arbitrary word
         given = f"scheme {scheme}://" if known else "another scheme" if separator else "no scheme"
@@ -344,12 +346,16 @@ def resolve_options(
         raise error from None
 
 
+def _names(options: type) -> set[str]:
+    return {each.name for each in fields(options)}
+
+
 def _unknown_keywords(unknown: Sequence[str], parameters: Sequence[str]) -> UsageError:
     known = [*parameters, *KEYWORDS]
     hints = []
     for keyword in unknown:
         close = difflib.get_close_matches(keyword, known, n=3)
-        owners = [options.__name__ for options in (LocalOptions, RemoteOptions, UploadOptions) if keyword in {f.name for f in fields(options)}]
+        owners = [each.__name__ for each in (LocalOptions, RemoteOptions, UploadOptions) if keyword in _names(each)]
         if owners:  # a field of an options object, not a keyword of its own (endpoint_url, lease_seconds...)
             hints.append(f"{keyword} is a field of {owners[0]}: pass {owners[0]}(..., {keyword}=...)")
         elif close:

@@ -270,8 +270,11 @@ class Restorer:
         remote_steps = set(reports[0].remote or ())
         committed = [{saved for saved, _size in report.local} for report in reports]
         complete = sorted(remote_steps.union(committed[0].intersection(*committed[1:])))
-        sizes = [dict(report.local) for report in reports]
-        choose = lambda: _Choice(self._choose(step, complete, committed, missing_ok, sizes, reshard))  # noqa: E731
+        world_sizes = [dict(report.local) for report in reports]
+
+        def choose() -> _Choice:
+            return _Choice(self._choose(step, complete, committed, missing_ok, world_sizes, reshard))
+
         chosen = decide(self._coordinator, _Choice, choose)
         return chosen.step, remote_steps, complete, reports
 
@@ -311,7 +314,7 @@ class Restorer:
         complete: list[int],
         committed: list[set[int]],
         missing_ok: bool,
-        sizes: list[dict[int, int | None]],
+        world_sizes: list[dict[int, int | None]],
         reshard: bool,
     ) -> int | None:
         """Leader: the step every rank restores (None: nothing anywhere, and ``missing_ok``)."""
@@ -322,7 +325,7 @@ class Restorer:
         if unavailable:
             wanted = max(held, default=None) if step is None else step
             if wanted in held:
-                raise self._held_by_some(wanted, committed, sizes, reshard)
+                raise self._held_by_some(wanted, committed, world_sizes, reshard)
             if step is None:
                 raise IncompleteCheckpointError(f"{self._store.where()}: no committed checkpoint to restore")
             raise IncompleteCheckpointError(
@@ -339,14 +342,14 @@ class Restorer:
         return complete[-1] if step is None else step
 
     def _held_by_some(
-        self, step: int, committed: list[set[int]], sizes: list[dict[int, int | None]], reshard: bool
+        self, step: int, committed: list[set[int]], world_sizes: list[dict[int, int | None]], reshard: bool
     ) -> CheckpointError:
         """Leader, one process per rank: the error for ``step``, committed on some ranks' disks
         only and in no bucket. It says what is true: the step exists, saved by so many ranks;
         the ranks without a copy cannot read other nodes' disks; what would restore it."""
         holders = [rank for rank, steps in enumerate(committed) if step in steps]
         lacking = [rank for rank, steps in enumerate(committed) if step not in steps]
-        saved_by = next((known[step] for known in sizes if known.get(step) is not None), None)
+        saved_by = next((known[step] for known in world_sizes if known.get(step) is not None), None)
         remote = self._store.remote
         bucket = "no bucket is configured (remote_url)" if remote is None else f"the bucket {remote.url} lacks it"
         problem = (
@@ -586,9 +589,9 @@ class Restorer:
         it would refuse the save of its step number again. Steps of another world size
         are kept: the ranks that would complete them are not in this job.
         """
-        sizes = [dict(report.local) for report in reports]
+        world_sizes = [dict(report.local) for report in reports]
         for step in self._store.local.steps():
-            saved_with = {known.get(step, self._world_size) for known in sizes}
+            saved_with = {known.get(step, self._world_size) for known in world_sizes}
             if step > restored and step not in complete and saved_with == {self._world_size}:
                 logger.warning(
                     "deleting step %d from %s: its commit did not reach every rank", step, self._store.local.root

@@ -1,6 +1,7 @@
 import json
 import os
 import re
+import select
 import subprocess
 import sys
 
@@ -146,6 +147,16 @@ def test_push_uploads_what_only_the_local_tier_holds(setup):
     assert json.loads(out) == {"uploaded_steps": []}
 
 
+def test_push_uploads_every_other_step_when_one_fails_and_reports_them(setup):
+    config, local, url, options, env = setup
+    save_steps(local, url, options, [1, 2, 3], upload=False)
+    flip_byte(local / step_dir_name(2) / "rank-00001-of-00004.safetensors", 99)
+    code, out, err = run(env, "--config", str(config), "--json", "push")
+    assert code == 1 and json.loads(out) == {"uploaded_steps": [1, 3], "failed_steps": [2]}, err
+    assert "UploadError" in err and "step 2" in err
+    assert RemoteTier(url, options).committed_steps() == [1, 3]
+
+
 def test_prune_dry_run_then_prune(setup):
     config, local, url, options, env = setup
     save_steps(local, url, options, [1, 2, 3])
@@ -226,7 +237,7 @@ def test_human_size(size, shown):
     assert human_size(size) == shown
 
 
-# --- a directory that is not the checkpoints' root (item 8) -------------------------------
+# --- a directory that is not the checkpoints' root ----------------------------------------
 
 
 @pytest.mark.parametrize("command", [["ls"], ["status"], ["verify"], ["prune"], ["prune", "--dry-run"], ["push"]])
@@ -280,7 +291,7 @@ def test_a_relative_local_dir_in_a_config_is_read_from_the_config_files_folder(t
     assert [row["step"] for row in json.loads(result.stdout)] == [5]
 
 
-# --- naming an S3 endpoint (item 11) -----------------------------------------------------
+# --- naming an S3 endpoint -----------------------------------------------------------------
 
 
 def test_endpoint_url_option_and_environment_variables_reach_the_store(tmp_path, s3_url, moto_endpoint):
@@ -309,7 +320,10 @@ def test_endpoint_url_option_and_environment_variables_reach_the_store(tmp_path,
 def test_a_bad_endpoint_url_is_refused_naming_where_it_came_from(tmp_path):
     code, _, err = run(os.environ, "ls", "--local-dir", str(tmp_path), "--remote-url", "s3://b/run",
                        "--endpoint-url", "minio:9000")  # fmt: skip
-    assert code == 2 and "argument remote_endpoint_url: key 'remote.endpoint_url' must be an http" in err
+    assert code == 2 and "tiered-ckpt: --endpoint-url: key 'remote.endpoint_url' must be an http" in err
+    assert "minio" not in err and "remote_endpoint_url" not in err
+    code, _, err = run(os.environ, "ls", "--local-dir", str(tmp_path), "--endpoint-url", "http://127.0.0.1:9000")
+    assert code == 2 and "tiered-ckpt: --endpoint-url: key 'remote.url' is required" in err
     env = {**os.environ, "TIERED_CKPT_REMOTE_ENDPOINT_URL": "http://127.0.0.1:9000"}
     code, _, err = run(env, "ls", "--local-dir", str(tmp_path))
     assert code == 2 and "TIERED_CKPT_REMOTE_ENDPOINT_URL): key 'remote.url' is required" in err
@@ -317,17 +331,36 @@ def test_a_bad_endpoint_url_is_refused_naming_where_it_came_from(tmp_path):
     assert code == 2 and "applies to s3:// and gs:// URLs only" in err
 
 
-# --- version, help, JSON, progress (item 15) --------------------------------------------
+@pytest.mark.parametrize(
+    "endpoint",
+    ["admin:hunter2@minio:9000", "http://admin:hunter2@minio:9000", "s3://admin:hunter2@m", "http://a:b/hunter2@m"],
+)
+def test_an_endpoint_url_with_a_password_is_refused_without_showing_it(tmp_path, endpoint):
+    toml = tmp_path / "ckpt.toml"
+    toml.write_text(f"[local]\ndir = '{tmp_path}'\n[remote]\nurl = 's3://b/run'\nendpoint_url = '{endpoint}'\n")
+    ways = {
+        "--endpoint-url": (os.environ, "--remote-url", "s3://b/run", "--endpoint-url", endpoint),
+        "the config file": (os.environ, "--config", str(toml)),
+        "the variable": (
+            {**os.environ, "TIERED_CKPT_REMOTE_ENDPOINT_URL": endpoint, "TIERED_CKPT_REMOTE_URL": "s3://b/run"},
+        ),
+    }
+    for way, (env, *options) in ways.items():
+        code, out, err = run(env, "ls", "--local-dir", str(tmp_path), *options)
+        assert code == 2 and "key 'remote.endpoint_url' must not hold credentials" in err, (way, err)
+        assert "hunter2" not in err + out and "admin" not in err + out, way
 
 
-def test_version_is_the_installed_distributions():
-    import importlib.metadata
+# --- version, help, JSON, progress ---------------------------------------------------------
 
-    import tiered_ckpt
 
+def test_version_is_the_one_pyproject_declares():
+    import tomllib
+    from pathlib import Path
+
+    declared = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
     code, out, _ = run(os.environ, "--version")
-    assert code == 0 and out.strip() == f"tiered-ckpt {importlib.metadata.version('tiered-ckpt')}"
-    assert tiered_ckpt.__version__ == importlib.metadata.version("tiered-ckpt")
+    assert code == 0 and out.strip() == f"tiered-ckpt {declared['project']['version']}"
 
 
 @pytest.mark.parametrize("command", [[], ["ls"], ["verify"], ["pull"]])
@@ -362,6 +395,13 @@ def run_on_a_terminal(env, *args):
     os.close(terminal)
     shown = b""
     while True:
+        # a guard, not a timing: a child that hangs fails the test instead of hanging the run
+        ready, _, _ = select.select([controller], [], [], 300)
+        if not ready:
+            process.kill()
+            process.wait()
+            os.close(controller)
+            pytest.fail(f"tiered-ckpt {' '.join(args)} showed nothing for 300 s: {shown.decode(errors='replace')}")
         try:
             chunk = os.read(controller, 65536)
         except OSError:  # EIO: the process closed the terminal
@@ -392,7 +432,7 @@ def test_pull_and_push_show_progress_on_a_terminal_only(setup):
     assert code == 0 and err == "", err
 
 
-# --- a damaged manifest among good ones (item 22) -----------------------------------------
+# --- a damaged manifest among good ones ----------------------------------------------------
 
 
 def test_ls_lists_every_step_and_marks_a_damaged_remote_manifest_and_verify_fails_it(setup):

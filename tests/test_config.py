@@ -1,10 +1,12 @@
+import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from conftest import ZERO1_SHARDED_KEYS, assert_states_equal
-from tiered_ckpt import CheckpointManager, Config, ConfigError, UploadOptions, load_config
+from tiered_ckpt import CheckpointManager, Config, ConfigError, RemoteOptions, UploadOptions, load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").iterdir())
 
@@ -13,7 +15,15 @@ CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").iterdir())
 def test_every_shipped_config_loads_and_works_with_one_process_per_rank(path):
     config = load_config(path, environ={})
     assert isinstance(config, Config) and config.source == str(path)
-    assert config.local.dir.is_absolute() and not config.local.dir.is_relative_to(Path.home())
+    read = tomllib.loads if path.suffix == ".toml" else yaml.safe_load
+    written = Path(read(path.read_text())["local"]["dir"])
+    # as each header says: a relative dir is next to the file, wherever the file is; an absolute one is
+    # a fast disk, never a home directory
+    if written.is_absolute():
+        assert config.local.dir == written and not written.is_relative_to(Path.home())
+    else:
+        assert "from this file's folder" in path.read_text()
+        assert config.local.dir == path.parent.absolute() / written
     # "skip" is refused with one process per rank (torchrun); no shipped config may need one process
     assert config.upload.when_behind == "wait"
     # a named AWS profile fails for everyone who does not have it
@@ -24,6 +34,32 @@ def test_the_local_config_writes_next_to_itself_not_into_the_home_directory(tmp_
     monkeypatch.chdir(tmp_path)
     config = load_config(CONFIGS[0].parent / "local.toml", environ={})
     assert config.local.dir == CONFIGS[0].parent.resolve() / "checkpoints" / "my-run"
+
+
+@pytest.mark.parametrize("endpoint", ["admin:hunter2@minio:9000", "https://admin:hunter2@minio:9000"])
+def test_an_endpoint_url_with_a_password_is_refused_from_a_file_the_environment_or_an_argument(tmp_path, endpoint):
+    given = write(tmp_path, f"[local]\ndir = 'x'\n[remote]\nurl = 's3://b/run'\nendpoint_url = '{endpoint}'\n")
+    plain = write(tmp_path, "[local]\ndir = 'x'\n[remote]\nurl = 's3://b/run'\n", "plain.toml")
+    ways = [
+        lambda: load_config(given, environ={}),
+        lambda: load_config(plain, environ={"TIERED_CKPT_REMOTE_ENDPOINT_URL": endpoint}),
+        lambda: load_config(plain, environ={}, remote_endpoint_url=endpoint),
+        lambda: RemoteOptions("s3://b/run", endpoint_url=endpoint),
+    ]
+    for way in ways:
+        with pytest.raises(ConfigError, match="endpoint_url'? must not hold credentials") as caught:
+            way()
+        assert "hunter2" not in str(caught.value) and "admin" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "endpoint, shown",
+    [("minio:9000", "got no scheme"), ("s3://minio:9000", "got scheme s3://"), ("hunter2://m", "got another scheme")],
+)
+def test_an_endpoint_url_that_is_not_http_names_only_a_known_scheme(endpoint, shown):
+    with pytest.raises(ConfigError, match=f"must be an http:// or https:// URL, {shown}") as caught:
+        RemoteOptions("s3://b/run", endpoint_url=endpoint)
+    assert "minio" not in str(caught.value) and "hunter2" not in str(caught.value)
 
 
 def test_a_relative_local_dir_is_taken_from_the_config_files_folder(tmp_path, monkeypatch):

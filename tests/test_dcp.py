@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from dcp_worker import digests, template, train_state
 
 from conftest import FaultInjectingProxy, launch_ranks, s3_storage_options
-from dcp_worker import digests, template, train_state
 from tiered_ckpt import CheckpointManager, InvalidStateError, UsageError
 from tiered_ckpt.layout import step_dir_name
 

@@ -858,6 +858,27 @@ def test_restore_arguments_it_cannot_take_are_usage_errors(manager, states, argu
         manager.restore(**arguments)
 
 
+@pytest.mark.parametrize(
+    "keywords, hint",
+    [
+        ({"keep_lst": 2}, "keep_lst: did you mean keep_last"),
+        ({"worldsize": 2}, "worldsize: did you mean world_size"),
+        ({"endpoint_url": "http://h"}, "endpoint_url is a field of RemoteOptions"),
+    ],
+)
+def test_an_unknown_keyword_is_a_usage_error_naming_it_its_close_matches_and_the_known_ones(tmp_path, keywords, hint):
+    with pytest.raises(UsageError, match="unknown keyword argument") as caught:
+        CheckpointManager(tmp_path / "ckpt", world_size=1, **keywords)
+    message = str(caught.value)
+    assert hint in message and "known: world_size, coordinator," in message and "remote_layout" in message
+    assert not isinstance(caught.value, TypeError) and not (tmp_path / "ckpt").exists()
+
+
+def test_a_bad_world_size_names_the_keyword_argument(tmp_path):
+    with pytest.raises(ConfigError, match="^keyword argument world_size must be an integer >= 1, got 0$"):
+        CheckpointManager(tmp_path / "ckpt", world_size=0)
+
+
 @pytest.mark.parametrize("url", ["s3://", "gs://", "memory://", "", "s3:///"])
 def test_a_remote_url_without_a_bucket_is_refused(tmp_path, url, monkeypatch):
     monkeypatch.chdir(tmp_path)

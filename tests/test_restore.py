@@ -256,6 +256,5 @@ def test_a_job_killed_during_its_first_save_relaunches_fresh_and_saves_that_step
         assert result["restored_if_any"] is None  # nothing was ever committed on every rank
         assert LocalTier(tmp_path / "nodes" / f"rank-{rank}").agreement(1) is True  # the new save of step 1
     again = run_ranks(tmp_path, 2, [{"do": "restore"}])
-    for rank, result in again.items():
+    for result in again.values():
         assert result["restored"]["step"] == 1, result
-

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -22,7 +23,7 @@ from tqdm import tqdm
 
 from . import __version__
 from .config import ENV_PREFIX, Config, load_config
-from .errors import CheckpointError, ConfigError, UsageError
+from .errors import CheckpointError, ConfigError, IncompleteCheckpointError, UsageError
 from .layout import MANIFEST_NAME, parse_step_dir_name
 from .local import LocalTier
 from .store import TieredStore
@@ -31,6 +32,7 @@ from .uploader import Uploader
 __all__ = ["main", "DESCRIPTION", "EPILOG"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+_POLL_SECONDS = 0.1  # how often push looks at what the uploader has left
 
 DESCRIPTION = """\
 Look at, check and move the checkpoints of a tiered_ckpt job: a local directory and,
@@ -67,10 +69,19 @@ def _store(config: Config) -> TieredStore:
     return TieredStore(LocalTier(config.local.dir), remote)
 
 
+# The option of each load_config argument the command line passes (a config's "argument X").
+_FLAGS = {"local_dir": "--local-dir", "remote_url": "--remote-url", "remote_endpoint_url": "--endpoint-url"}
+_ARGUMENT = re.compile(rf"\bargument ({'|'.join(_FLAGS)})\b")
+
+
+def _as_flags(text: str) -> str:
+    """``text`` with each "argument X" of :func:`load_config` named as the option the user typed."""
+    return _ARGUMENT.sub(lambda match: _FLAGS[match.group(1)], text)
+
+
 def _origin(config: Config, key: str) -> str:
     """Where a config value came from, as the command line spells it."""
-    where = config.origins.get(key, config.source)
-    return f"--{where.removeprefix('argument ').replace('_', '-')}" if where.startswith("argument ") else where
+    return _as_flags(config.origins.get(key, config.source))
 
 
 def _check_local_dir(config: Config, *, may_be_missing: bool) -> None:
@@ -186,9 +197,15 @@ def command_pull(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
 
 
 def command_push(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
+    """Queue every step the bucket lacks at once (the uploader goes through them as it does
+    after an outage), then wait. A step that fails does not stop the others; the steps
+    uploaded are reported either way, each failure on stderr, and the command exits 1."""
     store = _store(config)
     if store.remote is None:
         raise UsageError("push needs a remote tier (remote.url, --remote-url or TIERED_CKPT_REMOTE_URL)")
+    local = store.local.steps()
+    if args.step is not None and args.step not in local:
+        raise IncompleteCheckpointError(f"{store.local.root}: step {args.step} is not committed locally")
     remote_retention = config.remote.retention if config.remote is not None else None
     start = functools.partial(
         Uploader,
@@ -197,15 +214,34 @@ def command_push(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
         local_retention=config.local.retention,
         remote_retention=remote_retention,
     )
+    failures: list[CheckpointError] = []
     with store.local.lock(), closing(start()) as uploader:
-        # One step at a time, so that a terminal shows how many are done.
-        steps = [args.step] if args.step is not None else [s for s in store.local.steps() if not store.receipted(s)]
-        pushed: list[int] = []
+        steps = [step for step in ([args.step] if args.step is not None else local) if not store.receipted(step)]
+        for step in steps:
+            uploader.submit(step, bounded=False)
         with _progress("push", total=len(steps), unit="step") as bar:
-            for step in steps:
-                pushed += uploader.push(step)
-                bar.update()
-    return EXIT_OK, ({"uploaded_steps": pushed}, f"uploaded steps: {pushed or 'none needed'}")
+            while pending := uploader.pending():  # a step leaves the queue committed or failed
+                bar.update(len(steps) - len(pending) - bar.n)
+                time.sleep(_POLL_SECONDS)
+            bar.update(len(steps) - bar.n)
+        while True:
+            try:
+                uploader.errors.raise_first()
+            except CheckpointError as exc:
+                failures.append(exc)
+            else:
+                break
+        newest = uploader.newest_committed
+    failed = {getattr(error, "step", None) for error in failures}
+    pushed = [step for step in steps if step not in failed and newest is not None and step <= newest]
+    for error in failures:
+        print(f"tiered-ckpt: {type(error).__name__}: {error}", file=sys.stderr)
+    data: dict[str, Any] = {"uploaded_steps": pushed}
+    text = f"uploaded steps: {pushed or 'none needed'}"
+    if failures:
+        data["failed_steps"] = sorted(step for step in failed if step is not None)
+        text = f"uploaded steps: {pushed or 'none'}; failed: {data['failed_steps']}"
+    return (EXIT_FAILED if failures else EXIT_OK), (data, text)
 
 
 def command_prune(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
@@ -319,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return demo_main(arguments[1:])
     args = _parser().parse_args(arguments)
-    given = {"local_dir": args.local_dir, "remote_url": args.remote_url, "remote_endpoint_url": args.endpoint_url}
+    given = {name: getattr(args, flag.removeprefix("--").replace("-", "_")) for name, flag in _FLAGS.items()}
     try:
         config = load_config(args.config, **{key: value for key, value in given.items() if value is not None})
         # pull creates the directory it fills; verify --remote reads the bucket only
@@ -327,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_local_dir(config, may_be_missing=args.command == "pull" or bucket_only)
         code, (data, text) = COMMANDS[args.command](config, args)
     except (ConfigError, UsageError) as exc:
-        print(f"tiered-ckpt: {exc}", file=sys.stderr)
+        print(f"tiered-ckpt: {_as_flags(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except CheckpointError as exc:
         print(f"tiered-ckpt: {type(exc).__name__}: {exc}", file=sys.stderr)

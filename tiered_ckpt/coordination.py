@@ -30,7 +30,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import numpy as np
 
 from . import errors
-from .errors import CheckpointError, CoordinationError, UsageError, invalid_option
+from .errors import CheckpointError, ConfigError, CoordinationError, UsageError, invalid_option
 
 __all__ = [
     "Coordinator",
@@ -255,7 +255,12 @@ def resolve_coordinator(coordinator: Coordinator | None, world_size: int | None)
                 "world_size is required when no coordinator is given "
                 "(e.g. CheckpointManager(dir, world_size=4), or coordinator=TorchDistributedCoordinator())"
             )
-        return SingleProcessCoordinator(world_size)
+        try:
+            return SingleProcessCoordinator(world_size)
+        except ConfigError as exc:  # named as the caller wrote it
+            error = ConfigError(f"keyword argument {exc}")
+            error.field, error.problem = exc.field, exc.problem
+            raise error from None
     if world_size is not None and coordinator.world_size != world_size:
         raise UsageError(f"world_size is {world_size} but the coordinator has {coordinator.world_size}")
     return coordinator

@@ -27,7 +27,8 @@ library was called wrongly::
     ├── ConfigError                   a config file, variable or option is not valid
     │                                 (also a ValueError)
     └── UsageError                    an operation called out of order or where it does
-                                      not apply (a closed manager, pull on one rank of many)
+                                      not apply (a closed manager, pull on one rank of many),
+                                      or with a keyword it does not take
 
 Messages name the directory or file, and the rank or field, that the error is about.
 """
@@ -185,7 +186,8 @@ def invalid_option(field: str, problem: str) -> ConfigError:
 
 
 class UsageError(CheckpointError):
-    """The library was called wrongly: after ``close``, or an operation this object cannot do."""
+    """The library was called wrongly: after ``close``, an operation this object cannot do, or an
+    unknown keyword argument (not a ``TypeError``: every error raised on purpose is a CheckpointError)."""
 
 
 def restated(error: CheckpointError, message: str) -> CheckpointError:

@@ -25,6 +25,7 @@ rank must make the same calls in the same order, as with any collective.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import logging
 import os
@@ -141,7 +142,7 @@ class CheckpointManager:
         preemption_signals: Iterable[int | signal.Signals] = (),
         **keywords: Unpack[ManagerKeywords],
     ) -> None:
-        options = resolve_options(local_dir, remote, upload, keywords)
+        options = resolve_options(local_dir, remote, upload, keywords, _PARAMETERS)
         cpus = check_cpus(writer_cpus)
         coordinator = resolve_coordinator(coordinator, world_size)
         world_size = coordinator.world_size
@@ -618,3 +619,7 @@ class CheckpointManager:
             self.wait(uploaded=True)
         remote = self.options.remote.retention if self.options.remote is not None else None
         return store.prune(self.options.local.retention, remote, dry_run=dry_run)
+
+
+# The named parameters of CheckpointManager, for the close matches of a mistyped keyword.
+_PARAMETERS = tuple(inspect.signature(CheckpointManager).parameters)[1:-1]  # not local_dir, not **keywords

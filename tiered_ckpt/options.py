@@ -8,16 +8,17 @@ whose ``field`` and ``problem`` let a config loader name the file and key.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal, TypedDict
 
 import fsspec
 
-from .errors import ConfigError, invalid_option
+from .errors import ConfigError, UsageError, invalid_option
 from .owners import OtherOwners, OwnershipPolicy
 from .remote import DEFAULT_PART_BYTES, DEFAULT_PART_CONCURRENCY, Layout, RemoteTier
 from .retention import RetentionPolicy
@@ -78,12 +79,27 @@ _ENDPOINT_SCHEMES = ("s3", "s3a", "gs", "gcs")
 
 
 def _check_endpoint_url(endpoint: Any, url: str) -> None:
-    _check_type("endpoint_url", endpoint, (str,))
-    scheme, separator, host = endpoint.partition("://")
-    if "@" in host.partition("/")[0]:  # never echoed: user:password@host
-        raise invalid_option("endpoint_url", "must not hold credentials (use the store's own credential chain)")
-    if scheme not in ("http", "https") or not separator or not host.strip("/"):
-        raise invalid_option("endpoint_url", f"must be an http:// or https:// URL, got {endpoint!r:.80}")
+    """Refuse an endpoint that is not an http(s) URL of a host, or that holds a user or password.
+
+    No message shows the value (only a scheme fsspec knows): a refused endpoint may hold a
+    secret. Any ``@`` is refused (no S3 or GCS endpoint has one): ``urllib.parse`` takes
+    ``user:password@host`` without ``//`` for a scheme and a path, and so sees no user in it.
+    """
+    if not isinstance(endpoint, str):
+        raise invalid_option("endpoint_url", f"must be str, got {type(endpoint).__name__}")
+    scheme, separator, rest = endpoint.partition("://")
+    if not separator:
+        scheme, rest = "", endpoint
+    if "@" in endpoint:  # user:password@host, whatever the scheme (anywhere: a password may hold a "/")
+        raise invalid_option(
+            "endpoint_url", "must not hold credentials, a user or password (use the store's own credential chain)"
+        )
+    if scheme not in ("http", "https"):
+        known = scheme in fsspec.available_protocols()  # a name anyone may read, unlike an arbitrary word
+        given = f"scheme {scheme}://" if known else "another scheme" if separator else "no scheme"
+        raise invalid_option("endpoint_url", f"must be an http:// or https:// URL, got {given}")
+    if not rest.strip("/"):
+        raise invalid_option("endpoint_url", f"names no host after {scheme}://")
     if url.partition("://")[0] not in _ENDPOINT_SCHEMES:
         raise invalid_option("endpoint_url", f"applies to s3:// and gs:// URLs only, not {url!r:.80}")
 
@@ -299,16 +315,19 @@ def resolve_options(
     remote: RemoteOptions | None,
     upload: UploadOptions | None,
     keywords: Mapping[str, Any],
+    parameters: Sequence[str] = (),
 ) -> Options:
     """The options that ``local``, ``remote``, ``upload`` and the keyword arguments stand for.
 
     A keyword replaces one field of the options object it belongs to (``remote_url``
     starts a :class:`RemoteOptions` if none is given; ``remote_url=None`` removes it).
-    An unknown keyword raises ``TypeError``, as Python does for any function.
+    An unknown keyword raises :class:`~tiered_ckpt.UsageError` naming it, its close
+    matches among ``KEYWORDS`` and ``parameters`` (the caller's other named parameters),
+    and every known keyword.
     """
     unknown = sorted(set(keywords) - set(KEYWORDS))
     if unknown:
-        raise TypeError(f"CheckpointManager got unexpected keyword arguments {unknown}")
+        raise _unknown_keywords(unknown, parameters)
     fields: dict[str, dict[str, Any]] = {"local": {}, "remote": {}, "upload": {}, "verify": {}}
     for keyword, value in keywords.items():
         table, name = KEYWORDS[keyword]
@@ -330,6 +349,27 @@ def resolve_options(
         error = ConfigError(f"{source} {exc.problem}")
         error.field, error.problem = given[0] if given else "local_dir", exc.problem
         raise error from None
+
+
+def _names(options: type) -> set[str]:
+    return {each.name for each in fields(options)}
+
+
+def _unknown_keywords(unknown: Sequence[str], parameters: Sequence[str]) -> UsageError:
+    known = [*parameters, *KEYWORDS]
+    hints = []
+    for keyword in unknown:
+        close = difflib.get_close_matches(keyword, known, n=3)
+        owners = [each.__name__ for each in (LocalOptions, RemoteOptions, UploadOptions) if keyword in _names(each)]
+        if owners:  # a field of an options object, not a keyword of its own (endpoint_url, lease_seconds...)
+            hints.append(f"{keyword} is a field of {owners[0]}: pass {owners[0]}(..., {keyword}=...)")
+        elif close:
+            hints.append(f"{keyword}: did you mean {' or '.join(close)}?")
+    return UsageError(
+        f"CheckpointManager got unknown keyword argument{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}"
+        + "".join(f"; {hint}" for hint in hints)
+        + f" (known: {', '.join(known)})"
+    )
 
 
 def _resolve(

@@ -280,9 +280,12 @@ class Restorer:
         remote_steps = set(reports[0].remote or ())
         committed = [{saved for saved, _size in report.local} for report in reports]
         complete = sorted(remote_steps.union(committed[0].intersection(*committed[1:])))
-        sizes = [dict(report.local) for report in reports]
+        world_sizes = [dict(report.local) for report in reports]
         agreed = [dict(report.agreed) for report in reports]
-        choose = lambda: self._choose(step, complete, committed, missing_ok, sizes, reshard, agreed)  # noqa: E731
+
+        def choose() -> _Choice:
+            return self._choose(step, complete, committed, missing_ok, world_sizes, reshard, agreed)
+
         chosen = decide(self._coordinator, _Choice, choose)
         return chosen, remote_steps, complete, reports
 
@@ -325,13 +328,13 @@ class Restorer:
         complete: list[int],
         committed: list[set[int]],
         missing_ok: bool,
-        sizes: list[dict[int, int | None]],
+        world_sizes: list[dict[int, int | None]],
         reshard: bool,
         agreed: list[dict[int, bool | None]],
     ) -> _Choice:
         """Leader: the step every rank restores (None: nothing anywhere, and ``missing_ok``),
         passing over the saves cut short between the ranks' commits (:meth:`_unfinished`)."""
-        unfinished = self._unfinished(set().union(*committed) - set(complete), committed, sizes, agreed)
+        unfinished = self._unfinished(set().union(*committed) - set(complete), committed, world_sizes, agreed)
         for partial in unfinished:
             logger.warning(
                 "step %d is committed on the disks of %s only, and no rank recorded that every rank committed it "
@@ -345,13 +348,13 @@ class Restorer:
                 f"every rank committed); committed steps: {complete}"
             )
         held = [steps - set(unfinished) for steps in committed]
-        return _Choice(self._chosen(step, complete, held, missing_ok, sizes, reshard, agreed), unfinished)
+        return _Choice(self._chosen(step, complete, held, missing_ok, world_sizes, reshard, agreed), unfinished)
 
     def _unfinished(
         self,
         partial: set[int],
         committed: list[set[int]],
-        sizes: list[dict[int, int | None]],
+        world_sizes: list[dict[int, int | None]],
         agreed: list[dict[int, bool | None]],
     ) -> tuple[int, ...]:
         """Of the ``partial`` steps (committed on some ranks' disks, not on all and not in the
@@ -363,7 +366,8 @@ class Restorer:
         found = []
         for step in sorted(partial):
             holders = [rank for rank, steps in enumerate(committed) if step in steps]
-            if all(sizes[rank].get(step) == self._world_size and agreed[rank].get(step) is False for rank in holders):
+            ours = (world_sizes[rank].get(step) == self._world_size for rank in holders)
+            if all(ours) and all(agreed[rank].get(step) is False for rank in holders):
                 found.append(step)
         return tuple(found)
 
@@ -373,7 +377,7 @@ class Restorer:
         complete: list[int],
         committed: list[set[int]],
         missing_ok: bool,
-        sizes: list[dict[int, int | None]],
+        world_sizes: list[dict[int, int | None]],
         reshard: bool,
         agreed: list[dict[int, bool | None]],
     ) -> int | None:
@@ -385,7 +389,7 @@ class Restorer:
         if unavailable:
             wanted = max(held, default=None) if step is None else step
             if wanted in held:
-                raise self._held_by_some(wanted, committed, sizes, reshard, agreed)
+                raise self._held_by_some(wanted, committed, world_sizes, reshard, agreed)
             if step is None:
                 raise IncompleteCheckpointError(f"{self._store.where()}: no committed checkpoint to restore")
             raise IncompleteCheckpointError(
@@ -405,7 +409,7 @@ class Restorer:
         self,
         step: int,
         committed: list[set[int]],
-        sizes: list[dict[int, int | None]],
+        world_sizes: list[dict[int, int | None]],
         reshard: bool,
         agreed: list[dict[int, bool | None]],
     ) -> CheckpointError:
@@ -414,7 +418,7 @@ class Restorer:
         the ranks without a copy cannot read other nodes' disks; what would restore it."""
         holders = [rank for rank, steps in enumerate(committed) if step in steps]
         lacking = [rank for rank, steps in enumerate(committed) if step not in steps]
-        saved_by = next((known[step] for known in sizes if known.get(step) is not None), None)
+        saved_by = next((known[step] for known in world_sizes if known.get(step) is not None), None)
         remote = self._store.remote
         bucket = "no bucket is configured (remote_url)" if remote is None else f"the bucket {remote.url} lacks it"
         problem = (
@@ -669,9 +673,9 @@ class Restorer:
         it would refuse the save of its step number again. Steps of another world size
         are kept: the ranks that would complete them are not in this job.
         """
-        sizes = [dict(report.local) for report in reports]
+        world_sizes = [dict(report.local) for report in reports]
         for step in self._store.local.steps():
-            saved_with = {known.get(step, self._world_size) for known in sizes}
+            saved_with = {known.get(step, self._world_size) for known in world_sizes}
             if step > restored and step not in complete and saved_with == {self._world_size}:
                 logger.warning(
                     "deleting step %d from %s: its commit did not reach every rank", step, self._store.local.root

@@ -51,6 +51,7 @@ __all__ = [
     "write_shards",
     "validate_states",
     "validate_step",
+    "MAX_STEP",
     "check_manifest_fits",
     "check_world_size",
     "check_into",

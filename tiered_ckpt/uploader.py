@@ -459,7 +459,9 @@ class Uploader:
             if not exc.transient:
                 raise UploadError(
                     f"step {step} is committed at {self._remote.location(step)}, but the retention that follows "
-                    f"failed: {exc}", step=step, tries=exc.tries,
+                    f"failed: {exc}",
+                    step=step,
+                    tries=exc.tries,
                 ) from exc
             # Retention runs again after the next commit; a bucket failing now is no error of this step.
             logger.warning("step %d is committed; the remote retention that follows failed (%s)", step, exc)

@@ -150,7 +150,7 @@ def _step_of(checkpoint_id: Any, manager: CheckpointManager) -> int:
     places = [str(manager.root)] + ([remote.url] if remote is not None else [])
     raise UsageError(
         f"checkpoint_id {checkpoint_id!r:.200} names no step of {' or '.join(places)}: give the step "
-        f"(10 or \"10\"), or its directory ({Path(places[0]) / step_dir_name(10)} for step 10)"
+        f'(10 or "10"), or its directory ({Path(places[0]) / step_dir_name(10)} for step 10)'
     )
 
 

@@ -200,6 +200,39 @@ def check_restore_arguments(step: Any, world_size: Any, verify: Any, into: Any) 
         raise UsageError(f"restore: into must be a dict of arrays or a list of them, got {type(into).__name__}")
 
 
+@dataclass(frozen=True)
+class _Disks:
+    """What each rank's disk holds (index: rank), from the ranks' :class:`StepReport`: per
+    committed step the world size it was saved by (None: its manifest is damaged) and whether
+    the ranks agreed its commit (None: no record, or a damaged one)."""
+
+    world_sizes: tuple[Mapping[int, int | None], ...]
+    agreed: tuple[Mapping[int, bool | None], ...]
+
+    @classmethod
+    def of(cls, reports: Sequence[StepReport]) -> _Disks:
+        return cls(tuple(dict(r.local) for r in reports), tuple(dict(r.agreed) for r in reports))
+
+    def steps(self) -> set[int]:
+        """The steps committed on some rank's disk."""
+        return set().union(*self.world_sizes)
+
+    def on_every_disk(self) -> set[int]:
+        return set(self.world_sizes[0]).intersection(*self.world_sizes[1:])
+
+    def holders(self, step: int) -> list[int]:
+        return [rank for rank, steps in enumerate(self.world_sizes) if step in steps]
+
+    def lacking(self, step: int) -> list[int]:
+        return [rank for rank, steps in enumerate(self.world_sizes) if step not in steps]
+
+    def without(self, steps: Collection[int]) -> _Disks:
+        """The same disks, ``steps`` left out."""
+        return _Disks(
+            tuple({s: size for s, size in held.items() if s not in steps} for held in self.world_sizes), self.agreed
+        )
+
+
 class Restorer:
     """Restores for the ranks of ``coordinator`` (see the module doc) through ``store``."""
 
@@ -278,15 +311,9 @@ class Restorer:
         reports = exchange(self._coordinator, StepReport, lambda: self._report(arguments, world_size, before))
         same_call([report.arguments for report in reports], "restore")
         remote_steps = set(reports[0].remote or ())
-        committed = [{saved for saved, _size in report.local} for report in reports]
-        complete = sorted(remote_steps.union(committed[0].intersection(*committed[1:])))
-        world_sizes = [dict(report.local) for report in reports]
-        agreed = [dict(report.agreed) for report in reports]
-
-        def choose() -> _Choice:
-            return self._choose(step, complete, committed, missing_ok, world_sizes, reshard, agreed)
-
-        chosen = decide(self._coordinator, _Choice, choose)
+        disks = _Disks.of(reports)
+        complete = sorted(remote_steps.union(disks.on_every_disk()))
+        chosen = decide(self._coordinator, _Choice, lambda: self._choose(step, complete, disks, missing_ok, reshard))
         return chosen, remote_steps, complete, reports
 
     def locate(self, step: int | None, before: Callable[[], None] = lambda: None) -> ShardManifest:
@@ -322,41 +349,25 @@ class Restorer:
         agreed = tuple((step, self._store.local.agreement(step)) for step in steps)
         return StepReport(arguments, tuple(local), remote, agreed)
 
-    def _choose(
-        self,
-        step: int | None,
-        complete: list[int],
-        committed: list[set[int]],
-        missing_ok: bool,
-        world_sizes: list[dict[int, int | None]],
-        reshard: bool,
-        agreed: list[dict[int, bool | None]],
-    ) -> _Choice:
+    def _choose(self, step: int | None, complete: list[int], disks: _Disks, missing_ok: bool, reshard: bool) -> _Choice:
         """Leader: the step every rank restores (None: nothing anywhere, and ``missing_ok``),
         passing over the saves cut short between the ranks' commits (:meth:`_unfinished`)."""
-        unfinished = self._unfinished(set().union(*committed) - set(complete), committed, world_sizes, agreed)
+        unfinished = self._unfinished(disks.steps() - set(complete), disks)
         for partial in unfinished:
             logger.warning(
                 "step %d is committed on the disks of %s only, and no rank recorded that every rank committed it "
                 "(a save cut short before every rank committed): it was never restorable; deleting it from "
                 "those disks and restoring an older step, if any",
-                partial, _ranks_text([rank for rank, steps in enumerate(committed) if partial in steps]),
+                partial, _ranks_text(disks.holders(partial)),
             )  # fmt: skip
         if step in unfinished:
             raise IncompleteCheckpointError(
                 f"{self._store.where()}: step {step} was never committed on every rank (a save cut short before "
                 f"every rank committed); committed steps: {complete}"
             )
-        held = [steps - set(unfinished) for steps in committed]
-        return _Choice(self._chosen(step, complete, held, missing_ok, world_sizes, reshard, agreed), unfinished)
+        return _Choice(self._chosen(step, complete, disks.without(unfinished), missing_ok, reshard), unfinished)
 
-    def _unfinished(
-        self,
-        partial: set[int],
-        committed: list[set[int]],
-        world_sizes: list[dict[int, int | None]],
-        agreed: list[dict[int, bool | None]],
-    ) -> tuple[int, ...]:
+    def _unfinished(self, partial: set[int], disks: _Disks) -> tuple[int, ...]:
         """Of the ``partial`` steps (committed on some ranks' disks, not on all and not in the
         bucket), those saved by this job's world size that every rank holding one recorded as
         not agreed: the save was cut short before every rank committed, so it never existed
@@ -365,60 +376,44 @@ class Restorer:
         stay, and refuse the restore as before."""
         found = []
         for step in sorted(partial):
-            holders = [rank for rank, steps in enumerate(committed) if step in steps]
-            ours = (world_sizes[rank].get(step) == self._world_size for rank in holders)
-            if all(ours) and all(agreed[rank].get(step) is False for rank in holders):
+            holders = disks.holders(step)
+            ours = (disks.world_sizes[rank].get(step) == self._world_size for rank in holders)
+            if all(ours) and all(disks.agreed[rank].get(step) is False for rank in holders):
                 found.append(step)
         return tuple(found)
 
     def _chosen(
-        self,
-        step: int | None,
-        complete: list[int],
-        committed: list[set[int]],
-        missing_ok: bool,
-        world_sizes: list[dict[int, int | None]],
-        reshard: bool,
-        agreed: list[dict[int, bool | None]],
+        self, step: int | None, complete: list[int], disks: _Disks, missing_ok: bool, reshard: bool
     ) -> int | None:
-        """:meth:`_choose` once the unfinished saves are left out of ``committed``."""
-        held = set().union(*committed)
+        """:meth:`_choose` once the unfinished saves are left out of ``disks``."""
+        held = disks.steps()
         if missing_ok and step is None and not complete and not held:
             return None
         unavailable = not complete if step is None else step not in complete
         if unavailable:
             wanted = max(held, default=None) if step is None else step
             if wanted in held:
-                raise self._held_by_some(wanted, committed, world_sizes, reshard, agreed)
+                raise self._held_by_some(wanted, disks, reshard)
             if step is None:
                 raise IncompleteCheckpointError(f"{self._store.where()}: no committed checkpoint to restore")
             raise IncompleteCheckpointError(
                 f"{self._store.where()}: step {step} is not committed; committed steps: {complete}"
             )
         for partial in sorted(held - set(complete)):
-            holders = [rank for rank, steps in enumerate(committed) if partial in steps]
             logger.warning(
                 "step %d is committed on ranks %s only and not in the bucket (a save cut short between "
                 "ranks' commits, or a node's disk replaced): it cannot be restored",
                 partial,
-                holders,
+                disks.holders(partial),
             )
         return complete[-1] if step is None else step
 
-    def _held_by_some(
-        self,
-        step: int,
-        committed: list[set[int]],
-        world_sizes: list[dict[int, int | None]],
-        reshard: bool,
-        agreed: list[dict[int, bool | None]],
-    ) -> CheckpointError:
+    def _held_by_some(self, step: int, disks: _Disks, reshard: bool) -> CheckpointError:
         """Leader, one process per rank: the error for ``step``, committed on some ranks' disks
         only and in no bucket. It says what is true: the step exists, saved by so many ranks;
         the ranks without a copy cannot read other nodes' disks; what would restore it."""
-        holders = [rank for rank, steps in enumerate(committed) if step in steps]
-        lacking = [rank for rank, steps in enumerate(committed) if step not in steps]
-        saved_by = next((known[step] for known in world_sizes if known.get(step) is not None), None)
+        holders, lacking = disks.holders(step), disks.lacking(step)
+        saved_by = next((known[step] for known in disks.world_sizes if known.get(step) is not None), None)
         remote = self._store.remote
         bucket = "no bucket is configured (remote_url)" if remote is None else f"the bucket {remote.url} lacks it"
         problem = (
@@ -428,7 +423,7 @@ class Restorer:
             "the shards on other nodes' disks only through a bucket"
         )
         if saved_by is None or saved_by == self._world_size:
-            if any(agreed[rank].get(step) for rank in holders):
+            if any(disks.agreed[rank].get(step) for rank in holders):
                 return IncompleteCheckpointError(f"{problem} (every rank committed it: a node's disk was replaced)")
             return IncompleteCheckpointError(
                 f"{problem} (a save cut short between ranks' commits, or a node's disk replaced)"
@@ -673,7 +668,7 @@ class Restorer:
         it would refuse the save of its step number again. Steps of another world size
         are kept: the ranks that would complete them are not in this job.
         """
-        world_sizes = [dict(report.local) for report in reports]
+        world_sizes = _Disks.of(reports).world_sizes
         for step in self._store.local.steps():
             saved_with = {known.get(step, self._world_size) for known in world_sizes}
             if step > restored and step not in complete and saved_with == {self._world_size}:

@@ -58,14 +58,19 @@ def test_a_damaged_local_shard_comes_from_the_bucket_and_is_landed_locally(two_t
     assert [name for name in os.listdir(path.parent) if name.startswith(".")] == []
 
 
+def flip_remote_byte(store, step: int, record, offset: int) -> None:
+    """Flip every bit of one byte of ``record``'s object in the (memory) bucket, in place."""
+    remote_path = f"{store.remote._root}/{step_dir_name(step)}/{record.path}"
+    data = bytearray(store.remote._fs.cat_file(remote_path))
+    data[offset] ^= 0xFF
+    store.remote._fs.pipe_file(remote_path, bytes(data))
+
+
 def test_no_copy_verifies_names_every_copy_tried(two_tiers):
     store, manifest, _states = two_tiers
     record = manifest.shard(1)
     flip_byte(store.local.shard_path(3, record), 500)
-    remote_path = f"{store.remote._root}/{step_dir_name(3)}/{record.path}"
-    data = bytearray(store.remote._fs.cat_file(remote_path))
-    data[600] ^= 0xFF
-    store.remote._fs.pipe_file(remote_path, bytes(data))
+    flip_remote_byte(store, 3, record, 600)
     with pytest.raises(ChecksumMismatchError, match="rank 1: no copy verifies") as caught:
         store.fetch_shard(3, record)
     message = str(caught.value)
@@ -338,10 +343,7 @@ def test_an_io_error_with_no_good_copy_names_every_copy_and_its_problem(two_tier
     record = manifest.shard(1)
     path = store.local.shard_path(3, record)
     fail_reads_of(monkeypatch, path)
-    remote_path = f"{store.remote._root}/{step_dir_name(3)}/{record.path}"
-    data = bytearray(store.remote._fs.cat_file(remote_path))
-    data[600] ^= 0xFF
-    store.remote._fs.pipe_file(remote_path, bytes(data))
+    flip_remote_byte(store, 3, record, 600)
     with pytest.raises(ChecksumMismatchError, match="rank 1: no copy verifies") as caught:
         store.fetch_shard(3, record)
     message = str(caught.value)

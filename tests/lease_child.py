@@ -2,7 +2,7 @@
 
 It saves step 1 of two ranks to the bucket named in the JSON ({"url", "options"}): rank 0's
 shard is small (one PUT, confirmed), rank 1's goes up in 5 MiB parts, and the upload pauses
-for good as rank 1's first part is about to be read, its multipart upload open. It prints
+for good as rank 1's first parts are about to be read, its multipart upload open. It prints
 ``PAUSED`` then, and waits to be killed.
 """
 
@@ -24,10 +24,12 @@ def main(directory: str, remote_json: str) -> None:
         upload=UploadOptions(concurrency=1, part_bytes=PART_BYTES),
     )  # fmt: skip
     original = multipart._read_part
+    paused = threading.Lock()  # parts are read on several threads: one of them says PAUSED
 
     def pause_at_the_first_part(path, offset, length):
         if length == PART_BYTES:  # a part of the multipart upload, not a whole small file
-            print("PAUSED", flush=True)
+            if paused.acquire(blocking=False):
+                print("PAUSED", flush=True)
             threading.Event().wait()
         return original(path, offset, length)
 

@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 
 import tiered_ckpt
-from tiered_ckpt.layout import MANIFEST_NAME
+from tiered_ckpt.format.layout import MANIFEST_NAME
 
 
 def zero1_state(world_size: int, total_numel: int) -> list[dict[str, np.ndarray]]:

@@ -25,8 +25,10 @@ import threading
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from conftest import large_states  # noqa: E402
-from tiered_ckpt import durable, save_sharded, sharded, shardfile  # noqa: E402
-from tiered_ckpt.layout import MANIFEST_NAME  # noqa: E402
+from tiered_ckpt import save_sharded, sharded  # noqa: E402
+from tiered_ckpt.format import shardfile  # noqa: E402
+from tiered_ckpt.format.layout import MANIFEST_NAME  # noqa: E402
+from tiered_ckpt.io import durable  # noqa: E402
 
 _announce = threading.Lock()
 
@@ -76,7 +78,7 @@ def run_upload(directory: str, bytes_per_rank: int, remote_json: str) -> None:
     import json
 
     from tiered_ckpt import CheckpointManager
-    from tiered_ckpt.remote import RemoteTier
+    from tiered_ckpt.tiers.remote import RemoteTier
 
     remote = json.loads(remote_json)
     manager = CheckpointManager(
@@ -99,7 +101,8 @@ def run_multipart(directory: str, bytes_per_rank: int, remote_json: str) -> None
     """Save step 1 and pause its upload when the first part is about to be read (the multipart upload is open)."""
     import json
 
-    from tiered_ckpt import CheckpointManager, multipart
+    from tiered_ckpt import CheckpointManager
+    from tiered_ckpt.tiers import multipart
 
     remote = json.loads(remote_json)
     from tiered_ckpt import UploadOptions

@@ -102,7 +102,7 @@ def run(config: dict, rank: int, result: dict) -> None:
     result["saved"], result["loaded"] = {}, {}
     for action in config["actions"]:
         if action["do"] == "save_as_0_2":  # the layout 0.2's TieredWriter wrote: values on rank 0 only
-            from tiered_ckpt.state import ChunkOf
+            from tiered_ckpt.format.state import ChunkOf
 
             tensors = {"w": {"0": ChunkOf(torch.arange(4.0) + rank * 4, (8,), (rank * 4,))}}
             objects = {"epoch": action["step"]} if rank == 0 else {}

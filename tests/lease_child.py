@@ -12,7 +12,8 @@ import threading
 
 import numpy as np
 
-from tiered_ckpt import CheckpointManager, UploadOptions, multipart
+from tiered_ckpt import CheckpointManager, UploadOptions
+from tiered_ckpt.tiers import multipart
 
 PART_BYTES = 5 << 20
 

@@ -38,10 +38,10 @@ from tiered_ckpt import (
     CheckpointManager,
     InvalidStateError,
     TorchDistributedCoordinator,
-    local,
-    writer,
 )
-from tiered_ckpt.coordination import agree
+from tiered_ckpt.dist.coordination import agree
+from tiered_ckpt.engine import writer
+from tiered_ckpt.tiers import local
 
 TOTAL_NUMEL = 1003
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tiered_ckpt import blockread
 from tiered_ckpt.bench import evict
-from tiered_ckpt.blockread import BLOCK_BYTES, read_blocks
+from tiered_ckpt.io import blockread
+from tiered_ckpt.io.blockread import BLOCK_BYTES, read_blocks
 
 SIZES = [0, 1, 4095, 4096, BLOCK_BYTES - 1, BLOCK_BYTES, BLOCK_BYTES + 1, 3 * BLOCK_BYTES + 777]
 

@@ -10,10 +10,10 @@ import pytest
 
 from conftest import ZERO1_SHARDED_KEYS, flip_byte, s3_credentials_env, write_s3_config, zero1_states
 from tiered_ckpt import CheckpointManager, save_sharded
-from tiered_ckpt.checksums import part_crc32c
-from tiered_ckpt.layout import MANIFEST_NAME, shard_name, step_dir_name
-from tiered_ckpt.local import record_held_ranks
-from tiered_ckpt.remote import RemoteTier
+from tiered_ckpt.format.layout import MANIFEST_NAME, shard_name, step_dir_name
+from tiered_ckpt.tiers.checksums import part_crc32c
+from tiered_ckpt.tiers.local import record_held_ranks
+from tiered_ckpt.tiers.remote import RemoteTier
 
 
 @pytest.fixture
@@ -117,7 +117,7 @@ def test_verify_remote_checks_the_stores_own_checksums_without_downloading(setup
     # No download: with reads made impossible, the check of the stores' checksums still runs.
     monkeypatch.setattr(RemoteTier, "read_shard", lambda *args: pytest.fail("downloaded"))
     from tiered_ckpt import TieredStore
-    from tiered_ckpt.local import LocalTier
+    from tiered_ckpt.tiers.local import LocalTier
 
     checks = TieredStore(LocalTier(local), tier).verify(5, remote_only=True)
     assert [check.status for check in checks] == ["ok", "failed", "ok", "ok"]

@@ -15,8 +15,8 @@ from tiered_ckpt import (
     SingleProcessCoordinator,
     UsageError,
 )
-from tiered_ckpt.layout import HELD_NAME, MANIFEST_NAME, shard_name, step_dir_name
-from tiered_ckpt.remote import RemoteTier
+from tiered_ckpt.format.layout import HELD_NAME, MANIFEST_NAME, shard_name, step_dir_name
+from tiered_ckpt.tiers.remote import RemoteTier
 
 
 def test_single_process_coordinator_holds_every_rank_and_leads():

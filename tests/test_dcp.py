@@ -14,7 +14,7 @@ from dcp_worker import digests, template, train_state
 
 from conftest import FaultInjectingProxy, launch_ranks, s3_storage_options
 from tiered_ckpt import CheckpointManager, InvalidStateError, UsageError
-from tiered_ckpt.layout import step_dir_name
+from tiered_ckpt.format.layout import step_dir_name
 
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import flip_byte, launch_ranks
-from tiered_ckpt.layout import shard_name, step_dir_name
+from tiered_ckpt.format.layout import shard_name, step_dir_name
 
 WORKER = Path(__file__).resolve().parent / "fsdp_worker.py"
 

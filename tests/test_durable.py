@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tiered_ckpt import durable
-from tiered_ckpt.durable import BLOCK_BYTES, atomic_write, observe_writes, write_all, write_bytes
+from tiered_ckpt.io import durable
+from tiered_ckpt.io.durable import BLOCK_BYTES, atomic_write, observe_writes, write_all, write_bytes
 
 SIZES = [0, 1, 4095, 4096, BLOCK_BYTES - 1, BLOCK_BYTES, BLOCK_BYTES + 1, 3 * BLOCK_BYTES + 12345, 7 * BLOCK_BYTES]
 
@@ -137,7 +137,7 @@ def test_a_failing_background_write_is_raised_and_nothing_is_replaced(tmp_path: 
         f"""
         import resource, sys
         from pathlib import Path
-        from tiered_ckpt.durable import atomic_write, write_all
+        from tiered_ckpt.io.durable import atomic_write, write_all
         resource.setrlimit(resource.RLIMIT_FSIZE, ({3 * BLOCK_BYTES}, {3 * BLOCK_BYTES}))
         try:
             atomic_write(Path({str(target)!r}), lambda out: write_all(out, bytes({8 * BLOCK_BYTES})))

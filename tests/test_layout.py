@@ -1,6 +1,6 @@
 import pytest
 
-from tiered_ckpt import layout
+from tiered_ckpt.format import layout
 
 
 def test_step_dir_names_sort_as_numbers_and_parse_back():

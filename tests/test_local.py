@@ -6,8 +6,9 @@ import pytest
 
 from conftest import temp_files
 from tiered_ckpt import ChecksumMismatchError, DirectoryInUseError, IncompleteCheckpointError, ManifestError
-from tiered_ckpt.layout import HELD_NAME, MANIFEST_NAME, temp_name
-from tiered_ckpt.local import (
+from tiered_ckpt.format.layout import HELD_NAME, MANIFEST_NAME, temp_name
+from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
+from tiered_ckpt.tiers.local import (
     atomic_write,
     directory_lock,
     held_ranks,
@@ -17,7 +18,6 @@ from tiered_ckpt.local import (
     remove_temp_files,
     write_shard_file,
 )
-from tiered_ckpt.manifest import ShardManifest, ShardRecord
 
 
 def test_atomic_write_replaces_whole_file(tmp_path):
@@ -161,7 +161,7 @@ def committed(tmp_path):
 
 def test_a_fifo_in_place_of_a_shard_fails_at_once_instead_of_blocking(committed):
     from tiered_ckpt import load_sharded
-    from tiered_ckpt.local import check_shard_file
+    from tiered_ckpt.tiers.local import check_shard_file
 
     directory, manifest = committed
     shard = directory / manifest.shard(1).path
@@ -220,8 +220,8 @@ def test_a_manifest_is_read_without_allocating_more_than_it_holds(committed):
 def test_a_step_directory_whose_manifest_names_another_step_is_refused(committed, tmp_path):
     import shutil
 
-    from tiered_ckpt.layout import step_dir_name
-    from tiered_ckpt.local import LocalTier
+    from tiered_ckpt.format.layout import step_dir_name
+    from tiered_ckpt.tiers.local import LocalTier
 
     directory, _manifest = committed
     root = tmp_path / "root"
@@ -258,8 +258,8 @@ def test_a_directory_in_place_of_a_shard_is_incomplete(committed):
 
 
 def test_a_lock_removes_the_directories_it_created_if_they_are_still_empty(tmp_path):
-    from tiered_ckpt.layout import step_dir_name
-    from tiered_ckpt.local import LocalTier
+    from tiered_ckpt.format.layout import step_dir_name
+    from tiered_ckpt.tiers.local import LocalTier
 
     tier = LocalTier(tmp_path / "job" / "rank-2")
     with tier.lock():
@@ -280,9 +280,9 @@ def test_a_lock_taken_while_another_holder_removes_the_new_directory_makes_it_ag
     it created, and the second's open after: run in that order, deterministically."""
     from contextlib import ExitStack
 
-    from tiered_ckpt import local
-    from tiered_ckpt.layout import step_dir_name
-    from tiered_ckpt.local import LocalTier
+    from tiered_ckpt.format.layout import step_dir_name
+    from tiered_ckpt.tiers import local
+    from tiered_ckpt.tiers.local import LocalTier
 
     first, second = LocalTier(tmp_path / "job" / "rank-0"), LocalTier(tmp_path / "job" / "rank-0")
     holding = ExitStack()
@@ -314,8 +314,8 @@ def test_a_lock_taken_while_another_holder_removes_the_new_directory_makes_it_ag
 
 
 def test_the_record_of_a_commits_agreement_reads_back_and_a_bad_one_says_nothing(tmp_path):
-    from tiered_ckpt.layout import AGREEMENT_NAME
-    from tiered_ckpt.local import read_agreement, record_agreement, remove_uncommitted
+    from tiered_ckpt.format.layout import AGREEMENT_NAME
+    from tiered_ckpt.tiers.local import read_agreement, record_agreement, remove_uncommitted
 
     directory = tmp_path / "step-000000000007"
     directory.mkdir()

@@ -35,8 +35,8 @@ from tiered_ckpt import (
     UsageError,
     WorldSizeMismatchError,
 )
-from tiered_ckpt.layout import MANIFEST_NAME, RECEIPT_NAME, step_dir_name, temp_name
-from tiered_ckpt.remote import RemoteTier
+from tiered_ckpt.format.layout import MANIFEST_NAME, RECEIPT_NAME, step_dir_name, temp_name
+from tiered_ckpt.tiers.remote import RemoteTier
 
 
 @pytest.fixture

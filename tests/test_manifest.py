@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiered_ckpt import ManifestError, ShardCountMismatchError, ShardManifest
-from tiered_ckpt import manifest as manifest_module
-from tiered_ckpt.manifest import (
+from tiered_ckpt.format import manifest as manifest_module
+from tiered_ckpt.format.manifest import (
     MAX_MANIFEST_BYTES,
     ChunkRecord,
     RemoteManifest,
@@ -280,7 +280,7 @@ def test_a_shard_with_chunks_must_record_its_header():
 
 
 def test_a_header_larger_than_a_reader_accepts_is_refused_before_anything_is_allocated():
-    from tiered_ckpt.shardfile import MAX_HEADER_BYTES
+    from tiered_ckpt.format.shardfile import MAX_HEADER_BYTES
 
     document = chunked_document()
     document["shards"][1]["size_bytes"] = 2**62
@@ -293,7 +293,7 @@ def test_a_header_larger_than_a_reader_accepts_is_refused_before_anything_is_all
 
 def widest_record(rank: int, world_size: int, chunks, replicas=()) -> ShardRecord:
     """A shard record whose every number has as many digits as a saved one can."""
-    from tiered_ckpt.shardfile import MAX_HEADER_BYTES
+    from tiered_ckpt.format.shardfile import MAX_HEADER_BYTES
 
     big = 2**63 - 1
     return ShardRecord(

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from tiered_ckpt import CheckpointExistsError, CheckpointManager, UsageError
-from tiered_ckpt.coordination import SingleProcessCoordinator
-from tiered_ckpt.preemption import PreemptionNotice, PreemptionWatch
+from tiered_ckpt.dist.coordination import SingleProcessCoordinator
+from tiered_ckpt.engine.preemption import PreemptionNotice, PreemptionWatch
 
 
 @pytest.fixture

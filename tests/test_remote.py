@@ -8,12 +8,12 @@ import pytest
 
 from conftest import flip_byte
 from tiered_ckpt import CheckpointManager, ChecksumMismatchError, ManifestError, RemoteError, save_sharded
-from tiered_ckpt.layout import MANIFEST_NAME
-from tiered_ckpt.local import LocalTier
-from tiered_ckpt.remote import RemoteTier, RetryPolicy, _same_checksum, is_transient
-from tiered_ckpt.retention import RetentionPolicy
-from tiered_ckpt.shardfile import hash_stream
-from tiered_ckpt.store import TieredStore
+from tiered_ckpt.format.layout import MANIFEST_NAME
+from tiered_ckpt.format.shardfile import hash_stream
+from tiered_ckpt.tiers.local import LocalTier
+from tiered_ckpt.tiers.remote import RemoteTier, RetryPolicy, _same_checksum, is_transient
+from tiered_ckpt.tiers.retention import RetentionPolicy
+from tiered_ckpt.tiers.store import TieredStore
 
 
 @pytest.fixture

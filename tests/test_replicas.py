@@ -1,4 +1,4 @@
-"""Replicated arrays of a state of chunks: written once, put back on every rank (tiered_ckpt.replicas)."""
+"""Replicated arrays of a state of chunks: written once, put back on every rank (tiered_ckpt.dist.replicas)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from tiered_ckpt import (
     load_sharded,
     save_sharded,
 )
-from tiered_ckpt.layout import MANIFEST_NAME, step_dir_name
-from tiered_ckpt.replicas import Offer, assign, offer, share
-from tiered_ckpt.state import ChunkOf, flatten
+from tiered_ckpt.dist.replicas import Offer, assign, offer, share
+from tiered_ckpt.format.layout import MANIFEST_NAME, step_dir_name
+from tiered_ckpt.format.state import ChunkOf, flatten
 
 
 def chunked_states(world_size: int = 3) -> list[dict]:

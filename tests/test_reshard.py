@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from conftest import ZERO1_SHARDED_KEYS, assert_states_equal, split_sizes, zero1_states
 from tiered_ckpt import CheckpointManager, ReshardError, partition_sizes, save_sharded
-from tiered_ckpt.reshard import copy_overlap, reshard
+from tiered_ckpt.dist.reshard import copy_overlap, reshard
 from tiered_ckpt.sharded import load_sharded
 
 
@@ -128,8 +128,8 @@ def test_chunks_of_any_grid_refill_any_other_grid_exactly(data):
 
 
 def test_a_zero_dimensional_chunk_is_read_in_place_and_copied_in_place():
-    from tiered_ckpt.manifest import ChunkRecord
-    from tiered_ckpt.reshard import direct_destination
+    from tiered_ckpt.dist.reshard import direct_destination
+    from tiered_ckpt.format.manifest import ChunkRecord
 
     target = np.zeros((), np.float32)
     part = direct_destination(target, (), ChunkRecord("step", "F32", (), (), (), "0" * 64))

@@ -1,4 +1,4 @@
-"""Restoring a step (tiered_ckpt.restore): what a restore says (logs, its result's repr, its errors)."""
+"""Restoring a step (tiered_ckpt.engine.restore): what a restore says (logs, its result's repr, its errors)."""
 
 import logging
 import re
@@ -10,9 +10,9 @@ import pytest
 
 from conftest import flip_byte, launch_ranks
 from tiered_ckpt import CheckpointManager, InvalidStateError
-from tiered_ckpt.layout import AGREEMENT_NAME, shard_name, step_dir_name
-from tiered_ckpt.local import LocalTier
-from tiered_ckpt.restore import rank_ranges
+from tiered_ckpt.engine.restore import rank_ranges
+from tiered_ckpt.format.layout import AGREEMENT_NAME, shard_name, step_dir_name
+from tiered_ckpt.tiers.local import LocalTier
 
 
 def many_arrays(world_size: int = 4, count: int = 300) -> list[dict[str, np.ndarray]]:

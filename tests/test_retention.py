@@ -5,11 +5,11 @@ import pytest
 
 from conftest import launch_ranks
 from tiered_ckpt import ConfigError, save_sharded
-from tiered_ckpt.layout import shard_name, step_dir_name
-from tiered_ckpt.local import LocalTier, record_held_ranks, write_receipt
-from tiered_ckpt.remote import RemoteTier
-from tiered_ckpt.retention import RetentionPolicy, awaiting_upload, protected_locally, retainable
-from tiered_ckpt.store import TieredStore
+from tiered_ckpt.format.layout import shard_name, step_dir_name
+from tiered_ckpt.tiers.local import LocalTier, record_held_ranks, write_receipt
+from tiered_ckpt.tiers.remote import RemoteTier
+from tiered_ckpt.tiers.retention import RetentionPolicy, awaiting_upload, protected_locally, retainable
+from tiered_ckpt.tiers.store import TieredStore
 
 
 @pytest.mark.parametrize(

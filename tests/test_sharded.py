@@ -29,7 +29,7 @@ from tiered_ckpt import (
     load_sharded,
     save_sharded,
 )
-from tiered_ckpt.layout import MANIFEST_NAME, shard_name
+from tiered_ckpt.format.layout import MANIFEST_NAME, shard_name
 
 
 @pytest.fixture

@@ -12,9 +12,10 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiered_ckpt import ChecksumMismatchError, InvalidStateError, ShardFormatError, shardfile
-from tiered_ckpt.manifest import ShardRecord
-from tiered_ckpt.shardfile import (
+from tiered_ckpt import ChecksumMismatchError, InvalidStateError, ShardFormatError
+from tiered_ckpt.format import shardfile
+from tiered_ckpt.format.manifest import ShardRecord
+from tiered_ckpt.format.shardfile import (
     DTYPES,
     ShardDigest,
     header_length,

@@ -1,8 +1,8 @@
-"""The staging buffers a save copies into (tiered_ckpt.staging)."""
+"""The staging buffers a save copies into (tiered_ckpt.engine.staging)."""
 
 import numpy as np
 
-from tiered_ckpt.staging import PARALLEL_BYTES, PIECE_BYTES, StagingBuffers, _pieces
+from tiered_ckpt.engine.staging import PARALLEL_BYTES, PIECE_BYTES, StagingBuffers, _pieces
 
 
 def test_staging_buffers_are_reused_and_reallocated_only_when_shapes_change():

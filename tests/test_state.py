@@ -15,10 +15,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tiered_ckpt import CheckpointManager, InvalidStateError, ShardFormatError, load_sharded, save_sharded, shardfile
-from tiered_ckpt.local import read_shard_file
-from tiered_ckpt.shardfile import ShardContents, write_shard
-from tiered_ckpt.state import (
+from tiered_ckpt import CheckpointManager, InvalidStateError, ShardFormatError, load_sharded, save_sharded
+from tiered_ckpt.format import shardfile
+from tiered_ckpt.format.shardfile import ShardContents, write_shard
+from tiered_ckpt.format.state import (
     MAX_DEPTH,
     STRUCTURE_KEY,
     Chunk,
@@ -29,6 +29,7 @@ from tiered_ckpt.state import (
     leaf_name,
     sharded_names,
 )
+from tiered_ckpt.tiers.local import read_shard_file
 
 torch = pytest.importorskip("torch")
 
@@ -281,7 +282,7 @@ def test_any_generated_state_round_trips_through_a_shard_file(tmp_path_factory, 
 
 def shard_with_document(tmp_path, document: str | None, arrays=None):
     """A shard whose sha256 matches its bytes, whatever structure document it carries."""
-    from tiered_ckpt.manifest import ShardRecord
+    from tiered_ckpt.format.manifest import ShardRecord
 
     arrays = {"w": np.arange(4, dtype=np.float32)} if arrays is None else arrays
     path = tmp_path / "rank-00000-of-00001.safetensors"
@@ -386,7 +387,7 @@ def test_a_nested_state_shard_opens_with_safetensors_under_its_tensor_names(tmp_
 @settings(max_examples=300, deadline=None)
 @given(st.text(alphabet=st.sampled_from("%#/2F35ab_"), max_size=10).filter(lambda key: key != "__metadata__"))
 def test_unescape_gives_back_the_key_a_name_segment_was_made_of(key):
-    from tiered_ckpt.state import unescape
+    from tiered_ckpt.format.state import unescape
 
     assert unescape(leaf_name([key])) == key
 
@@ -534,7 +535,7 @@ def chunked_states(arrays_per_rank: int, world_size: int = 2) -> list[dict]:
 def test_a_step_whose_manifest_the_reader_would_refuse_is_refused_on_every_rank_before_anything_is_written(
     tmp_path, monkeypatch
 ):
-    from tiered_ckpt import manifest
+    from tiered_ckpt.format import manifest
 
     monkeypatch.setattr(manifest, "MAX_MANIFEST_BYTES", 200_000)  # the reader's limit, small to stay cheap
     with CheckpointManager(tmp_path / "run", world_size=2) as manager:

@@ -7,10 +7,10 @@ import pytest
 
 from conftest import flip_byte
 from tiered_ckpt import ChecksumMismatchError, IncompleteCheckpointError, UsageError, cli, load_sharded, save_sharded
-from tiered_ckpt.layout import step_dir_name
-from tiered_ckpt.local import LocalTier, delete_checkpoint
-from tiered_ckpt.remote import RemoteTier
-from tiered_ckpt.store import TieredStore
+from tiered_ckpt.format.layout import step_dir_name
+from tiered_ckpt.tiers.local import LocalTier, delete_checkpoint
+from tiered_ckpt.tiers.remote import RemoteTier
+from tiered_ckpt.tiers.store import TieredStore
 
 
 @pytest.fixture
@@ -127,9 +127,9 @@ def chunked_tiers(tmp_path, memory_url):
     """Step 3 of one rank holding a DTensor chunk "a" and a plain array "b", in both tiers."""
     import json
 
-    from tiered_ckpt.manifest import ShardManifest
+    from tiered_ckpt.format.manifest import ShardManifest
+    from tiered_ckpt.format.state import FlatState, Structure
     from tiered_ckpt.sharded import write_checkpoint
-    from tiered_ckpt.state import FlatState, Structure
 
     arrays = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(4096, dtype=np.float32)}
     root = {"dict": [["a", {"dtensor": ["a", [4, 3], [2, 0]]}], ["b", {"array": "b"}], ["epoch", 3]]}
@@ -148,7 +148,7 @@ def chunked_tiers(tmp_path, memory_url):
 
 def byte_of(store, manifest, name: str) -> int:
     """An offset inside array ``name``'s bytes in the local shard."""
-    from tiered_ckpt.shardfile import read_header
+    from tiered_ckpt.format.shardfile import read_header
 
     record = manifest.shard(0)
     with open(store.local.shard_path(3, record), "rb") as shard:
@@ -303,7 +303,7 @@ def fail_reads_of(monkeypatch, path) -> None:
     import errno
     from contextlib import contextmanager
 
-    from tiered_ckpt import shardfile
+    from tiered_ckpt.format import shardfile
 
     bad = os.stat(path).st_ino
     real = shardfile.read_blocks

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tiered_ckpt import CheckpointManager, InvalidStateError, load_sharded, save_sharded
-from tiered_ckpt.tensors import as_complex, float_pairs, is_tensor, numpy_state, to_numpy, to_torch, torch_state
+from tiered_ckpt.torch.tensors import as_complex, float_pairs, is_tensor, numpy_state, to_numpy, to_torch, torch_state
 
 DTYPES = [
     torch.bfloat16,

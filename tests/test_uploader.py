@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 from tiered_ckpt import RemoteError, UploadError, save_sharded
+from tiered_ckpt.engine.uploader import Uploader
 from tiered_ckpt.errors import ErrorBox
-from tiered_ckpt.layout import step_dir_name
-from tiered_ckpt.local import LocalTier
+from tiered_ckpt.format.layout import step_dir_name
 from tiered_ckpt.options import UploadOptions
-from tiered_ckpt.remote import RemoteTier, RetryPolicy
-from tiered_ckpt.retention import RetentionPolicy
-from tiered_ckpt.store import TieredStore
-from tiered_ckpt.uploader import Uploader
+from tiered_ckpt.tiers.local import LocalTier
+from tiered_ckpt.tiers.remote import RemoteTier, RetryPolicy
+from tiered_ckpt.tiers.retention import RetentionPolicy
+from tiered_ckpt.tiers.store import TieredStore
 
 
 class FailingRemote(RemoteTier):

@@ -1,8 +1,9 @@
 """tiered_ckpt: sharded, verified, crash-safe checkpoints for distributed training."""
 
-from .config import Config, load_config
-from .coordination import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
-from .errors import (
+from tiered_ckpt.config import Config, load_config
+from tiered_ckpt.dist.coordination import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
+from tiered_ckpt.dist.reshard import partition_sizes
+from tiered_ckpt.errors import (
     CheckpointError,
     CheckpointExistsError,
     ChecksumMismatchError,
@@ -22,12 +23,11 @@ from .errors import (
     UsageError,
     WorldSizeMismatchError,
 )
-from .manager import CheckpointManager, RestoreResult, SaveHandle
-from .manifest import ShardManifest, ShardRecord
-from .options import LocalOptions, RemoteOptions, UploadOptions
-from .reshard import partition_sizes
-from .sharded import load_sharded, save_sharded
-from .store import Lag, TieredStore
+from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
+from tiered_ckpt.manager import CheckpointManager, RestoreResult, SaveHandle
+from tiered_ckpt.options import LocalOptions, RemoteOptions, UploadOptions
+from tiered_ckpt.sharded import load_sharded, save_sharded
+from tiered_ckpt.tiers.store import Lag, TieredStore
 
 __all__ = [
     "CheckpointManager",

@@ -1,3 +1,3 @@
-from .cli import main
+from tiered_ckpt.cli import main
 
 raise SystemExit(main())

@@ -58,10 +58,10 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from .durable import atomic_write, write_all
-from .layout import step_dir_name
-from .manager import CheckpointManager
-from .sharded import default_workers, load_sharded, save_sharded
+from tiered_ckpt.format.layout import step_dir_name
+from tiered_ckpt.io.durable import atomic_write, write_all
+from tiered_ckpt.manager import CheckpointManager
+from tiered_ckpt.sharded import default_workers, load_sharded, save_sharded
 
 __all__ = ["main"]
 
@@ -456,7 +456,7 @@ def rank_process(config_path: Path, rank: int) -> None:
     """One rank process of the ``dist`` section: write, hash, then save this rank's part ``repeat`` times."""
     import torch.distributed as dist
 
-    from .coordination import TorchDistributedCoordinator
+    from tiered_ckpt.dist.coordination import TorchDistributedCoordinator
 
     config = json.loads(config_path.read_text())
     processes = config["processes"]
@@ -551,21 +551,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             bench_dist(int(args.size_gib * 2**30), root, args.repeat)
         if "remote" in sections:
             print("remote tier (upload and download, against boto3 on the same server):")
-            from .bench_remote import bench_remote
+            from tiered_ckpt.bench_remote import bench_remote
 
             bench_remote(args.remote_size_gib, args.ranks, root, args.repeat)
         if "structure" in sections:
             print("the structure document of a nested optimizer state (save_sharded / load_sharded, warm):")
-            from .bench_structure import bench_structure
+            from tiered_ckpt.bench_structure import bench_structure
 
             bench_structure(args.params, total, root, args.repeat)
         if "fsdp" in sections:
-            from .bench_fsdp import bench_fsdp
+            from tiered_ckpt.bench_fsdp import bench_fsdp
 
             print("FSDP2 state from rank processes (gloo), next to torch.distributed.checkpoint on the same disk:")
             bench_fsdp(total, root, args.repeat)
         if "peers" in sections:
-            from .bench_peers import bench_peers, plot
+            from tiered_ckpt.bench_peers import bench_peers, plot
 
             print("peers: the same state saved and loaded by each (interleaved rounds):")
             table = bench_peers(states, root, args.repeat)
@@ -575,7 +575,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "train" in sections:
             del states
             print("training loop (numpy matmuls, checkpoint every 20 steps):")
-            from .bench_train import bench_train
+            from tiered_ckpt.bench_train import bench_train
 
             bench_train(root, args.ranks, args.train_steps, args.repeat)
     finally:

@@ -59,7 +59,7 @@ def bench_fsdp(total_bytes: int, root: Path, repeat: int) -> None:
 
 
 def _run(root: Path, processes: int, layers: int, repeat: int) -> list[dict[str, float]]:
-    from .bench import run_rank_processes  # bench imports this module when it runs the section
+    from tiered_ckpt.bench import run_rank_processes  # bench imports this module when it runs the section
 
     command = [sys.executable, "-m", "tiered_ckpt.bench_fsdp"]
     rounds: list[dict[str, float]] = run_rank_processes(command, root, processes, "fsdp", layers=layers, repeat=repeat)
@@ -75,8 +75,8 @@ def rank_process(config_path: Path, rank: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from .coordination import TorchDistributedCoordinator
-    from .manager import CheckpointManager
+    from tiered_ckpt.dist.coordination import TorchDistributedCoordinator
+    from tiered_ckpt.manager import CheckpointManager
 
     config = json.loads(config_path.read_text())
     processes = config["processes"]

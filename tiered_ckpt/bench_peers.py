@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench import (
+from tiered_ckpt.bench import (
     COLD_READ,
     DISK_LIMIT,
     SHA256_LIMIT,
@@ -46,7 +46,7 @@ from .bench import (
     peak_rss_growth,
     timed,
 )
-from .sharded import default_workers
+from tiered_ckpt.sharded import default_workers
 
 __all__ = ["PeerRow", "PeerTable", "bench_peers", "plot"]
 
@@ -110,8 +110,8 @@ def _files_per_shard(directory: Path, shards: int, write: Callable[[int, Path], 
 
 
 def _ours() -> _Method:
-    from .manager import CheckpointManager
-    from .sharded import load_sharded, save_sharded
+    from tiered_ckpt.manager import CheckpointManager
+    from tiered_ckpt.sharded import load_sharded, save_sharded
 
     def async_save(states: States, directory: Path) -> tuple[float, Callable[[], None]]:
         manager = CheckpointManager(directory, world_size=len(states), keep_last=None)

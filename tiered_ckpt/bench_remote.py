@@ -19,10 +19,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from .bench import Timings, make_states, timed
-from .layout import step_dir_name
-from .manifest import ShardManifest
-from .sharded import run_parallel, save_sharded
+from tiered_ckpt.bench import Timings, make_states, timed
+from tiered_ckpt.format.layout import step_dir_name
+from tiered_ckpt.format.manifest import ShardManifest
+from tiered_ckpt.sharded import run_parallel, save_sharded
 
 __all__ = ["bench_remote"]
 
@@ -46,10 +46,10 @@ def _remote_run(
     timings: Timings,
 ) -> None:
     """One run of the remote benchmark: ours and boto3's, up and down, into one fresh bucket."""
-    from .local import LocalTier
-    from .remote import RemoteTier
-    from .store import TieredStore
-    from .uploader import Uploader
+    from tiered_ckpt.engine.uploader import Uploader
+    from tiered_ckpt.tiers.local import LocalTier
+    from tiered_ckpt.tiers.remote import RemoteTier
+    from tiered_ckpt.tiers.store import TieredStore
 
     client.create_bucket(Bucket=bucket)
     tier = RemoteTier(f"s3://{bucket}/ours", options)

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from .bench import show_ratio, timed
-from .sharded import load_sharded, save_sharded
-from .state import Structure, flatten
+from tiered_ckpt.bench import show_ratio, timed
+from tiered_ckpt.format.state import Structure, flatten
+from tiered_ckpt.sharded import load_sharded, save_sharded
 
 __all__ = ["bench_structure", "optimizer_state"]
 

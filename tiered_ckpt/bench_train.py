@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .manager import CheckpointManager
+from tiered_ckpt.manager import CheckpointManager
 
 __all__ = ["bench_train"]
 

@@ -21,13 +21,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from . import __version__
-from .config import ENV_PREFIX, Config, load_config
-from .errors import CheckpointError, ConfigError, IncompleteCheckpointError, UsageError
-from .layout import MANIFEST_NAME, parse_step_dir_name
-from .local import LocalTier
-from .store import TieredStore
-from .uploader import Uploader
+from tiered_ckpt import __version__
+from tiered_ckpt.config import ENV_PREFIX, Config, load_config
+from tiered_ckpt.engine.uploader import Uploader
+from tiered_ckpt.errors import CheckpointError, ConfigError, IncompleteCheckpointError, UsageError
+from tiered_ckpt.format.layout import MANIFEST_NAME, parse_step_dir_name
+from tiered_ckpt.tiers.local import LocalTier
+from tiered_ckpt.tiers.store import TieredStore
 
 __all__ = ["main", "DESCRIPTION", "EPILOG"]
 
@@ -347,11 +347,11 @@ COMMANDS: dict[str, Callable[[Config, argparse.Namespace], tuple[int, Any]]] = {
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments[:1] == ["bench"]:
-        from .bench import main as bench_main
+        from tiered_ckpt.bench import main as bench_main
 
         return bench_main(arguments[1:])
     if arguments[:1] == ["demo"]:
-        from .demo import main as demo_main
+        from tiered_ckpt.demo import main as demo_main
 
         return demo_main(arguments[1:])
     args = _parser().parse_args(arguments)

@@ -54,8 +54,8 @@ from typing import Any
 
 import yaml
 
-from .errors import ConfigError
-from .options import LocalOptions, RemoteOptions, UploadOptions, VerifyOptions
+from tiered_ckpt.errors import ConfigError
+from tiered_ckpt.options import LocalOptions, RemoteOptions, UploadOptions, VerifyOptions
 
 __all__ = ["Config", "LocalConfig", "RemoteConfig", "UploadConfig", "VerifyConfig", "load_config", "ENV_PREFIX"]
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .manager import CheckpointManager
+from tiered_ckpt.manager import CheckpointManager
 
 __all__ = ["WORLD_SIZE", "ZeroOneAdam", "batch", "loss_and_grad", "train_step", "train", "main"]
 

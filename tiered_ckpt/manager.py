@@ -37,9 +37,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypeVar, Unpack, overload
 
-from .config import Config, load_config
-from .coordination import Coordinator, agree_on, from_payload, resolve_coordinator, to_payload
-from .errors import (
+from tiered_ckpt.config import Config, load_config
+from tiered_ckpt.dist.coordination import Coordinator, agree_on, from_payload, resolve_coordinator, to_payload
+from tiered_ckpt.engine.preemption import PreemptionNotice, PreemptionWatch
+from tiered_ckpt.engine.restore import Restorer, RestoreResult, check_restore_arguments, same_call
+from tiered_ckpt.engine.staging import StagingBuffers
+from tiered_ckpt.engine.uploader import Uploader
+from tiered_ckpt.engine.writer import SaveHandle, Writer, check_cpus
+from tiered_ckpt.errors import (
     CheckpointError,
     CheckpointExistsError,
     ConfigError,
@@ -50,18 +55,19 @@ from .errors import (
     UsageError,
     restated,
 )
-from .local import LocalTier
-from .manifest import ShardManifest
-from .options import LocalOptions, ManagerKeywords, Options, RemoteOptions, UploadOptions, resolve_options
-from .preemption import PreemptionNotice, PreemptionWatch
-from .restore import Restorer, RestoreResult, check_restore_arguments, same_call
-from .sharded import check_manifest_fits, resolve_sharded_keys, sharding_summary, validate_states, validate_step
-from .shardfile import Verify
-from .staging import StagingBuffers
-from .state import FlatState, State, flatten
-from .store import Lag, TieredStore
-from .uploader import Uploader
-from .writer import SaveHandle, Writer, check_cpus
+from tiered_ckpt.format.manifest import ShardManifest
+from tiered_ckpt.format.shardfile import Verify
+from tiered_ckpt.format.state import FlatState, State, flatten
+from tiered_ckpt.options import LocalOptions, ManagerKeywords, Options, RemoteOptions, UploadOptions, resolve_options
+from tiered_ckpt.sharded import (
+    check_manifest_fits,
+    resolve_sharded_keys,
+    sharding_summary,
+    validate_states,
+    validate_step,
+)
+from tiered_ckpt.tiers.local import LocalTier
+from tiered_ckpt.tiers.store import Lag, TieredStore
 
 __all__ = ["CheckpointManager", "SaveHandle", "RestoreResult", "StagingBuffers"]
 

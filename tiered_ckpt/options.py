@@ -18,12 +18,12 @@ from typing import Any, Literal, TypedDict
 
 import fsspec
 
-from .errors import ConfigError, UsageError, invalid_option
-from .owners import OtherOwners, OwnershipPolicy
-from .remote import DEFAULT_PART_BYTES, DEFAULT_PART_CONCURRENCY, Layout, RemoteTier
-from .retention import RetentionPolicy
-from .retry import RetryPolicy
-from .shardfile import VERIFY_MODES, Verify
+from tiered_ckpt.errors import ConfigError, UsageError, invalid_option
+from tiered_ckpt.format.shardfile import VERIFY_MODES, Verify
+from tiered_ckpt.tiers.owners import OtherOwners, OwnershipPolicy
+from tiered_ckpt.tiers.remote import DEFAULT_PART_BYTES, DEFAULT_PART_CONCURRENCY, Layout, RemoteTier
+from tiered_ckpt.tiers.retention import RetentionPolicy
+from tiered_ckpt.tiers.retry import RetryPolicy
 
 __all__ = [
     "LocalOptions",

@@ -25,9 +25,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .errors import CheckpointExistsError, InvalidStateError, WorldSizeMismatchError
-from .layout import MANIFEST_NAME, shard_name
-from .local import (
+from tiered_ckpt.dist.replicas import assign, offer, put_back, written
+from tiered_ckpt.errors import CheckpointExistsError, InvalidStateError, WorldSizeMismatchError
+from tiered_ckpt.format.layout import MANIFEST_NAME, shard_name
+from tiered_ckpt.format.manifest import ShardManifest, ShardRecord, manifest_problem
+from tiered_ckpt.format.shardfile import Verify
+from tiered_ckpt.format.state import FlatState, flatten, flatten_into, sharded_names
+from tiered_ckpt.tiers.local import (
     commit_manifest,
     directory_lock,
     fsync_directory,
@@ -37,10 +41,6 @@ from .local import (
     remove_temp_files,
     write_shard_file,
 )
-from .manifest import ShardManifest, ShardRecord, manifest_problem
-from .replicas import assign, offer, put_back, written
-from .shardfile import Verify
-from .state import FlatState, flatten, flatten_into, sharded_names
 
 __all__ = [
     "save_sharded",

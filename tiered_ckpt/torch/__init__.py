@@ -1,8 +1,17 @@
-"""torch glue beyond state dicts: the ``torch.distributed.checkpoint`` storage backend.
+"""torch glue: tensor views and the ``torch.distributed.checkpoint`` storage backend.
 
-Importing this package imports torch (an optional dependency).
+``tiered_ckpt.torch.tensors`` never imports torch; the DCP backend (``TieredReader``,
+``TieredWriter``) does, so it is imported on first use.
 """
 
-from .dcp import TieredReader, TieredWriter
+from typing import Any
 
 __all__ = ["TieredReader", "TieredWriter"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from tiered_ckpt.torch import dcp
+
+        return getattr(dcp, name)
+    raise AttributeError(f"module 'tiered_ckpt.torch' has no attribute {name!r}")

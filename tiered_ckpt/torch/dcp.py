@@ -91,14 +91,14 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..errors import IncompleteCheckpointError, InvalidStateError, ShardFormatError, UsageError
-from ..layout import parse_step_dir_name, step_dir_name
-from ..manager import CheckpointManager
-from ..manifest import ChunkRecord, ShardManifest
-from ..sharded import run_parallel
-from ..shardfile import DTYPES
-from ..state import ChunkOf, Structure, path_text, unescape
-from ..tensors import as_complex, to_torch
+from tiered_ckpt.errors import IncompleteCheckpointError, InvalidStateError, ShardFormatError, UsageError
+from tiered_ckpt.format.layout import parse_step_dir_name, step_dir_name
+from tiered_ckpt.format.manifest import ChunkRecord, ShardManifest
+from tiered_ckpt.format.shardfile import DTYPES
+from tiered_ckpt.format.state import ChunkOf, Structure, path_text, unescape
+from tiered_ckpt.manager import CheckpointManager
+from tiered_ckpt.sharded import run_parallel
+from tiered_ckpt.torch.tensors import as_complex, to_torch
 
 __all__ = ["TieredWriter", "TieredReader"]
 

@@ -32,9 +32,9 @@ import ml_dtypes
 import numpy as np
 import xxhash
 
-from .blockread import read_blocks
-from .durable import observe_writes, write_all
-from .errors import ConfigError, InvalidStateError, ShardFormatError
+from tiered_ckpt.errors import ConfigError, InvalidStateError, ShardFormatError
+from tiered_ckpt.io.blockread import read_blocks
+from tiered_ckpt.io.durable import observe_writes, write_all
 
 __all__ = [
     "Verify",

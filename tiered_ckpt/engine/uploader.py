@@ -62,14 +62,29 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .coordination import Coordinator, SingleProcessCoordinator, agree, agree_on, decide, from_payload, to_payload
-from .errors import CheckpointError, ErrorBox, IncompleteCheckpointError, RemoteError, UploadError, UsageError
-from .manifest import RemoteManifest, ShardManifest, ShardRecord
-from .options import UploadOptions
-from .owners import Lease, OwnershipPolicy
-from .retention import RetentionPolicy
-from .sharded import run_parallel
-from .store import TieredStore
+from tiered_ckpt.dist.coordination import (
+    Coordinator,
+    SingleProcessCoordinator,
+    agree,
+    agree_on,
+    decide,
+    from_payload,
+    to_payload,
+)
+from tiered_ckpt.errors import (
+    CheckpointError,
+    ErrorBox,
+    IncompleteCheckpointError,
+    RemoteError,
+    UploadError,
+    UsageError,
+)
+from tiered_ckpt.format.manifest import RemoteManifest, ShardManifest, ShardRecord
+from tiered_ckpt.options import UploadOptions
+from tiered_ckpt.sharded import run_parallel
+from tiered_ckpt.tiers.owners import Lease, OwnershipPolicy
+from tiered_ckpt.tiers.retention import RetentionPolicy
+from tiered_ckpt.tiers.store import TieredStore
 
 __all__ = ["Uploader"]
 

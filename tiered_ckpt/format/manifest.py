@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
-from .errors import ChecksumMismatchError, ManifestError, ShardCountMismatchError
-from .layout import MANIFEST_NAME, is_plain_name
-from .shardfile import DTYPES, MAX_DIMS, MAX_HEADER_BYTES, ShardDigest, json_length_bound
+from tiered_ckpt.errors import ChecksumMismatchError, ManifestError, ShardCountMismatchError
+from tiered_ckpt.format.layout import MANIFEST_NAME, is_plain_name
+from tiered_ckpt.format.shardfile import DTYPES, MAX_DIMS, MAX_HEADER_BYTES, ShardDigest, json_length_bound
 
 __all__ = [
     "SCHEMA_VERSION",

@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InvalidStateError, ReshardError
-from .manifest import ChunkRecord, ShardManifest
-from .shardfile import into_difference
-from .state import Chunk, FlatState, State, Structure, flatten, path_text
+from tiered_ckpt.errors import InvalidStateError, ReshardError
+from tiered_ckpt.format.manifest import ChunkRecord, ShardManifest
+from tiered_ckpt.format.shardfile import into_difference
+from tiered_ckpt.format.state import Chunk, FlatState, State, Structure, flatten, path_text
 
 __all__ = [
     "partition_sizes",

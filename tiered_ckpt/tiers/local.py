@@ -26,8 +26,7 @@ from typing import BinaryIO, TypeVar
 
 import numpy as np
 
-from .durable import atomic_write, fsync_directory, write_bytes
-from .errors import (
+from tiered_ckpt.errors import (
     CheckpointError,
     ChecksumMismatchError,
     DirectoryInUseError,
@@ -35,7 +34,7 @@ from .errors import (
     ManifestError,
     UsageError,
 )
-from .layout import (
+from tiered_ckpt.format.layout import (
     AGREEMENT_NAME,
     HELD_NAME,
     MANIFEST_NAME,
@@ -45,9 +44,18 @@ from .layout import (
     step_dir_name,
     temp_target,
 )
-from .manifest import MAX_MANIFEST_BYTES, RemoteManifest, ShardManifest, ShardRecord
-from .shardfile import ShardDigest, Verify, check_verify, hash_stream, read_hashing, read_shard, write_shard
-from .state import FlatState
+from tiered_ckpt.format.manifest import MAX_MANIFEST_BYTES, RemoteManifest, ShardManifest, ShardRecord
+from tiered_ckpt.format.shardfile import (
+    ShardDigest,
+    Verify,
+    check_verify,
+    hash_stream,
+    read_hashing,
+    read_shard,
+    write_shard,
+)
+from tiered_ckpt.format.state import FlatState
+from tiered_ckpt.io.durable import atomic_write, fsync_directory, write_bytes
 
 __all__ = [
     "LocalTier",

@@ -29,8 +29,8 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
-from . import errors
-from .errors import CheckpointError, ConfigError, CoordinationError, UsageError, invalid_option
+from tiered_ckpt import errors
+from tiered_ckpt.errors import CheckpointError, ConfigError, CoordinationError, UsageError, invalid_option
 
 __all__ = [
     "Coordinator",

@@ -50,9 +50,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .errors import InvalidStateError, ShardFormatError
-from .manifest import ChunkRecord, record_bytes_bound
-from .shardfile import (
+from tiered_ckpt.errors import InvalidStateError, ShardFormatError
+from tiered_ckpt.format.manifest import ChunkRecord, record_bytes_bound
+from tiered_ckpt.format.shardfile import (
     MAX_DIMS,
     ShardContents,
     ShardDigest,
@@ -60,7 +60,7 @@ from .shardfile import (
     dtype_code,
     header_problem,
 )
-from .tensors import as_complex, float_pairs, is_tensor, to_numpy, to_torch
+from tiered_ckpt.torch.tensors import as_complex, float_pairs, is_tensor, to_numpy, to_torch
 
 __all__ = [
     "State",

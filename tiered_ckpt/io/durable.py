@@ -32,7 +32,7 @@ from typing import BinaryIO, TypeVar, cast
 
 import numpy as np
 
-from .layout import temp_name
+from tiered_ckpt.format.layout import temp_name
 
 __all__ = [
     "fsync_directory",

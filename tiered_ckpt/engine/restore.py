@@ -32,19 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from .coordination import Coordinator, agree_on, decide, exchange
-from .errors import (
-    CheckpointError,
-    IncompleteCheckpointError,
-    InvalidStateError,
-    ManifestError,
-    UsageError,
-    WorldSizeMismatchError,
-    restated,
-)
-from .manifest import RemoteManifest, ShardManifest, ShardRecord
-from .replicas import missing, put_back, share
-from .reshard import (
+from tiered_ckpt.dist.coordination import Coordinator, agree_on, decide, exchange
+from tiered_ckpt.dist.replicas import missing, put_back, share
+from tiered_ckpt.dist.reshard import (
     ChunkPlan,
     direct_destination,
     fill_chunks,
@@ -53,10 +43,20 @@ from .reshard import (
     reshard_rank,
     source_ranks,
 )
-from .sharded import check_into, check_world_size, run_parallel
-from .shardfile import Verify, check_verify
-from .state import FlatState, State, flatten_into
-from .store import Source, TieredStore
+from tiered_ckpt.errors import (
+    CheckpointError,
+    IncompleteCheckpointError,
+    InvalidStateError,
+    ManifestError,
+    UsageError,
+    WorldSizeMismatchError,
+    restated,
+)
+from tiered_ckpt.format.manifest import RemoteManifest, ShardManifest, ShardRecord
+from tiered_ckpt.format.shardfile import Verify, check_verify
+from tiered_ckpt.format.state import FlatState, State, flatten_into
+from tiered_ckpt.sharded import check_into, check_world_size, run_parallel
+from tiered_ckpt.tiers.store import Source, TieredStore
 
 __all__ = ["RestoreResult", "Restorer", "StepReport", "same_call", "rank_ranges"]
 

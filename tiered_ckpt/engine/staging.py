@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .shardfile import check_arrays
+from tiered_ckpt.format.shardfile import check_arrays
 
 __all__ = ["StagingBuffers"]
 

@@ -49,8 +49,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from .errors import CheckpointError, ManifestError, RemoteError, RemoteInUseError, invalid_option
-from .remote import MAX_OWNER_BYTES, RemoteTier
+from tiered_ckpt.errors import CheckpointError, ManifestError, RemoteError, RemoteInUseError, invalid_option
+from tiered_ckpt.tiers.remote import MAX_OWNER_BYTES, RemoteTier
 
 __all__ = ["OwnershipPolicy", "OwnerRecord", "Lease", "OtherOwners", "live_owners", "OWNER_KIND"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-from .errors import invalid_option
+from tiered_ckpt.errors import invalid_option
 
 __all__ = ["RetentionPolicy", "awaiting_upload", "protected_locally", "retainable"]
 

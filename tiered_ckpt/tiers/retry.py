@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from .errors import RemoteError
+from tiered_ckpt.errors import RemoteError
 
 __all__ = ["RetryPolicy", "is_transient"]
 

@@ -65,10 +65,14 @@ import numpy as np
 from fsspec.asyn import sync
 from fsspec.core import url_to_fs
 
-from .checksums import StoreSums, check_source, store_sums
-from .durable import atomic_write, write_bytes
-from .errors import CheckpointError, ChecksumMismatchError, IncompleteCheckpointError, ManifestError, RemoteError
-from .layout import (
+from tiered_ckpt.errors import (
+    CheckpointError,
+    ChecksumMismatchError,
+    IncompleteCheckpointError,
+    ManifestError,
+    RemoteError,
+)
+from tiered_ckpt.format.layout import (
     LATEST_NAME,
     MANIFEST_NAME,
     OWNERS_DIR,
@@ -77,10 +81,12 @@ from .layout import (
     parse_step_dir_name,
     step_dir_name,
 )
-from .manifest import MAX_MANIFEST_BYTES, RemoteManifest, ShardManifest, ShardRecord
-from .multipart import Upload, Window, list_open_uploads
-from .retry import RetryPolicy, is_transient
-from .shardfile import ShardDigest, Verify, copy_and_hash, copy_hashing, hash_stream
+from tiered_ckpt.format.manifest import MAX_MANIFEST_BYTES, RemoteManifest, ShardManifest, ShardRecord
+from tiered_ckpt.format.shardfile import ShardDigest, Verify, copy_and_hash, copy_hashing, hash_stream
+from tiered_ckpt.io.durable import atomic_write, write_bytes
+from tiered_ckpt.tiers.checksums import StoreSums, check_source, store_sums
+from tiered_ckpt.tiers.multipart import Upload, Window, list_open_uploads
+from tiered_ckpt.tiers.retry import RetryPolicy, is_transient
 
 __all__ = ["RemoteTier", "RetryPolicy", "is_transient"]
 

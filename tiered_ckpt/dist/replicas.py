@@ -34,11 +34,11 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from .coordination import Coordinator, exchange
-from .errors import ChecksumMismatchError, InvalidStateError, ManifestError, ShardFormatError
-from .manifest import ChunkRecord, ShardManifest, ShardRecord
-from .shardfile import DTYPES, dtype_code
-from .state import Chunk, FlatState, path_text
+from tiered_ckpt.dist.coordination import Coordinator, exchange
+from tiered_ckpt.errors import ChecksumMismatchError, InvalidStateError, ManifestError, ShardFormatError
+from tiered_ckpt.format.manifest import ChunkRecord, ShardManifest, ShardRecord
+from tiered_ckpt.format.shardfile import DTYPES, dtype_code
+from tiered_ckpt.format.state import Chunk, FlatState, path_text
 
 __all__ = ["Offer", "offer", "assign", "leave_out", "written", "missing", "put_back", "share"]
 

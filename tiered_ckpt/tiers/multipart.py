@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checksums import StoreSums, part_crc32c
-from .errors import RemoteError
+from tiered_ckpt.errors import RemoteError
+from tiered_ckpt.tiers.checksums import StoreSums, part_crc32c
 
 __all__ = ["Window", "UploadStats", "Upload", "is_throttle", "list_open_uploads"]
 

@@ -34,16 +34,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from .coordination import Coordinator, agree_on, from_payload, to_payload
-from .errors import CheckpointError, ConfigError, ErrorBox, SaveError
-from .manifest import ShardManifest, ShardRecord
-from .replicas import leave_out
-from .retention import RetentionPolicy
-from .sharded import write_shards
-from .staging import StagingBuffers
-from .state import FlatState
-from .store import TieredStore
-from .uploader import Uploader
+from tiered_ckpt.dist.coordination import Coordinator, agree_on, from_payload, to_payload
+from tiered_ckpt.dist.replicas import leave_out
+from tiered_ckpt.engine.staging import StagingBuffers
+from tiered_ckpt.engine.uploader import Uploader
+from tiered_ckpt.errors import CheckpointError, ConfigError, ErrorBox, SaveError
+from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
+from tiered_ckpt.format.state import FlatState
+from tiered_ckpt.sharded import write_shards
+from tiered_ckpt.tiers.retention import RetentionPolicy
+from tiered_ckpt.tiers.store import TieredStore
 
 __all__ = ["Writer", "SaveHandle", "check_cpus"]
 

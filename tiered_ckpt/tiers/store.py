@@ -29,7 +29,7 @@ from typing import Any, Literal, NoReturn, TypeVar
 
 import numpy as np
 
-from .errors import (
+from tiered_ckpt.errors import (
     CheckpointError,
     ChecksumMismatchError,
     IncompleteCheckpointError,
@@ -38,14 +38,14 @@ from .errors import (
     ShardFormatError,
     UsageError,
 )
-from .local import LocalTier
-from .manifest import RemoteManifest, ShardManifest, ShardRecord
-from .owners import live_owners
-from .remote import RemoteTier
-from .retention import RetentionPolicy, awaiting_upload, protected_locally, retainable
-from .sharded import run_parallel
-from .shardfile import Verify, copy_and_hash, read_header
-from .state import FlatState, structure_of
+from tiered_ckpt.format.manifest import RemoteManifest, ShardManifest, ShardRecord
+from tiered_ckpt.format.shardfile import Verify, copy_and_hash, read_header
+from tiered_ckpt.format.state import FlatState, structure_of
+from tiered_ckpt.sharded import run_parallel
+from tiered_ckpt.tiers.local import LocalTier
+from tiered_ckpt.tiers.owners import live_owners
+from tiered_ckpt.tiers.remote import RemoteTier
+from tiered_ckpt.tiers.retention import RetentionPolicy, awaiting_upload, protected_locally, retainable
 
 __all__ = ["TieredStore", "StepStatus", "ShardCheck", "Lag", "Source"]
 

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from .durable import BLOCK_BYTES, aligned_block
+from tiered_ckpt.io.durable import BLOCK_BYTES, aligned_block
 
 __all__ = ["BLOCK_BYTES", "read_blocks"]
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from .coordination import Coordinator, exchange
-from .errors import UsageError
+from tiered_ckpt.dist.coordination import Coordinator, exchange
+from tiered_ckpt.errors import UsageError
 
 __all__ = ["PreemptionNotice", "PreemptionWatch"]
 

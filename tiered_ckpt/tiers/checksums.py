@@ -27,8 +27,8 @@ from pathlib import Path
 import crc32c as _crc32c
 import xxhash
 
-from .manifest import ShardRecord
-from .shardfile import ShardDigest
+from tiered_ckpt.format.manifest import ShardRecord
+from tiered_ckpt.format.shardfile import ShardDigest
 
 __all__ = ["StoreSums", "store_sums", "part_crc32c", "composite_crc32c", "check_source"]
 

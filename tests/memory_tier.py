@@ -1,0 +1,111 @@
+"""A tier in this process's memory, for tests: the smallest implementation of the tier protocol.
+
+It holds shards and manifests in dicts; it is what the contract tests run on first, and
+what a store with more tiers than a disk and a bucket is tried with. Not durable, not
+shared between nodes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import threading
+from collections.abc import Callable
+from typing import BinaryIO, TypeVar
+
+import xxhash
+
+from tiered_ckpt.errors import CheckpointExistsError, IncompleteCheckpointError, ManifestError
+from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
+from tiered_ckpt.format.shardfile import ShardDigest, Verify
+from tiered_ckpt.tiers.base import Capabilities, ShardSource
+
+T = TypeVar("T")
+
+
+def digest_of(data: bytes) -> ShardDigest:
+    return ShardDigest(len(data), hashlib.sha256(data).hexdigest(), xxhash.xxh3_64_hexdigest(data))
+
+
+class MemoryTier:
+    """Checkpoints in a dict; ``name`` and ``capabilities`` as a test needs them."""
+
+    def __init__(self, name: str = "memory", *, durable: bool = False, shared: bool = False) -> None:
+        self.name = name
+        self.capabilities = Capabilities(
+            durable=durable, shared=shared, create_only_commit=True, store_checksums=False, ranged_reads=True
+        )
+        self.shards: dict[tuple[int, str], bytes] = {}
+        self.manifests: dict[int, bytes] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"MemoryTier({self.name!r})"
+
+    def steps(self) -> list[int]:
+        return sorted(self.manifests)
+
+    def uncommitted_steps(self) -> list[int]:
+        return sorted({step for step, _ in self.shards} - set(self.manifests))
+
+    def manifest(self, step: int) -> ShardManifest:
+        source = f"{self.name}: step {step}'s manifest"
+        manifest = ShardManifest.from_json(self.manifests[step], source=source)
+        if manifest.step != step:
+            raise ManifestError(f"{source}: field 'step' is {manifest.step}")
+        return manifest
+
+    def _data(self, step: int, record: ShardRecord) -> bytes:
+        try:
+            return self.shards[(step, record.path)]
+        except KeyError:
+            raise IncompleteCheckpointError(f"{self.name}: step {step}, {record.path}: missing") from None
+
+    def open_shard(self, step: int, record: ShardRecord, consume: Callable[[BinaryIO], T]) -> T:
+        return consume(io.BytesIO(self._data(step, record)[: record.size_bytes + 1]))
+
+    def read_range_into(
+        self, step: int, record: ShardRecord, offset: int, buffer: memoryview, verify: Verify = "full"
+    ) -> str:
+        data = self._data(step, record)[offset : offset + len(buffer)]
+        if len(data) != len(buffer):
+            raise IncompleteCheckpointError(f"{self.name}: step {step}, {record.path}: shorter than recorded")
+        buffer[:] = data
+        return xxhash.xxh3_64_hexdigest(data) if verify == "fast" else hashlib.sha256(data).hexdigest()
+
+    def check_shard(self, step: int, record: ShardRecord) -> str | None:
+        data = self.shards.get((step, record.path))
+        if data is None:
+            return f"{self.name}: step {step}, {record.path}: missing"
+        problem = record.mismatch(digest_of(data))
+        return f"{self.name}: step {step}, {record.path}: {problem}" if problem else None
+
+    def land_shard(
+        self, step: int, record: ShardRecord, source: ShardSource, *, deadline: float | None = None
+    ) -> None:
+        if source.write is not None:
+            out = io.BytesIO()
+            source.write(out)
+            data = out.getvalue()
+        else:
+            assert source.path is not None
+            data = source.path.read_bytes()
+        record.verify(digest_of(data), f"{self.name}: step {step}, {record.path}")
+        with self._lock:
+            self.shards[(step, record.path)] = data
+
+    def commit(self, manifest: ShardManifest, *, deadline: float | None = None) -> None:
+        for record in manifest.shards:
+            self._data(manifest.step, record)
+        with self._lock:
+            if manifest.step in self.manifests:
+                if self.manifest(manifest.step).shards != manifest.shards:
+                    raise CheckpointExistsError(f"{self.name}: another checkpoint of step {manifest.step} is committed")
+                return
+            self.manifests[manifest.step] = manifest.to_json().encode()
+
+    def delete_step(self, step: int) -> None:
+        with self._lock:
+            self.manifests.pop(step, None)
+            for key in [key for key in self.shards if key[0] == step]:
+                del self.shards[key]

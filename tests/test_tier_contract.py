@@ -1,0 +1,17 @@
+"""The tier contract (tests/tier_contract.py) on each tier: memory here; each real tier's tests subclass it too."""
+
+import pytest
+from memory_tier import MemoryTier
+from tier_contract import TierContract
+
+
+class TestMemoryTier(TierContract):
+    @pytest.fixture
+    def tier(self):
+        return MemoryTier()
+
+    def replace_shard(self, tier, step, record, data):
+        tier.shards[(step, record.path)] = data
+
+    def replace_manifest(self, tier, step, data):
+        tier.manifests[step] = data

@@ -1,0 +1,1 @@
+"""A running job's background work: staging, the writer, uploads, restores, preemption."""

@@ -1,0 +1,1 @@
+"""Bytes on a file system: durable writes (temp, fsync, rename) and block reads."""

@@ -1,0 +1,135 @@
+"""The tier protocol: the words every tier speaks, and a record of what a tier can do.
+
+A tier holds checkpoints of one job in one place (this node's disk, a bucket, a partner's
+memory). It knows only its own storage; tiers meet in :class:`~tiered_ckpt.tiers.store.TieredStore`,
+which moves shards between them. Every tier implements :class:`Tier`; what differs between
+them is said by :class:`Capabilities`, never by a tier's type.
+
+A step's life on a tier, in the order the calls are made:
+
+1. ``steps()`` and ``uncommitted_steps()``: what the tier holds, committed or not (a step
+   being written, or left by a crash: a later ``delete_step`` removes it).
+2. ``land_shard(step, record, source)`` for each shard the caller holds: the shard's bytes
+   appear under their final name only once they match ``record`` (size and sha256); a failed
+   or interrupted landing leaves nothing a reader could take for the shard.
+3. ``commit(manifest)``: the step is visible exactly once this returns, and only if every
+   shard of it was landed (on a tier that is ``shared``, by every rank). Where
+   ``capabilities.create_only_commit``, a second commit of a different checkpoint of the same
+   step is refused rather than written over the first.
+4. ``manifest(step)``: the step's manifest, strictly validated (manifests are untrusted
+   input); one that names another step is refused.
+5. ``open_shard(step, record, consume)`` to stream a shard whole, or, where
+   ``capabilities.ranged_reads``, ``read_range_into(step, record, offset, buffer)`` for parts
+   of it. Neither verifies the whole shard: the caller hashes what it reads (the store does).
+6. ``check_shard(step, record)``: read and hash one shard, returning the problem or None.
+7. ``delete_step(step)``: the step becomes invisible first (its manifest goes), then its
+   shards; a crash in between leaves an uncommitted step, never a visible partial one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Protocol, TypeVar, runtime_checkable
+
+from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
+from tiered_ckpt.format.shardfile import ShardDigest, Verify
+
+__all__ = ["Capabilities", "ShardSource", "Tier"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a tier can do, for the store and the engine to decide by (never a tier's type).
+
+    ``durable``: a committed step survives the job's processes (and, for a disk, a reboot).
+    ``shared``: every node sees the same copy (a bucket); otherwise each node holds its own
+    (a local disk, a partner's memory), and a replaced node's copy is gone.
+    ``create_only_commit``: a commit never overwrites another commit of the same step.
+    ``store_checksums``: the storage computes a checksum of what it received, kept with the
+    object, so bytes changed in transit are caught without a download.
+    ``ranged_reads``: parts of a shard can be read without reading it whole.
+    """
+
+    durable: bool
+    shared: bool
+    create_only_commit: bool
+    store_checksums: bool
+    ranged_reads: bool
+
+
+@dataclass(frozen=True)
+class ShardSource:
+    """The bytes of one shard, handed to :meth:`Tier.land_shard`.
+
+    ``path``: a file on this node's disk holding them (a committed local shard), which a tier
+    may read in concurrent parts. ``write``: a function that streams them into a binary file
+    object and returns their digest (the writer serializing a state, a download being
+    refilled). At least one is given; given both, they hold the same bytes.
+    """
+
+    path: Path | None = None
+    write: Callable[[BinaryIO], ShardDigest] | None = None
+
+    def __post_init__(self) -> None:
+        if self.path is None and self.write is None:
+            raise ValueError("a ShardSource needs a path or a write function")
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """One place that holds checkpoints; the call sequence is in this module's docstring."""
+
+    name: str
+    """How restores and statuses name this tier ("local", "remote", ...)."""
+
+    capabilities: Capabilities
+
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first."""
+        ...
+
+    def uncommitted_steps(self) -> list[int]:
+        """Steps with shards but no commit, oldest first."""
+        ...
+
+    def manifest(self, step: int) -> ShardManifest:
+        """The validated manifest of committed ``step``."""
+        ...
+
+    def open_shard(self, step: int, record: ShardRecord, consume: Callable[[BinaryIO], T]) -> T:
+        """Open ``record``'s shard and return ``consume(stream)``; the stream ends after at most
+        ``record.size_bytes + 1`` bytes, so a shard longer than its record is never read whole."""
+        ...
+
+    def read_range_into(
+        self, step: int, record: ShardRecord, offset: int, buffer: memoryview, verify: Verify = "full"
+    ) -> str:
+        """Fill ``buffer`` with the shard's bytes from ``offset`` and return their sha256
+        (``verify="fast"``: their xxh3-64); a shard shorter than that raises."""
+        ...
+
+    def check_shard(self, step: int, record: ShardRecord) -> str | None:
+        """Read and hash ``record``'s shard; the problem (naming the copy), or None if it matches."""
+        ...
+
+    def land_shard(
+        self, step: int, record: ShardRecord, source: ShardSource, *, deadline: float | None = None
+    ) -> None:
+        """Put ``source``'s bytes at ``record``'s place in ``step``, atomically and verified.
+
+        A tier whose storage fails transiently retries until ``deadline`` (a
+        ``time.monotonic()`` value; None: its own retry policy alone decides)."""
+        ...
+
+    def commit(self, manifest: ShardManifest, *, deadline: float | None = None) -> None:
+        """Make ``manifest``'s step visible; its shards must have landed (``deadline``: as for
+        :meth:`land_shard`)."""
+        ...
+
+    def delete_step(self, step: int) -> None:
+        """Remove ``step``: its commit first, then its shards."""
+        ...

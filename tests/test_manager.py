@@ -583,9 +583,12 @@ def test_a_step_that_missed_its_deadline_in_an_outage_fails_only_wait_uploaded_a
     tmp_path, stoppable_s3, caplog
 ):
     server, url, options = stoppable_s3
-    with two_tier(tmp_path, (url, options), upload=outage_options(deadline_seconds=1)) as manager:
+    # Uploads that must succeed run under a deadline none can miss (however loaded the
+    # machine is); the 1 s deadlines are missed for certain, the bucket being down.
+    with two_tier(tmp_path, (url, options), upload=outage_options()) as manager:
         manager.save(1, zero1_states(seed=1))
         manager.wait(uploaded=True)
+    with two_tier(tmp_path, (url, options), upload=outage_options(deadline_seconds=1)) as manager:
         server.stop()
         manager.save(2, zero1_states(seed=2))
         until(lambda: "within its deadline" in (manager.status().last_error or ""), "step 2 missed its deadline")
@@ -595,10 +598,15 @@ def test_a_step_that_missed_its_deadline_in_an_outage_fails_only_wait_uploaded_a
             manager.wait(uploaded=True)
         assert caught.value.transient and caught.value.step == 3
         assert isinstance(caught.value.__cause__, RemoteError) and caught.value.__cause__.transient
-        server.start()
-        manager.save(4, zero1_states(seed=4))
         manager.wait(uploaded=True)  # each missed step is reported once
-        assert manager.remote_steps() == [1, 4] and {2, 3} <= set(manager.steps())
+        assert manager.steps() == [1, 2, 3]  # on local disk, whatever the bucket
+    server.start()
+    # Back online: the next manager on the directory uploads what missed its deadline, then the new step.
+    with two_tier(tmp_path, (url, options), upload=outage_options()) as manager:
+        manager.save(4, zero1_states(seed=4))
+        manager.wait(uploaded=True)
+        assert manager.remote_steps() == [1, 2, 3, 4]
+    with two_tier(tmp_path, (url, options), upload=outage_options(deadline_seconds=1)) as manager:
         server.stop()
         manager.save(5, zero1_states(seed=5))
         with caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
@@ -607,7 +615,7 @@ def test_a_step_that_missed_its_deadline_in_an_outage_fails_only_wait_uploaded_a
     server.start()
     with two_tier(tmp_path, (url, options), upload=outage_options()) as again:
         again.wait(uploaded=True)  # the next manager on the directory uploads it
-        assert again.remote_steps() == [1, 4, 5]
+        assert again.remote_steps() == [1, 2, 3, 4, 5]
 
 
 def test_leaving_the_with_block_on_an_error_does_not_wait_for_a_failing_bucket(tmp_path, stoppable_s3, caplog):

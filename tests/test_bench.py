@@ -68,6 +68,12 @@ def test_help_names_the_command_and_every_section():
     assert "--fsdp-processes N [N ...]" in result.stdout and "(default 2 4)" in result.stdout
 
 
+def test_a_rank_process_count_below_one_is_refused_before_measuring():
+    result = bench("--only", "dist", "--dist-processes", "2", "0", timeout=60)
+    assert result.returncode == 2 and "--dist-processes: 0 is not a positive integer" in result.stderr
+    assert result.stdout == ""
+
+
 def imported(path: Path) -> set[str]:
     """The modules ``path`` imports, at its top or inside a function."""
     names: set[str] = set()

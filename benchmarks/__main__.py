@@ -7,11 +7,11 @@ Prints the median GB/s of each measurement over ``--repeat`` rounds and the rati
 project targets, each the median of the rounds' own ratios (the disk's speed swings
 within a minute, so a figure is only compared with the limit measured in the same
 round). One module per section, each saying what it measures: ``sync`` (save and loads
-next to the disk's and sha256's limits), ``async_save``, ``retention``, ``dist`` (rank
-processes), ``train``, ``remote`` (moto's S3 server next to boto3), ``structure``,
-``fsdp`` (next to DCP) and, with ``--peers``, ``peers`` (safetensors, ``torch.save``, DCP on
-the same state); ``--plot FILE.png`` draws the peers table (needs matplotlib:
-``pip install 'tiered-ckpt[bench]'``). What they share is in :mod:`benchmarks.harness`.
+next to the disk's and sha256's limits), ``async`` (in ``async_save.py``), ``retention``,
+``dist`` (rank processes), ``train``, ``remote`` (moto's S3 server next to boto3),
+``structure``, ``fsdp`` (next to DCP) and, with ``--peers``, ``peers`` (safetensors,
+``torch.save``, DCP on the same state); ``--plot FILE.png`` draws the peers table (needs matplotlib:
+``pip install -e '.[bench]'``). What they share is in :mod:`benchmarks.harness`.
 """
 
 from __future__ import annotations

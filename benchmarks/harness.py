@@ -274,7 +274,7 @@ def check_plotting(path: Path) -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'tiered-ckpt[bench]'") from None
+        raise SystemExit("--plot needs matplotlib: pip install -e '.[bench]'") from None
     if not path.parent.resolve().is_dir():
         raise SystemExit(f"--plot {path}: no directory {path.parent}")
 

@@ -280,7 +280,7 @@ def print_table(table: PeerTable) -> None:
 
 def plot(table: PeerTable, path: Path) -> None:
     """Draw ``table`` into ``path`` (PNG): per method, bars of save / load warm / load cold GB/s,
-    and the limits as horizontal lines. Needs matplotlib (``pip install 'tiered-ckpt[bench]'``)."""
+    and the limits as horizontal lines. Needs matplotlib (``pip install -e '.[bench]'``)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -83,7 +83,7 @@ def bench_remote(size_gib: float, ranks: int, root: Path, repeat: int) -> None:
     try:
         import boto3
     except ImportError:
-        print("  skipped: needs boto3 and moto (pip install 'tiered-ckpt[bench]')")
+        print("  skipped: needs boto3 and moto (pip install -e '.[bench]')")
         return
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

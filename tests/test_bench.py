@@ -1,16 +1,29 @@
+"""Tests of the benchmark in benchmarks/ (outside the package): run as a user runs it,
+``python -m benchmarks`` from the repository root, and its import graph read from its source."""
+
+from __future__ import annotations
+
+import ast
 import subprocess
 import sys
+from pathlib import Path
+
+REPOSITORY = Path(__file__).resolve().parent.parent
+BENCHMARKS = REPOSITORY / "benchmarks"
+
+
+def bench(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks", *args], cwd=REPOSITORY, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_benchmark_runs_every_section_and_prints_its_ratios(tmp_path):
     (tmp_path / "scratch").mkdir()
-    result = subprocess.run(
-        [sys.executable, "-m", "tiered_ckpt.bench", "--size-gib", "0.02", "--remote-size-gib", "0.02"]
-        + ["--repeat", "1", "--train-steps", "20", "--params", "200", "--dir", str(tmp_path / "scratch")]
-        + ["--plot", str(tmp_path / "peers.png")],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    result = bench(
+        *["--size-gib", "0.02", "--remote-size-gib", "0.02", "--repeat", "1", "--train-steps", "20"],
+        *["--params", "200", "--dir", str(tmp_path / "scratch"), "--plot", str(tmp_path / "peers.png")],
+        *["--dist-processes", "1", "4", "--fsdp-processes", "2"],  # the fewest rank processes that say it all
     )
     assert result.returncode == 0, result.stderr
     for line in (
@@ -33,6 +46,7 @@ def test_benchmark_runs_every_section_and_prints_its_ratios(tmp_path):
         "stall: save(blocking=False) / dcp.async_save",
     ):
         assert line in result.stdout
+    assert "2 processes" not in result.stdout and "4 rank processes" not in result.stdout  # as told
     rows = [line.split()[0] for line in result.stdout.split("peers:")[1].splitlines()[3:7]]
     assert rows == ["tiered_ckpt", "safetensors", "torch.save", "dcp"]  # this library's row first
     assert (tmp_path / "peers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -40,11 +54,46 @@ def test_benchmark_runs_every_section_and_prints_its_ratios(tmp_path):
 
 
 def test_plotting_without_a_directory_to_write_to_fails_before_measuring(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "tiered_ckpt.bench", "--only", "sync", "--plot", str(tmp_path / "no" / "such.png")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = bench("--only", "sync", "--plot", str(tmp_path / "no" / "such.png"), timeout=60)
     assert result.returncode != 0 and "no directory" in result.stderr
     assert "save_sharded" not in result.stdout
+
+
+def test_help_names_the_command_and_every_section():
+    result = bench("--help", timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: python -m benchmarks")
+    assert "{sync,async,retention,dist,train,remote,structure,fsdp,peers}" in result.stdout
+    assert "--dist-processes N [N ...]" in result.stdout and "(default 1 2 4)" in result.stdout
+    assert "--fsdp-processes N [N ...]" in result.stdout and "(default 2 4)" in result.stdout
+
+
+def test_a_rank_process_count_below_one_is_refused_before_measuring():
+    result = bench("--only", "dist", "--dist-processes", "2", "0", timeout=60)
+    assert result.returncode == 2 and "--dist-processes: 0 is not a positive integer" in result.stderr
+    assert result.stdout == ""
+
+
+def imported(path: Path) -> set[str]:
+    """The modules ``path`` imports, at its top or inside a function."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module is not None:
+            names.add(node.module)
+            names |= {f"{node.module}.{alias.name}" for alias in node.names if node.module == "benchmarks"}
+    return names
+
+
+def test_the_benchmark_is_a_dag_of_a_harness_and_sections_and_the_library_never_imports_it():
+    modules = {path.stem: imported(path) for path in BENCHMARKS.glob("*.py")}
+    own = {stem: {name for name in names if name.split(".")[0] == "benchmarks"} for stem, names in modules.items()}
+    sections = set(modules) - {"__init__", "__main__", "harness"}
+    assert {"sync", "async_save", "retention", "dist", "train", "remote", "structure", "fsdp", "peers"} <= sections
+    assert own["harness"] == set() and own["__init__"] == set()  # the harness imports no section
+    for section in sections:
+        assert own[section] <= {"benchmarks.harness"}, section  # never another section
+    assert {f"benchmarks.{section}" for section in sections} <= own["__main__"]  # the main module picks them
+    for path in (REPOSITORY / "tiered_ckpt").rglob("*.py"):
+        assert not any(name.split(".")[0] == "benchmarks" for name in imported(path)), path

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from tiered_ckpt.bench import evict
 from tiered_ckpt.io import blockread
 from tiered_ckpt.io.blockread import BLOCK_BYTES, read_blocks
 
@@ -26,7 +25,13 @@ def _write(path: Path, size: int) -> bytes:
 
 
 def _evict(path: Path) -> None:
-    evict([path])
+    """Drop the file's (clean) pages from the page cache, so the next read comes from disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def _read_all(path: Path, size: int | None = None) -> bytes:

@@ -363,6 +363,13 @@ def test_version_is_the_one_pyproject_declares():
     assert code == 0 and out.strip() == f"tiered-ckpt {declared['project']['version']}"
 
 
+def test_bench_is_not_a_command_the_benchmark_lives_outside_the_package():
+    code, out, err = run(os.environ, "bench")
+    assert code == 2 and "invalid choice: 'bench'" in err and out == ""
+    code, out, _ = run(os.environ, "--help")
+    assert code == 0 and "bench" not in out
+
+
 @pytest.mark.parametrize("command", [[], ["ls"], ["verify"], ["pull"]])
 def test_help_is_plain_text_and_lists_the_environment_variables_and_exit_codes(command):
     code, out, _ = run(os.environ, *command, "--help")

@@ -330,7 +330,6 @@ def _parser() -> argparse.ArgumentParser:
     prune.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
     _global_options(prune, top=False)
     commands.add_parser("demo", help="the demo: a run killed, a disk lost, a bit-exact resume", add_help=False)
-    commands.add_parser("bench", help="the benchmark; arguments go to python -m tiered_ckpt.bench", add_help=False)
     return parser
 
 
@@ -346,10 +345,6 @@ COMMANDS: dict[str, Callable[[Config, argparse.Namespace], tuple[int, Any]]] = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
-    if arguments[:1] == ["bench"]:
-        from tiered_ckpt.bench import main as bench_main
-
-        return bench_main(arguments[1:])
     if arguments[:1] == ["demo"]:
         from tiered_ckpt.demo import main as demo_main
 

@@ -3,7 +3,7 @@
 A checkpoint goes up to moto's S3 server (its own process, on loopback) through the
 remote tier's defaults and comes back verified, and the same shard files go up and down
 with boto3's ``upload_file`` / ``download_file``, into a fresh bucket per round. Run
-through ``tiered_ckpt.bench`` (``--only remote``; needs the test extra: moto, boto3).
+through ``python -m benchmarks`` (``--only remote``; needs moto and boto3: the bench extra).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tiered_ckpt.bench import Timings, make_states, timed
+from benchmarks.harness import Timings, make_states, timed
 from tiered_ckpt.format.layout import step_dir_name
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.sharded import run_parallel, save_sharded
@@ -83,7 +83,7 @@ def bench_remote(size_gib: float, ranks: int, root: Path, repeat: int) -> None:
     try:
         import boto3
     except ImportError:
-        print("  skipped: needs boto3 and moto (pip install 'tiered-ckpt[test]')")
+        print("  skipped: needs boto3 and moto (pip install -e '.[bench]')")
         return
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from tiered_ckpt.bench import (
+from benchmarks.harness import (
     COLD_READ,
     DISK_LIMIT,
     SHA256_LIMIT,
@@ -193,7 +193,7 @@ def _dcp() -> _Method | None:
 
 
 def _limits(states: States, scratch: Path) -> dict[str, float]:
-    """The limits :func:`~tiered_ckpt.bench.measure_limits` measures now, as GB/s by label."""
+    """The limits :func:`~benchmarks.harness.measure_limits` measures now, as GB/s by label."""
     timings = Timings(sum(array.nbytes for state in states for array in state.values()))
     measure_limits(states, scratch, timings)
     labels = {DISK_LIMIT: f"write+fsync, {default_workers(len(states))} writers", COLD_READ: "read, cold"}
@@ -280,7 +280,7 @@ def print_table(table: PeerTable) -> None:
 
 def plot(table: PeerTable, path: Path) -> None:
     """Draw ``table`` into ``path`` (PNG): per method, bars of save / load warm / load cold GB/s,
-    and the limits as horizontal lines. Needs matplotlib (``pip install 'tiered-ckpt[plot]'``)."""
+    and the limits as horizontal lines. Needs matplotlib (``pip install -e '.[bench]'``)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -3,7 +3,7 @@
 A small numpy MLP-like loop (matmuls on every core, AdamW-like updates of fp32 master
 weights and two moments) runs without checkpoints, with a ``CheckpointManager`` saving
 asynchronously every 20 steps, and with its background writer pinned to one CPU, in
-interleaved rounds. Run through ``tiered_ckpt.bench`` (``--only train``).
+interleaved rounds. Run through ``python -m benchmarks`` (``--only train``).
 """
 
 from __future__ import annotations

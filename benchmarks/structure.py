@@ -3,7 +3,7 @@
 One rank's model + AdamW state of ``params`` parameter tensors, as ``state_dict()`` nests
 them, is saved and loaded with ``save_sharded`` / ``load_sharded``; the flattening and
 document writing, and the parsing and rebuilding, are also timed on their own. Run
-through ``tiered_ckpt.bench`` (``--only structure``).
+through ``python -m benchmarks`` (``--only structure``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from tiered_ckpt.bench import show_ratio, timed
+from benchmarks.harness import show_ratio, timed
 from tiered_ckpt.format.state import Structure, flatten
 from tiered_ckpt.sharded import load_sharded, save_sharded
 

@@ -7,8 +7,8 @@ barrier before to a barrier after every rank finished): ``CheckpointManager.save
 (every chunk verified by its sha256, and with ``verify="fast"`` by its xxh3-64) next to
 ``dcp.load`` with ``FileSystemReader`` (nothing verified), all warm; and how long each
 blocks the training loop when asynchronous: ``save(blocking=False)`` next to
-``dcp.async_save``. Run through ``tiered_ckpt.bench``
-(``--only fsdp``); the figures are rank 0's, medians of the rounds.
+``dcp.async_save``. Run through ``python -m benchmarks`` (``--only fsdp``); a rank process
+is ``python -m benchmarks.fsdp CONFIG RANK``; the figures are rank 0's, medians of the rounds.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
+
+from benchmarks.harness import run_rank_processes
 
 __all__ = ["bench_fsdp", "rank_process"]
 
@@ -29,8 +31,8 @@ WIDTH = 2048  # one layer: 4 Mi parameters, 48 MiB with AdamW's two moments
 MEASURES = ("save", "dcp.save", "load", "load fast", "dcp.load", "stall", "dcp.async_save stall")
 
 
-def bench_fsdp(total_bytes: int, root: Path, repeat: int) -> None:
-    """Print the section's figures for 2 and 4 rank processes."""
+def bench_fsdp(total_bytes: int, root: Path, repeat: int, counts: Sequence[int] = RANK_PROCESSES) -> None:
+    """Print the section's figures for each of ``counts`` rank processes (2 and 4 unless told)."""
     try:
         import torch.distributed.fsdp  # noqa: F401
     except ImportError:
@@ -38,7 +40,7 @@ def bench_fsdp(total_bytes: int, root: Path, repeat: int) -> None:
         return
     layers = max(1, total_bytes // (WIDTH * WIDTH * 12))
     print(f"  state {layers * WIDTH * WIDTH * 12 / 2**30:.2f} GiB ({layers} layers of {WIDTH}x{WIDTH}, AdamW)")
-    for processes in RANK_PROCESSES:
+    for processes in counts:
         directory = root / f"fsdp-{processes}"
         rounds = _run(directory, processes, layers, repeat)
         shutil.rmtree(directory)
@@ -59,9 +61,7 @@ def bench_fsdp(total_bytes: int, root: Path, repeat: int) -> None:
 
 
 def _run(root: Path, processes: int, layers: int, repeat: int) -> list[dict[str, float]]:
-    from tiered_ckpt.bench import run_rank_processes  # bench imports this module when it runs the section
-
-    command = [sys.executable, "-m", "tiered_ckpt.bench_fsdp"]
+    command = [sys.executable, "-m", "benchmarks.fsdp"]
     rounds: list[dict[str, float]] = run_rank_processes(command, root, processes, "fsdp", layers=layers, repeat=repeat)
     return rounds
 

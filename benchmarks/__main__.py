@@ -1,0 +1,99 @@
+"""Benchmark: save and load+verify speed next to this machine's limits, measured in the same run.
+
+Usage, from the repository root: ``python -m benchmarks [--size-gib 2] [--ranks 4] [--repeat 5]
+[--dir DIR] [--only SECTION ...] [--peers] [--plot FILE.png]``
+
+Prints the median GB/s of each measurement over ``--repeat`` rounds and the ratios the
+project targets, each the median of the rounds' own ratios (the disk's speed swings
+within a minute, so a figure is only compared with the limit measured in the same
+round). One module per section, each saying what it measures: ``sync`` (save and loads
+next to the disk's and sha256's limits), ``async`` (in ``async_save.py``), ``retention``,
+``dist`` (rank processes), ``train``, ``remote`` (moto's S3 server next to boto3),
+``structure``, ``fsdp`` (next to DCP) and, with ``--peers``, ``peers`` (safetensors,
+``torch.save``, DCP on the same state); ``--plot FILE.png`` draws the peers table (needs matplotlib:
+``pip install -e '.[bench]'``). What they share is in :mod:`benchmarks.harness`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from benchmarks import async_save, dist, fsdp, peers, remote, retention, structure, sync, train
+from benchmarks.harness import check_plotting, make_states, parser, positive
+
+__all__ = ["main"]
+
+SECTIONS = ("sync", "async", "retention", "dist", "train", "remote", "structure", "fsdp", "peers")
+DEFAULT = ("sync", "async", "retention", "dist", "train", "remote", "structure", "fsdp")
+IN_MEMORY = {"sync", "async", "retention", "peers"}  # the sections measuring one state made here
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the chosen sections in a scratch directory, removed afterwards; 0 when all ran."""
+    command = parser(SECTIONS, __doc__.split("\n\n")[0])
+    for section, counts in (("dist", dist.RANK_PROCESSES), ("fsdp", fsdp.RANK_PROCESSES)):
+        command.add_argument(
+            f"--{section}-processes",
+            type=positive,
+            nargs="+",
+            default=list(counts),
+            metavar="N",
+            help=f"rank process counts for '{section}' (default {' '.join(map(str, counts))})",
+        )
+    args = command.parse_args(argv)
+    sections = args.only or list(DEFAULT)
+    if args.peers or args.plot:
+        sections = [*sections, "peers"]
+    if args.plot is not None:
+        check_plotting(args.plot)
+
+    states = make_states(int(args.size_gib * 2**30), args.ranks) if IN_MEMORY & set(sections) else []
+    total = int(args.size_gib * 2**30)
+    print(
+        f"state: {total / 2**30:.2f} GiB over {args.ranks} ranks, medians of {args.repeat} runs, cpus={os.cpu_count()}"
+    )
+    # Sections that write many gigabytes remove each round's files after it (see harness.clear()).
+    root = Path(tempfile.mkdtemp(prefix="tiered-ckpt-bench-", dir=args.dir))
+    try:
+        if "sync" in sections:
+            print("save_sharded / load_sharded:")
+            sync.bench_sync(states, root, args.repeat)
+        if "async" in sections:
+            print("CheckpointManager async save:")
+            async_save.bench_async(states, root, args.repeat)
+        if "retention" in sections:
+            print("CheckpointManager blocking save, with and without local retention (interleaved):")
+            retention.bench_retention(states, root, args.repeat)
+        if "dist" in sections:
+            print("rank processes under torch.distributed (gloo), each saving its part to the same disk:")
+            dist.bench_dist(total, root, args.repeat, args.dist_processes)
+        if "remote" in sections:
+            print("remote tier (upload and download, against boto3 on the same server):")
+            remote.bench_remote(args.remote_size_gib, args.ranks, root, args.repeat)
+        if "structure" in sections:
+            print("the structure document of a nested optimizer state (save_sharded / load_sharded, warm):")
+            structure.bench_structure(args.params, total, root, args.repeat)
+        if "fsdp" in sections:
+            print("FSDP2 state from rank processes (gloo), next to torch.distributed.checkpoint on the same disk:")
+            fsdp.bench_fsdp(total, root, args.repeat, args.fsdp_processes)
+        if "peers" in sections:
+            print("peers: the same state saved and loaded by each (interleaved rounds):")
+            table = peers.bench_peers(states, root, args.repeat)
+            if args.plot is not None:
+                peers.plot(table, args.plot)
+                print(f"  plot written to {args.plot}")
+        if "train" in sections:
+            del states
+            print("training loop (numpy matmuls, checkpoint every 20 steps):")
+            train.bench_train(root, args.ranks, args.train_steps, args.repeat)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

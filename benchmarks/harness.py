@@ -1,0 +1,305 @@
+"""What the benchmark's sections share: the state they save, the clock, this machine's limits,
+rank processes, the printed figures and the command line.
+
+A figure is only compared with a limit measured in the same round (the disk's speed swings
+within a minute): :func:`measure_limits` records the limits of a save and a load now, and
+:class:`Timings` prints medians as GB/s and ratios as the median of each round's own ratio.
+Cold reads evict the files from the page cache with ``posix_fadvise(DONTNEED)`` first.
+The harness imports no section: ``benchmarks/__main__.py`` picks them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from tiered_ckpt.io.durable import atomic_write, write_all
+from tiered_ckpt.sharded import default_workers
+
+__all__ = [
+    "CACHED_WRITE",
+    "COLD_READ",
+    "DIRECT_WRITE",
+    "DISK_LIMIT",
+    "LIMIT",
+    "SHA256_LIMIT",
+    "Timings",
+    "cache",
+    "check_plotting",
+    "clear",
+    "evict",
+    "make_rank_state",
+    "make_states",
+    "measure_limits",
+    "parser",
+    "peak_rss_growth",
+    "positive",
+    "raw_read",
+    "raw_write",
+    "run_rank_processes",
+    "sha256_all_cores",
+    "show_ratio",
+    "timed",
+]
+
+CHUNK = 1 << 20
+REPOSITORY = Path(__file__).resolve().parent.parent  # holds benchmarks/: rank processes import it from there
+
+
+def make_states(total_bytes: int, ranks: int) -> list[dict[str, np.ndarray]]:
+    """ZeRO-1-like states: per rank an fp16 slice, fp32 master and two fp32 moments."""
+    return [make_rank_state(total_bytes, ranks, rank) for rank in range(ranks)]
+
+
+def make_rank_state(total_bytes: int, ranks: int, rank: int) -> dict[str, np.ndarray]:
+    """Rank ``rank``'s part of :func:`make_states`."""
+    numel = total_bytes // ranks // 14  # 2 + 4 + 4 + 4 bytes per element
+    rng = np.random.default_rng(rank)
+    return {
+        "param_fp16": rng.standard_normal(numel, dtype=np.float32).astype(np.float16),
+        "master_fp32": rng.standard_normal(numel, dtype=np.float32),
+        "exp_avg": rng.standard_normal(numel, dtype=np.float32),
+        "exp_avg_sq": rng.random(numel, dtype=np.float32),
+        "step": np.array(1, dtype=np.int64),
+    }
+
+
+def evict(paths: Sequence[Path]) -> None:
+    """Drop the files' (clean) pages from the page cache, so the next read comes from disk."""
+    os.sync()
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def cache(paths: Sequence[Path]) -> None:
+    """Read the files through the page cache, so that the next read finds them there: a save
+    writes, and a load of an uncached file reads, past the page cache, so neither leaves it
+    there."""
+    raw_read(paths)
+
+
+def raw_write(directory: Path, states: list[dict[str, np.ndarray]], writers: int, *, direct: bool = True) -> float:
+    """The disk's write limit as plain code reaches it: each rank's arrays to a file of its own,
+    ``writers`` files at a time, paced like a save (:func:`~tiered_ckpt.io.durable.atomic_write`:
+    blocks written by a thread per file, bypassing the page cache, or with ``direct=False``
+    through it with writeback started every few MiB; fsync, rename), nothing hashed."""
+
+    def write(rank: int) -> None:
+        def arrays(out: BinaryIO) -> None:
+            for array in states[rank].values():
+                view = memoryview(array.reshape(-1).view(np.uint8))
+                for start in range(0, len(view), CHUNK):
+                    write_all(out, view[start : start + CHUNK])
+
+        atomic_write(directory / f"raw-{rank}", arrays, direct=direct)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(writers) as pool:
+        list(pool.map(write, range(len(states))))
+    return time.perf_counter() - start
+
+
+def raw_read(paths: Sequence[Path]) -> float:
+    """Read the files sequentially into reused buffers, as many at a time as a load of as many
+    shards reads (:func:`~tiered_ckpt.sharded.default_workers`)."""
+
+    def read(path: Path) -> None:
+        buffer = bytearray(CHUNK * 8)
+        with open(path, "rb", buffering=0) as source:
+            while source.readinto(buffer):
+                pass
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(default_workers(len(paths))) as pool:
+        list(pool.map(read, paths))
+    return time.perf_counter() - start
+
+
+def sha256_all_cores(states: list[dict[str, np.ndarray]]) -> float:
+    """sha256 of every rank's bytes in memory, one thread per core."""
+
+    def digest(state: dict[str, np.ndarray]) -> str:
+        hasher = hashlib.sha256()
+        for array in state.values():
+            view = memoryview(array.reshape(-1).view(np.uint8))
+            for start in range(0, len(view), CHUNK):
+                hasher.update(view[start : start + CHUNK])
+        return hasher.hexdigest()
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        list(pool.map(digest, states))
+    return time.perf_counter() - start
+
+
+def peak_rss_growth(action: Callable[[], object]) -> int:
+    """Bytes by which the process's peak RSS rose above its RSS before ``action`` (Linux)."""
+
+    def status(field: str) -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError(f"{field} not in /proc/self/status")
+
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
+    before = status("VmRSS")
+    action()
+    return status("VmHWM") - before
+
+
+class Timings:
+    """Seconds per named measurement over repeated runs; reports medians as GB/s."""
+
+    def __init__(self, total_bytes: int) -> None:
+        self.total = total_bytes
+        self.seconds: dict[str, list[float]] = {}
+
+    def record(self, name: str, seconds: float) -> None:
+        self.seconds.setdefault(name, []).append(seconds)
+
+    def rate(self, name: str) -> float:
+        return self.total / statistics.median(self.seconds[name]) / 1e9
+
+    def print_ratio(self, label: str, name: str, baseline: str, target: str) -> None:
+        """Print the rate of ``name`` over the rate of ``baseline``, with its target."""
+        show_ratio(label, self.rate(name) / self.rate(baseline), target)
+
+    def print_paired_ratio(self, label: str, name: str, baseline: str, target: str) -> None:
+        """Print the median over runs of each run's ``name`` rate over its ``baseline`` rate.
+
+        For measurements taken back to back in each run: on a disk whose speed swings,
+        the ratio of two medians can pair a fast moment with a slow one.
+        """
+        pairs = zip(self.seconds[baseline], self.seconds[name], strict=True)
+        show_ratio(label, statistics.median(base / seconds for base, seconds in pairs), target)
+
+    def print_rates(self) -> None:
+        for name, values in self.seconds.items():
+            spread = [self.total / t / 1e9 for t in values]
+            print(f"  {name:<31} {self.rate(name):6.2f} GB/s   (min {min(spread):.2f}, max {max(spread):.2f})")
+
+
+def clear(directory: Path) -> None:
+    """Remove a round's files once it is measured, and let the disk settle before the next: on
+    a disk mounted with discard the deletion's discards go out at the journal's commit,
+    which ``sync`` forces now rather than in the middle of the next round. (Keeping every
+    round's files instead fills the disk: a 2 GiB state, 5 rounds, 4 peers.)"""
+    shutil.rmtree(directory, ignore_errors=True)
+    os.sync()
+
+
+def timed(action: Callable[[], object]) -> float:
+    """Seconds ``action`` takes; what it returns is freed after the clock stops (a caller keeps
+    what a load returns: freeing gigabytes is not part of loading them)."""
+    start = time.perf_counter()
+    result = action()
+    seconds = time.perf_counter() - start
+    del result
+    return seconds
+
+
+def show_ratio(name: str, value: float, target: str) -> None:
+    print(f"  {name:<46} {value:5.2f}  ({target})")
+
+
+CACHED_WRITE = "write+fsync, page cache"
+DIRECT_WRITE = "write+fsync, O_DIRECT"
+DISK_LIMIT = "disk limit: the faster write"
+SHA256_LIMIT = "sha256, all cores"
+LIMIT = "min(disk limit, sha256)"
+COLD_READ = "raw read, cold"
+
+
+def measure_limits(states: list[dict[str, np.ndarray]], scratch: Path, timings: Timings) -> None:
+    """Record the limits of a save and a load on this machine now: the disk's write limit with as
+    many writers as a save of ``states`` uses, its cold and warm sequential reads, sha256 on
+    all cores, and the lower of write and hash limits (as seconds: the slower of the two)."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    writers = default_workers(len(states))
+    cached_seconds = raw_write(scratch, states, writers, direct=False)
+    clear(scratch)
+    scratch.mkdir()
+    direct_seconds = raw_write(scratch, states, writers)
+    timings.record(CACHED_WRITE, cached_seconds)
+    timings.record(DIRECT_WRITE, direct_seconds)
+    write_seconds = min(cached_seconds, direct_seconds)
+    timings.record(DISK_LIMIT, write_seconds)
+    raw_files = sorted(scratch.glob("raw-*"))
+    evict(raw_files)
+    timings.record(COLD_READ, raw_read(raw_files))
+    timings.record("raw read, warm", raw_read(raw_files))
+    sha_seconds = sha256_all_cores(states)
+    timings.record(SHA256_LIMIT, sha_seconds)
+    timings.record(LIMIT, max(write_seconds, sha_seconds))
+
+
+def run_rank_processes(command: list[str], root: Path, processes: int, section: str, **settings: Any) -> Any:
+    """Run ``processes`` rank processes (``command CONFIG RANK``) joined through a file store in
+    ``root`` (created here), with a config of ``settings`` plus the store, ``root``, the process
+    count and where rank 0 writes its timings; return those timings (JSON)."""
+    root.mkdir()
+    config = root / "config.json"
+    results = root / "timings.json"
+    paths = {"store": str(root / "store"), "root": str(root), "results": str(results)}
+    config.write_text(json.dumps({**paths, "processes": processes, **settings}))
+    # The repository first on the path: ``python -m benchmarks.<section>`` works from any directory.
+    path = os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))
+    environment = {**os.environ, "PYTHONPATH": path}
+    children = [subprocess.Popen([*command, str(config), str(rank)], env=environment) for rank in range(processes)]
+    codes = [child.wait() for child in children]
+    if any(codes):
+        raise RuntimeError(f"rank processes of the {section} benchmark exited with {codes}")
+    return json.loads(results.read_text())
+
+
+def check_plotting(path: Path) -> None:
+    """Fail before measuring anything if ``path`` cannot be drawn: no matplotlib, or no such directory."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install -e '.[bench]'") from None
+    if not path.parent.resolve().is_dir():
+        raise SystemExit(f"--plot {path}: no directory {path.parent}")
+
+
+def positive(text: str) -> int:
+    """An integer of at least 1, for argparse."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def parser(sections: Sequence[str], description: str) -> argparse.ArgumentParser:
+    """The benchmark's command line; ``--only`` picks among ``sections`` (repeatable)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=description)
+    parser.add_argument("--size-gib", type=float, default=2.0, help="total state size (default 2)")
+    parser.add_argument("--ranks", type=int, default=4, help="number of ranks (default 4)")
+    parser.add_argument("--repeat", type=int, default=5, help="runs per measurement (default 5)")
+    parser.add_argument("--dir", type=Path, default=None, help="directory on the disk to measure")
+    parser.add_argument("--only", choices=list(sections), action="append", help="run only these sections (repeatable)")
+    parser.add_argument("--peers", action="store_true", help="add the peers section (safetensors, torch.save, DCP)")
+    parser.add_argument(
+        "--plot", type=Path, metavar="FILE.png", help="draw the peers section's table (implies --peers)"
+    )
+    parser.add_argument("--train-steps", type=int, default=200, help="training loop steps (default 200)")
+    parser.add_argument("--remote-size-gib", type=float, default=1.0, help="checkpoint size for 'remote' (default 1)")
+    parser.add_argument("--params", type=int, default=10_000, help="parameter tensors for 'structure' (default 10000)")
+    return parser

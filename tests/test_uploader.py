@@ -7,6 +7,7 @@ from collections import deque
 import numpy as np
 import pytest
 
+from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt import RemoteError, UploadError, save_sharded
 from tiered_ckpt.engine.uploader import Uploader
 from tiered_ckpt.errors import ErrorBox
@@ -72,7 +73,7 @@ def test_transient_failures_within_the_tries_still_commit(job):
     uploader.submit(1)
     uploader.wait()
     uploader.errors.raise_first()  # nothing failed
-    assert remote.committed_steps() == [1] and store.receipted(1)
+    assert remote.steps() == [1] and store.receipted(1)
     assert remote.puts == [1, 1, 1]  # two failed tries, then the one that went through
 
 
@@ -84,7 +85,7 @@ def test_a_transient_failure_that_outlasts_max_tries_is_tried_again_until_the_st
         uploader.submit(1)
         uploader.wait()
     uploader.errors.raise_first()  # nothing failed: a transient failure is no error
-    assert remote.committed_steps() == [1] and store.receipted(1)
+    assert remote.steps() == [1] and store.receipted(1)
     assert remote.puts == [1] * 11  # one retry loop per try of the step: tries never multiply
     retried = [r.getMessage() for r in caplog.records if r.getMessage().startswith("upload of step 1 failed")]
     assert len(retried) == 3 and all("reset by peer" in message for message in retried)
@@ -102,12 +103,12 @@ def test_a_step_that_misses_its_deadline_while_the_bucket_fails_stays_local_and_
         uploader.errors.raise_first()
     assert caught.value.transient and caught.value.step == 1 and caught.value.tries > 3
     assert "it stays local-only" in str(caught.value) and isinstance(caught.value.__cause__, RemoteError)
-    assert remote.committed_steps() == [] and not store.receipted(1) and 1 in store.local.steps()
+    assert remote.steps() == [] and not store.receipted(1) and 1 in store.local.steps()
     remote.down = False  # the bucket is back
     uploader.submit(2)
     uploader.wait()
     uploader.errors.raise_first()
-    assert remote.committed_steps() == [2]
+    assert remote.steps() == [2]
 
 
 def test_while_the_bucket_fails_the_queue_takes_steps_without_blocking_up_to_max_awaiting_upload(job, tmp_path):
@@ -132,7 +133,7 @@ def test_while_the_bucket_fails_the_queue_takes_steps_without_blocking_up_to_max
         remote.down = False
         uploader.wait()
         uploader.errors.raise_first()
-        assert remote.committed_steps() == [1, 6, 7, 8]
+        assert remote.steps() == [1, 6, 7, 8]
     finally:
         uploader.close()
 
@@ -159,7 +160,7 @@ def test_steps_are_uploaded_in_order_and_skip_drops_the_oldest_waiting(job):
     assert uploader.pending() == [1, 3]
     remote.hold.set()
     uploader.wait()
-    assert remote.committed_steps() == [1, 3]
+    assert remote.steps() == [1, 3]
 
 
 def test_wait_mode_blocks_the_submitter_until_there_is_room(job):
@@ -176,7 +177,7 @@ def test_wait_mode_blocks_the_submitter_until_there_is_room(job):
     remote.hold.set()
     third.join()
     uploader.wait()
-    assert remote.committed_steps() == [1, 2, 3]
+    assert remote.steps() == [1, 2, 3]
 
 
 def test_retry_policy_stops_at_its_time_budget():
@@ -212,13 +213,13 @@ def test_retry_policy_backs_off_exponentially_with_jitter():
 def test_resume_queues_unuploaded_steps_and_removes_half_uploaded_ones(job):
     store, remote, start = job
     record = store.local.manifest(4).shard(0)
-    remote.put_shard(4, store.local.shard_path(4, record), record)  # a half upload of step 4, no manifest
+    remote.land_shard(4, record, ShardSource(path=store.local.shard_path(4, record)))  # a half upload of step 4, no manifest
     assert remote.uncommitted_steps() == [4]
     remote.commit(store.local.manifest(2))  # step 2 committed remotely, the receipt lost in a crash
     uploader = start()
     assert uploader.resume() == [3, 4]  # newer than the newest remote commit; step 1 is superseded
     uploader.wait()
-    assert store.receipted(2) and remote.committed_steps() == [2, 3, 4]
+    assert store.receipted(2) and remote.steps() == [2, 3, 4]
 
 
 def test_after_a_preemption_notice_the_newest_step_goes_next_and_older_queued_steps_are_dropped(job):
@@ -235,7 +236,7 @@ def test_after_a_preemption_notice_the_newest_step_goes_next_and_older_queued_st
     remote.hold.set()
     uploader.wait()
     uploader.errors.raise_first()
-    assert remote.committed_steps() == [1, 4]  # the step in flight finishes; 2 and 3 are superseded
+    assert remote.steps() == [1, 4]  # the step in flight finishes; 2 and 3 are superseded
     assert remote.puts == [1, 4]
     assert not store.receipted(2) and not store.receipted(3)
 
@@ -255,4 +256,4 @@ def test_after_a_preemption_notice_a_step_retried_for_a_failing_bucket_gives_way
     remote.down = False
     uploader.wait()
     uploader.errors.raise_first()  # superseded, not failed
-    assert remote.committed_steps() == [3] and not store.receipted(1)
+    assert remote.steps() == [3] and not store.receipted(1)

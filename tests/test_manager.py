@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import threading
+from pathlib import PurePosixPath
 
 import numpy as np
 import pytest
@@ -35,7 +36,8 @@ from tiered_ckpt import (
     UsageError,
     WorldSizeMismatchError,
 )
-from tiered_ckpt.format.layout import MANIFEST_NAME, RECEIPT_NAME, step_dir_name, temp_name
+from tiered_ckpt.format.layout import MANIFEST_NAME, RECEIPT_NAME, parse_step_dir_name, step_dir_name, temp_name
+from tiered_ckpt.tiers.backends.wrappers import Counting
 from tiered_ckpt.tiers.remote import RemoteTier
 
 
@@ -719,13 +721,13 @@ def test_sigkill_during_upload_then_restart_completes_it_without_resending(tmp_p
     assert remote.steps() == [1] and remote.uncommitted_steps() == [2]  # half-uploaded, invisible
 
     uploads = []
-    original = RemoteTier._put  # the PUT itself, made only for a shard not already in the bucket intact
+    original = Counting.put_shard  # the PUT itself, made only for a shard not already in the bucket intact
 
-    def counting_upload(tier, local_path, step, record):
-        uploads.append((step, record.rank))
-        return original(tier, local_path, step, record)
+    def counting_upload(backend, local_path, path, record, **options):
+        uploads.append((parse_step_dir_name(PurePosixPath(path).parent.name), record.rank))
+        return original(backend, local_path, path, record, **options)
 
-    monkeypatch.setattr(RemoteTier, "_put", counting_upload)
+    monkeypatch.setattr(Counting, "put_shard", counting_upload)
     with CheckpointManager(tmp_path, world_size=4, remote_url=url, storage_options=options) as manager:
         manager.wait(uploaded=True)
         assert manager.remote_steps() == [1, 2]

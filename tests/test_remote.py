@@ -7,12 +7,11 @@ import numpy as np
 import pytest
 
 from conftest import flip_byte
-from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt import CheckpointManager, ChecksumMismatchError, ManifestError, RemoteError, save_sharded
 from tiered_ckpt.format.layout import MANIFEST_NAME
 from tiered_ckpt.format.shardfile import hash_stream
+from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt.tiers.local import LocalTier
-from tiered_ckpt.tiers.backends.s3 import same_checksum
 from tiered_ckpt.tiers.remote import RemoteTier, RetryPolicy, is_transient
 from tiered_ckpt.tiers.retention import RetentionPolicy
 from tiered_ckpt.tiers.store import TieredStore

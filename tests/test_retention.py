@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from conftest import launch_ranks
-from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt import ConfigError, save_sharded
 from tiered_ckpt.format.layout import shard_name, step_dir_name
+from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt.tiers.local import LocalTier, record_held_ranks, write_receipt
 from tiered_ckpt.tiers.remote import RemoteTier
 from tiered_ckpt.tiers.retention import RetentionPolicy, awaiting_upload, protected_locally, retainable

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from conftest import flip_byte
-from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt import ChecksumMismatchError, IncompleteCheckpointError, UsageError, cli, load_sharded, save_sharded
 from tiered_ckpt.format.layout import step_dir_name
+from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt.tiers.local import LocalTier, delete_checkpoint
 from tiered_ckpt.tiers.remote import RemoteTier
 from tiered_ckpt.tiers.store import TieredStore

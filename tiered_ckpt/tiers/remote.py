@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, TypeVar
 
@@ -59,6 +61,7 @@ from tiered_ckpt.format.manifest import MAX_MANIFEST_BYTES, RemoteManifest, Shar
 from tiered_ckpt.format.shardfile import ShardDigest, Verify, copy_hashing, hash_stream
 from tiered_ckpt.tiers.backends import open_backend
 from tiered_ckpt.tiers.backends.s3 import same_checksum
+from tiered_ckpt.tiers.backends.base import Backend
 from tiered_ckpt.tiers.backends.wrappers import Counting
 from tiered_ckpt.tiers.base import Capabilities, ShardSource
 from tiered_ckpt.tiers.checksums import StoreSums
@@ -82,8 +85,8 @@ class RemoteTier:
     """Checkpoints under ``url``, in the store its protocol names, opened with ``storage_options``.
 
     Every public method makes its requests under ``retry`` (see :class:`RetryPolicy`).
-    :attr:`backend` is the store (a :class:`~tiered_ckpt.tiers.backends.wrappers.Counting`
-    wrapper around the URL's backend: its ``requests`` and ``throttled`` count the uploads').
+    :attr:`backend` is the store: the URL's backend, given to ``wrap`` if given (a wrapper of
+    :mod:`~tiered_ckpt.tiers.backends.wrappers`), in a ``Counting`` wrapper (uploads' requests).
     """
 
     name = "remote"
@@ -97,6 +100,7 @@ class RemoteTier:
         part_bytes: int = DEFAULT_PART_BYTES,
         part_concurrency: int = DEFAULT_PART_CONCURRENCY,
         layout: Layout = "flat",
+        wrap: Callable[[Backend], Backend] | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.retry = retry or RetryPolicy()
@@ -106,7 +110,7 @@ class RemoteTier:
         opened = open_backend(
             self.url, storage_options or {}, retry=self.retry, part_bytes=part_bytes, part_concurrency=part_concurrency
         )
-        self.backend: Counting = Counting(opened)
+        self.backend = Counting(wrap(opened) if wrap is not None else opened)
         facts = self.backend.facts
         self.capabilities = Capabilities(
             durable=True, shared=True, create_only_commit=facts.create_only,
@@ -258,13 +262,9 @@ class RemoteTier:
     def _mismatch(
         self, step: int, record: ShardRecord, sums: Callable[[], StoreSums | None] | None = None
     ) -> str | None:
-        """Why the shard's object does not match ``record``, or None.
-
-        Compared: the object's size, the sha256 stored with it (metadata we sent), and,
-        when ``sums`` is given, the checksums the store computed from the bytes it received
-        (which catches bytes changed in transit; see :mod:`~tiered_ckpt.tiers.checksums`)
-        against ``sums()``, called only once the rest matches (None: nothing more to compare).
-        """
+        """Why the shard's object does not match ``record`` (size, stored sha256), or None; given
+        ``sums``, also the store's checksums of what it received against ``sums()`` (called only
+        once the rest matches; None: nothing more to compare), which catches bytes changed in transit."""
         try:
             head = self.backend.head(self._shard(step, record), timeout=self._timeout())
         except FileNotFoundError:
@@ -275,8 +275,7 @@ class RemoteTier:
 
     def shard_is_uploaded(self, step: int, record: ShardRecord) -> bool:
         """True if the shard's object exists with the recorded size (and sha256, where kept)."""
-        location = self._shard_location(step, record)
-        return self._run(f"checking {location}", lambda: self._mismatch(step, record) is None)
+        return self._run(f"checking {self._shard_location(step, record)}", lambda: self._mismatch(step, record) is None)
 
     def land_shard(
         self, step: int, record: ShardRecord, source: ShardSource, *, deadline: float | None = None
@@ -290,15 +289,20 @@ class RemoteTier:
         "Intact" includes the store's checksums of what it received (bytes changed in transit
         are never confirmed); the one of what was sent is kept for :meth:`commit`.
         """
-        if source.path is None:
-            raise ValueError(f"{self.url}: a shard lands on an object store from a file (ShardSource.path)")
+        if source.write is not None and source.path is None:  # staged in a temp file, checked, put from there
+            with tempfile.TemporaryDirectory(prefix="tiered-ckpt-") as directory:
+                with open(staged := Path(directory) / record.path, "wb") as out:
+                    record.verify(source.write(out), f"{self._shard_location(step, record)} (staged)")
+                return self.land_shard(step, record, ShardSource(path=staged), deadline=deadline)
+        assert source.path is not None
         local_path, location = source.path, self._shard_location(step, record)
 
         def put_and_confirm() -> bool:
             if self._mismatch(step, record, lambda: self.backend.sums(local_path, record)) is None:
                 return False
             self._timeout()
-            sums = self.backend.put_shard(local_path, self._shard(step, record), record, deadline=self._requests.deadline).sums
+            target, at = self._shard(step, record), self._requests.deadline
+            sums = self.backend.put_shard(local_path, target, record, deadline=at).sums
             problem = self._mismatch(step, record, lambda: sums)
             if problem is not None:
                 raise RemoteError(f"{location}: not confirmed after the upload: {problem}", transient=True)
@@ -328,9 +332,8 @@ class RemoteTier:
                 del self._kept[key]
 
     def check_store_checksum(self, step: int, record: ShardRecord, expected: str) -> str | None:
-        """Compare the checksum the store keeps for ``record``'s object with ``expected`` (from
-        the remote manifest) without downloading it; return the problem, or None if they match.
-        ``expected`` may name SHA256 (earlier versions)."""
+        """The problem, or None, comparing without a download the store's checksum of ``record``'s
+        object with ``expected`` (the remote manifest's; earlier versions recorded SHA256)."""
         location = self._shard_location(step, record)
         algorithm = expected.partition(":")[0]
 
@@ -443,10 +446,8 @@ class RemoteTier:
             if upload.started is not None and now - upload.started.timestamp() < older_than_seconds:
                 continue  # may belong to an upload still running
             location = f"{self.url}/{relative}"
-            self._run(
-                f"aborting the unfinished multipart upload of {location}",
-                lambda upload=upload: self.backend.abort_upload(upload),  # type: ignore[misc]
-            )
+            what = f"aborting the unfinished multipart upload of {location}"
+            self._run(what, partial(self.backend.abort_upload, upload))
             logger.warning("aborted an unfinished multipart upload of %s (started %s)", location, upload.started)
             aborted.append(location)
         return aborted
@@ -456,8 +457,7 @@ class RemoteTier:
         each named by its exact key (no glob expansion)."""
 
         def delete() -> None:
-            manifest = self._path(step, MANIFEST_NAME)
-            if self.backend.exists(manifest):
+            if self.backend.exists(manifest := self._path(step, MANIFEST_NAME)):
                 self.backend.delete([manifest])
             self.backend.delete_prefix(self._path(step))
 

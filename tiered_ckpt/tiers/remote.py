@@ -280,8 +280,8 @@ class RemoteTier:
     def land_shard(
         self, step: int, record: ShardRecord, source: ShardSource, *, deadline: float | None = None
     ) -> bool:
-        """Make the shard's object match ``record``: put ``source.path`` unless the object is already
-        there intact, then confirm.
+        """Make the shard's object match ``record``: put ``source`` (a stream is staged in a temp file
+        first) unless the object is already there intact, then confirm.
 
         Returns True if it was put, False if it was already there. One operation under the
         retry policy and ``deadline``: a try that finds the object wrong afterwards puts it

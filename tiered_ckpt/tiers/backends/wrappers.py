@@ -1,6 +1,9 @@
-"""Behaviour around any backend, as wrappers: a :class:`Wrapper` passes every call through,
-:class:`Counting` counts the requests shard uploads make (and how many were throttled),
-for tests, the benchmark and a job's status to read."""
+"""Behaviour around any backend, as wrappers rather than switches inside a backend or the tier.
+
+A :class:`Wrapper` passes every call through to the backend it wraps; a subclass changes
+the calls it overrides (a test's fault injection is one). :class:`Counting`, the outermost
+wrapper of every object-store tier, counts the requests its shard uploads made and how
+many of them the store throttled (read by tests and the benchmark)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ def main() -> None:
     if config.remote is None:
         raise SystemExit(f"{args.config} names no [remote] tier to restore from")
     bucket = config.remote.open_tier(config.upload)
-    steps = bucket.committed_steps()
+    steps = bucket.steps()
     if not steps:
         raise SystemExit(f"{config.remote.url} holds no committed step")
     world_size = bucket.read_manifest(steps[-1]).manifest.world_size  # as the job saved it

@@ -86,13 +86,13 @@ def run_upload(directory: str, bytes_per_rank: int, remote_json: str) -> None:
     )
     manager.save(1, large_states(4, bytes_per_rank, version=1))
     manager.wait(uploaded=True)
-    original = RemoteTier.put_shard
+    original = RemoteTier.land_shard
 
-    def upload_then_pause(tier, step, local_path, record, **options):
-        original(tier, step, local_path, record, **options)
+    def upload_then_pause(tier, step, record, source, **options):
+        original(tier, step, record, source, **options)
         pause_forever()
 
-    RemoteTier.put_shard = upload_then_pause
+    RemoteTier.land_shard = upload_then_pause
     manager.save(2, large_states(4, bytes_per_rank, version=2))
     manager.wait(uploaded=True)
 
@@ -102,7 +102,7 @@ def run_multipart(directory: str, bytes_per_rank: int, remote_json: str) -> None
     import json
 
     from tiered_ckpt import CheckpointManager
-    from tiered_ckpt.tiers import multipart
+    from tiered_ckpt.tiers.backends import multipart
 
     remote = json.loads(remote_json)
     from tiered_ckpt import UploadOptions

@@ -89,7 +89,7 @@ def test_verify_passes_then_fails_on_a_flipped_byte_in_either_tier(setup):
     failed = [(r["tier"], r["rank"]) for r in json.loads(out) if r["status"] == "failed"]
     assert code == 1 and failed == [("local", 2)]
     tier = RemoteTier(url, options)
-    tier._fs.pipe_file(f"{tier._root}/{step_dir_name(5)}/rank-00000-of-00004.safetensors", b"garbage")
+    tier.backend.fs.pipe_file(f"{tier.backend.root}/{step_dir_name(5)}/rank-00000-of-00004.safetensors", b"garbage")
     code, out, _ = run(env, "--config", str(config), "--json", "verify")
     failed = sorted((r["tier"], r["rank"]) for r in json.loads(out) if r["status"] == "failed")
     assert code == 1 and failed == [("local", 2), ("remote", 0)]
@@ -107,15 +107,15 @@ def test_verify_remote_checks_the_stores_own_checksums_without_downloading(setup
     assert [(r["tier"], r["status"]) for r in json.loads(out)] == [("remote", "ok")] * 4  # the bucket only
     # An object replaced behind the library's back (same size, other bytes and checksum) is caught by a HEAD.
     record = remote.manifest.shard(1)
-    key = f"{tier._root}/{step_dir_name(5)}/{record.path}"
-    bucket, name, _version = tier._fs.split_path(key)
+    key = f"{tier.backend.root}/{step_dir_name(5)}/{record.path}"
+    bucket, name, _version = tier.backend.fs.split_path(key)
     zeros = b"\0" * record.size_bytes
-    tier._fs.call_s3("put_object", Bucket=bucket, Key=name, Body=zeros, ChecksumCRC32C=part_crc32c(zeros))
+    tier.backend.fs.call_s3("put_object", Bucket=bucket, Key=name, Body=zeros, ChecksumCRC32C=part_crc32c(zeros))
     code, out, _ = run(env, "--config", str(config), "--json", "verify", "--remote")
     failed = [(r["rank"], r["problem"]) for r in json.loads(out) if r["status"] == "failed"]
     assert code == 1 and failed[0][0] == 1 and "the store keeps checksum" in failed[0][1]
     # No download: with reads made impossible, the check of the stores' checksums still runs.
-    monkeypatch.setattr(RemoteTier, "read_shard", lambda *args: pytest.fail("downloaded"))
+    monkeypatch.setattr(RemoteTier, "open_shard", lambda *args: pytest.fail("downloaded"))
     from tiered_ckpt import TieredStore
     from tiered_ckpt.tiers.local import LocalTier
 
@@ -142,7 +142,7 @@ def test_push_uploads_what_only_the_local_tier_holds(setup):
     code, out, err = run(env, "--config", str(config), "--json", "push")
     assert code == 0, err
     assert json.loads(out) == {"uploaded_steps": [1, 2]}
-    assert RemoteTier(url, options).committed_steps() == [1, 2]
+    assert RemoteTier(url, options).steps() == [1, 2]
     code, out, _ = run(env, "--config", str(config), "--json", "push")
     assert json.loads(out) == {"uploaded_steps": []}
 
@@ -154,7 +154,7 @@ def test_push_uploads_every_other_step_when_one_fails_and_reports_them(setup):
     code, out, err = run(env, "--config", str(config), "--json", "push")
     assert code == 1 and json.loads(out) == {"uploaded_steps": [1, 3], "failed_steps": [2]}, err
     assert "UploadError" in err and "step 2" in err
-    assert RemoteTier(url, options).committed_steps() == [1, 3]
+    assert RemoteTier(url, options).steps() == [1, 3]
 
 
 def test_prune_dry_run_then_prune(setup):
@@ -171,7 +171,7 @@ def test_prune_dry_run_then_prune(setup):
         "dry_run": False, "local": [1, 2], "remote": [1], "aborted": [], "local_kept_unproven": []
     }  # fmt: skip
     assert sorted(p.name for p in local.iterdir()) == [step_dir_name(3)]
-    assert RemoteTier(url, options).committed_steps() == [2, 3]
+    assert RemoteTier(url, options).steps() == [2, 3]
 
 
 def test_prune_of_one_ranks_directory_says_which_steps_it_keeps_and_why(tmp_path):
@@ -449,7 +449,7 @@ def test_ls_lists_every_step_and_marks_a_damaged_remote_manifest_and_verify_fail
 
     shutil.rmtree(local / step_dir_name(1))  # an old step only the bucket holds
     tier = RemoteTier(url, options)
-    tier._fs.pipe_file(tier._path(1, MANIFEST_NAME), b'{"not": "a manifest"')
+    tier.backend.fs.pipe_file(f"{tier.backend.root}/{step_dir_name(1)}/{MANIFEST_NAME}", b'{"not": "a manifest"')
     code, out, err = run(env, "--config", str(config), "--json", "ls")
     assert code == 0, err  # the listing itself succeeded; verify is the check that fails
     rows = {row["step"]: row for row in json.loads(out)}

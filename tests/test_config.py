@@ -319,4 +319,4 @@ def test_endpoint_url_from_a_config_or_the_environment_reaches_the_store(tmp_pat
         load_config(given, environ={"TIERED_CKPT_REMOTE_ENDPOINT_URL": "http://wrong:9"}, remote_endpoint_url=endpoint),
     ):
         assert config.remote.endpoint_url == endpoint
-        assert config.remote.open_tier(config.upload).committed_steps() == [1]
+        assert config.remote.open_tier(config.upload).steps() == [1]

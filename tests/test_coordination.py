@@ -110,7 +110,7 @@ def test_each_rank_writes_only_its_shard_and_the_step_commits_in_both_tiers(save
     manifest = ShardManifest.from_json(manifests.pop())
     assert [record.rank for record in manifest.shards] == [0, 1, 2, 3]
     tier = RemoteTier(*remote)
-    assert tier.committed_steps() == [1, 2]
+    assert tier.steps() == [1, 2]
     assert tier.read_manifest(2).manifest.shards == manifest.shards
 
 
@@ -179,7 +179,7 @@ def test_sigkill_of_one_rank_during_a_save_leaves_the_previous_step_on_every_ran
     for result in survivors.values():
         assert result["error"][0] == "SaveError", result  # the commit is agreed: it fails with the others
         assert "a collective with the other ranks failed" in result["error"][1]  # CoordinationError, chained
-    assert RemoteTier(*s3_url).committed_steps() == [1]
+    assert RemoteTier(*s3_url).steps() == [1]
     committed = [(node(tmp_path, rank) / step_dir_name(2) / MANIFEST_NAME).exists() for rank in range(4)]
     # killed before the commit was agreed, no rank commits; killed after, only rank 1 lacks the step
     assert committed == ([False] * 4 if at == "after-shard" else [True, False, True, True])
@@ -189,7 +189,7 @@ def test_sigkill_of_one_rank_during_a_save_leaves_the_previous_step_on_every_ran
         assert "error" not in result, result
         assert result["restored"]["step"] == 1
         assert result["restored"]["digests"] == expected_digests(1, 4, rank)
-    assert RemoteTier(*s3_url).committed_steps() == [1, 2]
+    assert RemoteTier(*s3_url).steps() == [1, 2]
 
 
 def test_two_ranks_given_one_directory_both_fail_to_start_naming_the_fix(tmp_path):
@@ -237,7 +237,7 @@ def test_a_failed_upload_is_raised_by_every_rank_at_the_same_call_and_only_once(
     for result in results.values():
         assert result["error"][0] == "UploadError" and "step 1" in result["error"][1], result
         assert "close_error" not in result, result  # not raised a second time when it arrives later
-    assert RemoteTier(url, options).committed_steps() == []
+    assert RemoteTier(url, options).steps() == []
 
 
 def test_a_missing_bucket_on_one_rank_is_raised_by_every_rank_at_construction(tmp_path, s3_url):
@@ -269,7 +269,7 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step_with_it_committe
     actions = [{"do": "train", "steps": 50, "signal_rank": 2, "signal_at": 17}]
     results = run_ranks(tmp_path, 3, actions, remote=s3_url)
     assert [results[rank].get("preempted_at") for rank in range(3)] == [17, 17, 17], results
-    assert RemoteTier(url, options).committed_steps() == [17]
+    assert RemoteTier(url, options).steps() == [17]
     for rank in range(3):
         assert (tmp_path / "nodes" / f"rank-{rank}" / step_dir_name(17) / MANIFEST_NAME).is_file()
 
@@ -307,4 +307,4 @@ def test_ranks_retry_a_failing_bucket_together_and_commit_every_step_once_it_is_
     assert not job.is_alive()
     for result in results.values():
         assert "error" not in result and "close_error" not in result, result  # no rank failed for the bucket
-    assert RemoteTier(url, options).committed_steps() == [1, 2]
+    assert RemoteTier(url, options).steps() == [1, 2]

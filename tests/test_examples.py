@@ -142,7 +142,7 @@ def test_ddp_example_preempted_by_sigterm_commits_that_step_and_a_fresh_node_res
     stop = stops.pop()
     assert stop >= after_step and "final parameters" not in preempted
     remote = RemoteTier(url, _options)
-    assert remote.committed_steps()[-1] == stop  # that very step is in the bucket
+    assert remote.steps()[-1] == stop  # that very step is in the bucket
 
     def torchrun(config_path, local_dir):
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]

@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import threading
+from pathlib import PurePosixPath
 
 import numpy as np
 import pytest
@@ -35,7 +36,8 @@ from tiered_ckpt import (
     UsageError,
     WorldSizeMismatchError,
 )
-from tiered_ckpt.format.layout import MANIFEST_NAME, RECEIPT_NAME, step_dir_name, temp_name
+from tiered_ckpt.format.layout import MANIFEST_NAME, RECEIPT_NAME, parse_step_dir_name, step_dir_name, temp_name
+from tiered_ckpt.tiers.backends.wrappers import Counting
 from tiered_ckpt.tiers.remote import RemoteTier
 
 
@@ -218,15 +220,15 @@ def test_missing_ok_never_takes_a_damaged_or_partial_step_for_a_fresh_start(tmp_
     local = tmp_path / "a" / shard
     if damage == "shard deleted":
         local.unlink()
-        RemoteTier(url, options)._fs.rm(f"{url}/{shard}")
+        RemoteTier(url, options).backend.fs.rm(f"{url}/{shard}")
     elif damage == "shard cut short":
         os.truncate(local, local.stat().st_size - 1)
-        RemoteTier(url, options)._fs.rm(f"{url}/{shard}")
+        RemoteTier(url, options).backend.fs.rm(f"{url}/{shard}")
     elif damage == "manifest damaged":
         (tmp_path / "a" / step_dir_name(1) / MANIFEST_NAME).write_text("{")
-        RemoteTier(url, options)._fs.pipe(f"{url}/{step_dir_name(1)}/{MANIFEST_NAME}", b"{")
+        RemoteTier(url, options).backend.fs.pipe(f"{url}/{step_dir_name(1)}/{MANIFEST_NAME}", b"{")
     else:  # a new node: an empty disk, and the bucket lost one object of the step
-        RemoteTier(url, options)._fs.rm(f"{url}/{shard}")
+        RemoteTier(url, options).backend.fs.rm(f"{url}/{shard}")
     with two_tier(tmp_path / ("a" if damage != "bucket only, object lost" else "b"), memory_url) as manager:
         with pytest.raises((IncompleteCheckpointError, ManifestError)):
             manager.restore(missing_ok=True)
@@ -379,7 +381,7 @@ def test_both_object_layouts_restore_and_rotate(tmp_path, remote_url, layout):
         assert len(set(name[:2] for name in names)) > 1 and remote.locations
     else:
         assert names == [record.path for record in remote.manifest.shards] and not remote.locations
-    objects = [path for path in tier._fs.find(tier._root) if "/rank-" in path]
+    objects = [path for path in tier.backend.fs.find(tier.backend.root) if "/rank-" in path]
     assert len(objects) == 4 and all(step_dir_name(2) in path for path in objects)  # step 1 rotated out whole
     with two_tier(tmp_path / "b", remote_url) as fresh:  # an empty disk, the default layout configured
         result = fresh.restore()
@@ -424,10 +426,10 @@ def test_damaged_local_and_remote_copies_fail_naming_both(tmp_path, cloud_url, s
         local = tmp_path / step_dir_name(1) / name
         flip_byte(local, 700)
         remote_tier = RemoteTier(url, options)
-        remote_path = f"{remote_tier._root}/{step_dir_name(1)}/{name}"
-        data = bytearray(remote_tier._fs.cat_file(remote_path))
+        remote_path = f"{remote_tier.backend.root}/{step_dir_name(1)}/{name}"
+        data = bytearray(remote_tier.backend.fs.cat_file(remote_path))
         data[700] ^= 0xFF
-        remote_tier._fs.pipe_file(remote_path, bytes(data))
+        remote_tier.backend.fs.pipe_file(remote_path, bytes(data))
         with pytest.raises(ChecksumMismatchError, match="restore of step 1: rank 1: no copy verifies") as caught:
             manager.restore()
         message = str(caught.value)
@@ -449,10 +451,10 @@ def test_permanent_upload_failure_is_raised_and_local_steps_are_kept(tmp_path, c
         manager.save(1, states)
         manager.wait(uploaded=True)
         tier = RemoteTier(url, options)
-        bucket = tier._root.split("/")[0]
-        tier._fs.rm(bucket, recursive=True)  # the bucket is removed under the running job
-        tier._fs.invalidate_cache()
-        assert not tier._fs.exists(bucket)
+        bucket = tier.backend.root.split("/")[0]
+        tier.backend.fs.rm(bucket, recursive=True)  # the bucket is removed under the running job
+        tier.backend.fs.invalidate_cache()
+        assert not tier.backend.fs.exists(bucket)
         manager.save(2, zero1_states(seed=2))
         manager.save(3, zero1_states(seed=3))
         with pytest.raises(UploadError, match="upload of step 2 failed") as caught:
@@ -471,14 +473,14 @@ class BlockedUploads:
     def __init__(self, monkeypatch):
         self.started = threading.Event()  # set once the uploader holds a step
         self.release = threading.Event()
-        original = RemoteTier.put_shard
+        original = RemoteTier.land_shard
 
-        def put_shard(tier, step, local_path, record, **options):
+        def land_shard(tier, step, record, source, **options):
             self.started.set()
             self.release.wait()
-            return original(tier, step, local_path, record, **options)
+            return original(tier, step, record, source, **options)
 
-        monkeypatch.setattr(RemoteTier, "put_shard", put_shard)
+        monkeypatch.setattr(RemoteTier, "land_shard", land_shard)
 
 
 def test_uploads_behind_with_skip_upload_only_the_newest(tmp_path, memory_url, monkeypatch):
@@ -496,11 +498,11 @@ def test_uploads_behind_with_skip_upload_only_the_newest(tmp_path, memory_url, m
 
 
 def test_a_bucket_that_is_down_does_not_fill_the_disk(tmp_path, memory_url, monkeypatch, caplog):
-    def unreachable(tier, step, local_path, record, **options):
+    def unreachable(tier, step, record, source, **options):
         raise RemoteError("the bucket is unreachable", transient=False)
 
     with monkeypatch.context() as down:
-        down.setattr(RemoteTier, "put_shard", unreachable)
+        down.setattr(RemoteTier, "land_shard", unreachable)
         with caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
             manager = two_tier(tmp_path, memory_url, keep_last=1, max_awaiting_upload=2)
             for step in range(1, 7):
@@ -646,7 +648,7 @@ def test_a_permanent_upload_failure_is_raised_by_the_next_save_saying_its_step_w
     manager.save(1, zero1_states(seed=1))
     manager.wait(uploaded=True)
     tier = RemoteTier(url, options)
-    tier._fs.rm(tier._root.split("/")[0], recursive=True)  # no such bucket: permanent
+    tier.backend.fs.rm(tier.backend.root.split("/")[0], recursive=True)  # no such bucket: permanent
     manager.save(2, zero1_states(seed=2), blocking=True)
     until(lambda: manager.status().last_error is not None, "the upload of step 2 failed")
     with pytest.raises(UploadError, match="upload of step 2 failed.*so step 3 was not saved") as caught:
@@ -706,14 +708,14 @@ def test_a_multipart_upload_killed_midway_is_aborted_by_the_next_start(tmp_path,
     url, options = s3_url
     kill_child_at(tmp_path, "multipart", json.dumps({"url": url, "options": options}), bytes_per_rank=12 << 20)
     tier = RemoteTier(url, options)
-    bucket, prefix, _version = tier._fs.split_path(tier._root)
-    open_uploads = tier._fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix).get("Uploads", [])
+    bucket, prefix, _version = tier.backend.fs.split_path(tier.backend.root)
+    open_uploads = tier.backend.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix).get("Uploads", [])
     assert [upload["Key"].rsplit("/", 1)[-1] for upload in open_uploads] == ["rank-00000-of-00004.safetensors"]
     with caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
         with CheckpointManager(tmp_path, world_size=4, remote_url=url, storage_options=options) as manager:
             manager.wait(uploaded=True)  # the killed step's upload, resumed and completed
             assert manager.remote_steps() == [1]
-    assert "Uploads" not in tier._fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
+    assert "Uploads" not in tier.backend.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
     assert any("aborted an unfinished multipart upload" in record.getMessage() for record in caplog.records)
 
 
@@ -724,21 +726,21 @@ def test_sigkill_during_upload_then_restart_completes_it_without_resending(tmp_p
     bytes_per_rank = 2 * 1024 * 1024
     kill_child_at(tmp_path, "upload", json.dumps({"url": url, "options": options}), bytes_per_rank=bytes_per_rank)
     remote = RemoteTier(url, options)
-    assert remote.committed_steps() == [1] and remote.uncommitted_steps() == [2]  # half-uploaded, invisible
+    assert remote.steps() == [1] and remote.uncommitted_steps() == [2]  # half-uploaded, invisible
 
     uploads = []
-    original = RemoteTier._put  # the PUT itself, made only for a shard not already in the bucket intact
+    original = Counting.put_shard  # the PUT itself, made only for a shard not already in the bucket intact
 
-    def counting_upload(tier, local_path, step, record):
-        uploads.append((step, record.rank))
-        return original(tier, local_path, step, record)
+    def counting_upload(backend, local_path, path, record, **options):
+        uploads.append((parse_step_dir_name(PurePosixPath(path).parent.name), record.rank))
+        return original(backend, local_path, path, record, **options)
 
-    monkeypatch.setattr(RemoteTier, "_put", counting_upload)
+    monkeypatch.setattr(Counting, "put_shard", counting_upload)
     with CheckpointManager(tmp_path, world_size=4, remote_url=url, storage_options=options) as manager:
         manager.wait(uploaded=True)
         assert manager.remote_steps() == [1, 2]
     assert sorted(uploads) == [(2, 1), (2, 2), (2, 3)]  # rank 0 was uploaded intact before the kill
-    for step in remote.committed_steps():
+    for step in remote.steps():
         assert all(remote.shard_is_uploaded(step, record) for record in remote.read_manifest(step).manifest.shards)
     with CheckpointManager(tmp_path / "fresh-node", world_size=4, remote_url=url, storage_options=options) as fresh:
         result = fresh.restore()
@@ -798,7 +800,7 @@ def test_a_failing_start_releases_the_directory_and_stops_the_uploader(tmp_path,
     with CheckpointManager(tmp_path, world_size=4, sharded_keys=ZERO1_SHARDED_KEYS) as manager:
         manager.save(1, states)  # local only: no receipt
     tier = RemoteTier(url, options)
-    tier._fs.pipe_file(f"{tier._root}/{step_dir_name(1)}/manifest.json", b"{not json")
+    tier.backend.fs.pipe_file(f"{tier.backend.root}/{step_dir_name(1)}/manifest.json", b"{not json")
     threads_before = {thread.name for thread in threading.enumerate()}
     with pytest.raises(ManifestError, match="not a valid JSON manifest"):
         CheckpointManager(tmp_path, world_size=4, remote_url=url, storage_options=options)
@@ -959,7 +961,7 @@ def test_bytes_changed_in_transit_are_never_committed(tmp_path, store, request, 
         assert caught.value.tries >= 2 and caught.value.transient  # tried again until the deadline
     finally:
         proxy.close()
-    assert RemoteTier(*request.getfixturevalue(f"{store}_url")).committed_steps() == []
+    assert RemoteTier(*request.getfixturevalue(f"{store}_url")).steps() == []
 
 
 def test_status_reports_the_lag_the_upload_rate_and_the_last_error(tmp_path, moto_endpoint, s3_url, states, caplog):
@@ -1049,7 +1051,7 @@ def test_a_bucket_throttling_half_the_requests_for_a_while_gets_every_step_withi
                 manager.wait(uploaded=True)
                 counts.append(proxy.requests - before)
             assert manager.remote_steps() == [1, 2, 3]
-            assert manager.store.remote.throttled > 0 and manager.store.remote.window.throttles > 0
+            assert manager.store.remote.backend.throttled > 0 and manager.store.remote.backend.inner.window.throttles > 0
     finally:
         proxy.close()
     clean, throttled, after = counts

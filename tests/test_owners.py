@@ -58,13 +58,13 @@ def start_up(store, clock, ownership=None):
 
 
 def open_uploads(tier):
-    bucket, prefix, _version = tier._fs.split_path(tier._root)
-    uploads = tier._fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=f"{prefix}/").get("Uploads", [])
+    bucket, prefix, _version = tier.backend.fs.split_path(tier.backend.root)
+    uploads = tier.backend.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=f"{prefix}/").get("Uploads", [])
     return sorted(upload["Key"][len(prefix) + 1 :] for upload in uploads)
 
 
 def object_exists(tier, step, name):
-    return tier._exists(f"{tier._root}/{step_dir_name(step)}/{name}")
+    return tier.backend.exists(f"{tier.backend.root}/{step_dir_name(step)}/{name}")
 
 
 # -- the lease itself ---------------------------------------------------------------------
@@ -169,10 +169,10 @@ def test_leftovers_stay_while_a_lease_lives_and_go_once_it_expired(tmp_path, s3_
     ``lease_seconds`` unrenewed, then go."""
     url, options = s3_url
     tier, clock = RemoteTier(url, options), Clock()
-    bucket, prefix, _version = tier._fs.split_path(tier._root)
+    bucket, prefix, _version = tier.backend.fs.split_path(tier.backend.root)
     key = f"{prefix}/{step_dir_name(7)}/rank-00001-of-00002.safetensors"
-    tier._fs.pipe_file(f"{tier._root}/{step_dir_name(7)}/rank-00000-of-00002.safetensors", b"confirmed")
-    tier._fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+    tier.backend.fs.pipe_file(f"{tier.backend.root}/{step_dir_name(7)}/rank-00000-of-00002.safetensors", b"confirmed")
+    tier.backend.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
     tier.write_owner("ab" * 8, foreign_record("ab" * 8, renewed_at=clock.now, ttl=300))
     store = TieredStore(LocalTier(tmp_path / "ckpt"), tier)
     with store.local.lock():
@@ -188,9 +188,9 @@ def test_leftovers_stay_while_a_lease_lives_and_go_once_it_expired(tmp_path, s3_
 def test_multipart_uploads_are_aborted_only_past_the_orphan_age(tmp_path, s3_url):
     url, options = s3_url
     tier = RemoteTier(url, options)
-    bucket, prefix, _version = tier._fs.split_path(tier._root)
-    tier._fs.call_s3("create_multipart_upload", Bucket=bucket, Key=f"{prefix}/{step_dir_name(3)}/x.safetensors")
-    (started,) = tier._fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=f"{prefix}/")["Uploads"]
+    bucket, prefix, _version = tier.backend.fs.split_path(tier.backend.root)
+    tier.backend.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=f"{prefix}/{step_dir_name(3)}/x.safetensors")
+    (started,) = tier.backend.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=f"{prefix}/")["Uploads"]
     clock = Clock(started["Initiated"].timestamp() + 3599)
     store = TieredStore(LocalTier(tmp_path / "ckpt"), tier)
     with store.local.lock():
@@ -236,15 +236,15 @@ def test_an_object_gone_between_its_confirmation_and_the_commit_means_no_commit(
     )
     tier = RemoteTier(url, options, retry=RetryPolicy(max_tries=2, backoff_seconds=0))
     store = TieredStore(LocalTier(tmp_path / "ckpt"), tier)
-    original = RemoteTier.put_shard
+    original = RemoteTier.land_shard
 
-    def put_then_lose_rank_0(self, step, local_path, record, **kwargs):
-        put = original(self, step, local_path, record, **kwargs)
+    def put_then_lose_rank_0(self, step, record, source, **kwargs):
+        put = original(self, step, record, source, **kwargs)
         if record.rank == 1:  # both confirmed; then someone deletes rank 0's object
-            self._fs.rm_file(f"{self._root}/{step_dir_name(step)}/rank-00000-of-00002.safetensors")
+            self.backend.fs.rm_file(f"{self.backend.root}/{step_dir_name(step)}/rank-00000-of-00002.safetensors")
         return put
 
-    monkeypatch.setattr(RemoteTier, "put_shard", put_then_lose_rank_0)
+    monkeypatch.setattr(RemoteTier, "land_shard", put_then_lose_rank_0)
     with store.local.lock():
         uploader = Uploader(store, options=UploadOptions(concurrency=1), errors=ErrorBox())  # rank 0, then 1
         try:
@@ -253,4 +253,4 @@ def test_an_object_gone_between_its_confirmation_and_the_commit_means_no_commit(
         finally:
             uploader.close()
     assert isinstance(caught.value.__cause__, RemoteError) and not caught.value.__cause__.transient
-    assert tier.committed_steps() == [] and not store.receipted(1)
+    assert tier.steps() == [] and not store.receipted(1)

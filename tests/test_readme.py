@@ -109,7 +109,7 @@ def bucket():
 def committed(server: StoppableS3) -> list[int]:
     options = {"key": S3_TEST_KEY, "secret": S3_TEST_SECRET, "skip_instance_cache": True}
     options["client_kwargs"] = {"endpoint_url": server.endpoint, "region_name": "us-east-1"}
-    return RemoteTier(BUCKET_URL, options).committed_steps()
+    return RemoteTier(BUCKET_URL, options).steps()
 
 
 def script(tmp_path: Path, name: str, prelude: str, text: str, epilogue: str = "") -> Path:

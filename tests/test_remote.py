@@ -10,8 +10,9 @@ from conftest import flip_byte
 from tiered_ckpt import CheckpointManager, ChecksumMismatchError, ManifestError, RemoteError, save_sharded
 from tiered_ckpt.format.layout import MANIFEST_NAME
 from tiered_ckpt.format.shardfile import hash_stream
+from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt.tiers.local import LocalTier
-from tiered_ckpt.tiers.remote import RemoteTier, RetryPolicy, _same_checksum, is_transient
+from tiered_ckpt.tiers.remote import RemoteTier, RetryPolicy, is_transient
 from tiered_ckpt.tiers.retention import RetentionPolicy
 from tiered_ckpt.tiers.store import TieredStore
 
@@ -31,7 +32,7 @@ def tier(remote_url):
 
 def upload_all(tier, directory, manifest):
     for record in manifest.shards:
-        assert tier.put_shard(manifest.step, directory / record.path, record)
+        assert tier.land_shard(manifest.step, record, ShardSource(path=directory / record.path))
 
 
 def download(tier, step, record, root):
@@ -47,14 +48,14 @@ def test_upload_confirm_commit_download_delete(tier, saved, tmp_path):
     directory, manifest = saved
     upload_all(tier, directory, manifest)
     assert all(tier.shard_is_uploaded(3, record) for record in manifest.shards)
-    assert tier.uncommitted_steps() == [3] and tier.committed_steps() == []
+    assert tier.uncommitted_steps() == [3] and tier.steps() == []
     remote = tier.commit(manifest)
-    assert tier.committed_steps() == [3] and tier.uncommitted_steps() == []
+    assert tier.steps() == [3] and tier.uncommitted_steps() == []
     assert tier.read_manifest(3) == remote and remote.manifest == manifest
     target = download(tier, 3, manifest.shard(1), tmp_path / "downloaded")
     assert target.read_bytes() == (directory / manifest.shard(1).path).read_bytes()
     tier.delete_step(3)
-    assert tier.committed_steps() == [] and tier.uncommitted_steps() == []
+    assert tier.steps() == [] and tier.uncommitted_steps() == []
 
 
 def test_commit_is_create_only(tier, saved, tmp_path):
@@ -73,20 +74,20 @@ def test_a_changed_object_is_not_taken_as_uploaded(tier, saved):
     directory, manifest = saved
     upload_all(tier, directory, manifest)
     record = manifest.shard(0)
-    tier._fs.pipe_file(f"{tier._root}/step-000000000003/{record.path}", b"short")
+    tier.backend.fs.pipe_file(f"{tier.backend.root}/step-000000000003/{record.path}", b"short")
     assert not tier.shard_is_uploaded(3, record)
-    assert tier.put_shard(3, directory / record.path, record)  # put again, not skipped
+    assert tier.land_shard(3, record, ShardSource(path=directory / record.path))  # put again, not skipped
     assert tier.shard_is_uploaded(3, record)
-    assert not tier.put_shard(3, directory / record.path, record)  # intact: not sent again
+    assert not tier.land_shard(3, record, ShardSource(path=directory / record.path))  # intact: not sent again
 
 
 def test_download_of_a_corrupted_object_fails_and_leaves_no_file(tier, saved, tmp_path):
     directory, manifest = saved
     record = manifest.shard(1)
     flip_byte(directory / record.path, 200)  # upload a corrupted copy under the recorded size
-    tier._fs.makedirs(f"{tier._root}/step-000000000003", exist_ok=True)  # a no-op on object stores
+    tier.backend.fs.makedirs(f"{tier.backend.root}/step-000000000003", exist_ok=True)  # a no-op on object stores
     for each in manifest.shards:
-        tier._fs.put_file(str(directory / each.path), f"{tier._root}/step-000000000003/{each.path}")
+        tier.backend.fs.put_file(str(directory / each.path), f"{tier.backend.root}/step-000000000003/{each.path}")
     with pytest.raises(ChecksumMismatchError, match=f"rank 1 shard .*{record.path}: sha256 is"):
         download(tier, 3, record, tmp_path / "downloaded")
     assert os.listdir(tmp_path / "downloaded" / "step-000000000003") == []  # no shard, no temp file
@@ -96,8 +97,8 @@ def test_remote_manifest_is_parsed_strictly(tier, saved):
     directory, manifest = saved
     upload_all(tier, directory, manifest)
     tier.commit(manifest)
-    path = f"{tier._root}/step-000000000003/{MANIFEST_NAME}"
-    tier._fs.pipe_file(path, manifest.to_json().encode())  # a local manifest is not a remote one
+    path = f"{tier.backend.root}/step-000000000003/{MANIFEST_NAME}"
+    tier.backend.fs.pipe_file(path, manifest.to_json().encode())  # a local manifest is not a remote one
     with pytest.raises(ManifestError, match="field 'kind'"):
         tier.read_manifest(3)
 
@@ -108,7 +109,7 @@ def test_missing_bucket_is_a_permanent_remote_error(moto_endpoint, saved):
     tier = RemoteTier("s3://tiered-no-such-bucket/run", s3_storage_options(moto_endpoint))
     directory, manifest = saved
     with pytest.raises(RemoteError, match="permanent") as caught:
-        tier.put_shard(3, directory / manifest.shard(0).path, manifest.shard(0))
+        tier.land_shard(3, manifest.shard(0), ShardSource(path=directory / manifest.shard(0).path))
     assert not caught.value.transient
     assert isinstance(caught.value.__cause__, FileNotFoundError)
 
@@ -168,7 +169,7 @@ def test_a_url_or_option_fsspec_cannot_use_is_a_permanent_remote_error():
     assert not caught.value.transient
     tier = RemoteTier("s3://bucket/run", {"no_such_option": 1})  # s3fs complains on first use
     with pytest.raises(RemoteError, match="listing s3://bucket/run: permanent error TypeError") as caught:
-        tier.committed_steps()
+        tier.steps()
     assert not caught.value.transient
 
 
@@ -179,15 +180,16 @@ def test_the_stores_own_checksum_is_recorded_and_checked_without_a_download(clou
     states = [{"w": np.arange(300_000, dtype=np.float32)}]
     manifest = save_sharded(states, tmp_path / "local", step=4)
     record = manifest.shard(0)
-    assert tier.put_shard(4, tmp_path / "local" / record.path, record)
-    kept = tier.store_checksum(4, record)
+    assert tier.land_shard(4, record, ShardSource(path=tmp_path / "local" / record.path))
+    kept = tier.take_landed_checksums(4)[record.path]
     assert kept.startswith("crc32c:")
-    assert tier.store_checksum(4, record) is None  # handed over once
-    remote = tier.commit(manifest, store_checksums={record.path: kept})
+    assert tier.take_landed_checksums(4) == {}  # handed over once
+    tier.add_landed_checksums(4, {record.path: kept})  # as the uploader hands them to the rank that commits
+    remote = tier.commit(manifest)
     assert tier.read_manifest(4).store_checksums == remote.store_checksums == {record.path: kept}
-    monkeypatch.setattr(RemoteTier, "read_shard", lambda *args: pytest.fail("downloaded"))
+    monkeypatch.setattr(RemoteTier, "open_shard", lambda *args: pytest.fail("downloaded"))
     assert tier.check_store_checksum(4, record, kept) is None
-    tier._fs.pipe_file(f"{tier._root}/step-000000000004/{record.path}", bytes(record.size_bytes))  # same size
+    tier.backend.fs.pipe_file(f"{tier.backend.root}/step-000000000004/{record.path}", bytes(record.size_bytes))  # same size
     assert "the store keeps checksum" in tier.check_store_checksum(4, record, kept)
 
 
@@ -196,15 +198,15 @@ def test_abort_orphans_aborts_only_this_librarys_unfinished_uploads_old_enough(s
 
     url, options = s3_url
     tier = RemoteTier(url, options)
-    bucket, prefix, _version = tier._fs.split_path(tier._root)
+    bucket, prefix, _version = tier.backend.fs.split_path(tier.backend.root)
     for key in (f"{prefix}/step-000000000007/rank-00000-of-00001.safetensors", f"{prefix}/someone-elses/file"):
-        tier._fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+        tier.backend.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
 
     def open_keys():
-        uploads = tier._fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix).get("Uploads", [])
+        uploads = tier.backend.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix).get("Uploads", [])
         return sorted(upload["Key"][len(prefix) + 1 :] for upload in uploads)
 
-    started = tier._fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)["Uploads"][0]["Initiated"]
+    started = tier.backend.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)["Uploads"][0]["Initiated"]
     with monkeypatch.context() as clock:  # moto dates every upload 2010-11-10: the test's "now" is 10 s after it
         clock.setattr(time, "time", lambda: started.timestamp() + 10)
         assert tier.abort_orphans(older_than_seconds=3600) == []  # just started: may be a running upload
@@ -225,13 +227,13 @@ def test_a_multipart_upload_is_confirmed_against_the_crc32c_the_store_composed(s
     url, options = s3_url
     tier = RemoteTier(url, options, part_bytes=5 << 20)
     path, record = eleven_mib_shard(tmp_path)
-    assert tier.put_shard(4, path, record)
-    bucket, key, _version = tier._fs.split_path(f"{tier._root}/step-000000000004/{record.path}")
-    head = tier._fs.call_s3("head_object", Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+    assert tier.land_shard(4, record, ShardSource(path=path))
+    bucket, key, _version = tier.backend.fs.split_path(f"{tier.backend.root}/step-000000000004/{record.path}")
+    head = tier.backend.fs.call_s3("head_object", Bucket=bucket, Key=key, ChecksumMode="ENABLED")
     assert head["ETag"].endswith('-3"')  # really a multipart upload, of 3 parts
-    kept = tier.store_checksum(4, record)
+    kept = tier.take_landed_checksums(4)[record.path]
     assert kept.endswith("-3") and kept.removesuffix("-3") == "crc32c:" + head["ChecksumCRC32C"]  # moto's HEAD: no -N
-    assert not tier.put_shard(4, path, record)  # confirmed intact: not sent again
+    assert not tier.land_shard(4, record, ShardSource(path=path))  # confirmed intact: not sent again
 
 
 def test_a_part_changed_in_transit_is_never_confirmed(moto_endpoint, s3_url, tmp_path):
@@ -243,7 +245,7 @@ def test_a_part_changed_in_transit_is_never_confirmed(moto_endpoint, s3_url, tmp
         tier = RemoteTier(url, s3_storage_options(proxy.endpoint), retry=RetryPolicy(max_tries=1), part_bytes=5 << 20)
         path, record = eleven_mib_shard(tmp_path)
         with pytest.raises(RemoteError, match="not confirmed after the upload: the store computed ChecksumCRC32C"):
-            tier.put_shard(4, path, record)
+            tier.land_shard(4, record, ShardSource(path=path))
     finally:
         proxy.close()
 
@@ -254,19 +256,10 @@ def test_a_shard_damaged_on_local_disk_is_never_uploaded_in_parts(s3_url, tmp_pa
     path, record = eleven_mib_shard(tmp_path)
     flip_byte(path, 7 << 20)
     with pytest.raises(ChecksumMismatchError, match="before its upload"):
-        tier.put_shard(4, path, record)
-    bucket, prefix, _version = tier._fs.split_path(tier._root)
-    assert not tier._fs.exists(f"{tier._root}/step-000000000004/{record.path}")
-    assert tier._fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix).get("Uploads", []) == []
-
-
-def test_a_stores_checksum_matches_with_or_without_the_part_count_and_nothing_else():
-    assert _same_checksum("crc32c:qg7Tjw==-3", "crc32c:qg7Tjw==-3")
-    assert _same_checksum("crc32c:qg7Tjw==", "crc32c:qg7Tjw==-3")  # moto's HEAD leaves "-3" off
-    assert not _same_checksum("crc32c:qg7Tjw==", "crc32c:qg7Tjx==-3")
-    assert not _same_checksum("crc32c:qg7Tjw==-4", "crc32c:qg7Tjw==-3")
-    assert not _same_checksum("", "crc32c:qg7Tjw==") and not _same_checksum(None, "crc32c:qg7Tjw==")
-    assert not _same_checksum("", "-")  # no part count to leave off
+        tier.land_shard(4, record, ShardSource(path=path))
+    bucket, prefix, _version = tier.backend.fs.split_path(tier.backend.root)
+    assert not tier.backend.fs.exists(f"{tier.backend.root}/step-000000000004/{record.path}")
+    assert tier.backend.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix).get("Uploads", []) == []
 
 
 # -- exact keys: glob characters in a URL name only themselves ------------------------------------
@@ -344,7 +337,7 @@ def test_an_object_32_mib_longer_than_its_record_is_refused_before_it_is_read(re
     tier.commit(manifest)
     record = manifest.shard(1)
     longer = (directory / record.path).read_bytes() + bytes(32 << 20)
-    tier._fs.pipe_file(f"{tier._root}/step-000000000003/{record.path}", longer)
+    tier.backend.fs.pipe_file(f"{tier.backend.root}/step-000000000003/{record.path}", longer)
     read = []
 
     def count(source):
@@ -353,7 +346,7 @@ def test_an_object_32_mib_longer_than_its_record_is_refused_before_it_is_read(re
         return record.verify(hash_stream(io.BytesIO(b"")), "never")  # not reached: too long
 
     with pytest.raises(ChecksumMismatchError, match=f"{record.size_bytes + 1} bytes|{len(longer)} bytes"):
-        tier.read_shard(3, record, count)
+        tier.open_shard(3, record, count)
     assert sum(read) <= record.size_bytes + 1  # at most one byte past the record, whatever the object holds
     root = tmp_path / "refill"
     with pytest.raises(ChecksumMismatchError, match=record.path):

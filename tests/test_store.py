@@ -8,6 +8,7 @@ import pytest
 from conftest import flip_byte
 from tiered_ckpt import ChecksumMismatchError, IncompleteCheckpointError, UsageError, cli, load_sharded, save_sharded
 from tiered_ckpt.format.layout import step_dir_name
+from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt.tiers.local import LocalTier, delete_checkpoint
 from tiered_ckpt.tiers.remote import RemoteTier
 from tiered_ckpt.tiers.store import TieredStore
@@ -21,7 +22,7 @@ def two_tiers(tmp_path, memory_url):
     url, options = memory_url
     store = TieredStore(LocalTier(tmp_path / "ckpt"), RemoteTier(url, options))
     for record in manifest.shards:
-        store.remote.put_shard(3, store.local.shard_path(3, record), record)
+        store.remote.land_shard(3, record, ShardSource(path=store.local.shard_path(3, record)))
     store.remote.commit(manifest)
     with store.local.lock():
         yield store, manifest, states
@@ -60,10 +61,10 @@ def test_a_damaged_local_shard_comes_from_the_bucket_and_is_landed_locally(two_t
 
 def flip_remote_byte(store, step: int, record, offset: int) -> None:
     """Flip every bit of one byte of ``record``'s object in the (memory) bucket, in place."""
-    remote_path = f"{store.remote._root}/{step_dir_name(step)}/{record.path}"
-    data = bytearray(store.remote._fs.cat_file(remote_path))
+    remote_path = f"{store.remote.backend.root}/{step_dir_name(step)}/{record.path}"
+    data = bytearray(store.remote.backend.fs.cat_file(remote_path))
     data[offset] ^= 0xFF
-    store.remote._fs.pipe_file(remote_path, bytes(data))
+    store.remote.backend.fs.pipe_file(remote_path, bytes(data))
 
 
 def test_no_copy_verifies_names_every_copy_tried(two_tiers):
@@ -140,7 +141,7 @@ def chunked_tiers(tmp_path, memory_url):
     assert isinstance(manifest, ShardManifest) and {c.name for c in manifest.shard(0).chunks} == {"a", "b"}
     url, options = memory_url
     store = TieredStore(LocalTier(tmp_path / "ckpt"), RemoteTier(url, options))
-    store.remote.put_shard(3, store.local.shard_path(3, manifest.shard(0)), manifest.shard(0))
+    store.remote.land_shard(3, manifest.shard(0), ShardSource(path=store.local.shard_path(3, manifest.shard(0))))
     store.remote.commit(manifest)
     with store.local.lock():
         yield store, manifest, arrays
@@ -222,7 +223,7 @@ def job_dirs(tmp_path, memory_url):
         states = [{"w": np.arange(1024, dtype=np.float32) + rank + step} for rank in range(2)]
         manifest = save_sharded(states, store.local.step_dir(step), step=step)
         for record in manifest.shards:
-            store.remote.put_shard(step, store.local.shard_path(step, record), record)
+            store.remote.land_shard(step, record, ShardSource(path=store.local.shard_path(step, record)))
         store.remote.commit(manifest)
     return store
 
@@ -374,7 +375,7 @@ def test_an_io_error_in_a_partial_read_takes_the_arrays_from_the_bucket(tmp_path
     manifest = save_sharded(chunked_states(2), tmp_path / "ckpt" / step_dir_name(3), step=3)
     store = TieredStore(LocalTier(tmp_path / "ckpt"), RemoteTier(*memory_url))
     for record in manifest.shards:
-        store.remote.put_shard(3, store.local.shard_path(3, record), record)
+        store.remote.land_shard(3, record, ShardSource(path=store.local.shard_path(3, record)))
     store.remote.commit(manifest)
     record = manifest.shard(0)
     path = store.local.shard_path(3, record)

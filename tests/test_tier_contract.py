@@ -3,6 +3,8 @@
 import pytest
 from memory_tier import MemoryTier
 from tier_contract import TierContract
+from tiered_ckpt.format.layout import MANIFEST_NAME, step_dir_name
+from tiered_ckpt.tiers.remote import RemoteTier, RetryPolicy
 
 
 class TestMemoryTier(TierContract):
@@ -15,3 +17,44 @@ class TestMemoryTier(TierContract):
 
     def replace_manifest(self, tier, step, data):
         tier.manifests[step] = data
+
+
+class RemoteTierContract(TierContract):
+    """The object-store tier, on each backend (the ``url`` fixture names one)."""
+
+    @pytest.fixture
+    def tier(self, url):
+        return RemoteTier(*url, retry=RetryPolicy(max_tries=2, backoff_seconds=0))
+
+    def _object(self, tier, step, name):
+        return f"{tier.backend.root}/{step_dir_name(step)}/{name}"
+
+    def replace_shard(self, tier, step, record, data):
+        tier.backend.fs.pipe_file(self._object(tier, step, tier.object_name(step, record.path)), data)
+
+    def replace_manifest(self, tier, step, data):
+        tier.backend.fs.pipe_file(self._object(tier, step, MANIFEST_NAME), data)
+
+
+class TestRemoteTierOnMemory(RemoteTierContract):
+    @pytest.fixture
+    def url(self, memory_url):
+        return memory_url
+
+
+class TestRemoteTierOnFile(RemoteTierContract):
+    @pytest.fixture
+    def url(self, file_url):
+        return file_url
+
+
+class TestRemoteTierOnS3(RemoteTierContract):
+    @pytest.fixture
+    def url(self, s3_url):
+        return s3_url
+
+
+class TestRemoteTierOnGcs(RemoteTierContract):
+    @pytest.fixture
+    def url(self, gcs_url):
+        return gcs_url

@@ -1,8 +1,9 @@
-"""The upload queue on its own, against an in-memory remote tier that fails on command."""
+"""The upload queue on its own, against an in-memory remote tier whose backend fails on command."""
 
 import logging
 import threading
 from collections import deque
+from pathlib import PurePosixPath
 
 import numpy as np
 import pytest
@@ -10,19 +11,21 @@ import pytest
 from tiered_ckpt import RemoteError, UploadError, save_sharded
 from tiered_ckpt.engine.uploader import Uploader
 from tiered_ckpt.errors import ErrorBox
-from tiered_ckpt.format.layout import step_dir_name
+from tiered_ckpt.format.layout import parse_step_dir_name, step_dir_name
 from tiered_ckpt.options import UploadOptions
+from tiered_ckpt.tiers.backends.wrappers import Wrapper
+from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.remote import RemoteTier, RetryPolicy
 from tiered_ckpt.tiers.retention import RetentionPolicy
 from tiered_ckpt.tiers.store import TieredStore
 
 
-class FailingRemote(RemoteTier):
-    """A memory:// remote tier whose PUTs raise the queued exceptions first, and can be held."""
+class Failing(Wrapper):
+    """A backend whose shard PUTs raise the queued exceptions first, and can be held."""
 
-    def __init__(self, url, retry):
-        super().__init__(url, retry=retry)
+    def __init__(self, inner):
+        super().__init__(inner)
         self.failures: deque[BaseException] = deque()
         self.puts: list[int] = []
         self.hold = threading.Event()
@@ -31,14 +34,14 @@ class FailingRemote(RemoteTier):
         self.down = False  # while True, every PUT fails with a transient error
         self.failed = threading.Event()  # set by each failed PUT
 
-    def _put(self, local_path, step, record):
-        self.puts.append(step)
+    def put_shard(self, local_path, path, record, *, deadline):
+        self.puts.append(parse_step_dir_name(PurePosixPath(path).parent.name))
         self.holding.set()
         self.hold.wait()
         if self.failures or self.down:
             self.failed.set()
             raise self.failures.popleft() if self.failures else transient()
-        super()._put(local_path, step, record)
+        return super().put_shard(local_path, path, record, deadline=deadline)
 
 
 def transient() -> OSError:
@@ -50,7 +53,8 @@ def job(tmp_path, memory_url):
     """A local tier with steps 1..4 committed (1 rank each) and an uploader over a failing remote."""
     for step in range(1, 5):
         save_sharded([{"w": np.full(64, step, np.float32)}], tmp_path / "ckpt" / step_dir_name(step), step=step)
-    remote = FailingRemote(memory_url[0], RetryPolicy(max_tries=3, backoff_seconds=0))
+    remote = RemoteTier(memory_url[0], retry=RetryPolicy(max_tries=3, backoff_seconds=0), wrap=Failing)
+    faults = remote.backend.inner
     store = TieredStore(LocalTier(tmp_path / "ckpt"), remote)
     uploaders = []
 
@@ -60,32 +64,32 @@ def job(tmp_path, memory_url):
         return uploader
 
     with store.local.lock():
-        yield store, remote, start
+        yield store, remote, faults, start
         for uploader in uploaders:
             uploader.close()
 
 
 def test_transient_failures_within_the_tries_still_commit(job):
-    store, remote, start = job
-    remote.failures.extend([transient(), transient()])
+    store, remote, faults, start = job
+    faults.failures.extend([transient(), transient()])
     uploader = start()
     uploader.submit(1)
     uploader.wait()
     uploader.errors.raise_first()  # nothing failed
-    assert remote.committed_steps() == [1] and store.receipted(1)
-    assert remote.puts == [1, 1, 1]  # two failed tries, then the one that went through
+    assert remote.steps() == [1] and store.receipted(1)
+    assert faults.puts == [1, 1, 1]  # two failed tries, then the one that went through
 
 
 def test_a_transient_failure_that_outlasts_max_tries_is_tried_again_until_the_step_commits(job, caplog):
-    store, remote, start = job
-    remote.failures.extend([transient() for _ in range(10)])  # 3 whole tries of 3 requests, then 1 more
+    store, remote, faults, start = job
+    faults.failures.extend([transient() for _ in range(10)])  # 3 whole tries of 3 requests, then 1 more
     uploader = start()
     with caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
         uploader.submit(1)
         uploader.wait()
     uploader.errors.raise_first()  # nothing failed: a transient failure is no error
-    assert remote.committed_steps() == [1] and store.receipted(1)
-    assert remote.puts == [1] * 11  # one retry loop per try of the step: tries never multiply
+    assert remote.steps() == [1] and store.receipted(1)
+    assert faults.puts == [1] * 11  # one retry loop per try of the step: tries never multiply
     retried = [r.getMessage() for r in caplog.records if r.getMessage().startswith("upload of step 1 failed")]
     assert len(retried) == 3 and all("reset by peer" in message for message in retried)
     assert "try 3, 9 requests tried" in retried[-1]
@@ -93,8 +97,8 @@ def test_a_transient_failure_that_outlasts_max_tries_is_tried_again_until_the_st
 
 
 def test_a_step_that_misses_its_deadline_while_the_bucket_fails_stays_local_and_the_next_goes_on(job):
-    store, remote, start = job
-    remote.down = True
+    store, remote, faults, start = job
+    faults.down = True
     uploader = start(deadline_seconds=0.3)
     uploader.submit(1)
     uploader.wait()
@@ -102,19 +106,19 @@ def test_a_step_that_misses_its_deadline_while_the_bucket_fails_stays_local_and_
         uploader.errors.raise_first()
     assert caught.value.transient and caught.value.step == 1 and caught.value.tries > 3
     assert "it stays local-only" in str(caught.value) and isinstance(caught.value.__cause__, RemoteError)
-    assert remote.committed_steps() == [] and not store.receipted(1) and 1 in store.local.steps()
-    remote.down = False  # the bucket is back
+    assert remote.steps() == [] and not store.receipted(1) and 1 in store.local.steps()
+    faults.down = False  # the bucket is back
     uploader.submit(2)
     uploader.wait()
     uploader.errors.raise_first()
-    assert remote.committed_steps() == [2]
+    assert remote.steps() == [2]
 
 
 def test_while_the_bucket_fails_the_queue_takes_steps_without_blocking_up_to_max_awaiting_upload(job, tmp_path):
-    store, remote, start = job
+    store, remote, faults, start = job
     for step in range(5, 9):
         save_sharded([{"w": np.full(64, step, np.float32)}], tmp_path / "ckpt" / step_dir_name(step), step=step)
-    remote.down = True
+    faults.down = True
     uploader = Uploader(
         store,
         options=UploadOptions(max_pending=1, when_behind="wait", deadline_seconds=None),
@@ -124,59 +128,59 @@ def test_while_the_bucket_fails_the_queue_takes_steps_without_blocking_up_to_max
     try:
         uploader.submit(1)
         while uploader.retrying() is None:  # wait for the first failed try (guarded by the test timeout)
-            remote.failed.wait()
+            faults.failed.wait()
         for step in range(2, 9):  # with a healthy bucket the second submit would block (max_pending=1)
             uploader.submit(step)
         assert uploader.pending() == [1, 6, 7, 8]  # the oldest queued dropped beyond 3 waiting steps
         assert uploader.retrying()[0] == 1
-        remote.down = False
+        faults.down = False
         uploader.wait()
         uploader.errors.raise_first()
-        assert remote.committed_steps() == [1, 6, 7, 8]
+        assert remote.steps() == [1, 6, 7, 8]
     finally:
         uploader.close()
 
 
 def test_a_permanent_failure_is_not_retried(job):
-    _store, remote, start = job
-    remote.failures.append(PermissionError("AccessDenied"))
+    _store, remote, faults, start = job
+    faults.failures.append(PermissionError("AccessDenied"))
     uploader = start()
     uploader.submit(1)
     uploader.wait()
     with pytest.raises(UploadError) as caught:
         uploader.errors.raise_first()
-    assert caught.value.tries == 1 and remote.puts == [1]
+    assert caught.value.tries == 1 and faults.puts == [1]
 
 
 def test_steps_are_uploaded_in_order_and_skip_drops_the_oldest_waiting(job):
-    _store, remote, start = job
-    remote.hold.clear()
+    _store, remote, faults, start = job
+    faults.hold.clear()
     uploader = start(max_pending=1, when_behind="skip")
     uploader.submit(1)
-    remote.holding.wait()  # step 1 is being put, out of the queue
+    faults.holding.wait()  # step 1 is being put, out of the queue
     uploader.submit(2)
     uploader.submit(3)  # the queue is full: 2 is dropped
     assert uploader.pending() == [1, 3]
-    remote.hold.set()
+    faults.hold.set()
     uploader.wait()
-    assert remote.committed_steps() == [1, 3]
+    assert remote.steps() == [1, 3]
 
 
 def test_wait_mode_blocks_the_submitter_until_there_is_room(job):
-    _store, remote, start = job
-    remote.hold.clear()
+    _store, remote, faults, start = job
+    faults.hold.clear()
     uploader = start(max_pending=1, when_behind="wait")
     uploader.submit(1)
-    remote.holding.wait()
+    faults.holding.wait()
     uploader.submit(2)
     third = threading.Thread(target=uploader.submit, args=(3,))
     third.start()
     third.join(timeout=0.5)  # a guard, not a timing assertion: it must still be blocked below
     assert third.is_alive() and uploader.pending() == [1, 2]
-    remote.hold.set()
+    faults.hold.set()
     third.join()
     uploader.wait()
-    assert remote.committed_steps() == [1, 2, 3]
+    assert remote.steps() == [1, 2, 3]
 
 
 def test_retry_policy_stops_at_its_time_budget():
@@ -210,49 +214,49 @@ def test_retry_policy_backs_off_exponentially_with_jitter():
 
 
 def test_resume_queues_unuploaded_steps_and_removes_half_uploaded_ones(job):
-    store, remote, start = job
+    store, remote, faults, start = job
     record = store.local.manifest(4).shard(0)
-    remote.put_shard(4, store.local.shard_path(4, record), record)  # a half upload of step 4, no manifest
+    remote.land_shard(4, record, ShardSource(path=store.local.shard_path(4, record)))  # a half upload of step 4, no manifest
     assert remote.uncommitted_steps() == [4]
     remote.commit(store.local.manifest(2))  # step 2 committed remotely, the receipt lost in a crash
     uploader = start()
     assert uploader.resume() == [3, 4]  # newer than the newest remote commit; step 1 is superseded
     uploader.wait()
-    assert store.receipted(2) and remote.committed_steps() == [2, 3, 4]
+    assert store.receipted(2) and remote.steps() == [2, 3, 4]
 
 
 def test_after_a_preemption_notice_the_newest_step_goes_next_and_older_queued_steps_are_dropped(job):
-    store, remote, start = job
-    remote.hold.clear()
+    store, remote, faults, start = job
+    faults.hold.clear()
     uploader = start(max_pending=1, when_behind="wait")
     uploader.submit(1)
-    remote.holding.wait()  # step 1 is being put
+    faults.holding.wait()  # step 1 is being put
     uploader.submit(2)
     uploader.preempt()
     uploader.submit(3)  # a full queue no longer blocks the submitter once preempted
     uploader.submit(4)
     assert uploader.pending() == [1, 2, 3, 4]
-    remote.hold.set()
+    faults.hold.set()
     uploader.wait()
     uploader.errors.raise_first()
-    assert remote.committed_steps() == [1, 4]  # the step in flight finishes; 2 and 3 are superseded
-    assert remote.puts == [1, 4]
+    assert remote.steps() == [1, 4]  # the step in flight finishes; 2 and 3 are superseded
+    assert faults.puts == [1, 4]
     assert not store.receipted(2) and not store.receipted(3)
 
 
 def test_after_a_preemption_notice_a_step_retried_for_a_failing_bucket_gives_way_to_the_newest(job):
-    store, remote, start = job
-    remote.down = True
+    store, remote, faults, start = job
+    faults.down = True
     uploader = start(max_pending=1)
     uploader.submit(1)
     while uploader.retrying() is None:  # its first try failed (guarded by the test timeout)
-        remote.failed.wait()
+        faults.failed.wait()
     uploader.submit(2)
     uploader.preempt()
     uploader.submit(3)
     while uploader.pending() != [3]:  # step 1 given up, step 2 dropped (guarded by the test timeout)
-        remote.failed.wait()
-    remote.down = False
+        faults.failed.wait()
+    faults.down = False
     uploader.wait()
     uploader.errors.raise_first()  # superseded, not failed
-    assert remote.committed_steps() == [3] and not store.receipted(1)
+    assert remote.steps() == [3] and not store.receipted(1)

@@ -9,7 +9,7 @@ The uploader owns everything that happens to a step after its local commit:
    the orphan age (the leader does, once every rank agreed which steps resume);
 2. for each queued step, on the uploader's thread: put every shard of this process's
    ``ranks`` not already in the bucket intact, ``concurrency`` at a time, each
-   confirmed (:meth:`RemoteTier.put_shard`);
+   confirmed (:meth:`RemoteTier.land_shard`);
 3. wait until every process's uploader has confirmed its ranks' shards (a collective on
    the uploader's own coordinator channel: a failure on any rank fails the step on every
    rank);
@@ -82,6 +82,7 @@ from tiered_ckpt.errors import (
 from tiered_ckpt.format.manifest import RemoteManifest, ShardManifest, ShardRecord
 from tiered_ckpt.options import UploadOptions
 from tiered_ckpt.sharded import run_parallel
+from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt.tiers.owners import Lease, OwnershipPolicy
 from tiered_ckpt.tiers.retention import RetentionPolicy
 from tiered_ckpt.tiers.store import TieredStore
@@ -440,21 +441,22 @@ class Uploader:
         started = time.monotonic()
         ranks = range(manifest.world_size) if self._ranks is None else self._ranks
 
-        def put(rank: int) -> tuple[str, str] | None:
+        def put(rank: int) -> None:
             record = manifest.shard(rank)
-            self._remote.put_shard(step, store.local.shard_path(step, record), record, deadline=deadline)
-            checksum = self._remote.store_checksum(step, record)
-            return (record.path, checksum) if checksum is not None else None
+            source = ShardSource(path=store.local.shard_path(step, record))
+            self._remote.land_shard(step, record, source, deadline=deadline)
 
         def put_mine() -> dict[str, str]:
             if self._coordinator.is_leader and not self._lease.held:  # push() without resume()
                 self._lease.hold()
-            return dict(pair for pair in run_parallel(put, ranks, self._options.concurrency) if pair is not None)
+            run_parallel(put, ranks, self._options.concurrency)
+            return self._remote.take_landed_checksums(step)
 
-        kept = {path: checksum for part in agree(self._coordinator, put_mine) for path, checksum in part.items()}
-        remote = decide(
-            self._coordinator, _Committed, lambda: _Committed(self._commit(manifest, deadline, kept).to_json())
-        )
+        landed = agree(self._coordinator, put_mine)  # the store's checksums of every rank's shards
+        if self._coordinator.is_leader:  # the one that commits
+            for part in landed:
+                self._remote.add_landed_checksums(step, part)
+        remote = decide(self._coordinator, _Committed, lambda: _Committed(self._commit(manifest, deadline).to_json()))
         committed = RemoteManifest.from_json(remote.document, source=self._remote.location(step))
         store.local.write_receipt(step, self._remote.url, committed)
         self.newest_committed = max(self.newest_committed or 0, step)
@@ -506,13 +508,13 @@ class Uploader:
             return
         self._store.retain_remote(self._remote_retention)
 
-    def _commit(self, manifest: ShardManifest, deadline: float | None, kept: dict[str, str]) -> RemoteManifest:
+    def _commit(self, manifest: ShardManifest, deadline: float | None) -> RemoteManifest:
         """Confirm every shard's object once more, then commit; a commit over an object missing or
         changed since it was confirmed is never written (:class:`RemoteError`, not transient)."""
         step = manifest.step
 
         def confirm(record: ShardRecord) -> str | None:
-            return self._remote.confirm_shard(step, record, kept.get(record.path), deadline=deadline)
+            return self._remote.confirm_shard(step, record, deadline=deadline)
 
         problems = [problem for problem in run_parallel(confirm, manifest.shards, self._options.concurrency) if problem]
         if problems:
@@ -522,7 +524,7 @@ class Uploader:
                 + "; ".join(problems[:5]),
                 transient=False,
             )
-        remote = self._remote.commit(manifest, deadline=deadline, store_checksums=kept)
+        remote = self._remote.commit(manifest, deadline=deadline)
         self._remote.set_latest(manifest.step)
         return remote
 

@@ -30,7 +30,7 @@ import xxhash
 from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.format.shardfile import ShardDigest
 
-__all__ = ["StoreSums", "store_sums", "part_crc32c", "composite_crc32c", "check_source"]
+__all__ = ["FileHashes", "StoreSums", "check_source", "composite_crc32c", "hash_for_store", "part_crc32c"]
 
 _READ_BYTES = 16 << 20
 
@@ -83,24 +83,27 @@ def check_source(path: Path, record: ShardRecord) -> None:
     record.verify(ShardDigest(size, "", whole.hexdigest()), f"{path} (before its upload)")
 
 
-def store_sums(path: Path, record: ShardRecord, *, s3: bool, gcs: bool, part_bytes: int) -> StoreSums | None:
-    """The checksums S3 (``s3``) or GCS (``gcs``) computes of ``path`` once uploaded, in one
-    pass that also checks the file as :func:`check_source` does; None for other stores."""
-    if not (s3 or gcs):
-        return None
-    multipart = s3 and record.size_bytes >= 2 * part_bytes
-    whole, md5, crcs, size = xxhash.xxh3_64(), hashlib.md5(), [0], 0
+@dataclass(frozen=True)
+class FileHashes:
+    """One pass over a file to be uploaded: its MD5 (None unless asked for) and the CRC32C
+    (base64) of each ``chunk_bytes`` of it (``split``) or of the whole file."""
+
+    md5: bytes | None
+    crc32c: tuple[str, ...]
+
+
+def hash_for_store(path: Path, record: ShardRecord, *, chunk_bytes: int, md5: bool, split: bool) -> FileHashes:
+    """The hashes a store's checksums are made of, in one pass that also checks the file as
+    :func:`check_source` does (each backend assembles its store's checksums from them)."""
+    whole, md5_hash, crcs, size = xxhash.xxh3_64(), hashlib.md5(), [0], 0
     with open(path, "rb", buffering=0) as source:
-        while chunk := source.read(part_bytes):
+        while chunk := source.read(chunk_bytes):
             whole.update(chunk)
-            if not multipart:  # S3's ETag of a multipart object is not compared: its CRC32C is
-                md5.update(chunk)
-            if multipart and size:
+            if md5:
+                md5_hash.update(chunk)
+            if split and size:
                 crcs.append(0)
             crcs[-1] = _crc32c.crc32c(chunk, crcs[-1])
             size += len(chunk)
     record.verify(ShardDigest(size, "", whole.hexdigest()), f"{path} (before its upload)")
-    if gcs:
-        return StoreSums(_b64(md5.digest()), crc32c=_b64(crcs[0].to_bytes(4, "big")))
-    parts = tuple(_b64(crc.to_bytes(4, "big")) for crc in crcs)
-    return StoreSums(None if multipart else f'"{md5.hexdigest()}"', parts)
+    return FileHashes(md5_hash.digest() if md5 else None, tuple(_b64(crc.to_bytes(4, "big")) for crc in crcs))

@@ -164,7 +164,7 @@ class TieredStore:
 
     def remote_steps(self) -> list[int]:
         """Steps committed remotely, oldest first (empty without a remote tier)."""
-        return self.remote.committed_steps() if self.remote is not None else []
+        return self.remote.steps() if self.remote is not None else []
 
     def receipted(self, step: int) -> bool:
         """True if the local step records its remote commit at this store's URL."""
@@ -246,7 +246,7 @@ class TieredStore:
         """Whether ``step`` is still committed in each tier that listed it (a running job's
         retention may have deleted it since): a failure to read a step that is gone is no error."""
         local = in_local and step in self.local.steps()
-        remote = in_remote and self.remote is not None and step in self.remote.committed_steps()
+        remote = in_remote and self.remote is not None and step in self.remote.steps()
         return local, remote
 
     def lag(
@@ -282,7 +282,7 @@ class TieredStore:
         """Stream ``record``'s remote object into the local step, landing it only if it verifies."""
         if self.remote is None:
             raise UsageError("downloading a shard needs a remote tier")
-        self.remote.read_shard(
+        self.remote.open_shard(
             step, record, lambda source: self.local.land_shard(step, record, lambda out: copy_and_hash(source, out))
         )
 

@@ -1,0 +1,48 @@
+"""The stores behind the object-store tier, one module each, and the one place that picks one.
+
+:func:`open_backend` maps the URL's protocol to the backend module that knows its store
+(``s3``, ``gs``, a file system); fsspec's own registry (``url_to_fs``) decides the
+filesystem, and any protocol without a module of ours gets the generic
+:class:`~tiered_ckpt.tiers.backends.fsspec.FsspecBackend`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from fsspec.core import url_to_fs
+
+from tiered_ckpt.errors import RemoteError
+from tiered_ckpt.tiers.backends.base import Backend
+from tiered_ckpt.tiers.backends.fsspec import FsspecBackend
+from tiered_ckpt.tiers.backends.gcs import GcsBackend
+from tiered_ckpt.tiers.backends.posix import PosixBackend
+from tiered_ckpt.tiers.backends.s3 import S3Backend
+from tiered_ckpt.tiers.retry import RetryPolicy, is_transient
+
+__all__ = ["open_backend"]
+
+_BY_PROTOCOL: dict[str, type[FsspecBackend]] = {
+    "s3": S3Backend,
+    "s3a": S3Backend,
+    "gs": GcsBackend,
+    "gcs": GcsBackend,
+    "file": PosixBackend,
+    "local": PosixBackend,
+}
+
+
+def open_backend(
+    url: str, storage_options: Mapping[str, Any], *, retry: RetryPolicy, part_bytes: int, part_concurrency: int
+) -> Backend:
+    """The backend for ``url`` (a plain path is a file system), its client opened with
+    ``storage_options`` under ``retry``'s timeouts. Raises :class:`RemoteError` if fsspec cannot
+    open it (a missing client package, a bad option); the options never appear in the message."""
+    protocol = url.partition("://")[0] if "://" in url else "file"
+    kind = _BY_PROTOCOL.get(protocol, FsspecBackend)
+    try:
+        fs, root = url_to_fs(url, **kind.client_options(storage_options, retry))
+    except Exception as exc:  # a missing backend, a bad option, a backend that connects at once and fails
+        raise RemoteError(f"cannot open {url}: {type(exc).__name__}: {exc}", transient=is_transient(exc)) from exc
+    return kind(url, fs, root, retry=retry, part_bytes=part_bytes, part_concurrency=part_concurrency)

@@ -1,0 +1,134 @@
+"""The generic backend: any filesystem fsspec's registry knows (``memory://``, ``hdfs://`` ...).
+
+The other backends build on :class:`FsspecBackend` and change what their store does
+differently. Every list and delete names exact paths: fsspec's ``rm(recursive=True)``,
+``glob`` and ``expand_path`` treat ``[]``, ``*`` and ``?`` as patterns and are never called,
+so a URL such as ``s3://b/sweep[12]`` is as good as any.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, BinaryIO, ClassVar
+
+from fsspec.implementations.memory import MemoryFileSystem
+
+from tiered_ckpt.format.manifest import ShardRecord
+from tiered_ckpt.tiers.backends.base import Facts, Head, OpenUpload, Sent
+from tiered_ckpt.tiers.checksums import StoreSums
+from tiered_ckpt.tiers.retry import RetryPolicy
+
+__all__ = ["FsspecBackend", "STREAM_BLOCK_BYTES", "seconds_left"]
+
+STREAM_BLOCK_BYTES = 16 << 20
+
+
+class FsspecBackend:
+    """A store reached through the fsspec filesystem ``fs``, its objects under ``root``."""
+
+    FACTS: ClassVar[Facts] = Facts(create_only=True, store_checksums=False, keeps_metadata=False)
+
+    def __init__(self, url: str, fs: Any, root: str, *, retry: RetryPolicy, part_bytes: int, part_concurrency: int):
+        self.url, self.fs, self.root = url, fs, root.rstrip("/")
+        self.part_bytes = part_bytes
+        self.facts = self.FACTS
+
+    @classmethod
+    def client_options(cls, options: Mapping[str, Any], retry: RetryPolicy) -> dict[str, Any]:
+        """The fsspec options to open the filesystem with: the client's own retries off where it
+        has a switch (ours are the only ones), request timeouts set."""
+        merged = dict(options)
+        merged.setdefault("skip_instance_cache", True)  # an instance of our own: its settings are ours to change
+        return merged
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    def _limit(self, timeout: float | None) -> dict[str, Any]:
+        """The keyword that cuts a call short (async filesystems take ``timeout``: fsspec cancels
+        the request's coroutine), or none."""
+        return {"timeout": timeout} if timeout is not None and getattr(self.fs, "async_impl", False) else {}
+
+    def sums(self, local_path: Path, record: ShardRecord) -> StoreSums | None:
+        return None
+
+    def put_shard(self, local_path: Path, path: str, record: ShardRecord, *, deadline: float | None) -> Sent:
+        self.fs.put_file(str(local_path), path, **self._limit(seconds_left(deadline)))
+        return Sent(None)
+
+    def put_bytes(self, path: str, data: bytes, *, create_only: bool = False, timeout: float | None = None) -> None:
+        self.fs.pipe_file(path, data, mode="create" if create_only else "overwrite", **self._limit(timeout))
+
+    def _info(self, path: str, timeout: float | None) -> dict[str, Any]:
+        self.fs.invalidate_cache(path)
+        return self.fs.info(path, **self._limit(timeout))
+
+    def head(self, path: str, *, timeout: float | None = None) -> Head:
+        info = self._info(path, timeout)
+        return Head(int(info.get("size") or 0), None, info)
+
+    def kept_checksum(self, head: Head, algorithm: str) -> str | None:
+        return None
+
+    def store_problem(self, head: Head, sums: StoreSums) -> str | None:
+        return None
+
+    def size(self, path: str, *, timeout: float | None = None) -> int:
+        return int(self._info(path, timeout).get("size") or 0)
+
+    def exists(self, path: str) -> bool:
+        self.fs.invalidate_cache(path)
+        return bool(self.fs.exists(path))
+
+    def open(self, path: str) -> AbstractContextManager[BinaryIO]:
+        return self.fs.open(path, "rb", block_size=STREAM_BLOCK_BYTES)  # type: ignore[no-any-return]
+
+    def read(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        return bytes(self.fs.cat_file(path, start=start, end=end))
+
+    def list_names(self, prefix: str) -> list[str]:
+        self.fs.invalidate_cache(prefix)
+        try:
+            entries = self.fs.ls(prefix, detail=False)
+        except FileNotFoundError:
+            return []
+        return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in entries]
+
+    def find(self, prefix: str) -> list[str]:
+        self.fs.invalidate_cache(prefix)
+        try:
+            found = self.fs.find(prefix)
+        except FileNotFoundError:
+            return []
+        return sorted(path for path in found if path.startswith(f"{prefix}/"))
+
+    def delete(self, paths: list[str]) -> None:
+        for path in paths:
+            try:
+                self.fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+
+    def delete_prefix(self, prefix: str) -> None:
+        self.delete(self.find(prefix))
+        if isinstance(self.fs, MemoryFileSystem):  # it keeps directories of its own, which find does not list
+            for directory in sorted(d for d in self.fs.pseudo_dirs if d == prefix or d.startswith(f"{prefix}/")):
+                self.fs.pseudo_dirs.remove(directory)
+        self.fs.invalidate_cache(prefix)
+
+    def open_uploads(self) -> list[OpenUpload]:
+        return []
+
+    def abort_upload(self, upload: OpenUpload) -> None:
+        raise NotImplementedError(f"{self.url} has no multipart uploads")
+
+    def check_bucket(self) -> None:
+        return None
+
+
+def seconds_left(deadline: float | None) -> float | None:
+    """The seconds left before ``deadline`` (the tier starts no request after it)."""
+    return None if deadline is None else max(deadline - time.monotonic(), 1e-3)

@@ -16,7 +16,7 @@ import pytest
 
 from tiered_ckpt import CheckpointExistsError, CheckpointManager, UsageError
 from tiered_ckpt.dist.coordination import SingleProcessCoordinator
-from tiered_ckpt.engine.preemption import PreemptionNotice, PreemptionWatch
+from tiered_ckpt.engine.preemption import Preemption, PreemptionNotice, PreemptionWatch
 
 
 @pytest.fixture
@@ -61,14 +61,14 @@ def test_handlers_are_refused_off_the_main_thread():
         pool.submit(PreemptionNotice, [signal.SIGUSR1]).result()
 
 
-def test_the_watch_turns_true_at_the_first_step_after_the_signal_and_stays_true(usr1):
-    reached = []
+def test_the_watch_stops_at_the_first_step_after_the_signal_and_stays_stopped(usr1):
     notice = PreemptionNotice([signal.SIGUSR1])
-    watch = PreemptionWatch(notice, SingleProcessCoordinator(1), reached.append)
-    assert not watch.reached(5)
+    watch = PreemptionWatch(notice, SingleProcessCoordinator(1))
+    assert watch.reached(5) == Preemption(stop=False)
     os.kill(os.getpid(), signal.SIGUSR1)
-    assert watch.reached(6) and watch.reached(7)
-    assert reached == [6] and watch.step == 6  # the uploads are told once
+    assert watch.reached(6) == Preemption(stop=True, new=True, signals={0: "SIGUSR1"})
+    assert watch.reached(7) == Preemption(stop=True)  # new once: the caller acts on it once
+    assert watch.step == 6
     notice.close()
 
 

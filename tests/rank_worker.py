@@ -26,6 +26,7 @@ import json
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -39,7 +40,7 @@ from tiered_ckpt import (
     InvalidStateError,
     TorchDistributedCoordinator,
 )
-from tiered_ckpt.dist.coordination import agree
+from tiered_ckpt.dist.coordination import gather, leader_decides, to_payload
 from tiered_ckpt.engine import writer
 from tiered_ckpt.tiers import local
 
@@ -156,15 +157,45 @@ def act(
         result["broadcast"] = coordinator.broadcast(f"from rank {rank}")
         coordinator.barrier()
         try:
-            agree(coordinator, lambda: _fail_on_rank_1(rank))
+            gather(coordinator, "probe", _Rank, lambda: _fail_on_rank(rank, 1))
         except CheckpointError as exc:
             result["agree_error"] = [type(exc).__name__, str(exc)]
+        try:
+            leader_decides(coordinator, "verdict", _Rank, lambda: _fail_on_rank(rank, 0))
+        except CheckpointError as exc:
+            result["decide_error"] = [type(exc).__name__, str(exc)]
+        typed = gather(coordinator, "typed", _Sample, lambda: _sample(rank))
+        result["typed_equal"] = typed == [_sample(r) for r in range(coordinator.world_size)]
+        result["typed"] = [to_payload(sample) for sample in typed]
+        decided = leader_decides(coordinator, "decided", _Sample, lambda: _sample(rank))
+        result["decided_equal"] = decided == _sample(0)
 
 
-def _fail_on_rank_1(rank: int) -> int:
-    if rank == 1:
-        raise InvalidStateError("rank 1 refuses")
-    return rank
+@dataclass(frozen=True)
+class _Rank:
+    rank: int
+
+
+@dataclass(frozen=True)
+class _Sample:
+    """A payload of every JSON shape a collective carries: sequences come back as tuples."""
+
+    rank: int
+    name: str | None
+    pairs: tuple[tuple[str, int], ...]
+    flag: bool
+    ratio: float
+
+
+def _sample(rank: int) -> _Sample:
+    pairs = tuple((str(i), i) for i in range(rank))
+    return _Sample(rank, None if rank % 2 else f"rank {rank}", pairs, rank == 0, rank / 3)
+
+
+def _fail_on_rank(rank: int, failing: int) -> _Rank:
+    if rank == failing:
+        raise InvalidStateError(f"rank {failing} refuses")
+    return _Rank(rank)
 
 
 def main() -> None:

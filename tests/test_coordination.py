@@ -2,19 +2,24 @@ import json
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from conftest import flip_byte, launch_ranks, new_s3_bucket
 from tiered_ckpt import (
     CheckpointManager,
     ConfigError,
     Coordinator,
+    InvalidStateError,
     ShardManifest,
     SingleProcessCoordinator,
     UsageError,
 )
+from tiered_ckpt.dist.coordination import Attempt, Done, from_payload, gather, leader_decides, to_payload
 from tiered_ckpt.format.layout import HELD_NAME, MANIFEST_NAME, shard_name, step_dir_name
 from tiered_ckpt.tiers.remote import RemoteTier
 
@@ -33,6 +38,60 @@ def test_single_process_coordinator_holds_every_rank_and_leads():
 def test_single_process_coordinator_rejects_a_bad_world_size(world_size):
     with pytest.raises(ValueError, match="world_size"):
         SingleProcessCoordinator(world_size)
+
+
+@dataclass(frozen=True)
+class Sample:
+    step: int
+    note: str | None
+    pairs: tuple[tuple[str, int], ...]
+    done: bool
+    seconds: float
+
+
+samples = st.builds(
+    Sample,
+    st.integers(),
+    st.none() | st.text(),
+    st.lists(st.tuples(st.text(), st.integers())).map(tuple),
+    st.booleans(),
+    st.floats(allow_nan=False),
+)
+
+
+@given(samples)
+def test_a_typed_payload_round_trips_through_the_json_a_collective_carries(sample):
+    assert from_payload(Sample, json.loads(json.dumps(to_payload(sample)))) == sample
+    coordinator = SingleProcessCoordinator(3)
+    assert gather(coordinator, "sample", Sample, lambda: sample) == [sample]
+    assert leader_decides(coordinator, "sample", Sample, lambda: sample) == sample
+
+
+def test_an_action_returning_another_type_fails_naming_the_collective():
+    with pytest.raises(TypeError, match='collective "plan": the action returned dict, not Sample'):
+        gather(SingleProcessCoordinator(1), "plan", Sample, lambda: {"step": 1})
+    with pytest.raises(TypeError, match='collective "step": the action returned Done, not Sample'):
+        leader_decides(SingleProcessCoordinator(1), "step", Sample, Done)
+
+
+def test_a_failing_action_raises_its_own_error_from_the_collective():
+    def refuse() -> Done:
+        raise InvalidStateError("no")
+
+    with pytest.raises(InvalidStateError, match="^no$"):
+        gather(SingleProcessCoordinator(2), "check", Done, refuse)
+    with pytest.raises(InvalidStateError, match="^no$"):
+        leader_decides(SingleProcessCoordinator(2), "check", Done, refuse)
+
+
+def test_an_attempt_keeps_the_result_or_the_error_until_asked():
+    assert Attempt.run(lambda: 3).value == 3 and Attempt.run(lambda: 3).done() == Done()
+    failed = Attempt.run(lambda: 1 // 0)
+    assert isinstance(failed.error, ZeroDivisionError) and failed.result is None
+    with pytest.raises(ZeroDivisionError):
+        failed.done()
+    with pytest.raises(ZeroDivisionError):
+        gather(SingleProcessCoordinator(1), "divide", Done, failed.done)
 
 
 # --- one process per rank under torch.distributed (real processes, gloo) -------------------
@@ -91,8 +150,24 @@ def test_torch_coordinator_gathers_broadcasts_and_fails_every_rank_together(save
         # rank 1 raises its own error; every other rank raises one of its class naming rank 1
         assert result["agree_error"] == [
             "InvalidStateError",
-            "rank 1 refuses" if rank == 1 else "rank 1: rank 1 refuses",
+            "rank 1 refuses" if rank == 1 else 'rank 1 (during "probe"): rank 1 refuses',
         ]
+        # the leader's failure to decide: its own error there, the label and rank 0 named elsewhere
+        assert result["decide_error"] == [
+            "InvalidStateError",
+            "rank 0 refuses" if rank == 0 else 'rank 0 (during "verdict"): rank 0 refuses',
+        ]
+        # typed payloads cross the processes as JSON and come back equal, tuples and all
+        assert result["typed_equal"] and result["decided_equal"], result
+
+
+def test_a_failing_action_on_one_of_two_processes_makes_both_raise_naming_the_rank_and_label(tmp_path):
+    results = run_ranks(tmp_path, 2, [{"do": "collectives"}])
+    assert results[1]["agree_error"] == ["InvalidStateError", "rank 1 refuses"]  # its own error
+    assert results[0]["agree_error"] == ["InvalidStateError", 'rank 1 (during "probe"): rank 1 refuses']
+    assert results[0]["decide_error"] == ["InvalidStateError", "rank 0 refuses"]
+    assert results[1]["decide_error"] == ["InvalidStateError", 'rank 0 (during "verdict"): rank 0 refuses']
+    assert all(result["typed_equal"] and result["decided_equal"] for result in results.values()), results
 
 
 def test_each_rank_writes_only_its_shard_and_the_step_commits_in_both_tiers(saved_job):
@@ -179,6 +254,7 @@ def test_sigkill_of_one_rank_during_a_save_leaves_the_previous_step_on_every_ran
     for result in survivors.values():
         assert result["error"][0] == "SaveError", result  # the commit is agreed: it fails with the others
         assert "a collective with the other ranks failed" in result["error"][1]  # CoordinationError, chained
+        assert f'(during "{"write" if at == "after-shard" else "commit"}")' in result["error"][1], result
     assert RemoteTier(*s3_url).steps() == [1]
     committed = [(node(tmp_path, rank) / step_dir_name(2) / MANIFEST_NAME).exists() for rank in range(4)]
     # killed before the commit was agreed, no rank commits; killed after, only rank 1 lacks the step
@@ -222,9 +298,8 @@ def test_an_array_one_rank_cannot_save_fails_the_save_on_every_rank(tmp_path):
     actions = [{"do": "save", "step": 1, "text_on_rank": 1}]
     for rank, result in run_ranks(tmp_path, 2, actions).items():
         assert result["error"][0] == "InvalidStateError"
-        assert result["error"][1].startswith('rank 1: state["note"] has dtype <U32'), (
-            result
-        )  # named once, on both ranks
+        named = "rank 1" if rank == 1 else 'rank 1 (during "save")'  # and the collective, elsewhere
+        assert result["error"][1].startswith(f'{named}: state["note"] has dtype <U32'), result  # named once
         assert not (node(tmp_path, rank) / step_dir_name(1)).exists()
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from tiered_ckpt import CheckpointExistsError, CheckpointManager, UsageError
 from tiered_ckpt.dist.coordination import SingleProcessCoordinator
-from tiered_ckpt.engine.preemption import PreemptionNotice, PreemptionWatch
+from tiered_ckpt.engine.preemption import Preemption, PreemptionNotice, PreemptionWatch
 
 
 @pytest.fixture
@@ -61,14 +61,14 @@ def test_handlers_are_refused_off_the_main_thread():
         pool.submit(PreemptionNotice, [signal.SIGUSR1]).result()
 
 
-def test_the_watch_turns_true_at_the_first_step_after_the_signal_and_stays_true(usr1):
-    reached = []
+def test_the_watch_stops_at_the_first_step_after_the_signal_and_stays_stopped(usr1):
     notice = PreemptionNotice([signal.SIGUSR1])
-    watch = PreemptionWatch(notice, SingleProcessCoordinator(1), reached.append)
-    assert not watch.reached(5)
+    watch = PreemptionWatch(notice, SingleProcessCoordinator(1))
+    assert watch.reached(5) == Preemption(stop=False)
     os.kill(os.getpid(), signal.SIGUSR1)
-    assert watch.reached(6) and watch.reached(7)
-    assert reached == [6] and watch.step == 6  # the uploads are told once
+    assert watch.reached(6) == Preemption(stop=True, new=True, signals={0: "SIGUSR1"})
+    assert watch.reached(7) == Preemption(stop=True)  # new once: the caller acts on it once
+    assert watch.step == 6
     notice.close()
 
 
@@ -299,3 +299,31 @@ def test_saving_a_stop_step_saved_already_says_to_ask_before_the_regular_save(tm
         with pytest.raises(CheckpointExistsError, match=r"ask reached_preemption\(step\) before the step's regular"):
             manager.save(200, {"w": np.ones(2)}, blocking=True)
         assert manager.steps() == [200]
+
+
+def test_reached_preemption_puts_the_newest_upload_first_and_drops_the_older_queued_ones(
+    tmp_path, moto_endpoint, s3_url, usr1
+):
+    from conftest import FaultInjectingProxy, s3_storage_options
+    from tiered_ckpt.tiers.remote import RemoteTier
+
+    url, options = s3_url
+    state = {"weights": np.arange(64, dtype=np.float32)}
+    proxy = FaultInjectingProxy(moto_endpoint, failure_rate=1.0, methods=("PUT",))  # every upload refused: 503
+    try:
+        storage = s3_storage_options(proxy.endpoint)
+        with CheckpointManager(
+            tmp_path, world_size=1, remote_url=url, storage_options=storage, preemption_signals=[signal.SIGUSR1]
+        ) as manager:
+            for step in (1, 2, 3):  # step 1's upload is tried again; 2 and 3 wait behind it
+                manager.save(step, state, blocking=True)
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert manager.reached_preemption(4)  # the manager tells its uploads: the newest first
+            proxy.failure_rate = 0.0  # the bucket is back
+            manager.save(4, state, blocking=True)
+            manager.wait(uploaded=True)
+    finally:
+        proxy.close()
+    committed = RemoteTier(url, options).committed_steps()
+    # in order, step 2 would follow step 1; newest first, it is always passed over (3 or 4 is newer)
+    assert 4 in committed and 2 not in committed, committed

@@ -258,3 +258,24 @@ def test_a_job_killed_during_its_first_save_relaunches_fresh_and_saves_that_step
     again = run_ranks(tmp_path, 2, [{"do": "restore"}])
     for result in again.values():
         assert result["restored"]["step"] == 1, result
+
+
+def test_a_failed_check_of_the_caller_is_raised_by_restore_and_locate_inside_their_first_collective(tmp_path):
+    from tiered_ckpt import UsageError
+    from tiered_ckpt.dist.coordination import Attempt, SingleProcessCoordinator
+    from tiered_ckpt.engine.restore import Restorer
+    from tiered_ckpt.tiers.store import TieredStore
+
+    with CheckpointManager(tmp_path, world_size=2) as manager:
+        manager.save(1, many_arrays(2, 3), blocking=True)
+    tier = LocalTier(tmp_path)
+    restorer = Restorer(TieredStore(tier, None), SingleProcessCoordinator(2), 2)
+    refused = Attempt(error=UsageError("the caller's check failed"))
+    arguments = {"world_size": 2, "reshard": False, "verify": "full", "into": None, "missing_ok": False}
+    with tier.lock():
+        with pytest.raises(UsageError, match="^the caller's check failed$"):
+            restorer.restore(None, **arguments, checked=refused)
+        with pytest.raises(UsageError, match="^the caller's check failed$"):
+            restorer.locate(None, checked=refused)
+        assert restorer.restore(None, **arguments, checked=Attempt.run(lambda: None)).step == 1
+        assert restorer.locate(None).step == 1

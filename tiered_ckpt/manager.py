@@ -38,7 +38,7 @@ from types import TracebackType
 from typing import Any, Literal, TypeVar, Unpack, overload
 
 from tiered_ckpt.config import Config, load_config
-from tiered_ckpt.dist.coordination import Coordinator, agree_on, from_payload, resolve_coordinator, to_payload
+from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather, resolve_coordinator
 from tiered_ckpt.engine.preemption import PreemptionNotice, PreemptionWatch
 from tiered_ckpt.engine.restore import Restorer, RestoreResult, check_restore_arguments, same_call
 from tiered_ckpt.engine.staging import StagingBuffers
@@ -179,13 +179,13 @@ class CheckpointManager:
         self._uploader: Uploader | None = None
         self._exit_stack = ExitStack()
         try:
-            agree_on(coordinator, self._open_local_dir, lambda _none: None)
+            gather(coordinator, "open", Done, Attempt.run(self._open_local_dir).done)
             if remote_tier is not None:
                 self._uploader = self._exit_stack.enter_context(closing(self._start_uploader(options)))
                 self._uploader.resume()
             notice = self._exit_stack.enter_context(closing(PreemptionNotice(preemption_signals)))
             channel = coordinator if self._one_process else coordinator.new_channel()
-            self._preemption = PreemptionWatch(notice, channel, self._preempt_uploads)
+            self._preemption = PreemptionWatch(notice, channel)
         except BaseException:
             self._exit_stack.close()  # release the directory and stop the uploader: nothing is half-open
             raise
@@ -335,8 +335,9 @@ class CheckpointManager:
         self._check_open()
         self._writer.settle(retention=False)
         with self._raised_on_every_rank(), _not_saved(step):
-            local, reports = agree_on(self._coordinator, lambda: self._check_save(step, states), lambda c: c[1])
-        parsed = [from_payload(_SaveReport, report) for report in reports]
+            checked = Attempt.run(lambda: self._check_save(step, states))
+            parsed = gather(self._coordinator, "save", _SaveReport, lambda: checked.value[1])
+        flattened = checked.value[0]
         same_call([report.arguments for report in parsed], "save")
         newest = max((report.newest for report in parsed if report.newest is not None), default=None)
         if newest is not None and step <= newest:
@@ -352,12 +353,12 @@ class CheckpointManager:
         flat = all(report.flat for report in parsed)
         keys, numels = resolve_sharded_keys(shapes, self._sharded_keys, flat=flat)
         check_manifest_fits([size for report in parsed for size in report.record_bytes], keys, step)
-        handle = self._writer.submit(step, local[0], keys, numels)
+        handle = self._writer.submit(step, flattened, keys, numels)
         if blocking:
             handle.wait()
         return handle
 
-    def _check_save(self, step: int, states: Sequence[State] | State) -> tuple[list[FlatState], Any]:
+    def _check_save(self, step: int, states: Sequence[State] | State) -> tuple[list[FlatState], _SaveReport]:
         """This process's part of a save's check: its flattened states (checked) and its report to the others."""
         self._before_collective()
         validate_step(step)
@@ -370,7 +371,7 @@ class CheckpointManager:
         flat = all(s.structure.flat for s in local)
         records = tuple(s.record_bytes() for s in local)
         report = _SaveReport(json.dumps({"step": step}), self.latest_step(), shapes, flat, records)
-        return local, to_payload(report)
+        return local, report
 
     def _before_collective(self) -> None:
         """What every save and restore checks first, on every rank: a background error not yet
@@ -413,11 +414,10 @@ class CheckpointManager:
                 manager.save(step, state)
         """
         self._check_open()
-        return self._preemption.reached(step)
-
-    def _preempt_uploads(self, step: int) -> None:
-        if self._uploader is not None:
+        preemption = self._preemption.reached(step)
+        if preemption.new and self._uploader is not None:
             self._uploader.preempt()
+        return preemption.stop
 
     def wait(self, *, uploaded: bool = False) -> None:
         """Block until every save so far is committed locally (and, with ``uploaded=True``,
@@ -576,7 +576,7 @@ class CheckpointManager:
                 verify=verify,
                 into=into,
                 missing_ok=missing_ok,
-                before=self._before_collective,
+                checked=Attempt.run(self._before_collective),
             )
 
     def locate(self, step: int | None = None) -> ShardManifest:
@@ -586,7 +586,7 @@ class CheckpointManager:
         self._check_open()
         self._writer.settle()
         with self._raised_on_every_rank():
-            return self._restorer.locate(step, before=self._before_collective)
+            return self._restorer.locate(step, checked=Attempt.run(self._before_collective))
 
     # -- moving whole steps (one process holding every rank, as the CLI runs it) ---------------
 

@@ -14,18 +14,22 @@ a save finishing in a background thread never interleaves with the training loop
 collectives; :meth:`Coordinator.new_channel` gives the uploader thread a second group
 so that the writer's and the uploader's collectives cannot interleave either.
 
-:func:`agree` is how every multi-process step of a checkpoint ends: each process runs
-its part, and either every process gets every result or every process raises.
+Two labelled collectives carry every multi-process step of a checkpoint: :func:`gather`
+(each process runs its part and every process gets every part) and :func:`leader_decides`
+(the leader runs it and every process gets its decision). Either every process gets the
+payloads or every process raises, with the label naming the collective that failed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -36,12 +40,11 @@ __all__ = [
     "Coordinator",
     "SingleProcessCoordinator",
     "TorchDistributedCoordinator",
-    "agree",
-    "agree_on",
-    "resolve_coordinator",
-    "exchange",
+    "Attempt",
+    "Done",
+    "gather",
     "leader_decides",
-    "decide",
+    "resolve_coordinator",
     "to_payload",
     "from_payload",
 ]
@@ -266,49 +269,114 @@ def resolve_coordinator(coordinator: Coordinator | None, world_size: int | None)
     return coordinator
 
 
-def agree_on(coordinator: Coordinator, action: Callable[[], T], share: Callable[[T], Any]) -> tuple[T, list[Any]]:
-    """Run ``action`` on every process; return its own result and every process's ``share(result)``.
+@dataclass(frozen=True)
+class Done:
+    """The payload of a collective that shares nothing but its success."""
 
-    ``share`` turns the result into the JSON value the other processes see (the result
-    itself may hold arrays). If ``action`` fails on any process, every process raises:
-    the failing one its own exception, the others a :class:`CheckpointError` of the same
-    class (or the base class for an exception not ours) whose message names the rank and
-    the error. So no process goes on to a collective that the others will never join.
+
+@dataclass(frozen=True)
+class Attempt(Generic[T]):
+    """What running an action on this process gave: its ``result``, or the ``error`` it raised.
+
+    For a collective whose action's result stays on this process (arrays, open files): run it
+    with :meth:`run`, hand :meth:`done` (or a function of :attr:`value` making the shared
+    payload) to :func:`gather` as its action, and read :attr:`value` once that returned. The
+    error is then raised inside the collective, so every process raises it together.
     """
-    failure: BaseException | None = None
-    result: Any = None
+
+    result: T | None = None
+    error: Exception | None = None
+
+    @classmethod
+    def run(cls, action: Callable[[], T]) -> Attempt[T]:
+        """Run ``action``, keeping its result or the :class:`Exception` it raised (never raised here)."""
+        try:
+            return cls(action())
+        except Exception as exc:
+            return cls(None, exc)
+
+    @property
+    def value(self) -> T:
+        """The result; raises the action's error if it failed."""
+        if self.error is not None:
+            raise self.error
+        return self.result  # type: ignore[return-value]  # T itself may include None
+
+    def done(self) -> Done:
+        """:class:`Done` if the action succeeded; raises its error otherwise."""
+        _ = self.value
+        return Done()
+
+
+def gather(coordinator: Coordinator, label: str, payload_type: type[P], action: Callable[[], P]) -> list[P]:
+    """The collective ``label``: run ``action`` on every process; return every process's payload, in rank order.
+
+    ``action`` returns a ``payload_type``: a frozen dataclass of JSON fields (tuples for
+    sequences), rebuilt as one on every process. If ``action`` fails on any process, every
+    process raises: the failing one its own exception, the others a :class:`CheckpointError`
+    of the same class (or the base class for an exception not ours) naming that rank and
+    ``label``; a collective the backend cannot complete (a rank died or timed out) raises a
+    :class:`CoordinationError` naming ``label``. So no process goes on to a collective that
+    the others will never join.
+    """
+    failure: Exception | None = None
+    document: dict[str, Any]
     try:
-        result = action()
-        payload: dict[str, Any] = {"result": share(result)}
+        document = {"result": to_payload(_checked(payload_type, action(), label))}
     except Exception as exc:
         failure = exc
-        payload = {"error": _describe_error(exc)}
-    gathered = coordinator.all_gather(payload)
+        document = {"error": _describe_error(exc)}
+    gathered = _labelled(label, coordinator.all_gather, document)
     if failure is not None:
         raise failure
     for rank, item in enumerate(gathered):
         if "error" in item:
-            raise _error_from(item["error"], rank)
-    return result, [item["result"] for item in gathered]
+            raise _error_from(item["error"], rank, label)
+    return [from_payload(payload_type, item["result"]) for item in gathered]
 
 
-def agree(coordinator: Coordinator, action: Callable[[], T]) -> list[T]:
-    """Run ``action`` on every process and return every process's result (a JSON value), in rank order.
+def leader_decides(coordinator: Coordinator, label: str, payload_type: type[P], action: Callable[[], P]) -> P:
+    """The collective ``label``: run ``action`` on the leader only; return its ``payload_type`` on every process.
 
-    Fails on every process if it fails on one (see :func:`agree_on`).
+    Fails on every process if it fails on the leader (as :func:`gather` does).
     """
-    return agree_on(coordinator, action, lambda result: result)[1]
+    failure: Exception | None = None
+    document: dict[str, Any] | None = None
+    if coordinator.is_leader:
+        try:
+            document = {"result": to_payload(_checked(payload_type, action(), label))}
+        except Exception as exc:
+            failure = exc
+            document = {"error": _describe_error(exc)}
+    decision = _labelled(label, coordinator.broadcast, document)
+    if failure is not None:
+        raise failure
+    if "error" in decision:
+        raise _error_from(decision["error"], 0, label)
+    return from_payload(payload_type, decision["result"])
 
 
-def exchange(coordinator: Coordinator, payload_type: type[P], action: Callable[[], P]) -> list[P]:
-    """:func:`agree` for a typed payload: ``action`` returns a frozen dataclass of JSON fields
-    (tuples for sequences), rebuilt as ``payload_type`` on every process."""
-    return [from_payload(payload_type, item) for item in agree(coordinator, lambda: to_payload(action()))]
+def _checked(payload_type: type[P], payload: Any, label: str) -> P:
+    if type(payload) is not payload_type:  # a bug of the call site: say so on every rank
+        returned, wanted = type(payload).__name__, payload_type.__name__
+        raise TypeError(f'collective "{label}": the action returned {returned}, not {wanted}')
+    return payload
 
 
-def decide(coordinator: Coordinator, payload_type: type[P], action: Callable[[], P]) -> P:
-    """:func:`leader_decides` for a typed payload (see :func:`exchange`)."""
-    return from_payload(payload_type, leader_decides(coordinator, lambda: to_payload(action())))
+def _labelled(label: str, collective: Callable[[Any], T], document: Any) -> T:
+    try:
+        return collective(document)
+    except CoordinationError as exc:
+        found = re.match(r"rank (\d+): ", str(exc))
+        rank = int(found.group(1)) if found else None
+        raise errors.restated(exc, _named(str(exc), rank, label)) from exc
+
+
+def _named(message: str, rank: int | None, label: str) -> str:
+    """``message`` as 'rank 3 (during "commit"): ...', naming the rank once (None: unknown)."""
+    if rank is None:
+        return f'during "{label}": {message}'
+    return f'rank {rank} (during "{label}"): {message.removeprefix(f"rank {rank}: ")}'
 
 
 def to_payload(payload: Any) -> Any:
@@ -326,28 +394,6 @@ def from_payload(payload_type: type[P], document: Any) -> P:
     return payload_type(**{field.name: _as_tuples(document[field.name]) for field in fields})
 
 
-def leader_decides(coordinator: Coordinator, decide: Callable[[], T]) -> T:
-    """Run ``decide`` on the leader only and return its result on every process.
-
-    If it fails, every process raises (as in :func:`agree`). ``decide`` must return a
-    JSON value.
-    """
-    failure: BaseException | None = None
-    payload: dict[str, Any] | None = None
-    if coordinator.is_leader:
-        try:
-            payload = {"result": decide()}
-        except Exception as exc:
-            failure = exc
-            payload = {"error": _describe_error(exc)}
-    decision = coordinator.broadcast(payload)
-    if failure is not None:
-        raise failure
-    if "error" in decision:
-        raise _error_from(decision["error"], 0)
-    return decision["result"]
-
-
 _ERROR_ATTRIBUTES = ("step", "tries", "transient", "deadline")
 
 
@@ -360,7 +406,7 @@ def _describe_error(exc: BaseException) -> dict[str, Any]:
     }
 
 
-def _error_from(description: dict[str, Any], rank: int) -> CheckpointError:
+def _error_from(description: dict[str, Any], rank: int, label: str) -> CheckpointError:
     error_type = getattr(errors, str(description.get("type")), None)
     if not (isinstance(error_type, type) and issubclass(error_type, CheckpointError)):
         error_type = CheckpointError
@@ -368,6 +414,4 @@ def _error_from(description: dict[str, Any], rank: int) -> CheckpointError:
     template.__dict__.update(
         {name: value for name, value in dict(description.get("attributes") or {}).items() if name in _ERROR_ATTRIBUTES}
     )
-    message = str(description.get("message"))
-    named = message if message.startswith(f"rank {rank}:") else f"rank {rank}: {message}"
-    return errors.restated(template, named)
+    return errors.restated(template, _named(str(description.get("message")), rank, label))

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from tiered_ckpt.dist.coordination import Coordinator, exchange
+from tiered_ckpt.dist.coordination import Coordinator, gather
 from tiered_ckpt.errors import ChecksumMismatchError, InvalidStateError, ManifestError, ShardFormatError
 from tiered_ckpt.format.manifest import ChunkRecord, ShardManifest, ShardRecord
 from tiered_ckpt.format.shardfile import DTYPES, dtype_code
@@ -104,7 +104,7 @@ def leave_out(coordinator: Coordinator, states: Sequence[FlatState]) -> dict[int
     """Collective (every process calls it at the same point of a save): :func:`assign` over
     every process's :func:`offer` for ``states`` (this process's ranks, in order)."""
     ranks = tuple(coordinator.local_ranks)
-    return assign(exchange(coordinator, Offer, lambda: offer(states, ranks)))
+    return assign(gather(coordinator, "replicas", Offer, lambda: offer(states, ranks)))
 
 
 def written(state: FlatState, left: Collection[str]) -> FlatState:

@@ -12,15 +12,15 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-from tiered_ckpt.dist.coordination import Coordinator, exchange
+from tiered_ckpt.dist.coordination import Coordinator, gather
 from tiered_ckpt.errors import UsageError
 
-__all__ = ["PreemptionNotice", "PreemptionWatch"]
+__all__ = ["Preemption", "PreemptionNotice", "PreemptionWatch"]
 
 logger = logging.getLogger("tiered_ckpt")
 
@@ -163,6 +163,21 @@ class _Report:
     signal: str | None
 
 
+@dataclass(frozen=True)
+class Preemption:
+    """What :meth:`PreemptionWatch.reached` found at a step boundary, the same on every rank.
+
+    ``stop``: every rank stops at this step (and at every later call). ``new``: this is the
+    call that found the notice (the caller acts on it once, e.g. puts the newest upload
+    first). ``signals``: by rank, the signal each received (at that call; empty before it
+    and after it).
+    """
+
+    stop: bool
+    new: bool = False
+    signals: Mapping[int, str] = field(default_factory=dict)
+
+
 class PreemptionWatch:
     """Turns a :class:`PreemptionNotice` into the step at which every rank stops.
 
@@ -171,32 +186,31 @@ class PreemptionWatch:
     collectives): one small all-gather per call.
     """
 
-    def __init__(self, notice: PreemptionNotice, coordinator: Coordinator, on_reached: Callable[[int], None]) -> None:
+    def __init__(self, notice: PreemptionNotice, coordinator: Coordinator) -> None:
         self._notice = notice
         self._coordinator = coordinator
-        self._on_reached = on_reached
         self.step: int | None = None
 
-    def reached(self, step: int) -> bool:
-        """True on every rank, at the same call, once any rank has received a preemption signal.
+    def reached(self, step: int) -> Preemption:
+        """Whether every rank stops at ``step``: at the same call on every rank, once any rank
+        has received a preemption signal; from then on at every call, without a collective.
 
-        Stays True once it was. Raises :class:`UsageError` on every rank if the ranks
-        asked at different steps.
+        Raises :class:`UsageError` on every rank if the ranks asked at different steps.
         """
         if self.step is not None:
-            return True
+            return Preemption(stop=True)
         received = self._notice.received
-        reports = exchange(self._coordinator, _Report, lambda: _Report(step, received.name if received else None))
+        report = _Report(step, received.name if received else None)
+        reports = gather(self._coordinator, "reached_preemption", _Report, lambda: report)
         steps = sorted({report.step for report in reports})
         if len(steps) > 1:
             raise UsageError(f"reached_preemption: the ranks asked at different steps {steps}")
         signalled = {rank: report.signal for rank, report in enumerate(reports) if report.signal is not None}
         if not signalled:
-            return False
+            return Preemption(stop=False)
         self.step = step
         logger.warning("preemption (%s): every rank stops at step %d", signalled, step)
-        self._on_reached(step)
-        return True
+        return Preemption(stop=True, new=True, signals=signalled)
 
 
 def _as_signal(value: int | signal.Signals) -> signal.Signals:

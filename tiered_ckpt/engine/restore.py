@@ -25,14 +25,14 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from tiered_ckpt.dist.coordination import Coordinator, agree_on, decide, exchange
+from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather, leader_decides
 from tiered_ckpt.dist.replicas import missing, put_back, share
 from tiered_ckpt.dist.reshard import (
     ChunkPlan,
@@ -143,14 +143,28 @@ def _part_bytes(record: ShardRecord, state: FlatState) -> int:
 
 @dataclass(frozen=True)
 class _Pending:
-    """This process's part of a restore once its own reads are done: the ``result``, or (None)
-    the ``finish`` that completes it with the arrays other processes hold (by holder rank);
-    ``held`` are this process's verified arrays, which it sends to them."""
+    """This process's part of a restore once its own reads are done, before the arrays its
+    ranks' shards left to other ranks are put back (:meth:`Restorer._complete` does that).
 
+    ``read``: by saved rank, the verified states read (whole shards, or the parts needed),
+    from the tiers in ``sources``, ``bytes_read`` bytes in all. ``from_peers``: the left-out
+    arrays come from the processes holding them (else they are read here, from the bucket
+    if ``use_remote``). Whole reads: ``into`` are the caller's arrays by saved rank, resharded
+    for ``target`` ranks. Chunk reads (``plans`` not empty): per rank of this process, its
+    plan and the state of DTensors (``targets``) the chunks fill.
+    """
+
+    step: int
     manifest: ShardManifest
-    held: Mapping[str, np.ndarray]
-    finish: Callable[[Mapping[int, Mapping[str, np.ndarray]]], RestoreResult]
-    result: RestoreResult | None
+    target: int
+    read: Mapping[int, FlatState]
+    sources: Mapping[int, Source]
+    bytes_read: int
+    from_peers: bool
+    use_remote: bool
+    into: Mapping[int, Mapping[str, np.ndarray]] = field(default_factory=dict)
+    plans: tuple[ChunkPlan, ...] = ()
+    targets: tuple[FlatState, ...] = ()
 
 
 def _without_replicas(plan: ChunkPlan, record: ShardRecord) -> ChunkPlan:
@@ -258,27 +272,28 @@ class Restorer:
         verify: Verify,
         into: Sequence[State] | State | None,
         missing_ok: bool,
-        before: Callable[[], None] = lambda: None,
+        checked: Attempt[None] = Attempt(),
     ) -> RestoreResult | None:
-        """Run a restore; ``before`` runs inside the first collective (to raise background errors on every rank)."""
+        """Run a restore. ``checked`` is the caller's own checks, run before: if they failed,
+        their error is raised inside the first collective, so every rank raises."""
         started = time.monotonic()
         arguments = json.dumps({"step": step, "world_size": world_size, "reshard": reshard}, sort_keys=True)
         chosen, remote_steps, complete, reports = self._agree_on_step(
-            step, arguments, world_size, missing_ok, before, reshard
+            step, arguments, world_size, missing_ok, checked, reshard
         )
         self._drop_unfinished_saves(chosen.unfinished)
         restored = chosen.step
         if restored is None:
             logger.info("restore: no step committed in %s; starting fresh", self._store.where())
             return None
-        pending, _ = agree_on(
-            self._coordinator,
-            lambda: self._load(restored, restored in remote_steps, world_size, reshard, verify, into),
-            lambda _pending: None,
-        )
-        result = pending.result
-        if result is None:  # the same on every process: they hold one manifest and world size
-            result, _ = agree_on(self._coordinator, lambda: self._finish_from_peers(pending), lambda _result: None)
+        loaded = Attempt.run(lambda: self._load(restored, restored in remote_steps, world_size, reshard, verify, into))
+        gather(self._coordinator, "restore: read", Done, loaded.done)
+        result = loaded.value
+        if isinstance(result, _Pending):  # the same on every process: they hold one manifest and world size
+            pending = result
+            finished = Attempt.run(lambda: self._finish_from_peers(pending))
+            gather(self._coordinator, "restore: replicas", Done, finished.done)
+            result = finished.value
         self._drop_unfinished_commits(restored, complete, reports)
         result = replace(result, seconds=time.monotonic() - started)
         logger.info(
@@ -291,8 +306,10 @@ class Restorer:
     def _finish_from_peers(self, pending: _Pending) -> RestoreResult:
         """Step 3 continued, with one process per rank on the saved world size: the arrays
         this rank's shard left to other ranks come from their processes (collective)."""
+        (rank,) = self._ranks
+        held = pending.read[rank].arrays if rank in pending.read else {}  # sent to the ranks that left them out
         try:
-            return pending.finish(share(self._coordinator, pending.manifest, pending.held))
+            return self._complete(pending, share(self._coordinator, pending.manifest, held))
         except CheckpointError as exc:
             raise restated(exc, f"restore of step {pending.manifest.step}: {exc}") from exc
 
@@ -302,40 +319,46 @@ class Restorer:
         arguments: str,
         world_size: int,
         missing_ok: bool,
-        before: Callable[[], None],
+        checked: Attempt[None],
         reshard: bool = False,
     ) -> tuple[_Choice, set[int], list[int], list[StepReport]]:
         """Steps 1 and 2: the step every process restores (None: none, and ``missing_ok``) with
         the unfinished saves to delete, the bucket's steps, the steps complete in some tier,
         and every process's report."""
-        reports = exchange(self._coordinator, StepReport, lambda: self._report(arguments, world_size, before))
+        reports = gather(
+            self._coordinator, "restore: steps", StepReport, lambda: self._report(arguments, world_size, checked)
+        )
         same_call([report.arguments for report in reports], "restore")
         remote_steps = set(reports[0].remote or ())
         disks = _Disks.of(reports)
         complete = sorted(remote_steps.union(disks.on_every_disk()))
-        chosen = decide(self._coordinator, _Choice, lambda: self._choose(step, complete, disks, missing_ok, reshard))
+        chosen = leader_decides(
+            self._coordinator,
+            "restore: choice",
+            _Choice,
+            lambda: self._choose(step, complete, disks, missing_ok, reshard),
+        )
         return chosen, remote_steps, complete, reports
 
-    def locate(self, step: int | None, before: Callable[[], None] = lambda: None) -> ShardManifest:
+    def locate(self, step: int | None, checked: Attempt[None] = Attempt()) -> ShardManifest:
         """The manifest of ``step`` (default: the newest step every process can restore), the
-        same on every process (collective); for readers that read parts of shards themselves."""
+        same on every process (collective); for readers that read parts of shards themselves.
+        ``checked`` as for :meth:`restore`."""
         arguments = json.dumps({"step": step, "locate": True}, sort_keys=True)
         # reshard=True: a reader reshards as it reads (an error never tells it to ask for it)
         choice, remote_steps, _complete, _reports = self._agree_on_step(
-            step, arguments, self._world_size, False, before, reshard=True
+            step, arguments, self._world_size, False, checked, reshard=True
         )
         chosen = choice.step
         assert chosen is not None  # missing_ok=False raises instead
         in_local = chosen in self._store.local.steps()
-        manifest, _remote = agree_on(
-            self._coordinator,
-            lambda: self._store.manifests(chosen, in_local=in_local, in_remote=chosen in remote_steps),
-            lambda _found: None,
-        )[0]
+        found = Attempt.run(lambda: self._store.manifests(chosen, in_local=in_local, in_remote=chosen in remote_steps))
+        gather(self._coordinator, "locate: manifest", Done, found.done)
+        manifest, _remote = found.value
         return manifest
 
-    def _report(self, arguments: str, world_size: int, before: Callable[[], None]) -> StepReport:
-        before()
+    def _report(self, arguments: str, world_size: int, checked: Attempt[None]) -> StepReport:
+        checked.done()
         if not self._one_process and world_size != self._world_size:
             raise UsageError(f"with one process per rank the world size is the coordinator's, {self._world_size}")
         local: list[tuple[int, int | None]] = []
@@ -448,7 +471,7 @@ class Restorer:
         reshard: bool,
         verify: Verify,
         into: Sequence[State] | State | None,
-    ) -> _Pending:
+    ) -> RestoreResult | _Pending:
         """This process's part of a restore: its ranks' verified states (resharded when asked),
         or, when their replicated arrays must come from other processes, all but those."""
         store = self._store
@@ -464,7 +487,7 @@ class Restorer:
             if not reshard:
                 check_world_size(manifest, target, str(store.local.step_dir(step)))
             if targets is not None and any(state.structure.chunks for state in targets):
-                return self._load_chunks(step, manifest, remote, target, targets, verify)
+                return self._completed_here(self._load_chunks(step, manifest, remote, target, targets, verify))
             from_peers = self._from_peers(manifest, target)
             if reshard and into_list is not None:
                 raise UsageError("into cannot be combined with reshard=True (except into a state of DTensors)")
@@ -488,22 +511,18 @@ class Restorer:
                     self._max_workers,
                 )
                 store.record_refill(manifest, remote, wanted, was_committed=in_local)
-            whole_bytes = sum(manifest.shard(rank).size_bytes for rank in wanted)
-            read = {rank: state for rank, (state, _source) in zip(wanted, fetched, strict=True)}
-            sources = {rank: source for rank, (_state, source) in zip(wanted, fetched, strict=True)}
-            into_by_rank = {rank: state.arrays for rank, state in zip(wanted, targets or (), strict=False)}
-
-            def finish(received: Mapping[int, Mapping[str, np.ndarray]]) -> RestoreResult:
-                parts_bytes = 0
-                if not from_peers:
-                    received, parts_bytes = self._replicas_read(step, manifest, read, remote is not None)
-                for rank, state in read.items():
-                    record = manifest.shard(rank)
-                    put_back(state, record, manifest, received, into_by_rank.get(rank), store.local.step_dir(step))
-                result = self._resharded(step, manifest, target, read, sources)
-                return replace(result, bytes_read=whole_bytes + parts_bytes)
-
-            return self._pending(manifest, read, finish, from_peers)
+            pending = _Pending(
+                step,
+                manifest,
+                target,
+                read={rank: state for rank, (state, _source) in zip(wanted, fetched, strict=True)},
+                sources={rank: source for rank, (_state, source) in zip(wanted, fetched, strict=True)},
+                bytes_read=sum(manifest.shard(rank).size_bytes for rank in wanted),
+                from_peers=from_peers,
+                use_remote=remote is not None,
+                into={rank: state.arrays for rank, state in zip(wanted, targets or (), strict=False)},
+            )
+            return self._completed_here(pending)
         except CheckpointError as exc:
             raise restated(exc, f"restore of step {step}: {exc}") from exc
 
@@ -525,17 +544,33 @@ class Restorer:
         them (one process per rank on the saved world size, and the checkpoint has some)."""
         return not self._one_process and manifest.world_size == target and any(r.replicas for r in manifest.shards)
 
-    def _pending(
-        self,
-        manifest: ShardManifest,
-        read: Mapping[int, FlatState],
-        finish: Callable[[Mapping[int, Mapping[str, np.ndarray]]], RestoreResult],
-        from_peers: bool,
-    ) -> _Pending:
-        if not from_peers:
-            return _Pending(manifest, {}, finish, finish({}))
-        (rank,) = self._ranks
-        return _Pending(manifest, read[rank].arrays if rank in read else {}, finish, None)
+    def _completed_here(self, pending: _Pending) -> RestoreResult | _Pending:
+        """The result, if no array ``pending`` lacks must come from another process; else ``pending``."""
+        return pending if pending.from_peers else self._complete(pending, {})
+
+    def _complete(self, pending: _Pending, received: Mapping[int, Mapping[str, np.ndarray]]) -> RestoreResult:
+        """The end of step 3: the arrays ``pending``'s shards left to other ranks put back (by holder
+        rank, ``received`` from their processes, else read here), then the states resharded, or
+        the chunks of the caller's DTensors filled."""
+        step, manifest = pending.step, pending.manifest
+        if pending.plans:
+            read = dict(pending.read)
+            for holder, arrays in received.items():
+                base = read.get(holder, read[pending.plans[0].plain_source])
+                read[holder] = FlatState({**base.arrays, **arrays} if holder in read else dict(arrays), base.structure)
+            plans = zip(pending.plans, pending.targets, strict=True)
+            states = [fill_chunks(plan, read, state) for plan, state in plans]
+            unflattened = [state.unflatten() for state in states]
+            sources = dict(pending.sources)
+            return RestoreResult(step, unflattened, sources, self._ranks, manifest, tuple(states), pending.bytes_read)
+        parts_bytes = 0
+        if not pending.from_peers:
+            received, parts_bytes = self._replicas_read(step, manifest, pending.read, pending.use_remote)
+        for rank, state in pending.read.items():
+            into = pending.into.get(rank)
+            put_back(state, manifest.shard(rank), manifest, received, into, self._store.local.step_dir(step))
+        result = self._resharded(step, manifest, pending.target, pending.read, dict(pending.sources))
+        return replace(result, bytes_read=pending.bytes_read + parts_bytes)
 
     def _replicas_read(
         self, step: int, manifest: ShardManifest, read: Mapping[int, FlatState], use_remote: bool
@@ -623,18 +658,18 @@ class Restorer:
             self._max_workers,
         )
         read = {rank: state for rank, (state, _source) in zip(ranks, fetched, strict=True)}
-        sources = {rank: source for rank, (_state, source) in zip(ranks, fetched, strict=True)}
-        bytes_read = sum(_part_bytes(manifest.shard(rank), state) for rank, state in read.items())
-
-        def finish(received: Mapping[int, Mapping[str, np.ndarray]]) -> RestoreResult:
-            for holder, arrays in received.items():
-                base = read.get(holder, read[plans[0].plain_source])
-                read[holder] = FlatState({**base.arrays, **arrays} if holder in read else dict(arrays), base.structure)
-            states = [fill_chunks(plan, read, state) for plan, state in zip(plans, targets, strict=True)]
-            unflattened = [state.unflatten() for state in states]
-            return RestoreResult(step, unflattened, sources, self._ranks, manifest, tuple(states), bytes_read)
-
-        return self._pending(manifest, read, finish, from_peers)
+        return _Pending(
+            step,
+            manifest,
+            target,
+            read=read,
+            sources={rank: source for rank, (_state, source) in zip(ranks, fetched, strict=True)},
+            bytes_read=sum(_part_bytes(manifest.shard(rank), state) for rank, state in read.items()),
+            from_peers=from_peers,
+            use_remote=remote is not None,
+            plans=tuple(plans),
+            targets=tuple(targets),
+        )
 
     def _check_on_this_node(self, manifest: ShardManifest, ranks: list[int]) -> None:
         """Without a bucket, a rank can read only the shards on its own disk: say so if some are not."""

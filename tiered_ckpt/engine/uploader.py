@@ -62,15 +62,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tiered_ckpt.dist.coordination import (
-    Coordinator,
-    SingleProcessCoordinator,
-    agree,
-    agree_on,
-    decide,
-    from_payload,
-    to_payload,
-)
+from tiered_ckpt.dist.coordination import Attempt, Coordinator, SingleProcessCoordinator, gather, leader_decides
 from tiered_ckpt.errors import (
     CheckpointError,
     ErrorBox,
@@ -169,12 +161,11 @@ class Uploader:
 
         Call once, before any :meth:`submit`, on every process (it is collective).
         """
-        listing = decide(self._coordinator, _RemoteListing, self._clean_and_list)
+        listing = leader_decides(self._coordinator, "resume: list", _RemoteListing, self._clean_and_list)
         self.newest_committed = listing.committed[-1] if listing.committed else None
-        mine, shared = agree_on(
-            self._coordinator, lambda: _ResumeReport(self._resumable(listing.committed)), to_payload
-        )
-        reports = [from_payload(_ResumeReport, report) for report in shared]
+        resumable = Attempt.run(lambda: _ResumeReport(self._resumable(listing.committed)))
+        reports = gather(self._coordinator, "resume", _ResumeReport, lambda: resumable.value)
+        mine = resumable.value
         resumed = sorted(set(reports[0].steps).intersection(*(report.steps for report in reports[1:])))
         for step in sorted(set(mine.steps) - set(resumed)):
             logger.warning("step %d is committed locally but not on every rank: it cannot be uploaded", step)
@@ -346,7 +337,7 @@ class Uploader:
 
     def _next_step(self, proposal: int) -> int:
         """Agree with the other processes on the next step; take it (and the older ones it supersedes) off the queue."""
-        step = min(agree(self._coordinator, lambda: proposal))
+        step = min(each.step for each in gather(self._coordinator, "next step", _Proposal, lambda: _Proposal(proposal)))
         with self._changed:
             superseded = [each for each in self._queue if each < step]
             self._queue = deque(each for each in self._queue if each > step)
@@ -426,13 +417,14 @@ class Uploader:
         with self._changed:
             superseded = self._preempted and any(each > step for each in self._queue)
         again = failure.transient and not failure.deadline and in_time
-        views = agree(self._coordinator, lambda: [again, transient, superseded, delay])
-        transient_everywhere = all(view[1] for view in views)
+        mine = _RetryView(again, transient, superseded, delay)
+        views = gather(self._coordinator, "retry", _RetryView, lambda: mine)
+        transient_everywhere = all(view.transient for view in views)
         return (
-            all(view[0] for view in views),
+            all(view.again for view in views),
             transient_everywhere,
-            transient_everywhere and any(view[2] for view in views),
-            float(views[0][3]),
+            transient_everywhere and any(view.superseded for view in views),
+            float(views[0].delay),
         )
 
     def _put_and_commit(self, step: int, deadline: float | None) -> None:
@@ -446,17 +438,19 @@ class Uploader:
             source = ShardSource(path=store.local.shard_path(step, record))
             self._remote.land_shard(step, record, source, deadline=deadline)
 
-        def put_mine() -> dict[str, str]:
+        def put_mine() -> _Put:
             if self._coordinator.is_leader and not self._lease.held:  # push() without resume()
                 self._lease.hold()
             run_parallel(put, ranks, self._options.concurrency)
-            return self._remote.take_landed_checksums(step)
+            return _Put(tuple(sorted(self._remote.take_landed_checksums(step).items())))
 
-        landed = agree(self._coordinator, put_mine)  # the store's checksums of every rank's shards
+        landed = gather(self._coordinator, "put", _Put, put_mine)  # the store's checksums of every rank's shards
         if self._coordinator.is_leader:  # the one that commits
             for part in landed:
-                self._remote.add_landed_checksums(step, part)
-        remote = decide(self._coordinator, _Committed, lambda: _Committed(self._commit(manifest, deadline).to_json()))
+                self._remote.add_landed_checksums(step, dict(part.checksums))
+        remote = leader_decides(
+            self._coordinator, "commit", _Committed, lambda: _Committed(self._commit(manifest, deadline).to_json())
+        )
         committed = RemoteManifest.from_json(remote.document, source=self._remote.location(step))
         store.local.write_receipt(step, self._remote.url, committed)
         self.newest_committed = max(self.newest_committed or 0, step)
@@ -534,6 +528,30 @@ class _Committed:
     """The leader's remote manifest, as every process records it."""
 
     document: str
+
+
+@dataclass(frozen=True)
+class _Proposal:
+    """The step one process would upload next."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class _RetryView:
+    """One process's view after a failed try (see :meth:`Uploader._agree_on_retry`); the leader's delay is used."""
+
+    again: bool
+    transient: bool
+    superseded: bool
+    delay: float
+
+
+@dataclass(frozen=True)
+class _Put:
+    """The checksums the bucket computed for one process's shards, as (shard path, checksum) pairs."""
+
+    checksums: tuple[tuple[str, str], ...]
 
 
 def _as_upload_error(step: int, exc: BaseException, tries: int | None = None) -> UploadError:

@@ -34,7 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from tiered_ckpt.dist.coordination import Coordinator, agree_on, from_payload, to_payload
+from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather
 from tiered_ckpt.dist.replicas import leave_out
 from tiered_ckpt.engine.staging import StagingBuffers
 from tiered_ckpt.engine.uploader import Uploader
@@ -204,8 +204,7 @@ class Writer:
                 )  # fmt: skip
                 return _Written(tuple(record.to_dict() for record in records), time.time())
 
-            _, written = agree_on(self._coordinator, write, to_payload)
-            parts = [from_payload(_Written, part) for part in written]
+            parts = gather(self._coordinator, "write", _Written, write)
             manifest = ShardManifest(
                 world_size=self._world_size,
                 step=step,
@@ -226,7 +225,7 @@ class Writer:
                 local.commit(manifest, held=self._ranks, agreed=one_process)
                 committed_here = True
 
-            agree_on(self._coordinator, commit, lambda _none: None)
+            gather(self._coordinator, "commit", Done, Attempt.run(commit).done)
             if not one_process:  # a restore then tells a lost disk from a save cut short between commits
                 local.mark_agreed(step)
             logger.info("committed step %d (%d bytes) in %s", step, manifest.total_bytes, local.step_dir(step))

@@ -17,7 +17,7 @@ import xxhash
 
 from tiered_ckpt.errors import CheckpointExistsError, IncompleteCheckpointError, ManifestError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
-from tiered_ckpt.format.shardfile import ShardDigest, Verify
+from tiered_ckpt.io.hashing import ShardDigest, Verify
 from tiered_ckpt.tiers.base import Capabilities, ShardSource
 
 T = TypeVar("T")

@@ -35,7 +35,8 @@ from tiered_ckpt import (
     UsageError,
     WorldSizeMismatchError,
 )
-from tiered_ckpt.format.layout import MANIFEST_NAME, RECEIPT_NAME, step_dir_name, temp_name
+from tiered_ckpt.format.layout import MANIFEST_NAME, RECEIPT_NAME, step_dir_name
+from tiered_ckpt.io.durable import temp_name
 from tiered_ckpt.tiers.remote import RemoteTier
 
 

@@ -9,7 +9,7 @@ import pytest
 from conftest import flip_byte
 from tiered_ckpt import CheckpointManager, ChecksumMismatchError, ManifestError, RemoteError, save_sharded
 from tiered_ckpt.format.layout import MANIFEST_NAME
-from tiered_ckpt.format.shardfile import hash_stream
+from tiered_ckpt.io.hashing import hash_stream
 from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.remote import RemoteTier, RetryPolicy, _same_checksum, is_transient
 from tiered_ckpt.tiers.retention import RetentionPolicy

@@ -53,7 +53,7 @@ from tiered_ckpt.errors import (
     restated,
 )
 from tiered_ckpt.format.manifest import RemoteManifest, ShardManifest, ShardRecord
-from tiered_ckpt.format.shardfile import Verify, check_verify
+from tiered_ckpt.io.hashing import Verify, check_verify
 from tiered_ckpt.format.state import FlatState, State, flatten_into
 from tiered_ckpt.sharded import check_into, check_world_size, run_parallel
 from tiered_ckpt.tiers.store import Source, TieredStore

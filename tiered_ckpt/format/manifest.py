@@ -18,7 +18,8 @@ from typing import Any
 
 from tiered_ckpt.errors import ChecksumMismatchError, ManifestError, ShardCountMismatchError
 from tiered_ckpt.format.layout import MANIFEST_NAME, is_plain_name
-from tiered_ckpt.format.shardfile import DTYPES, MAX_DIMS, MAX_HEADER_BYTES, ShardDigest, json_length_bound
+from tiered_ckpt.format.shardfile import DTYPES, MAX_DIMS, MAX_HEADER_BYTES, json_length_bound
+from tiered_ckpt.io.hashing import ShardDigest
 
 __all__ = [
     "SCHEMA_VERSION",

@@ -55,11 +55,11 @@ from tiered_ckpt.format.manifest import ChunkRecord, record_bytes_bound
 from tiered_ckpt.format.shardfile import (
     MAX_DIMS,
     ShardContents,
-    ShardDigest,
     array_problem,
     dtype_code,
     header_problem,
 )
+from tiered_ckpt.io.hashing import ShardDigest
 from tiered_ckpt.torch.tensors import as_complex, float_pairs, is_tensor, to_numpy, to_torch
 
 __all__ = [

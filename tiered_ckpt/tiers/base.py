@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import BinaryIO, Protocol, TypeVar, runtime_checkable
 
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
-from tiered_ckpt.format.shardfile import ShardDigest, Verify
+from tiered_ckpt.io.hashing import ShardDigest, Verify
 
 __all__ = ["Capabilities", "ShardSource", "Tier"]
 

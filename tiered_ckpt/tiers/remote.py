@@ -82,7 +82,7 @@ from tiered_ckpt.format.layout import (
     step_dir_name,
 )
 from tiered_ckpt.format.manifest import MAX_MANIFEST_BYTES, RemoteManifest, ShardManifest, ShardRecord
-from tiered_ckpt.format.shardfile import ShardDigest, Verify, copy_and_hash, copy_hashing, hash_stream
+from tiered_ckpt.io.hashing import ShardDigest, Verify, copy_and_hash, copy_hashing, hash_stream
 from tiered_ckpt.io.durable import atomic_write, write_bytes
 from tiered_ckpt.tiers.checksums import StoreSums, check_source, store_sums
 from tiered_ckpt.tiers.multipart import Upload, Window, list_open_uploads

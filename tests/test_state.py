@@ -18,17 +18,8 @@ from hypothesis import strategies as st
 from tiered_ckpt import CheckpointManager, InvalidStateError, ShardFormatError, load_sharded, save_sharded
 from tiered_ckpt.format import shardfile
 from tiered_ckpt.format.shardfile import ShardContents, write_shard
-from tiered_ckpt.format.state import (
-    MAX_DEPTH,
-    STRUCTURE_KEY,
-    Chunk,
-    ChunkOf,
-    FlatState,
-    Structure,
-    flatten,
-    leaf_name,
-    sharded_names,
-)
+from tiered_ckpt.format.state import ChunkOf, FlatState, flatten, sharded_names
+from tiered_ckpt.format.structure import MAX_DEPTH, STRUCTURE_KEY, Chunk, Structure, leaf_name
 from tiered_ckpt.tiers.local import read_shard_file
 
 torch = pytest.importorskip("torch")
@@ -387,7 +378,7 @@ def test_a_nested_state_shard_opens_with_safetensors_under_its_tensor_names(tmp_
 @settings(max_examples=300, deadline=None)
 @given(st.text(alphabet=st.sampled_from("%#/2F35ab_"), max_size=10).filter(lambda key: key != "__metadata__"))
 def test_unescape_gives_back_the_key_a_name_segment_was_made_of(key):
-    from tiered_ckpt.format.state import unescape
+    from tiered_ckpt.format.structure import unescape
 
     assert unescape(leaf_name([key])) == key
 

@@ -33,7 +33,7 @@ __all__ = [
     "manifest_problem",
 ]
 
-# Version 2: shards carry the structure document of a nested state (tiered_ckpt.state),
+# Version 2: shards carry the structure document of a nested state (format/structure.py),
 # and a shard record may list the DTensor chunks its shard holds ("chunks").
 # Version 1 manifests (flat states, no structure documents) are still read; a reader
 # of version 1 refuses a version 2 checkpoint rather than misreading its nested state.
@@ -75,6 +75,7 @@ class ChunkRecord:
     xxh3_64: str = ""
 
     def to_dict(self) -> dict[str, Any]:
+        """The record as the manifest's JSON holds it (every field, read back as it was)."""
         return {
             "name": self.name,
             "dtype": self.dtype,
@@ -100,7 +101,7 @@ class ShardRecord:
     verifies the parts of the file it reads without reading all of it. ``replicas`` lists
     the arrays of this rank's state that its shard leaves out because they are identical
     to an array another rank's shard holds, as ``(name, holder rank)`` pairs (the holder
-    records that array among its ``chunks``; see :mod:`tiered_ckpt.replicas`).
+    records that array among its ``chunks``; see :mod:`tiered_ckpt.dist.replicas`).
     """
 
     rank: int
@@ -141,6 +142,7 @@ class ShardRecord:
             raise ChecksumMismatchError(f"{what}: {problem}")
 
     def to_dict(self) -> dict[str, Any]:
+        """The record as the manifest's JSON holds it (its optional fields only when set)."""
         return {
             "rank": self.rank,
             "path": self.path,
@@ -195,6 +197,7 @@ class ShardManifest:
         return json.dumps(self.to_dict(), indent=1) + "\n"
 
     def to_dict(self) -> dict[str, Any]:
+        """The manifest as a JSON object (what :meth:`to_json` writes and :meth:`from_dict` reads)."""
         return {
             "schema_version": self.schema_version,
             "world_size": self.world_size,
@@ -270,6 +273,7 @@ class RemoteManifest:
                 raise ManifestError(f"remote manifest: field 'locations': {path!r:.80}: {name!r:.80}")
 
     def to_json(self) -> str:
+        """Serialise to the JSON document :meth:`from_json` reads back unchanged (its maps sorted by path)."""
         document = {"kind": REMOTE_KIND, "committed_at": self.committed_at, **self.manifest.to_dict()}
         if self.store_checksums:
             document["store_checksums"] = dict(sorted(self.store_checksums.items()))

@@ -276,7 +276,7 @@ class FlatState:
 
     ``shared`` names the arrays of a state of DTensors that other ranks may hold identical
     copies of (its plain arrays, and DTensor chunks on a replicated mesh dimension): a
-    save writes each such copy once (:mod:`tiered_ckpt.replicas`).
+    save writes each such copy once (:mod:`tiered_ckpt.dist.replicas`).
     """
 
     arrays: dict[str, np.ndarray]
@@ -305,7 +305,7 @@ class FlatState:
 
     def record_bytes(self) -> int:
         """At least the bytes this rank's record adds to its step's manifest (a state of DTensors
-        records every array as a chunk; :func:`~tiered_ckpt.manifest.record_bytes_bound`)."""
+        records every array as a chunk; :func:`~tiered_ckpt.format.manifest.record_bytes_bound`)."""
         chunks = ((name, array.ndim) for name, array in self.arrays.items()) if self.structure.chunks else ()
         return record_bytes_bound(chunks)
 

@@ -100,7 +100,7 @@ def flip_byte(path: Path, offset: int) -> None:
 
 
 def temp_files(directory: Path) -> list[str]:
-    from tiered_ckpt.format.layout import is_temp_name
+    from tiered_ckpt.io.durable import is_temp_name
 
     return sorted(name for name in os.listdir(directory) if is_temp_name(name))
 

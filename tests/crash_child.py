@@ -26,9 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from conftest import large_states  # noqa: E402
 from tiered_ckpt import save_sharded, sharded  # noqa: E402
-from tiered_ckpt.format import shardfile  # noqa: E402
 from tiered_ckpt.format.layout import MANIFEST_NAME  # noqa: E402
-from tiered_ckpt.io import durable  # noqa: E402
+from tiered_ckpt.io import durable, hashing  # noqa: E402
 
 _announce = threading.Lock()
 
@@ -43,7 +42,7 @@ def pause_forever(*_args, **_kwargs):
 def install(point: str) -> None:
     if point.startswith("shard-bytes:"):
         limit = int(point.split(":")[1])
-        original = shardfile.write_all
+        original = hashing.write_all
         lock = threading.Lock()
         written = [0]
 
@@ -55,7 +54,7 @@ def install(point: str) -> None:
             if reached:
                 pause_forever()
 
-        shardfile.write_all = counting_write_all
+        hashing.write_all = counting_write_all
     elif point == "before-manifest":
         sharded.commit_manifest = pause_forever
     elif point == "manifest-rename":

@@ -17,7 +17,7 @@ import xxhash
 
 from tiered_ckpt.errors import CheckpointExistsError, IncompleteCheckpointError, ManifestError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
-from tiered_ckpt.format.shardfile import ShardDigest, Verify
+from tiered_ckpt.io.hashing import ShardDigest, Verify
 from tiered_ckpt.tiers.base import Capabilities, ShardSource
 
 T = TypeVar("T")
@@ -80,9 +80,7 @@ class MemoryTier:
         problem = record.mismatch(digest_of(data))
         return f"{self.name}: step {step}, {record.path}: {problem}" if problem else None
 
-    def land_shard(
-        self, step: int, record: ShardRecord, source: ShardSource, *, deadline: float | None = None
-    ) -> None:
+    def land_shard(self, step: int, record: ShardRecord, source: ShardSource, *, deadline: float | None = None) -> None:
         if source.write is not None:
             out = io.BytesIO()
             source.write(out)

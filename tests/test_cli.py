@@ -11,7 +11,7 @@ import pytest
 from conftest import ZERO1_SHARDED_KEYS, flip_byte, s3_credentials_env, write_s3_config, zero1_states
 from tiered_ckpt import CheckpointManager, save_sharded
 from tiered_ckpt.format.layout import MANIFEST_NAME, shard_name, step_dir_name
-from tiered_ckpt.tiers.checksums import part_crc32c
+from tiered_ckpt.io.hashing import part_crc32c
 from tiered_ckpt.tiers.local import record_held_ranks
 from tiered_ckpt.tiers.remote import RemoteTier
 

@@ -1,4 +1,5 @@
-"""DTensor (FSDP2) state saved by N rank processes and restored into M, through both tiers."""
+"""DTensor (FSDP2) state saved by N rank processes and restored into M, through both tiers;
+and torch/dtensor's reading of one DTensor, on a one-rank mesh in this process."""
 
 from __future__ import annotations
 
@@ -8,9 +9,69 @@ from pathlib import Path
 import pytest
 
 from conftest import flip_byte, launch_ranks
+from tiered_ckpt.errors import InvalidStateError
 from tiered_ckpt.format.layout import shard_name, step_dir_name
+from tiered_ckpt.format.state import flatten
+from tiered_ckpt.torch.dtensor import is_dtensor, local_chunk
 
 WORKER = Path(__file__).resolve().parent / "fsdp_worker.py"
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    """A one-rank CPU device mesh (gloo over an in-process store), torn down after the module."""
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    if created:
+        dist.destroy_process_group()
+
+
+def test_local_chunk_is_a_view_of_the_local_tensor_and_its_box(mesh):
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    local = torch.arange(12.0).reshape(3, 4)
+    sharded = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+    assert is_dtensor(sharded) and not is_dtensor(local) and not is_dtensor(local.numpy())
+    chunk = local_chunk(sharded, "state: w")
+    assert chunk.tensor.data_ptr() == local.data_ptr()
+    assert (chunk.global_shape, chunk.offsets, chunk.replicated) == ((3, 4), (0, 0), False)
+    assert local_chunk(DTensor.from_local(local, mesh, [Replicate()], run_check=False), "w").replicated
+
+
+def test_a_dtensor_that_is_not_one_box_is_refused_naming_its_path(mesh):
+    import torch
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    local = torch.arange(12.0).reshape(3, 4)
+    pending = DTensor.from_local(local, mesh, [Partial()], run_check=False)
+    with pytest.raises(InvalidStateError, match="^state: w is a DTensor with a Partial placement"):
+        local_chunk(pending, "state: w")
+    with pytest.raises(InvalidStateError, match=r'^rank 0: state\["m"\]\[0\] is a DTensor with a Partial'):
+        flatten({"m": [pending]}, "rank 0")
+    strided = DTensor.from_local(local.t(), mesh, [Shard(0)], run_check=False)
+    with pytest.raises(InvalidStateError, match="^w is a DTensor whose local tensor is not contiguous"):
+        local_chunk(strided, "w")
+
+
+def test_a_replicated_dtensor_is_shared_and_a_sharded_one_is_not(mesh):
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    local = torch.ones(2, 2, dtype=torch.complex64)
+    state = {
+        "r": DTensor.from_local(local, mesh, [Replicate()], run_check=False),
+        "s": DTensor.from_local(local.clone(), mesh, [Shard(0)], run_check=False),
+    }
+    flat = flatten(state)
+    assert flat.shared == frozenset({"r"})
+    assert flat.structure.chunks["s"].global_shape == (2, 2, 2)  # complex: its float pairs
 
 
 def run_job(root: Path, world_size: int, do: str, remote=None) -> dict[int, dict]:

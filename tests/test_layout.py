@@ -1,6 +1,7 @@
 import pytest
 
 from tiered_ckpt.format import layout
+from tiered_ckpt.io import durable
 
 
 def test_step_dir_names_sort_as_numbers_and_parse_back():
@@ -24,11 +25,11 @@ def test_shard_name_is_plain_and_rejects_bad_rank():
 
 
 def test_temp_names_are_unique_never_plain_and_trace_back_to_their_target():
-    first, second = layout.temp_name("manifest.json"), layout.temp_name("manifest.json")
+    first, second = durable.temp_name("manifest.json"), durable.temp_name("manifest.json")
     assert first != second
     for name in (first, second):
-        assert layout.is_temp_name(name)
+        assert durable.is_temp_name(name)
         assert not layout.is_plain_name(name)
-        assert layout.temp_target(name) == "manifest.json"
-    assert not layout.is_temp_name("manifest.json")
-    assert layout.temp_target("rank-00000-of-00001.safetensors") is None
+        assert durable.temp_target(name) == "manifest.json"
+    assert not durable.is_temp_name("manifest.json")
+    assert durable.temp_target("rank-00000-of-00001.safetensors") is None

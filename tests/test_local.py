@@ -6,8 +6,9 @@ import pytest
 
 from conftest import temp_files
 from tiered_ckpt import ChecksumMismatchError, DirectoryInUseError, IncompleteCheckpointError, ManifestError
-from tiered_ckpt.format.layout import HELD_NAME, MANIFEST_NAME, temp_name
+from tiered_ckpt.format.layout import HELD_NAME, MANIFEST_NAME
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
+from tiered_ckpt.io.durable import temp_name
 from tiered_ckpt.tiers.local import (
     atomic_write,
     directory_lock,

@@ -36,7 +36,8 @@ from tiered_ckpt import (
     UsageError,
     WorldSizeMismatchError,
 )
-from tiered_ckpt.format.layout import MANIFEST_NAME, RECEIPT_NAME, parse_step_dir_name, step_dir_name, temp_name
+from tiered_ckpt.format.layout import MANIFEST_NAME, RECEIPT_NAME, parse_step_dir_name, step_dir_name
+from tiered_ckpt.io.durable import temp_name
 from tiered_ckpt.tiers.backends.wrappers import Counting
 from tiered_ckpt.tiers.remote import RemoteTier
 
@@ -1051,7 +1052,9 @@ def test_a_bucket_throttling_half_the_requests_for_a_while_gets_every_step_withi
                 manager.wait(uploaded=True)
                 counts.append(proxy.requests - before)
             assert manager.remote_steps() == [1, 2, 3]
-            assert manager.store.remote.backend.throttled > 0 and manager.store.remote.backend.inner.window.throttles > 0
+            assert (
+                manager.store.remote.backend.throttled > 0 and manager.store.remote.backend.inner.window.throttles > 0
+            )
     finally:
         proxy.close()
     clean, throttled, after = counts

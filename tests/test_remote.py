@@ -9,7 +9,7 @@ import pytest
 from conftest import flip_byte
 from tiered_ckpt import CheckpointManager, ChecksumMismatchError, ManifestError, RemoteError, save_sharded
 from tiered_ckpt.format.layout import MANIFEST_NAME
-from tiered_ckpt.format.shardfile import hash_stream
+from tiered_ckpt.io.hashing import hash_stream
 from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.remote import RemoteTier, RetryPolicy, is_transient
@@ -189,7 +189,9 @@ def test_the_stores_own_checksum_is_recorded_and_checked_without_a_download(clou
     assert tier.read_manifest(4).store_checksums == remote.store_checksums == {record.path: kept}
     monkeypatch.setattr(RemoteTier, "open_shard", lambda *args: pytest.fail("downloaded"))
     assert tier.check_store_checksum(4, record, kept) is None
-    tier.backend.fs.pipe_file(f"{tier.backend.root}/step-000000000004/{record.path}", bytes(record.size_bytes))  # same size
+    tier.backend.fs.pipe_file(
+        f"{tier.backend.root}/step-000000000004/{record.path}", bytes(record.size_bytes)
+    )  # same size
     assert "the store keeps checksum" in tier.check_store_checksum(4, record, kept)
 
 

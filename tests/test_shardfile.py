@@ -17,13 +17,13 @@ from tiered_ckpt.format import shardfile
 from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.format.shardfile import (
     DTYPES,
-    ShardDigest,
     header_length,
     header_problem,
     json_length_bound,
     read_shard,
     write_shard,
 )
+from tiered_ckpt.io.hashing import ShardDigest
 
 
 def write_to_bytes(arrays, metadata=None) -> tuple[bytes, ShardDigest]:

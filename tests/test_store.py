@@ -129,7 +129,8 @@ def chunked_tiers(tmp_path, memory_url):
     import json
 
     from tiered_ckpt.format.manifest import ShardManifest
-    from tiered_ckpt.format.state import FlatState, Structure
+    from tiered_ckpt.format.state import FlatState
+    from tiered_ckpt.format.structure import Structure
     from tiered_ckpt.sharded import write_checkpoint
 
     arrays = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(4096, dtype=np.float32)}

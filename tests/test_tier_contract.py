@@ -3,6 +3,7 @@
 import pytest
 from memory_tier import MemoryTier
 from tier_contract import TierContract
+
 from tiered_ckpt.format.layout import MANIFEST_NAME, step_dir_name
 from tiered_ckpt.tiers.remote import RemoteTier, RetryPolicy
 

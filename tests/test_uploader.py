@@ -216,7 +216,9 @@ def test_retry_policy_backs_off_exponentially_with_jitter():
 def test_resume_queues_unuploaded_steps_and_removes_half_uploaded_ones(job):
     store, remote, faults, start = job
     record = store.local.manifest(4).shard(0)
-    remote.land_shard(4, record, ShardSource(path=store.local.shard_path(4, record)))  # a half upload of step 4, no manifest
+    remote.land_shard(
+        4, record, ShardSource(path=store.local.shard_path(4, record))
+    )  # a half upload of step 4, no manifest
     assert remote.uncommitted_steps() == [4]
     remote.commit(store.local.manifest(2))  # step 2 committed remotely, the receipt lost in a crash
     uploader = start()

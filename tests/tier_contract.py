@@ -26,7 +26,7 @@ import xxhash
 from tiered_ckpt.errors import CheckpointError, ChecksumMismatchError, IncompleteCheckpointError, ManifestError
 from tiered_ckpt.format.layout import shard_name
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
-from tiered_ckpt.format.shardfile import ShardDigest
+from tiered_ckpt.io.hashing import ShardDigest
 from tiered_ckpt.tiers.base import Capabilities, ShardSource, Tier
 
 WORLD_SIZE = 2

@@ -56,8 +56,8 @@ from tiered_ckpt.errors import (
     restated,
 )
 from tiered_ckpt.format.manifest import ShardManifest
-from tiered_ckpt.format.shardfile import Verify
 from tiered_ckpt.format.state import FlatState, State, flatten
+from tiered_ckpt.io.hashing import Verify
 from tiered_ckpt.options import LocalOptions, ManagerKeywords, Options, RemoteOptions, UploadOptions, resolve_options
 from tiered_ckpt.sharded import (
     check_manifest_fits,

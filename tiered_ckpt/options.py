@@ -19,7 +19,7 @@ from typing import Any, Literal, TypedDict
 import fsspec
 
 from tiered_ckpt.errors import ConfigError, UsageError, invalid_option
-from tiered_ckpt.format.shardfile import VERIFY_MODES, Verify
+from tiered_ckpt.io.hashing import VERIFY_MODES, Verify
 from tiered_ckpt.tiers.owners import OtherOwners, OwnershipPolicy
 from tiered_ckpt.tiers.remote import DEFAULT_PART_BYTES, DEFAULT_PART_CONCURRENCY, Layout, RemoteTier
 from tiered_ckpt.tiers.retention import RetentionPolicy

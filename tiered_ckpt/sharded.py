@@ -29,8 +29,8 @@ from tiered_ckpt.dist.replicas import assign, offer, put_back, written
 from tiered_ckpt.errors import CheckpointExistsError, InvalidStateError, WorldSizeMismatchError
 from tiered_ckpt.format.layout import MANIFEST_NAME, shard_name
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord, manifest_problem
-from tiered_ckpt.format.shardfile import Verify
 from tiered_ckpt.format.state import FlatState, flatten, flatten_into, sharded_names
+from tiered_ckpt.io.hashing import Verify
 from tiered_ckpt.tiers.local import (
     commit_manifest,
     directory_lock,

@@ -38,7 +38,8 @@ from tiered_ckpt.dist.coordination import Coordinator, gather
 from tiered_ckpt.errors import ChecksumMismatchError, InvalidStateError, ManifestError, ShardFormatError
 from tiered_ckpt.format.manifest import ChunkRecord, ShardManifest, ShardRecord
 from tiered_ckpt.format.shardfile import DTYPES, dtype_code
-from tiered_ckpt.format.state import Chunk, FlatState, path_text
+from tiered_ckpt.format.state import FlatState
+from tiered_ckpt.format.structure import Chunk, path_text
 
 __all__ = ["Offer", "offer", "assign", "leave_out", "written", "missing", "put_back", "share"]
 

@@ -26,7 +26,8 @@ import numpy as np
 from tiered_ckpt.errors import InvalidStateError, ReshardError
 from tiered_ckpt.format.manifest import ChunkRecord, ShardManifest
 from tiered_ckpt.format.shardfile import into_difference
-from tiered_ckpt.format.state import Chunk, FlatState, State, Structure, flatten, path_text
+from tiered_ckpt.format.state import FlatState, State, flatten
+from tiered_ckpt.format.structure import Chunk, Structure, path_text
 
 __all__ = [
     "partition_sizes",

@@ -53,14 +53,16 @@ from tiered_ckpt.errors import (
     restated,
 )
 from tiered_ckpt.format.manifest import RemoteManifest, ShardManifest, ShardRecord
-from tiered_ckpt.format.shardfile import Verify, check_verify
 from tiered_ckpt.format.state import FlatState, State, flatten_into
+from tiered_ckpt.io.hashing import Verify, check_verify
 from tiered_ckpt.sharded import check_into, check_world_size, run_parallel
 from tiered_ckpt.tiers.store import Source, TieredStore
 
 __all__ = ["RestoreResult", "Restorer", "StepReport", "same_call", "rank_ranges"]
 
 logger = logging.getLogger("tiered_ckpt")
+
+NOTHING_CHECKED: Attempt[None] = Attempt()  # a caller that ran no checks of its own
 
 
 @dataclass(frozen=True, repr=False)
@@ -272,7 +274,7 @@ class Restorer:
         verify: Verify,
         into: Sequence[State] | State | None,
         missing_ok: bool,
-        checked: Attempt[None] = Attempt(),
+        checked: Attempt[None] = NOTHING_CHECKED,
     ) -> RestoreResult | None:
         """Run a restore. ``checked`` is the caller's own checks, run before: if they failed,
         their error is raised inside the first collective, so every rank raises."""
@@ -340,7 +342,7 @@ class Restorer:
         )
         return chosen, remote_steps, complete, reports
 
-    def locate(self, step: int | None, checked: Attempt[None] = Attempt()) -> ShardManifest:
+    def locate(self, step: int | None, checked: Attempt[None] = NOTHING_CHECKED) -> ShardManifest:
         """The manifest of ``step`` (default: the newest step every process can restore), the
         same on every process (collective); for readers that read parts of shards themselves.
         ``checked`` as for :meth:`restore`."""

@@ -13,17 +13,15 @@ Pure functions, no I/O. The layout of one checkpoint directory::
 and under a remote URL the same step directories (shards, then ``manifest.json``, the
 remote manifest), ``latest``, a pointer to the newest remote commit, and
 ``owners/<run id>.json``, the lease of each run writing under the URL (see
-:mod:`~tiered_ckpt.owners`).
+:mod:`~tiered_ckpt.tiers.owners`).
 
-A temp name is ``.<final name>.<random hex>.tmp``: it starts with a dot, which no
-committed name does, so a committed file can never be mistaken for a temp file and a
-temp file can always be traced back to the file it was going to become.
+Temp names (``.<final name>.<random hex>.tmp``) are the durable writes' own
+(:func:`~tiered_ckpt.io.durable.temp_name`); no plain name here starts with their dot.
 """
 
 from __future__ import annotations
 
 import re
-import secrets
 
 __all__ = [
     "MANIFEST_NAME",
@@ -36,9 +34,6 @@ __all__ = [
     "step_dir_name",
     "parse_step_dir_name",
     "shard_name",
-    "temp_name",
-    "is_temp_name",
-    "temp_target",
     "is_plain_name",
     "owner_name",
     "parse_owner_name",
@@ -54,7 +49,6 @@ SHARD_SUFFIX = ".safetensors"
 
 _STEP_DIR = re.compile(r"step-(\d{12,})")
 _OWNER = re.compile(r"(?P<run>[0-9a-f]{16,64})\.json")
-_TEMP = re.compile(r"\.(?P<target>[^/\\]+)\.[0-9a-f]{16}\.tmp")
 
 
 def step_dir_name(step: int) -> str:
@@ -75,22 +69,6 @@ def shard_name(rank: int, world_size: int) -> str:
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
     return f"rank-{rank:05d}-of-{world_size:05d}{SHARD_SUFFIX}"
-
-
-def temp_name(final_name: str) -> str:
-    """Return a fresh temp name for a file that will be renamed to ``final_name``."""
-    return f".{final_name}.{secrets.token_hex(8)}.tmp"
-
-
-def is_temp_name(name: str) -> bool:
-    """True if ``name`` was made by :func:`temp_name`."""
-    return _TEMP.fullmatch(name) is not None
-
-
-def temp_target(name: str) -> str | None:
-    """Return the final name a temp name was made for, or None if it is not a temp name."""
-    match = _TEMP.fullmatch(name)
-    return match.group("target") if match else None
 
 
 def is_plain_name(name: str) -> bool:

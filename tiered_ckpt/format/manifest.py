@@ -10,7 +10,6 @@ in rank order. Anything else raises :class:`ManifestError` naming the file and f
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import InitVar, dataclass, field
@@ -18,7 +17,9 @@ from typing import Any
 
 from tiered_ckpt.errors import ChecksumMismatchError, ManifestError, ShardCountMismatchError
 from tiered_ckpt.format.layout import MANIFEST_NAME, is_plain_name
-from tiered_ckpt.format.shardfile import DTYPES, MAX_DIMS, MAX_HEADER_BYTES, ShardDigest, json_length_bound
+from tiered_ckpt.format.shardfile import DTYPES, MAX_DIMS, MAX_HEADER_BYTES, json_length_bound
+from tiered_ckpt.format.strict_json import Fields, load_object
+from tiered_ckpt.io.hashing import ShardDigest
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -32,7 +33,7 @@ __all__ = [
     "manifest_problem",
 ]
 
-# Version 2: shards carry the structure document of a nested state (tiered_ckpt.state),
+# Version 2: shards carry the structure document of a nested state (format/structure.py),
 # and a shard record may list the DTensor chunks its shard holds ("chunks").
 # Version 1 manifests (flat states, no structure documents) are still read; a reader
 # of version 1 refuses a version 2 checkpoint rather than misreading its nested state.
@@ -74,6 +75,7 @@ class ChunkRecord:
     xxh3_64: str = ""
 
     def to_dict(self) -> dict[str, Any]:
+        """The record as the manifest's JSON holds it (every field, read back as it was)."""
         return {
             "name": self.name,
             "dtype": self.dtype,
@@ -99,7 +101,7 @@ class ShardRecord:
     verifies the parts of the file it reads without reading all of it. ``replicas`` lists
     the arrays of this rank's state that its shard leaves out because they are identical
     to an array another rank's shard holds, as ``(name, holder rank)`` pairs (the holder
-    records that array among its ``chunks``; see :mod:`tiered_ckpt.replicas`).
+    records that array among its ``chunks``; see :mod:`tiered_ckpt.dist.replicas`).
     """
 
     rank: int
@@ -140,6 +142,7 @@ class ShardRecord:
             raise ChecksumMismatchError(f"{what}: {problem}")
 
     def to_dict(self) -> dict[str, Any]:
+        """The record as the manifest's JSON holds it (its optional fields only when set)."""
         return {
             "rank": self.rank,
             "path": self.path,
@@ -194,6 +197,7 @@ class ShardManifest:
         return json.dumps(self.to_dict(), indent=1) + "\n"
 
     def to_dict(self) -> dict[str, Any]:
+        """The manifest as a JSON object (what :meth:`to_json` writes and :meth:`from_dict` reads)."""
         return {
             "schema_version": self.schema_version,
             "world_size": self.world_size,
@@ -206,12 +210,12 @@ class ShardManifest:
     @classmethod
     def from_json(cls, text: str | bytes, *, source: str = "manifest") -> ShardManifest:
         """Parse and validate a manifest; ``source`` (a path or URL) is named in errors."""
-        return cls.from_dict(_load_json_object(text, source), source=source)
+        return cls.from_dict(load_object(text, source, MAX_MANIFEST_BYTES), source=source)
 
     @classmethod
     def from_dict(cls, document: Mapping[str, Any], *, source: str = "manifest") -> ShardManifest:
         """Validate a parsed JSON document as a manifest; ``source`` is named in errors."""
-        fields = _Fields(document, source, "")
+        fields = Fields(document, source, "")
         fields.reject_unknown({"schema_version", "world_size", "step", "wall_clock_seconds", "sharded_keys", "shards"})
         version = fields.integer("schema_version", minimum=0)
         if version not in READABLE_SCHEMA_VERSIONS:
@@ -269,6 +273,7 @@ class RemoteManifest:
                 raise ManifestError(f"remote manifest: field 'locations': {path!r:.80}: {name!r:.80}")
 
     def to_json(self) -> str:
+        """Serialise to the JSON document :meth:`from_json` reads back unchanged (its maps sorted by path)."""
         document = {"kind": REMOTE_KIND, "committed_at": self.committed_at, **self.manifest.to_dict()}
         if self.store_checksums:
             document["store_checksums"] = dict(sorted(self.store_checksums.items()))
@@ -279,8 +284,8 @@ class RemoteManifest:
     @classmethod
     def from_json(cls, text: str | bytes, *, source: str = "remote manifest") -> RemoteManifest:
         """Parse and validate a remote manifest; ``source`` (a URL) is named in errors."""
-        document = _load_json_object(text, source)
-        fields = _Fields(document, source, "")
+        document = load_object(text, source, MAX_MANIFEST_BYTES)
+        fields = Fields(document, source, "")
         kind = fields.string("kind")
         if kind != REMOTE_KIND:
             raise ManifestError(f"{source}: field 'kind': expected {REMOTE_KIND!r}, got {kind[:80]!r}")
@@ -313,33 +318,8 @@ def manifest_problem(records: Iterable[int], sharded_keys: Iterable[str]) -> str
     return None
 
 
-def _load_json_object(text: str | bytes, source: str) -> dict[str, Any]:
-    if len(text) > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"{source}: manifest is {len(text)} bytes, over the {MAX_MANIFEST_BYTES} limit")
-    try:
-        document = json.loads(text, object_pairs_hook=_reject_duplicate_keys, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ManifestError(f"{source}: not a valid JSON manifest: {exc}") from exc
-    if not isinstance(document, dict):
-        raise ManifestError(f"{source}: manifest must be a JSON object, got {type(document).__name__}")
-    return document
-
-
-def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise ValueError(f"duplicate key {key!r}")
-        result[key] = value
-    return result
-
-
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"{name} is not allowed")
-
-
 def _parse_record(document: Mapping[str, Any], source: str, prefix: str) -> ShardRecord:
-    fields = _Fields(document, source, prefix)
+    fields = Fields(document, source, prefix)
     fields.reject_unknown(
         {"rank", "path", "sha256", "xxh3_64", "size_bytes", "param_shard_offset", "param_shard_numel"}
         | {"chunks", "header_bytes", "header_sha256", "replicas"}
@@ -368,7 +348,7 @@ def _parse_replica(item: list[Any], source: str, field: str) -> tuple[str, int]:
 
 
 def _parse_chunk(document: Mapping[str, Any], source: str, prefix: str) -> ChunkRecord:
-    fields = _Fields(document, source, prefix)
+    fields = Fields(document, source, prefix)
     fields.reject_unknown({"name", "dtype", "global_shape", "offsets", "sizes", "sha256", "xxh3_64"})
     dims = {key: fields.list_of(key, int) for key in ("global_shape", "offsets", "sizes")}
     for key, values in dims.items():
@@ -383,64 +363,6 @@ def _parse_chunk(document: Mapping[str, Any], source: str, prefix: str) -> Chunk
         sha256=fields.string("sha256"),
         xxh3_64=fields.string("xxh3_64") if "xxh3_64" in document else "",
     )
-
-
-class _Fields:
-    """Typed access to one JSON object's fields, with errors naming source and field."""
-
-    def __init__(self, document: Mapping[str, Any], source: str, prefix: str) -> None:
-        self._document = document
-        self._source = source
-        self._prefix = prefix
-
-    def _fail(self, name: str, problem: str) -> ManifestError:
-        return ManifestError(f"{self._source}: field '{self._prefix}{name}': {problem}")
-
-    def reject_unknown(self, known: set[str]) -> None:
-        unknown = sorted(set(self._document) - known)
-        if unknown:
-            raise self._fail(unknown[0], "unknown field")
-
-    def _get(self, name: str) -> Any:
-        if name not in self._document:
-            raise self._fail(name, "missing")
-        return self._document[name]
-
-    def integer(self, name: str, *, minimum: int) -> int:
-        value = self._get(name)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self._fail(name, f"expected an integer, got {_describe(value)}")
-        if value < minimum:
-            raise self._fail(name, f"must be >= {minimum}, got {value}")
-        return value
-
-    def number(self, name: str) -> float:
-        value = self._get(name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self._fail(name, f"expected a number, got {_describe(value)}")
-        if not math.isfinite(value) or value < 0:
-            raise self._fail(name, f"must be a finite number >= 0, got {value}")
-        return float(value)
-
-    def string(self, name: str) -> str:
-        value = self._get(name)
-        if not isinstance(value, str):
-            raise self._fail(name, f"expected a string, got {_describe(value)}")
-        return value
-
-    def list_of(self, name: str, item_type: type) -> list[Any]:
-        value = self._get(name)
-        if not isinstance(value, list):
-            raise self._fail(name, f"expected a list, got {_describe(value)}")
-        for i, item in enumerate(value):
-            if not isinstance(item, item_type):
-                raise self._fail(f"{name}[{i}]", f"expected {item_type.__name__}, got {_describe(item)}")
-        return value
-
-
-def _describe(value: Any) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"
 
 
 def _check_manifest(manifest: ShardManifest, source: str) -> None:

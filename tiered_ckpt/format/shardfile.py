@@ -18,29 +18,23 @@ nor fsyncs, while a checkpoint must stream the arrays once, hashing as it writes
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import math
 import os
 import struct
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any, BinaryIO, Literal
+from dataclasses import dataclass, replace
+from typing import Any, BinaryIO
 
 import ml_dtypes
 import numpy as np
-import xxhash
 
-from tiered_ckpt.errors import ConfigError, InvalidStateError, ShardFormatError
+from tiered_ckpt.errors import InvalidStateError, ShardFormatError
 from tiered_ckpt.io.blockread import read_blocks
-from tiered_ckpt.io.durable import observe_writes, write_all
+from tiered_ckpt.io.hashing import CHUNK_BYTES, HashedStream, Hasher, ShardDigest, Verify, check_verify, hashing_writer
 
 __all__ = [
-    "Verify",
-    "VERIFY_MODES",
-    "check_verify",
-    "ShardDigest",
     "DTYPES",
     "check_arrays",
     "array_problem",
@@ -55,15 +49,8 @@ __all__ = [
     "json_length_bound",
     "MAX_HEADER_BYTES",
     "MAX_DIMS",
-    "hash_stream",
-    "copy_and_hash",
-    "copy_hashing",
-    "read_hashing",
     "into_difference",
 ]
-
-Verify = Literal["full", "fast"]
-"""``"full"`` checks the sha256; ``"fast"`` checks only the xxh3-64 (for inner-loop reloads)."""
 
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype("<f8"),
@@ -84,8 +71,6 @@ DTYPES: dict[str, np.dtype] = {
 }
 _CODES = {dtype: code for code, dtype in DTYPES.items()}
 
-# 1 MiB stays in L2 between hashing a chunk and copying it to the page cache.
-CHUNK_BYTES = 1 << 20
 # safetensors refuses headers over 100 MB; so does our reader, before allocating anything,
 # and so does the writer (header_problem), before writing anything: a shard that saves loads.
 MAX_HEADER_BYTES = 100_000_000
@@ -95,53 +80,6 @@ MAX_HEADER_BYTES = 100_000_000
 MAX_DIMS = 64
 MAX_BYTES = 2**63
 _METADATA = "__metadata__"
-
-
-@dataclass(frozen=True)
-class ShardDigest:
-    """Size and checksums of a shard file's bytes; from :func:`write_shard` asked for them,
-    also the size and sha256 of its header (the 8 length bytes and the JSON) and the digest
-    of each array's bytes (``arrays``: sha256 and xxh3-64 of each), so that a reader of
-    parts of the file can verify what it read."""
-
-    size_bytes: int
-    sha256: str
-    xxh3_64: str
-    header_bytes: int = 0
-    header_sha256: str = ""
-    arrays: Mapping[str, ShardDigest] = field(default_factory=dict)
-
-
-VERIFY_MODES = ("full", "fast")
-
-
-def check_verify(verify: object) -> None:
-    """Raise :class:`ConfigError` unless ``verify`` is "full" or "fast" (a typo must never skip the sha256)."""
-    if verify not in VERIFY_MODES:
-        raise ConfigError(f"verify must be 'full' (sha256) or 'fast' (xxh3-64), got {verify!r}")
-
-
-class _Hasher:
-    """sha256 and xxh3-64 of one byte stream, fed in a single pass."""
-
-    def __init__(self, verify: Verify | None = None) -> None:
-        self._sha = hashlib.sha256() if verify != "fast" else None
-        self._xxh = xxhash.xxh3_64() if verify != "full" else None
-        self.size = 0
-
-    def update(self, chunk: memoryview | bytes) -> None:
-        if self._sha is not None:
-            self._sha.update(chunk)
-        if self._xxh is not None:
-            self._xxh.update(chunk)
-        self.size += len(chunk)
-
-    def digest(self) -> ShardDigest:
-        return ShardDigest(
-            self.size,
-            self._sha.hexdigest() if self._sha is not None else "",
-            self._xxh.hexdigest() if self._xxh is not None else "",
-        )
 
 
 def _dtype_code(name: str, array: np.ndarray, owner: str = "state") -> str:
@@ -285,24 +223,6 @@ def _byte_chunks(array: np.ndarray) -> Iterator[memoryview]:
         yield flat[start : start + CHUNK_BYTES]
 
 
-def _write_hashing(out: BinaryIO, hasher: _Hasher) -> Callable[[memoryview | bytes], None]:
-    """A function that writes all of a chunk to ``out`` and feeds ``hasher`` every byte.
-
-    A file from atomic_write hashes each piece right after copying it into its staging
-    block, while the piece is in the CPU's cache (sha256 reading from memory instead took
-    ~25 % more CPU per save on the development machine); any other file is written first
-    and hashed after.
-    """
-    if observe_writes(out, hasher.update):
-        return lambda chunk: write_all(out, chunk)
-
-    def write_then_hash(chunk: memoryview | bytes) -> None:
-        write_all(out, chunk)
-        hasher.update(chunk)
-
-    return write_then_hash
-
-
 def write_shard(
     out: BinaryIO,
     arrays: Mapping[str, np.ndarray],
@@ -322,18 +242,18 @@ def write_shard(
     parts of the file verifies what it reads (:func:`read_header`).
     """
     layout = _layout(arrays)
-    hasher = _Hasher()
+    hasher = Hasher()
     header = _header_bytes(layout, metadata or {})
     if len(header) - 8 > MAX_HEADER_BYTES:
         raise InvalidStateError(
             f"state: the shard's header (array names, shapes and metadata) takes {len(header) - 8:,} bytes, "
             f"over the {MAX_HEADER_BYTES:,} a shard's reader accepts"
         )
-    write = _write_hashing(out, hasher)
+    write = hashing_writer(out, hasher)
     write(header)
     digests: dict[str, ShardDigest] = {}
     for name, _code, array, _begin, _end in layout:
-        part = _Hasher() if part_digests else None
+        part = Hasher() if part_digests else None
         for chunk in _byte_chunks(array):
             write(chunk)
             if part is not None:
@@ -343,24 +263,6 @@ def write_shard(
     return replace(
         hasher.digest(), header_bytes=len(header), header_sha256=hashlib.sha256(header).hexdigest(), arrays=digests
     )
-
-
-def hash_stream(source: BinaryIO, verify: Verify | None = None) -> ShardDigest:
-    """Hash everything readable from ``source``; ``verify`` limits which checksums are computed."""
-    hasher = _Hasher(verify)
-    view = memoryview(bytearray(CHUNK_BYTES))
-    while count := source.readinto(view):
-        hasher.update(view[:count])
-    return hasher.digest()
-
-
-def copy_and_hash(source: BinaryIO, out: BinaryIO, chunk_bytes: int = 8 * CHUNK_BYTES) -> ShardDigest:
-    """Copy everything readable from ``source`` to ``out``, hashing the bytes as they pass."""
-    hasher = _Hasher()
-    write = _write_hashing(out, hasher)
-    while chunk := source.read(chunk_bytes):
-        write(chunk)
-    return hasher.digest()
 
 
 @dataclass(frozen=True)
@@ -420,51 +322,7 @@ def _parse_header(raw: bytes, data_bytes: int) -> tuple[list[_Entry], dict[str, 
     return entries, metadata
 
 
-class _Stream:
-    """A file's bytes in order, from :func:`~tiered_ckpt.blockread.read_blocks`, taken a piece
-    at a time; every byte taken is hashed once, in file order."""
-
-    def __init__(self, blocks: Iterator[memoryview], hasher: _Hasher) -> None:
-        self._blocks = blocks
-        self._view = memoryview(b"")
-        self._hasher = hasher
-
-    def _current(self) -> memoryview:
-        if not self._view:
-            self._view = next(self._blocks, memoryview(b""))
-        return self._view
-
-    def take(self, count: int) -> bytes:
-        """Up to ``count`` bytes (fewer only at the end of the file), hashed."""
-        parts = []
-        while count and (view := self._current()):
-            piece = view[:count]
-            parts.append(bytes(piece))
-            self._hasher.update(piece)
-            self._view, count = view[len(piece) :], count - len(piece)
-        return b"".join(parts)
-
-    def copy_into(self, target: np.ndarray) -> None:
-        """Fill ``target`` (1-D uint8) with the next bytes, hashing each piece of the copy
-        while it is in the CPU's cache."""
-        position = 0
-        while position < len(target):
-            view = self._current()
-            if not view:  # read_blocks raises first; a header that fits the file ensures it
-                raise OSError(errno.EIO, f"file ends {len(target) - position} bytes short")
-            count = min(len(view), len(target) - position)
-            piece = target[position : position + count]
-            np.copyto(piece, np.frombuffer(view[:count], np.uint8))
-            self._hasher.update(memoryview(piece))
-            self._view, position = view[count:], position + count
-
-    def hash_rest(self) -> None:
-        while view := self._current():
-            self._hasher.update(view)
-            self._view = memoryview(b"")
-
-
-def _parse_prefix(stream: _Stream, size: int) -> tuple[int, list[_Entry], dict[str, str]]:
+def _parse_prefix(stream: HashedStream, size: int) -> tuple[int, list[_Entry], dict[str, str]]:
     """Take (and hash) the length and header at the start of a file of ``size`` bytes and parse
     them; ValueError if invalid. Returns where the arrays' bytes start, the arrays in file
     order and the metadata."""
@@ -509,41 +367,6 @@ def read_header(raw: bytes, file_size: int, what: str) -> ShardHeader:
     return ShardHeader(start, placed, metadata)
 
 
-def copy_hashing(source: np.ndarray, target: np.ndarray, verify: Verify = "full") -> str:
-    """Copy bytes ``source`` into ``target`` (1-D uint8 arrays of one length) and return their
-    sha256 (``verify="fast"``: their xxh3-64), hashing each piece of the copy while it is in
-    cache (as :func:`read_shard` does)."""
-    hasher = _Hasher(verify)
-    for start in range(0, len(target), CHUNK_BYTES):
-        piece = target[start : start + CHUNK_BYTES]
-        np.copyto(piece, source[start : start + CHUNK_BYTES])
-        hasher.update(memoryview(piece))
-    digest = hasher.digest()
-    return digest.xxh3_64 if verify == "fast" else digest.sha256
-
-
-def read_hashing(fd: int, offset: int, target: np.ndarray, verify: Verify = "full") -> str:
-    """Read the bytes of the open file ``fd`` from ``offset`` into ``target`` (a 1-D uint8 array)
-    and return their sha256 (``verify="fast"``: their xxh3-64), hashing each piece while it is in cache.
-
-    Read with ``pread``, not through a memory map: a failing disk then raises OSError (EIO),
-    which the caller can answer, where a mapped page would kill the process with SIGBUS. A
-    file that ends before ``target`` is full raises OSError (EIO) too.
-    """
-    hasher = _Hasher(verify)
-    for start in range(0, len(target), CHUNK_BYTES):
-        piece = target[start : start + CHUNK_BYTES]
-        got = 0
-        while got < len(piece):
-            count = os.preadv(fd, [piece[got:]], offset + start + got)
-            if count == 0:
-                raise OSError(errno.EIO, f"file ended at byte {offset + start + got}")
-            got += count
-        hasher.update(memoryview(piece))
-    digest = hasher.digest()
-    return digest.xxh3_64 if verify == "fast" else digest.sha256
-
-
 def read_shard(
     source: BinaryIO,
     *,
@@ -568,10 +391,10 @@ def read_shard(
     bytes then fail to verify, the arrays in ``into`` hold unspecified values.
     """
     check_verify(verify)
-    hasher = _Hasher(verify)
+    hasher = Hasher(verify)
     size = os.fstat(source.fileno()).st_size
     with read_blocks(source.fileno(), size) as blocks:
-        stream = _Stream(blocks, hasher)
+        stream = HashedStream(blocks, hasher)
         try:
             _start, entries, metadata = _parse_prefix(stream, size)
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:

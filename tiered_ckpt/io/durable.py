@@ -24,6 +24,8 @@ import io
 import mmap
 import os
 import queue
+import re
+import secrets
 import sys
 import threading
 from collections.abc import Callable
@@ -32,9 +34,10 @@ from typing import BinaryIO, TypeVar, cast
 
 import numpy as np
 
-from tiered_ckpt.format.layout import temp_name
-
 __all__ = [
+    "temp_name",
+    "is_temp_name",
+    "temp_target",
     "fsync_directory",
     "atomic_write",
     "observe_writes",
@@ -46,6 +49,10 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+# A temp name starts with a dot, which no committed name does (layout.is_plain_name), so a
+# committed file is never taken for a temp file, and a temp file traces back to its target.
+_TEMP = re.compile(r"\.(?P<target>[^/\\]+)\.[0-9a-f]{16}\.tmp")
 
 # Through the page cache, start writing dirty pages back after every 8 MiB, so the disk
 # works while the CPU hashes the next chunk instead of idling until the final fsync. The
@@ -240,6 +247,22 @@ def observe_writes(out: BinaryIO, observer: Callable[[memoryview], None]) -> boo
         return False
     out.observer = observer
     return True
+
+
+def temp_name(final_name: str) -> str:
+    """Return a fresh temp name for a file that will be renamed to ``final_name``."""
+    return f".{final_name}.{secrets.token_hex(8)}.tmp"
+
+
+def is_temp_name(name: str) -> bool:
+    """True if ``name`` was made by :func:`temp_name`."""
+    return _TEMP.fullmatch(name) is not None
+
+
+def temp_target(name: str) -> str | None:
+    """Return the final name a temp name was made for, or None if it is not a temp name."""
+    match = _TEMP.fullmatch(name)
+    return match.group("target") if match else None
 
 
 def fsync_directory(directory: Path) -> None:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import BinaryIO, Protocol, TypeVar, runtime_checkable
 
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
-from tiered_ckpt.format.shardfile import ShardDigest, Verify
+from tiered_ckpt.io.hashing import ShardDigest, Verify
 
 __all__ = ["Capabilities", "ShardSource", "Tier"]
 
@@ -116,9 +116,7 @@ class Tier(Protocol):
         """Read and hash ``record``'s shard; the problem (naming the copy), or None if it matches."""
         ...
 
-    def land_shard(
-        self, step: int, record: ShardRecord, source: ShardSource, *, deadline: float | None = None
-    ) -> None:
+    def land_shard(self, step: int, record: ShardRecord, source: ShardSource, *, deadline: float | None = None) -> None:
         """Put ``source``'s bytes at ``record``'s place in ``step``, atomically and verified.
 
         A tier whose storage fails transiently retries until ``deadline`` (a

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,28 +27,15 @@ import crc32c as _crc32c
 import xxhash
 
 from tiered_ckpt.format.manifest import ShardRecord
-from tiered_ckpt.format.shardfile import ShardDigest
+from tiered_ckpt.io.hashing import ShardDigest, composite_crc32c
 
-__all__ = ["FileHashes", "StoreSums", "check_source", "composite_crc32c", "hash_for_store", "part_crc32c"]
+__all__ = ["FileHashes", "StoreSums", "check_source", "hash_for_store"]
 
 _READ_BYTES = 16 << 20
 
 
 def _b64(digest: bytes) -> str:
     return base64.b64encode(digest).decode()
-
-
-def part_crc32c(data: bytes | memoryview) -> str:
-    """The CRC32C of ``data`` as S3's ``ChecksumCRC32C`` header carries it (base64 of 4 bytes)."""
-    return _b64(_crc32c.crc32c(data).to_bytes(4, "big"))
-
-
-def composite_crc32c(parts: Sequence[str]) -> str:
-    """The ``ChecksumCRC32C`` S3 keeps for an object sent as ``parts`` (their CRC32C, base64):
-    the one part's, or the CRC32C of the parts' digests with ``-N``."""
-    if len(parts) == 1:
-        return parts[0]
-    return f"{part_crc32c(b''.join(base64.b64decode(part) for part in parts))}-{len(parts)}"
 
 
 @dataclass(frozen=True)

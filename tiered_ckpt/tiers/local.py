@@ -39,23 +39,14 @@ from tiered_ckpt.format.layout import (
     HELD_NAME,
     MANIFEST_NAME,
     RECEIPT_NAME,
-    is_temp_name,
     parse_step_dir_name,
     step_dir_name,
-    temp_target,
 )
 from tiered_ckpt.format.manifest import MAX_MANIFEST_BYTES, RemoteManifest, ShardManifest, ShardRecord
-from tiered_ckpt.format.shardfile import (
-    ShardDigest,
-    Verify,
-    check_verify,
-    hash_stream,
-    read_hashing,
-    read_shard,
-    write_shard,
-)
+from tiered_ckpt.format.shardfile import read_shard, write_shard
 from tiered_ckpt.format.state import FlatState
-from tiered_ckpt.io.durable import atomic_write, fsync_directory, write_bytes
+from tiered_ckpt.io.durable import atomic_write, fsync_directory, is_temp_name, temp_target, write_bytes
+from tiered_ckpt.io.hashing import ShardDigest, Verify, check_verify, hash_stream, read_hashing
 
 __all__ = [
     "LocalTier",

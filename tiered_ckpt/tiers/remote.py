@@ -58,10 +58,10 @@ from tiered_ckpt.format.layout import (
     step_dir_name,
 )
 from tiered_ckpt.format.manifest import MAX_MANIFEST_BYTES, RemoteManifest, ShardManifest, ShardRecord
-from tiered_ckpt.format.shardfile import ShardDigest, Verify, copy_hashing, hash_stream
+from tiered_ckpt.io.hashing import ShardDigest, Verify, copy_hashing, hash_stream
 from tiered_ckpt.tiers.backends import open_backend
-from tiered_ckpt.tiers.backends.s3 import same_checksum
 from tiered_ckpt.tiers.backends.base import Backend
+from tiered_ckpt.tiers.backends.s3 import same_checksum
 from tiered_ckpt.tiers.backends.wrappers import Counting
 from tiered_ckpt.tiers.base import Capabilities, ShardSource
 from tiered_ckpt.tiers.checksums import StoreSums
@@ -277,9 +277,7 @@ class RemoteTier:
         """True if the shard's object exists with the recorded size (and sha256, where kept)."""
         return self._run(f"checking {self._shard_location(step, record)}", lambda: self._mismatch(step, record) is None)
 
-    def land_shard(
-        self, step: int, record: ShardRecord, source: ShardSource, *, deadline: float | None = None
-    ) -> bool:
+    def land_shard(self, step: int, record: ShardRecord, source: ShardSource, *, deadline: float | None = None) -> bool:
         """Make the shard's object match ``record``: put ``source`` (a stream is staged in a temp file
         first) unless the object is already there intact, then confirm.
 

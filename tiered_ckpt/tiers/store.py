@@ -39,8 +39,10 @@ from tiered_ckpt.errors import (
     UsageError,
 )
 from tiered_ckpt.format.manifest import RemoteManifest, ShardManifest, ShardRecord
-from tiered_ckpt.format.shardfile import Verify, copy_and_hash, read_header
-from tiered_ckpt.format.state import FlatState, structure_of
+from tiered_ckpt.format.shardfile import read_header
+from tiered_ckpt.format.state import FlatState
+from tiered_ckpt.format.structure import structure_of
+from tiered_ckpt.io.hashing import Verify, copy_and_hash
 from tiered_ckpt.sharded import run_parallel
 from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.owners import live_owners

@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from tiered_ckpt.errors import RemoteError
-from tiered_ckpt.tiers.checksums import StoreSums, part_crc32c
+from tiered_ckpt.io.hashing import part_crc32c
+from tiered_ckpt.tiers.checksums import StoreSums
 
 __all__ = ["Window", "UploadStats", "Upload", "is_throttle", "list_open_uploads"]
 

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import ClassVar
 
 from tiered_ckpt.format.manifest import ShardRecord
-from tiered_ckpt.format.shardfile import copy_and_hash
 from tiered_ckpt.io.durable import atomic_write, write_bytes
+from tiered_ckpt.io.hashing import copy_and_hash
 from tiered_ckpt.tiers.backends.base import Facts, Sent
 from tiered_ckpt.tiers.backends.fsspec import FsspecBackend
 

@@ -132,4 +132,3 @@ class S3Backend(FsspecBackend):
                 f"credentials): {exc}",
                 transient=False,
             ) from exc
-

@@ -29,7 +29,7 @@ from tiered_ckpt.format.state import (
     leaf_name,
     sharded_names,
 )
-from tiered_ckpt.tiers.local import read_shard_file
+from tiered_ckpt.tiers.local import LocalTier
 
 torch = pytest.importorskip("torch")
 
@@ -280,6 +280,11 @@ def test_any_generated_state_round_trips_through_a_shard_file(tmp_path_factory, 
 # -- the structure document as hostile input --------------------------------------------------
 
 
+def read_in(directory, record):
+    """The state of ``record``'s shard in ``directory``, read by the local tier (as a load reads it)."""
+    return LocalTier(directory, single_step=True).read_shard(0, record)
+
+
 def shard_with_document(tmp_path, document: str | None, arrays=None):
     """A shard whose sha256 matches its bytes, whatever structure document it carries."""
     from tiered_ckpt.format.manifest import ShardRecord
@@ -334,15 +339,15 @@ HOSTILE = {
 def test_a_hostile_structure_document_is_a_shard_format_error_naming_the_file(tmp_path, case):
     record = shard_with_document(tmp_path, HOSTILE[case])
     with pytest.raises(ShardFormatError, match="rank-00000-of-00001.safetensors"):
-        read_shard_file(tmp_path, record)
+        read_in(tmp_path, record)
 
 
 def test_a_shard_without_a_document_reads_as_a_flat_dict_and_converts_wholly_to_torch(tmp_path):
     record = shard_with_document(tmp_path, None, {"w": np.arange(3.0), "b": np.zeros(2, np.float16)})
-    state = read_shard_file(tmp_path, record)
+    state = read_in(tmp_path, record)
     assert sorted(state.unflatten()) == ["b", "w"]
     assert all(torch.is_tensor(value) for value in state.unflatten(torch=True).values())
-    assert read_shard_file(tmp_path, shard_with_document(tmp_path, VALID)).unflatten()["w"].tolist() == [0, 1, 2, 3]
+    assert read_in(tmp_path, shard_with_document(tmp_path, VALID)).unflatten()["w"].tolist() == [0, 1, 2, 3]
 
 
 @settings(max_examples=300, deadline=None)
@@ -495,9 +500,9 @@ def test_the_reader_refuses_a_container_where_the_writer_would_and_no_sooner(tmp
             + "]}" * lists + "]]}}"
         )  # fmt: skip
 
-    read_shard_file(tmp_path, shard_with_document(tmp_path, document(MAX_DEPTH - 1)))
+    read_in(tmp_path, shard_with_document(tmp_path, document(MAX_DEPTH - 1)))
     with pytest.raises(ShardFormatError, match=f"deeper than {MAX_DEPTH}"):
-        read_shard_file(tmp_path, shard_with_document(tmp_path, document(MAX_DEPTH)))
+        read_in(tmp_path, shard_with_document(tmp_path, document(MAX_DEPTH)))
     with pytest.raises(InvalidStateError, match=f"deeper than {MAX_DEPTH}"):
         flatten({"w": np.ones(1), "x": nested(MAX_DEPTH - 1, [])})
 
@@ -623,6 +628,6 @@ def test_complex_arrays_and_tensors_round_trip_as_float_pairs_with_their_dtype(t
 def test_a_complex_leaf_whose_pairs_are_not_floats_is_a_shard_format_error(tmp_path):
     document = json.dumps({"version": 1, "root": {"dict": [["w", {"complex64": {"array": "w"}}]]}})
     record = shard_with_document(tmp_path, document, {"w": np.arange(4, dtype=np.int32)})
-    state = read_shard_file(tmp_path, record)
+    state = read_in(tmp_path, record)
     with pytest.raises(ShardFormatError, match="complex64"):
         state.unflatten()

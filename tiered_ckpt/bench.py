@@ -61,7 +61,8 @@ import numpy as np
 from tiered_ckpt.format.layout import step_dir_name
 from tiered_ckpt.io.durable import atomic_write, write_all
 from tiered_ckpt.manager import CheckpointManager
-from tiered_ckpt.sharded import default_workers, load_sharded, save_sharded
+from tiered_ckpt.io.parallel import default_workers
+from tiered_ckpt.oneshot import load_sharded, save_sharded
 
 __all__ = ["main"]
 
@@ -128,7 +129,7 @@ def raw_write(directory: Path, states: list[dict[str, np.ndarray]], writers: int
 
 def raw_read(paths: Sequence[Path]) -> float:
     """Read the files sequentially into reused buffers, as many at a time as a load of as many
-    shards reads (:func:`~tiered_ckpt.sharded.default_workers`)."""
+    shards reads (:func:`~tiered_ckpt.io.parallel.default_workers`)."""
 
     def read(path: Path) -> None:
         buffer = bytearray(CHUNK * 8)

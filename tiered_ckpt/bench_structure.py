@@ -17,7 +17,7 @@ import numpy as np
 
 from tiered_ckpt.bench import show_ratio, timed
 from tiered_ckpt.format.state import Structure, flatten
-from tiered_ckpt.sharded import load_sharded, save_sharded
+from tiered_ckpt.oneshot import load_sharded, save_sharded
 
 __all__ = ["bench_structure", "optimizer_state"]
 

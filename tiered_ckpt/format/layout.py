@@ -36,6 +36,7 @@ __all__ = [
     "step_dir_name",
     "parse_step_dir_name",
     "shard_name",
+    "is_shard_name",
     "temp_name",
     "is_temp_name",
     "temp_target",
@@ -54,6 +55,7 @@ SHARD_SUFFIX = ".safetensors"
 
 _STEP_DIR = re.compile(r"step-(\d{12,})")
 _OWNER = re.compile(r"(?P<run>[0-9a-f]{16,64})\.json")
+_SHARD = re.compile(r"rank-\d{5,}-of-\d{5,}" + re.escape(SHARD_SUFFIX))
 _TEMP = re.compile(r"\.(?P<target>[^/\\]+)\.[0-9a-f]{16}\.tmp")
 
 
@@ -75,6 +77,11 @@ def shard_name(rank: int, world_size: int) -> str:
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
     return f"rank-{rank:05d}-of-{world_size:05d}{SHARD_SUFFIX}"
+
+
+def is_shard_name(name: str) -> bool:
+    """True if ``name`` is a shard's file name (:func:`shard_name` of some rank and world size)."""
+    return _SHARD.fullmatch(name) is not None
 
 
 def temp_name(final_name: str) -> str:

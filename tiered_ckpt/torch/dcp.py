@@ -96,8 +96,8 @@ from tiered_ckpt.format.layout import parse_step_dir_name, step_dir_name
 from tiered_ckpt.format.manifest import ChunkRecord, ShardManifest
 from tiered_ckpt.format.shardfile import DTYPES
 from tiered_ckpt.format.state import ChunkOf, Structure, path_text, unescape
+from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.manager import CheckpointManager
-from tiered_ckpt.sharded import run_parallel
 from tiered_ckpt.torch.tensors import as_complex, to_torch
 
 __all__ = ["TieredWriter", "TieredReader"]

@@ -369,3 +369,10 @@ def test_a_step_directory_that_is_a_symlink_is_not_a_step(tmp_path):
         tier.new_step_dir(1)
         (tier.root / step_dir_name(2)).symlink_to(tier.step_dir(1))
         assert tier.uncommitted_steps() == [1]
+
+
+def test_only_a_single_step_directory_has_a_single_manifest(tmp_path):
+    with pytest.raises(UsageError, match="single-step"):
+        LocalTier(tmp_path).single_manifest()
+    with pytest.raises(IncompleteCheckpointError, match="never committed"):
+        LocalTier(tmp_path, single_step=True).single_manifest()

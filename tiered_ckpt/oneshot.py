@@ -22,7 +22,7 @@ from typing import Any
 from tiered_ckpt.dist.replicas import assign, offer, put_back
 from tiered_ckpt.dist.sharding import resolve_sharded_keys, sharding_summary
 from tiered_ckpt.engine.shards import build_manifest, write_shards
-from tiered_ckpt.errors import CheckpointExistsError, IncompleteCheckpointError
+from tiered_ckpt.errors import CheckpointExistsError
 from tiered_ckpt.format.layout import MANIFEST_NAME
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.shardfile import Verify
@@ -144,10 +144,7 @@ def load_sharded(
     :class:`WorldSizeMismatchError` and :class:`ChecksumMismatchError`.
     """
     tier = LocalTier(directory, single_step=True)
-    steps = tier.steps()
-    if not steps:
-        raise IncompleteCheckpointError(f"{tier.root}: no {MANIFEST_NAME}, the checkpoint was never committed")
-    manifest = tier.manifest(steps[0])
+    manifest = tier.single_manifest()
     check_world_size(manifest, expected_world_size, str(tier.root))
     check_into(into, manifest)
     targets = [flatten_into(state, f"into[{rank}]").arrays for rank, state in enumerate(into)] if into else None

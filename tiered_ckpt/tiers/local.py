@@ -21,6 +21,7 @@ import os
 import shutil
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
@@ -64,8 +65,11 @@ CAPABILITIES = Capabilities(
 )
 
 
-def _describe(record: ShardRecord, path: Path) -> str:
-    return f"rank {record.rank} shard {path}"
+def _copy_file(origin: Path | None, out: BinaryIO) -> ShardDigest:
+    """Copy the file at ``origin`` (a :class:`ShardSource` has it if it has no write function) to ``out``."""
+    assert origin is not None
+    with open(origin, "rb") as copied:
+        return copy_and_hash(copied, out)
 
 
 def _write_manifest(directory: Path, manifest: ShardManifest) -> None:
@@ -195,7 +199,7 @@ class LocalTier:
         """Every step directory under ``root`` (single-step: ``root``, if its manifest says which step)."""
         if self._single:
             if os.path.lexists(self.root / MANIFEST_NAME):  # one that is not a valid manifest raises
-                yield _read_manifest(self.root).step, self.root
+                yield self.single_manifest().step, self.root
             return
         if not self.root.is_dir():
             return
@@ -203,6 +207,12 @@ class LocalTier:
             step = parse_step_dir_name(entry.name)
             if step is not None and entry.is_dir(follow_symlinks=False):
                 yield step, Path(entry.path)
+
+    def single_manifest(self) -> ShardManifest:
+        """The manifest in a single-step directory, of whichever step it is (raises as :meth:`manifest`)."""
+        if not self._single:
+            raise UsageError(f"{self}: single_manifest is for a single-step directory")
+        return _read_manifest(self.root)
 
     def is_committed(self, step: int) -> bool:
         """True if ``step``'s directory holds a manifest (its validity is checked by :meth:`manifest`)."""
@@ -236,7 +246,7 @@ class LocalTier:
         for errors. Raises :class:`IncompleteCheckpointError` if it is missing, not a regular file or
         short, :class:`ChecksumMismatchError` if it is longer."""
         path = self.shard_path(step, record)
-        what = _describe(record, path)
+        what = f"rank {record.rank} shard {path}"
         with open_regular(path, what) as source:
             size = os.fstat(source.fileno()).st_size
             if size < record.size_bytes:
@@ -272,18 +282,15 @@ class LocalTier:
 
     def open_shard(self, step: int, record: ShardRecord, consume: Callable[[BinaryIO], T]) -> T:
         """``consume(stream)`` of ``record``'s shard, a regular file of the recorded size (so the
-        stream holds at most ``size_bytes``); raises as :meth:`read_shard` does before reading."""
+        stream holds at most ``size_bytes``). Raises :class:`IncompleteCheckpointError` if it is missing,
+        not a regular file, short or cannot be read (chained), :class:`ChecksumMismatchError` if longer."""
         with self._open_recorded(step, record) as (source, what), _read_errors(what):
             return consume(source)
 
     @contextmanager
     def open_ranges(self, step: int, record: ShardRecord) -> Iterator[Callable[[int, memoryview, Verify], str]]:
         """Open ``record``'s shard once for many ranged reads: yields ``read_into(offset, buffer, verify)``,
-        which is :meth:`read_range_into` on the open file.
-
-        Raises :class:`IncompleteCheckpointError` if the file is missing, not a regular file,
-        short or cannot be read (an I/O error, chained), :class:`ChecksumMismatchError` if it is longer than recorded.
-        """
+        :meth:`read_range_into` on the open file. Raises as :meth:`open_shard` does."""
         with self._open_recorded(step, record) as (source, what), _read_errors(what):
             size = record.size_bytes
 
@@ -382,19 +389,11 @@ class LocalTier:
         if not directory.is_dir():
             directory.mkdir(exist_ok=True)  # landers of one step race here: whoever made it, it exists
             fsync_directory(directory.parent)
-        name = record if isinstance(record, str) else record.path
-        path = directory / name
-        if source.write is not None:
-            write = source.write
-        else:
-            assert source.path is not None  # ShardSource holds one of the two
-            origin = source.path
-
-            def write(out: BinaryIO) -> ShardDigest:
-                with open(origin, "rb") as copied:
-                    return copy_and_hash(copied, out)
-
-        check = None if isinstance(record, str) else lambda digest: record.verify(digest, _describe(record, path))
+        path = directory / (record if isinstance(record, str) else record.path)
+        write = source.write if source.write is not None else partial(_copy_file, source.path)
+        if isinstance(record, str):
+            return atomic_write(path, write, sync_directory=sync_directory)
+        check = partial(record.verify, what=f"rank {record.rank} shard {path}")
         return atomic_write(path, write, check=check, sync_directory=sync_directory)
 
     def commit(

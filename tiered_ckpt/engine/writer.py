@@ -36,10 +36,10 @@ from typing import Any
 
 from tiered_ckpt.dist.coordination import Coordinator, agree_on, from_payload, to_payload
 from tiered_ckpt.dist.replicas import leave_out
+from tiered_ckpt.engine.shards import build_manifest, write_shards
 from tiered_ckpt.engine.staging import StagingBuffers
 from tiered_ckpt.engine.uploader import Uploader
 from tiered_ckpt.errors import CheckpointError, ConfigError, ErrorBox, SaveError
-from tiered_ckpt.engine.shards import build_manifest, write_shards
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.format.state import FlatState
 from tiered_ckpt.tiers.retention import RetentionPolicy

@@ -26,7 +26,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from tiered_ckpt.io.durable import atomic_write, write_all
-from tiered_ckpt.sharded import default_workers
+from tiered_ckpt.io.parallel import default_workers
 
 __all__ = [
     "CACHED_WRITE",
@@ -118,7 +118,7 @@ def raw_write(directory: Path, states: list[dict[str, np.ndarray]], writers: int
 
 def raw_read(paths: Sequence[Path]) -> float:
     """Read the files sequentially into reused buffers, as many at a time as a load of as many
-    shards reads (:func:`~tiered_ckpt.sharded.default_workers`)."""
+    shards reads (:func:`~tiered_ckpt.io.parallel.default_workers`)."""
 
     def read(path: Path) -> None:
         buffer = bytearray(CHUNK * 8)

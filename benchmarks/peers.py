@@ -46,7 +46,7 @@ from benchmarks.harness import (
     peak_rss_growth,
     timed,
 )
-from tiered_ckpt.sharded import default_workers
+from tiered_ckpt.io.parallel import default_workers
 
 __all__ = ["PeerRow", "PeerTable", "bench_peers", "plot"]
 
@@ -111,7 +111,7 @@ def _files_per_shard(directory: Path, shards: int, write: Callable[[int, Path], 
 
 def _ours() -> _Method:
     from tiered_ckpt.manager import CheckpointManager
-    from tiered_ckpt.sharded import load_sharded, save_sharded
+    from tiered_ckpt.oneshot import load_sharded, save_sharded
 
     def async_save(states: States, directory: Path) -> tuple[float, Callable[[], None]]:
         manager = CheckpointManager(directory, world_size=len(states), keep_last=None)

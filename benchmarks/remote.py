@@ -22,7 +22,8 @@ from typing import Any
 from benchmarks.harness import Timings, make_states, timed
 from tiered_ckpt.format.layout import step_dir_name
 from tiered_ckpt.format.manifest import ShardManifest
-from tiered_ckpt.sharded import run_parallel, save_sharded
+from tiered_ckpt.io.parallel import run_parallel
+from tiered_ckpt.oneshot import save_sharded
 
 __all__ = ["bench_remote"]
 

@@ -18,7 +18,7 @@ import numpy as np
 from benchmarks.harness import show_ratio, timed
 from tiered_ckpt.format.state import flatten
 from tiered_ckpt.format.structure import Structure
-from tiered_ckpt.sharded import load_sharded, save_sharded
+from tiered_ckpt.oneshot import load_sharded, save_sharded
 
 __all__ = ["bench_structure", "optimizer_state"]
 

@@ -35,8 +35,9 @@ from benchmarks.harness import (
     timed,
 )
 from tiered_ckpt.format.layout import step_dir_name
+from tiered_ckpt.io.parallel import default_workers
 from tiered_ckpt.manager import CheckpointManager
-from tiered_ckpt.sharded import default_workers, load_sharded, save_sharded
+from tiered_ckpt.oneshot import load_sharded, save_sharded
 
 __all__ = ["bench_sync"]
 

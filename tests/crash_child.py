@@ -25,9 +25,10 @@ import threading
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from conftest import large_states  # noqa: E402
-from tiered_ckpt import save_sharded, sharded  # noqa: E402
+from tiered_ckpt import save_sharded  # noqa: E402
 from tiered_ckpt.format.layout import MANIFEST_NAME  # noqa: E402
 from tiered_ckpt.io import durable, hashing  # noqa: E402
+from tiered_ckpt.tiers import local  # noqa: E402
 
 _announce = threading.Lock()
 
@@ -56,7 +57,7 @@ def install(point: str) -> None:
 
         hashing.write_all = counting_write_all
     elif point == "before-manifest":
-        sharded.commit_manifest = pause_forever
+        local._write_manifest = pause_forever  # the local tier's commit of the manifest
     elif point == "manifest-rename":
         original_replace = os.replace
 

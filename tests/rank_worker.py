@@ -82,7 +82,7 @@ def arm_kill(at: str) -> None:
         write_shards = writer.write_shards
         writer.write_shards = lambda *args, **kwargs: (write_shards(*args, **kwargs), die())[0]
     elif at == "before-commit":
-        local.commit_manifest = die  # the local tier's commit of the manifest
+        local._write_manifest = die  # the local tier's commit of the manifest
     else:
         raise ValueError(at)
 

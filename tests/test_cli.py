@@ -12,7 +12,7 @@ from conftest import ZERO1_SHARDED_KEYS, flip_byte, s3_credentials_env, write_s3
 from tiered_ckpt import CheckpointManager, save_sharded
 from tiered_ckpt.format.layout import MANIFEST_NAME, shard_name, step_dir_name
 from tiered_ckpt.io.hashing import part_crc32c
-from tiered_ckpt.tiers.local import record_held_ranks
+from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.remote import RemoteTier
 
 
@@ -117,7 +117,6 @@ def test_verify_remote_checks_the_stores_own_checksums_without_downloading(setup
     # No download: with reads made impossible, the check of the stores' checksums still runs.
     monkeypatch.setattr(RemoteTier, "open_shard", lambda *args: pytest.fail("downloaded"))
     from tiered_ckpt import TieredStore
-    from tiered_ckpt.tiers.local import LocalTier
 
     checks = TieredStore(LocalTier(local), tier).verify(5, remote_only=True)
     assert [check.status for check in checks] == ["ok", "failed", "ok", "ok"]
@@ -182,7 +181,9 @@ def test_prune_of_one_ranks_directory_says_which_steps_it_keeps_and_why(tmp_path
         directory = root / step_dir_name(step)
         manifest = save_sharded(states, directory, step)
         (directory / shard_name(1, 2)).unlink()  # rank 1's shard is on its node
-        record_held_ranks(directory, manifest, [0])
+        tier = LocalTier(root)
+        with tier.lock():
+            tier.record_held(step, manifest, [0])
     config = tmp_path / "rank.toml"
     config.write_text(f"[local]\ndir = '{root}'\nkeep_last = 1\n")
     for dry_run in (["--dry-run"], []):

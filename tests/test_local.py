@@ -5,20 +5,19 @@ import numpy as np
 import pytest
 
 from conftest import temp_files
-from tiered_ckpt import ChecksumMismatchError, DirectoryInUseError, IncompleteCheckpointError, ManifestError
-from tiered_ckpt.format.layout import HELD_NAME, MANIFEST_NAME
-from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
-from tiered_ckpt.io.durable import temp_name
-from tiered_ckpt.tiers.local import (
-    atomic_write,
-    directory_lock,
-    held_ranks,
-    read_manifest,
-    read_shard_file,
-    record_held_ranks,
-    remove_temp_files,
-    write_shard_file,
+from tiered_ckpt import (
+    ChecksumMismatchError,
+    DirectoryInUseError,
+    IncompleteCheckpointError,
+    ManifestError,
+    UsageError,
 )
+from tiered_ckpt.format.layout import HELD_NAME, MANIFEST_NAME, step_dir_name
+from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
+from tiered_ckpt.format.shardfile import write_shard
+from tiered_ckpt.io.durable import atomic_write
+from tiered_ckpt.tiers.base import ShardSource
+from tiered_ckpt.tiers.local import LocalTier
 
 
 def test_atomic_write_replaces_whole_file(tmp_path):
@@ -43,86 +42,71 @@ def test_failed_atomic_write_leaves_old_content_and_no_temp_file(tmp_path):
     assert os.listdir(tmp_path) == ["file"]
 
 
-def test_remove_temp_files_removes_only_temp_files_of_the_given_targets(tmp_path):
-    keep = ["manifest.json", "rank-00000-of-00002.safetensors", ".hidden"]
-    for name in keep:
-        (tmp_path / name).write_bytes(b"x")
-    rank0_temp = temp_name("rank-00000-of-00002.safetensors")
-    rank1_temp = temp_name("rank-00001-of-00002.safetensors")
-    for name in (rank0_temp, rank1_temp):
-        (tmp_path / name).write_bytes(b"partial")
-    assert remove_temp_files(tmp_path, {"rank-00001-of-00002.safetensors"}) == [rank1_temp]
-    assert remove_temp_files(tmp_path) == [rank0_temp]
-    assert sorted(os.listdir(tmp_path)) == sorted(keep)
+@pytest.fixture
+def tier(tmp_path):
+    """A local tier under its lock, with an empty step 1."""
+    tier = LocalTier(tmp_path / "root")
+    with tier.lock():
+        tier.new_step_dir(1)
+        yield tier
 
 
-def test_directory_lock_refuses_a_second_holder(tmp_path):
-    with directory_lock(tmp_path):
-        with pytest.raises(DirectoryInUseError, match="in use by another"):
-            with directory_lock(tmp_path):
-                pass
-    with directory_lock(tmp_path):
-        pass
-    assert os.listdir(tmp_path) == []
-
-
-def test_read_manifest_of_uncommitted_directory_is_incomplete(tmp_path):
+def test_the_manifest_of_an_uncommitted_step_is_incomplete(tier):
     with pytest.raises(IncompleteCheckpointError, match="never committed"):
-        read_manifest(tmp_path)
-    (tmp_path / MANIFEST_NAME).mkdir()
+        tier.manifest(1)
+    (tier.step_dir(1) / MANIFEST_NAME).mkdir()
     with pytest.raises(ManifestError, match="is a directory"):
-        read_manifest(tmp_path)
+        tier.manifest(1)
 
 
-def written_record(tmp_path) -> tuple[ShardRecord, dict]:
+def written_record(tier) -> tuple[ShardRecord, dict]:
     arrays = {"w": np.arange(1000, dtype=np.float32)}
-    digest = write_shard_file(tmp_path / "rank-00000-of-00001.safetensors", arrays, {})
-    record = ShardRecord(
-        0, "rank-00000-of-00001.safetensors", digest.sha256, digest.xxh3_64, digest.size_bytes, 0, 1000
-    )
+    name = "rank-00000-of-00001.safetensors"
+    digest = tier.land_shard(1, name, ShardSource(write=lambda out: write_shard(out, arrays, {})))
+    record = ShardRecord(0, name, digest.sha256, digest.xxh3_64, digest.size_bytes, 0, 1000)
     return record, arrays
 
 
-def test_shard_file_round_trip_and_size_checks(tmp_path):
-    record, arrays = written_record(tmp_path)
-    np.testing.assert_array_equal(read_shard_file(tmp_path, record).arrays["w"], arrays["w"])
-    path = tmp_path / record.path
+def test_shard_file_round_trip_and_size_checks(tier):
+    record, arrays = written_record(tier)
+    np.testing.assert_array_equal(tier.read_shard(1, record).arrays["w"], arrays["w"])
+    path = tier.shard_path(1, record)
     with open(path, "ab") as f:
         f.write(b"!")
     with pytest.raises(ChecksumMismatchError, match=f"rank 0 shard {path}: file has"):
-        read_shard_file(tmp_path, record)
+        tier.read_shard(1, record)
     os.truncate(path, record.size_bytes - 100)
     with pytest.raises(IncompleteCheckpointError, match=f"{record.size_bytes - 100} of {record.size_bytes} bytes"):
-        read_shard_file(tmp_path, record)
+        tier.read_shard(1, record)
     path.unlink()
     with pytest.raises(IncompleteCheckpointError, match="missing"):
-        read_shard_file(tmp_path, record)
+        tier.read_shard(1, record)
 
 
-def _manifest_of(world_size: int) -> ShardManifest:
+def _manifest_of(world_size: int, step: int = 1) -> ShardManifest:
     records = [
         ShardRecord(rank, f"rank-{rank:05d}-of-{world_size:05d}.safetensors", "0" * 64, "0" * 16, 8, rank, 1)
         for rank in range(world_size)
     ]
-    return ShardManifest(world_size, 1, 0.0, ("w",), tuple(records))
+    return ShardManifest(world_size, step, 0.0, ("w",), tuple(records))
 
 
-def test_held_ranks_are_every_rank_unless_recorded_and_a_full_record_is_removed(tmp_path):
+def test_held_ranks_are_every_rank_unless_recorded_and_a_full_record_is_removed(tier):
     manifest = _manifest_of(4)
-    assert held_ranks(tmp_path, manifest) == [0, 1, 2, 3]
-    record_held_ranks(tmp_path, manifest, [2, 0])
-    assert held_ranks(tmp_path, manifest) == [0, 2]
-    record_held_ranks(tmp_path, manifest, range(4))
-    assert not (tmp_path / HELD_NAME).exists() and held_ranks(tmp_path, manifest) == [0, 1, 2, 3]
+    assert tier.held_ranks(1, manifest) == [0, 1, 2, 3]
+    tier.record_held(1, manifest, [2, 0])
+    assert tier.held_ranks(1, manifest) == [0, 2]
+    tier.record_held(1, manifest, range(4))
+    assert not (tier.step_dir(1) / HELD_NAME).exists() and tier.held_ranks(1, manifest) == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize(
     "content", [b"{", b"[]", b'{"ranks": [4]}', b'{"ranks": [true]}', b'{"ranks": [0], "extra": 1}', b'{"ranks": "0"}']
 )
-def test_a_damaged_record_of_held_ranks_is_a_manifest_error_naming_the_file(tmp_path, content):
-    (tmp_path / HELD_NAME).write_bytes(content)
+def test_a_damaged_record_of_held_ranks_is_a_manifest_error_naming_the_file(tier, content):
+    (tier.step_dir(1) / HELD_NAME).write_bytes(content)
     with pytest.raises(ManifestError, match=HELD_NAME):
-        held_ranks(tmp_path, _manifest_of(4))
+        tier.held_ranks(1, _manifest_of(4))
 
 
 # --- files that are not what was committed ---------------------------------------------
@@ -162,7 +146,6 @@ def committed(tmp_path):
 
 def test_a_fifo_in_place_of_a_shard_fails_at_once_instead_of_blocking(committed):
     from tiered_ckpt import load_sharded
-    from tiered_ckpt.tiers.local import check_shard_file
 
     directory, manifest = committed
     shard = directory / manifest.shard(1).path
@@ -172,7 +155,8 @@ def test_a_fifo_in_place_of_a_shard_fails_at_once_instead_of_blocking(committed)
     assert isinstance(error, IncompleteCheckpointError) and "is not a regular file" in str(error)
     assert str(shard) in str(error)
     problem = []
-    assert _in_thread(lambda: problem.append(check_shard_file(directory, manifest.shard(1)))) is None
+    tier = LocalTier(directory, single_step=True)
+    assert _in_thread(lambda: problem.append(tier.check_shard(1, manifest.shard(1)))) is None
     assert "is not a regular file" in problem[0]
 
 
@@ -180,10 +164,11 @@ def test_a_fifo_in_place_of_a_manifest_or_record_does_not_block(committed):
     directory, manifest = committed
     (directory / MANIFEST_NAME).unlink()
     os.mkfifo(directory / MANIFEST_NAME)
-    error = _in_thread(lambda: read_manifest(directory))
+    tier = LocalTier(directory, single_step=True)
+    error = _in_thread(lambda: tier.manifest(1))
     assert isinstance(error, ManifestError) and "is not a regular file" in str(error)
     os.mkfifo(directory / HELD_NAME)
-    error = _in_thread(lambda: held_ranks(directory, manifest))
+    error = _in_thread(lambda: tier.held_ranks(1, manifest))
     assert isinstance(error, ManifestError) and HELD_NAME in str(error)
 
 
@@ -221,9 +206,6 @@ def test_a_manifest_is_read_without_allocating_more_than_it_holds(committed):
 def test_a_step_directory_whose_manifest_names_another_step_is_refused(committed, tmp_path):
     import shutil
 
-    from tiered_ckpt.format.layout import step_dir_name
-    from tiered_ckpt.tiers.local import LocalTier
-
     directory, _manifest = committed
     root = tmp_path / "root"
     root.mkdir()
@@ -259,9 +241,6 @@ def test_a_directory_in_place_of_a_shard_is_incomplete(committed):
 
 
 def test_a_lock_removes_the_directories_it_created_if_they_are_still_empty(tmp_path):
-    from tiered_ckpt.format.layout import step_dir_name
-    from tiered_ckpt.tiers.local import LocalTier
-
     tier = LocalTier(tmp_path / "job" / "rank-2")
     with tier.lock():
         assert tier.root.is_dir()
@@ -281,9 +260,7 @@ def test_a_lock_taken_while_another_holder_removes_the_new_directory_makes_it_ag
     it created, and the second's open after: run in that order, deterministically."""
     from contextlib import ExitStack
 
-    from tiered_ckpt.format.layout import step_dir_name
     from tiered_ckpt.tiers import local
-    from tiered_ckpt.tiers.local import LocalTier
 
     first, second = LocalTier(tmp_path / "job" / "rank-0"), LocalTier(tmp_path / "job" / "rank-0")
     holding = ExitStack()
@@ -316,17 +293,87 @@ def test_a_lock_taken_while_another_holder_removes_the_new_directory_makes_it_ag
 
 def test_the_record_of_a_commits_agreement_reads_back_and_a_bad_one_says_nothing(tmp_path):
     from tiered_ckpt.format.layout import AGREEMENT_NAME
-    from tiered_ckpt.tiers.local import read_agreement, record_agreement, remove_uncommitted
 
-    directory = tmp_path / "step-000000000007"
+    tier = LocalTier(tmp_path)
+    with tier.lock():
+        tier.new_step_dir(7)
+        assert tier.agreement(7) is None  # no record: a step of a version before them
+        tier.commit(_manifest_of(2, step=7), agreed=False)
+        assert tier.agreement(7) is False
+        tier.mark_agreed(7)
+        assert tier.agreement(7) is True
+        tier.new_step_dir(8)
+        (tier.step_dir(8) / AGREEMENT_NAME).write_bytes((tier.step_dir(7) / AGREEMENT_NAME).read_bytes())
+        assert tier.agreement(8) is None  # another step's record
+        for damaged in (b"{", b'{"step": 7, "agreed": 1}', b"[]"):
+            (tier.step_dir(7) / AGREEMENT_NAME).write_bytes(damaged)
+            assert tier.agreement(7) is None
+        tier.delete_step(8)
+        assert tier.remove_uncommitted() == [] and (tier.step_dir(7) / AGREEMENT_NAME).exists()  # a committed step's
+
+
+# --- the tier protocol's words on the local disk ------------------------------------------
+
+
+def test_every_write_needs_the_lock(tmp_path):
+    tier = LocalTier(tmp_path)
+    manifest = _manifest_of(1)
+    source = ShardSource(write=lambda out: write_shard(out, {"w": np.zeros(2, np.float32)}, {}))
+    for write in (
+        lambda: tier.land_shard(1, manifest.shards[0].path, source),
+        lambda: tier.commit(manifest),
+        lambda: tier.delete_step(1),
+        lambda: tier.new_step_dir(1),
+        lambda: tier.mark_agreed(1),
+    ):
+        with pytest.raises(UsageError, match="needs the directory's lock"):
+            write()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_shard_landed_by_name_returns_the_digest_its_record_is_built_from(tier, tmp_path):
+    record, arrays = written_record(tier)
+    assert tier.check_shard(1, record) is None
+    copy = tmp_path / "copy.safetensors"
+    copy.write_bytes(tier.open_shard(1, record, lambda stream: stream.read()))
+    assert tier.land_shard(2, record, ShardSource(path=copy)).sha256 == record.sha256  # a path source: copied
+    np.testing.assert_array_equal(tier.read_shard(2, record).arrays["w"], arrays["w"])
+    assert tier.uncommitted_steps() == [1, 2] and tier.steps() == []
+
+
+def test_a_commit_is_not_create_only_and_says_so(tier):
+    assert LocalTier.capabilities.create_only_commit is False and LocalTier.name == "local"
+    tier.commit(_manifest_of(1))
+    other = _manifest_of(2)
+    tier.commit(other)  # the writer never commits a step twice; the tier does not refuse it
+    assert tier.manifest(1) == other
+
+
+def test_a_single_step_directory_holds_the_step_its_manifest_names(tmp_path):
+    from tiered_ckpt import save_sharded
+
+    directory = tmp_path / "ckpt"
     directory.mkdir()
-    assert read_agreement(directory, 7) is None  # no record: a step of a version before them
-    record_agreement(directory, 7, False)
-    assert read_agreement(directory, 7) is False
-    record_agreement(directory, 7, True)
-    assert read_agreement(directory, 7) is True and read_agreement(directory, 8) is None  # another step's record
-    for damaged in (b"{", b'{"step": 7, "agreed": 1}', b"[]"):
-        (directory / AGREEMENT_NAME).write_bytes(damaged)
-        assert read_agreement(directory, 7) is None
-    (directory / MANIFEST_NAME).write_bytes(b"{}")
-    assert remove_uncommitted(tmp_path) == [] and (directory / AGREEMENT_NAME).exists()  # part of a committed step
+    (directory / "notes.txt").write_text("the user's")
+    manifest = save_sharded([{"w": np.arange(8, dtype=np.float32)}] * 2, directory, step=5)
+    tier = LocalTier(directory, single_step=True)
+    assert tier.steps() == [5] and tier.uncommitted_steps() == [] and tier.manifest(5) == manifest
+    assert tier.step_dir(5) == directory and "single_step=True" in repr(tier)
+    with tier.lock():
+        tier.delete_step(5)  # the checkpoint's files go, the directory and the rest stay
+    assert sorted(os.listdir(directory)) == ["notes.txt"] and tier.steps() == []
+
+
+def test_a_step_directory_that_is_a_symlink_is_not_a_step(tmp_path):
+    tier = LocalTier(tmp_path / "root")
+    with tier.lock():
+        tier.new_step_dir(1)
+        (tier.root / step_dir_name(2)).symlink_to(tier.step_dir(1))
+        assert tier.uncommitted_steps() == [1]
+
+
+def test_only_a_single_step_directory_has_a_single_manifest(tmp_path):
+    with pytest.raises(UsageError, match="single-step"):
+        LocalTier(tmp_path).single_manifest()
+    with pytest.raises(IncompleteCheckpointError, match="never committed"):
+        LocalTier(tmp_path, single_step=True).single_manifest()

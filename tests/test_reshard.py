@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from conftest import ZERO1_SHARDED_KEYS, assert_states_equal, split_sizes, zero1_states
 from tiered_ckpt import CheckpointManager, ReshardError, partition_sizes, save_sharded
 from tiered_ckpt.dist.reshard import copy_overlap, reshard
-from tiered_ckpt.sharded import load_sharded
+from tiered_ckpt.oneshot import load_sharded
 
 
 @pytest.mark.parametrize("total, world_size", [(10, 4), (1003, 3), (7, 8), (0, 2), (12, 1)])

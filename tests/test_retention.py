@@ -7,7 +7,7 @@ from conftest import launch_ranks
 from tiered_ckpt import ConfigError, save_sharded
 from tiered_ckpt.format.layout import shard_name, step_dir_name
 from tiered_ckpt.tiers.base import ShardSource
-from tiered_ckpt.tiers.local import LocalTier, record_held_ranks, write_receipt
+from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.remote import RemoteTier
 from tiered_ckpt.tiers.retention import RetentionPolicy, awaiting_upload, protected_locally, retainable
 from tiered_ckpt.tiers.store import TieredStore
@@ -113,12 +113,13 @@ def per_rank_store(tmp_path: Path, remote=None, uploaded: tuple[int, ...] = ()) 
         states = [{"w": np.arange(64, dtype=np.float32) + step}, {"w": np.zeros(64, dtype=np.float32)}]
         directory = root / step_dir_name(step)
         manifest = save_sharded(states, directory, step)
-        if step in uploaded:
-            for record in manifest.shards:
-                store.remote.land_shard(step, record, ShardSource(path=directory / record.path))
-            write_receipt(directory, store.remote.url, store.remote.commit(manifest))
-        (directory / shard_name(1, 2)).unlink()
-        record_held_ranks(directory, manifest, [0])  # rank 1's shard is on its node
+        with store.local.lock():
+            if step in uploaded:
+                for record in manifest.shards:
+                    store.remote.land_shard(step, record, ShardSource(path=directory / record.path))
+                store.local.write_receipt(step, store.remote.url, store.remote.commit(manifest))
+            (directory / shard_name(1, 2)).unlink()
+            store.local.record_held(step, manifest, [0])  # rank 1's shard is on its node
     return store
 
 

@@ -13,13 +13,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_structure import shard_with_document
+from test_structure import read_in, shard_with_document
 
 from tiered_ckpt import CheckpointManager, InvalidStateError, ShardFormatError, load_sharded, save_sharded
 from tiered_ckpt.format import shardfile
 from tiered_ckpt.format.state import ChunkOf, flatten, sharded_names
 from tiered_ckpt.format.structure import MAX_DEPTH, Chunk, Structure, leaf_name
-from tiered_ckpt.tiers.local import read_shard_file
 
 torch = pytest.importorskip("torch")
 
@@ -370,9 +369,9 @@ def test_the_reader_refuses_a_container_where_the_writer_would_and_no_sooner(tmp
             + "]}" * lists + "]]}}"
         )  # fmt: skip
 
-    read_shard_file(tmp_path, shard_with_document(tmp_path, document(MAX_DEPTH - 1)))
+    read_in(tmp_path, shard_with_document(tmp_path, document(MAX_DEPTH - 1)))
     with pytest.raises(ShardFormatError, match=f"deeper than {MAX_DEPTH}"):
-        read_shard_file(tmp_path, shard_with_document(tmp_path, document(MAX_DEPTH)))
+        read_in(tmp_path, shard_with_document(tmp_path, document(MAX_DEPTH)))
     with pytest.raises(InvalidStateError, match=f"deeper than {MAX_DEPTH}"):
         flatten({"w": np.ones(1), "x": nested(MAX_DEPTH - 1, [])})
 

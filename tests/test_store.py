@@ -9,7 +9,7 @@ from conftest import flip_byte
 from tiered_ckpt import ChecksumMismatchError, IncompleteCheckpointError, UsageError, cli, load_sharded, save_sharded
 from tiered_ckpt.format.layout import step_dir_name
 from tiered_ckpt.tiers.base import ShardSource
-from tiered_ckpt.tiers.local import LocalTier, delete_checkpoint
+from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.remote import RemoteTier
 from tiered_ckpt.tiers.store import TieredStore
 
@@ -131,14 +131,14 @@ def chunked_tiers(tmp_path, memory_url):
     from tiered_ckpt.format.manifest import ShardManifest
     from tiered_ckpt.format.state import FlatState
     from tiered_ckpt.format.structure import Structure
-    from tiered_ckpt.sharded import write_checkpoint
+    from tiered_ckpt.oneshot import write_checkpoint
 
     arrays = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(4096, dtype=np.float32)}
     root = {"dict": [["a", {"dtensor": ["a", [4, 3], [2, 0]]}], ["b", {"array": "b"}], ["epoch", 3]]}
     structure = Structure.from_json(json.dumps({"version": 1, "root": root}), arrays, "test")
-    directory = tmp_path / "ckpt" / step_dir_name(3)
-    directory.mkdir(parents=True)
-    manifest = write_checkpoint(directory, [FlatState(arrays, structure)], 3, sharded_keys=(), numels=[0])
+    tier = LocalTier(tmp_path / "ckpt")
+    with tier.lock():
+        manifest = write_checkpoint(tier, [FlatState(arrays, structure)], 3, sharded_keys=(), numels=[0])
     assert isinstance(manifest, ShardManifest) and {c.name for c in manifest.shard(0).chunks} == {"a", "b"}
     url, options = memory_url
     store = TieredStore(LocalTier(tmp_path / "ckpt"), RemoteTier(url, options))
@@ -242,7 +242,14 @@ def delete_first(monkeypatch, owner, name: str, step: int, delete) -> None:
 
 
 def delete_locally(store, step):
-    return lambda: delete_checkpoint(store.local.step_dir(step))
+    return lambda: delete_step(store.local.root, step)
+
+
+def delete_step(root, step) -> None:
+    """Delete ``step`` under ``root`` as another holder of the directory does (a running job's retention)."""
+    tier = LocalTier(root)
+    with tier.lock():
+        tier.delete_step(step)
 
 
 def test_verify_skips_a_local_step_deleted_while_its_shards_are_checked(job_dirs, monkeypatch):
@@ -292,7 +299,7 @@ def test_status_and_lag_leave_out_a_step_deleted_before_its_manifest_is_read(job
 
 def test_the_cli_verify_beside_a_running_job_skips_the_step_its_retention_deletes(job_dirs, monkeypatch, capsys):
     root = job_dirs.local.root
-    delete_first(monkeypatch, LocalTier, "check_shard", 1, lambda: delete_checkpoint(root / step_dir_name(1)))
+    delete_first(monkeypatch, LocalTier, "check_shard", 1, lambda: delete_step(root, 1))
     assert cli.main(["--local-dir", str(root), "verify"]) == 0
     out = capsys.readouterr().out
     assert "FAILED" not in out and "2 shards verified, 0 failed" in out, out

@@ -13,9 +13,14 @@ from tiered_ckpt import ShardFormatError, save_sharded
 from tiered_ckpt.format.shardfile import ShardContents, write_shard
 from tiered_ckpt.format.state import FlatState, flatten
 from tiered_ckpt.format.structure import MAX_DEPTH, STRUCTURE_KEY, Structure, leaf_name, unescape
-from tiered_ckpt.tiers.local import read_shard_file
+from tiered_ckpt.tiers.local import LocalTier
 
 torch = pytest.importorskip("torch")
+
+
+def read_in(directory, record):
+    """The state of ``record``'s shard in ``directory``, read by the local tier (as a load reads it)."""
+    return LocalTier(directory, single_step=True).read_shard(0, record)
 
 
 def shard_with_document(tmp_path, document: str | None, arrays=None):
@@ -72,15 +77,15 @@ HOSTILE = {
 def test_a_hostile_structure_document_is_a_shard_format_error_naming_the_file(tmp_path, case):
     record = shard_with_document(tmp_path, HOSTILE[case])
     with pytest.raises(ShardFormatError, match="rank-00000-of-00001.safetensors"):
-        read_shard_file(tmp_path, record)
+        read_in(tmp_path, record)
 
 
 def test_a_shard_without_a_document_reads_as_a_flat_dict_and_converts_wholly_to_torch(tmp_path):
     record = shard_with_document(tmp_path, None, {"w": np.arange(3.0), "b": np.zeros(2, np.float16)})
-    state = read_shard_file(tmp_path, record)
+    state = read_in(tmp_path, record)
     assert sorted(state.unflatten()) == ["b", "w"]
     assert all(torch.is_tensor(value) for value in state.unflatten(torch=True).values())
-    assert read_shard_file(tmp_path, shard_with_document(tmp_path, VALID)).unflatten()["w"].tolist() == [0, 1, 2, 3]
+    assert read_in(tmp_path, shard_with_document(tmp_path, VALID)).unflatten()["w"].tolist() == [0, 1, 2, 3]
 
 
 @settings(max_examples=300, deadline=None)
@@ -131,6 +136,6 @@ def test_unescape_gives_back_the_key_a_name_segment_was_made_of(key):
 def test_a_complex_leaf_whose_pairs_are_not_floats_is_a_shard_format_error(tmp_path):
     document = json.dumps({"version": 1, "root": {"dict": [["w", {"complex64": {"array": "w"}}]]}})
     record = shard_with_document(tmp_path, document, {"w": np.arange(4, dtype=np.int32)})
-    state = read_shard_file(tmp_path, record)
+    state = read_in(tmp_path, record)
     with pytest.raises(ShardFormatError, match="complex64"):
         state.unflatten()

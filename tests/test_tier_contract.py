@@ -59,3 +59,21 @@ class TestRemoteTierOnGcs(RemoteTierContract):
     @pytest.fixture
     def url(self, gcs_url):
         return gcs_url
+
+
+class TestLocalTier(TierContract):
+    @pytest.fixture
+    def tier(self, tmp_path):
+        from tiered_ckpt.tiers.local import LocalTier
+
+        tier = LocalTier(tmp_path / "local")
+        with tier.lock():
+            yield tier
+
+    def replace_shard(self, tier, step, record, data):
+        tier.shard_path(step, record).write_bytes(data)
+
+    def replace_manifest(self, tier, step, data):
+        from tiered_ckpt.format.layout import MANIFEST_NAME
+
+        (tier.step_dir(step) / MANIFEST_NAME).write_bytes(data)

@@ -25,8 +25,8 @@ from tiered_ckpt.errors import (
 )
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.manager import CheckpointManager, RestoreResult, SaveHandle
+from tiered_ckpt.oneshot import load_sharded, save_sharded
 from tiered_ckpt.options import LocalOptions, RemoteOptions, UploadOptions
-from tiered_ckpt.sharded import load_sharded, save_sharded
 from tiered_ckpt.tiers.store import Lag, TieredStore
 
 __all__ = [

@@ -39,6 +39,7 @@ from typing import Any, Literal, TypeVar, Unpack, overload
 
 from tiered_ckpt.config import Config, load_config
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather, resolve_coordinator
+from tiered_ckpt.dist.sharding import resolve_sharded_keys, sharding_summary
 from tiered_ckpt.engine.preemption import PreemptionNotice, PreemptionWatch
 from tiered_ckpt.engine.restore import Restorer, RestoreResult, check_restore_arguments, same_call
 from tiered_ckpt.engine.staging import StagingBuffers
@@ -57,15 +58,9 @@ from tiered_ckpt.errors import (
 )
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.state import FlatState, State, flatten
+from tiered_ckpt.format.validate import check_manifest_fits, validate_states, validate_step
 from tiered_ckpt.io.hashing import Verify
 from tiered_ckpt.options import LocalOptions, ManagerKeywords, Options, RemoteOptions, UploadOptions, resolve_options
-from tiered_ckpt.sharded import (
-    check_manifest_fits,
-    resolve_sharded_keys,
-    sharding_summary,
-    validate_states,
-    validate_step,
-)
 from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.store import Lag, TieredStore
 

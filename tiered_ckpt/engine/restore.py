@@ -54,8 +54,9 @@ from tiered_ckpt.errors import (
 )
 from tiered_ckpt.format.manifest import RemoteManifest, ShardManifest, ShardRecord
 from tiered_ckpt.format.state import FlatState, State, flatten_into
+from tiered_ckpt.format.validate import check_into, check_world_size
 from tiered_ckpt.io.hashing import Verify, check_verify
-from tiered_ckpt.sharded import check_into, check_world_size, run_parallel
+from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.tiers.store import Source, TieredStore
 
 __all__ = ["RestoreResult", "Restorer", "StepReport", "same_call", "rank_ranges"]
@@ -696,7 +697,7 @@ class Restorer:
                     "deleting step %d from %s: the save was cut short before every rank committed it",
                     step, self._store.local.root,
                 )  # fmt: skip
-                self._store.local.delete(step)
+                self._store.local.delete_step(step)
 
     def _drop_unfinished_commits(self, restored: int, complete: list[int], reports: list[StepReport]) -> None:
         """Delete local steps newer than ``restored`` whose commit did not reach every rank.
@@ -712,4 +713,4 @@ class Restorer:
                 logger.warning(
                     "deleting step %d from %s: its commit did not reach every rank", step, self._store.local.root
                 )
-                self._store.local.delete(step)
+                self._store.local.delete_step(step)

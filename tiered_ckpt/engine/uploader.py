@@ -72,8 +72,8 @@ from tiered_ckpt.errors import (
     UsageError,
 )
 from tiered_ckpt.format.manifest import RemoteManifest, ShardManifest, ShardRecord
+from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.options import UploadOptions
-from tiered_ckpt.sharded import run_parallel
 from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt.tiers.owners import Lease, OwnershipPolicy
 from tiered_ckpt.tiers.retention import RetentionPolicy

@@ -10,7 +10,7 @@ A save, from the moment its call has been checked on every rank:
    records (a collective), and every process commits the manifest in its local tier once
    every rank's shard is durable; the processes then agree that every one of them
    committed (a collective: the commit itself is agreed), and each records that
-   agreement in its step (:func:`~tiered_ckpt.local.record_agreement`);
+   agreement in its step (:meth:`~tiered_ckpt.tiers.local.LocalTier.mark_agreed`);
 3. the committed step goes to the uploader's queue, and the save's handle resolves;
 4. local retention runs on a thread of its own, off the write path and alongside the next
    save. It deletes only steps older than one committed on every rank (the step whose
@@ -36,12 +36,12 @@ from typing import Any
 
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather
 from tiered_ckpt.dist.replicas import leave_out
+from tiered_ckpt.engine.shards import build_manifest, write_shards
 from tiered_ckpt.engine.staging import StagingBuffers
 from tiered_ckpt.engine.uploader import Uploader
 from tiered_ckpt.errors import CheckpointError, ConfigError, ErrorBox, SaveError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.format.state import FlatState
-from tiered_ckpt.sharded import write_shards
 from tiered_ckpt.tiers.retention import RetentionPolicy
 from tiered_ckpt.tiers.store import TieredStore
 
@@ -197,20 +197,19 @@ class Writer:
             left_out = leave_out(self._coordinator, staged)  # replicated arrays: each written by one rank
 
             def write() -> _Written:
-                directory = local.new_step_dir(step)
                 records = write_shards(
-                    directory, staged, self._ranks, step, world_size=self._world_size, numels=numels,
+                    local, step, staged, self._ranks, world_size=self._world_size, numels=numels,
                     max_workers=self._max_workers, left_out=left_out,
                 )  # fmt: skip
                 return _Written(tuple(record.to_dict() for record in records), time.time())
 
             parts = gather(self._coordinator, "write", _Written, write)
-            manifest = ShardManifest(
+            manifest = build_manifest(
+                step,
+                [ShardRecord.from_dict(shard) for part in parts for shard in part.shards],
                 world_size=self._world_size,
-                step=step,
-                wall_clock_seconds=parts[0].time,  # the leader's clock
                 sharded_keys=keys,
-                shards=tuple(ShardRecord.from_dict(shard) for part in parts for shard in part.shards),
+                wall_clock_seconds=parts[0].time,  # the leader's clock
                 source=f"the shard records of step {step}",
             )
 

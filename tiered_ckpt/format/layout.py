@@ -34,6 +34,7 @@ __all__ = [
     "step_dir_name",
     "parse_step_dir_name",
     "shard_name",
+    "is_shard_name",
     "is_plain_name",
     "owner_name",
     "parse_owner_name",
@@ -49,6 +50,7 @@ SHARD_SUFFIX = ".safetensors"
 
 _STEP_DIR = re.compile(r"step-(\d{12,})")
 _OWNER = re.compile(r"(?P<run>[0-9a-f]{16,64})\.json")
+_SHARD = re.compile(r"rank-\d{5,}-of-\d{5,}" + re.escape(SHARD_SUFFIX))
 
 
 def step_dir_name(step: int) -> str:
@@ -69,6 +71,11 @@ def shard_name(rank: int, world_size: int) -> str:
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
     return f"rank-{rank:05d}-of-{world_size:05d}{SHARD_SUFFIX}"
+
+
+def is_shard_name(name: str) -> bool:
+    """True if ``name`` is a shard's file name (:func:`shard_name` of some rank and world size)."""
+    return _SHARD.fullmatch(name) is not None
 
 
 def is_plain_name(name: str) -> bool:

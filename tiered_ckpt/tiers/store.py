@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, NoReturn, TypeVar
+from typing import Any, BinaryIO, Literal, NoReturn, TypeVar
 
 import numpy as np
 
@@ -43,7 +43,8 @@ from tiered_ckpt.format.shardfile import read_header
 from tiered_ckpt.format.state import FlatState
 from tiered_ckpt.format.structure import structure_of
 from tiered_ckpt.io.hashing import Verify, copy_and_hash
-from tiered_ckpt.sharded import run_parallel
+from tiered_ckpt.io.parallel import run_parallel
+from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.owners import live_owners
 from tiered_ckpt.tiers.remote import RemoteTier
@@ -210,7 +211,7 @@ class TieredStore:
         the reading of its manifest is left out (or shown only in the tier still holding it).
         """
         committed = set(self.local.steps())
-        staged = set(self.local.staged_steps())
+        staged = set(self.local.uncommitted_steps())
         remote_committed, remote_partial = self.remote.list_steps() if self.remote is not None else ([], [])
         rows = []
         for step in sorted(committed | staged | set(remote_committed) | set(remote_partial)):
@@ -284,9 +285,11 @@ class TieredStore:
         """Stream ``record``'s remote object into the local step, landing it only if it verifies."""
         if self.remote is None:
             raise UsageError("downloading a shard needs a remote tier")
-        self.remote.open_shard(
-            step, record, lambda source: self.local.land_shard(step, record, lambda out: copy_and_hash(source, out))
-        )
+
+        def land(source: BinaryIO) -> None:
+            self.local.land_shard(step, record, ShardSource(write=lambda out: copy_and_hash(source, out)))
+
+        self.remote.open_shard(step, record, land)
 
     def fetch_shard(
         self,
@@ -493,7 +496,7 @@ class TieredStore:
         (``remote``) if the step has no receipt. Nothing is rewritten that is already right."""
         step = manifest.step
         if not was_committed:
-            self.local.commit(manifest, fetched)
+            self.local.commit(manifest, held=fetched)
         else:
             held: set[int] | None
             try:
@@ -611,7 +614,7 @@ class TieredStore:
         with self._retention_lock:
             deleted, never_uploaded = self._local_plan(policy, pending_uploads, complete)
             for step in deleted:
-                self.local.delete(step)
+                self.local.delete_step(step)
                 if step in never_uploaded:
                     logger.warning(
                         "retention: deleted step %d from %s before it reached %s: more than max_awaiting_upload=%s "

@@ -97,8 +97,8 @@ from tiered_ckpt.format.manifest import ChunkRecord, ShardManifest
 from tiered_ckpt.format.shardfile import DTYPES
 from tiered_ckpt.format.state import ChunkOf
 from tiered_ckpt.format.structure import Structure, path_text, unescape
+from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.manager import CheckpointManager
-from tiered_ckpt.sharded import run_parallel
 from tiered_ckpt.torch.tensors import as_complex, to_torch
 
 __all__ = ["TieredWriter", "TieredReader"]

@@ -1,0 +1,1 @@
+"""Coordination across rank processes, replicated arrays, N -> M resharding."""

@@ -1,0 +1,65 @@
+"""The flat-parameter rule: which arrays of the ranks' states are slices of one flat vector.
+
+The *sharded keys* are the arrays that are each rank's slice of a flat vector (ZeRO
+parameters, master weights, optimizer moments). By default they are the keys whose array
+is 1-D on every rank; every sharded array of a rank must have the same length, and that
+length is the rank's ``param_shard_numel``. Rank ``r``'s ``param_shard_offset`` is the sum
+of the lengths of ranks ``0..r-1``. Every other key is replicated. A save may name them
+explicitly (``sharded_keys=``, e.g. when a replicated array is 1-D too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from tiered_ckpt.errors import InvalidStateError
+from tiered_ckpt.format.state import sharded_names
+
+__all__ = ["resolve_sharded_keys", "sharding_summary"]
+
+
+def sharding_summary(state: Mapping[Any, Any]) -> dict[str, list[int]]:
+    """The shape of every array of a rank's state: what :func:`resolve_sharded_keys` needs of it."""
+    return {key: [int(n) for n in np.shape(array)] for key, array in state.items()}
+
+
+def resolve_sharded_keys(
+    summaries: Sequence[Mapping[str, Sequence[int]]],
+    sharded_keys: Iterable[str | Sequence[str | int]] | None,
+    *,
+    flat: bool = True,
+) -> tuple[tuple[str, ...], list[int]]:
+    """Return the sharded keys (tensor names, sorted) and each rank's ``param_shard_numel``.
+
+    ``summaries`` holds each rank's :func:`sharding_summary` (shapes by tensor name), in
+    rank order; ``sharded_keys`` names tensors or paths (:func:`~tiered_ckpt.format.state.sharded_names`).
+    Without them, the 1-D arrays are the sharded keys if every rank's state is ``flat``
+    (a dict of arrays), and no array is otherwise. Raises :class:`InvalidStateError`
+    naming the rank and key if the states do not follow the flat-parameter rule.
+    """
+    if sharded_keys is None:
+        common = set(summaries[0]).intersection(*summaries[1:]) if summaries and flat else set()
+        keys = sorted(k for k in common if all(len(summary[k]) == 1 for summary in summaries))
+    else:
+        keys = sorted(set(sharded_names(sharded_keys, summaries[0] if summaries else ())))
+        for rank, summary in enumerate(summaries):
+            for key in keys:
+                if key not in summary:
+                    raise InvalidStateError(f"rank {rank}: sharded key {key!r} is missing")
+                if len(summary[key]) != 1:
+                    raise InvalidStateError(
+                        f"rank {rank}: sharded key {key!r} has shape {tuple(summary[key])}, not 1-D"
+                    )
+    numels = []
+    for rank, summary in enumerate(summaries):
+        lengths = {key: summary[key][0] for key in keys}
+        if len(set(lengths.values())) > 1:
+            raise InvalidStateError(
+                f"rank {rank}: sharded arrays must have one length, got {lengths}; "
+                "pass sharded_keys= to name the flat-parameter slices explicitly"
+            )
+        numels.append(next(iter(lengths.values()), 0))
+    return tuple(keys), numels

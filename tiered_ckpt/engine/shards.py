@@ -1,0 +1,95 @@
+"""A step's shards written through the local tier, and the one place a manifest is built.
+
+Both writers of a new step use it: the background writer (:mod:`~tiered_ckpt.engine.writer`,
+this process's ranks) and the one-shot save (:mod:`~tiered_ckpt.oneshot`, every rank). Each
+shard lands with :meth:`LocalTier.land_shard <tiered_ckpt.tiers.local.LocalTier.land_shard>`,
+so every write checks the tier's lock; the directory's fsync is left to the commit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from tiered_ckpt.dist.replicas import written
+from tiered_ckpt.format.layout import shard_name
+from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
+from tiered_ckpt.format.shardfile import write_shard
+from tiered_ckpt.format.state import FlatState
+from tiered_ckpt.io.parallel import run_parallel
+from tiered_ckpt.tiers.base import ShardSource
+from tiered_ckpt.tiers.local import LocalTier
+
+__all__ = ["build_manifest", "write_shards"]
+
+
+def write_shards(
+    tier: LocalTier,
+    step: int,
+    states: Sequence[FlatState],
+    ranks: Sequence[int],
+    *,
+    world_size: int,
+    numels: Sequence[int],
+    max_workers: int | None = None,
+    left_out: Mapping[int, Mapping[str, int]] | None = None,
+) -> list[ShardRecord]:
+    """Write the shards of ``ranks`` (``states[i]`` is rank ``ranks[i]``'s) into ``step`` of ``tier``
+    (held locked), each with its structure document; return their records, in the order of ``ranks``.
+
+    ``left_out[rank]`` maps the arrays that rank's shard leaves out to the rank whose
+    shard holds them (:func:`~tiered_ckpt.dist.replicas.leave_out`); its record lists them as
+    replicas. Temp files an earlier crash left in the step are removed first. Each shard is
+    durable under its name once this returns; the names are, once :meth:`LocalTier.commit` is.
+    """
+    tier.new_step_dir(step)
+
+    def write(index: int) -> ShardRecord:
+        rank = ranks[index]
+        name = shard_name(rank, world_size)
+        others = (left_out or {}).get(rank, {})
+        state = written(states[index], others)
+        metadata = {
+            "tiered_ckpt.rank": str(rank),
+            "tiered_ckpt.world_size": str(world_size),
+            "tiered_ckpt.step": str(step),
+            **state.metadata(),
+        }
+        chunked = bool(state.structure.chunks)  # a state of DTensors: each array readable alone
+        source = ShardSource(write=lambda out: write_shard(out, state.arrays, metadata, part_digests=chunked))
+        digest = tier.land_shard(step, name, source, sync_directory=False)
+        return ShardRecord(
+            rank=rank,
+            path=name,
+            sha256=digest.sha256,
+            xxh3_64=digest.xxh3_64,
+            size_bytes=digest.size_bytes,
+            param_shard_offset=sum(numels[:rank]),
+            param_shard_numel=numels[rank],
+            chunks=state.chunk_records(digest.arrays) if chunked else (),
+            header_bytes=digest.header_bytes,
+            header_sha256=digest.header_sha256,
+            replicas=tuple(sorted(others.items())),
+        )
+
+    return run_parallel(write, range(len(ranks)), max_workers)
+
+
+def build_manifest(
+    step: int,
+    records: Sequence[ShardRecord],
+    *,
+    world_size: int,
+    sharded_keys: tuple[str, ...],
+    wall_clock_seconds: float,
+    source: str = "manifest",
+) -> ShardManifest:
+    """The manifest of ``step`` from every rank's shard record, validated as any manifest is
+    (``source`` names where the records came from in its errors, e.g. the ranks' exchange)."""
+    return ShardManifest(
+        world_size=world_size,
+        step=step,
+        wall_clock_seconds=wall_clock_seconds,
+        sharded_keys=sharded_keys,
+        shards=tuple(records),
+        source=source,
+    )

@@ -48,7 +48,7 @@ MARKERS = {
     "dcp": "TieredWriter(manager, step)",
     "two_tier": "keep_last_remote=10",
     "status": "lag = manager.status()\nif lag.steps_behind",
-    "lesson": "tiered_ckpt.save_sharded(states_per_rank",
+    "oneshot": "tiered_ckpt.save_sharded(states_per_rank",
     "outage": "raises only for what a person must fix",
 }
 
@@ -215,7 +215,7 @@ def test_the_fsdp2_and_dcp_samples_save_and_restore_a_sharded_model(tmp_path, bu
     assert committed(server) == [1, 2]
 
 
-def test_the_two_tier_status_and_lesson_samples_run(tmp_path, bucket):
+def test_the_two_tier_status_and_oneshot_samples_run(tmp_path, bucket):
     server, env = bucket
     two_tier = script(tmp_path, "two_tier", "import tiered_ckpt\n", sample(MARKERS["two_tier"]), "manager.close()\n")
     status_prelude = """
@@ -225,15 +225,15 @@ def test_the_two_tier_status_and_lesson_samples_run(tmp_path, bucket):
         manager = tiered_ckpt.CheckpointManager("ckpt", world_size=1, remote_url="s3://my-bucket/run-42")
     """
     status = script(tmp_path, "status", status_prelude, sample(MARKERS["status"]), "print(lag.steps_behind)\n")
-    lesson_prelude = """
+    oneshot_prelude = """
         import numpy as np
         import tiered_ckpt
         states_per_rank = [{"w": np.full(8, rank, np.float32), "step": np.array(1200)} for rank in range(4)]
         my_buffers = [{"w": np.zeros(8, np.float32), "step": np.array(0)} for _ in range(4)]
     """
-    lesson_epilogue = "assert all(int(b['step']) == 1200 and b['w'][0] == r for r, b in enumerate(my_buffers))\n"
-    lesson = script(tmp_path, "lesson", lesson_prelude, sample(MARKERS["lesson"]), lesson_epilogue)
-    for path in (two_tier, status, lesson):
+    oneshot_epilogue = "assert all(int(b['step']) == 1200 and b['w'][0] == r for r, b in enumerate(my_buffers))\n"
+    oneshot = script(tmp_path, "oneshot", oneshot_prelude, sample(MARKERS["oneshot"]), oneshot_epilogue)
+    for path in (two_tier, status, oneshot):
         result = run(path, env, tmp_path)
         assert result.returncode == 0, f"{path.name}: {result.stderr}"
     assert (tmp_path / "ckpt" / step_dir_name(1200) / "manifest.json").is_file()

@@ -9,13 +9,14 @@ so a URL such as ``s3://b/sweep[12]`` is as good as any.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar
 
 from fsspec.implementations.memory import MemoryFileSystem
 
+from tiered_ckpt.errors import RemoteError
 from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.tiers.backends.base import Facts, Head, OpenUpload, Sent
 from tiered_ckpt.tiers.checksums import StoreSums
@@ -127,6 +128,23 @@ class FsspecBackend:
 
     def check_bucket(self) -> None:
         return None
+
+    def _check_bucket_by(self, list_one: Callable[[str, str], object], scheme: str) -> None:
+        """Make one listing request (``list_one(bucket, prefix)``) and raise a permanent
+        :class:`RemoteError` naming the bucket if it does not exist or cannot be listed."""
+        bucket, prefix = self.root.partition("/")[::2]
+        try:
+            list_one(bucket, f"{prefix}/" if prefix else "")
+        except FileNotFoundError as exc:
+            raise RemoteError(
+                f"{self.url}: the bucket {bucket!r} does not exist ({scheme}://{bucket}): {exc}", transient=False
+            ) from exc
+        except PermissionError as exc:
+            raise RemoteError(
+                f"{self.url}: access to the bucket {bucket!r} is denied (it cannot be listed with these "
+                f"credentials): {exc}",
+                transient=False,
+            ) from exc
 
 
 def seconds_left(deadline: float | None) -> float | None:

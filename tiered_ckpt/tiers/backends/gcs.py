@@ -13,7 +13,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-from tiered_ckpt.errors import RemoteError
 from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.tiers.backends.base import SHA256_METADATA_KEY, Facts, Head, Sent
 from tiered_ckpt.tiers.backends.fsspec import FsspecBackend, seconds_left
@@ -67,16 +66,6 @@ class GcsBackend(FsspecBackend):
         return None
 
     def check_bucket(self) -> None:
-        bucket, prefix = self.root.partition("/")[::2]
-        try:
-            self.fs.call("GET", "b/{}/o", bucket, prefix=f"{prefix}/" if prefix else None, maxResults=1)
-        except FileNotFoundError as exc:
-            raise RemoteError(
-                f"{self.url}: the bucket {bucket!r} does not exist (gs://{bucket}): {exc}", transient=False
-            ) from exc
-        except PermissionError as exc:
-            raise RemoteError(
-                f"{self.url}: access to the bucket {bucket!r} is denied (it cannot be listed with these "
-                f"credentials): {exc}",
-                transient=False,
-            ) from exc
+        self._check_bucket_by(
+            lambda bucket, prefix: self.fs.call("GET", "b/{}/o", bucket, prefix=prefix or None, maxResults=1), "gs"
+        )

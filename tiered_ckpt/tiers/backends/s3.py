@@ -17,7 +17,6 @@ from typing import Any, ClassVar
 
 from fsspec.asyn import sync
 
-from tiered_ckpt.errors import RemoteError
 from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.tiers.backends.base import SHA256_METADATA_KEY, Facts, Head, OpenUpload, Sent
 from tiered_ckpt.tiers.backends.fsspec import FsspecBackend, seconds_left
@@ -119,16 +118,6 @@ class S3Backend(FsspecBackend):
         self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload.upload_id)
 
     def check_bucket(self) -> None:
-        bucket, prefix = self.root.partition("/")[::2]
-        try:
-            self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=f"{prefix}/" if prefix else "", MaxKeys=1)
-        except FileNotFoundError as exc:
-            raise RemoteError(
-                f"{self.url}: the bucket {bucket!r} does not exist (s3://{bucket}): {exc}", transient=False
-            ) from exc
-        except PermissionError as exc:
-            raise RemoteError(
-                f"{self.url}: access to the bucket {bucket!r} is denied (it cannot be listed with these "
-                f"credentials): {exc}",
-                transient=False,
-            ) from exc
+        self._check_bucket_by(
+            lambda bucket, prefix: self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1), "s3"
+        )

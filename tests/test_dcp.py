@@ -13,8 +13,9 @@ import pytest
 from dcp_worker import digests, template, train_state
 
 from conftest import FaultInjectingProxy, launch_ranks, s3_storage_options
-from tiered_ckpt import CheckpointManager, InvalidStateError, UsageError
+from tiered_ckpt import CheckpointManager, InvalidStateError, ShardFormatError, UsageError
 from tiered_ckpt.format.layout import step_dir_name
+from tiered_ckpt.format.state import ChunkOf
 
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
@@ -234,3 +235,33 @@ def test_a_step_the_writer_of_0_2_saved_loads_its_values_from_rank_0s_shard(tmp_
     for result in run_job(tmp_path, actions, remote=file_url).values():
         assert "error" not in result, result
         assert result["loaded"]["5"] == {"w": [float(i) for i in range(8)], "epoch": 5}
+
+
+def test_a_chunk_another_writer_saved_is_refused_by_the_reader_naming_it(manager):
+    manager.save(1, {"other": ChunkOf(np.ones(2), (4,), (0,))})
+    with pytest.raises(ShardFormatError, match="rank 0 of step 1: 'other' is not a chunk written by TieredWriter"):
+        TieredReader(manager, 1).read_metadata()
+
+
+@pytest.mark.parametrize(
+    "section, problem",
+    [({"tensors": {"w": {"0": ChunkOf(np.ones(3, np.float32), (3,), (0,))}}, "complex": {"w": "complex64"}},
+      "'dcp/tensors/w/0' is not the float pairs of a complex tensor"),
+     ({"tensors": {}, "complex": {"w": "complex256"}}, "dcp/complex names a dtype other than"),
+     ({"tensors": {}, "planner_data": {"w": "w"}}, "dcp/planner_data must map each key to a list")],
+)  # fmt: skip
+def test_a_shard_that_is_not_what_the_writer_writes_is_refused_naming_the_rank_and_step(manager, section, problem):
+    manager.save(3, {"dcp": section})
+    with pytest.raises(ShardFormatError, match=f"rank 0 of step 3: {problem}"):
+        TieredReader(manager, 3).read_metadata()
+
+
+def test_a_stored_value_of_an_unknown_kind_is_refused_naming_it_and_nothing_is_unpickled(manager):
+    blob = {"pickle": ChunkOf(np.frombuffer(b"\x80\x04N.", np.uint8), (4,), (0,))}
+    manager.save(4, {"dcp": {"tensors": {}, "blobs": {"x": blob}, "planner_data": {}}})
+    into = {"x": b""}
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load(into, storage_reader=TieredReader(manager, 4))
+    error = failure(caught)
+    assert isinstance(error, ShardFormatError) and "rank 0 of step 4: 'x' has unknown kind 'pickle'" in str(error)
+    assert into == {"x": b""}

@@ -6,6 +6,8 @@ from __future__ import annotations
 import inspect
 import io
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +50,22 @@ def loaded(manager: CheckpointManager, checkpoint_id=None, reader_step=None) -> 
     state = template()
     dcp.load(state, storage_reader=TieredReader(manager, reader_step), checkpoint_id=checkpoint_id)
     return digests(state)
+
+
+def test_the_torch_package_imports_the_backend_on_first_use_only():
+    code = (
+        "import sys; import tiered_ckpt.torch as glue; assert 'torch' not in sys.modules, 'eager'; "
+        "from tiered_ckpt.torch.dcp_writer import TieredWriter; from tiered_ckpt.torch.dcp_reader import TieredReader; "
+        "assert glue.TieredWriter is TieredWriter and glue.TieredReader is TieredReader; "
+        "assert sorted(glue.__all__) == ['TieredReader', 'TieredWriter']; "
+        "print('ok')"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+    with pytest.raises(AttributeError, match="has no attribute 'Tiered'"):
+        import tiered_ckpt.torch as glue
+
+        glue.Tiered  # noqa: B018
 
 
 def test_checkpoint_id_names_the_step_saved_and_the_step_loaded(manager):

@@ -205,6 +205,20 @@ def test_a_remote_url_holding_a_password_is_refused_without_showing_it(url):
     assert SECRET not in str(error) and "AKIAEXAMPLE" not in str(error) and "admin" not in str(error)
 
 
+def test_a_remote_url_holding_a_password_is_refused_from_a_config_file_or_variable_naming_it(tmp_path):
+    from tiered_ckpt import load_config
+
+    url = f"s3://AKIAEXAMPLE:{SECRET}@bucket/run"
+    path = tmp_path / "run.toml"
+    path.write_text(f"[local]\ndir = 'x'\n[remote]\nurl = '{url}'\n")
+    with pytest.raises(ConfigError, match=f"{path}: key 'remote.url' must not hold a user and password") as caught:
+        load_config(path, environ={})
+    assert SECRET not in str(caught.value)
+    with pytest.raises(ConfigError, match=r"TIERED_CKPT_REMOTE_URL.*must not hold a user") as caught:
+        load_config(None, environ={"TIERED_CKPT_REMOTE_URL": url, "TIERED_CKPT_LOCAL_DIR": str(tmp_path)})
+    assert SECRET not in str(caught.value)
+
+
 def test_an_at_sign_in_a_path_is_no_password():
     assert RemoteOptions("file:///data/run@2:b").url == "file:///data/run@2:b"
     assert RemoteOptions("s3://bucket/a:b@c").url == "s3://bucket/a:b@c"

@@ -74,7 +74,7 @@ def check_remote_url(url: Any) -> None:
         raise invalid_option("url", f"has unsupported URL scheme {scheme!r}")
     if separator and ":" in rest.partition("/")[0].rpartition("@")[0]:  # never echoed: the URL holds a password
         raise invalid_option(
-            "url", f"{scheme}:// URL must not hold a user and password (use the store's own credential chain)"
+            "url", f"must not hold a user and password ({scheme}:// URL; use the store's own credential chain)"
         )
     if not rest.strip("/"):
         raise invalid_option("url", f"{url!r} names no bucket or directory")

@@ -61,7 +61,8 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 
 
 def check_remote_url(url: Any) -> None:
-    """Refuse a remote URL fsspec cannot open, or one that names no bucket or directory.
+    """Refuse a remote URL fsspec cannot open, one that names no bucket or directory, or one
+    holding a password (``ftp://user:password@host/...``: the URL is shown in reprs and logs).
 
     ``s3://`` alone would otherwise open ``s3:`` as a relative local directory.
     """
@@ -71,6 +72,10 @@ def check_remote_url(url: Any) -> None:
         scheme, rest = "file", url
     if scheme not in fsspec.available_protocols():
         raise invalid_option("url", f"has unsupported URL scheme {scheme!r}")
+    if separator and ":" in rest.partition("/")[0].rpartition("@")[0]:  # never echoed: the URL holds a password
+        raise invalid_option(
+            "url", f"must not hold a user and password ({scheme}:// URL; use the store's own credential chain)"
+        )
     if not rest.strip("/"):
         raise invalid_option("url", f"{url!r} names no bucket or directory")
 

@@ -166,7 +166,14 @@ class Writer:
         self._janitor = ThreadPoolExecutor(1, "tiered-ckpt-retention", initializer=_background_thread, initargs=(cpus,))
 
     def submit(self, step: int, states: Sequence[FlatState], keys: tuple[str, ...], numels: list[int]) -> SaveHandle:
-        """Stage ``states`` (this process's ranks, checked) and queue their write as ``step``."""
+        """Stage ``states`` (this process's ranks, checked) and queue their write as ``step``.
+
+        Waits first for the previous save's write (not its retention): its staging buffers are
+        the ones reused here, and overwriting them under a running write would save this step's
+        arrays as that one's.
+        """
+        if self._last_save is not None:
+            self._last_save.settle()
         buffers = self._staging.stage([state.arrays for state in states])
         staged = [dataclasses.replace(state, arrays=arrays) for arrays, state in zip(buffers, states, strict=True)]
         handle = SaveHandle(step, self._writer.submit(self._write, step, staged, keys, numels), self._errors)

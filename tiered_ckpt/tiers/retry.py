@@ -45,6 +45,10 @@ _TRANSIENT_NAMES = (
     "ServiceUnavailable",
     "TransportError",
 )
+# HTTP statuses worth another try, for clients that raise them as a number rather than an
+# errno or a message: gcsfs's HttpError (``code``, once its own tries are spent: a GCS 500 or
+# 429 is "Backend Error, 500" / "...rate limit..., 429"), aiohttp's ClientResponseError (``status``).
+_TRANSIENT_STATUSES = {408, 429, 500, 502, 503, 504}
 _TRANSIENT_TEXT = (
     "SlowDown",
     "Service Unavailable",
@@ -62,6 +66,10 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, (TimeoutError, ConnectionError)):
         return True
     if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
+        return True
+    status = getattr(exc, "status", None)
+    status = getattr(exc, "code", None) if status is None else status
+    if isinstance(status, int) and not isinstance(status, bool) and status in _TRANSIENT_STATUSES:
         return True
     names = [cls.__name__ for cls in type(exc).__mro__]
     if any(marker in name for name in names for marker in _TRANSIENT_NAMES):

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import flip_byte, launch_ranks
 from tiered_ckpt import CheckpointManager, InvalidStateError
-from tiered_ckpt.engine.restore import rank_ranges
+from tiered_ckpt.engine.restore_result import rank_ranges
 from tiered_ckpt.format.layout import AGREEMENT_NAME, shard_name, step_dir_name
 from tiered_ckpt.tiers.local import LocalTier
 

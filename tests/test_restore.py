@@ -10,7 +10,6 @@ import pytest
 
 from conftest import flip_byte, launch_ranks
 from tiered_ckpt import CheckpointManager, InvalidStateError
-from tiered_ckpt.engine.restore import rank_ranges
 from tiered_ckpt.format.layout import AGREEMENT_NAME, shard_name, step_dir_name
 from tiered_ckpt.tiers.local import LocalTier
 
@@ -39,12 +38,6 @@ def test_the_repr_of_a_restore_names_step_ranks_sources_and_sizes_never_the_arra
         f"bytes_read={restored.manifest.total_bytes})"
     )
     assert restored.bytes_read > nbytes and restored.seconds >= 0
-
-
-def test_rank_ranges_are_short_runs():
-    assert rank_ranges([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
-    assert rank_ranges(range(1024)) == "0-1023"
-    assert rank_ranges([]) == "-"
 
 
 def test_an_into_that_does_not_match_names_the_difference_not_both_lists(tmp_path):

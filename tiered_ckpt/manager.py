@@ -41,8 +41,10 @@ from tiered_ckpt.config import Config, load_config
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather, resolve_coordinator
 from tiered_ckpt.dist.sharding import resolve_sharded_keys, sharding_summary
 from tiered_ckpt.engine.preemption import PreemptionNotice, PreemptionWatch
-from tiered_ckpt.engine.restore import Restorer, RestoreResult, check_restore_arguments, same_call
+from tiered_ckpt.engine.restore import Restorer, check_restore_arguments
+from tiered_ckpt.engine.restore_result import RestoreResult
 from tiered_ckpt.engine.staging import StagingBuffers
+from tiered_ckpt.engine.step_choice import same_call
 from tiered_ckpt.engine.uploader import Uploader
 from tiered_ckpt.engine.writer import SaveHandle, Writer, check_cpus
 from tiered_ckpt.errors import (

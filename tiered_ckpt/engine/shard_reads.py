@@ -1,0 +1,326 @@
+"""Reading this process's part of a chosen step through the store: steps 3 and 4 of a restore
+(:mod:`~tiered_ckpt.engine.restore`), without a collective of its own.
+
+1. :meth:`ShardReader.load` checks the world size (resharding only when asked), works out
+   which saved ranks this process needs, and reads each through
+   :meth:`TieredStore.fetch_shard` (local copy, else the bucket, verified, refilling the
+   local step), or, into a state of DTensors, just the chunks that overlap its own
+   (:meth:`TieredStore.read_parts`);
+2. the arrays its ranks' shards left to other ranks are put back
+   (:meth:`ShardReader.complete`): read here, or, with one process per rank on the saved
+   world size, received from the processes holding them (the restorer's collective; until
+   then :meth:`~ShardReader.load` returns a :class:`PendingRead`);
+3. the states are resharded if asked, or the chunks of the caller's DTensors filled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from tiered_ckpt.dist.replicas import missing, put_back
+from tiered_ckpt.dist.reshard import (
+    ChunkPlan,
+    direct_destination,
+    fill_chunks,
+    plan_chunks,
+    reshard_flat,
+    reshard_rank,
+    source_ranks,
+)
+from tiered_ckpt.engine.restore_result import RestoreResult
+from tiered_ckpt.errors import CheckpointError, IncompleteCheckpointError, InvalidStateError, UsageError, restated
+from tiered_ckpt.format.manifest import RemoteManifest, ShardManifest, ShardRecord
+from tiered_ckpt.format.state import FlatState, State, flatten_into
+from tiered_ckpt.format.validate import check_into, check_world_size
+from tiered_ckpt.io.hashing import Verify
+from tiered_ckpt.io.parallel import run_parallel
+from tiered_ckpt.tiers.store import Source, TieredStore
+
+__all__ = ["PendingRead", "ShardReader"]
+
+
+def _part_bytes(record: ShardRecord, state: FlatState) -> int:
+    """The bytes a partial read of ``record``'s shard took: its header and the arrays in ``state``."""
+    return record.header_bytes + sum(array.nbytes for array in state.arrays.values())
+
+
+@dataclass(frozen=True)
+class PendingRead:
+    """This process's part of a restore once its own reads are done, before the arrays its
+    ranks' shards left to other ranks are put back (:meth:`ShardReader.complete` does that).
+
+    ``read``: by saved rank, the verified states read (whole shards, or the parts needed),
+    from the tiers in ``sources``, ``bytes_read`` bytes in all. ``from_peers``: the left-out
+    arrays come from the processes holding them (else they are read here, from the bucket
+    if ``use_remote``). Whole reads: ``into`` are the caller's arrays by saved rank, resharded
+    for ``target`` ranks. Chunk reads (``plans`` not empty): per rank of this process, its
+    plan and the state of DTensors (``targets``) the chunks fill.
+    """
+
+    step: int
+    manifest: ShardManifest
+    target: int
+    read: Mapping[int, FlatState]
+    sources: Mapping[int, Source]
+    bytes_read: int
+    from_peers: bool
+    use_remote: bool
+    into: Mapping[int, Mapping[str, np.ndarray]] = field(default_factory=dict)
+    plans: tuple[ChunkPlan, ...] = ()
+    targets: tuple[FlatState, ...] = ()
+
+
+def _without_replicas(plan: ChunkPlan, record: ShardRecord) -> ChunkPlan:
+    """``plan`` without reading the arrays ``record``'s shard left to other ranks (their processes send them)."""
+    left = set(record.replicas)
+    reads = {rank: frozenset(name for name in names if (name, rank) not in left) for rank, names in plan.reads.items()}
+    return ChunkPlan({rank: names for rank, names in reads.items() if names or rank == plan.plain_source},
+                     plan.overlaps, plan.plain_source)  # fmt: skip
+
+
+class ShardReader:
+    """Reads, through ``store``, the shards the processes' ``ranks`` of a job of ``world_size``
+    ranks need (see the module doc), ``max_workers`` at a time."""
+
+    def __init__(
+        self, store: TieredStore, ranks: Sequence[int], world_size: int, max_workers: int | None = None
+    ) -> None:
+        self._store = store
+        self._ranks = tuple(ranks)
+        self._world_size = world_size
+        self._max_workers = max_workers
+
+    @property
+    def _one_process(self) -> bool:
+        return len(self._ranks) == self._world_size
+
+    def _needed(self, manifest: ShardManifest, target: int) -> list[int]:
+        """The saved ranks whose shards this process reads."""
+        if manifest.world_size == target:
+            return list(self._ranks)
+        new_ranks = range(target) if self._one_process else self._ranks
+        return sorted({old for rank in new_ranks for old in source_ranks(manifest, target, rank)})
+
+    def load(
+        self,
+        step: int,
+        in_remote: bool,
+        target: int,
+        reshard: bool,
+        verify: Verify,
+        into: Sequence[State] | State | None,
+    ) -> RestoreResult | PendingRead:
+        """This process's part of a restore: its ranks' verified states (resharded when asked),
+        or, when their replicated arrays must come from other processes, all but those."""
+        store = self._store
+        in_local = step in store.local.steps()
+        into_list = [into] if isinstance(into, Mapping) else into
+        try:
+            targets = (
+                [flatten_into(state, f"into[{index}]") for index, state in enumerate(into_list)]
+                if into_list is not None
+                else None
+            )
+            manifest, remote = store.manifests(step, in_local=in_local, in_remote=in_remote)
+            if not reshard:
+                check_world_size(manifest, target, str(store.local.step_dir(step)))
+            if targets is not None and any(state.structure.chunks for state in targets):
+                return self._completed_here(self._load_chunks(step, manifest, remote, target, targets, verify))
+            from_peers = self._from_peers(manifest, target)
+            if reshard and into_list is not None:
+                raise UsageError("into cannot be combined with reshard=True (except into a state of DTensors)")
+            if self._one_process:
+                check_into(into_list, manifest)
+            elif into_list is not None and len(into_list) != len(self._ranks):
+                raise InvalidStateError(f"into holds {len(into_list)} rank states, this process restores one")
+            wanted = self._needed(manifest, target)
+            if remote is None and not self._one_process:
+                self._check_on_this_node(manifest, wanted)
+            with self._step_dir(step):
+                fetched = run_parallel(
+                    lambda index: store.fetch_shard(
+                        step,
+                        manifest.shard(wanted[index]),
+                        verify=verify,
+                        into=targets[index].arrays if targets is not None else None,
+                        use_remote=remote is not None,
+                    ),
+                    range(len(wanted)),
+                    self._max_workers,
+                )
+                store.record_refill(manifest, remote, wanted, was_committed=in_local)
+            pending = PendingRead(
+                step,
+                manifest,
+                target,
+                read={rank: state for rank, (state, _source) in zip(wanted, fetched, strict=True)},
+                sources={rank: source for rank, (_state, source) in zip(wanted, fetched, strict=True)},
+                bytes_read=sum(manifest.shard(rank).size_bytes for rank in wanted),
+                from_peers=from_peers,
+                use_remote=remote is not None,
+                into={rank: state.arrays for rank, state in zip(wanted, targets or (), strict=False)},
+            )
+            return self._completed_here(pending)
+        except CheckpointError as exc:
+            raise restated(exc, f"restore of step {step}: {exc}") from exc
+
+    @contextmanager
+    def _step_dir(self, step: int) -> Iterator[None]:
+        """The local directory of ``step`` while shards are read into it: created if needed, and
+        removed again if this restore created it and fails before committing it."""
+        created = not self._store.local.step_dir(step).is_dir()
+        self._store.local.new_step_dir(step)
+        try:
+            yield
+        except BaseException:
+            if created:
+                self._store.local.discard_uncommitted(step)
+            raise
+
+    def _from_peers(self, manifest: ShardManifest, target: int) -> bool:
+        """True if this process's rank gets the arrays its shard left out from the ranks holding
+        them (one process per rank on the saved world size, and the checkpoint has some)."""
+        return not self._one_process and manifest.world_size == target and any(r.replicas for r in manifest.shards)
+
+    def _completed_here(self, pending: PendingRead) -> RestoreResult | PendingRead:
+        """The result, if no array ``pending`` lacks must come from another process; else ``pending``."""
+        return pending if pending.from_peers else self.complete(pending, {})
+
+    def complete(self, pending: PendingRead, received: Mapping[int, Mapping[str, np.ndarray]]) -> RestoreResult:
+        """The end of a read: the arrays ``pending``'s shards left to other ranks put back (by holder
+        rank, ``received`` from their processes, else read here), then the states resharded, or
+        the chunks of the caller's DTensors filled."""
+        step, manifest = pending.step, pending.manifest
+        if pending.plans:
+            read = dict(pending.read)
+            for holder, arrays in received.items():
+                base = read.get(holder, read[pending.plans[0].plain_source])
+                read[holder] = FlatState({**base.arrays, **arrays} if holder in read else dict(arrays), base.structure)
+            plans = zip(pending.plans, pending.targets, strict=True)
+            states = [fill_chunks(plan, read, state) for plan, state in plans]
+            unflattened = [state.unflatten() for state in states]
+            sources = dict(pending.sources)
+            return RestoreResult(step, unflattened, sources, self._ranks, manifest, tuple(states), pending.bytes_read)
+        parts_bytes = 0
+        if not pending.from_peers:
+            received, parts_bytes = self._replicas_read(step, manifest, pending.read, pending.use_remote)
+        for rank, state in pending.read.items():
+            into = pending.into.get(rank)
+            put_back(state, manifest.shard(rank), manifest, received, into, self._store.local.step_dir(step))
+        result = self._resharded(step, manifest, pending.target, pending.read, dict(pending.sources))
+        return replace(result, bytes_read=pending.bytes_read + parts_bytes)
+
+    def _replicas_read(
+        self, step: int, manifest: ShardManifest, read: Mapping[int, FlatState], use_remote: bool
+    ) -> tuple[dict[int, Mapping[str, np.ndarray]], int]:
+        """By holder rank, the arrays the shards in ``read`` left to other ranks: from the
+        holder's shard if it is in ``read``, else by a verified partial read of it; and the
+        bytes those partial reads took."""
+        needed = missing(manifest.shard(rank) for rank in read)
+        found: dict[int, Mapping[str, np.ndarray]] = {h: read[h].arrays for h in needed if h in read}
+        absent = sorted(holder for holder in needed if holder not in read)
+        parts = run_parallel(
+            lambda holder: self._store.read_parts(step, manifest.shard(holder), needed[holder], use_remote=use_remote),
+            absent,
+            self._max_workers,
+        )
+        found.update((holder, state.arrays) for holder, (state, _source) in zip(absent, parts, strict=True))
+        return found, sum(_part_bytes(manifest.shard(h), state) for h, (state, _) in zip(absent, parts, strict=True))
+
+    def _resharded(
+        self,
+        step: int,
+        manifest: ShardManifest,
+        target: int,
+        read: Mapping[int, FlatState],
+        sources: dict[int, Source],
+    ) -> RestoreResult:
+        """The result: the states read, resharded for ``target`` ranks when the world size changed."""
+        ranks = self._ranks
+        if manifest.world_size == target:
+            states = [read[rank] for rank in ranks]
+        elif self._one_process:
+            states = reshard_flat([read[rank] for rank in range(manifest.world_size)], manifest, target)
+            ranks = tuple(range(target))
+        else:
+            states = [reshard_rank(read, manifest, target, rank) for rank in ranks]
+        return RestoreResult(step, [state.unflatten() for state in states], sources, ranks, manifest, tuple(states))
+
+    def _load_chunks(
+        self,
+        step: int,
+        manifest: ShardManifest,
+        remote: RemoteManifest | None,
+        target: int,
+        targets: list[FlatState],
+        verify: Verify,
+    ) -> PendingRead:
+        """Fill states of DTensors in place: each of this process's ranks reads, of the saved
+        shards whose chunks overlap its own, just the header and those chunks, each verified
+        against the sha256 the manifest records for it, or its xxh3-64 with ``verify="fast"``
+        (:meth:`TieredStore.read_parts`). With one process per rank on the saved world size,
+        the arrays a rank's shard left to other ranks come from their processes instead
+        (given to :meth:`complete`)."""
+        if len(targets) != len(self._ranks):
+            raise InvalidStateError(f"into holds {len(targets)} rank states, this process restores {len(self._ranks)}")
+        from_peers = self._from_peers(manifest, target)
+        plans = [plan_chunks(manifest, state, rank, target) for rank, state in zip(self._ranks, targets, strict=True)]
+        if from_peers:
+            plans = [_without_replicas(plan, manifest.shard(plan.plain_source)) for plan in plans]
+        if remote is None and not self._one_process:
+            self._check_on_this_node(manifest, sorted({rank for plan in plans for rank in plan.reads}))
+        names: dict[int, set[str]] = {}
+        direct: dict[int, dict[str, np.ndarray]] = {}
+        for plan, state in zip(plans, targets, strict=True):
+            for saved_rank, wanted in plan.reads.items():
+                names.setdefault(saved_rank, set()).update(wanted)
+            for name, overlaps in plan.overlaps.items():
+                array = state.arrays[name]
+                chunked = state.structure.chunks.get(name)
+                offsets = chunked.offsets if chunked is not None else (0,) * array.ndim
+                for saved_rank, chunk in overlaps:
+                    destination = direct_destination(array, offsets, chunk)
+                    if destination is not None:
+                        direct.setdefault(saved_rank, {})[name] = destination
+        ranks = sorted(names)
+        fetched = run_parallel(
+            lambda rank: self._store.read_parts(
+                step,
+                manifest.shard(rank),
+                names[rank],
+                use_remote=remote is not None,
+                into=direct.get(rank),
+                verify=verify,
+            ),  # fmt: skip
+            ranks,
+            self._max_workers,
+        )
+        read = {rank: state for rank, (state, _source) in zip(ranks, fetched, strict=True)}
+        return PendingRead(
+            step,
+            manifest,
+            target,
+            read=read,
+            sources={rank: source for rank, (_state, source) in zip(ranks, fetched, strict=True)},
+            bytes_read=sum(_part_bytes(manifest.shard(rank), state) for rank, state in read.items()),
+            from_peers=from_peers,
+            use_remote=remote is not None,
+            plans=tuple(plans),
+            targets=tuple(targets),
+        )
+
+    def _check_on_this_node(self, manifest: ShardManifest, ranks: list[int]) -> None:
+        """Without a bucket, a rank can read only the shards on its own disk: say so if some are not."""
+        local = self._store.local
+        absent = [rank for rank in ranks if not local.shard_path(manifest.step, manifest.shard(rank)).is_file()]
+        if absent:
+            raise IncompleteCheckpointError(
+                f"{local.step_dir(manifest.step)}: step {manifest.step} was saved by {manifest.world_size} ranks; "
+                f"the shards of ranks {absent} are not on this node's disk and no remote tier holds the step; "
+                "reading another node's shards (to reshard, or after ranks moved between nodes) needs a bucket "
+                "(remote_url) holding it"
+            )

@@ -324,6 +324,6 @@ def test_reached_preemption_puts_the_newest_upload_first_and_drops_the_older_que
             manager.wait(uploaded=True)
     finally:
         proxy.close()
-    committed = RemoteTier(url, options).committed_steps()
+    committed = RemoteTier(url, options).steps()
     # in order, step 2 would follow step 1; newest first, it is always passed over (3 or 4 is newer)
     assert 4 in committed and 2 not in committed, committed

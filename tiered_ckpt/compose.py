@@ -22,17 +22,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import signal
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, closing, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather
 from tiered_ckpt.engine.preemption import PreemptionNotice, PreemptionWatch
-from tiered_ckpt.engine.restore import Restorer
+from tiered_ckpt.engine.restore import Restorer, RestoreResult
 from tiered_ckpt.engine.uploader import Uploader
 from tiered_ckpt.engine.writer import Writer
-from tiered_ckpt.errors import ConfigError, DirectoryInUseError, ErrorBox, UploadError, restated
+from tiered_ckpt.errors import ConfigError, DirectoryInUseError, ErrorBox, UploadError, UsageError, restated
+from tiered_ckpt.format.manifest import ShardManifest
+from tiered_ckpt.format.state import State
+from tiered_ckpt.io.hashing import Verify
 from tiered_ckpt.options import Options
 from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.store import Lag, TieredStore
@@ -71,6 +74,10 @@ class Parts:
     uploader: Uploader | None
     preemption: PreemptionWatch
     opened: ExitStack
+    options: Options
+    one_process: bool
+    max_workers: int | None
+    closed: bool = False
 
     def before_collective(self) -> None:
         """What every save and restore checks first, on every rank: a background error not yet
@@ -93,6 +100,70 @@ class Parts:
         except UploadError as error:
             self.errors.mark_raised(error)
             raise
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether every rank stops at ``step`` for a preemption notice; the first one puts the newest upload first."""
+        preemption = self.preemption.reached(step)
+        if preemption.new and self.uploader is not None:
+            self.uploader.preempt()
+        return preemption.stop
+
+    def pull(self, step: int | None) -> dict[int, str]:
+        """:meth:`~tiered_ckpt.CheckpointManager.pull`: per rank, the tier its shard now on disk came from."""
+        return dict(self._maintenance("pull").pull(step, max_workers=self.max_workers)[1])
+
+    def push(self, step: int | None) -> list[int]:
+        """:meth:`~tiered_ckpt.CheckpointManager.push`: the steps uploaded."""
+        self._maintenance("push")
+        if self.uploader is None:
+            raise UsageError("push needs a remote tier (remote_url)")
+        return self.uploader.push(step)
+
+    def prune(self, *, dry_run: bool) -> dict[str, list[int]]:
+        """:meth:`~tiered_ckpt.CheckpointManager.prune`, once every upload is committed or past its deadline."""
+        store = self._maintenance("prune")
+        if self.uploader is not None:
+            self.wait(uploaded=True)
+        remote = self.options.remote.retention if self.options.remote is not None else None
+        return store.prune(self.options.local.retention, remote, dry_run=dry_run)
+
+    def _maintenance(self, operation: str) -> TieredStore:
+        """The store for ``operation`` (pull, push, prune), once every save so far is committed locally;
+        :class:`UsageError` unless one process holds every rank."""
+        if not self.one_process:
+            raise UsageError(
+                f"{operation} is a maintenance operation of one process holding every rank (as the CLI runs it); "
+                "saves of one process per rank upload and prune by themselves"
+            )
+        self.wait(uploaded=False)
+        return self.store
+
+    def restore(
+        self,
+        step: int | None,
+        world_size: int,
+        *,
+        reshard: bool,
+        verify: Verify,
+        into: Sequence[State] | State | None,
+        missing_ok: bool,
+    ) -> RestoreResult | None:
+        """The restorer's restore (arguments checked), after this process's checks, raised on every rank."""
+        with self.raised_on_every_rank():
+            return self.restorer.restore(
+                step,
+                world_size=world_size,
+                reshard=reshard,
+                verify=verify,
+                into=into,
+                missing_ok=missing_ok,
+                checked=Attempt.run(self.before_collective),
+            )
+
+    def locate(self, step: int | None) -> ShardManifest:
+        """The restorer's locate, after this process's checks, raised on every rank."""
+        with self.raised_on_every_rank():
+            return self.restorer.locate(step, checked=Attempt.run(self.before_collective))
 
     def newest_step(self) -> int | None:
         """The newest step committed locally or (as of this process's last upload) remotely."""
@@ -138,7 +209,10 @@ class Parts:
     def close(self, name: str, *, give_up_retries: bool = False) -> None:
         """Close every part (see the module doc) and raise a background error not yet raised,
         except a step that missed its upload deadline: that is logged (WARNING) naming
-        ``name``. ``give_up_retries``: each upload still queued gets one try."""
+        ``name``. ``give_up_retries``: each upload still queued gets one try. Calling it again does nothing."""
+        if self.closed:
+            return
+        self.closed = True
         if give_up_retries and self.uploader is not None:
             self.uploader.give_up_retries()
         self.opened.close()
@@ -211,4 +285,4 @@ def open_parts(
     )
     stack.enter_context(closing(writer))  # closed first: the last write reaches the uploader before it finishes
     restorer = Restorer(store, coordinator, world_size, max_workers)
-    return Parts(store, errors, restorer, writer, uploader, preemption, stack)
+    return Parts(store, errors, restorer, writer, uploader, preemption, stack, options, one_process, max_workers)

@@ -1,26 +1,19 @@
 """``CheckpointManager``: the object a training job holds for the whole run.
 
-It is composed of the parts below it (built by :func:`~tiered_ckpt.compose.open_parts`)
-and owns only the order of a save:
+It is composed of the parts below it (:mod:`~tiered_ckpt.compose` builds them from the
+options) and owns only the order of a save:
 
 1. raise any background error not yet raised; wait for the previous save's write;
-2. check the call on every rank (one collective, :func:`~tiered_ckpt.engine.saving.check_save`),
-   then stage: copy every array into host buffers reused from save to save (the only time
-   the training loop is blocked);
-3. on the writer thread: write this process's shards, commit the manifest in the local
-   tier once every rank's shard is durable, and hand the step to the uploader;
-4. after the save's handle has resolved, on a thread of its own: local retention.
+2. check the call on every rank (one collective, :func:`~tiered_ckpt.engine.saving.check_save`);
+3. stage: copy every array into host buffers reused from save to save (the only time the
+   training loop is blocked), and queue the write on the writer
+   (:class:`~tiered_ckpt.engine.writer.Writer`: shards, commit, upload, retention).
 
-Restores are the :class:`~tiered_ckpt.engine.restore.Restorer`'s, uploads the
-:class:`~tiered_ckpt.engine.uploader.Uploader`'s, and both tiers are reached only through
-the :class:`~tiered_ckpt.tiers.store.TieredStore`. Background threads leave their failures
-in one :class:`~tiered_ckpt.errors.ErrorBox`; they never call back into the manager.
-
-With one process per rank (a :class:`~tiered_ckpt.TorchDistributedCoordinator`), each
-process saves and restores its own rank into a local directory of its own; collectives
-run on the caller's thread (the checks), the writer's and the uploader's, each on a
-process group of its own, so they never meet the training loop's collectives. Every
-rank must make the same calls in the same order, as with any collective.
+Restores are the restorer's, uploads the uploader's, both tiers are reached only through
+the store, and background failures wait in one error box: nothing calls back up here.
+With one process per rank, collectives run on the caller's thread (the checks), the
+writer's and the uploader's, each on a process group of its own, so they never meet the
+training loop's; every rank must make the same calls in the same order.
 """
 
 from __future__ import annotations
@@ -70,12 +63,12 @@ class CheckpointManager:
     The options: ``local_dir`` may be a :class:`~tiered_ckpt.options.LocalOptions`,
     ``remote`` a :class:`~tiered_ckpt.options.RemoteOptions` and ``upload`` an
     :class:`~tiered_ckpt.options.UploadOptions` (what :func:`~tiered_ckpt.load_config`
-    returns); the keyword arguments (``keep_last=3``, ``keep_every``, ``verify="full"``,
-    ``remote_url``, ``storage_options``, ``keep_last_remote``, ``keep_every_remote``,
-    ``upload_concurrency``, ``upload_max_tries``, ``upload_backoff_seconds``,
-    ``max_pending_uploads``, ``when_uploads_behind``) each set one field of them. ``keep_last``
-    keeps the newest steps (None keeps all), ``keep_every`` also keeps every step
-    divisible by it; the newest committed step is never deleted.
+    returns); the keyword arguments (:class:`~tiered_ckpt.options.ManagerKeywords`:
+    ``keep_last=3``, ``keep_every``, ``verify="full"``, ``remote_url``, ``storage_options``,
+    ``keep_last_remote``, ``keep_every_remote``, ``upload_concurrency``, ``upload_max_tries``,
+    ``upload_backoff_seconds``, ``max_pending_uploads``, ``when_uploads_behind``) each set one
+    field of them. ``keep_last`` keeps the newest steps (None keeps all), ``keep_every`` also
+    keeps every step divisible by it; the newest committed step is never deleted.
 
     ``writer_cpus`` (e.g. ``{3}``; Linux) keeps the background writer and retention threads,
     and the threads they start, on those CPUs (say, cores the training loop leaves free);
@@ -114,15 +107,9 @@ class CheckpointManager:
         self.world_size = coordinator.world_size
         self._coordinator = coordinator
         self._sharded_keys = tuple(sharded_keys) if sharded_keys is not None else None
-        self._max_workers = max_workers
-        self._closed = False
         self._parts = open_parts(
             options, coordinator, max_workers=max_workers, cpus=cpus, preemption_signals=preemption_signals
         )
-
-    @property
-    def _one_process(self) -> bool:
-        return len(self._ranks) == self.world_size
 
     @classmethod
     def from_config(
@@ -196,8 +183,8 @@ class CheckpointManager:
         if exc is None:
             self.close()
             return
-        try:
-            self._close(give_up_retries=True)  # leaving on an error: a failing bucket is not waited for
+        try:  # leaving on an error: a failing bucket is not waited for
+            self._parts.close(repr(self), give_up_retries=True)
         except CheckpointError:
             # The exception already propagating is the one the caller needs to see.
             logger.exception("error while closing %r during another exception", self)
@@ -258,11 +245,7 @@ class CheckpointManager:
                 manager.save(step, state)
         """
         self._check_open()
-        self._check_open()
-        preemption = self._parts.preemption.reached(step)
-        if preemption.new and self._parts.uploader is not None:
-            self._parts.uploader.preempt()
-        return preemption.stop
+        return self._parts.reached_preemption(step)
 
     def wait(self, *, uploaded: bool = False) -> None:
         """Block until every save so far is committed locally (and, with ``uploaded=True``,
@@ -288,15 +271,10 @@ class CheckpointManager:
         exception does not wait for a failing bucket: each upload still queued gets one try.
         Calling it again does nothing.
         """
-        self._close()
-
-    def _close(self, *, give_up_retries: bool = False) -> None:
-        if not self._closed:
-            self._closed = True
-            self._parts.close(repr(self), give_up_retries=give_up_retries)
+        self._parts.close(repr(self))
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self._parts.closed:
             raise UsageError(f"{self!r} is closed")
 
     # -- listing and restoring -------------------------------------------------------------
@@ -382,16 +360,7 @@ class CheckpointManager:
         verify = self.verify if verify is None else verify
         target = self.world_size if world_size is None else world_size
         check_restore_arguments(step, target, verify, into)
-        with self._parts.raised_on_every_rank():
-            return self._parts.restorer.restore(
-                step,
-                world_size=target,
-                reshard=reshard,
-                verify=verify,
-                into=into,
-                missing_ok=missing_ok,
-                checked=Attempt.run(self._parts.before_collective),
-            )
+        return self._parts.restore(step, target, reshard=reshard, verify=verify, into=into, missing_ok=missing_ok)
 
     def locate(self, step: int | None = None) -> ShardManifest:
         """The manifest of ``step`` (default: the newest step every rank can restore), agreed by
@@ -399,20 +368,9 @@ class CheckpointManager:
         :class:`tiered_ckpt.torch.TieredReader`; :meth:`restore` does this itself."""
         self._check_open()
         self._parts.writer.settle()
-        with self._parts.raised_on_every_rank():
-            return self._parts.restorer.locate(step, checked=Attempt.run(self._parts.before_collective))
+        return self._parts.locate(step)
 
     # -- moving whole steps (one process holding every rank, as the CLI runs it) ---------------
-
-    def _single_process_store(self, operation: str) -> TieredStore:
-        self._check_open()
-        if not self._one_process:
-            raise UsageError(
-                f"{operation} is a maintenance operation of one process holding every rank (as the CLI runs it); "
-                "saves of one process per rank upload and prune by themselves"
-            )
-        self.wait()
-        return self._parts.store
 
     def pull(self, step: int | None = None) -> dict[int, str]:
         """Fill the local tier with a remote step (default: the newest) without loading it.
@@ -420,25 +378,21 @@ class CheckpointManager:
         Local shards that verify are kept; the others are streamed from the bucket and
         verified. Returns, per rank, the tier each shard now on disk came from.
         """
-        return dict(self._single_process_store("pull").pull(step, max_workers=self._max_workers)[1])
+        self._check_open()
+        return self._parts.pull(step)
 
     def push(self, step: int | None = None) -> list[int]:
         """Upload ``step`` (default: every local step not yet committed remotely) and wait for it.
 
         Returns the steps uploaded; raises :class:`UploadError` if one fails.
         """
-        self._single_process_store("push")
-        if self._parts.uploader is None:
-            raise UsageError("push needs a remote tier (remote_url)")
-        return self._parts.uploader.push(step)
+        self._check_open()
+        return self._parts.push(step)
 
     def prune(self, *, dry_run: bool = False) -> dict[str, list[int]]:
         """Apply retention to both tiers now; return the steps deleted (or, with ``dry_run``, to delete)."""
-        store = self._single_process_store("prune")
-        if self._parts.uploader is not None:
-            self.wait(uploaded=True)
-        remote = self.options.remote.retention if self.options.remote is not None else None
-        return store.prune(self.options.local.retention, remote, dry_run=dry_run)
+        self._check_open()
+        return self._parts.prune(dry_run=dry_run)
 
 
 # The named parameters of CheckpointManager, for the close matches of a mistyped keyword.

@@ -65,7 +65,9 @@ def check_process_layout(options: Options, keywords: Mapping[str, Any], one_proc
 
 @dataclass(eq=False)
 class Parts:
-    """The store, the background stages over it and the one error box they report to."""
+    """The store, the stages over it and the one error box they report to, with what needs more
+    than one of them: the checks before a collective, restoring, status, waiting and closing.
+    Each method does what the :class:`~tiered_ckpt.CheckpointManager` method of its name says."""
 
     store: TieredStore
     errors: ErrorBox
@@ -221,10 +223,10 @@ class Parts:
         self.errors.raise_first()
 
 
-def _open_local_dir(store: TieredStore, closing: ExitStack, one_process: bool) -> None:
-    """Lock the local directory, remove what crashed saves left in it, and check the bucket."""
+def _open_local_dir(store: TieredStore, opened: ExitStack, one_process: bool) -> None:
+    """Lock the local directory (released by ``opened``), remove what crashed saves left in it, and check the bucket."""
     try:
-        closing.enter_context(store.local.lock())
+        opened.enter_context(store.local.lock())
     except DirectoryInUseError as exc:
         if one_process:
             raise

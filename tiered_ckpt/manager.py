@@ -195,7 +195,7 @@ class CheckpointManager:
         """Checkpoint ``states`` (one state per rank) as ``step``.
 
         A state is a dict nesting dicts, lists and tuples of numpy arrays, torch tensors
-        and scalars (see :mod:`tiered_ckpt.state`); ``restore`` gives it back with its
+        and scalars (see :mod:`tiered_ckpt.format.state`); ``restore`` gives it back with its
         types. With one process per rank, ``states`` is this rank's state (every rank
         calls ``save`` with the same step). Returns once the arrays are copied to staging
         buffers: the caller may then overwrite its arrays. The write runs in the
@@ -299,7 +299,7 @@ class CheckpointManager:
         """How far the bucket is behind this process's disk: the newest step of each tier, the
         steps waiting for upload with their bytes and how long the oldest has waited, the rate
         of the last remote commits, and the last upload failure with its time (see
-        :class:`~tiered_ckpt.store.Lag`). Cheap enough to call every step: it reads local
+        :class:`~tiered_ckpt.tiers.store.Lag`). Cheap enough to call every step: it reads local
         manifests and lists nothing remote."""
         return self._parts.status()
 

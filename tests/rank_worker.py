@@ -128,8 +128,8 @@ def act(
     elif action["do"] == "wait":
         checkpoints.wait(uploaded=True)
     elif action["do"] == "drain_uploads" and action["rank"] == rank:
-        checkpoints._writer.settle()  # the step is queued for upload
-        checkpoints._uploader.wait()  # and its upload is over: a failure is recorded, not yet raised
+        checkpoints._parts.writer.settle()  # the step is queued for upload
+        checkpoints._parts.uploader.wait()  # and its upload is over: a failure is recorded, not yet raised
     elif action["do"] == "kill" and action["rank"] == rank:
         arm_kill(action["at"])
     elif action["do"] == "restore_if_any":

@@ -685,7 +685,7 @@ def test_credentials_never_appear_in_logs_errors_or_reprs(tmp_path, s3_url, moto
     with two_tier(tmp_path / "a", s3_url) as manager:
         manager.save(1, states)
         manager.wait(uploaded=True)
-        seen += [repr(manager), repr(manager.store), repr(manager.store.remote), repr(manager._uploader)]
+        seen += [repr(manager), repr(manager.store), repr(manager.store.remote), repr(manager._parts.uploader)]
     broken = ("s3://tiered-no-such-bucket/run", options)
     with pytest.raises(RemoteError, match="does not exist") as caught:  # refused at construction
         with two_tier(tmp_path / "b", broken) as manager:

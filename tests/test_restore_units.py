@@ -6,8 +6,10 @@ import pytest
 
 from conftest import flip_byte
 from tiered_ckpt.dist.coordination import SingleProcessCoordinator
-from tiered_ckpt.engine.restore import Restorer, RestoreResult, check_restore_arguments, same_call
+from tiered_ckpt.engine.restore import Restorer, check_restore_arguments
+from tiered_ckpt.engine.restore_result import RestoreResult
 from tiered_ckpt.engine.shards import build_manifest, write_shards
+from tiered_ckpt.engine.step_choice import same_call
 from tiered_ckpt.errors import (
     ChecksumMismatchError,
     ConfigError,

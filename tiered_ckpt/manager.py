@@ -1,97 +1,51 @@
 """``CheckpointManager``: the object a training job holds for the whole run.
 
-It is composed of the parts below it and owns only the order of a save:
+It is composed of the parts below it (:mod:`~tiered_ckpt.compose` builds them from the
+options) and owns only the order of a save:
 
 1. raise any background error not yet raised; wait for the previous save's write;
-2. check the call on every rank (one collective), then stage: copy every array into
-   host buffers reused from save to save (the only time the training loop is blocked);
-3. on the writer thread: write this process's shards (temp file, hashed as it streams,
-   fsync, rename), exchange the shard records, commit the manifest in the local tier
-   once every rank's shard is durable, and hand the step to the uploader;
-4. after the save's handle has resolved, on a thread of its own: local retention.
+2. check the call on every rank (one collective, :func:`~tiered_ckpt.engine.saving.check_save`);
+3. stage: copy every array into host buffers reused from save to save (the only time the
+   training loop is blocked), and queue the write on the writer
+   (:class:`~tiered_ckpt.engine.writer.Writer`: shards, commit, upload, retention).
 
-Restores are :class:`~tiered_ckpt.restore.Restorer`'s, uploads and everything after them
-the :class:`~tiered_ckpt.uploader.Uploader`'s, and both tiers are reached only through
-the :class:`~tiered_ckpt.store.TieredStore`. Background threads leave their failures in
-one :class:`~tiered_ckpt.errors.ErrorBox`; they never call back into the manager.
-
-With one process per rank (a :class:`~tiered_ckpt.TorchDistributedCoordinator`), each
-process saves and restores its own rank into a local directory of its own; collectives
-run on the caller's thread (the checks), the writer's and the uploader's, each on a
-process group of its own, so they never meet the training loop's collectives. Every
-rank must make the same calls in the same order, as with any collective.
+Restores are the restorer's, uploads the uploader's, both tiers are reached only through
+the store, and background failures wait in one error box: nothing calls back up here.
+With one process per rank, collectives run on the caller's thread (the checks), the
+writer's and the uploader's, each on a process group of its own, so they never meet the
+training loop's; every rank must make the same calls in the same order.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
-import json
 import logging
 import os
 import signal
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import ExitStack, closing, contextmanager
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, TypeVar, Unpack, overload
+from typing import Any, Literal, Unpack, overload
 
+from tiered_ckpt.compose import check_process_layout, open_parts
 from tiered_ckpt.config import Config, load_config
-from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather, resolve_coordinator
-from tiered_ckpt.dist.sharding import resolve_sharded_keys, sharding_summary
-from tiered_ckpt.engine.preemption import PreemptionNotice, PreemptionWatch
-from tiered_ckpt.engine.restore import Restorer, check_restore_arguments
+from tiered_ckpt.dist.coordination import Attempt, Coordinator, resolve_coordinator
+from tiered_ckpt.engine.restore import check_restore_arguments
 from tiered_ckpt.engine.restore_result import RestoreResult
+from tiered_ckpt.engine.saving import check_save, not_saved
 from tiered_ckpt.engine.staging import StagingBuffers
-from tiered_ckpt.engine.step_choice import same_call
-from tiered_ckpt.engine.uploader import Uploader
-from tiered_ckpt.engine.writer import SaveHandle, Writer, check_cpus
-from tiered_ckpt.errors import (
-    CheckpointError,
-    CheckpointExistsError,
-    ConfigError,
-    DirectoryInUseError,
-    ErrorBox,
-    SaveError,
-    UploadError,
-    UsageError,
-    restated,
-)
+from tiered_ckpt.engine.writer import SaveHandle, check_cpus
+from tiered_ckpt.errors import CheckpointError, ConfigError, UsageError
 from tiered_ckpt.format.manifest import ShardManifest
-from tiered_ckpt.format.state import FlatState, State, flatten
-from tiered_ckpt.format.validate import check_manifest_fits, validate_states, validate_step
+from tiered_ckpt.format.state import State
 from tiered_ckpt.io.hashing import Verify
-from tiered_ckpt.options import LocalOptions, ManagerKeywords, Options, RemoteOptions, UploadOptions, resolve_options
-from tiered_ckpt.tiers.local import LocalTier
+from tiered_ckpt.options import LocalOptions, ManagerKeywords, RemoteOptions, UploadOptions, resolve_options
 from tiered_ckpt.tiers.store import Lag, TieredStore
 
 __all__ = ["CheckpointManager", "SaveHandle", "RestoreResult", "StagingBuffers"]
 
 logger = logging.getLogger("tiered_ckpt")
-T = TypeVar("T")
-
-
-@contextmanager
-def _not_saved(step: int) -> Iterator[None]:
-    """Around a save's check: a background error it raises says that this save's step was not saved."""
-    try:
-        yield
-    except (SaveError, UploadError) as exc:
-        raise restated(exc, f"{exc} (so step {step} was not saved: nothing of it was written)") from exc.__cause__
-
-
-@dataclass(frozen=True)
-class _SaveReport:
-    """One process's check of a save call: its arguments, its newest step, its arrays' shapes per
-    rank, whether each of its ranks' states is a flat dict of arrays, and the most bytes each of
-    its ranks' records may add to the manifest."""
-
-    arguments: str
-    newest: int | None
-    shapes: tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]
-    flat: bool
-    record_bytes: tuple[int, ...]
 
 
 class CheckpointManager:
@@ -110,12 +64,12 @@ class CheckpointManager:
     The options: ``local_dir`` may be a :class:`~tiered_ckpt.options.LocalOptions`,
     ``remote`` a :class:`~tiered_ckpt.options.RemoteOptions` and ``upload`` an
     :class:`~tiered_ckpt.options.UploadOptions` (what :func:`~tiered_ckpt.load_config`
-    returns); the keyword arguments (``keep_last=3``, ``keep_every``, ``verify="full"``,
-    ``remote_url``, ``storage_options``, ``keep_last_remote``, ``keep_every_remote``,
-    ``upload_concurrency``, ``upload_max_tries``, ``upload_backoff_seconds``,
-    ``max_pending_uploads``, ``when_uploads_behind``) each set one field of them. ``keep_last``
-    keeps the newest steps (None keeps all), ``keep_every`` also keeps every step
-    divisible by it; the newest committed step is never deleted.
+    returns); the keyword arguments (:class:`~tiered_ckpt.options.ManagerKeywords`:
+    ``keep_last=3``, ``keep_every``, ``verify="full"``, ``remote_url``, ``storage_options``,
+    ``keep_last_remote``, ``keep_every_remote``, ``upload_concurrency``, ``upload_max_tries``,
+    ``upload_backoff_seconds``, ``max_pending_uploads``, ``when_uploads_behind``) each set one
+    field of them. ``keep_last`` keeps the newest steps (None keeps all), ``keep_every`` also
+    keeps every step divisible by it; the newest committed step is never deleted.
 
     ``writer_cpus`` (e.g. ``{3}``; Linux) keeps the background writer and retention threads,
     and the threads they start, on those CPUs (say, cores the training loop leaves free);
@@ -148,87 +102,15 @@ class CheckpointManager:
         options = resolve_options(local_dir, remote, upload, keywords, _PARAMETERS)
         cpus = check_cpus(writer_cpus)
         coordinator = resolve_coordinator(coordinator, world_size)
-        world_size = coordinator.world_size
         self._ranks = tuple(coordinator.local_ranks)
-        if len(self._ranks) != world_size and options.upload.when_behind == "skip":
-            # from_config names the file or variable of a value that came from a config (field "upload.when_behind")
-            given = "when_uploads_behind" in keywords
-            problem = (
-                "is 'skip', which needs one process holding every rank "
-                "(with one process per rank, ranks could skip different steps); use 'wait'"
-            )
-            key = "when_uploads_behind" if given else "upload.when_behind"
-            error = ConfigError(f"{'keyword argument ' if given else ''}{key} {problem}")
-            error.field, error.problem = key, problem
-            raise error
+        check_process_layout(options, keywords, len(self._ranks) == coordinator.world_size)
         self.options = options
-        self.world_size = world_size
+        self.world_size = coordinator.world_size
         self._coordinator = coordinator
         self._sharded_keys = tuple(sharded_keys) if sharded_keys is not None else None
-        self._max_workers = max_workers
-        self._errors = ErrorBox()
-        self._closed = False
-        remote_tier = (
-            options.remote.open_tier(options.upload, check_bucket=False) if options.remote is not None else None
+        self._parts = open_parts(
+            options, coordinator, max_workers=max_workers, cpus=cpus, preemption_signals=preemption_signals
         )
-        self._store = TieredStore(LocalTier(options.local.dir), remote_tier)
-        self._restorer = Restorer(self._store, coordinator, world_size, max_workers)
-        self._uploader: Uploader | None = None
-        self._exit_stack = ExitStack()
-        try:
-            gather(coordinator, "open", Done, Attempt.run(self._open_local_dir).done)
-            if remote_tier is not None:
-                self._uploader = self._exit_stack.enter_context(closing(self._start_uploader(options)))
-                self._uploader.resume()
-            notice = self._exit_stack.enter_context(closing(PreemptionNotice(preemption_signals)))
-            channel = coordinator if self._one_process else coordinator.new_channel()
-            self._preemption = PreemptionWatch(notice, channel)
-        except BaseException:
-            self._exit_stack.close()  # release the directory and stop the uploader: nothing is half-open
-            raise
-        self._writer = Writer(
-            self._store,
-            coordinator,
-            world_size=world_size,
-            errors=self._errors,
-            retention=options.local.retention,
-            uploader=self._uploader,
-            max_workers=max_workers,
-            cpus=cpus,
-        )
-
-    def _start_uploader(self, options: Options) -> Uploader:
-        assert options.remote is not None
-        return Uploader(
-            self._store,
-            options=options.upload,
-            errors=self._errors,
-            coordinator=self._coordinator.new_channel(),
-            ranks=self._ranks,
-            local_retention=options.local.retention,
-            remote_retention=options.remote.retention,
-            ownership=options.remote.ownership,
-        )
-
-    def _open_local_dir(self) -> None:
-        """Lock the local directory, remove what crashed saves left in it, and check the bucket."""
-        try:
-            self._exit_stack.enter_context(self._store.local.lock())
-        except DirectoryInUseError as exc:
-            if self._one_process:
-                raise
-            raise DirectoryInUseError(
-                f"{exc}; with one process per rank, give each rank a local_dir of its own"
-            ) from exc
-        removed = self._store.local.remove_uncommitted()
-        if removed:
-            logger.warning("removed what crashed saves left in %s: %s", self.root, ", ".join(removed))
-        if self._store.remote is not None:  # on every rank, in this collective: one rank's failure fails all
-            self._store.remote.check_bucket()
-
-    @property
-    def _one_process(self) -> bool:
-        return len(self._ranks) == self.world_size
 
     @classmethod
     def from_config(
@@ -284,7 +166,7 @@ class CheckpointManager:
     @property
     def store(self) -> TieredStore:
         """Both tiers, for reading (steps, manifests, verification); the manager does the writing."""
-        return self._store
+        return self._parts.store
 
     def __repr__(self) -> str:
         remote = f", remote_url={self.options.remote.url!r}" if self.options.remote is not None else ""
@@ -302,10 +184,8 @@ class CheckpointManager:
         if exc is None:
             self.close()
             return
-        if self._uploader is not None:  # leaving on an error: a failing bucket is not waited for
-            self._uploader.give_up_retries()
-        try:
-            self.close()
+        try:  # leaving on an error: a failing bucket is not waited for
+            self._parts.close(repr(self), give_up_retries=True)
         except CheckpointError:
             # The exception already propagating is the one the caller needs to see.
             logger.exception("error while closing %r during another exception", self)
@@ -316,7 +196,7 @@ class CheckpointManager:
         """Checkpoint ``states`` (one state per rank) as ``step``.
 
         A state is a dict nesting dicts, lists and tuples of numpy arrays, torch tensors
-        and scalars (see :mod:`tiered_ckpt.state`); ``restore`` gives it back with its
+        and scalars (see :mod:`tiered_ckpt.format.state`); ``restore`` gives it back with its
         types. With one process per rank, ``states`` is this rank's state (every rank
         calls ``save`` with the same step). Returns once the arrays are copied to staging
         buffers: the caller may then overwrite its arrays. The write runs in the
@@ -330,67 +210,22 @@ class CheckpointManager:
         stays local-only (see :meth:`wait` and :meth:`status`).
         """
         self._check_open()
-        self._writer.settle(retention=False)
-        with self._raised_on_every_rank(), _not_saved(step):
-            checked = Attempt.run(lambda: self._check_save(step, states))
-            parsed = gather(self._coordinator, "save", _SaveReport, lambda: checked.value[1])
-        flattened = checked.value[0]
-        same_call([report.arguments for report in parsed], "save")
-        newest = max((report.newest for report in parsed if report.newest is not None), default=None)
-        if newest is not None and step <= newest:
-            hint = (
-                "; ask reached_preemption(step) before the step's regular save, so that the stop step is a new one"
-                if self._preemption.step == step == newest
-                else ""
+        parts = self._parts
+        parts.writer.settle(retention=False)
+        with parts.raised_on_every_rank(), not_saved(step):
+            plan = check_save(
+                self._coordinator,
+                step,
+                states,
+                checked=Attempt.run(lambda: (parts.before_collective(), self.latest_step())[1]),
+                sharded_keys=self._sharded_keys,
+                where=str(self.root),
+                stop_step=parts.preemption.step,
             )
-            raise CheckpointExistsError(
-                f"{self.root}: step {step} is not newer than the newest checkpoint, step {newest}{hint}"
-            )
-        shapes = [dict(rank_shapes) for report in parsed for rank_shapes in report.shapes]
-        flat = all(report.flat for report in parsed)
-        keys, numels = resolve_sharded_keys(shapes, self._sharded_keys, flat=flat)
-        check_manifest_fits([size for report in parsed for size in report.record_bytes], keys, step)
-        handle = self._writer.submit(step, flattened, keys, numels)
+        handle = parts.writer.submit(step, list(plan.states), plan.sharded_keys, list(plan.numels))
         if blocking:
             handle.wait()
         return handle
-
-    def _check_save(self, step: int, states: Sequence[State] | State) -> tuple[list[FlatState], _SaveReport]:
-        """This process's part of a save's check: its flattened states (checked) and its report to the others."""
-        self._before_collective()
-        validate_step(step)
-        given = [states] if isinstance(states, Mapping) else states
-        validate_states(given, len(self._ranks))
-        # torch tensors become numpy views; every value is checked here, inside the
-        # collective, so bad input raises on every rank rather than stranding the others
-        local = [flatten(state, f"rank {r}") for r, state in zip(self._ranks, given, strict=True)]
-        shapes = tuple(tuple((key, tuple(shape)) for key, shape in sharding_summary(s.arrays).items()) for s in local)
-        flat = all(s.structure.flat for s in local)
-        records = tuple(s.record_bytes() for s in local)
-        report = _SaveReport(json.dumps({"step": step}), self.latest_step(), shapes, flat, records)
-        return local, report
-
-    def _before_collective(self) -> None:
-        """What every save and restore checks first, on every rank: a background error not yet
-        raised (not a step that only missed its upload deadline), and that the directory is
-        still the one this manager locked."""
-        self._errors.raise_first(transient=False)
-        self._store.local.check_locked()
-
-    @contextmanager
-    def _raised_on_every_rank(self) -> Iterator[None]:
-        """Around the collectives of save and restore, where background errors are raised by every rank.
-
-        A rank's uploader may record a failed upload (agreed by every rank's uploader)
-        a moment before or after another's: the rank that has it raises it inside the
-        collective, so every rank raises it at the same call, and the others' copies,
-        when they arrive, are not raised again.
-        """
-        try:
-            yield
-        except UploadError as error:
-            self._errors.mark_raised(error)
-            raise
 
     def reached_preemption(self, step: int) -> bool:
         """True once a ``preemption_signals`` signal has arrived: save ``step`` now and wait for its upload.
@@ -411,10 +246,7 @@ class CheckpointManager:
                 manager.save(step, state)
         """
         self._check_open()
-        preemption = self._preemption.reached(step)
-        if preemption.new and self._uploader is not None:
-            self._uploader.preempt()
-        return preemption.stop
+        return self._parts.reached_preemption(step)
 
     def wait(self, *, uploaded: bool = False) -> None:
         """Block until every save so far is committed locally (and, with ``uploaded=True``,
@@ -427,19 +259,7 @@ class CheckpointManager:
         bucket's copy (e.g. before exiting on a preemption notice) and does not have it. Each
         such step is reported once; its local copy is kept.
         """
-        self._writer.settle()
-        if uploaded and self._uploader is not None:
-            self._uploader.wait()
-        self._errors.raise_first(transient=False)
-        missed = self._errors.take_transient() if uploaded else []
-        if len(missed) == 1:
-            raise missed[0]
-        if missed:
-            steps = ", ".join(str(error.step) for error in missed)
-            last = missed[-1]
-            raise restated(
-                last, f"steps {steps} missed their upload deadline and stay local-only; the last: {last}"
-            ) from last.__cause__
+        self._parts.wait(uploaded=uploaded)
 
     def close(self) -> None:
         """Finish pending saves and uploads, release the directory, and raise a background error not yet raised.
@@ -452,30 +272,21 @@ class CheckpointManager:
         exception does not wait for a failing bucket: each upload still queued gets one try.
         Calling it again does nothing.
         """
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._writer.close()
-        finally:
-            self._exit_stack.close()  # finishes the uploads (LIFO), then releases the directory
-        for missed in self._errors.take_transient():
-            logger.warning("closing %r: step %d is on local disk only: %s", self, missed.step, missed)
-        self._errors.raise_first()
+        self._parts.close(repr(self))
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self._parts.closed:
             raise UsageError(f"{self!r} is closed")
 
     # -- listing and restoring -------------------------------------------------------------
 
     def steps(self) -> list[int]:
         """Committed steps in the local directory, oldest first."""
-        return self._store.local.steps()
+        return self._parts.store.local.steps()
 
     def remote_steps(self) -> list[int]:
         """Steps committed in the remote tier, oldest first (empty without a remote tier)."""
-        return self._store.remote_steps()
+        return self._parts.store.remote_steps()
 
     def latest_step(self) -> int | None:
         """The newest step committed in either tier, or None if there is none.
@@ -483,30 +294,15 @@ class CheckpointManager:
         With one process per rank this is this rank's view (its own directory and the
         bucket as of its last upload); :meth:`restore` is what makes the ranks agree.
         """
-        steps = self.steps()
-        remote = self._uploader.newest_committed if self._uploader is not None else None
-        return max([*steps[-1:], *([remote] if remote is not None else [])], default=None)
+        return self._parts.newest_step()
 
     def status(self) -> Lag:
         """How far the bucket is behind this process's disk: the newest step of each tier, the
         steps waiting for upload with their bytes and how long the oldest has waited, the rate
         of the last remote commits, and the last upload failure with its time (see
-        :class:`~tiered_ckpt.store.Lag`). Cheap enough to call every step: it reads local
+        :class:`~tiered_ckpt.tiers.store.Lag`). Cheap enough to call every step: it reads local
         manifests and lists nothing remote."""
-        uploader = self._uploader
-        if uploader is None:
-            return self._store.lag()
-        lag = self._store.lag(uploader.pending(), uploader.newest_committed)
-        failed = uploader.last_error
-        retrying = uploader.retrying()
-        return dataclasses.replace(
-            lag,
-            upload_bytes_per_second=uploader.upload_rate(),
-            last_error=failed[1] if failed else None,
-            last_error_at=failed[0] if failed else None,
-            retrying_step=retrying[0] if retrying else None,
-            retry_tries=retrying[1] if retrying else 0,
-        )
+        return self._parts.status()
 
     @overload
     def restore(
@@ -561,41 +357,21 @@ class CheckpointManager:
         locally or the bucket holds, and a failure on any rank raises on every rank.
         """
         self._check_open()
-        self._writer.settle()
+        self._parts.writer.settle()
         verify = self.verify if verify is None else verify
         target = self.world_size if world_size is None else world_size
         check_restore_arguments(step, target, verify, into)
-        with self._raised_on_every_rank():
-            return self._restorer.restore(
-                step,
-                world_size=target,
-                reshard=reshard,
-                verify=verify,
-                into=into,
-                missing_ok=missing_ok,
-                checked=Attempt.run(self._before_collective),
-            )
+        return self._parts.restore(step, target, reshard=reshard, verify=verify, into=into, missing_ok=missing_ok)
 
     def locate(self, step: int | None = None) -> ShardManifest:
         """The manifest of ``step`` (default: the newest step every rank can restore), agreed by
         every rank (a collective with one process per rank). For readers of their own, such as
         :class:`tiered_ckpt.torch.TieredReader`; :meth:`restore` does this itself."""
         self._check_open()
-        self._writer.settle()
-        with self._raised_on_every_rank():
-            return self._restorer.locate(step, checked=Attempt.run(self._before_collective))
+        self._parts.writer.settle()
+        return self._parts.locate(step)
 
     # -- moving whole steps (one process holding every rank, as the CLI runs it) ---------------
-
-    def _single_process_store(self, operation: str) -> TieredStore:
-        self._check_open()
-        if not self._one_process:
-            raise UsageError(
-                f"{operation} is a maintenance operation of one process holding every rank (as the CLI runs it); "
-                "saves of one process per rank upload and prune by themselves"
-            )
-        self.wait()
-        return self._store
 
     def pull(self, step: int | None = None) -> dict[int, str]:
         """Fill the local tier with a remote step (default: the newest) without loading it.
@@ -603,25 +379,21 @@ class CheckpointManager:
         Local shards that verify are kept; the others are streamed from the bucket and
         verified. Returns, per rank, the tier each shard now on disk came from.
         """
-        return dict(self._single_process_store("pull").pull(step, max_workers=self._max_workers)[1])
+        self._check_open()
+        return self._parts.pull(step)
 
     def push(self, step: int | None = None) -> list[int]:
         """Upload ``step`` (default: every local step not yet committed remotely) and wait for it.
 
         Returns the steps uploaded; raises :class:`UploadError` if one fails.
         """
-        self._single_process_store("push")
-        if self._uploader is None:
-            raise UsageError("push needs a remote tier (remote_url)")
-        return self._uploader.push(step)
+        self._check_open()
+        return self._parts.push(step)
 
     def prune(self, *, dry_run: bool = False) -> dict[str, list[int]]:
         """Apply retention to both tiers now; return the steps deleted (or, with ``dry_run``, to delete)."""
-        store = self._single_process_store("prune")
-        if self._uploader is not None:
-            self.wait(uploaded=True)
-        remote = self.options.remote.retention if self.options.remote is not None else None
-        return store.prune(self.options.local.retention, remote, dry_run=dry_run)
+        self._check_open()
+        return self._parts.prune(dry_run=dry_run)
 
 
 # The named parameters of CheckpointManager, for the close matches of a mistyped keyword.

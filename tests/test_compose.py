@@ -1,0 +1,89 @@
+"""The manager's parts (tiered_ckpt/compose.py): opened in order, closed in reverse, once."""
+
+import logging
+import signal
+import threading
+
+import numpy as np
+import pytest
+
+from tiered_ckpt import ConfigError, DirectoryInUseError, UsageError
+from tiered_ckpt.compose import check_process_layout, open_parts
+from tiered_ckpt.dist.coordination import Attempt, SingleProcessCoordinator
+from tiered_ckpt.engine.saving import check_save
+from tiered_ckpt.options import resolve_options
+
+
+def parts_on(directory, world_size=2, signals=(), **keywords):
+    options = resolve_options(directory, None, None, keywords)
+    coordinator = SingleProcessCoordinator(world_size)
+    return open_parts(options, coordinator, max_workers=None, cpus=None, preemption_signals=signals)
+
+
+def test_open_holds_the_directory_until_close_and_a_second_close_does_nothing(tmp_path):
+    parts = parts_on(tmp_path)
+    with pytest.raises(DirectoryInUseError):
+        parts_on(tmp_path)
+    parts.close("first")
+    parts.close("first")  # nothing left to close
+    assert parts.closed
+    parts_on(tmp_path).close("second")
+
+
+def uploader_threads():
+    return [thread for thread in threading.enumerate() if thread.name == "tiered-ckpt-uploader"]
+
+
+def test_a_failure_while_opening_closes_what_was_opened(tmp_path, memory_url):
+    url, storage_options = memory_url
+    before = uploader_threads()
+    with pytest.raises(UsageError, match="SIGKILL cannot be caught"):  # refused after the lock and the uploader
+        parts_on(tmp_path, signals=(signal.SIGKILL,), remote_url=url, storage_options=storage_options)
+    assert uploader_threads() == before  # the uploader was stopped
+    parts_on(tmp_path).close("after the failure")  # and the directory released
+
+
+def test_open_removes_what_crashed_saves_left_and_says_so(tmp_path, caplog):
+    (tmp_path / "step-000000000007").mkdir(parents=True)  # a step without its manifest
+    with caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
+        parts = parts_on(tmp_path)
+    parts.close("test")
+    assert not (tmp_path / "step-000000000007").exists()
+    assert "removed what crashed saves left in" in caplog.text and "step-000000000007" in caplog.text
+
+
+def test_a_write_queued_before_close_is_committed_by_close(tmp_path):
+    parts = parts_on(tmp_path)
+    states = [{"w": np.arange(4, dtype=np.float32) + rank} for rank in range(2)]
+    plan = check_save(
+        SingleProcessCoordinator(2), 3, states, checked=Attempt(None), sharded_keys=None, where=str(tmp_path)
+    )
+    parts.writer.submit(3, list(plan.states), plan.sharded_keys, list(plan.numels))
+    parts.close("test")  # the writer closes first: the write it holds is finished, then the directory is released
+    assert parts.store.local.steps() == [3]
+    assert parts.status().newest_local == 3 and parts.status().newest_remote is None
+
+
+def test_maintenance_waits_for_the_writes_then_runs_on_the_store(tmp_path):
+    parts = parts_on(tmp_path)
+    try:
+        with pytest.raises(UsageError, match="push needs a remote tier"):
+            parts.push(None)
+        assert parts.prune(dry_run=True)["local"] == []
+    finally:
+        parts.close("test")
+
+
+@pytest.mark.parametrize(
+    ("keywords", "named"),
+    [({"when_uploads_behind": "skip"}, "keyword argument when_uploads_behind"), ({}, "upload.when_behind")],
+)
+def test_skipping_steps_is_refused_with_one_process_per_rank(tmp_path, keywords, named):
+    from tiered_ckpt import UploadOptions
+
+    upload = None if keywords else UploadOptions(when_behind="skip")
+    options = resolve_options(tmp_path, None, upload, keywords)
+    check_process_layout(options, keywords, one_process=True)  # one process holds every rank: fine
+    with pytest.raises(ConfigError, match=f"^{named} is 'skip'") as caught:
+        check_process_layout(options, keywords, one_process=False)
+    assert caught.value.field == named.removeprefix("keyword argument ")

@@ -1,0 +1,79 @@
+"""The check of a save call (tiered_ckpt/engine/saving.py), on one process holding every rank."""
+
+import numpy as np
+import pytest
+
+from tiered_ckpt import CheckpointExistsError, DirectoryInUseError, InvalidStateError, SaveError, UploadError
+from tiered_ckpt.dist.coordination import Attempt, SingleProcessCoordinator
+from tiered_ckpt.engine.saving import SaveReport, check_save, not_saved
+
+
+def states(world_size=2):
+    return [
+        {"flat": np.arange(6, dtype=np.float32) + rank, "scale": np.ones((2, 2), dtype=np.float32)}
+        for rank in range(world_size)
+    ]
+
+
+def check(step, given, newest=None, **keywords):
+    keywords.setdefault("sharded_keys", None)
+    return check_save(
+        SingleProcessCoordinator(len(given)), step, given, checked=Attempt(newest), where="/ckpt", **keywords
+    )
+
+
+def test_a_checked_save_gives_the_flattened_states_and_the_flat_parameter_slices():
+    plan = check(5, states())
+    assert [sorted(state.arrays) for state in plan.states] == [["flat", "scale"]] * 2
+    assert plan.sharded_keys == ("flat",) and plan.numels == (6, 6)  # the 1-D arrays, by the default rule
+    with pytest.raises(InvalidStateError, match="rank 0: sharded key 'scale' has shape"):
+        check(5, states(), sharded_keys=["scale"])  # a sharded key must be a 1-D slice
+
+
+def test_a_step_not_newer_than_the_newest_is_refused_naming_the_directory():
+    with pytest.raises(CheckpointExistsError, match=r"^/ckpt: step 4 is not newer than the newest checkpoint, step 4$"):
+        check(4, states(), newest=4)
+    with pytest.raises(CheckpointExistsError, match=r"ask reached_preemption\(step\) before the step's regular save"):
+        check(4, states(), newest=4, stop_step=4)  # the stop step saved twice gets the hint
+    assert check(5, states(), newest=4, stop_step=4).sharded_keys == ("flat",)
+
+
+def test_the_callers_own_check_fails_the_save_before_any_state_is_read():
+    failed = Attempt(None, DirectoryInUseError("/ckpt was replaced"))
+    with pytest.raises(DirectoryInUseError, match="replaced"):
+        check_save(SingleProcessCoordinator(1), 1, object(), checked=failed, sharded_keys=None, where="/ckpt")
+
+
+@pytest.mark.parametrize(
+    ("step", "given", "problem"),
+    [
+        (-1, states(), "step must be an integer"),
+        (True, states(), "step must be an integer"),
+        (1, states()[:1], "world_size"),
+        (1, [{"x": object()}] * 2, "rank 0"),
+    ],
+)
+def test_bad_input_is_an_invalid_state_error(step, given, problem):
+    coordinator = SingleProcessCoordinator(2)
+    with pytest.raises(InvalidStateError, match=problem):
+        check_save(coordinator, step, given, checked=Attempt(None), sharded_keys=None, where="/ckpt")
+
+
+def test_a_background_error_raised_around_the_check_says_the_step_was_not_saved():
+    cause = OSError("disk full")
+    error = SaveError("step 2: writing failed", step=2)
+    error.__cause__ = cause
+    with pytest.raises(SaveError, match=r"^step 2: writing failed \(so step 3 was not saved") as caught:
+        with not_saved(3):
+            raise error
+    assert caught.value.__cause__ is cause
+    with pytest.raises(UploadError, match="so step 3 was not saved"), not_saved(3):
+        raise UploadError("access denied", step=2, tries=1)
+    with pytest.raises(InvalidStateError, match="^bad$"), not_saved(3):  # the check's own errors pass unchanged
+        raise InvalidStateError("bad")
+
+
+def test_the_report_is_a_frozen_payload():
+    report = SaveReport('{"step": 1}', None, ((("flat", (6,)),),), True, (100,))
+    with pytest.raises(AttributeError):
+        report.newest = 3  # type: ignore[misc]

@@ -1,0 +1,291 @@
+"""The running parts of a :class:`~tiered_ckpt.CheckpointManager`, built from its options.
+
+:func:`open_parts`, on every process, in this order:
+
+1. the tiers the options describe, the :class:`~tiered_ckpt.tiers.store.TieredStore`
+   over them and the restorer on it;
+2. one collective, ``open``: lock the local directory, remove what crashed saves left in
+   it, and check the bucket (on every rank, so one rank's failure fails all);
+3. the uploader, which resumes what an earlier run left waiting for upload;
+4. the preemption notice (its signal handlers) and its watch;
+5. the writer, which hands each committed step to the uploader.
+
+:meth:`Parts.close` undoes them in reverse order: the writer finishes its queued write,
+the handlers are put back, the uploads finish (each until committed or past its
+deadline), and the directory is released. A failure while opening closes what was opened.
+The parts leave their background failures in one :class:`~tiered_ckpt.errors.ErrorBox`;
+its errors are raised here, on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, closing, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather
+from tiered_ckpt.engine.preemption import PreemptionNotice, PreemptionWatch
+from tiered_ckpt.engine.restore import Restorer
+from tiered_ckpt.engine.restore_result import RestoreResult
+from tiered_ckpt.engine.uploader import Uploader
+from tiered_ckpt.engine.writer import Writer
+from tiered_ckpt.errors import ConfigError, DirectoryInUseError, ErrorBox, UploadError, UsageError, restated
+from tiered_ckpt.format.manifest import ShardManifest
+from tiered_ckpt.format.state import State
+from tiered_ckpt.io.hashing import Verify
+from tiered_ckpt.options import Options
+from tiered_ckpt.tiers.local import LocalTier
+from tiered_ckpt.tiers.store import Lag, TieredStore
+
+__all__ = ["Parts", "open_parts", "check_process_layout"]
+
+logger = logging.getLogger("tiered_ckpt")
+
+
+def check_process_layout(options: Options, keywords: Mapping[str, Any], one_process: bool) -> None:
+    """Raise :class:`ConfigError` for options one process per rank cannot run: ``when_behind='skip'``
+    (ranks could skip different steps). The error names the keyword if ``keywords`` gave it,
+    else the config field (which :meth:`~tiered_ckpt.CheckpointManager.from_config` names
+    with its file or variable)."""
+    if one_process or options.upload.when_behind != "skip":
+        return
+    problem = (
+        "is 'skip', which needs one process holding every rank "
+        "(with one process per rank, ranks could skip different steps); use 'wait'"
+    )
+    given = "when_uploads_behind" in keywords
+    key = "when_uploads_behind" if given else "upload.when_behind"
+    error = ConfigError(f"{'keyword argument ' if given else ''}{key} {problem}")
+    error.field, error.problem = key, problem
+    raise error
+
+
+@dataclass(eq=False)
+class Parts:
+    """The store, the stages over it and the one error box they report to, with what needs more
+    than one of them: the checks before a collective, restoring, status, waiting and closing.
+    Each method does what the :class:`~tiered_ckpt.CheckpointManager` method of its name says."""
+
+    store: TieredStore
+    errors: ErrorBox
+    restorer: Restorer
+    writer: Writer
+    uploader: Uploader | None
+    preemption: PreemptionWatch
+    opened: ExitStack
+    options: Options
+    one_process: bool
+    max_workers: int | None
+    closed: bool = False
+
+    def before_collective(self) -> None:
+        """What every save and restore checks first, on every rank: a background error not yet
+        raised (not a step that only missed its upload deadline), and that the directory is
+        still the one this manager locked."""
+        self.errors.raise_first(transient=False)
+        self.store.local.check_locked()
+
+    @contextmanager
+    def raised_on_every_rank(self) -> Iterator[None]:
+        """Around the collectives of save and restore, where background errors are raised by every rank.
+
+        A rank's uploader may record a failed upload (agreed by every rank's uploader)
+        a moment before or after another's: the rank that has it raises it inside the
+        collective, so every rank raises it at the same call, and the others' copies,
+        when they arrive, are not raised again.
+        """
+        try:
+            yield
+        except UploadError as error:
+            self.errors.mark_raised(error)
+            raise
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether every rank stops at ``step`` for a preemption notice; the first one puts the newest upload first."""
+        preemption = self.preemption.reached(step)
+        if preemption.new and self.uploader is not None:
+            self.uploader.preempt()
+        return preemption.stop
+
+    def pull(self, step: int | None) -> dict[int, str]:
+        """:meth:`~tiered_ckpt.CheckpointManager.pull`: per rank, the tier its shard now on disk came from."""
+        return dict(self._maintenance("pull").pull(step, max_workers=self.max_workers)[1])
+
+    def push(self, step: int | None) -> list[int]:
+        """:meth:`~tiered_ckpt.CheckpointManager.push`: the steps uploaded."""
+        self._maintenance("push")
+        if self.uploader is None:
+            raise UsageError("push needs a remote tier (remote_url)")
+        return self.uploader.push(step)
+
+    def prune(self, *, dry_run: bool) -> dict[str, list[int]]:
+        """:meth:`~tiered_ckpt.CheckpointManager.prune`, once every upload is committed or past its deadline."""
+        store = self._maintenance("prune")
+        if self.uploader is not None:
+            self.wait(uploaded=True)
+        remote = self.options.remote.retention if self.options.remote is not None else None
+        return store.prune(self.options.local.retention, remote, dry_run=dry_run)
+
+    def _maintenance(self, operation: str) -> TieredStore:
+        """The store for ``operation`` (pull, push, prune), once every save so far is committed locally;
+        :class:`UsageError` unless one process holds every rank."""
+        if not self.one_process:
+            raise UsageError(
+                f"{operation} is a maintenance operation of one process holding every rank (as the CLI runs it); "
+                "saves of one process per rank upload and prune by themselves"
+            )
+        self.wait(uploaded=False)
+        return self.store
+
+    def restore(
+        self,
+        step: int | None,
+        world_size: int,
+        *,
+        reshard: bool,
+        verify: Verify,
+        into: Sequence[State] | State | None,
+        missing_ok: bool,
+    ) -> RestoreResult | None:
+        """The restorer's restore (arguments checked), after this process's checks, raised on every rank."""
+        with self.raised_on_every_rank():
+            return self.restorer.restore(
+                step,
+                world_size=world_size,
+                reshard=reshard,
+                verify=verify,
+                into=into,
+                missing_ok=missing_ok,
+                checked=Attempt.run(self.before_collective),
+            )
+
+    def locate(self, step: int | None) -> ShardManifest:
+        """The restorer's locate, after this process's checks, raised on every rank."""
+        with self.raised_on_every_rank():
+            return self.restorer.locate(step, checked=Attempt.run(self.before_collective))
+
+    def newest_step(self) -> int | None:
+        """The newest step committed locally or (as of this process's last upload) remotely."""
+        steps = self.store.local.steps()
+        remote = self.uploader.newest_committed if self.uploader is not None else None
+        return max([*steps[-1:], *([remote] if remote is not None else [])], default=None)
+
+    def status(self) -> Lag:
+        """The store's lag, with the uploader's pending steps, rate, last failure and retry."""
+        uploader = self.uploader
+        if uploader is None:
+            return self.store.lag()
+        lag = self.store.lag(uploader.pending(), uploader.newest_committed)
+        failed = uploader.last_error
+        retrying = uploader.retrying()
+        return dataclasses.replace(
+            lag,
+            upload_bytes_per_second=uploader.upload_rate(),
+            last_error=failed[1] if failed else None,
+            last_error_at=failed[0] if failed else None,
+            retrying_step=retrying[0] if retrying else None,
+            retry_tries=retrying[1] if retrying else 0,
+        )
+
+    def wait(self, *, uploaded: bool) -> None:
+        """Wait for the writes (and, with ``uploaded``, the uploads); raise as
+        :meth:`~tiered_ckpt.CheckpointManager.wait` says: with ``uploaded``, the steps that
+        missed their deadline raise as one error naming them all."""
+        self.writer.settle()
+        if uploaded and self.uploader is not None:
+            self.uploader.wait()
+        self.errors.raise_first(transient=False)
+        missed = self.errors.take_transient() if uploaded else []
+        if len(missed) == 1:
+            raise missed[0]
+        if missed:
+            steps = ", ".join(str(error.step) for error in missed)
+            last = missed[-1]
+            raise restated(
+                last, f"steps {steps} missed their upload deadline and stay local-only; the last: {last}"
+            ) from last.__cause__
+
+    def close(self, name: str, *, give_up_retries: bool = False) -> None:
+        """Close every part (see the module doc) and raise a background error not yet raised,
+        except a step that missed its upload deadline: that is logged (WARNING) naming
+        ``name``. ``give_up_retries``: each upload still queued gets one try. Calling it again does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        if give_up_retries and self.uploader is not None:
+            self.uploader.give_up_retries()
+        self.opened.close()
+        for missed in self.errors.take_transient():
+            logger.warning("closing %s: step %d is on local disk only: %s", name, missed.step, missed)
+        self.errors.raise_first()
+
+
+def _open_local_dir(store: TieredStore, opened: ExitStack, one_process: bool) -> None:
+    """Lock the local directory (released by ``opened``), remove what crashed saves left in it, and check the bucket."""
+    try:
+        opened.enter_context(store.local.lock())
+    except DirectoryInUseError as exc:
+        if one_process:
+            raise
+        raise DirectoryInUseError(f"{exc}; with one process per rank, give each rank a local_dir of its own") from exc
+    removed = store.local.remove_uncommitted()
+    if removed:
+        logger.warning("removed what crashed saves left in %s: %s", store.local.root, ", ".join(removed))
+    if store.remote is not None:  # on every rank, in this collective: one rank's failure fails all
+        store.remote.check_bucket()
+
+
+def open_parts(
+    options: Options,
+    coordinator: Coordinator,
+    *,
+    max_workers: int | None,
+    cpus: frozenset[int] | None,
+    preemption_signals: Iterable[int | signal.Signals],
+) -> Parts:
+    """Open the parts ``options`` describe for this process's ranks of ``coordinator`` (see the module doc)."""
+    world_size = coordinator.world_size
+    ranks = tuple(coordinator.local_ranks)
+    one_process = len(ranks) == world_size
+    remote_tier = options.remote.open_tier(options.upload, check_bucket=False) if options.remote is not None else None
+    store = TieredStore(LocalTier(options.local.dir), remote_tier)
+    errors = ErrorBox()
+    uploader: Uploader | None = None
+    stack = ExitStack()
+    try:
+        gather(coordinator, "open", Done, Attempt.run(lambda: _open_local_dir(store, stack, one_process)).done)
+        if options.remote is not None:
+            uploader = Uploader(
+                store,
+                options=options.upload,
+                errors=errors,
+                coordinator=coordinator.new_channel(),
+                ranks=ranks,
+                local_retention=options.local.retention,
+                remote_retention=options.remote.retention,
+                ownership=options.remote.ownership,
+            )
+            stack.enter_context(closing(uploader))
+            uploader.resume()
+        notice = stack.enter_context(closing(PreemptionNotice(preemption_signals)))
+        preemption = PreemptionWatch(notice, coordinator if one_process else coordinator.new_channel())
+    except BaseException:
+        stack.close()  # release the directory and stop the uploader: nothing is half-open
+        raise
+    writer = Writer(
+        store,
+        coordinator,
+        world_size=world_size,
+        errors=errors,
+        retention=options.local.retention,
+        uploader=uploader,
+        max_workers=max_workers,
+        cpus=cpus,
+    )
+    stack.enter_context(closing(writer))  # closed first: the last write reaches the uploader before it finishes
+    restorer = Restorer(store, coordinator, world_size, max_workers)
+    return Parts(store, errors, restorer, writer, uploader, preemption, stack, options, one_process, max_workers)

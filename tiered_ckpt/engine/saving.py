@@ -1,0 +1,121 @@
+"""The check of a save call, on the caller's thread, before anything is staged.
+
+:func:`check_save` is one collective, ``save``, in this order:
+
+1. the caller's own checks ran first (a background error not yet raised, the directory
+   still locked) and gave this process's newest step; if they failed, every rank raises;
+2. each process checks and flattens its own states (torch tensors become numpy views),
+   inside the collective, so bad input raises on every rank rather than stranding the
+   others, and reports its :class:`SaveReport`;
+3. every process reads the gathered reports the same way: the same call on every rank, a
+   step newer than every rank's newest, the sharded keys of the flat-parameter rule, and
+   a manifest that fits what a reader accepts.
+
+Around it, :func:`not_saved` says that a background error raised there means this save's
+step was not saved.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from tiered_ckpt.dist.coordination import Attempt, Coordinator, gather
+from tiered_ckpt.dist.sharding import resolve_sharded_keys, sharding_summary
+from tiered_ckpt.engine.step_choice import same_call
+from tiered_ckpt.errors import CheckpointExistsError, SaveError, UploadError, restated
+from tiered_ckpt.format.state import FlatState, State, flatten
+from tiered_ckpt.format.validate import check_manifest_fits, validate_states, validate_step
+
+__all__ = ["SaveReport", "SavePlan", "check_save", "not_saved"]
+
+
+@contextmanager
+def not_saved(step: int) -> Iterator[None]:
+    """Around a save's check: a background error it raises says that this save's step was not saved."""
+    try:
+        yield
+    except (SaveError, UploadError) as exc:
+        raise restated(exc, f"{exc} (so step {step} was not saved: nothing of it was written)") from exc.__cause__
+
+
+@dataclass(frozen=True)
+class SaveReport:
+    """One process's check of a save call: its arguments, its newest step, its arrays' shapes per
+    rank, whether each of its ranks' states is a flat dict of arrays, and the most bytes each of
+    its ranks' records may add to the manifest."""
+
+    arguments: str
+    newest: int | None
+    shapes: tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]
+    flat: bool
+    record_bytes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    """What a checked save writes: this process's flattened states (one per rank it holds), the
+    sharded keys (sorted) and every rank's ``param_shard_numel``."""
+
+    states: tuple[FlatState, ...]
+    sharded_keys: tuple[str, ...]
+    numels: tuple[int, ...]
+
+
+def _flatten(step: int, states: Sequence[State] | State, ranks: Sequence[int]) -> tuple[FlatState, ...]:
+    validate_step(step)
+    given = [states] if isinstance(states, Mapping) else states
+    validate_states(given, len(ranks))
+    return tuple(flatten(state, f"rank {r}") for r, state in zip(ranks, given, strict=True))
+
+
+def _report(step: int, local: Sequence[FlatState], newest: int | None) -> SaveReport:
+    shapes = tuple(tuple((key, tuple(shape)) for key, shape in sharding_summary(s.arrays).items()) for s in local)
+    flat = all(s.structure.flat for s in local)
+    return SaveReport(json.dumps({"step": step}), newest, shapes, flat, tuple(s.record_bytes() for s in local))
+
+
+def check_save(
+    coordinator: Coordinator,
+    step: int,
+    states: Sequence[State] | State,
+    *,
+    checked: Attempt[int | None],
+    sharded_keys: Iterable[str | Sequence[str | int]] | None,
+    where: str,
+    stop_step: int | None = None,
+) -> SavePlan:
+    """Check a save of ``states`` (this process's ranks) as ``step`` on every rank (see the module doc).
+
+    ``checked`` is the caller's own checks, giving this process's newest committed step.
+    Raises on every rank, whichever rank's input or directory is at fault:
+    :class:`InvalidStateError` for bad input or arguments that differ between ranks, and
+    :class:`CheckpointExistsError` (naming ``where``) if ``step`` is not newer than every
+    rank's newest; ``stop_step``, the step a preemption notice was answered at, adds a hint
+    when the caller saves it twice.
+    """
+
+    def mine() -> tuple[tuple[FlatState, ...], SaveReport]:
+        newest = checked.value
+        local = _flatten(step, states, tuple(coordinator.local_ranks))
+        return local, _report(step, local, newest)
+
+    attempt = Attempt.run(mine)
+    reports = gather(coordinator, "save", SaveReport, lambda: attempt.value[1])
+    same_call([each.arguments for each in reports], "save")
+    newest = max((each.newest for each in reports if each.newest is not None), default=None)
+    if newest is not None and step <= newest:
+        hint = (
+            "; ask reached_preemption(step) before the step's regular save, so that the stop step is a new one"
+            if stop_step == step == newest
+            else ""
+        )
+        raise CheckpointExistsError(
+            f"{where}: step {step} is not newer than the newest checkpoint, step {newest}{hint}"
+        )
+    shapes = [dict(rank_shapes) for each in reports for rank_shapes in each.shapes]
+    keys, numels = resolve_sharded_keys(shapes, sharded_keys, flat=all(each.flat for each in reports))
+    check_manifest_fits([size for each in reports for size in each.record_bytes], keys, step)
+    return SavePlan(attempt.value[0], keys, tuple(numels))

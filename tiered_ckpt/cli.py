@@ -2,7 +2,7 @@
 
 Also ``python -m tiered_ckpt``; ``tiered-ckpt --help`` prints what it does (the text of
 ``DESCRIPTION`` and ``EPILOG`` below: plain text, since a terminal shows it as it is).
-Every command works on the :class:`~tiered_ckpt.store.TieredStore` the config describes:
+Every command works on the :class:`~tiered_ckpt.tiers.store.TieredStore` the config describes:
 no world size, no coordinator.
 """
 

@@ -137,7 +137,7 @@ class RemoteError(CheckpointError):
 
 
 class RemoteInUseError(RemoteError):
-    """Another live run holds a lease on the remote URL (see :mod:`~tiered_ckpt.owners`), and the
+    """Another live run holds a lease on the remote URL (see :mod:`~tiered_ckpt.tiers.owners`), and the
     remote options say ``other_owners="refuse"``."""
 
     def __init__(self, message: str) -> None:

@@ -144,11 +144,11 @@ class LocalOptions(_Retained):
 class RemoteOptions(_Retained):
     """The remote tier: its URL, fsspec's options for it (never shown), its retention, and
     the layout of its shard objects ("flat", or "hashed": spread over 256 key prefixes
-    per step; see :meth:`~tiered_ckpt.remote.RemoteTier.object_name`). ``endpoint_url``
+    per step; see :meth:`~tiered_ckpt.tiers.remote.RemoteTier.object_name`). ``endpoint_url``
     (``s3://`` and ``gs://`` only) names the store's endpoint, e.g. a MinIO server; it
     takes precedence over ``storage_options["endpoint_url"]``.
 
-    How a run holds the URL (see :mod:`~tiered_ckpt.owners`): its lease on it lasts
+    How a run holds the URL (see :mod:`~tiered_ckpt.tiers.owners`): its lease on it lasts
     ``lease_seconds`` unrenewed (it is renewed every quarter of that while the run lives);
     multipart uploads left open are aborted at start-up only once ``orphan_age_seconds``
     old, and only while no other run's lease is live; another live run on the URL is a
@@ -185,7 +185,7 @@ class RemoteOptions(_Retained):
         """The remote tier these options describe, making its requests as ``upload`` says.
 
         Its bucket is checked first (one request, see
-        :meth:`~tiered_ckpt.remote.RemoteTier.check_bucket`): a missing or unlistable bucket
+        :meth:`~tiered_ckpt.tiers.remote.RemoteTier.check_bucket`): a missing or unlistable bucket
         raises :class:`~tiered_ckpt.RemoteError` naming it here, not at the first upload.
         """
         storage_options = dict(self.storage_options)

@@ -8,7 +8,7 @@ in offset order and cuts the result by that rule; replicated arrays, scalars and
 state's structure must be identical on every old rank and are copied to every new one.
 
 A DTensor leaf is saved as its rank's chunk, a box of the global tensor recorded in the
-manifest (:class:`~tiered_ckpt.manifest.ChunkRecord`). A new rank fills each of its own
+manifest (:class:`~tiered_ckpt.format.manifest.ChunkRecord`). A new rank fills each of its own
 chunks from the saved chunks that overlap it (:func:`plan_chunks`, :func:`fill_chunks`),
 whatever the old and new placements and world sizes; its other leaves come from the
 same rank of the checkpoint, or rank 0's when the world size changed.

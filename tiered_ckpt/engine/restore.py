@@ -1,6 +1,6 @@
 """Restoring a step: every process agrees on one, then reads its ranks' shards through the store.
 
-A restore, step by step (DESIGN.md section 7):
+A restore, step by step:
 
 1. every process reports its arguments and the steps its local tier has committed (with
    the world size each was saved with); the leader adds the bucket's steps

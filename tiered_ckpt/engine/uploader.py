@@ -3,7 +3,7 @@
 The uploader owns everything that happens to a step after its local commit:
 
 1. :meth:`Uploader.resume` (at start-up): take this run's lease on the URL (see
-   :mod:`~tiered_ckpt.owners`), queue the local steps a crash kept from their remote
+   :mod:`~tiered_ckpt.tiers.owners`), queue the local steps a crash kept from their remote
    commit (mending lost receipts), and, unless another live run holds a lease there,
    remove half-uploaded steps from the bucket and abort multipart uploads left open past
    the orphan age (the leader does, once every rank agreed which steps resume);

@@ -5,7 +5,7 @@ A save, from the moment its call has been checked on every rank:
 1. :meth:`Writer.submit` copies this process's arrays into staging buffers reused from
    save to save (the only time the training loop is blocked) and queues the write;
 2. the writer thread agrees with the other ranks which of them writes each replicated
-   array of a state of DTensors (:mod:`~tiered_ckpt.replicas`, a collective), writes each
+   array of a state of DTensors (:mod:`~tiered_ckpt.dist.replicas`, a collective), writes each
    shard (temp file, hashed as it streams, fsync, rename), the ranks exchange their shard
    records (a collective), and every process commits the manifest in its local tier once
    every rank's shard is durable; the processes then agree that every one of them

@@ -1,7 +1,7 @@
 """The one place where the two tiers meet.
 
-A :class:`TieredStore` composes a :class:`~tiered_ckpt.local.LocalTier` and, optionally,
-a :class:`~tiered_ckpt.remote.RemoteTier`; neither tier knows the other. Reading a
+A :class:`TieredStore` composes a :class:`~tiered_ckpt.tiers.local.LocalTier` and, optionally,
+a :class:`~tiered_ckpt.tiers.remote.RemoteTier`; neither tier knows the other. Reading a
 shard is a chain, in this order:
 
 1. the local copy, if its size and sha256 (or xxh3-64) match the manifest;

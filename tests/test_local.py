@@ -12,10 +12,10 @@ from tiered_ckpt import (
     ManifestError,
     UsageError,
 )
-from tiered_ckpt.format.layout import HELD_NAME, MANIFEST_NAME, step_dir_name
+from tiered_ckpt.format.layout import HELD_NAME, MANIFEST_NAME, RECEIPT_NAME, step_dir_name
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.format.shardfile import write_shard
-from tiered_ckpt.io.durable import atomic_write
+from tiered_ckpt.io.durable import atomic_write, temp_name
 from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt.tiers.local import LocalTier
 
@@ -377,3 +377,15 @@ def test_only_a_single_step_directory_has_a_single_manifest(tmp_path):
         LocalTier(tmp_path).single_manifest()
     with pytest.raises(IncompleteCheckpointError, match="never committed"):
         LocalTier(tmp_path, single_step=True).single_manifest()
+
+
+def test_opening_a_step_leaves_a_temp_file_being_written_and_its_writer_clears_crash_leftovers(tmp_path):
+    """A restore or pull opens a step while the uploader may be writing its receipt by temp
+    name: only the step's own writer, before it writes, removes what a crash left."""
+    tier = LocalTier(tmp_path)
+    with tier.lock():
+        directory = tier.new_step_dir(3)
+        in_flight = directory / temp_name(RECEIPT_NAME)
+        in_flight.write_bytes(b"{}")
+        assert tier.new_step_dir(3) == directory and in_flight.exists()
+        assert tier.clear_temp_files(3) == [in_flight.name] and not in_flight.exists()

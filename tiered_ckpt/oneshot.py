@@ -22,7 +22,7 @@ from typing import Any
 from tiered_ckpt.dist.replicas import assign, offer, put_back
 from tiered_ckpt.dist.sharding import resolve_sharded_keys, sharding_summary
 from tiered_ckpt.engine.shards import build_manifest, write_shards
-from tiered_ckpt.errors import CheckpointExistsError
+from tiered_ckpt.errors import CheckpointError, CheckpointExistsError
 from tiered_ckpt.format.layout import MANIFEST_NAME
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.shardfile import Verify
@@ -116,7 +116,7 @@ def _discard_failed_save(tier: LocalTier, step: int) -> None:
     Never raises: the save's own error is the one to see."""
     try:
         tier.delete_step(step)
-    except OSError:
+    except (OSError, CheckpointError):  # e.g. the directory was replaced under the save
         logger.warning("could not remove what the failed save left in %s", tier.root, exc_info=True)
 
 

@@ -42,6 +42,7 @@ def write_shards(
     durable under its name once this returns; the names are, once :meth:`LocalTier.commit` is.
     """
     tier.new_step_dir(step)
+    tier.clear_temp_files(step)
 
     def write(index: int) -> ShardRecord:
         rank = ranks[index]

@@ -330,6 +330,7 @@ class Uploader:
             except BaseException as exc:  # a remote failure, a local I/O error or a bug: never lost silently
                 self._failed(_as_upload_error(step, exc))
             finally:
+                self._remote.forget_landed(step)  # a step given up keeps nothing for the process's life
                 with self._changed:
                     self._active = None
                     self._retry = None

@@ -356,16 +356,19 @@ class LocalTier:
     # -- writing (under the lock) ---------------------------------------------------------
 
     def new_step_dir(self, step: int) -> Path:
-        """The directory of ``step``, created (and made durable) if needed, without the temp
-        files a crashed write left in it."""
+        """The directory of ``step``, created (and made durable) if needed. Temp files in it are
+        left alone: another thread of this job may be writing one (a receipt)."""
         self.check_locked()
         directory = self.step_dir(step)
         if not directory.is_dir():
             directory.mkdir(exist_ok=True)
             fsync_directory(directory.parent)
-        else:
-            remove_temp_files(directory)
         return directory
+
+    def clear_temp_files(self, step: int) -> list[str]:
+        """Remove what a crashed write left in ``step`` (its writer, before it writes); return the names."""
+        self.check_locked()
+        return remove_temp_files(self.step_dir(step))
 
     def land_shard(
         self, step: int, record: ShardRecord | str, source: ShardSource, *, deadline: float | None = None,

@@ -316,7 +316,7 @@ class RemoteTier:
         already there intact has none), as the remote manifest records them; handed over once."""
         with self._kept_lock:
             taken = {path: kept for (each, path), kept in self._kept.items() if each == step}
-        self._forget_landed(step)
+        self.forget_landed(step)
         return taken
 
     def add_landed_checksums(self, step: int, checksums: Mapping[str, str]) -> None:
@@ -324,7 +324,8 @@ class RemoteTier:
         with self._kept_lock:
             self._kept.update({(step, path): kept for path, kept in checksums.items()})
 
-    def _forget_landed(self, step: int) -> None:
+    def forget_landed(self, step: int) -> None:
+        """Drop what this tier kept of ``step``'s landed shards (its upload committed or given up)."""
         with self._kept_lock:
             for key in [key for key in self._kept if key[0] == step]:
                 del self._kept[key]
@@ -407,7 +408,7 @@ class RemoteTier:
             return remote
 
         remote = self._run(f"committing {location}", create, deadline)
-        self._forget_landed(step)
+        self.forget_landed(step)
         if remote is not None:
             return remote
         existing = self.read_manifest(step)
@@ -460,7 +461,7 @@ class RemoteTier:
             self.backend.delete_prefix(self._path(step))
 
         self._run(f"deleting {self.location(step)}", delete)
-        self._forget_landed(step)
+        self.forget_landed(step)
 
     # -- owner records (see tiered_ckpt.tiers.owners) -----------------------------------------
 

@@ -242,6 +242,15 @@ def new_s3_bucket(endpoint: str, prefix: str = "tiered-test") -> tuple[str, dict
 
 
 @pytest.fixture
+def manager(tmp_path):
+    """A one-rank manager on a fresh directory, no bucket; a test file needing another defines its own."""
+    from tiered_ckpt import CheckpointManager
+
+    with CheckpointManager(tmp_path / "ckpt", world_size=1) as manager:
+        yield manager
+
+
+@pytest.fixture
 def s3_url(moto_endpoint, request):
     """A fresh bucket on the moto server; returns (url, storage_options)."""
     return new_s3_bucket(moto_endpoint)

@@ -26,12 +26,6 @@ from tiered_ckpt.torch import TieredReader, TieredWriter  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is (disabled|unavailable)")
 
 
-@pytest.fixture
-def manager(tmp_path):
-    with CheckpointManager(tmp_path / "ckpt", world_size=1) as manager:
-        yield manager
-
-
 def loaded(manager: CheckpointManager, checkpoint_id=None, reader_step=None) -> dict:
     state = template()
     dcp.load(state, storage_reader=TieredReader(manager, reader_step), checkpoint_id=checkpoint_id)

@@ -12,7 +12,7 @@ from dcp_support import failure, run_job
 from dcp_worker import digests, train_state
 
 from conftest import FaultInjectingProxy, s3_storage_options
-from tiered_ckpt import CheckpointManager, ShardFormatError
+from tiered_ckpt import ShardFormatError
 from tiered_ckpt.format.layout import step_dir_name
 from tiered_ckpt.format.state import ChunkOf
 
@@ -25,12 +25,6 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from
 from tiered_ckpt.torch import TieredReader, TieredWriter  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is (disabled|unavailable)")
-
-
-@pytest.fixture
-def manager(tmp_path):
-    with CheckpointManager(tmp_path / "ckpt", world_size=1) as manager:
-        yield manager
 
 
 def test_a_loaded_step_that_is_not_committed_names_the_committed_ones(manager):

@@ -30,12 +30,6 @@ def failure(caught: pytest.ExceptionInfo) -> BaseException:
     return error
 
 
-@pytest.fixture
-def manager(tmp_path):
-    with CheckpointManager(tmp_path / "ckpt", world_size=1) as manager:
-        yield manager
-
-
 def test_a_writer_on_a_manager_holding_several_ranks_is_refused_naming_them(tmp_path):
     # DCP saves one rank per process (a reader may consolidate every rank in one process)
     with CheckpointManager(tmp_path / "ckpt", world_size=2) as manager:

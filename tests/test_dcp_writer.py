@@ -19,12 +19,6 @@ from tiered_ckpt.torch import TieredWriter  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is (disabled|unavailable)")
 
 
-@pytest.fixture
-def manager(tmp_path):
-    with CheckpointManager(tmp_path / "ckpt", world_size=1) as manager:
-        yield manager
-
-
 def test_a_writer_with_no_step_refuses_the_save(manager):
     with pytest.raises(CheckpointException) as caught:
         dcp.save({"w": torch.ones(2)}, storage_writer=TieredWriter(manager))

@@ -47,17 +47,17 @@ def _remote_run(
     timings: Timings,
 ) -> None:
     """One run of the remote benchmark: ours and boto3's, up and down, into one fresh bucket."""
-    from tiered_ckpt.engine.uploader import Uploader
+    from tiered_ckpt.engine.replication import Replicator
     from tiered_ckpt.tiers.local import LocalTier
     from tiered_ckpt.tiers.remote import RemoteTier
     from tiered_ckpt.tiers.store import TieredStore
 
     client.create_bucket(Bucket=bucket)
     tier = RemoteTier(f"s3://{bucket}/ours", options)
-    source_store = TieredStore(LocalTier(source), tier)
-    with source_store.local.lock(), contextlib.closing(Uploader(source_store)) as uploader:
+    source_store = TieredStore([LocalTier(source), tier])
+    with source_store.local.lock(), contextlib.closing(Replicator(source_store)) as uploader:
         timings.record("tiered_ckpt upload", timed(lambda: uploader.push(manifest.step)))
-    target_store = TieredStore(LocalTier(target), tier)
+    target_store = TieredStore([LocalTier(target), tier])
     with target_store.local.lock():
         target_store.local.new_step_dir(manifest.step)
         download = functools.partial(target_store.download_shard, manifest.step)

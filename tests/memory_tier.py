@@ -32,6 +32,7 @@ class MemoryTier:
 
     def __init__(self, name: str = "memory", *, durable: bool = False, shared: bool = False) -> None:
         self.name = name
+        self.url = f"memory://{name}"
         self.capabilities = Capabilities(
             durable=durable, shared=shared, create_only_commit=True, store_checksums=False, ranged_reads=True
         )
@@ -47,6 +48,13 @@ class MemoryTier:
 
     def uncommitted_steps(self) -> list[int]:
         return sorted({step for step, _ in self.shards} - set(self.manifests))
+
+    def list_steps(self) -> tuple[list[int], list[int]]:
+        with self._lock:
+            return self.steps(), self.uncommitted_steps()
+
+    def shard_location(self, step: int, record: ShardRecord) -> str:
+        return f"{self.url}/{step}/{record.path}"
 
     def manifest(self, step: int) -> ShardManifest:
         source = f"{self.name}: step {step}'s manifest"

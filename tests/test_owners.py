@@ -21,7 +21,7 @@ from tiered_ckpt import (
     UploadOptions,
     save_sharded,
 )
-from tiered_ckpt.engine.uploader import Uploader
+from tiered_ckpt.engine.replication import Replicator
 from tiered_ckpt.errors import ConfigError, ErrorBox
 from tiered_ckpt.format.layout import step_dir_name
 from tiered_ckpt.tiers.local import LocalTier
@@ -50,7 +50,7 @@ def foreign_record(run_id: str, renewed_at: float, ttl: float = 300.0) -> bytes:
 
 def start_up(store, clock, ownership=None):
     """An uploader's start-up (lease, clean-up, listing) and close, on ``clock``."""
-    uploader = Uploader(store, errors=ErrorBox(), ownership=ownership, clock=clock)
+    uploader = Replicator(store, errors=ErrorBox(), ownership=ownership, clock=clock)
     try:
         uploader.resume()
     finally:
@@ -174,7 +174,7 @@ def test_leftovers_stay_while_a_lease_lives_and_go_once_it_expired(tmp_path, s3_
     tier.backend.fs.pipe_file(f"{tier.backend.root}/{step_dir_name(7)}/rank-00000-of-00002.safetensors", b"confirmed")
     tier.backend.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
     tier.write_owner("ab" * 8, foreign_record("ab" * 8, renewed_at=clock.now, ttl=300))
-    store = TieredStore(LocalTier(tmp_path / "ckpt"), tier)
+    store = TieredStore([LocalTier(tmp_path / "ckpt"), tier])
     with store.local.lock():
         clock.now += 299  # renewed 299 s ago: live
         start_up(store, clock, OwnershipPolicy(orphan_age_seconds=0))
@@ -192,7 +192,7 @@ def test_multipart_uploads_are_aborted_only_past_the_orphan_age(tmp_path, s3_url
     tier.backend.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=f"{prefix}/{step_dir_name(3)}/x.safetensors")
     (started,) = tier.backend.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=f"{prefix}/")["Uploads"]
     clock = Clock(started["Initiated"].timestamp() + 3599)
-    store = TieredStore(LocalTier(tmp_path / "ckpt"), tier)
+    store = TieredStore([LocalTier(tmp_path / "ckpt"), tier])
     with store.local.lock():
         for expected in ([f"{step_dir_name(3)}/x.safetensors"], []):
             start_up(store, clock)  # the default orphan age: one hour
@@ -235,7 +235,7 @@ def test_an_object_gone_between_its_confirmation_and_the_commit_means_no_commit(
         [{"w": np.full(64, rank, np.float32)} for rank in range(2)], tmp_path / "ckpt" / step_dir_name(1), step=1
     )
     tier = RemoteTier(url, options, retry=RetryPolicy(max_tries=2, backoff_seconds=0))
-    store = TieredStore(LocalTier(tmp_path / "ckpt"), tier)
+    store = TieredStore([LocalTier(tmp_path / "ckpt"), tier])
     original = RemoteTier.land_shard
 
     def put_then_lose_rank_0(self, step, record, source, **kwargs):
@@ -246,7 +246,8 @@ def test_an_object_gone_between_its_confirmation_and_the_commit_means_no_commit(
 
     monkeypatch.setattr(RemoteTier, "land_shard", put_then_lose_rank_0)
     with store.local.lock():
-        uploader = Uploader(store, options=UploadOptions(concurrency=1), errors=ErrorBox())  # rank 0, then 1
+        one_at_a_time = UploadOptions(concurrency=1).replication  # rank 0, then 1
+        uploader = Replicator(store, policy=one_at_a_time, errors=ErrorBox())
         try:
             with pytest.raises(UploadError, match="rank-00000-of-00002.safetensors: missing") as caught:
                 uploader.push(1)

@@ -10,6 +10,7 @@ from conftest import flip_byte
 from tiered_ckpt import CheckpointManager, ChecksumMismatchError, ManifestError, RemoteError, save_sharded
 from tiered_ckpt.format.layout import MANIFEST_NAME
 from tiered_ckpt.io.hashing import hash_stream
+from tiered_ckpt.tiers import pruning
 from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.remote import RemoteTier, RetryPolicy, is_transient
@@ -37,7 +38,7 @@ def upload_all(tier, directory, manifest):
 
 def download(tier, step, record, root):
     """Stream a shard into a step of a local tier at ``root`` through the store, as a restore does."""
-    store = TieredStore(LocalTier(root), tier)
+    store = TieredStore([LocalTier(root), tier])
     with store.local.lock():
         store.local.new_step_dir(step)
         store.download_shard(step, record)
@@ -288,8 +289,8 @@ def test_a_url_with_glob_characters_touches_only_its_own_steps(remote_url, saved
     assert tier.list_steps() == ([3, 4], [])
     target = download(tier, 4, manifest.shard(1), tmp_path / "downloaded")
     assert target.read_bytes() == (directory / manifest.shard(1).path).read_bytes()
-    store = TieredStore(LocalTier(tmp_path / "local-of-the-run"), tier)
-    assert store.retain_remote(RetentionPolicy(keep_last=1)) == [3]
+    store = TieredStore([LocalTier(tmp_path / "local-of-the-run"), tier], {"remote": RetentionPolicy(keep_last=1)})
+    assert pruning.retain(store, tier) == [3]
     tier.delete_step(4)
     assert tier.list_steps() == ([], [])
     for sibling in siblings:

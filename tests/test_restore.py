@@ -262,7 +262,7 @@ def test_a_failed_check_of_the_caller_is_raised_by_restore_and_locate_inside_the
     with CheckpointManager(tmp_path, world_size=2) as manager:
         manager.save(1, many_arrays(2, 3), blocking=True)
     tier = LocalTier(tmp_path)
-    restorer = Restorer(TieredStore(tier, None), SingleProcessCoordinator(2), 2)
+    restorer = Restorer(TieredStore([tier]), SingleProcessCoordinator(2), 2)
     refused = Attempt(error=UsageError("the caller's check failed"))
     arguments = {"world_size": 2, "reshard": False, "verify": "full", "into": None, "missing_ok": False}
     with tier.lock():

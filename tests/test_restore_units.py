@@ -32,7 +32,7 @@ def rank_states(world_size, step):
 
 @pytest.fixture
 def store(tmp_path):
-    store = TieredStore(LocalTier(tmp_path / "ckpt"))
+    store = TieredStore([LocalTier(tmp_path / "ckpt")])
     with store.local.lock():
         yield store
 

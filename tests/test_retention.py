@@ -6,10 +6,11 @@ import pytest
 from conftest import launch_ranks
 from tiered_ckpt import ConfigError, save_sharded
 from tiered_ckpt.format.layout import shard_name, step_dir_name
+from tiered_ckpt.tiers import pruning
 from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.remote import RemoteTier
-from tiered_ckpt.tiers.retention import RetentionPolicy, awaiting_upload, protected_locally, retainable
+from tiered_ckpt.tiers.retention import RetentionPolicy, awaiting, protected, retainable
 from tiered_ckpt.tiers.store import TieredStore
 
 
@@ -42,21 +43,21 @@ def test_bad_keep_values_are_refused_naming_the_field(value):
         RetentionPolicy(keep_every=value)
 
 
-def test_awaiting_upload_protects_unreceipted_pending_and_newer_steps():
+def test_awaiting_protects_unreceipted_pending_and_newer_steps():
     steps = [1, 2, 3, 4, 5]
     # 2 and 4 are committed remotely; 3 was skipped (superseded by 4); 5 is newer than any commit
-    assert awaiting_upload(steps, receipted={2, 4}, pending=()) == {5}
-    assert awaiting_upload(steps, receipted={2, 4}, pending=(3,)) == {3, 5}
-    assert awaiting_upload(steps, receipted=set(), pending=()) == set(steps)
+    assert awaiting(steps, receipted={2, 4}, pending=()) == {5}
+    assert awaiting(steps, receipted={2, 4}, pending=(3,)) == {3, 5}
+    assert awaiting(steps, receipted=set(), pending=()) == set(steps)
 
 
 def test_a_bound_protects_only_the_newest_waiting_steps_and_those_queued():
     steps = list(range(1, 11))  # the bucket has been down since step 2
-    assert protected_locally(steps, receipted={1}, pending=(), limit=None) == set(range(2, 11))
-    assert protected_locally(steps, receipted={1}, pending=(), limit=3) == {8, 9, 10}
-    assert protected_locally(steps, receipted={1}, pending=(4,), limit=3) == {4, 8, 9, 10}  # queued: kept
+    assert protected(steps, receipted={1}, pending=(), limit=None) == set(range(2, 11))
+    assert protected(steps, receipted={1}, pending=(), limit=3) == {8, 9, 10}
+    assert protected(steps, receipted={1}, pending=(4,), limit=3) == {4, 8, 9, 10}  # queued: kept
     policy = RetentionPolicy(keep_last=1, max_awaiting_upload=3)
-    assert policy.to_delete(steps, protected_locally(steps, {1}, (), policy.max_awaiting_upload)) == list(range(1, 8))
+    assert policy.to_delete(steps, protected(steps, {1}, (), policy.max_awaiting_upload)) == list(range(1, 8))
     with pytest.raises(ConfigError, match="max_awaiting_upload"):
         RetentionPolicy(max_awaiting_upload=0)
 
@@ -108,7 +109,7 @@ def per_rank_store(tmp_path: Path, remote=None, uploaded: tuple[int, ...] = ()) 
     """Rank 0's directory of a 2-rank job holding steps 1 and 2 (its own shard of each); the
     steps ``uploaded`` are committed in ``remote`` with their receipts."""
     root = tmp_path / "rank-0"
-    store = TieredStore(LocalTier(root), RemoteTier(*remote) if remote is not None else None)
+    store = TieredStore([LocalTier(root), *([RemoteTier(*remote)] if remote is not None else [])])
     for step in (1, 2):
         states = [{"w": np.arange(64, dtype=np.float32) + step}, {"w": np.zeros(64, dtype=np.float32)}]
         directory = root / step_dir_name(step)
@@ -125,11 +126,11 @@ def per_rank_store(tmp_path: Path, remote=None, uploaded: tuple[int, ...] = ()) 
 
 def test_retention_of_a_rank_directory_deletes_only_below_a_step_every_rank_committed(tmp_path):
     store = per_rank_store(tmp_path)
-    policy = RetentionPolicy(keep_last=1)
+    store.retention = {"local": RetentionPolicy(keep_last=1)}
     with store.local.lock():
-        assert store.local_to_delete(policy) == []  # step 2 is this rank's commit only
-        assert store.retain_local(policy) == [] and store.local.steps() == [1, 2]
-        assert store.retain_local(policy, complete=2) == [1]  # the ranks agreed on step 2's commit
+        assert pruning.to_delete(store, store.local) == []  # step 2 is this rank's commit only
+        assert pruning.retain(store, store.local) == [] and store.local.steps() == [1, 2]
+        assert pruning.retain(store, store.local, complete=2) == [1]  # the ranks agreed on step 2's commit
         assert store.local.steps() == [2]
 
 
@@ -139,11 +140,13 @@ def test_retention_after_a_remote_commit_never_counts_this_ranks_own_newer_commi
     the bucket is known complete on every rank; step 2 is this rank's own commit."""
     store = per_rank_store(tmp_path, memory_url, uploaded)
     with store.local.lock():
-        assert store.retain_local(RetentionPolicy(keep_last=1)) == []
-        assert store.retain_local(RetentionPolicy(keep_last=1, max_awaiting_upload=1)) == []
+        store.retention = {"local": RetentionPolicy(keep_last=1)}
+        assert pruning.retain(store, store.local) == []
+        store.retention = {"local": RetentionPolicy(keep_last=1, max_awaiting_upload=1)}
+        assert pruning.retain(store, store.local) == []
         assert store.local.steps() == [1, 2]
         # once the ranks agreed on step 2, step 1 may go (with max_awaiting_upload=1 even unuploaded)
-        assert store.retain_local(RetentionPolicy(keep_last=1, max_awaiting_upload=1), complete=2) == [1]
+        assert pruning.retain(store, store.local, complete=2) == [1]
 
 
 def test_only_steps_no_newer_than_the_newest_complete_one_are_weighed():

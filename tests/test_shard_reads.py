@@ -31,7 +31,7 @@ def saved(tmp_path, memory_url):
         manager.wait(uploaded=True)
     tier = LocalTier(tmp_path / "node")
     with tier.lock():
-        yield TieredStore(tier, RemoteTier(url, options))
+        yield TieredStore([tier, RemoteTier(url, options)])
 
 
 def test_a_read_of_every_rank_returns_the_verified_states_and_each_shards_tier(saved):

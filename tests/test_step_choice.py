@@ -50,7 +50,7 @@ def saved(tmp_path):
             manager.save(step, [{"w": np.full(4, rank, np.float32)} for rank in range(2)], blocking=True)
     tier = LocalTier(tmp_path)
     with tier.lock():
-        yield StepChooser(TieredStore(tier, None), SingleProcessCoordinator(2), 2)
+        yield StepChooser(TieredStore([tier]), SingleProcessCoordinator(2), 2)
 
 
 def test_the_chooser_agrees_on_the_newest_step_or_the_one_asked_for(saved):
@@ -70,7 +70,7 @@ def test_a_step_not_committed_is_refused_naming_the_committed_ones(saved):
 def test_nothing_anywhere_is_no_step_only_when_missing_is_ok(tmp_path):
     tier = LocalTier(tmp_path)
     with tier.lock():
-        chooser = StepChooser(TieredStore(tier, None), SingleProcessCoordinator(1), 1)
+        chooser = StepChooser(TieredStore([tier]), SingleProcessCoordinator(1), 1)
         assert chooser.agree(None, "{}", 1, True, CHECKED).choice.step is None
         with pytest.raises(IncompleteCheckpointError, match=": no committed checkpoint to restore$"):
             chooser.agree(None, "{}", 1, False, CHECKED)

@@ -1,16 +1,19 @@
-"""The store's chain (local copy, else the bucket, verified and landed locally) on real files."""
+"""The store's chain (the local copy, else each later tier in order, verified and landed locally) on real files."""
 
 import os
 
 import numpy as np
 import pytest
+from memory_tier import MemoryTier
 
 from conftest import flip_byte
 from tiered_ckpt import ChecksumMismatchError, IncompleteCheckpointError, UsageError, cli, load_sharded, save_sharded
 from tiered_ckpt.format.layout import step_dir_name
+from tiered_ckpt.tiers import survey
 from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.remote import RemoteTier
+from tiered_ckpt.tiers.retention import RetentionPolicy
 from tiered_ckpt.tiers.store import TieredStore
 
 
@@ -20,7 +23,7 @@ def two_tiers(tmp_path, memory_url):
     states = [{"w": np.arange(4096, dtype=np.float32) + rank} for rank in range(2)]
     manifest = save_sharded(states, tmp_path / "ckpt" / step_dir_name(3), step=3)
     url, options = memory_url
-    store = TieredStore(LocalTier(tmp_path / "ckpt"), RemoteTier(url, options))
+    store = TieredStore([LocalTier(tmp_path / "ckpt"), RemoteTier(url, options)])
     for record in manifest.shards:
         store.remote.land_shard(3, record, ShardSource(path=store.local.shard_path(3, record)))
     store.remote.commit(manifest)
@@ -81,7 +84,7 @@ def test_no_copy_verifies_names_every_copy_tried(two_tiers):
 
 def test_without_a_bucket_a_damaged_shard_fails_as_it_is(two_tiers):
     store, manifest, _states = two_tiers
-    local_only = TieredStore(store.local)
+    local_only = TieredStore([store.local])
     store.local.shard_path(3, manifest.shard(0)).unlink()
     with pytest.raises(IncompleteCheckpointError, match="file is missing"):
         local_only.fetch_shard(3, manifest.shard(0))
@@ -91,10 +94,10 @@ def test_without_a_bucket_a_damaged_shard_fails_as_it_is(two_tiers):
 
 def test_status_and_verify_see_both_tiers(two_tiers):
     store, manifest, _states = two_tiers
-    [status] = store.status()
-    assert (status.step, status.local, status.remote) == (3, "committed", "committed")
+    [status] = survey.status(store)
+    assert (status.step, dict(status.states)) == (3, {"local": "committed", "remote": "committed"})
     assert status.manifest == manifest
-    checks = store.verify()
+    checks = survey.verify(store)
     assert sorted((c.tier, c.rank, c.status) for c in checks) == [
         ("local", 0, "ok"),
         ("local", 1, "ok"),
@@ -105,7 +108,7 @@ def test_status_and_verify_see_both_tiers(two_tiers):
 
 def test_pull_fills_an_empty_local_tier(two_tiers, tmp_path):
     store, manifest, states = two_tiers
-    fresh = TieredStore(LocalTier(tmp_path / "fresh"), store.remote)
+    fresh = TieredStore([LocalTier(tmp_path / "fresh"), store.remote])
     with fresh.local.lock():
         step, sources = fresh.pull()
     assert step == 3 and sources == {0: "remote", 1: "remote"}
@@ -141,7 +144,7 @@ def chunked_tiers(tmp_path, memory_url):
         manifest = write_checkpoint(tier, [FlatState(arrays, structure)], 3, sharded_keys=(), numels=[0])
     assert isinstance(manifest, ShardManifest) and {c.name for c in manifest.shard(0).chunks} == {"a", "b"}
     url, options = memory_url
-    store = TieredStore(LocalTier(tmp_path / "ckpt"), RemoteTier(url, options))
+    store = TieredStore([LocalTier(tmp_path / "ckpt"), RemoteTier(url, options)])
     store.remote.land_shard(3, manifest.shard(0), ShardSource(path=store.local.shard_path(3, manifest.shard(0))))
     store.remote.commit(manifest)
     with store.local.lock():
@@ -174,7 +177,7 @@ def test_a_damaged_part_without_a_bucket_is_a_checksum_mismatch_naming_the_file(
     offset = 20 if where == "header" else byte_of(store, manifest, "a")
     flip_byte(store.local.shard_path(3, manifest.shard(0)), offset)
     with pytest.raises(ChecksumMismatchError, match="rank-00000-of-00001"):
-        store.read_parts(3, manifest.shard(0), {"a"}, use_remote=False)
+        store.read_parts(3, manifest.shard(0), {"a"}, later=False)
 
 
 @pytest.mark.parametrize("verify", ["full", "fast"])
@@ -184,16 +187,16 @@ def test_a_damaged_part_is_caught_by_either_recorded_digest(chunked_tiers, verif
     store, manifest, arrays = chunked_tiers
     record = manifest.shard(0)
     assert all(len(chunk.xxh3_64) == 16 for chunk in record.chunks)  # recorded beside each sha256
-    state, _source = store.read_parts(3, record, {"a", "b"}, verify=verify, use_remote=False)
+    state, _source = store.read_parts(3, record, {"a", "b"}, verify=verify, later=False)
     assert state.arrays["b"].tobytes() == arrays["b"].tobytes()
     flip_byte(store.local.shard_path(3, record), byte_of(store, manifest, "b"))
     kind = "xxh3-64" if verify == "fast" else "sha256"
     with pytest.raises(ChecksumMismatchError, match=f"'b' do not match the {kind}"):
-        store.read_parts(3, record, {"b"}, verify=verify, use_remote=False)
+        store.read_parts(3, record, {"b"}, verify=verify, later=False)
     # A record without xxh3-64 digests (written before them): "fast" falls back to the sha256.
     old = dataclasses.replace(record, chunks=tuple(dataclasses.replace(c, xxh3_64="") for c in record.chunks))
     with pytest.raises(ChecksumMismatchError, match="'b' do not match the sha256"):
-        store.read_parts(3, old, {"b"}, verify="fast", use_remote=False)
+        store.read_parts(3, old, {"b"}, verify="fast", later=False)
 
 
 def test_any_new_shard_has_a_verifiable_header_and_an_old_record_without_one_is_refused(two_tiers):
@@ -208,7 +211,7 @@ def test_any_new_shard_has_a_verifiable_header_and_an_old_record_without_one_is_
     assert source == "local" and set(state.structure.kinds) == {"w"} and state.arrays == {}
     old = dataclasses.replace(record, header_bytes=0, header_sha256="")
     with pytest.raises(ShardFormatError, match="can only be read whole"):
-        store.read_parts(3, old, (), use_remote=False)
+        store.read_parts(3, old, (), later=False)
 
 
 # --- beside a running job: a step its retention deletes between the listing and the reading ---
@@ -219,7 +222,7 @@ def job_dirs(tmp_path, memory_url):
     """Steps 1 and 2 of 2 ranks in a local tier and committed in a memory bucket, without receipts
     (as the CLI sees a running job's directory: steps 1 and 2 waiting for upload)."""
     url, options = memory_url
-    store = TieredStore(LocalTier(tmp_path / "ckpt"), RemoteTier(url, options))
+    store = TieredStore([LocalTier(tmp_path / "ckpt"), RemoteTier(url, options)])
     for step in (1, 2):
         states = [{"w": np.arange(1024, dtype=np.float32) + rank + step} for rank in range(2)]
         manifest = save_sharded(states, store.local.step_dir(step), step=step)
@@ -253,9 +256,9 @@ def delete_step(root, step) -> None:
 
 
 def test_verify_skips_a_local_step_deleted_while_its_shards_are_checked(job_dirs, monkeypatch):
-    store = TieredStore(job_dirs.local)  # the local tier only
+    store = TieredStore([job_dirs.local])  # the local tier only
     delete_first(monkeypatch, store.local, "check_shard", 1, delete_locally(store, 1))
-    checks = store.verify()
+    checks = survey.verify(store)
     assert [(c.step, c.rank, c.status) for c in checks] == [(2, 0, "ok"), (2, 1, "ok")]
 
 
@@ -263,7 +266,7 @@ def test_verify_skips_a_step_whose_manifest_is_deleted_before_it_is_read_in_eith
     store = job_dirs
     delete_first(monkeypatch, store.local, "manifest", 1, delete_locally(store, 1))
     delete_first(monkeypatch, store.remote, "read_manifest", 2, lambda: store.remote.delete_step(2))
-    checks = store.verify()
+    checks = survey.verify(store)
     assert sorted((c.step, c.tier, c.status) for c in checks) == [
         (1, "remote", "ok"), (1, "remote", "ok"), (2, "local", "ok"), (2, "local", "ok"),
     ]  # fmt: skip
@@ -272,29 +275,30 @@ def test_verify_skips_a_step_whose_manifest_is_deleted_before_it_is_read_in_eith
 def test_verify_skips_a_remote_step_deleted_while_its_objects_are_checked(job_dirs, monkeypatch):
     store = job_dirs
     delete_first(monkeypatch, store.remote, "check_shard", 1, lambda: store.remote.delete_step(1))
-    checks = store.verify()
+    checks = survey.verify(store)
     assert [(c.step, c.tier) for c in checks if c.status != "ok"] == []
     assert sorted((c.step, c.tier) for c in checks) == [(1, "local")] * 2 + [(2, "local")] * 2 + [(2, "remote")] * 2
 
 
 def test_a_missing_shard_of_a_step_still_committed_is_a_failure(job_dirs):
-    store = TieredStore(job_dirs.local)
+    store = TieredStore([job_dirs.local])
     store.local.shard_path(1, store.local.manifest(1).shard(1)).unlink()
-    failed = [c for c in store.verify() if c.status == "failed"]
+    failed = [c for c in survey.verify(store) if c.status == "failed"]
     assert [(c.step, c.rank) for c in failed] == [(1, 1)] and "file is missing" in failed[0].problem
 
 
 def test_status_and_lag_leave_out_a_step_deleted_before_its_manifest_is_read(job_dirs, monkeypatch):
     store = job_dirs
     delete_first(monkeypatch, store.local, "manifest", 1, delete_locally(store, 1))
-    lag = store.lag()  # steps 1 and 2 have no receipt: both were waiting
+    lag = survey.lag(store)  # steps 1 and 2 have no receipt: both were waiting
     assert [step for step, _size in lag.waiting] == [2]
     assert LocalTier(store.local.root).steps() == [2]
     delete_first(monkeypatch, store.local, "manifest", 2, delete_locally(store, 2))
-    rows = store.status()  # step 2 is still in the bucket: shown there only
-    assert [(row.step, row.local, row.remote) for row in rows] == [(1, "-", "committed"), (2, "-", "committed")]
-    local_only = TieredStore(LocalTier(store.local.root))
-    assert local_only.status() == [] and local_only.lag().newest_local is None
+    rows = survey.status(store)  # step 2 is still in the bucket: shown there only
+    in_the_bucket_only = {"local": "-", "remote": "committed"}
+    assert [(row.step, dict(row.states)) for row in rows] == [(1, in_the_bucket_only), (2, in_the_bucket_only)]
+    local_only = TieredStore([LocalTier(store.local.root)])
+    assert survey.status(local_only) == [] and survey.lag(local_only).newest["local"] is None
 
 
 def test_the_cli_verify_beside_a_running_job_skips_the_step_its_retention_deletes(job_dirs, monkeypatch, capsys):
@@ -367,7 +371,7 @@ def test_an_io_error_without_a_bucket_is_an_incomplete_checkpoint_naming_the_fil
     path = store.local.shard_path(3, manifest.shard(0))
     fail_reads_of(monkeypatch, path)
     with pytest.raises(IncompleteCheckpointError, match=f"rank 0 shard {path}: read error") as caught:
-        TieredStore(store.local).fetch_shard(3, manifest.shard(0))
+        TieredStore([store.local]).fetch_shard(3, manifest.shard(0))
     assert isinstance(caught.value.__cause__, OSError) and caught.value.__cause__.errno == errno.EIO
     with pytest.raises(IncompleteCheckpointError, match=f"rank 0 shard {path}: read error"):
         load_sharded(store.local.step_dir(3), expected_world_size=2)
@@ -381,7 +385,7 @@ def test_an_io_error_in_a_partial_read_takes_the_arrays_from_the_bucket(tmp_path
     from test_replicas import chunked_states
 
     manifest = save_sharded(chunked_states(2), tmp_path / "ckpt" / step_dir_name(3), step=3)
-    store = TieredStore(LocalTier(tmp_path / "ckpt"), RemoteTier(*memory_url))
+    store = TieredStore([LocalTier(tmp_path / "ckpt"), RemoteTier(*memory_url)])
     for record in manifest.shards:
         store.remote.land_shard(3, record, ShardSource(path=store.local.shard_path(3, record)))
     store.remote.commit(manifest)
@@ -402,5 +406,106 @@ def test_an_io_error_in_a_partial_read_takes_the_arrays_from_the_bucket(tmp_path
     assert "step 3 rank 0: read it instead from memory://" in warning
     assert f"rank 0 shard {path}: read error: Input/output error" in warning
     with pytest.raises(IncompleteCheckpointError, match=f"rank 0 shard {path}: read error") as caught:
-        TieredStore(store.local).read_parts(3, record, ["weight"])
+        TieredStore([store.local]).read_parts(3, record, ["weight"])
     assert caught.value.__cause__.errno == errno.EIO
+
+
+# -- a store of more tiers than a disk and a bucket ------------------------------------------
+
+
+@pytest.fixture
+def three_tiers(tmp_path, memory_url):
+    """Step 3 of 2 ranks on the local disk, in a partner's memory (not durable) and in a bucket."""
+    states = [{"w": np.arange(4096, dtype=np.float32) + rank} for rank in range(2)]
+    manifest = save_sharded(states, tmp_path / "ckpt" / step_dir_name(3), step=3)
+    peer, bucket = MemoryTier("peer"), RemoteTier(*memory_url)
+    store = TieredStore([LocalTier(tmp_path / "ckpt"), peer, bucket])
+    for tier in (peer, bucket):
+        for record in manifest.shards:
+            tier.land_shard(3, record, ShardSource(path=store.local.shard_path(3, record)))
+        tier.commit(manifest)
+    with store.local.lock():
+        yield store, peer, bucket, manifest, states
+
+
+def test_the_chain_walks_the_tiers_in_order_and_the_nearest_copy_that_verifies_wins(three_tiers):
+    store, peer, _bucket, manifest, states = three_tiers
+    record = manifest.shard(0)
+    flip_byte(store.local.shard_path(3, record), 100)
+    state, source = store.fetch_shard(3, record)
+    assert source == "peer" and state.arrays["w"].tobytes() == states[0]["w"].tobytes()
+    assert store.local.check_shard(3, record) is None  # refilled from the partner
+    flip_byte(store.local.shard_path(3, record), 100)
+    del peer.shards[(3, record.path)]  # the partner lost it too
+    state, source = store.fetch_shard(3, record)
+    assert source == "remote" and state.arrays["w"].tobytes() == states[0]["w"].tobytes()
+    assert store.fetch_shard(3, record)[1] == "local"
+
+
+def test_a_shard_no_tier_holds_intact_is_an_error_naming_every_copy_tried(three_tiers):
+    store, peer, bucket, manifest, _states = three_tiers
+    record = manifest.shard(1)
+    flip_byte(store.local.shard_path(3, record), 7)
+    peer.shards[(3, record.path)] = b"not the shard"
+    bucket.backend.fs.rm_file(f"{bucket.backend.root}/{step_dir_name(3)}/{record.path}")
+    with pytest.raises(ChecksumMismatchError, match="rank 1: no copy verifies") as caught:
+        store.fetch_shard(3, record)
+    message = str(caught.value)
+    for copy in (f"local {store.local.shard_path(3, record)}", f"peer {peer.shard_location(3, record)}", "remote "):
+        assert copy in message
+    assert message.count("remote ") == 2  # a later tier is tried twice
+
+
+def test_parts_of_a_shard_come_from_the_nearest_tier_that_serves_ranges(tmp_path, memory_url):
+    from test_replicas import chunked_states
+
+    manifest = save_sharded(chunked_states(2), tmp_path / "ckpt" / step_dir_name(3), step=3)
+    peer = MemoryTier("peer")
+    store = TieredStore([LocalTier(tmp_path / "ckpt"), peer, RemoteTier(*memory_url)])  # the bucket is empty
+    record = manifest.shard(1)
+    peer.land_shard(3, record, ShardSource(path=store.local.shard_path(3, record)))
+    store.local.shard_path(3, record).unlink()
+    state, source = store.read_parts(3, record, ["weight"])
+    assert source == "peer" and state.arrays["weight"].tobytes() == chunked_states(2)[1]["weight"].data.tobytes()
+    assert store.local.check_shard(3, record) is not None  # a ranged read refills nothing
+    with pytest.raises(IncompleteCheckpointError, match="file is missing"):
+        store.read_parts(3, record, ["weight"], later=False)
+
+
+def test_status_lag_and_verify_name_every_tier(three_tiers, tmp_path):
+    store, peer, _bucket, manifest, _states = three_tiers
+    save_sharded([{"w": np.zeros(8, np.float32)}] * 2, tmp_path / "ckpt" / step_dir_name(4), step=4)
+    rows = survey.status(store)
+    assert [(row.step, dict(row.states)) for row in rows] == [
+        (3, {"local": "committed", "peer": "committed", "remote": "committed"}),
+        (4, {"local": "committed", "peer": "-", "remote": "uploading"}),  # no receipt of a memory's commit
+    ]
+    lag = survey.lag(store)
+    assert dict(lag.newest) == {"local": 4, "peer": 3, "remote": 3}
+    assert [step for step, _bytes in lag.waiting] == [3, 4]  # no receipts: step 3 too waits for the bucket
+    assert {key: lag.to_dict()[key] for key in ("newest_local", "newest_peer", "newest_remote")} == dict(
+        newest_local=4, newest_peer=3, newest_remote=3
+    )
+    peer.shards[(3, manifest.shard(0).path)] = b"x"
+    checks = survey.verify(store, 3)
+    assert [(check.tier, check.rank, check.status) for check in checks] == [
+        ("local", 0, "ok"), ("local", 1, "ok"), ("peer", 0, "failed"), ("peer", 1, "ok"),
+        ("remote", 0, "ok"), ("remote", 1, "ok"),
+    ]  # fmt: skip
+    assert [check.tier for check in survey.verify(store, 3, later_only=True)] == ["peer"] * 2 + ["remote"] * 2
+    with pytest.raises(IncompleteCheckpointError, match="step 4 is committed in no tier checked"):
+        survey.verify(store, 4, later_only=True)  # on the local disk only
+
+
+def test_a_store_refuses_tiers_it_cannot_compose_naming_them(tmp_path):
+    local = LocalTier(tmp_path / "ckpt")
+    with pytest.raises(UsageError, match="first tier is this node's disk"):
+        TieredStore([MemoryTier("peer"), local])
+    with pytest.raises(UsageError, match=r"names of their own, got \['local', 'peer', 'peer'\]"):
+        TieredStore([local, MemoryTier("peer"), MemoryTier("peer")])
+    with pytest.raises(UsageError, match=r"retention names tiers the store does not have: \['remote'\]"):
+        TieredStore([local], {"remote": RetentionPolicy(keep_last=1)})
+    store = TieredStore([local, MemoryTier("peer")])
+    assert store.remote is None and store.tier("peer").name == "peer"  # a memory is no bucket
+    with pytest.raises(UsageError, match="no tier 'remote'"):
+        store.tier("remote")

@@ -9,15 +9,18 @@ import threading
 
 import numpy as np
 import pytest
+from memory_tier import MemoryTier
 
 from tiered_ckpt.dist.coordination import SingleProcessCoordinator
 from tiered_ckpt.dist.sharding import resolve_sharded_keys, sharding_summary
+from tiered_ckpt.engine.replication import Replicator
 from tiered_ckpt.engine.writer import BACKGROUND_NICENESS, SaveHandle, Writer, check_cpus
 from tiered_ckpt.errors import ConfigError, ErrorBox, SaveError, ShardCountMismatchError, UsageError
 from tiered_ckpt.format.layout import MANIFEST_NAME, step_dir_name
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.state import flatten
 from tiered_ckpt.tiers.local import LocalTier
+from tiered_ckpt.tiers.remote import RemoteTier
 from tiered_ckpt.tiers.retention import RetentionPolicy
 from tiered_ckpt.tiers.store import TieredStore
 
@@ -34,7 +37,7 @@ class Harness:
     """A store locked on ``root`` and a writer saving ``world_size`` ranks from this process."""
 
     def __init__(self, root, world_size=2, retention=None, processes_ranks=None, cpus=None):
-        self.store = TieredStore(LocalTier(root))
+        self.store = TieredStore([LocalTier(root)], {"local": retention or RetentionPolicy()})
         self.errors = ErrorBox()
         self._lock = self.store.local.lock()
         self._lock.__enter__()
@@ -44,7 +47,6 @@ class Harness:
             coordinator,
             world_size=world_size,
             errors=self.errors,
-            retention=retention or RetentionPolicy(),
             cpus=cpus,
         )
 
@@ -192,9 +194,9 @@ def test_a_save_that_fails_after_its_shards_landed_leaves_nothing_behind(harness
 
 
 def test_a_writer_whose_tier_is_not_locked_fails_the_save_and_writes_nothing(tmp_path):
-    store = TieredStore(LocalTier(tmp_path / "ckpt"))
+    store = TieredStore([LocalTier(tmp_path / "ckpt")])
     errors = ErrorBox()
-    writer = Writer(store, SingleProcessCoordinator(1), world_size=1, errors=errors, retention=RetentionPolicy())
+    writer = Writer(store, SingleProcessCoordinator(1), world_size=1, errors=errors)
     try:
         flat = [flatten(rank_states(1)[0], "rank 0")]
         handle = writer.submit(1, flat, (), [0])
@@ -283,3 +285,30 @@ def test_the_background_threads_run_niced_on_the_cpus_given_and_the_caller_is_le
         assert niceness == min(19, before_nice + BACKGROUND_NICENESS) and (niceness > before_nice or niceness == 19)
     assert os.sched_getaffinity(0) == before
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before_nice
+
+
+# -- the first stage of replication --------------------------------------------------------
+
+
+def test_the_writer_hands_each_commit_to_every_next_stage(tmp_path, memory_url):
+    peer, bucket = MemoryTier("peer"), RemoteTier(*memory_url)
+    store = TieredStore([LocalTier(tmp_path / "ckpt"), peer, bucket])
+    errors = ErrorBox()
+    with store.local.lock():
+        stages = [Replicator(store, peer, errors=errors), Replicator(store, errors=errors)]  # the bucket by default
+        writer = Writer(store, SingleProcessCoordinator(1), world_size=1, errors=errors, replicators=stages)
+        try:
+            for step in (1, 2):
+                flat = [flatten({"w": np.full(64, step, np.float32)}, "rank 0")]
+                keys, numels = resolve_sharded_keys([sharding_summary(flat[0].arrays)], None, flat=True)
+                writer.submit(step, flat, keys, numels).wait()
+            writer.close()
+            for stage in stages:
+                stage.wait()
+            errors.raise_first()
+            assert peer.steps() == bucket.steps() == [1, 2]
+            assert [store.receipted(step, bucket) for step in (1, 2)] == [True, True]
+            assert [store.receipted(step, peer) for step in (1, 2)] == [False, False]
+        finally:
+            for stage in stages:
+                stage.close()

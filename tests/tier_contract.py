@@ -103,7 +103,19 @@ class TierContract:
         assert isinstance(tier, Tier)
         assert isinstance(tier.capabilities, Capabilities)
         assert isinstance(tier.name, str) and tier.name
-        assert tier.steps() == [] and tier.uncommitted_steps() == []
+        assert isinstance(tier.url, str) and tier.url
+        assert tier.steps() == [] and tier.uncommitted_steps() == [] and tier.list_steps() == ([], [])
+
+    def test_one_listing_says_what_the_two_do(self, tier):
+        self.commit_step(tier, 2)
+        manifest = manifest_of(5)
+        tier.land_shard(5, manifest.shards[0], writing(shard_bytes(5, 0)))
+        assert tier.list_steps() == (tier.steps(), tier.uncommitted_steps()) == ([2], [5])
+
+    def test_a_shard_is_named_by_where_the_tier_keeps_it(self, tier):
+        record = self.commit_step(tier, 3).shards[1]
+        location = tier.shard_location(3, record)
+        assert record.path in location and tier.url.rstrip("/") in location
 
     # -- visibility ----------------------------------------------------------------------
 

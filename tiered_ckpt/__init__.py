@@ -27,7 +27,8 @@ from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.manager import CheckpointManager, RestoreResult, SaveHandle
 from tiered_ckpt.oneshot import load_sharded, save_sharded
 from tiered_ckpt.options import LocalOptions, RemoteOptions, UploadOptions
-from tiered_ckpt.tiers.store import Lag, TieredStore
+from tiered_ckpt.tiers.store import TieredStore
+from tiered_ckpt.tiers.survey import Lag
 
 __all__ = [
     "CheckpointManager",

@@ -22,11 +22,12 @@ from typing import Any
 from tqdm import tqdm
 
 from tiered_ckpt import __version__
+from tiered_ckpt.compose import open_store
 from tiered_ckpt.config import ENV_PREFIX, Config, load_config
-from tiered_ckpt.engine.uploader import Uploader
+from tiered_ckpt.engine.replication import Replicator
 from tiered_ckpt.errors import CheckpointError, ConfigError, IncompleteCheckpointError, UsageError
 from tiered_ckpt.format.layout import MANIFEST_NAME, parse_step_dir_name
-from tiered_ckpt.tiers.local import LocalTier
+from tiered_ckpt.tiers import pruning, survey
 from tiered_ckpt.tiers.store import TieredStore
 
 __all__ = ["main", "DESCRIPTION", "EPILOG"]
@@ -65,8 +66,7 @@ exit codes:
 
 
 def _store(config: Config) -> TieredStore:
-    remote = config.remote.open_tier(config.upload) if config.remote is not None else None
-    return TieredStore(LocalTier(config.local.dir), remote)
+    return open_store(config.local, config.remote, config.remote.open_tier(config.upload) if config.remote else None)
 
 
 # The option of each load_config argument the command line passes (a config's "argument X").
@@ -124,15 +124,16 @@ def command_ls(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     """Every step either tier knows of. A step whose manifest is damaged is listed and marked
     (its problem in ``problem``, and on stderr); the command still exits 0, since the listing
     itself succeeded: ``tiered-ckpt verify`` exits 1 for it."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     now = time.time()
-    for status in _store(config).status():
+    store = _store(config)
+    names = [tier.name for tier in store.tiers]
+    for status in survey.status(store):
         manifest = status.manifest
         rows.append(
             {
                 "step": status.step,
-                "local": _absent(status.local),
-                "remote": _absent(status.remote),
+                **{name: _absent(state) for name, state in status.states.items()},
                 "world_size": manifest.world_size if manifest else None,
                 "local_ranks": list(status.held_ranks) if status.held_ranks is not None else None,
                 "bytes": manifest.total_bytes if manifest else None,
@@ -140,16 +141,17 @@ def command_ls(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
                 "problem": status.problem,
             }
         )
-    lines = [f"{'STEP':>12}  {'LOCAL':<10} {'REMOTE':<10} {'RANKS':>5} {'SIZE':>10} {'AGE':>10}"]
+    columns = "".join(f"{name.upper():<10} " for name in names)
+    lines = [f"{'STEP':>12}  {columns}{'RANKS':>5} {'SIZE':>10} {'AGE':>10}"]
     for row in rows:
         size = human_size(row["bytes"]) if row["bytes"] is not None else "-"
         age = f"{row['age_seconds'] / 60:.1f}m" if row["age_seconds"] is not None else "-"
         ranks = row["world_size"] or "-"
         if row["local_ranks"] is not None and len(row["local_ranks"]) < row["world_size"]:
             ranks = f"{len(row['local_ranks'])}/{row['world_size']}"  # a node of a multi-process job
-        local, remote = row["local"] or "-", row["remote"] or "-"
+        states = "".join(f"{row[name] or '-':<10} " for name in names)
         damaged = "  DAMAGED" if row["problem"] else ""
-        lines.append(f"{row['step']:>12}  {local:<10} {remote:<10} {ranks:>5} {size:>10} {age:>10}{damaged}")
+        lines.append(f"{row['step']:>12}  {states}{ranks:>5} {size:>10} {age:>10}{damaged}")
     for row in rows:
         if row["problem"]:
             print(
@@ -164,8 +166,8 @@ def command_verify(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     if args.remote and store.remote is None:
         raise UsageError("verify --remote needs a remote tier (remote.url, --remote-url or TIERED_CKPT_REMOTE_URL)")
     with _progress("verify", unit="shard") as bar:
-        checks = store.verify(args.step, progress=lambda _check: bar.update(), remote_only=args.remote)
-    results = [
+        checks = survey.verify(store, args.step, progress=lambda _check: bar.update(), later_only=args.remote)
+    results: list[dict[str, Any]] = [
         {"step": c.step, "tier": c.tier, "rank": c.rank, "status": c.status, "problem": c.problem} for c in checks
     ]
     failures = [r for r in results if r["status"] == "failed"]
@@ -189,7 +191,7 @@ def command_pull(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     store = _store(config)
     with store.local.lock(), _progress("pull", unit="B") as bar:
         step, sources = store.pull(args.step, progress=lambda record, _source: bar.update(record.size_bytes))
-    fetched = sorted(rank for rank, source in sources.items() if source == "remote")
+    fetched = sorted(rank for rank, source in sources.items() if source != store.local.name)
     return EXIT_OK, (
         {"step": step, "downloaded_ranks": fetched},
         f"step {step}: {len(fetched)} shards downloaded, {len(sources) - len(fetched)} already local",
@@ -206,14 +208,7 @@ def command_push(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     local = store.local.steps()
     if args.step is not None and args.step not in local:
         raise IncompleteCheckpointError(f"{store.local.root}: step {args.step} is not committed locally")
-    remote_retention = config.remote.retention if config.remote is not None else None
-    start = functools.partial(
-        Uploader,
-        store,
-        options=config.upload,
-        local_retention=config.local.retention,
-        remote_retention=remote_retention,
-    )
+    start = functools.partial(Replicator, store, store.remote, policy=config.upload.replication)
     failures: list[CheckpointError] = []
     with store.local.lock(), closing(start()) as uploader:
         steps = [step for step in ([args.step] if args.step is not None else local) if not store.receipted(step)]
@@ -246,32 +241,32 @@ def command_push(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
 
 def command_prune(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     store = _store(config)
-    remote = config.remote.retention if config.remote is not None else None
     deadline = config.upload.deadline_seconds
     with store.local.lock():
-        plan = store.prune(config.local.retention, remote, dry_run=args.dry_run, orphans_older_than=deadline or 3600.0)
+        plan = pruning.prune(store, dry_run=args.dry_run, orphans_older_than=deadline or 3600.0)
     verb = "would delete" if args.dry_run else "deleted"
     aborted = f"; aborted unfinished uploads: {plan['aborted']}" if plan["aborted"] else ""
     kept = ""
-    if plan["local_kept_unproven"]:
+    unproven = plan[f"{store.local.name}_kept_unproven"]
+    if unproven:
         kept = (
-            f"\nkept local steps {plan['local_kept_unproven']}: no newer step is known to be complete on every rank "
+            f"\nkept local steps {unproven}: no newer step is known to be complete on every rank "
             f"(in {store.local.root}, the directory of one rank of a multi-process job, one rank's commit proves "
             "nothing of the others); the job's own retention deletes them once its ranks agree on a newer step, "
             "or give the bucket holding a newer step (--remote-url)"
         )
     return EXIT_OK, (
         {"dry_run": args.dry_run, **plan},
-        f"{verb}: local {plan['local'] or 'none'}, remote {plan['remote'] or 'none'}{aborted}{kept}",
+        f"{verb}: " + ", ".join(f"{tier.name} {plan[tier.name] or 'none'}" for tier in store.tiers) + aborted + kept,
     )
 
 
 def command_status(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
-    lag = _store(config).lag()
+    lag = survey.lag(_store(config))
     waiting = ", ".join(f"{step} ({human_size(size)})" for step, size in lag.waiting) or "none"
     since = f", the oldest for {lag.waiting_seconds / 60:.1f} min" if lag.waiting_seconds is not None else ""
     text = (
-        f"newest local step {lag.newest_local}, newest remote step {lag.newest_remote}; "
+        ", ".join(f"newest {name} step {step}" for name, step in lag.newest.items()) + "; "
         f"{lag.steps_behind} steps waiting for upload: {waiting}{since}"
     )
     return EXIT_OK, (lag.to_dict(), text)

@@ -6,7 +6,8 @@
    over them and the restorer on it;
 2. one collective, ``open``: lock the local directory, remove what crashed saves left in
    it, and check the bucket (on every rank, so one rank's failure fails all);
-3. the uploader, which resumes what an earlier run left waiting for upload;
+3. the uploader (the :class:`~tiered_ckpt.engine.replication.Replicator` to the bucket),
+   which resumes what an earlier run left waiting for upload;
 4. the preemption notice (its signal handlers) and its watch;
 5. the writer, which hands each committed step to the uploader.
 
@@ -29,19 +30,22 @@ from typing import Any
 
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather
 from tiered_ckpt.engine.preemption import PreemptionNotice, PreemptionWatch
+from tiered_ckpt.engine.replication import Replicator
 from tiered_ckpt.engine.restore import Restorer
 from tiered_ckpt.engine.restore_result import RestoreResult
-from tiered_ckpt.engine.uploader import Uploader
 from tiered_ckpt.engine.writer import Writer
 from tiered_ckpt.errors import ConfigError, DirectoryInUseError, ErrorBox, UploadError, UsageError, restated
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.state import State
 from tiered_ckpt.io.hashing import Verify
-from tiered_ckpt.options import Options
+from tiered_ckpt.options import LocalOptions, Options, RemoteOptions
+from tiered_ckpt.tiers import pruning, survey
+from tiered_ckpt.tiers.base import Tier
 from tiered_ckpt.tiers.local import LocalTier
-from tiered_ckpt.tiers.store import Lag, TieredStore
+from tiered_ckpt.tiers.store import TieredStore
+from tiered_ckpt.tiers.survey import Lag
 
-__all__ = ["Parts", "open_parts", "check_process_layout"]
+__all__ = ["Parts", "open_parts", "open_store", "check_process_layout"]
 
 logger = logging.getLogger("tiered_ckpt")
 
@@ -74,7 +78,7 @@ class Parts:
     errors: ErrorBox
     restorer: Restorer
     writer: Writer
-    uploader: Uploader | None
+    uploader: Replicator | None
     preemption: PreemptionWatch
     opened: ExitStack
     options: Options
@@ -127,8 +131,7 @@ class Parts:
         store = self._maintenance("prune")
         if self.uploader is not None:
             self.wait(uploaded=True)
-        remote = self.options.remote.retention if self.options.remote is not None else None
-        return store.prune(self.options.local.retention, remote, dry_run=dry_run)
+        return pruning.prune(store, dry_run=dry_run)
 
     def _maintenance(self, operation: str) -> TieredStore:
         """The store for ``operation`` (pull, push, prune), once every save so far is committed locally;
@@ -178,8 +181,8 @@ class Parts:
         """The store's lag, with the uploader's pending steps, rate, last failure and retry."""
         uploader = self.uploader
         if uploader is None:
-            return self.store.lag()
-        lag = self.store.lag(uploader.pending(), uploader.newest_committed)
+            return survey.lag(self.store)
+        lag = survey.lag(self.store, uploader.pending(), uploader.newest_committed)
         failed = uploader.last_error
         retrying = uploader.retrying()
         return dataclasses.replace(
@@ -239,6 +242,15 @@ def _open_local_dir(store: TieredStore, opened: ExitStack, one_process: bool) ->
         store.remote.check_bucket()
 
 
+def open_store(local: LocalOptions, remote: RemoteOptions | None, remote_tier: Tier | None) -> TieredStore:
+    """The store the options describe: the local tier, then ``remote_tier`` if given, each with its retention."""
+    local_tier = LocalTier(local.dir)
+    retention = {local_tier.name: local.retention}
+    if remote_tier is not None and remote is not None:
+        retention[remote_tier.name] = remote.retention
+    return TieredStore([local_tier, *([remote_tier] if remote_tier is not None else [])], retention)
+
+
 def open_parts(
     options: Options,
     coordinator: Coordinator,
@@ -252,21 +264,20 @@ def open_parts(
     ranks = tuple(coordinator.local_ranks)
     one_process = len(ranks) == world_size
     remote_tier = options.remote.open_tier(options.upload, check_bucket=False) if options.remote is not None else None
-    store = TieredStore(LocalTier(options.local.dir), remote_tier)
+    store = open_store(options.local, options.remote, remote_tier)
     errors = ErrorBox()
-    uploader: Uploader | None = None
+    uploader: Replicator | None = None
     stack = ExitStack()
     try:
         gather(coordinator, "open", Done, Attempt.run(lambda: _open_local_dir(store, stack, one_process)).done)
-        if options.remote is not None:
-            uploader = Uploader(
+        if options.remote is not None and remote_tier is not None:
+            uploader = Replicator(
                 store,
-                options=options.upload,
+                remote_tier,
+                policy=options.upload.replication,
                 errors=errors,
                 coordinator=coordinator.new_channel(),
                 ranks=ranks,
-                local_retention=options.local.retention,
-                remote_retention=options.remote.retention,
                 ownership=options.remote.ownership,
             )
             stack.enter_context(closing(uploader))
@@ -281,8 +292,7 @@ def open_parts(
         coordinator,
         world_size=world_size,
         errors=errors,
-        retention=options.local.retention,
-        uploader=uploader,
+        replicators=[uploader] if uploader is not None else [],
         max_workers=max_workers,
         cpus=cpus,
     )

@@ -41,7 +41,8 @@ from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.state import State
 from tiered_ckpt.io.hashing import Verify
 from tiered_ckpt.options import LocalOptions, ManagerKeywords, RemoteOptions, UploadOptions, resolve_options
-from tiered_ckpt.tiers.store import Lag, TieredStore
+from tiered_ckpt.tiers.store import TieredStore
+from tiered_ckpt.tiers.survey import Lag
 
 __all__ = ["CheckpointManager", "SaveHandle", "RestoreResult", "StagingBuffers"]
 
@@ -299,9 +300,8 @@ class CheckpointManager:
     def status(self) -> Lag:
         """How far the bucket is behind this process's disk: the newest step of each tier, the
         steps waiting for upload with their bytes and how long the oldest has waited, the rate
-        of the last remote commits, and the last upload failure with its time (see
-        :class:`~tiered_ckpt.tiers.store.Lag`). Cheap enough to call every step: it reads local
-        manifests and lists nothing remote."""
+        of the last remote commits, and the last upload failure with its time (a
+        :class:`~tiered_ckpt.tiers.survey.Lag`). Cheap: it reads local manifests, lists no bucket."""
         return self._parts.status()
 
     @overload

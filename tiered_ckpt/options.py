@@ -18,6 +18,7 @@ from typing import Any, Literal, TypedDict
 
 import fsspec
 
+from tiered_ckpt.engine.replication import ReplicationPolicy
 from tiered_ckpt.errors import ConfigError, UsageError, invalid_option
 from tiered_ckpt.io.hashing import VERIFY_MODES, Verify
 from tiered_ckpt.tiers.owners import OtherOwners, OwnershipPolicy
@@ -252,6 +253,13 @@ class UploadOptions:
             max_backoff_seconds=self.max_backoff_seconds,
             max_seconds=self.max_seconds,
             timeout_seconds=self.timeout_seconds,
+        )
+
+    @property
+    def replication(self) -> ReplicationPolicy:
+        """The uploader's policy: its queue, concurrency, deadline and the backoff between tries of a step."""
+        return ReplicationPolicy(
+            self.concurrency, self.max_pending, self.when_behind, self.deadline_seconds, self.retry
         )
 
 

@@ -22,8 +22,8 @@ class RestoreResult:
     tuples and scalars with their types), every array as a numpy array: every rank when
     one process holds them all, this process's rank under a multi-process coordinator.
     ``sources`` maps each shard this process read (by the rank that saved it) to the
-    tier it was read from: ``"local"`` or ``"remote"``. ``bytes_read`` counts the bytes of
-    shards this process read (whole, or the parts it needed), ``seconds`` the time the
+    name of the tier it was read from (``"local"``, ``"remote"``, ...). ``bytes_read`` counts
+    the bytes of shards this process read (whole, or the parts it needed), ``seconds`` the time the
     restore took. The repr names the step, ranks, sources and sizes, never the arrays.
     """
 

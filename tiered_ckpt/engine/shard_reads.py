@@ -56,7 +56,7 @@ class PendingRead:
     ``read``: by saved rank, the verified states read (whole shards, or the parts needed),
     from the tiers in ``sources``, ``bytes_read`` bytes in all. ``from_peers``: the left-out
     arrays come from the processes holding them (else they are read here, from the bucket
-    if ``use_remote``). Whole reads: ``into`` are the caller's arrays by saved rank, resharded
+    if ``later``). Whole reads: ``into`` are the caller's arrays by saved rank, resharded
     for ``target`` ranks. Chunk reads (``plans`` not empty): per rank of this process, its
     plan and the state of DTensors (``targets``) the chunks fill.
     """
@@ -68,7 +68,7 @@ class PendingRead:
     sources: Mapping[int, Source]
     bytes_read: int
     from_peers: bool
-    use_remote: bool
+    later: bool
     into: Mapping[int, Mapping[str, np.ndarray]] = field(default_factory=dict)
     plans: tuple[ChunkPlan, ...] = ()
     targets: tuple[FlatState, ...] = ()
@@ -147,7 +147,7 @@ class ShardReader:
                         manifest.shard(wanted[index]),
                         verify=verify,
                         into=targets[index].arrays if targets is not None else None,
-                        use_remote=remote is not None,
+                        later=remote is not None,
                     ),
                     range(len(wanted)),
                     self._max_workers,
@@ -161,7 +161,7 @@ class ShardReader:
                 sources={rank: source for rank, (_state, source) in zip(wanted, fetched, strict=True)},
                 bytes_read=sum(manifest.shard(rank).size_bytes for rank in wanted),
                 from_peers=from_peers,
-                use_remote=remote is not None,
+                later=remote is not None,
                 into={rank: state.arrays for rank, state in zip(wanted, targets or (), strict=False)},
             )
             return self._completed_here(pending)
@@ -207,7 +207,7 @@ class ShardReader:
             return RestoreResult(step, unflattened, sources, self._ranks, manifest, tuple(states), pending.bytes_read)
         parts_bytes = 0
         if not pending.from_peers:
-            received, parts_bytes = self._replicas_read(step, manifest, pending.read, pending.use_remote)
+            received, parts_bytes = self._replicas_read(step, manifest, pending.read, pending.later)
         for rank, state in pending.read.items():
             into = pending.into.get(rank)
             put_back(state, manifest.shard(rank), manifest, received, into, self._store.local.step_dir(step))
@@ -215,7 +215,7 @@ class ShardReader:
         return replace(result, bytes_read=pending.bytes_read + parts_bytes)
 
     def _replicas_read(
-        self, step: int, manifest: ShardManifest, read: Mapping[int, FlatState], use_remote: bool
+        self, step: int, manifest: ShardManifest, read: Mapping[int, FlatState], later: bool
     ) -> tuple[dict[int, Mapping[str, np.ndarray]], int]:
         """By holder rank, the arrays the shards in ``read`` left to other ranks: from the
         holder's shard if it is in ``read``, else by a verified partial read of it; and the
@@ -224,7 +224,7 @@ class ShardReader:
         found: dict[int, Mapping[str, np.ndarray]] = {h: read[h].arrays for h in needed if h in read}
         absent = sorted(holder for holder in needed if holder not in read)
         parts = run_parallel(
-            lambda holder: self._store.read_parts(step, manifest.shard(holder), needed[holder], use_remote=use_remote),
+            lambda holder: self._store.read_parts(step, manifest.shard(holder), needed[holder], later=later),
             absent,
             self._max_workers,
         )
@@ -292,7 +292,7 @@ class ShardReader:
                 step,
                 manifest.shard(rank),
                 names[rank],
-                use_remote=remote is not None,
+                later=remote is not None,
                 into=direct.get(rank),
                 verify=verify,
             ),  # fmt: skip
@@ -308,7 +308,7 @@ class ShardReader:
             sources={rank: source for rank, (_state, source) in zip(ranks, fetched, strict=True)},
             bytes_read=sum(_part_bytes(manifest.shard(rank), state) for rank, state in read.items()),
             from_peers=from_peers,
-            use_remote=remote is not None,
+            later=remote is not None,
             plans=tuple(plans),
             targets=tuple(targets),
         )

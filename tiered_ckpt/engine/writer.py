@@ -11,7 +11,8 @@ A save, from the moment its call has been checked on every rank:
    every rank's shard is durable; the processes then agree that every one of them
    committed (a collective: the commit itself is agreed), and each records that
    agreement in its step (:meth:`~tiered_ckpt.tiers.local.LocalTier.mark_agreed`);
-3. the committed step goes to the uploader's queue, and the save's handle resolves;
+3. the committed step goes to the queue of each :class:`~tiered_ckpt.engine.replication.Replicator`
+   (the next stages: one per later tier fed), and the save's handle resolves;
 4. local retention runs on a thread of its own, off the write path and alongside the next
    save. It deletes only steps older than one committed on every rank (the step whose
    commit the processes agreed on), never on this process's own commit: a rank killed
@@ -36,13 +37,13 @@ from typing import Any
 
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather
 from tiered_ckpt.dist.replicas import leave_out
+from tiered_ckpt.engine.replication import Replicator
 from tiered_ckpt.engine.shards import build_manifest, write_shards
 from tiered_ckpt.engine.staging import StagingBuffers
-from tiered_ckpt.engine.uploader import Uploader
 from tiered_ckpt.errors import CheckpointError, ConfigError, ErrorBox, SaveError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.format.state import FlatState
-from tiered_ckpt.tiers.retention import RetentionPolicy
+from tiered_ckpt.tiers import pruning
 from tiered_ckpt.tiers.store import TieredStore
 
 __all__ = ["Writer", "SaveHandle", "check_cpus"]
@@ -134,8 +135,8 @@ class _Written:
 class Writer:
     """The writer and retention threads of one manager (see the module doc).
 
-    ``ranks`` are this process's ranks of ``world_size``; committed steps go to
-    ``uploader`` if there is one; failures go to ``errors``; both threads (and the ones
+    ``ranks`` are this process's ranks of ``world_size``; committed steps go to each of
+    ``replicators``; failures go to ``errors``; both threads (and the ones
     they start) run at a lower priority, on ``cpus`` if given (see :func:`check_cpus`).
     """
 
@@ -146,8 +147,7 @@ class Writer:
         *,
         world_size: int,
         errors: ErrorBox,
-        retention: RetentionPolicy,
-        uploader: Uploader | None = None,
+        replicators: Sequence[Replicator] = (),
         max_workers: int | None = None,
         cpus: frozenset[int] | None = None,
     ) -> None:
@@ -156,8 +156,7 @@ class Writer:
         self._ranks = tuple(coordinator.local_ranks)
         self._world_size = world_size
         self._errors = errors
-        self._retention = retention
-        self._uploader = uploader
+        self._replicators = tuple(replicators)
         self._max_workers = max_workers
         self._staging = StagingBuffers()
         self._last_save: SaveHandle | None = None
@@ -235,8 +234,8 @@ class Writer:
             if not one_process:  # a restore then tells a lost disk from a save cut short between commits
                 local.mark_agreed(step)
             logger.info("committed step %d (%d bytes) in %s", step, manifest.total_bytes, local.step_dir(step))
-            if self._uploader is not None:
-                self._uploader.submit(step)
+            for replicator in self._replicators:
+                replicator.submit(step)
             self._last_retention = self._janitor.submit(self._retain, step)
             return manifest
         except BaseException as exc:
@@ -256,9 +255,9 @@ class Writer:
 
     def _retain(self, step: int) -> None:
         """Retention thread: local retention after ``step``'s commit, which every rank made (off the write path)."""
-        pending = self._uploader.pending() if self._uploader is not None else ()
+        pending = {replicator.target.name: replicator.pending() for replicator in self._replicators}
         try:
-            self._store.retain_local(self._retention, pending, complete=step)
+            pruning.retain(self._store, self._store.local, pending, complete=step)
         except (CheckpointError, OSError) as exc:
             error = SaveError(f"step {step} is committed, but the retention that follows failed: {exc}", step=step)
             error.__cause__ = exc

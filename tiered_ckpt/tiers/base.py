@@ -7,8 +7,9 @@ them is said by :class:`Capabilities`, never by a tier's type.
 
 A step's life on a tier, in the order the calls are made:
 
-1. ``steps()`` and ``uncommitted_steps()``: what the tier holds, committed or not (a step
-   being written, or left by a crash: a later ``delete_step`` removes it).
+1. ``steps()`` and ``uncommitted_steps()`` (both at once: ``list_steps()``): what the tier
+   holds, committed or not (a step being written, or left by a crash: a later
+   ``delete_step`` removes it).
 2. ``land_shard(step, record, source)`` for each shard the caller holds: the shard's bytes
    appear under their final name only once they match ``record`` (size and sha256); a failed
    or interrupted landing leaves nothing a reader could take for the shard.
@@ -86,6 +87,9 @@ class Tier(Protocol):
     name: str
     """How restores and statuses name this tier ("local", "remote", ...)."""
 
+    url: str
+    """Where the tier is, as one string: messages name it, and a receipt of a commit records it."""
+
     capabilities: Capabilities
 
     def steps(self) -> list[int]:
@@ -94,6 +98,14 @@ class Tier(Protocol):
 
     def uncommitted_steps(self) -> list[int]:
         """Steps with shards but no commit, oldest first."""
+        ...
+
+    def list_steps(self) -> tuple[list[int], list[int]]:
+        """``(steps(), uncommitted_steps())`` from one look at the storage."""
+        ...
+
+    def shard_location(self, step: int, record: ShardRecord) -> str:
+        """Where ``record``'s shard of ``step`` is (a path, a URL), for messages."""
         ...
 
     def manifest(self, step: int) -> ShardManifest:
@@ -116,16 +128,19 @@ class Tier(Protocol):
         """Read and hash ``record``'s shard; the problem (naming the copy), or None if it matches."""
         ...
 
-    def land_shard(self, step: int, record: ShardRecord, source: ShardSource, *, deadline: float | None = None) -> None:
+    def land_shard(
+        self, step: int, record: ShardRecord, source: ShardSource, *, deadline: float | None = None
+    ) -> object:
         """Put ``source``'s bytes at ``record``'s place in ``step``, atomically and verified.
 
         A tier whose storage fails transiently retries until ``deadline`` (a
-        ``time.monotonic()`` value; None: its own retry policy alone decides)."""
+        ``time.monotonic()`` value; None: its own retry policy alone decides). What it
+        returns is the tier's own (a digest, whether bytes were sent); the protocol needs none."""
         ...
 
-    def commit(self, manifest: ShardManifest, *, deadline: float | None = None) -> None:
+    def commit(self, manifest: ShardManifest, *, deadline: float | None = None) -> object:
         """Make ``manifest``'s step visible; its shards must have landed (``deadline``: as for
-        :meth:`land_shard`)."""
+        :meth:`land_shard`). What it returns is the tier's own (the bucket's commit record)."""
         ...
 
     def delete_step(self, step: int) -> None:

@@ -7,11 +7,9 @@ it names is durable under its final name. Deleting one removes the manifest firs
 Reads treat what is on disk as untrusted: a shard is opened only if it is a regular
 file (never a symlink, a FIFO or a device, which could lead outside the checkpoint or
 block forever), its size is checked before it is mapped, and its bytes are hashed
-before they are returned. :class:`LocalTier` holds a directory for a running job: its
-lock, its steps, and the receipts of their commits on the next tier.
-
-Beside the tier protocol (:mod:`tiered_ckpt.tiers.base`) it keeps records in a step: the
-ranks whose shards it holds, whether the ranks agreed the commit, the bucket's receipt.
+before they are returned. :class:`LocalTier` holds a directory for a running job (its
+lock) and, beside the tier protocol (:mod:`tiered_ckpt.tiers.base`), records in each step:
+the ranks whose shards it holds, whether the ranks agreed the commit, a later tier's receipt.
 """
 
 from __future__ import annotations
@@ -136,6 +134,7 @@ class LocalTier:
 
     def __init__(self, root: str | os.PathLike[str], *, single_step: bool = False) -> None:
         self.root = Path(root)
+        self.url = str(self.root)
         self._single = single_step
         self._locked: tuple[int, int] | None = None
 
@@ -147,6 +146,9 @@ class LocalTier:
 
     def shard_path(self, step: int, record: ShardRecord) -> Path:
         return self.step_dir(step) / record.path
+
+    def shard_location(self, step: int, record: ShardRecord) -> str:
+        return str(self.shard_path(step, record))
 
     @contextmanager
     def lock(self) -> Iterator[None]:
@@ -217,13 +219,17 @@ class LocalTier:
         """True if ``step``'s directory holds a manifest (its validity is checked by :meth:`manifest`)."""
         return (self.step_dir(step) / MANIFEST_NAME).is_file()
 
+    def list_steps(self) -> tuple[list[int], list[int]]:
+        """(committed, uncommitted): step directories with a manifest, and those without (being
+        written, or left by a crash), each oldest first."""
+        listed = [(step, (directory / MANIFEST_NAME).is_file()) for step, directory in self._step_dirs()]
+        return sorted(s for s, done in listed if done), sorted(s for s, done in listed if not done)
+
     def steps(self) -> list[int]:
-        """Committed steps, oldest first."""
-        return sorted(step for step, directory in self._step_dirs() if (directory / MANIFEST_NAME).is_file())
+        return self.list_steps()[0]
 
     def uncommitted_steps(self) -> list[int]:
-        """Step directories without a manifest: being written, or left by a crash, oldest first."""
-        return sorted(step for step, directory in self._step_dirs() if not (directory / MANIFEST_NAME).is_file())
+        return self.list_steps()[1]
 
     def manifest(self, step: int) -> ShardManifest:
         """The validated manifest of committed ``step``; one that names another step is refused.
@@ -361,7 +367,7 @@ class LocalTier:
         self.check_locked()
         directory = self.step_dir(step)
         if not directory.is_dir():
-            directory.mkdir(exist_ok=True)
+            directory.mkdir(exist_ok=True)  # landers of one step race here: whoever made it, it exists
             fsync_directory(directory.parent)
         return directory
 
@@ -386,16 +392,9 @@ class LocalTier:
         no transient failures to retry.
         """
         del deadline
-        self.check_locked()
-        directory = self.step_dir(step)
-        if not directory.is_dir():
-            directory.mkdir(exist_ok=True)  # landers of one step race here: whoever made it, it exists
-            fsync_directory(directory.parent)
-        path = directory / (record if isinstance(record, str) else record.path)
+        path = self.new_step_dir(step) / (record if isinstance(record, str) else record.path)
         write = source.write if source.write is not None else partial(_copy_file, source.path)
-        if isinstance(record, str):
-            return atomic_write(path, write, sync_directory=sync_directory)
-        check = partial(record.verify, what=f"rank {record.rank} shard {path}")
+        check = None if isinstance(record, str) else partial(record.verify, what=f"rank {record.rank} shard {path}")
         return atomic_write(path, write, check=check, sync_directory=sync_directory)
 
     def commit(

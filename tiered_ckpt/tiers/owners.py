@@ -13,7 +13,7 @@ a job killed and restarted on the same node does not wait out its own lease. A r
 that does not parse counts as live (and is named in a WARNING): deleting a live run's
 upload is the one mistake clean-up must never make.
 
-What the leases decide (see :class:`~tiered_ckpt.engine.uploader.Uploader`):
+What the leases decide (see :class:`~tiered_ckpt.engine.replication.Replicator`):
 
 - start-up clean-up deletes half-uploaded steps and aborts open multipart uploads only
   while no other run's record is live; multipart uploads also only once started

@@ -10,7 +10,7 @@ Layout under the URL::
 It speaks the tier protocol (:class:`~tiered_ckpt.tiers.base.Tier`) over one
 :class:`~tiered_ckpt.tiers.backends.base.Backend`, chosen from the URL's protocol; what
 differs between stores is the backend's, and :attr:`RemoteTier.capabilities` says it.
-Committing a step, as :class:`~tiered_ckpt.engine.uploader.Uploader` drives it:
+Committing a step, as :class:`~tiered_ckpt.engine.replication.Replicator` drives it:
 
 1. :meth:`RemoteTier.land_shard` puts each shard (its sha256 as object metadata where the
    store keeps metadata) and confirms it: the object's size and stored sha256 must match
@@ -157,7 +157,7 @@ class RemoteTier:
     def _shard(self, step: int, record: ShardRecord) -> str:
         return self._path(step, self.object_name(step, record.path))
 
-    def _shard_location(self, step: int, record: ShardRecord) -> str:  # for messages
+    def shard_location(self, step: int, record: ShardRecord) -> str:
         return self.location(step, self.object_name(step, record.path))
 
     def location(self, step: int, name: str | None = None) -> str:
@@ -217,7 +217,7 @@ class RemoteTier:
         (S3, GCS), a size other than the record's raises before ``consume`` is called:
         :class:`IncompleteCheckpointError` if shorter, :class:`ChecksumMismatchError` if longer.
         """
-        location = self._shard_location(step, record)
+        location = self.shard_location(step, record)
 
         def read() -> T:
             with self.backend.open(self._shard(step, record)) as source:
@@ -237,7 +237,7 @@ class RemoteTier:
         on a transient error) and return their sha256 (``verify="fast"``: their xxh3-64).
         Raises :class:`IncompleteCheckpointError` if the object is shorter."""
         end = offset + len(buffer)
-        what = f"reading bytes {offset}-{end} of {self._shard_location(step, record)}"
+        what = f"reading bytes {offset}-{end} of {self.shard_location(step, record)}"
         data = self._run(what, lambda: self.backend.read(self._shard(step, record), offset, end))
         if len(data) != len(buffer):
             raise IncompleteCheckpointError(f"{what}: got {len(data)} bytes; the object is shorter than recorded")
@@ -245,7 +245,7 @@ class RemoteTier:
 
     def check_shard(self, step: int, record: ShardRecord) -> str | None:
         """Stream and hash one shard object; return the problem, or None if it matches the record."""
-        location = self._shard_location(step, record)
+        location = self.shard_location(step, record)
         try:
             digest = self.open_shard(step, record, lambda source: hash_stream(source, "full"))
         except (ChecksumMismatchError, IncompleteCheckpointError) as exc:  # the object's size, told on opening
@@ -275,7 +275,7 @@ class RemoteTier:
 
     def shard_is_uploaded(self, step: int, record: ShardRecord) -> bool:
         """True if the shard's object exists with the recorded size (and sha256, where kept)."""
-        return self._run(f"checking {self._shard_location(step, record)}", lambda: self._mismatch(step, record) is None)
+        return self._run(f"checking {self.shard_location(step, record)}", lambda: self._mismatch(step, record) is None)
 
     def land_shard(self, step: int, record: ShardRecord, source: ShardSource, *, deadline: float | None = None) -> bool:
         """Make the shard's object match ``record``: put ``source`` (a stream is staged in a temp file
@@ -290,10 +290,10 @@ class RemoteTier:
         if source.write is not None and source.path is None:  # staged in a temp file, checked, put from there
             with tempfile.TemporaryDirectory(prefix="tiered-ckpt-") as directory:
                 with open(staged := Path(directory) / record.path, "wb") as out:
-                    record.verify(source.write(out), f"{self._shard_location(step, record)} (staged)")
+                    record.verify(source.write(out), f"{self.shard_location(step, record)} (staged)")
                 return self.land_shard(step, record, ShardSource(path=staged), deadline=deadline)
         assert source.path is not None
-        local_path, location = source.path, self._shard_location(step, record)
+        local_path, location = source.path, self.shard_location(step, record)
 
         def put_and_confirm() -> bool:
             if self._mismatch(step, record, lambda: self.backend.sums(local_path, record)) is None:
@@ -333,7 +333,7 @@ class RemoteTier:
     def check_store_checksum(self, step: int, record: ShardRecord, expected: str) -> str | None:
         """The problem, or None, comparing without a download the store's checksum of ``record``'s
         object with ``expected`` (the remote manifest's; earlier versions recorded SHA256)."""
-        location = self._shard_location(step, record)
+        location = self.shard_location(step, record)
         algorithm = expected.partition(":")[0]
 
         def head() -> tuple[int, str | None]:
@@ -356,7 +356,7 @@ class RemoteTier:
         """Check ``record``'s object once more, by one HEAD, right before a commit: the problem
         (naming the object; one deleted or replaced since it was put), or None if its size,
         stored sha256 and store checksum (against what was sent) are as recorded."""
-        location = self._shard_location(step, record)
+        location = self.shard_location(step, record)
         with self._kept_lock:
             kept = self._kept.get((step, record.path))
 

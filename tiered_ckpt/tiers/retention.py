@@ -1,8 +1,9 @@
 """Retention as data: which steps of a tier to delete, and which must be kept whatever the policy says.
 
-Pure functions of step numbers: no I/O, no clock. Both tiers use the same policy class;
-what differs is what each protects (the local tier protects steps still waiting for
-their remote commit, and weighs only the steps no newer than one complete on every rank).
+Pure functions of step numbers: no I/O, no clock. Every tier uses the same policy class;
+what differs is what each protects (a tier keeps the steps a tier it feeds has not
+committed yet, and the first tier weighs only the steps no newer than one complete on
+every rank); :mod:`~tiered_ckpt.tiers.pruning` applies them.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 from tiered_ckpt.errors import invalid_option
 
-__all__ = ["RetentionPolicy", "awaiting_upload", "protected_locally", "retainable"]
+__all__ = ["RetentionPolicy", "awaiting", "protected", "retainable"]
 
 
 def _check_keep(name: str, value: object) -> None:
@@ -56,21 +57,21 @@ class RetentionPolicy:
         return [step for step in ordered if step not in keep]
 
 
-def awaiting_upload(steps: Iterable[int], receipted: Collection[int], pending: Collection[int]) -> set[int]:
-    """Local steps waiting for the bucket: not receipted, and either still queued for upload
-    or newer than the newest receipted step (not superseded remotely)."""
+def awaiting(steps: Iterable[int], receipted: Collection[int], pending: Collection[int]) -> set[int]:
+    """Steps a later tier waits for: not receipted (committed there), and either still queued
+    for it or newer than the newest receipted step (not superseded there)."""
     newest_receipted = max(receipted, default=-1)
     return {step for step in steps if step not in receipted and (step in pending or step > newest_receipted)}
 
 
-def protected_locally(
+def protected(
     steps: Iterable[int], receipted: Collection[int], pending: Collection[int], limit: int | None
 ) -> set[int]:
-    """The local steps retention must keep for the bucket's sake: the steps queued for upload
-    and the newest ``limit`` of the steps :func:`awaiting_upload` (all with None). Older
-    waiting steps are left to the policy (the newest step it always keeps; a step already
-    in the bucket, the newest remote commit included, is never a waiting step)."""
-    waiting = sorted(awaiting_upload(steps, receipted, pending))
+    """The steps retention must keep for a later tier's sake: the steps queued for it and the
+    newest ``limit`` of the steps it is :func:`awaiting` (all with None). Older waiting steps
+    are left to the policy (the newest step it always keeps; a step already committed there,
+    its newest commit included, is never a waiting step)."""
+    waiting = sorted(awaiting(steps, receipted, pending))
     kept = set(waiting if limit is None else waiting[len(waiting) - limit :])
     return kept | set(pending).intersection(waiting)
 

@@ -1,5 +1,7 @@
-"""The upload queue on its own, against an in-memory remote tier whose backend fails on command."""
+"""The replication engine on its own: the upload queue against an in-memory bucket whose backend fails
+on command, and a third tier (a partner's memory) as one more target."""
 
+import dataclasses
 import logging
 import threading
 from collections import deque
@@ -7,9 +9,10 @@ from pathlib import PurePosixPath
 
 import numpy as np
 import pytest
+from memory_tier import MemoryTier
 
-from tiered_ckpt import RemoteError, UploadError, save_sharded
-from tiered_ckpt.engine.uploader import Uploader
+from tiered_ckpt import RemoteError, UploadError, UsageError, save_sharded
+from tiered_ckpt.engine.replication import ReplicationPolicy, Replicator
 from tiered_ckpt.errors import ErrorBox
 from tiered_ckpt.format.layout import parse_step_dir_name, step_dir_name
 from tiered_ckpt.options import UploadOptions
@@ -55,11 +58,12 @@ def job(tmp_path, memory_url):
         save_sharded([{"w": np.full(64, step, np.float32)}], tmp_path / "ckpt" / step_dir_name(step), step=step)
     remote = RemoteTier(memory_url[0], retry=RetryPolicy(max_tries=3, backoff_seconds=0), wrap=Failing)
     faults = remote.backend.inner
-    store = TieredStore(LocalTier(tmp_path / "ckpt"), remote)
+    store = TieredStore([LocalTier(tmp_path / "ckpt"), remote])
     uploaders = []
 
     def start(**options):
-        uploader = Uploader(store, options=UploadOptions(**options), errors=ErrorBox())
+        policy = dataclasses.replace(UploadOptions(**options).replication, retry=remote.retry)
+        uploader = Replicator(store, policy=policy, errors=ErrorBox())
         uploaders.append(uploader)
         return uploader
 
@@ -119,12 +123,9 @@ def test_while_the_bucket_fails_the_queue_takes_steps_without_blocking_up_to_max
     for step in range(5, 9):
         save_sharded([{"w": np.full(64, step, np.float32)}], tmp_path / "ckpt" / step_dir_name(step), step=step)
     faults.down = True
-    uploader = Uploader(
-        store,
-        options=UploadOptions(max_pending=1, when_behind="wait", deadline_seconds=None),
-        errors=ErrorBox(),
-        local_retention=RetentionPolicy(keep_last=1, max_awaiting_upload=3),
-    )
+    store.retention = {"local": RetentionPolicy(keep_last=1, max_awaiting_upload=3)}
+    policy = ReplicationPolicy(max_pending=1, when_behind="wait", deadline_seconds=None, retry=remote.retry)
+    uploader = Replicator(store, policy=policy, errors=ErrorBox())
     try:
         uploader.submit(1)
         while uploader.retrying() is None:  # wait for the first failed try (guarded by the test timeout)
@@ -262,3 +263,42 @@ def test_after_a_preemption_notice_a_step_retried_for_a_failing_bucket_gives_way
     uploader.wait()
     uploader.errors.raise_first()  # superseded, not failed
     assert remote.steps() == [3] and not store.receipted(1)
+
+
+# -- a third tier: a tier and a policy ---------------------------------------------------------
+
+
+def save_locally(root, *steps):
+    for step in steps:
+        save_sharded([{"w": np.full(64, step, np.float32)}], root / step_dir_name(step), step=step)
+
+
+def test_a_replicator_to_a_partner_memory_commits_there_and_leaves_no_receipt(tmp_path):
+    save_locally(tmp_path / "ckpt", 1, 2, 3)
+    peer = MemoryTier("peer")
+    retention = {"local": RetentionPolicy(keep_last=1), "peer": RetentionPolicy(keep_last=2)}
+    store = TieredStore([LocalTier(tmp_path / "ckpt"), peer], retention)
+    with store.local.lock():
+        replicator = Replicator(store, peer, errors=ErrorBox())
+        try:
+            assert replicator.resume() == [3]  # a memory lost what it held: only the newest step goes again
+            replicator.wait()
+            replicator.errors.raise_first()
+            assert peer.steps() == [3] and peer.check_shard(3, store.local.manifest(3).shard(0)) is None
+            assert not store.receipted(3, peer) and store.local.steps() == [3]  # a memory's copy protects nothing
+            save_locally(tmp_path / "ckpt", 4, 5)
+            for step in (4, 5):
+                replicator.submit(step)
+            replicator.wait()
+            replicator.errors.raise_first()
+            assert peer.steps() == [4, 5] and replicator.newest_committed == 5  # the peer's own retention
+        finally:
+            replicator.close()
+
+
+def test_a_replicator_needs_a_target_among_the_stores_later_tiers(tmp_path):
+    store = TieredStore([LocalTier(tmp_path / "ckpt")])
+    with pytest.raises(UsageError, match="needs a target among the store's later tiers"):
+        Replicator(store)
+    with pytest.raises(UsageError, match="needs a target among the store's later tiers"):
+        Replicator(store, MemoryTier("peer"))  # a tier the store does not have

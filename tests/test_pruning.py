@@ -1,0 +1,71 @@
+"""Each tier's retention as data, applied by the store's pruning: what goes, and what stays for a later tier."""
+
+import numpy as np
+import pytest
+from memory_tier import MemoryTier
+
+from tiered_ckpt import save_sharded
+from tiered_ckpt.format.layout import step_dir_name
+from tiered_ckpt.tiers import pruning
+from tiered_ckpt.tiers.base import ShardSource
+from tiered_ckpt.tiers.local import LocalTier
+from tiered_ckpt.tiers.remote import RemoteTier
+from tiered_ckpt.tiers.retention import RetentionPolicy
+from tiered_ckpt.tiers.store import TieredStore
+
+
+def put(tier, store, manifest):
+    for record in manifest.shards:
+        tier.land_shard(manifest.step, record, ShardSource(path=store.local.shard_path(manifest.step, record)))
+    return tier.commit(manifest)
+
+
+@pytest.fixture
+def store(tmp_path, memory_url):
+    """Steps 1..4 on the local disk and in a partner's memory; the bucket committed ``uploaded`` (with receipts)."""
+    peer, bucket = MemoryTier("peer"), RemoteTier(*memory_url)
+    store = TieredStore([LocalTier(tmp_path / "ckpt"), peer, bucket])
+    manifests = {}
+    for step in range(1, 5):
+        states = [{"w": np.full(16, step, np.float32)}]
+        manifests[step] = save_sharded(states, tmp_path / "ckpt" / step_dir_name(step), step=step)
+        put(peer, store, manifests[step])
+
+    def upload(*steps):
+        for step in steps:
+            store.record_commit(step, bucket, put(bucket, store, manifests[step]))
+
+    with store.local.lock():
+        yield store, peer, bucket, upload
+
+
+def test_each_tier_keeps_what_its_own_policy_says(store):
+    store, peer, bucket, upload = store
+    upload(1, 2, 3, 4)
+    store.retention = {"local": RetentionPolicy(keep_last=1), "peer": RetentionPolicy(keep_last=2)}
+    assert pruning.prune(store, dry_run=True) == {
+        "local": [1, 2, 3], "peer": [1, 2], "remote": [], "aborted": [], "local_kept_unproven": [],
+    }  # fmt: skip
+    assert store.local.steps() == [1, 2, 3, 4]  # a dry run deletes nothing
+    plan = pruning.prune(store)
+    assert (plan["local"], plan["peer"], plan["remote"]) == ([1, 2, 3], [1, 2], [])
+    assert (store.local.steps(), peer.steps(), bucket.steps()) == ([4], [3, 4], [1, 2, 3, 4])
+
+
+def test_the_disk_keeps_what_the_bucket_has_not_committed_but_not_what_a_memory_lacks(store):
+    store, peer, _bucket, upload = store
+    upload(1, 3)  # step 2 never reached the bucket; step 4 is newer than its newest commit
+    store.retention = {"local": RetentionPolicy(keep_last=1)}
+    assert pruning.to_delete(store, store.local, {"remote": [2]}) == [1, 3]  # step 2 is queued: kept
+    assert pruning.to_delete(store, store.local) == [1, 2, 3]  # superseded in the bucket by step 3
+    peer.delete_step(4)
+    assert pruning.to_delete(store, store.local) == [1, 2, 3]  # a memory's copy protects nothing
+    assert pruning.retain(store, store.local, {"remote": [2]}) == [1, 3] and store.local.steps() == [2, 4]
+
+
+def test_without_a_bucket_commit_every_newer_local_step_waits(store):
+    store, _peer, _bucket, upload = store
+    store.retention = {"local": RetentionPolicy(keep_last=1, max_awaiting_upload=2)}
+    assert pruning.to_delete(store, store.local) == [1, 2]  # the newest two waiting steps are kept
+    upload(4)
+    assert pruning.to_delete(store, store.local) == [1, 2, 3]

@@ -1,0 +1,425 @@
+"""The replication engine: steps committed in the first tier are committed in a later one, in order.
+
+A :class:`Replicator` is the stage between this node's disk and one later tier (the writer,
+the stage before it, commits a step locally and submits it here); a third tier is a tier
+and a :class:`ReplicationPolicy`. It owns what happens to a step after its local commit:
+
+1. :meth:`Replicator.resume` (at start-up, collective; see :mod:`~tiered_ckpt.engine.resume`):
+   queue the local steps a crash kept from their commit in the target, and remove what
+   half-finished steps left there;
+2. for each queued step, on the replicator's thread: land every shard of this process's
+   ``ranks`` not already there intact, ``policy.concurrency`` at a time, each confirmed
+   (:meth:`~tiered_ckpt.tiers.base.Tier.land_shard`);
+3. wait until every process has landed its ranks' shards (a collective on the
+   replicator's own coordinator channel: a failure on any rank fails the step on every
+   rank);
+4. the leader commits the step in the target (on the shared tier, the bucket: every
+   object confirmed once more first, the manifest create-only, then ``latest``); every
+   process writes the local receipt of a durable target's commit;
+5. retention after the commit (:mod:`~tiered_ckpt.tiers.pruning`): the leader's of the
+   target (a bucket's: not while another run's lease is live), every process's of its
+   local tier (steps the target now holds are no longer protected).
+
+A step whose landing or commit still fails for a transient reason (the target is
+unreachable or failing) after the target's own retries is tried again as a whole, after
+``policy.retry``'s capped backoff, until ``policy.deadline_seconds`` after it began;
+shards already there intact are not sent again. Every failed try is logged (WARNING)
+and shown by :meth:`Replicator.retrying` and ``last_error``. A step that misses its
+deadline stays local-only (the local tier is the safety net), the queue moves on, and its
+:class:`UploadError` has ``transient=True`` (``wait(uploaded=True)`` raises it; ``save``
+and ``close`` do not). Any other failure (access denied, a local I/O error, a bug) is an
+:class:`UploadError` with ``transient=False``, logged at once and raised by the owner's
+next call. Both go to the shared :class:`~tiered_ckpt.errors.ErrorBox` (tries counted,
+cause chained); the step's local copy is kept. The processes agree on every retry (one
+small collective), so they try, wait and give up together.
+
+At most ``policy.max_pending`` steps wait in the queue. Beyond that
+``when_behind="wait"`` makes :meth:`Replicator.submit` block until there is room, and
+``"skip"`` drops the oldest waiting step (it stays local-only, superseded by the newer
+one). While the target is failing (a try failed and no commit has succeeded since), the
+queue takes up to the local tier's ``max_awaiting_upload`` steps without blocking, so
+saves go on; beyond that, one process holding every rank drops the oldest waiting step
+(local-only; local retention may then delete it), while with one process per rank
+(whose queues must stay the same) :meth:`Replicator.submit` waits for room.
+
+After :meth:`Replicator.preempt` (a preemption notice: the job has seconds to minutes
+left), the newest queued step goes next and the older queued ones are dropped (they
+stay local-only, superseded), and :meth:`Replicator.submit` no longer waits for room. A
+step already being replicated is finished first. The processes pick each next step
+together (one small collective): every one proposes its oldest queued step, or its
+newest once preempted, and the oldest proposal wins, so every process replicates the
+same step even while their queues and notices differ for a moment.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tiered_ckpt.dist.coordination import Coordinator, SingleProcessCoordinator, gather
+from tiered_ckpt.engine.resume import resume_steps
+from tiered_ckpt.engine.sending import Sender
+from tiered_ckpt.errors import (
+    ErrorBox,
+    IncompleteCheckpointError,
+    RemoteError,
+    UploadError,
+    UsageError,
+)
+from tiered_ckpt.tiers.base import Tier
+from tiered_ckpt.tiers.owners import Lease, OwnershipPolicy
+from tiered_ckpt.tiers.retry import RetryPolicy
+from tiered_ckpt.tiers.store import TieredStore
+
+__all__ = ["Replicator", "ReplicationPolicy", "WhenBehind"]
+
+WhenBehind = Literal["wait", "skip"]
+
+logger = logging.getLogger("tiered_ckpt")
+
+RATE_WINDOW = 5  # remote commits the upload rate is measured over
+
+
+@dataclass(frozen=True)
+class ReplicationPolicy:
+    """How a :class:`Replicator` sends steps to its target (see the module doc): ``concurrency``
+    shards at a time; at most ``max_pending`` queued steps before ``when_behind`` applies; a
+    step tried again after ``retry``'s backoff until ``deadline_seconds`` (None: no deadline)."""
+
+    concurrency: int = 2
+    max_pending: int = 2
+    when_behind: WhenBehind = "wait"
+    deadline_seconds: float | None = 3600.0
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+
+class Replicator:
+    """One background thread that lands and commits queued steps of ``store``'s first tier in ``target``.
+
+    ``target`` is one of ``store``'s later tiers (default: its shared tier, the bucket).
+    ``ranks`` are the ranks whose shards this process sends (default: every rank of each
+    step); ``coordinator`` must be a channel no other thread uses. Failures go to
+    ``errors``; the store's retention is applied after each commit. ``ownership`` says how
+    the leader holds its lease on a shared target; ``clock`` (Unix times) dates the lease
+    and judges others' leases and open uploads.
+    """
+
+    def __init__(
+        self,
+        store: TieredStore,
+        target: Tier | None = None,
+        *,
+        policy: ReplicationPolicy | None = None,
+        errors: ErrorBox | None = None,
+        coordinator: Coordinator | None = None,
+        ranks: Sequence[int] | None = None,
+        ownership: OwnershipPolicy | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        target = target or store.remote
+        if target is None or target not in store.later:
+            raise UsageError("a replicator needs a target among the store's later tiers (remote_url)")
+        self._store = store
+        self.target = target
+        self._options = policy or ReplicationPolicy()
+        self.errors = errors or ErrorBox()
+        self._coordinator = coordinator or SingleProcessCoordinator(1)
+        self._ranks = ranks
+        self._clock = clock
+        # the leader's, held from resume() or push(); only a shared target (the bucket) has leases
+        self._lease = Lease(store.remote, ownership, clock=clock) if target is store.remote else None
+        self._sender = Sender(store, target, self._coordinator, ranks, self._options.concurrency, self._lease)
+        self._queue: deque[int] = deque()
+        self._active: int | None = None
+        self._closing = False
+        self._preempted = False
+        self._changed = threading.Condition()
+        self.newest_committed: int | None = None  # the newest remote commit this uploader knows of
+        self._commits: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW)  # (bytes, seconds) of recent commits
+        self.last_error: tuple[float, str] | None = None  # (Unix time, message) of the last failure
+        self._failing = False  # a try failed for a transient reason and no commit succeeded since
+        self._retry: tuple[int, int] | None = None  # (step, tries so far) of a step being retried
+        self._giving_up = False  # see give_up_retries
+        self._thread = threading.Thread(target=self._run, name=f"tiered-ckpt-to-{target.name}", daemon=True)
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"Replicator({self._store.local.url!r} -> {self.target.url!r})"
+
+    # -- the owner's side -------------------------------------------------------------------
+
+    def resume(self) -> list[int]:
+        """Queue what a crash left unsent and clean half-finished steps (see :mod:`~tiered_ckpt.engine.resume`);
+        return the steps queued. Call once, before any :meth:`submit`, on every process (it is collective).
+        """
+        self.newest_committed, resumed = resume_steps(
+            self._store, self.target, self._coordinator, self._lease, self._clock
+        )
+        for step in resumed:
+            self.submit(step, bounded=False)
+        return resumed
+
+    def submit(self, step: int, *, bounded: bool = True) -> None:
+        """Queue ``step`` (committed locally) for upload; see the module doc for a full queue.
+
+        ``bounded=False`` queues it whatever the queue holds (steps resumed at start-up).
+        """
+        one_process = len(self._coordinator.local_ranks) == self._coordinator.world_size
+        with self._changed:
+            if self._closing:
+                raise RuntimeError("the uploader is closed")
+            while bounded and not self._preempted and len(self._queue) >= self._room():
+                if self._options.when_behind == "skip" or (self._failing and one_process):
+                    skipped = self._queue.popleft()
+                    why = "the bucket is failing" if self._failing else "uploads behind"
+                    logger.warning("%s: step %d stays local-only, superseded by step %d", why, skipped, step)
+                else:
+                    self._changed.wait()
+            self._queue.append(step)
+            self._changed.notify_all()
+
+    def _room(self) -> float:
+        """How many steps the queue holds before ``when_behind`` applies (see the module doc)."""
+        if not self._failing:
+            return self._options.max_pending
+        bound = self._store.policy(self._store.local).max_awaiting_upload
+        return float("inf") if bound is None else max(bound, self._options.max_pending)
+
+    def retrying(self) -> tuple[int, int] | None:
+        """The step whose upload is being tried again after a transient failure, and the tries
+        made of it so far (None: no step is)."""
+        with self._changed:
+            return self._retry
+
+    def preempt(self) -> None:
+        """From now on, upload the newest queued step first and drop the older ones (see the module doc)."""
+        with self._changed:
+            self._preempted = True
+            self._changed.notify_all()
+
+    def give_up_retries(self) -> None:
+        """From now on a step whose try fails for a transient reason is not tried again (it stays
+        local-only at once): a job leaving on an error does not wait for its bucket to come back."""
+        with self._changed:
+            self._giving_up = True
+            self._changed.notify_all()
+
+    def pending(self) -> list[int]:
+        """Steps queued or being uploaded."""
+        with self._changed:
+            return ([self._active] if self._active is not None else []) + list(self._queue)
+
+    def wait(self) -> None:
+        """Block until every queued step is committed remotely or has failed."""
+        with self._changed:
+            while self._queue or self._active is not None:
+                self._changed.wait()
+
+    def push(self, step: int | None = None) -> list[int]:
+        """Upload ``step`` (default: every local step without a remote commit) now, and wait for it.
+
+        Returns the steps uploaded; raises :class:`UploadError` if one fails.
+        """
+        local = self._store.local.steps()
+        if step is not None and step not in local:
+            raise IncompleteCheckpointError(f"{self._store.local.root}: step {step} is not committed locally")
+        unreceipted = [each for each in local if not self._store.receipted(each, self.target)]
+        chosen = [step] if step is not None else unreceipted
+        for each in chosen:
+            if each in unreceipted and each not in self.pending():
+                self.submit(each, bounded=False)
+        self.wait()
+        self.errors.raise_first()
+        return [each for each in chosen if each in unreceipted]
+
+    def close(self) -> None:
+        """Finish every queued upload, then stop the thread."""
+        with self._changed:
+            self._closing = True
+            self._changed.notify_all()
+        self._thread.join()
+        if self._lease is not None:
+            self._lease.release()
+
+    # -- the uploader thread ----------------------------------------------------------------
+
+    def upload_rate(self) -> float | None:
+        """Bytes per second of the last remote commits (None before the first)."""
+        with self._changed:
+            commits = list(self._commits)
+        seconds = sum(seconds for _bytes, seconds in commits)
+        return round(sum(size for size, _seconds in commits) / seconds, 1) if commits and seconds > 0 else None
+
+    def _failed(self, error: UploadError) -> None:
+        self.last_error = (time.time(), str(error))
+        if error.transient:
+            logger.warning("%s", error)
+        else:
+            logger.error("%s", error)
+        self.errors.put(error)
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                while not self._queue and not self._closing:
+                    self._changed.wait()
+                if not self._queue:
+                    return
+                proposal = self._queue[-1] if self._preempted else self._queue[0]
+            try:
+                step = self._next_step(proposal)
+            except BaseException as exc:  # the processes could not agree: every one records it, none goes on
+                self._failed(_as_upload_error(proposal, exc))
+                with self._changed:
+                    self._queue.clear()
+                    self._changed.notify_all()
+                continue
+            try:
+                self._upload(step)
+            except BaseException as exc:  # a remote failure, a local I/O error or a bug: never lost silently
+                self._failed(_as_upload_error(step, exc))
+            finally:
+                self._sender.forget(step)
+                with self._changed:
+                    self._active = None
+                    self._retry = None
+                    self._changed.notify_all()
+
+    def _next_step(self, proposal: int) -> int:
+        """Agree with the other processes on the next step; take it (and the older ones it supersedes) off the queue."""
+        step = min(each.step for each in gather(self._coordinator, "next step", _Proposal, lambda: _Proposal(proposal)))
+        with self._changed:
+            superseded = [each for each in self._queue if each < step]
+            self._queue = deque(each for each in self._queue if each > step)
+            self._active = step
+            self._changed.notify_all()
+        if superseded:
+            logger.warning("preemption: steps %s stay local-only, superseded by step %d", superseded, step)
+        return step
+
+    def _upload(self, step: int) -> None:
+        """Put and commit ``step``, trying it again after transient failures until its deadline
+        (see the module doc); raises :class:`UploadError` if it is not committed."""
+        started = time.monotonic()
+        limit = self._options.deadline_seconds
+        deadline = started + limit if limit is not None else None
+        tries = 0
+        for attempt in itertools.count(1):
+            try:
+                self._put_and_commit(step, deadline)
+            except RemoteError as exc:
+                tries += exc.tries
+                failure = exc
+            else:
+                with self._changed:
+                    self._failing = False
+                    self._changed.notify_all()
+                return
+            again, transient, superseded, delay = self._agree_on_retry(step, failure, attempt, deadline)
+            if transient:
+                with self._changed:
+                    self._failing = True
+                    self._retry = (step, tries)
+                    self._changed.notify_all()
+            self.last_error = (time.time(), f"upload of step {step}, try {attempt}: {failure}")
+            if superseded:
+                logger.warning(
+                    "upload of step %d failed (%s); after the preemption notice it stays local-only, "
+                    "superseded by a newer step", step, failure,
+                )  # fmt: skip
+                return
+            if not again:
+                break
+            left = f"its deadline in {deadline - time.monotonic():.0f} s" if deadline is not None else "no deadline"
+            logger.warning(
+                "upload of step %d failed (try %d, %d requests tried): %s; trying again in %.1f s (%s)",
+                step, attempt, tries, failure, delay, left,
+            )  # fmt: skip
+            with self._changed:  # a preemption notice cuts the wait short (the step may be superseded)
+                self._changed.wait_for(
+                    lambda: self._giving_up or (self._preempted and any(s > step for s in self._queue)), delay
+                )
+        if not transient:
+            raise _as_upload_error(step, failure, tries)
+        why = (
+            "before the manager closed on an error"
+            if self._giving_up
+            else f"within its deadline of {limit} s (upload_deadline_seconds)"
+        )
+        raise UploadError(
+            f"step {step} was not committed at {self._sender.where(step)} {why} "
+            f"({time.monotonic() - started:.1f} s and {tries} tries since its upload began): "
+            f"it stays local-only and the next step goes on; the last failure: {failure}",
+            step=step,
+            tries=tries,
+            transient=True,
+        ) from failure
+
+    def _agree_on_retry(
+        self, step: int, failure: RemoteError, attempt: int, deadline: float | None
+    ) -> tuple[bool, bool, bool, float]:
+        """After a failed try of ``step``, what every process does (one collective): whether to try
+        again, whether every failure was transient (or the deadline's), whether a preemption
+        notice superseded the step, and how long to wait (the leader's draw)."""
+        delay = self._options.retry.delay(attempt)
+        transient = failure.transient or failure.deadline
+        in_time = not self._giving_up and (deadline is None or time.monotonic() + delay < deadline)
+        with self._changed:
+            superseded = self._preempted and any(each > step for each in self._queue)
+        again = failure.transient and not failure.deadline and in_time
+        mine = _RetryView(again, transient, superseded, delay)
+        views = gather(self._coordinator, "retry", _RetryView, lambda: mine)
+        transient_everywhere = all(view.transient for view in views)
+        return (
+            all(view.again for view in views),
+            transient_everywhere,
+            transient_everywhere and any(view.superseded for view in views),
+            float(views[0].delay),
+        )
+
+    def _put_and_commit(self, step: int, deadline: float | None) -> None:
+        started = time.monotonic()
+        sent = self._sender.send(step, deadline)
+        self.newest_committed = max(self.newest_committed or 0, step)
+        seconds = time.monotonic() - started
+        with self._changed:
+            self._commits.append((sent, seconds))
+        logger.info(
+            "step %d committed at %s: %d bytes from this process in %.2f s (%.1f MB/s)",
+            step, self._sender.where(step), sent, seconds, sent / max(seconds, 1e-9) / 1e6,
+        )  # fmt: skip
+        self._sender.retain(step, self.pending())
+
+
+@dataclass(frozen=True)
+class _Proposal:
+    """The step one process would upload next."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class _RetryView:
+    """One process's view after a failed try (see :meth:`Replicator._agree_on_retry`); the leader's delay is used."""
+
+    again: bool
+    transient: bool
+    superseded: bool
+    delay: float
+
+
+def _as_upload_error(step: int, exc: BaseException, tries: int | None = None) -> UploadError:
+    """``exc`` as the :class:`UploadError` of ``step`` (as it is, if it already is one)."""
+    if isinstance(exc, UploadError):
+        return exc
+    tries = tries if tries is not None else exc.tries if isinstance(exc, RemoteError) else 1
+    message = f"upload of step {step} failed after {tries} {'try' if tries == 1 else 'tries'}: {exc}"
+    error = UploadError(message, step=step, tries=tries)
+    error.__cause__ = exc
+    return error

@@ -1,0 +1,142 @@
+"""Each tier's retention, applied: which steps go now, and which stay for the tiers fed from them.
+
+The policies are data the store holds (:attr:`TieredStore.retention`, by tier name); the
+rules are :mod:`~tiered_ckpt.tiers.retention`'s pure functions. What a tier protects:
+
+- the first tier (this node's disk) feeds every later tier: it keeps the steps a durable
+  later tier has not committed yet (``pending``: the steps queued for it, and the newest
+  ones newer than its newest receipt; beyond ``max_awaiting_upload`` of them the policy
+  decides), and weighs only steps no newer than one every rank can restore (see
+  :func:`~tiered_ckpt.tiers.retention.retainable`);
+- a later tier feeds none: its policy alone decides.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from tiered_ckpt.errors import IncompleteCheckpointError, ManifestError
+from tiered_ckpt.tiers.base import Tier
+from tiered_ckpt.tiers.owners import live_owners
+from tiered_ckpt.tiers.retention import awaiting, protected, retainable
+from tiered_ckpt.tiers.store import TieredStore
+
+__all__ = ["to_delete", "unproven", "retain", "prune", "Pending"]
+
+logger = logging.getLogger("tiered_ckpt")
+
+Pending = Mapping[str, Collection[int]]
+"""The steps queued for each later tier (by its name), not yet committed there."""
+
+
+def _fed(store: TieredStore) -> list[Tier]:
+    """The later tiers whose commits the first tier's retention waits for: those a receipt records."""
+    return [tier for tier in store.later if tier.capabilities.durable]
+
+
+def _newest_complete(store: TieredStore, steps: list[int], complete: int | None) -> int | None:
+    """The newest of ``steps`` every rank can restore (None: none is known to be): ``complete``
+    (the caller knows every rank committed it), the newest step with a receipt of a shared
+    tier's commit (every shard is there), or a step this directory holds every rank's shard of."""
+    shared = [tier for tier in _fed(store) if tier.capabilities.shared]
+    receipted = [step for step in steps if any(store.receipted(step, tier) for tier in shared)]
+    known = [step for step in (complete, max(receipted, default=None)) if step is not None]
+    floor = max(known, default=None)
+    for step in reversed(steps):
+        if floor is not None and step <= floor:
+            break
+        try:
+            manifest = store.local.manifest(step)
+            if set(store.local.held_ranks(step, manifest)) >= set(range(manifest.world_size)):
+                return step
+        except (IncompleteCheckpointError, ManifestError):  # deleted meanwhile, or damaged: no proof
+            continue
+    return floor
+
+
+def _plan(
+    store: TieredStore, tier: Tier, pending: Pending, complete: int | None, *, assume_complete: bool = False
+) -> tuple[list[int], set[int]]:
+    """The steps of ``tier`` its policy deletes now, and those of them a later tier still waits
+    for (``assume_complete``: as if every step were known complete on every rank)."""
+    policy = store.policy(tier)
+    if tier is not store.local:
+        return policy.to_delete(tier.steps()), set()
+    steps = store.local.steps()
+    newest = max(steps, default=None) if assume_complete else _newest_complete(store, steps, complete)
+    kept: set[int] = set()
+    waited: set[int] = set()
+    for later in _fed(store):
+        receipted = {step for step in steps if store.receipted(step, later)}
+        queued = pending.get(later.name, ())
+        kept |= protected(steps, receipted, queued, policy.max_awaiting_upload)
+        waited |= awaiting(steps, receipted, queued)
+    return policy.to_delete(retainable(steps, newest), kept), waited
+
+
+def to_delete(
+    store: TieredStore, tier: Tier, pending: Pending | None = None, *, complete: int | None = None
+) -> list[int]:
+    """The steps of ``tier`` its retention deletes now (see the module doc); ``complete`` is a
+    step the caller knows every rank committed."""
+    return _plan(store, tier, pending or {}, complete)[0]
+
+
+def unproven(store: TieredStore, pending: Pending | None = None, *, complete: int | None = None) -> list[int]:
+    """Local steps the first tier's policy would delete now, were every step known complete on
+    every rank, but keeps because no newer step is known to be: in one rank's directory of a
+    multi-process job, only the job's own retention (once its ranks agreed on a newer commit)
+    or a bucket holding a newer step proves one."""
+    if store.policy(store.local).keeps_everything:
+        return []
+    proven = set(_plan(store, store.local, pending or {}, complete)[0])
+    assumed = _plan(store, store.local, pending or {}, complete, assume_complete=True)[0]
+    return [step for step in assumed if step not in proven]
+
+
+def retain(store: TieredStore, tier: Tier, pending: Pending | None = None, *, complete: int | None = None) -> list[int]:
+    """Delete the steps :func:`to_delete` names (each commit first); return them."""
+    policy = store.policy(tier)
+    if policy.keeps_everything:
+        return []
+    with store.retention_lock:
+        deleted, waited = _plan(store, tier, pending or {}, complete)
+        for step in deleted:
+            tier.delete_step(step)
+            if step in waited:
+                logger.warning(
+                    "retention: deleted step %d from %s before it reached %s: more than max_awaiting_upload=%s "
+                    "steps are waiting for upload (is the bucket reachable?)",
+                    step, tier.url, " and ".join(later.url for later in _fed(store)), policy.max_awaiting_upload,
+                )  # fmt: skip
+            elif tier is store.local:
+                logger.info("retention: deleted step %d from %s", step, tier.url)
+            else:
+                logger.info("%s retention: deleted step %d from %s", tier.name, step, tier.url)
+    return deleted
+
+
+def prune(store: TieredStore, *, dry_run: bool = False, orphans_older_than: float = 3600.0) -> dict[str, list[Any]]:
+    """Apply every tier's retention now, and abort the shared tier's unfinished multipart uploads
+    started ``orphans_older_than`` seconds ago or earlier (younger ones may belong to a running
+    job; none while a run's lease on the URL is live). Returns, by tier name, the steps deleted
+    (or, with ``dry_run``, to delete); ``"aborted"``, the uploads aborted; and
+    ``"<first tier>_kept_unproven"``, the steps :func:`unproven` names."""
+    kept = {f"{store.local.name}_kept_unproven": unproven(store)}
+    if dry_run:
+        return {**{tier.name: to_delete(store, tier) for tier in store.tiers}, "aborted": [], **kept}
+    aborted = []
+    if store.remote is not None:
+        others = live_owners(store.remote, time.time())
+        if others:  # an open upload does not say whose it is: a live run's may be among them
+            logger.warning(
+                "unfinished uploads left alone: run(s) %s write under %s",
+                [o.run_id for o in others],
+                store.remote.url,
+            )
+        else:
+            aborted = store.remote.abort_orphans(orphans_older_than)
+    return {**{tier.name: retain(store, tier) for tier in store.tiers}, "aborted": aborted, **kept}

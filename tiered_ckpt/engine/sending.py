@@ -26,7 +26,7 @@ from tiered_ckpt.errors import CheckpointError, RemoteError, UploadError
 from tiered_ckpt.format.manifest import RemoteManifest, ShardManifest, ShardRecord
 from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.tiers import pruning
-from tiered_ckpt.tiers.base import ShardSource, Tier
+from tiered_ckpt.tiers.base import Tier
 from tiered_ckpt.tiers.owners import Lease
 from tiered_ckpt.tiers.store import TieredStore
 
@@ -86,8 +86,7 @@ class Sender:
         ranks = range(manifest.world_size) if self._ranks is None else self._ranks
 
         def put(rank: int) -> None:
-            record = manifest.shard(rank)
-            target.land_shard(step, record, ShardSource(path=store.local.shard_path(step, record)), deadline=deadline)
+            store.send_shard(step, manifest.shard(rank), target, deadline=deadline)
 
         def put_mine() -> _Put:
             if self._coordinator.is_leader and self._lease is not None and not self._lease.held:  # push() alone

@@ -12,7 +12,9 @@ no tier knows another. Reading a shard is a chain, in the tiers' order:
    tier itself where it serves ranged reads);
 3. else an error naming the step, the rank and every copy tried.
 
-The first copy that verifies wins. The store also records what the later tiers
+The first copy that verifies wins. Every shard that moves between tiers goes through
+the store: a replicator's put (:meth:`TieredStore.send_shard`), a refill
+(:meth:`TieredStore.download_shard`), a read. The store also records what the later tiers
 committed (receipts in the first tier), fills the first tier from a later one
 (:meth:`TieredStore.pull`), and holds each tier's retention (applied by
 :mod:`~tiered_ckpt.tiers.pruning`); :mod:`~tiered_ckpt.tiers.survey` says what each tier
@@ -153,9 +155,14 @@ class TieredStore:
 
     # -- reading shards ---------------------------------------------------------------------
 
+    def send_shard(self, step: int, record: ShardRecord, tier: Tier, *, deadline: float | None = None) -> None:
+        """Land the first tier's copy of ``record``'s shard in ``tier`` (a replicator's put): the
+        copy appears there only once it matches the record (see :meth:`Tier.land_shard`)."""
+        tier.land_shard(step, record, ShardSource(path=self.local.shard_path(step, record)), deadline=deadline)
+
     def download_shard(self, step: int, record: ShardRecord, tier: Tier | None = None) -> None:
         """Stream ``record``'s copy in ``tier`` (default: the shared tier) into the local step,
-        landing it only if it verifies."""
+        landing it only if it verifies (a refill)."""
         tier = tier or self.remote
         if tier is None or tier is self.local:
             raise UsageError("downloading a shard needs a tier after the first (remote_url)")

@@ -190,7 +190,7 @@ def test_prune_of_one_ranks_directory_says_which_steps_it_keeps_and_why(tmp_path
     for dry_run in (["--dry-run"], []):
         code, out, err = run(os.environ, "--config", str(config), "prune", *dry_run)
         assert code == 0, err
-        assert out.splitlines()[0].endswith(": local none")  # no bucket configured: the one tier
+        assert out.splitlines()[0].endswith("local none, remote none")
         assert (
             "kept local steps [1, 2]: no newer step is known to be complete on every rank (in "
             f"{root}, the directory of one rank of a multi-process job"

@@ -31,7 +31,7 @@ def test_open_holds_the_directory_until_close_and_a_second_close_does_nothing(tm
 
 
 def uploader_threads():
-    return [thread for thread in threading.enumerate() if thread.name == "tiered-ckpt-to-remote"]
+    return [thread for thread in threading.enumerate() if thread.name == "tiered-ckpt-uploader"]
 
 
 def test_a_failure_while_opening_closes_what_was_opened(tmp_path, memory_url):
@@ -61,7 +61,7 @@ def test_a_write_queued_before_close_is_committed_by_close(tmp_path):
     parts.writer.submit(3, list(plan.states), plan.sharded_keys, list(plan.numels))
     parts.close("test")  # the writer closes first: the write it holds is finished, then the directory is released
     assert parts.store.local.steps() == [3]
-    assert dict(parts.status().newest) == {"local": 3}  # no bucket: the one tier
+    assert parts.status().newest_local == 3 and parts.status().newest_remote is None
 
 
 def test_maintenance_waits_for_the_writes_then_runs_on_the_store(tmp_path):

@@ -550,7 +550,7 @@ def test_a_bucket_outage_never_fails_save_wait_or_close_and_every_step_saved_sin
             manager.save(step, zero1_states(seed=step), blocking=True)  # never raises, never blocks for long
         until(lambda: manager.status().retrying_step == 2 and manager.status().retry_tries >= 4, "retried twice")
         lag = manager.status()
-        assert lag.newest["remote"] == 1 and [step for step, _ in lag.waiting] == [2, 3, 4, 5, 6]
+        assert lag.newest_remote == 1 and [step for step, _ in lag.waiting] == [2, 3, 4, 5, 6]
         assert "upload of step 2" in lag.last_error and "Connect" in lag.last_error and lag.last_error_at > 0
         manager.wait()  # the local commits are all there; the bucket is no error of wait()
         tries = [r for r in caplog.records if r.getMessage().startswith("upload of step 2 failed (try")]
@@ -982,11 +982,11 @@ def test_status_reports_the_lag_the_upload_rate_and_the_last_error(tmp_path, mot
             tmp_path, world_size=4, sharded_keys=ZERO1_SHARDED_KEYS, remote_url=url,
             storage_options=s3_storage_options(proxy.endpoint), upload=upload,
         ) as manager:  # fmt: skip
-            assert manager.status().newest["remote"] is None and manager.status().upload_bytes_per_second is None
+            assert manager.status().newest_remote is None and manager.status().upload_bytes_per_second is None
             manager.save(1, states)
             manager.wait(uploaded=True)
             lag = manager.status()
-            assert (lag.newest["local"], lag.newest["remote"], lag.waiting, lag.last_error) == (1, 1, (), None)
+            assert (lag.newest_local, lag.newest_remote, lag.waiting, lag.last_error) == (1, 1, (), None)
             assert lag.upload_bytes_per_second > 0
             assert any("step 1 committed at" in r.getMessage() and "MB/s" in r.getMessage() for r in caplog.records)
             proxy.failure_rate = 1.0  # the bucket is down
@@ -994,7 +994,7 @@ def test_status_reports_the_lag_the_upload_rate_and_the_last_error(tmp_path, mot
             with pytest.raises(UploadError, match="step 2 was not committed .* within its deadline"):
                 manager.wait(uploaded=True)
             lag = manager.status()
-            assert (lag.newest["local"], lag.newest["remote"], lag.steps_behind) == (2, 1, 1)
+            assert (lag.newest_local, lag.newest_remote, lag.steps_behind) == (2, 1, 1)
             assert lag.waiting[0][0] == 2 and lag.waiting[0][1] == manager.store.local.manifest(2).total_bytes
             assert "step 2 was not committed" in lag.last_error and lag.last_error_at > 0
             proxy.failure_rate = 0.0

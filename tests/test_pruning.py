@@ -1,5 +1,7 @@
 """Each tier's retention as data, applied by the store's pruning: what goes, and what stays for a later tier."""
 
+import threading
+
 import numpy as np
 import pytest
 from memory_tier import MemoryTier
@@ -69,3 +71,37 @@ def test_without_a_bucket_commit_every_newer_local_step_waits(store):
     assert pruning.to_delete(store, store.local) == [1, 2]  # the newest two waiting steps are kept
     upload(4)
     assert pruning.to_delete(store, store.local) == [1, 2, 3]
+
+
+def test_every_queue_is_kept_and_a_steps_queue_for_a_memory_too(store):
+    store, _peer, _bucket, upload = store
+    upload(1)
+    store.retention = {"local": RetentionPolicy(keep_last=1, max_awaiting_upload=1)}
+    # the bucket has step 2 active and step 3 queued; a pass that saw only the peer's queue would delete them
+    assert pruning.to_delete(store, store.local, {"remote": [2, 3], "peer": []}) == [1]
+    assert pruning.to_delete(store, store.local, {"peer": [2]}) == [1, 3]  # queued for the partner: kept
+    assert pruning.to_delete(store, store.local, {}) == [1, 2, 3]  # beyond max_awaiting_upload=1, unqueued
+
+
+def test_a_buckets_slow_delete_holds_up_no_pass_of_the_local_tier(store):
+    store, _peer, bucket, upload = store
+    upload(1, 2, 3, 4)
+    store.retention = {"local": RetentionPolicy(keep_last=1), "remote": RetentionPolicy(keep_last=1)}
+    held, release = threading.Event(), threading.Event()
+    delete = bucket.delete_step
+
+    def slow_delete(step):  # a bucket whose delete is being retried
+        held.set()
+        release.wait()
+        delete(step)
+
+    bucket.delete_step = slow_delete
+    remote = threading.Thread(target=pruning.retain, args=(store, bucket))
+    remote.start()
+    try:
+        held.wait()
+        assert pruning.retain(store, store.local) == [1, 2, 3]  # would block here if it waited for the bucket
+    finally:
+        release.set()
+        remote.join()
+    assert bucket.steps() == [4]

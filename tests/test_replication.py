@@ -1,7 +1,6 @@
 """The replication engine on its own: the upload queue against an in-memory bucket whose backend fails
 on command, and a third tier (a partner's memory) as one more target."""
 
-import dataclasses
 import logging
 import threading
 from collections import deque
@@ -12,7 +11,7 @@ import pytest
 from memory_tier import MemoryTier
 
 from tiered_ckpt import RemoteError, UploadError, UsageError, save_sharded
-from tiered_ckpt.engine.replication import ReplicationPolicy, Replicator
+from tiered_ckpt.engine.replication import Backlog, ReplicationPolicy, Replicator
 from tiered_ckpt.errors import ErrorBox
 from tiered_ckpt.format.layout import parse_step_dir_name, step_dir_name
 from tiered_ckpt.options import UploadOptions
@@ -62,8 +61,7 @@ def job(tmp_path, memory_url):
     uploaders = []
 
     def start(**options):
-        policy = dataclasses.replace(UploadOptions(**options).replication, retry=remote.retry)
-        uploader = Replicator(store, policy=policy, errors=ErrorBox())
+        uploader = Replicator(store, policy=UploadOptions(**options).replication, errors=ErrorBox())
         uploaders.append(uploader)
         return uploader
 
@@ -124,7 +122,7 @@ def test_while_the_bucket_fails_the_queue_takes_steps_without_blocking_up_to_max
         save_sharded([{"w": np.full(64, step, np.float32)}], tmp_path / "ckpt" / step_dir_name(step), step=step)
     faults.down = True
     store.retention = {"local": RetentionPolicy(keep_last=1, max_awaiting_upload=3)}
-    policy = ReplicationPolicy(max_pending=1, when_behind="wait", deadline_seconds=None, retry=remote.retry)
+    policy = ReplicationPolicy(max_pending=1, when_behind="wait", deadline_seconds=None)
     uploader = Replicator(store, policy=policy, errors=ErrorBox())
     try:
         uploader.submit(1)
@@ -302,3 +300,53 @@ def test_a_replicator_needs_a_target_among_the_stores_later_tiers(tmp_path):
         Replicator(store)
     with pytest.raises(UsageError, match="needs a target among the store's later tiers"):
         Replicator(store, MemoryTier("peer"))  # a tier the store does not have
+
+
+def test_a_slow_partner_fails_no_save_its_queued_steps_stay_on_disk(tmp_path):
+    save_locally(tmp_path / "ckpt", 1, 2, 3)
+    gate = threading.Event()
+
+    class SlowPeer(MemoryTier):
+        def land_shard(self, *args, **kwargs):
+            gate.wait()
+            return super().land_shard(*args, **kwargs)
+
+    peer = SlowPeer("peer")
+    store = TieredStore([LocalTier(tmp_path / "ckpt"), peer], {"local": RetentionPolicy(keep_last=1)})
+    with store.local.lock():
+        replicator = Replicator(store, peer, errors=ErrorBox())
+        try:
+            for step in (1, 2, 3):
+                replicator.submit(step, bounded=False)
+            gate.set()
+            replicator.wait()
+            replicator.errors.raise_first()  # no step was deleted under its replication
+            assert peer.steps() == [1, 2, 3] and store.local.steps() == [3]
+        finally:
+            replicator.close()
+
+
+def test_replicators_sharing_a_backlog_keep_each_others_queues(job, tmp_path):
+    store, remote, faults, _start = job
+    peer = MemoryTier("peer")
+    store = TieredStore([store.local, peer, remote], {"local": RetentionPolicy(keep_last=1, max_awaiting_upload=1)})
+    backlog = Backlog()
+    faults.hold.clear()  # the bucket's first PUT waits
+    to_bucket = Replicator(store, remote, errors=ErrorBox(), backlog=backlog)
+    to_peer = Replicator(store, peer, errors=ErrorBox(), backlog=backlog)
+    try:
+        for step in (2, 3):
+            to_bucket.submit(step, bounded=False)
+        faults.holding.wait()  # step 2 is being put
+        to_peer.submit(4)
+        to_peer.wait()
+        to_peer.errors.raise_first()
+        assert peer.steps() == [4] and store.local.steps() == [2, 3, 4]  # step 1 went; the bucket's queue stayed
+        faults.hold.set()
+        to_bucket.wait()
+        to_bucket.errors.raise_first()
+        assert remote.steps() == [2, 3]
+    finally:
+        faults.hold.set()
+        to_peer.close()
+        to_bucket.close()

@@ -95,7 +95,7 @@ def test_without_a_bucket_a_damaged_shard_fails_as_it_is(two_tiers):
 def test_status_and_verify_see_both_tiers(two_tiers):
     store, manifest, _states = two_tiers
     [status] = survey.status(store)
-    assert (status.step, dict(status.states)) == (3, {"local": "committed", "remote": "committed"})
+    assert (status.step, status.local, status.remote) == (3, "committed", "committed")
     assert status.manifest == manifest
     checks = survey.verify(store)
     assert sorted((c.tier, c.rank, c.status) for c in checks) == [
@@ -177,7 +177,7 @@ def test_a_damaged_part_without_a_bucket_is_a_checksum_mismatch_naming_the_file(
     offset = 20 if where == "header" else byte_of(store, manifest, "a")
     flip_byte(store.local.shard_path(3, manifest.shard(0)), offset)
     with pytest.raises(ChecksumMismatchError, match="rank-00000-of-00001"):
-        store.read_parts(3, manifest.shard(0), {"a"}, later=False)
+        store.read_parts(3, manifest.shard(0), {"a"}, later=())
 
 
 @pytest.mark.parametrize("verify", ["full", "fast"])
@@ -187,16 +187,16 @@ def test_a_damaged_part_is_caught_by_either_recorded_digest(chunked_tiers, verif
     store, manifest, arrays = chunked_tiers
     record = manifest.shard(0)
     assert all(len(chunk.xxh3_64) == 16 for chunk in record.chunks)  # recorded beside each sha256
-    state, _source = store.read_parts(3, record, {"a", "b"}, verify=verify, later=False)
+    state, _source = store.read_parts(3, record, {"a", "b"}, verify=verify, later=())
     assert state.arrays["b"].tobytes() == arrays["b"].tobytes()
     flip_byte(store.local.shard_path(3, record), byte_of(store, manifest, "b"))
     kind = "xxh3-64" if verify == "fast" else "sha256"
     with pytest.raises(ChecksumMismatchError, match=f"'b' do not match the {kind}"):
-        store.read_parts(3, record, {"b"}, verify=verify, later=False)
+        store.read_parts(3, record, {"b"}, verify=verify, later=())
     # A record without xxh3-64 digests (written before them): "fast" falls back to the sha256.
     old = dataclasses.replace(record, chunks=tuple(dataclasses.replace(c, xxh3_64="") for c in record.chunks))
     with pytest.raises(ChecksumMismatchError, match="'b' do not match the sha256"):
-        store.read_parts(3, old, {"b"}, verify="fast", later=False)
+        store.read_parts(3, old, {"b"}, verify="fast", later=())
 
 
 def test_any_new_shard_has_a_verifiable_header_and_an_old_record_without_one_is_refused(two_tiers):
@@ -211,7 +211,7 @@ def test_any_new_shard_has_a_verifiable_header_and_an_old_record_without_one_is_
     assert source == "local" and set(state.structure.kinds) == {"w"} and state.arrays == {}
     old = dataclasses.replace(record, header_bytes=0, header_sha256="")
     with pytest.raises(ShardFormatError, match="can only be read whole"):
-        store.read_parts(3, old, (), later=False)
+        store.read_parts(3, old, (), later=())
 
 
 # --- beside a running job: a step its retention deletes between the listing and the reading ---
@@ -295,10 +295,9 @@ def test_status_and_lag_leave_out_a_step_deleted_before_its_manifest_is_read(job
     assert LocalTier(store.local.root).steps() == [2]
     delete_first(monkeypatch, store.local, "manifest", 2, delete_locally(store, 2))
     rows = survey.status(store)  # step 2 is still in the bucket: shown there only
-    in_the_bucket_only = {"local": "-", "remote": "committed"}
-    assert [(row.step, dict(row.states)) for row in rows] == [(1, in_the_bucket_only), (2, in_the_bucket_only)]
+    assert [(row.step, row.local, row.remote) for row in rows] == [(1, "-", "committed"), (2, "-", "committed")]
     local_only = TieredStore([LocalTier(store.local.root)])
-    assert survey.status(local_only) == [] and survey.lag(local_only).newest["local"] is None
+    assert survey.status(local_only) == [] and survey.lag(local_only).newest_local is None
 
 
 def test_the_cli_verify_beside_a_running_job_skips_the_step_its_retention_deletes(job_dirs, monkeypatch, capsys):
@@ -469,7 +468,7 @@ def test_parts_of_a_shard_come_from_the_nearest_tier_that_serves_ranges(tmp_path
     assert source == "peer" and state.arrays["weight"].tobytes() == chunked_states(2)[1]["weight"].data.tobytes()
     assert store.local.check_shard(3, record) is not None  # a ranged read refills nothing
     with pytest.raises(IncompleteCheckpointError, match="file is missing"):
-        store.read_parts(3, record, ["weight"], later=False)
+        store.read_parts(3, record, ["weight"], later=())
 
 
 def test_status_lag_and_verify_name_every_tier(three_tiers, tmp_path):
@@ -509,3 +508,29 @@ def test_a_store_refuses_tiers_it_cannot_compose_naming_them(tmp_path):
     assert store.remote is None and store.tier("peer").name == "peer"  # a memory is no bucket
     with pytest.raises(UsageError, match="no tier 'remote'"):
         store.tier("remote")
+
+
+def test_a_read_tries_the_bucket_only_where_it_committed_the_step_and_every_other_tier(three_tiers, tmp_path):
+    store, peer, _bucket, _manifest, states = three_tiers
+    assert store.readable(True) == ("peer", "remote") and store.readable(False) == ("peer",)
+    manifest = save_sharded(states, tmp_path / "ckpt" / step_dir_name(4), step=4)
+    for record in manifest.shards:  # the partner holds step 4, the bucket not yet
+        peer.land_shard(4, record, ShardSource(path=store.local.shard_path(4, record)))
+    flip_byte(store.local.shard_path(4, manifest.shard(0)), 200)
+    state, source = store.fetch_shard(4, manifest.shard(0), later=store.readable(False))
+    assert source == "peer" and state.arrays["w"].tobytes() == states[0]["w"].tobytes()
+
+
+def test_a_store_holds_one_durable_later_tier_the_bucket(tmp_path, memory_url):
+    local = LocalTier(tmp_path / "ckpt")
+    for later in (
+        [RemoteTier(*memory_url), MemoryTier("archive", durable=True)],  # receipts: one per step
+        [MemoryTier("archive", durable=True, shared=True)],  # no bucket's words (leases, receipts)
+    ):
+        with pytest.raises(UsageError, match="at most one durable tier, a bucket"):
+            TieredStore([local, *later])
+    bucket = RemoteTier(*memory_url)
+    store = TieredStore([local, MemoryTier("peer"), bucket])
+    assert store.remote is bucket
+    with pytest.raises(UsageError, match="only the bucket's commits have receipts"):
+        store.record_commit(3, store.tier("peer"), None)

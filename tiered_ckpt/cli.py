@@ -126,14 +126,13 @@ def command_ls(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     itself succeeded: ``tiered-ckpt verify`` exits 1 for it."""
     rows: list[dict[str, Any]] = []
     now = time.time()
-    store = _store(config)
-    names = [tier.name for tier in store.tiers]
-    for status in survey.status(store):
+    for status in survey.status(_store(config)):  # a config describes the local tier and the bucket
         manifest = status.manifest
         rows.append(
             {
                 "step": status.step,
-                **{name: _absent(state) for name, state in status.states.items()},
+                "local": _absent(status.local),
+                "remote": _absent(status.remote),
                 "world_size": manifest.world_size if manifest else None,
                 "local_ranks": list(status.held_ranks) if status.held_ranks is not None else None,
                 "bytes": manifest.total_bytes if manifest else None,
@@ -141,17 +140,16 @@ def command_ls(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
                 "problem": status.problem,
             }
         )
-    columns = "".join(f"{name.upper():<10} " for name in names)
-    lines = [f"{'STEP':>12}  {columns}{'RANKS':>5} {'SIZE':>10} {'AGE':>10}"]
+    lines = [f"{'STEP':>12}  {'LOCAL':<10} {'REMOTE':<10} {'RANKS':>5} {'SIZE':>10} {'AGE':>10}"]
     for row in rows:
         size = human_size(row["bytes"]) if row["bytes"] is not None else "-"
         age = f"{row['age_seconds'] / 60:.1f}m" if row["age_seconds"] is not None else "-"
         ranks = row["world_size"] or "-"
         if row["local_ranks"] is not None and len(row["local_ranks"]) < row["world_size"]:
             ranks = f"{len(row['local_ranks'])}/{row['world_size']}"  # a node of a multi-process job
-        states = "".join(f"{row[name] or '-':<10} " for name in names)
+        local, remote = row["local"] or "-", row["remote"] or "-"
         damaged = "  DAMAGED" if row["problem"] else ""
-        lines.append(f"{row['step']:>12}  {states}{ranks:>5} {size:>10} {age:>10}{damaged}")
+        lines.append(f"{row['step']:>12}  {local:<10} {remote:<10} {ranks:>5} {size:>10} {age:>10}{damaged}")
     for row in rows:
         if row["problem"]:
             print(
@@ -244,20 +242,20 @@ def command_prune(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     deadline = config.upload.deadline_seconds
     with store.local.lock():
         plan = pruning.prune(store, dry_run=args.dry_run, orphans_older_than=deadline or 3600.0)
+    plan.setdefault("remote", [])  # no bucket configured: nothing deleted there
     verb = "would delete" if args.dry_run else "deleted"
     aborted = f"; aborted unfinished uploads: {plan['aborted']}" if plan["aborted"] else ""
     kept = ""
-    unproven = plan[f"{store.local.name}_kept_unproven"]
-    if unproven:
+    if plan["local_kept_unproven"]:
         kept = (
-            f"\nkept local steps {unproven}: no newer step is known to be complete on every rank "
+            f"\nkept local steps {plan['local_kept_unproven']}: no newer step is known to be complete on every rank "
             f"(in {store.local.root}, the directory of one rank of a multi-process job, one rank's commit proves "
             "nothing of the others); the job's own retention deletes them once its ranks agree on a newer step, "
             "or give the bucket holding a newer step (--remote-url)"
         )
     return EXIT_OK, (
         {"dry_run": args.dry_run, **plan},
-        f"{verb}: " + ", ".join(f"{tier.name} {plan[tier.name] or 'none'}" for tier in store.tiers) + aborted + kept,
+        f"{verb}: local {plan['local'] or 'none'}, remote {plan['remote'] or 'none'}{aborted}{kept}",
     )
 
 
@@ -266,7 +264,7 @@ def command_status(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     waiting = ", ".join(f"{step} ({human_size(size)})" for step, size in lag.waiting) or "none"
     since = f", the oldest for {lag.waiting_seconds / 60:.1f} min" if lag.waiting_seconds is not None else ""
     text = (
-        ", ".join(f"newest {name} step {step}" for name, step in lag.newest.items()) + "; "
+        f"newest local step {lag.newest_local}, newest remote step {lag.newest_remote}; "
         f"{lag.steps_behind} steps waiting for upload: {waiting}{since}"
     )
     return EXIT_OK, (lag.to_dict(), text)

@@ -131,7 +131,9 @@ class Parts:
         store = self._maintenance("prune")
         if self.uploader is not None:
             self.wait(uploaded=True)
-        return pruning.prune(store, dry_run=dry_run)
+        plan = pruning.prune(store, dry_run=dry_run)
+        plan.setdefault("remote", [])  # no bucket: nothing deleted there
+        return plan
 
     def _maintenance(self, operation: str) -> TieredStore:
         """The store for ``operation`` (pull, push, prune), once every save so far is committed locally;

@@ -257,10 +257,9 @@ class UploadOptions:
 
     @property
     def replication(self) -> ReplicationPolicy:
-        """The uploader's policy: its queue, concurrency, deadline and the backoff between tries of a step."""
-        return ReplicationPolicy(
-            self.concurrency, self.max_pending, self.when_behind, self.deadline_seconds, self.retry
-        )
+        """The uploader's policy: its queue, concurrency and deadline; a step's tries back off as
+        the bucket's requests do (its tier's :attr:`retry`)."""
+        return ReplicationPolicy(self.concurrency, self.max_pending, self.when_behind, self.deadline_seconds)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ and a :class:`ReplicationPolicy`. It owns what happens to a step after its local
    process writes the local receipt of a durable target's commit;
 5. retention after the commit (:mod:`~tiered_ckpt.tiers.pruning`): the leader's of the
    target (a bucket's: not while another run's lease is live), every process's of its
-   local tier (steps the target now holds are no longer protected).
+   local tier, keeping the steps still queued for any replicator sharing the
+   :class:`Backlog` (steps the target now holds are no longer protected).
 
 A step whose landing or commit still fails for a transient reason (the target is
 unreachable or failing) after the target's own retries is tried again as a whole, after
@@ -59,7 +60,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from tiered_ckpt.dist.coordination import Coordinator, SingleProcessCoordinator, gather
@@ -90,13 +91,32 @@ RATE_WINDOW = 5  # remote commits the upload rate is measured over
 class ReplicationPolicy:
     """How a :class:`Replicator` sends steps to its target (see the module doc): ``concurrency``
     shards at a time; at most ``max_pending`` queued steps before ``when_behind`` applies; a
-    step tried again after ``retry``'s backoff until ``deadline_seconds`` (None: no deadline)."""
+    step tried again after ``retry``'s backoff (None: the target's own policy, where it has
+    one, as the bucket does) until ``deadline_seconds`` (None: no deadline)."""
 
     concurrency: int = 2
     max_pending: int = 2
     when_behind: WhenBehind = "wait"
     deadline_seconds: float | None = 3600.0
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    retry: RetryPolicy | None = None
+
+
+class Backlog:
+    """The steps each replicator of one store still has to commit, by its target's name: every
+    retention pass of the first tier keeps them all, not only its own replicator's."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, Callable[[], list[int]]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, name: str, pending: Callable[[], list[int]]) -> None:
+        with self._lock:
+            self._queues[name] = pending
+
+    def pending(self) -> dict[str, list[int]]:
+        with self._lock:
+            queues = dict(self._queues)
+        return {name: pending() for name, pending in queues.items()}
 
 
 class Replicator:
@@ -105,8 +125,9 @@ class Replicator:
     ``target`` is one of ``store``'s later tiers (default: its shared tier, the bucket).
     ``ranks`` are the ranks whose shards this process sends (default: every rank of each
     step); ``coordinator`` must be a channel no other thread uses. Failures go to
-    ``errors``; the store's retention is applied after each commit. ``ownership`` says how
-    the leader holds its lease on a shared target; ``clock`` (Unix times) dates the lease
+    ``errors``; the store's retention is applied after each commit, weighing the queues of
+    every replicator that shares ``backlog`` (give the replicators of one store one). ``ownership``
+    says how the leader holds its lease on the bucket; ``clock`` (Unix times) dates the lease
     and judges others' leases and open uploads.
     """
 
@@ -121,6 +142,7 @@ class Replicator:
         ranks: Sequence[int] | None = None,
         ownership: OwnershipPolicy | None = None,
         clock: Callable[[], float] = time.time,
+        backlog: Backlog | None = None,
     ) -> None:
         target = target or store.remote
         if target is None or target not in store.later:
@@ -128,12 +150,14 @@ class Replicator:
         self._store = store
         self.target = target
         self._options = policy or ReplicationPolicy()
+        bucket = store.remote if target is store.remote else None
+        self._backoff = self._options.retry or (bucket.retry if bucket is not None else RetryPolicy())
         self.errors = errors or ErrorBox()
         self._coordinator = coordinator or SingleProcessCoordinator(1)
         self._ranks = ranks
         self._clock = clock
-        # the leader's, held from resume() or push(); only a shared target (the bucket) has leases
-        self._lease = Lease(store.remote, ownership, clock=clock) if target is store.remote else None
+        # the leader's, held from resume() or push(); only the bucket has leases
+        self._lease = Lease(bucket, ownership, clock=clock) if bucket is not None else None
         self._sender = Sender(store, target, self._coordinator, ranks, self._options.concurrency, self._lease)
         self._queue: deque[int] = deque()
         self._active: int | None = None
@@ -146,7 +170,10 @@ class Replicator:
         self._failing = False  # a try failed for a transient reason and no commit succeeded since
         self._retry: tuple[int, int] | None = None  # (step, tries so far) of a step being retried
         self._giving_up = False  # see give_up_retries
-        self._thread = threading.Thread(target=self._run, name=f"tiered-ckpt-to-{target.name}", daemon=True)
+        self.backlog = backlog or Backlog()
+        self.backlog.add(target.name, self.pending)
+        name = "tiered-ckpt-uploader" if bucket is not None else f"tiered-ckpt-to-{target.name}"
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def __repr__(self) -> str:
@@ -281,11 +308,13 @@ class Replicator:
                     self._changed.notify_all()
                 continue
             try:
-                self._upload(step)
+                try:
+                    self._upload(step)
+                finally:
+                    self._sender.forget(step)  # a step given up keeps nothing for the process's life
             except BaseException as exc:  # a remote failure, a local I/O error or a bug: never lost silently
                 self._failed(_as_upload_error(step, exc))
             finally:
-                self._sender.forget(step)
                 with self._changed:
                     self._active = None
                     self._retry = None
@@ -367,7 +396,7 @@ class Replicator:
         """After a failed try of ``step``, what every process does (one collective): whether to try
         again, whether every failure was transient (or the deadline's), whether a preemption
         notice superseded the step, and how long to wait (the leader's draw)."""
-        delay = self._options.retry.delay(attempt)
+        delay = self._backoff.delay(attempt)
         transient = failure.transient or failure.deadline
         in_time = not self._giving_up and (deadline is None or time.monotonic() + delay < deadline)
         with self._changed:
@@ -394,7 +423,7 @@ class Replicator:
             "step %d committed at %s: %d bytes from this process in %.2f s (%.1f MB/s)",
             step, self._sender.where(step), sent, seconds, sent / max(seconds, 1e-9) / 1e6,
         )  # fmt: skip
-        self._sender.retain(step, self.pending())
+        self._sender.retain(step, self.backlog.pending())
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ own channel):
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tiered_ckpt.dist.coordination import Coordinator, gather, leader_decides
@@ -131,10 +131,10 @@ class Sender:
         bucket.set_latest(manifest.step)
         return remote.to_json()
 
-    def retain(self, step: int, pending: Collection[int]) -> None:
+    def retain(self, step: int, pending: pruning.Pending) -> None:
         """After ``step``'s commit: the leader's retention of the target (not while another live run
         writes there: its steps are not ours to delete), every process's of its local tier
-        (``pending``: the steps still queued for the target). A transient failure of the target
+        (``pending``: the steps still queued for each later tier). A transient failure of the target
         is logged (retention runs again after the next commit); any other is an :class:`UploadError`."""
         store, target = self._store, self._target
         try:
@@ -146,7 +146,7 @@ class Sender:
                     )
                 else:
                     pruning.retain(store, target)
-            pruning.retain(store, store.local, {target.name: pending})
+            pruning.retain(store, store.local, pending)
         except RemoteError as exc:
             if not exc.transient:
                 raise UploadError(

@@ -3,7 +3,7 @@
 
 1. :meth:`ShardReader.load` checks the world size (resharding only when asked), works out
    which saved ranks this process needs, and reads each through
-   :meth:`TieredStore.fetch_shard` (local copy, else the bucket, verified, refilling the
+   :meth:`TieredStore.fetch_shard` (local copy, else each later tier, verified, refilling the
    local step), or, into a state of DTensors, just the chunks that overlap its own
    (:meth:`TieredStore.read_parts`);
 2. the arrays its ranks' shards left to other ranks are put back
@@ -56,7 +56,7 @@ class PendingRead:
     ``read``: by saved rank, the verified states read (whole shards, or the parts needed),
     from the tiers in ``sources``, ``bytes_read`` bytes in all. ``from_peers``: the left-out
     arrays come from the processes holding them (else they are read here, from the bucket
-    if ``later``). Whole reads: ``into`` are the caller's arrays by saved rank, resharded
+    tiers named in ``later``). Whole reads: ``into`` are the caller's arrays by saved rank, resharded
     for ``target`` ranks. Chunk reads (``plans`` not empty): per rank of this process, its
     plan and the state of DTensors (``targets``) the chunks fill.
     """
@@ -68,7 +68,7 @@ class PendingRead:
     sources: Mapping[int, Source]
     bytes_read: int
     from_peers: bool
-    later: bool
+    later: tuple[str, ...]
     into: Mapping[int, Mapping[str, np.ndarray]] = field(default_factory=dict)
     plans: tuple[ChunkPlan, ...] = ()
     targets: tuple[FlatState, ...] = ()
@@ -147,7 +147,7 @@ class ShardReader:
                         manifest.shard(wanted[index]),
                         verify=verify,
                         into=targets[index].arrays if targets is not None else None,
-                        later=remote is not None,
+                        later=store.readable(remote is not None),
                     ),
                     range(len(wanted)),
                     self._max_workers,
@@ -161,7 +161,7 @@ class ShardReader:
                 sources={rank: source for rank, (_state, source) in zip(wanted, fetched, strict=True)},
                 bytes_read=sum(manifest.shard(rank).size_bytes for rank in wanted),
                 from_peers=from_peers,
-                later=remote is not None,
+                later=store.readable(remote is not None),
                 into={rank: state.arrays for rank, state in zip(wanted, targets or (), strict=False)},
             )
             return self._completed_here(pending)
@@ -215,7 +215,7 @@ class ShardReader:
         return replace(result, bytes_read=pending.bytes_read + parts_bytes)
 
     def _replicas_read(
-        self, step: int, manifest: ShardManifest, read: Mapping[int, FlatState], later: bool
+        self, step: int, manifest: ShardManifest, read: Mapping[int, FlatState], later: tuple[str, ...]
     ) -> tuple[dict[int, Mapping[str, np.ndarray]], int]:
         """By holder rank, the arrays the shards in ``read`` left to other ranks: from the
         holder's shard if it is in ``read``, else by a verified partial read of it; and the
@@ -292,7 +292,7 @@ class ShardReader:
                 step,
                 manifest.shard(rank),
                 names[rank],
-                later=remote is not None,
+                later=self._store.readable(remote is not None),
                 into=direct.get(rank),
                 verify=verify,
             ),  # fmt: skip
@@ -308,7 +308,7 @@ class ShardReader:
             sources={rank: source for rank, (_state, source) in zip(ranks, fetched, strict=True)},
             bytes_read=sum(_part_bytes(manifest.shard(rank), state) for rank, state in read.items()),
             from_peers=from_peers,
-            later=remote is not None,
+            later=self._store.readable(remote is not None),
             plans=tuple(plans),
             targets=tuple(targets),
         )

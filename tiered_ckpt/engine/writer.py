@@ -255,7 +255,9 @@ class Writer:
 
     def _retain(self, step: int) -> None:
         """Retention thread: local retention after ``step``'s commit, which every rank made (off the write path)."""
-        pending = {replicator.target.name: replicator.pending() for replicator in self._replicators}
+        pending: dict[str, list[int]] = {}
+        for replicator in self._replicators:  # each one's backlog, shared or not, holds its own queue
+            pending.update(replicator.backlog.pending())
         try:
             pruning.retain(self._store, self._store.local, pending, complete=step)
         except (CheckpointError, OSError) as exc:

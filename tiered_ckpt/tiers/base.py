@@ -3,7 +3,9 @@
 A tier holds checkpoints of one job in one place (this node's disk, a bucket, a partner's
 memory). It knows only its own storage; tiers meet in :class:`~tiered_ckpt.tiers.store.TieredStore`,
 which moves shards between them. Every tier implements :class:`Tier`; what differs between
-them is said by :class:`Capabilities`, never by a tier's type.
+them is said by :class:`Capabilities`, never by a tier's type, with one exception: a
+store's one durable later tier is the bucket, whose own words (leases, receipts of its
+commits, the store's checksums) the object-store tier alone speaks.
 
 A step's life on a tier, in the order the calls are made:
 

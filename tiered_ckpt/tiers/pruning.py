@@ -3,16 +3,17 @@
 The policies are data the store holds (:attr:`TieredStore.retention`, by tier name); the
 rules are :mod:`~tiered_ckpt.tiers.retention`'s pure functions. What a tier protects:
 
-- the first tier (this node's disk) feeds every later tier: it keeps the steps a durable
-  later tier has not committed yet (``pending``: the steps queued for it, and the newest
-  ones newer than its newest receipt; beyond ``max_awaiting_upload`` of them the policy
-  decides), and weighs only steps no newer than one every rank can restore (see
-  :func:`~tiered_ckpt.tiers.retention.retainable`);
+- the first tier (this node's disk) feeds every later tier: it keeps the steps queued for
+  any of them (``pending``, by tier name: a step is never deleted under its replication),
+  and for the bucket, whose commits have receipts, also the steps newer than its newest
+  receipt (beyond ``max_awaiting_upload`` of those the policy decides); it weighs only steps
+  no newer than one every rank can restore (see :func:`~tiered_ckpt.tiers.retention.retainable`);
 - a later tier feeds none: its policy alone decides.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Collection, Mapping
@@ -32,17 +33,11 @@ Pending = Mapping[str, Collection[int]]
 """The steps queued for each later tier (by its name), not yet committed there."""
 
 
-def _fed(store: TieredStore) -> list[Tier]:
-    """The later tiers whose commits the first tier's retention waits for: those a receipt records."""
-    return [tier for tier in store.later if tier.capabilities.durable]
-
-
 def _newest_complete(store: TieredStore, steps: list[int], complete: int | None) -> int | None:
     """The newest of ``steps`` every rank can restore (None: none is known to be): ``complete``
-    (the caller knows every rank committed it), the newest step with a receipt of a shared
-    tier's commit (every shard is there), or a step this directory holds every rank's shard of."""
-    shared = [tier for tier in _fed(store) if tier.capabilities.shared]
-    receipted = [step for step in steps if any(store.receipted(step, tier) for tier in shared)]
+    (the caller knows every rank committed it), the newest step with a receipt of the bucket's
+    commit (every shard is there), or a step this directory holds every rank's shard of."""
+    receipted = [step for step in steps if store.receipted(step)]
     known = [step for step in (complete, max(receipted, default=None)) if step is not None]
     floor = max(known, default=None)
     for step in reversed(steps):
@@ -60,20 +55,20 @@ def _newest_complete(store: TieredStore, steps: list[int], complete: int | None)
 def _plan(
     store: TieredStore, tier: Tier, pending: Pending, complete: int | None, *, assume_complete: bool = False
 ) -> tuple[list[int], set[int]]:
-    """The steps of ``tier`` its policy deletes now, and those of them a later tier still waits
+    """The steps of ``tier`` its policy deletes now, and those of them the bucket still waits
     for (``assume_complete``: as if every step were known complete on every rank)."""
     policy = store.policy(tier)
     if tier is not store.local:
         return policy.to_delete(tier.steps()), set()
     steps = store.local.steps()
     newest = max(steps, default=None) if assume_complete else _newest_complete(store, steps, complete)
-    kept: set[int] = set()
+    kept = {step for queued in pending.values() for step in queued}.intersection(steps)
     waited: set[int] = set()
-    for later in _fed(store):
-        receipted = {step for step in steps if store.receipted(step, later)}
-        queued = pending.get(later.name, ())
+    if store.remote is not None:
+        receipted = {step for step in steps if store.receipted(step)}
+        queued = pending.get(store.remote.name, ())
         kept |= protected(steps, receipted, queued, policy.max_awaiting_upload)
-        waited |= awaiting(steps, receipted, queued)
+        waited = awaiting(steps, receipted, queued)
     return policy.to_delete(retainable(steps, newest), kept), waited
 
 
@@ -102,7 +97,9 @@ def retain(store: TieredStore, tier: Tier, pending: Pending | None = None, *, co
     policy = store.policy(tier)
     if policy.keeps_everything:
         return []
-    with store.retention_lock:
+    # The first tier's passes (the writer's, each replicator's) never interleave; a later
+    # tier's deletes, which may be retried for minutes, hold up none of them.
+    with store.retention_lock if tier is store.local else contextlib.nullcontext():
         deleted, waited = _plan(store, tier, pending or {}, complete)
         for step in deleted:
             tier.delete_step(step)
@@ -110,7 +107,7 @@ def retain(store: TieredStore, tier: Tier, pending: Pending | None = None, *, co
                 logger.warning(
                     "retention: deleted step %d from %s before it reached %s: more than max_awaiting_upload=%s "
                     "steps are waiting for upload (is the bucket reachable?)",
-                    step, tier.url, " and ".join(later.url for later in _fed(store)), policy.max_awaiting_upload,
+                    step, tier.url, store.remote.url if store.remote else None, policy.max_awaiting_upload,
                 )  # fmt: skip
             elif tier is store.local:
                 logger.info("retention: deleted step %d from %s", step, tier.url)

@@ -68,8 +68,10 @@ class TieredStore:
     """Steps and shards across ``tiers``, nearest first; ``tiers[0]`` is this node's disk.
 
     ``retention`` maps a tier's name to its :class:`RetentionPolicy` (a tier not named
-    keeps every step). The shared durable tier (the bucket every rank reads and the
-    manifests' store checksums come from), if any, is :attr:`remote`.
+    keeps every step). Of the later tiers, at most one is durable: the bucket (a
+    :class:`RemoteTier`, :attr:`remote`), which every rank reads, whose commits the local
+    steps record (receipts) and whose manifests keep the store's checksums; any number may
+    be neither (a partner's memory). Anything else is refused (:class:`UsageError`).
     """
 
     def __init__(self, tiers: Sequence[Tier], retention: Mapping[str, RetentionPolicy] | None = None) -> None:
@@ -82,14 +84,19 @@ class TieredStore:
         unknown = set(retention or {}) - set(names)
         if unknown:
             raise UsageError(f"retention names tiers the store does not have: {sorted(unknown)} (tiers: {names})")
+        durable = [tier for tier in tiers[1:] if tier.capabilities.durable]
+        # A durable copy is one a later run resumes from: its commits need receipts (one per
+        # step on the local disk) and its bucket's own words (leases, orphaned uploads, the
+        # store's checksums), which the object-store tier alone speaks.
+        if len(durable) > 1 or any(not isinstance(tier, RemoteTier) for tier in durable):
+            raise UsageError(
+                f"a store's later tiers hold at most one durable tier, a bucket (RemoteTier); got {list(tiers[1:])!r}"
+            )
         self.tiers: tuple[Tier, ...] = tiers
         self.local: LocalTier = tiers[0]
         self.retention: Mapping[str, RetentionPolicy] = dict(retention or {})
-        shared = [tier for tier in tiers[1:] if tier.capabilities.shared and tier.capabilities.durable]
-        # The bucket's own words (its listing in one request, its remote manifest with the
-        # store's checksums, orphaned uploads) are RemoteTier's: the one shared durable tier speaks them.
-        self.remote: RemoteTier | None = cast(RemoteTier, shared[0]) if shared else None
-        self.retention_lock = threading.Lock()  # retention passes of the writer and a replicator never interleave
+        self.remote: RemoteTier | None = cast(RemoteTier, durable[0]) if durable else None
+        self.retention_lock = threading.Lock()  # retention passes of the local tier never interleave
 
     def __repr__(self) -> str:
         return f"TieredStore([{', '.join(repr(tier) for tier in self.tiers)}])"
@@ -98,6 +105,12 @@ class TieredStore:
     def later(self) -> tuple[Tier, ...]:
         """The tiers after the first, nearest first."""
         return self.tiers[1:]
+
+    def readable(self, in_remote: bool) -> tuple[str, ...]:
+        """The later tiers a read of a step tries, by name: the bucket if it committed the step
+        (``in_remote``), and every other later tier (what each holds is not listed first: a
+        copy it lacks is one more failed try)."""
+        return tuple(tier.name for tier in self.later if tier is not self.remote or in_remote)
 
     def tier(self, name: str) -> Tier:
         """The tier called ``name``."""
@@ -126,10 +139,11 @@ class TieredStore:
         return tier is not None and self.local.has_receipt(step, tier.url)
 
     def record_commit(self, step: int, tier: Tier, committed: RemoteManifest) -> None:
-        """Record in the local step that ``tier`` committed it (a receipt; durable tiers only:
-        a receipt of a copy that dies with the job's processes would outlive it)."""
-        if tier.capabilities.durable:
-            self.local.write_receipt(step, tier.url, committed)
+        """Record in the local step that ``tier`` (the bucket) committed it: a receipt. Only the
+        durable tier has receipts: one of a copy that dies with the job would outlive it."""
+        if tier is not self.remote:
+            raise UsageError(f"only the bucket's commits have receipts, not {tier!r}'s")
+        self.local.write_receipt(step, tier.url, committed)
 
     def manifests(self, step: int, *, in_local: bool, in_remote: bool) -> tuple[ShardManifest, RemoteManifest | None]:
         """The step's manifest (the local one if it validates, else the shared tier's) and the
@@ -179,10 +193,11 @@ class TieredStore:
         *,
         verify: Verify = "full",
         into: Mapping[str, np.ndarray] | None = None,
-        later: bool = True,
+        later: Collection[str] | None = None,
     ) -> tuple[FlatState, Source]:
         """One shard's verified state and the name of the tier it came from (see the module doc
-        for the chain). ``later=False`` reads the first tier only (no later tier holds the step)."""
+        for the chain). ``later``: the names of the later tiers to try (None: every one; empty:
+        the first tier only)."""
 
         def read(tier: Tier) -> FlatState:
             if tier is not self.local:
@@ -192,10 +207,11 @@ class TieredStore:
         return self._first_that_verifies(step, record, read, later, refills=True)
 
     def _first_that_verifies(
-        self, step: int, record: ShardRecord, read: Callable[[Tier], T], later: bool, refills: bool
+        self, step: int, record: ShardRecord, read: Callable[[Tier], T], later: Collection[str] | None, refills: bool
     ) -> tuple[T, Source]:
-        """The chain of every read: ``read(tier)`` for each tier in order (only the first unless
-        ``later``), each later tier tried twice; raises naming every copy tried if none verifies.
+        """The chain of every read: ``read(tier)`` for the first tier, then for each tier named in
+        ``later`` (None: every later tier), in the store's order, each later tier tried twice;
+        raises naming every copy tried if none verifies.
 
         A copy that fails (missing, short, unreadable, not matching) is one more reason to
         read the next tier; a shard the local step should hold and is taken from a later tier
@@ -204,14 +220,15 @@ class TieredStore:
         failed try of a later tier is logged at WARNING.
         """
         tried: list[tuple[str, CheckpointError]] = []
-        for tier in self.tiers if later else self.tiers[:1]:
+        chain = [self.local, *(tier for tier in self.later if later is None or tier.name in later)]
+        for tier in chain:
             where = tier.shard_location(step, record)
             first = tier is self.local
             for attempt in range(1, 2 if first else _TRIES_OF_A_LATER_TIER + 1):
                 try:
                     found = read(tier)
                 except (*_READ_FAILURES, RemoteError) as error:
-                    if first and (isinstance(error, RemoteError) or len(self.tiers) == 1 or not later):
+                    if first and (isinstance(error, RemoteError) or len(chain) == 1):
                         raise
                     tried.append((f"{tier.name} {where}", error))
                     if not first:
@@ -242,7 +259,7 @@ class TieredStore:
         record: ShardRecord,
         names: Collection[str],
         *,
-        later: bool = True,
+        later: Collection[str] | None = None,
         into: Mapping[str, np.ndarray] | None = None,
         verify: Verify = "full",
     ) -> tuple[FlatState, Source]:
@@ -251,7 +268,7 @@ class TieredStore:
         Reads only the shard's header and those arrays' bytes, each checked against the
         sha256 the manifest records for it (``verify="fast"``: its xxh3-64, where the
         manifest records one; the header always by sha256), along the chain of the module
-        doc (``later=False``: the first tier only). The state returned has the whole structure
+        doc (``later`` as for :meth:`fetch_shard`). The state returned has the whole structure
         but only ``names``' arrays. An array named in ``into`` (C-contiguous, of its dtype and
         shape) is read into that memory rather than new memory; if no copy verifies, it holds
         unspecified values. Raises :class:`ChecksumMismatchError` or

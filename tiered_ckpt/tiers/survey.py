@@ -35,7 +35,8 @@ class StepStatus:
     durable, not yet in it), "partial" (shards but no commit) or "-". ``manifest`` is the
     nearest tier's that validates (None if no tier committed the step); ``held_ranks`` the
     ranks whose shards the local step holds (None if not committed there). ``problem`` says
-    why no manifest of a committed step could be read (a damaged one), else None.
+    why no manifest of a committed step could be read (a damaged one), else None. ``bucket``
+    names the bucket's tier (None: the store has none).
     """
 
     step: int
@@ -43,6 +44,17 @@ class StepStatus:
     manifest: ShardManifest | None
     held_ranks: tuple[int, ...] | None
     problem: str | None = None
+    bucket: str | None = None
+
+    @property
+    def local(self) -> str:
+        """The first tier's (this node's disk) state of the step."""
+        return next(iter(self.states.values()))
+
+    @property
+    def remote(self) -> str:
+        """The bucket's state of the step ("-" without a bucket)."""
+        return self.states[self.bucket] if self.bucket is not None else "-"
 
 
 class Unknown:
@@ -64,7 +76,8 @@ class Lag:
     last upload failure (each failed try included), as the running manager saw them (None
     from a process that uploads nothing, such as the CLI). ``retrying_step``: the step whose
     upload is being tried again after a transient failure (the bucket is unreachable or
-    failing; None: none is), ``retry_tries`` the requests tried for it so far.
+    failing; None: none is), ``retry_tries`` the requests tried for it so far. ``bucket`` names
+    the bucket's tier (None: the store has none).
     """
 
     newest: Mapping[str, int | None]
@@ -75,6 +88,17 @@ class Lag:
     last_error_at: float | None = None
     retrying_step: int | None = None
     retry_tries: int = 0
+    bucket: str | None = None
+
+    @property
+    def newest_local(self) -> int | None:
+        """The newest step committed on this node's disk (the first tier)."""
+        return next(iter(self.newest.values()), None)
+
+    @property
+    def newest_remote(self) -> int | None:
+        """The newest step committed in the bucket (None: none, or no bucket)."""
+        return self.newest.get(self.bucket) if self.bucket is not None else None
 
     @property
     def steps_behind(self) -> int:
@@ -82,8 +106,11 @@ class Lag:
         return len(self.waiting)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON document: ``newest_<tier>`` for each tier, then the fields above."""
+        """A JSON document: ``newest_local`` and ``newest_remote`` (the first tier's and the bucket's,
+        null without one), ``newest_<name>`` of every other tier, then the fields above."""
         return {
+            "newest_local": self.newest_local,
+            "newest_remote": self.newest_remote,
             **{f"newest_{name}": step for name, step in self.newest.items()},
             "steps_behind": self.steps_behind,
             "waiting": [{"step": step, "bytes": size} for step, size in self.waiting],
@@ -108,6 +135,10 @@ class ShardCheck:
     rank: int | None
     status: str
     problem: str | None = None
+
+
+def _bucket(store: TieredStore) -> str | None:
+    return store.remote.name if store.remote is not None else None
 
 
 def _listing(tier: Tier) -> tuple[set[int], set[int]]:
@@ -150,7 +181,7 @@ def _step_status(store: TieredStore, step: int, listed: Mapping[str, bool], part
     manifest = _any_manifest(store, step, listed)
     in_local = listed[store.local.name]
     held = tuple(store.local.held_ranks(step, manifest)) if manifest and in_local else None
-    return StepStatus(step, _states(store, step, listed, partial), manifest, held)
+    return StepStatus(step, _states(store, step, listed, partial), manifest, held, bucket=_bucket(store))
 
 
 def status(store: TieredStore) -> list[StepStatus]:
@@ -168,7 +199,9 @@ def status(store: TieredStore) -> list[StepStatus]:
                 if not isinstance(exc, ManifestError):
                     raise
                 # one damaged step is shown as such; the others are still listed
-                rows.append(StepStatus(step, _states(store, step, listed, partial), None, None, str(exc)))
+                rows.append(
+                    StepStatus(step, _states(store, step, listed, partial), None, None, str(exc), _bucket(store))
+                )
             elif any(still.values()) or any(partial.values()):
                 rows.append(_step_status(store, step, still, partial))
     return rows
@@ -194,6 +227,7 @@ def lag(
             newest[tier.name] = committed[-1] if committed else None
     if store.remote is None:
         return Lag(newest, (), None)
+    bucket = store.remote.name
     receipted = {step for step in steps if store.receipted(step)}
     waiting = []
     for step in sorted(awaiting(steps, receipted, pending)):
@@ -206,7 +240,7 @@ def lag(
         waiting.append((step, manifest.total_bytes, manifest.wall_clock_seconds))
     now = time.time() if now is None else now
     oldest = round(now - waiting[0][2], 3) if waiting else None
-    return Lag(newest, tuple((s, b) for s, b, _ in waiting), oldest)
+    return Lag(newest, tuple((s, b) for s, b, _ in waiting), oldest, bucket=bucket)
 
 
 def verify(

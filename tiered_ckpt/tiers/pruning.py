@@ -33,11 +33,12 @@ Pending = Mapping[str, Collection[int]]
 """The steps queued for each later tier (by its name), not yet committed there."""
 
 
-def _newest_complete(store: TieredStore, steps: list[int], complete: int | None) -> int | None:
+def _newest_complete(
+    store: TieredStore, steps: list[int], receipted: Collection[int], complete: int | None
+) -> int | None:
     """The newest of ``steps`` every rank can restore (None: none is known to be): ``complete``
-    (the caller knows every rank committed it), the newest step with a receipt of the bucket's
-    commit (every shard is there), or a step this directory holds every rank's shard of."""
-    receipted = [step for step in steps if store.receipted(step)]
+    (the caller knows every rank committed it), the newest of ``receipted`` (steps with a receipt
+    of the bucket's commit: every shard is there), or a step this directory holds every rank's shard of."""
     known = [step for step in (complete, max(receipted, default=None)) if step is not None]
     floor = max(known, default=None)
     for step in reversed(steps):
@@ -61,11 +62,11 @@ def _plan(
     if tier is not store.local:
         return policy.to_delete(tier.steps()), set()
     steps = store.local.steps()
-    newest = max(steps, default=None) if assume_complete else _newest_complete(store, steps, complete)
+    receipted = {step for step in steps if store.receipted(step)} if store.remote is not None else set()
+    newest = max(steps, default=None) if assume_complete else _newest_complete(store, steps, receipted, complete)
     kept = {step for queued in pending.values() for step in queued}.intersection(steps)
     waited: set[int] = set()
     if store.remote is not None:
-        receipted = {step for step in steps if store.receipted(step)}
         queued = pending.get(store.remote.name, ())
         kept |= protected(steps, receipted, queued, policy.max_awaiting_upload)
         waited = awaiting(steps, receipted, queued)

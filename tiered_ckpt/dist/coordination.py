@@ -319,13 +319,7 @@ def gather(coordinator: Coordinator, label: str, payload_type: type[P], action: 
     :class:`CoordinationError` naming ``label``. So no process goes on to a collective that
     the others will never join.
     """
-    failure: Exception | None = None
-    document: dict[str, Any]
-    try:
-        document = {"result": to_payload(_checked(payload_type, action(), label))}
-    except Exception as exc:
-        failure = exc
-        document = {"error": _describe_error(exc)}
+    document, failure = _outcome(payload_type, action, label)
     gathered = _labelled(label, coordinator.all_gather, document)
     if failure is not None:
         raise failure
@@ -335,19 +329,23 @@ def gather(coordinator: Coordinator, label: str, payload_type: type[P], action: 
     return [from_payload(payload_type, item["result"]) for item in gathered]
 
 
+def _outcome(
+    payload_type: type[P], action: Callable[[], P], label: str
+) -> tuple[dict[str, Any], Exception | None]:
+    """What this process sends in a collective: ``action``'s payload, or, if it failed, its error
+    described (and the error itself, which the process raises once the collective is done)."""
+    try:
+        return {"result": to_payload(_checked(payload_type, action(), label))}, None
+    except Exception as exc:
+        return {"error": _describe_error(exc)}, exc
+
+
 def leader_decides(coordinator: Coordinator, label: str, payload_type: type[P], action: Callable[[], P]) -> P:
     """The collective ``label``: run ``action`` on the leader only; return its ``payload_type`` on every process.
 
     Fails on every process if it fails on the leader (as :func:`gather` does).
     """
-    failure: Exception | None = None
-    document: dict[str, Any] | None = None
-    if coordinator.is_leader:
-        try:
-            document = {"result": to_payload(_checked(payload_type, action(), label))}
-        except Exception as exc:
-            failure = exc
-            document = {"error": _describe_error(exc)}
+    document, failure = _outcome(payload_type, action, label) if coordinator.is_leader else (None, None)
     decision = _labelled(label, coordinator.broadcast, document)
     if failure is not None:
         raise failure

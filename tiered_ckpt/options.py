@@ -14,11 +14,11 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Literal, TypedDict
+from typing import Any, TypedDict
 
 import fsspec
 
-from tiered_ckpt.engine.replication import ReplicationPolicy
+from tiered_ckpt.engine.replication import ReplicationPolicy, WhenBehind
 from tiered_ckpt.errors import ConfigError, UsageError, invalid_option
 from tiered_ckpt.io.hashing import VERIFY_MODES, Verify
 from tiered_ckpt.tiers.owners import OtherOwners, OwnershipPolicy
@@ -38,8 +38,6 @@ __all__ = [
     "WhenBehind",
     "check_remote_url",
 ]
-
-WhenBehind = Literal["wait", "skip"]
 
 
 def _check_type(name: str, value: Any, types: tuple[type, ...]) -> None:

@@ -20,7 +20,7 @@ from tiered_ckpt.format.shardfile import (
     header_length,
     header_problem,
     json_length_bound,
-    read_shard,
+    read_shard_file,
     write_shard,
 )
 from tiered_ckpt.io.hashing import ShardDigest
@@ -41,7 +41,7 @@ def read_from_bytes(tmp_path):
         path.write_bytes(data)
         record = ShardRecord(0, "shard.safetensors", digest.sha256, digest.xxh3_64, digest.size_bytes, 0, 0)
         with open(path, "rb") as source:
-            return read_shard(
+            return read_shard_file(
                 source, check=lambda got: record.verify(got, "test shard"), verify=verify, what="test shard"
             ).arrays
 
@@ -288,7 +288,7 @@ def test_any_bytes_that_verify_load_or_fail_with_a_typed_error_naming_the_file(d
     )
     with open(path, "rb") as source:
         try:
-            arrays = read_shard(source, check=lambda got: record.verify(got, str(path)), what=str(path)).arrays
+            arrays = read_shard_file(source, check=lambda got: record.verify(got, str(path)), what=str(path)).arrays
         except ShardFormatError as error:
             assert str(path) in str(error)
             return
@@ -314,4 +314,4 @@ def test_a_shard_with_any_flipped_byte_fails_or_loads_exactly_what_was_saved(arr
     path.write_bytes(bytes(damaged))
     record = ShardRecord(0, path.name, digest.sha256, digest.xxh3_64, digest.size_bytes, 0, 0)
     with open(path, "rb") as source, pytest.raises(ChecksumMismatchError, match=str(path)):
-        read_shard(source, check=lambda got: record.verify(got, str(path)), what=str(path))
+        read_shard_file(source, check=lambda got: record.verify(got, str(path)), what=str(path))

@@ -164,7 +164,7 @@ def command_verify(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     if args.remote and store.remote is None:
         raise UsageError("verify --remote needs a remote tier (remote.url, --remote-url or TIERED_CKPT_REMOTE_URL)")
     with _progress("verify", unit="shard") as bar:
-        checks = survey.verify(store, args.step, progress=lambda _check: bar.update(), later_only=args.remote)
+        checks = survey.verify(store, args.step, progress=lambda _check: bar.update(), later_only=args.remote).checks
     results: list[dict[str, Any]] = [
         {"step": c.step, "tier": c.tier, "rank": c.rank, "status": c.status, "problem": c.problem} for c in checks
     ]
@@ -188,7 +188,8 @@ def command_verify(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
 def command_pull(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     store = _store(config)
     with store.local.lock(), _progress("pull", unit="B") as bar:
-        step, sources = store.pull(args.step, progress=lambda record, _source: bar.update(record.size_bytes))
+        pulled = store.pull(args.step, progress=lambda record, _source: bar.update(record.size_bytes))
+    step, sources = pulled.step, pulled.sources
     fetched = sorted(rank for rank, source in sources.items() if source != store.local.name)
     return EXIT_OK, (
         {"step": step, "downloaded_ranks": fetched},
@@ -241,8 +242,13 @@ def command_prune(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     store = _store(config)
     deadline = config.upload.deadline_seconds
     with store.local.lock():
-        plan = pruning.prune(store, dry_run=args.dry_run, orphans_older_than=deadline or 3600.0)
-    plan.setdefault("remote", [])  # no bucket configured: nothing deleted there
+        pruned = pruning.prune(store, dry_run=args.dry_run, orphans_older_than=deadline or 3600.0)
+    plan = {
+        "local": list(pruned.deleted[store.local.name]),
+        "remote": list(pruned.deleted[store.remote.name]) if store.remote is not None else [],
+        "aborted": list(pruned.aborted),
+        "local_kept_unproven": list(pruned.kept_unproven),
+    }
     verb = "would delete" if args.dry_run else "deleted"
     aborted = f"; aborted unfinished uploads: {plan['aborted']}" if plan["aborted"] else ""
     kept = ""

@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import signal
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, closing, contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather
 from tiered_ckpt.engine.preemption import PreemptionNotice, PreemptionWatch
@@ -42,7 +40,8 @@ from tiered_ckpt.options import LocalOptions, Options, RemoteOptions
 from tiered_ckpt.tiers import pruning, survey
 from tiered_ckpt.tiers.base import Tier
 from tiered_ckpt.tiers.local import LocalTier
-from tiered_ckpt.tiers.store import TieredStore
+from tiered_ckpt.tiers.pruning import PruneResult
+from tiered_ckpt.tiers.store import PullResult, TieredStore
 from tiered_ckpt.tiers.survey import Lag
 
 __all__ = ["Parts", "open_parts", "open_store", "check_process_layout"]
@@ -50,28 +49,32 @@ __all__ = ["Parts", "open_parts", "open_store", "check_process_layout"]
 logger = logging.getLogger("tiered_ckpt")
 
 
-def check_process_layout(options: Options, keywords: Mapping[str, Any], one_process: bool) -> None:
+def check_process_layout(options: Options, one_process: bool) -> None:
     """Raise :class:`ConfigError` for options one process per rank cannot run: ``when_behind='skip'``
-    (ranks could skip different steps). The error names the keyword if ``keywords`` gave it,
-    else the config field (which :meth:`~tiered_ckpt.CheckpointManager.from_config` names
-    with its file or variable)."""
+    (ranks could skip different steps). The error names the option, ``upload.when_behind``
+    (which :meth:`~tiered_ckpt.CheckpointManager.from_config` names with its file or variable)."""
     if one_process or options.upload.when_behind != "skip":
         return
     problem = (
         "is 'skip', which needs one process holding every rank "
         "(with one process per rank, ranks could skip different steps); use 'wait'"
     )
-    given = "when_uploads_behind" in keywords
-    key = "when_uploads_behind" if given else "upload.when_behind"
-    error = ConfigError(f"{'keyword argument ' if given else ''}{key} {problem}")
-    error.field, error.problem = key, problem
+    error = ConfigError(f"upload.when_behind {problem}")
+    error.field, error.problem = "upload.when_behind", problem
     raise error
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """What :meth:`~tiered_ckpt.CheckpointManager.push` did: the ``steps`` it uploaded, oldest first."""
+
+    steps: tuple[int, ...]
 
 
 @dataclass(eq=False)
 class Parts:
     """The store, the stages over it and the one error box they report to, with what needs more
-    than one of them: the checks before a collective, restoring, status, waiting and closing.
+    than one of them: the checks before a collective, restoring, lag, waiting and closing.
     Each method does what the :class:`~tiered_ckpt.CheckpointManager` method of its name says."""
 
     store: TieredStore
@@ -115,25 +118,23 @@ class Parts:
             self.uploader.preempt()
         return preemption.stop
 
-    def pull(self, step: int | None) -> dict[int, str]:
-        """:meth:`~tiered_ckpt.CheckpointManager.pull`: per rank, the tier its shard now on disk came from."""
-        return dict(self._maintenance("pull").pull(step, max_workers=self.max_workers)[1])
+    def pull(self, step: int | None) -> PullResult:
+        """:meth:`~tiered_ckpt.CheckpointManager.pull`."""
+        return self._maintenance("pull").pull(step, max_workers=self.max_workers)
 
-    def push(self, step: int | None) -> list[int]:
-        """:meth:`~tiered_ckpt.CheckpointManager.push`: the steps uploaded."""
+    def push(self, step: int | None) -> PushResult:
+        """:meth:`~tiered_ckpt.CheckpointManager.push`."""
         self._maintenance("push")
         if self.uploader is None:
-            raise UsageError("push needs a remote tier (remote_url)")
-        return self.uploader.push(step)
+            raise UsageError("push needs a remote tier (remote.url)")
+        return PushResult(tuple(self.uploader.push(step)))
 
-    def prune(self, *, dry_run: bool) -> dict[str, list[int]]:
+    def prune(self, *, dry_run: bool) -> PruneResult:
         """:meth:`~tiered_ckpt.CheckpointManager.prune`, once every upload is committed or past its deadline."""
         store = self._maintenance("prune")
         if self.uploader is not None:
             self.wait(uploaded=True)
-        plan = pruning.prune(store, dry_run=dry_run)
-        plan.setdefault("remote", [])  # no bucket: nothing deleted there
-        return plan
+        return pruning.prune(store, dry_run=dry_run)
 
     def _maintenance(self, operation: str) -> TieredStore:
         """The store for ``operation`` (pull, push, prune), once every save so far is committed locally;
@@ -179,7 +180,7 @@ class Parts:
         remote = self.uploader.newest_committed if self.uploader is not None else None
         return max([*steps[-1:], *([remote] if remote is not None else [])], default=None)
 
-    def status(self) -> Lag:
+    def lag(self) -> Lag:
         """The store's lag, with the uploader's pending steps, rate, last failure and retry."""
         uploader = self.uploader
         if uploader is None:
@@ -253,15 +254,9 @@ def open_store(local: LocalOptions, remote: RemoteOptions | None, remote_tier: T
     return TieredStore([local_tier, *([remote_tier] if remote_tier is not None else [])], retention)
 
 
-def open_parts(
-    options: Options,
-    coordinator: Coordinator,
-    *,
-    max_workers: int | None,
-    cpus: frozenset[int] | None,
-    preemption_signals: Iterable[int | signal.Signals],
-) -> Parts:
+def open_parts(options: Options, coordinator: Coordinator) -> Parts:
     """Open the parts ``options`` describe for this process's ranks of ``coordinator`` (see the module doc)."""
+    max_workers = options.runtime.max_workers
     world_size = coordinator.world_size
     ranks = tuple(coordinator.local_ranks)
     one_process = len(ranks) == world_size
@@ -284,7 +279,7 @@ def open_parts(
             )
             stack.enter_context(closing(uploader))
             uploader.resume()
-        notice = stack.enter_context(closing(PreemptionNotice(preemption_signals)))
+        notice = stack.enter_context(closing(PreemptionNotice(options.runtime.preemption_signals)))
         preemption = PreemptionWatch(notice, coordinator if one_process else coordinator.new_channel())
     except BaseException:
         stack.close()  # release the directory and stop the uploader: nothing is half-open
@@ -296,7 +291,7 @@ def open_parts(
         errors=errors,
         replicators=[uploader] if uploader is not None else [],
         max_workers=max_workers,
-        cpus=cpus,
+        cpus=options.runtime.writer_cpus,
     )
     stack.enter_context(closing(writer))  # closed first: the last write reaches the uploader before it finishes
     restorer = Restorer(store, coordinator, world_size, max_workers)

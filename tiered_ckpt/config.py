@@ -26,12 +26,20 @@ of this shape; every key is optional but ``local.dir``::
     max_pending = 2
     when_behind = "wait"        # or "skip"
 
-    [verify]
-    mode = "full"               # or "fast" (xxh3-64 instead of sha256)
+    [restore]
+    verify = "full"             # or "fast" (xxh3-64 instead of sha256)
 
-Environment variables ``TIERED_CKPT_<TABLE>_<KEY>`` (``TIERED_CKPT_REMOTE_URL``,
-``TIERED_CKPT_REMOTE_ENDPOINT_URL``, ``TIERED_CKPT_LOCAL_KEEP_LAST`` ...) override the file;
-explicit arguments override both. YAML aliases (``*name``) are refused: a config is a few
+    [runtime]
+    preemption_signals = ["SIGTERM"]
+    writer_cpus = [3]
+
+Each table is one options dataclass of :mod:`tiered_ckpt.options` and each key one of its
+fields (every field is a key; ``docs/reference/options.md`` lists them). Environment
+variables ``TIERED_CKPT_<TABLE>_<KEY>`` (``TIERED_CKPT_REMOTE_URL``,
+``TIERED_CKPT_UPLOAD_MAX_TRIES``, ``TIERED_CKPT_RUNTIME_WRITER_CPUS=2,3`` ...) override the
+file, a list as comma-separated items and ``none`` for an optional value left unset;
+``remote.storage_options``, a table, has no variable. Explicit arguments override both.
+YAML aliases (``*name``) are refused: a config is a few
 tables, and an alias is how a tiny file expands into billions of values.
 Each table becomes the options dataclass of :mod:`tiered_ckpt.options` that checks its
 values; this module only reads, merges and names where a value came from. Parsing is
@@ -55,9 +63,9 @@ from typing import Any
 import yaml
 
 from tiered_ckpt.errors import ConfigError
-from tiered_ckpt.options import LocalOptions, RemoteOptions, UploadOptions, VerifyOptions
+from tiered_ckpt.options import GROUPS, LocalOptions, RemoteOptions, RestoreOptions, RuntimeOptions, UploadOptions
 
-__all__ = ["Config", "LocalConfig", "RemoteConfig", "UploadConfig", "VerifyConfig", "load_config", "ENV_PREFIX"]
+__all__ = ["Config", "load_config", "ENV_PREFIX"]
 
 ENV_PREFIX = "TIERED_CKPT_"
 # The names of keys that would put a secret in a config file (matched as parts of a key,
@@ -67,14 +75,7 @@ _SECRET_WORDS = ("secret", "password", "passphrase", "credential", "token", "pri
 _SECRET_KEYS = {"key", "sas", "session"}
 _TOKEN_METHODS = {"anon", "google_default", "cloud", "browser", "cache"}
 
-# The tables of a config and the options each becomes (the old names stay as aliases).
-LocalConfig, RemoteConfig, UploadConfig, VerifyConfig = LocalOptions, RemoteOptions, UploadOptions, VerifyOptions
-_TABLES: dict[str, type] = {
-    "local": LocalOptions,
-    "remote": RemoteOptions,
-    "upload": UploadOptions,
-    "verify": VerifyOptions,
-}
+_TABLES = GROUPS
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,8 @@ class Config:
     local: LocalOptions
     remote: RemoteOptions | None = None
     upload: UploadOptions = UploadOptions()
-    verify: VerifyOptions = VerifyOptions()
+    restore: RestoreOptions = RestoreOptions()
+    runtime: RuntimeOptions = RuntimeOptions()
     source: str = "<defaults>"
     origins: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -172,17 +174,25 @@ def _read_document(path: Path) -> dict[str, Any]:
 
 
 def _env_value(name: str, text: str, field: dataclasses.Field[Any]) -> Any:
-    """An environment variable's text as the type its option's field holds."""
+    """An environment variable's text as the type its option's field holds: a number, a list
+    of comma-separated items (numbers where the field holds numbers), ``none`` for None."""
     kind = str(field.type)
-    try:
-        if kind.startswith("int"):
-            return int(text)
-        if kind.startswith("float"):
-            return float(text)
-    except ValueError:
-        expected = "an integer" if kind.startswith("int") else "a number"
-        raise ConfigError(f"environment variable {name}: expected {expected}, got {text!r}") from None
+    if kind.endswith("| None") and text.strip().lower() in ("", "none"):
+        return None
+    if kind.startswith(("tuple", "frozenset")):
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        return [_number(name, item, "int") for item in items] if "[int]" in kind else items
+    if kind.startswith(("int", "float")):
+        return _number(name, text, kind[:3])
     return text
+
+
+def _number(name: str, text: str, kind: str) -> int | float:
+    try:
+        return int(text) if kind == "int" else float(text)
+    except ValueError:
+        expected = "an integer" if kind == "int" else "a number"
+        raise ConfigError(f"environment variable {name}: expected {expected}, got {text!r}") from None
 
 
 def _env_overrides(environ: Mapping[str, str]) -> dict[tuple[str, str], tuple[Any, str]]:
@@ -202,12 +212,13 @@ def load_config(
     path: str | os.PathLike[str] | None = None,
     *,
     environ: Mapping[str, str] | None = None,
-    **overrides: Any,
+    overrides: Mapping[str, Any] | None = None,
 ) -> Config:
     """Load and validate a config: defaults < file < environment < ``overrides``.
 
-    ``overrides`` use ``table_key`` names: ``load_config(p, remote_url="s3://b/run",
-    local_keep_last=5)``. ``environ`` defaults to ``os.environ``. Raises
+    ``overrides`` maps ``table.key`` names to values: ``load_config(p, overrides={"remote.url":
+    "s3://b/run", "local.keep_last": 5})``. ``environ`` defaults to ``os.environ``; without a
+    file, ``TIERED_CKPT_LOCAL_DIR`` (or an override) names the directory. Raises
     :class:`ConfigError` naming the file or variable and the key.
     """
     source = str(path) if path is not None else "<no file>"
@@ -225,11 +236,11 @@ def load_config(
                     value = _relative_to(Path(path), value)
                 merged[(table, key)] = (value, source)
     merged.update(_env_overrides(os.environ if environ is None else environ))
-    for name, value in overrides.items():
-        table, _, key = name.partition("_")
+    for name, value in (overrides or {}).items():
+        table, _, key = name.partition(".")
         if table not in _TABLES or key not in _fields(table):
-            raise ConfigError(f"argument {name}: no such config key")
-        merged[(table, key)] = (value, f"argument {name}")
+            raise ConfigError(f"override {name!r}: no such config key (a key is 'table.key', e.g. 'remote.url')")
+        merged[(table, key)] = (value, f"override {name!r}")
     return _build(merged, source)
 
 
@@ -270,7 +281,8 @@ def _build(merged: dict[tuple[str, str], tuple[Any, str]], source: str) -> Confi
         local=_options("local", merged, source),
         remote=remote,
         upload=_options("upload", merged, source),
-        verify=_options("verify", merged, source),
+        restore=_options("restore", merged, source),
+        runtime=_options("runtime", merged, source),
         source=source,
         origins={f"{table}.{key}": where for (table, key), (_value, where) in merged.items()},
     )

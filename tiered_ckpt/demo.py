@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from tiered_ckpt.manager import CheckpointManager
+from tiered_ckpt.options import LocalOptions, RemoteOptions
 
 __all__ = ["WORLD_SIZE", "ZeroOneAdam", "batch", "loss_and_grad", "train_step", "train", "main"]
 
@@ -182,12 +183,9 @@ def _child(arguments: dict[str, Any]) -> None:
     manager = None
     if arguments.get("local_dir"):
         manager = CheckpointManager(
-            arguments["local_dir"],
+            LocalOptions(arguments["local_dir"], keep_last=2),
+            remote=RemoteOptions(arguments["remote_url"], storage_options=arguments["storage_options"], keep_last=3),
             world_size=WORLD_SIZE,
-            keep_last=2,
-            remote_url=arguments["remote_url"],
-            storage_options=arguments["storage_options"],
-            keep_last_remote=3,
         )
     train(arguments["steps"], manager, on_step=record_and_maybe_die)
     if manager is not None:

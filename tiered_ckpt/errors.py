@@ -1,35 +1,38 @@
 """The one exception tree of tiered_ckpt.
 
-Every error this library raises on purpose derives from :class:`CheckpointError`,
-so ``except CheckpointError`` catches all of them. Data errors say that what is
-stored (or handed to ``save``) is not what it should be; usage errors say that the
-library was called wrongly::
+Every error this library raises on purpose derives from :class:`CheckpointError`, so
+``except CheckpointError`` catches all of them, and each belongs to one of five groups
+that say what to do about it::
 
     CheckpointError
-    ├── ManifestError                 a manifest failed strict validation
-    │   └── ShardCountMismatchError   its shard list does not match its world_size
-    ├── WorldSizeMismatchError        the checkpoint was saved with another world size
-    ├── IncompleteCheckpointError     no manifest, or a shard missing or short
-    ├── ChecksumMismatchError         a shard's bytes do not match the recorded sha256
-    ├── ShardFormatError              a shard file is not a valid shard (bytes verified)
-    ├── CheckpointExistsError         refusing to overwrite a committed checkpoint
-    ├── DirectoryInUseError           another save or manager holds the directory
-    ├── InvalidStateError             the arrays handed to save cannot be saved as given
-    ├── ReshardError                  the checkpoint cannot be resharded as asked
-    ├── SaveError                     a background save failed (the cause is chained)
-    ├── RemoteError                   the object store failed a request (.transient says
-    │                                 whether trying again may help; the cause is chained)
-    │   └── RemoteInUseError          another live run writes under the remote URL
-    │                                 (raised only with other_owners="refuse")
-    ├── UploadError                   a step could not be committed remotely (.tries)
-    ├── CoordinationError             a collective with the other ranks failed (a rank
-    │                                 died or timed out; the cause is chained)
-    ├── ConfigError                   a config file, variable or option is not valid
-    │                                 (also a ValueError)
-    └── UsageError                    an operation called out of order or where it does
-                                      not apply (a closed manager, pull on one rank of many),
-                                      or with a keyword it does not take
+    ├── CorruptCheckpointError        what is stored is wrong: use another step or copy
+    │   ├── ManifestError             a manifest failed strict validation
+    │   │   └── ShardCountMismatchError   its shard list does not match its world_size
+    │   ├── ChecksumMismatchError     a shard's bytes do not match the recorded sha256
+    │   ├── IncompleteCheckpointError no manifest, or a shard missing or short
+    │   └── ShardFormatError          a shard file is not a valid shard (bytes verified)
+    ├── StorageError                  the storage failed: try again, or fix the storage
+    │   ├── RemoteError               the object store failed a request (.transient says
+    │   │   │                         whether trying again may help; the cause is chained)
+    │   │   └── RemoteInUseError      another live run writes under the remote URL
+    │   └── DirectoryInUseError       another save or manager holds the directory (the lock)
+    ├── BackgroundError               a background stage failed (.step; the cause is chained)
+    │   ├── SaveError                 a step's write or commit on local disk
+    │   └── UploadError               a step's commit in the bucket (.tries, .transient)
+    ├── UsageError                    the call was wrong (also a ValueError)
+    │   ├── ConfigError               a config file, variable or option is not valid
+    │   ├── InvalidStateError         the arrays handed to save cannot be saved as given
+    │   ├── CheckpointExistsError     the step is not newer than every committed one
+    │   ├── WorldSizeMismatchError    the checkpoint was saved with another world size
+    │   └── ReshardError              the checkpoint cannot be resharded as asked
+    └── CoordinationError             a collective with the other ranks failed (a rank
+        │                             died or timed out; the cause is chained)
+        └── RankFailedError           another rank failed with an exception not of this tree
 
+An error one rank raises in a collective is raised on every rank: on the others as the
+same class of this tree with the same fields, its ``rank`` attribute naming the rank it
+came from (None: this rank's own); an exception not of this tree (an ``OSError``, a bug)
+arrives as a :class:`RankFailedError` carrying the rank, the class name and the message.
 Messages name the directory or file, and the rank or field, that the error is about.
 """
 
@@ -37,37 +40,60 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Hashable
+from concurrent.futures import Future
+from typing import TypeVar
+
+_T = TypeVar("_T")
 
 __all__ = [
     "CheckpointError",
+    "CorruptCheckpointError",
     "ManifestError",
     "ShardCountMismatchError",
-    "WorldSizeMismatchError",
-    "IncompleteCheckpointError",
     "ChecksumMismatchError",
+    "IncompleteCheckpointError",
     "ShardFormatError",
-    "CheckpointExistsError",
-    "DirectoryInUseError",
-    "InvalidStateError",
-    "ReshardError",
-    "SaveError",
+    "StorageError",
     "RemoteError",
     "RemoteInUseError",
+    "DirectoryInUseError",
+    "BackgroundError",
+    "SaveError",
     "UploadError",
-    "CoordinationError",
-    "ConfigError",
-    "invalid_option",
     "UsageError",
+    "ConfigError",
+    "InvalidStateError",
+    "CheckpointExistsError",
+    "WorldSizeMismatchError",
+    "ReshardError",
+    "CoordinationError",
+    "RankFailedError",
+    "TREE",
+    "invalid_option",
     "ErrorBox",
+    "ReportedFuture",
     "restated",
 ]
 
 
 class CheckpointError(Exception):
-    """Base class of every error raised by tiered_ckpt."""
+    """Base class of every error raised by tiered_ckpt.
+
+    ``rank`` is the rank whose failure this is, when another rank raised it first in a
+    collective (None: this process's own)."""
+
+    rank: int | None = None
 
 
-class ManifestError(CheckpointError):
+# -- what is stored is wrong --------------------------------------------------------------
+
+
+class CorruptCheckpointError(CheckpointError):
+    """What is stored is not what it should be: a manifest, a shard's bytes or its format,
+    or a checkpoint left incomplete. Nothing is read from it; another copy or step may be."""
+
+
+class ManifestError(CorruptCheckpointError):
     """A manifest is missing a field, has a wrong type or an inconsistent value."""
 
 
@@ -75,54 +101,30 @@ class ShardCountMismatchError(ManifestError):
     """A manifest lists a different number of shards than its ``world_size``."""
 
 
-class WorldSizeMismatchError(CheckpointError):
-    """A checkpoint saved with one world size was loaded expecting another."""
-
-
-class IncompleteCheckpointError(CheckpointError):
-    """A checkpoint is not complete: no manifest, or a shard is missing or short."""
-
-
-class ChecksumMismatchError(CheckpointError):
+class ChecksumMismatchError(CorruptCheckpointError):
     """A shard's bytes do not hash to the sha256 its manifest records."""
 
 
-class ShardFormatError(CheckpointError):
+class IncompleteCheckpointError(CorruptCheckpointError):
+    """A checkpoint is not complete: no manifest, or a shard is missing or short."""
+
+
+class ShardFormatError(CorruptCheckpointError):
     """A shard file's header is malformed although its bytes verified."""
 
 
-class CheckpointExistsError(CheckpointError):
-    """A committed checkpoint already exists where a new one was to be written."""
+# -- the storage failed -------------------------------------------------------------------
 
 
-class InvalidStateError(CheckpointError, ValueError):
-    """The state handed to a save cannot be saved (bad key, unsupported dtype, ...)."""
+class StorageError(CheckpointError):
+    """The storage failed: the object store, or the lock of a local directory."""
 
 
-class DirectoryInUseError(CheckpointError):
-    """Another save, or another CheckpointManager, holds the directory."""
-
-
-class ReshardError(CheckpointError):
-    """The checkpoint cannot be resharded: inconsistent replicated or sharded arrays."""
-
-
-class SaveError(CheckpointError):
-    """A background save failed; ``__cause__`` holds the original exception.
-
-    ``step`` is the step whose save failed.
-    """
-
-    def __init__(self, message: str, *, step: int) -> None:
-        super().__init__(message)
-        self.step = step
-
-
-class RemoteError(CheckpointError):
+class RemoteError(StorageError):
     """The remote store failed a request; ``transient`` is True when a retry may succeed.
 
     ``tries`` is the number of tries made of the operation that failed; ``deadline`` is
-    True when it stopped because its deadline came (see ``upload_deadline_seconds``);
+    True when it stopped because its deadline came (see ``upload.deadline_seconds``);
     ``exhausted`` is True when a lower layer already spent the tries on it (the retry
     policy does not try it again, though a later try of the whole step may succeed).
     """
@@ -144,7 +146,28 @@ class RemoteInUseError(RemoteError):
         super().__init__(message, transient=False)
 
 
-class UploadError(CheckpointError):
+class DirectoryInUseError(StorageError):
+    """Another save, or another CheckpointManager, holds the directory."""
+
+
+# -- a background stage failed ------------------------------------------------------------
+
+
+class BackgroundError(CheckpointError):
+    """A stage running in the background failed for step ``step``; ``__cause__`` holds the
+    original exception. The manager raises it from its next call (or a future of the step's
+    :class:`~tiered_ckpt.SaveHandle` does), once."""
+
+    def __init__(self, message: str, *, step: int) -> None:
+        super().__init__(message)
+        self.step = step
+
+
+class SaveError(BackgroundError):
+    """A background save failed: step ``step`` is not committed on local disk."""
+
+
+class UploadError(BackgroundError):
     """Step ``step`` could not be committed to the remote tier after ``tries`` tries.
 
     The local copy of the step is kept; ``__cause__`` holds the last error. ``transient``
@@ -154,20 +177,20 @@ class UploadError(CheckpointError):
     """
 
     def __init__(self, message: str, *, step: int, tries: int, transient: bool = False) -> None:
-        super().__init__(message)
-        self.step = step
+        super().__init__(message, step=step)
         self.tries = tries
         self.transient = transient
 
 
-class CoordinationError(CheckpointError):
-    """A collective call with the other ranks failed: a rank died, or did not join in time.
-
-    ``__cause__`` holds the backend's error. The checkpoint being saved is not committed.
-    """
+# -- the call was wrong -------------------------------------------------------------------
 
 
-class ConfigError(CheckpointError, ValueError):
+class UsageError(CheckpointError, ValueError):
+    """The library was called wrongly: a value it cannot take, an operation after ``close``
+    or where it does not apply (pull on one rank of many)."""
+
+
+class ConfigError(UsageError):
     """A configuration or option is not valid; the message names the file (or variable) and the key.
 
     An option's own check sets ``field`` and ``problem`` (``"keep_last"``, ``"must be >= 1,
@@ -185,9 +208,51 @@ def invalid_option(field: str, problem: str) -> ConfigError:
     return error
 
 
-class UsageError(CheckpointError):
-    """The library was called wrongly: after ``close``, an operation this object cannot do, or an
-    unknown keyword argument (not a ``TypeError``: every error raised on purpose is a CheckpointError)."""
+class InvalidStateError(UsageError):
+    """The state handed to a save cannot be saved (bad key, unsupported dtype, ...)."""
+
+
+class CheckpointExistsError(UsageError):
+    """A committed checkpoint already exists where a new one was to be written."""
+
+
+class WorldSizeMismatchError(UsageError):
+    """A checkpoint saved with one world size was loaded expecting another (``reshard=True`` re-cuts it)."""
+
+
+class ReshardError(UsageError):
+    """The checkpoint cannot be resharded as asked: inconsistent replicated or sharded arrays,
+    or ranks whose shards it does not hold."""
+
+
+# -- the ranks could not agree ------------------------------------------------------------
+
+
+class CoordinationError(CheckpointError):
+    """A collective call with the other ranks failed: a rank died, or did not join in time.
+
+    ``__cause__`` holds the backend's error. The checkpoint being saved is not committed.
+    """
+
+
+class RankFailedError(CoordinationError):
+    """Rank ``rank`` failed with an exception not of this tree: ``kind`` is its class name
+    (``"OSError"``), ``message`` its message."""
+
+    def __init__(self, message: str, *, rank: int, kind: str, during: str | None = None) -> None:
+        where = f' (during "{during}")' if during is not None else ""
+        super().__init__(f"rank {rank}{where} failed with {kind}: {message}")
+        self.rank = rank
+        self.kind = kind
+        self.message = message
+
+
+def _tree(root: type[CheckpointError]) -> dict[str, type[CheckpointError]]:
+    found = {root.__name__: root}
+    for child in root.__subclasses__():
+        if child.__module__ == __name__:
+            found |= _tree(child)
+    return found
 
 
 def restated(error: CheckpointError, message: str) -> CheckpointError:
@@ -197,6 +262,26 @@ def restated(error: CheckpointError, message: str) -> CheckpointError:
     Exception.__init__(copy, message)
     copy.__dict__.update(error.__dict__)
     return copy
+
+
+# Every class of the tree by name: how a collective carries another rank's error.
+TREE: dict[str, type[CheckpointError]] = _tree(CheckpointError)
+
+
+class ReportedFuture(Future[_T]):
+    """A future whose error, once raised by :meth:`result`, counts as raised for ``box``: the
+    manager's next call does not raise it a second time."""
+
+    def __init__(self, box: ErrorBox) -> None:
+        super().__init__()
+        self._box = box
+
+    def result(self, timeout: float | None = None) -> _T:
+        try:
+            return super().result(timeout)
+        except CheckpointError as error:
+            self._box.mark_raised(error)
+            raise
 
 
 class ErrorBox:

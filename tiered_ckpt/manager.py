@@ -18,100 +18,85 @@ training loop's; every rank must make the same calls in the same order.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
-import signal
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, Unpack, overload
+from typing import Any, Literal, overload
 
-from tiered_ckpt.compose import check_process_layout, open_parts
+from tiered_ckpt.compose import PushResult, check_process_layout, open_parts
 from tiered_ckpt.config import Config, load_config
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, resolve_coordinator
 from tiered_ckpt.engine.restore import check_restore_arguments
 from tiered_ckpt.engine.restore_result import RestoreResult
 from tiered_ckpt.engine.saving import check_save, not_saved
-from tiered_ckpt.engine.staging import StagingBuffers
-from tiered_ckpt.engine.writer import SaveHandle, check_cpus
+from tiered_ckpt.engine.writer import SaveHandle
 from tiered_ckpt.errors import CheckpointError, ConfigError, UsageError
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.state import State
 from tiered_ckpt.io.hashing import Verify
-from tiered_ckpt.options import LocalOptions, ManagerKeywords, RemoteOptions, UploadOptions, resolve_options
-from tiered_ckpt.tiers.store import TieredStore
+from tiered_ckpt.options import (
+    LocalOptions,
+    RemoteOptions,
+    RestoreOptions,
+    RuntimeOptions,
+    UploadOptions,
+    resolve_options,
+)
+from tiered_ckpt.tiers.pruning import PruneResult
+from tiered_ckpt.tiers.store import PullResult, TieredStore
 from tiered_ckpt.tiers.survey import Lag
 
-__all__ = ["CheckpointManager", "SaveHandle", "RestoreResult", "StagingBuffers"]
+__all__ = ["CheckpointManager", "SaveHandle", "RestoreResult", "PullResult", "PushResult", "PruneResult"]
 
 logger = logging.getLogger("tiered_ckpt")
 
 
 class CheckpointManager:
-    """Saves, retains and restores the checkpoints of one training job in ``local_dir``.
+    """Saves, retains and restores the checkpoints of one training job in the directory ``local``.
 
     ``world_size`` ranks are saved per step, each into its own shard. By default one
     process holds them all; with ``coordinator=TorchDistributedCoordinator()`` each
     process holds its own rank (``world_size`` then defaults to the coordinator's), and
-    ``local_dir`` must be this process's own directory (one per rank, e.g. on the node's
-    local disk; two processes cannot share one). ``sharded_keys`` names the
-    flat-parameter slices (default: the arrays 1-D on every rank, see
-    :func:`~tiered_ckpt.save_sharded`). Starting a manager removes what crashed saves
-    left in ``local_dir``; two managers cannot hold one directory at once
+    the directory must be this process's own (one per rank, e.g. on the node's local
+    disk; two processes cannot share one). Starting a manager removes what crashed saves
+    left in the directory; two managers cannot hold one directory at once
     (:class:`DirectoryInUseError`).
 
-    The options: ``local_dir`` may be a :class:`~tiered_ckpt.options.LocalOptions`,
-    ``remote`` a :class:`~tiered_ckpt.options.RemoteOptions` and ``upload`` an
-    :class:`~tiered_ckpt.options.UploadOptions` (what :func:`~tiered_ckpt.load_config`
-    returns); the keyword arguments (:class:`~tiered_ckpt.options.ManagerKeywords`:
-    ``keep_last=3``, ``keep_every``, ``verify="full"``, ``remote_url``, ``storage_options``,
-    ``keep_last_remote``, ``keep_every_remote``, ``upload_concurrency``, ``upload_max_tries``,
-    ``upload_backoff_seconds``, ``max_pending_uploads``, ``when_uploads_behind``) each set one
-    field of them. ``keep_last`` keeps the newest steps (None keeps all), ``keep_every`` also
-    keeps every step divisible by it; the newest committed step is never deleted.
-
-    ``writer_cpus`` (e.g. ``{3}``; Linux) keeps the background writer and retention threads,
-    and the threads they start, on those CPUs (say, cores the training loop leaves free);
-    they always run at a lower priority than the training loop.
-
-    ``preemption_signals`` (e.g. ``(signal.SIGTERM,)``; default none) installs handlers
-    that note a preemption notice for :meth:`reached_preemption`, only from the main
-    thread: one per signal for the process, shared by every manager, chained to a Python
-    handler it replaced but never to the default action (``SIG_DFL``, SIGINT's
-    ``KeyboardInterrupt``), which the notice replaces; the last manager to close puts the
-    old handler back, whatever order managers close in.
+    The options come in one group per concern, each a frozen dataclass of
+    :mod:`tiered_ckpt.options` whose fields are the keys of the same config table
+    (``docs/reference/options.md`` lists every one): ``local`` is a path or
+    :class:`~tiered_ckpt.LocalOptions` (directory, retention), ``remote`` a URL or
+    :class:`~tiered_ckpt.RemoteOptions` (None: local only), ``upload`` an
+    :class:`~tiered_ckpt.UploadOptions` (the uploader and every remote request),
+    ``restore`` a :class:`~tiered_ckpt.RestoreOptions` (verification), ``runtime`` a
+    :class:`~tiered_ckpt.RuntimeOptions` (sharded keys, threads, CPUs, preemption signals).
+    ``world_size`` and ``coordinator`` describe the job's processes and are not options.
 
     Use it as a context manager, or call :meth:`close` at the end of the run.
     """
 
     def __init__(
         self,
-        local_dir: str | os.PathLike[str] | LocalOptions,
+        local: str | os.PathLike[str] | LocalOptions,
         *,
+        remote: str | RemoteOptions | None = None,
+        upload: UploadOptions | None = None,
+        restore: RestoreOptions | None = None,
+        runtime: RuntimeOptions | None = None,
         world_size: int | None = None,
         coordinator: Coordinator | None = None,
-        remote: RemoteOptions | None = None,
-        upload: UploadOptions | None = None,
-        sharded_keys: Iterable[str | Sequence[str | int]] | None = None,
-        max_workers: int | None = None,
-        writer_cpus: Iterable[int] | None = None,
-        preemption_signals: Iterable[int | signal.Signals] = (),
-        **keywords: Unpack[ManagerKeywords],
     ) -> None:
-        options = resolve_options(local_dir, remote, upload, keywords, _PARAMETERS)
-        cpus = check_cpus(writer_cpus)
+        options = resolve_options(local, remote, upload, restore, runtime)
         coordinator = resolve_coordinator(coordinator, world_size)
         self._ranks = tuple(coordinator.local_ranks)
-        check_process_layout(options, keywords, len(self._ranks) == coordinator.world_size)
+        check_process_layout(options, len(self._ranks) == coordinator.world_size)
         self.options = options
         self.world_size = coordinator.world_size
         self._coordinator = coordinator
-        self._sharded_keys = tuple(sharded_keys) if sharded_keys is not None else None
-        self._parts = open_parts(
-            options, coordinator, max_workers=max_workers, cpus=cpus, preemption_signals=preemption_signals
-        )
+        self._parts = open_parts(options, coordinator)
 
     @classmethod
     def from_config(
@@ -125,13 +110,14 @@ class CheckpointManager:
         """A manager as a config file (or a loaded :class:`Config`) describes it.
 
         ``local_dir`` (e.g. one directory per rank under the config's) and ``kwargs``,
-        :class:`CheckpointManager` arguments such as ``coordinator``, override the config
-        (explicit argument > environment > file > default).
+        :class:`CheckpointManager` arguments such as ``coordinator`` or ``runtime``, override
+        the config (explicit argument > environment > file > default).
         """
         if not isinstance(config, Config):
             config = load_config(config)
         local = config.local if local_dir is None else replace(config.local, dir=Path(local_dir))
-        arguments = {"remote": config.remote, "upload": config.upload, "verify": config.verify.mode, **kwargs}
+        groups = {"remote": config.remote, "upload": config.upload, "restore": config.restore}
+        arguments = {**groups, "runtime": config.runtime, **kwargs}
         try:
             return cls(local, world_size=world_size, **arguments)
         except ConfigError as exc:  # a config value refused here (not by its own check) names its file or variable
@@ -152,19 +138,6 @@ class CheckpointManager:
         return self._ranks
 
     @property
-    def keep_last(self) -> int | None:
-        return self.options.local.keep_last
-
-    @property
-    def keep_every(self) -> int | None:
-        return self.options.local.keep_every
-
-    @property
-    def verify(self) -> Verify:
-        """How :meth:`restore` verifies shards unless told otherwise."""
-        return self.options.verify.mode
-
-    @property
     def store(self) -> TieredStore:
         """Both tiers, for reading (steps, manifests, verification); the manager does the writing."""
         return self._parts.store
@@ -173,7 +146,7 @@ class CheckpointManager:
         remote = f", remote_url={self.options.remote.url!r}" if self.options.remote is not None else ""
         return (
             f"CheckpointManager({str(self.root)!r}, world_size={self.world_size}, "
-            f"keep_last={self.keep_last}, keep_every={self.keep_every}{remote})"
+            f"keep_last={self.options.local.keep_last}, keep_every={self.options.local.keep_every}{remote})"
         )
 
     def __enter__(self) -> CheckpointManager:
@@ -201,7 +174,9 @@ class CheckpointManager:
         types. With one process per rank, ``states`` is this rank's state (every rank
         calls ``save`` with the same step). Returns once the arrays are copied to staging
         buffers: the caller may then overwrite its arrays. The write runs in the
-        background; ``blocking=True`` waits for the commit. Raises first any background
+        background; the :class:`SaveHandle` returned holds a future of the local commit
+        (``committed``) and one of the bucket's (``uploaded``); ``blocking=True`` waits for
+        ``committed``. Raises first any background
         error not yet raised (:class:`SaveError`, or a permanent :class:`UploadError`: no
         such bucket, access denied), saying that ``step`` was not saved, then
         :class:`InvalidStateError` for bad input and :class:`CheckpointExistsError` if
@@ -213,23 +188,28 @@ class CheckpointManager:
         self._check_open()
         parts = self._parts
         parts.writer.settle(retention=False)
+
+        def checked() -> int | None:
+            parts.before_collective()
+            return self.latest_step()
+
         with parts.raised_on_every_rank(), not_saved(step):
             plan = check_save(
                 self._coordinator,
                 step,
                 states,
-                checked=Attempt.run(lambda: (parts.before_collective(), self.latest_step())[1]),
-                sharded_keys=self._sharded_keys,
+                checked=Attempt.run(checked),
+                sharded_keys=self.options.runtime.sharded_keys,
                 where=str(self.root),
                 stop_step=parts.preemption.step,
             )
         handle = parts.writer.submit(step, list(plan.states), plan.sharded_keys, list(plan.numels))
         if blocking:
-            handle.wait()
+            handle.committed.result()
         return handle
 
     def reached_preemption(self, step: int) -> bool:
-        """True once a ``preemption_signals`` signal has arrived: save ``step`` now and wait for its upload.
+        """True once a ``runtime.preemption_signals`` signal has arrived: save ``step`` now and wait for its upload.
 
         Cheap enough to call at every step. With one process per rank it is a collective
         (every rank calls it at the same step) that returns True on every rank at the same
@@ -261,6 +241,12 @@ class CheckpointManager:
         such step is reported once; its local copy is kept.
         """
         self._parts.wait(uploaded=uploaded)
+
+    def check_for_errors(self) -> None:
+        """Raise the oldest background error not yet raised, without saving or waiting: a
+        :class:`SaveError` or a permanent :class:`UploadError` (each is raised once, by this
+        or by the next call that raises background errors)."""
+        self._parts.errors.raise_first(transient=False)
 
     def close(self) -> None:
         """Finish pending saves and uploads, release the directory, and raise a background error not yet raised.
@@ -297,12 +283,12 @@ class CheckpointManager:
         """
         return self._parts.newest_step()
 
-    def status(self) -> Lag:
+    def lag(self) -> Lag:
         """How far the bucket is behind this process's disk: the newest step of each tier, the
         steps waiting for upload with their bytes and how long the oldest has waited, the rate
         of the last remote commits, and the last upload failure with its time (a
         :class:`~tiered_ckpt.tiers.survey.Lag`). Cheap: it reads local manifests, lists no bucket."""
-        return self._parts.status()
+        return self._parts.lag()
 
     @overload
     def restore(
@@ -358,7 +344,7 @@ class CheckpointManager:
         """
         self._check_open()
         self._parts.writer.settle()
-        verify = self.verify if verify is None else verify
+        verify = self.options.restore.verify if verify is None else verify
         target = self.world_size if world_size is None else world_size
         check_restore_arguments(step, target, verify, into)
         return self._parts.restore(step, target, reshard=reshard, verify=verify, into=into, missing_ok=missing_ok)
@@ -373,28 +359,24 @@ class CheckpointManager:
 
     # -- moving whole steps (one process holding every rank, as the CLI runs it) ---------------
 
-    def pull(self, step: int | None = None) -> dict[int, str]:
+    def pull(self, step: int | None = None) -> PullResult:
         """Fill the local tier with a remote step (default: the newest) without loading it.
 
         Local shards that verify are kept; the others are streamed from the bucket and
-        verified. Returns, per rank, the tier each shard now on disk came from.
+        verified. Returns the step and, per rank, the tier each shard now on disk came from.
         """
         self._check_open()
         return self._parts.pull(step)
 
-    def push(self, step: int | None = None) -> list[int]:
+    def push(self, step: int | None = None) -> PushResult:
         """Upload ``step`` (default: every local step not yet committed remotely) and wait for it.
 
-        Returns the steps uploaded; raises :class:`UploadError` if one fails.
+        Returns the steps uploaded (``steps``); raises :class:`UploadError` if one fails.
         """
         self._check_open()
         return self._parts.push(step)
 
-    def prune(self, *, dry_run: bool = False) -> dict[str, list[int]]:
-        """Apply retention to both tiers now; return the steps deleted (or, with ``dry_run``, to delete)."""
+    def prune(self, *, dry_run: bool = False) -> PruneResult:
+        """Apply retention to every tier now; return the steps deleted per tier (or, with ``dry_run``, to delete)."""
         self._check_open()
         return self._parts.prune(dry_run=dry_run)
-
-
-# The named parameters of CheckpointManager, for the close matches of a mistyped keyword.
-_PARAMETERS = tuple(inspect.signature(CheckpointManager).parameters)[1:-1]  # not local_dir, not **keywords

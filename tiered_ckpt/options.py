@@ -1,20 +1,23 @@
-"""The manager's options as small frozen dataclasses, each checking its own fields.
+"""The manager's options: one small frozen dataclass per concern, each checking its own fields.
 
-:func:`~tiered_ckpt.load_config` returns them (one per config table) and
-:class:`~tiered_ckpt.CheckpointManager` takes them; a value is checked here and nowhere
-else. A failing check raises :class:`~tiered_ckpt.ConfigError` (also a ``ValueError``)
-whose ``field`` and ``problem`` let a config loader name the file and key.
+Each option has one name, ``<group>.<field>``: the same field of the group's dataclass
+given to :class:`~tiered_ckpt.CheckpointManager` (``upload=UploadOptions(max_tries=8)``),
+the same key of a config table (``[upload] max_tries = 8``, see
+:func:`~tiered_ckpt.load_config`) and the same environment variable
+(``TIERED_CKPT_UPLOAD_MAX_TRIES=8``). A value is checked here and nowhere else: a
+failing check raises :class:`~tiered_ckpt.ConfigError` (also a ``ValueError``) whose
+``field`` and ``problem`` let a config loader name the file and key.
 """
 
 from __future__ import annotations
 
-import difflib
 import math
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+import signal
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
 import fsspec
 
@@ -30,10 +33,10 @@ __all__ = [
     "LocalOptions",
     "RemoteOptions",
     "UploadOptions",
-    "VerifyOptions",
+    "RestoreOptions",
+    "RuntimeOptions",
     "Options",
-    "ManagerKeywords",
-    "KEYWORDS",
+    "GROUPS",
     "resolve_options",
     "WhenBehind",
     "check_remote_url",
@@ -261,149 +264,171 @@ class UploadOptions:
 
 
 @dataclass(frozen=True)
-class VerifyOptions:
-    """How restores verify shards by default: "full" (sha256) or "fast" (xxh3-64)."""
+class RestoreOptions:
+    """How restores verify shards unless a call says otherwise: ``verify="full"`` (sha256)
+    or ``"fast"`` (xxh3-64, for a copy this job wrote itself)."""
 
-    mode: Verify = "full"
+    verify: Verify = "full"
 
     def __post_init__(self) -> None:
-        _check_choice("mode", self.mode, VERIFY_MODES)
+        _check_choice("verify", self.verify, VERIFY_MODES)
 
 
-class ManagerKeywords(TypedDict, total=False):
-    """The keyword arguments :class:`~tiered_ckpt.CheckpointManager` takes for its options
-    (each sets one field of one options dataclass; see ``KEYWORDS``)."""
-
-    keep_last: int | None
-    keep_every: int | None
-    verify: Verify
-    remote_url: str | None
-    storage_options: Mapping[str, Any] | None
-    keep_last_remote: int | None
-    keep_every_remote: int | None
-    upload_concurrency: int
-    upload_max_tries: int
-    upload_backoff_seconds: float
-    max_pending_uploads: int
-    when_uploads_behind: WhenBehind
-    upload_deadline_seconds: float | None
-    max_awaiting_upload: int | None
-    remote_layout: Layout
+SignalLike = int | str | signal.Signals
+ShardedKey = str | Sequence[str | int]
 
 
-KEYWORDS: dict[str, tuple[str, str]] = {
-    "keep_last": ("local", "keep_last"),
-    "keep_every": ("local", "keep_every"),
-    "verify": ("verify", "mode"),
-    "remote_url": ("remote", "url"),
-    "storage_options": ("remote", "storage_options"),
-    "keep_last_remote": ("remote", "keep_last"),
-    "keep_every_remote": ("remote", "keep_every"),
-    "upload_concurrency": ("upload", "concurrency"),
-    "upload_max_tries": ("upload", "max_tries"),
-    "upload_backoff_seconds": ("upload", "backoff_seconds"),
-    "max_pending_uploads": ("upload", "max_pending"),
-    "when_uploads_behind": ("upload", "when_behind"),
-    "upload_deadline_seconds": ("upload", "deadline_seconds"),
-    "max_awaiting_upload": ("local", "max_awaiting_upload"),
-    "remote_layout": ("remote", "layout"),
-}
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """How this process runs its saves.
+
+    ``sharded_keys`` names the flat-parameter slices (tensor names or paths; default: the
+    arrays 1-D on every rank, see :func:`~tiered_ckpt.save_sharded`). ``max_workers``
+    bounds the threads that read and write shards (default: one per shard, at most 8).
+    ``writer_cpus`` (e.g. ``{3}``; Linux) keeps the background writer and retention
+    threads, and the threads they start, on those CPUs (say, cores the training loop
+    leaves free); they always run at a lower priority than the training loop.
+    ``preemption_signals`` (e.g. ``("SIGTERM",)``; default none) installs handlers that
+    note a preemption notice for :meth:`~tiered_ckpt.CheckpointManager.reached_preemption`,
+    only from the main thread: one per signal for the process, shared by every manager,
+    chained to a Python handler it replaced but never to the default action (``SIG_DFL``,
+    SIGINT's ``KeyboardInterrupt``), which the notice replaces; the last manager to close
+    puts the old handler back, whatever order managers close in.
+    """
+
+    sharded_keys: tuple[ShardedKey, ...] | None = None
+    max_workers: int | None = None
+    writer_cpus: frozenset[int] | None = None
+    preemption_signals: tuple[signal.Signals, ...] = ()
+
+    def __init__(
+        self,
+        sharded_keys: Iterable[ShardedKey] | None = None,
+        max_workers: int | None = None,
+        writer_cpus: Iterable[int] | None = None,
+        preemption_signals: Iterable[SignalLike] = (),
+    ) -> None:
+        object.__setattr__(self, "sharded_keys", _sharded_keys(sharded_keys))
+        if max_workers is not None:
+            _check_number("max_workers", max_workers, 1)
+        object.__setattr__(self, "max_workers", max_workers)
+        object.__setattr__(self, "writer_cpus", _cpus(writer_cpus))
+        if isinstance(preemption_signals, (str, bytes)) or not isinstance(preemption_signals, Iterable):
+            raise invalid_option("preemption_signals", f"must be a list of signals, got {preemption_signals!r:.60}")
+        chosen = tuple(dict.fromkeys(_signal(each) for each in preemption_signals))
+        object.__setattr__(self, "preemption_signals", chosen)
+
+
+def _sharded_keys(keys: Any) -> tuple[ShardedKey, ...] | None:
+    if keys is None:
+        return None
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
+        raise invalid_option("sharded_keys", f"must be a list of tensor names or paths, got {keys!r:.60}")
+    chosen: list[ShardedKey] = []
+    for key in keys:
+        if isinstance(key, str):
+            chosen.append(key)
+        elif isinstance(key, Sequence) and not isinstance(key, bytes) and key:
+            if not all(isinstance(part, str) or (isinstance(part, int) and not isinstance(part, bool)) for part in key):
+                raise invalid_option("sharded_keys", f"path {key!r:.60} must hold only names and list indices")
+            chosen.append(tuple(key))
+        else:
+            raise invalid_option("sharded_keys", f"{key!r:.60} is neither a tensor name nor a path")
+    return tuple(chosen)
+
+
+def _cpus(cpus: Any) -> frozenset[int] | None:
+    if cpus is None:
+        return None
+    if isinstance(cpus, (str, bytes)) or not isinstance(cpus, Iterable):
+        raise invalid_option("writer_cpus", f"must be a set of CPU numbers, got {cpus!r:.60}")
+    chosen = list(cpus)
+    for each in chosen:
+        _check_number("writer_cpus", each, 0)
+    if not hasattr(os, "sched_setaffinity"):
+        raise invalid_option("writer_cpus", "needs Linux (os.sched_setaffinity) to pin threads to CPUs")
+    allowed = os.sched_getaffinity(0)
+    if not chosen or not set(chosen) <= allowed:
+        raise invalid_option(
+            "writer_cpus", f"must be a non-empty set of this process's CPUs {sorted(allowed)}, got {sorted(chosen)}"
+        )
+    return frozenset(chosen)
+
+
+def _signal(value: Any) -> signal.Signals:
+    """``value`` (a number, ``signal.SIGTERM``, ``"SIGTERM"`` or ``"TERM"``) as a signal that can be caught."""
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        if isinstance(value, str):
+            name = value.strip().upper()
+            chosen = signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+        else:
+            chosen = signal.Signals(value)
+    except (KeyError, ValueError, TypeError):
+        raise invalid_option("preemption_signals", f"{value!r:.40} is not a signal") from None
+    if chosen in (signal.SIGKILL, signal.SIGSTOP):
+        raise invalid_option("preemption_signals", f"{chosen.name} cannot be caught")
+    return chosen
 
 
 @dataclass(frozen=True)
 class Options:
-    """Everything a manager is configured with, resolved and checked."""
+    """Everything a manager is configured with, resolved and checked: one group per concern."""
 
     local: LocalOptions
-    remote: RemoteOptions | None
-    upload: UploadOptions
-    verify: VerifyOptions
+    remote: RemoteOptions | None = None
+    upload: UploadOptions = UploadOptions()
+    restore: RestoreOptions = RestoreOptions()
+    runtime: RuntimeOptions = RuntimeOptions()
 
 
 def resolve_options(
     local: str | os.PathLike[str] | LocalOptions,
-    remote: RemoteOptions | None,
-    upload: UploadOptions | None,
-    keywords: Mapping[str, Any],
-    parameters: Sequence[str] = (),
+    remote: str | RemoteOptions | None = None,
+    upload: UploadOptions | None = None,
+    restore: RestoreOptions | None = None,
+    runtime: RuntimeOptions | None = None,
 ) -> Options:
-    """The options that ``local``, ``remote``, ``upload`` and the keyword arguments stand for.
+    """The options a manager's arguments stand for: a path is ``LocalOptions(path)``, a URL
+    ``RemoteOptions(url)``, and a group not given its defaults.
 
-    A keyword replaces one field of the options object it belongs to (``remote_url``
-    starts a :class:`RemoteOptions` if none is given; ``remote_url=None`` removes it).
-    An unknown keyword raises :class:`~tiered_ckpt.UsageError` naming it, its close
-    matches among ``KEYWORDS`` and ``parameters`` (the caller's other named parameters),
-    and every known keyword.
+    Raises :class:`~tiered_ckpt.UsageError` naming the argument whose value is not one of those.
     """
-    unknown = sorted(set(keywords) - set(KEYWORDS))
-    if unknown:
-        raise _unknown_keywords(unknown, parameters)
-    fields: dict[str, dict[str, Any]] = {"local": {}, "remote": {}, "upload": {}, "verify": {}}
-    for keyword, value in keywords.items():
-        table, name = KEYWORDS[keyword]
-        fields[table][name] = value
-    if fields["remote"].get("storage_options", {}) is None:
-        fields["remote"]["storage_options"] = {}
-    try:
-        return _resolve(local, remote, upload, fields)
-    except ConfigError as exc:  # name the keyword the caller used, not the dataclass field
-        if exc.field is None:
-            raise
-        given = [k for k, (table, name) in KEYWORDS.items() if name == exc.field and k in keywords]
-        if given:
-            source = f"keyword argument {given[0]}"
-        elif exc.field == "dir" and not isinstance(local, LocalOptions):
-            source = "argument local_dir"
-        else:
-            raise
-        error = ConfigError(f"{source} {exc.problem}")
-        error.field, error.problem = given[0] if given else "local_dir", exc.problem
-        raise error from None
+    if not isinstance(local, LocalOptions):
+        if not isinstance(local, (str, os.PathLike)):
+            raise UsageError(f"argument local must be a path or LocalOptions, got {type(local).__name__}")
+        try:
+            local = LocalOptions(Path(local))
+        except ConfigError as exc:
+            raise _named("local", exc) from None
+    if isinstance(remote, str):
+        try:
+            remote = RemoteOptions(remote)
+        except ConfigError as exc:
+            raise _named("remote", exc) from None
+    given: dict[str, tuple[object, type]] = {"remote": (remote, RemoteOptions), "upload": (upload, UploadOptions)}
+    given |= {"restore": (restore, RestoreOptions), "runtime": (runtime, RuntimeOptions)}
+    for name, (value, kind) in given.items():
+        if value is not None and not isinstance(value, kind):
+            accepted = f"a URL or {kind.__name__}" if name == "remote" else kind.__name__
+            raise UsageError(f"argument {name} must be {accepted} or None, got {type(value).__name__}")
+    return Options(local, remote, upload or UploadOptions(), restore or RestoreOptions(), runtime or RuntimeOptions())
 
 
-def _names(options: type) -> set[str]:
-    return {each.name for each in fields(options)}
+def _named(argument: str, error: ConfigError) -> ConfigError:
+    """``error`` saying it came from the manager's argument ``argument``."""
+    named = ConfigError(f"argument {argument}: {error}")
+    named.field, named.problem = error.field, error.problem
+    return named
 
 
-def _unknown_keywords(unknown: Sequence[str], parameters: Sequence[str]) -> UsageError:
-    known = [*parameters, *KEYWORDS]
-    hints = []
-    for keyword in unknown:
-        close = difflib.get_close_matches(keyword, known, n=3)
-        owners = [each.__name__ for each in (LocalOptions, RemoteOptions, UploadOptions) if keyword in _names(each)]
-        if owners:  # a field of an options object, not a keyword of its own (endpoint_url, lease_seconds...)
-            hints.append(f"{keyword} is a field of {owners[0]}: pass {owners[0]}(..., {keyword}=...)")
-        elif close:
-            hints.append(f"{keyword}: did you mean {' or '.join(close)}?")
-    return UsageError(
-        f"CheckpointManager got unknown keyword argument{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}"
-        + "".join(f"; {hint}" for hint in hints)
-        + f" (known: {', '.join(known)})"
-    )
-
-
-def _resolve(
-    local: str | os.PathLike[str] | LocalOptions,
-    remote: RemoteOptions | None,
-    upload: UploadOptions | None,
-    fields: dict[str, dict[str, Any]],
-) -> Options:
-    if isinstance(local, LocalOptions):
-        local_options = replace(local, **fields["local"])
-    else:
-        local_options = LocalOptions(local, **fields["local"])  # type: ignore[arg-type]
-    remote_fields = fields["remote"]
-    if "url" in remote_fields and remote_fields["url"] is None:
-        remote_options = None
-    elif remote is not None:
-        remote_options = replace(remote, **remote_fields)
-    elif "url" in remote_fields:
-        remote_options = RemoteOptions(**remote_fields)
-    else:
-        remote_options = None  # retention or storage options without a bucket have nothing to act on
-    return Options(
-        local_options,
-        remote_options,
-        replace(upload or UploadOptions(), **fields["upload"]),
-        VerifyOptions(**fields["verify"]),
-    )
+# One group per concern, each the same in the constructor, a config table and the
+# TIERED_CKPT_<TABLE>_<KEY> variables.
+GROUPS: dict[str, type] = {
+    "local": LocalOptions,
+    "remote": RemoteOptions,
+    "upload": UploadOptions,
+    "restore": RestoreOptions,
+    "runtime": RuntimeOptions,
+}

@@ -134,7 +134,7 @@ class SingleProcessCoordinator:
 
     def broadcast_array(self, array: np.ndarray, source: int) -> None:
         if not 0 <= source < self._world_size:
-            raise ValueError(f"source must be a rank of 0..{self._world_size - 1}, got {source}")
+            raise UsageError(f"source must be a rank of 0..{self._world_size - 1}, got {source}")
 
     def new_channel(self) -> SingleProcessCoordinator:
         return self
@@ -157,7 +157,7 @@ class TorchDistributedCoordinator:
         import torch.distributed as dist  # an optional dependency: imported only when used
 
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("TorchDistributedCoordinator needs torch.distributed.init_process_group() first")
+            raise UsageError("TorchDistributedCoordinator needs torch.distributed.init_process_group() first")
         self._dist = dist
         self._timeout = timeout
         self._ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
@@ -313,7 +313,7 @@ def gather(coordinator: Coordinator, label: str, payload_type: type[P], action: 
 
     ``action`` returns a ``payload_type``: a frozen dataclass of JSON fields (tuples for
     sequences), rebuilt as one on every process. If ``action`` fails on any process, every
-    process raises: the failing one its own exception, the others a :class:`CheckpointError`
+    process raises: the failing one its own exception, the others the same class of the error tree
     of the same class (or the base class for an exception not ours) naming that rank and
     ``label``; a collective the backend cannot complete (a rank died or timed out) raises a
     :class:`CoordinationError` naming ``label``. So no process goes on to a collective that
@@ -396,20 +396,28 @@ _ERROR_ATTRIBUTES = ("step", "tries", "transient", "deadline")
 
 
 def _describe_error(exc: BaseException) -> dict[str, Any]:
-    ours = isinstance(exc, CheckpointError)
+    """``exc`` as a collective carries it: its class of the error tree (None for any other
+    exception), its class name, its message and the fields of the tree that it holds."""
+    ours = isinstance(exc, CheckpointError) and errors.TREE.get(type(exc).__name__) is type(exc)
     return {
-        "type": type(exc).__name__ if ours else "CheckpointError",
-        "message": str(exc) if ours else f"{type(exc).__name__}: {exc}",
+        "type": type(exc).__name__ if ours else None,
+        "kind": getattr(exc, "kind", type(exc).__name__),
+        "message": getattr(exc, "message", str(exc)) if isinstance(exc, errors.RankFailedError) else str(exc),
         "attributes": {name: getattr(exc, name) for name in _ERROR_ATTRIBUTES if hasattr(exc, name)},
     }
 
 
 def _error_from(description: dict[str, Any], rank: int, label: str) -> CheckpointError:
-    error_type = getattr(errors, str(description.get("type")), None)
-    if not (isinstance(error_type, type) and issubclass(error_type, CheckpointError)):
-        error_type = CheckpointError
+    """Rank ``rank``'s error described by :func:`_describe_error`, to raise here: the same class of
+    the tree with the same fields and ``rank`` set, or a :class:`~tiered_ckpt.RankFailedError`."""
+    name, message = description.get("type"), str(description.get("message"))
+    error_type = errors.TREE.get(name) if isinstance(name, str) else None
+    if error_type is None or error_type is errors.RankFailedError:
+        return errors.RankFailedError(message, rank=rank, kind=str(description.get("kind")), during=label)
     template = error_type.__new__(error_type)
     template.__dict__.update(
         {name: value for name, value in dict(description.get("attributes") or {}).items() if name in _ERROR_ATTRIBUTES}
     )
-    return errors.restated(template, _named(str(description.get("message")), rank, label))
+    error = errors.restated(template, _named(message, rank, label))
+    error.rank = rank
+    return error

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from tiered_ckpt.errors import InvalidStateError, ReshardError
+from tiered_ckpt.errors import InvalidStateError, ReshardError, UsageError
 from tiered_ckpt.format.manifest import ChunkRecord, ShardManifest
 from tiered_ckpt.format.shardfile import into_difference
 from tiered_ckpt.format.state import FlatState, State, flatten
@@ -46,7 +46,7 @@ __all__ = [
 def partition_sizes(total: int, world_size: int) -> list[int]:
     """Slice lengths of a flat vector of ``total`` elements over ``world_size`` ranks."""
     if world_size < 1 or total < 0:
-        raise ValueError(f"cannot partition {total} elements over {world_size} ranks")
+        raise UsageError(f"cannot partition {total} elements over {world_size} ranks")
     base, extra = divmod(total, world_size)
     return [base + (1 if rank < extra else 0) for rank in range(world_size)]
 

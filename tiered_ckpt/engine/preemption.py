@@ -116,10 +116,10 @@ class PreemptionNotice:
     main thread (:class:`UsageError` otherwise).
     """
 
-    def __init__(self, signals: Iterable[int | signal.Signals] = ()) -> None:
+    def __init__(self, signals: Iterable[signal.Signals] = ()) -> None:
         self._received: signal.Signals | None = None
         self._signals: tuple[signal.Signals, ...] = ()
-        chosen = list(dict.fromkeys(_as_signal(each) for each in signals))
+        chosen = list(dict.fromkeys(signals))  # checked by RuntimeOptions
         if chosen and threading.current_thread() is not threading.main_thread():
             raise UsageError("preemption_signals: signal handlers can only be installed from the main thread")
         try:
@@ -211,15 +211,3 @@ class PreemptionWatch:
         self.step = step
         logger.warning("preemption (%s): every rank stops at step %d", signalled, step)
         return Preemption(stop=True, new=True, signals=signalled)
-
-
-def _as_signal(value: int | signal.Signals) -> signal.Signals:
-    try:
-        if isinstance(value, bool):
-            raise ValueError
-        chosen = signal.Signals(value)
-    except (ValueError, TypeError):
-        raise UsageError(f"preemption_signals: {value!r:.40} is not a signal number") from None
-    if chosen in (signal.SIGKILL, signal.SIGSTOP):
-        raise UsageError(f"preemption_signals: {chosen.name} cannot be caught")
-    return chosen

@@ -60,6 +60,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
 
@@ -67,9 +68,11 @@ from tiered_ckpt.dist.coordination import Coordinator, SingleProcessCoordinator,
 from tiered_ckpt.engine.resume import resume_steps
 from tiered_ckpt.engine.sending import Sender
 from tiered_ckpt.errors import (
+    CheckpointError,
     ErrorBox,
     IncompleteCheckpointError,
     RemoteError,
+    ReportedFuture,
     UploadError,
     UsageError,
 )
@@ -160,6 +163,7 @@ class Replicator:
         self._lease = Lease(bucket, ownership, clock=clock) if bucket is not None else None
         self._sender = Sender(store, target, self._coordinator, ranks, self._options.concurrency, self._lease)
         self._queue: deque[int] = deque()
+        self._outcomes: dict[int, Future[None]] = {}  # see outcome(); settled ones are dropped
         self._active: int | None = None
         self._closing = False
         self._preempted = False
@@ -200,16 +204,46 @@ class Replicator:
         one_process = len(self._coordinator.local_ranks) == self._coordinator.world_size
         with self._changed:
             if self._closing:
-                raise RuntimeError("the uploader is closed")
+                raise UsageError(f"{self!r} is closed")
             while bounded and not self._preempted and len(self._queue) >= self._room():
                 if self._options.when_behind == "skip" or (self._failing and one_process):
                     skipped = self._queue.popleft()
                     why = "the bucket is failing" if self._failing else "uploads behind"
                     logger.warning("%s: step %d stays local-only, superseded by step %d", why, skipped, step)
+                    self._left_local([skipped], f"{why}, superseded by step {step}")
                 else:
                     self._changed.wait()
             self._queue.append(step)
             self._changed.notify_all()
+
+    def outcome(self, step: int) -> Future[None]:
+        """The future of ``step``'s commit in the target (call it before submitting the step).
+
+        Its result is None once the target holds the step; its exception is the step's
+        :class:`UploadError` when it will not (failed, missed its deadline, superseded, or
+        this replicator closed first), or what :meth:`abandon` gave.
+        """
+        with self._changed:
+            if step not in self._outcomes:
+                self._outcomes[step] = ReportedFuture(self.errors)
+            return self._outcomes[step]
+
+    def abandon(self, step: int, error: CheckpointError) -> None:
+        """``step`` will never be submitted (its save failed): its :meth:`outcome` fails with ``error``."""
+        self._settle(step, error)
+
+    def _settle(self, step: int, error: CheckpointError | None) -> None:
+        with self._changed:
+            future = self._outcomes.pop(step, None)
+        if future is not None and not future.done():
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+
+    def _left_local(self, steps: Sequence[int], why: str) -> None:
+        for each in steps:
+            self._settle(each, UploadError(f"step {each} stays local-only: {why}", step=each, tries=0, transient=True))
 
     def _room(self) -> float:
         """How many steps the queue holds before ``when_behind`` applies (see the module doc)."""
@@ -271,6 +305,9 @@ class Replicator:
             self._closing = True
             self._changed.notify_all()
         self._thread.join()
+        with self._changed:
+            unsettled = list(self._outcomes)
+        self._left_local(unsettled, f"{self!r} closed before it was sent")
         if self._lease is not None:
             self._lease.release()
 
@@ -302,18 +339,25 @@ class Replicator:
             try:
                 step = self._next_step(proposal)
             except BaseException as exc:  # the processes could not agree: every one records it, none goes on
-                self._failed(_as_upload_error(proposal, exc))
+                error = _as_upload_error(proposal, exc)
+                self._failed(error)
                 with self._changed:
+                    dropped = list(self._queue)
                     self._queue.clear()
                     self._changed.notify_all()
+                for each in dropped:
+                    self._settle(each, error)
                 continue
             try:
                 try:
                     self._upload(step)
                 finally:
                     self._sender.forget(step)  # a step given up keeps nothing for the process's life
+                self._settle(step, None)
             except BaseException as exc:  # a remote failure, a local I/O error or a bug: never lost silently
-                self._failed(_as_upload_error(step, exc))
+                error = _as_upload_error(step, exc)
+                self._failed(error)
+                self._settle(step, error)
             finally:
                 with self._changed:
                     self._active = None
@@ -330,6 +374,7 @@ class Replicator:
             self._changed.notify_all()
         if superseded:
             logger.warning("preemption: steps %s stay local-only, superseded by step %d", superseded, step)
+            self._left_local(superseded, f"preemption, superseded by step {step}")
         return step
 
     def _upload(self, step: int) -> None:

@@ -30,7 +30,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -40,13 +40,13 @@ from tiered_ckpt.dist.replicas import leave_out
 from tiered_ckpt.engine.replication import Replicator
 from tiered_ckpt.engine.shards import build_manifest, write_shards
 from tiered_ckpt.engine.staging import StagingBuffers
-from tiered_ckpt.errors import CheckpointError, ConfigError, ErrorBox, SaveError
+from tiered_ckpt.errors import CheckpointError, ErrorBox, ReportedFuture, SaveError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.format.state import FlatState
 from tiered_ckpt.tiers import pruning
 from tiered_ckpt.tiers.store import TieredStore
 
-__all__ = ["Writer", "SaveHandle", "check_cpus"]
+__all__ = ["Writer", "SaveHandle"]
 
 logger = logging.getLogger("tiered_ckpt")
 
@@ -65,63 +65,42 @@ def _background_thread(cpus: frozenset[int] | None) -> None:
     except (AttributeError, OSError):  # not Linux, or not allowed: run at normal priority
         logger.debug("could not lower the background writer's priority", exc_info=True)
     if cpus is not None:
-        os.sched_setaffinity(0, cpus)  # 0: this thread (checked by check_cpus at construction)
+        os.sched_setaffinity(0, cpus)  # 0: this thread (checked by RuntimeOptions)
 
 
-def check_cpus(cpus: Iterable[int] | None) -> frozenset[int] | None:
-    """``cpus`` as a set the background threads may be pinned to, or None (any CPU).
-
-    Raises :class:`ConfigError` if it is empty, or names a CPU this process may not run on,
-    or pinning threads is not supported here (not Linux).
-    """
-    if cpus is None:
-        return None
-    if not hasattr(os, "sched_setaffinity"):
-        raise ConfigError("writer_cpus: pinning threads to CPUs needs Linux (os.sched_setaffinity)")
-    allowed = os.sched_getaffinity(0)
-    chosen = frozenset(cpus) if isinstance(cpus, Iterable) and not isinstance(cpus, (str, bytes)) else frozenset()
-    if not chosen or not chosen <= allowed:
-        raise ConfigError(f"writer_cpus must be a non-empty set of this process's CPUs {sorted(allowed)}: {cpus!r:.60}")
-    return chosen
+def _copy_outcome(done: Future[ShardManifest], into: Future[ShardManifest]) -> None:
+    error = done.exception()
+    if error is None:
+        into.set_result(done.result())
+    else:
+        into.set_exception(error)
 
 
 class SaveHandle:
-    """The pending result of one :meth:`CheckpointManager.save`."""
+    """The pending result of one :meth:`CheckpointManager.save`, as two futures.
 
-    def __init__(self, step: int, future: Future[ShardManifest], errors: ErrorBox) -> None:
+    ``committed`` is the local commit: its result is the step's manifest once every rank's
+    shard is durable and the manifest is in place; its exception is the
+    :class:`SaveError` (cause chained) of a save that failed. ``uploaded`` is the commit
+    in the bucket (None without one): its result is None once the bucket holds the step;
+    its exception is the step's :class:`UploadError` (it failed, missed its deadline, was
+    superseded by a newer step, or the manager closed first), or the save's
+    :class:`SaveError`. An error raised by either's ``result()`` is not raised again by
+    the manager's next call.
+    """
+
+    def __init__(self, step: int, committed: Future[ShardManifest], uploaded: Future[None] | None) -> None:
         self.step = step
-        self._future = future
-        self._errors = errors
+        self.committed = committed
+        self.uploaded = uploaded
 
     def __repr__(self) -> str:
-        return f"SaveHandle(step={self.step}, {'done' if self._future.done() else 'pending'})"
+        def state(future: Future[Any] | None) -> str:
+            if future is None:
+                return "none"
+            return "pending" if not future.done() else "failed" if future.exception() else "done"
 
-    def done(self) -> bool:
-        """True once the save has committed or failed."""
-        return self._future.done()
-
-    def wait(self, timeout: float | None = None) -> ShardManifest:
-        """Block until the checkpoint is committed locally and return its manifest.
-
-        Raises :class:`SaveError` (cause chained) if the save failed; an error raised
-        here is not raised again by the manager's next call.
-        """
-        try:
-            return self._future.result(timeout)
-        except SaveError as error:
-            self._errors.mark_raised(error)
-            raise
-
-    def settle(self) -> None:
-        """Block until the save has committed or failed, raising nothing (the error box has the failure)."""
-        self._future.exception()
-
-    @property
-    def manifest(self) -> ShardManifest | None:
-        """The committed manifest, or None while the save is running or if it failed."""
-        if self._future.done() and self._future.exception() is None:
-            return self._future.result()
-        return None
+        return f"SaveHandle(step={self.step}, committed={state(self.committed)}, uploaded={state(self.uploaded)})"
 
 
 @dataclass(frozen=True)
@@ -137,7 +116,7 @@ class Writer:
 
     ``ranks`` are this process's ranks of ``world_size``; committed steps go to each of
     ``replicators``; failures go to ``errors``; both threads (and the ones
-    they start) run at a lower priority, on ``cpus`` if given (see :func:`check_cpus`).
+    they start) run at a lower priority, on ``cpus`` if given (see :class:`~tiered_ckpt.RuntimeOptions`).
     """
 
     def __init__(
@@ -159,7 +138,7 @@ class Writer:
         self._replicators = tuple(replicators)
         self._max_workers = max_workers
         self._staging = StagingBuffers()
-        self._last_save: SaveHandle | None = None
+        self._last_save: Future[ShardManifest] | None = None
         self._last_retention: Future[None] | None = None
         self._writer = ThreadPoolExecutor(1, "tiered-ckpt-writer", initializer=_background_thread, initargs=(cpus,))
         self._janitor = ThreadPoolExecutor(1, "tiered-ckpt-retention", initializer=_background_thread, initargs=(cpus,))
@@ -171,13 +150,16 @@ class Writer:
         the ones reused here, and overwriting them under a running write would save this step's
         arrays as that one's.
         """
-        if self._last_save is not None:
-            self._last_save.settle()
+        self.settle(retention=False)
         buffers = self._staging.stage([state.arrays for state in states])
         staged = [dataclasses.replace(state, arrays=arrays) for arrays, state in zip(buffers, states, strict=True)]
-        handle = SaveHandle(step, self._writer.submit(self._write, step, staged, keys, numels), self._errors)
-        self._last_save = handle
-        return handle
+        committed: Future[ShardManifest] = ReportedFuture(self._errors)
+        uploaded = next((each.outcome(step) for each in self._replicators if each.target is self._store.remote), None)
+        self._writer.submit(self._write, step, staged, keys, numels).add_done_callback(
+            lambda done: _copy_outcome(done, committed)
+        )
+        self._last_save = committed
+        return SaveHandle(step, committed, uploaded)
 
     def settle(self, *, retention: bool = True) -> None:
         """Wait for the previous save's write and, unless ``retention=False``, the retention after it.
@@ -186,7 +168,7 @@ class Writer:
         only committed steps older than the newest, never the directory being written.
         """
         if self._last_save is not None:
-            self._last_save.settle()
+            self._last_save.exception()
         if retention and self._last_retention is not None:
             self._last_retention.result()
 
@@ -251,6 +233,8 @@ class Writer:
             error = SaveError(message, step=step)
             error.__cause__ = exc
             self._errors.put(error)
+            for replicator in self._replicators:  # the step will never be there
+                replicator.abandon(step, error)
             raise error from exc
 
     def _retain(self, step: int) -> None:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import re
 
+from tiered_ckpt.errors import UsageError
+
 __all__ = [
     "MANIFEST_NAME",
     "HELD_NAME",
@@ -56,7 +58,7 @@ _SHARD = re.compile(r"rank-\d{5,}-of-\d{5,}" + re.escape(SHARD_SUFFIX))
 def step_dir_name(step: int) -> str:
     """Return the directory name of ``step``; names of steps below 10**12 sort as numbers."""
     if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
+        raise UsageError(f"step must be >= 0, got {step}")
     return f"step-{step:012d}"
 
 
@@ -69,7 +71,7 @@ def parse_step_dir_name(name: str) -> int | None:
 def shard_name(rank: int, world_size: int) -> str:
     """Return the file name of ``rank``'s shard in a checkpoint of ``world_size`` ranks."""
     if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
+        raise UsageError(f"rank {rank} is outside 0..{world_size - 1}")
     return f"rank-{rank:05d}-of-{world_size:05d}{SHARD_SUFFIX}"
 
 
@@ -97,7 +99,7 @@ def owner_name(run_id: str) -> str:
     """Return the object name, inside ``OWNERS_DIR``, of the owner record of run ``run_id``."""
     name = f"{run_id}.json"
     if _OWNER.fullmatch(name) is None:
-        raise ValueError(f"run id must be 16 to 64 lowercase hex digits, got {run_id!r:.80}")
+        raise UsageError(f"run id must be 16 to 64 lowercase hex digits, got {run_id!r:.80}")
     return name
 
 

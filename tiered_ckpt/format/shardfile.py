@@ -40,7 +40,7 @@ __all__ = [
     "array_problem",
     "dtype_code",
     "write_shard",
-    "read_shard",
+    "read_shard_file",
     "ShardContents",
     "ShardHeader",
     "read_header",
@@ -367,7 +367,7 @@ def read_header(raw: bytes, file_size: int, what: str) -> ShardHeader:
     return ShardHeader(start, placed, metadata)
 
 
-def read_shard(
+def read_shard_file(
     source: BinaryIO,
     *,
     check: Callable[[ShardDigest], None],

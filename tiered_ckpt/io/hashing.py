@@ -139,7 +139,7 @@ def _hex(hasher: Hasher, verify: Verify) -> str:
 def copy_hashing(source: np.ndarray, target: np.ndarray, verify: Verify = "full") -> str:
     """Copy bytes ``source`` into ``target`` (1-D uint8 arrays of one length) and return their
     sha256 (``verify="fast"``: their xxh3-64), hashing each piece of the copy while it is in
-    cache (as :func:`~tiered_ckpt.format.shardfile.read_shard` does)."""
+    cache (as :func:`~tiered_ckpt.format.shardfile.read_shard_file` does)."""
     hasher = Hasher(verify)
     for start in range(0, len(target), CHUNK_BYTES):
         piece = target[start : start + CHUNK_BYTES]

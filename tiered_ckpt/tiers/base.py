@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol, TypeVar, runtime_checkable
 
+from tiered_ckpt.errors import UsageError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.io.hashing import ShardDigest, Verify
 
@@ -79,7 +80,7 @@ class ShardSource:
 
     def __post_init__(self) -> None:
         if self.path is None and self.write is None:
-            raise ValueError("a ShardSource needs a path or a write function")
+            raise UsageError("a ShardSource needs a path or a write function")
 
 
 @runtime_checkable

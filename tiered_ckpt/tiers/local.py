@@ -43,7 +43,7 @@ from tiered_ckpt.format.layout import (
     step_dir_name,
 )
 from tiered_ckpt.format.manifest import MAX_MANIFEST_BYTES, RemoteManifest, ShardManifest, ShardRecord
-from tiered_ckpt.format.shardfile import read_shard
+from tiered_ckpt.format.shardfile import read_shard_file
 from tiered_ckpt.format.state import FlatState
 from tiered_ckpt.io.durable import atomic_write, fsync_directory, write_bytes
 from tiered_ckpt.io.files import directory_lock, open_regular, read_small, remove_temp_files
@@ -264,7 +264,7 @@ class LocalTier:
         self, step: int, record: ShardRecord, verify: Verify = "full", into: Mapping[str, np.ndarray] | None = None
     ) -> FlatState:
         """The state in ``record``'s shard, verified against the record (the fast path: block reads
-        straight into the arrays, see :func:`~tiered_ckpt.format.shardfile.read_shard`).
+        straight into the arrays, see :func:`~tiered_ckpt.format.shardfile.read_shard_file`).
 
         With ``into``, fills those arrays instead. The arrays the record lists as replicas
         (held by another rank's shard) are not in the state returned (nor filled in ``into``):
@@ -280,7 +280,7 @@ class LocalTier:
         elsewhere = {name for name, _holder in record.replicas}
         held = {name: array for name, array in into.items() if name not in elsewhere} if into is not None else None
         with self._open_recorded(step, record) as (source, what), _read_errors(what):
-            contents = read_shard(
+            contents = read_shard_file(
                 source, check=lambda digest: record.verify(digest, what), verify=verify, what=what, into=held
             )
         return FlatState.from_shard(contents, what, elsewhere)

@@ -17,7 +17,8 @@ import contextlib
 import logging
 import time
 from collections.abc import Collection, Mapping
-from typing import Any
+from dataclasses import dataclass
+from types import MappingProxyType
 
 from tiered_ckpt.errors import IncompleteCheckpointError, ManifestError
 from tiered_ckpt.tiers.base import Tier
@@ -25,7 +26,7 @@ from tiered_ckpt.tiers.owners import live_owners
 from tiered_ckpt.tiers.retention import awaiting, protected, retainable
 from tiered_ckpt.tiers.store import TieredStore
 
-__all__ = ["to_delete", "unproven", "retain", "prune", "Pending"]
+__all__ = ["to_delete", "unproven", "retain", "prune", "PruneResult", "Pending"]
 
 logger = logging.getLogger("tiered_ckpt")
 
@@ -117,16 +118,28 @@ def retain(store: TieredStore, tier: Tier, pending: Pending | None = None, *, co
     return deleted
 
 
-def prune(store: TieredStore, *, dry_run: bool = False, orphans_older_than: float = 3600.0) -> dict[str, list[Any]]:
+@dataclass(frozen=True)
+class PruneResult:
+    """What :func:`prune` did (or, with ``dry_run``, would do): ``deleted`` maps each tier's
+    name, in the store's order, to the steps deleted there; ``aborted`` names the shared
+    tier's unfinished multipart uploads aborted; ``kept_unproven`` the first tier's steps
+    :func:`unproven` names (kept: no commit shows they are safe elsewhere)."""
+
+    deleted: Mapping[str, tuple[int, ...]]
+    aborted: tuple[str, ...]
+    kept_unproven: tuple[int, ...]
+    dry_run: bool = False
+
+
+def prune(store: TieredStore, *, dry_run: bool = False, orphans_older_than: float = 3600.0) -> PruneResult:
     """Apply every tier's retention now, and abort the shared tier's unfinished multipart uploads
     started ``orphans_older_than`` seconds ago or earlier (younger ones may belong to a running
-    job; none while a run's lease on the URL is live). Returns, by tier name, the steps deleted
-    (or, with ``dry_run``, to delete); ``"aborted"``, the uploads aborted; and
-    ``"<first tier>_kept_unproven"``, the steps :func:`unproven` names."""
-    kept = {f"{store.local.name}_kept_unproven": unproven(store)}
+    job; none while a run's lease on the URL is live)."""
+    kept = tuple(unproven(store))
     if dry_run:
-        return {**{tier.name: to_delete(store, tier) for tier in store.tiers}, "aborted": [], **kept}
-    aborted = []
+        planned = {tier.name: tuple(to_delete(store, tier)) for tier in store.tiers}
+        return PruneResult(MappingProxyType(planned), (), kept, dry_run=True)
+    aborted: list[str] = []
     if store.remote is not None:
         others = live_owners(store.remote, time.time())
         if others:  # an open upload does not say whose it is: a live run's may be among them
@@ -137,4 +150,5 @@ def prune(store: TieredStore, *, dry_run: bool = False, orphans_older_than: floa
             )
         else:
             aborted = store.remote.abort_orphans(orphans_older_than)
-    return {**{tier.name: retain(store, tier) for tier in store.tiers}, "aborted": aborted, **kept}
+    deleted = {tier.name: tuple(retain(store, tier)) for tier in store.tiers}
+    return PruneResult(MappingProxyType(deleted), tuple(aborted), kept)

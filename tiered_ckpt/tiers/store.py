@@ -28,6 +28,8 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import BinaryIO, NoReturn, TypeVar, cast
 
 import numpy as np
@@ -52,7 +54,7 @@ from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.remote import RemoteTier
 from tiered_ckpt.tiers.retention import RetentionPolicy
 
-__all__ = ["TieredStore", "Source"]
+__all__ = ["TieredStore", "Source", "PullResult"]
 
 logger = logging.getLogger("tiered_ckpt")
 
@@ -62,6 +64,15 @@ Source = str
 T = TypeVar("T")
 _READ_FAILURES = (IncompleteCheckpointError, ChecksumMismatchError, ShardFormatError)
 _TRIES_OF_A_LATER_TIER = 2
+
+
+@dataclass(frozen=True)
+class PullResult:
+    """What :meth:`TieredStore.pull` did: the ``step`` pulled and, per rank, the name of the
+    tier its shard now on disk came from (the first tier's: it was there and verified)."""
+
+    step: int
+    sources: Mapping[int, Source]
 
 
 class TieredStore:
@@ -318,7 +329,7 @@ class TieredStore:
         *,
         max_workers: int | None = None,
         progress: Callable[[ShardRecord, Source], None] | None = None,
-    ) -> tuple[int, dict[int, Source]]:
+    ) -> PullResult:
         """Fill the local tier with the shared tier's ``step`` (default: its newest) without loading it.
 
         Local shards that verify are kept; the others are streamed from the bucket and
@@ -347,7 +358,7 @@ class TieredStore:
         was_committed = step in self.local.steps()
         sources = run_parallel(fetch, remote.manifest.shards, max_workers)
         self.record_refill(remote.manifest, remote, range(remote.manifest.world_size), was_committed)
-        return step, dict(enumerate(sources))
+        return PullResult(step, MappingProxyType(dict(enumerate(sources))))
 
 
 def _no_copy_verifies(record: ShardRecord, tried: list[tuple[str, CheckpointError]]) -> NoReturn:

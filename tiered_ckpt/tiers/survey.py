@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from tiered_ckpt.errors import IncompleteCheckpointError, ManifestError, RemoteError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
@@ -19,10 +19,26 @@ from tiered_ckpt.tiers.base import Tier
 from tiered_ckpt.tiers.retention import awaiting
 from tiered_ckpt.tiers.store import TieredStore
 
-__all__ = ["StepStatus", "ShardCheck", "Lag", "UNKNOWN", "Unknown", "status", "lag", "verify"]
+__all__ = [
+    "StepStatus",
+    "TierState",
+    "ShardCheck",
+    "CheckStatus",
+    "VerifyResult",
+    "Lag",
+    "UNKNOWN",
+    "Unknown",
+    "status",
+    "lag",
+    "verify",
+]
 
 logger = logging.getLogger("tiered_ckpt")
 _GONE_OR_DAMAGED = (IncompleteCheckpointError, ManifestError, RemoteError)
+
+
+TierState = Literal["committed", "staged", "uploading", "partial", "-"]
+CheckStatus = Literal["ok", "failed", "elsewhere"]
 
 
 @dataclass(frozen=True)
@@ -40,19 +56,19 @@ class StepStatus:
     """
 
     step: int
-    states: Mapping[str, str]
+    states: Mapping[str, TierState]
     manifest: ShardManifest | None
     held_ranks: tuple[int, ...] | None
     problem: str | None = None
     bucket: str | None = None
 
     @property
-    def local(self) -> str:
+    def local(self) -> TierState:
         """The first tier's (this node's disk) state of the step."""
         return next(iter(self.states.values()))
 
     @property
-    def remote(self) -> str:
+    def remote(self) -> TierState:
         """The bucket's state of the step ("-" without a bucket)."""
         return self.states[self.bucket] if self.bucket is not None else "-"
 
@@ -133,8 +149,25 @@ class ShardCheck:
     step: int
     tier: str
     rank: int | None
-    status: str
+    status: CheckStatus
     problem: str | None = None
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """What :func:`verify` found: every shard ``checks``, in the order checked."""
+
+    checks: tuple[ShardCheck, ...]
+
+    @property
+    def failed(self) -> tuple[ShardCheck, ...]:
+        """The checks that failed (empty: every copy checked verifies)."""
+        return tuple(check for check in self.checks if check.status == "failed")
+
+    @property
+    def ok(self) -> bool:
+        """True if no copy checked failed."""
+        return not self.failed
 
 
 def _bucket(store: TieredStore) -> str | None:
@@ -164,9 +197,11 @@ def _any_manifest(store: TieredStore, step: int, listed: Mapping[str, bool]) -> 
     return None
 
 
-def _states(store: TieredStore, step: int, listed: Mapping[str, bool], partial: Mapping[str, bool]) -> dict[str, str]:
+def _states(
+    store: TieredStore, step: int, listed: Mapping[str, bool], partial: Mapping[str, bool]
+) -> dict[str, TierState]:
     first = store.local.name
-    states = {first: "committed" if listed[first] else "staged" if partial[first] else "-"}
+    states: dict[str, TierState] = {first: "committed" if listed[first] else "staged" if partial[first] else "-"}
     for tier in store.later:
         if listed[tier.name]:
             states[tier.name] = "committed"
@@ -249,7 +284,7 @@ def verify(
     *,
     progress: Callable[[ShardCheck], None] | None = None,
     later_only: bool = False,
-) -> list[ShardCheck]:
+) -> VerifyResult:
     """Hash every shard of ``step`` (default: every committed step) in each tier that holds it.
 
     ``progress`` is called with each shard's result as soon as it is known. With
@@ -280,7 +315,7 @@ def verify(
         for tier in tiers:
             if each in held[tier.name]:
                 _verify_in(tier, each, _checks(store, tier, later_only), add)
-    return checks
+    return VerifyResult(tuple(checks))
 
 
 def _checks(store: TieredStore, tier: Tier, kept_sums: bool) -> Callable[[int], Iterator[ShardCheck]]:

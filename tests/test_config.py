@@ -1,4 +1,9 @@
+import dataclasses
+import os
+import re
+import signal
 import tomllib
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -6,7 +11,15 @@ import pytest
 import yaml
 
 from conftest import ZERO1_SHARDED_KEYS, assert_states_equal
-from tiered_ckpt import CheckpointManager, Config, ConfigError, RemoteOptions, UploadOptions, load_config
+from tiered_ckpt import (
+    CheckpointManager,
+    Config,
+    ConfigError,
+    RemoteOptions,
+    RuntimeOptions,
+    UploadOptions,
+    load_config,
+)
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").iterdir())
 
@@ -43,7 +56,7 @@ def test_an_endpoint_url_with_a_password_is_refused_from_a_file_the_environment_
     ways = [
         lambda: load_config(given, environ={}),
         lambda: load_config(plain, environ={"TIERED_CKPT_REMOTE_ENDPOINT_URL": endpoint}),
-        lambda: load_config(plain, environ={}, remote_endpoint_url=endpoint),
+        lambda: load_config(plain, environ={}, overrides={"remote.endpoint_url": endpoint}),
         lambda: RemoteOptions("s3://b/run", endpoint_url=endpoint),
     ]
     for way in ways:
@@ -70,7 +83,7 @@ def test_a_relative_local_dir_is_taken_from_the_config_files_folder(tmp_path, mo
     assert load_config("project/ckpt.toml", environ={}).local.dir == folder / "ckpt" / "run"
     # the environment and arguments are relative to the working directory, as on a command line
     assert load_config("project/ckpt.toml", environ={"TIERED_CKPT_LOCAL_DIR": "here"}).local.dir == Path("here")
-    assert load_config(folder / "ckpt.toml", environ={}, local_dir="there").local.dir == Path("there")
+    assert load_config(folder / "ckpt.toml", environ={}, overrides={"local.dir": "there"}).local.dir == Path("there")
 
 
 class OneOfTwoRanks:
@@ -102,9 +115,16 @@ def test_nan_infinite_and_negative_seconds_are_refused_naming_the_source_and_key
         UploadOptions(**{key: float(value)})
 
 
-def test_nan_given_as_a_manager_keyword_is_refused_naming_the_keyword(tmp_path):
-    with pytest.raises(ConfigError, match="keyword argument upload_deadline_seconds must be a finite number"):
-        CheckpointManager(tmp_path, world_size=1, upload_deadline_seconds=float("nan"))
+def test_an_unknown_override_names_the_key_and_how_keys_are_spelled(tmp_path):
+    with pytest.raises(ConfigError, match=r"override 'remote_url': no such config key \(a key is 'table.key'"):
+        load_config(environ={"TIERED_CKPT_LOCAL_DIR": "x"}, overrides={"remote_url": "s3://b/run"})
+
+
+def test_a_bad_override_names_the_override_and_the_key(tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"^override 'upload.deadline_seconds': key 'upload.deadline_seconds' must be"
+    ):
+        load_config(environ={"TIERED_CKPT_LOCAL_DIR": "x"}, overrides={"upload.deadline_seconds": float("nan")})
 
 
 def test_yaml_aliases_are_refused_so_a_tiny_file_cannot_expand_into_billions_of_values(tmp_path):
@@ -155,8 +175,11 @@ endpoint_url = "http://127.0.0.1:9000"
 [upload]
 max_tries = 9
 when_behind = "skip"
-[verify]
-mode = "fast"
+[restore]
+verify = "fast"
+[runtime]
+preemption_signals = ["SIGUSR1"]
+max_workers = 3
 """
 
 
@@ -169,19 +192,21 @@ remote:
   keep_last: 7
   storage_options: {endpoint_url: "http://127.0.0.1:9000"}
 upload: {max_tries: 9, when_behind: skip}
-verify: {mode: fast}
+restore: {verify: fast}
+runtime: {preemption_signals: [SIGUSR1], max_workers: 3}
 """
     yaml = load_config(write(tmp_path, yaml_text, "ckpt.yaml"), environ={})
     assert toml.local == yaml.local and toml.remote == yaml.remote and toml.upload == yaml.upload
     assert toml.local.dir == Path("/data/ckpt") and toml.remote.url == "s3://bucket/run"
     assert toml.remote.storage_options == {"endpoint_url": "http://127.0.0.1:9000"}
-    assert toml.upload.max_tries == 9 and toml.verify.mode == "fast"
+    assert toml.upload.max_tries == 9 and toml.restore.verify == "fast"
+    assert toml.runtime == yaml.runtime == RuntimeOptions(max_workers=3, preemption_signals=[signal.SIGUSR1])
 
 
 def test_precedence_is_argument_then_environment_then_file_then_default(tmp_path):
     path = write(tmp_path, FULL)
     environ = {"TIERED_CKPT_REMOTE_URL": "gs://other/run", "TIERED_CKPT_LOCAL_KEEP_LAST": "9"}
-    config = load_config(path, environ=environ, local_keep_last=11)
+    config = load_config(path, environ=environ, overrides={"local.keep_last": 11})
     assert config.remote.url == "gs://other/run"  # environment over file
     assert config.local.keep_last == 11  # argument over environment
     assert config.remote.keep_last == 7  # file over default
@@ -202,7 +227,9 @@ def test_precedence_is_argument_then_environment_then_file_then_default(tmp_path
         ("[local]\ndir = 'x'\n[remote]\nkeep_last = 2\n", "key 'remote.url' is required"),
         ("[local]\ndir = 'x'\n[upload]\nwhen_behind = 'later'\n", "must be one of \\['skip', 'wait'\\]"),
         ("[local]\ndir = 'x'\n[upload]\ndeadline_seconds = 0\n", "key 'upload.deadline_seconds' must be >= 0.001"),
-        ("[local]\ndir = 'x'\n[verify]\nmode = 'none'\n", "key 'verify.mode' must be one of"),
+        ("[local]\ndir = 'x'\n[restore]\nverify = 'none'\n", "key 'restore.verify' must be one of"),
+        ("[local]\ndir = 'x'\n[verify]\nmode = 'fast'\n", "unknown table 'verify'"),
+        ("[local]\ndir = 'x'\n[runtime]\npreemption_signals = ['SIGKILL']\n", "key 'runtime.preemption_signals' "),
         (
             "[local]\ndir = 'x'\n[remote]\nurl = 's3://b'\n[remote.storage_options]\nsecret = 'abc'\n",
             "holds a credential",
@@ -252,12 +279,15 @@ def test_manager_from_config_uses_the_bucket_and_retention(tmp_path, s3_url, sta
     url, options = s3_url
     path = write(
         tmp_path,
-        f"[local]\ndir = '{tmp_path / 'local'}'\nkeep_last = 1\n[remote]\nurl = '{url}'\n[verify]\nmode = 'fast'\n",
+        f"[local]\ndir = '{tmp_path / 'local'}'\nkeep_last = 1\n[remote]\nurl = '{url}'\n[restore]\nverify = 'fast'\n"
+        f"[runtime]\nsharded_keys = {list(ZERO1_SHARDED_KEYS)!r}\n",
     )
-    with CheckpointManager.from_config(
-        path, world_size=4, storage_options=options, sharded_keys=ZERO1_SHARDED_KEYS
-    ) as manager:
-        assert manager.root == tmp_path / "local" and manager.keep_last == 1 and manager.verify == "fast"
+    config = load_config(path, environ={})
+    remote = replace(config.remote, storage_options=options)  # the test's credentials: never in a config
+    with CheckpointManager.from_config(config, world_size=4, remote=remote) as manager:
+        assert manager.root == tmp_path / "local" and manager.options.local.keep_last == 1
+        assert manager.options.restore.verify == "fast"
+        assert manager.options.runtime.sharded_keys == tuple(ZERO1_SHARDED_KEYS)
         manager.save(1, states)
         manager.wait(uploaded=True)
         assert manager.remote_steps() == [1]
@@ -301,7 +331,8 @@ def test_endpoint_url_from_a_config_or_the_environment_reaches_the_store(tmp_pat
 
     url, options = request.getfixturevalue(f"{scheme}_url")
     endpoint = options["endpoint_url"] if scheme == "gcs" else options["client_kwargs"]["endpoint_url"]
-    with CheckpointManager(tmp_path / "job", world_size=1, remote_url=url, storage_options=options) as manager:
+    with CheckpointManager(tmp_path / "job", world_size=1, remote=RemoteOptions(url, storage_options=options)) as m:
+        manager = m
         manager.save(1, [{"w": np.arange(3.0)}])
         manager.wait(uploaded=True)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", S3_TEST_KEY)  # the store's own chain, not the config
@@ -316,7 +347,79 @@ def test_endpoint_url_from_a_config_or_the_environment_reaches_the_store(tmp_pat
     for config in (
         load_config(given, environ={}),
         load_config(unnamed, environ={"TIERED_CKPT_REMOTE_ENDPOINT_URL": endpoint}),
-        load_config(given, environ={"TIERED_CKPT_REMOTE_ENDPOINT_URL": "http://wrong:9"}, remote_endpoint_url=endpoint),
+        load_config(
+            given,
+            environ={"TIERED_CKPT_REMOTE_ENDPOINT_URL": "http://wrong:9"},
+            overrides={"remote.endpoint_url": endpoint},
+        ),
     ):
         assert config.remote.endpoint_url == endpoint
         assert config.remote.open_tier(config.upload).steps() == [1]
+
+
+# One text per option for its TIERED_CKPT_ variable, and the value it stands for. Every field of
+# every group is here (the test below checks it), so a new option gets a variable with it.
+ENVIRONMENT = {
+    ("local", "dir"): ("/data/ckpt", Path("/data/ckpt")),
+    ("local", "keep_last"): ("none", None),
+    ("local", "keep_every"): ("500", 500),
+    ("local", "max_awaiting_upload"): ("4", 4),
+    ("remote", "url"): ("s3://b/run", "s3://b/run"),
+    ("remote", "keep_last"): ("7", 7),
+    ("remote", "keep_every"): ("none", None),
+    ("remote", "layout"): ("hashed", "hashed"),
+    ("remote", "endpoint_url"): ("http://127.0.0.1:9000", "http://127.0.0.1:9000"),
+    ("remote", "lease_seconds"): ("60", 60.0),
+    ("remote", "orphan_age_seconds"): ("7200.5", 7200.5),
+    ("remote", "other_owners"): ("refuse", "refuse"),
+    ("upload", "concurrency"): ("3", 3),
+    ("upload", "max_tries"): ("8", 8),
+    ("upload", "backoff_seconds"): ("0.25", 0.25),
+    ("upload", "max_backoff_seconds"): ("10", 10.0),
+    ("upload", "max_seconds"): ("120", 120.0),
+    ("upload", "timeout_seconds"): ("30", 30.0),
+    ("upload", "max_pending"): ("5", 5),
+    ("upload", "when_behind"): ("skip", "skip"),
+    ("upload", "deadline_seconds"): ("none", None),
+    ("upload", "part_bytes"): (str(16 << 20), 16 << 20),
+    ("upload", "part_concurrency"): ("6", 6),
+    ("restore", "verify"): ("fast", "fast"),
+    ("runtime", "sharded_keys"): ("param, exp_avg", ("param", "exp_avg")),
+    ("runtime", "max_workers"): ("2", 2),
+    ("runtime", "writer_cpus"): ("0", frozenset({0})),
+    ("runtime", "preemption_signals"): ("SIGTERM,usr1", (signal.SIGTERM, signal.SIGUSR1)),
+}
+
+
+def test_every_option_but_the_storage_options_table_has_a_variable_here():
+    from tiered_ckpt.options import GROUPS
+
+    every = {(group, each.name) for group, kind in GROUPS.items() for each in dataclasses.fields(kind)}
+    assert every - set(ENVIRONMENT) == {("remote", "storage_options")}
+
+
+@pytest.mark.parametrize("key", sorted(ENVIRONMENT))
+def test_every_option_is_reachable_from_its_environment_variable(key):
+    group, name = key
+    text, value = ENVIRONMENT[key]
+    if key == ("runtime", "writer_cpus") and 0 not in getattr(os, "sched_getaffinity", lambda _: {0})(0):
+        pytest.skip("CPU 0 is not this process's")
+    environ = {"TIERED_CKPT_LOCAL_DIR": "/data/x", "TIERED_CKPT_REMOTE_URL": "s3://b/x"}
+    environ[f"TIERED_CKPT_{group.upper()}_{name.upper()}"] = text
+    config = load_config(environ=environ)
+    assert getattr(getattr(config, group), name) == value
+    assert config.origins[f"{group}.{name}"] == f"environment (TIERED_CKPT_{group.upper()}_{name.upper()})"
+
+
+@pytest.mark.parametrize(
+    "name, text, problem",
+    [
+        ("TIERED_CKPT_RUNTIME_WRITER_CPUS", "0,x", "expected an integer, got 'x'"),
+        ("TIERED_CKPT_RUNTIME_PREEMPTION_SIGNALS", "SIGKILL", "key 'runtime.preemption_signals' SIGKILL cannot"),
+        ("TIERED_CKPT_UPLOAD_MAX_TRIES", "none", "expected an integer, got 'none'"),
+    ],
+)
+def test_a_bad_variable_is_refused_naming_it(name, text, problem):
+    with pytest.raises(ConfigError, match=re.escape(problem)) as caught:
+        load_config(environ={"TIERED_CKPT_LOCAL_DIR": "x", name: text})
+    assert name in str(caught.value)

@@ -3,7 +3,10 @@ it (``field``, ``problem``, and the message starting with the field), keeps a go
 shows a credential in its repr or its errors."""
 
 import math
-from dataclasses import replace
+import os
+import re
+import signal
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -12,12 +15,13 @@ from hypothesis import strategies as st
 
 from tiered_ckpt.errors import ConfigError, UsageError
 from tiered_ckpt.options import (
-    KEYWORDS,
+    GROUPS,
     LocalOptions,
     Options,
     RemoteOptions,
+    RestoreOptions,
+    RuntimeOptions,
     UploadOptions,
-    VerifyOptions,
     resolve_options,
 )
 from tiered_ckpt.tiers.owners import OwnershipPolicy
@@ -149,7 +153,7 @@ def test_ownership_seconds_are_checked_where_the_remote_options_are_made(name, m
         (UploadOptions, "when_behind", ("wait", "skip")),
         (RemoteOptions, "layout", ("flat", "hashed")),
         (RemoteOptions, "other_owners", ("warn", "refuse")),
-        (VerifyOptions, "mode", ("full", "fast")),
+        (RestoreOptions, "verify", ("full", "fast")),
     ],
 )
 @FEW
@@ -264,7 +268,7 @@ def test_storage_options_that_are_not_a_table_are_refused_without_showing_them(v
 )
 def test_the_repr_of_remote_options_and_of_everything_holding_them_never_shows_storage_options(options):
     remote = RemoteOptions("s3://bucket/run", storage_options=options, endpoint_url="http://127.0.0.1:9000")
-    everything = Options(LocalOptions("/tmp/ckpt"), remote, UploadOptions(), VerifyOptions())
+    everything = Options(LocalOptions("/tmp/ckpt"), remote, UploadOptions(), RestoreOptions(), RuntimeOptions())
     for shown in (repr(remote), str(remote), repr(everything), repr(replace(remote, keep_last=2))):
         assert SECRET not in shown and "storage_options" not in shown
     assert dict(remote.storage_options) == options  # kept, only not shown
@@ -296,44 +300,123 @@ def test_options_are_frozen():
         UploadOptions().max_tries = 0  # type: ignore[misc]
 
 
-# -- keywords -------------------------------------------------------------------------------------
+# -- the runtime ------------------------------------------------------------------------------------
+
+LINUX = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="thread affinity is Linux's")
 
 
-@pytest.mark.parametrize("keyword", sorted(KEYWORDS))
-def test_every_keyword_sets_the_field_it_names(keyword):
-    table, name = KEYWORDS[keyword]
-    value = {
-        "verify": "fast", "remote_url": "memory://b/other", "storage_options": {"anon": True},
-        "when_uploads_behind": "skip", "remote_layout": "hashed", "upload_backoff_seconds": 2.5,
-        "upload_deadline_seconds": 12.5,
-    }.get(keyword, 6)  # fmt: skip
-    options = resolve_options("/tmp/ckpt", RemoteOptions(URL), None, {keyword: value})
-    assert getattr(getattr(options, table), name) == value
+def test_runtime_options_default_to_nothing_pinned_no_signal_and_sharded_keys_found_by_shape():
+    assert RuntimeOptions() == RuntimeOptions(None, None, None, ())
 
 
-def test_a_bad_keyword_value_names_the_keyword_not_the_field():
-    with pytest.raises(ConfigError) as caught:
-        resolve_options("/tmp/ckpt", None, None, {"upload_max_tries": 0})
-    assert caught.value.field == "upload_max_tries" and str(caught.value).startswith(
-        "keyword argument upload_max_tries"
-    )
+@pytest.mark.parametrize(
+    "given, kept",
+    [
+        (["b", "a"], ("b", "a")),
+        ([("optim", "state", 0), ["model", "w"]], (("optim", "state", 0), ("model", "w"))),
+        ((), ()),
+    ],
+)
+def test_sharded_keys_are_kept_as_names_and_paths_of_tuples(given, kept):
+    assert RuntimeOptions(sharded_keys=given).sharded_keys == kept
 
 
-def test_a_bad_local_dir_names_the_argument():
-    with pytest.raises(ConfigError) as caught:
-        resolve_options("", None, None, {})
-    assert caught.value.field == "local_dir"
+@pytest.mark.parametrize("value", ["model.w", b"w", 3, [3], [("a", 1.5)], [("a", True)], [()]])
+def test_sharded_keys_that_are_not_names_or_paths_are_refused(value):
+    refused(RuntimeOptions, "sharded_keys", value)
 
 
-def test_an_unknown_keyword_is_a_usage_error_naming_its_close_matches_and_the_field_it_is():
-    with pytest.raises(UsageError, match=r"keep_lats: did you mean keep_last") as caught:
-        resolve_options("/tmp/ckpt", None, None, {"keep_lats": 1})
-    assert "known: " in str(caught.value)
-    with pytest.raises(UsageError, match=r"endpoint_url is a field of RemoteOptions"):
-        resolve_options("/tmp/ckpt", None, None, {"endpoint_url": "http://h"})
+@pytest.mark.parametrize("value", [0, -1, 1.0, "2", True])
+def test_max_workers_below_one_or_not_an_int_is_refused(value):
+    refused(RuntimeOptions, "max_workers", value)
 
 
-def test_remote_url_none_removes_the_remote_and_a_url_alone_starts_one():
-    assert resolve_options("/tmp/ckpt", RemoteOptions(URL), None, {"remote_url": None}).remote is None
-    assert resolve_options("/tmp/ckpt", None, None, {"remote_url": URL}).remote == RemoteOptions(URL)
-    assert resolve_options("/tmp/ckpt", None, None, {"keep_last_remote": 3}).remote is None
+@LINUX
+def test_writer_cpus_this_process_may_use_are_taken_as_a_set():
+    allowed = os.sched_getaffinity(0)
+    assert RuntimeOptions(writer_cpus=[min(allowed), min(allowed)]).writer_cpus == frozenset({min(allowed)})
+    assert RuntimeOptions(writer_cpus=iter(allowed)).writer_cpus == frozenset(allowed)
+    assert RuntimeOptions(writer_cpus=None).writer_cpus is None
+
+
+@LINUX
+@pytest.mark.parametrize("cpus", [[], set(), {10**6}, [0, 10**6], 3, "0", b"\x00", [-1], [True]])
+def test_writer_cpus_that_cannot_be_used_are_refused(cpus):
+    refused(RuntimeOptions, "writer_cpus", cpus)
+
+
+@pytest.mark.parametrize(
+    "given, kept",
+    [
+        (["SIGTERM"], (signal.SIGTERM,)),
+        (["term", " usr1 "], (signal.SIGTERM, signal.SIGUSR1)),
+        ([int(signal.SIGUSR2), signal.SIGUSR2], (signal.SIGUSR2,)),
+        ((), ()),
+    ],
+)
+def test_preemption_signals_are_taken_by_number_or_name_once_each(given, kept):
+    assert RuntimeOptions(preemption_signals=given).preemption_signals == kept
+
+
+@pytest.mark.parametrize("bad", [signal.SIGKILL, "SIGSTOP", 0, 10_000, "NOPE", True, 1.5])
+def test_preemption_signals_that_cannot_be_caught_are_refused(bad):
+    refused(RuntimeOptions, "preemption_signals", [bad])
+
+
+def test_preemption_signals_as_one_string_are_refused_not_spelled_out():
+    refused(RuntimeOptions, "preemption_signals", "SIGTERM")
+
+
+# -- what the manager takes ---------------------------------------------------------------------------
+
+
+def test_a_path_stands_for_local_options_and_a_url_for_remote_options():
+    options = resolve_options("/tmp/ckpt", URL)
+    assert options == Options(LocalOptions("/tmp/ckpt"), RemoteOptions(URL))
+    assert resolve_options(Path("/tmp/ckpt")).remote is None
+
+
+def test_the_groups_given_are_the_ones_used_and_the_others_default():
+    local, remote = LocalOptions("/tmp/ckpt", keep_last=1), RemoteOptions(URL, keep_last=2)
+    upload, restore, runtime = UploadOptions(max_tries=9), RestoreOptions("fast"), RuntimeOptions(max_workers=2)
+    assert resolve_options(local, remote, upload, restore, runtime) == Options(local, remote, upload, restore, runtime)
+    assert resolve_options(local) == Options(local, None, UploadOptions(), RestoreOptions(), RuntimeOptions())
+
+
+@pytest.mark.parametrize(
+    "arguments, name",
+    [
+        ((3,), "local"),
+        (("/tmp/ckpt", 3), "remote"),
+        (("/tmp/ckpt", None, RestoreOptions()), "upload"),
+        (("/tmp/ckpt", None, None, UploadOptions()), "restore"),
+        (("/tmp/ckpt", None, None, None, {"max_workers": 2}), "runtime"),
+    ],
+)
+def test_an_argument_of_the_wrong_kind_is_a_usage_error_naming_it(arguments, name):
+    with pytest.raises(UsageError, match=f"^argument {name} must be"):
+        resolve_options(*arguments)
+
+
+def test_a_bad_path_or_url_names_the_argument_and_keeps_the_field():
+    with pytest.raises(ConfigError, match="^argument local: dir") as caught:
+        resolve_options("")
+    assert caught.value.field == "dir"
+    with pytest.raises(ConfigError, match="^argument remote: url") as caught:
+        resolve_options("/tmp/ckpt", "s3://")
+    assert caught.value.field == "url"
+
+
+# -- one name per option: the docstrings say every field -----------------------------------------------
+
+
+@pytest.mark.parametrize("group", sorted(GROUPS))
+def test_every_field_of_a_group_is_named_in_its_docstring(group):
+    kind = GROUPS[group]
+    documented = set(re.findall(r"``(\w+)", kind.__doc__ or ""))
+    missing = [each.name for each in fields(kind) if each.name not in documented]
+    assert not missing, f"{kind.__name__}'s docstring does not name {missing}"
+
+
+def test_the_groups_are_the_fields_of_options_in_order():
+    assert list(GROUPS) == [each.name for each in fields(Options)]

@@ -125,10 +125,11 @@ class _Retained:
 
 @dataclass(frozen=True)
 class LocalOptions(_Retained):
-    """The local tier: its directory and its retention. While the bucket is unreachable,
-    at most ``max_awaiting_upload`` steps waiting for their upload are kept beyond what
-    ``keep_last`` / ``keep_every`` keep (the newest ones; None: every one, and the disk
-    may fill)."""
+    """The local tier: its directory ``dir`` (one per process; ``~`` is expanded) and its
+    retention. ``keep_last`` keeps the newest steps (None keeps all), ``keep_every`` also
+    keeps every step divisible by it; the newest committed step is never deleted. While
+    the bucket is unreachable, at most ``max_awaiting_upload`` steps waiting for their
+    upload are kept beyond those (the newest ones; None: every one, and the disk may fill)."""
 
     dir: Path
     keep_last: int | None = 3
@@ -144,8 +145,9 @@ class LocalOptions(_Retained):
 
 @dataclass(frozen=True)
 class RemoteOptions(_Retained):
-    """The remote tier: its URL, fsspec's options for it (never shown), its retention, and
-    the layout of its shard objects ("flat", or "hashed": spread over 256 key prefixes
+    """The remote tier: its ``url``, fsspec's ``storage_options`` for it (never shown), its
+    retention (``keep_last``, ``keep_every``: as the local tier's, default all), and the
+    ``layout`` of its shard objects ("flat", or "hashed": spread over 256 key prefixes
     per step; see :meth:`~tiered_ckpt.tiers.remote.RemoteTier.object_name`). ``endpoint_url``
     (``s3://`` and ``gs://`` only) names the store's endpoint, e.g. a MinIO server; it
     takes precedence over ``storage_options["endpoint_url"]``.
@@ -399,7 +401,7 @@ def resolve_options(
         if not isinstance(local, (str, os.PathLike)):
             raise UsageError(f"argument local must be a path or LocalOptions, got {type(local).__name__}")
         try:
-            local = LocalOptions(Path(local))
+            local = LocalOptions(local)  # type: ignore[arg-type]  # LocalOptions makes it a Path
         except ConfigError as exc:
             raise _named("local", exc) from None
     if isinstance(remote, str):

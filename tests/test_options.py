@@ -2,6 +2,7 @@
 it (``field``, ``problem``, and the message starting with the field), keeps a good one, and never
 shows a credential in its repr or its errors."""
 
+import dataclasses
 import math
 import os
 import re
@@ -420,3 +421,35 @@ def test_every_field_of_a_group_is_named_in_its_docstring(group):
 
 def test_the_groups_are_the_fields_of_options_in_order():
     assert list(GROUPS) == [each.name for each in fields(Options)]
+
+
+# -- the reference page --------------------------------------------------------------------------------
+
+REFERENCE = Path(__file__).resolve().parent.parent / "docs" / "reference" / "options.md"
+
+
+def reference_rows() -> dict[str, tuple[str, str]]:
+    """``group.field`` -> (type, default) of each row of docs/reference/options.md's tables."""
+    rows = {}
+    for line in REFERENCE.read_text().splitlines():
+        found = re.match(r"^\| `(\w+\.\w+)` \| `(.*?)` \| (.*?) \| .+ \|$", line)
+        if found:
+            name, kind, default = found.groups()
+            assert name not in rows, f"{name} is listed twice"
+            rows[name] = (kind.replace("\\|", "|"), default)
+    return rows
+
+
+def test_the_reference_lists_every_option_once_with_its_type_and_default():
+    rows = reference_rows()
+    expected = {}
+    for group, kind in GROUPS.items():
+        for each in fields(kind):
+            if each.default is not dataclasses.MISSING:
+                default = f"`{each.default!r}`"
+            elif each.default_factory is not dataclasses.MISSING:
+                default = f"`{each.default_factory()!r}`"
+            else:
+                default = "required"
+            expected[f"{group}.{each.name}"] = (str(each.type), default)
+    assert rows == expected

@@ -65,7 +65,9 @@ def test_the_config_sample_loads_with_the_values_it_shows(tmp_path):
     assert config.remote is not None and config.remote.url == BUCKET_URL
     assert (config.local.keep_last, config.remote.keep_last, config.upload.when_behind) == (3, 10, "wait")
     assert (config.remote.endpoint_url, config.upload.max_tries, config.restore.verify) == (
-        "http://127.0.0.1:9000", 5, "full"
+        "http://127.0.0.1:9000",
+        5,
+        "full",
     )
 
 

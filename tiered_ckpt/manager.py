@@ -45,9 +45,10 @@ from tiered_ckpt.options import (
     UploadOptions,
     resolve_options,
 )
+from tiered_ckpt.tiers import survey
 from tiered_ckpt.tiers.pruning import PruneResult
 from tiered_ckpt.tiers.store import PullResult, TieredStore
-from tiered_ckpt.tiers.survey import Lag
+from tiered_ckpt.tiers.survey import Lag, VerifyResult
 
 __all__ = ["CheckpointManager", "SaveHandle", "RestoreResult", "PullResult", "PushResult", "PruneResult"]
 
@@ -375,6 +376,12 @@ class CheckpointManager:
         """
         self._check_open()
         return self._parts.push(step)
+
+    def verify(self, step: int | None = None) -> VerifyResult:
+        """Hash every shard of ``step`` (default: every committed step) in each tier that holds it
+        and report each copy (what ``tiered-ckpt verify`` prints); reads only, beside saves."""
+        self._check_open()
+        return survey.verify(self._parts.store, step)
 
     def prune(self, *, dry_run: bool = False) -> PruneResult:
         """Apply retention to every tier now; return the steps deleted per tier (or, with ``dry_run``, to delete)."""

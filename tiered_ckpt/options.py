@@ -286,7 +286,8 @@ class RuntimeOptions:
 
     ``sharded_keys`` names the flat-parameter slices (tensor names or paths; default: the
     arrays 1-D on every rank, see :func:`~tiered_ckpt.save_sharded`). ``max_workers``
-    bounds the threads that read and write shards (default: one per shard, at most 8).
+    bounds the threads that read and write shards (default: one per shard, at most
+    twice the cores).
     ``writer_cpus`` (e.g. ``{3}``; Linux) keeps the background writer and retention
     threads, and the threads they start, on those CPUs (say, cores the training loop
     leaves free); they always run at a lower priority than the training loop.

@@ -1,0 +1,154 @@
+"""Every python sample of the guides in docs/, run as printed (as tests/test_readme.py runs the README's).
+
+Each sample runs in a process of its own (under ``torchrun`` where it needs one process per
+rank) after a prelude that defines what it takes from its context, against moto's S3 server
+on loopback reached through ``AWS_ENDPOINT_URL``; ``/nvme/ckpt`` becomes a temp directory.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import test_readme
+from test_readme import TRAINING, committed, run, script
+
+from tiered_ckpt.format.layout import step_dir_name
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+bucket = test_readme.bucket  # the fixture: moto with the samples' bucket, and the environment to reach it
+
+# (guide, a string only its sample holds)
+MARKERS = {
+    "per_rank": ("guides/distributed.md", 'LocalOptions(f"/nvme/ckpt/rank-{rank}", keep_last=3)'),
+    "fsdp2": ("guides/distributed.md", "restored = manager.restore(into="),
+    "dcp": ("guides/distributed.md", "TieredWriter(manager, step)"),
+    "oneshot": ("guides/one-shot.md", "tiered_ckpt.save_sharded(states_per_rank"),
+    "two_tier": ("guides/remote-tier.md", "keep_last=10, keep_every=1000"),
+    "lag": ("guides/remote-tier.md", "lag = manager.lag()\nif lag.steps_behind"),
+    "use": ("guides/saving-and-restoring.md", "def training_state(step):"),
+}
+
+
+def samples(guide: Path) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", guide.read_text(), flags=re.DOTALL | re.MULTILINE)
+
+
+def sample(name: str) -> str:
+    guide, marker = MARKERS[name]
+    found = [text for text in samples(DOCS / guide) if marker in text]
+    assert len(found) == 1, f"{len(found)} samples of {guide} contain {marker!r}"
+    return found[0]
+
+
+def test_every_python_sample_of_the_docs_is_run_here():
+    claimed = {(guide, marker) for guide, marker in MARKERS.values()}
+    for guide in sorted(DOCS.rglob("*.md")):
+        name = str(guide.relative_to(DOCS))
+        for text in samples(guide):
+            owners = [marker for each, marker in claimed if each == name and marker in text]
+            assert len(owners) == 1, f"a python sample of docs/{name} is run by {len(owners)} tests here:\n{text}"
+
+
+PER_RANK_PRELUDE = """
+    import torch
+    total_steps = 400
+    model = torch.nn.Linear(8, 8)
+
+    def train_one_step():
+        pass
+"""
+
+
+def test_the_one_process_per_rank_guide_saves_every_rank_and_resumes(tmp_path, bucket):
+    server, env = bucket
+    epilogue = "print(f'rank {rank}: restored', restored and restored.step)\n"
+    path = script(tmp_path, "per_rank", PER_RANK_PRELUDE, sample("per_rank"), epilogue)
+    first = run(path, env, tmp_path, ranks=2)
+    assert first.returncode == 0, first.stderr[-5000:]
+    assert "rank 0: restored None" in first.stdout and committed(server) == [200, 400]
+    again = run(path, env, tmp_path, ranks=2)
+    assert again.returncode == 0, again.stderr[-5000:]
+    assert "rank 0: restored 400" in again.stdout and "rank 1: restored 400" in again.stdout
+
+
+FSDP_PRELUDE = """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    import tiered_ckpt
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 16)).sum().backward()
+    optimizer.step()
+    manager = tiered_ckpt.CheckpointManager(
+        f"/nvme/ckpt/rank-{rank}", remote="s3://my-bucket/run-42", coordinator=tiered_ckpt.TorchDistributedCoordinator()
+    )
+    step = 1
+"""
+
+
+def test_the_fsdp2_and_dcp_samples_save_and_restore_a_sharded_model(tmp_path, bucket):
+    server, env = bucket
+    between = "\nstep = 2\nstate = {'model': model_sd, 'optim': optim_sd}\n"
+    epilogue = """
+        manager.wait(uploaded=True)
+        print(f"rank {rank}: steps {manager.steps()}")  # one write: the ranks share stdout
+        manager.close()
+        dist.destroy_process_group()
+    """
+    path = script(tmp_path, "fsdp2", FSDP_PRELUDE.replace("/nvme/ckpt", str(tmp_path / "nvme")), sample("fsdp2"))
+    path.write_text(path.read_text() + between + sample("dcp") + epilogue.replace("\n        ", "\n"))
+    result = run(path, env, tmp_path, ranks=2)
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert "rank 0: steps [1, 2]" in result.stdout and "rank 1: steps [1, 2]" in result.stdout
+    assert committed(server) == [1, 2]
+
+
+def test_the_remote_tier_lag_and_oneshot_samples_run(tmp_path, bucket):
+    server, env = bucket
+    two_tier = script(tmp_path, "two_tier", "", sample("two_tier"), "manager.close()\nprint(manager.options.remote)\n")
+    lag_prelude = """
+        import tiered_ckpt
+        alerts = []
+        alert = alerts.append
+        manager = tiered_ckpt.CheckpointManager("ckpt", world_size=1, remote="s3://my-bucket/run-42")
+    """
+    lag = script(tmp_path, "lag", lag_prelude, sample("lag"), "print('behind', lag.steps_behind, alerts)\n")
+    oneshot_prelude = """
+        import numpy as np
+        states_per_rank = [{"w": np.full(8, rank, np.float32), "step": np.array(1200)} for rank in range(4)]
+        my_buffers = [{"w": np.zeros(8, np.float32), "step": np.array(0)} for _ in range(4)]
+    """
+    oneshot_epilogue = "assert all(int(b['step']) == 1200 and b['w'][0] == r for r, b in enumerate(my_buffers))\n"
+    oneshot = script(tmp_path, "oneshot", oneshot_prelude, sample("oneshot"), oneshot_epilogue)
+    outputs = {}
+    for path in (two_tier, lag, oneshot):
+        result = run(path, env, tmp_path)
+        assert result.returncode == 0, f"{path.name}: {result.stderr}"
+        outputs[path.stem] = result.stdout
+    assert "keep_last=10, keep_every=1000" in outputs["two_tier"]
+    assert "behind 0 []" in outputs["lag"]
+    assert (tmp_path / "ckpt" / step_dir_name(1200) / "manifest.json").is_file()
+
+
+def test_the_saving_guide_trains_saves_to_the_bucket_and_resumes(tmp_path, bucket):
+    server, env = bucket
+    path = script(tmp_path, "use", TRAINING, sample("use"), 'print("restored", restored and restored.step)')
+    outputs = []
+    for _ in range(2):
+        result = run(path, env, tmp_path)
+        assert result.returncode == 0, result.stderr[-5000:]
+        outputs.append(result.stdout)
+    assert "restored None" in outputs[0] and "restored 400" in outputs[1]
+    assert committed(server) == [200, 400]

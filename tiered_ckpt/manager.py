@@ -144,7 +144,7 @@ class CheckpointManager:
         return self._parts.store
 
     def __repr__(self) -> str:
-        remote = f", remote_url={self.options.remote.url!r}" if self.options.remote is not None else ""
+        remote = f", remote={self.options.remote.url!r}" if self.options.remote is not None else ""
         return (
             f"CheckpointManager({str(self.root)!r}, world_size={self.world_size}, "
             f"keep_last={self.options.local.keep_last}, keep_every={self.options.local.keep_every}{remote})"

@@ -1,6 +1,6 @@
 """``save_sharded`` / ``load_sharded``: one checkpoint in one directory, synchronously.
 
-These are the thin single-tier functions of the original lesson: one process holds
+These are the thin single-tier functions: one process holds
 every rank's state, writes a shard file per rank in parallel and commits a manifest.
 They are written on the local tier (:class:`~tiered_ckpt.tiers.local.LocalTier` over the
 directory itself, ``single_step=True``): a save holds its lock, and every write checks it.

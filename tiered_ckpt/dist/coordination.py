@@ -5,7 +5,7 @@ more than one process could be involved. Payloads are small JSON values (shard r
 step numbers, error descriptions); the one exception is :meth:`Coordinator.broadcast_array`,
 which a restore uses to hand a rank the replicated arrays another rank's shard holds.
 
-:class:`SingleProcessCoordinator` is the case of the original lesson: one process holds
+:class:`SingleProcessCoordinator` is one process holding
 every rank's state, so it is the leader, gathers from itself and needs no barrier.
 
 :class:`TorchDistributedCoordinator` is one process per rank under ``torch.distributed``.

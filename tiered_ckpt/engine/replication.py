@@ -149,7 +149,7 @@ class Replicator:
     ) -> None:
         target = target or store.remote
         if target is None or target not in store.later:
-            raise UsageError("a replicator needs a target among the store's later tiers (remote_url)")
+            raise UsageError("a replicator needs a target among the store's later tiers (remote.url)")
         self._store = store
         self.target = target
         self._options = policy or ReplicationPolicy()
@@ -424,7 +424,7 @@ class Replicator:
         why = (
             "before the manager closed on an error"
             if self._giving_up
-            else f"within its deadline of {limit} s (upload_deadline_seconds)"
+            else f"within its deadline of {limit} s (upload.deadline_seconds)"
         )
         raise UploadError(
             f"step {step} was not committed at {self._sender.where(step)} {why} "

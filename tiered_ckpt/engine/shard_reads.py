@@ -322,5 +322,5 @@ class ShardReader:
                 f"{local.step_dir(manifest.step)}: step {manifest.step} was saved by {manifest.world_size} ranks; "
                 f"the shards of ranks {absent} are not on this node's disk and no remote tier holds the step; "
                 "reading another node's shards (to reshard, or after ranks moved between nodes) needs a bucket "
-                "(remote_url) holding it"
+                "(remote.url) holding it"
             )

@@ -239,7 +239,7 @@ class StepChooser:
         holders, lacking = disks.holders(step), disks.lacking(step)
         saved_by = next((known[step] for known in disks.world_sizes if known.get(step) is not None), None)
         remote = self._store.remote
-        bucket = "no bucket is configured (remote_url)" if remote is None else f"the bucket {remote.url} lacks it"
+        bucket = "no bucket is configured (remote.url)" if remote is None else f"the bucket {remote.url} lacks it"
         problem = (
             f"{self._store.local.root}: step {step}, saved by {saved_by or 'an unknown number of'} ranks, "
             f"is committed on the disks of {_ranks_text(holders)} only and {bucket}: {_ranks_text(lacking)} of "
@@ -252,7 +252,7 @@ class StepChooser:
             return IncompleteCheckpointError(
                 f"{problem} (a save cut short between ranks' commits, or a node's disk replaced)"
             )
-        fix = f"to restore it on {self._world_size} ranks, give the job a bucket holding step {step} (remote_url)"
+        fix = f"to restore it on {self._world_size} ranks, give the job a bucket holding step {step} (remote.url)"
         if reshard:
             return IncompleteCheckpointError(f"{problem}; {fix}")
         return WorldSizeMismatchError(f"{problem}; {fix} and restore with reshard=True (--reshard)")

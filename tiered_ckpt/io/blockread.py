@@ -4,8 +4,7 @@ A file whose first block is in the page cache (a read that must not wait, ``RWF_
 tells) is read through a memory map of it: copying out of the cache is one copy. Any other
 is read ahead in aligned blocks by a thread of its own, straight from the disk into the
 blocks (``O_DIRECT``), where the file system allows it: a cold read then neither allocates
-cache pages nor copies out of them (on the development machine a cold load into the
-caller's arrays ran ~2.5x faster), and restoring a checkpoint does not push the training
+cache pages nor copies out of them, and restoring a checkpoint does not push the training
 job's own files out of the cache.
 
 Call sequence: ``with read_blocks(fd, size) as blocks:``, then iterate: each view is valid

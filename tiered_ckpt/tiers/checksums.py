@@ -6,14 +6,14 @@ bytes it received, so bytes changed in transit are never confirmed:
 - S3, one ``PutObject``: the ETag, the MD5 of the body (every S3 computes it);
 - S3, multipart: the composite CRC32C of the parts (``base64(crc32c(part digests))-N``):
   S3 checks each part against the ``x-amz-checksum-crc32c`` it was sent with and composes
-  them; moto's server computes it from the parts it received;
+  them;
 - GCS: ``md5Hash``, and the ``crc32c`` it computes itself.
 
 The S3 CRC32C / GCS crc32c is also what the remote manifest records per object, so that
 ``tiered-ckpt verify --remote`` checks objects without downloading them. CRC32C rather
 than SHA256 or MD5 per byte: it runs at ~10 GB/s per core (the ``crc32c`` package,
 hardware CRC, GIL released) where those run at ~1 and ~0.7, and an upload shares the
-CPU with training (and, in tests, with the S3 server).
+CPU with training.
 """
 
 from __future__ import annotations

@@ -190,7 +190,7 @@ class TieredStore:
         landing it only if it verifies (a refill)."""
         tier = tier or self.remote
         if tier is None or tier is self.local:
-            raise UsageError("downloading a shard needs a tier after the first (remote_url)")
+            raise UsageError("downloading a shard needs a tier after the first (remote.url)")
 
         def land(source: BinaryIO) -> None:
             self.local.land_shard(step, record, ShardSource(write=lambda out: copy_and_hash(source, out)))
@@ -338,7 +338,7 @@ class TieredStore:
         """
         remote_tier = self.remote
         if remote_tier is None:
-            raise UsageError("pull needs a remote tier (remote_url)")
+            raise UsageError("pull needs a remote tier (remote.url)")
         remote_steps = remote_tier.steps()
         step = remote_steps[-1] if step is None and remote_steps else step
         if step is None or step not in remote_steps:

@@ -5,7 +5,7 @@
 step 20 (a writer may be reused for every step), ``dcp.load(..., checkpoint_id=10,
 storage_reader=reader)`` loads step 10. Accepted: an ``int`` step, a string of its
 digits (``"10"``), or the step's directory as this library lays it out, under the
-manager's ``local_dir`` or ``remote_url`` (``<local_dir>/step-000000000010``). Anything
+manager's ``local.dir`` or ``remote.url`` (``<local.dir>/step-000000000010``). Anything
 else raises :class:`UsageError` (never a silent other step).
 """
 
@@ -44,7 +44,7 @@ def step_of(checkpoint_id: Any, manager: CheckpointManager) -> int:
 
 
 def _is_step_parent(parent: str, manager: CheckpointManager) -> bool:
-    """True if ``parent`` is the directory holding the manager's steps: its ``local_dir`` or ``remote_url``."""
+    """True if ``parent`` is the directory holding the manager's steps: its ``local.dir`` or ``remote.url``."""
     remote = manager.options.remote
     if remote is not None and parent == remote.url.rstrip("/"):
         return True

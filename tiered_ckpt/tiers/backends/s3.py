@@ -31,7 +31,7 @@ DELETE_BATCH = 1000  # keys per S3 DeleteObjects request (its limit)
 
 def same_checksum(kept: str | None, expected: str) -> bool:
     """True if the store's checksum ``kept`` is ``expected``; a composite's part count (``-N``)
-    may be left off by the store (moto's HEAD leaves it off; its GET and S3 say it)."""
+    may be left off by the store (some S3-compatible stores leave it off a HEAD's answer)."""
     base, dash, parts = expected.rpartition("-")
     return kept is not None and (kept == expected or (bool(dash) and parts.isdigit() and kept == base))
 

@@ -237,7 +237,9 @@ def _open_local_dir(store: TieredStore, opened: ExitStack, one_process: bool) ->
     except DirectoryInUseError as exc:
         if one_process:
             raise
-        raise DirectoryInUseError(f"{exc}; with one process per rank, give each rank a directory of its own (local.dir)") from exc
+        raise DirectoryInUseError(
+            f"{exc}; with one process per rank, give each rank a directory of its own (local.dir)"
+        ) from exc
     removed = store.local.remove_uncommitted()
     if removed:
         logger.warning("removed what crashed saves left in %s: %s", store.local.root, ", ".join(removed))

@@ -27,6 +27,7 @@ from tiered_ckpt.config import ENV_PREFIX, Config, load_config
 from tiered_ckpt.engine.replication import Replicator
 from tiered_ckpt.errors import CheckpointError, ConfigError, IncompleteCheckpointError, UsageError
 from tiered_ckpt.format.layout import MANIFEST_NAME, parse_step_dir_name
+from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.tiers import pruning, survey
 from tiered_ckpt.tiers.store import TieredStore
 
@@ -69,14 +70,14 @@ def _store(config: Config) -> TieredStore:
     return open_store(config.local, config.remote, config.remote.open_tier(config.upload) if config.remote else None)
 
 
-# The option of each load_config argument the command line passes (a config's "argument X").
-_FLAGS = {"local_dir": "--local-dir", "remote_url": "--remote-url", "remote_endpoint_url": "--endpoint-url"}
-_ARGUMENT = re.compile(rf"\bargument ({'|'.join(_FLAGS)})\b")
+# The option of each load_config override the command line passes (a config's "override 'X'").
+_FLAGS = {"local.dir": "--local-dir", "remote.url": "--remote-url", "remote.endpoint_url": "--endpoint-url"}
+_OVERRIDE = re.compile(rf"\boverride '({'|'.join(re.escape(key) for key in _FLAGS)})'")
 
 
 def _as_flags(text: str) -> str:
-    """``text`` with each "argument X" of :func:`load_config` named as the option the user typed."""
-    return _ARGUMENT.sub(lambda match: _FLAGS[match.group(1)], text)
+    """``text`` with each "override 'X'" of :func:`load_config` named as the option the user typed."""
+    return _OVERRIDE.sub(lambda match: _FLAGS[match.group(1)], text)
 
 
 def _origin(config: Config, key: str) -> str:
@@ -164,7 +165,11 @@ def command_verify(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     if args.remote and store.remote is None:
         raise UsageError("verify --remote needs a remote tier (remote.url, --remote-url or TIERED_CKPT_REMOTE_URL)")
     with _progress("verify", unit="shard") as bar:
-        checks = survey.verify(store, args.step, progress=lambda _check: bar.update(), later_only=args.remote).checks
+
+        def checked(_check: survey.ShardCheck) -> None:
+            bar.update()
+
+        checks = survey.verify(store, args.step, progress=checked, later_only=args.remote).checks
     results: list[dict[str, Any]] = [
         {"step": c.step, "tier": c.tier, "rank": c.rank, "status": c.status, "problem": c.problem} for c in checks
     ]
@@ -188,7 +193,11 @@ def command_verify(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
 def command_pull(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     store = _store(config)
     with store.local.lock(), _progress("pull", unit="B") as bar:
-        pulled = store.pull(args.step, progress=lambda record, _source: bar.update(record.size_bytes))
+
+        def landed(record: ShardRecord, _source: str) -> None:
+            bar.update(record.size_bytes)
+
+        pulled = store.pull(args.step, progress=landed)
     step, sources = pulled.step, pulled.sources
     fetched = sorted(rank for rank, source in sources.items() if source != store.local.name)
     return EXIT_OK, (
@@ -351,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(arguments)
     given = {name: getattr(args, flag.removeprefix("--").replace("-", "_")) for name, flag in _FLAGS.items()}
     try:
-        config = load_config(args.config, **{key: value for key, value in given.items() if value is not None})
+        config = load_config(args.config, overrides={key: value for key, value in given.items() if value is not None})
         # pull creates the directory it fills; verify --remote reads the bucket only
         bucket_only = getattr(args, "remote", False) and config.remote is not None
         _check_local_dir(config, may_be_missing=args.command == "pull" or bucket_only)

@@ -34,11 +34,11 @@ __all__ = [
 ]
 
 # Version 2: shards carry the structure document of a nested state (format/structure.py),
-# and a shard record may list the DTensor chunks its shard holds ("chunks").
-# Version 1 manifests (flat states, no structure documents) are still read; a reader
-# of version 1 refuses a version 2 checkpoint rather than misreading its nested state.
+# and a shard record may list the DTensor chunks its shard holds ("chunks"). Version 1
+# (flat states, no structure documents) was never released: it is refused, as is any
+# version a later release writes, rather than misread.
 SCHEMA_VERSION = 2
-READABLE_SCHEMA_VERSIONS = (1, 2)
+READABLE_SCHEMA_VERSIONS = (2,)
 # Bounds what a hostile manifest can make us allocate; 10**5 ranks take ~30 MB. A save
 # whose manifest might not fit is refused up front (manifest_problem): a step that saves loads.
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024

@@ -69,7 +69,7 @@ STRUCTURE_VERSION = 1
 # reader (too_deep): a container sits less than MAX_DEPTH keys deep, a leaf at most MAX_DEPTH.
 MAX_DEPTH = 100
 
-Kind = Literal["array", "tensor", "dtensor", "legacy", "bytes", "bytesio"]
+Kind = Literal["array", "tensor", "dtensor", "bytes", "bytesio"]
 """How a tensor name's leaf was handed to ``save`` (see :class:`Structure`)."""
 COMPLEX_TAGS = ("complex64", "complex128")  # the wrapper tags of complex leaves, saved as float pairs
 _SMALL_INT = 2**63
@@ -143,8 +143,7 @@ class Structure:
 
     ``root`` is the validated JSON tree; ``kinds`` maps each tensor name to how it was
     handed to ``save`` (``"array"``: numpy, ``"tensor"``: torch, ``"bytes"``/``"bytesio"``:
-    a ``bytes``/``io.BytesIO`` value, ``"legacy"``: a shard written without a structure
-    document); ``paths`` maps it to its path in the state.
+    a ``bytes``/``io.BytesIO`` value); ``paths`` maps it to its path in the state.
     ``flat`` is True for a dict of arrays under ``str`` keys and nothing else; ``chunks``
     places each DTensor leaf's chunk in its global tensor.
     """
@@ -154,13 +153,6 @@ class Structure:
     paths: Mapping[str, tuple[str | int, ...]] = field(repr=False)
     flat: bool
     chunks: Mapping[str, Chunk] = field(default_factory=dict, repr=False)
-
-    @classmethod
-    def of_names(cls, names: Iterable[str]) -> Structure:
-        """The structure of a shard written without a document: a flat dict of its arrays."""
-        ordered = sorted(names)
-        root = {"dict": [[name, {"array": name}] for name in ordered]}
-        return cls(root, dict.fromkeys(ordered, "legacy"), {name: (name,) for name in ordered}, True)
 
     def to_json(self) -> str:
         """The document as a shard's metadata holds it."""
@@ -199,7 +191,7 @@ class Structure:
 
     def build(self, arrays: Mapping[str, Any], *, torch: bool = False) -> dict[Any, Any]:
         """The state, with each array taken from ``arrays`` by name; ``torch=True`` gives the
-        leaves saved as torch tensors (and those of a legacy shard) as CPU tensors."""
+        leaves saved as torch tensors as CPU tensors."""
         return _build(self.root, arrays, self.kinds if torch else None)
 
     def build_at(self, path: Sequence[str | int], arrays: Mapping[str, Any], *, torch: bool = False) -> Any:
@@ -401,9 +393,6 @@ def structure_of(
     """The structure of a shard with ``metadata`` holding the arrays ``names`` (and naming
     ``elsewhere``, held by another rank's shard); see :meth:`~tiered_ckpt.format.state.FlatState.from_shard`."""
     text = metadata.get(STRUCTURE_KEY)
-    held_elsewhere = list(elsewhere)
     if text is None:
-        if held_elsewhere:
-            raise ShardFormatError(f"{what}: a shard without a structure document cannot leave arrays to others")
-        return Structure.of_names(names)
-    return Structure.from_json(text, [*names, *held_elsewhere], what)
+        raise ShardFormatError(f"{what}: the shard has no structure document ({STRUCTURE_KEY} in its metadata)")
+    return Structure.from_json(text, [*names, *elsewhere], what)

@@ -15,8 +15,6 @@ from tiered_ckpt.format.state import FlatState, flatten
 from tiered_ckpt.format.structure import MAX_DEPTH, STRUCTURE_KEY, Structure, leaf_name, unescape
 from tiered_ckpt.tiers.local import LocalTier
 
-torch = pytest.importorskip("torch")
-
 
 def read_in(directory, record):
     """The state of ``record``'s shard in ``directory``, read by the local tier (as a load reads it)."""

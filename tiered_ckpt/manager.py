@@ -105,18 +105,22 @@ class CheckpointManager:
         config: Config | str | os.PathLike[str],
         *,
         world_size: int | None = None,
-        local_dir: str | os.PathLike[str] | None = None,
+        local: str | os.PathLike[str] | LocalOptions | None = None,
         **kwargs: Any,
     ) -> CheckpointManager:
         """A manager as a config file (or a loaded :class:`Config`) describes it.
 
-        ``local_dir`` (e.g. one directory per rank under the config's) and ``kwargs``,
-        :class:`CheckpointManager` arguments such as ``coordinator`` or ``runtime``, override
-        the config (explicit argument > environment > file > default).
+        ``local`` and ``kwargs`` (:class:`CheckpointManager` arguments such as ``coordinator``
+        or ``runtime``) override the config (explicit argument > environment > file >
+        default): a path as ``local`` replaces ``local.dir`` only (e.g. one directory per
+        rank under the config's), keeping the config's retention.
         """
         if not isinstance(config, Config):
             config = load_config(config)
-        local = config.local if local_dir is None else replace(config.local, dir=Path(local_dir))
+        if local is None or isinstance(local, LocalOptions):
+            local = local or config.local
+        else:
+            local = replace(config.local, dir=Path(local))
         groups = {"remote": config.remote, "upload": config.upload, "restore": config.restore}
         arguments = {**groups, "runtime": config.runtime, **kwargs}
         try:

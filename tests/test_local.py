@@ -15,6 +15,7 @@ from tiered_ckpt import (
 from tiered_ckpt.format.layout import HELD_NAME, MANIFEST_NAME, RECEIPT_NAME, step_dir_name
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.format.shardfile import write_shard
+from tiered_ckpt.format.state import flatten
 from tiered_ckpt.io.durable import atomic_write, temp_name
 from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt.tiers.local import LocalTier
@@ -62,7 +63,8 @@ def test_the_manifest_of_an_uncommitted_step_is_incomplete(tier):
 def written_record(tier) -> tuple[ShardRecord, dict]:
     arrays = {"w": np.arange(1000, dtype=np.float32)}
     name = "rank-00000-of-00001.safetensors"
-    digest = tier.land_shard(1, name, ShardSource(write=lambda out: write_shard(out, arrays, {})))
+    metadata = flatten(arrays).metadata()  # the structure document every shard carries
+    digest = tier.land_shard(1, name, ShardSource(write=lambda out: write_shard(out, arrays, metadata)))
     record = ShardRecord(0, name, digest.sha256, digest.xxh3_64, digest.size_bytes, 0, 1000)
     return record, arrays
 

@@ -387,7 +387,7 @@ def _read_parts(
             raise UsageError(f"{what}: into[{name!r}] is not a C-contiguous {entry.dtype} array of {entry.shape}")
         fast = verify == "fast" and bool(chunk.xxh3_64)
         expected = chunk.xxh3_64 if fast else chunk.sha256
-        if read_into(entry.begin, memoryview(array.reshape(-1).view(np.uint8)), "fast" if fast else "full") != expected:
+        if read_into(entry.begin, array.reshape(-1).view(np.uint8).data, "fast" if fast else "full") != expected:
             kind = "xxh3-64" if fast else "sha256"
             raise ChecksumMismatchError(f"{what}: the bytes of {name!r} do not match the {kind} the manifest records")
         arrays[name] = array

@@ -148,7 +148,7 @@ def _layout(arrays: Mapping[str, np.ndarray]) -> list[tuple[str, str, np.ndarray
     return layout
 
 
-def _header_text(layout: list[tuple[str, str, np.ndarray, int, int]], metadata: Mapping[str, str]) -> str:
+def _header_text(layout: list[tuple[str, str, np.ndarray, int, int]], metadata: Mapping[str, str] | None) -> str:
     """The header's JSON, unpadded; ASCII (json escapes the rest), so its length is its size in bytes."""
     header: dict[str, object] = {}
     if metadata:

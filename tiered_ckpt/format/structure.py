@@ -200,7 +200,8 @@ class Structure:
     def build(self, arrays: Mapping[str, Any], *, torch: bool = False) -> dict[Any, Any]:
         """The state, with each array taken from ``arrays`` by name; ``torch=True`` gives the
         leaves saved as torch tensors (and those of a legacy shard) as CPU tensors."""
-        return _build(self.root, arrays, self.kinds if torch else None)
+        state: dict[Any, Any] = _build(self.root, arrays, self.kinds if torch else None)  # the root is a dict
+        return state
 
     def build_at(self, path: Sequence[str | int], arrays: Mapping[str, Any], *, torch: bool = False) -> Any:
         """The value at ``path`` (dict keys and list indices from the root), built as
@@ -218,7 +219,9 @@ class Structure:
     def _node_at(self, path: Sequence[str | int]) -> Any:
         node = self.root
         for key in path:
-            ((tag, value),) = node.items() if isinstance(node, dict) else ((None, None),)
+            if not isinstance(node, dict):
+                raise KeyError(key)
+            ((tag, value),) = node.items()
             if tag == "dict":
                 matches = [item for item_key, item in value if _decode_key(item_key) == key]
                 if not matches:

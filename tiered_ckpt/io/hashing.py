@@ -117,7 +117,7 @@ def hash_stream(source: BinaryIO, verify: Verify | None = None) -> ShardDigest:
     """Hash everything readable from ``source``; ``verify`` limits which checksums are computed."""
     hasher = Hasher(verify)
     view = memoryview(bytearray(CHUNK_BYTES))
-    while count := source.readinto(view):
+    while count := source.readinto(view):  # type: ignore[attr-defined]  # typing.BinaryIO omits readinto
         hasher.update(view[:count])
     return hasher.digest()
 

@@ -334,8 +334,10 @@ class _Parser:
 
 def is_flat(root: Any) -> bool:
     """True for a dict node of arrays under string keys and nothing else."""
-    return all(type(key) is str and isinstance(item, dict) and set(item) <= {"array", "tensor", "dtensor"}
-               for key, item in root["dict"])  # fmt: skip
+    return all(
+        type(key) is str and isinstance(item, dict) and set(item) <= {"array", "tensor", "dtensor"}
+        for key, item in root["dict"]
+    )
 
 
 def _decode_key(key: Any) -> Any:

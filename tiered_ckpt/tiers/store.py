@@ -239,8 +239,9 @@ class TieredStore:
                     return found, tier.name
                 if self._held_locally(step, record.rank):
                     done = "repaired the local copy from" if refills else "read it instead from"
-                    logger.warning("step %d rank %d: %s %s; the local copy failed: %s", step, record.rank, done, where,
-                                   tried[0][1])  # fmt: skip
+                    logger.warning(
+                        "step %d rank %d: %s %s; the local copy failed: %s", step, record.rank, done, where, tried[0][1]
+                    )
                 else:
                     logger.info("step %d rank %d: not on this node's disk; read from %s", step, record.rank, where)
                 return found, tier.name

@@ -188,8 +188,9 @@ def _dcp() -> _Method | None:
         stall = timed(lambda: futures.append(dcp.async_save(state, storage_writer=writer(directory))))
         return stall, lambda: futures[0].result()
 
-    return _Method("dcp", lambda states, directory: dcp.save(flat(states), storage_writer=writer(directory)), load,
-                   async_save)  # fmt: skip
+    return _Method(
+        "dcp", lambda states, directory: dcp.save(flat(states), storage_writer=writer(directory)), load, async_save
+    )
 
 
 def _limits(states: States, scratch: Path) -> dict[str, float]:
@@ -300,8 +301,13 @@ def plot(table: PeerTable, path: Path) -> None:
         axes.axhline(value, color=color, linestyle=style, linewidth=1.2, label=f"limit: {name} ({value:.2f})")
     off_chart = [f"{name} {value:.2f}" for name, value in table.limits.items() if name not in shown]
     if off_chart:  # a limit far above every bar (a warm read) would flatten them
-        axes.annotate("limits above the chart: " + ", ".join(off_chart), (0.01, 0.97), xycoords="axes fraction",
-                      fontsize="small", va="top")  # fmt: skip
+        axes.annotate(
+            "limits above the chart: " + ", ".join(off_chart),
+            (0.01, 0.97),
+            xycoords="axes fraction",
+            fontsize="small",
+            va="top",
+        )
     axes.set_xticks(positions, [row.method for row in table.rows])
     axes.set_ylabel("GB/s")
     axes.set_title(

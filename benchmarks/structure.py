@@ -55,8 +55,10 @@ def bench_structure(params: int, total_bytes: int, root: Path, repeat: int) -> N
         timings["save"].append(timed(functools.partial(save_sharded, [state], directory, step=run, sharded_keys=())))
         timings["load"].append(timed(functools.partial(load_sharded, directory, 1)))
     median = {name: statistics.median(values) for name, values in timings.items()}
-    print(f"  {params} parameter tensors: {len(flat.arrays)} arrays of {size / 2**20:.1f} MiB, "
-          f"a structure document of {len(document) / 2**20:.2f} MiB")  # fmt: skip
+    print(
+        f"  {params} parameter tensors: {len(flat.arrays)} arrays of {size / 2**20:.1f} MiB, "
+        f"a structure document of {len(document) / 2**20:.2f} MiB"
+    )
     print(f"  flatten + document {median['flatten']:7.3f} s  of save_sharded {median['save']:7.3f} s")
     print(f"  parse + rebuild    {median['parse']:7.3f} s  of load_sharded {median['load']:7.3f} s")
     print("ratios (target):")

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import os
+import re
 import select
 import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -513,3 +517,203 @@ def stoppable_s3():
         yield server, url, options
     finally:
         server.stop()
+
+
+# --- markers: slow and multiprocess ([tool.pytest.ini_options] registers them) ---------------------
+#
+# ``pytest -m "not slow"`` is the quick run (under two minutes on two cores), ``-m "not multiprocess"``
+# runs in one process; plain ``pytest`` runs everything. Both markers are set here, not on the tests.
+#
+# multiprocess is read off the source: a test is marked when it, a fixture of a test file or a
+# function of a test file it names (at any depth) starts a process (``_STARTS_A_PROCESS``). A new
+# way to start one (a helper in another package, a new launcher): add it to that pattern.
+#
+# slow is measured: the tests that took over about a second (setup, call and teardown) in a full
+# run on a 2-core machine, listed in _SLOW, except that each test file keeps its quickest test in
+# the quick run even if it is slow (test_demo.py's one test), so that the quick run still runs
+# every file. To keep it right: run `python -m pytest --durations=0 -q -p no:cacheprovider`,
+# move into _SLOW what has grown over a second and out what no longer is, and check that
+# `python -m pytest -m "not slow"` stays under two minutes.
+
+_STARTS_A_PROCESS = re.compile(
+    r"\bsubprocess\.(?:run|Popen|check_call|check_output)\b|\b(?:launch_ranks|kill_child_at)\b"
+)
+# Fixtures that start a process which is not the library's: the GCS emulator.
+_OTHER_PROCESSES = frozenset({"gcs_endpoint"})
+_TESTS = Path(__file__).resolve().parent
+
+_SLOW = (  # test file::test id; a test's name alone covers all its parameters, an id may be cut short
+    "test_bench.py::test_benchmark_runs_every_section_and_prints_its_ratios",
+    "test_cli.py::test_a_bad_endpoint_url_is_refused_naming_where_it_came_from",
+    "test_cli.py::test_a_step_directory_given_as_the_root_is_named_with_its_parent",
+    "test_cli.py::test_an_endpoint_url_with_a_password_is_refused_without_showing_it",
+    "test_cli.py::test_endpoint_url_option_and_environment_variables_reach_the_store",
+    "test_cli.py::test_global_options_work_after_the_command_and_sizes_fit_their_unit",
+    "test_cli.py::test_ls_lists_every_step_and_marks_a_damaged_remote_manifest_and_verify_fails_it",
+    "test_cli.py::test_ls_shows_each_step_in_each_tier",
+    "test_cli.py::test_prune_dry_run_then_prune",
+    "test_cli.py::test_prune_of_one_ranks_directory_says_which_steps_it_keeps_and_why",
+    "test_cli.py::test_pull_and_push_show_progress_on_a_terminal_only",
+    "test_cli.py::test_pull_refills_a_lost_local_directory",
+    "test_cli.py::test_push_uploads_every_other_step_when_one_fails_and_reports_them",
+    "test_cli.py::test_push_uploads_what_only_the_local_tier_holds",
+    "test_cli.py::test_status_says_how_far_the_bucket_is_behind",
+    "test_cli.py::test_verify_passes_then_fails_on_a_flipped_byte_in_either_tier",
+    "test_cli.py::test_verify_remote_checks_the_stores_own_checksums_without_downloading",
+    "test_cli.py::test_verify_remote_reads_only_the_bucket_and_needs_one",
+    "test_config.py::test_endpoint_url_from_a_config_or_the_environment_reaches_the_store[s3]",
+    "test_coordination.py::test_a_coordinator_on_a_process_group_saves_and_restores_only_that_groups_ranks",
+    "test_coordination.py::test_a_different_world_size_fails_on_every_rank_unless_resharding_is_asked",
+    "test_coordination.py::test_a_failed_upload_is_raised_by_every_rank_at_the_same_call_and_only_once",
+    "test_coordination.py::test_a_failing_action_on_one_of_two_processes_makes_both_raise_naming_the_rank_and_label",
+    "test_coordination.py::test_a_missing_bucket_on_one_rank_is_raised_by_every_rank_at_construction",
+    "test_coordination.py::test_a_signal_to_one_rank_stops_every_rank_at_the_same_step_with_it_committed_in_the_bucket",
+    "test_coordination.py::test_a_typed_payload_round_trips_through_the_json_a_collective_carries",
+    "test_coordination.py::test_an_array_one_rank_cannot_save_fails_the_save_on_every_rank",
+    "test_coordination.py::test_ranks_asking_about_preemption_at_different_steps_fail_together",
+    "test_coordination.py::test_ranks_calling_save_with_different_steps_fail_together",
+    "test_coordination.py::test_ranks_retry_a_failing_bucket_together_and_commit_every_step_once_it_is_back",
+    "test_coordination.py::test_resharding_across_nodes_without_a_bucket_says_it_needs_one",
+    "test_coordination.py::test_restore_is_byte_equal_on_every_rank_and_only_the_replaced_node_downloads",
+    "test_coordination.py::test_sigkill_of_one_rank_during_a_save_leaves_the_previous_step_on_every_rank",
+    "test_coordination.py::test_the_cli_verifies_a_node_directory_without_counting_other_nodes_shards_as_missing",
+    "test_coordination.py::test_torch_coordinator_gathers_broadcasts_and_fails_every_rank_together",
+    "test_coordination.py::test_two_ranks_given_one_directory_both_fail_to_start_naming_the_fix",
+    "test_dcp.py::test_checkpoint_id_names_the_step_saved_and_the_step_loaded",
+    "test_dcp.py::test_the_torch_package_imports_the_backend_on_first_use_only",
+    "test_dcp.py::test_two_ranks_with_a_disk_each_and_no_bucket_save_and_load_each_step_by_id",
+    "test_dcp_reader.py::test_a_load_right_after_a_save_reads_nothing_another_rank_has_not_uploaded",
+    "test_dcp_reader.py::test_a_step_the_writer_of_0_2_saved_loads_its_values_from_rank_0s_shard",
+    "test_dcp_reader.py::test_ranks_that_find_different_newest_steps_refuse_the_load_on_every_rank",
+    "test_dcp_writer.py::test_async_save_in_a_process_is_refused_saying_why",
+    "test_dtensor.py::test_a_flipped_byte_in_a_needed_shard_is_caught_and_read_from_the_bucket",
+    "test_dtensor.py::test_an_fsdp2_state_restores_byte_equal_on_another_world_size",
+    "test_dtensor.py::test_replicated_arrays_are_written_once_and_each_rank_keeps_its_own",
+    "test_dtensor.py::test_the_dcp_backend_round_trips_an_fsdp2_state_across_world_sizes",
+    "test_dtensor.py::test_without_a_bucket_a_flipped_byte_fails_the_restore_on_every_rank",
+    "test_examples.py::test_ddp_example_preempted_by_sigterm_commits_that_step_and_a_fresh_node_resumes_bit_for_bit",
+    "test_examples.py::test_ddp_example_resumes_after_a_sigkill_to_the_same_parameters_as_an_uninterrupted_run",
+    "test_examples.py::test_ddp_example_resumes_with_fewer_ranks_through_the_bucket",
+    "test_examples.py::test_fsdp2_example_resumes_bit_for_bit_and_on_another_world_size_through_the_bucket",
+    "test_examples.py::test_resume_from_bucket_takes_the_world_size_from_the_manifest",
+    "test_examples.py::test_training_example_resumes_and_a_fresh_node_restores_from_the_bucket",
+    "test_manager.py::test_a_bucket_outage_never_fails_save_wait_or_close_and_every_step_saved_since_commits_once_back",
+    "test_manager.py::test_a_bucket_throttling_half_the_requests_for_a_while_gets_every_step_within_a_request_bound",
+    "test_manager.py::test_a_multipart_upload_killed_midway_is_aborted_by_the_next_start",
+    "test_manager.py::test_a_step_not_committed_within_its_deadline_fails_and_the_next_step_goes_on",
+    "test_manager.py::test_a_step_that_missed_its_deadline_in_an_outage_fails_only_wait_uploaded_and_stays_local",
+    "test_manager.py::test_a_store_that_accepts_a_put_and_never_answers_fails_in_bounded_time",
+    "test_manager.py::test_a_store_that_always_refuses_costs_max_tries_requests_per_operation",
+    "test_manager.py::test_an_outage_keeps_at_most_max_awaiting_upload_waiting_steps_beside_the_one_being_retried",
+    "test_manager.py::test_both_object_layouts_restore_and_rotate[s3-flat]",
+    "test_manager.py::test_both_object_layouts_restore_and_rotate[s3-hashed]",
+    "test_manager.py::test_bytes_changed_in_transit_are_never_committed",
+    "test_manager.py::test_damaged_local_and_remote_copies_fail_naming_both[s3]",
+    "test_manager.py::test_leaving_the_with_block_on_an_error_does_not_wait_for_a_failing_bucket",
+    "test_manager.py::test_permanent_upload_failure_is_raised_and_local_steps_are_kept[s3]",
+    "test_manager.py::test_sigkill_during_background_write_then_restart_restores_previous_step",
+    "test_manager.py::test_sigkill_during_upload_then_restart_completes_it_without_resending",
+    "test_manager.py::test_status_reports_the_lag_the_upload_rate_and_the_last_error",
+    "test_manager.py::test_transient_faults_on_30_percent_of_requests_still_commit_every_step",
+    "test_manager.py::test_transient_faults_on_gcs_still_commit_every_step",
+    "test_oneshot.py::test_sigkill_during_save_keeps_previous_checkpoint_and_commits_nothing",
+    "test_oneshot.py::test_sigkill_right_after_the_manifest_rename_leaves_a_complete_checkpoint",
+    "test_options.py::test_ownership_seconds_are_checked_where_the_remote_options_are_made[orphan_age_seconds-0]",
+    "test_owners.py::test_a_second_manager_leaves_a_live_jobs_upload_and_multipart_upload_intact",
+    "test_owners.py::test_multipart_uploads_are_aborted_only_past_the_orphan_age",
+    "test_preemption.py::test_a_sigint_notice_saves_the_stop_step_and_raises_no_keyboard_interrupt",
+    "test_preemption.py::test_reached_preemption_puts_the_newest_upload_first_and_drops_the_older_queued_ones",
+    "test_preemption.py::test_the_readme_loop_saves_the_stop_step_whenever_the_notice_arrives[200-right after the",
+    "test_readme.py::test_the_error_handling_loop_trains_through_a_30_s_bucket_outage_and_every_step_reaches_the_bucket",
+    "test_readme.py::test_the_fsdp2_and_dcp_samples_save_and_restore_a_sharded_model",
+    "test_readme.py::test_the_one_process_per_rank_sample_resumes_and_a_damaged_step_is_never_a_fresh_start",
+    "test_readme.py::test_the_two_tier_status_and_oneshot_samples_run",
+    "test_readme.py::test_the_use_sample_trains_saves_to_the_bucket_and_resumes",
+    "test_remote.py::test_a_part_changed_in_transit_is_never_confirmed",
+    "test_remote.py::test_a_url_with_glob_characters_touches_only_its_own_steps[s3-sweep*]",
+    "test_remote.py::test_a_url_with_glob_characters_touches_only_its_own_steps[s3-sweep?]",
+    "test_remote.py::test_a_url_with_glob_characters_touches_only_its_own_steps[s3-sweep[12]]",
+    "test_remote.py::test_an_object_32_mib_longer_than_its_record_is_refused_before_it_is_read[s3]",
+    "test_restore.py::test_a_job_killed_during_its_first_save_relaunches_fresh_and_saves_that_step_again",
+    "test_restore.py::test_a_replaced_disk_without_a_bucket_says_the_step_exists_and_where",
+    "test_restore.py::test_a_state_of_dtensors_resharded_without_a_bucket_says_it_needs_one_not_file_is_missing",
+    "test_restore.py::test_growing_the_world_size_without_a_bucket_says_the_step_exists_and_what_restores_it",
+    "test_restore.py::test_steps_saved_before_commit_agreements_were_recorded_still_restore",
+    "test_retention.py::test_a_rank_killed_before_its_commit_leaves_the_older_step_restorable_from_every_disk",
+    "test_staging.py::test_a_large_state_is_copied_exactly_in_pieces_by_several_threads",
+    "test_state.py::test_a_state_at_the_header_limit_round_trips_and_one_just_over_it_is_refused[many arrays-<lambda>",
+    "test_state.py::test_a_state_one_rank_could_never_load_fails_the_save_on_every_rank_before_anything_is_written",
+    "test_state.py::test_a_string_whose_shard_header_the_reader_would_refuse_is_refused_naming_its_path",
+    "test_state.py::test_any_generated_state_survives_flatten_document_and_build",
+    "test_tier_contract.py::TestRemoteTierOnS3::test_a_landing_that_fails_midway_leaves_no_shard",
+    "test_tier_contract.py::TestRemoteTierOnS3::test_a_missing_copy_is_noticed",
+    "test_tier_contract.py::TestRemoteTierOnS3::test_what_landed_reads_back_byte_for_byte_whole_and_in_ranges[path]",
+)
+
+
+def _source_file(function: Any) -> Path | None:
+    try:
+        return Path(inspect.getsourcefile(function) or "").resolve()
+    except TypeError:
+        return None
+
+
+@functools.cache
+def _named_test_functions(function: Any) -> tuple[Any, ...]:
+    """The functions of the test files that ``function``'s source names."""
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return ()
+    names = set(re.findall(r"\b[A-Za-z_]\w*\b", source))
+    found = []
+    for name in names:
+        value = function.__globals__.get(name)
+        if inspect.isfunction(value) and (path := _source_file(value)) is not None and path.parent == _TESTS:
+            found.append(value)
+    return tuple(found)
+
+
+@functools.cache
+def _starts_a_process(function: Any) -> bool:
+    seen, todo = set(), [function]
+    while todo:
+        current = inspect.unwrap(todo.pop())
+        if current in seen:
+            continue
+        seen.add(current)
+        try:
+            if _STARTS_A_PROCESS.search(inspect.getsource(current)):
+                return True
+        except (OSError, TypeError):
+            continue
+        todo.extend(_named_test_functions(current))
+    return False
+
+
+def _fixture_functions(item: pytest.Item) -> list[Any]:
+    definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    functions = []
+    for name, defs in definitions.items():
+        if name in _OTHER_PROCESSES:
+            continue
+        for definition in defs:
+            function = getattr(definition, "func", None)
+            if function is not None and (path := _source_file(function)) is not None and path.parent == _TESTS:
+                functions.append(function)
+    return functions
+
+
+def _is_slow(test: str) -> bool:
+    return any(test == slow or test.startswith(slow if "[" in slow else f"{slow}[") for slow in _SLOW)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        function = getattr(item, "function", None)
+        if function is None:
+            continue
+        if any(_starts_a_process(each) for each in [function, *_fixture_functions(item)]):
+            item.add_marker(pytest.mark.multiprocess)
+        if _is_slow(f"{item.path.name}::{item.nodeid.partition('::')[2]}"):
+            item.add_marker(pytest.mark.slow)

@@ -108,9 +108,12 @@ def run_multipart(directory: str, bytes_per_rank: int, remote_json: str) -> None
     from tiered_ckpt import UploadOptions
 
     manager = CheckpointManager(
-        directory, world_size=4, remote_url=remote["url"], storage_options=remote["options"],
+        directory,
+        world_size=4,
+        remote_url=remote["url"],
+        storage_options=remote["options"],
         upload=UploadOptions(concurrency=1, part_bytes=5 << 20),
-    )  # fmt: skip
+    )
     multipart._read_part = pause_forever
     manager.save(1, large_states(4, bytes_per_rank, version=1))
     manager.wait(uploaded=True)

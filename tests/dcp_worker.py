@@ -116,8 +116,12 @@ def run(config: dict, rank: int, result: dict) -> None:
             from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
             state = train_state(action["step"], rank)
-            future = dcp.async_save(state, storage_writer=writer, checkpoint_id=action["step"],
-                                    async_checkpointer_type=AsyncCheckpointerType.PROCESS)  # fmt: skip
+            future = dcp.async_save(
+                state,
+                storage_writer=writer,
+                checkpoint_id=action["step"],
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+            )
             future.result()
         elif action["do"] == "save":
             state = train_state(action["step"], rank)

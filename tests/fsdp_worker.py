@@ -111,8 +111,9 @@ def run_dcp(do: str, manager: CheckpointManager, world_size: int, result: dict) 
 def run(config: dict, rank: int, world_size: int, result: dict) -> None:
     coordinator = TorchDistributedCoordinator()
     directory = Path(config["local_root"]) / f"rank-{rank}"
-    with CheckpointManager(directory, coordinator=coordinator, remote_url=config.get("url"),
-                           storage_options=config.get("options")) as manager:  # fmt: skip
+    with CheckpointManager(
+        directory, coordinator=coordinator, remote_url=config.get("url"), storage_options=config.get("options")
+    ) as manager:
         if config["do"].startswith("dcp_"):
             run_dcp(config["do"], manager, world_size, result)
             return

@@ -21,9 +21,12 @@ PART_BYTES = 5 << 20
 def main(directory: str, remote_json: str) -> None:
     remote = json.loads(remote_json)
     manager = CheckpointManager(
-        directory, world_size=2, remote_url=remote["url"], storage_options=remote["options"],
+        directory,
+        world_size=2,
+        remote_url=remote["url"],
+        storage_options=remote["options"],
         upload=UploadOptions(concurrency=1, part_bytes=PART_BYTES),
-    )  # fmt: skip
+    )
     original = multipart._read_part
     paused = threading.Lock()  # parts are read on several threads: one of them says PAUSED
 

@@ -54,7 +54,7 @@ class Offer:
 
 
 def _bytes_of(array: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
 
 
 def _fingerprint(state: FlatState, name: str) -> str:

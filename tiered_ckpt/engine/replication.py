@@ -405,8 +405,10 @@ class Replicator:
             if superseded:
                 logger.warning(
                     "upload of step %d failed (%s); after the preemption notice it stays local-only, "
-                    "superseded by a newer step", step, failure,
-                )  # fmt: skip
+                    "superseded by a newer step",
+                    step,
+                    failure,
+                )
                 return
             if not again:
                 break

@@ -72,8 +72,10 @@ def resume_steps(
         if others:
             logger.warning(
                 "half-uploaded steps %s stay in %s: run(s) %s may be uploading them",
-                leftover, target.url, ", ".join(others),
-            )  # fmt: skip
+                leftover,
+                target.url,
+                ", ".join(others),
+            )
         for step in [] if others else leftover:
             logger.warning("removing half-uploaded step %d from %s", step, target.url)
             target.delete_step(step)

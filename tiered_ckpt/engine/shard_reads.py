@@ -78,8 +78,11 @@ def _without_replicas(plan: ChunkPlan, record: ShardRecord) -> ChunkPlan:
     """``plan`` without reading the arrays ``record``'s shard left to other ranks (their processes send them)."""
     left = set(record.replicas)
     reads = {rank: frozenset(name for name in names if (name, rank) not in left) for rank, names in plan.reads.items()}
-    return ChunkPlan({rank: names for rank, names in reads.items() if names or rank == plan.plain_source},
-                     plan.overlaps, plan.plain_source)  # fmt: skip
+    return ChunkPlan(
+        {rank: names for rank, names in reads.items() if names or rank == plan.plain_source},
+        plan.overlaps,
+        plan.plain_source,
+    )
 
 
 class ShardReader:
@@ -295,7 +298,7 @@ class ShardReader:
                 later=self._store.readable(remote is not None),
                 into=direct.get(rank),
                 verify=verify,
-            ),  # fmt: skip
+            ),
             ranks,
             self._max_workers,
         )

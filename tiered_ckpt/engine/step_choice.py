@@ -182,8 +182,9 @@ class StepChooser:
                 "step %d is committed on the disks of %s only, and no rank recorded that every rank committed it "
                 "(a save cut short before every rank committed): it was never restorable; deleting it from "
                 "those disks and restoring an older step, if any",
-                partial, _ranks_text(disks.holders(partial)),
-            )  # fmt: skip
+                partial,
+                _ranks_text(disks.holders(partial)),
+            )
         if step in unfinished:
             raise IncompleteCheckpointError(
                 f"{self._store.where()}: step {step} was never committed on every rank (a save cut short before "
@@ -266,8 +267,9 @@ class StepChooser:
             if step in held:
                 logger.warning(
                     "deleting step %d from %s: the save was cut short before every rank committed it",
-                    step, self._store.local.root,
-                )  # fmt: skip
+                    step,
+                    self._store.local.root,
+                )
                 self._store.local.delete_step(step)
 
     def drop_unfinished_commits(self, restored: int, agreed: AgreedStep) -> None:

@@ -148,7 +148,7 @@ def _layout(arrays: Mapping[str, np.ndarray]) -> list[tuple[str, str, np.ndarray
     return layout
 
 
-def _header_text(layout: list[tuple[str, str, np.ndarray, int, int]], metadata: Mapping[str, str]) -> str:
+def _header_text(layout: list[tuple[str, str, np.ndarray, int, int]], metadata: Mapping[str, str] | None) -> str:
     """The header's JSON, unpadded; ASCII (json escapes the rest), so its length is its size in bytes."""
     header: dict[str, object] = {}
     if metadata:
@@ -218,7 +218,7 @@ def _byte_chunks(array: np.ndarray) -> Iterator[memoryview]:
         for start in range(0, rows.shape[0], step):
             yield from _byte_chunks(np.ascontiguousarray(rows[start : start + step], dtype=dtype))
         return
-    flat = memoryview(array.reshape(-1).view(np.uint8))
+    flat = array.reshape(-1).view(np.uint8).data
     for start in range(0, len(flat), CHUNK_BYTES):
         yield flat[start : start + CHUNK_BYTES]
 

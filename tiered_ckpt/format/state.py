@@ -128,9 +128,12 @@ class _Flattener:
                 return {tag: [self.node(item, (*path, i), f"{prefix}{i}") for i, item in enumerate(value)]}
         finally:
             self._open.discard(id(value))
-        raise self.fail(path, f"is a {type(value).__module__}.{type(value).__qualname__}, which a checkpoint "
-                        "cannot hold without pickle (arrays, tensors, dicts, lists, tuples, bytes, io.BytesIO, "
-                        "int, float, bool, str and None can)")  # fmt: skip
+        raise self.fail(
+            path,
+            f"is a {type(value).__module__}.{type(value).__qualname__}, which a checkpoint "
+            "cannot hold without pickle (arrays, tensors, dicts, lists, tuples, bytes, io.BytesIO, "
+            "int, float, bool, str and None can)",
+        )
 
     def item(self, key: Any, value: Any, path: tuple[str | int, ...], name: str) -> list[Any]:
         if type(key) is str:
@@ -244,8 +247,10 @@ class _Flattener:
         except TypeError:
             dims = None
         if dims is None or len(dims) > MAX_DIMS or any(d < 0 for d in dims):
-            raise self.fail(path, f"is a ChunkOf whose global_shape or offsets {values!r:.120} are not "
-                            f"at most {MAX_DIMS} integers >= 0")  # fmt: skip
+            raise self.fail(
+                path,
+                f"is a ChunkOf whose global_shape or offsets {values!r:.120} are not at most {MAX_DIMS} integers >= 0",
+            )
         return dims
 
     def tensor(self, value: Any, path: tuple[str | int, ...]) -> np.ndarray:
@@ -298,7 +303,7 @@ class FlatState:
                     shape,
                     digests[name].sha256,
                     digests[name].xxh3_64,
-                )  # fmt: skip
+                )
             )
         return tuple(records)
 

@@ -192,7 +192,8 @@ class Structure:
     def build(self, arrays: Mapping[str, Any], *, torch: bool = False) -> dict[Any, Any]:
         """The state, with each array taken from ``arrays`` by name; ``torch=True`` gives the
         leaves saved as torch tensors as CPU tensors."""
-        return _build(self.root, arrays, self.kinds if torch else None)
+        state: dict[Any, Any] = _build(self.root, arrays, self.kinds if torch else None)  # the root is a dict
+        return state
 
     def build_at(self, path: Sequence[str | int], arrays: Mapping[str, Any], *, torch: bool = False) -> Any:
         """The value at ``path`` (dict keys and list indices from the root), built as
@@ -210,7 +211,9 @@ class Structure:
     def _node_at(self, path: Sequence[str | int]) -> Any:
         node = self.root
         for key in path:
-            ((tag, value),) = node.items() if isinstance(node, dict) else ((None, None),)
+            if not isinstance(node, dict):
+                raise KeyError(key)
+            ((tag, value),) = node.items()
             if tag == "dict":
                 matches = [item for item_key, item in value if _decode_key(item_key) == key]
                 if not matches:
@@ -323,8 +326,10 @@ class _Parser:
 
 def is_flat(root: Any) -> bool:
     """True for a dict node of arrays under string keys and nothing else."""
-    return all(type(key) is str and isinstance(item, dict) and set(item) <= {"array", "tensor", "dtensor"}
-               for key, item in root["dict"])  # fmt: skip
+    return all(
+        type(key) is str and isinstance(item, dict) and set(item) <= {"array", "tensor", "dtensor"}
+        for key, item in root["dict"]
+    )
 
 
 def _decode_key(key: Any) -> Any:

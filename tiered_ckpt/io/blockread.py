@@ -86,13 +86,13 @@ class _Reader:
         if self.direct is not None and got % _ALIGNMENT == 0:
             try:
                 # The read asks for the block's aligned rest; past the end of the file it is short.
-                return os.preadv(self.direct, [block[got:]], offset + got)
+                return os.preadv(self.direct, [block[got:].data], offset + got)
             except OSError as error:
                 if error.errno != errno.EINVAL:
                     raise
                 os.close(self.direct)  # this file system takes O_DIRECT at open but not at read
                 self.direct = None
-        return os.preadv(self.fd, [block[got:wanted]], offset + got)
+        return os.preadv(self.fd, [block[got:wanted].data], offset + got)
 
 
 def _cached(fd: int, size: int) -> bool:
@@ -143,7 +143,7 @@ def read_blocks(fd: int, size: int) -> Iterator[Iterator[memoryview]]:
             if isinstance(item, BaseException):
                 raise item
             block, count = item
-            yield memoryview(block[:count])
+            yield block[:count].data
             reader.free.put(block)
 
     try:

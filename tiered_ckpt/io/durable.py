@@ -30,9 +30,12 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, TypeVar, cast
+from typing import TYPE_CHECKING, BinaryIO, TypeVar, cast
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 __all__ = [
     "temp_name",
@@ -137,8 +140,8 @@ class _StagedFile(io.RawIOBase):
     def fileno(self) -> int:
         return self._fd
 
-    def write(self, data) -> int:  # type: ignore[override]
-        source = np.frombuffer(data, np.uint8)
+    def write(self, data: ReadableBuffer) -> int:
+        source = np.frombuffer(memoryview(data), np.uint8)  # numpy types a buffer as a union before 3.12
         taken = 0
         while taken < len(source):
             block = self._block if self._block is not None else self._next_block()
@@ -147,7 +150,7 @@ class _StagedFile(io.RawIOBase):
             # numpy's copy releases the GIL, so other writers' threads run meanwhile.
             np.copyto(piece, source[taken : taken + count])
             if self.observer is not None:
-                self.observer(memoryview(piece))  # while the copy is still in the CPU's cache
+                self.observer(piece.data)  # while the copy is still in the CPU's cache
             self._fill += count
             taken += count
             if self._fill == BLOCK_BYTES:
@@ -161,7 +164,7 @@ class _StagedFile(io.RawIOBase):
             _set_direct(self._fd, False)
             self._direct = False
         if self._block is not None and self._fill:
-            self._write_block(memoryview(self._block[: self._fill]))
+            self._write_block(self._block[: self._fill].data)
         self._block, self._fill = None, 0
 
     def close(self) -> None:
@@ -196,7 +199,7 @@ class _StagedFile(io.RawIOBase):
         while (block := self._queued.get()) is not None:
             if self._error is None:
                 try:
-                    self._write_block(memoryview(block))
+                    self._write_block(block.data)
                 except BaseException as error:  # raised in the caller's thread, by write() or finish()
                     self._error = error
             self._free.put(block)

@@ -117,7 +117,7 @@ def hash_stream(source: BinaryIO, verify: Verify | None = None) -> ShardDigest:
     """Hash everything readable from ``source``; ``verify`` limits which checksums are computed."""
     hasher = Hasher(verify)
     view = memoryview(bytearray(CHUNK_BYTES))
-    while count := source.readinto(view):
+    while count := source.readinto(view):  # type: ignore[attr-defined]  # typing.BinaryIO omits readinto
         hasher.update(view[:count])
     return hasher.digest()
 
@@ -144,7 +144,7 @@ def copy_hashing(source: np.ndarray, target: np.ndarray, verify: Verify = "full"
     for start in range(0, len(target), CHUNK_BYTES):
         piece = target[start : start + CHUNK_BYTES]
         np.copyto(piece, source[start : start + CHUNK_BYTES])
-        hasher.update(memoryview(piece))
+        hasher.update(piece.data)
     return _hex(hasher, verify)
 
 
@@ -161,11 +161,11 @@ def read_hashing(fd: int, offset: int, target: np.ndarray, verify: Verify = "ful
         piece = target[start : start + CHUNK_BYTES]
         got = 0
         while got < len(piece):
-            count = os.preadv(fd, [piece[got:]], offset + start + got)
+            count = os.preadv(fd, [piece[got:].data], offset + start + got)
             if count == 0:
                 raise OSError(errno.EIO, f"file ended at byte {offset + start + got}")
             got += count
-        hasher.update(memoryview(piece))
+        hasher.update(piece.data)
     return _hex(hasher, verify)
 
 
@@ -205,7 +205,7 @@ class HashedStream:
             count = min(len(view), len(target) - position)
             piece = target[position : position + count]
             np.copyto(piece, np.frombuffer(view[:count], np.uint8))
-            self._hasher.update(memoryview(piece))
+            self._hasher.update(piece.data)
             self._view, position = view[count:], position + count
 
     def hash_rest(self) -> None:

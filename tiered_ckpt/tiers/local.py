@@ -341,8 +341,8 @@ class LocalTier:
         except (IncompleteCheckpointError, OSError, ValueError) as exc:
             raise ManifestError(f"{path}: not a readable JSON record of held shards: {exc}") from exc
         ranks = document.get("ranks") if isinstance(document, dict) and set(document) == {"ranks"} else None
-        valid = isinstance(ranks, list) and all(type(rank) is int and 0 <= rank < manifest.world_size for rank in ranks)
-        if not valid:
+        world = range(manifest.world_size)
+        if not (isinstance(ranks, list) and all(type(rank) is int and rank in world for rank in ranks)):
             raise ManifestError(f'{path}: expected {{"ranks": [ranks below {manifest.world_size}]}}, got {document!r}')
         return sorted(set(ranks))
 
@@ -395,7 +395,8 @@ class LocalTier:
         path = self.new_step_dir(step) / (record if isinstance(record, str) else record.path)
         write = source.write if source.write is not None else partial(_copy_file, source.path)
         check = None if isinstance(record, str) else partial(record.verify, what=f"rank {record.rank} shard {path}")
-        return atomic_write(path, write, check=check, sync_directory=sync_directory)
+        digest: ShardDigest = atomic_write(path, write, check=check, sync_directory=sync_directory)
+        return digest
 
     def commit(
         self, manifest: ShardManifest, *, deadline: float | None = None, held: Collection[int] | None = None,

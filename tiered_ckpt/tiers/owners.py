@@ -155,7 +155,7 @@ class OwnerRecord:
             raise ManifestError(f"{source}: unknown fields {unknown[:5]}")
         values: dict[str, Any] = {}
         for name, kind in types.items():
-            value = document.get(name)
+            value: Any = document.get(name)  # checked next
             number = kind is float and isinstance(value, int) and not isinstance(value, bool)
             if not (isinstance(value, kind) and not isinstance(value, bool)) and not number:
                 raise ManifestError(f"{source}: field {name!r}: expected {kind.__name__}, got {value!r:.60}")

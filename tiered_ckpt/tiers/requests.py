@@ -93,7 +93,7 @@ class LimitedReader:
         if size == 0:
             return b""
         with self._requests.translated(self._what):
-            data = self._source.read(size)
+            data: bytes = self._source.read(size)
         self._left -= len(data)
         return data
 
@@ -102,6 +102,6 @@ class LimitedReader:
         if not len(view):
             return 0
         with self._requests.translated(self._what):
-            count = self._source.readinto(view)
+            count: int = self._source.readinto(view)
         self._left -= count
         return count

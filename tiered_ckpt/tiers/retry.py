@@ -98,7 +98,7 @@ class RetryPolicy:
     def delay(self, attempt: int) -> float:
         """The random wait after failed try ``attempt`` (1, 2, ...): up to ``backoff_seconds *
         2**(attempt-1)``, at most ``max_backoff_seconds`` ("full jitter")."""
-        return min(self.max_backoff_seconds, self.backoff_seconds * 2 ** min(attempt - 1, 64)) * random.random()
+        return min(self.max_backoff_seconds, self.backoff_seconds * 2.0 ** min(attempt - 1, 64)) * random.random()
 
     def run(
         self,

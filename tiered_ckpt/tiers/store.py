@@ -250,8 +250,9 @@ class TieredStore:
                     return found, tier.name
                 if self._held_locally(step, record.rank):
                     done = "repaired the local copy from" if refills else "read it instead from"
-                    logger.warning("step %d rank %d: %s %s; the local copy failed: %s", step, record.rank, done, where,
-                                   tried[0][1])  # fmt: skip
+                    logger.warning(
+                        "step %d rank %d: %s %s; the local copy failed: %s", step, record.rank, done, where, tried[0][1]
+                    )
                 else:
                     logger.info("step %d rank %d: not on this node's disk; read from %s", step, record.rank, where)
                 return found, tier.name
@@ -398,7 +399,7 @@ def _read_parts(
             raise UsageError(f"{what}: into[{name!r}] is not a C-contiguous {entry.dtype} array of {entry.shape}")
         fast = verify == "fast" and bool(chunk.xxh3_64)
         expected = chunk.xxh3_64 if fast else chunk.sha256
-        if read_into(entry.begin, memoryview(array.reshape(-1).view(np.uint8)), "fast" if fast else "full") != expected:
+        if read_into(entry.begin, array.reshape(-1).view(np.uint8).data, "fast" if fast else "full") != expected:
             kind = "xxh3-64" if fast else "sha256"
             raise ChecksumMismatchError(f"{what}: the bytes of {name!r} do not match the {kind} the manifest records")
         arrays[name] = array

@@ -160,10 +160,10 @@ class TieredReader(StorageReader):
         where = {index: (holder, chunk.name) for index, (holder, chunk) in chunks.items()}
         values: dict[str, tuple[str, ...]] = {}
         for section in VALUE_SECTIONS:
-            for fqn in keys_at(structure, (ROOT, section)):
-                if isinstance(fqn, str):
-                    values[fqn] = value_path(section, fqn)
-                    state[fqn] = BytesStorageMetadata()
+            for key in keys_at(structure, (ROOT, section)):
+                if isinstance(key, str):
+                    values[key] = value_path(section, key)
+                    state[key] = BytesStorageMetadata()
         planner_data = planner_data_of(structure, what)
         self._located = _Located(manifest, rank, structure, where, complex_dtypes, values)
         return Metadata(state_dict_metadata=state, planner_data=planner_data or None)

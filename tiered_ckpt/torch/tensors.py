@@ -56,7 +56,7 @@ def to_torch(array: np.ndarray) -> Any:
     return torch.from_numpy(array)
 
 
-_PAIRS = {"complex64": np.dtype(np.float32), "complex128": np.dtype(np.float64)}
+_PAIRS: dict[str, np.dtype[Any]] = {"complex64": np.dtype(np.float32), "complex128": np.dtype(np.float64)}
 
 
 def float_pairs(array: np.ndarray) -> np.ndarray:

@@ -65,7 +65,8 @@ class FsspecBackend:
 
     def _info(self, path: str, timeout: float | None) -> dict[str, Any]:
         self.fs.invalidate_cache(path)
-        return self.fs.info(path, **self._limit(timeout))
+        info: dict[str, Any] = self.fs.info(path, **self._limit(timeout))
+        return info
 
     def head(self, path: str, *, timeout: float | None = None) -> Head:
         info = self._info(path, timeout)

@@ -46,9 +46,12 @@ class GcsBackend(FsspecBackend):
     def put_shard(self, local_path: Path, path: str, record: ShardRecord, *, deadline: float | None) -> Sent:
         sums = self.sums(local_path, record)  # checks the file before an object is made of it
         self.fs.put_file(
-            str(local_path), path, metadata={SHA256_METADATA_KEY: record.sha256}, chunksize=self.part_bytes,
+            str(local_path),
+            path,
+            metadata={SHA256_METADATA_KEY: record.sha256},
+            chunksize=self.part_bytes,
             **self._limit(seconds_left(deadline)),
-        )  # fmt: skip
+        )
         return Sent(sums)
 
     def head(self, path: str, *, timeout: float | None = None) -> Head:

@@ -202,9 +202,12 @@ class Upload:
             parts = await self._parts(upload_id, size)
             await checked
             await self.call(
-                "complete_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id,
+                "complete_multipart_upload",
+                Bucket=self.bucket,
+                Key=self.key,
+                UploadId=upload_id,
                 MultipartUpload={"Parts": parts},
-            )  # fmt: skip
+            )
         except BaseException:  # cancellation (a deadline) included: never leave the upload open
             await asyncio.gather(checked, return_exceptions=True)
             await asyncio.shield(self._abort(upload_id))
@@ -222,9 +225,15 @@ class Upload:
                 length = min(self.part_bytes, size - offset)
                 data, checksum = await loop.run_in_executor(None, _read_part, self.path, offset, length)
                 answer = await self.call(
-                    "upload_part", Bucket=self.bucket, Key=self.key, UploadId=upload_id, PartNumber=number,
-                    Body=data, ChecksumAlgorithm="CRC32C", ChecksumCRC32C=checksum,
-                )  # fmt: skip
+                    "upload_part",
+                    Bucket=self.bucket,
+                    Key=self.key,
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    Body=data,
+                    ChecksumAlgorithm="CRC32C",
+                    ChecksumCRC32C=checksum,
+                )
                 self.window.sent()
                 return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32C": checksum}
             finally:

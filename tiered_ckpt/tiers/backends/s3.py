@@ -70,11 +70,18 @@ class S3Backend(FsspecBackend):
     def put_shard(self, local_path: Path, path: str, record: ShardRecord, *, deadline: float | None) -> Sent:
         bucket, key, _version = self.fs.split_path(path)
         upload = Upload(
-            self.fs, local_path, bucket, key, part_bytes=self.part_bytes, window=self.window,
-            max_tries=self._retry.max_tries, backoff_seconds=self._retry.backoff_seconds,
-            extra={"Metadata": {SHA256_METADATA_KEY: record.sha256}}, deadline=deadline,
+            self.fs,
+            local_path,
+            bucket,
+            key,
+            part_bytes=self.part_bytes,
+            window=self.window,
+            max_tries=self._retry.max_tries,
+            backoff_seconds=self._retry.backoff_seconds,
+            extra={"Metadata": {SHA256_METADATA_KEY: record.sha256}},
+            deadline=deadline,
             verify_source=functools.partial(check_source, local_path, record),
-        )  # fmt: skip
+        )
         stats = sync(self.fs.loop, upload.run, **self._limit(seconds_left(deadline)))
         return Sent(stats.sums, stats.requests, stats.throttled)
 

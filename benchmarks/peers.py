@@ -112,9 +112,10 @@ def _files_per_shard(directory: Path, shards: int, write: Callable[[int, Path], 
 def _ours() -> _Method:
     from tiered_ckpt.manager import CheckpointManager
     from tiered_ckpt.oneshot import load_sharded, save_sharded
+    from tiered_ckpt.options import LocalOptions
 
     def async_save(states: States, directory: Path) -> tuple[float, Callable[[], None]]:
-        manager = CheckpointManager(directory, world_size=len(states), keep_last=None)
+        manager = CheckpointManager(LocalOptions(directory, keep_last=None), world_size=len(states))
         manager.save(1, states)  # allocates the staging buffers, which a job's later saves reuse
         manager.wait()
         return timed(lambda: manager.save(2, states, blocking=False)), manager.close

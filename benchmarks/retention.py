@@ -11,6 +11,7 @@ import numpy as np
 
 from benchmarks.harness import Timings, clear
 from tiered_ckpt.manager import CheckpointManager
+from tiered_ckpt.options import LocalOptions
 
 __all__ = ["bench_retention"]
 
@@ -30,7 +31,7 @@ def bench_retention(states: list[dict[str, np.ndarray]], root: Path, repeat: int
         for keep_last in order:
             seconds = []
             directory = root / f"retention-{run}-{keep_last}"
-            with CheckpointManager(directory, world_size=len(states), keep_last=keep_last) as manager:
+            with CheckpointManager(LocalOptions(directory, keep_last=keep_last), world_size=len(states)) as manager:
                 for step in range(4):
                     start = time.perf_counter()
                     manager.save(step, states, blocking=True)

@@ -12,11 +12,11 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from tiered_ckpt.manager import CheckpointManager
+from tiered_ckpt.options import LocalOptions, RuntimeOptions
 
 __all__ = ["bench_train"]
 
@@ -72,20 +72,20 @@ def bench_train(root: Path, ranks: int, steps: int, repeat: int) -> None:
     printed: the share of the loop's time its save calls blocked it (the staging copy),
     a figure the machine's noise hardly moves."""
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    variants: dict[str, dict[str, Any] | None] = {"without checkpoints": None, "with checkpoints": {}}
+    variants: dict[str, RuntimeOptions | None] = {"without checkpoints": None, "with checkpoints": RuntimeOptions()}
     if len(cpus) > 1:
-        variants[f"writer on CPU {cpus[-1]} only"] = {"writer_cpus": {cpus[-1]}}
+        variants[f"writer on CPU {cpus[-1]} only"] = RuntimeOptions(writer_cpus={cpus[-1]})
     seconds: dict[str, list[float]] = {name: [] for name in variants}
     blocked: list[float] = []
     for run in range(repeat):
         names = list(variants)
         for name in names[run % len(names) :] + names[: run % len(names)]:
-            keywords = variants[name]
-            if keywords is None:
+            runtime = variants[name]
+            if runtime is None:
                 seconds[name].append(_train(steps, ranks, None)[0])
                 continue
-            directory = root / f"train-{run}-{len(keywords)}"
-            with CheckpointManager(directory, world_size=ranks, keep_last=2, **keywords) as manager:
+            directory = root / f"train-{run}-{0 if runtime.writer_cpus is None else 1}"
+            with CheckpointManager(LocalOptions(directory, keep_last=2), world_size=ranks, runtime=runtime) as manager:
                 wall, save_calls = _train(steps, ranks, manager)
             seconds[name].append(wall)
             blocked.append(save_calls / wall)

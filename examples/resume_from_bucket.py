@@ -22,8 +22,8 @@ def main() -> None:
     parser.add_argument("--local-dir", help="this machine's local directory (overrides the config)")
     args = parser.parse_args()
 
-    overrides = {"local_dir": args.local_dir} if args.local_dir else {}
-    config = tiered_ckpt.load_config(args.config, **overrides)
+    overrides = {"local.dir": args.local_dir} if args.local_dir else {}
+    config = tiered_ckpt.load_config(args.config, overrides=overrides)
     if config.remote is None:
         raise SystemExit(f"{args.config} names no [remote] tier to restore from")
     bucket = config.remote.open_tier(config.upload)

@@ -24,6 +24,7 @@ then replicated, which resharding requires of every value that is not a flat sli
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import os
 import random
@@ -177,8 +178,10 @@ def main() -> None:
     config = tiered_ckpt.load_config(args.config)
     coordinator = tiered_ckpt.TorchDistributedCoordinator()  # a gloo group of its own: saves never race DDP
     local_dir = Path(config.local.dir) / f"rank-{rank}"
+    # The config's runtime options, with this model's flat slices and SIGTERM as the preemption notice.
+    runtime = dataclasses.replace(config.runtime, sharded_keys=SHARDED, preemption_signals=[signal.SIGTERM])
     with tiered_ckpt.CheckpointManager.from_config(
-        config, local_dir=local_dir, coordinator=coordinator, sharded_keys=SHARDED, preemption_signals=[signal.SIGTERM]
+        config, local_dir=local_dir, coordinator=coordinator, runtime=runtime
     ) as manager:
         start, preempted = 0, False
         # Collective: every rank gets the same step, or None if no rank and no bucket has one yet.

@@ -77,12 +77,15 @@ def run_upload(directory: str, bytes_per_rank: int, remote_json: str) -> None:
     """Save and upload step 1, then pause step 2's upload after its first shard is confirmed."""
     import json
 
-    from tiered_ckpt import CheckpointManager
+    from tiered_ckpt import CheckpointManager, RemoteOptions, UploadOptions
     from tiered_ckpt.tiers.remote import RemoteTier
 
     remote = json.loads(remote_json)
     manager = CheckpointManager(
-        directory, world_size=4, remote_url=remote["url"], storage_options=remote["options"], upload_concurrency=1
+        directory,
+        world_size=4,
+        remote=RemoteOptions(remote["url"], storage_options=remote["options"]),
+        upload=UploadOptions(concurrency=1),
     )
     manager.save(1, large_states(4, bytes_per_rank, version=1))
     manager.wait(uploaded=True)
@@ -105,13 +108,12 @@ def run_multipart(directory: str, bytes_per_rank: int, remote_json: str) -> None
     from tiered_ckpt.tiers.backends import multipart
 
     remote = json.loads(remote_json)
-    from tiered_ckpt import UploadOptions
+    from tiered_ckpt import RemoteOptions, UploadOptions
 
     manager = CheckpointManager(
         directory,
         world_size=4,
-        remote_url=remote["url"],
-        storage_options=remote["options"],
+        remote=RemoteOptions(remote["url"], storage_options=remote["options"]),
         upload=UploadOptions(concurrency=1, part_bytes=5 << 20),
     )
     multipart._read_part = pause_forever
@@ -120,9 +122,9 @@ def run_multipart(directory: str, bytes_per_rank: int, remote_json: str) -> None
 
 
 def run_manager(directory: str, point: str, bytes_per_rank: int) -> None:
-    from tiered_ckpt import CheckpointManager
+    from tiered_ckpt import CheckpointManager, LocalOptions
 
-    manager = CheckpointManager(directory, world_size=4, keep_last=3)
+    manager = CheckpointManager(LocalOptions(directory, keep_last=3), world_size=4)
     manager.save(1, large_states(4, bytes_per_rank, version=1), blocking=True)
     install(point)
     manager.save(2, large_states(4, bytes_per_rank, version=2))

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tiered_ckpt import CheckpointError, CheckpointManager, TorchDistributedCoordinator
+from tiered_ckpt import CheckpointError, CheckpointManager, RemoteOptions, TorchDistributedCoordinator, UploadOptions
 
 
 def train_state(step: int, rank: int) -> dict:
@@ -94,9 +94,8 @@ def run(config: dict, rank: int, result: dict) -> None:
     manager = CheckpointManager(
         Path(config["local_root"]) / f"rank-{rank}",
         coordinator=TorchDistributedCoordinator(),
-        remote_url=config.get("url"),
-        storage_options=config.get("options"),
-        upload_max_tries=1,
+        remote=RemoteOptions(config["url"], storage_options=config.get("options") or {}) if config.get("url") else None,
+        upload=UploadOptions(max_tries=1),
     )
     writer = TieredWriter(manager)
     result["saved"], result["loaded"] = {}, {}

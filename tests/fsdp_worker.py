@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from tiered_ckpt import CheckpointError, CheckpointManager, TorchDistributedCoordinator
+from tiered_ckpt import CheckpointError, CheckpointManager, RemoteOptions, TorchDistributedCoordinator
 
 
 def build(seed: int, world_size: int):
@@ -111,9 +111,9 @@ def run_dcp(do: str, manager: CheckpointManager, world_size: int, result: dict) 
 def run(config: dict, rank: int, world_size: int, result: dict) -> None:
     coordinator = TorchDistributedCoordinator()
     directory = Path(config["local_root"]) / f"rank-{rank}"
-    with CheckpointManager(
-        directory, coordinator=coordinator, remote_url=config.get("url"), storage_options=config.get("options")
-    ) as manager:
+    url = config.get("url")
+    remote = RemoteOptions(url, storage_options=config.get("options") or {}) if url is not None else None
+    with CheckpointManager(directory, coordinator=coordinator, remote=remote) as manager:
         if config["do"].startswith("dcp_"):
             run_dcp(config["do"], manager, world_size, result)
             return

@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-from tiered_ckpt import CheckpointManager, UploadOptions
+from tiered_ckpt import CheckpointManager, RemoteOptions, UploadOptions
 from tiered_ckpt.tiers.backends import multipart
 
 PART_BYTES = 5 << 20
@@ -23,8 +23,7 @@ def main(directory: str, remote_json: str) -> None:
     manager = CheckpointManager(
         directory,
         world_size=2,
-        remote_url=remote["url"],
-        storage_options=remote["options"],
+        remote=RemoteOptions(remote["url"], storage_options=remote["options"]),
         upload=UploadOptions(concurrency=1, part_bytes=PART_BYTES),
     )
     original = multipart._read_part

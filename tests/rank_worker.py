@@ -11,7 +11,8 @@ Actions: {"do": "save", "step": S, "step_by_rank": {R: S}, "text_on_rank": R} (R
 an array of text; "long_note_on_rank": R, a string whose shard header no reader accepts), {"do": "wait"} (until
 uploaded), {"do": "drain_uploads", "rank": R} (rank R waits for its uploader without
 raising its errors), {"do": "restore",
-"reshard": bool}, {"do": "restore_if_any"} (records None), {"do": "collectives"}, and
+"reshard": bool}, {"do": "restore_if_any"} (records None), {"do": "collectives"} (records the errors of
+collectives one rank fails: "agree_error", "decide_error", "foreign_error"), and
 {"do": "kill", "rank": R, "at": POINT} which makes rank R SIGKILL itself during its
 next save at POINT: "after-shard" (its shard is durable, the commit not agreed) or
 "before-commit" (every shard is durable, its own manifest not yet written).
@@ -38,7 +39,11 @@ from tiered_ckpt import (
     CheckpointError,
     CheckpointManager,
     InvalidStateError,
+    LocalOptions,
+    RemoteOptions,
+    RuntimeOptions,
     TorchDistributedCoordinator,
+    UploadOptions,
 )
 from tiered_ckpt.dist.coordination import gather, leader_decides, to_payload
 from tiered_ckpt.engine import writer
@@ -89,14 +94,16 @@ def arm_kill(at: str) -> None:
 
 def run(config: dict, coordinator: TorchDistributedCoordinator, result: dict) -> None:
     rank, world_size = coordinator.rank, coordinator.world_size
+    url = config.get("url_by_rank", {}).get(str(rank), config.get("url"))
     checkpoints = CheckpointManager(
-        Path(config["local_root"]) / ("shared" if config.get("shared_dir") else f"rank-{rank}"),
+        LocalOptions(
+            Path(config["local_root"]) / ("shared" if config.get("shared_dir") else f"rank-{rank}"),
+            keep_last=config.get("keep_last", 3),
+        ),
         coordinator=coordinator,
-        remote_url=config.get("url_by_rank", {}).get(str(rank), config.get("url")),
-        storage_options=config.get("options"),
-        keep_last=config.get("keep_last", 3),
-        upload_max_tries=1,
-        preemption_signals=(signal.SIGUSR1,),
+        remote=RemoteOptions(url, storage_options=config.get("options") or {}) if url is not None else None,
+        upload=UploadOptions(max_tries=1),
+        runtime=RuntimeOptions(preemption_signals=(signal.SIGUSR1,)),
     )
     try:
         for action in config["actions"]:
@@ -160,10 +167,16 @@ def act(
             gather(coordinator, "probe", _Rank, lambda: _fail_on_rank(rank, 1))
         except CheckpointError as exc:
             result["agree_error"] = [type(exc).__name__, str(exc)]
+            result["agree_error_rank"] = exc.rank
         try:
             leader_decides(coordinator, "verdict", _Rank, lambda: _fail_on_rank(rank, 0))
         except CheckpointError as exc:
             result["decide_error"] = [type(exc).__name__, str(exc)]
+        try:  # an exception not of the error tree
+            gather(coordinator, "foreign", _Rank, lambda: _fail_on_rank(rank, 1, OSError("disk on fire")))
+        except Exception as exc:
+            result["foreign_error"] = [type(exc).__name__, str(exc), getattr(exc, "rank", None)]
+            result["foreign_error"].append(getattr(exc, "kind", None))
         typed = gather(coordinator, "typed", _Sample, lambda: _sample(rank))
         result["typed_equal"] = typed == [_sample(r) for r in range(coordinator.world_size)]
         result["typed"] = [to_payload(sample) for sample in typed]
@@ -192,9 +205,9 @@ def _sample(rank: int) -> _Sample:
     return _Sample(rank, None if rank % 2 else f"rank {rank}", pairs, rank == 0, rank / 3)
 
 
-def _fail_on_rank(rank: int, failing: int) -> _Rank:
+def _fail_on_rank(rank: int, failing: int, error: Exception | None = None) -> _Rank:
     if rank == failing:
-        raise InvalidStateError(f"rank {failing} refuses")
+        raise error if error is not None else InvalidStateError(f"rank {failing} refuses")
     return _Rank(rank)
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import ZERO1_SHARDED_KEYS, flip_byte, s3_credentials_env, write_s3_config, zero1_states
-from tiered_ckpt import CheckpointManager, save_sharded
+from tiered_ckpt import CheckpointManager, LocalOptions, RemoteOptions, RuntimeOptions, save_sharded
 from tiered_ckpt.format.layout import MANIFEST_NAME, shard_name, step_dir_name
 from tiered_ckpt.io.hashing import part_crc32c
 from tiered_ckpt.tiers.local import LocalTier
@@ -37,11 +37,10 @@ def run(env, *args):
 
 def save_steps(local, url, options, steps, *, upload=True):
     manager = CheckpointManager(
-        local,
+        LocalOptions(local, keep_last=None),
+        remote=RemoteOptions(url, storage_options=options) if upload else None,
+        runtime=RuntimeOptions(sharded_keys=ZERO1_SHARDED_KEYS),
         world_size=4,
-        keep_last=None,
-        sharded_keys=ZERO1_SHARDED_KEYS,
-        **({"remote_url": url, "storage_options": options} if upload else {}),
     )
     for step in steps:
         manager.save(step, zero1_states(seed=step))
@@ -119,8 +118,9 @@ def test_verify_remote_checks_the_stores_own_checksums_without_downloading(setup
     from tiered_ckpt import TieredStore
     from tiered_ckpt.tiers import survey
 
-    checks = survey.verify(TieredStore([LocalTier(local), tier]), 5, later_only=True)
-    assert [check.status for check in checks] == ["ok", "failed", "ok", "ok"]
+    result = survey.verify(TieredStore([LocalTier(local), tier]), 5, later_only=True)
+    assert [check.status for check in result.checks] == ["ok", "failed", "ok", "ok"]
+    assert not result.ok and [check.rank for check in result.failed] == [1]
 
 
 def test_pull_refills_a_lost_local_directory(setup):

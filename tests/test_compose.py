@@ -7,17 +7,17 @@ import threading
 import numpy as np
 import pytest
 
-from tiered_ckpt import ConfigError, DirectoryInUseError, UsageError
+from tiered_ckpt import ConfigError, DirectoryInUseError, RemoteOptions, RuntimeOptions, UploadOptions, UsageError
 from tiered_ckpt.compose import check_process_layout, open_parts
 from tiered_ckpt.dist.coordination import Attempt, SingleProcessCoordinator
 from tiered_ckpt.engine.saving import check_save
 from tiered_ckpt.options import resolve_options
 
 
-def parts_on(directory, world_size=2, signals=(), **keywords):
-    options = resolve_options(directory, None, None, keywords)
+def parts_on(directory, world_size=2, signals=(), remote=None):
+    options = resolve_options(directory, remote, runtime=RuntimeOptions(preemption_signals=signals))
     coordinator = SingleProcessCoordinator(world_size)
-    return open_parts(options, coordinator, max_workers=None, cpus=None, preemption_signals=signals)
+    return open_parts(options, coordinator)
 
 
 def test_open_holds_the_directory_until_close_and_a_second_close_does_nothing(tmp_path):
@@ -35,10 +35,14 @@ def uploader_threads():
 
 
 def test_a_failure_while_opening_closes_what_was_opened(tmp_path, memory_url):
+    from concurrent.futures import ThreadPoolExecutor
+
     url, storage_options = memory_url
     before = uploader_threads()
-    with pytest.raises(UsageError, match="SIGKILL cannot be caught"):  # refused after the lock and the uploader
-        parts_on(tmp_path, signals=(signal.SIGKILL,), remote_url=url, storage_options=storage_options)
+    remote = RemoteOptions(url, storage_options=storage_options)
+    # Signal handlers are installed after the lock and the uploader, and only from the main thread.
+    with ThreadPoolExecutor(1) as pool, pytest.raises(UsageError, match="only be installed from the main thread"):
+        pool.submit(parts_on, tmp_path, signals=(signal.SIGUSR1,), remote=remote).result()
     assert uploader_threads() == before  # the uploader was stopped
     parts_on(tmp_path).close("after the failure")  # and the directory released
 
@@ -61,7 +65,7 @@ def test_a_write_queued_before_close_is_committed_by_close(tmp_path):
     parts.writer.submit(3, list(plan.states), plan.sharded_keys, list(plan.numels))
     parts.close("test")  # the writer closes first: the write it holds is finished, then the directory is released
     assert parts.store.local.steps() == [3]
-    assert parts.status().newest_local == 3 and parts.status().newest_remote is None
+    assert parts.lag().newest_local == 3 and parts.lag().newest_remote is None
 
 
 def test_maintenance_waits_for_the_writes_then_runs_on_the_store(tmp_path):
@@ -69,21 +73,16 @@ def test_maintenance_waits_for_the_writes_then_runs_on_the_store(tmp_path):
     try:
         with pytest.raises(UsageError, match="push needs a remote tier"):
             parts.push(None)
-        assert parts.prune(dry_run=True)["local"] == []
+        pruned = parts.prune(dry_run=True)
+        assert pruned.deleted == {"local": ()} and pruned.dry_run
+        assert pruned.aborted == () and pruned.kept_unproven == ()
     finally:
         parts.close("test")
 
 
-@pytest.mark.parametrize(
-    ("keywords", "named"),
-    [({"when_uploads_behind": "skip"}, "keyword argument when_uploads_behind"), ({}, "upload.when_behind")],
-)
-def test_skipping_steps_is_refused_with_one_process_per_rank(tmp_path, keywords, named):
-    from tiered_ckpt import UploadOptions
-
-    upload = None if keywords else UploadOptions(when_behind="skip")
-    options = resolve_options(tmp_path, None, upload, keywords)
-    check_process_layout(options, keywords, one_process=True)  # one process holds every rank: fine
-    with pytest.raises(ConfigError, match=f"^{named} is 'skip'") as caught:
-        check_process_layout(options, keywords, one_process=False)
-    assert caught.value.field == named.removeprefix("keyword argument ")
+def test_skipping_steps_is_refused_with_one_process_per_rank(tmp_path):
+    options = resolve_options(tmp_path, upload=UploadOptions(when_behind="skip"))
+    check_process_layout(options, one_process=True)  # one process holds every rank: fine
+    with pytest.raises(ConfigError, match="^upload.when_behind is 'skip'") as caught:
+        check_process_layout(options, one_process=False)
+    assert caught.value.field == "upload.when_behind"

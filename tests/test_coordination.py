@@ -17,6 +17,7 @@ from tiered_ckpt import (
     InvalidStateError,
     ShardManifest,
     SingleProcessCoordinator,
+    UploadOptions,
     UsageError,
 )
 from tiered_ckpt.dist.coordination import Attempt, Done, from_payload, gather, leader_decides, to_payload
@@ -167,6 +168,15 @@ def test_a_failing_action_on_one_of_two_processes_makes_both_raise_naming_the_ra
     assert results[0]["agree_error"] == ["InvalidStateError", 'rank 1 (during "probe"): rank 1 refuses']
     assert results[0]["decide_error"] == ["InvalidStateError", "rank 0 refuses"]
     assert results[1]["decide_error"] == ["InvalidStateError", 'rank 0 (during "verdict"): rank 0 refuses']
+    assert (results[0]["agree_error_rank"], results[1]["agree_error_rank"]) == (1, None)  # the rank it came from
+    # An exception not of the error tree: the failing rank raises its own, the others a RankFailedError.
+    assert results[1]["foreign_error"] == ["OSError", "disk on fire", None, None]
+    assert results[0]["foreign_error"] == [
+        "RankFailedError",
+        'rank 1 (during "foreign") failed with OSError: disk on fire',
+        1,
+        "OSError",
+    ]
     assert all(result["typed_equal"] and result["decided_equal"] for result in results.values()), results
 
 
@@ -331,8 +341,9 @@ class OneOfTwoRanks:
 
 
 def test_skipping_uploads_when_behind_is_refused_with_one_process_per_rank(tmp_path):
-    with pytest.raises(ConfigError, match="keyword argument when_uploads_behind is 'skip'.*ranks could skip"):
-        CheckpointManager(tmp_path, coordinator=OneOfTwoRanks(), when_uploads_behind="skip")
+    with pytest.raises(ConfigError, match="^upload.when_behind is 'skip'.*ranks could skip") as caught:
+        CheckpointManager(tmp_path, coordinator=OneOfTwoRanks(), upload=UploadOptions(when_behind="skip"))
+    assert caught.value.field == "upload.when_behind"
     with pytest.raises(UsageError, match="world_size is 3 but the coordinator has 2"):
         CheckpointManager(tmp_path, world_size=3, coordinator=OneOfTwoRanks())
     with pytest.raises(UsageError, match="world_size is required"):

@@ -9,7 +9,7 @@ import pickle
 import numpy as np
 import pytest
 
-from tiered_ckpt import CheckpointManager, UsageError
+from tiered_ckpt import CheckpointManager, RemoteOptions, UsageError
 from tiered_ckpt.format.layout import step_dir_name
 
 torch = pytest.importorskip("torch")
@@ -39,7 +39,9 @@ def test_a_writer_on_a_manager_holding_several_ranks_is_refused_naming_them(tmp_
 
 def test_a_checkpoint_id_may_name_the_steps_directory_under_the_bucket(tmp_path, memory_url):
     url, options = memory_url
-    with CheckpointManager(tmp_path / "ckpt", world_size=1, remote_url=url, storage_options=options) as manager:
+    with CheckpointManager(
+        tmp_path / "ckpt", world_size=1, remote=RemoteOptions(url, storage_options=options)
+    ) as manager:
         state = {"w": torch.arange(6.0)}
         dcp.save(state, storage_writer=TieredWriter(manager), checkpoint_id=f"{url}/{step_dir_name(7)}")
         assert manager.steps() == [7]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import s3_credentials_env, write_s3_config
-from tiered_ckpt import CheckpointManager
+from tiered_ckpt import CheckpointManager, RemoteOptions
 from tiered_ckpt.tiers.remote import RemoteTier
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -54,7 +54,9 @@ def test_training_example_resumes_and_a_fresh_node_restores_from_the_bucket(tmp_
 
 def test_resume_from_bucket_takes_the_world_size_from_the_manifest(tmp_path, s3_url, moto_endpoint):
     url, options = s3_url
-    with CheckpointManager(tmp_path / "job", world_size=3, remote_url=url, storage_options=options) as manager:
+    with CheckpointManager(
+        tmp_path / "job", world_size=3, remote=RemoteOptions(url, storage_options=options)
+    ) as manager:
         manager.save(7, [{"w": np.full(5, rank, dtype=np.float32)} for rank in range(3)])
         manager.wait(uploaded=True)
     config = write_s3_config(tmp_path / "job.toml", tmp_path / "job", url, moto_endpoint)

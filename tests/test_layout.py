@@ -1,5 +1,6 @@
 import pytest
 
+from tiered_ckpt import UsageError
 from tiered_ckpt.format import layout
 from tiered_ckpt.io import durable
 
@@ -20,7 +21,7 @@ def test_other_names_are_not_step_dirs(name):
 def test_shard_name_is_plain_and_rejects_bad_rank():
     assert layout.shard_name(3, 4) == "rank-00003-of-00004.safetensors"
     assert layout.is_plain_name(layout.shard_name(3, 4))
-    with pytest.raises(ValueError):
+    with pytest.raises(UsageError):  # a ValueError too
         layout.shard_name(4, 4)
 
 

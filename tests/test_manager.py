@@ -29,10 +29,15 @@ from tiered_ckpt import (
     DirectoryInUseError,
     IncompleteCheckpointError,
     InvalidStateError,
+    LocalOptions,
     ManifestError,
     RemoteError,
+    RemoteOptions,
+    RestoreOptions,
+    RuntimeOptions,
     SaveError,
     UploadError,
+    UploadOptions,
     UsageError,
     WorldSizeMismatchError,
 )
@@ -41,17 +46,20 @@ from tiered_ckpt.io.durable import temp_name
 from tiered_ckpt.tiers.backends.wrappers import Counting
 from tiered_ckpt.tiers.remote import RemoteTier
 
+ZERO1 = RuntimeOptions(sharded_keys=ZERO1_SHARDED_KEYS)
+
 
 @pytest.fixture
 def manager(tmp_path):
-    with CheckpointManager(tmp_path / "ckpt", world_size=4, sharded_keys=ZERO1_SHARDED_KEYS) as manager:
+    with CheckpointManager(tmp_path / "ckpt", world_size=4, runtime=ZERO1) as manager:
         yield manager
 
 
 def test_async_save_then_restore_round_trips(manager, states):
     handle = manager.save(100, states)
-    manifest = handle.wait()
-    assert handle.done() and handle.manifest == manifest and manifest.step == 100
+    manifest = handle.committed.result()
+    assert handle.committed.done() and handle.committed.result() == manifest and manifest.step == 100
+    assert handle.step == 100 and handle.uploaded is None  # no remote tier
     result = manager.restore()
     assert result.step == 100
     assert result.sources == {0: "local", 1: "local", 2: "local", 3: "local"}
@@ -76,7 +84,8 @@ def test_caller_may_overwrite_arrays_once_save_returns(tmp_path):
 def test_the_writer_runs_on_the_cpus_it_is_given_and_the_training_thread_is_left_alone(tmp_path, states):
     cpu = min(os.sched_getaffinity(0))
     before = os.sched_getaffinity(0)
-    with CheckpointManager(tmp_path, world_size=4, sharded_keys=ZERO1_SHARDED_KEYS, writer_cpus={cpu}) as manager:
+    runtime = RuntimeOptions(sharded_keys=ZERO1_SHARDED_KEYS, writer_cpus={cpu})
+    with CheckpointManager(tmp_path, world_size=4, runtime=runtime) as manager:
         manager.save(1, states)
         manager.wait()
         writer = next(thread for thread in threading.enumerate() if thread.name.startswith("tiered-ckpt-writer"))
@@ -88,7 +97,7 @@ def test_the_writer_runs_on_the_cpus_it_is_given_and_the_training_thread_is_left
 @pytest.mark.parametrize("cpus", [[], {10**6}, 3, "0"])
 def test_writer_cpus_that_cannot_be_used_are_refused(tmp_path, cpus):
     with pytest.raises(ConfigError, match="writer_cpus"):
-        CheckpointManager(tmp_path, world_size=1, writer_cpus=cpus)
+        CheckpointManager(tmp_path, world_size=1, runtime=RuntimeOptions(writer_cpus=cpus))
     CheckpointManager(tmp_path, world_size=1).close()  # nothing was left holding the directory
 
 
@@ -100,9 +109,7 @@ def test_blocking_save_and_several_steps(manager, states):
 
 
 def test_retention_keeps_the_newest_and_every_tenth(tmp_path):
-    with CheckpointManager(
-        tmp_path, world_size=2, keep_last=2, keep_every=10, sharded_keys=ZERO1_SHARDED_KEYS
-    ) as manager:
+    with CheckpointManager(LocalOptions(tmp_path, keep_last=2, keep_every=10), world_size=2, runtime=ZERO1) as manager:
         for step in range(1, 26):
             manager.save(step, zero1_states(2, 64, seed=step), blocking=step % 5 == 0)
         manager.wait()
@@ -112,7 +119,7 @@ def test_retention_keeps_the_newest_and_every_tenth(tmp_path):
 
 
 def test_retention_never_deletes_the_newest_step(tmp_path, states):
-    with CheckpointManager(tmp_path, world_size=4, keep_last=1, sharded_keys=ZERO1_SHARDED_KEYS) as manager:
+    with CheckpointManager(LocalOptions(tmp_path, keep_last=1), world_size=4, runtime=ZERO1) as manager:
         for step in (1, 2, 3):
             manager.save(step, states)
         manager.wait()
@@ -143,7 +150,7 @@ def test_a_second_manager_on_the_same_directory_is_refused(tmp_path):
 
 
 def test_start_removes_what_crashed_saves_left_and_nothing_else(tmp_path, states):
-    with CheckpointManager(tmp_path, world_size=4, sharded_keys=ZERO1_SHARDED_KEYS) as manager:
+    with CheckpointManager(tmp_path, world_size=4, runtime=ZERO1) as manager:
         manager.save(1, states, blocking=True)
     committed = tmp_path / step_dir_name(1)
     (committed / temp_name(MANIFEST_NAME)).write_bytes(b"half")
@@ -160,7 +167,7 @@ def test_start_removes_what_crashed_saves_left_and_nothing_else(tmp_path, states
 
 
 def test_closed_manager_refuses_calls(tmp_path, states):
-    manager = CheckpointManager(tmp_path, world_size=4, sharded_keys=ZERO1_SHARDED_KEYS)
+    manager = CheckpointManager(tmp_path, world_size=4, runtime=ZERO1)
     manager.save(1, states)
     manager.close()
     manager.close()
@@ -236,7 +243,7 @@ def test_missing_ok_never_takes_a_damaged_or_partial_step_for_a_fresh_start(tmp_
 
 
 def test_one_rank_saves_a_plain_dict_and_restores_it_as_state(tmp_path, states):
-    with CheckpointManager(tmp_path, world_size=1, sharded_keys=ZERO1_SHARDED_KEYS) as manager:
+    with CheckpointManager(tmp_path, world_size=1, runtime=ZERO1) as manager:
         manager.save(1, states[0], blocking=True)
         assert_states_equal([states[0]], [manager.restore().state])
 
@@ -317,15 +324,15 @@ def test_error_seen_through_the_handle_is_not_raised_again(small_filesystem):
     manager = CheckpointManager(small_filesystem, world_size=4)
     handle = manager.save(1, large_states(4, 4 * 1024 * 1024))
     with pytest.raises(SaveError):
-        handle.wait()
-    assert handle.manifest is None
+        handle.committed.result()
+    assert isinstance(handle.committed.exception(), SaveError)  # no manifest: the step is not committed
     manager.close()
 
 
 def test_read_only_directory_fails_the_background_save(tmp_path, states):
     if not running_as_root() or shutil.which("chattr") is None:
         pytest.skip("making a directory immutable for root needs chattr and root")
-    manager = CheckpointManager(tmp_path, world_size=4, sharded_keys=ZERO1_SHARDED_KEYS)
+    manager = CheckpointManager(tmp_path, world_size=4, runtime=ZERO1)
     manager.save(1, states, blocking=True)
     subprocess.run(["chattr", "+i", str(tmp_path)], check=True)
     try:
@@ -357,11 +364,16 @@ def test_sigkill_during_background_write_then_restart_restores_previous_step(tmp
 # --- the remote tier ---------------------------------------------------------------------
 
 
-def two_tier(local_dir, remote, **kwargs) -> CheckpointManager:
+def two_tier(local, remote, *, upload=None, runtime=ZERO1, **remote_fields) -> CheckpointManager:
+    """Four ranks over ``local`` (a path or LocalOptions) and the bucket ``remote`` (url, storage
+    options); ``remote_fields`` are further RemoteOptions fields; uploads back off 10 ms by default."""
     url, options = remote
-    kwargs.setdefault("sharded_keys", ZERO1_SHARDED_KEYS)
     return CheckpointManager(
-        local_dir, world_size=4, remote_url=url, storage_options=options, upload_backoff_seconds=0.01, **kwargs
+        local,
+        remote=RemoteOptions(url, storage_options=options, **remote_fields),
+        upload=upload if upload is not None else UploadOptions(backoff_seconds=0.01),
+        runtime=runtime,
+        world_size=4,
     )
 
 
@@ -370,7 +382,7 @@ def test_both_object_layouts_restore_and_rotate(tmp_path, remote_url, layout):
     import re
 
     url, options = remote_url
-    with two_tier(tmp_path / "a", remote_url, remote_layout=layout, keep_last_remote=1) as manager:
+    with two_tier(tmp_path / "a", remote_url, layout=layout, keep_last=1) as manager:
         for step in (1, 2):
             manager.save(step, zero1_states(seed=step))
         manager.wait(uploaded=True)
@@ -438,7 +450,7 @@ def test_damaged_local_and_remote_copies_fail_naming_both(tmp_path, cloud_url, s
 
 
 def test_remote_retention_keeps_the_newest_remote_steps(tmp_path, memory_url):
-    with two_tier(tmp_path, memory_url, keep_last=1, keep_last_remote=2, keep_every_remote=10) as manager:
+    with two_tier(LocalOptions(tmp_path, keep_last=1), memory_url, keep_last=2, keep_every=10) as manager:
         for step in (5, 10, 15, 20, 25):
             manager.save(step, zero1_states(seed=step))
             manager.wait(uploaded=True)
@@ -448,7 +460,7 @@ def test_remote_retention_keeps_the_newest_remote_steps(tmp_path, memory_url):
 
 def test_permanent_upload_failure_is_raised_and_local_steps_are_kept(tmp_path, cloud_url, states):
     url, options = cloud_url
-    with two_tier(tmp_path, cloud_url, keep_last=1) as manager:
+    with two_tier(LocalOptions(tmp_path, keep_last=1), cloud_url) as manager:
         manager.save(1, states)
         manager.wait(uploaded=True)
         tier = RemoteTier(url, options)
@@ -486,13 +498,21 @@ class BlockedUploads:
 
 def test_uploads_behind_with_skip_upload_only_the_newest(tmp_path, memory_url, monkeypatch):
     blocked = BlockedUploads(monkeypatch)
-    manager = two_tier(tmp_path, memory_url, keep_last=1, max_pending_uploads=1, when_uploads_behind="skip")
-    manager.save(1, zero1_states(seed=1), blocking=True)
+    manager = two_tier(
+        LocalOptions(tmp_path, keep_last=1),
+        memory_url,
+        upload=UploadOptions(backoff_seconds=0.01, max_pending=1, when_behind="skip"),
+    )
+    handles = {1: manager.save(1, zero1_states(seed=1), blocking=True)}
     blocked.started.wait()  # step 1 is being uploaded, out of the queue
     for step in (2, 3):  # 2 waits in the queue, 3 pushes it out
-        manager.save(step, zero1_states(seed=step), blocking=True)
+        handles[step] = manager.save(step, zero1_states(seed=step), blocking=True)
+    skipped = handles[2].uploaded.exception(timeout=60)  # settled when step 3 took its place
+    assert isinstance(skipped, UploadError) and skipped.step == 2 and skipped.transient
+    assert "stays local-only" in str(skipped) and "superseded by step 3" in str(skipped)
     blocked.release.set()
     manager.wait(uploaded=True)
+    assert handles[1].uploaded.result() is None and handles[3].uploaded.result() is None
     assert manager.remote_steps() == [1, 3]
     assert manager.steps() == [3]  # step 2 was superseded by step 3's remote commit
     manager.close()
@@ -505,14 +525,14 @@ def test_a_bucket_that_is_down_does_not_fill_the_disk(tmp_path, memory_url, monk
     with monkeypatch.context() as down:
         down.setattr(RemoteTier, "land_shard", unreachable)
         with caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
-            manager = two_tier(tmp_path, memory_url, keep_last=1, max_awaiting_upload=2)
+            manager = two_tier(LocalOptions(tmp_path, keep_last=1, max_awaiting_upload=2), memory_url)
             for step in range(1, 7):
                 manager.save(step, zero1_states(seed=step), blocking=True)
                 with pytest.raises(UploadError, match=f"step {step}"):
                     manager.wait(uploaded=True)
             manager.wait()
         assert manager.steps() == [5, 6]  # the newest two waiting steps; never the newest
-        assert manager.status().steps_behind == 2
+        assert manager.lag().steps_behind == 2
         assert any("deleted step 1" in r.getMessage() and "before it reached" in r.getMessage() for r in caplog.records)
     manager.save(7, zero1_states(seed=7), blocking=True)  # the bucket is back
     manager.wait(uploaded=True)
@@ -532,7 +552,6 @@ def until(condition, what, guard_seconds=120.0):
 
 def outage_options(**fields):
     """Small backoffs so that a test's bucket outage costs little time."""
-    from tiered_ckpt import UploadOptions
 
     return UploadOptions(**{"max_tries": 2, "backoff_seconds": 0.01, "max_backoff_seconds": 0.2, **fields})
 
@@ -542,14 +561,15 @@ def test_a_bucket_outage_never_fails_save_wait_or_close_and_every_step_saved_sin
 ):
     server, url, options = stoppable_s3
     caplog.set_level(logging.WARNING, logger="tiered_ckpt")
-    with two_tier(tmp_path, (url, options), upload=outage_options(), keep_last=2, max_awaiting_upload=10) as manager:
+    local = LocalOptions(tmp_path, keep_last=2, max_awaiting_upload=10)
+    with two_tier(local, (url, options), upload=outage_options()) as manager:
         manager.save(1, zero1_states(seed=1))
         manager.wait(uploaded=True)
         server.stop()  # connection refused from now on
         for step in range(2, 7):
             manager.save(step, zero1_states(seed=step), blocking=True)  # never raises, never blocks for long
-        until(lambda: manager.status().retrying_step == 2 and manager.status().retry_tries >= 4, "retried twice")
-        lag = manager.status()
+        until(lambda: manager.lag().retrying_step == 2 and manager.lag().retry_tries >= 4, "retried twice")
+        lag = manager.lag()
         assert lag.newest_remote == 1 and [step for step, _ in lag.waiting] == [2, 3, 4, 5, 6]
         assert "upload of step 2" in lag.last_error and "Connect" in lag.last_error and lag.last_error_at > 0
         manager.wait()  # the local commits are all there; the bucket is no error of wait()
@@ -559,7 +579,7 @@ def test_a_bucket_outage_never_fails_save_wait_or_close_and_every_step_saved_sin
         server.start()  # the bucket is back, on the same port
         manager.wait(uploaded=True)
         assert manager.remote_steps() == [1, 2, 3, 4, 5, 6]  # every step saved during the outage
-        assert manager.status().retrying_step is None and manager.steps() == [5, 6]
+        assert manager.lag().retrying_step is None and manager.steps() == [5, 6]
 
 
 def test_an_outage_keeps_at_most_max_awaiting_upload_waiting_steps_beside_the_one_being_retried(
@@ -568,10 +588,10 @@ def test_an_outage_keeps_at_most_max_awaiting_upload_waiting_steps_beside_the_on
     server, url, options = stoppable_s3
     caplog.set_level(logging.WARNING, logger="tiered_ckpt")
     upload = outage_options(max_pending=1)
-    with two_tier(tmp_path, (url, options), upload=upload, keep_last=1, max_awaiting_upload=2) as manager:
+    with two_tier(LocalOptions(tmp_path, keep_last=1, max_awaiting_upload=2), (url, options), upload=upload) as manager:
         server.stop()
         manager.save(1, zero1_states(seed=1), blocking=True)
-        until(lambda: manager.status().retrying_step == 1, "step 1's upload is retried")
+        until(lambda: manager.lag().retrying_step == 1, "step 1's upload is retried")
         for step in range(2, 7):
             manager.save(step, zero1_states(seed=step), blocking=True)  # never waits for the bucket
         manager.wait()
@@ -594,7 +614,7 @@ def test_a_step_that_missed_its_deadline_in_an_outage_fails_only_wait_uploaded_a
     with two_tier(tmp_path, (url, options), upload=outage_options(deadline_seconds=1)) as manager:
         server.stop()
         manager.save(2, zero1_states(seed=2))
-        until(lambda: "within its deadline" in (manager.status().last_error or ""), "step 2 missed its deadline")
+        until(lambda: "within its deadline" in (manager.lag().last_error or ""), "step 2 missed its deadline")
         manager.save(3, zero1_states(seed=3), blocking=True)  # a missed deadline is no error of save
         manager.wait()
         with pytest.raises(UploadError, match="steps 2, 3 missed their upload deadline") as caught:
@@ -633,7 +653,7 @@ def test_leaving_the_with_block_on_an_error_does_not_wait_for_a_failing_bucket(t
             manager.wait(uploaded=True)
             server.stop()
             manager.save(2, zero1_states(seed=2), blocking=True)
-            until(lambda: manager.status().retrying_step == 2, "step 2's upload is retried")
+            until(lambda: manager.lag().retrying_step == 2, "step 2's upload is retried")
             left = time.monotonic()
             raise RuntimeError("the training loop failed")
     assert time.monotonic() - left < 120  # a guard: not the hour of step 2's deadline
@@ -652,7 +672,7 @@ def test_a_permanent_upload_failure_is_raised_by_the_next_save_saying_its_step_w
     tier = RemoteTier(url, options)
     tier.backend.fs.rm(tier.backend.root.split("/")[0], recursive=True)  # no such bucket: permanent
     manager.save(2, zero1_states(seed=2), blocking=True)
-    until(lambda: manager.status().last_error is not None, "the upload of step 2 failed")
+    until(lambda: manager.lag().last_error is not None, "the upload of step 2 failed")
     with pytest.raises(UploadError, match="upload of step 2 failed.*so step 3 was not saved") as caught:
         manager.save(3, zero1_states(seed=3))
     assert caught.value.step == 2 and not caught.value.transient
@@ -663,16 +683,41 @@ def test_a_permanent_upload_failure_is_raised_by_the_next_save_saying_its_step_w
         manager.close()  # a permanent failure is raised by close too
 
 
+def test_the_handles_futures_and_check_for_errors_raise_a_failed_upload_once(tmp_path, s3_url):
+    url, options = s3_url
+    manager = two_tier(tmp_path, s3_url)
+    first = manager.save(1, zero1_states(seed=1))
+    assert first.uploaded.result() is None and first.committed.result().step == 1
+    manager.check_for_errors()  # nothing failed
+    tier = RemoteTier(url, options)
+    tier.backend.fs.rm(tier.backend.root.split("/")[0], recursive=True)  # no such bucket: permanent
+    second = manager.save(2, zero1_states(seed=2), blocking=True)
+    assert second.committed.result().step == 2  # on local disk whatever the bucket
+    with pytest.raises(UploadError, match="upload of step 2 failed") as caught:
+        second.uploaded.result()
+    assert caught.value.step == 2 and not caught.value.transient
+    manager.check_for_errors()  # raised by the handle's future already: not again
+    third = manager.save(3, zero1_states(seed=3), blocking=True)  # nor by save
+    assert isinstance(third.uploaded.exception(timeout=60), UploadError)
+    with pytest.raises(UploadError, match="upload of step 3 failed"):
+        manager.check_for_errors()
+    manager.check_for_errors()  # once
+    manager.close()  # nothing left to raise
+    assert manager.steps() == [1, 2, 3]
+
+
 def test_uploads_behind_with_wait_hold_the_next_save(tmp_path, memory_url, monkeypatch):
     blocked = BlockedUploads(monkeypatch)
-    manager = two_tier(tmp_path, memory_url, max_pending_uploads=1, when_uploads_behind="wait")
+    manager = two_tier(
+        tmp_path, memory_url, upload=UploadOptions(backoff_seconds=0.01, max_pending=1, when_behind="wait")
+    )
     manager.save(1, zero1_states(seed=1), blocking=True)
     blocked.started.wait()  # step 1 is being uploaded (held)
     manager.save(2, zero1_states(seed=2), blocking=True)  # queued
     third = manager.save(3, zero1_states(seed=3))  # committed locally, waits for room in the queue
-    assert not third.done()
+    assert not third.committed.done()
     blocked.release.set()
-    third.wait()
+    third.committed.result()
     manager.wait(uploaded=True)
     assert manager.remote_steps() == [1, 2, 3]
     manager.close()
@@ -714,7 +759,7 @@ def test_a_multipart_upload_killed_midway_is_aborted_by_the_next_start(tmp_path,
     open_uploads = tier.backend.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix).get("Uploads", [])
     assert [upload["Key"].rsplit("/", 1)[-1] for upload in open_uploads] == ["rank-00000-of-00004.safetensors"]
     with caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
-        with CheckpointManager(tmp_path, world_size=4, remote_url=url, storage_options=options) as manager:
+        with CheckpointManager(tmp_path, world_size=4, remote=RemoteOptions(url, storage_options=options)) as manager:
             manager.wait(uploaded=True)  # the killed step's upload, resumed and completed
             assert manager.remote_steps() == [1]
     assert "Uploads" not in tier.backend.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
@@ -738,13 +783,15 @@ def test_sigkill_during_upload_then_restart_completes_it_without_resending(tmp_p
         return original(backend, local_path, path, record, **options)
 
     monkeypatch.setattr(Counting, "put_shard", counting_upload)
-    with CheckpointManager(tmp_path, world_size=4, remote_url=url, storage_options=options) as manager:
+    with CheckpointManager(tmp_path, world_size=4, remote=RemoteOptions(url, storage_options=options)) as manager:
         manager.wait(uploaded=True)
         assert manager.remote_steps() == [1, 2]
     assert sorted(uploads) == [(2, 1), (2, 2), (2, 3)]  # rank 0 was uploaded intact before the kill
     for step in remote.steps():
         assert all(remote.shard_is_uploaded(step, record) for record in remote.read_manifest(step).manifest.shards)
-    with CheckpointManager(tmp_path / "fresh-node", world_size=4, remote_url=url, storage_options=options) as fresh:
+    with CheckpointManager(
+        tmp_path / "fresh-node", world_size=4, remote=RemoteOptions(url, storage_options=options)
+    ) as fresh:
         result = fresh.restore()
     assert result.step == 2 and set(result.sources.values()) == {"remote"}
     assert_states_equal(large_states(4, bytes_per_rank, version=2), result.states)
@@ -754,13 +801,10 @@ def test_transient_faults_on_30_percent_of_requests_still_commit_every_step(tmp_
     proxy, url, options = faulty_s3
     caplog.set_level(logging.WARNING, logger="tiered_ckpt")
     with CheckpointManager(
-        tmp_path,
+        LocalOptions(tmp_path, keep_last=2),
         world_size=4,
-        remote_url=url,
-        storage_options=options,
-        keep_last=2,
-        upload_backoff_seconds=0.001,
-        upload_max_tries=25,  # a request fails 25 times in a row with odds of 1 in 10**13
+        remote=RemoteOptions(url, storage_options=options),
+        upload=UploadOptions(backoff_seconds=0.001, max_tries=25),  # 25 failures in a row: odds of 1 in 10**13
     ) as manager:
         for step in range(1, 6):
             manager.save(step, large_states(4, 256 * 1024, version=step))
@@ -769,7 +813,7 @@ def test_transient_faults_on_30_percent_of_requests_still_commit_every_step(tmp_
     assert any("transient error" in record.getMessage() for record in caplog.records)
     direct_url, direct_options = s3_url
     with CheckpointManager(
-        tmp_path / "other-node", world_size=4, remote_url=direct_url, storage_options=direct_options
+        tmp_path / "other-node", world_size=4, remote=RemoteOptions(direct_url, storage_options=direct_options)
     ) as node:
         assert node.remote_steps() == [1, 2, 3, 4, 5]
         assert_states_equal(large_states(4, 256 * 1024, version=5), node.restore().states)
@@ -780,10 +824,8 @@ def test_transient_faults_on_gcs_still_commit_every_step(tmp_path, faulty_gcs, g
     with CheckpointManager(
         tmp_path,
         world_size=2,
-        remote_url=url,
-        storage_options=options,
-        upload_backoff_seconds=0.001,
-        upload_max_tries=25,
+        remote=RemoteOptions(url, storage_options=options),
+        upload=UploadOptions(backoff_seconds=0.001, max_tries=25),
     ) as manager:
         for step in (1, 2):
             manager.save(step, large_states(2, 64 * 1024, version=step))
@@ -791,7 +833,7 @@ def test_transient_faults_on_gcs_still_commit_every_step(tmp_path, faulty_gcs, g
     assert proxy.injected >= 3
     direct_url, direct_options = gcs_url
     with CheckpointManager(
-        tmp_path / "other-node", world_size=2, remote_url=direct_url, storage_options=direct_options
+        tmp_path / "other-node", world_size=2, remote=RemoteOptions(direct_url, storage_options=direct_options)
     ) as node:
         assert node.remote_steps() == [1, 2]
         assert_states_equal(large_states(2, 64 * 1024, version=2), node.restore().states)
@@ -799,13 +841,13 @@ def test_transient_faults_on_gcs_still_commit_every_step(tmp_path, faulty_gcs, g
 
 def test_a_failing_start_releases_the_directory_and_stops_the_uploader(tmp_path, memory_url, states):
     url, options = memory_url
-    with CheckpointManager(tmp_path, world_size=4, sharded_keys=ZERO1_SHARDED_KEYS) as manager:
+    with CheckpointManager(tmp_path, world_size=4, runtime=ZERO1) as manager:
         manager.save(1, states)  # local only: no receipt
     tier = RemoteTier(url, options)
     tier.backend.fs.pipe_file(f"{tier.backend.root}/{step_dir_name(1)}/manifest.json", b"{not json")
     threads_before = {thread.name for thread in threading.enumerate()}
     with pytest.raises(ManifestError, match="not a valid JSON manifest"):
-        CheckpointManager(tmp_path, world_size=4, remote_url=url, storage_options=options)
+        CheckpointManager(tmp_path, world_size=4, remote=RemoteOptions(url, storage_options=options))
     assert not any(t.name.startswith("tiered-ckpt") for t in threading.enumerate() if t.name not in threads_before)
     CheckpointManager(tmp_path, world_size=4).close()  # the directory was released
 
@@ -816,11 +858,13 @@ def test_a_store_that_always_refuses_costs_max_tries_requests_per_operation(tmp_
     from conftest import FaultInjectingProxy, s3_storage_options
 
     url, _ = s3_url
-    options = {"remote_url": url, "upload_max_tries": 3, "upload_backoff_seconds": 0}
     everything = FaultInjectingProxy(moto_endpoint, failure_rate=1.0)
     with pytest.raises(RemoteError, match="listing") as caught:  # the start-up listing of the bucket
         CheckpointManager(
-            tmp_path / "a", world_size=4, storage_options=s3_storage_options(everything.endpoint), **options
+            tmp_path / "a",
+            world_size=4,
+            remote=RemoteOptions(url, storage_options=s3_storage_options(everything.endpoint)),
+            upload=UploadOptions(max_tries=3, backoff_seconds=0),
         )
     everything.close()
     assert caught.value.tries == 3 and everything.requests == 3
@@ -830,11 +874,9 @@ def test_a_store_that_always_refuses_costs_max_tries_requests_per_operation(tmp_
         with CheckpointManager(
             tmp_path / "b",
             world_size=4,
-            storage_options=s3_storage_options(puts.endpoint),
-            sharded_keys=ZERO1_SHARDED_KEYS,
-            upload_concurrency=1,
-            upload_deadline_seconds=1,
-            **options,
+            remote=RemoteOptions(url, storage_options=s3_storage_options(puts.endpoint)),
+            upload=UploadOptions(max_tries=3, backoff_seconds=0, concurrency=1, deadline_seconds=1),
+            runtime=ZERO1,
         ) as manager:
             manager.save(1, states)
             manager.wait(uploaded=True)
@@ -852,7 +894,7 @@ def test_a_typo_in_verify_is_refused_not_taken_as_fast(manager, states):
     with pytest.raises(ConfigError, match="verify must be 'full'"):
         manager.restore(verify="Full")
     with pytest.raises(ValueError, match="verify must be one of"):
-        CheckpointManager(manager.root / "other", world_size=4, verify="sha256")
+        CheckpointManager(manager.root / "other", world_size=4, restore=RestoreOptions(verify="sha256"))
 
 
 @pytest.mark.parametrize(
@@ -870,22 +912,6 @@ def test_restore_arguments_it_cannot_take_are_usage_errors(manager, states, argu
         manager.restore(**arguments)
 
 
-@pytest.mark.parametrize(
-    "keywords, hint",
-    [
-        ({"keep_lst": 2}, "keep_lst: did you mean keep_last"),
-        ({"worldsize": 2}, "worldsize: did you mean world_size"),
-        ({"endpoint_url": "http://h"}, "endpoint_url is a field of RemoteOptions"),
-    ],
-)
-def test_an_unknown_keyword_is_a_usage_error_naming_it_its_close_matches_and_the_known_ones(tmp_path, keywords, hint):
-    with pytest.raises(UsageError, match="unknown keyword argument") as caught:
-        CheckpointManager(tmp_path / "ckpt", world_size=1, **keywords)
-    message = str(caught.value)
-    assert hint in message and "known: world_size, coordinator," in message and "remote_layout" in message
-    assert not isinstance(caught.value, TypeError) and not (tmp_path / "ckpt").exists()
-
-
 def test_a_bad_world_size_names_the_keyword_argument(tmp_path):
     with pytest.raises(ConfigError, match="^keyword argument world_size must be an integer >= 1, got 0$"):
         CheckpointManager(tmp_path / "ckpt", world_size=0)
@@ -895,7 +921,7 @@ def test_a_bad_world_size_names_the_keyword_argument(tmp_path):
 def test_a_remote_url_without_a_bucket_is_refused(tmp_path, url, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match="names no bucket or directory"):
-        CheckpointManager(tmp_path / "ckpt", world_size=1, remote_url=url)
+        CheckpointManager(tmp_path / "ckpt", world_size=1, remote=url)
     assert sorted(os.listdir(tmp_path)) == []  # nothing created, here or as a "s3:" directory
 
 
@@ -910,10 +936,10 @@ def test_a_masked_array_is_refused_before_anything_is_written(manager, states):
 def test_a_directory_replaced_under_a_running_manager_is_never_written(tmp_path, states):
     import shutil
 
-    first = CheckpointManager(tmp_path, world_size=4, keep_last=1, sharded_keys=ZERO1_SHARDED_KEYS)
+    first = CheckpointManager(LocalOptions(tmp_path, keep_last=1), world_size=4, runtime=ZERO1)
     first.save(1, states, blocking=True)
     shutil.rmtree(tmp_path)  # the directory is deleted under the running job...
-    with CheckpointManager(tmp_path, world_size=4, keep_last=1, sharded_keys=ZERO1_SHARDED_KEYS) as second:
+    with CheckpointManager(LocalOptions(tmp_path, keep_last=1), world_size=4, runtime=ZERO1) as second:
         second.save(5, states, blocking=True)  # ...and another job recreates and locks it
         with pytest.raises(DirectoryInUseError, match="removed or replaced since this job locked it"):
             first.save(6, states, blocking=True)
@@ -928,7 +954,7 @@ def test_a_closed_port_is_a_typed_error_at_start(tmp_path):
     from conftest import free_port
 
     with pytest.raises(RemoteError, match="cannot open ftp://127.0.0.1"):
-        CheckpointManager(tmp_path, world_size=1, remote_url=f"ftp://127.0.0.1:{free_port()}/x")
+        CheckpointManager(tmp_path, world_size=1, remote=f"ftp://127.0.0.1:{free_port()}/x")
 
 
 @pytest.mark.parametrize("store", ["s3", "gcs"])
@@ -958,7 +984,9 @@ def test_bytes_changed_in_transit_are_never_committed(tmp_path, store, request, 
     caplog.set_level(logging.WARNING, logger="tiered_ckpt")
     try:
         with pytest.raises(UploadError, match="within its deadline") as caught:
-            with two_tier(tmp_path, (url, options), upload_max_tries=2, upload_deadline_seconds=3) as manager:
+            with two_tier(
+                tmp_path, (url, options), upload=UploadOptions(max_tries=2, backoff_seconds=0.01, deadline_seconds=3)
+            ) as manager:
                 manager.save(1, states)
                 manager.wait(uploaded=True)
         assert caught.value.tries >= 2 and caught.value.transient  # tried again until the deadline
@@ -970,22 +998,21 @@ def test_bytes_changed_in_transit_are_never_committed(tmp_path, store, request, 
     assert RemoteTier(*request.getfixturevalue(f"{store}_url")).steps() == []
 
 
-def test_status_reports_the_lag_the_upload_rate_and_the_last_error(tmp_path, moto_endpoint, s3_url, states, caplog):
+def test_lag_reports_the_lag_the_upload_rate_and_the_last_error(tmp_path, moto_endpoint, s3_url, states, caplog):
     from conftest import FaultInjectingProxy, s3_storage_options
-    from tiered_ckpt import UploadOptions
 
     url, _ = s3_url
     proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0)
     upload = UploadOptions(max_tries=1, backoff_seconds=0.01, max_backoff_seconds=0.05, deadline_seconds=1)
     try:
         with caplog.at_level(logging.INFO, logger="tiered_ckpt"), CheckpointManager(
-            tmp_path, world_size=4, sharded_keys=ZERO1_SHARDED_KEYS, remote_url=url,
-            storage_options=s3_storage_options(proxy.endpoint), upload=upload,
+            tmp_path, world_size=4, runtime=ZERO1,
+            remote=RemoteOptions(url, storage_options=s3_storage_options(proxy.endpoint)), upload=upload,
         ) as manager:  # fmt: skip
-            assert manager.status().newest_remote is None and manager.status().upload_bytes_per_second is None
+            assert manager.lag().newest_remote is None and manager.lag().upload_bytes_per_second is None
             manager.save(1, states)
             manager.wait(uploaded=True)
-            lag = manager.status()
+            lag = manager.lag()
             assert (lag.newest_local, lag.newest_remote, lag.waiting, lag.last_error) == (1, 1, (), None)
             assert lag.upload_bytes_per_second > 0
             assert any("step 1 committed at" in r.getMessage() and "MB/s" in r.getMessage() for r in caplog.records)
@@ -993,7 +1020,7 @@ def test_status_reports_the_lag_the_upload_rate_and_the_last_error(tmp_path, mot
             manager.save(2, states)
             with pytest.raises(UploadError, match="step 2 was not committed .* within its deadline"):
                 manager.wait(uploaded=True)
-            lag = manager.status()
+            lag = manager.lag()
             assert (lag.newest_local, lag.newest_remote, lag.steps_behind) == (2, 1, 1)
             assert lag.waiting[0][0] == 2 and lag.waiting[0][1] == manager.store.local.manifest(2).total_bytes
             assert "step 2 was not committed" in lag.last_error and lag.last_error_at > 0
@@ -1007,16 +1034,17 @@ def test_a_step_not_committed_within_its_deadline_fails_and_the_next_step_goes_o
     tmp_path, moto_endpoint, s3_url, states, fault
 ):
     from conftest import FaultInjectingProxy, s3_storage_options
-    from tiered_ckpt import UploadOptions
 
     url, _ = s3_url
     proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0)
     # Retry bounds far beyond the deadline: only the deadline can end the first step's upload.
-    upload = UploadOptions(max_tries=10_000, backoff_seconds=0.05, max_seconds=3600, timeout_seconds=3600)
+    upload = UploadOptions(
+        max_tries=10_000, backoff_seconds=0.05, max_seconds=3600, timeout_seconds=3600, deadline_seconds=2
+    )
     try:
         with CheckpointManager(
-            tmp_path, world_size=4, sharded_keys=ZERO1_SHARDED_KEYS, remote_url=url,
-            storage_options=s3_storage_options(proxy.endpoint), upload=upload, upload_deadline_seconds=2,
+            tmp_path, world_size=4, runtime=ZERO1,
+            remote=RemoteOptions(url, storage_options=s3_storage_options(proxy.endpoint)), upload=upload,
         ) as manager:  # fmt: skip
             if fault == "stall":
                 proxy.stall = ("PUT",)  # shards are sent and never answered
@@ -1039,7 +1067,6 @@ def test_a_bucket_throttling_half_the_requests_for_a_while_gets_every_step_withi
     tmp_path, moto_endpoint, s3_url
 ):
     from conftest import FaultInjectingProxy, large_states, s3_storage_options
-    from tiered_ckpt import UploadOptions
 
     url, _ = s3_url
     proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0)
@@ -1048,7 +1075,10 @@ def test_a_bucket_throttling_half_the_requests_for_a_while_gets_every_step_withi
     counts = []
     try:
         with CheckpointManager(
-            tmp_path, world_size=4, remote_url=url, storage_options=s3_storage_options(proxy.endpoint), upload=upload
+            tmp_path,
+            world_size=4,
+            remote=RemoteOptions(url, storage_options=s3_storage_options(proxy.endpoint)),
+            upload=upload,
         ) as manager:
             for step, rate in ((1, 0.0), (2, 0.5), (3, 0.0)):  # clean, throttled for a while, clean again
                 proxy.failure_rate = rate
@@ -1071,7 +1101,6 @@ def test_a_bucket_throttling_half_the_requests_for_a_while_gets_every_step_withi
 
 def test_a_store_that_accepts_a_put_and_never_answers_fails_in_bounded_time(tmp_path, moto_endpoint, s3_url, states):
     from conftest import FaultInjectingProxy, s3_storage_options
-    from tiered_ckpt import UploadOptions
 
     url, _ = s3_url
     proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0, stall=("PUT",))
@@ -1080,9 +1109,8 @@ def test_a_store_that_accepts_a_put_and_never_answers_fails_in_bounded_time(tmp_
             with CheckpointManager(
                 tmp_path,
                 world_size=4,
-                sharded_keys=ZERO1_SHARDED_KEYS,
-                remote_url=url,
-                storage_options=s3_storage_options(proxy.endpoint),
+                runtime=ZERO1,
+                remote=RemoteOptions(url, storage_options=s3_storage_options(proxy.endpoint)),
                 upload=UploadOptions(max_tries=2, backoff_seconds=0, timeout_seconds=1, deadline_seconds=3),
             ) as manager:
                 manager.save(1, states)

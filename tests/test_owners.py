@@ -146,7 +146,9 @@ def test_a_second_manager_leaves_a_live_jobs_upload_and_multipart_upload_intact(
         assert open_uploads(tier) == ["step-000000000001/rank-00001-of-00002.safetensors"]
         (run_a,) = tier.read_owners()
         with caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
-            with CheckpointManager(tmp_path / "b", world_size=2, remote_url=url, storage_options=options) as b:
+            with CheckpointManager(
+                tmp_path / "b", world_size=2, remote=RemoteOptions(url, storage_options=options)
+            ) as b:
                 b.save(5, [{"w": np.zeros(4, np.float32)}] * 2)
                 b.wait(uploaded=True)
         assert object_exists(tier, 1, "rank-00000-of-00002.safetensors")  # A's confirmed object
@@ -157,7 +159,7 @@ def test_a_second_manager_leaves_a_live_jobs_upload_and_multipart_upload_intact(
     finally:
         child.kill()
         child.wait()
-    with CheckpointManager(tmp_path / "c", world_size=2, remote_url=url, storage_options=options):
+    with CheckpointManager(tmp_path / "c", world_size=2, remote=RemoteOptions(url, storage_options=options)):
         pass  # A is gone (killed, on this machine): its lease is dead, what it left is abandoned
     assert open_uploads(tier) == []
     assert tier.list_steps() == ([5], []) and tier.read_owners() == {}  # A's dead lease went too
@@ -214,13 +216,13 @@ def test_remote_retention_deletes_nothing_while_another_run_is_live(tmp_path, me
     url, options = memory_url
     tier = RemoteTier(url, options)
     tier.write_owner("ab" * 8, foreign_record("ab" * 8, renewed_at=1e12))
-    with CheckpointManager(tmp_path / "ckpt", world_size=1, remote_url=url, keep_last_remote=1) as manager:
+    with CheckpointManager(tmp_path / "ckpt", world_size=1, remote=RemoteOptions(url, keep_last=1)) as manager:
         for step in (1, 2, 3):
             manager.save(step, [{"w": np.full(4, step, np.float32)}])
             manager.wait(uploaded=True)
         assert manager.remote_steps() == [1, 2, 3]
     tier.delete_owner("ab" * 8)
-    with CheckpointManager(tmp_path / "ckpt", world_size=1, remote_url=url, keep_last_remote=1) as manager:
+    with CheckpointManager(tmp_path / "ckpt", world_size=1, remote=RemoteOptions(url, keep_last=1)) as manager:
         manager.save(4, [{"w": np.full(4, 4, np.float32)}])
         manager.wait(uploaded=True)
         assert manager.remote_steps() == [4]

@@ -45,12 +45,15 @@ def test_each_tier_keeps_what_its_own_policy_says(store):
     store, peer, bucket, upload = store
     upload(1, 2, 3, 4)
     store.retention = {"local": RetentionPolicy(keep_last=1), "peer": RetentionPolicy(keep_last=2)}
-    assert pruning.prune(store, dry_run=True) == {
-        "local": [1, 2, 3], "peer": [1, 2], "remote": [], "aborted": [], "local_kept_unproven": [],
-    }  # fmt: skip
+    planned = pruning.prune(store, dry_run=True)
+    assert planned == pruning.PruneResult(
+        {"local": (1, 2, 3), "peer": (1, 2), "remote": ()}, aborted=(), kept_unproven=(), dry_run=True
+    )
+    assert list(planned.deleted) == ["local", "peer", "remote"]  # in the store's order
     assert store.local.steps() == [1, 2, 3, 4]  # a dry run deletes nothing
     plan = pruning.prune(store)
-    assert (plan["local"], plan["peer"], plan["remote"]) == ([1, 2, 3], [1, 2], [])
+    assert dict(plan.deleted) == {"local": (1, 2, 3), "peer": (1, 2), "remote": ()} and not plan.dry_run
+    assert (plan.aborted, plan.kept_unproven) == ((), ())
     assert (store.local.steps(), peer.steps(), bucket.steps()) == ([4], [3, 4], [1, 2, 3, 4])
 
 

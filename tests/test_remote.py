@@ -7,7 +7,15 @@ import numpy as np
 import pytest
 
 from conftest import flip_byte
-from tiered_ckpt import CheckpointManager, ChecksumMismatchError, ManifestError, RemoteError, save_sharded
+from tiered_ckpt import (
+    CheckpointManager,
+    ChecksumMismatchError,
+    ManifestError,
+    RemoteError,
+    RemoteOptions,
+    UploadOptions,
+    save_sharded,
+)
 from tiered_ckpt.format.layout import MANIFEST_NAME
 from tiered_ckpt.io.hashing import hash_stream
 from tiered_ckpt.tiers import pruning
@@ -306,7 +314,7 @@ def test_a_missing_bucket_is_refused_at_manager_construction_naming_it(tmp_path,
     scheme, bucket = url.split("://")[0], "tiered-no-such-bucket"
     with pytest.raises(RemoteError, match=f"the bucket '{bucket}' does not exist") as caught:
         CheckpointManager(
-            tmp_path / "ckpt", world_size=1, remote_url=f"{scheme}://{bucket}/run", storage_options=options
+            tmp_path / "ckpt", world_size=1, remote=RemoteOptions(f"{scheme}://{bucket}/run", storage_options=options)
         )
     assert not caught.value.transient and caught.value.tries == 1  # permanent: one request, no retries
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
@@ -321,8 +329,9 @@ def test_a_bucket_unreachable_at_construction_is_retried_then_raised(tmp_path, m
     try:
         with pytest.raises(RemoteError, match="check its bucket") as caught:
             CheckpointManager(
-                tmp_path / "ckpt", world_size=1, remote_url=url, storage_options=s3_storage_options(proxy.endpoint),
-                upload_max_tries=3, upload_backoff_seconds=0,
+                tmp_path / "ckpt", world_size=1,
+                remote=RemoteOptions(url, storage_options=s3_storage_options(proxy.endpoint)),
+                upload=UploadOptions(max_tries=3, backoff_seconds=0),
             )  # fmt: skip
     finally:
         proxy.close()
@@ -386,7 +395,9 @@ def test_a_bucket_that_cannot_be_listed_is_refused_as_access_denied(tmp_path):
     try:
         options = s3_storage_options(f"http://127.0.0.1:{server.server_address[1]}")
         with pytest.raises(RemoteError, match="access to the bucket 'locked' is denied") as caught:
-            CheckpointManager(tmp_path / "ckpt", world_size=1, remote_url="s3://locked/run", storage_options=options)
+            CheckpointManager(
+                tmp_path / "ckpt", world_size=1, remote=RemoteOptions("s3://locked/run", storage_options=options)
+            )
         assert not caught.value.transient and caught.value.tries == 1
     finally:
         server.shutdown()

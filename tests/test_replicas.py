@@ -12,6 +12,7 @@ from tiered_ckpt import (
     CheckpointManager,
     ChecksumMismatchError,
     ManifestError,
+    RemoteOptions,
     ShardManifest,
     load_sharded,
     save_sharded,
@@ -96,14 +97,14 @@ def test_a_flipped_byte_in_the_one_copy_fails_the_load_naming_its_holder(tmp_pat
 def test_the_manager_writes_replicas_once_and_restores_them_locally_and_from_the_bucket(tmp_path, memory_url):
     url, options = memory_url
     states = chunked_states()
-    with CheckpointManager(tmp_path / "a", world_size=3, remote_url=url, storage_options=options) as manager:
+    with CheckpointManager(tmp_path / "a", world_size=3, remote=RemoteOptions(url, storage_options=options)) as manager:
         manager.save(1, states, blocking=True)
         manager.wait(uploaded=True)
         restored = manager.restore()
     assert [state["table"].tolist() for state in restored.states] == [states[0]["table"].tolist()] * 3
     assert [state["seed"].tolist() for state in restored.states] == [[0], [1], [2]]
     # A node with an empty disk: every shard and the one copy of the table come from the bucket.
-    with CheckpointManager(tmp_path / "b", world_size=3, remote_url=url, storage_options=options) as manager:
+    with CheckpointManager(tmp_path / "b", world_size=3, remote=RemoteOptions(url, storage_options=options)) as manager:
         restored = manager.restore()
     assert set(restored.sources.values()) == {"remote"}
     assert all(np.array_equal(state["table"], states[0]["table"]) for state in restored.states)

@@ -182,6 +182,69 @@ def test_wait_mode_blocks_the_submitter_until_there_is_room(job):
     assert remote.steps() == [1, 2, 3]
 
 
+def test_each_steps_outcome_settles_with_its_commit_or_its_upload_error(job):
+    _store, remote, faults, start = job
+    faults.failures.append(PermissionError("AccessDenied"))
+    uploader = start()
+    outcomes = {step: uploader.outcome(step) for step in (1, 2)}
+    assert uploader.outcome(1) is outcomes[1]  # one future per step
+    for step in (1, 2):
+        uploader.submit(step)
+    uploader.wait()
+    failed = outcomes[1].exception(timeout=60)
+    assert isinstance(failed, UploadError) and failed.step == 1 and not failed.transient
+    assert outcomes[2].result(timeout=60) is None and remote.steps() == [2]
+    with pytest.raises(UploadError, match="step 1"):
+        uploader.errors.raise_first()  # exception() only looks: the error is still the box's to raise
+
+
+def test_an_error_raised_by_an_outcome_is_not_raised_again_by_the_box(job):
+    _store, _remote, faults, start = job
+    faults.failures.append(PermissionError("AccessDenied"))
+    uploader = start()
+    outcome = uploader.outcome(1)
+    uploader.submit(1)
+    with pytest.raises(UploadError, match="step 1"):
+        outcome.result(timeout=60)
+    uploader.wait()
+    uploader.errors.raise_first()  # raised once already
+
+
+def test_abandon_fails_a_steps_outcome_with_the_error_given(job):
+    from tiered_ckpt import SaveError
+
+    _store, _remote, _faults, start = job
+    uploader = start()
+    outcome = uploader.outcome(7)
+    error = SaveError("background save of step 7 failed", step=7)
+    uploader.abandon(7, error)
+    assert outcome.exception(timeout=0) is error
+    uploader.abandon(8, error)  # no outcome asked for: nothing to settle
+
+
+def test_close_settles_every_outcome_and_a_submit_after_close_is_a_usage_error(job):
+    _store, remote, faults, start = job
+    faults.hold.clear()
+    uploader = start(max_pending=2)
+    outcomes = {step: uploader.outcome(step) for step in (1, 2, 3)}
+    uploader.submit(1)
+    faults.holding.wait()  # step 1 is being put; 2 waits in the queue; 3 is never submitted
+    uploader.submit(2)
+    closing = threading.Thread(target=uploader.close)
+    closing.start()
+    faults.hold.set()
+    closing.join()
+    # close finishes the queued uploads; a step never submitted is settled as staying local-only
+    assert outcomes[1].result(timeout=0) is None and outcomes[2].result(timeout=0) is None
+    assert remote.steps() == [1, 2]
+    error = outcomes[3].exception(timeout=0)
+    assert isinstance(error, UploadError) and error.step == 3 and error.transient
+    assert "step 3 stays local-only" in str(error) and "closed before it was sent" in str(error)
+    with pytest.raises(UsageError, match="is closed") as caught:
+        uploader.submit(4)
+    assert isinstance(caught.value, ValueError) and not isinstance(caught.value, RuntimeError)
+
+
 def test_retry_policy_stops_at_its_time_budget():
     clock = [0.0]
     calls = []

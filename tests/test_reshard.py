@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import ZERO1_SHARDED_KEYS, assert_states_equal, split_sizes, zero1_states
-from tiered_ckpt import CheckpointManager, ReshardError, partition_sizes, save_sharded
+from tiered_ckpt import CheckpointManager, ReshardError, RuntimeOptions, partition_sizes, save_sharded
 from tiered_ckpt.dist.reshard import copy_overlap, reshard
 from tiered_ckpt.oneshot import load_sharded
 
@@ -27,7 +27,7 @@ def test_reshard_equals_a_direct_reslice_byte_for_byte(tmp_path, old, new):
 
 
 def test_manager_reshards_4_to_8_on_request(tmp_path):
-    with CheckpointManager(tmp_path, world_size=4, sharded_keys=ZERO1_SHARDED_KEYS) as manager:
+    with CheckpointManager(tmp_path, world_size=4, runtime=RuntimeOptions(sharded_keys=ZERO1_SHARDED_KEYS)) as manager:
         manager.save(1, zero1_states(world_size=4), blocking=True)
     with CheckpointManager(tmp_path, world_size=8) as manager:
         result = manager.restore(reshard=True)
@@ -79,8 +79,8 @@ NESTED_SHARDED = [("model", "flat"), ("optim", "state", 0, "exp_avg")]
 
 @pytest.mark.parametrize("old, new", [(4, 3), (3, 5)])
 def test_flat_slices_inside_a_nested_state_reshard_by_their_paths(tmp_path, old, new):
-    with CheckpointManager(tmp_path, world_size=old, sharded_keys=NESTED_SHARDED) as manager:
-        manifest = manager.save(1, nested_zero1(old), blocking=True).wait()
+    with CheckpointManager(tmp_path, world_size=old, runtime=RuntimeOptions(sharded_keys=NESTED_SHARDED)) as manager:
+        manifest = manager.save(1, nested_zero1(old), blocking=True).committed.result()
     assert manifest.sharded_keys == ("model/flat", "optim/state/#0/exp_avg")
     with CheckpointManager(tmp_path, world_size=new) as manager:
         result = manager.restore(reshard=True)

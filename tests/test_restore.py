@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import flip_byte, launch_ranks
-from tiered_ckpt import CheckpointManager, InvalidStateError
+from tiered_ckpt import CheckpointManager, InvalidStateError, RemoteOptions
 from tiered_ckpt.format.layout import AGREEMENT_NAME, shard_name, step_dir_name
 from tiered_ckpt.tiers.local import LocalTier
 
@@ -75,7 +75,9 @@ def uploaded(tmp_path, memory_url):
     """Step 1 of 2 ranks, saved in ``tmp_path/node`` and committed in a memory bucket."""
     url, options = memory_url
     states = [{"w": np.arange(50_000, dtype=np.float32) + rank} for rank in range(2)]
-    with CheckpointManager(tmp_path / "node", world_size=2, remote_url=url, storage_options=options) as manager:
+    with CheckpointManager(
+        tmp_path / "node", world_size=2, remote=RemoteOptions(url, storage_options=options)
+    ) as manager:
         manager.save(1, states, blocking=True)
         manager.wait(uploaded=True)
     return tmp_path / "node", url, options, states
@@ -83,7 +85,7 @@ def uploaded(tmp_path, memory_url):
 
 def restore_logged(caplog, directory, url, options):
     with caplog.at_level(logging.INFO, logger="tiered_ckpt"):
-        with CheckpointManager(directory, world_size=2, remote_url=url, storage_options=options) as manager:
+        with CheckpointManager(directory, world_size=2, remote=RemoteOptions(url, storage_options=options)) as manager:
             return manager.restore()
 
 

@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 
 from conftest import flip_byte
-from tiered_ckpt import CheckpointManager, ChecksumMismatchError, UsageError, WorldSizeMismatchError
+from tiered_ckpt import (
+    CheckpointManager,
+    ChecksumMismatchError,
+    RemoteOptions,
+    RuntimeOptions,
+    UsageError,
+    WorldSizeMismatchError,
+)
 from tiered_ckpt.engine.restore_result import RestoreResult
 from tiered_ckpt.engine.shard_reads import ShardReader
 from tiered_ckpt.format.layout import shard_name, step_dir_name
@@ -26,7 +33,12 @@ def saved(tmp_path, memory_url):
     """Step 3 of 2 ranks in ``tmp_path/node``, uploaded to a memory bucket; the store over both tiers."""
     url, options = memory_url
     node = tmp_path / "node"
-    with CheckpointManager(node, world_size=2, remote_url=url, storage_options=options, sharded_keys=["w"]) as manager:
+    with CheckpointManager(
+        node,
+        world_size=2,
+        remote=RemoteOptions(url, storage_options=options),
+        runtime=RuntimeOptions(sharded_keys=["w"]),
+    ) as manager:
         manager.save(3, states(2), blocking=True)
         manager.wait(uploaded=True)
     tier = LocalTier(tmp_path / "node")

@@ -97,7 +97,9 @@ def test_status_and_verify_see_both_tiers(two_tiers):
     [status] = survey.status(store)
     assert (status.step, status.local, status.remote) == (3, "committed", "committed")
     assert status.manifest == manifest
-    checks = survey.verify(store)
+    result = survey.verify(store)
+    assert result.ok and result.failed == ()
+    checks = result.checks
     assert sorted((c.tier, c.rank, c.status) for c in checks) == [
         ("local", 0, "ok"),
         ("local", 1, "ok"),
@@ -110,8 +112,8 @@ def test_pull_fills_an_empty_local_tier(two_tiers, tmp_path):
     store, manifest, states = two_tiers
     fresh = TieredStore([LocalTier(tmp_path / "fresh"), store.remote])
     with fresh.local.lock():
-        step, sources = fresh.pull()
-    assert step == 3 and sources == {0: "remote", 1: "remote"}
+        pulled = fresh.pull()
+    assert pulled.step == 3 and pulled.sources == {0: "remote", 1: "remote"}
     assert fresh.local.steps() == [3] and fresh.receipted(3)
     assert fresh.local.read_shard(3, manifest.shard(1)).arrays["w"].tobytes() == states[1]["w"].tobytes()
 
@@ -258,7 +260,7 @@ def delete_step(root, step) -> None:
 def test_verify_skips_a_local_step_deleted_while_its_shards_are_checked(job_dirs, monkeypatch):
     store = TieredStore([job_dirs.local])  # the local tier only
     delete_first(monkeypatch, store.local, "check_shard", 1, delete_locally(store, 1))
-    checks = survey.verify(store)
+    checks = survey.verify(store).checks
     assert [(c.step, c.rank, c.status) for c in checks] == [(2, 0, "ok"), (2, 1, "ok")]
 
 
@@ -266,7 +268,7 @@ def test_verify_skips_a_step_whose_manifest_is_deleted_before_it_is_read_in_eith
     store = job_dirs
     delete_first(monkeypatch, store.local, "manifest", 1, delete_locally(store, 1))
     delete_first(monkeypatch, store.remote, "read_manifest", 2, lambda: store.remote.delete_step(2))
-    checks = survey.verify(store)
+    checks = survey.verify(store).checks
     assert sorted((c.step, c.tier, c.status) for c in checks) == [
         (1, "remote", "ok"), (1, "remote", "ok"), (2, "local", "ok"), (2, "local", "ok"),
     ]  # fmt: skip
@@ -275,7 +277,7 @@ def test_verify_skips_a_step_whose_manifest_is_deleted_before_it_is_read_in_eith
 def test_verify_skips_a_remote_step_deleted_while_its_objects_are_checked(job_dirs, monkeypatch):
     store = job_dirs
     delete_first(monkeypatch, store.remote, "check_shard", 1, lambda: store.remote.delete_step(1))
-    checks = survey.verify(store)
+    checks = survey.verify(store).checks
     assert [(c.step, c.tier) for c in checks if c.status != "ok"] == []
     assert sorted((c.step, c.tier) for c in checks) == [(1, "local")] * 2 + [(2, "local")] * 2 + [(2, "remote")] * 2
 
@@ -283,8 +285,10 @@ def test_verify_skips_a_remote_step_deleted_while_its_objects_are_checked(job_di
 def test_a_missing_shard_of_a_step_still_committed_is_a_failure(job_dirs):
     store = TieredStore([job_dirs.local])
     store.local.shard_path(1, store.local.manifest(1).shard(1)).unlink()
-    failed = [c for c in survey.verify(store) if c.status == "failed"]
+    result = survey.verify(store)
+    failed = [c for c in result.checks if c.status == "failed"]
     assert [(c.step, c.rank) for c in failed] == [(1, 1)] and "file is missing" in failed[0].problem
+    assert list(result.failed) == failed and not result.ok
 
 
 def test_status_and_lag_leave_out_a_step_deleted_before_its_manifest_is_read(job_dirs, monkeypatch):
@@ -486,12 +490,13 @@ def test_status_lag_and_verify_name_every_tier(three_tiers, tmp_path):
         newest_local=4, newest_peer=3, newest_remote=3
     )
     peer.shards[(3, manifest.shard(0).path)] = b"x"
-    checks = survey.verify(store, 3)
-    assert [(check.tier, check.rank, check.status) for check in checks] == [
+    result = survey.verify(store, 3)
+    assert [(check.tier, check.rank) for check in result.failed] == [("peer", 0)] and not result.ok
+    assert [(check.tier, check.rank, check.status) for check in result.checks] == [
         ("local", 0, "ok"), ("local", 1, "ok"), ("peer", 0, "failed"), ("peer", 1, "ok"),
         ("remote", 0, "ok"), ("remote", 1, "ok"),
     ]  # fmt: skip
-    assert [check.tier for check in survey.verify(store, 3, later_only=True)] == ["peer"] * 2 + ["remote"] * 2
+    assert [check.tier for check in survey.verify(store, 3, later_only=True).checks] == ["peer"] * 2 + ["remote"] * 2
     with pytest.raises(IncompleteCheckpointError, match="step 4 is committed in no tier checked"):
         survey.verify(store, 4, later_only=True)  # on the local disk only
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from tiered_ckpt import CheckpointManager, InvalidStateError, load_sharded, save_sharded
+from tiered_ckpt import CheckpointManager, InvalidStateError, RuntimeOptions, load_sharded, save_sharded
 from tiered_ckpt.torch.tensors import as_complex, float_pairs, is_tensor, numpy_state, to_numpy, to_torch, torch_state
 
 DTYPES = [
@@ -74,7 +74,7 @@ def test_manager_saves_a_model_and_optimizer_state_dict_and_hands_tensors_back(t
     for index, moments in optimizer.state_dict()["state"].items():
         flat.update({f"optim.{index}.{name}": value for name, value in moments.items()})
     expected = {key: (value.dtype, raw_bytes(value)) for key, value in flat.items()}
-    with CheckpointManager(tmp_path, world_size=1, sharded_keys=[]) as manager:
+    with CheckpointManager(tmp_path, world_size=1, runtime=RuntimeOptions(sharded_keys=[])) as manager:
         manager.save(1, [flat])
         with torch.no_grad():
             for tensor in flat.values():

@@ -1,6 +1,6 @@
 """The background writer (tiered_ckpt.engine.writer) on its own: a Writer over a LocalTier-backed
 store with a SingleProcessCoordinator, no manager. A save lands every shard and commits; a failure
-reaches the ErrorBox and is raised once; retention runs after the commit; check_cpus."""
+reaches the ErrorBox and is raised once; retention runs after the commit; the threads' CPUs and priority."""
 
 import hashlib
 import json
@@ -14,8 +14,8 @@ from memory_tier import MemoryTier
 from tiered_ckpt.dist.coordination import SingleProcessCoordinator
 from tiered_ckpt.dist.sharding import resolve_sharded_keys, sharding_summary
 from tiered_ckpt.engine.replication import Replicator
-from tiered_ckpt.engine.writer import BACKGROUND_NICENESS, SaveHandle, Writer, check_cpus
-from tiered_ckpt.errors import ConfigError, ErrorBox, SaveError, ShardCountMismatchError, UsageError
+from tiered_ckpt.engine.writer import BACKGROUND_NICENESS, SaveHandle, Writer
+from tiered_ckpt.errors import ErrorBox, SaveError, ShardCountMismatchError, UsageError
 from tiered_ckpt.format.layout import MANIFEST_NAME, step_dir_name
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.state import flatten
@@ -93,7 +93,8 @@ def test_a_save_lands_every_ranks_shard_and_commits_the_manifest(harness):
     h = harness(world_size=3)
     states = rank_states(3, step=5)
     handle = h.save(5, states)
-    manifest = handle.wait()
+    manifest = handle.committed.result()
+    assert handle.step == 5 and handle.uploaded is None  # no replicator: no upload
     assert isinstance(manifest, ShardManifest) and manifest.step == 5 and manifest.world_size == 3
     assert h.store.local.steps() == [5] and h.store.local.uncommitted_steps() == []
     directory = h.store.local.step_dir(5)
@@ -103,7 +104,7 @@ def test_a_save_lands_every_ranks_shard_and_commits_the_manifest(harness):
         assert record.rank == rank and record.size_bytes == len(data)
         assert record.sha256 == hashlib.sha256(data).hexdigest()  # the record is of the bytes on disk
     on_disk = ShardManifest.from_dict(json.loads((directory / MANIFEST_NAME).read_text()), source="test")
-    assert on_disk == manifest == handle.manifest
+    assert on_disk == manifest == handle.committed.result()
     assert_same(states, read_back(h.store, 5))
     assert h.store.local.held_ranks(5, manifest) == [0, 1, 2]
 
@@ -111,12 +112,18 @@ def test_a_save_lands_every_ranks_shard_and_commits_the_manifest(harness):
 def test_the_handle_says_when_the_save_is_done():
     from concurrent.futures import Future
 
-    future = Future()
-    handle = SaveHandle(9, future, ErrorBox())
-    assert not handle.done() and handle.manifest is None and "pending" in repr(handle) and "step=9" in repr(handle)
-    future.set_exception(SaveError("failed", step=9))
-    assert handle.done() and handle.manifest is None and "done" in repr(handle)
-    handle.settle()  # raises nothing: the error box has the failure
+    committed, uploaded = Future(), Future()
+    handle = SaveHandle(9, committed, uploaded)
+    assert handle.step == 9 and handle.committed is committed and handle.uploaded is uploaded
+    assert not handle.committed.done() and repr(handle) == "SaveHandle(step=9, committed=pending, uploaded=pending)"
+    committed.set_exception(SaveError("failed", step=9))
+    assert handle.committed.done() and repr(handle) == "SaveHandle(step=9, committed=failed, uploaded=pending)"
+    assert isinstance(handle.committed.exception(), SaveError)  # waiting raises nothing: the error box has it
+    uploaded.set_result(None)
+    assert repr(handle) == "SaveHandle(step=9, committed=failed, uploaded=done)"
+    done = Future()
+    done.set_result("manifest")
+    assert repr(SaveHandle(3, done, None)) == "SaveHandle(step=3, committed=done, uploaded=none)"
 
 
 def test_the_caller_may_overwrite_its_arrays_once_submit_returns(harness):
@@ -127,7 +134,7 @@ def test_the_caller_may_overwrite_its_arrays_once_submit_returns(harness):
     for state in states:
         for array in state.values():
             array.fill(-1)
-    handle.wait()
+    handle.committed.result()
     assert_same(expected, read_back(h.store, 1))
 
 
@@ -143,7 +150,7 @@ def test_saves_submitted_back_to_back_each_keep_their_own_arrays(harness):
     # the previous save's running write (the manager waits before it; the writer itself must too)
     h = harness(world_size=2)
     handles = [h.save(step, rank_states(2, step, n=500_000)) for step in (1, 2, 3)]
-    assert [handle.wait().step for handle in handles] == [1, 2, 3]
+    assert [handle.committed.result().step for handle in handles] == [1, 2, 3]
     assert h.store.local.steps() == [1, 2, 3]
     for step in (1, 2, 3):
         assert_same(rank_states(2, step, n=500_000), read_back(h.store, step))
@@ -154,31 +161,31 @@ def test_saves_submitted_back_to_back_each_keep_their_own_arrays(harness):
 
 def test_a_failed_write_is_a_save_error_in_the_box_raised_once_by_the_next_call(harness):
     h = harness(world_size=2)
-    h.save(1, rank_states(2)).wait()
+    h.save(1, rank_states(2)).committed.result()
     blocker = h.store.local.step_dir(2)
     blocker.write_text("not a directory")  # the step's directory cannot be made
     handle = h.save(2, rank_states(2))
     h.writer.settle()
-    assert handle.done() and handle.manifest is None
+    assert handle.committed.done() and isinstance(handle.committed.exception(), SaveError)  # no manifest
     with pytest.raises(SaveError, match=f"background save of step 2 to {blocker} failed") as caught:
         h.errors.raise_first()
     assert caught.value.step == 2 and isinstance(caught.value.__cause__, FileExistsError)
     h.errors.raise_first()  # raised once: the box is empty now
     assert h.store.local.steps() == [1] and blocker.read_text() == "not a directory"  # nothing else touched
     blocker.unlink()
-    h.save(3, rank_states(2, 3)).wait()  # the writer still works
+    h.save(3, rank_states(2, 3)).committed.result()  # the writer still works
     assert h.store.local.steps() == [1, 3]
 
 
-def test_a_failure_raised_by_wait_is_not_raised_again_by_the_box(harness):
+def test_a_failure_raised_by_the_handle_is_not_raised_again_by_the_box(harness):
     h = harness(world_size=1)
     h.store.local.step_dir(4).mkdir(parents=True)
     (h.store.local.step_dir(4) / "rank-00000-of-00001.safetensors").mkdir()  # the shard's name is taken
     handle = h.save(4, rank_states(1))
     with pytest.raises(SaveError, match="step 4") as caught:
-        handle.wait()
+        handle.committed.result()
     assert isinstance(caught.value.__cause__, OSError)
-    h.errors.raise_first()  # already raised by wait: not again
+    h.errors.raise_first()  # already raised by the handle's future: not again
 
 
 def test_a_save_that_fails_after_its_shards_landed_leaves_nothing_behind(harness):
@@ -187,7 +194,7 @@ def test_a_save_that_fails_after_its_shards_landed_leaves_nothing_behind(harness
     h = harness(world_size=2, processes_ranks=1)
     handle = h.save(7, rank_states(1))
     with pytest.raises(SaveError, match="step 7") as caught:
-        handle.wait()
+        handle.committed.result()
     assert isinstance(caught.value.__cause__, ShardCountMismatchError)
     assert not h.store.local.step_dir(7).exists()  # the landed shard went with its directory
     assert h.store.local.steps() == [] and h.store.local.uncommitted_steps() == []
@@ -201,7 +208,7 @@ def test_a_writer_whose_tier_is_not_locked_fails_the_save_and_writes_nothing(tmp
         flat = [flatten(rank_states(1)[0], "rank 0")]
         handle = writer.submit(1, flat, (), [0])
         with pytest.raises(SaveError) as caught:
-            handle.wait()
+            handle.committed.result()
         assert isinstance(caught.value.__cause__, UsageError) and "lock" in str(caught.value)
         assert not (tmp_path / "ckpt" / step_dir_name(1)).exists()
     finally:
@@ -214,7 +221,7 @@ def test_a_writer_whose_tier_is_not_locked_fails_the_save_and_writes_nothing(tmp
 def test_retention_after_each_commit_keeps_the_newest_steps(harness):
     h = harness(world_size=2, retention=RetentionPolicy(keep_last=2))
     for step, kept in [(1, [1]), (2, [1, 2]), (3, [2, 3]), (4, [3, 4])]:
-        h.save(step, rank_states(2, step)).wait()
+        h.save(step, rank_states(2, step)).committed.result()
         h.writer.settle()  # and the retention after it
         assert h.store.local.steps() == kept
     assert_same(rank_states(2, 4), read_back(h.store, 4))
@@ -224,16 +231,16 @@ def test_retention_after_each_commit_keeps_the_newest_steps(harness):
 def test_retention_keeps_every_nth_step_too(harness):
     h = harness(world_size=1, retention=RetentionPolicy(keep_last=1, keep_every=3))
     for step in range(1, 8):
-        h.save(step, rank_states(1, step)).wait()
+        h.save(step, rank_states(1, step)).committed.result()
     h.writer.settle()
     assert h.store.local.steps() == [3, 6, 7]
 
 
 def test_a_failed_save_does_not_run_retention(harness):
     h = harness(world_size=1, retention=RetentionPolicy(keep_last=1))
-    h.save(1, rank_states(1)).wait()
+    h.save(1, rank_states(1)).committed.result()
     h.store.local.step_dir(2).write_text("blocked")
-    h.save(2, rank_states(1)).settle()
+    h.save(2, rank_states(1)).committed.exception()  # waits; raises nothing
     h.writer.settle()
     assert h.store.local.steps() == [1]  # only a commit makes older steps deletable
     with pytest.raises(SaveError):
@@ -251,30 +258,12 @@ def test_without_a_policy_every_step_is_kept(harness):
 # -- CPUs and priority ---------------------------------------------------------------------------
 
 
-def test_no_cpus_means_any_cpu():
-    assert check_cpus(None) is None
-
-
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="thread affinity is Linux's")
-def test_cpus_this_process_may_use_are_taken_as_a_set():
-    allowed = os.sched_getaffinity(0)
-    assert check_cpus([min(allowed), min(allowed)]) == frozenset({min(allowed)})
-    assert check_cpus(iter(allowed)) == frozenset(allowed)
-
-
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="thread affinity is Linux's")
-@pytest.mark.parametrize("cpus", [[], set(), {10**6}, [0, 10**6], 3, "0", b"\x00", [-1]])
-def test_cpus_that_cannot_be_used_are_a_config_error_naming_writer_cpus(cpus):
-    with pytest.raises(ConfigError, match="^writer_cpus must be a non-empty set of this process's CPUs"):
-        check_cpus(cpus)
-
-
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="thread affinity is Linux's")
 def test_the_background_threads_run_niced_on_the_cpus_given_and_the_caller_is_left_alone(harness):
     cpu = max(os.sched_getaffinity(0))
     before, before_nice = os.sched_getaffinity(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     h = harness(world_size=1, retention=RetentionPolicy(keep_last=1), cpus=frozenset({cpu}))
-    h.save(1, rank_states(1)).wait()
+    h.save(1, rank_states(1)).committed.result()
     h.writer.settle()
     threads = {t.name.rsplit("_", 1)[0]: t for t in threading.enumerate() if t.name.startswith("tiered-ckpt-")}
     assert {"tiered-ckpt-writer", "tiered-ckpt-retention"} <= set(threads)
@@ -297,18 +286,42 @@ def test_the_writer_hands_each_commit_to_every_next_stage(tmp_path, memory_url):
     with store.local.lock():
         stages = [Replicator(store, peer, errors=errors), Replicator(store, errors=errors)]  # the bucket by default
         writer = Writer(store, SingleProcessCoordinator(1), world_size=1, errors=errors, replicators=stages)
+        handles = []
         try:
             for step in (1, 2):
                 flat = [flatten({"w": np.full(64, step, np.float32)}, "rank 0")]
                 keys, numels = resolve_sharded_keys([sharding_summary(flat[0].arrays)], None, flat=True)
-                writer.submit(step, flat, keys, numels).wait()
+                handles.append(writer.submit(step, flat, keys, numels))
+                handles[-1].committed.result()
             writer.close()
             for stage in stages:
                 stage.wait()
             errors.raise_first()
+            assert [handle.uploaded.result() for handle in handles] == [None, None]  # the bucket's stage
             assert peer.steps() == bucket.steps() == [1, 2]
             assert [store.receipted(step, bucket) for step in (1, 2)] == [True, True]
             assert [store.receipted(step, peer) for step in (1, 2)] == [False, False]
         finally:
             for stage in stages:
                 stage.close()
+
+
+def test_a_failed_save_fails_its_upload_future_with_the_save_error(tmp_path, memory_url):
+    store = TieredStore([LocalTier(tmp_path / "ckpt"), RemoteTier(*memory_url)])
+    errors = ErrorBox()
+    with store.local.lock():
+        uploader = Replicator(store, errors=errors)
+        writer = Writer(store, SingleProcessCoordinator(1), world_size=1, errors=errors, replicators=[uploader])
+        try:
+            store.local.step_dir(2).write_text("not a directory")  # the step's directory cannot be made
+            flat = [flatten({"w": np.full(64, 2, np.float32)}, "rank 0")]
+            keys, numels = resolve_sharded_keys([sharding_summary(flat[0].arrays)], None, flat=True)
+            handle = writer.submit(2, flat, keys, numels)
+            with pytest.raises(SaveError, match="step 2") as caught:
+                handle.committed.result()
+            assert handle.uploaded.exception(timeout=60) is caught.value  # the step will never be uploaded
+            errors.raise_first()  # raised once, by the handle
+        finally:
+            writer.close()
+            uploader.close()
+    assert store.remote.steps() == []

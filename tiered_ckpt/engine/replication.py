@@ -224,9 +224,7 @@ class Replicator:
         this replicator closed first), or what :meth:`abandon` gave.
         """
         with self._changed:
-            if step not in self._outcomes:
-                self._outcomes[step] = ReportedFuture(self.errors)
-            return self._outcomes[step]
+            return self._outcomes.setdefault(step, ReportedFuture(self.errors))
 
     def abandon(self, step: int, error: CheckpointError) -> None:
         """``step`` will never be submitted (its save failed): its :meth:`outcome` fails with ``error``."""

@@ -181,7 +181,7 @@ def main() -> None:
     # The config's runtime options, with this model's flat slices and SIGTERM as the preemption notice.
     runtime = dataclasses.replace(config.runtime, sharded_keys=SHARDED, preemption_signals=[signal.SIGTERM])
     with tiered_ckpt.CheckpointManager.from_config(
-        config, local_dir=local_dir, coordinator=coordinator, runtime=runtime
+        config, local=local_dir, coordinator=coordinator, runtime=runtime
     ) as manager:
         start, preempted = 0, False
         # Collective: every rank gets the same step, or None if no rank and no bucket has one yet.

@@ -125,7 +125,7 @@ def main() -> None:
     config = tiered_ckpt.load_config(args.config)
     coordinator = tiered_ckpt.TorchDistributedCoordinator()
     local_dir = Path(config.local.dir) / f"rank-{rank}"
-    with tiered_ckpt.CheckpointManager.from_config(config, local_dir=local_dir, coordinator=coordinator) as manager:
+    with tiered_ckpt.CheckpointManager.from_config(config, local=local_dir, coordinator=coordinator) as manager:
         start = 0
         into = {"model": model_state, "optim": optim_state, "sched": scheduler.state_dict(), "step": 0}
         restored = manager.restore(into=into, reshard=args.reshard, missing_ok=True)

@@ -217,7 +217,7 @@ def test_precedence_is_argument_then_environment_then_file_then_default(tmp_path
 @pytest.mark.parametrize(
     "text, problem",
     [
-        ("[local]\ndir = 3\n", "key 'local.dir' must be str, got int"),
+        ("[local]\ndir = 3\n", "key 'local.dir' must be a path, got int"),
         ("[local]\ndir = 'x'\nkeep_last = 0\n", "key 'local.keep_last' must be >= 1"),
         ("[local]\ndir = 'x'\nkeep_last = true\n", "key 'local.keep_last' must be int, got bool"),
         ("[local]\ndir = 'x'\nkeeplast = 2\n", "unknown key 'local.keeplast'"),

@@ -283,7 +283,7 @@ def test_two_ranks_given_one_directory_both_fail_to_start_naming_the_fix(tmp_pat
     for result in results.values():
         assert result["error"][0] == "DirectoryInUseError"
     # whichever rank lost the race says why and what to do; the other names that rank
-    assert any("give each rank a local_dir of its own" in result["error"][1] for result in results.values())
+    assert any("give each rank a directory of its own (local.dir)" in result["error"][1] for result in results.values())
 
 
 def test_a_coordinator_on_a_process_group_saves_and_restores_only_that_groups_ranks(tmp_path):

@@ -351,6 +351,7 @@ def test_writer_cpus_that_cannot_be_used_are_refused(cpus):
     [
         (["SIGTERM"], (signal.SIGTERM,)),
         (["term", " usr1 "], (signal.SIGTERM, signal.SIGUSR1)),
+        ([str(int(signal.SIGTERM))], (signal.SIGTERM,)),  # a number as a variable's text
         ([int(signal.SIGUSR2), signal.SIGUSR2], (signal.SIGUSR2,)),
         ((), ()),
     ],

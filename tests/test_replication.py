@@ -312,6 +312,7 @@ def test_after_a_preemption_notice_a_step_retried_for_a_failing_bucket_gives_way
     store, remote, faults, start = job
     faults.down = True
     uploader = start(max_pending=1)
+    outcomes = {step: uploader.outcome(step) for step in (1, 2, 3)}
     uploader.submit(1)
     while uploader.retrying() is None:  # its first try failed (guarded by the test timeout)
         faults.failed.wait()
@@ -324,6 +325,24 @@ def test_after_a_preemption_notice_a_step_retried_for_a_failing_bucket_gives_way
     uploader.wait()
     uploader.errors.raise_first()  # superseded, not failed
     assert remote.steps() == [3] and not store.receipted(1)
+    assert outcomes[3].result(timeout=60) is None
+    for step in (1, 2):  # neither reached the bucket: their futures say so, as transient
+        error = outcomes[step].exception(timeout=60)
+        assert isinstance(error, UploadError) and error.transient and "superseded" in str(error), (step, error)
+
+
+def test_asking_a_settled_outcome_twice_or_one_never_put_in_the_box_hides_no_later_failure(job):
+    _store, _remote, _faults, start = job
+    uploader = start()
+    outcome = uploader.outcome(5)
+    uploader.abandon(5, UploadError("step 5 stays local-only: test", step=5, tries=0, transient=True))
+    for _ in range(2):
+        with pytest.raises(UploadError):
+            outcome.result()
+    later = UploadError("upload of step 5 failed: access denied", step=5, tries=1)
+    uploader.errors.put(later)
+    with pytest.raises(UploadError, match="access denied"):
+        uploader.errors.raise_first()
 
 
 # -- a third tier: a tier and a policy ---------------------------------------------------------

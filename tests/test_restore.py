@@ -170,10 +170,10 @@ def test_growing_the_world_size_without_a_bucket_says_the_step_exists_and_what_r
         assert "no committed checkpoint" not in message
         assert (
             "step 2, saved by 2 ranks, is committed on the disks of ranks 0-1 only and no bucket is configured "
-            "(remote_url): rank 2 of this job's 3 holds no copy, and a rank can read the shards on other nodes' "
-            "disks only through a bucket; to restore it on 3 ranks, give the job a bucket holding step 2 (remote_url)"
+            "(remote.url): rank 2 of this job's 3 holds no copy, and a rank can read the shards on other nodes' "
+            "disks only through a bucket; to restore it on 3 ranks, give the job a bucket holding step 2 (remote.url)"
         ) in message, message
-        assert message.endswith("(remote_url)" if reshard else "and restore with reshard=True (--reshard)"), message
+        assert message.endswith("(remote.url)" if reshard else "and restore with reshard=True (--reshard)"), message
     assert sorted(path.name for path in (tmp_path / "nodes").iterdir()) == ["rank-0", "rank-1"]  # no empty rank-2
     for rank in range(2):  # nothing the ranks held was touched
         assert sorted(path.name for path in (tmp_path / "nodes" / f"rank-{rank}").iterdir()) == [
@@ -193,7 +193,7 @@ def test_a_replaced_disk_without_a_bucket_says_the_step_exists_and_where(two_ran
         assert kind == "IncompleteCheckpointError", result
         assert (
             "step 2, saved by 2 ranks, is committed on the disks of rank 0 only and no bucket is configured "
-            "(remote_url): rank 1 of this job's 2 holds no copy"
+            "(remote.url): rank 1 of this job's 2 holds no copy"
         ) in message
         cause = (
             "(every rank committed it: a node's disk was replaced)"
@@ -223,7 +223,7 @@ def test_a_state_of_dtensors_resharded_without_a_bucket_says_it_needs_one_not_fi
         assert kind == "IncompleteCheckpointError" and "file is missing" not in message, result
         absent = re.search(r"step 3 was saved by 3 ranks; the shards of ranks \[([\d, ]+)\] are not on this", message)
         assert absent and str(rank) not in absent.group(1).split(", "), message  # another node's shards
-        assert "needs a bucket (remote_url) holding it" in message
+        assert "needs a bucket (remote.url) holding it" in message
 
 
 # --- one process per rank: a save cut short between the ranks' commits (real rank processes) ---

@@ -216,7 +216,8 @@ def command_push(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     local = store.local.steps()
     if args.step is not None and args.step not in local:
         raise IncompleteCheckpointError(f"{store.local.root}: step {args.step} is not committed locally")
-    start = functools.partial(Replicator, store, store.remote, policy=config.upload.replication)
+    ownership = config.remote.ownership if config.remote is not None else None
+    start = functools.partial(Replicator, store, store.remote, policy=config.upload.replication, ownership=ownership)
     failures: list[CheckpointError] = []
     with store.local.lock(), closing(start()) as uploader:
         steps = [step for step in ([args.step] if args.step is not None else local) if not store.receipted(step)]
@@ -249,9 +250,9 @@ def command_push(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
 
 def command_prune(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     store = _store(config)
-    deadline = config.upload.deadline_seconds
+    orphans = config.remote.orphan_age_seconds if config.remote is not None else 3600.0
     with store.local.lock():
-        pruned = pruning.prune(store, dry_run=args.dry_run, orphans_older_than=deadline or 3600.0)
+        pruned = pruning.prune(store, dry_run=args.dry_run, orphans_older_than=orphans)
     plan = {
         "local": list(pruned.deleted[store.local.name]),
         "remote": list(pruned.deleted[store.remote.name]) if store.remote is not None else [],

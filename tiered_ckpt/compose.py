@@ -134,7 +134,9 @@ class Parts:
         store = self._maintenance("prune")
         if self.uploader is not None:
             self.wait(uploaded=True)
-        return pruning.prune(store, dry_run=dry_run)
+        remote = self.options.remote
+        orphans = remote.orphan_age_seconds if remote is not None else 3600.0
+        return pruning.prune(store, dry_run=dry_run, orphans_older_than=orphans)
 
     def _maintenance(self, operation: str) -> TieredStore:
         """The store for ``operation`` (pull, push, prune), once every save so far is committed locally;

@@ -280,7 +280,9 @@ class ReportedFuture(Future[_T]):
         try:
             return super().result(timeout)
         except CheckpointError as error:
-            self._box.mark_raised(error)
+            # Only one waiting in the box: a future's error was put there first, or never is
+            # (a step left local-only by the queue), and asking twice is no second report.
+            self._box.mark_raised(error, expected=False)
             raise
 
 
@@ -313,14 +315,16 @@ class ErrorBox:
             else:
                 self._errors.append(error)
 
-    def mark_raised(self, error: CheckpointError) -> None:
-        """Note that ``error`` reached the caller another way, so it is not raised here again."""
+    def mark_raised(self, error: CheckpointError, *, expected: bool = True) -> None:
+        """Note that ``error`` reached the caller another way, so it is not raised here again:
+        it is forgotten if it waits here, else (an :class:`UploadError`, with ``expected``) it
+        is not taken when it comes."""
         with self._lock:
             key = self._key(error)
             waiting = [pending for pending in self._errors if self._key(pending) == key]
             if waiting:
                 self._errors.remove(waiting[0])
-            elif isinstance(error, UploadError):
+            elif expected and isinstance(error, UploadError):
                 self._expected.add(key)
 
     def raise_first(self, *, transient: bool = True) -> None:

@@ -188,7 +188,7 @@ class CheckpointManager:
         ``step`` is not newer than every committed step (on every rank, whichever rank's
         input or directory is at fault). A bucket that is unreachable or failing never
         makes it raise: the upload is retried until its deadline, and a step that misses it
-        stays local-only (see :meth:`wait` and :meth:`status`).
+        stays local-only (see :meth:`wait` and :meth:`lag`).
         """
         self._check_open()
         parts = self._parts

@@ -137,8 +137,10 @@ class LocalOptions(_Retained):
     max_awaiting_upload: int | None = 8
 
     def __post_init__(self) -> None:
-        if not isinstance(self.dir, (str, os.PathLike)) or not str(self.dir):
-            raise invalid_option("dir", f"must be str, got {type(self.dir).__name__} {self.dir!r:.60}")
+        if not isinstance(self.dir, (str, os.PathLike)):
+            raise invalid_option("dir", f"must be a path, got {type(self.dir).__name__} {self.dir!r:.60}")
+        if not str(self.dir):
+            raise invalid_option("dir", "must not be empty")
         object.__setattr__(self, "dir", Path(self.dir).expanduser())
         self.retention  # noqa: B018 -- checks keep_last and keep_every
 
@@ -363,7 +365,9 @@ def _signal(value: Any) -> signal.Signals:
     try:
         if isinstance(value, bool):
             raise ValueError
-        if isinstance(value, str):
+        if isinstance(value, str) and value.strip().isdigit():  # a number, as a variable gives it
+            chosen = signal.Signals(int(value))
+        elif isinstance(value, str):
             name = value.strip().upper()
             chosen = signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
         else:

@@ -313,9 +313,9 @@ def gather(coordinator: Coordinator, label: str, payload_type: type[P], action: 
 
     ``action`` returns a ``payload_type``: a frozen dataclass of JSON fields (tuples for
     sequences), rebuilt as one on every process. If ``action`` fails on any process, every
-    process raises: the failing one its own exception, the others the same class of the error tree
-    of the same class (or the base class for an exception not ours) naming that rank and
-    ``label``; a collective the backend cannot complete (a rank died or timed out) raises a
+    process raises: the failing one its own exception, the others one error naming that rank
+    and ``label`` (the same class of the error tree with its fields and ``rank`` set, or a
+    :class:`~tiered_ckpt.RankFailedError` for an exception not of the tree); a collective the backend cannot complete (a rank died or timed out) raises a
     :class:`CoordinationError` naming ``label``. So no process goes on to a collective that
     the others will never join.
     """
@@ -392,7 +392,7 @@ def from_payload(payload_type: type[P], document: Any) -> P:
     return payload_type(**{field.name: _as_tuples(document[field.name]) for field in fields})
 
 
-_ERROR_ATTRIBUTES = ("step", "tries", "transient", "deadline")
+_ERROR_ATTRIBUTES = ("step", "tries", "transient", "deadline", "exhausted", "field", "problem")
 
 
 def _describe_error(exc: BaseException) -> dict[str, Any]:

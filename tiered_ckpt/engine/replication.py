@@ -295,7 +295,7 @@ class Replicator:
                 self.submit(each, bounded=False)
         self.wait()
         self.errors.raise_first()
-        return [each for each in chosen if each in unreceipted]
+        return [each for each in chosen if each in unreceipted and self._store.receipted(each, self.target)]
 
     def close(self) -> None:
         """Finish every queued upload, then stop the thread."""
@@ -407,6 +407,7 @@ class Replicator:
                     step,
                     failure,
                 )
+                self._left_local([step], "preemption, superseded by a newer step")  # its future fails, not _run's
                 return
             if not again:
                 break

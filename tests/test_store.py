@@ -94,7 +94,7 @@ def test_without_a_bucket_a_damaged_shard_fails_as_it_is(two_tiers):
 
 def test_status_and_verify_see_both_tiers(two_tiers):
     store, manifest, _states = two_tiers
-    [status] = survey.status(store)
+    [status] = survey.step_statuses(store)
     assert (status.step, status.local, status.remote) == (3, "committed", "committed")
     assert status.manifest == manifest
     result = survey.verify(store)
@@ -298,10 +298,10 @@ def test_status_and_lag_leave_out_a_step_deleted_before_its_manifest_is_read(job
     assert [step for step, _size in lag.waiting] == [2]
     assert LocalTier(store.local.root).steps() == [2]
     delete_first(monkeypatch, store.local, "manifest", 2, delete_locally(store, 2))
-    rows = survey.status(store)  # step 2 is still in the bucket: shown there only
+    rows = survey.step_statuses(store)  # step 2 is still in the bucket: shown there only
     assert [(row.step, row.local, row.remote) for row in rows] == [(1, "-", "committed"), (2, "-", "committed")]
     local_only = TieredStore([LocalTier(store.local.root)])
-    assert survey.status(local_only) == [] and survey.lag(local_only).newest_local is None
+    assert survey.step_statuses(local_only) == [] and survey.lag(local_only).newest_local is None
 
 
 def test_the_cli_verify_beside_a_running_job_skips_the_step_its_retention_deletes(job_dirs, monkeypatch, capsys):
@@ -478,7 +478,7 @@ def test_parts_of_a_shard_come_from_the_nearest_tier_that_serves_ranges(tmp_path
 def test_status_lag_and_verify_name_every_tier(three_tiers, tmp_path):
     store, peer, _bucket, manifest, _states = three_tiers
     save_sharded([{"w": np.zeros(8, np.float32)}] * 2, tmp_path / "ckpt" / step_dir_name(4), step=4)
-    rows = survey.status(store)
+    rows = survey.step_statuses(store)
     assert [(row.step, dict(row.states)) for row in rows] == [
         (3, {"local": "committed", "peer": "committed", "remote": "committed"}),
         (4, {"local": "committed", "peer": "-", "remote": "uploading"}),  # no receipt of a memory's commit

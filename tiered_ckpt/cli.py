@@ -127,7 +127,7 @@ def command_ls(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     itself succeeded: ``tiered-ckpt verify`` exits 1 for it."""
     rows: list[dict[str, Any]] = []
     now = time.time()
-    for status in survey.status(_store(config)):  # a config describes the local tier and the bucket
+    for status in survey.step_statuses(_store(config)):  # a config describes the local tier and the bucket
         manifest = status.manifest
         rows.append(
             {

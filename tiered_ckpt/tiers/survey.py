@@ -28,7 +28,7 @@ __all__ = [
     "Lag",
     "UNKNOWN",
     "Unknown",
-    "status",
+    "step_statuses",
     "lag",
     "verify",
 ]
@@ -219,7 +219,7 @@ def _step_status(store: TieredStore, step: int, listed: Mapping[str, bool], part
     return StepStatus(step, _states(store, step, listed, partial), manifest, held, bucket=_bucket(store))
 
 
-def status(store: TieredStore) -> list[StepStatus]:
+def step_statuses(store: TieredStore) -> list[StepStatus]:
     """Every step any tier of ``store`` knows of, oldest first (see the module doc)."""
     listings = {tier.name: _listing(tier) for tier in store.tiers}
     rows = []

@@ -417,6 +417,7 @@ def test_every_option_is_reachable_from_its_environment_variable(key):
         ("TIERED_CKPT_RUNTIME_WRITER_CPUS", "0,x", "expected an integer, got 'x'"),
         ("TIERED_CKPT_RUNTIME_PREEMPTION_SIGNALS", "SIGKILL", "key 'runtime.preemption_signals' SIGKILL cannot"),
         ("TIERED_CKPT_UPLOAD_MAX_TRIES", "none", "expected an integer, got 'none'"),
+        ("TIERED_CKPT_REMOTE_STORAGE_OPTIONS", "{}", "remote.storage_options is a table; set it in a config"),
     ],
 )
 def test_a_bad_variable_is_refused_naming_it(name, text, problem):

@@ -202,7 +202,9 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[tuple[str, str], tuple[An
             continue
         table, _, key = name[len(ENV_PREFIX) :].lower().partition("_")
         fields = _fields(table) if table in _TABLES else {}
-        if key not in fields or key == "storage_options":
+        if key == "storage_options" and table == "remote":
+            raise ConfigError(f"environment variable {name}: remote.storage_options is a table; set it in a config")
+        if key not in fields:
             raise ConfigError(f"environment variable {name}: no such config key")
         overrides[(table, key)] = (_env_value(name, text, fields[key]), f"environment ({name})")
     return overrides

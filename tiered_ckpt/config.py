@@ -33,21 +33,21 @@ of this shape; every key is optional but ``local.dir``::
     preemption_signals = ["SIGTERM"]
     writer_cpus = [3]
 
-Each table is one options dataclass of :mod:`tiered_ckpt.options` and each key one of its
-fields (every field is a key; ``docs/reference/options.md`` lists them). Environment
-variables ``TIERED_CKPT_<TABLE>_<KEY>`` (``TIERED_CKPT_REMOTE_URL``,
-``TIERED_CKPT_UPLOAD_MAX_TRIES``, ``TIERED_CKPT_RUNTIME_WRITER_CPUS=2,3`` ...) override the
-file, a list as comma-separated items and ``none`` for an optional value left unset;
-``remote.storage_options``, a table, has no variable. Explicit arguments override both.
-YAML aliases (``*name``) are refused: a config is a few
-tables, and an alias is how a tiny file expands into billions of values.
 Each table becomes the options dataclass of :mod:`tiered_ckpt.options` that checks its
-values; this module only reads, merges and names where a value came from. Parsing is
-strict: an unknown table, key or ``TIERED_CKPT_`` variable, a value its option refuses
-(wrong type, out of range, nan or infinity, a URL with an unsupported scheme or without a bucket), or a
-credential in ``storage_options`` raises :class:`ConfigError` naming the file (or
-variable) and the key. Credentials come from the store's own chain (AWS environment or
-profile, ``GOOGLE_APPLICATION_CREDENTIALS``), never from a config.
+values, and each key is one of its fields (``docs/reference/options.md`` lists them all);
+this module only reads, merges and names where a value came from. Environment variables
+``TIERED_CKPT_<TABLE>_<KEY>`` (``TIERED_CKPT_REMOTE_URL``, ``TIERED_CKPT_UPLOAD_MAX_TRIES``,
+``TIERED_CKPT_RUNTIME_WRITER_CPUS=2,3`` ...) override the file, a list as comma-separated
+items and ``none`` for an optional value left unset; ``remote.storage_options``, a table,
+has no variable. Explicit overrides win over both.
+
+YAML aliases (``*name``) are refused: a config is a few tables, and an alias is how a tiny
+file expands into billions of values. Parsing is strict: an unknown table, key or
+``TIERED_CKPT_`` variable, a value its option refuses (wrong type, out of range, nan or
+infinity, a URL with an unsupported scheme or without a bucket), or a credential in
+``storage_options`` raises :class:`ConfigError` naming the file (or variable) and the key.
+Credentials come from the store's own chain (AWS environment or profile,
+``GOOGLE_APPLICATION_CREDENTIALS``), never from a config.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from tiered_ckpt.engine.replication import Replicator
 from tiered_ckpt.engine.restore import Restorer
 from tiered_ckpt.engine.restore_result import RestoreResult
 from tiered_ckpt.engine.writer import Writer
-from tiered_ckpt.errors import ConfigError, DirectoryInUseError, ErrorBox, UploadError, UsageError, restated
+from tiered_ckpt.errors import DirectoryInUseError, ErrorBox, UploadError, UsageError, invalid_option, restated
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.state import State
 from tiered_ckpt.io.hashing import Verify
@@ -59,9 +59,7 @@ def check_process_layout(options: Options, one_process: bool) -> None:
         "is 'skip', which needs one process holding every rank "
         "(with one process per rank, ranks could skip different steps); use 'wait'"
     )
-    error = ConfigError(f"upload.when_behind {problem}")
-    error.field, error.problem = "upload.when_behind", problem
-    raise error
+    raise invalid_option("upload.when_behind", problem)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Any
 import fsspec
 
 from tiered_ckpt.engine.replication import ReplicationPolicy, WhenBehind
-from tiered_ckpt.errors import ConfigError, UsageError, invalid_option
+from tiered_ckpt.errors import ConfigError, UsageError, invalid_option, restated
 from tiered_ckpt.io.hashing import VERIFY_MODES, Verify
 from tiered_ckpt.tiers.owners import OtherOwners, OwnershipPolicy
 from tiered_ckpt.tiers.remote import DEFAULT_PART_BYTES, DEFAULT_PART_CONCURRENCY, Layout, RemoteTier
@@ -408,12 +408,12 @@ def resolve_options(
         try:
             local = LocalOptions(local)  # type: ignore[arg-type]  # LocalOptions makes it a Path
         except ConfigError as exc:
-            raise _named("local", exc) from None
+            raise restated(exc, f"argument local: {exc}") from None
     if isinstance(remote, str):
         try:
             remote = RemoteOptions(remote)
         except ConfigError as exc:
-            raise _named("remote", exc) from None
+            raise restated(exc, f"argument remote: {exc}") from None
     given: dict[str, tuple[object, type]] = {"remote": (remote, RemoteOptions), "upload": (upload, UploadOptions)}
     given |= {"restore": (restore, RestoreOptions), "runtime": (runtime, RuntimeOptions)}
     for name, (value, kind) in given.items():
@@ -421,13 +421,6 @@ def resolve_options(
             accepted = f"a URL or {kind.__name__}" if name == "remote" else kind.__name__
             raise UsageError(f"argument {name} must be {accepted} or None, got {type(value).__name__}")
     return Options(local, remote, upload or UploadOptions(), restore or RestoreOptions(), runtime or RuntimeOptions())
-
-
-def _named(argument: str, error: ConfigError) -> ConfigError:
-    """``error`` saying it came from the manager's argument ``argument``."""
-    named = ConfigError(f"argument {argument}: {error}")
-    named.field, named.problem = error.field, error.problem
-    return named
 
 
 # One group per concern, each the same in the constructor, a config table and the

@@ -401,8 +401,9 @@ def _describe_error(exc: BaseException) -> dict[str, Any]:
     ours = isinstance(exc, CheckpointError) and errors.TREE.get(type(exc).__name__) is type(exc)
     return {
         "type": type(exc).__name__ if ours else None,
-        "kind": getattr(exc, "kind", type(exc).__name__),
-        "message": getattr(exc, "message", str(exc)) if isinstance(exc, errors.RankFailedError) else str(exc),
+        # one passed on from another rank keeps its origin's class name and message
+        "kind": exc.kind if isinstance(exc, errors.RankFailedError) else type(exc).__name__,
+        "message": exc.message if isinstance(exc, errors.RankFailedError) else str(exc),
         "attributes": {name: getattr(exc, name) for name in _ERROR_ATTRIBUTES if hasattr(exc, name)},
     }
 

@@ -283,7 +283,8 @@ def remote_url(request):
 class FaultInjectingProxy:
     """An HTTP proxy on a free loopback port in front of ``upstream`` that answers
     ``failure_rate`` of the requests (of ``methods`` only, if given) with ``503 SlowDown``
-    instead of forwarding them. ``requests`` counts every request it received. Requests
+    instead of forwarding them. ``requests`` counts every request it received, ``log`` lists
+    each one's method and path. Requests
     whose method is in ``corrupt`` are forwarded with one byte of their body flipped (bytes
     changed in transit); those in ``stall`` are read and never answered (until close), or
     with ``stall_paths`` only those whose path holds one of its strings (``".safetensors"``:
@@ -315,6 +316,7 @@ class FaultInjectingProxy:
         self.stall = stall
         self.failure_rate = failure_rate
         self.requests = 0
+        self.log: list[tuple[str, str]] = []  # (method, path) of every request received
         self.injected = 0
         self._lock = threading.Lock()
         decisions = random.Random(seed)
@@ -337,6 +339,7 @@ class FaultInjectingProxy:
                     body = bytes(flipped)
                 with proxy._lock:
                     proxy.requests += 1
+                    proxy.log.append((self.command, self.path))
                     fail = decisions.random() < proxy.failure_rate and (methods is None or self.command in methods)
                     proxy.injected += fail
                 if fail:
@@ -563,7 +566,6 @@ _SLOW = (  # test file::test id; a test's name alone covers all its parameters, 
     "test_cli.py::test_verify_remote_reads_only_the_bucket_and_needs_one",
     "test_config.py::test_endpoint_url_from_a_config_or_the_environment_reaches_the_store[s3]",
     "test_coordination.py::test_a_coordinator_on_a_process_group_saves_and_restores_only_that_groups_ranks",
-    "test_coordination.py::test_each_rank_writes_only_its_shard_and_the_step_commits_in_both_tiers",
     "test_coordination.py::test_a_different_world_size_fails_on_every_rank_unless_resharding_is_asked",
     "test_coordination.py::test_a_failed_upload_is_raised_by_every_rank_at_the_same_call_and_only_once",
     "test_coordination.py::test_a_failing_action_on_one_of_two_processes_makes_both_raise_naming_the_rank_and_label",
@@ -571,6 +573,7 @@ _SLOW = (  # test file::test id; a test's name alone covers all its parameters, 
     "test_coordination.py::test_a_signal_to_one_rank_stops_every_rank_at_the_same_step_with_it_committed_in_the_bucket",
     "test_coordination.py::test_a_typed_payload_round_trips_through_the_json_a_collective_carries",
     "test_coordination.py::test_an_array_one_rank_cannot_save_fails_the_save_on_every_rank",
+    "test_coordination.py::test_each_rank_writes_only_its_shard_and_the_step_commits_in_both_tiers",
     "test_coordination.py::test_ranks_asking_about_preemption_at_different_steps_fail_together",
     "test_coordination.py::test_ranks_calling_save_with_different_steps_fail_together",
     "test_coordination.py::test_ranks_retry_a_failing_bucket_together_and_commit_every_step_once_it_is_back",
@@ -587,6 +590,11 @@ _SLOW = (  # test file::test id; a test's name alone covers all its parameters, 
     "test_dcp_reader.py::test_a_step_the_writer_of_0_2_saved_loads_its_values_from_rank_0s_shard",
     "test_dcp_reader.py::test_ranks_that_find_different_newest_steps_refuse_the_load_on_every_rank",
     "test_dcp_writer.py::test_async_save_in_a_process_is_refused_saying_why",
+    "test_doc_samples.py::test_the_fsdp2_and_dcp_samples_save_and_restore_a_sharded_model",
+    "test_doc_samples.py::test_the_one_process_per_rank_guide_saves_every_rank_and_resumes",
+    "test_doc_samples.py::test_the_peer_tier_guide_keeps_steps_in_partner_memory_and_restores_the_newest",
+    "test_doc_samples.py::test_the_remote_tier_lag_and_oneshot_samples_run",
+    "test_doc_samples.py::test_the_saving_guide_trains_saves_to_the_bucket_and_resumes",
     "test_dtensor.py::test_a_flipped_byte_in_a_needed_shard_is_caught_and_read_from_the_bucket",
     "test_dtensor.py::test_an_fsdp2_state_restores_byte_equal_on_another_world_size",
     "test_dtensor.py::test_replicated_arrays_are_written_once_and_each_rank_keeps_its_own",
@@ -610,15 +618,11 @@ _SLOW = (  # test file::test id; a test's name alone covers all its parameters, 
     "test_manager.py::test_both_object_layouts_restore_and_rotate[s3-hashed]",
     "test_manager.py::test_bytes_changed_in_transit_are_never_committed",
     "test_manager.py::test_damaged_local_and_remote_copies_fail_naming_both[s3]",
+    "test_manager.py::test_lag_reports_the_lag_the_upload_rate_and_the_last_error",
     "test_manager.py::test_leaving_the_with_block_on_an_error_does_not_wait_for_a_failing_bucket",
     "test_manager.py::test_permanent_upload_failure_is_raised_and_local_steps_are_kept[s3]",
     "test_manager.py::test_sigkill_during_background_write_then_restart_restores_previous_step",
     "test_manager.py::test_sigkill_during_upload_then_restart_completes_it_without_resending",
-    "test_doc_samples.py::test_the_fsdp2_and_dcp_samples_save_and_restore_a_sharded_model",
-    "test_doc_samples.py::test_the_one_process_per_rank_guide_saves_every_rank_and_resumes",
-    "test_doc_samples.py::test_the_remote_tier_lag_and_oneshot_samples_run",
-    "test_doc_samples.py::test_the_saving_guide_trains_saves_to_the_bucket_and_resumes",
-    "test_manager.py::test_lag_reports_the_lag_the_upload_rate_and_the_last_error",
     "test_manager.py::test_transient_faults_on_30_percent_of_requests_still_commit_every_step",
     "test_manager.py::test_transient_faults_on_gcs_still_commit_every_step",
     "test_oneshot.py::test_sigkill_during_save_keeps_previous_checkpoint_and_commits_nothing",
@@ -626,6 +630,12 @@ _SLOW = (  # test file::test id; a test's name alone covers all its parameters, 
     "test_options.py::test_ownership_seconds_are_checked_where_the_remote_options_are_made[orphan_age_seconds-0]",
     "test_owners.py::test_a_second_manager_leaves_a_live_jobs_upload_and_multipart_upload_intact",
     "test_owners.py::test_multipart_uploads_are_aborted_only_past_the_orphan_age",
+    "test_peer.py::test_a_lost_node_falls_back_to_the_newest_step_on_disk_its_partners_still_hold",
+    "test_peer.py::test_a_lost_node_restores_byte_for_byte_from_its_partners_without_reading_the_bucket",
+    "test_peer.py::test_a_partner_killed_mid_copy_leaves_the_step_on_disk_and_it_reaches_the_bucket",
+    "test_peer.py::test_a_partners_flipped_byte_is_caught_and_the_bucket_is_read_instead",
+    "test_peer.py::test_steps_between_disk_saves_live_in_the_partners_memory_and_a_restart_restores_the_newest",
+    "test_peer.py::test_the_memory_held_for_partners_stays_flat_over_100_saves",
     "test_preemption.py::test_a_sigint_notice_saves_the_stop_step_and_raises_no_keyboard_interrupt",
     "test_preemption.py::test_reached_preemption_puts_the_newest_upload_first_and_drops_the_older_queued_ones",
     "test_preemption.py::test_the_readme_loop_saves_the_stop_step_whenever_the_notice_arrives[200-right after the",

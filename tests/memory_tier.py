@@ -58,6 +58,8 @@ class MemoryTier:
 
     def manifest(self, step: int) -> ShardManifest:
         source = f"{self.name}: step {step}'s manifest"
+        if step not in self.manifests:
+            raise IncompleteCheckpointError(f"{source}: not committed")
         manifest = ShardManifest.from_json(self.manifests[step], source=source)
         if manifest.step != step:
             raise ManifestError(f"{source}: field 'step' is {manifest.step}")

@@ -364,6 +364,7 @@ ENVIRONMENT = {
     ("local", "keep_last"): ("none", None),
     ("local", "keep_every"): ("500", 500),
     ("local", "max_awaiting_upload"): ("4", 4),
+    ("local", "every"): ("100", 100),
     ("remote", "url"): ("s3://b/run", "s3://b/run"),
     ("remote", "keep_last"): ("7", 7),
     ("remote", "keep_every"): ("none", None),
@@ -372,6 +373,7 @@ ENVIRONMENT = {
     ("remote", "lease_seconds"): ("60", 60.0),
     ("remote", "orphan_age_seconds"): ("7200.5", 7200.5),
     ("remote", "other_owners"): ("refuse", "refuse"),
+    ("remote", "every"): ("500", 500),
     ("upload", "concurrency"): ("3", 3),
     ("upload", "max_tries"): ("8", 8),
     ("upload", "backoff_seconds"): ("0.25", 0.25),
@@ -388,6 +390,11 @@ ENVIRONMENT = {
     ("runtime", "max_workers"): ("2", 2),
     ("runtime", "writer_cpus"): ("0", frozenset({0})),
     ("runtime", "preemption_signals"): ("SIGTERM,usr1", (signal.SIGTERM, signal.SIGUSR1)),
+    ("peer", "every"): ("10", 10),
+    ("peer", "max_bytes"): (str(1 << 30), 1 << 30),
+    ("peer", "timeout_seconds"): ("5", 5.0),
+    ("peer", "memory_dir"): ("/dev/shm/job-7", Path("/dev/shm/job-7")),
+    ("peer", "nodes"): ("a, a,b,b", ("a", "a", "b", "b")),
 }
 
 

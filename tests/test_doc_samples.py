@@ -28,6 +28,7 @@ MARKERS = {
     "two_tier": ("guides/remote-tier.md", "keep_last=10, keep_every=1000"),
     "lag": ("guides/remote-tier.md", "lag = manager.lag()\nif lag.steps_behind"),
     "use": ("guides/saving-and-restoring.md", "def training_state(step):"),
+    "peer": ("guides/peer-tier.md", "peer=PeerOptions(every=10"),
 }
 
 
@@ -152,3 +153,31 @@ def test_the_saving_guide_trains_saves_to_the_bucket_and_resumes(tmp_path, bucke
         outputs.append(result.stdout)
     assert "restored None" in outputs[0] and "restored 400" in outputs[1]
     assert committed(server) == [200, 400]
+
+
+PEER_PRELUDE = """
+    import os
+    import torch
+    os.environ["GROUP_RANK"] = os.environ["RANK"]  # each rank stands for a node of its own
+    total_steps = 120
+    model = torch.nn.Linear(8, 8)
+
+    def train_one_step():
+        pass
+"""
+
+
+def test_the_peer_tier_guide_keeps_steps_in_partner_memory_and_restores_the_newest(tmp_path, bucket):
+    server, env = bucket
+    text = sample("peer").replace("/dev/shm/tiered_ckpt", str(tmp_path / "shm"))
+    epilogue = "print(f'rank {rank}: restored', restored and (restored.step, dict(restored.sources)))\n"
+    path = script(tmp_path, "peer", PEER_PRELUDE, text, epilogue)
+    first = run(path, env, tmp_path, ranks=2)
+    assert first.returncode == 0, first.stderr[-5000:]
+    assert "rank 0: restored None" in first.stdout
+    assert sorted(p.name for p in (tmp_path / "nvme" / "rank-0").glob("step-*")) == [step_dir_name(100)]
+    again = run(path, env, tmp_path, ranks=2)  # every process restarted; the partners' memory is intact
+    assert again.returncode == 0, again.stderr[-5000:]
+    assert "rank 0: restored (120, {0: 'peer'})" in again.stdout
+    assert "rank 1: restored (120, {1: 'peer'})" in again.stdout
+    assert committed(server) == []  # the bucket's cadence (500) took no step of 120

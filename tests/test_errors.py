@@ -21,7 +21,13 @@ GROUPS = {
         errors.IncompleteCheckpointError,
         errors.ShardFormatError,
     },
-    errors.StorageError: {errors.RemoteError, errors.RemoteInUseError, errors.DirectoryInUseError},
+    errors.StorageError: {
+        errors.RemoteError,
+        errors.RemoteInUseError,
+        errors.DirectoryInUseError,
+        errors.PeerError,
+        errors.MemoryBudgetError,
+    },
     errors.BackgroundError: {errors.SaveError, errors.UploadError},
     errors.UsageError: {
         errors.ConfigError,

@@ -15,6 +15,8 @@ from tiered_ckpt.errors import (
     IncompleteCheckpointError,
     InvalidStateError,
     ManifestError,
+    MemoryBudgetError,
+    PeerError,
     RankFailedError,
     RemoteError,
     RemoteInUseError,
@@ -30,7 +32,14 @@ from tiered_ckpt.errors import (
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.manager import CheckpointManager, PruneResult, PullResult, PushResult, RestoreResult, SaveHandle
 from tiered_ckpt.oneshot import load_sharded, save_sharded
-from tiered_ckpt.options import LocalOptions, RemoteOptions, RestoreOptions, RuntimeOptions, UploadOptions
+from tiered_ckpt.options import (
+    LocalOptions,
+    PeerOptions,
+    RemoteOptions,
+    RestoreOptions,
+    RuntimeOptions,
+    UploadOptions,
+)
 from tiered_ckpt.tiers.store import TieredStore
 from tiered_ckpt.tiers.survey import Lag, ShardCheck, StepStatus, VerifyResult
 
@@ -42,6 +51,7 @@ __all__ = [
     "UploadOptions",
     "RestoreOptions",
     "RuntimeOptions",
+    "PeerOptions",
     "load_config",
     "Config",
     "SaveHandle",
@@ -77,6 +87,8 @@ __all__ = [
     "RemoteError",
     "RemoteInUseError",
     "DirectoryInUseError",
+    "PeerError",
+    "MemoryBudgetError",
     "BackgroundError",
     "SaveError",
     "UploadError",

@@ -7,7 +7,8 @@
 2. one collective, ``open``: lock the local directory, remove what crashed saves left in
    it, and check the bucket (on every rank, so one rank's failure fails all);
 3. the uploader (the :class:`~tiered_ckpt.engine.replication.Replicator` to the bucket),
-   which resumes what an earlier run left waiting for upload;
+   which resumes what an earlier run left waiting for upload, and the peer tier's
+   replicator (a partner node's memory: partners chosen, links built, both collectives);
 4. the preemption notice (its signal handlers) and its watch;
 5. the writer, which hands each committed step to the uploader.
 
@@ -27,8 +28,9 @@ from contextlib import ExitStack, closing, contextmanager
 from dataclasses import dataclass
 
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather
+from tiered_ckpt.engine.peer_setup import open_peer_tier, peer_policy
 from tiered_ckpt.engine.preemption import PreemptionNotice, PreemptionWatch
-from tiered_ckpt.engine.replication import Replicator
+from tiered_ckpt.engine.replication import Backlog, Replicator
 from tiered_ckpt.engine.restore import Restorer
 from tiered_ckpt.engine.restore_result import RestoreResult
 from tiered_ckpt.engine.writer import Writer
@@ -40,6 +42,7 @@ from tiered_ckpt.options import LocalOptions, Options, RemoteOptions
 from tiered_ckpt.tiers import pruning, survey
 from tiered_ckpt.tiers.base import Tier
 from tiered_ckpt.tiers.local import LocalTier
+from tiered_ckpt.tiers.peer import PeerTier
 from tiered_ckpt.tiers.pruning import PruneResult
 from tiered_ckpt.tiers.store import PullResult, TieredStore
 from tiered_ckpt.tiers.survey import Lag
@@ -80,6 +83,7 @@ class Parts:
     restorer: Restorer
     writer: Writer
     uploader: Replicator | None
+    peer: Replicator | None
     preemption: PreemptionWatch
     opened: ExitStack
     options: Options
@@ -108,6 +112,14 @@ class Parts:
         except UploadError as error:
             self.errors.mark_raised(error)
             raise
+
+    def should_save(self, step: int) -> bool:
+        """:meth:`~tiered_ckpt.CheckpointManager.should_save` (a step that is not an integer is saved,
+        for the save's own checks to refuse it)."""
+        if isinstance(step, bool) or not isinstance(step, int) or step == self.preemption.step:
+            return True
+        to_disk, replicators = self.writer.tiers_of(step)
+        return to_disk or bool(replicators)
 
     def reached_preemption(self, step: int) -> bool:
         """Whether every rank stops at ``step`` for a preemption notice; the first one puts the newest upload first."""
@@ -181,7 +193,16 @@ class Parts:
         return max([*steps[-1:], *([remote] if remote is not None else [])], default=None)
 
     def lag(self) -> Lag:
-        """The store's lag, with the uploader's pending steps, rate, last failure and retry."""
+        """The store's lag, with the uploader's pending steps, rate, last failure and retry, and
+        the peer tier's last failure."""
+        lag = self._uploads_lag()
+        if self.peer is None:
+            return lag
+        failed, tier = self.peer.last_error, self.peer.target
+        off = tier.broken if isinstance(tier, PeerTier) else None
+        return dataclasses.replace(lag, peer_error=failed[1] if failed else None, peer_off=off)
+
+    def _uploads_lag(self) -> Lag:
         uploader = self.uploader
         if uploader is None:
             return survey.lag(self.store)
@@ -247,13 +268,17 @@ def _open_local_dir(store: TieredStore, opened: ExitStack, one_process: bool) ->
         store.remote.check_bucket()
 
 
-def open_store(local: LocalOptions, remote: RemoteOptions | None, remote_tier: Tier | None) -> TieredStore:
-    """The store the options describe: the local tier, then ``remote_tier`` if given, each with its retention."""
+def open_store(
+    local: LocalOptions, remote: RemoteOptions | None, remote_tier: Tier | None, peer_tier: PeerTier | None = None
+) -> TieredStore:
+    """The store the options describe: the local tier, then ``peer_tier`` and ``remote_tier`` if
+    given (nearest first), each with its retention (a partner's memory keeps what its budget holds)."""
     local_tier = LocalTier(local.dir)
     retention = {local_tier.name: local.retention}
     if remote_tier is not None and remote is not None:
         retention[remote_tier.name] = remote.retention
-    return TieredStore([local_tier, *([remote_tier] if remote_tier is not None else [])], retention)
+    later = [tier for tier in (peer_tier, remote_tier) if tier is not None]
+    return TieredStore([local_tier, *later], retention)
 
 
 def open_parts(options: Options, coordinator: Coordinator) -> Parts:
@@ -263,24 +288,40 @@ def open_parts(options: Options, coordinator: Coordinator) -> Parts:
     ranks = tuple(coordinator.local_ranks)
     one_process = len(ranks) == world_size
     remote_tier = options.remote.open_tier(options.upload, check_bucket=False) if options.remote is not None else None
-    store = open_store(options.local, options.remote, remote_tier)
+    peer_tier = None
+    if options.peer is not None:
+        peer_tier = open_peer_tier(
+            coordinator, local_dir=options.local.dir, memory_dir=options.peer.memory_dir,
+            max_bytes=options.peer.max_bytes, timeout_seconds=options.peer.timeout_seconds, nodes=options.peer.nodes,
+        )  # fmt: skip
+    store = open_store(options.local, options.remote, remote_tier, peer_tier)
     errors = ErrorBox()
     uploader: Replicator | None = None
+    peer: Replicator | None = None
+    backlog = Backlog()  # local retention keeps what any later tier has still to commit
     stack = ExitStack()
     try:
         gather(coordinator, "open", Done, Attempt.run(lambda: _open_local_dir(store, stack, one_process)).done)
         if options.remote is not None and remote_tier is not None:
+            policy = dataclasses.replace(options.upload.replication, every=options.remote.every)
             uploader = Replicator(
                 store,
                 remote_tier,
-                policy=options.upload.replication,
+                policy=policy,
                 errors=errors,
                 coordinator=coordinator.new_channel(),
                 ranks=ranks,
                 ownership=options.remote.ownership,
+                backlog=backlog,
             )
             stack.enter_context(closing(uploader))
             uploader.resume()
+        if peer_tier is not None and options.peer is not None:
+            peer = Replicator(
+                store, peer_tier, policy=peer_policy(options.peer.every), errors=errors,
+                coordinator=coordinator.new_channel(), ranks=ranks, backlog=backlog,
+            )  # fmt: skip
+            stack.enter_context(closing(peer))
         notice = stack.enter_context(closing(PreemptionNotice(options.runtime.preemption_signals)))
         preemption = PreemptionWatch(notice, coordinator if one_process else coordinator.new_channel())
     except BaseException:
@@ -291,10 +332,11 @@ def open_parts(options: Options, coordinator: Coordinator) -> Parts:
         coordinator,
         world_size=world_size,
         errors=errors,
-        replicators=[uploader] if uploader is not None else [],
+        replicators=[each for each in (uploader, peer) if each is not None],
         max_workers=max_workers,
         cpus=options.runtime.writer_cpus,
+        local_every=options.local.every,
     )
     stack.enter_context(closing(writer))  # closed first: the last write reaches the uploader before it finishes
-    restorer = Restorer(store, coordinator, world_size, max_workers)
-    return Parts(store, errors, restorer, writer, uploader, preemption, stack, options, one_process, max_workers)
+    restorer = Restorer(store, coordinator, world_size, max_workers, peer=peer_tier)
+    return Parts(store, errors, restorer, writer, uploader, peer, preemption, stack, options, one_process, max_workers)

@@ -33,6 +33,10 @@ of this shape; every key is optional but ``local.dir``::
     preemption_signals = ["SIGTERM"]
     writer_cpus = [3]
 
+    [peer]                      # the peer tier (a partner's memory); leave out for none
+    every = 10                  # copy every 10th saved step
+    timeout_seconds = 30
+
 Each table becomes the options dataclass of :mod:`tiered_ckpt.options` that checks its
 values, and each key is one of its fields (``docs/reference/options.md`` lists them all);
 this module only reads, merges and names where a value came from. Environment variables
@@ -63,7 +67,15 @@ from typing import Any
 import yaml
 
 from tiered_ckpt.errors import ConfigError
-from tiered_ckpt.options import GROUPS, LocalOptions, RemoteOptions, RestoreOptions, RuntimeOptions, UploadOptions
+from tiered_ckpt.options import (
+    GROUPS,
+    LocalOptions,
+    PeerOptions,
+    RemoteOptions,
+    RestoreOptions,
+    RuntimeOptions,
+    UploadOptions,
+)
 
 __all__ = ["Config", "load_config", "ENV_PREFIX"]
 
@@ -89,6 +101,7 @@ class Config:
     upload: UploadOptions = UploadOptions()
     restore: RestoreOptions = RestoreOptions()
     runtime: RuntimeOptions = RuntimeOptions()
+    peer: PeerOptions | None = None
     source: str = "<defaults>"
     origins: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -285,6 +298,7 @@ def _build(merged: dict[tuple[str, str], tuple[Any, str]], source: str) -> Confi
         upload=_options("upload", merged, source),
         restore=_options("restore", merged, source),
         runtime=_options("runtime", merged, source),
+        peer=_options("peer", merged, source) if any(table == "peer" for table, _key in merged) else None,
         source=source,
         origins={f"{table}.{key}": where for (table, key), (_value, where) in merged.items()},
     )

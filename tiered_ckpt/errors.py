@@ -57,6 +57,8 @@ __all__ = [
     "RemoteError",
     "RemoteInUseError",
     "DirectoryInUseError",
+    "PeerError",
+    "MemoryBudgetError",
     "BackgroundError",
     "SaveError",
     "UploadError",
@@ -148,6 +150,15 @@ class RemoteInUseError(RemoteError):
 
 class DirectoryInUseError(StorageError):
     """Another save, or another CheckpointManager, holds the directory."""
+
+
+class PeerError(StorageError):
+    """A partner rank did not take or give a copy for the peer tier: it died, hangs, or its
+    bytes did not verify. Never raised by a save: the step is simply not in that tier."""
+
+
+class MemoryBudgetError(PeerError):
+    """A partner's memory cannot hold what it is asked to (``peer.max_bytes``)."""
 
 
 # -- a background stage failed ------------------------------------------------------------

@@ -38,7 +38,9 @@ from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.state import State
 from tiered_ckpt.io.hashing import Verify
 from tiered_ckpt.options import (
+    GROUPS,
     LocalOptions,
+    PeerOptions,
     RemoteOptions,
     RestoreOptions,
     RuntimeOptions,
@@ -73,7 +75,8 @@ class CheckpointManager:
     :class:`~tiered_ckpt.RemoteOptions` (None: local only), ``upload`` an
     :class:`~tiered_ckpt.UploadOptions` (the uploader and every remote request),
     ``restore`` a :class:`~tiered_ckpt.RestoreOptions` (verification), ``runtime`` a
-    :class:`~tiered_ckpt.RuntimeOptions` (sharded keys, threads, CPUs, preemption signals).
+    :class:`~tiered_ckpt.RuntimeOptions` (sharded keys, threads, CPUs, preemption signals),
+    ``peer`` a :class:`~tiered_ckpt.PeerOptions` (a partner node's memory; None: none).
     ``world_size`` and ``coordinator`` describe the job's processes and are not options.
 
     Use it as a context manager, or call :meth:`close` at the end of the run.
@@ -87,10 +90,11 @@ class CheckpointManager:
         upload: UploadOptions | None = None,
         restore: RestoreOptions | None = None,
         runtime: RuntimeOptions | None = None,
+        peer: PeerOptions | None = None,
         world_size: int | None = None,
         coordinator: Coordinator | None = None,
     ) -> None:
-        options = resolve_options(local, remote, upload, restore, runtime)
+        options = resolve_options(local, remote, upload, restore, runtime, peer)
         coordinator = resolve_coordinator(coordinator, world_size)
         self._ranks = tuple(coordinator.local_ranks)
         check_process_layout(options, len(self._ranks) == coordinator.world_size)
@@ -121,8 +125,7 @@ class CheckpointManager:
             local = local or config.local
         else:
             local = replace(config.local, dir=Path(local))
-        groups = {"remote": config.remote, "upload": config.upload, "restore": config.restore}
-        arguments = {**groups, "runtime": config.runtime, **kwargs}
+        arguments = {group: getattr(config, group) for group in GROUPS if group != "local"} | kwargs
         try:
             return cls(local, world_size=world_size, **arguments)
         except ConfigError as exc:  # a config value refused here (not by its own check) names its file or variable
@@ -180,8 +183,8 @@ class CheckpointManager:
         calls ``save`` with the same step). Returns once the arrays are copied to staging
         buffers: the caller may then overwrite its arrays. The write runs in the
         background; the :class:`SaveHandle` returned holds a future of the local commit
-        (``committed``) and one of the bucket's (``uploaded``); ``blocking=True`` waits for
-        ``committed``. Raises first any background
+        (``committed``, which ``blocking=True`` waits for) and one of the bucket's
+        (``uploaded``); a step no tier takes is not saved (:meth:`should_save`). Raises first any background
         error not yet raised (:class:`SaveError`, or a permanent :class:`UploadError`: no
         such bucket, access denied), saying that ``step`` was not saved, then
         :class:`InvalidStateError` for bad input and :class:`CheckpointExistsError` if
@@ -192,6 +195,8 @@ class CheckpointManager:
         """
         self._check_open()
         parts = self._parts
+        if not parts.should_save(step):
+            return SaveHandle.skipped(step)
         parts.writer.settle(retention=False)
 
         def checked() -> int | None:
@@ -208,10 +213,17 @@ class CheckpointManager:
                 where=str(self.root),
                 stop_step=parts.preemption.step,
             )
-        handle = parts.writer.submit(step, list(plan.states), plan.sharded_keys, list(plan.numels))
+        stop = step == parts.preemption.step  # a preemption's step goes to every tier
+        handle = parts.writer.submit(step, list(plan.states), plan.sharded_keys, list(plan.numels), every_tier=stop)
         if blocking:
             handle.committed.result()
         return handle
+
+    def should_save(self, step: int) -> bool:
+        """Whether :meth:`save` of ``step`` saves it: a tier's cadence takes it (``local.every``,
+        or ``peer.every`` while the peer tier is on), or a preemption notice stopped at it. A save
+        of another step returns at once, its ``committed`` future holding None."""
+        return self._parts.should_save(step)
 
     def reached_preemption(self, step: int) -> bool:
         """True once a ``runtime.preemption_signals`` signal has arrived: save ``step`` now and wait for its upload.
@@ -228,8 +240,7 @@ class CheckpointManager:
                 manager.save(step, state, blocking=True)
                 manager.wait(uploaded=True)
                 sys.exit(0)
-            if step % 200 == 0:
-                manager.save(step, state)
+            manager.save(step, state)  # saves only the steps some tier's cadence takes
         """
         self._check_open()
         return self._parts.reached_preemption(step)
@@ -240,11 +251,9 @@ class CheckpointManager:
 
         Raises a background error not yet raised: :class:`SaveError` or a permanent
         :class:`UploadError`; with ``uploaded=True`` also the :class:`UploadError` (``transient``
-        True) of the steps that missed their deadline while the bucket was unreachable (one
-        error naming them all; ``step`` is the newest), since the caller asked for the
-        bucket's copy (e.g. before exiting on a preemption notice) and does not have it. Each
-        such step is reported once; its local copy is kept.
-        """
+        True; one naming them all, ``step`` the newest) of the steps that missed their deadline
+        while the bucket was unreachable: the caller asked for the bucket's copy and does not
+        have it. Each such step is reported once; its local copy is kept."""
         self._parts.wait(uploaded=uploaded)
 
     def check_for_errors(self) -> None:
@@ -262,8 +271,7 @@ class CheckpointManager:
         a job ending while its bucket is down should not fail for it. A permanent failure
         (no such bucket, access denied, a failed save) is raised. Leaving a ``with`` block on an
         exception does not wait for a failing bucket: each upload still queued gets one try.
-        Calling it again does nothing.
-        """
+        Calling it again does nothing."""
         self._parts.close(repr(self))
 
     def _check_open(self) -> None:
@@ -281,11 +289,10 @@ class CheckpointManager:
         return self._parts.store.remote_steps()
 
     def latest_step(self) -> int | None:
-        """The newest step committed in either tier, or None if there is none.
+        """The newest step committed on disk or in the bucket, or None if there is none.
 
         With one process per rank this is this rank's view (its own directory and the
-        bucket as of its last upload); :meth:`restore` is what makes the ranks agree.
-        """
+        bucket as of its last upload); :meth:`restore` is what makes the ranks agree."""
         return self._parts.newest_step()
 
     def lag(self) -> Lag:

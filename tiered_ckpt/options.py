@@ -35,6 +35,7 @@ __all__ = [
     "UploadOptions",
     "RestoreOptions",
     "RuntimeOptions",
+    "PeerOptions",
     "Options",
     "GROUPS",
     "resolve_options",
@@ -129,14 +130,18 @@ class LocalOptions(_Retained):
     retention. ``keep_last`` keeps the newest steps (None keeps all), ``keep_every`` also
     keeps every step divisible by it; the newest committed step is never deleted. While
     the bucket is unreachable, at most ``max_awaiting_upload`` steps waiting for their
-    upload are kept beyond those (the newest ones; None: every one, and the disk may fill)."""
+    upload are kept beyond those (the newest ones; None: every one, and the disk may fill).
+    Only the saved steps divisible by ``every`` are written to disk (1: every one); with a
+    peer tier, the others can be kept in a partner's memory only (see :class:`PeerOptions`)."""
 
     dir: Path
     keep_last: int | None = 3
     keep_every: int | None = None
     max_awaiting_upload: int | None = 8
+    every: int = 1
 
     def __post_init__(self) -> None:
+        _check_number("every", self.every, 1)
         if not isinstance(self.dir, (str, os.PathLike)):
             raise invalid_option("dir", f"must be a path, got {type(self.dir).__name__} {self.dir!r:.60}")
         if not str(self.dir):
@@ -159,7 +164,8 @@ class RemoteOptions(_Retained):
     multipart uploads left open are aborted at start-up only once ``orphan_age_seconds``
     old, and only while no other run's lease is live; another live run on the URL is a
     WARNING naming it (``other_owners="warn"``) or :class:`~tiered_ckpt.RemoteInUseError`
-    at start-up (``"refuse"``)."""
+    at start-up (``"refuse"``). Only the saved steps divisible by ``every`` are uploaded
+    (1: every one; local retention keeps each until its upload)."""
 
     url: str
     keep_last: int | None = None
@@ -170,9 +176,11 @@ class RemoteOptions(_Retained):
     lease_seconds: float = 300.0
     orphan_age_seconds: float = 3600.0
     other_owners: OtherOwners = "warn"
+    every: int = 1
 
     def __post_init__(self) -> None:
         check_remote_url(self.url)
+        _check_number("every", self.every, 1)
         _check_choice("layout", self.layout, ("flat", "hashed"))
         if not isinstance(self.storage_options, Mapping):
             # The value is never echoed: it may be a secret.
@@ -380,6 +388,44 @@ def _signal(value: Any) -> signal.Signals:
 
 
 @dataclass(frozen=True)
+class PeerOptions:
+    """The peer tier: each rank's newest shards also held in the memory of a partner rank on
+    another node, so a lost node restores from its partners rather than from the bucket
+    (one process per rank under ``torch.distributed``, on two nodes or more; see
+    ``docs/guides/peer-tier.md``).
+
+    Only the saved steps divisible by ``every`` are copied. A rank holds at most
+    ``max_bytes`` of its partners' shards (None: one step of them); it keeps them in
+    ``memory_dir``, a folder of a memory file system, so they outlive a restart of the
+    training process. A partner that does not answer within ``timeout_seconds`` is given
+    up for the run. ``nodes`` names the node of each rank (by rank); None: the launcher's
+    ``GROUP_RANK``, else ``RANK // LOCAL_WORLD_SIZE``, else the host name.
+    """
+
+    every: int = 1
+    max_bytes: int | None = None
+    timeout_seconds: float = 30.0
+    memory_dir: Path = Path("/dev/shm/tiered_ckpt")
+    nodes: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        _check_number("every", self.every, 1)
+        if self.max_bytes is not None:
+            _check_number("max_bytes", self.max_bytes, 1)
+        _check_number("timeout_seconds", self.timeout_seconds, 0.001, (int, float))
+        if not isinstance(self.memory_dir, (str, os.PathLike)) or not str(self.memory_dir):
+            raise invalid_option("memory_dir", f"must be a path, got {self.memory_dir!r:.60}")
+        object.__setattr__(self, "memory_dir", Path(self.memory_dir).expanduser())
+        if self.nodes is not None:
+            if isinstance(self.nodes, (str, bytes)) or not isinstance(self.nodes, Iterable):
+                raise invalid_option("nodes", f"must be a list of node names by rank, got {self.nodes!r:.60}")
+            nodes = tuple(self.nodes)
+            if not nodes or not all(isinstance(node, str) and node for node in nodes):
+                raise invalid_option("nodes", f"must be a non-empty list of node names, got {nodes!r:.60}")
+            object.__setattr__(self, "nodes", nodes)
+
+
+@dataclass(frozen=True)
 class Options:
     """Everything a manager is configured with, resolved and checked: one group per concern."""
 
@@ -388,6 +434,7 @@ class Options:
     upload: UploadOptions = UploadOptions()
     restore: RestoreOptions = RestoreOptions()
     runtime: RuntimeOptions = RuntimeOptions()
+    peer: PeerOptions | None = None
 
 
 def resolve_options(
@@ -396,6 +443,7 @@ def resolve_options(
     upload: UploadOptions | None = None,
     restore: RestoreOptions | None = None,
     runtime: RuntimeOptions | None = None,
+    peer: PeerOptions | None = None,
 ) -> Options:
     """The options a manager's arguments stand for: a path is ``LocalOptions(path)``, a URL
     ``RemoteOptions(url)``, and a group not given its defaults.
@@ -415,12 +463,19 @@ def resolve_options(
         except ConfigError as exc:
             raise restated(exc, f"argument remote: {exc}") from None
     given: dict[str, tuple[object, type]] = {"remote": (remote, RemoteOptions), "upload": (upload, UploadOptions)}
-    given |= {"restore": (restore, RestoreOptions), "runtime": (runtime, RuntimeOptions)}
+    given |= {"restore": (restore, RestoreOptions), "runtime": (runtime, RuntimeOptions), "peer": (peer, PeerOptions)}
     for name, (value, kind) in given.items():
         if value is not None and not isinstance(value, kind):
             accepted = f"a URL or {kind.__name__}" if name == "remote" else kind.__name__
             raise UsageError(f"argument {name} must be {accepted} or None, got {type(value).__name__}")
-    return Options(local, remote, upload or UploadOptions(), restore or RestoreOptions(), runtime or RuntimeOptions())
+    if isinstance(remote, RemoteOptions) and remote.every % local.every:  # uploads are made from the disk
+        raise invalid_option(
+            "remote.every",
+            f"is {remote.every}, not a multiple of local.every ({local.every}): the bucket gets disk steps",
+        )
+    return Options(
+        local, remote, upload or UploadOptions(), restore or RestoreOptions(), runtime or RuntimeOptions(), peer
+    )
 
 
 # One group per concern, each the same in the constructor, a config table and the
@@ -431,4 +486,5 @@ GROUPS: dict[str, type] = {
     "upload": UploadOptions,
     "restore": RestoreOptions,
     "runtime": RuntimeOptions,
+    "peer": PeerOptions,
 }

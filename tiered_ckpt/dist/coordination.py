@@ -164,11 +164,17 @@ class TorchDistributedCoordinator:
         self._group = self._new_gloo_group()
         self._rank = dist.get_rank(self._group)
 
-    def _new_gloo_group(self) -> Any:
+    def _new_gloo_group(self, timeout: timedelta | None = None) -> Any:
         subset = len(self._ranks) != self._dist.get_world_size()
         return self._dist.new_group(
-            ranks=self._ranks, timeout=self._timeout, backend="gloo", use_local_synchronization=subset
+            ranks=self._ranks, timeout=timeout or self._timeout, backend="gloo", use_local_synchronization=subset
         )
+
+    def new_group(self, timeout: timedelta | None = None) -> Any:
+        """A new gloo process group over the same ranks (collective), whose operations fail after
+        ``timeout`` (default: the coordinator's); for point-to-point messages of one's own
+        (:class:`~tiered_ckpt.dist.peer_link.PeerLink`)."""
+        return self._new_gloo_group(timeout)
 
     def __repr__(self) -> str:
         return f"TorchDistributedCoordinator(rank={self._rank}, world_size={len(self._ranks)})"

@@ -62,11 +62,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Literal
 
 from tiered_ckpt.dist.coordination import Coordinator, SingleProcessCoordinator, gather
+from tiered_ckpt.engine.replication_policy import Backlog, ReplicationPolicy, WhenBehind
 from tiered_ckpt.engine.resume import resume_steps
-from tiered_ckpt.engine.sending import Sender
+from tiered_ckpt.engine.sending import HeldStep, Sender
 from tiered_ckpt.errors import (
     CheckpointError,
     ErrorBox,
@@ -83,43 +83,9 @@ from tiered_ckpt.tiers.store import TieredStore
 
 __all__ = ["Replicator", "ReplicationPolicy", "WhenBehind"]
 
-WhenBehind = Literal["wait", "skip"]
-
 logger = logging.getLogger("tiered_ckpt")
 
 RATE_WINDOW = 5  # remote commits the upload rate is measured over
-
-
-@dataclass(frozen=True)
-class ReplicationPolicy:
-    """How a :class:`Replicator` sends steps to its target (see the module doc): ``concurrency``
-    shards at a time; at most ``max_pending`` queued steps before ``when_behind`` applies; a
-    step tried again after ``retry``'s backoff (None: the target's own policy, where it has
-    one, as the bucket does) until ``deadline_seconds`` (None: no deadline)."""
-
-    concurrency: int = 2
-    max_pending: int = 2
-    when_behind: WhenBehind = "wait"
-    deadline_seconds: float | None = 3600.0
-    retry: RetryPolicy | None = None
-
-
-class Backlog:
-    """The steps each replicator of one store still has to commit, by its target's name: every
-    retention pass of the first tier keeps them all, not only its own replicator's."""
-
-    def __init__(self) -> None:
-        self._queues: dict[str, Callable[[], list[int]]] = {}
-        self._lock = threading.Lock()
-
-    def add(self, name: str, pending: Callable[[], list[int]]) -> None:
-        with self._lock:
-            self._queues[name] = pending
-
-    def pending(self) -> dict[str, list[int]]:
-        with self._lock:
-            queues = dict(self._queues)
-        return {name: pending() for name, pending in queues.items()}
 
 
 class Replicator:
@@ -164,6 +130,7 @@ class Replicator:
         self._sender = Sender(store, target, self._coordinator, ranks, self._options.concurrency, self._lease)
         self._queue: deque[int] = deque()
         self._outcomes: dict[int, Future[None]] = {}  # see outcome(); settled ones are dropped
+        self._held: dict[int, HeldStep] = {}  # the steps queued from memory, until settled
         self._active: int | None = None
         self._closing = False
         self._preempted = False
@@ -176,6 +143,7 @@ class Replicator:
         self._giving_up = False  # see give_up_retries
         self.backlog = backlog or Backlog()
         self.backlog.add(target.name, self.pending)
+        self._what = "upload" if bucket is not None else f"copy to the {target.name} tier"
         name = "tiered-ckpt-uploader" if bucket is not None else f"tiered-ckpt-to-{target.name}"
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -190,16 +158,19 @@ class Replicator:
         return the steps queued. Call once, before any :meth:`submit`, on every process (it is collective).
         """
         self.newest_committed, resumed = resume_steps(
-            self._store, self.target, self._coordinator, self._lease, self._clock
+            self._store, self.target, self._coordinator, self._lease, self._clock, self.takes
         )
         for step in resumed:
             self.submit(step, bounded=False)
         return resumed
 
-    def submit(self, step: int, *, bounded: bool = True) -> None:
-        """Queue ``step`` (committed locally) for upload; see the module doc for a full queue.
+    def takes(self, step: int) -> bool:
+        """Whether ``step`` goes to the target (the policy's ``every``)."""
+        return step % self._options.every == 0
 
-        ``bounded=False`` queues it whatever the queue holds (steps resumed at start-up).
+    def submit(self, step: int, *, bounded: bool = True, held: HeldStep | None = None) -> None:
+        """Queue ``step`` (committed locally, or ``held`` in memory) for upload; see the module doc
+        for a full queue. ``bounded=False`` queues it whatever the queue holds (steps resumed at start-up).
         """
         one_process = len(self._coordinator.local_ranks) == self._coordinator.world_size
         with self._changed:
@@ -214,6 +185,8 @@ class Replicator:
                 else:
                     self._changed.wait()
             self._queue.append(step)
+            if held is not None:
+                self._held[step] = held
             self._changed.notify_all()
 
     def outcome(self, step: int) -> Future[None]:
@@ -233,6 +206,7 @@ class Replicator:
     def _settle(self, step: int, error: CheckpointError | None) -> None:
         with self._changed:
             future = self._outcomes.pop(step, None)
+            self._held.pop(step, None)
         if future is not None and not future.done():
             if error is None:
                 future.set_result(None)
@@ -320,6 +294,9 @@ class Replicator:
 
     def _failed(self, error: UploadError) -> None:
         self.last_error = (time.time(), str(error))
+        if self._options.best_effort:
+            logger.warning("%s", error)
+            return
         if error.transient:
             logger.warning("%s", error)
         else:
@@ -353,7 +330,7 @@ class Replicator:
                     self._sender.forget(step)  # a step given up keeps nothing for the process's life
                 self._settle(step, None)
             except BaseException as exc:  # a remote failure, a local I/O error or a bug: never lost silently
-                error = _as_upload_error(step, exc)
+                error = _as_upload_error(step, exc, what=self._what)
                 self._failed(error)
                 self._settle(step, error)
             finally:
@@ -460,7 +437,9 @@ class Replicator:
 
     def _put_and_commit(self, step: int, deadline: float | None) -> None:
         started = time.monotonic()
-        sent = self._sender.send(step, deadline)
+        with self._changed:
+            held = self._held.get(step)
+        sent = self._sender.send(step, deadline, held)
         self.newest_committed = max(self.newest_committed or 0, step)
         seconds = time.monotonic() - started
         with self._changed:
@@ -489,12 +468,12 @@ class _RetryView:
     delay: float
 
 
-def _as_upload_error(step: int, exc: BaseException, tries: int | None = None) -> UploadError:
+def _as_upload_error(step: int, exc: BaseException, tries: int | None = None, what: str = "upload") -> UploadError:
     """``exc`` as the :class:`UploadError` of ``step`` (as it is, if it already is one)."""
     if isinstance(exc, UploadError):
         return exc
     tries = tries if tries is not None else exc.tries if isinstance(exc, RemoteError) else 1
-    message = f"upload of step {step} failed after {tries} {'try' if tries == 1 else 'tries'}: {exc}"
+    message = f"{what} of step {step} failed after {tries} {'try' if tries == 1 else 'tries'}: {exc}"
     error = UploadError(message, step=step, tries=tries)
     error.__cause__ = exc
     return error

@@ -12,7 +12,9 @@ A restore, step by step:
    (steps 1 and 2: :mod:`~tiered_ckpt.engine.step_choice`);
 3. each process checks the world size (resharding only when asked), works out which
    saved ranks it needs, and reads each through :meth:`TieredStore.fetch_shard`
-   (local copy, else the bucket, verified, refilling the local step); failures on any
+   (local copy, else a partner's memory, else the bucket, verified, refilling the local
+   step; with a peer tier, the shards a process lacks on disk are first fetched from the
+   processes holding them, a collective of its own); failures on any
    process fail the restore on every process (a third collective); with one process per
    rank on the saved world size, the replicated arrays a rank's shard left to another
    rank then come from that rank's process (:func:`~tiered_ckpt.dist.replicas.share`, a
@@ -30,7 +32,7 @@ import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather
@@ -42,6 +44,7 @@ from tiered_ckpt.errors import CheckpointError, UsageError, restated
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.state import State
 from tiered_ckpt.io.hashing import Verify, check_verify
+from tiered_ckpt.tiers.peer import PeerTier
 from tiered_ckpt.tiers.store import TieredStore
 
 __all__ = ["Restorer", "check_restore_arguments"]
@@ -62,17 +65,32 @@ def check_restore_arguments(step: Any, world_size: Any, verify: Any, into: Any) 
         raise UsageError(f"restore: into must be a dict of arrays or a list of them, got {type(into).__name__}")
 
 
+@dataclass(frozen=True)
+class _PartnerPlan:
+    """One process's part of fetching from partners: the ranks it lacks on disk, and the ranks it holds in memory."""
+
+    needs: tuple[int, ...]
+    held: tuple[int, ...]
+
+
 class Restorer:
     """Restores for the ranks of ``coordinator`` (see the module doc) through ``store``."""
 
     def __init__(
-        self, store: TieredStore, coordinator: Coordinator, world_size: int, max_workers: int | None = None
+        self,
+        store: TieredStore,
+        coordinator: Coordinator,
+        world_size: int,
+        max_workers: int | None = None,
+        *,
+        peer: PeerTier | None = None,
     ) -> None:
         self._store = store
         self._coordinator = coordinator
         self._ranks = tuple(coordinator.local_ranks)
         self._world_size = world_size
-        self._chooser = StepChooser(store, coordinator, world_size)
+        self._peer = peer
+        self._chooser = StepChooser(store, coordinator, world_size, peer)
         self._reader = ShardReader(store, self._ranks, world_size, max_workers)
 
     def restore(
@@ -97,7 +115,13 @@ class Restorer:
             logger.info("restore: no step committed in %s; starting fresh", self._store.where())
             return None
         in_remote = restored in agreed.remote_steps
-        loaded = Attempt.run(lambda: self._reader.load(restored, in_remote, world_size, reshard, verify, into))
+        try:
+            if self._peer is not None:
+                self._fetch_from_partners(self._peer, restored, in_remote)
+            loaded = Attempt.run(lambda: self._reader.load(restored, in_remote, world_size, reshard, verify, into))
+        finally:
+            if self._peer is not None:
+                self._peer.forget(restored)
         gather(self._coordinator, "restore: read", Done, loaded.done)
         result = loaded.value
         if isinstance(result, PendingRead):  # the same on every process: they hold one manifest and world size
@@ -113,6 +137,39 @@ class Restorer:
             by_tier(result.sources),
         )  # fmt: skip
         return result
+
+    def _on_disk(self, step: int, rank: int) -> bool:
+        """True if this process's disk committed ``step`` holding ``rank``'s shard."""
+        local = self._store.local
+        try:
+            return step in local.steps() and rank in local.held_ranks(step, local.manifest(step))
+        except CheckpointError:
+            return False
+
+    def _fetch_from_partners(self, peer: PeerTier, step: int, in_remote: bool) -> None:
+        """Step 3's first part with a peer tier (collective): the shards of ``step`` this process's
+        rank lacks on its disk come from the processes holding them in memory, for the store's
+        chain to read and verify (a copy that does not arrive leaves the bucket to read)."""
+
+        def plan() -> _PartnerPlan:
+            needs = tuple(rank for rank in self._ranks if not self._on_disk(step, rank))
+            return _PartnerPlan(needs, peer.holdings().get(step, ()))
+
+        plans = gather(self._coordinator, "restore: partners", _PartnerPlan, plan)
+        transfers = []
+        for needer, wanted in enumerate(plans):
+            for rank in wanted.needs:
+                holder = next((each for each, other in enumerate(plans) if rank in other.held), None)
+                if holder is not None and holder != needer:
+                    transfers.append((holder, needer, rank))
+        if not transfers:
+            return
+        only_there = "" if in_remote else " (on no disk of this node, not in the bucket: only while that partner lived)"
+        for rank in peer.fetch(step, transfers):
+            holder = next(h for h, _n, r in transfers if r == rank)
+            level = logging.INFO if in_remote else logging.WARNING
+            logger.log(level, "restore of step %d: rank %d's shard came from rank %d's memory%s", step, rank, holder,
+                       only_there)  # fmt: skip
 
     def _finish_from_peers(self, pending: PendingRead) -> RestoreResult:
         """Step 3 continued, with one process per rank on the saved world size: the arrays

@@ -54,14 +54,20 @@ def other_runs(lease: Lease | None) -> list[str]:
 
 
 def resume_steps(
-    store: TieredStore, target: Tier, coordinator: Coordinator, lease: Lease | None, clock: Callable[[], float]
+    store: TieredStore,
+    target: Tier,
+    coordinator: Coordinator,
+    lease: Lease | None,
+    clock: Callable[[], float],
+    takes: Callable[[int], bool] = lambda step: True,
 ) -> tuple[int | None, list[int]]:
-    """The newest step committed in ``target`` and the local steps to queue for it (see the module doc)."""
+    """The newest step committed in ``target`` and the local steps to queue for it, of those its
+    cadence ``takes`` (see the module doc)."""
     listing = leader_decides(
         coordinator, "resume: list", _Listing, lambda: _clean_and_list(store, target, lease, clock)
     )
     newest = listing.committed[-1] if listing.committed else None
-    resumable = Attempt.run(lambda: _ResumeReport(_resumable(store, target, listing.committed, newest)))
+    resumable = Attempt.run(lambda: _ResumeReport(_resumable(store, target, listing.committed, newest, takes)))
     reports = gather(coordinator, "resume", _ResumeReport, lambda: resumable.value)
     resumed = sorted(set(reports[0].steps).intersection(*(report.steps for report in reports[1:])))
     for step in sorted(set(resumable.value.steps) - set(resumed)):
@@ -96,7 +102,9 @@ def _clean_and_list(store: TieredStore, target: Tier, lease: Lease | None, clock
     return _Listing(tuple(committed), tuple(uncommitted), runs)
 
 
-def _resumable(store: TieredStore, target: Tier, committed: Sequence[int], newest: int | None) -> tuple[int, ...]:
+def _resumable(
+    store: TieredStore, target: Tier, committed: Sequence[int], newest: int | None, takes: Callable[[int], bool]
+) -> tuple[int, ...]:
     """Local steps whose commit in ``target`` a crash prevented (lost receipts are mended on the
     way). A target that is not durable lost what it held with the job: only the newest local
     step is worth sending it again."""
@@ -109,6 +117,6 @@ def _resumable(store: TieredStore, target: Tier, committed: Sequence[int], newes
             if remote.manifest.shards == store.local.manifest(step).shards:
                 store.record_commit(step, target, remote)
                 continue
-        if newest is None or step > newest:
+        if (newest is None or step > newest) and takes(step):
             resumed.append(step)
     return tuple(resumed if target.capabilities.durable else resumed[-1:])

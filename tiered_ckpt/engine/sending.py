@@ -7,8 +7,9 @@ own channel):
    confirmed (a shard already there intact is not sent again);
 2. ``put``: every process has landed its shards (on the bucket, the store's checksums of
    them reach the leader);
-3. ``commit``: the leader commits the step in the target (on the bucket: every object
-   confirmed once more first, the manifest create-only, then ``latest``);
+3. ``commit``: the leader commits the step in a shared target (on the bucket: every object
+   confirmed once more first, the manifest create-only, then ``latest``); in a target each
+   process holds a part of (a partner's memory), every process commits its part;
 4. every process records a durable target's commit in its local step (a receipt).
 
 :meth:`Sender.retain` then applies the retention that follows a commit.
@@ -17,7 +18,7 @@ own channel):
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tiered_ckpt.dist.coordination import Coordinator, gather, leader_decides
@@ -30,9 +31,18 @@ from tiered_ckpt.tiers.base import Tier
 from tiered_ckpt.tiers.owners import Lease
 from tiered_ckpt.tiers.store import TieredStore
 
-__all__ = ["Sender"]
+__all__ = ["HeldStep", "Sender"]
 
 logger = logging.getLogger("tiered_ckpt")
+
+
+@dataclass(frozen=True)
+class HeldStep:
+    """A step kept in memory only (not written to the first tier): its ``manifest`` and, by rank,
+    the bytes of this process's shards."""
+
+    manifest: ShardManifest
+    shards: Mapping[int, bytearray]
 
 
 @dataclass(frozen=True)
@@ -79,14 +89,17 @@ class Sender:
         if self._bucket is not None:
             self._bucket.forget_landed(step)
 
-    def send(self, step: int, deadline: float | None) -> int:
-        """Land, commit and record ``step`` in the target (see the module doc); the bytes this process sent."""
+    def send(self, step: int, deadline: float | None, held: HeldStep | None = None) -> int:
+        """Land, commit and record ``step`` in the target (see the module doc); the bytes this process sent.
+
+        ``held``: the step is in no file of the first tier, these are its manifest and bytes."""
         store, target, bucket = self._store, self._target, self._bucket
-        manifest = store.local.manifest(step)
+        manifest = held.manifest if held is not None else store.local.manifest(step)
         ranks = range(manifest.world_size) if self._ranks is None else self._ranks
 
         def put(rank: int) -> None:
-            store.send_shard(step, manifest.shard(rank), target, deadline=deadline)
+            data = held.shards[rank] if held is not None else None
+            store.send_shard(step, manifest.shard(rank), target, deadline=deadline, data=data)
 
         def put_mine() -> _Put:
             if self._coordinator.is_leader and self._lease is not None and not self._lease.held:  # push() alone
@@ -98,9 +111,13 @@ class Sender:
         if self._coordinator.is_leader and bucket is not None:  # the one that commits
             for part in landed:
                 bucket.add_landed_checksums(step, dict(part.checksums))
-        remote = leader_decides(
-            self._coordinator, "commit", _Committed, lambda: _Committed(self._commit(manifest, deadline))
-        )
+        if target.capabilities.shared:  # one copy every node sees: the leader commits it
+            remote = leader_decides(
+                self._coordinator, "commit", _Committed, lambda: _Committed(self._commit(manifest, deadline))
+            )
+        else:  # each process holds a part of its own (a partner's memory): every one commits its part
+            gather(self._coordinator, "commit", _Committed, lambda: _Committed(self._commit(manifest, deadline)))
+            remote = _Committed(None)
         if remote.document is not None:
             store.record_commit(step, target, RemoteManifest.from_json(remote.document, source=self.where(step)))
         return sum(manifest.shard(rank).size_bytes for rank in ranks)

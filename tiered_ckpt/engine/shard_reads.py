@@ -33,7 +33,7 @@ from tiered_ckpt.dist.reshard import (
 )
 from tiered_ckpt.engine.restore_result import RestoreResult
 from tiered_ckpt.errors import CheckpointError, IncompleteCheckpointError, InvalidStateError, UsageError, restated
-from tiered_ckpt.format.manifest import RemoteManifest, ShardManifest, ShardRecord
+from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.format.state import FlatState, State, flatten_into
 from tiered_ckpt.format.validate import check_into, check_world_size
 from tiered_ckpt.io.hashing import Verify
@@ -132,7 +132,7 @@ class ShardReader:
             if not reshard:
                 check_world_size(manifest, target, str(store.local.step_dir(step)))
             if targets is not None and any(state.structure.chunks for state in targets):
-                return self._completed_here(self._load_chunks(step, manifest, remote, target, targets, verify))
+                return self._completed_here(self._load_chunks(step, manifest, in_remote, target, targets, verify))
             from_peers = self._from_peers(manifest, target)
             if reshard and into_list is not None:
                 raise UsageError("into cannot be combined with reshard=True (except into a state of DTensors)")
@@ -141,7 +141,7 @@ class ShardReader:
             elif into_list is not None and len(into_list) != len(self._ranks):
                 raise InvalidStateError(f"into holds {len(into_list)} rank states, this process restores one")
             wanted = self._needed(manifest, target)
-            if remote is None and not self._one_process:
+            if not in_remote and not self._one_process:
                 self._check_on_this_node(manifest, wanted)
             with self._step_dir(step):
                 fetched = run_parallel(
@@ -150,7 +150,7 @@ class ShardReader:
                         manifest.shard(wanted[index]),
                         verify=verify,
                         into=targets[index].arrays if targets is not None else None,
-                        later=store.readable(remote is not None),
+                        later=store.readable(in_remote),
                     ),
                     range(len(wanted)),
                     self._max_workers,
@@ -164,7 +164,7 @@ class ShardReader:
                 sources={rank: source for rank, (_state, source) in zip(wanted, fetched, strict=True)},
                 bytes_read=sum(manifest.shard(rank).size_bytes for rank in wanted),
                 from_peers=from_peers,
-                later=store.readable(remote is not None),
+                later=store.readable(in_remote),
                 into={rank: state.arrays for rank, state in zip(wanted, targets or (), strict=False)},
             )
             return self._completed_here(pending)
@@ -257,7 +257,7 @@ class ShardReader:
         self,
         step: int,
         manifest: ShardManifest,
-        remote: RemoteManifest | None,
+        in_remote: bool,
         target: int,
         targets: list[FlatState],
         verify: Verify,
@@ -274,7 +274,7 @@ class ShardReader:
         plans = [plan_chunks(manifest, state, rank, target) for rank, state in zip(self._ranks, targets, strict=True)]
         if from_peers:
             plans = [_without_replicas(plan, manifest.shard(plan.plain_source)) for plan in plans]
-        if remote is None and not self._one_process:
+        if not in_remote and not self._one_process:
             self._check_on_this_node(manifest, sorted({rank for plan in plans for rank in plan.reads}))
         names: dict[int, set[str]] = {}
         direct: dict[int, dict[str, np.ndarray]] = {}
@@ -295,7 +295,7 @@ class ShardReader:
                 step,
                 manifest.shard(rank),
                 names[rank],
-                later=self._store.readable(remote is not None),
+                later=self._store.readable(in_remote),
                 into=direct.get(rank),
                 verify=verify,
             ),
@@ -311,13 +311,16 @@ class ShardReader:
             sources={rank: source for rank, (_state, source) in zip(ranks, fetched, strict=True)},
             bytes_read=sum(_part_bytes(manifest.shard(rank), state) for rank, state in read.items()),
             from_peers=from_peers,
-            later=self._store.readable(remote is not None),
+            later=self._store.readable(in_remote),
             plans=tuple(plans),
             targets=tuple(targets),
         )
 
     def _check_on_this_node(self, manifest: ShardManifest, ranks: list[int]) -> None:
-        """Without a bucket, a rank can read only the shards on its own disk: say so if some are not."""
+        """Without a bucket, a rank can read only the shards on its own disk (or, with a later tier
+        of each node's own, such as a partner's memory, what that tier holds): say so if some are not."""
+        if any(tier is not self._store.remote for tier in self._store.later):
+            return  # the chain tries that tier, and names every copy it tried if none verifies
         local = self._store.local
         absent = [rank for rank in ranks if not local.shard_path(manifest.step, manifest.shard(rank)).is_file()]
         if absent:

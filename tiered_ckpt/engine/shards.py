@@ -3,23 +3,28 @@
 Both writers of a new step use it: the background writer (:mod:`~tiered_ckpt.engine.writer`,
 this process's ranks) and the one-shot save (:mod:`~tiered_ckpt.oneshot`, every rank). Each
 shard lands with :meth:`LocalTier.land_shard <tiered_ckpt.tiers.local.LocalTier.land_shard>`,
-so every write checks the tier's lock; the directory's fsync is left to the commit.
+so every write checks the tier's lock; the directory's fsync is left to the commit. A step
+kept in memory only (for a partner's memory) is serialized to bytes instead
+(:func:`serialize_shards`), with the same records.
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping, Sequence
+from typing import BinaryIO
 
 from tiered_ckpt.dist.replicas import written
 from tiered_ckpt.format.layout import shard_name
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.format.shardfile import write_shard
 from tiered_ckpt.format.state import FlatState
+from tiered_ckpt.io.hashing import ShardDigest
 from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt.tiers.local import LocalTier
 
-__all__ = ["build_manifest", "write_shards"]
+__all__ = ["build_manifest", "serialize_shards", "write_shards"]
 
 
 def write_shards(
@@ -45,34 +50,68 @@ def write_shards(
     tier.clear_temp_files(step)
 
     def write(index: int) -> ShardRecord:
-        rank = ranks[index]
-        name = shard_name(rank, world_size)
-        others = (left_out or {}).get(rank, {})
-        state = written(states[index], others)
-        metadata = {
+        shard = _Shard(step, states[index], ranks[index], world_size, (left_out or {}).get(ranks[index], {}))
+        digest = tier.land_shard(step, shard.name, ShardSource(write=shard.write), sync_directory=False)
+        return shard.record(digest, numels)
+
+    return run_parallel(write, range(len(ranks)), max_workers)
+
+
+def serialize_shards(
+    step: int,
+    states: Sequence[FlatState],
+    ranks: Sequence[int],
+    *,
+    world_size: int,
+    numels: Sequence[int],
+    max_workers: int | None = None,
+    left_out: Mapping[int, Mapping[str, int]] | None = None,
+) -> list[tuple[ShardRecord, bytearray]]:
+    """The shards :func:`write_shards` would write, as bytes in memory with their records (a step
+    kept in memory only), in the order of ``ranks``."""
+
+    def serialize(index: int) -> tuple[ShardRecord, bytearray]:
+        shard = _Shard(step, states[index], ranks[index], world_size, (left_out or {}).get(ranks[index], {}))
+        out = io.BytesIO()
+        digest = shard.write(out)
+        return shard.record(digest, numels), bytearray(out.getbuffer())
+
+    return run_parallel(serialize, range(len(ranks)), max_workers)
+
+
+class _Shard:
+    """One rank's shard of a step: its name, its bytes (written to a stream) and its record."""
+
+    def __init__(self, step: int, state: FlatState, rank: int, world_size: int, others: Mapping[str, int]) -> None:
+        self.rank = rank
+        self.name = shard_name(rank, world_size)
+        self.others = others
+        self.state = written(state, others)
+        self.metadata = {
             "tiered_ckpt.rank": str(rank),
             "tiered_ckpt.world_size": str(world_size),
             "tiered_ckpt.step": str(step),
-            **state.metadata(),
+            **self.state.metadata(),
         }
-        chunked = bool(state.structure.chunks)  # a state of DTensors: each array readable alone
-        source = ShardSource(write=lambda out: write_shard(out, state.arrays, metadata, part_digests=chunked))
-        digest = tier.land_shard(step, name, source, sync_directory=False)
+        self.chunked = bool(self.state.structure.chunks)  # a state of DTensors: each array readable alone
+
+    def write(self, out: BinaryIO) -> ShardDigest:
+        return write_shard(out, self.state.arrays, self.metadata, part_digests=self.chunked)
+
+    def record(self, digest: ShardDigest, numels: Sequence[int]) -> ShardRecord:
         return ShardRecord(
-            rank=rank,
-            path=name,
+            rank=self.rank,
+            path=self.name,
             sha256=digest.sha256,
             xxh3_64=digest.xxh3_64,
             size_bytes=digest.size_bytes,
-            param_shard_offset=sum(numels[:rank]),
-            param_shard_numel=numels[rank],
-            chunks=state.chunk_records(digest.arrays) if chunked else (),
+            param_shard_offset=sum(numels[: self.rank]),
+            param_shard_numel=numels[self.rank],
+            chunks=self.state.chunk_records(digest.arrays) if self.chunked else (),
             header_bytes=digest.header_bytes,
             header_sha256=digest.header_sha256,
-            replicas=tuple(sorted(others.items())),
+            replicas=tuple(sorted(self.others.items())),
         )
-
-    return run_parallel(write, range(len(ranks)), max_workers)
 
 
 def build_manifest(

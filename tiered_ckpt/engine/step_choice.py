@@ -31,6 +31,7 @@ from tiered_ckpt.errors import (
     UsageError,
     WorldSizeMismatchError,
 )
+from tiered_ckpt.tiers.peer import PeerTier
 from tiered_ckpt.tiers.store import TieredStore
 
 __all__ = ["AgreedStep", "Disks", "StepChoice", "StepChooser", "StepReport", "same_call"]
@@ -42,13 +43,15 @@ logger = logging.getLogger("tiered_ckpt")
 class StepReport:
     """One process's part of step 1: its arguments (canonical JSON), its committed local
     steps with the world size of each (None: the manifest does not validate), on the
-    leader only the bucket's committed steps, and for each local step whether the ranks
-    agreed on its commit (None: no record says, e.g. a step saved before such records)."""
+    leader only the bucket's committed steps, for each local step whether the ranks
+    agreed on its commit (None: no record says, e.g. a step saved before such records),
+    and the steps committed in its peer memory: (step, world size, ranks held)."""
 
     arguments: str
     local: tuple[tuple[int, int | None], ...]
     remote: tuple[int, ...] | None
     agreed: tuple[tuple[int, bool | None], ...] = ()
+    peer: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -115,14 +118,34 @@ class Disks:
         )
 
 
+def _with_partners(reports: Sequence[StepReport], disks: Disks, world_size: int) -> set[int]:
+    """The steps of ``world_size`` ranks that every rank (one per process) holds on its own disk
+    or has a copy of in some process's peer memory."""
+    if len(reports) != world_size:
+        return set()
+    held: dict[int, set[int]] = {}
+    for report in reports:
+        for step, saved_by, ranks in report.peer:
+            if saved_by == world_size:
+                held.setdefault(step, set()).update(ranks)
+    return {
+        step
+        for step, ranks in held.items()
+        if all(rank in ranks or step in disks.world_sizes[rank] for rank in range(world_size))
+    }
+
+
 class StepChooser:
     """Steps 1 and 2 (see the module doc) for the ranks of ``coordinator``, saved by
     ``world_size`` ranks, over ``store``; and the deletion of the steps they find unrestorable."""
 
-    def __init__(self, store: TieredStore, coordinator: Coordinator, world_size: int) -> None:
+    def __init__(
+        self, store: TieredStore, coordinator: Coordinator, world_size: int, peer: PeerTier | None = None
+    ) -> None:
         self._store = store
         self._coordinator = coordinator
         self._world_size = world_size
+        self._peer = peer
 
     @property
     def _one_process(self) -> bool:
@@ -147,7 +170,7 @@ class StepChooser:
         same_call([report.arguments for report in reports], "restore")
         remote_steps = set(reports[0].remote or ())
         disks = Disks.of(reports)
-        complete = sorted(remote_steps.union(disks.on_every_disk()))
+        complete = sorted(remote_steps.union(disks.on_every_disk(), _with_partners(reports, disks, self._world_size)))
         chosen = leader_decides(
             self._coordinator,
             "restore: choice",
@@ -169,7 +192,19 @@ class StepChooser:
                 local.append((step, None))  # damaged: the restore falls back to the remote manifest or fails
         remote = tuple(self._store.remote_steps()) if self._coordinator.is_leader else None
         agreed = tuple((step, self._store.local.agreement(step)) for step in steps)
-        return StepReport(arguments, tuple(local), remote, agreed)
+        return StepReport(arguments, tuple(local), remote, agreed, self._peer_report())
+
+    def _peer_report(self) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+        """The steps committed in this process's peer memory, with the world size and ranks of each."""
+        if self._peer is None:
+            return ()
+        report = []
+        for step, ranks in self._peer.holdings().items():
+            try:
+                report.append((step, self._peer.manifest(step).world_size, ranks))
+            except CheckpointError as exc:  # a damaged copy is one fewer source, never a failed restore
+                logger.warning("peer memory: step %d is not usable: %s", step, exc)
+        return tuple(report)
 
     def _choose(
         self, step: int | None, complete: list[int], disks: Disks, missing_ok: bool, reshard: bool

@@ -12,7 +12,8 @@ A save, from the moment its call has been checked on every rank:
    committed (a collective: the commit itself is agreed), and each records that
    agreement in its step (:meth:`~tiered_ckpt.tiers.local.LocalTier.mark_agreed`);
 3. the committed step goes to the queue of each :class:`~tiered_ckpt.engine.replication.Replicator`
-   (the next stages: one per later tier fed), and the save's handle resolves;
+   whose cadence takes it (the next stages: one per later tier fed), and the save's handle
+   resolves;
 4. local retention runs on a thread of its own, off the write path and alongside the next
    save. It deletes only steps older than one committed on every rank (the step whose
    commit the processes agreed on), never on this process's own commit: a rank killed
@@ -21,6 +22,11 @@ A save, from the moment its call has been checked on every rank:
 
 A failure is recorded in the shared :class:`~tiered_ckpt.errors.ErrorBox` as
 :class:`SaveError` (cause chained), and what the failed save left is removed.
+
+A step the disk's cadence skips (``local.every``) and a partner's memory takes is kept in
+memory only: step 2 serializes its shards to bytes and agrees on their records, and the
+step goes to the replicators of the tiers each process holds a part of; it is committed
+once they committed it. Their failures are logged, never raised by the manager.
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ from typing import Any
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather
 from tiered_ckpt.dist.replicas import leave_out
 from tiered_ckpt.engine.replication import Replicator
-from tiered_ckpt.engine.shards import build_manifest, write_shards
+from tiered_ckpt.engine.sending import HeldStep
+from tiered_ckpt.engine.shards import build_manifest, serialize_shards, write_shards
 from tiered_ckpt.engine.staging import StagingBuffers
 from tiered_ckpt.errors import CheckpointError, ErrorBox, ReportedFuture, SaveError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
@@ -68,7 +75,7 @@ def _background_thread(cpus: frozenset[int] | None) -> None:
         os.sched_setaffinity(0, cpus)  # 0: this thread (checked by RuntimeOptions)
 
 
-def _copy_outcome(done: Future[ShardManifest], into: Future[ShardManifest]) -> None:
+def _copy_outcome(done: Future[ShardManifest], into: Future[ShardManifest | None]) -> None:
     error = done.exception()
     if error is None:
         into.set_result(done.result())
@@ -80,8 +87,10 @@ class SaveHandle:
     """The pending result of one :meth:`CheckpointManager.save`, as two futures.
 
     ``committed`` is the local commit: its result is the step's manifest once every rank's
-    shard is durable and the manifest is in place; its exception is the
-    :class:`SaveError` (cause chained) of a save that failed. ``uploaded`` is the commit
+    shard is durable and the manifest is in place (for a step kept in a partner's memory
+    only, once it is committed there), or None for a step that no tier's cadence takes
+    (nothing was saved); its exception is the :class:`SaveError` (cause chained) of a save
+    that failed. ``uploaded`` is the commit
     in the bucket (None without one): its result is None once the bucket holds the step;
     its exception is the step's :class:`UploadError` (it failed, missed its deadline, was
     superseded by a newer step, or the manager closed first), or the save's
@@ -89,10 +98,17 @@ class SaveHandle:
     the manager's next call.
     """
 
-    def __init__(self, step: int, committed: Future[ShardManifest], uploaded: Future[None] | None) -> None:
+    def __init__(self, step: int, committed: Future[ShardManifest | None], uploaded: Future[None] | None) -> None:
         self.step = step
         self.committed = committed
         self.uploaded = uploaded
+
+    @classmethod
+    def skipped(cls, step: int) -> SaveHandle:
+        """The handle of a save that saved nothing: no tier's cadence takes ``step``."""
+        nothing: Future[ShardManifest | None] = Future()
+        nothing.set_result(None)
+        return cls(step, nothing, None)
 
     def __repr__(self) -> str:
         def state(future: Future[Any] | None) -> str:
@@ -114,8 +130,9 @@ class _Written:
 class Writer:
     """The writer and retention threads of one manager (see the module doc).
 
-    ``ranks`` are this process's ranks of ``world_size``; committed steps go to each of
-    ``replicators``; failures go to ``errors``; both threads (and the ones
+    ``ranks`` are this process's ranks of ``world_size``; the steps divisible by
+    ``local_every`` are written to disk, and each step goes to the ``replicators`` whose
+    cadence takes it (see :meth:`tiers_of`); failures go to ``errors``; both threads (and the ones
     they start) run at a lower priority, on ``cpus`` if given (see :class:`~tiered_ckpt.RuntimeOptions`).
     """
 
@@ -129,6 +146,7 @@ class Writer:
         replicators: Sequence[Replicator] = (),
         max_workers: int | None = None,
         cpus: frozenset[int] | None = None,
+        local_every: int = 1,
     ) -> None:
         self._store = store
         self._coordinator = coordinator
@@ -137,25 +155,46 @@ class Writer:
         self._errors = errors
         self._replicators = tuple(replicators)
         self._max_workers = max_workers
+        self._local_every = local_every
         self._staging = StagingBuffers()
-        self._last_save: Future[ShardManifest] | None = None
+        self._last_save: Future[ShardManifest | None] | None = None
         self._last_retention: Future[None] | None = None
         self._writer = ThreadPoolExecutor(1, "tiered-ckpt-writer", initializer=_background_thread, initargs=(cpus,))
         self._janitor = ThreadPoolExecutor(1, "tiered-ckpt-retention", initializer=_background_thread, initargs=(cpus,))
 
-    def submit(self, step: int, states: Sequence[FlatState], keys: tuple[str, ...], numels: list[int]) -> SaveHandle:
-        """Stage ``states`` (this process's ranks, checked) and queue their write as ``step``.
+    def tiers_of(self, step: int, *, every_tier: bool = False) -> tuple[bool, list[Replicator]]:
+        """Whether ``step`` goes to the local disk, and the replicators it goes to (their tiers'
+        cadence; ``every_tier``: all of them, as a preemption's step does). A step the disk skips
+        goes only to the tiers each process holds a part of (a partner's memory), never to one
+        copied from the disk (the bucket)."""
+        to_disk = every_tier or step % self._local_every == 0
+        chosen = [each for each in self._replicators if every_tier or each.takes(step)]
+        return to_disk, [each for each in chosen if to_disk or not each.target.capabilities.shared]
+
+    def submit(
+        self,
+        step: int,
+        states: Sequence[FlatState],
+        keys: tuple[str, ...],
+        numels: list[int],
+        *,
+        every_tier: bool = False,
+    ) -> SaveHandle:
+        """Stage ``states`` (this process's ranks, checked) and queue their write as ``step``, to
+        the tiers :meth:`tiers_of` names (the caller checked there is one).
 
         Waits first for the previous save's write (not its retention): its staging buffers are
         the ones reused here, and overwriting them under a running write would save this step's
         arrays as that one's.
         """
         self.settle(retention=False)
+        to_disk, replicators = self.tiers_of(step, every_tier=every_tier)
         buffers = self._staging.stage([state.arrays for state in states])
         staged = [dataclasses.replace(state, arrays=arrays) for arrays, state in zip(buffers, states, strict=True)]
-        committed: Future[ShardManifest] = ReportedFuture(self._errors)
-        uploaded = next((each.outcome(step) for each in self._replicators if each.target is self._store.remote), None)
-        self._writer.submit(self._write, step, staged, keys, numels).add_done_callback(
+        committed: Future[ShardManifest | None] = ReportedFuture(self._errors)
+        uploaded = next((each.outcome(step) for each in replicators if each.target is self._store.remote), None)
+        write = self._write if to_disk else self._write_to_memory
+        self._writer.submit(write, step, staged, keys, numels, replicators).add_done_callback(
             lambda done: _copy_outcome(done, committed)
         )
         self._last_save = committed
@@ -177,7 +216,54 @@ class Writer:
         self._writer.shutdown(wait=True)
         self._janitor.shutdown(wait=True)
 
-    def _write(self, step: int, staged: list[FlatState], keys: tuple[str, ...], numels: list[int]) -> ShardManifest:
+    def _records(self, step: int, parts: list[_Written], keys: tuple[str, ...]) -> ShardManifest:
+        return build_manifest(
+            step,
+            [ShardRecord.from_dict(shard) for part in parts for shard in part.shards],
+            world_size=self._world_size,
+            sharded_keys=keys,
+            wall_clock_seconds=parts[0].time,  # the leader's clock
+            source=f"the shard records of step {step}",
+        )
+
+    def _write_to_memory(
+        self, step: int, staged: list[FlatState], keys: tuple[str, ...], numels: list[int], to: list[Replicator]
+    ) -> ShardManifest:
+        """Writer thread: serialize this process's shards of a step the disk skips, agree on its
+        manifest, and hand it to the replicators of the tiers that take it (a partner's memory);
+        the step is committed once each of them committed it. A failure is logged and never
+        raised by the manager (the replicators' tiers are best-effort): the step is not kept."""
+        try:
+            left_out = leave_out(self._coordinator, staged)
+            shards: dict[int, bytearray] = {}
+
+            def write() -> _Written:
+                written = serialize_shards(
+                    step, staged, self._ranks, world_size=self._world_size, numels=numels,
+                    max_workers=self._max_workers, left_out=left_out,
+                )  # fmt: skip
+                shards.update((record.rank, data) for record, data in written)
+                return _Written(tuple(record.to_dict() for record, _data in written), time.time())
+
+            manifest = self._records(step, gather(self._coordinator, "write", _Written, write), keys)
+            outcomes = [replicator.outcome(step) for replicator in to]
+            for replicator in to:
+                replicator.submit(step, held=HeldStep(manifest, shards))
+            failures: list[BaseException | None] = [outcome.exception() for outcome in outcomes]
+        except Exception as exc:  # a collective, a serialization or a bug: logged below, on the handle
+            failures = [exc]
+        failed = next((failure for failure in failures if failure is not None), None)
+        if failed is not None:
+            logger.warning("step %d, kept in memory only, is in no tier: %s", step, failed)
+            raise SaveError(f"step {step}, kept in memory only, is in no tier: {failed}", step=step) from failed
+        logger.info(
+            "committed step %d (%d bytes) in %s", step, manifest.total_bytes, " and ".join(r.target.url for r in to)
+        )
+        return manifest
+
+    def _write(
+        self, step: int, staged: list[FlatState], keys: tuple[str, ...], numels: list[int], to: list[Replicator]
+    ) -> ShardManifest:
         """Writer thread: write this process's shards, commit once every rank's are durable, queue the upload."""
         local = self._store.local
         committed_here = False
@@ -191,15 +277,7 @@ class Writer:
                 )  # fmt: skip
                 return _Written(tuple(record.to_dict() for record in records), time.time())
 
-            parts = gather(self._coordinator, "write", _Written, write)
-            manifest = build_manifest(
-                step,
-                [ShardRecord.from_dict(shard) for part in parts for shard in part.shards],
-                world_size=self._world_size,
-                sharded_keys=keys,
-                wall_clock_seconds=parts[0].time,  # the leader's clock
-                source=f"the shard records of step {step}",
-            )
+            manifest = self._records(step, gather(self._coordinator, "write", _Written, write), keys)
 
             # The commit is agreed: retention may delete older steps only once every rank has
             # committed this one. A collective on the writer's own channel, so a rank that died
@@ -216,7 +294,7 @@ class Writer:
             if not one_process:  # a restore then tells a lost disk from a save cut short between commits
                 local.mark_agreed(step)
             logger.info("committed step %d (%d bytes) in %s", step, manifest.total_bytes, local.step_dir(step))
-            for replicator in self._replicators:
+            for replicator in to:
                 replicator.submit(step)
             self._last_retention = self._janitor.submit(self._retain, step)
             return manifest

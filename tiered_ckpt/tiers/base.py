@@ -31,6 +31,7 @@ A step's life on a tier, in the order the calls are made:
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,7 @@ from typing import BinaryIO, Protocol, TypeVar, runtime_checkable
 
 from tiered_ckpt.errors import UsageError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
-from tiered_ckpt.io.hashing import ShardDigest, Verify
+from tiered_ckpt.io.hashing import ShardDigest, Verify, copy_and_hash
 
 __all__ = ["Capabilities", "ShardSource", "Tier"]
 
@@ -72,15 +73,21 @@ class ShardSource:
     ``path``: a file on this node's disk holding them (a committed local shard), which a tier
     may read in concurrent parts. ``write``: a function that streams them into a binary file
     object and returns their digest (the writer serializing a state, a download being
-    refilled). At least one is given; given both, they hold the same bytes.
+    refilled). ``data``: the bytes themselves, in memory (a step kept in no file); ``write``
+    is then made from them, so a tier that streams needs nothing else. At least one is given;
+    given more, they hold the same bytes.
     """
 
     path: Path | None = None
     write: Callable[[BinaryIO], ShardDigest] | None = None
+    data: bytes | bytearray | None = None
 
     def __post_init__(self) -> None:
+        if self.data is not None and self.write is None:
+            data = self.data
+            object.__setattr__(self, "write", lambda out: copy_and_hash(io.BytesIO(data), out))
         if self.path is None and self.write is None:
-            raise UsageError("a ShardSource needs a path or a write function")
+            raise UsageError("a ShardSource needs a path, a write function or the bytes")
 
 
 @runtime_checkable

@@ -157,11 +157,19 @@ class TieredStore:
         self.local.write_receipt(step, tier.url, committed)
 
     def manifests(self, step: int, *, in_local: bool, in_remote: bool) -> tuple[ShardManifest, RemoteManifest | None]:
-        """The step's manifest (the local one if it validates, else the shared tier's) and the
-        shared tier's remote manifest (``in_*``: whether each tier committed the step).
+        """The step's manifest (the local one if it validates, else a later tier's that is not the
+        bucket, else the bucket's) and the shared tier's remote manifest (``in_*``: whether each
+        tier committed the step; None when a nearer tier's manifest was used instead).
 
         Raises :class:`ManifestError` if the two describe different checkpoints.
         """
+        if not in_local:  # a nearer copy's manifest first: reading the bucket's costs a request
+            for tier in self.later:
+                if tier is not self.remote:
+                    try:
+                        return tier.manifest(step), None
+                    except CheckpointError:
+                        continue
         remote = self.remote.read_manifest(step) if in_remote and self.remote is not None else None
         if not in_local:
             if remote is None:
@@ -180,10 +188,20 @@ class TieredStore:
 
     # -- reading shards ---------------------------------------------------------------------
 
-    def send_shard(self, step: int, record: ShardRecord, tier: Tier, *, deadline: float | None = None) -> None:
-        """Land the first tier's copy of ``record``'s shard in ``tier`` (a replicator's put): the
-        copy appears there only once it matches the record (see :meth:`Tier.land_shard`)."""
-        tier.land_shard(step, record, ShardSource(path=self.local.shard_path(step, record)), deadline=deadline)
+    def send_shard(
+        self,
+        step: int,
+        record: ShardRecord,
+        tier: Tier,
+        *,
+        deadline: float | None = None,
+        data: bytearray | None = None,
+    ) -> None:
+        """Land the first tier's copy of ``record``'s shard in ``tier`` (a replicator's put), or
+        ``data``, the shard's bytes, for a step the first tier does not hold (one kept in memory
+        only): the copy appears there only once it matches the record (see :meth:`Tier.land_shard`)."""
+        source = ShardSource(data=data) if data is not None else ShardSource(path=self.local.shard_path(step, record))
+        tier.land_shard(step, record, source, deadline=deadline)
 
     def download_shard(self, step: int, record: ShardRecord, tier: Tier | None = None) -> None:
         """Stream ``record``'s copy in ``tier`` (default: the shared tier) into the local step,

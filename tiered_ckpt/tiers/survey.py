@@ -93,7 +93,9 @@ class Lag:
     from a process that uploads nothing, such as the CLI). ``retrying_step``: the step whose
     upload is being tried again after a transient failure (the bucket is unreachable or
     failing; None: none is), ``retry_tries`` the requests tried for it so far. ``bucket`` names
-    the bucket's tier (None: the store has none).
+    the bucket's tier (None: the store has none). ``peer_error`` is the last failure of a
+    copy to a partner's memory (None: none, or no peer tier), ``peer_off`` why copies to the
+    partner stopped for the run (a partner that gave no answer in time; None: they go on).
     """
 
     newest: Mapping[str, int | None]
@@ -105,6 +107,8 @@ class Lag:
     retrying_step: int | None = None
     retry_tries: int = 0
     bucket: str | None = None
+    peer_error: str | None = None
+    peer_off: str | None = None
 
     @property
     def newest_local(self) -> int | None:
@@ -136,6 +140,8 @@ class Lag:
             "last_error_at": self.last_error_at,
             "retrying_step": self.retrying_step,
             "retry_tries": self.retry_tries,
+            "peer_error": self.peer_error,
+            "peer_off": self.peer_off,
         }
 
 

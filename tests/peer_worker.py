@@ -1,0 +1,133 @@
+"""One rank of a multi-process job with a peer tier: ``python peer_worker.py CONFIG_JSON RANK``.
+
+Joins a gloo job through a file store, opens a CheckpointManager on
+``<local_root>/rank-<RANK>`` with a peer tier whose nodes are ``config["nodes"]`` (by rank)
+and whose memory folder is ``config["memory"][<node>]`` (each "node" its own), and a bucket if
+the config has a URL; runs the actions and writes ``<results>/rank-<RANK>.json``.
+
+Actions: {"do": "save", "step": S} (blocking, then waits for the partner copy), {"do": "train",
+"steps": N} (saves 1..N, recording those some tier's cadence took), {"do": "wait"}
+(uploads), {"do": "restore"} (records step, sources and digests), {"do": "report"} (whether
+the tier is on, the memory held), {"do": "saves", "count": N} (N saves of a small state, each
+followed by the partner copy, recording the memory held after each), and
+{"do": "kill_on_copy", "rank": R, "step": S}: rank R SIGKILLs itself once it has received
+its ward's bytes of step S, before answering.
+"""
+
+import json
+import os
+import signal
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+from rank_worker import digests, rank_state
+
+from tiered_ckpt import (
+    CheckpointError,
+    CheckpointManager,
+    LocalOptions,
+    PeerOptions,
+    RemoteOptions,
+    TorchDistributedCoordinator,
+    UploadOptions,
+)
+from tiered_ckpt.tiers import peer_memory
+
+
+def run(config: dict, coordinator: TorchDistributedCoordinator, result: dict) -> None:
+    rank, world_size = coordinator.rank, coordinator.world_size
+    url = config.get("url")
+    nodes = config["nodes"]
+    peer = PeerOptions(
+        nodes=tuple(nodes),
+        memory_dir=config["memory"][nodes[rank]],
+        timeout_seconds=config.get("peer_timeout", 10),
+        max_bytes=config.get("max_bytes"),
+        every=config.get("peer_every", 1),
+    )
+    local = Path(config["local_root"]) / f"rank-{rank}"
+    options = config.get("options") or {}
+    checkpoints = CheckpointManager(
+        LocalOptions(local, keep_last=config.get("keep_last", 3), every=config.get("local_every", 1)),
+        coordinator=coordinator,
+        remote=RemoteOptions(url, storage_options=options, every=config.get("remote_every", 1)) if url else None,
+        upload=UploadOptions(max_tries=2),
+        peer=peer,
+    )
+    try:
+        for action in config["actions"]:
+            act(action, rank, world_size, checkpoints, result)
+    except CheckpointError as exc:
+        result["error"] = [type(exc).__name__, str(exc)]
+    try:
+        checkpoints.close()
+    except CheckpointError as exc:
+        result["close_error"] = [type(exc).__name__, str(exc)]
+
+
+def held_bytes(checkpoints: CheckpointManager) -> tuple[int, int]:
+    """The bytes of the slot files this rank's peer memory holds, and the files in its folder."""
+    memory = checkpoints._parts.peer.target.memory
+    return memory.bytes_held(), len(list(memory.root.iterdir()))
+
+
+def act(action: dict, rank: int, world_size: int, checkpoints: CheckpointManager, result: dict) -> None:
+    if action["do"] == "save":
+        checkpoints.save(action["step"], rank_state(action["step"], world_size, rank), blocking=True)
+        checkpoints._parts.peer.wait()
+        result.setdefault("peer_errors", []).append(checkpoints._parts.peer.last_error)
+    elif action["do"] == "wait":
+        checkpoints.wait(uploaded=True)
+    elif action["do"] == "train":
+        for step in range(1, action["steps"] + 1):
+            saved = checkpoints.save(step, rank_state(step, world_size, rank), blocking=True)
+            result.setdefault("saved", []).append(step) if saved.committed.result() is not None else None
+            checkpoints._parts.peer.wait()
+        result["local_steps"] = checkpoints.steps()
+    elif action["do"] == "report":
+        result["peer_on"] = checkpoints._parts.peer is not None
+    elif action["do"] == "saves":
+        for step in range(1, action["count"] + 1):
+            checkpoints.save(step, rank_state(step, world_size, rank), blocking=True)
+            checkpoints._parts.peer.wait()
+            result.setdefault("held", []).append(held_bytes(checkpoints))
+        result["peer_error"] = checkpoints._parts.peer.last_error
+    elif action["do"] == "kill_on_copy" and action["rank"] == rank:
+        accept = peer_memory.PeerMemory.accept
+
+        def accept_or_die(self, number, slot):
+            if slot.step == action["step"]:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return accept(self, number, slot)
+
+        peer_memory.PeerMemory.accept = accept_or_die
+    elif action["do"] == "restore":
+        restored = checkpoints.restore()
+        result["restored"] = {
+            "step": restored.step,
+            "sources": {str(old): tier for old, tier in restored.sources.items()},
+            "digests": digests(restored.torch_state()),
+        }
+
+
+def main() -> None:
+    config = json.loads(Path(sys.argv[1]).read_text())
+    rank = int(sys.argv[2])
+    timeout = timedelta(seconds=config.get("timeout_seconds", 60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{config['store']}", rank=rank, world_size=config["world_size"], timeout=timeout
+    )
+    result: dict = {"rank": rank}
+    try:
+        run(config, TorchDistributedCoordinator(timeout=timeout), result)
+    except CheckpointError as exc:
+        result["error"] = [type(exc).__name__, str(exc)]
+    (Path(config["results"]) / f"rank-{rank}.json").write_text(json.dumps(result))
+    sys.stdout.flush()
+    os._exit(0)  # not destroy_process_group(): after a peer was killed it can wait for that peer
+
+
+if __name__ == "__main__":
+    main()

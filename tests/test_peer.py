@@ -1,0 +1,145 @@
+"""The peer tier with real rank processes: 4 ranks as 2 "nodes" of 2, each node its own disks and memory.
+
+The nodes are named explicitly (``peer.nodes``), each with a memory folder of its own, so
+losing a node is deleting its ranks' directories and its memory folder between launches.
+"""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import FaultInjectingProxy, launch_ranks, new_s3_bucket, s3_storage_options
+
+WORKER = Path(__file__).with_name("peer_worker.py")
+NODES = ["a", "a", "b", "b"]
+
+
+def expected_digests(step: int, world_size: int, rank: int) -> dict:
+    import rank_worker
+
+    return rank_worker.digests(rank_worker.rank_state(step, world_size, rank))
+
+
+def run_job(root: Path, actions: list[dict], remote=None, killed: int | None = None, **options) -> dict:
+    """Launch the 4 ranks over ``root`` (disks in ``root/nodes``, memory in ``root/memory-<node>``)."""
+    memory = {node: str(root / f"memory-{node}") for node in set(NODES)}
+    config = {"actions": actions, "nodes": NODES, "memory": memory, "timeout_seconds": 60, **options}
+    return launch_ranks(WORKER, root, len(NODES), config, remote=remote, killed=killed)
+
+
+def lose_node(root: Path, node: str) -> None:
+    """Node ``node`` is replaced: its ranks' disks and its memory are gone."""
+    for rank, name in enumerate(NODES):
+        if name == node:
+            shutil.rmtree(root / "nodes" / f"rank-{rank}")
+    shutil.rmtree(root / f"memory-{node}")
+
+
+@pytest.fixture
+def counted_bucket(moto_endpoint):
+    """(proxy, remote): a fresh bucket reached through a proxy that fails nothing and logs every request."""
+    url, _options = new_s3_bucket(moto_endpoint, "tiered-peer")
+    proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0)
+    yield proxy, (url, s3_storage_options(proxy.endpoint))
+    proxy.close()
+
+
+def shard_reads(proxy: FaultInjectingProxy) -> list[str]:
+    return [path for method, path in proxy.log if method == "GET" and ".safetensors" in path]
+
+
+def test_a_lost_node_restores_byte_for_byte_from_its_partners_without_reading_the_bucket(tmp_path, counted_bucket):
+    proxy, remote = counted_bucket
+    saved = run_job(tmp_path, [{"do": "save", "step": 1}, {"do": "save", "step": 2}, {"do": "wait"}], remote)
+    assert all(result["peer_errors"] == [None, None] for result in saved.values()), saved
+    lose_node(tmp_path, "a")
+    proxy.log.clear()
+
+    restored = run_job(tmp_path, [{"do": "restore"}], remote)
+    for rank, result in restored.items():
+        assert result["restored"]["step"] == 2, result
+        assert result["restored"]["digests"] == expected_digests(2, 4, rank)
+        assert result["restored"]["sources"] == {str(rank): "peer" if NODES[rank] == "a" else "local"}
+    assert shard_reads(proxy) == []  # not one shard was read from the bucket
+    for rank in (0, 1):  # the replaced node's disks were refilled from the partners
+        assert (tmp_path / "nodes" / f"rank-{rank}" / "step-000000000002").is_dir()
+
+
+def test_a_partners_flipped_byte_is_caught_and_the_bucket_is_read_instead(tmp_path, counted_bucket):
+    proxy, remote = counted_bucket
+    run_job(tmp_path, [{"do": "save", "step": 1}, {"do": "wait"}], remote)
+    slots = sorted((tmp_path / "memory-b").rglob("slot-*.bin"))
+    assert len(slots) == 2  # node b holds node a's two shards
+    for slot in slots:
+        data = bytearray(slot.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        slot.write_bytes(data)
+    lose_node(tmp_path, "a")
+    proxy.log.clear()
+
+    restored = run_job(tmp_path, [{"do": "restore"}], remote)
+    for rank, result in restored.items():
+        assert result["restored"]["digests"] == expected_digests(1, 4, rank)
+        assert result["restored"]["sources"] == {str(rank): "remote" if NODES[rank] == "a" else "local"}
+    assert len(shard_reads(proxy)) == 2  # the two shards of the lost node, each read once
+
+
+def test_a_partner_killed_mid_copy_leaves_the_step_on_disk_and_it_reaches_the_bucket(tmp_path, counted_bucket):
+    _proxy, remote = counted_bucket
+    actions = [
+        {"do": "save", "step": 1},
+        {"do": "wait"},
+        {"do": "kill_on_copy", "rank": 2, "step": 2},
+        {"do": "save", "step": 2},
+        {"do": "wait"},
+    ]
+    cut = run_job(tmp_path, actions, remote, killed=2, timeout_seconds=10, peer_timeout=3)
+    assert all("error" in result or "close_error" in result for result in cut.values())  # the job is cut
+    for rank in range(4):  # every rank committed step 2 on its disk before the partner copy began
+        assert (tmp_path / "nodes" / f"rank-{rank}" / "step-000000000002" / "manifest.json").is_file()
+
+    restored = run_job(tmp_path, [{"do": "wait"}, {"do": "restore"}], remote)
+    for rank, result in restored.items():
+        assert result["restored"]["step"] == 2
+        assert result["restored"]["digests"] == expected_digests(2, 4, rank)
+    import fsspec
+
+    url, options = remote
+    fs, path = fsspec.core.url_to_fs(url, **options)
+    assert fs.exists(f"{path}/step-000000000002/manifest.json")  # the restarted job uploaded it
+
+
+def test_the_memory_held_for_partners_stays_flat_over_100_saves(tmp_path):
+    results = run_job(tmp_path, [{"do": "saves", "count": 100}], keep_last=1)
+    for result in results.values():
+        assert result["peer_error"] is None
+        held = result["held"]
+        assert len(held) == 100
+        assert len(set(map(tuple, held))) == 1, held[:3]  # the same bytes and files after every save
+        assert held[0][0] > 0
+
+
+CADENCE = {"local_every": 4, "peer_every": 2, "max_bytes": 5000}  # room for two steps' shards of one rank
+
+
+def test_steps_between_disk_saves_live_in_the_partners_memory_and_a_restart_restores_the_newest(tmp_path):
+    saved = run_job(tmp_path, [{"do": "train", "steps": 6}], **CADENCE)
+    for result in saved.values():
+        assert result["saved"] == [2, 4, 6]  # 1, 3 and 5 go to no tier; 2 and 6 to the partners only
+        assert result["local_steps"] == [4]
+    restored = run_job(tmp_path, [{"do": "restore"}], **CADENCE)  # every process restarted, no node lost
+    for rank, result in restored.items():
+        assert result["restored"]["step"] == 6
+        assert result["restored"]["sources"] == {str(rank): "peer"}
+        assert result["restored"]["digests"] == expected_digests(6, 4, rank)
+
+
+def test_a_lost_node_falls_back_to_the_newest_step_on_disk_its_partners_still_hold(tmp_path):
+    run_job(tmp_path, [{"do": "train", "steps": 6}], **CADENCE)
+    lose_node(tmp_path, "a")  # node b's shards of step 6 were in node a's memory only
+    restored = run_job(tmp_path, [{"do": "restore"}], **CADENCE)
+    for rank, result in restored.items():
+        assert result["restored"]["step"] == 4
+        assert result["restored"]["sources"] == {str(rank): "peer" if NODES[rank] == "a" else "local"}
+        assert result["restored"]["digests"] == expected_digests(4, 4, rank)

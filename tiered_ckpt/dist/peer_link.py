@@ -1,0 +1,91 @@
+"""Point-to-point messages between the processes of a job, for the peer tier's copies.
+
+A :class:`PeerLink` sends and receives byte buffers between ranks on a gloo process group
+of its own (never the training loop's, nor the coordinator's collectives), so a copy in
+flight never interleaves with another collective. One :meth:`PeerLink.exchange` posts
+every send and receive of one round at once and waits for all of them, within the link's
+timeout: a partner that died or hangs costs at most that long.
+
+After a round that failed or timed out, a receive may still be posted in the backend and
+a late message could land in a buffer reused since, so the link is *broken* for the rest
+of the run: every later exchange raises at once, with the first failure's reason.
+Messages carry no pickle: raw bytes, and headers of fixed-size integers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+
+from tiered_ckpt.errors import PeerError, UsageError
+
+__all__ = ["PeerLink"]
+
+
+class PeerLink:
+    """Byte messages between the ranks of ``coordinator`` (a
+    :class:`~tiered_ckpt.TorchDistributedCoordinator`; building the link is collective), each
+    exchange bounded by ``timeout_seconds``."""
+
+    def __init__(self, coordinator: Any, timeout_seconds: float) -> None:
+        import torch.distributed as dist  # an optional dependency: imported only when used
+
+        self._dist = dist
+        self.rank: int = coordinator.rank
+        self.timeout_seconds = timeout_seconds
+        self._group = coordinator.new_group(timedelta(seconds=timeout_seconds))
+        self.broken: str | None = None
+
+    def __repr__(self) -> str:
+        return f"PeerLink(rank={self.rank}, timeout_seconds={self.timeout_seconds})"
+
+    def exchange(self, sends: Sequence[tuple[int, np.ndarray]], receives: Sequence[tuple[int, np.ndarray]]) -> None:
+        """Send each ``(rank, buffer)`` of ``sends`` and fill each of ``receives`` from its rank, all at once.
+
+        Buffers are C-contiguous uint8 arrays (a receive's must have exactly the sender's
+        length). Raises :class:`PeerError` if any of them failed or did not finish within the
+        link's timeout; the link is then broken (see the module doc).
+        """
+        import torch
+
+        if self.broken is not None:
+            raise PeerError(f"rank {self.rank}: the peer link is broken since: {self.broken}")
+        deadline = time.monotonic() + self.timeout_seconds
+        works = []
+        try:
+            for rank, buffer in sends:
+                if buffer.size:
+                    works.append((rank, self._dist.isend(_tensor(torch, buffer), group=self._group, group_dst=rank)))
+            for rank, buffer in receives:
+                if buffer.size:
+                    works.append((rank, self._dist.irecv(_tensor(torch, buffer), group=self._group, group_src=rank)))
+            for rank, work in works:
+                if work is None:  # this process is not in the group: never the case for a link's own group
+                    raise PeerError(f"rank {self.rank}: not a member of the peer link's group")
+                left = max(deadline - time.monotonic(), 0.001)
+                try:
+                    work.wait(timeout=timedelta(seconds=left))
+                except Exception as exc:  # the backend's own types (RuntimeError, DistBackendError) vary
+                    raise PeerError(f"rank {self.rank}: no answer from rank {rank} within {self.timeout_seconds} s "
+                                    f"(it died or hangs): {_first_line(exc)}") from exc  # fmt: skip
+        except PeerError as exc:
+            self.broken = str(exc)
+            raise
+        except Exception as exc:  # posting failed: the backend refused the group or a peer is gone
+            self.broken = f"rank {self.rank}: {_first_line(exc)}"
+            raise PeerError(f"rank {self.rank}: the peer link failed: {_first_line(exc)}") from exc
+
+
+def _tensor(torch: Any, buffer: np.ndarray) -> Any:
+    if buffer.dtype != np.uint8 or buffer.ndim != 1 or not buffer.flags.c_contiguous:
+        raise UsageError("peer link buffers are 1-D C-contiguous uint8 arrays")
+    return torch.from_numpy(buffer)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__

@@ -1,0 +1,106 @@
+"""Opening the peer tier of a running job: partners chosen, memory checked, links built (collective).
+
+:func:`open_peer_tier`, on every process at once:
+
+1. each process names its node (:func:`~tiered_ckpt.dist.partners.node_of`) and checks its
+   memory folder against ``peer.max_bytes``; the names and any refusal are gathered (one
+   collective: a refusal on one rank fails every rank, naming it);
+2. partners are chosen from the nodes; with one node, or without one process per rank
+   under ``torch.distributed``, the tier protects nothing: a WARNING says so and it stays off;
+3. the two links (saves, restores) are built: each a gloo group of its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tiered_ckpt.dist.coordination import Coordinator, gather
+from tiered_ckpt.dist.partners import choose_partners, node_of
+from tiered_ckpt.dist.peer_link import PeerLink
+from tiered_ckpt.engine.replication import ReplicationPolicy
+from tiered_ckpt.errors import invalid_option
+from tiered_ckpt.tiers.peer import PeerTier
+from tiered_ckpt.tiers.peer_memory import PeerMemory
+
+__all__ = ["open_peer_tier", "peer_policy"]
+
+logger = logging.getLogger("tiered_ckpt")
+
+
+@dataclass(frozen=True)
+class _Node:
+    """The node one process runs on."""
+
+    name: str
+
+
+def peer_policy(every: int) -> ReplicationPolicy:
+    """How the peer tier's replicator sends steps: one shard per process at a time, every
+    ``every``-th step, each failure logged rather than raised (never retried: the next step's
+    copy is the retry), no deadline beyond the link's timeout."""
+    return ReplicationPolicy(concurrency=1, max_pending=2, deadline_seconds=None, every=every, best_effort=True)
+
+
+def memory_folder(memory_dir: Path, local_dir: Path) -> Path:
+    """The folder of ``memory_dir`` holding this process's copies: one per local directory, so a
+    restarted rank on the same directory finds what it held."""
+    return memory_dir / hashlib.sha256(str(local_dir.absolute()).encode()).hexdigest()[:16]
+
+
+def _check_budget(memory_dir: Path, max_bytes: int | None) -> None:
+    """Refuse a budget the memory file system cannot hold (a :class:`~tiered_ckpt.ConfigError`
+    naming ``peer.max_bytes``)."""
+    memory_dir.mkdir(parents=True, exist_ok=True)
+    capacity = shutil.disk_usage(memory_dir).total
+    if max_bytes is not None and max_bytes > capacity:
+        raise invalid_option(
+            "peer.max_bytes",
+            f"is {max_bytes} bytes, more than the {capacity} bytes of the memory file system "
+            f"holding {memory_dir} (peer.memory_dir)",
+        )
+
+
+def open_peer_tier(
+    coordinator: Coordinator,
+    *,
+    local_dir: Path,
+    memory_dir: Path,
+    max_bytes: int | None,
+    timeout_seconds: float,
+    nodes: Sequence[str] | None,
+) -> PeerTier | None:
+    """The peer tier of this process (see the module doc; the arguments are ``peer.*``'s, and
+    ``local.dir``), or None if it protects nothing."""
+    rank = getattr(coordinator, "rank", None)
+    if len(coordinator.local_ranks) != 1 or not hasattr(coordinator, "new_group") or rank is None:
+        logger.warning(
+            "the peer tier needs one process per rank under torch.distributed (TorchDistributedCoordinator); "
+            "with %r it protects nothing and stays off",
+            coordinator,
+        )
+        return None
+
+    def named() -> _Node:
+        _check_budget(memory_dir, max_bytes)
+        return _Node(node_of(rank, nodes))
+
+    names = [node.name for node in gather(coordinator, "peer: nodes", _Node, named)]
+    partners = choose_partners(names)
+    if not partners.active:
+        logger.warning(
+            "the peer tier stays off: every rank runs on node %r, and a partner on the same node fails with it "
+            "(name the nodes with peer.nodes, or launch with torchrun's GROUP_RANK)",
+            names[0],
+        )
+        return None
+    memory = PeerMemory(memory_folder(memory_dir, local_dir), max_bytes)
+    save_link = PeerLink(coordinator, timeout_seconds)
+    restore_link = PeerLink(coordinator, timeout_seconds)
+    holder = partners.holder[rank]
+    logger.info("peer tier: rank %d's shards are held by rank %s on node %s", rank, holder, names[holder or 0])
+    return PeerTier(memory, partners, rank, save_link, restore_link)

@@ -1,0 +1,286 @@
+"""What a rank holds in memory for its partners: their shards, in buffers reused from step to step.
+
+A :class:`PeerMemory` lives in a folder of a memory file system (``/dev/shm`` by default),
+so the copies outlive the training process: a launcher that restarts every rank after a
+failure (as torchrun does) finds them, while a lost node loses them with its RAM. The
+folder holds:
+
+- ``slot-<n>.bin``: one shard's bytes (the file may be longer than the shard); slots are
+  reused for later steps, so after the first steps the memory held stays flat;
+- ``slot-<n>.json``: which step and rank the slot holds, with the shard's size and
+  sha256, written only once the bytes were checked;
+- ``step-<step>.json``: the step's manifest, written when the step is committed in the
+  peer tier (every rank's copy was taken by its partner), and ``step-<step>.disk`` if the
+  step is also on the ranks' disks.
+
+At most ``max_bytes`` are held in slots (None: one step of the partners' shards: taking a
+step frees the slots of every other step first). Room is made by freeing the oldest steps,
+the newest step that is also on disk last: it is what a replaced node's disks are refilled
+with, while a step kept in memory only is restorable only while every partner lives. A
+shard that cannot fit, even once every other step is freed, is refused
+(:class:`~tiered_ckpt.MemoryBudgetError`). What is
+read back is untrusted: metadata that does not parse frees its slot, and every copy is
+hashed again by whoever uses it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import mmap
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tiered_ckpt.errors import CheckpointError, ManifestError, MemoryBudgetError, UsageError
+from tiered_ckpt.format.strict_json import Fields, load_object
+from tiered_ckpt.io.durable import temp_name
+
+__all__ = ["PeerMemory", "Slot"]
+
+logger = logging.getLogger("tiered_ckpt")
+
+_SLOT = re.compile(r"slot-(\d{1,6})\.bin")
+_MANIFEST = re.compile(r"step-(\d{12})\.json")
+_META_LIMIT = 4096
+_MANIFEST_LIMIT = 64 << 20
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A slot's content: ``rank``'s shard of ``step``, ``size`` bytes hashing to ``sha256``."""
+
+    step: int
+    rank: int
+    size: int
+    sha256: str
+
+
+class PeerMemory:
+    """The partners' shards this rank holds, in ``root`` (see the module doc)."""
+
+    def __init__(self, root: Path, max_bytes: int | None = None) -> None:
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
+            raise UsageError(f"max_bytes must be None or an integer >= 1, got {max_bytes!r:.40}")
+        self.root = Path(root)
+        self.max_bytes = max_bytes
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._slots: dict[int, Slot | None] = {}  # slot number -> content (None: free)
+        self._load()
+
+    def __repr__(self) -> str:
+        return f"PeerMemory({str(self.root)!r}, max_bytes={self.max_bytes})"
+
+    # -- reading what is held -----------------------------------------------------------------
+
+    def _load(self) -> None:
+        """Read the slots left in ``root`` (by an earlier process); free what does not parse."""
+        for path in sorted(self.root.iterdir()):
+            if path.name.startswith("."):  # a temp file of a write cut short
+                path.unlink(missing_ok=True)
+                continue
+            found = _SLOT.fullmatch(path.name)
+            if found is None:
+                continue
+            number = int(found.group(1))
+            self._slots[number] = self._read_meta(number)
+        for step in self._manifest_steps():
+            if not any(slot is not None and slot.step == step for slot in self._slots.values()):
+                self._manifest_path(step).unlink(missing_ok=True)
+        for path in self.root.glob("step-*.disk"):
+            if not path.with_suffix(".json").exists():
+                path.unlink(missing_ok=True)
+
+    def _read_meta(self, number: int) -> Slot | None:
+        path = self._meta_path(number)
+        if not path.exists():
+            return None
+        try:
+            fields = Fields(load_object(path.read_bytes(), str(path), _META_LIMIT), str(path), "")
+            fields.reject_unknown({"step", "rank", "size", "sha256"})
+            slot = Slot(
+                fields.integer("step", minimum=0),
+                fields.integer("rank", minimum=0),
+                fields.integer("size", minimum=0),
+                fields.string("sha256"),
+            )
+            if slot.size > self._bin_path(number).stat().st_size:
+                raise ManifestError(f"{path}: the slot is shorter than its {slot.size} bytes")
+            return slot
+        except (ManifestError, OSError) as exc:
+            logger.warning("peer memory %s: freeing slot %d: %s", self.root, number, exc)
+            path.unlink(missing_ok=True)
+            return None
+
+    def _manifest_steps(self) -> list[int]:
+        return sorted(int(m.group(1)) for p in self.root.iterdir() if (m := _MANIFEST.fullmatch(p.name)))
+
+    def steps(self) -> list[int]:
+        """Steps committed here (their manifest written), oldest first."""
+        return self._manifest_steps()
+
+    def uncommitted_steps(self) -> list[int]:
+        """Steps with slots but no manifest, oldest first."""
+        committed = set(self._manifest_steps())
+        return sorted({slot.step for slot in self._slots.values() if slot is not None} - committed)
+
+    def held(self, step: int) -> dict[int, Slot]:
+        """The slots holding shards of ``step``, by rank."""
+        return {slot.rank: slot for slot in self._slots.values() if slot is not None and slot.step == step}
+
+    def manifest_text(self, step: int) -> bytes:
+        """The manifest document of committed ``step`` (untrusted: the caller validates it)."""
+        path = self._manifest_path(step)
+        try:
+            with open(path, "rb") as source:
+                data = source.read(_MANIFEST_LIMIT + 1)
+        except FileNotFoundError:
+            raise CheckpointError(f"peer memory {self.root}: step {step} is not committed here") from None
+        if len(data) > _MANIFEST_LIMIT:
+            raise ManifestError(f"{path}: over the {_MANIFEST_LIMIT} byte limit of a manifest")
+        return data
+
+    def view(self, step: int, rank: int) -> np.ndarray:
+        """``rank``'s shard of ``step`` as a private (copy-on-write) map of its slot."""
+        for number, slot in self._slots.items():
+            if slot is not None and slot.step == step and slot.rank == rank:
+                return _map(self._bin_path(number), slot.size, private=True)
+        raise CheckpointError(f"peer memory {self.root}: holds no shard of rank {rank} for step {step}")
+
+    def bytes_held(self) -> int:
+        """The bytes of every slot file (held or free): the memory this rank spends on its partners."""
+        return sum(self._bin_path(number).stat().st_size for number in self._slots)
+
+    # -- taking a new copy -------------------------------------------------------------------
+
+    def buffer_for(self, step: int, rank: int, size: int) -> tuple[int, np.ndarray]:
+        """A slot to receive ``rank``'s shard of ``step`` (``size`` bytes) and a writable map of it.
+
+        Frees what the budget needs first (see the module doc); the slot holds nothing
+        until :meth:`accept`. Raises :class:`MemoryBudgetError` if the shard cannot fit.
+        """
+        if self.max_bytes is not None and size > self.max_bytes:
+            raise MemoryBudgetError(
+                f"peer memory {self.root}: rank {rank}'s shard of step {step} is {size} bytes, over the "
+                f"budget of {self.max_bytes} bytes (peer.max_bytes)"
+            )
+        for number, slot in self._slots.items():
+            if slot is not None and slot.step == step and slot.rank == rank:
+                self._free(number)  # a second copy of the same shard replaces the first
+        if self.max_bytes is None:
+            for number, slot in self._slots.items():
+                if slot is not None and slot.step != step:
+                    self._free(number)
+        number = self._choose_slot(step, size)
+        path = self._bin_path(number)
+        if not path.exists() or path.stat().st_size < size:
+            with open(path, "ab") as out:
+                out.truncate(size)
+        return number, _map(path, size, private=False)
+
+    def _choose_slot(self, step: int, size: int) -> int:
+        """A free slot for ``size`` bytes: a free one long enough, else a free one grown (or a new
+        one) if the budget allows, freeing the oldest other steps until it does."""
+        while True:
+            free = [n for n, slot in self._slots.items() if slot is None]
+            sizes = {n: self._bin_path(n).stat().st_size for n in self._slots}
+            fitting = [n for n in free if sizes[n] >= size]
+            if fitting:
+                return min(fitting, key=lambda n: sizes[n])
+            total = sum(sizes.values())
+            grow = max(free, key=lambda n: sizes[n]) if free else None
+            extra = size - (sizes[grow] if grow is not None else 0)
+            if self.max_bytes is None or total + extra <= self.max_bytes:
+                if grow is not None:
+                    return grow
+                number = max(self._slots, default=-1) + 1
+                self._slots[number] = None
+                return number
+            others = sorted({s.step for s in self._slots.values() if s is not None and s.step != step})
+            on_disk = [other for other in others if self._disk_path(other).exists()]
+            if on_disk:  # the newest step also on disk goes last
+                others.remove(on_disk[-1])
+                others.append(on_disk[-1])
+            if not others:
+                if free:  # shrink the budget's use: drop free slots that are too short
+                    for n in free:
+                        self._bin_path(n).unlink(missing_ok=True)
+                        del self._slots[n]
+                    continue
+                raise MemoryBudgetError(
+                    f"peer memory {self.root}: step {step}'s shards need more than the budget of "
+                    f"{self.max_bytes} bytes (peer.max_bytes)"
+                )
+            self.delete_step(others[0])
+
+    def accept(self, number: int, slot: Slot) -> None:
+        """Record that slot ``number`` holds ``slot`` (its bytes were checked by the caller)."""
+        _write_small(self._meta_path(number), _slot_json(slot))
+        self._slots[number] = slot
+
+    def release(self, number: int) -> None:
+        """Slot ``number`` holds nothing (a copy that did not verify)."""
+        self._free(number)
+
+    def commit(self, step: int, manifest_json: str, *, on_disk: bool = False) -> None:
+        """Write ``step``'s manifest: the step is committed here (``on_disk``: it is also on the ranks' disks)."""
+        if on_disk:
+            _write_small(self._disk_path(step), b"")
+        _write_small(self._manifest_path(step), manifest_json.encode())
+
+    def delete_step(self, step: int) -> None:
+        """Forget ``step``: its manifest first, then its slots (kept, free, for later steps)."""
+        self._manifest_path(step).unlink(missing_ok=True)
+        self._disk_path(step).unlink(missing_ok=True)
+        for number, slot in list(self._slots.items()):
+            if slot is not None and slot.step == step:
+                self._free(number)
+
+    def _free(self, number: int) -> None:
+        slot = self._slots.get(number)
+        self._meta_path(number).unlink(missing_ok=True)
+        self._slots[number] = None
+        if slot is not None and not self.held(slot.step):
+            self._manifest_path(slot.step).unlink(missing_ok=True)
+            self._disk_path(slot.step).unlink(missing_ok=True)
+
+    def _bin_path(self, number: int) -> Path:
+        return self.root / f"slot-{number}.bin"
+
+    def _meta_path(self, number: int) -> Path:
+        return self.root / f"slot-{number}.json"
+
+    def _manifest_path(self, step: int) -> Path:
+        return self.root / f"step-{step:012d}.json"
+
+    def _disk_path(self, step: int) -> Path:
+        return self.root / f"step-{step:012d}.disk"
+
+
+def sha256_of(buffer: np.ndarray) -> str:
+    """The sha256 of a uint8 buffer."""
+    return hashlib.sha256(buffer.data).hexdigest()
+
+
+def _map(path: Path, size: int, *, private: bool) -> np.ndarray:
+    if size == 0:
+        return np.zeros(0, dtype=np.uint8)
+    with open(path, "rb" if private else "r+b") as source:
+        access = mmap.ACCESS_COPY if private else mmap.ACCESS_WRITE
+        mapped = mmap.mmap(source.fileno(), size, access=access)
+    return np.frombuffer(mapped, dtype=np.uint8, count=size)
+
+
+def _slot_json(slot: Slot) -> bytes:
+    return f'{{"step": {slot.step}, "rank": {slot.rank}, "size": {slot.size}, "sha256": "{slot.sha256}"}}'.encode()
+
+
+def _write_small(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically (a memory file system: nothing to fsync)."""
+    temp = path.with_name(temp_name(path.name))
+    with open(temp, "wb") as out:
+        out.write(data)
+    os.replace(temp, path)

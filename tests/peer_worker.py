@@ -11,13 +11,15 @@ Actions: {"do": "save", "step": S} (blocking, then waits for the partner copy), 
 the tier is on, the memory held), {"do": "saves", "count": N} (N saves of a small state, each
 followed by the partner copy, recording the memory held after each), and
 {"do": "kill_on_copy", "rank": R, "step": S}: rank R SIGKILLs itself once it has received
-its ward's bytes of step S, before answering.
+its ward's bytes of step S, before answering; {"do": "hang_on_serve", "rank": R, "seconds": T}:
+rank R sleeps T seconds before sending a restore its copies (a partner that hangs).
 """
 
 import json
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -33,14 +35,14 @@ from tiered_ckpt import (
     TorchDistributedCoordinator,
     UploadOptions,
 )
-from tiered_ckpt.tiers import peer_memory
+from tiered_ckpt.tiers import peer, peer_memory
 
 
 def run(config: dict, coordinator: TorchDistributedCoordinator, result: dict) -> None:
     rank, world_size = coordinator.rank, coordinator.world_size
     url = config.get("url")
     nodes = config["nodes"]
-    peer = PeerOptions(
+    options = PeerOptions(
         nodes=tuple(nodes),
         memory_dir=config["memory"][nodes[rank]],
         timeout_seconds=config.get("peer_timeout", 10),
@@ -48,13 +50,13 @@ def run(config: dict, coordinator: TorchDistributedCoordinator, result: dict) ->
         every=config.get("peer_every", 1),
     )
     local = Path(config["local_root"]) / f"rank-{rank}"
-    options = config.get("options") or {}
+    storage = config.get("options") or {}
     checkpoints = CheckpointManager(
         LocalOptions(local, keep_last=config.get("keep_last", 3), every=config.get("local_every", 1)),
         coordinator=coordinator,
-        remote=RemoteOptions(url, storage_options=options, every=config.get("remote_every", 1)) if url else None,
+        remote=RemoteOptions(url, storage_options=storage, every=config.get("remote_every", 1)) if url else None,
         upload=UploadOptions(max_tries=2),
-        peer=peer,
+        peer=options,
     )
     try:
         for action in config["actions"]:
@@ -103,6 +105,14 @@ def act(action: dict, rank: int, world_size: int, checkpoints: CheckpointManager
             return accept(self, number, slot)
 
         peer_memory.PeerMemory.accept = accept_or_die
+    elif action["do"] == "hang_on_serve" and action["rank"] == rank:
+        outgoing = peer.PeerTier._outgoing
+
+        def hang_then_send(self, *args):
+            time.sleep(action["seconds"])  # the partner hangs while a restore waits for its copy
+            return outgoing(self, *args)
+
+        peer.PeerTier._outgoing = hang_then_send
     elif action["do"] == "restore":
         restored = checkpoints.restore()
         result["restored"] = {

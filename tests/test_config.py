@@ -15,6 +15,7 @@ from tiered_ckpt import (
     CheckpointManager,
     Config,
     ConfigError,
+    PeerOptions,
     RemoteOptions,
     RuntimeOptions,
     UploadOptions,
@@ -431,3 +432,20 @@ def test_a_bad_variable_is_refused_naming_it(name, text, problem):
     with pytest.raises(ConfigError, match=re.escape(problem)) as caught:
         load_config(environ={"TIERED_CKPT_LOCAL_DIR": "x", name: text})
     assert name in str(caught.value)
+
+
+def test_a_peer_table_turns_the_peer_tier_on_and_none_leaves_it_off(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('[local]\ndir = "ckpt"\nevery = 100\n\n[peer]\nevery = 10\nnodes = ["a", "b"]\n')
+    config = load_config(path, environ={})
+    assert config.peer == PeerOptions(every=10, nodes=("a", "b"))
+    assert config.local.every == 100
+    assert load_config(environ={"TIERED_CKPT_LOCAL_DIR": "x"}).peer is None
+    assert load_config(environ={"TIERED_CKPT_LOCAL_DIR": "x", "TIERED_CKPT_PEER_EVERY": "5"}).peer.every == 5
+
+
+def test_a_bad_peer_value_names_its_file_and_key(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("local: {dir: ckpt}\npeer: {timeout_seconds: 0}\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: key 'peer.timeout_seconds' must be >= 0.001")):
+        load_config(path, environ={})

@@ -19,6 +19,7 @@ from tiered_ckpt.options import (
     GROUPS,
     LocalOptions,
     Options,
+    PeerOptions,
     RemoteOptions,
     RestoreOptions,
     RuntimeOptions,
@@ -454,3 +455,45 @@ def test_the_reference_lists_every_option_once_with_its_type_and_default():
                 default = "required"
             expected[f"{group}.{each.name}"] = (str(each.type), default)
     assert rows == expected
+
+
+# --- the peer tier and the cadence of every tier ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field, value, problem",
+    [
+        ("every", 0, "every must be >= 1, got 0"),
+        ("max_bytes", 0, "max_bytes must be >= 1, got 0"),
+        ("max_bytes", 1.5, "max_bytes must be int, got float"),
+        ("timeout_seconds", 0, "timeout_seconds must be >= 0.001"),
+        ("memory_dir", "", "memory_dir must be a path"),
+        ("nodes", "ab", "nodes must be a list of node names by rank"),
+        ("nodes", ["a", ""], "nodes must be a non-empty list of node names"),
+        ("nodes", [], "nodes must be a non-empty list of node names"),
+    ],
+)
+def test_a_bad_peer_option_is_refused_naming_its_field(field, value, problem):
+    with pytest.raises(ConfigError, match=re.escape(problem)) as caught:
+        PeerOptions(**{field: value})
+    assert caught.value.field == field
+
+
+def test_peer_options_keep_nodes_as_a_tuple_and_the_memory_dir_as_a_path():
+    options = PeerOptions(nodes=["a", "b"], memory_dir="~/shm")
+    assert options.nodes == ("a", "b")
+    assert options.memory_dir == Path("~/shm").expanduser()
+
+
+def test_a_bucket_cadence_that_is_not_a_multiple_of_the_disks_is_refused():
+    with pytest.raises(ConfigError, match=r"remote.every is 150, not a multiple of local.every \(100\)") as caught:
+        resolve_options(LocalOptions("/x", every=100), RemoteOptions("s3://b/run", every=150))
+    assert caught.value.field == "remote.every"
+    assert resolve_options(LocalOptions("/x", every=100), RemoteOptions("s3://b/run", every=500)).remote.every == 500
+
+
+def test_no_peer_group_is_no_peer_tier():
+    assert resolve_options("/x").peer is None
+    assert resolve_options("/x", peer=PeerOptions(every=10)).peer == PeerOptions(every=10)
+    with pytest.raises(UsageError, match="argument peer must be PeerOptions or None"):
+        resolve_options("/x", peer={"every": 10})

@@ -21,11 +21,11 @@ def expected_digests(step: int, world_size: int, rank: int) -> dict:
     return rank_worker.digests(rank_worker.rank_state(step, world_size, rank))
 
 
-def run_job(root: Path, actions: list[dict], remote=None, killed: int | None = None, **options) -> dict:
-    """Launch the 4 ranks over ``root`` (disks in ``root/nodes``, memory in ``root/memory-<node>``)."""
-    memory = {node: str(root / f"memory-{node}") for node in set(NODES)}
-    config = {"actions": actions, "nodes": NODES, "memory": memory, "timeout_seconds": 60, **options}
-    return launch_ranks(WORKER, root, len(NODES), config, remote=remote, killed=killed)
+def run_job(root: Path, actions: list[dict], remote=None, killed: int | None = None, nodes=NODES, **options) -> dict:
+    """Launch a rank per item of ``nodes`` over ``root`` (disks in ``root/nodes``, memory in ``root/memory-<node>``)."""
+    memory = {node: str(root / f"memory-{node}") for node in set(nodes)}
+    config = {"actions": actions, "nodes": list(nodes), "memory": memory, "timeout_seconds": 60, **options}
+    return launch_ranks(WORKER, root, len(nodes), config, remote=remote, killed=killed)
 
 
 def lose_node(root: Path, node: str) -> None:
@@ -143,3 +143,32 @@ def test_a_lost_node_falls_back_to_the_newest_step_on_disk_its_partners_still_ho
         assert result["restored"]["step"] == 4
         assert result["restored"]["sources"] == {str(rank): "peer" if NODES[rank] == "a" else "local"}
         assert result["restored"]["digests"] == expected_digests(4, 4, rank)
+
+
+def test_a_partner_that_hangs_during_a_restore_costs_its_timeout_and_the_bucket_serves_instead(
+    tmp_path, counted_bucket
+):
+    proxy, remote = counted_bucket
+    run_job(tmp_path, [{"do": "save", "step": 1}, {"do": "wait"}], remote)
+    lose_node(tmp_path, "a")
+    proxy.log.clear()
+    actions = [{"do": "hang_on_serve", "rank": 2, "seconds": 6}, {"do": "restore"}]
+    restored = run_job(tmp_path, actions, remote, peer_timeout=2)
+    for rank, result in restored.items():
+        assert result["restored"]["digests"] == expected_digests(1, 4, rank)
+    sources = {rank: result["restored"]["sources"][str(rank)] for rank, result in restored.items()}
+    assert sources == {0: "remote", 1: "peer", 2: "local", 3: "local"}  # rank 2 held rank 0's copy
+    assert len(shard_reads(proxy)) == 1
+
+
+def test_on_one_node_the_tier_protects_nothing_and_stays_off(tmp_path):
+    results = run_job(tmp_path, [{"do": "report"}], nodes=["a", "a"])
+    assert [result["peer_on"] for result in results.values()] == [False, False]
+
+
+def test_a_budget_larger_than_the_memory_file_system_is_refused_on_every_rank(tmp_path):
+    results = run_job(tmp_path, [{"do": "report"}], nodes=["a", "b"], max_bytes=1 << 62)
+    for rank, result in results.items():
+        kind, message = result["error"]
+        assert kind == "ConfigError" and "peer.max_bytes is 4611686018427387904 bytes, more than the" in message
+        assert "peer.memory_dir" in message

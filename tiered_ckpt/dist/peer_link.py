@@ -39,6 +39,7 @@ class PeerLink:
         self.timeout_seconds = timeout_seconds
         self._group = coordinator.new_group(timedelta(seconds=timeout_seconds))
         self.broken: str | None = None
+        self._abandoned: list[Any] = []  # the operations of the exchange that broke the link
 
     def __repr__(self) -> str:
         return f"PeerLink(rank={self.rank}, timeout_seconds={self.timeout_seconds})"
@@ -59,11 +60,13 @@ class PeerLink:
         try:
             for rank, buffer in sends:
                 if buffer.size:
-                    works.append((rank, self._dist.isend(_tensor(torch, buffer), group=self._group, group_dst=rank)))
+                    tensor = _tensor(torch, buffer)
+                    works.append((rank, self._dist.isend(tensor, group=self._group, group_dst=rank), tensor))
             for rank, buffer in receives:
                 if buffer.size:
-                    works.append((rank, self._dist.irecv(_tensor(torch, buffer), group=self._group, group_src=rank)))
-            for rank, work in works:
+                    tensor = _tensor(torch, buffer)
+                    works.append((rank, self._dist.irecv(tensor, group=self._group, group_src=rank), tensor))
+            for rank, work, _tensor_kept in works:
                 if work is None:  # this process is not in the group: never the case for a link's own group
                     raise PeerError(f"rank {self.rank}: not a member of the peer link's group")
                 left = max(deadline - time.monotonic(), 0.001)
@@ -74,9 +77,11 @@ class PeerLink:
                                     f"(it died or hangs): {_first_line(exc)}") from exc  # fmt: skip
         except PeerError as exc:
             self.broken = str(exc)
+            self._abandoned = works  # the backend may still write into them: never freed
             raise
         except Exception as exc:  # posting failed: the backend refused the group or a peer is gone
             self.broken = f"rank {self.rank}: {_first_line(exc)}"
+            self._abandoned = works
             raise PeerError(f"rank {self.rank}: the peer link failed: {_first_line(exc)}") from exc
 
 

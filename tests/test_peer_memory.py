@@ -1,0 +1,90 @@
+"""What a rank holds for its partners (tiered_ckpt.tiers.peer_memory): slots reused, the budget kept,
+what a crash left freed, and what it reads back never trusted."""
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from tiered_ckpt import MemoryBudgetError, UsageError
+from tiered_ckpt.tiers.peer_memory import PeerMemory, Slot
+
+
+def take(memory: PeerMemory, step: int, rank: int, size: int, *, commit: bool = True, on_disk: bool = False) -> bytes:
+    """Receive a shard of ``size`` bytes of ``step`` from ``rank`` as the peer tier does; return its bytes."""
+    data = np.random.default_rng(step * 31 + rank).integers(0, 256, size, dtype=np.uint8).tobytes()
+    number, buffer = memory.buffer_for(step, rank, size)
+    buffer[:] = np.frombuffer(data, np.uint8)
+    memory.accept(number, Slot(step, rank, size, hashlib.sha256(data).hexdigest()))
+    if commit:
+        memory.commit(step, '{"a": "manifest"}', on_disk=on_disk)
+    return data
+
+
+def test_one_step_by_default_and_its_buffers_reused_so_the_memory_held_stays_flat(tmp_path):
+    memory = PeerMemory(tmp_path)
+    held = set()
+    for step in range(1, 101):
+        data = take(memory, step, 3, 4096)
+        held.add((memory.bytes_held(), len(list(tmp_path.iterdir()))))
+        assert memory.steps() == [step]
+        assert bytes(memory.view(step, 3)) == data
+    assert held == {(4096, 3)}  # one slot, its record and the step's manifest, after every step
+
+
+def test_a_budget_keeps_the_newest_steps_that_fit_and_the_newest_disk_step_last(tmp_path):
+    memory = PeerMemory(tmp_path, max_bytes=3 * 1000)
+    take(memory, 10, 0, 1000, on_disk=True)
+    for step in (11, 12, 13, 14):  # kept in memory only
+        take(memory, step, 0, 1000)
+    assert memory.steps() == [10, 13, 14]  # the oldest memory-only steps went first
+    assert memory.bytes_held() <= 3000
+
+
+def test_a_shard_over_the_budget_is_refused_with_its_size_and_the_option(tmp_path):
+    memory = PeerMemory(tmp_path, max_bytes=1000)
+    take(memory, 1, 0, 800)
+    with pytest.raises(MemoryBudgetError, match=r"1001 bytes, over the budget of 1000 bytes \(peer.max_bytes\)"):
+        memory.buffer_for(2, 0, 1001)
+    assert memory.steps() == [1]  # what is held stays
+
+
+def test_a_step_whose_shards_cannot_fit_together_is_refused(tmp_path):
+    memory = PeerMemory(tmp_path, max_bytes=1500)
+    take(memory, 1, 0, 1000, commit=False)
+    with pytest.raises(MemoryBudgetError, match="step 1's shards need more than the budget"):
+        memory.buffer_for(1, 1, 1000)
+
+
+def test_a_restarted_process_finds_what_was_committed_and_frees_what_a_crash_left(tmp_path):
+    memory = PeerMemory(tmp_path, max_bytes=10_000)
+    data = take(memory, 5, 2, 700)
+    take(memory, 6, 2, 700, commit=False)  # the process died before the step's commit
+    (tmp_path / ".slot-9.json.x.tmp").write_text("{")  # a write cut short
+    again = PeerMemory(tmp_path, max_bytes=10_000)
+    assert again.steps() == [5] and again.uncommitted_steps() == [6]
+    assert bytes(again.view(5, 2)) == data
+    assert not (tmp_path / ".slot-9.json.x.tmp").exists()
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [
+        '{"step": 5, "rank": 2, "size": 700}',
+        "not json",
+        '{"step": -1, "rank": 2, "size": 700, "sha256": ""}',
+        '{"step": 5, "rank": 2, "size": 99999, "sha256": ""}',
+    ],  # fmt: skip
+)
+def test_a_slot_record_that_does_not_parse_frees_the_slot(tmp_path, meta, caplog):
+    memory = PeerMemory(tmp_path)
+    take(memory, 5, 2, 700)
+    (tmp_path / "slot-0.json").write_text(meta)
+    again = PeerMemory(tmp_path)
+    assert again.steps() == [] and again.held(5) == {}
+    assert "freeing slot 0" in caplog.text
+
+
+def test_a_budget_that_is_not_a_positive_integer_is_refused(tmp_path):
+    with pytest.raises(UsageError, match="max_bytes"):
+        PeerMemory(tmp_path, max_bytes=0)

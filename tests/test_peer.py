@@ -168,7 +168,7 @@ def test_on_one_node_the_tier_protects_nothing_and_stays_off(tmp_path):
 
 def test_a_budget_larger_than_the_memory_file_system_is_refused_on_every_rank(tmp_path):
     results = run_job(tmp_path, [{"do": "report"}], nodes=["a", "b"], max_bytes=1 << 62)
-    for rank, result in results.items():
+    for result in results.values():
         kind, message = result["error"]
         assert kind == "ConfigError" and "peer.max_bytes is 4611686018427387904 bytes, more than the" in message
         assert "peer.memory_dir" in message

@@ -8,7 +8,7 @@ the config has a URL; runs the actions and writes ``<results>/rank-<RANK>.json``
 Actions: {"do": "save", "step": S} (blocking, then waits for the partner copy), {"do": "train",
 "steps": N} (saves 1..N, recording those some tier's cadence took), {"do": "wait"}
 (uploads), {"do": "restore"} (records step, sources and digests), {"do": "report"} (whether
-the tier is on, the memory held), {"do": "saves", "count": N} (N saves of a small state, each
+the tier is on; its lag and verify), {"do": "saves", "count": N} (N saves of a small state, each
 followed by the partner copy, recording the memory held after each), and
 {"do": "kill_on_copy", "rank": R, "step": S}: rank R SIGKILLs itself once it has received
 its ward's bytes of step S, before answering; {"do": "hang_on_serve", "rank": R, "seconds": T}:
@@ -90,6 +90,9 @@ def act(action: dict, rank: int, world_size: int, checkpoints: CheckpointManager
         result["local_steps"] = checkpoints.steps()
     elif action["do"] == "report":
         result["peer_on"] = checkpoints._parts.peer is not None
+        if result["peer_on"]:
+            result["lag"] = checkpoints.lag().to_dict()
+            result["verify"] = [[c.step, c.tier, c.rank, c.status] for c in checkpoints.verify().checks]
     elif action["do"] == "saves":
         for step in range(1, action["count"] + 1):
             checkpoints.save(step, rank_state(step, world_size, rank), blocking=True)

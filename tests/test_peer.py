@@ -51,8 +51,14 @@ def shard_reads(proxy: FaultInjectingProxy) -> list[str]:
 
 def test_a_lost_node_restores_byte_for_byte_from_its_partners_without_reading_the_bucket(tmp_path, counted_bucket):
     proxy, remote = counted_bucket
-    saved = run_job(tmp_path, [{"do": "save", "step": 1}, {"do": "save", "step": 2}, {"do": "wait"}], remote)
-    assert all(result["peer_errors"] == [None, None] for result in saved.values()), saved
+    actions = [{"do": "save", "step": 1}, {"do": "save", "step": 2}, {"do": "wait"}, {"do": "report"}]
+    saved = run_job(tmp_path, actions, remote)
+    for rank, result in saved.items():
+        assert result["peer_errors"] == [None, None], result
+        assert (result["lag"]["newest_peer"], result["lag"]["peer_error"], result["lag"]["peer_off"]) == (2, None, None)
+        ward = (rank + 2) % 4  # rank r holds the shards of the rank in its place on the other node
+        held = {rank_: status for step, tier, rank_, status in result["verify"] if tier == "peer" and step == 2}
+        assert held == {r: "ok" if r == ward else "elsewhere" for r in range(4)}
     lose_node(tmp_path, "a")
     proxy.log.clear()
 

@@ -120,6 +120,13 @@ class PeerTier:
         with self._lock:
             return {step: tuple(sorted(self.memory.held(step))) for step in self.memory.steps()}
 
+    def held_ranks(self, step: int, manifest: ShardManifest) -> tuple[int, ...]:
+        """The ranks of ``manifest`` whose shards of ``step`` this process holds (its wards'): a
+        tier each process holds a part of, as a node's disk is."""
+        with self._lock:
+            held = self.memory.held(step)
+        return tuple(record.rank for record in manifest.shards if record.rank in held)
+
     def shard_location(self, step: int, record: ShardRecord) -> str:
         holder = self.partners.holder[record.rank]
         return f"peer://rank-{holder}/step-{step}/{record.path}"

@@ -352,8 +352,14 @@ def _checks(store: TieredStore, tier: Tier, kept_sums: bool) -> Callable[[int], 
             yield checked(step, record, problem)
 
     def other(step: int) -> Iterator[ShardCheck]:
-        for record in tier.manifest(step).shards:
-            yield checked(step, record, tier.check_shard(step, record))
+        manifest = tier.manifest(step)
+        held_ranks = getattr(tier, "held_ranks", None)  # a tier each node holds a part of says which
+        held = set(held_ranks(step, manifest)) if held_ranks is not None else None
+        for record in manifest.shards:
+            if held is not None and record.rank not in held:
+                yield ShardCheck(step, tier.name, record.rank, "elsewhere")
+            else:
+                yield checked(step, record, tier.check_shard(step, record))
 
     return local if tier is store.local else shared if tier is store.remote else other
 

@@ -12,7 +12,9 @@ the tier is on; its lag and verify), {"do": "saves", "count": N} (N saves of a s
 followed by the partner copy, recording the memory held after each), and
 {"do": "kill_on_copy", "rank": R, "step": S}: rank R SIGKILLs itself once it has received
 its ward's bytes of step S, before answering; {"do": "hang_on_serve", "rank": R, "seconds": T}:
-rank R sleeps T seconds before sending a restore its copies (a partner that hangs).
+rank R sleeps T seconds before sending a restore its copies (a partner that hangs);
+{"do": "corrupt_copy", "rank": R}: the bytes rank R sends its partner are changed on the way
+(until {"do": "uncorrupt_copy"}).
 """
 
 import json
@@ -36,6 +38,9 @@ from tiered_ckpt import (
     UploadOptions,
 )
 from tiered_ckpt.tiers import peer, peer_memory
+
+
+_ENTER = peer._mapped.__enter__
 
 
 def run(config: dict, coordinator: TorchDistributedCoordinator, result: dict) -> None:
@@ -108,6 +113,17 @@ def act(action: dict, rank: int, world_size: int, checkpoints: CheckpointManager
             return accept(self, number, slot)
 
         peer_memory.PeerMemory.accept = accept_or_die
+    elif action["do"] == "corrupt_copy" and action["rank"] == rank:
+        enter = peer._mapped.__enter__
+
+        def flipped(self):
+            data = enter(self).copy()  # what goes on the wire, changed in transit; the file is untouched
+            data[len(data) // 2] ^= 0xFF
+            return data
+
+        peer._mapped.__enter__ = flipped
+    elif action["do"] == "uncorrupt_copy":
+        peer._mapped.__enter__ = _ENTER
     elif action["do"] == "hang_on_serve" and action["rank"] == rank:
         outgoing = peer.PeerTier._outgoing
 

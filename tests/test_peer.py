@@ -178,3 +178,24 @@ def test_a_budget_larger_than_the_memory_file_system_is_refused_on_every_rank(tm
         kind, message = result["error"]
         assert kind == "ConfigError" and "peer.max_bytes is 4611686018427387904 bytes, more than the" in message
         assert "peer.memory_dir" in message
+
+
+def test_a_copy_changed_on_its_way_is_not_kept_and_the_save_goes_on(tmp_path, counted_bucket):
+    _proxy, remote = counted_bucket
+    actions = [
+        {"do": "corrupt_copy", "rank": 0},
+        {"do": "save", "step": 1},
+        {"do": "uncorrupt_copy"},
+        {"do": "save", "step": 2},
+        {"do": "wait"},
+        {"do": "report"},
+    ]
+    results = run_job(tmp_path, actions, remote)
+    for result in results.values():
+        assert "error" not in result and "close_error" not in result, result
+        first, second = result["peer_errors"]  # the last failure (time, message) after each save
+        assert "step 1" in first[1] and "did not match their sha256; not kept" in first[1]  # seen by every rank
+        assert second == first  # step 2's copy succeeded: the last failure is still step 1's
+        assert result["lag"]["newest_peer"] == 2 and result["lag"]["newest_remote"] == 2
+        peer_steps = {step for step, tier, _rank, status in result["verify"] if tier == "peer"}
+        assert peer_steps == {2}  # step 1 is on disk and in the bucket, not in the partners' memory

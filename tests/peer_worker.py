@@ -39,7 +39,6 @@ from tiered_ckpt import (
 )
 from tiered_ckpt.tiers import peer, peer_memory
 
-
 _ENTER = peer._mapped.__enter__
 
 

@@ -13,7 +13,8 @@ followed by the partner copy, recording the memory held after each), and
 {"do": "kill_on_copy", "rank": R, "step": S}: rank R SIGKILLs itself once it has received
 its ward's bytes of step S, before answering; {"do": "hang_on_serve", "rank": R, "seconds": T}:
 rank R sleeps T seconds before sending a restore its copies (a partner that hangs);
-{"do": "corrupt_copy", "rank": R}: the bytes rank R sends its partner are changed on the way
+{"do": "hang_on_copy", "rank": R, "seconds": T}: rank R sleeps T seconds after receiving
+a copy, before answering; {"do": "corrupt_copy", "rank": R}: the bytes rank R sends its partner are changed on the way
 (until {"do": "uncorrupt_copy"}).
 """
 
@@ -123,6 +124,14 @@ def act(action: dict, rank: int, world_size: int, checkpoints: CheckpointManager
         peer._mapped.__enter__ = flipped
     elif action["do"] == "uncorrupt_copy":
         peer._mapped.__enter__ = _ENTER
+    elif action["do"] == "hang_on_copy" and action["rank"] == rank:
+        accept = peer_memory.PeerMemory.accept
+
+        def hang_then_accept(self, number, slot):
+            time.sleep(action["seconds"])  # the partner hangs after receiving, before it answers
+            return accept(self, number, slot)
+
+        peer_memory.PeerMemory.accept = hang_then_accept
     elif action["do"] == "hang_on_serve" and action["rank"] == rank:
         outgoing = peer.PeerTier._outgoing
 

@@ -199,3 +199,19 @@ def test_a_copy_changed_on_its_way_is_not_kept_and_the_save_goes_on(tmp_path, co
         assert result["lag"]["newest_peer"] == 2 and result["lag"]["newest_remote"] == 2
         peer_steps = {step for step, tier, _rank, status in result["verify"] if tier == "peer"}
         assert peer_steps == {2}  # step 1 is on disk and in the bucket, not in the partners' memory
+
+
+def test_a_partner_that_hangs_during_a_copy_is_given_up_by_every_rank_and_saves_go_on(tmp_path):
+    actions = [
+        {"do": "hang_on_copy", "rank": 2, "seconds": 6},
+        {"do": "save", "step": 1},
+        {"do": "save", "step": 2},
+        {"do": "report"},
+    ]
+    results = run_job(tmp_path, actions, peer_timeout=2)
+    for result in results.values():
+        assert "error" not in result and "close_error" not in result, result
+        first, second = result["peer_errors"]
+        assert "step 1" in first[1] and second == first  # step 2 was not even tried
+        assert "copy to the peer tier of step 1 failed" in result["lag"]["peer_off"], result["lag"]  # off for good
+        assert result["lag"]["newest_local"] == 2 and result["lag"]["newest_peer"] is None

@@ -198,9 +198,8 @@ class Parts:
         lag = self._uploads_lag()
         if self.peer is None:
             return lag
-        failed, tier = self.peer.last_error, self.peer.target
-        off = tier.broken if isinstance(tier, PeerTier) else None
-        return dataclasses.replace(lag, peer_error=failed[1] if failed else None, peer_off=off)
+        failed = self.peer.last_error
+        return dataclasses.replace(lag, peer_error=failed[1] if failed else None, peer_off=self.peer.given_up)
 
     def _uploads_lag(self) -> Lag:
         uploader = self.uploader

@@ -75,6 +75,7 @@ __all__ = [
     "ErrorBox",
     "ReportedFuture",
     "restated",
+    "as_upload_error",
 ]
 
 
@@ -154,7 +155,13 @@ class DirectoryInUseError(StorageError):
 
 class PeerError(StorageError):
     """A partner rank did not take or give a copy for the peer tier: it died, hangs, or its
-    bytes did not verify. Never raised by a save: the step is simply not in that tier."""
+    bytes did not verify. Never raised by a save: the step is simply not in that tier.
+    ``transient`` is False when the partner gave no answer in time: its link is given up
+    for the run (a copy's bytes that did not verify, or a full memory, are transient)."""
+
+    def __init__(self, message: str, *, transient: bool = True) -> None:
+        super().__init__(message)
+        self.transient = transient
 
 
 class MemoryBudgetError(PeerError):
@@ -273,6 +280,17 @@ def restated(error: CheckpointError, message: str) -> CheckpointError:
     Exception.__init__(copy, message)
     copy.__dict__.update(error.__dict__)
     return copy
+
+
+def as_upload_error(step: int, exc: BaseException, tries: int | None = None, what: str = "upload") -> UploadError:
+    """``exc`` as the :class:`UploadError` of ``step`` (as it is, if it already is one)."""
+    if isinstance(exc, UploadError):
+        return exc
+    tries = tries if tries is not None else exc.tries if isinstance(exc, RemoteError) else 1
+    message = f"{what} of step {step} failed after {tries} {'try' if tries == 1 else 'tries'}: {exc}"
+    error = UploadError(message, step=step, tries=tries)
+    error.__cause__ = exc
+    return error
 
 
 # Every class of the tree by name: how a collective carries another rank's error.

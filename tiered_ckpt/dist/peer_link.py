@@ -54,7 +54,7 @@ class PeerLink:
         import torch
 
         if self.broken is not None:
-            raise PeerError(f"rank {self.rank}: the peer link is broken since: {self.broken}")
+            raise PeerError(f"rank {self.rank}: the peer link is broken since: {self.broken}", transient=False)
         deadline = time.monotonic() + self.timeout_seconds
         works = []
         try:
@@ -68,13 +68,13 @@ class PeerLink:
                     works.append((rank, self._dist.irecv(tensor, group=self._group, group_src=rank), tensor))
             for rank, work, _tensor_kept in works:
                 if work is None:  # this process is not in the group: never the case for a link's own group
-                    raise PeerError(f"rank {self.rank}: not a member of the peer link's group")
+                    raise PeerError(f"rank {self.rank}: not a member of the peer link's group", transient=False)
                 left = max(deadline - time.monotonic(), 0.001)
                 try:
                     work.wait(timeout=timedelta(seconds=left))
                 except Exception as exc:  # the backend's own types (RuntimeError, DistBackendError) vary
                     raise PeerError(f"rank {self.rank}: no answer from rank {rank} within {self.timeout_seconds} s "
-                                    f"(it died or hangs): {_first_line(exc)}") from exc  # fmt: skip
+                                    f"(it died or hangs): {_first_line(exc)}", transient=False) from exc  # fmt: skip
         except PeerError as exc:
             self.broken = str(exc)
             self._abandoned = works  # the backend may still write into them: never freed
@@ -82,7 +82,7 @@ class PeerLink:
         except Exception as exc:  # posting failed: the backend refused the group or a peer is gone
             self.broken = f"rank {self.rank}: {_first_line(exc)}"
             self._abandoned = works
-            raise PeerError(f"rank {self.rank}: the peer link failed: {_first_line(exc)}") from exc
+            raise PeerError(f"rank {self.rank}: the peer link failed: {_first_line(exc)}", transient=False) from exc
 
 
 def _tensor(torch: Any, buffer: np.ndarray) -> Any:

@@ -34,14 +34,17 @@ next call. Both go to the shared :class:`~tiered_ckpt.errors.ErrorBox` (tries co
 cause chained); the step's local copy is kept. The processes agree on every retry (one
 small collective), so they try, wait and give up together.
 
-At most ``policy.max_pending`` steps wait in the queue. Beyond that
-``when_behind="wait"`` makes :meth:`Replicator.submit` block until there is room, and
-``"skip"`` drops the oldest waiting step (it stays local-only, superseded by the newer
-one). While the target is failing (a try failed and no commit has succeeded since), the
-queue takes up to the local tier's ``max_awaiting_upload`` steps without blocking, so
-saves go on; beyond that, one process holding every rank drops the oldest waiting step
-(local-only; local retention may then delete it), while with one process per rank
-(whose queues must stay the same) :meth:`Replicator.submit` waits for room.
+At most ``policy.max_pending`` steps wait in the queue; beyond that ``when_behind="wait"``
+makes :meth:`Replicator.submit` block until there is room, ``"skip"`` drops the oldest
+waiting step (local-only, superseded). While the target is failing (no commit since a
+failed try), the queue takes up to the local tier's ``max_awaiting_upload`` steps so saves
+go on; beyond that one process holding every rank drops the oldest waiting step, while
+with one process per rank (whose queues must stay the same) :meth:`submit` waits for room.
+
+A best-effort ``policy`` (a partner's memory) logs its failures and shows them in
+``last_error``, never in the error box, and never retries; a storage failure that is not
+transient (a partner that gave no answer in time, seen by every process at the same step)
+gives the target up for the run: the queue is dropped, no later step is sent (``given_up``).
 
 After :meth:`Replicator.preempt` (a preemption notice: the job has seconds to minutes
 left), the newest queued step goes next and the older queued ones are dropped (they
@@ -73,8 +76,10 @@ from tiered_ckpt.errors import (
     IncompleteCheckpointError,
     RemoteError,
     ReportedFuture,
+    StorageError,
     UploadError,
     UsageError,
+    as_upload_error,
 )
 from tiered_ckpt.tiers.base import Tier
 from tiered_ckpt.tiers.owners import Lease, OwnershipPolicy
@@ -141,6 +146,7 @@ class Replicator:
         self._failing = False  # a try failed for a transient reason and no commit succeeded since
         self._retry: tuple[int, int] | None = None  # (step, tries so far) of a step being retried
         self._giving_up = False  # see give_up_retries
+        self.given_up: str | None = None  # why a best-effort target gets no more steps (see _give_up)
         self.backlog = backlog or Backlog()
         self.backlog.add(target.name, self.pending)
         self._what = "upload" if bucket is not None else f"copy to the {target.name} tier"
@@ -165,8 +171,8 @@ class Replicator:
         return resumed
 
     def takes(self, step: int) -> bool:
-        """Whether ``step`` goes to the target (the policy's ``every``)."""
-        return step % self._options.every == 0
+        """Whether ``step`` goes to the target: the policy's ``every``, unless the target was given up."""
+        return step % self._options.every == 0 and self.given_up is None
 
     def submit(self, step: int, *, bounded: bool = True, held: HeldStep | None = None) -> None:
         """Queue ``step`` (committed locally, or ``held`` in memory) for upload; see the module doc
@@ -176,6 +182,9 @@ class Replicator:
         with self._changed:
             if self._closing:
                 raise UsageError(f"{self!r} is closed")
+            if self.given_up is not None:
+                why = f"step {step} is not sent: {self.given_up}"
+                return self._settle(step, UploadError(why, step=step, tries=0, transient=True))
             while bounded and not self._preempted and len(self._queue) >= self._room():
                 if self._options.when_behind == "skip" or (self._failing and one_process):
                     skipped = self._queue.popleft()
@@ -314,7 +323,7 @@ class Replicator:
             try:
                 step = self._next_step(proposal)
             except BaseException as exc:  # the processes could not agree: every one records it, none goes on
-                error = _as_upload_error(proposal, exc)
+                error = as_upload_error(proposal, exc)
                 self._failed(error)
                 with self._changed:
                     dropped = list(self._queue)
@@ -330,14 +339,32 @@ class Replicator:
                     self._sender.forget(step)  # a step given up keeps nothing for the process's life
                 self._settle(step, None)
             except BaseException as exc:  # a remote failure, a local I/O error or a bug: never lost silently
-                error = _as_upload_error(step, exc, what=self._what)
+                error = as_upload_error(step, exc, what=self._what)
                 self._failed(error)
                 self._settle(step, error)
+                if (
+                    self._options.best_effort
+                    and isinstance(exc, StorageError)
+                    and getattr(exc, "transient", 1) is False
+                ):
+                    self._give_up(error)
             finally:
                 with self._changed:
                     self._active = None
                     self._retry = None
                     self._changed.notify_all()
+
+    def _give_up(self, error: UploadError) -> None:
+        """Stop sending to a best-effort target whose storage is gone for the run (a partner that
+        gave no answer in time; every process sees the same failure, so all stop at once)."""
+        logger.warning("%r: no more copies for the rest of the run: %s", self, error)
+        with self._changed:
+            self.given_up = str(error)
+            dropped = list(self._queue)
+            self._queue.clear()
+            self._changed.notify_all()
+        for each in dropped:
+            self._settle(each, error)
 
     def _next_step(self, proposal: int) -> int:
         """Agree with the other processes on the next step; take it (and the older ones it supersedes) off the queue."""
@@ -398,7 +425,7 @@ class Replicator:
                     lambda: self._giving_up or (self._preempted and any(s > step for s in self._queue)), delay
                 )
         if not transient:
-            raise _as_upload_error(step, failure, tries)
+            raise as_upload_error(step, failure, tries)
         why = (
             "before the manager closed on an error"
             if self._giving_up
@@ -466,14 +493,3 @@ class _RetryView:
     transient: bool
     superseded: bool
     delay: float
-
-
-def _as_upload_error(step: int, exc: BaseException, tries: int | None = None, what: str = "upload") -> UploadError:
-    """``exc`` as the :class:`UploadError` of ``step`` (as it is, if it already is one)."""
-    if isinstance(exc, UploadError):
-        return exc
-    tries = tries if tries is not None else exc.tries if isinstance(exc, RemoteError) else 1
-    message = f"{what} of step {step} failed after {tries} {'try' if tries == 1 else 'tries'}: {exc}"
-    error = UploadError(message, step=step, tries=tries)
-    error.__cause__ = exc
-    return error

@@ -96,11 +96,6 @@ class PeerTier:
     def __repr__(self) -> str:
         return f"PeerTier(rank={self.rank}, partner={self.partner}, wards={list(self.wards)})"
 
-    @property
-    def broken(self) -> str | None:
-        """Why the save link no longer carries copies (None: it does)."""
-        return self._save_link.broken
-
     # -- what is held ----------------------------------------------------------------------
 
     def steps(self) -> list[int]:

@@ -15,7 +15,9 @@ its ward's bytes of step S, before answering; {"do": "hang_on_serve", "rank": R,
 rank R sleeps T seconds before sending a restore its copies (a partner that hangs);
 {"do": "hang_on_copy", "rank": R, "seconds": T}: rank R sleeps T seconds after receiving
 a copy, before answering; {"do": "corrupt_copy", "rank": R}: the bytes rank R sends its partner are changed on the way
-(until {"do": "uncorrupt_copy"}).
+(until {"do": "uncorrupt_copy"}); {"do": "unreadable_copy", "rank": R}: rank R cannot read
+its own shard for the copy (until "uncorrupt_copy"); {"do": "restore_if_any"} records the
+step restored, or None.
 """
 
 import json
@@ -38,9 +40,10 @@ from tiered_ckpt import (
     TorchDistributedCoordinator,
     UploadOptions,
 )
-from tiered_ckpt.tiers import peer, peer_memory
+from tiered_ckpt.tiers import peer, peer_copy, peer_memory
 
 _ENTER = peer._mapped.__enter__
+_READ = peer._mapped._read
 
 
 def run(config: dict, coordinator: TorchDistributedCoordinator, result: dict) -> None:
@@ -124,6 +127,16 @@ def act(action: dict, rank: int, world_size: int, checkpoints: CheckpointManager
         peer._mapped.__enter__ = flipped
     elif action["do"] == "uncorrupt_copy":
         peer._mapped.__enter__ = _ENTER
+        peer._mapped._read = _READ
+    elif action["do"] == "unreadable_copy" and action["rank"] == rank:
+
+        def unreadable(self):
+            raise ValueError("mmap length is greater than file size")  # a shard cut short on disk
+
+        peer._mapped._read = unreadable
+    elif action["do"] == "restore_if_any":
+        restored = checkpoints.restore(missing_ok=True)
+        result["restored_if_any"] = None if restored is None else restored.step
     elif action["do"] == "hang_on_copy" and action["rank"] == rank:
         accept = peer_memory.PeerMemory.accept
 
@@ -133,13 +146,13 @@ def act(action: dict, rank: int, world_size: int, checkpoints: CheckpointManager
 
         peer_memory.PeerMemory.accept = hang_then_accept
     elif action["do"] == "hang_on_serve" and action["rank"] == rank:
-        outgoing = peer.PeerTier._outgoing
+        outgoing = peer_copy._outgoing
 
-        def hang_then_send(self, *args):
+        def hang_then_send(*args):
             time.sleep(action["seconds"])  # the partner hangs while a restore waits for its copy
-            return outgoing(self, *args)
+            return outgoing(*args)
 
-        peer.PeerTier._outgoing = hang_then_send
+        peer_copy._outgoing = hang_then_send
     elif action["do"] == "restore":
         restored = checkpoints.restore()
         result["restored"] = {

@@ -122,8 +122,10 @@ def test_the_memory_held_for_partners_stays_flat_over_100_saves(tmp_path):
         assert result["peer_error"] is None
         held = result["held"]
         assert len(held) == 100
-        assert len(set(map(tuple, held))) == 1, held[:3]  # the same bytes and files after every save
-        assert held[0][0] > 0
+        # from the second save on, the same bytes and files after every save: the step held and
+        # the room for the next one arriving, reused (the first save needed one step's room only)
+        assert len(set(map(tuple, held[1:]))) == 1, held[:3]
+        assert held[1][0] == 2 * held[0][0] > 0
 
 
 CADENCE = {"local_every": 4, "peer_every": 2, "max_bytes": 5000}  # room for two steps' shards of one rank
@@ -215,3 +217,43 @@ def test_a_partner_that_hangs_during_a_copy_is_given_up_by_every_rank_and_saves_
         assert "step 1" in first[1] and second == first  # step 2 was not even tried
         assert "copy to the peer tier of step 1 failed" in result["lag"]["peer_off"], result["lag"]  # off for good
         assert result["lag"]["newest_local"] == 2 and result["lag"]["newest_peer"] is None
+
+
+def test_a_holder_of_several_ranks_keeps_each_of_their_copies(tmp_path):
+    results = run_job(tmp_path, [{"do": "save", "step": 1}, {"do": "save", "step": 2}, {"do": "report"}], nodes="aab")
+    for result in results.values():
+        assert result["peer_errors"] == [None, None], result
+    held = {r: status for step, tier, r, status in results[2]["verify"] if tier == "peer" and step == 2}
+    assert held == {0: "ok", 1: "ok", 2: "elsewhere"}  # rank 2, alone on node b, holds node a's two ranks
+
+
+def test_a_rank_that_cannot_read_its_own_shard_fails_only_its_copy_and_no_partner_waits(tmp_path):
+    actions = [
+        {"do": "unreadable_copy", "rank": 0},
+        {"do": "save", "step": 1},
+        {"do": "uncorrupt_copy"},
+        {"do": "save", "step": 2},
+        {"do": "report"},
+    ]
+    results = run_job(tmp_path, actions, peer_timeout=30)
+    for result in results.values():
+        assert "error" not in result and "close_error" not in result, result
+        assert "could not read its own shard" in result["peer_errors"][0][1]
+        assert result["lag"]["peer_off"] is None and result["lag"]["newest_peer"] == 2  # the next copy went on
+
+
+def test_a_fresh_start_on_new_directories_never_restores_copies_of_an_earlier_run(tmp_path):
+    run_job(tmp_path, [{"do": "save", "step": 1}, {"do": "save", "step": 2}])
+    earlier = sorted(path.name for node in "ab" for path in (tmp_path / f"memory-{node}").iterdir())
+    shutil.rmtree(tmp_path / "nodes")  # every rank's directory deleted; the nodes' memory is intact
+    results = run_job(tmp_path, [{"do": "restore_if_any"}])
+    assert [result["restored_if_any"] for result in results.values()] == [None] * 4
+    now = sorted(path.name for node in "ab" for path in (tmp_path / f"memory-{node}").iterdir())
+    assert len(now) == 4 and not set(now) & set(earlier)  # the earlier copies are gone, not just ignored
+
+
+def test_a_step_kept_in_memory_only_that_no_partner_keeps_is_not_saved_and_raises_nothing(tmp_path):
+    results = run_job(tmp_path, [{"do": "train", "steps": 3}], local_every=2, max_bytes=100)  # no shard fits
+    for result in results.values():
+        assert "error" not in result and "close_error" not in result, result
+        assert result["saved"] == [2] and result["local_steps"] == [2]  # 1 and 3 are in no tier

@@ -23,13 +23,31 @@ def take(memory: PeerMemory, step: int, rank: int, size: int, *, commit: bool = 
 
 def test_one_step_by_default_and_its_buffers_reused_so_the_memory_held_stays_flat(tmp_path):
     memory = PeerMemory(tmp_path)
-    held = set()
+    held = []
     for step in range(1, 101):
         data = take(memory, step, 3, 4096)
-        held.add((memory.bytes_held(), len(list(tmp_path.iterdir()))))
+        held.append((memory.bytes_held(), len(list(tmp_path.iterdir()))))
         assert memory.steps() == [step]
         assert bytes(memory.view(step, 3)) == data
-    assert held == {(4096, 3)}  # one slot, its record and the step's manifest, after every step
+    # from the second step on: two slots (the step held, and room for the next one arriving),
+    # one slot's record and the step's manifest, the same after every step
+    assert held[0] == (4096, 3) and set(held[1:]) == {(8192, 4)}
+
+
+def test_by_default_the_step_held_stays_until_the_next_one_is_committed(tmp_path):
+    memory = PeerMemory(tmp_path)
+    data = take(memory, 1, 0, 1000)
+    number, buffer = memory.buffer_for(2, 0, 1000)  # step 2 arrives; its copy is not kept (yet)
+    assert memory.steps() == [1] and bytes(memory.view(1, 0)) == data
+    memory.release(number)
+    assert memory.steps() == [1]  # a copy that failed takes nothing away
+
+
+def test_the_slots_handed_out_for_several_wards_of_one_step_are_distinct(tmp_path):
+    memory = PeerMemory(tmp_path)
+    first, _ = memory.buffer_for(1, 0, 500)
+    second, _ = memory.buffer_for(1, 1, 500)
+    assert first != second
 
 
 def test_a_budget_keeps_the_newest_steps_that_fit_and_the_newest_disk_step_last(tmp_path):

@@ -76,6 +76,15 @@ def test_without_a_bucket_commit_every_newer_local_step_waits(store):
     assert pruning.to_delete(store, store.local) == [1, 2, 3]
 
 
+def test_only_the_steps_of_the_buckets_cadence_wait_for_it(store):
+    store, _peer, _bucket, upload = store
+    store.retention = {"local": RetentionPolicy(keep_last=1, max_awaiting_upload=8, upload_every=2)}
+    assert pruning.to_delete(store, store.local) == [1, 3]  # 2 and 4 wait for the bucket; 1 and 3 never will
+    assert pruning.to_delete(store, store.local, {"remote": [3]}) == [1]  # a step queued anyway (a preemption's)
+    upload(4)
+    assert pruning.to_delete(store, store.local) == [1, 2, 3]
+
+
 def test_every_queue_is_kept_and_a_steps_queue_for_a_memory_too(store):
     store, _peer, _bucket, upload = store
     upload(1)

@@ -153,3 +153,8 @@ def test_only_steps_no_newer_than_the_newest_complete_one_are_weighed():
     assert retainable([3, 1, 2], None) == []
     assert retainable([3, 1, 2], 2) == [1, 2]
     assert RetentionPolicy(keep_last=1).to_delete(retainable([1, 2, 3], 2)) == [1]  # 3 is kept, uncounted
+
+
+def test_an_upload_cadence_below_one_is_refused():
+    with pytest.raises(ConfigError, match="upload_every must be an integer >= 1"):
+        RetentionPolicy(upload_every=0)

@@ -275,6 +275,7 @@ def open_store(
     local_tier = LocalTier(local.dir)
     retention = {local_tier.name: local.retention}
     if remote_tier is not None and remote is not None:
+        retention[local_tier.name] = dataclasses.replace(local.retention, upload_every=remote.every)
         retention[remote_tier.name] = remote.retention
     later = [tier for tier in (peer_tier, remote_tier) if tier is not None]
     return TieredStore([local_tier, *later], retention)

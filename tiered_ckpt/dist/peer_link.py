@@ -4,7 +4,8 @@ A :class:`PeerLink` sends and receives byte buffers between ranks on a gloo proc
 of its own (never the training loop's, nor the coordinator's collectives), so a copy in
 flight never interleaves with another collective. One :meth:`PeerLink.exchange` posts
 every send and receive of one round at once and waits for all of them, within the link's
-timeout: a partner that died or hangs costs at most that long.
+timeout plus the time its largest buffer takes at :data:`SLOWEST_BYTES_PER_SECOND`: a
+partner that died or hangs costs at most that long.
 
 After a round that failed or timed out, a receive may still be posted in the backend and
 a late message could land in a buffer reused since, so the link is *broken* for the rest
@@ -23,7 +24,11 @@ import numpy as np
 
 from tiered_ckpt.errors import PeerError, UsageError
 
-__all__ = ["PeerLink"]
+__all__ = ["PeerLink", "SLOWEST_BYTES_PER_SECOND"]
+
+# A round moving a large shard may take longer than one of a few bytes: its limit grows by
+# the time this rate takes to move it. A link slower than that counts as hung.
+SLOWEST_BYTES_PER_SECOND = 50e6
 
 
 class PeerLink:
@@ -48,14 +53,16 @@ class PeerLink:
         """Send each ``(rank, buffer)`` of ``sends`` and fill each of ``receives`` from its rank, all at once.
 
         Buffers are C-contiguous uint8 arrays (a receive's must have exactly the sender's
-        length). Raises :class:`PeerError` if any of them failed or did not finish within the
-        link's timeout; the link is then broken (see the module doc).
+        length). Raises :class:`PeerError` (``transient=False``) if any of them failed or did
+        not finish in time (see the module doc); the link is then broken.
         """
         import torch
 
         if self.broken is not None:
             raise PeerError(f"rank {self.rank}: the peer link is broken since: {self.broken}", transient=False)
-        deadline = time.monotonic() + self.timeout_seconds
+        largest = max((buffer.size for _rank, buffer in (*sends, *receives)), default=0)
+        limit = self.timeout_seconds + largest / SLOWEST_BYTES_PER_SECOND
+        deadline = time.monotonic() + limit
         works = []
         try:
             for rank, buffer in sends:
@@ -73,7 +80,7 @@ class PeerLink:
                 try:
                     work.wait(timeout=timedelta(seconds=left))
                 except Exception as exc:  # the backend's own types (RuntimeError, DistBackendError) vary
-                    raise PeerError(f"rank {self.rank}: no answer from rank {rank} within {self.timeout_seconds} s "
+                    raise PeerError(f"rank {self.rank}: no answer from rank {rank} within {limit:.1f} s "
                                     f"(it died or hangs): {_first_line(exc)}", transient=False) from exc  # fmt: skip
         except PeerError as exc:
             self.broken = str(exc)

@@ -7,19 +7,21 @@
    collective: a refusal on one rank fails every rank, naming it);
 2. partners are chosen from the nodes; with one node, or without one process per rank
    under ``torch.distributed``, the tier protects nothing: a WARNING says so and it stays off;
-3. the two links (saves, restores) are built: each a gloo group of its own.
+3. the two links (saves, restores) are built: each a gloo group of its own, and this
+   process's folder of copies is opened (:func:`memory_folder`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
+import re
+import secrets
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tiered_ckpt.dist.coordination import Coordinator, gather
+from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather
 from tiered_ckpt.dist.partners import choose_partners, node_of
 from tiered_ckpt.dist.peer_link import PeerLink
 from tiered_ckpt.engine.replication import ReplicationPolicy
@@ -27,7 +29,11 @@ from tiered_ckpt.errors import invalid_option
 from tiered_ckpt.tiers.peer import PeerTier
 from tiered_ckpt.tiers.peer_memory import PeerMemory
 
-__all__ = ["open_peer_tier", "peer_policy"]
+__all__ = ["MEMORY_ID", "memory_folder", "open_peer_tier", "peer_policy"]
+
+MEMORY_ID = "peer-memory-id"  # in the local directory: names its folder of copies
+_ID = re.compile(r"[0-9a-f]{32}")
+_OWNER = "owner"  # in a folder of copies: the local directory it belongs to
 
 logger = logging.getLogger("tiered_ckpt")
 
@@ -47,9 +53,40 @@ def peer_policy(every: int) -> ReplicationPolicy:
 
 
 def memory_folder(memory_dir: Path, local_dir: Path) -> Path:
-    """The folder of ``memory_dir`` holding this process's copies: one per local directory, so a
-    restarted rank on the same directory finds what it held."""
-    return memory_dir / hashlib.sha256(str(local_dir.absolute()).encode()).hexdigest()[:16]
+    """The folder of ``memory_dir`` holding this process's copies, named by an id kept in its
+    local directory (made on first use).
+
+    A restarted rank on the same directory finds what it held; a directory deleted and made
+    again (a fresh start, a replaced node) gets a new id, so no copy of an earlier run is ever
+    restored into it, and the folders of the directory's earlier lives are removed.
+    """
+    local_dir.mkdir(parents=True, exist_ok=True)
+    path = local_dir / MEMORY_ID
+    try:
+        with open(path, "x") as out:  # exclusive: two processes never make two ids
+            out.write(secrets.token_hex(16))
+    except FileExistsError:
+        pass
+    name = path.read_text()[:64].strip()
+    if not _ID.fullmatch(name):
+        raise invalid_option("local.dir", f"holds {path}, which is not an id this library wrote; remove it")
+    folder = memory_dir / name
+    owner = str(local_dir.absolute())
+    memory_dir.mkdir(parents=True, exist_ok=True)
+    for other in memory_dir.iterdir():
+        if other != folder and other.is_dir() and _owner(other) == owner:
+            logger.info("removing %s: copies held for an earlier life of %s", other, local_dir)
+            shutil.rmtree(other, ignore_errors=True)
+    folder.mkdir(exist_ok=True)
+    (folder / _OWNER).write_text(owner)
+    return folder
+
+
+def _owner(folder: Path) -> str | None:
+    try:
+        return (folder / _OWNER).read_text()[:4096]
+    except OSError:
+        return None
 
 
 def _check_budget(memory_dir: Path, max_bytes: int | None) -> None:
@@ -98,7 +135,9 @@ def open_peer_tier(
             names[0],
         )
         return None
-    memory = PeerMemory(memory_folder(memory_dir, local_dir), max_bytes)
+    opened = Attempt.run(lambda: PeerMemory(memory_folder(memory_dir, local_dir), max_bytes))
+    gather(coordinator, "peer: memory", Done, opened.done)  # one rank's failure fails every rank here
+    memory = opened.value
     save_link = PeerLink(coordinator, timeout_seconds)
     restore_link = PeerLink(coordinator, timeout_seconds)
     holder = partners.holder[rank]

@@ -1,21 +1,18 @@
 """The replication engine: steps committed in the first tier are committed in a later one, in order.
 
-A :class:`Replicator` is the stage between this node's disk and one later tier (the writer,
-the stage before it, commits a step locally and submits it here); a third tier is a tier
-and a :class:`ReplicationPolicy`. It owns what happens to a step after its local commit:
+A :class:`Replicator` is the stage between this node's disk and one later tier (the writer
+commits a step locally, or holds it in memory, and submits it here), as a
+:class:`ReplicationPolicy` says. It owns what happens to a step after its local commit:
 
 1. :meth:`Replicator.resume` (at start-up, collective; see :mod:`~tiered_ckpt.engine.resume`):
    queue the local steps a crash kept from their commit in the target, and remove what
    half-finished steps left there;
 2. for each queued step, on the replicator's thread: land every shard of this process's
-   ``ranks`` not already there intact, ``policy.concurrency`` at a time, each confirmed
-   (:meth:`~tiered_ckpt.tiers.base.Tier.land_shard`);
-3. wait until every process has landed its ranks' shards (a collective on the
-   replicator's own coordinator channel: a failure on any rank fails the step on every
-   rank);
-4. the leader commits the step in the target (on the shared tier, the bucket: every
-   object confirmed once more first, the manifest create-only, then ``latest``); every
-   process writes the local receipt of a durable target's commit;
+   ``ranks`` not already there intact, ``policy.concurrency`` at a time, each confirmed;
+3. wait until every process has landed its ranks' shards (a collective on the replicator's
+   own channel: a failure on any rank fails the step on every rank);
+4. commit the step in the target (see :mod:`~tiered_ckpt.engine.sending`); every process
+   writes the local receipt of a durable target's commit;
 5. retention after the commit (:mod:`~tiered_ckpt.tiers.pruning`): the leader's of the
    target (a bucket's: not while another run's lease is live), every process's of its
    local tier, keeping the steps still queued for any replicator sharing the
@@ -24,15 +21,14 @@ and a :class:`ReplicationPolicy`. It owns what happens to a step after its local
 A step whose landing or commit still fails for a transient reason (the target is
 unreachable or failing) after the target's own retries is tried again as a whole, after
 ``policy.retry``'s capped backoff, until ``policy.deadline_seconds`` after it began;
-shards already there intact are not sent again. Every failed try is logged (WARNING)
-and shown by :meth:`Replicator.retrying` and ``last_error``. A step that misses its
-deadline stays local-only (the local tier is the safety net), the queue moves on, and its
-:class:`UploadError` has ``transient=True`` (``wait(uploaded=True)`` raises it; ``save``
-and ``close`` do not). Any other failure (access denied, a local I/O error, a bug) is an
-:class:`UploadError` with ``transient=False``, logged at once and raised by the owner's
-next call. Both go to the shared :class:`~tiered_ckpt.errors.ErrorBox` (tries counted,
-cause chained); the step's local copy is kept. The processes agree on every retry (one
-small collective), so they try, wait and give up together.
+shards already there intact are not sent again. Every failed try is logged (WARNING) and
+shown by :meth:`Replicator.retrying` and ``last_error``. A step that misses its deadline
+stays local-only, the queue moves on, and its :class:`UploadError` has ``transient=True``
+(``wait(uploaded=True)`` raises it; ``save`` and ``close`` do not). Any other failure
+(access denied, a local I/O error, a bug) has ``transient=False``, is logged at once and
+raised by the owner's next call. Both go to the shared :class:`~tiered_ckpt.errors.ErrorBox`
+(cause chained); the local copy is kept. The processes agree on every retry (one small
+collective), so they try, wait and give up together.
 
 At most ``policy.max_pending`` steps wait in the queue; beyond that ``when_behind="wait"``
 makes :meth:`Replicator.submit` block until there is room, ``"skip"`` drops the oldest
@@ -44,7 +40,8 @@ with one process per rank (whose queues must stay the same) :meth:`submit` waits
 A best-effort ``policy`` (a partner's memory) logs its failures and shows them in
 ``last_error``, never in the error box, and never retries; a storage failure that is not
 transient (a partner that gave no answer in time, seen by every process at the same step)
-gives the target up for the run: the queue is dropped, no later step is sent (``given_up``).
+gives the target up for the run: every process proposes it with its next step, and all drop
+their queues and send no later step (``given_up``).
 
 After :meth:`Replicator.preempt` (a preemption notice: the job has seconds to minutes
 left), the newest queued step goes next and the older queued ones are dropped (they
@@ -96,14 +93,11 @@ RATE_WINDOW = 5  # remote commits the upload rate is measured over
 class Replicator:
     """One background thread that lands and commits queued steps of ``store``'s first tier in ``target``.
 
-    ``target`` is one of ``store``'s later tiers (default: its shared tier, the bucket).
-    ``ranks`` are the ranks whose shards this process sends (default: every rank of each
-    step); ``coordinator`` must be a channel no other thread uses. Failures go to
-    ``errors``; the store's retention is applied after each commit, weighing the queues of
-    every replicator that shares ``backlog`` (give the replicators of one store one). ``ownership``
-    says how the leader holds its lease on the bucket; ``clock`` (Unix times) dates the lease
-    and judges others' leases and open uploads.
-    """
+    ``target`` is one of ``store``'s later tiers (default: the bucket); ``ranks`` are the ranks
+    whose shards this process sends (default: all); ``coordinator`` is a channel no other
+    thread uses. Failures go to ``errors``; retention after each commit weighs the queues of
+    every replicator sharing ``backlog`` (one per store). ``ownership`` says how the leader
+    holds its lease on the bucket; ``clock`` (Unix times) dates leases and open uploads."""
 
     def __init__(
         self,
@@ -147,6 +141,7 @@ class Replicator:
         self._retry: tuple[int, int] | None = None  # (step, tries so far) of a step being retried
         self._giving_up = False  # see give_up_retries
         self.given_up: str | None = None  # why a best-effort target gets no more steps (see _give_up)
+        self._giving_up_on: str | None = None  # a failure that gives it up, not yet agreed
         self.backlog = backlog or Backlog()
         self.backlog.add(target.name, self.pending)
         self._what = "upload" if bucket is not None else f"copy to the {target.name} tier"
@@ -183,8 +178,7 @@ class Replicator:
             if self._closing:
                 raise UsageError(f"{self!r} is closed")
             if self.given_up is not None:
-                why = f"step {step} is not sent: {self.given_up}"
-                return self._settle(step, UploadError(why, step=step, tries=0, transient=True))
+                return self._settle(step, self._not_sent(step))
             while bounded and not self._preempted and len(self._queue) >= self._room():
                 if self._options.when_behind == "skip" or (self._failing and one_process):
                     skipped = self._queue.popleft()
@@ -321,9 +315,9 @@ class Replicator:
                     return
                 proposal = self._queue[-1] if self._preempted else self._queue[0]
             try:
-                step = self._next_step(proposal)
+                chosen = self._next_step(proposal)
             except BaseException as exc:  # the processes could not agree: every one records it, none goes on
-                error = as_upload_error(proposal, exc)
+                error = as_upload_error(proposal, exc, what=self._what)
                 self._failed(error)
                 with self._changed:
                     dropped = list(self._queue)
@@ -332,6 +326,9 @@ class Replicator:
                 for each in dropped:
                     self._settle(each, error)
                 continue
+            if chosen is None:
+                continue
+            step = chosen
             try:
                 try:
                     self._upload(step)
@@ -342,33 +339,39 @@ class Replicator:
                 error = as_upload_error(step, exc, what=self._what)
                 self._failed(error)
                 self._settle(step, error)
-                if (
-                    self._options.best_effort
-                    and isinstance(exc, StorageError)
-                    and getattr(exc, "transient", 1) is False
-                ):
-                    self._give_up(error)
+                if self._options.best_effort and isinstance(exc, StorageError) and not getattr(exc, "transient", 1):
+                    self._giving_up_on = str(error)  # proposed with the next step (see _next_step)
             finally:
                 with self._changed:
                     self._active = None
                     self._retry = None
                     self._changed.notify_all()
 
-    def _give_up(self, error: UploadError) -> None:
+    def _give_up(self, reason: str) -> None:
         """Stop sending to a best-effort target whose storage is gone for the run (a partner that
-        gave no answer in time; every process sees the same failure, so all stop at once)."""
-        logger.warning("%r: no more copies for the rest of the run: %s", self, error)
+        gave no answer in time): the queue is dropped and no later step is taken."""
+        logger.warning("%r: no more copies for the rest of the run: %s", self, reason)
         with self._changed:
-            self.given_up = str(error)
+            self.given_up = reason
             dropped = list(self._queue)
             self._queue.clear()
             self._changed.notify_all()
         for each in dropped:
-            self._settle(each, error)
+            self._settle(each, self._not_sent(each))
 
-    def _next_step(self, proposal: int) -> int:
-        """Agree with the other processes on the next step; take it (and the older ones it supersedes) off the queue."""
-        step = min(each.step for each in gather(self._coordinator, "next step", _Proposal, lambda: _Proposal(proposal)))
+    def _not_sent(self, step: int) -> UploadError:
+        return UploadError(f"step {step} is not sent: {self.given_up}", step=step, tries=0, transient=True)
+
+    def _next_step(self, proposal: int) -> int | None:
+        """Agree with the other processes on the next step; take it (and the older ones it supersedes)
+        off the queue. None: a process gave a best-effort target up, and every one does so now."""
+        mine = _Proposal(proposal, self._giving_up_on)
+        proposals = gather(self._coordinator, "next step", _Proposal, lambda: mine)
+        reasons = [each.give_up for each in proposals if each.give_up is not None]
+        if reasons:
+            self._give_up(mine.give_up or f"another rank gave it up: {reasons[0]}")
+            return None
+        step = min(each.step for each in proposals)
         with self._changed:
             superseded = [each for each in self._queue if each < step]
             self._queue = deque(each for each in self._queue if each > step)
@@ -480,9 +483,10 @@ class Replicator:
 
 @dataclass(frozen=True)
 class _Proposal:
-    """The step one process would upload next."""
+    """The step one process would upload next, and why it gives a best-effort target up (None: it does not)."""
 
     step: int
+    give_up: str | None = None
 
 
 @dataclass(frozen=True)

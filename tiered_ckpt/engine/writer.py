@@ -75,7 +75,7 @@ def _background_thread(cpus: frozenset[int] | None) -> None:
         os.sched_setaffinity(0, cpus)  # 0: this thread (checked by RuntimeOptions)
 
 
-def _copy_outcome(done: Future[ShardManifest], into: Future[ShardManifest | None]) -> None:
+def _copy_outcome(done: Future[ShardManifest | None], into: Future[ShardManifest | None]) -> None:
     error = done.exception()
     if error is None:
         into.set_result(done.result())
@@ -88,9 +88,9 @@ class SaveHandle:
 
     ``committed`` is the local commit: its result is the step's manifest once every rank's
     shard is durable and the manifest is in place (for a step kept in a partner's memory
-    only, once it is committed there), or None for a step that no tier's cadence takes
-    (nothing was saved); its exception is the :class:`SaveError` (cause chained) of a save
-    that failed. ``uploaded`` is the commit
+    only, once it is committed there), or None for a step in no tier: no tier's cadence took
+    it, or the partners' memory, its only tier, did not keep it (logged, never raised); its
+    exception is the :class:`SaveError` (cause chained) of a save that failed. ``uploaded`` is the commit
     in the bucket (None without one): its result is None once the bucket holds the step;
     its exception is the step's :class:`UploadError` (it failed, missed its deadline, was
     superseded by a newer step, or the manager closed first), or the save's
@@ -228,11 +228,11 @@ class Writer:
 
     def _write_to_memory(
         self, step: int, staged: list[FlatState], keys: tuple[str, ...], numels: list[int], to: list[Replicator]
-    ) -> ShardManifest:
+    ) -> ShardManifest | None:
         """Writer thread: serialize this process's shards of a step the disk skips, agree on its
         manifest, and hand it to the replicators of the tiers that take it (a partner's memory);
-        the step is committed once each of them committed it. A failure is logged and never
-        raised by the manager (the replicators' tiers are best-effort): the step is not kept."""
+        the step is committed once each of them committed it. A failure is logged (WARNING),
+        never raised: the step is simply kept nowhere, and None is returned."""
         try:
             left_out = leave_out(self._coordinator, staged)
             shards: dict[int, bytearray] = {}
@@ -254,8 +254,8 @@ class Writer:
             failures = [exc]
         failed = next((failure for failure in failures if failure is not None), None)
         if failed is not None:
-            logger.warning("step %d, kept in memory only, is in no tier: %s", step, failed)
-            raise SaveError(f"step {step}, kept in memory only, is in no tier: {failed}", step=step) from failed
+            logger.warning("step %d, to be kept in memory only, is in no tier: %s", step, failed)
+            return None
         logger.info(
             "committed step %d (%d bytes) in %s", step, manifest.total_bytes, " and ".join(r.target.url for r in to)
         )

@@ -13,8 +13,9 @@ folder holds:
   peer tier (every rank's copy was taken by its partner), and ``step-<step>.disk`` if the
   step is also on the ranks' disks.
 
-At most ``max_bytes`` are held in slots (None: one step of the partners' shards: taking a
-step frees the slots of every other step first). Room is made by freeing the oldest steps,
+At most ``max_bytes`` are held in slots (None: one step of the partners' shards, kept until
+the next step is committed, so a copy in flight needs a second step's room). Room is made
+by freeing the oldest steps,
 the newest step that is also on disk last: it is what a replaced node's disks are refilled
 with, while a step kept in memory only is restorable only while every partner lives. A
 shard that cannot fit, even once every other step is freed, is refused
@@ -30,6 +31,7 @@ import logging
 import mmap
 import os
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +71,8 @@ class PeerMemory:
         self.max_bytes = max_bytes
         self.root.mkdir(parents=True, exist_ok=True)
         self._slots: dict[int, Slot | None] = {}  # slot number -> content (None: free)
+        self._receiving: set[int] = set()  # slots handed out by buffer_for, not yet accepted or released
+        self.lock = threading.RLock()  # held by callers around each use: a copy and a restore may overlap
         self._load()
 
     def __repr__(self) -> str:
@@ -170,22 +174,24 @@ class PeerMemory:
         for number, slot in self._slots.items():
             if slot is not None and slot.step == step and slot.rank == rank:
                 self._free(number)  # a second copy of the same shard replaces the first
-        if self.max_bytes is None:
+        if self.max_bytes is None:  # the newest committed step stays until this one is committed
+            keep = max(self.steps(), default=None)
             for number, slot in self._slots.items():
-                if slot is not None and slot.step != step:
+                if slot is not None and slot.step not in (step, keep):
                     self._free(number)
         number = self._choose_slot(step, size)
         path = self._bin_path(number)
         if not path.exists() or path.stat().st_size < size:
             with open(path, "ab") as out:
                 out.truncate(size)
+        self._receiving.add(number)
         return number, _map(path, size, private=False)
 
     def _choose_slot(self, step: int, size: int) -> int:
         """A free slot for ``size`` bytes: a free one long enough, else a free one grown (or a new
         one) if the budget allows, freeing the oldest other steps until it does."""
         while True:
-            free = [n for n, slot in self._slots.items() if slot is None]
+            free = [n for n, slot in self._slots.items() if slot is None and n not in self._receiving]
             sizes = {n: self._bin_path(n).stat().st_size for n in self._slots}
             fitting = [n for n in free if sizes[n] >= size]
             if fitting:
@@ -218,11 +224,13 @@ class PeerMemory:
 
     def accept(self, number: int, slot: Slot) -> None:
         """Record that slot ``number`` holds ``slot`` (its bytes were checked by the caller)."""
+        self._receiving.discard(number)
         _write_small(self._meta_path(number), _slot_json(slot))
         self._slots[number] = slot
 
     def release(self, number: int) -> None:
-        """Slot ``number`` holds nothing (a copy that did not verify)."""
+        """Slot ``number`` holds nothing (a copy that did not verify, or never arrived)."""
+        self._receiving.discard(number)
         self._free(number)
 
     def commit(self, step: int, manifest_json: str, *, on_disk: bool = False) -> None:
@@ -230,6 +238,10 @@ class PeerMemory:
         if on_disk:
             _write_small(self._disk_path(step), b"")
         _write_small(self._manifest_path(step), manifest_json.encode())
+        if self.max_bytes is None:  # one step held: the one before it goes now
+            for other in self.steps():
+                if other != step:
+                    self.delete_step(other)
 
     def delete_step(self, step: int) -> None:
         """Forget ``step``: its manifest first, then its slots (kept, free, for later steps)."""

@@ -69,8 +69,9 @@ def _plan(
     waited: set[int] = set()
     if store.remote is not None:
         queued = pending.get(store.remote.name, ())
-        kept |= protected(steps, receipted, queued, policy.max_awaiting_upload)
-        waited = awaiting(steps, receipted, queued)
+        uploaded = [step for step in steps if step % policy.upload_every == 0 or step in queued]  # its cadence
+        kept |= protected(uploaded, receipted, queued, policy.max_awaiting_upload)
+        waited = awaiting(uploaded, receipted, queued)
     return policy.to_delete(retainable(steps, newest), kept), waited
 
 

@@ -31,17 +31,21 @@ class RetentionPolicy:
 
     The newest step is always kept, and so is every step the caller protects.
     ``max_awaiting_upload`` (local tier) bounds how many steps still waiting for their
-    upload are protected beyond that (the newest ones; None: all of them).
+    upload are protected beyond that (the newest ones; None: all of them); only the steps
+    divisible by ``upload_every`` (the bucket's cadence) ever wait for an upload.
     """
 
     keep_last: int | None = None
     keep_every: int | None = None
     max_awaiting_upload: int | None = None
+    upload_every: int = 1
 
     def __post_init__(self) -> None:
         _check_keep("keep_last", self.keep_last)
         _check_keep("keep_every", self.keep_every)
         _check_keep("max_awaiting_upload", self.max_awaiting_upload)
+        if isinstance(self.upload_every, bool) or not isinstance(self.upload_every, int) or self.upload_every < 1:
+            raise invalid_option("upload_every", f"must be an integer >= 1, got {self.upload_every!r:.60}")
 
     @property
     def keeps_everything(self) -> bool:

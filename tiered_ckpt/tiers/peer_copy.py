@@ -1,0 +1,176 @@
+"""The peer tier's two exchanges over a :class:`~tiered_ckpt.dist.peer_link.PeerLink`.
+
+:func:`copy_step`, a save's copy, which every process runs at once for its own rank, in
+four rounds, each rank playing both parts (sender to its partner, holder of its wards):
+
+1. *offer*: the step, the shard's size and its sha256 go to the partner (size -1: this rank
+   could not read its own shard, and sends nothing);
+2. *answer*: the partner says whether its memory takes the shard (its budget);
+3. *bytes*: the shard goes straight from the sender's buffer into the partner's slot;
+4. *check*: the partner hashes what it received and answers whether it matches; only a
+   copy that matches is kept.
+
+Whatever fails on one rank (its own shard unreadable, its memory full, bytes that do not
+match) becomes an answer of the protocol, so every rank still runs every round and no
+partner waits for a message that will not come; only the link itself failing (a partner
+that died or hangs) cuts the rounds short. A slot handed out for a copy that is not kept
+is freed.
+
+:func:`fetch`, a restore's copies: the holders send each needed shard with the step's
+manifest, in two rounds (sizes, then bytes); what does not arrive is logged and left to
+the next tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+from tiered_ckpt.dist.peer_link import PeerLink
+from tiered_ckpt.errors import MemoryBudgetError, PeerError
+from tiered_ckpt.format.manifest import ShardRecord
+from tiered_ckpt.tiers.peer_memory import PeerMemory, Slot, sha256_of
+
+__all__ = ["Transfer", "copy_step", "fetch"]
+
+logger = logging.getLogger("tiered_ckpt")
+
+_OFFER = struct.Struct("<qq32s")  # step, size (-1: nothing to send), sha256
+_SIZES = struct.Struct("<qq")  # manifest bytes, shard bytes (-1: not held after all)
+_MAX_MANIFEST = 64 << 20
+Transfer = tuple[int, int, int]
+"""One copy of a restore: (the rank that sends it, the rank that receives it, the shard's rank)."""
+
+
+def _bytes(data: bytes) -> np.ndarray:
+    return np.frombuffer(bytearray(data), np.uint8)
+
+
+def copy_step(
+    link: PeerLink,
+    memory: PeerMemory,
+    step: int,
+    record: ShardRecord,
+    data: np.ndarray | BaseException,
+    partner: int,
+    wards: Sequence[int],
+) -> None:
+    """Copy ``data`` (this rank's shard ``record`` of ``step``, or why it could not be read) to
+    ``partner`` and take the ``wards``' copies (see the module doc).
+
+    Raises :class:`PeerError` if the partner did not keep a matching copy
+    (:class:`MemoryBudgetError` if its memory refused it, ``transient=False`` if the link
+    failed); the wards' copies are kept or not whatever happens to this rank's own.
+    """
+    readable = isinstance(data, np.ndarray)
+    size = record.size_bytes if readable else -1
+    offer = _bytes(_OFFER.pack(step, size, bytes.fromhex(record.sha256)))
+    offers = {ward: np.zeros(_OFFER.size, np.uint8) for ward in wards}
+    slots: dict[int, tuple[int, np.ndarray, Slot]] = {}
+    try:
+        link.exchange([(partner, offer)], list(offers.items()))
+        answers = {ward: _take(memory, step, ward, raw, slots) for ward, raw in offers.items()}
+        answer = np.zeros(1, np.uint8)
+        link.exchange(list(answers.items()), [(partner, answer)])
+        sends = [(partner, data)] if answer[0] and isinstance(data, np.ndarray) else []
+        link.exchange(sends, [(ward, buffer) for ward, (_number, buffer, _slot) in slots.items()])
+        checks = {ward: _keep(memory, number, buffer, slot) for ward, (number, buffer, slot) in slots.items()}
+        slots.clear()  # each one kept or freed
+        check = np.zeros(1, np.uint8)
+        link.exchange(list(checks.items()), [(partner, check)] if answer[0] else [])
+    finally:
+        for number, _buffer, _slot in slots.values():
+            with memory.lock:
+                memory.release(number)
+    where = f"rank {partner}'s memory (step {step}, rank {record.rank}'s shard)"
+    if not isinstance(data, np.ndarray):
+        raise PeerError(f"{where}: this rank could not read its own shard: {data}") from data
+    if not answer[0]:
+        raise MemoryBudgetError(f"{where}: the partner refused the copy (its peer.max_bytes, or an error it logged)")
+    if not check[0]:
+        raise PeerError(f"{where}: the bytes the partner received did not match their sha256; not kept")
+
+
+def _take(
+    memory: PeerMemory, step: int, ward: int, raw: np.ndarray, slots: dict[int, tuple[int, np.ndarray, Slot]]
+) -> np.ndarray:
+    """Round 2 for one ward: a slot for its offer (recorded in ``slots``), and the answer to send."""
+    ward_step, size, digest = _OFFER.unpack(raw.tobytes())
+    if ward_step != step or size < 0:
+        if ward_step != step:
+            logger.error("peer copy of step %d: rank %d offered step %d instead", step, ward, ward_step)
+        return np.zeros(1, np.uint8)
+    try:
+        with memory.lock:
+            number, buffer = memory.buffer_for(step, ward, size)
+    except Exception as exc:  # a full memory, a failing memory file system: the answer is no
+        logger.warning("peer copy of step %d: not holding rank %d's shard: %s", step, ward, exc)
+        return np.zeros(1, np.uint8)
+    slots[ward] = (number, buffer, Slot(step, ward, size, digest.hex()))
+    return np.ones(1, np.uint8)
+
+
+def _keep(memory: PeerMemory, number: int, buffer: np.ndarray, slot: Slot) -> np.ndarray:
+    """Round 4 for one ward: keep its copy if it matches its offer; the answer to send."""
+    try:
+        with memory.lock:
+            if sha256_of(buffer) == slot.sha256:
+                memory.accept(number, slot)
+                return np.ones(1, np.uint8)
+            logger.warning("peer copy of step %d: rank %d's shard arrived changed; not kept", slot.step, slot.rank)
+            memory.release(number)
+    except Exception as exc:  # the memory file system failed while the copy was recorded
+        logger.warning("peer copy of step %d: rank %d's shard not kept: %s", slot.step, slot.rank, exc)
+        with memory.lock:
+            memory.release(number)
+    return np.zeros(1, np.uint8)
+
+
+def fetch(
+    link: PeerLink, memory: PeerMemory, step: int, rank: int, transfers: Sequence[Transfer]
+) -> dict[int, tuple[bytes, np.ndarray]]:
+    """Send and receive the copies of ``step`` that ``transfers`` name (every process calls it at
+    once, with the same list); return, by shard rank, the manifest document and bytes that
+    reached this rank (``rank``), neither yet verified.
+
+    A copy that does not arrive (its holder died or hangs, within the link's timeout, or no
+    longer holds it) is logged, not raised: the restore reads that shard from the next tier.
+    """
+    sends = [(needer, shard) for holder, needer, shard in transfers if holder == rank]
+    receives = [(holder, shard) for holder, needer, shard in transfers if needer == rank]
+    outgoing = [_outgoing(memory, step, shard) for _needer, shard in sends]
+    sizes = {(holder, shard): np.zeros(_SIZES.size, np.uint8) for holder, shard in receives}
+    incoming: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+    try:
+        link.exchange(
+            [(needer, header) for (needer, _shard), (header, _m, _d) in zip(sends, outgoing, strict=True)],
+            [(holder, buffer) for (holder, _shard), buffer in sizes.items()],
+        )
+        for key, raw in sizes.items():
+            manifest_bytes, shard_bytes = _SIZES.unpack(raw.tobytes())
+            if 0 <= manifest_bytes <= _MAX_MANIFEST and shard_bytes >= 0:
+                incoming[key] = (np.empty(manifest_bytes, np.uint8), np.empty(shard_bytes, np.uint8))
+        payload = []
+        for (needer, _shard), (_header, manifest, data) in zip(sends, outgoing, strict=True):
+            if manifest is not None:
+                payload += [(needer, manifest), (needer, data)]
+        link.exchange(payload, [(holder, part) for (holder, _shard), pair in incoming.items() for part in pair])
+    except PeerError as exc:
+        logger.warning("restore of step %d: the partners' copies did not arrive: %s", step, exc)
+        return {}
+    return {shard: (manifest.tobytes(), data) for (_holder, shard), (manifest, data) in incoming.items()}
+
+
+def _outgoing(memory: PeerMemory, step: int, shard: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """The header, manifest and bytes of ``shard``'s held copy of ``step`` (a header of -1s if gone)."""
+    try:
+        with memory.lock:
+            data = memory.view(step, shard)
+            manifest = _bytes(memory.manifest_text(step))
+    except Exception as exc:  # gone, or its memory file unreadable: the needer reads the next tier
+        logger.warning("restore of step %d: cannot send rank %d's copy: %s", step, shard, exc)
+        return _bytes(_SIZES.pack(-1, -1)), None, np.zeros(0, np.uint8)
+    return _bytes(_SIZES.pack(manifest.size, data.size)), manifest, data

@@ -395,10 +395,11 @@ class PeerOptions:
     ``docs/guides/peer-tier.md``).
 
     Only the saved steps divisible by ``every`` are copied. A rank holds at most
-    ``max_bytes`` of its partners' shards (None: one step of them); it keeps them in
-    ``memory_dir``, a folder of a memory file system, so they outlive a restart of the
-    training process. A partner that does not answer within ``timeout_seconds`` is given
-    up for the run. ``nodes`` names the node of each rank (by rank); None: the launcher's
+    ``max_bytes`` of its partners' shards (None: one step of them, kept until the next is
+    committed); it keeps them in ``memory_dir``, a folder of a memory file system, so they
+    outlive a restart of the training process. A partner that does not answer a round of a
+    copy within ``timeout_seconds`` (plus the time its bytes take at 50 MB/s) is given up
+    for the run. ``nodes`` names the node of each rank (by rank); None: the launcher's
     ``GROUP_RANK``, else ``RANK // LOCAL_WORLD_SIZE``, else the host name.
     """
 

@@ -220,9 +220,10 @@ class CheckpointManager:
         return handle
 
     def should_save(self, step: int) -> bool:
-        """Whether :meth:`save` of ``step`` saves it: a tier's cadence takes it (``local.every``,
-        or ``peer.every`` while the peer tier is on), or a preemption notice stopped at it. A save
-        of another step returns at once, its ``committed`` future holding None."""
+        """Whether :meth:`save` of ``step`` saves it: a tier's cadence takes it (``local.every``, or
+        ``peer.every`` while the peer tier is on), or a preemption notice stopped at it. A save of
+        another step returns at once (``committed`` holds None) and raises nothing, not even a
+        background error: the next save that saves raises it, on every rank together."""
         return self._parts.should_save(step)
 
     def reached_preemption(self, step: int) -> bool:
@@ -289,10 +290,9 @@ class CheckpointManager:
         return self._parts.store.remote_steps()
 
     def latest_step(self) -> int | None:
-        """The newest step committed on disk or in the bucket, or None if there is none.
-
-        With one process per rank this is this rank's view (its own directory and the
-        bucket as of its last upload); :meth:`restore` is what makes the ranks agree."""
+        """The newest step committed on disk or in the bucket, or None if there is none: with one
+        process per rank, this rank's view (its own directory and the bucket as of its last
+        upload); :meth:`restore` is what makes the ranks agree."""
         return self._parts.newest_step()
 
     def lag(self) -> Lag:

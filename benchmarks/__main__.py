@@ -9,7 +9,8 @@ within a minute, so a figure is only compared with the limit measured in the sam
 round). One module per section, each saying what it measures: ``sync`` (save and loads
 next to the disk's and sha256's limits), ``async`` (in ``async_save.py``), ``retention``,
 ``dist`` (rank processes), ``train``, ``remote`` (moto's S3 server next to boto3),
-``structure``, ``fsdp`` (next to DCP) and, with ``--peers``, ``peers`` (safetensors,
+``structure``, ``fsdp`` (next to DCP), ``peer`` (a lost node restored from its partners'
+memory, and a partner copy's cost) and, with ``--peers``, ``peers`` (safetensors,
 ``torch.save``, DCP on the same state); ``--plot FILE.png`` draws the peers table (needs matplotlib:
 ``pip install -e '.[bench]'``). What they share is in :mod:`benchmarks.harness`.
 """
@@ -22,13 +23,13 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks import async_save, dist, fsdp, peers, remote, retention, structure, sync, train
+from benchmarks import async_save, dist, fsdp, peer, peers, remote, retention, structure, sync, train
 from benchmarks.harness import check_plotting, make_states, parser, positive
 
 __all__ = ["main"]
 
-SECTIONS = ("sync", "async", "retention", "dist", "train", "remote", "structure", "fsdp", "peers")
-DEFAULT = ("sync", "async", "retention", "dist", "train", "remote", "structure", "fsdp")
+SECTIONS = ("sync", "async", "retention", "dist", "train", "remote", "structure", "fsdp", "peer", "peers")
+DEFAULT = ("sync", "async", "retention", "dist", "train", "remote", "structure", "fsdp", "peer")
 IN_MEMORY = {"sync", "async", "retention", "peers"}  # the sections measuring one state made here
 
 
@@ -80,6 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "fsdp" in sections:
             print("FSDP2 state from rank processes (gloo), next to torch.distributed.checkpoint on the same disk:")
             fsdp.bench_fsdp(total, root, args.repeat, args.fsdp_processes)
+        if "peer" in sections:
+            print("peer tier: 4 ranks as 2 nodes (gloo), a lost node's restore and what a partner copy costs:")
+            peer.bench_peer(total, root, args.repeat, args.train_steps)
         if "peers" in sections:
             print("peers: the same state saved and loaded by each (interleaved rounds):")
             table = peers.bench_peers(states, root, args.repeat)

@@ -1,5 +1,5 @@
 """What the benchmark's sections share: the state they save, the clock, this machine's limits,
-rank processes, the printed figures and the command line.
+rank processes, moto's S3 server, the printed figures and the command line.
 
 A figure is only compared with a limit measured in the same round (the disk's speed swings
 within a minute): :func:`measure_limits` records the limits of a save and a load now, and
@@ -11,14 +11,17 @@ The harness imports no section: ``benchmarks/__main__.py`` picks them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -43,6 +46,7 @@ __all__ = [
     "make_rank_state",
     "make_states",
     "measure_limits",
+    "moto_server",
     "parser",
     "peak_rss_growth",
     "positive",
@@ -250,10 +254,18 @@ def measure_limits(states: list[dict[str, np.ndarray]], scratch: Path, timings: 
     timings.record(LIMIT, max(write_seconds, sha_seconds))
 
 
-def run_rank_processes(command: list[str], root: Path, processes: int, section: str, **settings: Any) -> Any:
-    """Run ``processes`` rank processes (``command CONFIG RANK``) joined through a file store in
-    ``root`` (created here), with a config of ``settings`` plus the store, ``root``, the process
-    count and where rank 0 writes its timings; return those timings (JSON)."""
+def run_rank_processes(
+    command: list[str],
+    root: Path,
+    processes: int,
+    section: str,
+    environment: Mapping[str, str] | None = None,
+    **settings: Any,
+) -> Any:
+    """Run ``processes`` rank processes (``command CONFIG RANK``, with ``environment`` added to
+    this process's) joined through a file store in ``root`` (created here), with a config of
+    ``settings`` plus the store, ``root``, the process count and where rank 0 writes its
+    timings; return those timings (JSON)."""
     root.mkdir()
     config = root / "config.json"
     results = root / "timings.json"
@@ -261,12 +273,51 @@ def run_rank_processes(command: list[str], root: Path, processes: int, section: 
     config.write_text(json.dumps({**paths, "processes": processes, **settings}))
     # The repository first on the path: ``python -m benchmarks.<section>`` works from any directory.
     path = os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))
-    environment = {**os.environ, "PYTHONPATH": path}
+    environment = {**os.environ, **(environment or {}), "PYTHONPATH": path}
     children = [subprocess.Popen([*command, str(config), str(rank)], env=environment) for rank in range(processes)]
     codes = [child.wait() for child in children]
     if any(codes):
         raise RuntimeError(f"rank processes of the {section} benchmark exited with {codes}")
     return json.loads(results.read_text())
+
+
+MOTO_KEYS = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench", "region_name": "us-east-1"}
+
+
+@contextlib.contextmanager
+def moto_server() -> Iterator[tuple[str, Any, dict[str, Any]]]:
+    """moto's S3 server in its own process (so it does not share this process's GIL) on a free
+    loopback port, once it answers: yields its endpoint, a boto3 client of it and the
+    ``storage_options`` of a remote tier on it; stops it afterwards. Needs moto and boto3."""
+    import boto3
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        client = boto3.client("s3", endpoint_url=endpoint, **MOTO_KEYS)
+        for _ in range(600):  # readiness poll: go on as soon as the server answers
+            try:
+                client.list_buckets()
+                break
+            except Exception:
+                time.sleep(0.1)
+        options = {
+            "key": MOTO_KEYS["aws_access_key_id"],
+            "secret": MOTO_KEYS["aws_secret_access_key"],
+            "client_kwargs": {"endpoint_url": endpoint, "region_name": MOTO_KEYS["region_name"]},
+            "skip_instance_cache": True,
+        }
+        yield endpoint, client, options
+    finally:
+        server.terminate()
+        server.wait()
 
 
 def check_plotting(path: Path) -> None:

@@ -11,30 +11,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import shutil
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import Timings, make_states, timed
+from benchmarks.harness import Timings, make_states, moto_server, timed
 from tiered_ckpt.format.layout import step_dir_name
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.oneshot import save_sharded
 
 __all__ = ["bench_remote"]
-
-
-def _start_moto(port: int) -> subprocess.Popen[bytes]:
-    """moto's S3 server in its own process (so it does not share this process's GIL)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
 
 
 def _remote_run(
@@ -82,30 +69,11 @@ def _remote_run(
 def bench_remote(size_gib: float, ranks: int, root: Path, repeat: int) -> None:
     """Upload and download GB/s to a local moto S3 server, next to boto3's upload_file/download_file."""
     try:
-        import boto3
+        import boto3  # noqa: F401
     except ImportError:
         print("  skipped: needs boto3 and moto (pip install -e '.[bench]')")
         return
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = _start_moto(port)
-    endpoint = f"http://127.0.0.1:{port}"
-    credentials = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench", "region_name": "us-east-1"}
-    client = boto3.client("s3", endpoint_url=endpoint, **credentials)
-    for _ in range(600):  # readiness poll: go on as soon as the server answers
-        try:
-            client.list_buckets()
-            break
-        except Exception:
-            time.sleep(0.1)
-    options = {
-        "key": "bench",
-        "secret": "bench",
-        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
-        "skip_instance_cache": True,
-    }
-    try:
+    with moto_server() as (endpoint, client, options):
         source = root / "remote-source"
         manifest = save_sharded(make_states(int(size_gib * 2**30), ranks), source / step_dir_name(1), step=1)
         timings = Timings(manifest.total_bytes)
@@ -119,6 +87,3 @@ def bench_remote(size_gib: float, ranks: int, root: Path, repeat: int) -> None:
         timings.print_ratio(
             "download+verify / boto3 download_file", "tiered_ckpt download+verify", "boto3 download_file", ">= 1.0"
         )
-    finally:
-        server.terminate()
-        server.wait()

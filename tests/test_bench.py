@@ -44,6 +44,12 @@ def test_benchmark_runs_every_section_and_prints_its_ratios(tmp_path):
         "save / dcp.save (throughput)",
         "load+verify / dcp.load (throughput)",
         "stall: save(blocking=False) / dcp.async_save",
+        "lost node: partner / bucket (restore speed-up)",
+        "lost node: partner / own disk",
+        "partner copy stall / disk save stall",
+        "partner copy / disk save (until committed)",
+        "partner copy every 10 steps: slowdown",
+        "floor of its CPU share, no core free",
     ):
         assert line in result.stdout
     assert "2 processes" not in result.stdout and "4 rank processes" not in result.stdout  # as told
@@ -63,7 +69,7 @@ def test_help_names_the_command_and_every_section():
     result = bench("--help", timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: python -m benchmarks")
-    assert "{sync,async,retention,dist,train,remote,structure,fsdp,peers}" in result.stdout
+    assert "{sync,async,retention,dist,train,remote,structure,fsdp,peer,peers}" in result.stdout
     assert "--dist-processes N [N ...]" in result.stdout and "(default 1 2 4)" in result.stdout
     assert "--fsdp-processes N [N ...]" in result.stdout and "(default 2 4)" in result.stdout
 
@@ -90,7 +96,8 @@ def test_the_benchmark_is_a_dag_of_a_harness_and_sections_and_the_library_never_
     modules = {path.stem: imported(path) for path in BENCHMARKS.glob("*.py")}
     own = {stem: {name for name in names if name.split(".")[0] == "benchmarks"} for stem, names in modules.items()}
     sections = set(modules) - {"__init__", "__main__", "harness"}
-    assert {"sync", "async_save", "retention", "dist", "train", "remote", "structure", "fsdp", "peers"} <= sections
+    expected = {"sync", "async_save", "retention", "dist", "train", "remote", "structure", "fsdp", "peer", "peers"}
+    assert expected <= sections
     assert own["harness"] == set() and own["__init__"] == set()  # the harness imports no section
     for section in sections:
         assert own[section] <= {"benchmarks.harness"}, section  # never another section

@@ -42,7 +42,7 @@ class HeldStep:
     the bytes of this process's shards."""
 
     manifest: ShardManifest
-    shards: Mapping[int, bytearray]
+    shards: Mapping[int, memoryview]
 
 
 @dataclass(frozen=True)

@@ -66,15 +66,15 @@ def serialize_shards(
     numels: Sequence[int],
     max_workers: int | None = None,
     left_out: Mapping[int, Mapping[str, int]] | None = None,
-) -> list[tuple[ShardRecord, bytearray]]:
+) -> list[tuple[ShardRecord, memoryview]]:
     """The shards :func:`write_shards` would write, as bytes in memory with their records (a step
     kept in memory only), in the order of ``ranks``."""
 
-    def serialize(index: int) -> tuple[ShardRecord, bytearray]:
+    def serialize(index: int) -> tuple[ShardRecord, memoryview]:
         shard = _Shard(step, states[index], ranks[index], world_size, (left_out or {}).get(ranks[index], {}))
         out = io.BytesIO()
         digest = shard.write(out)
-        return shard.record(digest, numels), bytearray(out.getbuffer())
+        return shard.record(digest, numels), out.getbuffer()  # the stream's own buffer: no copy of it
 
     return run_parallel(serialize, range(len(ranks)), max_workers)
 

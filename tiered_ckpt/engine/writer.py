@@ -235,7 +235,7 @@ class Writer:
         never raised: the step is simply kept nowhere, and None is returned."""
         try:
             left_out = leave_out(self._coordinator, staged)
-            shards: dict[int, bytearray] = {}
+            shards: dict[int, memoryview] = {}
 
             def write() -> _Written:
                 written = serialize_shards(

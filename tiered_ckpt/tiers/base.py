@@ -80,7 +80,7 @@ class ShardSource:
 
     path: Path | None = None
     write: Callable[[BinaryIO], ShardDigest] | None = None
-    data: bytes | bytearray | None = None
+    data: bytes | bytearray | memoryview | None = None
 
     def __post_init__(self) -> None:
         if self.data is not None and self.write is None:

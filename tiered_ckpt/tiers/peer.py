@@ -269,9 +269,9 @@ class _mapped:
 
     def _read(self) -> np.ndarray:
         size, source = self._record.size_bytes, self._source
-        if source.data is not None:  # a send reads a writable buffer: bytes are copied once
+        if source.data is not None:  # a send reads a writable buffer: only bytes are copied, once
             data = source.data
-            return np.frombuffer(data if isinstance(data, bytearray) else bytearray(data), np.uint8)
+            return np.frombuffer(bytearray(data) if isinstance(data, bytes) else data, np.uint8)
         if source.path is not None and size:
             with open(Path(source.path), "rb") as file:
                 mapped = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_COPY)

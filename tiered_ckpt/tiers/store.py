@@ -195,7 +195,7 @@ class TieredStore:
         tier: Tier,
         *,
         deadline: float | None = None,
-        data: bytearray | None = None,
+        data: memoryview | None = None,
     ) -> None:
         """Land the first tier's copy of ``record``'s shard in ``tier`` (a replicator's put), or
         ``data``, the shard's bytes, for a step the first tier does not hold (one kept in memory
@@ -210,8 +210,8 @@ class TieredStore:
         if tier is None or tier is self.local:
             raise UsageError("downloading a shard needs a tier after the first (remote.url)")
 
-        def land(source: BinaryIO) -> None:
-            self.local.land_shard(step, record, ShardSource(write=lambda out: copy_and_hash(source, out)))
+        def land(source: BinaryIO) -> None:  # through the page cache: the read that follows finds it there
+            self.local.land_shard(step, record, ShardSource(write=lambda out: copy_and_hash(source, out)), cached=True)
 
         tier.open_shard(step, record, land)
 

@@ -41,6 +41,7 @@ __all__ = [
     "dtype_code",
     "write_shard",
     "read_shard_file",
+    "read_shard_buffer",
     "ShardContents",
     "ShardHeader",
     "read_header",
@@ -391,20 +392,49 @@ def read_shard_file(
     bytes then fail to verify, the arrays in ``into`` hold unspecified values.
     """
     check_verify(verify)
-    hasher = Hasher(verify)
     size = os.fstat(source.fileno()).st_size
     with read_blocks(source.fileno(), size) as blocks:
-        stream = HashedStream(blocks, hasher)
-        try:
-            _start, entries, metadata = _parse_prefix(stream, size)
-        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-            # A broken header is usually a corrupted file: hash the rest to tell which.
-            stream.hash_rest()
-            check(hasher.digest())
-            raise ShardFormatError(f"{what}: bytes verify but are not a valid shard: {exc}") from exc
-        targets = _targets(entries, into, what)
-        for entry in entries:
-            stream.copy_into(targets[entry.name].reshape(-1).view(np.uint8))
+        return _read(blocks, size, check, verify, what, into)
+
+
+def read_shard_buffer(
+    data: memoryview,
+    *,
+    check: Callable[[ShardDigest], None],
+    verify: Verify = "full",
+    what: str,
+    into: Mapping[str, np.ndarray] | None = None,
+) -> ShardContents:
+    """:func:`read_shard_file` of a shard's bytes already in memory (a copy a partner sent):
+    the same checks, each byte hashed once while it is copied into its array."""
+    check_verify(verify)
+    blocks = (data[offset : offset + _MEMORY_BLOCK] for offset in range(0, len(data), _MEMORY_BLOCK))
+    return _read(blocks, len(data), check, verify, what, into)
+
+
+_MEMORY_BLOCK = 4 << 20  # pieces hashed while in the CPU's cache, as read_blocks's blocks are
+
+
+def _read(
+    blocks: Iterator[memoryview],
+    size: int,
+    check: Callable[[ShardDigest], None],
+    verify: Verify,
+    what: str,
+    into: Mapping[str, np.ndarray] | None,
+) -> ShardContents:
+    hasher = Hasher(verify)
+    stream = HashedStream(blocks, hasher)
+    try:
+        _start, entries, metadata = _parse_prefix(stream, size)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        # A broken header is usually a corrupted file: hash the rest to tell which.
+        stream.hash_rest()
+        check(hasher.digest())
+        raise ShardFormatError(f"{what}: bytes verify but are not a valid shard: {exc}") from exc
+    targets = _targets(entries, into, what)
+    for entry in entries:
+        stream.copy_into(targets[entry.name].reshape(-1).view(np.uint8))
     check(hasher.digest())
     return ShardContents(dict(targets), metadata)
 

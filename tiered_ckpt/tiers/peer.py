@@ -136,6 +136,14 @@ class PeerTier:
                 f"{self.shard_location(step, record)}: no copy of rank {record.rank}'s shard reached this rank"
             ) from None
 
+    def copy_in_memory(self, step: int, record: ShardRecord) -> memoryview | None:
+        """The bytes of ``record``'s copy, if this rank has them in memory (fetched or held), not yet
+        verified: a reader may verify and parse them there rather than stream them (None: none)."""
+        try:
+            return self._copy(step, record).data
+        except IncompleteCheckpointError:
+            return None
+
     def open_shard(self, step: int, record: ShardRecord, consume: Callable[[BinaryIO], T]) -> T:
         """Stream the copy of ``record``'s shard that reached this rank (at most its size + 1 bytes)."""
         data = self._copy(step, record)

@@ -258,6 +258,7 @@ class TieredStore:
         elsewhere = {name for name, _holder in record.replicas}
         held = {name: array for name, array in into.items() if name not in elsewhere} if into is not None else None
         contents = read_shard_buffer(data, check=lambda d: record.verify(d, what), verify=verify, what=what, into=held)
+
         # These very bytes just matched the record: the landing writes them without hashing them again.
         def write(out: BinaryIO) -> ShardDigest:
             write_all(out, data)

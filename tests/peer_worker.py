@@ -85,7 +85,8 @@ def held_bytes(checkpoints: CheckpointManager) -> tuple[int, int]:
 
 def act(action: dict, rank: int, world_size: int, checkpoints: CheckpointManager, result: dict) -> None:
     if action["do"] == "save":
-        checkpoints.save(action["step"], rank_state(action["step"], world_size, rank), blocking=True)
+        handle = checkpoints.save(action["step"], rank_state(action["step"], world_size, rank), blocking=True)
+        result.setdefault("committed", []).append(handle.committed.result() is not None)
         checkpoints._parts.peer.wait()
         result.setdefault("peer_errors", []).append(checkpoints._parts.peer.last_error)
     elif action["do"] == "wait":

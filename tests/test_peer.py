@@ -206,17 +206,19 @@ def test_a_copy_changed_on_its_way_is_not_kept_and_the_save_goes_on(tmp_path, co
 def test_a_partner_that_hangs_during_a_copy_is_given_up_by_every_rank_and_saves_go_on(tmp_path):
     actions = [
         {"do": "hang_on_copy", "rank": 2, "seconds": 6},
-        {"do": "save", "step": 1},
-        {"do": "save", "step": 2},
+        {"do": "save", "step": 1},  # kept in memory only: its copy fails, the partner is given up
+        {"do": "save", "step": 2},  # on disk; no copy tried
+        {"do": "save", "step": 3},  # kept in memory only, by a tier given up: in no tier, at once
         {"do": "report"},
     ]
-    results = run_job(tmp_path, actions, peer_timeout=2)
+    results = run_job(tmp_path, actions, peer_timeout=2, local_every=2)
     for result in results.values():
         assert "error" not in result and "close_error" not in result, result
-        first, second = result["peer_errors"]
-        assert "step 1" in first[1] and second == first  # step 2 was not even tried
+        assert result["committed"] == [False, True, False]
+        first, second, third = result["peer_errors"]
+        assert "step 1" in first[1] and second == third == first  # steps 2 and 3 were not even tried
         assert "copy to the peer tier of step 1 failed" in result["lag"]["peer_off"], result["lag"]  # off for good
-        assert result["lag"]["newest_local"] == 2 and result["lag"]["newest_peer"] is None
+        assert result["lag"]["newest_local"] == 2 and result["lag"]["newest_peer"] is None  # step 1 was not kept
 
 
 def test_a_holder_of_several_ranks_keeps_each_of_their_copies(tmp_path):

@@ -221,7 +221,7 @@ class CheckpointManager:
 
     def should_save(self, step: int) -> bool:
         """Whether :meth:`save` of ``step`` saves it: a tier's cadence takes it (``local.every``, or
-        ``peer.every`` while the peer tier is on), or a preemption notice stopped at it. A save of
+        ``peer.every`` if the peer tier opened), or a preemption notice stopped at it. A save of
         another step returns at once (``committed`` holds None) and raises nothing, not even a
         background error: the next save that saves raises it, on every rank together."""
         return self._parts.should_save(step)

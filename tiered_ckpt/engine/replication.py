@@ -166,8 +166,9 @@ class Replicator:
         return resumed
 
     def takes(self, step: int) -> bool:
-        """Whether ``step`` goes to the target: the policy's ``every``, unless the target was given up."""
-        return step % self._options.every == 0 and self.given_up is None
+        """Whether ``step`` goes to the target by the policy's ``every`` (the same on every process,
+        whatever each has seen: a step submitted after the target was given up is settled at once)."""
+        return step % self._options.every == 0
 
     def submit(self, step: int, *, bounded: bool = True, held: HeldStep | None = None) -> None:
         """Queue ``step`` (committed locally, or ``held`` in memory) for upload; see the module doc

@@ -246,6 +246,8 @@ class Writer:
                 return _Written(tuple(record.to_dict() for record, _data in written), time.time())
 
             manifest = self._records(step, gather(self._coordinator, "write", _Written, write), keys)
+            if not to:  # the tier that would keep it is off: nothing else keeps it either
+                return None
             outcomes = [replicator.outcome(step) for replicator in to]
             for replicator in to:
                 replicator.submit(step, held=HeldStep(manifest, shards))

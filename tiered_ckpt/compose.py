@@ -10,7 +10,7 @@
    which resumes what an earlier run left waiting for upload, and the peer tier's
    replicator (a partner node's memory: partners chosen, links built, both collectives);
 4. the preemption notice (its signal handlers) and its watch;
-5. the writer, which hands each committed step to the uploader.
+5. the writer, which hands each step to the replicators whose cadence takes it.
 
 :meth:`Parts.close` undoes them in reverse order: the writer finishes its queued write,
 the handlers are put back, the uploads finish (each until committed or past its
@@ -337,6 +337,6 @@ def open_parts(options: Options, coordinator: Coordinator) -> Parts:
         cpus=options.runtime.writer_cpus,
         local_every=options.local.every,
     )
-    stack.enter_context(closing(writer))  # closed first: the last write reaches the uploader before it finishes
+    stack.enter_context(closing(writer))  # closed first: the last write reaches the replicators before they finish
     restorer = Restorer(store, coordinator, world_size, max_workers, peer=peer_tier)
     return Parts(store, errors, restorer, writer, uploader, peer, preemption, stack, options, one_process, max_workers)

@@ -20,16 +20,12 @@ its own shard for the copy (until "uncorrupt_copy"); {"do": "restore_if_any"} re
 step restored, or None.
 """
 
-import json
 import os
 import signal
-import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
-import torch.distributed as dist
-from rank_worker import digests, rank_state
+from rank_worker import digests, rank_state, serve
 
 from tiered_ckpt import (
     CheckpointError,
@@ -164,20 +160,7 @@ def act(action: dict, rank: int, world_size: int, checkpoints: CheckpointManager
 
 
 def main() -> None:
-    config = json.loads(Path(sys.argv[1]).read_text())
-    rank = int(sys.argv[2])
-    timeout = timedelta(seconds=config.get("timeout_seconds", 60))
-    dist.init_process_group(
-        "gloo", init_method=f"file://{config['store']}", rank=rank, world_size=config["world_size"], timeout=timeout
-    )
-    result: dict = {"rank": rank}
-    try:
-        run(config, TorchDistributedCoordinator(timeout=timeout), result)
-    except CheckpointError as exc:
-        result["error"] = [type(exc).__name__, str(exc)]
-    (Path(config["results"]) / f"rank-{rank}.json").write_text(json.dumps(result))
-    sys.stdout.flush()
-    os._exit(0)  # not destroy_process_group(): after a peer was killed it can wait for that peer
+    serve(run)
 
 
 if __name__ == "__main__":

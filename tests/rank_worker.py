@@ -212,6 +212,12 @@ def _fail_on_rank(rank: int, failing: int, error: Exception | None = None) -> _R
 
 
 def main() -> None:
+    serve(run)
+
+
+def serve(run_job) -> None:
+    """Join the job this process's command line names, ``run_job(config, coordinator, result)``
+    on its coordinator, and write the result where the config says."""
     config = json.loads(Path(sys.argv[1]).read_text())
     rank = int(sys.argv[2])
     timeout = timedelta(seconds=config.get("timeout_seconds", 60))
@@ -223,7 +229,7 @@ def main() -> None:
     group = dist.new_group(members) if members else None  # every rank of the job creates it
     try:
         if members is None or rank in members:
-            run(config, TorchDistributedCoordinator(group, timeout=timeout), result)
+            run_job(config, TorchDistributedCoordinator(group, timeout=timeout), result)
     except CheckpointError as exc:
         result["error"] = [type(exc).__name__, str(exc)]
     (Path(config["results"]) / f"rank-{rank}.json").write_text(json.dumps(result))

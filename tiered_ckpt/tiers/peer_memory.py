@@ -26,7 +26,9 @@ hashed again by whoever uses it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import logging
 import mmap
 import os
@@ -287,7 +289,7 @@ def _map(path: Path, size: int, *, private: bool) -> np.ndarray:
 
 
 def _slot_json(slot: Slot) -> bytes:
-    return f'{{"step": {slot.step}, "rank": {slot.rank}, "size": {slot.size}, "sha256": "{slot.sha256}"}}'.encode()
+    return json.dumps(dataclasses.asdict(slot)).encode()
 
 
 def _write_small(path: Path, data: bytes) -> None:

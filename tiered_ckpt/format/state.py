@@ -51,7 +51,7 @@ from tiered_ckpt.io.hashing import ShardDigest
 from tiered_ckpt.torch.dtensor import is_dtensor, local_chunk
 from tiered_ckpt.torch.tensors import float_pairs, is_tensor, to_numpy
 
-__all__ = ["State", "ChunkOf", "FlatState", "flatten", "flatten_into", "sharded_names"]
+__all__ = ["State", "ChunkOf", "FlatState", "flatten", "flatten_into", "own_targets", "sharded_names"]
 
 State = Mapping[Any, Any]
 """A rank's state: a dict of arrays, tensors, scalars and nested dicts, lists and tuples."""
@@ -329,6 +329,17 @@ class FlatState:
         are not in the state returned. Raises :class:`ShardFormatError` naming ``what`` if
         the document is not valid."""
         return cls(contents.arrays, structure_of(contents.metadata, contents.arrays, what, elsewhere))
+
+
+def own_targets(
+    replicas: Iterable[tuple[str, int]], into: Mapping[str, np.ndarray] | None
+) -> tuple[frozenset[str], dict[str, np.ndarray] | None]:
+    """The names of the arrays a shard leaves to other ranks' shards (its record's ``replicas``),
+    and of the caller's arrays ``into`` (None: none) those the shard itself fills."""
+    elsewhere = frozenset(name for name, _holder in replicas)
+    return elsewhere, {
+        name: array for name, array in into.items() if name not in elsewhere
+    } if into is not None else None
 
 
 def flatten(state: Any, owner: str = "state", *, into: bool = False) -> FlatState:

@@ -44,7 +44,7 @@ from tiered_ckpt.format.layout import (
 )
 from tiered_ckpt.format.manifest import MAX_MANIFEST_BYTES, RemoteManifest, ShardManifest, ShardRecord
 from tiered_ckpt.format.shardfile import read_shard_file
-from tiered_ckpt.format.state import FlatState
+from tiered_ckpt.format.state import FlatState, own_targets
 from tiered_ckpt.io.durable import atomic_write, fsync_directory, write_bytes
 from tiered_ckpt.io.files import directory_lock, open_regular, read_small, remove_temp_files
 from tiered_ckpt.io.hashing import ShardDigest, Verify, check_verify, copy_and_hash, hash_stream, read_hashing
@@ -277,8 +277,7 @@ class LocalTier:
         "full" or "fast".
         """
         check_verify(verify)
-        elsewhere = {name for name, _holder in record.replicas}
-        held = {name: array for name, array in into.items() if name not in elsewhere} if into is not None else None
+        elsewhere, held = own_targets(record.replicas, into)
         with self._open_recorded(step, record) as (source, what), _read_errors(what):
             contents = read_shard_file(
                 source, check=lambda digest: record.verify(digest, what), verify=verify, what=what, into=held

@@ -45,7 +45,7 @@ from tiered_ckpt.errors import (
 )
 from tiered_ckpt.format.manifest import RemoteManifest, ShardManifest, ShardRecord
 from tiered_ckpt.format.shardfile import read_header, read_shard_buffer
-from tiered_ckpt.format.state import FlatState
+from tiered_ckpt.format.state import FlatState, own_targets
 from tiered_ckpt.format.structure import structure_of
 from tiered_ckpt.io.durable import write_all
 from tiered_ckpt.io.hashing import ShardDigest, Verify, copy_and_hash
@@ -255,8 +255,7 @@ class TieredStore:
         what = f"rank {record.rank} shard {tier.shard_location(step, record)}"
         if len(data) != record.size_bytes:
             raise IncompleteCheckpointError(f"{what}: {len(data)} bytes, the manifest records {record.size_bytes}")
-        elsewhere = {name for name, _holder in record.replicas}
-        held = {name: array for name, array in into.items() if name not in elsewhere} if into is not None else None
+        elsewhere, held = own_targets(record.replicas, into)
         contents = read_shard_buffer(data, check=lambda d: record.verify(d, what), verify=verify, what=what, into=held)
 
         # These very bytes just matched the record: the landing writes them without hashing them again.

@@ -14,7 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tiered_ckpt import CheckpointExistsError, CheckpointManager, RemoteOptions, RuntimeOptions, UploadError, UsageError
+from tiered_ckpt import (
+    CheckpointExistsError,
+    CheckpointManager,
+    RemoteOptions,
+    RuntimeOptions,
+    UploadError,
+    UploadOptions,
+    UsageError,
+)
 from tiered_ckpt.dist.coordination import SingleProcessCoordinator
 from tiered_ckpt.engine.preemption import Preemption, PreemptionNotice, PreemptionWatch
 
@@ -334,3 +342,37 @@ def test_reached_preemption_puts_the_newest_upload_first_and_drops_the_older_que
     # in order, step 2 would follow step 1; newest first, it is always passed over (3 or 4 is newer)
     assert 4 in committed and 2 not in committed, committed
     assert isinstance(handles[2].uploaded.exception(timeout=0), UploadError)  # passed over: stays local-only
+
+
+def test_a_stop_step_off_the_buckets_cadence_whose_upload_was_cut_off_is_resumed_by_the_next_start(
+    tmp_path, moto_endpoint, s3_url, usr1
+):
+    from conftest import FaultInjectingProxy, s3_storage_options
+    from tiered_ckpt.tiers.remote import RemoteTier
+
+    url, options = s3_url
+    state = {"weights": np.arange(64, dtype=np.float32)}
+    proxy = FaultInjectingProxy(moto_endpoint, failure_rate=1.0, methods=("PUT",))  # the bucket is down
+    cut_short = UploadOptions(max_tries=1, backoff_seconds=0.01, deadline_seconds=0.2)  # a grace period's end
+    try:
+        with CheckpointManager(
+            tmp_path,
+            world_size=1,
+            remote=RemoteOptions(url, storage_options=s3_storage_options(proxy.endpoint), every=10),
+            upload=cut_short,
+            runtime=RuntimeOptions(preemption_signals=[signal.SIGUSR1]),
+        ) as manager:
+            manager.save(10, state, blocking=True)
+            assert manager.save(11, state, blocking=True).uploaded is None  # off the bucket's cadence
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert manager.reached_preemption(13)
+            stop = manager.save(13, state, blocking=True)
+            assert isinstance(stop.uploaded.exception(), UploadError)  # the stop step is the bucket's too
+    finally:
+        proxy.close()
+    with CheckpointManager(
+        tmp_path, world_size=1, remote=RemoteOptions(url, storage_options=options, every=10)
+    ) as manager:
+        manager.wait(uploaded=True)
+        assert manager.steps() == [10, 11, 13]
+    assert RemoteTier(url, options).steps() == [10, 13]  # step 11 never goes; the stop step does, after a restart

@@ -8,7 +8,7 @@ from memory_tier import MemoryTier
 
 from tiered_ckpt import save_sharded
 from tiered_ckpt.format.layout import step_dir_name
-from tiered_ckpt.tiers import pruning
+from tiered_ckpt.tiers import pruning, step_records
 from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.remote import RemoteTier
@@ -83,6 +83,16 @@ def test_only_the_steps_of_the_buckets_cadence_wait_for_it(store):
     assert pruning.to_delete(store, store.local, {"remote": [3]}) == [1]  # a step queued anyway (a preemption's)
     upload(4)
     assert pruning.to_delete(store, store.local) == [1, 2, 3]
+
+
+def test_a_preemptions_stop_step_off_the_buckets_cadence_waits_for_it_after_a_restart_too(store):
+    store, _peer, _bucket, upload = store
+    store.retention = {"local": RetentionPolicy(keep_last=1, max_awaiting_upload=8, upload_every=2)}
+    step_records.write_every_tier(store.local.step_dir(3), 3)  # what the stop step's commit records
+    assert store.local.for_every_tier(3) and not store.local.for_every_tier(1)
+    assert pruning.to_delete(store, store.local) == [1]  # no queue names step 3 (a new process): still kept
+    upload(4)
+    assert pruning.to_delete(store, store.local) == [1, 2, 3]  # superseded in the bucket
 
 
 def test_every_queue_is_kept_and_a_steps_queue_for_a_memory_too(store):

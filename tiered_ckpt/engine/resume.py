@@ -62,7 +62,8 @@ def resume_steps(
     takes: Callable[[int], bool] = lambda step: True,
 ) -> tuple[int | None, list[int]]:
     """The newest step committed in ``target`` and the local steps to queue for it, of those its
-    cadence ``takes`` (see the module doc)."""
+    cadence ``takes`` and those committed for every tier (a preemption's stop step; see the
+    module doc)."""
     listing = leader_decides(
         coordinator, "resume: list", _Listing, lambda: _clean_and_list(store, target, lease, clock)
     )
@@ -117,6 +118,6 @@ def _resumable(
             if remote.manifest.shards == store.local.manifest(step).shards:
                 store.record_commit(step, target, remote)
                 continue
-        if (newest is None or step > newest) and takes(step):
+        if (newest is None or step > newest) and (takes(step) or store.local.for_every_tier(step)):
             resumed.append(step)
     return tuple(resumed if target.capabilities.durable else resumed[-1:])

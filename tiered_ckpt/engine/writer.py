@@ -39,6 +39,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather
@@ -193,7 +194,7 @@ class Writer:
         staged = [dataclasses.replace(state, arrays=arrays) for arrays, state in zip(buffers, states, strict=True)]
         committed: Future[ShardManifest | None] = ReportedFuture(self._errors)
         uploaded = next((each.outcome(step) for each in replicators if each.target is self._store.remote), None)
-        write = self._write if to_disk else self._write_to_memory
+        write = partial(self._write, every_tier=every_tier) if to_disk else self._write_to_memory
         self._writer.submit(write, step, staged, keys, numels, replicators).add_done_callback(
             lambda done: _copy_outcome(done, committed)
         )
@@ -264,9 +265,11 @@ class Writer:
         return manifest
 
     def _write(
-        self, step: int, staged: list[FlatState], keys: tuple[str, ...], numels: list[int], to: list[Replicator]
-    ) -> ShardManifest:
-        """Writer thread: write this process's shards, commit once every rank's are durable, queue the upload."""
+        self, step: int, staged: list[FlatState], keys: tuple[str, ...], numels: list[int], to: list[Replicator],
+        *, every_tier: bool = False,
+    ) -> ShardManifest:  # fmt: skip
+        """Writer thread: write this process's shards, commit once every rank's are durable, queue
+        the upload. ``every_tier`` is recorded with the commit: a restart still owes it to every tier."""
         local = self._store.local
         committed_here = False
         try:
@@ -289,7 +292,7 @@ class Writer:
             def commit() -> None:
                 nonlocal committed_here
                 # other ranks' shards are on their nodes; with them, the commit is not agreed yet
-                local.commit(manifest, held=self._ranks, agreed=one_process)
+                local.commit(manifest, held=self._ranks, agreed=one_process, every_tier=every_tier)
                 committed_here = True
 
             gather(self._coordinator, "commit", Done, Attempt.run(commit).done)

@@ -29,6 +29,7 @@ __all__ = [
     "MANIFEST_NAME",
     "HELD_NAME",
     "AGREEMENT_NAME",
+    "EVERY_TIER_NAME",
     "RECEIPT_NAME",
     "LATEST_NAME",
     "OWNERS_DIR",
@@ -45,6 +46,7 @@ __all__ = [
 MANIFEST_NAME = "manifest.json"
 HELD_NAME = "held-shards.json"
 AGREEMENT_NAME = "commit-agreement.json"
+EVERY_TIER_NAME = "every-tier.json"
 RECEIPT_NAME = "remote-commit.json"
 LATEST_NAME = "latest"
 OWNERS_DIR = "owners"

@@ -14,7 +14,6 @@ the ranks whose shards it holds, whether the ranks agreed the commit, a later ti
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -26,7 +25,6 @@ from typing import BinaryIO, TypeVar
 import numpy as np
 
 from tiered_ckpt.errors import (
-    CheckpointError,
     ChecksumMismatchError,
     DirectoryInUseError,
     IncompleteCheckpointError,
@@ -34,10 +32,7 @@ from tiered_ckpt.errors import (
     UsageError,
 )
 from tiered_ckpt.format.layout import (
-    AGREEMENT_NAME,
-    HELD_NAME,
     MANIFEST_NAME,
-    RECEIPT_NAME,
     is_shard_name,
     parse_step_dir_name,
     step_dir_name,
@@ -48,6 +43,7 @@ from tiered_ckpt.format.state import FlatState, own_targets
 from tiered_ckpt.io.durable import atomic_write, fsync_directory, write_bytes
 from tiered_ckpt.io.files import directory_lock, open_regular, read_small, remove_temp_files
 from tiered_ckpt.io.hashing import ShardDigest, Verify, check_verify, copy_and_hash, hash_stream, read_hashing
+from tiered_ckpt.tiers import step_records
 from tiered_ckpt.tiers.base import Capabilities, ShardSource
 
 __all__ = ["LocalTier"]
@@ -87,14 +83,6 @@ def _read_manifest(directory: Path) -> ShardManifest:
             ) from None
         raise ManifestError(str(exc)) from None
     return ShardManifest.from_json(data, source=str(path))
-
-
-def _read_record(path: Path) -> object:
-    """The JSON document of one of the tier's own records, or None if it is missing or unreadable."""
-    try:
-        return json.loads(read_small(path, MAX_MANIFEST_BYTES))
-    except (CheckpointError, OSError, ValueError):
-        return None
 
 
 @contextmanager
@@ -332,31 +320,21 @@ class LocalTier:
         Every rank unless a multi-process save recorded fewer. A record that does not
         validate against ``manifest`` raises :class:`ManifestError` naming the file.
         """
-        path = self.step_dir(step) / HELD_NAME
-        if not os.path.lexists(path):
-            return list(range(manifest.world_size))
-        try:
-            document = json.loads(read_small(path, MAX_MANIFEST_BYTES))
-        except (IncompleteCheckpointError, OSError, ValueError) as exc:
-            raise ManifestError(f"{path}: not a readable JSON record of held shards: {exc}") from exc
-        ranks = document.get("ranks") if isinstance(document, dict) and set(document) == {"ranks"} else None
-        world = range(manifest.world_size)
-        if not (isinstance(ranks, list) and all(type(rank) is int and rank in world for rank in ranks)):
-            raise ManifestError(f'{path}: expected {{"ranks": [ranks below {manifest.world_size}]}}, got {document!r}')
-        return sorted(set(ranks))
+        return step_records.held_ranks(self.step_dir(step), manifest.world_size)
 
     def agreement(self, step: int) -> bool | None:
         """Whether the commit of ``step`` was agreed by every rank (see :meth:`commit`); None if no
         valid record says (a step saved before these records existed, or a damaged record)."""
-        document = _read_record(self.step_dir(step) / AGREEMENT_NAME)
-        if not isinstance(document, dict) or document.get("step") != step or type(document.get("agreed")) is not bool:
-            return None
-        return bool(document["agreed"])
+        return step_records.agreement(self.step_dir(step), step)
+
+    def for_every_tier(self, step: int) -> bool:
+        """True if ``step`` was committed for every tier whatever its cadence (a preemption's
+        stop step, see :meth:`commit`): a replicator resumed after a restart still owes it."""
+        return step_records.for_every_tier(self.step_dir(step), step)
 
     def has_receipt(self, step: int, url: str) -> bool:
         """True if ``step`` has a receipt of its commit at ``url`` (:meth:`write_receipt`)."""
-        document = _read_record(self.step_dir(step) / RECEIPT_NAME)
-        return isinstance(document, dict) and document.get("url") == url
+        return step_records.has_receipt(self.step_dir(step), url)
 
     # -- writing (under the lock) ---------------------------------------------------------
 
@@ -398,12 +376,13 @@ class LocalTier:
 
     def commit(
         self, manifest: ShardManifest, *, deadline: float | None = None, held: Collection[int] | None = None,
-        agreed: bool | None = True,
+        agreed: bool | None = True, every_tier: bool = False,
     ) -> None:  # fmt: skip
         """Commit ``manifest``'s step: its shards (``held`` or all) must have landed here already.
 
         The step directory is fsynced first (every name landed in it is durable before the
-        manifest is), then the records of held ranks and agreement, then the manifest.
+        manifest is), then the records of held ranks, agreement and ``every_tier`` (the step
+        goes to every tier, whatever their cadence: :meth:`for_every_tier`), then the manifest.
         ``agreed=False``: every rank is not yet known to have committed it (a multi-process save
         before its agreement, which :meth:`mark_agreed` records): a step no rank marked agreed is
         a save cut short, not a lost disk. None: no record (one process saved every rank).
@@ -414,34 +393,25 @@ class LocalTier:
         fsync_directory(directory)
         self.record_held(manifest.step, manifest, range(manifest.world_size) if held is None else held)
         if agreed is not None:
-            self._record_agreement(manifest.step, agreed)
+            step_records.write_agreement(directory, manifest.step, agreed)
+        if every_tier:
+            step_records.write_every_tier(directory, manifest.step)
         _write_manifest(directory, manifest)
-
-    def _record_agreement(self, step: int, agreed: bool) -> None:
-        write_bytes(self.step_dir(step) / AGREEMENT_NAME, json.dumps({"step": step, "agreed": agreed}).encode())
 
     def mark_agreed(self, step: int) -> None:
         """Record that every rank committed ``step`` (see :meth:`commit`)."""
         self.check_locked()
-        self._record_agreement(step, True)
+        step_records.write_agreement(self.step_dir(step), step, True)
 
     def record_held(self, step: int, manifest: ShardManifest, ranks: Collection[int]) -> None:
         """Durably record that ``step`` holds the shards of ``ranks`` here (every rank: no record)."""
         self.check_locked()
-        directory = self.step_dir(step)
-        path = directory / HELD_NAME
-        if set(ranks) >= set(range(manifest.world_size)):
-            if path.exists():
-                path.unlink()
-                fsync_directory(directory)
-            return
-        write_bytes(path, json.dumps({"ranks": sorted(set(ranks))}).encode())
+        step_records.write_held(self.step_dir(step), ranks, manifest.world_size)
 
     def write_receipt(self, step: int, url: str, remote: RemoteManifest) -> None:
         """Record in ``step``'s directory that the step is committed at ``url``."""
         self.check_locked()
-        data = json.dumps({"url": url, "step": remote.manifest.step, "committed_at": remote.committed_at}).encode()
-        write_bytes(self.step_dir(step) / RECEIPT_NAME, data)
+        step_records.write_receipt(self.step_dir(step), url, remote.manifest.step, remote.committed_at)
 
     def delete_step(self, step: int) -> None:
         """Delete ``step``: first make it invisible (its manifest, durably), then its files; a
@@ -460,9 +430,8 @@ class LocalTier:
             manifest.unlink()
             fsync_directory(directory)
         if self._single:
-            records = {HELD_NAME, AGREEMENT_NAME, RECEIPT_NAME}
             for entry in os.scandir(directory):
-                if entry.name in records or is_shard_name(entry.name):
+                if entry.name in step_records.RECORD_NAMES or is_shard_name(entry.name):
                     Path(entry.path).unlink(missing_ok=True)
             remove_temp_files(directory)
             fsync_directory(directory)

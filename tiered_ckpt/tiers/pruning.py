@@ -54,6 +54,11 @@ def _newest_complete(
     return floor
 
 
+def _owed(store: TieredStore, step: int, upload_every: int) -> bool:
+    """Whether the bucket takes local ``step``: its cadence does, or every tier does (a preemption's)."""
+    return step % upload_every == 0 or store.local.for_every_tier(step)
+
+
 def _plan(
     store: TieredStore, tier: Tier, pending: Pending, complete: int | None, *, assume_complete: bool = False
 ) -> tuple[list[int], set[int]]:
@@ -69,7 +74,7 @@ def _plan(
     waited: set[int] = set()
     if store.remote is not None:
         queued = pending.get(store.remote.name, ())
-        uploaded = [step for step in steps if step % policy.upload_every == 0 or step in queued]  # its cadence
+        uploaded = [step for step in steps if _owed(store, step, policy.upload_every) or step in queued]
         kept |= protected(uploaded, receipted, queued, policy.max_awaiting_upload)
         waited = awaiting(uploaded, receipted, queued)
     return policy.to_delete(retainable(steps, newest), kept), waited

@@ -32,7 +32,8 @@ class RetentionPolicy:
     The newest step is always kept, and so is every step the caller protects.
     ``max_awaiting_upload`` (local tier) bounds how many steps still waiting for their
     upload are protected beyond that (the newest ones; None: all of them); only the steps
-    divisible by ``upload_every`` (the bucket's cadence) ever wait for an upload.
+    divisible by ``upload_every`` (the bucket's cadence) and a preemption's stop step ever
+    wait for an upload.
     """
 
     keep_last: int | None = None

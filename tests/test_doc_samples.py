@@ -28,6 +28,7 @@ MARKERS = {
     "two_tier": ("guides/remote-tier.md", "keep_last=10, keep_every=1000"),
     "lag": ("guides/remote-tier.md", "lag = manager.lag()\nif lag.steps_behind"),
     "use": ("guides/saving-and-restoring.md", "def training_state(step):"),
+    "partial": ("guides/saving-and-restoring.md", 'manager.restore(paths=["model"])'),
     "peer": ("guides/peer-tier.md", "peer=PeerOptions(every=10"),
 }
 
@@ -153,6 +154,14 @@ def test_the_saving_guide_trains_saves_to_the_bucket_and_resumes(tmp_path, bucke
         outputs.append(result.stdout)
     assert "restored None" in outputs[0] and "restored 400" in outputs[1]
     assert committed(server) == [200, 400]
+
+
+def test_the_partial_restore_sample_restores_the_model_alone(tmp_path, bucket):
+    _server, env = bucket
+    path = script(tmp_path, "partial", "", sample("partial"), 'print("model", sorted(model_only["model"]))')
+    result = run(path, env, tmp_path)
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert "model ['layers', 'w']" in result.stdout
 
 
 PEER_PRELUDE = """

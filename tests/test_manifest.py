@@ -133,7 +133,22 @@ VIOLATIONS = {
     "path empty": (mutate("shards.1.path", ""), "shards[rank 1].path"),
     "path is the manifest": (mutate("shards.1.path", "manifest.json"), "shards[rank 1].path"),
     "path used twice": (mutate("shards.1.path", "rank-00000-of-00004.safetensors"), "shards[rank 1].path"),
+    "array digests not hex": (mutate("shards.1.array_xxh3_64", "z" * 16), "shards[1].array_xxh3_64"),
+    "array digests cut short": (mutate("shards.1.array_xxh3_64", "a" * 15), "shards[1].array_xxh3_64"),
+    "array digests not a string": (mutate("shards.1.array_xxh3_64", ["a" * 16]), "shards[1].array_xxh3_64"),
+    "array digests without a header": (mutate("shards.1.array_xxh3_64", "a" * 16), "shards[1].array_xxh3_64"),
 }
+
+
+def test_per_array_digests_read_back_and_name_the_arrays_of_the_verified_header():
+    document = copy.deepcopy(valid_document())
+    document["shards"][1] |= {"header_bytes": 80, "header_sha256": "b" * 64, "array_xxh3_64": "1" * 16 + "2" * 16}
+    record = parse(document).shard(1)
+    assert ShardManifest.from_json(parse(document).to_json()).shard(1) == record
+    assert record.array_digests(["w", "b"]) == {"b": "1" * 16, "w": "2" * 16}  # in the names' sorted order
+    with pytest.raises(ManifestError, match="'array_xxh3_64' holds 2 digests for a shard of 3 arrays"):
+        record.array_digests(["w", "b", "c"])
+    assert parse(valid_document()).shard(1).array_digests(["w"]) == {}
 
 
 @pytest.mark.parametrize("name", sorted(VIOLATIONS))

@@ -9,8 +9,10 @@ from conftest import flip_byte
 from tiered_ckpt import (
     CheckpointManager,
     ChecksumMismatchError,
+    InvalidStateError,
     RemoteOptions,
     RuntimeOptions,
+    ShardFormatError,
     UsageError,
     WorldSizeMismatchError,
 )
@@ -90,3 +92,94 @@ def test_a_step_only_the_bucket_holds_refills_the_local_tier_and_a_failed_refill
     with pytest.raises(ChecksumMismatchError, match="^restore of step 3: "):
         ShardReader(saved, range(2), 2).load(3, True, 2, False, "full", None)
     assert not step_dir.exists() and saved.local.steps() == []
+
+
+# -- partial restore: only the arrays under the paths asked for are read, each verified -----
+
+
+def nested(rank: int) -> dict:
+    return {
+        "model": {"w": np.arange(4096, dtype=np.float32) + rank, "b": np.full(16, rank, np.float64), "version": 2},
+        "optim": {"state": {0: {"exp_avg": np.full(3 * 4096, 0.5 + rank, np.float32)}}, "lr": 0.1},
+        "step": 7,
+    }
+
+
+def where_in_shard(tier: LocalTier, step: int, rank: int, name: str) -> tuple[str, int]:
+    """The shard file of ``rank`` and the offset of ``name``'s first byte in it."""
+    from tiered_ckpt.format.shardfile import read_header
+
+    record = tier.manifest(step).shard(rank)
+    path = tier.shard_path(step, record)
+    header = read_header(path.read_bytes()[: record.header_bytes], record.size_bytes, str(path))
+    return str(path), header.arrays[name].begin
+
+
+def test_a_partial_restore_reads_only_the_arrays_asked_for_and_returns_them_nested_as_saved(tmp_path):
+    with CheckpointManager(tmp_path, world_size=2) as manager:
+        manager.save(5, [nested(0), nested(1)], blocking=True)
+        manifest = manager.locate(5)
+        # damage what the selection leaves out: a restore that read it would fail
+        path, offset = where_in_shard(manager._parts.store.local, 5, 1, "optim/state/#0/exp_avg")
+        flip_byte(tmp_path / step_dir_name(5) / path, offset + 100)
+        result = manager.restore(paths=["model"])
+        with pytest.raises(ChecksumMismatchError, match="rank 1"):
+            manager.restore()
+    for rank, state in enumerate(result.states):
+        assert set(state) == {"model"} and state["model"]["version"] == 2
+        np.testing.assert_array_equal(state["model"]["w"], nested(rank)["model"]["w"])
+        np.testing.assert_array_equal(state["model"]["b"], nested(rank)["model"]["b"])
+    headers = sum(record.header_bytes for record in manifest.shards)
+    assert result.bytes_read == headers + 2 * (4096 * 4 + 16 * 8) < manifest.total_bytes / 3
+
+
+def test_a_flipped_byte_in_an_array_asked_for_is_caught_naming_the_array(tmp_path):
+    with CheckpointManager(tmp_path, world_size=2) as manager:
+        manager.save(5, [nested(0), nested(1)], blocking=True)
+        path, offset = where_in_shard(manager._parts.store.local, 5, 0, "model/w")
+        flip_byte(tmp_path / step_dir_name(5) / path, offset + 8)
+        with pytest.raises(ChecksumMismatchError, match=r"rank 0 shard .*'model/w'.* xxh3-64"):
+            manager.restore(paths=[("model", "w")])
+        assert manager.restore(paths=[("model", "b")]).states[0]["model"]["b"][0] == 0  # the rest still reads
+
+
+def test_a_partial_restore_from_the_bucket_reads_ranges_and_fills_into(tmp_path, s3_url):
+    url, options = s3_url
+    with CheckpointManager(tmp_path / "a", world_size=2, remote=RemoteOptions(url, storage_options=options)) as a:
+        a.save(5, [nested(0), nested(1)], blocking=True)
+        a.wait(uploaded=True)
+    shutil.rmtree(tmp_path / "a")  # a new node: only the bucket holds the step
+    into = [{"optim": {"state": {0: {"exp_avg": np.empty(3 * 4096, np.float32)}}}} for _ in range(2)]
+    with CheckpointManager(tmp_path / "b", world_size=2, remote=RemoteOptions(url, storage_options=options)) as b:
+        result = b.restore(paths=[("optim", "state")], into=into)
+        assert b.steps() == []  # parts of shards are not a local copy of the step
+    assert result.sources == {0: "remote", 1: "remote"}
+    for rank in range(2):
+        assert result.states[rank]["optim"]["state"][0]["exp_avg"] is into[rank]["optim"]["state"][0]["exp_avg"]
+        np.testing.assert_array_equal(into[rank]["optim"]["state"][0]["exp_avg"], np.full(3 * 4096, 0.5 + rank))
+
+
+def test_an_into_that_does_not_hold_the_selection_is_refused_naming_the_difference(tmp_path):
+    with CheckpointManager(tmp_path, world_size=1) as manager:
+        manager.save(5, nested(0), blocking=True)
+        with pytest.raises(InvalidStateError, match=r"into\[0\] does not hold the arrays .*'model/b'"):
+            manager.restore(paths=["model"], into={"model": {"w": np.empty(4096, np.float32)}})
+        with pytest.raises(UsageError, match="paths cannot be combined with reshard"):
+            manager.restore(paths=["model"], world_size=2, reshard=True)
+
+
+def test_a_step_whose_manifest_records_no_per_array_digests_says_to_restore_it_whole(tmp_path):
+    import json
+
+    from tiered_ckpt.format.layout import MANIFEST_NAME
+
+    with CheckpointManager(tmp_path, world_size=1) as manager:
+        manager.save(5, nested(0), blocking=True)
+    path = tmp_path / step_dir_name(5) / MANIFEST_NAME
+    document = json.loads(path.read_text())
+    assert len(document["shards"][0].pop("array_xxh3_64")) == 16 * 3  # one digest per array: w, b, exp_avg
+    path.write_text(json.dumps(document))  # as a step saved before the digests were recorded
+    with CheckpointManager(tmp_path, world_size=1) as manager:
+        with pytest.raises(ShardFormatError, match="no digest of its arrays: it can only be read whole"):
+            manager.restore(paths=["model"])
+        assert manager.restore().state["step"] == 7

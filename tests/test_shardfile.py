@@ -81,7 +81,7 @@ def test_digest_covers_every_byte_written_and_measures_the_header():
 def test_part_digests_hash_each_array_on_its_own():
     arrays = {"a": np.arange(10.0), "b": np.ones((2, 2), np.float16)}
     out = io.BytesIO()
-    digest = write_shard(out, arrays, part_digests=True)
+    digest = write_shard(out, arrays, part_digests="both")
     assert {name: (d.size_bytes, d.sha256, d.xxh3_64) for name, d in digest.arrays.items()} == {
         name: (array.nbytes, hashlib.sha256(array.tobytes()).hexdigest(), xxhash.xxh3_64(array.tobytes()).hexdigest())
         for name, array in arrays.items()

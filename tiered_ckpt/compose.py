@@ -36,6 +36,7 @@ from tiered_ckpt.engine.restore_result import RestoreResult
 from tiered_ckpt.engine.writer import Writer
 from tiered_ckpt.errors import DirectoryInUseError, ErrorBox, UploadError, UsageError, invalid_option, restated
 from tiered_ckpt.format.manifest import ShardManifest
+from tiered_ckpt.format.selection import Paths
 from tiered_ckpt.format.state import State
 from tiered_ckpt.io.hashing import Verify
 from tiered_ckpt.options import LocalOptions, Options, RemoteOptions
@@ -168,6 +169,7 @@ class Parts:
         verify: Verify,
         into: Sequence[State] | State | None,
         missing_ok: bool,
+        paths: Paths | None = None,
     ) -> RestoreResult | None:
         """The restorer's restore (arguments checked), after this process's checks, raised on every rank."""
         with self.raised_on_every_rank():
@@ -179,6 +181,7 @@ class Parts:
                 into=into,
                 missing_ok=missing_ok,
                 checked=Attempt.run(self.before_collective),
+                paths=paths,
             )
 
     def locate(self, step: int | None) -> ShardManifest:

@@ -35,6 +35,7 @@ from tiered_ckpt.engine.saving import check_save, not_saved
 from tiered_ckpt.engine.writer import SaveHandle
 from tiered_ckpt.errors import CheckpointError, ConfigError, UsageError
 from tiered_ckpt.format.manifest import ShardManifest
+from tiered_ckpt.format.selection import Paths
 from tiered_ckpt.format.state import State
 from tiered_ckpt.io.hashing import Verify
 from tiered_ckpt.options import (
@@ -304,27 +305,17 @@ class CheckpointManager:
 
     @overload
     def restore(
-        self,
-        step: int | None = None,
-        *,
-        world_size: int | None = None,
-        reshard: bool = False,
-        verify: Verify | None = None,
-        into: Sequence[State] | State | None = None,
-        missing_ok: Literal[False] = False,
-    ) -> RestoreResult: ...
+        self, step: int | None = None, *, world_size: int | None = None, reshard: bool = False,
+        verify: Verify | None = None, into: Sequence[State] | State | None = None,
+        missing_ok: Literal[False] = False, paths: Paths | None = None,
+    ) -> RestoreResult: ...  # fmt: skip
 
     @overload
     def restore(
-        self,
-        step: int | None = None,
-        *,
-        world_size: int | None = None,
-        reshard: bool = False,
-        verify: Verify | None = None,
-        into: Sequence[State] | State | None = None,
-        missing_ok: bool,
-    ) -> RestoreResult | None: ...
+        self, step: int | None = None, *, world_size: int | None = None, reshard: bool = False,
+        verify: Verify | None = None, into: Sequence[State] | State | None = None,
+        missing_ok: bool, paths: Paths | None = None,
+    ) -> RestoreResult | None: ...  # fmt: skip
 
     def restore(
         self,
@@ -335,6 +326,7 @@ class CheckpointManager:
         verify: Verify | None = None,
         into: Sequence[State] | State | None = None,
         missing_ok: bool = False,
+        paths: Paths | None = None,
     ) -> RestoreResult | None:
         """Load a committed step (default: the newest) with every shard verified.
 
@@ -344,11 +336,12 @@ class CheckpointManager:
         (default: the manager's ``verify``). ``into`` (a state of the same nesting) fills
         the caller's arrays and CPU tensors in place; with resharding only a state of
         DTensors, whose chunks are then filled from the saved chunks that overlap them,
-        each read in part and verified by its own sha256. A damaged step fails loudly
-        with the step, rank and file named; it never falls back to an older step by
-        itself. ``missing_ok=True``
-        returns None instead of raising when no tier (of no rank) holds any committed
-        step: a fresh start.
+        each read in part and verified by its own sha256. ``paths`` (top-level keys, tensor
+        names or key tuples) restores only what lies under them, reading only those arrays
+        (see ``docs/guides/saving-and-restoring.md``). A damaged step fails loudly with the
+        step, rank and file named; it never falls back to an older step by itself.
+        ``missing_ok=True`` returns None instead of raising when no tier (of no rank) holds
+        any committed step: a fresh start.
 
         With one process per rank every rank calls it and gets its own rank's state
         (:attr:`RestoreResult.state`); the step is the newest that every rank holds
@@ -358,8 +351,10 @@ class CheckpointManager:
         self._parts.writer.settle()
         verify = self.options.restore.verify if verify is None else verify
         target = self.world_size if world_size is None else world_size
-        check_restore_arguments(step, target, verify, into)
-        return self._parts.restore(step, target, reshard=reshard, verify=verify, into=into, missing_ok=missing_ok)
+        check_restore_arguments(step, target, verify, into, paths)
+        return self._parts.restore(
+            step, target, reshard=reshard, verify=verify, into=into, missing_ok=missing_ok, paths=paths
+        )
 
     def locate(self, step: int | None = None) -> ShardManifest:
         """The manifest of ``step`` (default: the newest step every rank can restore), agreed by

@@ -97,7 +97,7 @@ def save_sharded(
     keys, numels = resolve_sharded_keys(
         [sharding_summary(s.arrays) for s in flat], sharded_keys, flat=all(s.structure.flat for s in flat)
     )
-    check_manifest_fits([s.record_bytes() for s in flat], keys, step)
+    check_manifest_fits([s.record_bytes(len(flat)) for s in flat], keys, step)
     tier = LocalTier(directory, single_step=True)
     with tier.lock():
         if tier.is_committed(step):

@@ -42,6 +42,7 @@ from tiered_ckpt.engine.shard_reads import PendingRead, ShardReader
 from tiered_ckpt.engine.step_choice import StepChooser
 from tiered_ckpt.errors import CheckpointError, UsageError, restated
 from tiered_ckpt.format.manifest import ShardManifest
+from tiered_ckpt.format.selection import Paths, check_paths
 from tiered_ckpt.format.state import State
 from tiered_ckpt.io.hashing import Verify, check_verify
 from tiered_ckpt.tiers.peer import PeerTier
@@ -54,8 +55,10 @@ logger = logging.getLogger("tiered_ckpt")
 NOTHING_CHECKED: Attempt[None] = Attempt()  # a caller that ran no checks of its own
 
 
-def check_restore_arguments(step: Any, world_size: Any, verify: Any, into: Any) -> None:
+def check_restore_arguments(step: Any, world_size: Any, verify: Any, into: Any, paths: Any = None) -> None:
     """Raise :class:`UsageError` for arguments :meth:`CheckpointManager.restore` cannot take."""
+    if paths is not None:
+        check_paths(paths)
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise UsageError(f"restore: step must be None or an integer >= 0, got {step!r:.60}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -103,11 +106,16 @@ class Restorer:
         into: Sequence[State] | State | None,
         missing_ok: bool,
         checked: Attempt[None] = NOTHING_CHECKED,
+        paths: Paths | None = None,
     ) -> RestoreResult | None:
         """Run a restore (collective). ``checked`` is the caller's own checks, run before: if
-        they failed, their error is raised inside the first collective, so every rank raises."""
+        they failed, their error is raised inside the first collective, so every rank raises.
+        ``paths``: only the parts of the states under them (checked by the caller)."""
         started = time.monotonic()
-        arguments = json.dumps({"step": step, "world_size": world_size, "reshard": reshard}, sort_keys=True)
+        selected = None if paths is None else check_paths(paths)
+        arguments = json.dumps(
+            {"step": step, "world_size": world_size, "reshard": reshard, "paths": selected}, sort_keys=True
+        )
         agreed = self._chooser.agree(step, arguments, world_size, missing_ok, checked, reshard)
         self._chooser.drop_unfinished_saves(agreed)
         restored = agreed.choice.step
@@ -118,7 +126,9 @@ class Restorer:
         try:
             if self._peer is not None:
                 self._fetch_from_partners(self._peer, restored, in_remote)
-            loaded = Attempt.run(lambda: self._reader.load(restored, in_remote, world_size, reshard, verify, into))
+            loaded = Attempt.run(
+                lambda: self._reader.load(restored, in_remote, world_size, reshard, verify, into, selected)
+            )
         finally:
             if self._peer is not None:
                 self._peer.forget(restored)

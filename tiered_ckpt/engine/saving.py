@@ -71,10 +71,12 @@ def _flatten(step: int, states: Sequence[State] | State, ranks: Sequence[int]) -
     return tuple(flatten(state, f"rank {r}") for r, state in zip(ranks, given, strict=True))
 
 
-def _report(step: int, local: Sequence[FlatState], newest: int | None) -> SaveReport:
+def _report(step: int, local: Sequence[FlatState], newest: int | None, world_size: int) -> SaveReport:
     shapes = tuple(tuple((key, tuple(shape)) for key, shape in sharding_summary(s.arrays).items()) for s in local)
     flat = all(s.structure.flat for s in local)
-    return SaveReport(json.dumps({"step": step}), newest, shapes, flat, tuple(s.record_bytes() for s in local))
+    return SaveReport(
+        json.dumps({"step": step}), newest, shapes, flat, tuple(s.record_bytes(world_size) for s in local)
+    )
 
 
 def check_save(
@@ -100,7 +102,7 @@ def check_save(
     def mine() -> tuple[tuple[FlatState, ...], SaveReport]:
         newest = checked.value
         local = _flatten(step, states, tuple(coordinator.local_ranks))
-        return local, _report(step, local, newest)
+        return local, _report(step, local, newest, coordinator.world_size)
 
     attempt = Attempt.run(mine)
     reports = gather(coordinator, "save", SaveReport, lambda: attempt.value[1])

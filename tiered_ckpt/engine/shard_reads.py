@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import numpy as np
 
@@ -34,6 +35,8 @@ from tiered_ckpt.dist.reshard import (
 from tiered_ckpt.engine.restore_result import RestoreResult
 from tiered_ckpt.errors import CheckpointError, IncompleteCheckpointError, InvalidStateError, UsageError, restated
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
+from tiered_ckpt.format.selection import select
+from tiered_ckpt.format.shardfile import into_difference
 from tiered_ckpt.format.state import FlatState, State, flatten_into
 from tiered_ckpt.format.validate import check_into, check_world_size
 from tiered_ckpt.io.hashing import Verify
@@ -116,9 +119,11 @@ class ShardReader:
         reshard: bool,
         verify: Verify,
         into: Sequence[State] | State | None,
+        paths: Sequence[str | tuple[str | int, ...]] | None = None,
     ) -> RestoreResult | PendingRead:
         """This process's part of a restore: its ranks' verified states (resharded when asked),
-        or, when their replicated arrays must come from other processes, all but those."""
+        or, when their replicated arrays must come from other processes, all but those;
+        with ``paths``, only the parts of the states under them (:meth:`_load_selected`)."""
         store = self._store
         in_local = step in store.local.steps()
         into_list = [into] if isinstance(into, Mapping) else into
@@ -131,6 +136,14 @@ class ShardReader:
             manifest, remote = store.manifests(step, in_local=in_local, in_remote=in_remote)
             if not reshard:
                 check_world_size(manifest, target, str(store.local.step_dir(step)))
+            if paths is not None:
+                if reshard or manifest.world_size != target:
+                    raise UsageError(
+                        "restore: paths cannot be combined with reshard=True (yet): restore on the saved world size"
+                    )
+                return self._completed_here(
+                    self._load_selected(step, manifest, in_remote, target, targets, verify, paths)
+                )
             if targets is not None and any(state.structure.chunks for state in targets):
                 return self._completed_here(self._load_chunks(step, manifest, in_remote, target, targets, verify))
             from_peers = self._from_peers(manifest, target)
@@ -314,6 +327,57 @@ class ShardReader:
             later=self._store.readable(in_remote),
             plans=tuple(plans),
             targets=tuple(targets),
+        )
+
+    def _load_selected(
+        self,
+        step: int,
+        manifest: ShardManifest,
+        in_remote: bool,
+        target: int,
+        targets: list[FlatState] | None,
+        verify: Verify,
+        paths: Sequence[str | tuple[str | int, ...]],
+    ) -> PendingRead:
+        """A partial restore: each of this process's ranks reads, of its shard, the header and
+        the arrays under ``paths`` (:func:`~tiered_ckpt.format.selection.select`), each verified
+        (:meth:`TieredStore.read_parts`), into ``targets``' arrays when given (a state of the
+        selection's nesting). The manifest handed on leaves out the replicated arrays outside
+        the selection, so that only those inside are put back (every rank of one job selects
+        the same names: their states share one nesting)."""
+        if targets is not None and len(targets) != len(self._ranks):
+            raise InvalidStateError(f"into holds {len(targets)} rank states, this process restores {len(self._ranks)}")
+        if not in_remote and not self._one_process:
+            self._check_on_this_node(manifest, list(self._ranks))
+
+        def read(index: int) -> tuple[FlatState, Source]:
+            record = manifest.shard(self._ranks[index])
+            cut = partial(select, paths=paths, what=f"rank {record.rank} shard {record.path}")
+            into = targets[index].arrays if targets is not None else None
+            return self._store.read_parts(
+                step, record, cut, later=self._store.readable(in_remote), into=into, verify=verify
+            )
+
+        fetched = run_parallel(read, range(len(self._ranks)), self._max_workers)
+        read_states = {rank: state for rank, (state, _source) in zip(self._ranks, fetched, strict=True)}
+        for index, target_state in enumerate(targets or ()):
+            selected = dict.fromkeys(read_states[self._ranks[index]].structure.kinds)
+            problem = into_difference(selected, target_state.arrays, "the selected paths")
+            if problem:
+                raise InvalidStateError(f"into[{index}] does not hold the arrays of the selected paths: {problem}")
+        chosen = set().union(*(state.structure.kinds for state in read_states.values()))
+        records = [replace(r, replicas=tuple(p for p in r.replicas if p[0] in chosen)) for r in manifest.shards]
+        cut_manifest = replace(manifest, shards=tuple(records), source=f"the manifest of step {step}")
+        return PendingRead(
+            step,
+            cut_manifest,
+            target,
+            read=read_states,
+            sources={rank: source for rank, (_state, source) in zip(self._ranks, fetched, strict=True)},
+            bytes_read=sum(_part_bytes(manifest.shard(rank), state) for rank, state in read_states.items()),
+            from_peers=self._from_peers(cut_manifest, target),
+            later=self._store.readable(in_remote),
+            into={rank: state.arrays for rank, state in zip(self._ranks, targets or (), strict=False)},
         )
 
     def _check_on_this_node(self, manifest: ShardManifest, ranks: list[int]) -> None:

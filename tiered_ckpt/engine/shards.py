@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import io
 from collections.abc import Mapping, Sequence
-from typing import BinaryIO
+from typing import BinaryIO, Literal
 
 from tiered_ckpt.dist.replicas import written
 from tiered_ckpt.format.layout import shard_name
-from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
+from tiered_ckpt.format.manifest import ShardManifest, ShardRecord, records_array_digests
 from tiered_ckpt.format.shardfile import write_shard
 from tiered_ckpt.format.state import FlatState
 from tiered_ckpt.io.hashing import ShardDigest
@@ -94,9 +94,11 @@ class _Shard:
             **self.state.metadata(),
         }
         self.chunked = bool(self.state.structure.chunks)  # a state of DTensors: each array readable alone
+        self.array_digests = not self.chunked and records_array_digests(len(self.state.arrays), world_size)
 
     def write(self, out: BinaryIO) -> ShardDigest:
-        return write_shard(out, self.state.arrays, self.metadata, part_digests=self.chunked)
+        parts: Literal["both", "xxh3"] | None = "both" if self.chunked else "xxh3" if self.array_digests else None
+        return write_shard(out, self.state.arrays, self.metadata, part_digests=parts)
 
     def record(self, digest: ShardDigest, numels: Sequence[int]) -> ShardRecord:
         return ShardRecord(
@@ -111,6 +113,9 @@ class _Shard:
             header_bytes=digest.header_bytes,
             header_sha256=digest.header_sha256,
             replicas=tuple(sorted(self.others.items())),
+            array_xxh3_64="".join(digest.arrays[name].xxh3_64 for name in sorted(digest.arrays))
+            if self.array_digests
+            else "",
         )
 
 

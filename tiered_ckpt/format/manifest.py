@@ -30,6 +30,7 @@ __all__ = [
     "RemoteManifest",
     "MAX_MANIFEST_BYTES",
     "record_bytes_bound",
+    "records_array_digests",
     "manifest_problem",
 ]
 
@@ -50,7 +51,11 @@ _CHUNK_BYTES = 260
 _DIM_BYTES = 90
 _MANIFEST_BYTES = 4096
 
+# Per-array xxh3-64s take 16 bytes per array: recorded only while all ranks' take at most
+# this much of a manifest, so a step that saved before still saves.
+_ARRAY_DIGESTS_BYTES = MAX_MANIFEST_BYTES // 4
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_ARRAY_XXH3 = re.compile(r"(?:[0-9a-f]{16})*")
 _XXH3_64 = re.compile(r"[0-9a-f]{16}")
 _LOCATION = re.compile(r"[0-9a-f]{2}/[^/]+")
 _STORE_CHECKSUM = re.compile(r"(sha256:[A-Za-z0-9+/]{43}=|crc32c:[A-Za-z0-9+/]{6}==)(-[1-9][0-9]{0,4})?")
@@ -102,6 +107,9 @@ class ShardRecord:
     the arrays of this rank's state that its shard leaves out because they are identical
     to an array another rank's shard holds, as ``(name, holder rank)`` pairs (the holder
     records that array among its ``chunks``; see :mod:`tiered_ckpt.dist.replicas`).
+    ``array_xxh3_64``: in a shard of plain arrays, each array's xxh3-64 (16 hex digits, in
+    sorted name order; "" if not recorded, :func:`records_array_digests`): with it and the
+    header's sha256, a reader of some arrays verifies what it read (:meth:`array_digests`).
     """
 
     rank: int
@@ -115,6 +123,16 @@ class ShardRecord:
     header_bytes: int = 0
     header_sha256: str = ""
     replicas: tuple[tuple[str, int], ...] = ()
+    array_xxh3_64: str = ""
+
+    def array_digests(self, names: Iterable[str]) -> dict[str, str]:
+        """By name, the xxh3-64 ``array_xxh3_64`` records for the shard's arrays ``names`` (all of
+        them, from its verified header; {} if it records none); :class:`ManifestError` if not one each."""
+        ordered, digests = sorted(names), self.array_xxh3_64
+        if digests and len(digests) != 16 * len(ordered):
+            count = f"{len(digests) // 16} digests for a shard of {len(ordered)} arrays"
+            raise ManifestError(f"rank {self.rank}'s record: field 'array_xxh3_64' holds {count}")
+        return {name: digests[16 * i : 16 * i + 16] for i, name in enumerate(ordered)} if digests else {}
 
     @classmethod
     def from_dict(cls, document: Mapping[str, Any], *, source: str = "shard record") -> ShardRecord:
@@ -154,6 +172,7 @@ class ShardRecord:
             **({"chunks": [chunk.to_dict() for chunk in self.chunks]} if self.chunks else {}),
             **({"header_bytes": self.header_bytes, "header_sha256": self.header_sha256} if self.header_bytes else {}),
             **({"replicas": [[name, holder] for name, holder in self.replicas]} if self.replicas else {}),
+            **({"array_xxh3_64": self.array_xxh3_64} if self.array_xxh3_64 else {}),
         }
 
 
@@ -309,6 +328,12 @@ def record_bytes_bound(chunks: Iterable[tuple[str, int]] = ()) -> int:
     return _RECORD_BYTES + sum(_CHUNK_BYTES + json_length_bound(name) + _DIM_BYTES * ndim for name, ndim in chunks)
 
 
+def records_array_digests(arrays: int, world_size: int) -> bool:
+    """Whether a plain shard of ``arrays`` arrays in a step of ``world_size`` ranks records each
+    array's xxh3-64 (:attr:`ShardRecord.array_xxh3_64`; see :data:`_ARRAY_DIGESTS_BYTES`)."""
+    return world_size * arrays * 16 <= _ARRAY_DIGESTS_BYTES
+
+
 def manifest_problem(records: Iterable[int], sharded_keys: Iterable[str]) -> str | None:
     """Why the manifest of a step whose shard records take at most ``records`` bytes each
     (:func:`record_bytes_bound`) might not be read back, as a phrase; None if it will."""
@@ -322,12 +347,17 @@ def _parse_record(document: Mapping[str, Any], source: str, prefix: str) -> Shar
     fields = Fields(document, source, prefix)
     fields.reject_unknown(
         {"rank", "path", "sha256", "xxh3_64", "size_bytes", "param_shard_offset", "param_shard_numel"}
-        | {"chunks", "header_bytes", "header_sha256", "replicas"}
+        | {"chunks", "header_bytes", "header_sha256", "replicas", "array_xxh3_64"}
     )
+    array_xxh3 = fields.string("array_xxh3_64") if "array_xxh3_64" in document else ""
+    if not _ARRAY_XXH3.fullmatch(array_xxh3) or (array_xxh3 and "header_bytes" not in document):
+        problem = "not 16 lowercase hex digits per array, with the header's digest recorded beside it"
+        raise ManifestError(f"{source}: field '{prefix}array_xxh3_64': {problem}")
     chunks = fields.list_of("chunks", Mapping) if "chunks" in document else []
     replicas = fields.list_of("replicas", list) if "replicas" in document else []
     return ShardRecord(
         replicas=tuple(_parse_replica(item, source, f"{prefix}replicas[{i}]") for i, item in enumerate(replicas)),
+        array_xxh3_64=array_xxh3,
         header_bytes=fields.integer("header_bytes", minimum=8) if chunks or "header_bytes" in document else 0,
         header_sha256=fields.string("header_sha256") if chunks or "header_bytes" in document else "",
         chunks=tuple(_parse_chunk(chunk, source, f"{prefix}chunks[{i}].") for i, chunk in enumerate(chunks)),

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from tiered_ckpt.errors import InvalidStateError
-from tiered_ckpt.format.manifest import ChunkRecord, record_bytes_bound
+from tiered_ckpt.format.manifest import ChunkRecord, record_bytes_bound, records_array_digests
 from tiered_ckpt.format.shardfile import MAX_DIMS, ShardContents, array_problem, dtype_code, header_problem
 from tiered_ckpt.format.structure import (
     COMPLEX_TAGS,
@@ -307,11 +307,14 @@ class FlatState:
             )
         return tuple(records)
 
-    def record_bytes(self) -> int:
-        """At least the bytes this rank's record adds to its step's manifest (a state of DTensors
-        records every array as a chunk; :func:`~tiered_ckpt.format.manifest.record_bytes_bound`)."""
-        chunks = ((name, array.ndim) for name, array in self.arrays.items()) if self.structure.chunks else ()
-        return record_bytes_bound(chunks)
+    def record_bytes(self, world_size: int) -> int:
+        """At least the bytes this rank's record adds to the manifest of a step of ``world_size``
+        ranks (a state of DTensors records every array as a chunk, a plain one each array's
+        xxh3-64 where they fit; :func:`~tiered_ckpt.format.manifest.record_bytes_bound`)."""
+        if self.structure.chunks:
+            return record_bytes_bound((name, array.ndim) for name, array in self.arrays.items())
+        digests = 16 * len(self.arrays) if records_array_digests(len(self.arrays), world_size) else 0
+        return record_bytes_bound() + digests
 
     def unflatten(self, *, torch: bool = False) -> dict[Any, Any]:
         """The nested state: arrays as numpy, or (``torch=True``) as each leaf was saved."""

@@ -201,6 +201,14 @@ class Structure:
         Raises ``KeyError`` if there is no such path."""
         return _build(self._node_at(path), arrays, self.kinds if torch else None)
 
+    def contains(self, path: Sequence[str | int]) -> bool:
+        """True if the state has a value at ``path`` (dict keys and list indices from the root)."""
+        try:
+            self._node_at(path)
+        except KeyError:
+            return False
+        return True
+
     def keys_at(self, path: Sequence[str | int]) -> list[str | int]:
         """The keys of the dict at ``path``, in order; raises ``KeyError`` if there is no dict there."""
         node = self._node_at(path)

@@ -46,7 +46,7 @@ from tiered_ckpt.errors import (
 from tiered_ckpt.format.manifest import RemoteManifest, ShardManifest, ShardRecord
 from tiered_ckpt.format.shardfile import read_header, read_shard_buffer
 from tiered_ckpt.format.state import FlatState, own_targets
-from tiered_ckpt.format.structure import structure_of
+from tiered_ckpt.format.structure import Structure, structure_of
 from tiered_ckpt.io.durable import write_all
 from tiered_ckpt.io.hashing import ShardDigest, Verify, copy_and_hash
 from tiered_ckpt.io.parallel import run_parallel
@@ -318,19 +318,22 @@ class TieredStore:
         self,
         step: int,
         record: ShardRecord,
-        names: Collection[str],
+        names: Collection[str] | Callable[[Structure], Structure],
         *,
         later: Collection[str] | None = None,
         into: Mapping[str, np.ndarray] | None = None,
         verify: Verify = "full",
     ) -> tuple[FlatState, Source]:
-        """Some arrays of ``record``'s shard (a state of DTensors), verified, and the tier they came from.
+        """Some arrays of ``record``'s shard, verified, and the tier they came from.
 
         Reads only the shard's header and those arrays' bytes, each checked against the
-        sha256 the manifest records for it (``verify="fast"``: its xxh3-64, where the
-        manifest records one; the header always by sha256), along the chain of the module
+        sha256 the manifest records for it in a state of DTensors (``verify="fast"``: its
+        xxh3-64, where the manifest records one), against its xxh3-64 in a shard of plain
+        arrays (all a save records of them; the header always by sha256), along the chain of the module
         doc (``later`` as for :meth:`fetch_shard`). The state returned has the whole structure
-        but only ``names``' arrays. An array named in ``into`` (C-contiguous, of its dtype and
+        but only ``names``' arrays; ``names`` may instead be a function of the shard's
+        structure giving a part of it (a partial restore's selection): the state returned has
+        that structure, and the arrays in it the shard holds. An array named in ``into`` (C-contiguous, of its dtype and
         shape) is read into that memory rather than new memory; if no copy verifies, it holds
         unspecified values. Raises :class:`ChecksumMismatchError` or
         :class:`IncompleteCheckpointError` naming every copy tried.
@@ -421,7 +424,7 @@ def _no_copy_verifies(record: ShardRecord, tried: list[tuple[str, CheckpointErro
 def _read_parts(
     read_into: Callable[[int, memoryview, Verify], str],
     record: ShardRecord,
-    names: Collection[str],
+    names: Collection[str] | Callable[[Structure], Structure],
     what: str,
     into: Mapping[str, np.ndarray],
     verify: Verify,
@@ -437,20 +440,31 @@ def _read_parts(
     if read_into(0, memoryview(raw), "full") != record.header_sha256:
         raise ChecksumMismatchError(f"{what}: its header's sha256 is not the one the manifest records")
     header = read_header(bytes(raw), record.size_bytes, what)
+    elsewhere = [name for name, _holder in record.replicas]
+    structure = structure_of(header.metadata, header.arrays, what, elsewhere)
+    if callable(names):
+        structure = names(structure)
+        names = [name for name in structure.kinds if name in header.arrays]
     recorded = {chunk.name: chunk for chunk in record.chunks}
+    try:
+        plain = record.array_digests(header.arrays)
+    except ManifestError as exc:
+        raise ShardFormatError(f"{what}: {exc}") from None
+    if names and not recorded and not plain:
+        raise ShardFormatError(f"{what}: the manifest records no digest of its arrays: it can only be read whole")
     arrays = {}
     for name in names:
         entry, chunk = header.arrays.get(name), recorded.get(name)
-        if entry is None or chunk is None or entry.shape != chunk.sizes:
+        if entry is None or (chunk is None and name not in plain) or (chunk and entry.shape != chunk.sizes):
             raise ShardFormatError(f"{what}: the array {name!r} is not in the shard as the manifest records it")
         array = into[name] if name in into else np.empty(entry.shape, dtype=entry.dtype)
         if array.shape != entry.shape or array.dtype != entry.dtype or not array.flags.c_contiguous:
             raise UsageError(f"{what}: into[{name!r}] is not a C-contiguous {entry.dtype} array of {entry.shape}")
-        fast = verify == "fast" and bool(chunk.xxh3_64)
-        expected = chunk.xxh3_64 if fast else chunk.sha256
+        # A plain shard records only each array's xxh3-64: its sha256 covers the whole file.
+        fast = chunk is None or (verify == "fast" and bool(chunk.xxh3_64))
+        expected = plain[name] if chunk is None else chunk.xxh3_64 if fast else chunk.sha256
         if read_into(entry.begin, array.reshape(-1).view(np.uint8).data, "fast" if fast else "full") != expected:
             kind = "xxh3-64" if fast else "sha256"
             raise ChecksumMismatchError(f"{what}: the bytes of {name!r} do not match the {kind} the manifest records")
         arrays[name] = array
-    elsewhere = [name for name, _holder in record.replicas]
-    return FlatState(arrays, structure_of(header.metadata, header.arrays, what, elsewhere))
+    return FlatState(arrays, structure)

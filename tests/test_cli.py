@@ -482,3 +482,31 @@ def test_a_missing_bucket_is_named_and_fails_the_command(tmp_path, moto_endpoint
     code, out, err = run(s3_credentials_env(), "--config", str(config), *command)
     assert code == 1 and out == ""
     assert "the bucket 'tiered-no-such-bucket' does not exist" in err
+
+
+def test_show_lists_each_ranks_arrays_from_their_headers_alone(setup, tmp_path):
+    config, local, url, options, env = setup
+    save_steps(local, url, options, [1])
+    code, out, err = run(env, "--config", str(config), "--json", "show", "1")
+    assert code == 0, err
+    rows = json.loads(out)
+    states = zero1_states(seed=1)
+    assert {(row["rank"], row["name"]) for row in rows} == {(r, name) for r in range(4) for name in states[r]}
+    for row in rows:
+        array = states[row["rank"]][row["name"]]
+        assert (row["shape"], row["bytes"], row["tier"]) == (list(array.shape), array.nbytes, "local")
+    # a laptop with no local copy: each header is a ranged GET from the bucket, nothing is written
+    fresh = tmp_path / "laptop"
+    code, out, err = run(env, "--config", str(config), "show", "1", "--local-dir", str(fresh))
+    assert code == 0 and not fresh.exists(), err
+    assert f"step 1: {len(rows)} arrays in 4 shards" in out and " F32 " in out
+    code, _, err = run(env, "--config", str(config), "show", "7")
+    assert code == 1 and "step 7 is committed in no tier" in err
+
+
+def test_show_of_a_shard_whose_header_does_not_verify_fails_naming_it(setup):
+    config, local, url, options, env = setup
+    save_steps(local, url, options, [1], upload=False)
+    flip_byte(local / step_dir_name(1) / shard_name(2, 4), 20)  # inside rank 2's header
+    code, _, err = run(env, "--config", str(config), "show", "1")
+    assert code == 1 and "rank 2" in err and "header's sha256" in err, err

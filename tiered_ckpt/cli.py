@@ -28,6 +28,7 @@ from tiered_ckpt.engine.replication import Replicator
 from tiered_ckpt.errors import CheckpointError, ConfigError, IncompleteCheckpointError, UsageError
 from tiered_ckpt.format.layout import MANIFEST_NAME, parse_step_dir_name
 from tiered_ckpt.format.manifest import ShardRecord
+from tiered_ckpt.format.shardfile import DTYPE_CODES
 from tiered_ckpt.tiers import pruning, survey
 from tiered_ckpt.tiers.store import TieredStore
 
@@ -40,7 +41,7 @@ DESCRIPTION = """\
 Look at, check and move the checkpoints of a tiered_ckpt job: a local directory and,
 optionally, a bucket (s3://, gs://, or any fsspec URL).
 
-ls, status and verify only read, and work while a job is training; pull, push and prune
+ls, show, status and verify only read, and work while a job is training; pull, push and prune
 lock the local directory as a running job does. The global options (--config,
 --local-dir, --remote-url, --endpoint-url, --json) go before or after the command."""
 
@@ -275,6 +276,32 @@ def command_prune(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     )
 
 
+def command_show(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
+    """The arrays of one step, rank by rank: tensor name (what ``restore(paths=...)`` takes),
+    dtype, shape and bytes, from each shard's header, verified, read from the nearest tier
+    (a few KB per shard: no shard is read whole, nothing is written)."""
+    store = _store(config)
+    in_local = args.step in store.local.steps()
+    in_remote = store.remote is not None and args.step in store.remote_steps()
+    manifest, _remote = store.manifests(args.step, in_local=in_local, in_remote=in_remote)
+    rows: list[dict[str, Any]] = []
+    for record in manifest.shards:
+        header, tier = store.read_shard_header(args.step, record, later=store.readable(in_remote))
+        for entry in sorted(header.arrays.values(), key=lambda entry: entry.name):
+            rows.append(
+                {"rank": record.rank, "name": entry.name, "dtype": DTYPE_CODES[entry.dtype],
+                 "shape": list(entry.shape), "bytes": entry.end - entry.begin, "tier": tier}
+            )  # fmt: skip
+    lines = [f"{'RANK':>5}  {'DTYPE':<5} {'SHAPE':<20} {'SIZE':>9}  NAME"]
+    for row in rows:
+        shape = "x".join(map(str, row["shape"])) or "scalar"
+        lines.append(f"{row['rank']:>5}  {row['dtype']:<5} {shape:<20} {human_size(row['bytes']):>9}  {row['name']}")
+    lines.append(
+        f"step {args.step}: {len(rows)} arrays in {manifest.world_size} shards, {human_size(manifest.total_bytes)}"
+    )
+    return EXIT_OK, (rows, "\n".join(lines))
+
+
 def command_status(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     lag = survey.lag(_store(config))
     waiting = ", ".join(f"{step} ({human_size(size)})" for step, size in lag.waiting) or "none"
@@ -335,6 +362,9 @@ def _parser() -> argparse.ArgumentParser:
                 help="the bucket only, by the store's own checksums where recorded (no download)",
             )
         _global_options(sub, top=False)
+    show = command("show", "the arrays of one step: rank, name, dtype, shape and size")
+    show.add_argument("step", type=int, help="the step")
+    _global_options(show, top=False)
     prune = command("prune", "apply retention to both tiers")
     prune.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
     _global_options(prune, top=False)
@@ -349,6 +379,7 @@ COMMANDS: dict[str, Callable[[Config, argparse.Namespace], tuple[int, Any]]] = {
     "pull": command_pull,
     "push": command_push,
     "prune": command_prune,
+    "show": command_show,
 }
 
 
@@ -363,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = load_config(args.config, overrides={key: value for key, value in given.items() if value is not None})
         # pull creates the directory it fills; verify --remote reads the bucket only
-        bucket_only = getattr(args, "remote", False) and config.remote is not None
+        bucket_only = (getattr(args, "remote", False) or args.command == "show") and config.remote is not None
         _check_local_dir(config, may_be_missing=args.command == "pull" or bucket_only)
         code, (data, text) = COMMANDS[args.command](config, args)
     except (ConfigError, UsageError) as exc:

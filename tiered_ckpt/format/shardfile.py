@@ -25,6 +25,7 @@ import os
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any, BinaryIO, Literal
 
 import ml_dtypes
@@ -36,6 +37,7 @@ from tiered_ckpt.io.hashing import CHUNK_BYTES, HashedStream, Hasher, ShardDiges
 
 __all__ = [
     "DTYPES",
+    "DTYPE_CODES",
     "check_arrays",
     "array_problem",
     "dtype_code",
@@ -71,6 +73,8 @@ DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype("?"),
 }
 _CODES = {dtype: code for code, dtype in DTYPES.items()}
+DTYPE_CODES: Mapping[np.dtype, str] = MappingProxyType(_CODES)
+"""The safetensors code of each dtype a shard holds (the inverse of :data:`DTYPES`)."""
 
 # safetensors refuses headers over 100 MB; so does our reader, before allocating anything,
 # and so does the writer (header_problem), before writing anything: a shard that saves loads.

@@ -44,7 +44,7 @@ from tiered_ckpt.errors import (
     UsageError,
 )
 from tiered_ckpt.format.manifest import RemoteManifest, ShardManifest, ShardRecord
-from tiered_ckpt.format.shardfile import read_header, read_shard_buffer
+from tiered_ckpt.format.shardfile import ShardHeader, read_header, read_shard_buffer
 from tiered_ckpt.format.state import FlatState, own_targets
 from tiered_ckpt.format.structure import Structure, structure_of
 from tiered_ckpt.io.durable import write_all
@@ -353,6 +353,24 @@ class TieredStore:
 
         return self._first_that_verifies(step, record, read, later, refills=False)
 
+    def read_shard_header(
+        self, step: int, record: ShardRecord, *, later: Collection[str] | None = None
+    ) -> tuple[ShardHeader, Source]:
+        """``record``'s shard header (where each array lies, its dtype and shape, the metadata),
+        verified by its sha256, from the nearest tier that serves ranged reads and holds a copy
+        that verifies (``later`` as for :meth:`fetch_shard`); nothing is written anywhere."""
+
+        def read(tier: Tier) -> ShardHeader:
+            what = f"rank {record.rank} shard {tier.shard_location(step, record)}"
+            if tier is self.local:
+                with self.local.open_ranges(step, record) as read_into:
+                    return _verified_header(read_into, record, what)
+            if not tier.capabilities.ranged_reads:
+                raise IncompleteCheckpointError(f"{what}: the tier reads whole shards only")
+            return _verified_header(functools.partial(tier.read_range_into, step, record), record, what)
+
+        return self._first_that_verifies(step, record, read, later, refills=False)
+
     # -- writing the local tier from a later one --------------------------------------------
 
     def record_refill(
@@ -421,6 +439,18 @@ def _no_copy_verifies(record: ShardRecord, tried: list[tuple[str, CheckpointErro
     raise error_type(f"rank {record.rank}: no copy verifies; tried {listing}") from tried[-1][1]
 
 
+def _verified_header(
+    read_into: Callable[[int, memoryview, Verify], str], record: ShardRecord, what: str
+) -> ShardHeader:
+    """A shard's header through ``read_into(offset, buffer)``, checked against the sha256 its record holds."""
+    if not record.header_bytes:
+        raise ShardFormatError(f"{what}: the manifest records no digest of its header: it can only be read whole")
+    raw = bytearray(record.header_bytes)
+    if read_into(0, memoryview(raw), "full") != record.header_sha256:
+        raise ChecksumMismatchError(f"{what}: its header's sha256 is not the one the manifest records")
+    return read_header(bytes(raw), record.size_bytes, what)
+
+
 def _read_parts(
     read_into: Callable[[int, memoryview, Verify], str],
     record: ShardRecord,
@@ -434,12 +464,7 @@ def _read_parts(
     Each array is copied straight into its memory (``into``'s, else new) and hashed
     piece by piece while each piece is in cache, with no copy through Python bytes.
     """
-    if not record.header_bytes:
-        raise ShardFormatError(f"{what}: the manifest records no digest of its header: it can only be read whole")
-    raw = bytearray(record.header_bytes)
-    if read_into(0, memoryview(raw), "full") != record.header_sha256:
-        raise ChecksumMismatchError(f"{what}: its header's sha256 is not the one the manifest records")
-    header = read_header(bytes(raw), record.size_bytes, what)
+    header = _verified_header(read_into, record, what)
     elsewhere = [name for name, _holder in record.replicas]
     structure = structure_of(header.metadata, header.arrays, what, elsewhere)
     if callable(names):

@@ -29,6 +29,7 @@ MARKERS = {
     "lag": ("guides/remote-tier.md", "lag = manager.lag()\nif lag.steps_behind"),
     "use": ("guides/saving-and-restoring.md", "def training_state(step):"),
     "partial": ("guides/saving-and-restoring.md", 'manager.restore(paths=["model"])'),
+    "export": ("guides/exporting.md", 'export_safetensors("/nvme/ckpt/run"'),
     "peer": ("guides/peer-tier.md", "peer=PeerOptions(every=10"),
 }
 
@@ -162,6 +163,14 @@ def test_the_partial_restore_sample_restores_the_model_alone(tmp_path, bucket):
     result = run(path, env, tmp_path)
     assert result.returncode == 0, result.stderr[-5000:]
     assert "model ['layers', 'w']" in result.stdout
+
+
+def test_the_export_sample_writes_full_tensors(tmp_path, bucket):
+    _server, env = bucket
+    path = script(tmp_path, "export", "", sample("export"), 'print("files", len(result.files))')
+    result = run(path, env, tmp_path)
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert "files 1" in result.stdout and "model.safetensors" in result.stdout
 
 
 PEER_PRELUDE = """

@@ -29,6 +29,7 @@ from tiered_ckpt.errors import (
     UsageError,
     WorldSizeMismatchError,
 )
+from tiered_ckpt.export import ExportResult, export_safetensors
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.manager import CheckpointManager, PruneResult, PullResult, PushResult, RestoreResult, SaveHandle
 from tiered_ckpt.oneshot import load_sharded, save_sharded
@@ -64,6 +65,8 @@ __all__ = [
     "save_sharded",
     "load_sharded",
     "partition_sizes",
+    "export_safetensors",
+    "ExportResult",
     # what is stored, and reading it
     "ShardManifest",
     "ShardRecord",

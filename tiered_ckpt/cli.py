@@ -26,6 +26,7 @@ from tiered_ckpt.compose import open_store
 from tiered_ckpt.config import ENV_PREFIX, Config, load_config
 from tiered_ckpt.engine.replication import Replicator
 from tiered_ckpt.errors import CheckpointError, ConfigError, IncompleteCheckpointError, UsageError
+from tiered_ckpt.export import export_step
 from tiered_ckpt.format.layout import MANIFEST_NAME, parse_step_dir_name
 from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.format.shardfile import DTYPE_CODES
@@ -41,7 +42,7 @@ DESCRIPTION = """\
 Look at, check and move the checkpoints of a tiered_ckpt job: a local directory and,
 optionally, a bucket (s3://, gs://, or any fsspec URL).
 
-ls, show, status and verify only read, and work while a job is training; pull, push and prune
+ls, show, export, status and verify only read, and work while a job is training; pull, push and prune
 lock the local directory as a running job does. The global options (--config,
 --local-dir, --remote-url, --endpoint-url, --json) go before or after the command."""
 
@@ -302,6 +303,35 @@ def command_show(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     return EXIT_OK, (rows, "\n".join(lines))
 
 
+_SIZE = re.compile(r"(\d+)\s*([KMGT]i?B|B)?", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """``5GB`` (10**9), ``500MiB`` (2**20), ``1024`` (bytes) as a number of bytes >= 1."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None or int(match.group(1)) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 5GB, 500MiB or 1048576")
+    unit = (match.group(2) or "B").upper()
+    power = "BKMGT".index(unit[0])
+    return int(match.group(1)) * (1024 if "I" in unit else 1000) ** power
+
+
+def command_export(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
+    """Write a step as a Hugging Face style safetensors checkpoint (see :mod:`tiered_ckpt.export`)."""
+    only = None if args.only is None else tuple(args.only.split("/")) if "/" in args.only else args.only
+    with _progress("export", unit="file"):
+        result = export_step(_store(config), args.step, args.directory, only=only, max_shard_bytes=args.max_shard_size)
+    files = [{"name": f.name, "bytes": f.size_bytes, "sha256": f.sha256} for f in result.files]
+    data = {"step": result.step, "directory": str(result.directory), "files": files, "tensors": len(result.tensors),
+            "skipped": list(result.skipped), "largest_tensor_bytes": result.largest_tensor_bytes}  # fmt: skip
+    lines = [f"{f['sha256']}  {f['name']}" for f in files]
+    lines.append(
+        f"step {result.step}: {len(result.tensors)} tensors in {len(files)} files under {result.directory}"
+        + (f"; not tensors, left out: {', '.join(result.skipped)[:300]}" if result.skipped else "")
+    )
+    return EXIT_OK, (data, "\n".join(lines))
+
+
 def command_status(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     lag = survey.lag(_store(config))
     waiting = ", ".join(f"{step} ({human_size(size)})" for step, size in lag.waiting) or "none"
@@ -365,6 +395,12 @@ def _parser() -> argparse.ArgumentParser:
     show = command("show", "the arrays of one step: rank, name, dtype, shape and size")
     show.add_argument("step", type=int, help="the step")
     _global_options(show, top=False)
+    export = command("export", "write a step as a Hugging Face safetensors checkpoint (full tensors)")
+    export.add_argument("step", type=int, help="the step")
+    export.add_argument("directory", help="where to write model*.safetensors (and the index)")
+    export.add_argument("--only", help="the part of the state to export, e.g. model (a/b: the path a, b)")
+    export.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, help="the largest file (default 5GB)")
+    _global_options(export, top=False)
     prune = command("prune", "apply retention to both tiers")
     prune.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
     _global_options(prune, top=False)
@@ -380,6 +416,7 @@ COMMANDS: dict[str, Callable[[Config, argparse.Namespace], tuple[int, Any]]] = {
     "push": command_push,
     "prune": command_prune,
     "show": command_show,
+    "export": command_export,
 }
 
 
@@ -394,7 +431,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = load_config(args.config, overrides={key: value for key, value in given.items() if value is not None})
         # pull creates the directory it fills; verify --remote reads the bucket only
-        bucket_only = (getattr(args, "remote", False) or args.command == "show") and config.remote is not None
+        reads_only = args.command in ("show", "export")  # from the bucket alone if need be
+        bucket_only = (getattr(args, "remote", False) or reads_only) and config.remote is not None
         _check_local_dir(config, may_be_missing=args.command == "pull" or bucket_only)
         code, (data, text) = COMMANDS[args.command](config, args)
     except (ConfigError, UsageError) as exc:

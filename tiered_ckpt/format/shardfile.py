@@ -23,7 +23,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, BinaryIO, Literal
@@ -48,6 +48,7 @@ __all__ = [
     "ShardHeader",
     "read_header",
     "header_length",
+    "header_of",
     "header_problem",
     "json_length_bound",
     "MAX_HEADER_BYTES",
@@ -155,18 +156,38 @@ def _layout(arrays: Mapping[str, np.ndarray]) -> list[tuple[str, str, np.ndarray
 
 def _header_text(layout: list[tuple[str, str, np.ndarray, int, int]], metadata: Mapping[str, str] | None) -> str:
     """The header's JSON, unpadded; ASCII (json escapes the rest), so its length is its size in bytes."""
+    return _json_of([(name, code, array.shape, begin, end) for name, code, array, begin, end in layout], metadata)
+
+
+def _json_of(entries: Sequence[tuple[str, str, tuple[int, ...], int, int]], metadata: Mapping[str, str] | None) -> str:
     header: dict[str, object] = {}
     if metadata:
         header[_METADATA] = {str(k): str(v) for k, v in metadata.items()}
-    for name, code, array, begin, end in layout:
-        header[name] = {"dtype": code, "shape": list(array.shape), "data_offsets": [begin, end]}
+    for name, code, shape, begin, end in entries:
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [begin, end]}
     return json.dumps(header, separators=(",", ":"))
 
 
-def _header_bytes(layout: list[tuple[str, str, np.ndarray, int, int]], metadata: Mapping[str, str]) -> bytes:
-    encoded = _header_text(layout, metadata).encode()
+def _padded(text: str) -> bytes:
+    encoded = text.encode()
     encoded += b" " * (-len(encoded) % 8)
     return struct.pack("<Q", len(encoded)) + encoded
+
+
+def _header_bytes(layout: list[tuple[str, str, np.ndarray, int, int]], metadata: Mapping[str, str]) -> bytes:
+    return _padded(_header_text(layout, metadata))
+
+
+def header_of(tensors: Sequence[tuple[str, str, tuple[int, ...]]], metadata: Mapping[str, str] | None = None) -> bytes:
+    """The header (the 8 length bytes and the padded JSON) of a safetensors file holding
+    ``tensors`` (name, dtype code, shape) back to back in that order: what a writer that
+    streams the tensors one at a time writes first. Raises ``KeyError`` for an unknown code."""
+    entries, offset = [], 0
+    for name, code, shape in tensors:
+        size = DTYPES[code].itemsize * math.prod(shape)
+        entries.append((name, code, shape, offset, offset + size))
+        offset += size
+    return _padded(_json_of(entries, metadata))
 
 
 def header_length(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> int:

@@ -340,14 +340,16 @@ class TieredStore:
         """
         targets = into or {}
 
+        # ``read`` must not call itself: a closure over itself is a reference cycle, which would
+        # keep ``into``'s arrays (whole tensors, for an export) alive until the next collection.
         def read(tier: Tier) -> FlatState:
+            if tier is not self.local and not tier.capabilities.ranged_reads:
+                self.download_shard(step, record, tier)
+                tier = self.local
             what = f"rank {record.rank} shard {tier.shard_location(step, record)}"
             if tier is self.local:
                 with self.local.open_ranges(step, record) as read_into:
                     return _read_parts(read_into, record, names, what, targets, verify)
-            if not tier.capabilities.ranged_reads:
-                self.download_shard(step, record, tier)
-                return read(self.local)
             read_range = functools.partial(tier.read_range_into, step, record)
             return _read_parts(read_range, record, names, what, targets, verify)
 

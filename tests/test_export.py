@@ -1,0 +1,125 @@
+"""Exporting a step as one Hugging Face style checkpoint (tiered_ckpt.export), streamed and verified."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import flip_byte, launch_ranks
+from tiered_ckpt import (
+    CheckpointManager,
+    ChecksumMismatchError,
+    ExportResult,
+    RuntimeOptions,
+    UsageError,
+    export_safetensors,
+)
+from tiered_ckpt.export import INDEX_NAME
+from tiered_ckpt.format.layout import step_dir_name
+
+HF_WORKER = Path(__file__).with_name("hf_worker.py")
+
+
+def test_a_transformers_model_trained_under_fsdp2_exports_and_loads_with_from_pretrained(tmp_path, s3_url):
+    import transformers
+    from safetensors.torch import load_file
+
+    launch_ranks(HF_WORKER, tmp_path, 2, {}, remote=s3_url)
+    results = next(tmp_path.glob("launch-*/results"))
+    gathered = load_file(str(results / "gathered.safetensors"))
+    shutil.rmtree(tmp_path / "nodes")  # a machine with no local copy: every part from the bucket
+    url, options = s3_url
+    from tiered_ckpt import RemoteOptions
+
+    remote = RemoteOptions(url, storage_options=options)
+    out = results / "hf"  # holds config.json, as model.config.save_pretrained writes it
+    result = export_safetensors(tmp_path / "laptop", out, remote=remote, only="model", max_shard_bytes=40_000)
+    assert len(result.files) > 2 and result.files[-1].name == INDEX_NAME  # sharded, with its index
+    index = json.loads((out / INDEX_NAME).read_text())
+    assert set(index["weight_map"]) == set(gathered) == set(result.tensors)
+    assert not (tmp_path / "laptop").exists() or not any((tmp_path / "laptop").iterdir())  # nothing written there
+    model = transformers.LlamaForCausalLM.from_pretrained(str(out))
+    loaded = model.state_dict()
+    for name, tensor in gathered.items():
+        assert loaded[name].dtype == tensor.dtype and loaded[name].equal(tensor), name
+    assert result.largest_tensor_bytes == max(t.numel() * t.element_size() for t in gathered.values())
+
+
+def test_flat_slices_and_replicated_arrays_export_as_full_tensors_named_below_only(tmp_path):
+    total = 1003
+    flat = np.arange(total, dtype=np.float32)
+    cuts = [0, 251, 502, 753, total]
+    states = [
+        {"model": {"flat_param": flat[cuts[r] : cuts[r + 1]], "embed.weight": np.eye(3), "layers": 2},
+         "rng": np.full(2, r)}
+        for r in range(4)
+    ]  # fmt: skip
+    keys = [("model", "flat_param")]
+    with CheckpointManager(tmp_path / "ckpt", world_size=4, runtime=RuntimeOptions(sharded_keys=keys)) as manager:
+        manager.save(9, states, blocking=True)
+    result = export_safetensors(tmp_path / "ckpt", tmp_path / "out", only="model")
+    from safetensors.numpy import load_file
+
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(exported) == {"flat_param", "embed.weight"} and result.skipped == ("model.layers",)
+    np.testing.assert_array_equal(exported["flat_param"], flat)
+    np.testing.assert_array_equal(exported["embed.weight"], np.eye(3))
+    import hashlib
+
+    assert result.files[0].sha256 == hashlib.sha256((tmp_path / "out" / "model.safetensors").read_bytes()).hexdigest()
+    assert isinstance(result, ExportResult) and result.step == 9
+
+
+def test_an_export_verifies_every_part_and_replaces_an_earlier_exports_files(tmp_path):
+    states = [{"w": np.arange(5000, dtype=np.float32).reshape(50, 100), "v": np.ones((30, 100), np.float32)}]
+    with CheckpointManager(tmp_path / "ckpt", world_size=1) as manager:
+        manager.save(2, states, blocking=True)
+    export_safetensors(tmp_path / "ckpt", tmp_path / "out", max_shard_bytes=10_000)  # two files and the index
+    assert (tmp_path / "out" / INDEX_NAME).exists()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    export_safetensors(tmp_path / "ckpt", tmp_path / "out")  # one file now: the old ones would mislead a reader
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors", "notes.txt"]
+    shard = next((tmp_path / "ckpt" / step_dir_name(2)).glob("rank-*.safetensors"))
+    flip_byte(shard, shard.stat().st_size - 10)  # inside the last array's bytes
+    with pytest.raises(ChecksumMismatchError, match="rank 0"):
+        export_safetensors(tmp_path / "ckpt", tmp_path / "again")
+    with pytest.raises(UsageError, match="'nope' is neither a top-level key"):
+        export_safetensors(tmp_path / "ckpt", tmp_path / "again", only="nope")
+
+
+def test_an_export_holds_one_tensor_at_a_time(tmp_path):
+    import tracemalloc
+
+    states = [{f"layer{i}": np.full((512, 1024), i, np.float32) for i in range(8)}]  # 2 MiB each
+    with CheckpointManager(tmp_path / "ckpt", world_size=1) as manager:
+        manager.save(1, states, blocking=True)
+    del states
+    tracemalloc.start()
+    try:
+        result = export_safetensors(tmp_path / "ckpt", tmp_path / "out")
+        _current, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result.largest_tensor_bytes == 2 << 20 and len(result.tensors) == 8
+    assert peak < 1.5 * result.largest_tensor_bytes  # all eight at once would be 8x
+
+
+def test_the_cli_exports_a_step_and_lists_each_files_sha256(tmp_path):
+    import hashlib
+    import os
+    import subprocess
+    import sys
+
+    with CheckpointManager(tmp_path / "ckpt", world_size=2) as manager:
+        manager.save(4, [{"model": {"w": np.full((40, 50), r, np.float32)}, "opt": np.ones(3)} for r in range(2)])
+    command = [sys.executable, "-m", "tiered_ckpt", "--local-dir", str(tmp_path / "ckpt"), "export", "4"]
+    done = subprocess.run([*command, str(tmp_path / "out"), "--only", "model", "--max-shard-size", "1KiB"],
+                          capture_output=True, text=True, env=os.environ, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    files = sorted((tmp_path / "out").iterdir())
+    assert [f.name for f in files] == ["model.safetensors"]  # one tensor: a larger one than the limit, alone
+    assert f"{hashlib.sha256(files[0].read_bytes()).hexdigest()}  model.safetensors" in done.stdout
+    done = subprocess.run([*command, str(tmp_path / "x"), "--max-shard-size", "big"], capture_output=True, text=True)
+    assert done.returncode == 2 and "'big' is not a size" in done.stderr

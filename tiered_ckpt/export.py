@@ -1,0 +1,334 @@
+"""Export one step as a Hugging Face style safetensors checkpoint, streamed tensor by tensor.
+
+:func:`export_safetensors` writes ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors``
+with ``model.safetensors.index.json`` when the tensors exceed ``max_shard_bytes``), each file
+of full tensors:
+
+1. every rank's shard header is read and verified (its sha256 in the manifest), from the
+   local disk or by ranged GETs from the bucket: they say where each array lies;
+2. the tensors to write are planned from rank 0's structure (``only``: the part under one
+   path, e.g. ``"model"``; names are the keys below it joined by ``.``, as a state dict's):
+   a DTensor from the chunks every rank's record lists, a flat slice (``sharded_keys``) from
+   every rank's slice in offset order, any other array from the one rank that holds it;
+3. each file is written through a temp file, fsynced and renamed: its header first (known
+   from the plan), then each tensor in turn, assembled in one buffer of its full size from
+   the verified parts read straight into it (each part checked against its own digest:
+   a chunk's sha256, a plain array's xxh3-64). Peak extra memory is one tensor.
+
+The files' sha256s are computed as they are written and returned (:class:`ExportResult`).
+Values that are not arrays (scalars, ``bytes``) are not tensors and are left out, listed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from tiered_ckpt.compose import open_store
+from tiered_ckpt.errors import IncompleteCheckpointError, InvalidStateError, UsageError
+from tiered_ckpt.format.manifest import ChunkRecord, ShardManifest, ShardRecord
+from tiered_ckpt.format.selection import check_paths, select
+from tiered_ckpt.format.shardfile import DTYPES, ShardHeader, header_of
+from tiered_ckpt.format.structure import Structure, structure_of
+from tiered_ckpt.io.durable import atomic_write, fsync_directory, write_all
+from tiered_ckpt.io.hashing import Hasher
+from tiered_ckpt.options import LocalOptions, RemoteOptions, UploadOptions, resolve_options
+from tiered_ckpt.tiers.store import TieredStore
+
+__all__ = ["ExportResult", "ExportedFile", "export_safetensors", "export_step", "INDEX_NAME"]
+
+INDEX_NAME = "model.safetensors.index.json"
+_METADATA = {"format": "pt"}  # what transformers' from_pretrained asks of a safetensors file
+
+
+@dataclass(frozen=True)
+class ExportedFile:
+    """One file written: its name in the directory, its size and the sha256 of its bytes."""
+
+    name: str
+    size_bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What :func:`export_step` wrote: ``files`` (safetensors files, then the index if any),
+    ``tensors`` (their names, in file order), the ``skipped`` values that are not arrays (by
+    path), and the size of the largest tensor (``largest_tensor_bytes``: the peak extra memory)."""
+
+    step: int
+    directory: Path
+    files: tuple[ExportedFile, ...]
+    tensors: tuple[str, ...]
+    skipped: tuple[str, ...]
+    largest_tensor_bytes: int
+
+
+@dataclass(frozen=True)
+class _Part:
+    """Where some of a tensor's bytes come from: array ``name`` of ``rank``'s shard, filling the
+    box at ``offsets`` of ``sizes`` in the full tensor."""
+
+    rank: int
+    name: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    parts: tuple[_Part, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return DTYPES[self.dtype].itemsize * math.prod(self.shape)
+
+
+def export_safetensors(
+    local: str | os.PathLike[str] | LocalOptions,
+    directory: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    remote: str | RemoteOptions | None = None,
+    upload: UploadOptions | None = None,
+    only: str | Sequence[str | int] | None = None,
+    max_shard_bytes: int = 5 * 10**9,
+) -> ExportResult:
+    """Export ``step`` (default: the newest committed on the local disk or in the bucket) of
+    the checkpoints in ``local`` (and ``remote``, where the local disk lacks it) as a Hugging
+    Face style safetensors checkpoint in ``directory``; see :func:`export_step`. Reads only:
+    nothing is written to the local directory or the bucket, and no lock is taken."""
+    options = resolve_options(local, remote, upload)
+    tier = options.remote.open_tier(options.upload) if options.remote is not None else None
+    store = open_store(options.local, options.remote, tier)
+    if step is None:
+        steps = sorted({*store.local.steps(), *store.remote_steps()})
+        if not steps:
+            raise IncompleteCheckpointError(f"{store.where()}: no committed step to export")
+        step = steps[-1]
+    return export_step(store, step, directory, only=only, max_shard_bytes=max_shard_bytes)
+
+
+def export_step(
+    store: TieredStore,
+    step: int,
+    directory: str | os.PathLike[str],
+    *,
+    only: str | Sequence[str | int] | None = None,
+    max_shard_bytes: int = 5 * 10**9,
+) -> ExportResult:
+    """Write ``step`` of ``store`` into ``directory`` (see the module doc), every input verified.
+
+    ``directory`` is created if needed; files of the same names there are replaced, each
+    atomically, then the weight files and index of an earlier export that this one did not
+    write are removed; nothing else in it is touched. Raises :class:`UsageError` for an
+    ``only`` not in the state or two paths that make one tensor name,
+    :class:`IncompleteCheckpointError` if no tier holds the step, and the store's
+    verification errors (naming the rank, file and array) if a part does not verify.
+    """
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise UsageError(f"export: max_shard_bytes must be an integer >= 1, got {max_shard_bytes!r:.60}")
+    selected = None if only is None else check_paths([only])
+    in_local = step in store.local.steps()
+    in_remote = store.remote is not None and step in store.remote_steps()
+    if not (in_local or in_remote):
+        raise IncompleteCheckpointError(f"{store.where()}: step {step} is committed in no tier")
+    manifest, _remote = store.manifests(step, in_local=in_local, in_remote=in_remote)
+    later = store.readable(in_remote)
+    headers = [store.read_shard_header(step, record, later=later)[0] for record in manifest.shards]
+    structure = _structure(headers[0], manifest.shard(0))
+    if selected is not None:
+        structure = select(structure, selected, f"step {step}")
+    prefix = () if selected is None else _prefix(structure, selected[0])
+    tensors, skipped = _plan(manifest, headers, structure, prefix)
+    groups = _groups(tensors, max_shard_bytes)
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    files = []
+    for index, group in enumerate(groups):
+        name = "model.safetensors" if len(groups) == 1 else f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors"
+        files.append(_write_file(root / name, group, store, step, manifest, later))
+    if len(groups) > 1:
+        weight_map = {tensor.name: file.name for group, file in zip(groups, files, strict=True) for tensor in group}
+        index_document = {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": weight_map}
+        data = json.dumps(index_document, indent=2).encode()
+        files.append(_write_small(root / INDEX_NAME, data))
+    _remove_stale(root, {file.name for file in files})
+    fsync_directory(root)
+    largest = max((tensor.nbytes for tensor in tensors), default=0)
+    return ExportResult(step, root, tuple(files), tuple(t.name for t in tensors), tuple(skipped), largest)
+
+
+def _structure(header: ShardHeader, record: ShardRecord) -> Structure:
+    what = f"rank {record.rank} shard {record.path}"
+    return structure_of(header.metadata, header.arrays, what, [name for name, _holder in record.replicas])
+
+
+def _prefix(structure: Structure, entry: str | tuple[str | int, ...]) -> tuple[str | int, ...]:
+    """The path ``only`` stands for (a top-level key, a key tuple or a tensor name)."""
+    if isinstance(entry, tuple):
+        return entry
+    if any(key == entry for key, _item in structure.root["dict"]):
+        return (entry,)
+    return structure.paths[entry]
+
+
+def _plan(
+    manifest: ShardManifest, headers: list[ShardHeader], structure: Structure, prefix: tuple[str | int, ...]
+) -> tuple[list[_Tensor], list[str]]:
+    """The tensors to write, from rank 0's (cut) ``structure``, and the paths of what is not an array."""
+    chunks = {(record.rank, chunk.name): chunk for record in manifest.shards for chunk in record.chunks}
+    holders = {(record.rank, name): holder for record in manifest.shards for name, holder in record.replicas}
+    tensors: list[_Tensor] = []
+    skipped: list[str] = []
+    seen: dict[str, tuple[str | int, ...]] = {}
+    for array_name, path in structure.paths.items():
+        if structure.kinds[array_name] in ("bytes", "bytesio"):
+            skipped.append(".".join(map(str, path)))
+            continue
+        name = ".".join(str(key) for key in path[len(prefix) :]) or str(path[-1])
+        if name in seen:
+            raise UsageError(f"export: the paths {seen[name]} and {path} both make the tensor name {name!r}")
+        seen[name] = path
+        tensors.append(_tensor(name, array_name, manifest, headers, chunks, holders))
+    skipped += _scalars(structure.root, ())
+    return tensors, skipped
+
+
+def _tensor(
+    name: str,
+    array: str,
+    manifest: ShardManifest,
+    headers: list[ShardHeader],
+    chunks: dict[tuple[int, str], ChunkRecord],
+    holders: dict[tuple[int, str], int],
+) -> _Tensor:
+    """Where ``array``'s full tensor comes from: every distinct chunk the ranks' records list,
+    every rank's flat slice, or the one rank that holds the array."""
+    boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], _Part] = {}
+    global_shape: tuple[int, ...] | None = None
+    for record in manifest.shards:
+        chunk = chunks.get((record.rank, array))
+        if chunk is not None:
+            global_shape = chunk.global_shape
+            box = (chunk.offsets, chunk.sizes)
+            boxes.setdefault(box, _Part(record.rank, array, *box))
+    if global_shape is not None:
+        parts = tuple(boxes.values())
+        if sum(math.prod(part.sizes) for part in parts) != math.prod(global_shape):
+            raise InvalidStateError(f"export: the saved chunks of {array!r} do not cover its tensor {global_shape}")
+        return _Tensor(name, _code(headers, parts[0]), global_shape, parts)
+    if array in manifest.sharded_keys:
+        parts = tuple(
+            _Part(record.rank, array, (record.param_shard_offset,), (record.param_shard_numel,))
+            for record in manifest.shards
+            if record.param_shard_numel
+        )
+        return _Tensor(name, _code(headers, parts[0]), (manifest.total_numel,), parts)
+    rank = holders.get((0, array), 0)  # rank 0's array, or the rank its shard left it to
+    shape = headers[rank].arrays[array].shape
+    part = _Part(rank, array, (0,) * len(shape), shape)
+    return _Tensor(name, _code(headers, part), shape, (part,))
+
+
+def _code(headers: list[ShardHeader], part: _Part) -> str:
+    dtype = headers[part.rank].arrays[part.name].dtype
+    return next(code for code, known in DTYPES.items() if known == dtype)
+
+
+def _scalars(node: object, path: tuple[str | int, ...]) -> list[str]:
+    """The paths of the values of a structure tree that are not arrays (not exported)."""
+    if not isinstance(node, dict):
+        return [".".join(map(str, path)) or "(root)"]
+    ((tag, value),) = node.items()
+    if tag == "dict":
+        found = []
+        for key, item in value:
+            decoded = int(key["int"], 16) if isinstance(key, dict) else key
+            found += _scalars(item, (*path, decoded))
+        return found
+    if tag in ("list", "tuple"):
+        return [entry for index, item in enumerate(value) for entry in _scalars(item, (*path, index))]
+    if tag in ("int", "float"):
+        return [".".join(map(str, path))]
+    return []  # an array leaf
+
+
+def _groups(tensors: list[_Tensor], max_shard_bytes: int) -> list[list[_Tensor]]:
+    """The tensors in files of at most ``max_shard_bytes`` each (a larger tensor alone in one)."""
+    groups: list[list[_Tensor]] = [[]]
+    size = 0
+    for tensor in tensors:
+        if groups[-1] and size + tensor.nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(tensor)
+        size += tensor.nbytes
+    return groups
+
+
+def _write_file(
+    path: Path, tensors: list[_Tensor], store: TieredStore, step: int, manifest: ShardManifest, later: tuple[str, ...]
+) -> ExportedFile:
+    def write(out: BinaryIO) -> tuple[int, str]:
+        hasher = Hasher("full")
+        header = header_of([(t.name, t.dtype, t.shape) for t in tensors], _METADATA)
+        write_all(out, header)
+        hasher.update(header)
+        for tensor in tensors:  # one at a time: the peak is one tensor
+            data = _assembled(tensor, store, step, manifest, later)
+            write_all(out, data)
+            hasher.update(data)
+            del data
+        digest = hasher.digest()
+        return digest.size_bytes, digest.sha256
+
+    size, sha256 = atomic_write(path, write, sync_directory=False)
+    return ExportedFile(path.name, size, sha256)
+
+
+def _assembled(
+    tensor: _Tensor, store: TieredStore, step: int, manifest: ShardManifest, later: tuple[str, ...]
+) -> memoryview:
+    """The bytes of ``tensor`` whole, each part read (verified) straight into its place where that place is
+    contiguous memory, else into its own buffer and copied there."""
+    full = np.empty(tensor.shape, dtype=DTYPES[tensor.dtype])
+    for part in tensor.parts:
+        box: tuple[Any, ...] = (*(slice(o, o + n) for o, n in zip(part.offsets, part.sizes, strict=True)), ...)
+        place = full[box]
+        record = manifest.shard(part.rank)
+        if place.flags.c_contiguous:
+            store.read_parts(step, record, {part.name}, later=later, into={part.name: place.reshape(part.sizes)})
+        else:
+            state, _source = store.read_parts(step, record, {part.name}, later=later)
+            place[...] = state.arrays[part.name].reshape(part.sizes)
+    return full.reshape(-1).view(np.uint8).data
+
+
+_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+
+
+def _remove_stale(root: Path, written: set[str]) -> None:
+    """Remove the weight files and index an earlier export left that this one did not write:
+    a reader would take a stale ``model.safetensors`` over a new index, or a stale index's files."""
+    for entry in os.scandir(root):
+        if entry.name not in written and (entry.name == INDEX_NAME or _WEIGHTS.fullmatch(entry.name)):
+            os.unlink(entry.path)
+
+
+def _write_small(path: Path, data: bytes) -> ExportedFile:
+    hasher = Hasher("full")
+    hasher.update(data)
+    atomic_write(path, lambda out: write_all(out, data), sync_directory=False)
+    return ExportedFile(path.name, len(data), hasher.digest().sha256)

@@ -10,9 +10,10 @@ round). One module per section, each saying what it measures: ``sync`` (save and
 next to the disk's and sha256's limits), ``async`` (in ``async_save.py``), ``retention``,
 ``dist`` (rank processes), ``train``, ``remote`` (moto's S3 server next to boto3),
 ``structure``, ``fsdp`` (next to DCP), ``peer`` (a lost node restored from its partners'
-memory, and a partner copy's cost) and, with ``--peers``, ``peers`` (safetensors,
-``torch.save``, DCP on the same state); ``--plot FILE.png`` draws the peers table (needs matplotlib:
-``pip install -e '.[bench]'``). What they share is in :mod:`benchmarks.harness`.
+memory, and a partner copy's cost), ``parts`` (a partial restore and an export) and, with
+``--peers``, ``peers`` (safetensors, ``torch.save``, DCP on the same state); ``--plot
+FILE.png`` draws the peers table (needs matplotlib: ``pip install -e '.[bench]'``). What
+they share is in :mod:`benchmarks.harness`.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks import async_save, dist, fsdp, peer, peers, remote, retention, structure, sync, train
+from benchmarks import async_save, dist, fsdp, parts, peer, peers, remote, retention, structure, sync, train
 from benchmarks.harness import check_plotting, make_states, parser, positive
 
 __all__ = ["main"]
 
-SECTIONS = ("sync", "async", "retention", "dist", "train", "remote", "structure", "fsdp", "peer", "peers")
-DEFAULT = ("sync", "async", "retention", "dist", "train", "remote", "structure", "fsdp", "peer")
+SECTIONS = ("sync", "async", "retention", "dist", "train", "remote", "structure", "fsdp", "peer", "parts", "peers")
+DEFAULT = ("sync", "async", "retention", "dist", "train", "remote", "structure", "fsdp", "peer", "parts")
 IN_MEMORY = {"sync", "async", "retention", "peers"}  # the sections measuring one state made here
 
 
@@ -84,6 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "peer" in sections:
             print("peer tier: 4 ranks as 2 nodes (gloo), a lost node's restore and what a partner copy costs:")
             peer.bench_peer(total, root, args.repeat, args.train_steps)
+        if "parts" in sections:
+            print("restoring a part (paths=) and exporting one safetensors checkpoint, warm:")
+            parts.bench_parts(total, args.ranks, root, args.repeat)
         if "peers" in sections:
             print("peers: the same state saved and loaded by each (interleaved rounds):")
             table = peers.bench_peers(states, root, args.repeat)

@@ -124,8 +124,9 @@ def run(config: dict, rank: int, world_size: int, result: dict) -> None:
             manager.save(3, state, blocking=True)
             manager.wait(uploaded=True)
             result["local"] = local_digests(state)
-        elif config["do"] == "restore_plain":  # no into: this rank's own arrays as it saved them
-            restored = manager.restore()
+        elif config["do"] in ("restore_plain", "restore_model", "restore_extras"):  # no into: as saved
+            part = config["do"].removeprefix("restore_")
+            restored = manager.restore(paths=None if part == "plain" else [part])
             result["local"] = local_digests(restored.torch_state())
             result["sources"] = {str(old): tier for old, tier in restored.sources.items()}
             return

@@ -50,6 +50,8 @@ def test_benchmark_runs_every_section_and_prints_its_ratios(tmp_path):
         "partner copy / disk save (until committed)",
         "partner copy every 10 steps: slowdown",
         "floor of its CPU share, no core free",
+        "restore(model) / full restore: bytes read",
+        "export peak RSS growth / largest tensor",
     ):
         assert line in result.stdout
     assert "2 processes" not in result.stdout and "4 rank processes" not in result.stdout  # as told
@@ -69,7 +71,7 @@ def test_help_names_the_command_and_every_section():
     result = bench("--help", timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: python -m benchmarks")
-    assert "{sync,async,retention,dist,train,remote,structure,fsdp,peer,peers}" in result.stdout
+    assert "{sync,async,retention,dist,train,remote,structure,fsdp,peer,parts,peers}" in result.stdout
     assert "--dist-processes N [N ...]" in result.stdout and "(default 1 2 4)" in result.stdout
     assert "--fsdp-processes N [N ...]" in result.stdout and "(default 2 4)" in result.stdout
 
@@ -96,7 +98,19 @@ def test_the_benchmark_is_a_dag_of_a_harness_and_sections_and_the_library_never_
     modules = {path.stem: imported(path) for path in BENCHMARKS.glob("*.py")}
     own = {stem: {name for name in names if name.split(".")[0] == "benchmarks"} for stem, names in modules.items()}
     sections = set(modules) - {"__init__", "__main__", "harness"}
-    expected = {"sync", "async_save", "retention", "dist", "train", "remote", "structure", "fsdp", "peer", "peers"}
+    expected = {
+        "sync",
+        "async_save",
+        "retention",
+        "dist",
+        "train",
+        "remote",
+        "structure",
+        "fsdp",
+        "peer",
+        "parts",
+        "peers",
+    }
     assert expected <= sections
     assert own["harness"] == set() and own["__init__"] == set()  # the harness imports no section
     for section in sections:

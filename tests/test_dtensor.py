@@ -119,6 +119,16 @@ def test_replicated_arrays_are_written_once_and_each_rank_keeps_its_own(tmp_path
                 assert result["local"] == saved[rank]["local"]
 
 
+def test_a_part_of_the_state_restores_with_the_replicated_arrays_under_it_and_no_others(tmp_path):
+    saved = run_job(tmp_path, 3, "save")  # extras/table is written once, by one rank, for all three
+    for part in ("extras", "model"):  # its replica received from its holder; none exchanged at all
+        restored = run_job(tmp_path, 3, f"restore_{part}")
+        for rank, result in restored.items():
+            assert "error" not in result, result
+            expected = {key: digest for key, digest in saved[rank]["local"].items() if key.startswith(f"/{part}/")}
+            assert result["local"] == expected and expected
+
+
 def test_a_flipped_byte_in_a_needed_shard_is_caught_and_read_from_the_bucket(tmp_path, s3_url):
     saved = run_job(tmp_path, 2, "save", remote=s3_url)
     step_dir = tmp_path / "nodes" / "rank-0" / step_dir_name(3)

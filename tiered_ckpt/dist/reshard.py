@@ -25,7 +25,7 @@ import numpy as np
 
 from tiered_ckpt.errors import InvalidStateError, ReshardError, UsageError
 from tiered_ckpt.format.manifest import ChunkRecord, ShardManifest
-from tiered_ckpt.format.shardfile import into_difference
+from tiered_ckpt.format.differences import into_difference
 from tiered_ckpt.format.state import FlatState, State, flatten
 from tiered_ckpt.format.structure import Chunk, Structure, path_text
 

@@ -34,9 +34,9 @@ from tiered_ckpt.dist.reshard import (
 )
 from tiered_ckpt.engine.restore_result import RestoreResult
 from tiered_ckpt.errors import CheckpointError, IncompleteCheckpointError, InvalidStateError, UsageError, restated
+from tiered_ckpt.format.differences import into_difference
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.format.selection import select
-from tiered_ckpt.format.shardfile import into_difference
 from tiered_ckpt.format.state import FlatState, State, flatten_into
 from tiered_ckpt.format.validate import check_into, check_world_size
 from tiered_ckpt.io.hashing import Verify

@@ -26,12 +26,13 @@ import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Any, BinaryIO, Literal
+from typing import BinaryIO, Literal
 
 import ml_dtypes
 import numpy as np
 
 from tiered_ckpt.errors import InvalidStateError, ShardFormatError
+from tiered_ckpt.format.differences import into_difference
 from tiered_ckpt.io.blockread import read_blocks
 from tiered_ckpt.io.hashing import CHUNK_BYTES, HashedStream, Hasher, ShardDigest, Verify, check_verify, hashing_writer
 
@@ -53,7 +54,6 @@ __all__ = [
     "json_length_bound",
     "MAX_HEADER_BYTES",
     "MAX_DIMS",
-    "into_difference",
 ]
 
 DTYPES: dict[str, np.dtype] = {
@@ -477,41 +477,3 @@ def _targets(entries: list[_Entry], into: Mapping[str, np.ndarray] | None, what:
         if not (array.flags.c_contiguous and array.flags.writeable):
             raise InvalidStateError(f"{what}: into[{entry.name!r}] must be writable and C-contiguous")
     return dict(into)
-
-
-_LISTED = 5  # names shown per kind of difference; a state of thousands of arrays keeps a short message
-
-
-def into_difference(
-    expected: Mapping[str, tuple[np.dtype, tuple[int, ...]] | None], into: Mapping[str, Any], holder: str = "the shard"
-) -> str:
-    """What differs between the arrays ``holder`` holds (``expected``: name -> dtype and shape,
-    or None to compare the name only) and ``into``'s: the names missing from ``into``, those
-    it has in excess, and those of another dtype or shape (a few of each, with counts); ""
-    if they match."""
-    missing = sorted(name for name in expected if name not in into)
-    extra = sorted(name for name in into if name not in expected)
-    mismatched = []
-    for name, kind in sorted(expected.items()):
-        if kind is None or name not in into:
-            continue
-        dtype, shape = kind
-        array = into[name]
-        if not isinstance(array, np.ndarray) or array.dtype != dtype or array.shape != shape:
-            got = f"{array.dtype} {_shape(array.shape)}" if isinstance(array, np.ndarray) else type(array).__name__
-            mismatched.append(f"{name!r:.120} {got} ({holder}: {dtype} {_shape(shape)})")
-    parts = [
-        _listed(f"{len(missing)} missing from into", [f"{name!r:.120}" for name in missing]),
-        _listed(f"{len(extra)} not in {holder}", [f"{name!r:.120}" for name in extra]),
-        _listed(f"{len(mismatched)} of another dtype or shape", mismatched),
-    ]
-    return "; ".join(part for part, items in zip(parts, (missing, extra, mismatched), strict=True) if items)
-
-
-def _shape(shape: tuple[int, ...]) -> str:
-    return "x".join(map(str, shape)) if shape else "scalar"
-
-
-def _listed(title: str, items: list[str]) -> str:
-    more = f", and {len(items) - _LISTED} more" if len(items) > _LISTED else ""
-    return f"{title}: {', '.join(items[:_LISTED])}{more}"

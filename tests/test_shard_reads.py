@@ -164,22 +164,55 @@ def test_an_into_that_does_not_hold_the_selection_is_refused_naming_the_differen
         manager.save(5, nested(0), blocking=True)
         with pytest.raises(InvalidStateError, match=r"into\[0\] does not hold the arrays .*'model/b'"):
             manager.restore(paths=["model"], into={"model": {"w": np.empty(4096, np.float32)}})
-        with pytest.raises(UsageError, match="paths cannot be combined with reshard"):
-            manager.restore(paths=["model"], world_size=2, reshard=True)
 
 
-def test_a_step_whose_manifest_records_no_per_array_digests_says_to_restore_it_whole(tmp_path):
+def test_a_step_saved_without_per_array_digests_is_read_whole_and_cut(tmp_path, s3_url):
     import json
 
     from tiered_ckpt.format.layout import MANIFEST_NAME
 
-    with CheckpointManager(tmp_path, world_size=1) as manager:
+    url, options = s3_url
+    remote = RemoteOptions(url, storage_options=options)
+    with CheckpointManager(tmp_path / "a", world_size=1, remote=remote) as manager:
         manager.save(5, nested(0), blocking=True)
-    path = tmp_path / step_dir_name(5) / MANIFEST_NAME
+    path = tmp_path / "a" / step_dir_name(5) / MANIFEST_NAME
     document = json.loads(path.read_text())
     assert len(document["shards"][0].pop("array_xxh3_64")) == 16 * 3  # one digest per array: w, b, exp_avg
     path.write_text(json.dumps(document))  # as a step saved before the digests were recorded
-    with CheckpointManager(tmp_path, world_size=1) as manager:
-        with pytest.raises(ShardFormatError, match="no digest of its arrays: it can only be read whole"):
-            manager.restore(paths=["model"])
-        assert manager.restore().state["step"] == 7
+    into = {"model": {"w": np.empty(4096, np.float32), "b": np.empty(16), "version": 0}}
+    with CheckpointManager(tmp_path / "a", world_size=1) as manager:
+        result = manager.restore(paths=["model"], into=into)
+    assert result.bytes_read == manifest_size(tmp_path / "a", 5)  # the whole shard, verified by its sha256
+    assert result.state["model"]["w"] is into["model"]["w"] and into["model"]["w"][5] == 5
+    assert set(result.state) == {"model"} and result.state["model"]["version"] == 2
+    shutil.rmtree(tmp_path / "a")  # a new node, and the bucket's record without digests too
+    bucket = RemoteTier(url, options)
+    remote_path = bucket.location(5, MANIFEST_NAME)
+    document = json.loads(bucket.backend.fs.cat_file(remote_path))
+    document["shards"][0].pop("array_xxh3_64")
+    bucket.backend.fs.pipe_file(remote_path, json.dumps(document).encode())
+    with CheckpointManager(tmp_path / "b", world_size=1, remote=remote) as manager:
+        b = manager.restore(paths=[("optim", "state", 0)])
+        assert manager.steps() == [5]  # read whole from the bucket: landed, as a whole shard is
+    assert b.sources == {0: "remote"} and set(b.state["optim"]["state"][0]) == {"exp_avg"}
+
+
+def manifest_size(root, step: int) -> int:
+    return LocalTier(root).manifest(step).total_bytes
+
+
+def test_a_part_of_flat_shards_reshards_onto_another_world_size(tmp_path):
+    flat = np.arange(1200, dtype=np.float32)
+    states = [
+        {"model": {"flat": flat[r * 400 : (r + 1) * 400], "embed": np.eye(3)}, "optim": {"m": flat[:400] * 0 + r}}
+        for r in range(3)
+    ]
+    runtime = RuntimeOptions(sharded_keys=[("model", "flat"), ("optim", "m")])
+    with CheckpointManager(tmp_path, world_size=3, runtime=runtime) as manager:
+        manager.save(5, states, blocking=True)
+        result = manager.restore(paths=["model"], world_size=2, reshard=True)  # an eval job on 2 ranks
+        with pytest.raises(UsageError, match="paths with reshard=True takes no into="):
+            manager.restore(paths=["model"], world_size=2, reshard=True, into=[{}, {}])
+    assert [set(state) for state in result.states] == [{"model"}, {"model"}]
+    np.testing.assert_array_equal(np.concatenate([s["model"]["flat"] for s in result.states]), flat)
+    assert all(np.array_equal(s["model"]["embed"], np.eye(3)) for s in result.states)

@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -35,7 +35,7 @@ from tiered_ckpt.dist.reshard import (
 from tiered_ckpt.engine.restore_result import RestoreResult
 from tiered_ckpt.errors import CheckpointError, IncompleteCheckpointError, InvalidStateError, UsageError, restated
 from tiered_ckpt.format.differences import into_difference
-from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
+from tiered_ckpt.format.manifest import RemoteManifest, ShardManifest, ShardRecord
 from tiered_ckpt.format.selection import select
 from tiered_ckpt.format.state import FlatState, State, flatten_into
 from tiered_ckpt.format.validate import check_into, check_world_size
@@ -49,6 +49,17 @@ __all__ = ["PendingRead", "ShardReader"]
 def _part_bytes(record: ShardRecord, state: FlatState) -> int:
     """The bytes a partial read of ``record``'s shard took: its header and the arrays in ``state``."""
     return record.header_bytes + sum(array.nbytes for array in state.arrays.values())
+
+
+@dataclass(frozen=True)
+class _Selection:
+    """A partial restore's paths, and where its step is: the bucket's remote manifest (None if
+    a nearer tier's manifest was used), and whether the local disk and the bucket committed it."""
+
+    paths: Sequence[str | tuple[str | int, ...]]
+    remote: RemoteManifest | None
+    in_local: bool
+    in_remote: bool
 
 
 @dataclass(frozen=True)
@@ -137,13 +148,13 @@ class ShardReader:
             if not reshard:
                 check_world_size(manifest, target, str(store.local.step_dir(step)))
             if paths is not None:
-                if reshard or manifest.world_size != target:
+                if manifest.world_size != target and (targets is not None or any(r.chunks for r in manifest.shards)):
                     raise UsageError(
-                        "restore: paths cannot be combined with reshard=True (yet): restore on the saved world size"
+                        "restore: paths with reshard=True takes no into= and no state of DTensors (restore a part "
+                        "of those on the saved world size)"
                     )
-                return self._completed_here(
-                    self._load_selected(step, manifest, in_remote, target, targets, verify, paths)
-                )
+                selection = _Selection(paths, remote, in_local, in_remote)
+                return self._completed_here(self._load_selected(step, manifest, selection, target, targets, verify))
             if targets is not None and any(state.structure.chunks for state in targets):
                 return self._completed_here(self._load_chunks(step, manifest, in_remote, target, targets, verify))
             from_peers = self._from_peers(manifest, target)
@@ -333,51 +344,75 @@ class ShardReader:
         self,
         step: int,
         manifest: ShardManifest,
-        in_remote: bool,
+        selection: _Selection,
         target: int,
         targets: list[FlatState] | None,
         verify: Verify,
-        paths: Sequence[str | tuple[str | int, ...]],
     ) -> PendingRead:
-        """A partial restore: each of this process's ranks reads, of its shard, the header and
-        the arrays under ``paths`` (:func:`~tiered_ckpt.format.selection.select`), each verified
-        (:meth:`TieredStore.read_parts`), into ``targets``' arrays when given (a state of the
-        selection's nesting). The manifest handed on leaves out the replicated arrays outside
-        the selection, so that only those inside are put back (every rank of one job selects
-        the same names: their states share one nesting)."""
+        """A partial restore: each saved rank this process needs reads, of its shard, the header
+        and the arrays under the selection's paths (:func:`~tiered_ckpt.format.selection.select`),
+        each verified (:meth:`TieredStore.read_parts`), into ``targets``' arrays when given (a
+        state of the selection's nesting); a shard whose record has no per-array digests (saved
+        before they were recorded) is read whole, verified by its sha256, and cut. The
+        manifest handed on keeps only the replicated arrays and sharded keys inside the
+        selection, so that only those are put back and resharded (every rank of one job
+        selects the same names: their states share one nesting)."""
         if targets is not None and len(targets) != len(self._ranks):
             raise InvalidStateError(f"into holds {len(targets)} rank states, this process restores {len(self._ranks)}")
-        if not in_remote and not self._one_process:
-            self._check_on_this_node(manifest, list(self._ranks))
+        wanted = self._needed(manifest, target)
+        if not selection.in_remote and not self._one_process:
+            self._check_on_this_node(manifest, wanted)
+        later = self._store.readable(selection.in_remote)
+        whole = [rank for rank in wanted if not (manifest.shard(rank).chunks or manifest.shard(rank).array_xxh3_64)]
 
         def read(index: int) -> tuple[FlatState, Source]:
-            record = manifest.shard(self._ranks[index])
-            cut = partial(select, paths=paths, what=f"rank {record.rank} shard {record.path}")
+            record = manifest.shard(wanted[index])
+            what = f"rank {record.rank} shard {record.path}"
             into = targets[index].arrays if targets is not None else None
-            return self._store.read_parts(
-                step, record, cut, later=self._store.readable(in_remote), into=into, verify=verify
-            )
+            if record.rank not in whole:
+                cut = partial(select, paths=selection.paths, what=what)
+                return self._store.read_parts(step, record, cut, later=later, into=into, verify=verify)
+            state, source = self._store.fetch_shard(step, record, verify=verify, later=later)
+            structure = select(state.structure, selection.paths, what)
+            arrays = {name: state.arrays[name] for name in structure.kinds if name in state.arrays}
+            for name, array in arrays.items():
+                given = (into or {}).get(name)
+                if given is not None and (given.dtype, given.shape) == (array.dtype, array.shape):
+                    np.copyto(given, array)  # the rest: named by the check of into below
+                    arrays[name] = given
+            return FlatState(arrays, structure), source
 
-        fetched = run_parallel(read, range(len(self._ranks)), self._max_workers)
-        read_states = {rank: state for rank, (state, _source) in zip(self._ranks, fetched, strict=True)}
+        with self._step_dir(step) if whole else nullcontext():
+            fetched = run_parallel(read, range(len(wanted)), self._max_workers)
+            if whole:  # a shard read whole from a later tier refilled the local step
+                self._store.record_refill(manifest, selection.remote, whole, was_committed=selection.in_local)
+        read_states = {rank: state for rank, (state, _source) in zip(wanted, fetched, strict=True)}
         for index, target_state in enumerate(targets or ()):
-            selected = dict.fromkeys(read_states[self._ranks[index]].structure.kinds)
-            problem = into_difference(selected, target_state.arrays, "the selected paths")
+            state = read_states[wanted[index]]
+            expected = {
+                **dict.fromkeys(state.structure.kinds),
+                **{n: (a.dtype, a.shape) for n, a in state.arrays.items()},
+            }
+            problem = into_difference(expected, target_state.arrays, "the selected paths")
             if problem:
                 raise InvalidStateError(f"into[{index}] does not hold the arrays of the selected paths: {problem}")
         chosen = set().union(*(state.structure.kinds for state in read_states.values()))
         records = [replace(r, replicas=tuple(p for p in r.replicas if p[0] in chosen)) for r in manifest.shards]
-        cut_manifest = replace(manifest, shards=tuple(records), source=f"the manifest of step {step}")
+        keys = tuple(key for key in manifest.sharded_keys if key in chosen)
+        cut = replace(manifest, shards=tuple(records), sharded_keys=keys, source=f"the manifest of step {step}")
         return PendingRead(
             step,
-            cut_manifest,
+            cut,
             target,
             read=read_states,
-            sources={rank: source for rank, (_state, source) in zip(self._ranks, fetched, strict=True)},
-            bytes_read=sum(_part_bytes(manifest.shard(rank), state) for rank, state in read_states.items()),
-            from_peers=self._from_peers(cut_manifest, target),
-            later=self._store.readable(in_remote),
-            into={rank: state.arrays for rank, state in zip(self._ranks, targets or (), strict=False)},
+            sources={rank: source for rank, (_state, source) in zip(wanted, fetched, strict=True)},
+            bytes_read=sum(
+                manifest.shard(rank).size_bytes if rank in whole else _part_bytes(manifest.shard(rank), state)
+                for rank, state in read_states.items()
+            ),
+            from_peers=self._from_peers(cut, target),
+            later=later,
+            into={rank: state.arrays for rank, state in zip(wanted, targets or (), strict=False)},
         )
 
     def _check_on_this_node(self, manifest: ShardManifest, ranks: list[int]) -> None:

@@ -12,7 +12,6 @@ from tiered_ckpt import (
     InvalidStateError,
     RemoteOptions,
     RuntimeOptions,
-    ShardFormatError,
     UsageError,
     WorldSizeMismatchError,
 )

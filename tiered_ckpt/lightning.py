@@ -92,7 +92,7 @@ class TieredCheckpointIO(CheckpointIO):
         self.manager = manager
         self.step_key = step_key
         self.last_restore: RestoreResult | None = None
-        self._lock = threading.Lock()  # AsyncCheckpointIO saves from its thread; removes come from the loop's
+        self._lock = threading.Lock()  # AsyncCheckpointIO saves from a thread of its own
         self._newest: tuple[int, frozenset[str]] | None = None  # the newest step saved or loaded here, its keys
 
     def __repr__(self) -> str:
@@ -110,7 +110,8 @@ class TieredCheckpointIO(CheckpointIO):
         saved again: the pointer names it. Raises :class:`InvalidStateError` for a value
         that cannot be stored (naming its path) or a step that is not an ``int``,
         :class:`CheckpointExistsError` for a step not newer than the manager's newest (a run
-        resumed from an older step than the newest) or saved here with other top-level keys,
+        resumed from an older step, or started afresh over saved steps) or saved here with
+        other top-level keys,
         :class:`UsageError` for ``storage_options`` or a step the manager's cadence skips,
         and the manager's background errors; nothing is written then.
         """
@@ -160,8 +161,9 @@ class TieredCheckpointIO(CheckpointIO):
         except CheckpointExistsError as exc:
             raise restated(
                 exc,
-                f"{target}: {exc}: the run resumed from an older step than the manager's newest; resume from the "
-                "newest (ckpt_path=io.ckpt_path()), or save this run under another local.dir and remote.url",
+                f"{target}: {exc}: this run is behind the manager's newest step (it resumed from an older step, or "
+                "started afresh over saved steps); resume from the newest (ckpt_path=io.ckpt_path()), or save this "
+                "run under another local.dir and remote.url",
             ) from exc
         except CheckpointError as exc:
             raise restated(exc, f"{target}: {exc}") from exc
@@ -184,11 +186,12 @@ class TieredCheckpointIO(CheckpointIO):
         manager's retention deletes steps. Raises :class:`UsageError`, removing nothing, if
         ``path`` is something else (a file of another kind, a directory such as a step's)."""
         target = _local_path(path)
-        with self._lock:
-            if not target.exists() and not target.is_symlink():
-                return
-            self._parse_pointer(target)  # refuses anything that is not a pointer
-            target.unlink()
+        # Not under the saves' lock: under AsyncCheckpointIO the loop removes while a save runs.
+        if not target.exists():
+            target.unlink(missing_ok=True)  # nothing there, or a link to a pointer removed already
+            return
+        self._parse_pointer(target)  # refuses anything that is not a pointer
+        target.unlink()
 
     def teardown(self) -> None:
         """Raise a background error of the manager not raised yet (a permanent upload failure)."""

@@ -30,10 +30,11 @@ need not exist: the manager restores the step from whichever tier holds it.
 Blocking: :meth:`save_checkpoint` returns once the step is committed on local disk and its
 pointer is written; the upload goes on in the manager's background. It does not return
 earlier (as ``manager.save`` could, once the state is staged): Lightning takes a returned save
-for a checkpoint in place, removes older ones right after and, at ``teardown``, does not wait
-for anything a wrapper started. For saves off the training loop, wrap the plugin in Lightning's
-own ``AsyncCheckpointIO``: it copies the tensors on the loop's thread and calls this plugin from
-a thread of its own, whose pending saves its ``teardown`` waits for.
+for a checkpoint in place and removes older ones right after, and ``AsyncCheckpointIO`` never
+calls the wrapped plugin's ``teardown``, so a save still running then would never get its
+pointer. For saves off the training loop, wrap the plugin in Lightning's own
+``AsyncCheckpointIO``: it copies the tensors on the loop's thread and calls this plugin from a
+thread of its own, whose pending saves its ``teardown`` waits for.
 
 One process: the plugin holds one rank (a manager of ``world_size`` 1); under DDP, Lightning
 saves on rank 0 only and loads on every rank, which this plugin refuses rather than half-does.

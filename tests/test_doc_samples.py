@@ -7,7 +7,9 @@ on loopback reached through ``AWS_ENDPOINT_URL``; ``/nvme/ckpt`` becomes a temp 
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 from pathlib import Path
 
 import test_readme
@@ -31,6 +33,8 @@ MARKERS = {
     "partial": ("guides/saving-and-restoring.md", 'manager.restore(paths=["model"])'),
     "export": ("guides/exporting.md", 'export_safetensors("/nvme/ckpt/run"'),
     "peer": ("guides/peer-tier.md", "peer=PeerOptions(every=10"),
+    "lightning": ("guides/lightning.md", "trainer.fit(model, train_dataloaders, ckpt_path=io.ckpt_path())"),
+    "fabric": ("guides/lightning.md", 'TieredCheckpointIO(manager, step_key="step")'),
 }
 
 
@@ -199,3 +203,60 @@ def test_the_peer_tier_guide_keeps_steps_in_partner_memory_and_restores_the_newe
     assert "rank 0: restored (120, {0: 'peer'})" in again.stdout
     assert "rank 1: restored (120, {1: 'peer'})" in again.stdout
     assert committed(server) == []  # the bucket's cadence (500) took no step of 120
+
+
+LIGHTNING_PRELUDE = """
+    import lightning as L
+    import torch
+
+    total_steps = 200
+    torch.manual_seed(0)
+
+    class Model(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    model = Model()
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    train_dataloaders = torch.utils.data.DataLoader(data, batch_size=8)
+
+    def train_one_step(fabric, model, optimizer):
+        fabric.backward(model(torch.randn(8, 8)).square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+"""
+
+
+def test_the_lightning_guide_resumes_a_trainer_from_the_bucket_and_fabric_from_its_newest_step(tmp_path, bucket):
+    server, env = bucket
+    sources = "print('sources', io.last_restore and dict(io.last_restore.sources))\n"
+    trainer = script(tmp_path, "trainer_sample", LIGHTNING_PRELUDE, sample("lightning"), sources)
+    first = run(trainer, env, tmp_path)
+    assert first.returncode == 0, first.stderr[-5000:]
+    assert "restored step None" in first.stdout and committed(server) == [100, 200]
+    assert json.loads((tmp_path / "checkpoints" / "last.ckpt").read_text())["step"] == 200
+    shutil.rmtree(tmp_path / "nvme")  # a new node: the steps are in the bucket only
+    again = run(trainer, env, tmp_path)
+    assert again.returncode == 0, again.stderr[-5000:]
+    assert "restored step 200" in again.stdout and "sources {0: 'remote'}" in again.stdout
+
+    epilogue = "print('fabric', io.last_restore and io.last_restore.step, state['step'])\n"
+    fabric = script(tmp_path, "fabric_sample", LIGHTNING_PRELUDE, sample("fabric"), epilogue)
+    outputs = []
+    for _ in range(2):
+        result = run(fabric, env, tmp_path)
+        assert result.returncode == 0, result.stderr[-5000:]
+        outputs.append(result.stdout)
+    assert "fabric None 200" in outputs[0] and "fabric 200 200" in outputs[1]
+    assert sorted(path.name for path in (tmp_path / "checkpoints").glob("fabric-*")) == [
+        "fabric-100.ckpt",
+        "fabric-200.ckpt",
+    ]

@@ -1,0 +1,382 @@
+"""The Lightning plugin (tiered_ckpt.lightning): a real ``lightning.Trainer`` (and ``Fabric``) on the CPU.
+
+The resume tests run real training processes (tests/lightning_child.py), SIGKILL one mid-epoch
+once a checkpoint is committed and in the bucket (moto's S3 server), resume it and compare
+every step's loss and the final parameters, bit for bit, with a run that was never interrupted.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+from tiered_ckpt import (
+    CheckpointExistsError,
+    CheckpointManager,
+    InvalidStateError,
+    ManifestError,
+    UsageError,
+)
+from tiered_ckpt.format.layout import step_dir_name
+from tiered_ckpt.lightning import POINTER_FORMAT, TieredCheckpointIO
+
+CHILD = Path(__file__).with_name("lightning_child.py")
+EVERY, KILL_AT, MAX_STEPS, EPOCH = 10, 24, 40, 16  # the child's loader has 16 batches an epoch
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
+
+
+# --- training processes ----------------------------------------------------------------------
+
+
+def child_config(root: Path, name: str, remote: tuple[str, dict] | None = None, **extra: Any) -> dict:
+    """A run of the child under ``root`` (the manager's directory ``root/ckpt``, pointers in ``root/names``)."""
+    config = {
+        "local": str(root / "ckpt"),
+        "names": str(root / "names"),
+        "losses": str(root / f"{name}.losses.jsonl"),
+        "params": str(root / f"{name}.params.npz"),
+        "result": str(root / f"{name}.result.json"),
+        "every": EVERY,
+        "max_steps": MAX_STEPS,
+        **extra,
+    }
+    if remote is not None:
+        config["url"], config["options"] = remote
+    return config
+
+
+def start(config: dict, root: Path, name: str) -> subprocess.Popen:
+    path = root / f"{name}.json"
+    path.write_text(json.dumps(config))
+    env = {**os.environ, "PYTHONPATH": str(CHILD.parent.parent)}
+    with open(root / f"{name}.stderr", "w") as stderr:
+        return subprocess.Popen([sys.executable, str(CHILD), str(path)], stdout=subprocess.PIPE, stderr=stderr, env=env)
+
+
+def run(config: dict, root: Path, name: str) -> dict:
+    """Run the child to its end; return its result with its losses and parameters."""
+    child = start(config, root, name)
+    try:
+        child.stdout.read()
+        code = child.wait(timeout=600)  # a guard against a hang, not a timing
+    finally:
+        child.kill()
+        child.stdout.close()
+    assert code == 0, (root / f"{name}.stderr").read_text()[-5000:]
+    return finished(config)
+
+
+def run_until_killed(config: dict, root: Path, name: str) -> list[dict]:
+    """Run the child until it says it reached ``kill_at`` (its checkpoint in the bucket), SIGKILL it
+    there and return the losses it recorded."""
+    child = start(config, root, name)
+    said = b""
+    try:
+        while b"KILL ME\n" not in said:
+            ready, _, _ = select.select([child.stdout], [], [], 600)  # a guard against a hang, not a timing
+            chunk = os.read(child.stdout.fileno(), 65536) if ready else b""
+            assert chunk, f"the child ended or hung before step {KILL_AT}: " + (root / f"{name}.stderr").read_text()
+            said += chunk
+        os.kill(child.pid, signal.SIGKILL)
+        assert child.wait(timeout=600) == -signal.SIGKILL
+    finally:
+        child.kill()
+        child.stdout.close()
+    return losses(config)
+
+
+def losses(config: dict) -> list[dict]:
+    return [json.loads(line) for line in Path(config["losses"]).read_text().splitlines()]
+
+
+def finished(config: dict) -> dict:
+    result = json.loads(Path(config["result"]).read_text())
+    with np.load(config["params"], allow_pickle=False) as params:
+        result["params"] = {name: params[name] for name in params.files}
+    result["losses"] = losses(config)
+    return result
+
+
+def assert_same_params(expected: dict[str, np.ndarray], actual: dict[str, np.ndarray]) -> None:
+    assert sorted(expected) == sorted(actual)
+    for name in expected:
+        assert actual[name].dtype == expected[name].dtype and actual[name].tobytes() == expected[name].tobytes(), name
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    """The run that is never killed (local disk only: where checkpoints go does not change the training)."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    result = run(child_config(root, "uninterrupted"), root, "uninterrupted")
+    assert [each["step"] for each in result["losses"]] == list(range(MAX_STEPS))
+    return result
+
+
+def kill_mid_epoch(root: Path, remote: tuple[str, dict], uninterrupted: dict, **extra: Any) -> None:
+    """Train until step KILL_AT (mid-epoch), with step 20 (mid-epoch too) committed and uploaded; SIGKILL."""
+    config = child_config(root, "killed", remote, kill_at=KILL_AT, wait_for=20, **extra)
+    assert 20 % EPOCH and KILL_AT % EPOCH and KILL_AT // EPOCH == 20 // EPOCH  # both inside epoch 1
+    killed = run_until_killed(config, root, "killed")
+    assert killed == uninterrupted["losses"][:KILL_AT]  # it trained past the checkpoint, then died
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["plugin", "async-wrapper"])
+def test_a_run_killed_mid_epoch_resumes_from_last_to_the_losses_and_parameters_of_an_uninterrupted_run(
+    tmp_path, s3_url, uninterrupted, wrapped
+):
+    kill_mid_epoch(tmp_path, s3_url, uninterrupted, **{"async": wrapped})
+    resumed = run(
+        child_config(tmp_path, "resumed", s3_url, ckpt_path="last", **{"async": wrapped}), tmp_path, "resumed"
+    )
+    assert (resumed["restored"], resumed["sources"]) == (20, {"0": "local"})
+    assert resumed["losses"] == uninterrupted["losses"][20:]  # steps 20..39, each loss bit for bit
+    assert_same_params(uninterrupted["params"], resumed["params"])
+    assert resumed["global_step"] == MAX_STEPS and MAX_STEPS in resumed["remote_steps"]
+
+
+@pytest.mark.parametrize("resume", ["last", "newest"])
+def test_a_run_whose_disk_was_lost_resumes_from_the_bucket(tmp_path, s3_url, uninterrupted, resume):
+    kill_mid_epoch(tmp_path, s3_url, uninterrupted)
+    shutil.rmtree(tmp_path / "ckpt")  # the manager's disk is lost
+    if resume == "newest":  # and the pointers with it: a new node asks the manager for its newest step
+        shutil.rmtree(tmp_path / "names")
+    resumed = run(child_config(tmp_path, "resumed", s3_url, ckpt_path=resume), tmp_path, "resumed")
+    assert (resumed["restored"], resumed["sources"]) == (20, {"0": "remote"})
+    assert resumed["losses"] == uninterrupted["losses"][20:]
+    assert_same_params(uninterrupted["params"], resumed["params"])
+
+
+# --- one process: the Trainer in this test --------------------------------------------------
+
+
+class Capturing(TieredCheckpointIO):
+    """The plugin, keeping a copy of the first checkpoint dict Lightning handed it for each step."""
+
+    def __init__(self, manager: CheckpointManager, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self.handed: dict[int, dict] = {}
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        self.handed.setdefault(checkpoint["global_step"], copy.deepcopy(checkpoint))
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+class Model(L.LightningModule):
+    def __init__(self, lr: float = 0.01, betas: tuple = (0.9, 0.99), limits: dict | None = None, where: Any = None):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Linear(4, 2)
+
+    def training_step(self, batch, batch_idx):
+        loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.hparams.lr, betas=self.hparams.betas)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)  # holds best=inf until it steps
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "train_loss"}}
+
+
+def batches() -> torch.utils.data.DataLoader:
+    data = torch.Generator().manual_seed(3)
+    dataset = torch.utils.data.TensorDataset(torch.randn(32, 4, generator=data), torch.randn(32, 2, generator=data))
+    return torch.utils.data.DataLoader(dataset, batch_size=4)
+
+
+def trainer(io: Any, names: Path, steps: int, **checkpoint: Any) -> L.Trainer:
+    every = {"save_top_k": 0, "save_last": True, "every_n_train_steps": 2} | checkpoint
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        plugins=[io],
+        callbacks=[ModelCheckpoint(dirpath=names, **every)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+def pointer_step(path: Path) -> int:
+    document = json.loads(path.read_text())
+    assert document["format"] == POINTER_FORMAT
+    return document["step"]
+
+
+def assert_same(expected: Any, actual: Any, where: str = "checkpoint") -> None:
+    """Equal values of equal types at every path (a dict subclass comes back a dict; floats by their bits)."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype, where
+        assert actual.shape == expected.shape and torch.equal(actual, expected), where
+    elif isinstance(expected, dict):
+        assert type(actual) is dict and list(actual) == list(expected), where
+        for key in expected:
+            assert type(next(k for k in actual if k == key)) is type(key), f"{where}[{key!r}]"
+            assert_same(expected[key], actual[key], f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert type(actual) is type(expected) and len(actual) == len(expected), where
+        for i, (want, got) in enumerate(zip(expected, actual, strict=True)):
+            assert_same(want, got, f"{where}[{i}]")
+    elif isinstance(expected, float):
+        assert type(actual) is float and struct.pack(">d", actual) == struct.pack(">d", expected), where
+    else:
+        assert type(actual) is type(expected) and actual == expected, where
+
+
+def test_a_trainer_checkpoint_comes_back_with_every_value_type_and_key_as_lightning_made_it(manager, tmp_path):
+    io = Capturing(manager)
+    torch.manual_seed(0)
+    model = Model(limits={"max_norm": float("inf"), "clip": None, "layers": [1, 2]})
+    checkpoints = {"monitor": "train_loss", "save_top_k": -1, "every_n_train_steps": 1, "save_last": False}
+    trainer(io, tmp_path / "names", 3, **checkpoints).fit(model, batches())
+    assert manager.steps() == [1, 2, 3]
+    handed = io.handed[3]
+    # what the dict holds that a plain state might not: int keys, tuples, inf, tensors in callbacks
+    assert 0 in handed["optimizer_states"][0]["state"] and handed["lr_schedulers"][0]["best"] == float("inf")
+    assert isinstance(handed["optimizer_states"][0]["param_groups"][0]["betas"], tuple)
+    (names,) = [path for path in (tmp_path / "names").iterdir() if "step=3" in path.name]
+    assert pointer_step(names) == 3
+    restored = TieredCheckpointIO(manager).load_checkpoint(names)
+    assert_same(handed, restored)
+
+
+def test_a_value_that_cannot_be_stored_fails_the_save_naming_its_path_and_writes_nothing(manager, tmp_path):
+    names = tmp_path / "names"
+    with pytest.raises(InvalidStateError, match=r'state\["hyper_parameters"\]\["where"\] is a pathlib\.PosixPath'):
+        trainer(TieredCheckpointIO(manager), names, 2).fit(Model(where=Path("/data")), batches())
+    assert manager.steps() == [] and not list(names.glob("*.ckpt"))
+
+
+def test_under_lightnings_async_wrapper_a_value_that_cannot_be_stored_still_fails_the_run(manager, tmp_path):
+    io = AsyncCheckpointIO(TieredCheckpointIO(manager))
+    with pytest.raises(InvalidStateError, match=r'state\["hyper_parameters"\]\["where"\]'):
+        trainer(io, tmp_path / "names", 2).fit(Model(where=Path("/data")), batches())
+    assert manager.steps() == []
+
+
+def test_a_step_saved_under_two_names_is_saved_once_and_removing_a_name_keeps_the_step(manager, tmp_path):
+    names = tmp_path / "names"
+    io = Capturing(manager)
+    trainer(io, names, 6, save_top_k=1).fit(Model(), batches())  # top-k file and last.ckpt at each step
+    assert manager.steps() == [2, 4, 6] and sorted(io.handed) == [2, 4, 6]
+    assert sorted(path.name for path in names.iterdir()) == ["epoch=0-step=6.ckpt", "last.ckpt"]  # top-k removed 2, 4
+    assert pointer_step(names / "last.ckpt") == pointer_step(names / "epoch=0-step=6.ckpt") == 6
+    io.remove_checkpoint(names / "last.ckpt")
+    io.remove_checkpoint(names / "last.ckpt")  # gone already: nothing to do
+    assert not (names / "last.ckpt").exists() and manager.steps() == [2, 4, 6]
+
+
+def test_last_resumes_the_newest_pointer_and_ckpt_path_a_given_step_from_either_tier(manager, tmp_path):
+    names = tmp_path / "names"
+    io = TieredCheckpointIO(manager)
+    assert io.ckpt_path() is None  # nothing saved: a fresh start
+    trainer(io, names, 4).fit(Model(), batches())
+    assert manager.steps() == [2, 4] and pointer_step(names / "last.ckpt") == 4
+    assert io.ckpt_path() == io.ckpt_path(4) == str(manager.root / step_dir_name(4))
+
+    resumed = trainer(io, names, 6)
+    resumed.fit(Model(), batches(), ckpt_path="last")
+    assert io.last_restore is not None and io.last_restore.step == 4 and dict(io.last_restore.sources) == {0: "local"}
+    assert manager.steps() == [2, 4, 6] and resumed.global_step == 6
+
+    validated = trainer(io, names, 6)
+    validated.validate(Model(), batches(), ckpt_path=io.ckpt_path(2), verbose=False)
+    assert io.last_restore.step == 2 and io.last_restore.states == []  # its arrays are not kept
+
+
+def test_resuming_an_older_step_than_the_newest_fails_at_the_first_committed_step_naming_the_fix(manager, tmp_path):
+    names = tmp_path / "names"
+    io = TieredCheckpointIO(manager)
+    trainer(io, names, 6).fit(Model(), batches())
+    behind = (
+        r"step 4 is not newer .* step 6: this run is behind the manager's newest step .*ckpt_path=io\.ckpt_path\(\)"
+    )
+    with pytest.raises(CheckpointExistsError, match=behind):
+        trainer(io, names, 6).fit(Model(), batches(), ckpt_path=io.ckpt_path(2))
+    assert manager.steps() == [2, 4, 6] and pointer_step(names / "last.ckpt") == 6
+
+
+def test_fabric_saves_and_loads_its_state_through_the_plugin(manager, tmp_path):
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[TieredCheckpointIO(manager, step_key="step")])
+    torch.manual_seed(0)
+    model = fabric.setup_module(torch.nn.Linear(4, 2))
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=0.1))
+    for x, y in batches():
+        fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    fabric.save(tmp_path / "fabric.ckpt", {"model": model, "optimizer": optimizer, "step": 8, "note": "adam"})
+    assert manager.steps() == [8] and pointer_step(tmp_path / "fabric.ckpt") == 8
+
+    fresh = fabric.setup_module(torch.nn.Linear(4, 2))
+    fresh_optimizer = fabric.setup_optimizers(torch.optim.Adam(fresh.parameters(), lr=0.1))
+    state = {"model": fresh, "optimizer": fresh_optimizer}
+    remainder = fabric.load(tmp_path / "fabric.ckpt", state)
+    assert remainder == {"step": 8, "note": "adam"}
+    for name, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], value), name
+    assert_same(optimizer.state_dict(), fresh_optimizer.state_dict())
+
+
+def test_paths_and_arguments_that_name_no_step_of_this_manager_are_refused_naming_them(manager, tmp_path):
+    io = TieredCheckpointIO(manager)
+    state = {"global_step": 3, "state_dict": {"w": torch.ones(2)}}
+    io.save_checkpoint(state, tmp_path / "a.ckpt")
+    assert io.load_checkpoint(tmp_path / "a.ckpt", map_location="cpu")["state_dict"]["w"].device.type == "cpu"
+
+    with pytest.raises(UsageError, match=r"missing\.ckpt does not exist, and is not a step's directory"):
+        io.load_checkpoint(tmp_path / "missing.ckpt")
+    torch.save({"global_step": 3}, tmp_path / "torch.ckpt")
+    with pytest.raises(UsageError, match=r"torch\.ckpt is not a pointer TieredCheckpointIO wrote \(a torch checkpoint"):
+        io.load_checkpoint(tmp_path / "torch.ckpt")
+    (tmp_path / "damaged.ckpt").write_text(f'{{"format": "{POINTER_FORMAT}", "step": 3, "step": 4}}')
+    with pytest.raises(ManifestError, match=r"damaged\.ckpt.*duplicate key 'step'"):
+        io.load_checkpoint(tmp_path / "damaged.ckpt")
+    with CheckpointManager(tmp_path / "other", world_size=1) as other:
+        with pytest.raises(UsageError, match=r"a\.ckpt points at step 3 of .*, not of this manager's .*other"):
+            TieredCheckpointIO(other).load_checkpoint(tmp_path / "a.ckpt")
+
+    with pytest.raises(UsageError, match=r"is not a pointer TieredCheckpointIO wrote \(it is not a file\)"):
+        io.remove_checkpoint(manager.root / step_dir_name(3))  # a step's directory is never removed
+    assert manager.steps() == [3]
+    with pytest.raises(InvalidStateError, match=r"checkpoint\['global_step'\] must be the step.*the key is missing"):
+        io.save_checkpoint({"epoch": 1}, tmp_path / "b.ckpt")
+    with pytest.raises(UsageError, match=r"takes no storage_options"):
+        io.save_checkpoint(state | {"global_step": 4}, tmp_path / "b.ckpt", storage_options={"acl": "private"})
+    with pytest.raises(UsageError, match=r"writes its pointers on a local file system"):
+        io.save_checkpoint(state | {"global_step": 4}, "s3://bucket/b.ckpt")
+    with pytest.raises(UsageError, match=r"map_location must be None, a torch\.device or a device's name"):
+        io.load_checkpoint(tmp_path / "a.ckpt", map_location=lambda storage, location: storage)
+    with pytest.raises(CheckpointExistsError, match=r"step 3 is saved already with the top-level keys"):
+        io.save_checkpoint({"global_step": 3}, tmp_path / "weights-only.ckpt")
+    assert manager.steps() == [3] and not (tmp_path / "b.ckpt").exists()
+    with CheckpointManager(tmp_path / "four", world_size=4) as four:
+        with pytest.raises(UsageError, match=r"needs a manager of one rank in one process"):
+            TieredCheckpointIO(four)
+
+
+def test_importing_tiered_ckpt_never_imports_lightning():
+    code = "import sys, tiered_ckpt; assert not [m for m in sys.modules if m.startswith('lightning')]; print('ok')"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

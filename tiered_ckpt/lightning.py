@@ -1,0 +1,329 @@
+"""Lightning's checkpoints through a :class:`~tiered_ckpt.CheckpointManager`: both tiers, verified, no pickle.
+
+``Trainer(plugins=[TieredCheckpointIO(manager)])`` (or ``Fabric(plugins=[...])``) makes every
+checkpoint Lightning saves a step of ``manager``; ``trainer.fit(model, ckpt_path="last")`` or
+``ckpt_path=io.ckpt_path(step)`` restores one, from local disk or the bucket. Needs the
+``lightning`` package (``pip install tiered-ckpt[lightning]``); ``import tiered_ckpt`` never
+imports it.
+
+What is stored: the checkpoint dict Lightning hands over, as it is: the step's state. Its
+tensors stay tensors (the model's ``state_dict``, the optimizers' states with their ``int``
+keys), and ints, floats (``inf`` and ``nan`` exactly), bools, strings, None, lists, tuples and
+dicts keep their types. Nothing is converted, so nothing is lost quietly: a value a state
+cannot hold without pickle (a ``pathlib.Path`` or ``argparse.Namespace`` among the
+``hyper_parameters``, OmegaConf's ``hparams_type`` class, ...) fails the save with
+:class:`InvalidStateError` naming its path, before anything is written. A dict subclass
+(Lightning's ``AttributeDict``) is stored as a dict, as :meth:`CheckpointManager.save` stores it.
+
+Steps and paths: the step is the checkpoint's ``global_step`` (``step_key``; Fabric's state
+names its own). At the ``path`` Lightning gives, the plugin writes a *pointer*: a small JSON
+file naming the step and the manager, written durably once the step is committed on local
+disk. Lightning's own bookkeeping reads these pointers as it reads checkpoint files:
+``ModelCheckpoint``'s top-k and ``last.ckpt``, its version counters, ``ckpt_path="last"`` (the
+newest ``last*.ckpt`` in the callback's directory) and ``remove_checkpoint`` (which removes the
+pointer only: the manager's retention decides when a step is deleted). A step Lightning saves
+under two names (the top-k file and ``last.ckpt`` of one step) is saved once; its contents are
+those of the first save, and the other names point at it. :meth:`load_checkpoint` takes a
+pointer or a step's directory, ``<local.dir>/step-000000000100`` (:meth:`ckpt_path`), which
+need not exist: the manager restores the step from whichever tier holds it.
+
+Blocking: :meth:`save_checkpoint` returns once the step is committed on local disk and its
+pointer is written; the upload goes on in the manager's background. It does not return
+earlier (as ``manager.save`` could, once the state is staged): Lightning takes a returned save
+for a checkpoint in place and removes older ones right after, and ``AsyncCheckpointIO`` never
+calls the wrapped plugin's ``teardown``, so a save still running then would never get its
+pointer. For saves off the training loop, wrap the plugin in Lightning's own
+``AsyncCheckpointIO``: it copies the tensors on the loop's thread and calls this plugin from a
+thread of its own, whose pending saves its ``teardown`` waits for.
+
+One process: the plugin holds one rank (a manager of ``world_size`` 1); under DDP, Lightning
+saves on rank 0 only and loads on every rank, which this plugin refuses rather than half-does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed
+from lightning.fabric.plugins import CheckpointIO
+from lightning_utilities.core.apply_func import apply_to_collection
+
+from tiered_ckpt.engine.restore_result import RestoreResult
+from tiered_ckpt.errors import CheckpointError, CheckpointExistsError, InvalidStateError, UsageError, restated
+from tiered_ckpt.format.layout import parse_step_dir_name, step_dir_name
+from tiered_ckpt.format.strict_json import Fields, load_object
+from tiered_ckpt.io.durable import write_bytes
+from tiered_ckpt.manager import CheckpointManager
+
+__all__ = ["TieredCheckpointIO", "POINTER_FORMAT"]
+
+logger = logging.getLogger("tiered_ckpt")
+
+POINTER_FORMAT = "tiered-ckpt-lightning-pointer"
+"""The ``format`` field of the pointer file the plugin writes at each path Lightning saves to."""
+_POINTER_VERSION = 1
+_POINTER_MAX_BYTES = 64 * 1024  # a pointer is ~200 bytes; anything much larger is not one
+
+
+class TieredCheckpointIO(CheckpointIO):
+    """A Lightning ``CheckpointIO`` that saves each checkpoint as a step of ``manager`` (see the module doc).
+
+    ``manager`` holds one rank (``world_size=1``) and stays the caller's: the plugin never
+    closes it (close it, or leave its ``with`` block, after ``fit`` to wait for the uploads).
+    ``step_key`` is the checkpoint's key holding the step: ``"global_step"`` for the
+    ``Trainer``; with ``Fabric``, the key of the state passed to ``fabric.save`` that holds it.
+    After a load, :attr:`last_restore` is the manager's :class:`RestoreResult` of it without
+    its arrays (its step, the tier each shard came from, the bytes read).
+    """
+
+    def __init__(self, manager: CheckpointManager, *, step_key: str = "global_step") -> None:
+        if manager.world_size != 1 or len(manager.ranks) != 1:
+            raise UsageError(
+                f"{type(self).__name__} needs a manager of one rank in one process, got {manager!r} "
+                f"holding ranks {list(manager.ranks)}"
+            )
+        super().__init__()
+        self.manager = manager
+        self.step_key = step_key
+        self.last_restore: RestoreResult | None = None
+        self._lock = threading.Lock()  # AsyncCheckpointIO saves from a thread of its own
+        self._newest: tuple[int, frozenset[str]] | None = None  # the newest step saved or loaded here, its keys
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.manager!r}, step_key={self.step_key!r})"
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any | None = None
+    ) -> None:
+        """Save ``checkpoint`` as the step its ``step_key`` holds and write the pointer at ``path``.
+
+        Returns once the step is committed on local disk and the pointer is durable (the
+        upload goes on in the background). A step already saved (or loaded) here is not
+        saved again: the pointer names it. Raises :class:`InvalidStateError` for a value
+        that cannot be stored (naming its path) or a step that is not an ``int``,
+        :class:`CheckpointExistsError` for a step not newer than the manager's newest (a run
+        resumed from an older step, or started afresh over saved steps) or saved here with
+        other top-level keys,
+        :class:`UsageError` for ``storage_options`` or a step the manager's cadence skips,
+        and the manager's background errors; nothing is written then.
+        """
+        if storage_options is not None:
+            raise UsageError(
+                f"{type(self).__name__} takes no storage_options (got {storage_options!r:.80}): "
+                "the manager's options say where steps go"
+            )
+        _refuse_several_processes("save")
+        target = _local_path(path)
+        step = self._step_of(checkpoint, target)
+        keys = frozenset(checkpoint)
+        with self._lock:
+            if self._newest is not None and self._newest[0] == step:
+                if self._newest[1] != keys:
+                    raise CheckpointExistsError(
+                        f"{target}: step {step} is saved already with the top-level keys {sorted(self._newest[1])}, "
+                        f"not {sorted(keys)} (a weights-only and a full checkpoint of one step?); a step is saved "
+                        "once, and its other names point at it"
+                    )
+            else:
+                self._save(step, checkpoint, target)
+                self._newest = (step, keys)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            write_bytes(target, self._pointer(step))
+
+    def _step_of(self, checkpoint: Any, target: Path) -> int:
+        if not isinstance(checkpoint, dict):
+            raise InvalidStateError(f"{target}: the checkpoint is a {type(checkpoint).__name__}, not a dict")
+        step = checkpoint.get(self.step_key)
+        if type(step) is not int or step < 0:
+            raise InvalidStateError(
+                f"{target}: checkpoint[{self.step_key!r}] must be the step, an int >= 0; got {step!r:.80} "
+                f"({type(step).__name__})" + ("" if self.step_key in checkpoint else ": the key is missing")
+            )
+        return step
+
+    def _save(self, step: int, checkpoint: dict[str, Any], target: Path) -> None:
+        manager = self.manager
+        if not manager.should_save(step):
+            raise UsageError(
+                f"{target}: the manager's cadence (local.every={manager.options.local.every}) skips step {step}: "
+                "save checkpoints only at the steps it takes (ModelCheckpoint(every_n_train_steps=...))"
+            )
+        try:
+            handle = manager.save(step, checkpoint, blocking=True)
+        except CheckpointExistsError as exc:
+            raise restated(
+                exc,
+                f"{target}: {exc}: this run is behind the manager's newest step (it resumed from an older step, or "
+                "started afresh over saved steps); resume from the newest (ckpt_path=io.ckpt_path()), or save this "
+                "run under another local.dir and remote.url",
+            ) from exc
+        except CheckpointError as exc:
+            raise restated(exc, f"{target}: {exc}") from exc
+        if handle.committed.result() is None:  # no tier took it after all (a partner's memory, one node)
+            raise UsageError(f"{target}: no tier of the manager kept step {step}")
+
+    def _pointer(self, step: int) -> bytes:
+        remote = self.manager.options.remote
+        document = {
+            "format": POINTER_FORMAT,
+            "version": _POINTER_VERSION,
+            "step": step,
+            "local": str(self.manager.root.resolve()),
+            "remote": remote.url if remote is not None else None,
+        }
+        return json.dumps(document, indent=1).encode()
+
+    def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Remove the pointer at ``path`` (nothing if there is none). The step stays: the
+        manager's retention deletes steps. Raises :class:`UsageError`, removing nothing, if
+        ``path`` is something else (a file of another kind, a directory such as a step's)."""
+        target = _local_path(path)
+        # Not under the saves' lock: under AsyncCheckpointIO the loop removes while a save runs.
+        if not target.exists():
+            target.unlink(missing_ok=True)  # nothing there, or a link to a pointer removed already
+            return
+        self._parse_pointer(target)  # refuses anything that is not a pointer
+        target.unlink()
+
+    def teardown(self) -> None:
+        """Raise a background error of the manager not raised yet (a permanent upload failure)."""
+        self.manager.check_for_errors()
+
+    # -- loading --------------------------------------------------------------------------
+
+    def ckpt_path(self, step: int | None = None) -> str | None:
+        """The ``ckpt_path`` that restores ``step`` (default: the newest step on disk or in the bucket),
+        from whichever tier holds it; None if ``step`` is None and no tier holds a step, so that
+        ``trainer.fit(model, ckpt_path=io.ckpt_path())`` resumes or starts afresh. It is the step's
+        directory under ``local.dir``, whether or not it exists on this disk."""
+        if step is None:
+            step = self.manager.latest_step()
+            if step is None:
+                return None
+        if type(step) is not int or step < 0:
+            raise UsageError(f"step must be an int >= 0, got {step!r:.80}")
+        return str(self.manager.root / step_dir_name(step))
+
+    def load_checkpoint(
+        self, path: str | os.PathLike[str], map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """The checkpoint dict of the step ``path`` names, as it was saved, every shard verified.
+
+        ``path`` is a pointer this plugin wrote, or a step's directory under the manager's
+        ``local.dir`` or ``remote.url`` (:meth:`ckpt_path`); the step comes from local disk
+        when it is there and intact, else from the bucket. Tensors come back on the CPU, or
+        on ``map_location`` (a device or its name). Nothing is unpickled, so ``weights_only``
+        has nothing to restrict: it is accepted and ignored. Raises :class:`UsageError` for
+        a path that names no step of this manager (naming what it is), :class:`ManifestError`
+        for a damaged pointer, and what :meth:`CheckpointManager.restore` raises.
+        """
+        _refuse_several_processes("load")
+        device = _device(map_location)
+        step = self._step_named(path)
+        with self._lock:
+            result = self.manager.restore(step)
+            checkpoint = result.torch_state()
+            self.last_restore = replace(result, states=[], flat=())
+            self._newest = (step, frozenset(checkpoint))
+        logger.info("restored step %d for Lightning from %s", step, os.fspath(path))
+        if device is not None:
+            checkpoint = apply_to_collection(checkpoint, torch.Tensor, lambda tensor: tensor.to(device))
+        return checkpoint
+
+    def _step_named(self, path: str | os.PathLike[str]) -> int:
+        text = os.fspath(path)
+        if not isinstance(text, str):
+            raise UsageError(f"{text!r:.200} is not a path of text")
+        parent, _, name = text.rstrip("/").rpartition("/")
+        step = parse_step_dir_name(name)
+        if step is not None and self._holds_steps(parent):
+            return step
+        target = _local_path(path)
+        if not target.exists():
+            raise UsageError(
+                f"{target} does not exist, and is not a step's directory under {self._places()}: "
+                f"give a pointer this plugin wrote, or a step's directory ({self.ckpt_path(100)} for step 100)"
+            )
+        return self._read_pointer(target)
+
+    def _holds_steps(self, parent: str) -> bool:
+        """True if ``parent`` is the directory holding the manager's steps: its ``local.dir`` or ``remote.url``."""
+        remote = self.manager.options.remote
+        if remote is not None and parent == remote.url.rstrip("/"):
+            return True
+        return "://" not in parent and bool(parent) and Path(parent).resolve() == self.manager.root.resolve()
+
+    def _places(self) -> str:
+        remote = self.manager.options.remote
+        return " or ".join([str(self.manager.root)] + ([remote.url] if remote is not None else []))
+
+    def _read_pointer(self, target: Path) -> int:
+        """The step of the pointer at ``target``; :class:`UsageError` if it is no pointer or another manager's."""
+        step, local, remote = self._parse_pointer(target)
+        mine = self.manager.options.remote
+        same_bucket = remote is not None and mine is not None and remote == mine.url
+        if not same_bucket and Path(local) != self.manager.root.resolve():
+            where = f"{local} and {remote}" if remote else local
+            raise UsageError(f"{target} points at step {step} of {where}, not of this manager's {self._places()}")
+        return step
+
+    def _parse_pointer(self, target: Path) -> tuple[int, str, str | None]:
+        """The step, local directory and remote URL the pointer at ``target`` names, read strictly:
+        :class:`UsageError` if it is no pointer, :class:`ManifestError` if it is a damaged one."""
+        if not target.is_file():
+            raise UsageError(f"{target} is not a pointer {type(self).__name__} wrote (it is not a file)")
+        with open(target, "rb") as file:
+            data = file.read(_POINTER_MAX_BYTES + 1)
+        if len(data) > _POINTER_MAX_BYTES or not data.lstrip().startswith(b"{"):
+            raise UsageError(
+                f"{target} is not a pointer {type(self).__name__} wrote (a torch checkpoint? TorchCheckpointIO reads "
+                "those); it names no step"
+            )
+        document = load_object(data, str(target), _POINTER_MAX_BYTES)
+        if document.get("format") != POINTER_FORMAT:
+            raise UsageError(f"{target} is a JSON file, not a pointer {type(self).__name__} wrote")
+        fields = Fields(document, str(target), "")
+        fields.reject_unknown({"format", "version", "step", "local", "remote"})
+        if fields.integer("version", minimum=1) != _POINTER_VERSION:
+            raise UsageError(f"{target}: pointer version {document['version']}; this version reads {_POINTER_VERSION}")
+        step = fields.integer("step", minimum=0)
+        local = fields.string("local")
+        remote = None if document.get("remote", "") is None else fields.string("remote")
+        return step, local, remote
+
+
+def _local_path(path: str | os.PathLike[str]) -> Path:
+    text = os.fspath(path)
+    if not isinstance(text, str) or "://" in text:
+        raise UsageError(
+            f"{text!r:.200}: the plugin writes its pointers on a local file system (the steps go to the manager's "
+            "bucket): give ModelCheckpoint a local dirpath"
+        )
+    return Path(text)
+
+
+def _device(map_location: Any) -> torch.device | None:
+    if map_location is None:
+        return None
+    if isinstance(map_location, (str, torch.device)):
+        return torch.device(map_location)
+    raise UsageError(f"map_location must be None, a torch.device or a device's name, got {map_location!r:.80}")
+
+
+def _refuse_several_processes(what: str) -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        size = torch.distributed.get_world_size()
+        if size > 1:
+            raise UsageError(
+                f"TieredCheckpointIO cannot {what} in a job of {size} processes: Lightning saves on rank 0 only and "
+                "loads on every rank, and the plugin holds one rank in one process"
+            )

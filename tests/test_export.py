@@ -123,3 +123,102 @@ def test_the_cli_exports_a_step_and_lists_each_files_sha256(tmp_path):
     assert f"{hashlib.sha256(files[0].read_bytes()).hexdigest()}  model.safetensors" in done.stdout
     done = subprocess.run([*command, str(tmp_path / "x"), "--max-shard-size", "big"], capture_output=True, text=True)
     assert done.returncode == 2 and "'big' is not a size" in done.stderr
+
+
+def chunked_states(columns: int = 8) -> tuple[np.ndarray, list[dict]]:
+    """A (4, ``columns``) tensor cut in two by columns (a Shard(1) placement: boxes that are not
+    contiguous in the full tensor), one box per rank, and a complex and a scalar beside it."""
+    from tiered_ckpt.format.state import ChunkOf
+
+    full = np.arange(4 * columns, dtype=np.float32).reshape(4, columns)
+    half = columns // 2
+    states = [
+        {"model": {"w": ChunkOf(np.ascontiguousarray(full[:, r * half : (r + 1) * half]), (4, columns), (0, r * half)),
+                   "freqs": np.ones(2, np.complex64), "layers": 2}}
+        for r in range(2)
+    ]  # fmt: skip
+    return full, states
+
+
+def test_dtensor_boxes_are_assembled_and_complex_values_left_out_listed(tmp_path):
+    from safetensors.numpy import load_file
+
+    full, states = chunked_states()
+    with CheckpointManager(tmp_path / "ckpt", world_size=2) as manager:
+        manager.save(1, states, blocking=True)
+    result = export_safetensors(tmp_path / "ckpt", tmp_path / "out", only="model")
+    assert set(result.tensors) == {"w"} and set(result.skipped) == {"model.freqs", "model.layers"}
+    np.testing.assert_array_equal(load_file(str(tmp_path / "out" / "model.safetensors"))["w"], full)
+
+
+def test_chunk_records_that_do_not_match_their_verified_headers_are_refused(tmp_path):
+    from tiered_ckpt import ManifestError
+    from tiered_ckpt.format.layout import MANIFEST_NAME
+
+    _full, states = chunked_states()
+    with CheckpointManager(tmp_path / "ckpt", world_size=2) as manager:
+        manager.save(1, states, blocking=True)
+    path = tmp_path / "ckpt" / step_dir_name(1) / MANIFEST_NAME
+    document = json.loads(path.read_text())
+    chunk = next(c for c in document["shards"][1]["chunks"] if c["name"] == "model/w")
+    chunk["offsets"] = [0, 3]  # overlapping rank 0's box, leaving column 7 unread
+    path.write_text(json.dumps(document))
+    with pytest.raises(ManifestError, match=r"rank 1's record places 'model/w' at \(0, 3\)"):
+        export_safetensors(tmp_path / "ckpt", tmp_path / "out")
+
+
+def test_a_failed_export_leaves_no_earlier_index_or_files_beside_its_own(tmp_path):
+    states = [{f"l{i}": np.full((30, 100), i, np.float32) for i in range(3)}]
+    with CheckpointManager(tmp_path / "ckpt", world_size=1) as manager:
+        manager.save(1, states, blocking=True)
+        manager.save(2, [{f"l{i}": np.full((30, 100), 10 + i, np.float32) for i in range(3)}], blocking=True)
+    export_safetensors(tmp_path / "ckpt", tmp_path / "out", step=1, max_shard_bytes=12_000)
+    assert (tmp_path / "out" / INDEX_NAME).exists() and len(list((tmp_path / "out").iterdir())) == 4
+    shard = next((tmp_path / "ckpt" / step_dir_name(2)).glob("rank-*.safetensors"))
+    flip_byte(shard, shard.stat().st_size - 10)
+    with pytest.raises(ChecksumMismatchError):
+        export_safetensors(tmp_path / "ckpt", tmp_path / "out", step=2, max_shard_bytes=12_000)
+    from safetensors.numpy import load_file
+
+    left = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert INDEX_NAME not in left  # no reader takes what is left for a checkpoint
+    assert all(load_file(str(tmp_path / "out" / name))["l0" if "00001" in name else "l1"][0, 0] >= 10 for name in left)
+
+
+@pytest.mark.parametrize(
+    ("state", "only", "error"),
+    [
+        ({"__metadata__": np.ones(2)}, None, "would be named __metadata__"),
+        ({"model": {"w": np.ones(2)}}, "nope", "export: paths|neither a top-level key"),
+    ],
+)
+def test_what_cannot_be_exported_is_refused_naming_it(tmp_path, state, only, error):
+    with CheckpointManager(tmp_path / "ckpt", world_size=1) as manager:
+        manager.save(1, state, blocking=True)
+    with pytest.raises(UsageError, match=error):
+        export_safetensors(tmp_path / "ckpt", tmp_path / "out", only=only)
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(UsageError, match="is not a directory"):
+        export_safetensors(tmp_path / "ckpt", tmp_path / "afile")
+
+
+def test_pipeline_stages_restore_in_part_and_export_every_stages_layers(tmp_path):
+    from safetensors.numpy import load_file
+
+    results = launch_ranks(Path(__file__).with_name("pipeline_worker.py"), tmp_path, 4, {})
+    for rank, result in results.items():
+        assert "error" not in result, result
+        assert result["part"] == result["whole"] == result["saved"] and result["part_keys"] == ["model"], rank
+    assert sum(len(replicas) for replicas in results[0]["replicas"]) == 2  # one plain tensor per stage, left once
+    # one directory holding every rank's shards, as a bucket or a shared file system would
+    merged = tmp_path / "merged"
+    for rank in range(4):
+        shutil.copytree(tmp_path / "nodes" / f"rank-{rank}", merged, dirs_exist_ok=True)
+    shutil.copy(tmp_path / "nodes" / "rank-0" / step_dir_name(1) / "manifest.json", merged / step_dir_name(1))
+    result = export_safetensors(merged, tmp_path / "out", only="model")
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(exported) == {"layers.0.w", "layers.0.step", "layers.1.w", "layers.1.step"} == set(result.tensors)
+    for stage in range(2):
+        expected = np.arange(8, dtype=np.float32).reshape(4, 2) + 10 * stage
+        np.testing.assert_array_equal(exported[f"layers.{stage}.w"], expected)
+        assert float(exported[f"layers.{stage}.step"]) == 3 + stage

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from tiered_ckpt.errors import UsageError
-from tiered_ckpt.format.selection import check_paths, select
+from tiered_ckpt.format.selection import check_paths, prefixes, select, selects
 from tiered_ckpt.format.state import flatten
 
 STATE = {
@@ -56,3 +56,27 @@ def test_a_path_not_in_the_state_or_into_a_list_is_refused_naming_it(paths, mess
 def test_paths_that_are_not_a_list_of_keys_names_or_tuples_are_refused(bad):
     with pytest.raises(UsageError, match="paths"):
         check_paths(bad)
+
+
+def test_the_start_of_tensor_names_selects_the_part_they_lie_under_int_keys_included():
+    state, names = cut("optim/state/#1")
+    assert names == {"optim/state/#1/m"} and set(state["optim"]["state"]) == {1}
+
+
+def test_a_huge_int_key_beside_the_selection_is_no_obstacle():
+    flat = flatten({"model": {"w": np.ones(2)}, 2**70: np.zeros(1)})
+    structure = select(flat.structure, check_paths(["model"]), "shard")
+    assert set(structure.kinds) == {"model/w"}
+
+
+def test_the_names_a_selection_starts_decide_alike_from_names_alone():
+    flat = flatten(STATE)
+    starts = prefixes(flat.structure, check_paths(["model", ("optim", "state", 0)]), "shard")
+    assert starts == ("model", "optim/state/#0")
+    assert selects(starts, "model/w") and selects(starts, "optim/state/#0/m")
+    assert not selects(starts, "optim/state/#1/m") and not selects(starts, "modelx/w")
+
+
+def test_bytes_are_not_a_path_of_keys():
+    with pytest.raises(UsageError, match=r"b'model' is neither a key"):
+        check_paths([b"model"])

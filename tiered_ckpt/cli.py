@@ -318,7 +318,7 @@ def parse_size(text: str) -> int:
 
 def command_export(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     """Write a step as a Hugging Face style safetensors checkpoint (see :mod:`tiered_ckpt.export`)."""
-    only = None if args.only is None else tuple(args.only.split("/")) if "/" in args.only else args.only
+    only = args.only  # a top-level key, a tensor name as show lists it, or the start of some
     with _progress("export", unit="file"):
         result = export_step(_store(config), args.step, args.directory, only=only, max_shard_bytes=args.max_shard_size)
     files = [{"name": f.name, "bytes": f.size_bytes, "sha256": f.sha256} for f in result.files]
@@ -398,7 +398,9 @@ def _parser() -> argparse.ArgumentParser:
     export = command("export", "write a step as a Hugging Face safetensors checkpoint (full tensors)")
     export.add_argument("step", type=int, help="the step")
     export.add_argument("directory", help="where to write model*.safetensors (and the index)")
-    export.add_argument("--only", help="the part of the state to export, e.g. model (a/b: the path a, b)")
+    export.add_argument(
+        "--only", help="the part of the state to export: a top-level key (model) or a name as show lists it"
+    )
     export.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, help="the largest file (default 5GB)")
     _global_options(export, top=False)
     prune = command("prune", "apply retention to both tiers")
@@ -440,6 +442,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except CheckpointError as exc:
         print(f"tiered-ckpt: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except OSError as exc:  # the file system refused what a command writes (export's directory)
+        print(f"tiered-ckpt: {exc}", file=sys.stderr)
         return EXIT_FAILED
     print(json.dumps(data, indent=1) if args.json else text)
     return code

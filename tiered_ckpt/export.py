@@ -6,17 +6,20 @@ of full tensors:
 
 1. every rank's shard header is read and verified (its sha256 in the manifest), from the
    local disk or by ranged GETs from the bucket: they say where each array lies;
-2. the tensors to write are planned from rank 0's structure (``only``: the part under one
-   path, e.g. ``"model"``; names are the keys below it joined by ``.``, as a state dict's):
-   a DTensor from the chunks every rank's record lists, a flat slice (``sharded_keys``) from
-   every rank's slice in offset order, any other array from the one rank that holds it;
+2. the tensors to write are planned from every rank's structure (``only``: the part under
+   one path, e.g. ``"model"``; names are the keys below it joined by ``.``, as a state
+   dict's): a DTensor from the chunks every rank's record lists (each checked against its
+   shard's verified header, together an exact tiling of the tensor), a flat slice
+   (``sharded_keys``) from every rank's slice in offset order, any other array from the
+   first rank that holds it (a pipeline stage's layers from that stage's ranks);
 3. each file is written through a temp file, fsynced and renamed: its header first (known
    from the plan), then each tensor in turn, assembled in one buffer of its full size from
    the verified parts read straight into it (each part checked against its own digest:
    a chunk's sha256, a plain array's xxh3-64). Peak extra memory is one tensor.
 
 The files' sha256s are computed as they are written and returned (:class:`ExportResult`).
-Values that are not arrays (scalars, ``bytes``) are not tensors and are left out, listed.
+Values that are not tensors (scalars, ``bytes``, complex arrays, which safetensors has no
+dtype for) are left out, listed.
 """
 
 from __future__ import annotations
@@ -33,11 +36,11 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from tiered_ckpt.compose import open_store
-from tiered_ckpt.errors import IncompleteCheckpointError, InvalidStateError, UsageError
+from tiered_ckpt.errors import IncompleteCheckpointError, ManifestError, UsageError
 from tiered_ckpt.format.manifest import ChunkRecord, ShardManifest, ShardRecord
-from tiered_ckpt.format.selection import check_paths, select
+from tiered_ckpt.format.selection import check_paths, resolve_path, select
 from tiered_ckpt.format.shardfile import DTYPES, ShardHeader, header_of
-from tiered_ckpt.format.structure import Structure, structure_of
+from tiered_ckpt.format.structure import COMPLEX_TAGS, Structure, structure_of
 from tiered_ckpt.io.durable import atomic_write, fsync_directory, write_all
 from tiered_ckpt.io.hashing import Hasher
 from tiered_ckpt.options import LocalOptions, RemoteOptions, UploadOptions, resolve_options
@@ -130,16 +133,21 @@ def export_step(
 ) -> ExportResult:
     """Write ``step`` of ``store`` into ``directory`` (see the module doc), every input verified.
 
-    ``directory`` is created if needed; files of the same names there are replaced, each
-    atomically, then the weight files and index of an earlier export that this one did not
-    write are removed; nothing else in it is touched. Raises :class:`UsageError` for an
-    ``only`` not in the state or two paths that make one tensor name,
+    ``directory`` is created if needed. An earlier export's weight files and index there
+    (``model.safetensors``, ``model-0000k-of-0000n.safetensors``, the index: matched by name)
+    are removed first, then each file is written atomically; nothing else in it is touched.
+    Raises :class:`UsageError` for an ``only`` not in the state, two paths that make one
+    tensor name or a ``directory`` that is a file, :class:`ManifestError` for chunk records
+    that do not match their shards or do not tile their tensor,
     :class:`IncompleteCheckpointError` if no tier holds the step, and the store's
     verification errors (naming the rank, file and array) if a part does not verify.
     """
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise UsageError(f"export: max_shard_bytes must be an integer >= 1, got {max_shard_bytes!r:.60}")
-    selected = None if only is None else check_paths([only])
+    selected = None if only is None else check_paths([only], "export")
+    root = Path(directory)
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"export: {root} is not a directory")
     in_local = step in store.local.steps()
     in_remote = store.remote is not None and step in store.remote_steps()
     if not (in_local or in_remote):
@@ -147,24 +155,23 @@ def export_step(
     manifest, _remote = store.manifests(step, in_local=in_local, in_remote=in_remote)
     later = store.readable(in_remote)
     headers = [store.read_shard_header(step, record, later=later)[0] for record in manifest.shards]
-    structure = _structure(headers[0], manifest.shard(0))
-    if selected is not None:
-        structure = select(structure, selected, f"step {step}")
-    prefix = () if selected is None else _prefix(structure, selected[0])
-    tensors, skipped = _plan(manifest, headers, structure, prefix)
+    structures = [_structure(header, record) for header, record in zip(headers, manifest.shards, strict=True)]
+    cuts, prefix = _cuts(structures, selected, step)
+    tensors, skipped = _plan(manifest, headers, structures, cuts, prefix)
     groups = _groups(tensors, max_shard_bytes)
-    root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
+    # Before the first file: a reader must never find an earlier export's index or files
+    # beside a part of this one (an export that fails midway leaves no loadable mix).
+    _remove_stale(root)
     files = []
     for index, group in enumerate(groups):
         name = "model.safetensors" if len(groups) == 1 else f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors"
-        files.append(_write_file(root / name, group, store, step, manifest, later))
+        files.append(_write_file(root / name, group, store, step, manifest, headers, later))
     if len(groups) > 1:
         weight_map = {tensor.name: file.name for group, file in zip(groups, files, strict=True) for tensor in group}
         index_document = {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": weight_map}
         data = json.dumps(index_document, indent=2).encode()
         files.append(_write_small(root / INDEX_NAME, data))
-    _remove_stale(root, {file.name for file in files})
     fsync_directory(root)
     largest = max((tensor.nbytes for tensor in tensors), default=0)
     return ExportResult(step, root, tuple(files), tuple(t.name for t in tensors), tuple(skipped), largest)
@@ -175,59 +182,103 @@ def _structure(header: ShardHeader, record: ShardRecord) -> Structure:
     return structure_of(header.metadata, header.arrays, what, [name for name, _holder in record.replicas])
 
 
-def _prefix(structure: Structure, entry: str | tuple[str | int, ...]) -> tuple[str | int, ...]:
-    """The path ``only`` stands for (a top-level key, a key tuple or a tensor name)."""
-    if isinstance(entry, tuple):
-        return entry
-    if any(key == entry for key, _item in structure.root["dict"]):
-        return (entry,)
-    return structure.paths[entry]
+def _cuts(
+    structures: list[Structure], selected: tuple[str | tuple[str | int, ...], ...] | None, step: int
+) -> tuple[list[Structure | None], tuple[str | int, ...]]:
+    """Each rank's part of its state under ``only`` (None: a rank without it, as a pipeline
+    stage lacks the other stages' layers), and the path ``only`` stands for; the first
+    rank's :class:`UsageError` if no rank has it."""
+    if selected is None:
+        return list(structures), ()
+    cuts: list[Structure | None] = []
+    errors: list[UsageError] = []
+    prefix: tuple[str | int, ...] | None = None
+    for rank, structure in enumerate(structures):
+        what = f"step {step} rank {rank}"
+        try:
+            cuts.append(select(structure, selected, what))
+            prefix = prefix or resolve_path(structure, selected[0], what)
+        except UsageError as exc:
+            cuts.append(None)
+            errors.append(exc)
+    if prefix is None:
+        raise errors[0]
+    return cuts, prefix
 
 
 def _plan(
-    manifest: ShardManifest, headers: list[ShardHeader], structure: Structure, prefix: tuple[str | int, ...]
+    manifest: ShardManifest,
+    headers: list[ShardHeader],
+    structures: list[Structure],
+    cuts: list[Structure | None],
+    prefix: tuple[str | int, ...],
 ) -> tuple[list[_Tensor], list[str]]:
-    """The tensors to write, from rank 0's (cut) ``structure``, and the paths of what is not an array."""
+    """The tensors to write, from every rank's part of its state (a tensor is planned at the
+    first rank holding it), and the paths of what is not a tensor."""
     chunks = {(record.rank, chunk.name): chunk for record in manifest.shards for chunk in record.chunks}
-    holders = {(record.rank, name): holder for record in manifest.shards for name, holder in record.replicas}
     tensors: list[_Tensor] = []
-    skipped: list[str] = []
+    skipped: dict[str, None] = {}
     seen: dict[str, tuple[str | int, ...]] = {}
-    for array_name, path in structure.paths.items():
-        if structure.kinds[array_name] in ("bytes", "bytesio"):
-            skipped.append(".".join(map(str, path)))
+    planned: set[str] = set()
+    for rank, cut in enumerate(cuts):
+        if cut is None:
             continue
-        name = ".".join(str(key) for key in path[len(prefix) :]) or str(path[-1])
-        if name in seen:
-            raise UsageError(f"export: the paths {seen[name]} and {path} both make the tensor name {name!r}")
-        seen[name] = path
-        tensors.append(_tensor(name, array_name, manifest, headers, chunks, holders))
-    skipped += _scalars(structure.root, ())
-    return tensors, skipped
+        left = dict(manifest.shard(rank).replicas)
+        complex_leaves = _complex_leaves(cut.root)
+        for array_name, path in cut.paths.items():
+            dotted = ".".join(map(str, path))
+            if cut.kinds[array_name] in ("bytes", "bytesio") or array_name in complex_leaves:
+                skipped[dotted] = None
+                continue
+            if array_name in planned:
+                continue
+            name = ".".join(str(key) for key in path[len(prefix) :]) or str(path[-1])
+            if name == "__metadata__":
+                raise UsageError(f"export: {dotted} would be named __metadata__, the safetensors header's own key")
+            if name in seen:
+                raise UsageError(f"export: the paths {seen[name]} and {path} both make the tensor name {name!r}")
+            seen[name] = path
+            planned.add(array_name)
+            holder = left.get(array_name, rank)  # its own shard's array, or the rank it was left to
+            tensors.append(_tensor(name, array_name, holder, manifest, headers, structures, chunks))
+        skipped.update(dict.fromkeys(_scalars(cut.root, ())))
+    return tensors, list(skipped)
 
 
 def _tensor(
     name: str,
     array: str,
+    holder: int,
     manifest: ShardManifest,
     headers: list[ShardHeader],
+    structures: list[Structure],
     chunks: dict[tuple[int, str], ChunkRecord],
-    holders: dict[tuple[int, str], int],
 ) -> _Tensor:
-    """Where ``array``'s full tensor comes from: every distinct chunk the ranks' records list,
-    every rank's flat slice, or the one rank that holds the array."""
+    """Where ``array``'s full tensor comes from: every distinct chunk the ranks' records list
+    (each checked against the verified header of its shard, together an exact tiling of the
+    tensor), every rank's flat slice, or ``holder``'s array."""
     boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], _Part] = {}
     global_shape: tuple[int, ...] | None = None
     for record in manifest.shards:
         chunk = chunks.get((record.rank, array))
-        if chunk is not None:
-            global_shape = chunk.global_shape
-            box = (chunk.offsets, chunk.sizes)
-            boxes.setdefault(box, _Part(record.rank, array, *box))
+        if chunk is None:
+            continue
+        placed = structures[record.rank].chunks.get(array)
+        entry = headers[record.rank].arrays.get(array)
+        header_box = None if entry is None else (placed.global_shape, placed.offsets, entry.shape) if placed else (
+            entry.shape, (0,) * len(entry.shape), entry.shape)  # fmt: skip
+        if header_box != (chunk.global_shape, chunk.offsets, chunk.sizes):
+            raise ManifestError(
+                f"export: rank {record.rank}'s record places {array!r} at {chunk.offsets} of {chunk.global_shape}, "
+                f"not where its shard's verified header does"
+            )
+        if global_shape is not None and chunk.global_shape != global_shape:
+            raise ManifestError(f"export: the ranks' records give {array!r} two shapes")
+        global_shape = chunk.global_shape
+        boxes.setdefault((chunk.offsets, chunk.sizes), _Part(record.rank, array, chunk.offsets, chunk.sizes))
     if global_shape is not None:
         parts = tuple(boxes.values())
-        if sum(math.prod(part.sizes) for part in parts) != math.prod(global_shape):
-            raise InvalidStateError(f"export: the saved chunks of {array!r} do not cover its tensor {global_shape}")
+        _check_tiling(array, global_shape, parts)
         return _Tensor(name, _code(headers, parts[0]), global_shape, parts)
     if array in manifest.sharded_keys:
         parts = tuple(
@@ -236,15 +287,42 @@ def _tensor(
             if record.param_shard_numel
         )
         return _Tensor(name, _code(headers, parts[0]), (manifest.total_numel,), parts)
-    rank = holders.get((0, array), 0)  # rank 0's array, or the rank its shard left it to
-    shape = headers[rank].arrays[array].shape
-    part = _Part(rank, array, (0,) * len(shape), shape)
+    shape = headers[holder].arrays[array].shape
+    part = _Part(holder, array, (0,) * len(shape), shape)
     return _Tensor(name, _code(headers, part), shape, (part,))
+
+
+def _check_tiling(array: str, shape: tuple[int, ...], parts: tuple[_Part, ...]) -> None:
+    """Raise :class:`ManifestError` unless the boxes of ``parts`` tile ``shape`` exactly (inside
+    it, no two overlapping, their volumes its volume): no byte of the export is left unread."""
+    low = np.array([part.offsets for part in parts], dtype=np.int64).reshape(len(parts), len(shape))
+    high = low + np.array([part.sizes for part in parts], dtype=np.int64).reshape(len(parts), len(shape))
+    inside = bool((low >= 0).all() and (high <= np.array(shape, dtype=np.int64)).all())
+    overlaps = np.all((low[:, None, :] < high[None, :, :]) & (low[None, :, :] < high[:, None, :]), axis=2)
+    np.fill_diagonal(overlaps, False)
+    volume = sum(math.prod(part.sizes) for part in parts)
+    if not inside or overlaps.any() or volume != math.prod(shape):
+        raise ManifestError(f"export: the saved chunks of {array!r} do not tile its tensor of shape {shape}")
 
 
 def _code(headers: list[ShardHeader], part: _Part) -> str:
     dtype = headers[part.rank].arrays[part.name].dtype
     return next(code for code, known in DTYPES.items() if known == dtype)
+
+
+def _complex_leaves(node: object) -> set[str]:
+    """The names of the arrays that hold complex values as float pairs (not exported)."""
+    if not isinstance(node, dict) or len(node) != 1:
+        return set()
+    ((tag, value),) = node.items()
+    if tag in COMPLEX_TAGS:
+        ((_kind, name),) = value.items()
+        return {name[0] if isinstance(name, list) else name}
+    if tag == "dict":
+        return set().union(*(_complex_leaves(item) for _key, item in value))
+    if tag in ("list", "tuple"):
+        return set().union(*(_complex_leaves(item) for item in value))
+    return set()
 
 
 def _scalars(node: object, path: tuple[str | int, ...]) -> list[str]:
@@ -279,7 +357,13 @@ def _groups(tensors: list[_Tensor], max_shard_bytes: int) -> list[list[_Tensor]]
 
 
 def _write_file(
-    path: Path, tensors: list[_Tensor], store: TieredStore, step: int, manifest: ShardManifest, later: tuple[str, ...]
+    path: Path,
+    tensors: list[_Tensor],
+    store: TieredStore,
+    step: int,
+    manifest: ShardManifest,
+    headers: list[ShardHeader],
+    later: tuple[str, ...],
 ) -> ExportedFile:
     def write(out: BinaryIO) -> tuple[int, str]:
         hasher = Hasher("full")
@@ -287,7 +371,7 @@ def _write_file(
         write_all(out, header)
         hasher.update(header)
         for tensor in tensors:  # one at a time: the peak is one tensor
-            data = _assembled(tensor, store, step, manifest, later)
+            data = _assembled(tensor, store, step, manifest, headers, later)
             write_all(out, data)
             hasher.update(data)
             del data
@@ -299,7 +383,12 @@ def _write_file(
 
 
 def _assembled(
-    tensor: _Tensor, store: TieredStore, step: int, manifest: ShardManifest, later: tuple[str, ...]
+    tensor: _Tensor,
+    store: TieredStore,
+    step: int,
+    manifest: ShardManifest,
+    headers: list[ShardHeader],
+    later: tuple[str, ...],
 ) -> memoryview:
     """The bytes of ``tensor`` whole, each part read (verified) straight into its place where that place is
     contiguous memory, else into its own buffer and copied there."""
@@ -307,11 +396,12 @@ def _assembled(
     for part in tensor.parts:
         box: tuple[Any, ...] = (*(slice(o, o + n) for o, n in zip(part.offsets, part.sizes, strict=True)), ...)
         place = full[box]
-        record = manifest.shard(part.rank)
+        record, header = manifest.shard(part.rank), headers[part.rank]  # the header verified once
         if place.flags.c_contiguous:
-            store.read_parts(step, record, {part.name}, later=later, into={part.name: place.reshape(part.sizes)})
+            into = {part.name: place.reshape(part.sizes)}
+            store.read_parts(step, record, {part.name}, later=later, into=into, header=header)
         else:
-            state, _source = store.read_parts(step, record, {part.name}, later=later)
+            state, _source = store.read_parts(step, record, {part.name}, later=later, header=header)
             place[...] = state.arrays[part.name].reshape(part.sizes)
     return full.reshape(-1).view(np.uint8).data
 
@@ -319,11 +409,10 @@ def _assembled(
 _WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
 
 
-def _remove_stale(root: Path, written: set[str]) -> None:
-    """Remove the weight files and index an earlier export left that this one did not write:
-    a reader would take a stale ``model.safetensors`` over a new index, or a stale index's files."""
+def _remove_stale(root: Path) -> None:
+    """Remove the weight files and index an earlier export left in ``root`` (by their names)."""
     for entry in os.scandir(root):
-        if entry.name not in written and (entry.name == INDEX_NAME or _WEIGHTS.fullmatch(entry.name)):
+        if entry.name == INDEX_NAME or _WEIGHTS.fullmatch(entry.name):
             os.unlink(entry.path)
 
 

@@ -36,8 +36,9 @@ from tiered_ckpt.engine.restore_result import RestoreResult
 from tiered_ckpt.errors import CheckpointError, IncompleteCheckpointError, InvalidStateError, UsageError, restated
 from tiered_ckpt.format.differences import into_difference
 from tiered_ckpt.format.manifest import RemoteManifest, ShardManifest, ShardRecord
-from tiered_ckpt.format.selection import select
+from tiered_ckpt.format.selection import prefixes, select, selects
 from tiered_ckpt.format.state import FlatState, State, flatten_into
+from tiered_ckpt.format.structure import Structure
 from tiered_ckpt.format.validate import check_into, check_world_size
 from tiered_ckpt.io.hashing import Verify
 from tiered_ckpt.io.parallel import run_parallel
@@ -364,16 +365,21 @@ class ShardReader:
             self._check_on_this_node(manifest, wanted)
         later = self._store.readable(selection.in_remote)
         whole = [rank for rank in wanted if not (manifest.shard(rank).chunks or manifest.shard(rank).array_xxh3_64)]
+        starts: dict[int, tuple[str, ...]] = {}  # by saved rank: the names the paths start
+
+        def cut_to(rank: int, what: str, structure: Structure) -> Structure:
+            starts[rank] = prefixes(structure, selection.paths, what)
+            return select(structure, selection.paths, what)
 
         def read(index: int) -> tuple[FlatState, Source]:
             record = manifest.shard(wanted[index])
             what = f"rank {record.rank} shard {record.path}"
             into = targets[index].arrays if targets is not None else None
             if record.rank not in whole:
-                cut = partial(select, paths=selection.paths, what=what)
-                return self._store.read_parts(step, record, cut, later=later, into=into, verify=verify)
+                part = partial(cut_to, record.rank, what)
+                return self._store.read_parts(step, record, part, later=later, into=into, verify=verify)
             state, source = self._store.fetch_shard(step, record, verify=verify, later=later)
-            structure = select(state.structure, selection.paths, what)
+            structure = cut_to(record.rank, what, state.structure)
             arrays = {name: state.arrays[name] for name in structure.kinds if name in state.arrays}
             for name, array in arrays.items():
                 given = (into or {}).get(name)
@@ -396,9 +402,11 @@ class ShardReader:
             problem = into_difference(expected, target_state.arrays, "the selected paths")
             if problem:
                 raise InvalidStateError(f"into[{index}] does not hold the arrays of the selected paths: {problem}")
-        chosen = set().union(*(state.structure.kinds for state in read_states.values()))
-        records = [replace(r, replicas=tuple(p for p in r.replicas if p[0] in chosen)) for r in manifest.shards]
-        keys = tuple(key for key in manifest.sharded_keys if key in chosen)
+        # What is put back and resharded is decided from names alone, so that every process cuts
+        # the manifest alike: the replicas exchanged are then the same on every process.
+        chosen = partial(selects, starts[wanted[0]])
+        records = [replace(r, replicas=tuple(p for p in r.replicas if chosen(p[0]))) for r in manifest.shards]
+        keys = tuple(key for key in manifest.sharded_keys if chosen(key))
         cut = replace(manifest, shards=tuple(records), sharded_keys=keys, source=f"the manifest of step {step}")
         return PendingRead(
             step,

@@ -304,6 +304,7 @@ class TieredStore:
                     )
                 else:
                     logger.info("step %d rank %d: not on this node's disk; read from %s", step, record.rank, where)
+                tried.clear()  # their tracebacks hold this frame and what ``read`` filled: a cycle
                 return found, tier.name
         return _no_copy_verifies(record, tried)
 
@@ -323,8 +324,10 @@ class TieredStore:
         later: Collection[str] | None = None,
         into: Mapping[str, np.ndarray] | None = None,
         verify: Verify = "full",
+        header: ShardHeader | None = None,
     ) -> tuple[FlatState, Source]:
-        """Some arrays of ``record``'s shard, verified, and the tier they came from.
+        """Some arrays of ``record``'s shard, verified, and the tier they came from (``header``:
+        its header as :meth:`read_shard_header` returned it, not read again).
 
         Reads only the shard's header and those arrays' bytes, each checked against the
         sha256 the manifest records for it in a state of DTensors (``verify="fast"``: its
@@ -349,18 +352,17 @@ class TieredStore:
             what = f"rank {record.rank} shard {tier.shard_location(step, record)}"
             if tier is self.local:
                 with self.local.open_ranges(step, record) as read_into:
-                    return _read_parts(read_into, record, names, what, targets, verify)
+                    return _read_parts(read_into, record, names, what, targets, verify, header)
             read_range = functools.partial(tier.read_range_into, step, record)
-            return _read_parts(read_range, record, names, what, targets, verify)
+            return _read_parts(read_range, record, names, what, targets, verify, header)
 
         return self._first_that_verifies(step, record, read, later, refills=False)
 
     def read_shard_header(
         self, step: int, record: ShardRecord, *, later: Collection[str] | None = None
     ) -> tuple[ShardHeader, Source]:
-        """``record``'s shard header (where each array lies, its dtype and shape, the metadata),
-        verified by its sha256, from the nearest tier that serves ranged reads and holds a copy
-        that verifies (``later`` as for :meth:`fetch_shard`); nothing is written anywhere."""
+        """``record``'s shard header (each array's place, dtype and shape; the metadata), verified by its
+        sha256, from the nearest tier serving ranged reads (``later`` as for :meth:`fetch_shard`); writes nothing."""
 
         def read(tier: Tier) -> ShardHeader:
             what = f"rank {record.rank} shard {tier.shard_location(step, record)}"
@@ -460,13 +462,12 @@ def _read_parts(
     what: str,
     into: Mapping[str, np.ndarray],
     verify: Verify,
+    verified: ShardHeader | None = None,
 ) -> FlatState:
-    """Read and verify a shard's header, then each of ``names``' arrays, through ``read_into(offset, buffer)``.
-
-    Each array is copied straight into its memory (``into``'s, else new) and hashed
-    piece by piece while each piece is in cache, with no copy through Python bytes.
-    """
-    header = _verified_header(read_into, record, what)
+    """Read and verify a shard's header (unless ``verified`` is it), then each of ``names``' arrays,
+    through ``read_into(offset, buffer)``: each copied straight into its memory (``into``'s, else
+    new) and hashed piece by piece while each piece is in cache, with no copy through Python bytes."""
+    header = verified if verified is not None else _verified_header(read_into, record, what)
     elsewhere = [name for name, _holder in record.replicas]
     structure = structure_of(header.metadata, header.arrays, what, elsewhere)
     if callable(names):

@@ -629,6 +629,7 @@ _OTHER_PROCESSES = frozenset({"gcs_endpoint", "azurite_endpoint"})
 _TESTS = Path(__file__).resolve().parent
 
 _SLOW = (  # test file::test id; a test's name alone covers all its parameters, an id may be cut short
+    "test_azure.py::test_a_store_that_never_answers_a_put_fails_it_as_transient",
     "test_bench.py::test_benchmark_runs_every_section_and_prints_its_ratios",
     "test_cli.py::test_a_bad_endpoint_url_is_refused_naming_where_it_came_from",
     "test_cli.py::test_a_step_directory_given_as_the_root_is_named_with_its_parent",

@@ -242,6 +242,30 @@ def test_a_store_that_always_fails_costs_max_tries_requests(azurite_endpoint):
     assert caught.value.transient and caught.value.tries == 3 and proxy.requests == 3
 
 
+def test_a_store_that_never_answers_a_put_fails_it_as_transient(azurite_endpoint, tmp_path):
+    """The request timeout reaches the SDK client the library opens (its own is minutes)."""
+    url, _ = new_azure_container(azurite_endpoint)
+    proxy, through = proxied(azurite_endpoint, stall=("PUT",))
+    outcome = []
+    try:
+        tier = RemoteTier(url, azure_storage_options(through), retry=RetryPolicy(max_tries=1, timeout_seconds=1))
+        path, record = shard_of(tmp_path, 1000)
+
+        def land():
+            try:
+                tier.land_shard(4, record, ShardSource(path=path))
+            except RemoteError as exc:
+                outcome.append(exc)
+
+        worker = threading.Thread(target=land, daemon=True)
+        worker.start()
+        worker.join(60)  # a guard against a hang, not a timing
+    finally:
+        proxy.close()
+    assert not worker.is_alive() and len(outcome) == 1
+    assert outcome[0].transient and "ServiceResponseTimeoutError" in str(outcome[0])
+
+
 # -- the account key stays out of sight ------------------------------------------------------
 
 

@@ -124,7 +124,7 @@ def _read_hashing(source: BinaryIO, size: int, md5: Any, whole: Any) -> bytes:
 
 
 class AzureBackend(FsspecBackend):
-    """A container (and prefix) on Azure Blob Storage, or on Azurite."""
+    """A container (and prefix) on Azure Blob Storage, or a store speaking its API."""
 
     FACTS: ClassVar[Facts] = Facts(create_only=True, store_checksums=True, keeps_metadata=True)
 

@@ -1,4 +1,4 @@
-"""Checksums of bytes as they stream: sha256 and xxh3-64 in one pass, and S3's CRC32C.
+"""Checksums of bytes as they stream: sha256 and xxh3-64 in one pass, S3's CRC32C, a store's checksum forms.
 
 Every function here hashes each piece of bytes right after it was copied (into a file's
 staging block, a target array, a buffer), while the piece is in the CPU's cache, so a
@@ -237,6 +237,6 @@ def composite_crc32c(parts: Sequence[str]) -> str:
 STORE_CHECKSUM = re.compile(
     r"(sha256:[A-Za-z0-9+/]{43}=|crc32c:[A-Za-z0-9+/]{6}==)(-[1-9][0-9]{0,4})?|md5:[A-Za-z0-9+/]{21}[AQgw]=="
 )
-"""The forms of a store's checksum of an object, as a remote manifest records it: base64 of the
-digest, a CRC32C or SHA256 with ``-N`` for an S3 object of N parts, or the MD5 of a whole blob
-(Azure's Content-MD5), in canonical base64 (the bits past its 16 bytes zero)."""
+"""The text forms of the checksum an object store keeps of an object: ``<algorithm>:<base64 of
+the digest>``, a CRC32C or SHA256 with ``-N`` for an S3 object of N parts, or the MD5 of a whole
+blob (Azure's Content-MD5) in canonical base64 (the bits past its 16 bytes zero)."""

@@ -1,6 +1,6 @@
 """The checksums a store computes of an uploaded shard, computed locally (tiered_ckpt.tiers.checksums),
 checked against independent computations with hashlib and crc32c: S3's ETag and composite CRC32C
-per part size, GCS's whole-object CRC32C and MD5."""
+per part size, GCS's whole-object CRC32C and MD5, Azure's whole-blob MD5."""
 
 import base64
 import hashlib
@@ -52,7 +52,11 @@ def shard_file(tmp_path, size, name="rank-00000-of-00001.safetensors", seed=0):
 
 def backend(scheme):
     # Opening a client makes no request: the endpoint is never contacted by these tests.
-    options = {"anon": True} if scheme == "s3" else {"token": "anon", "project": "test"}
+    options = {
+        "s3": {"anon": True},
+        "gs": {"token": "anon", "project": "test"},
+        "az": {"account_name": "devstoreaccount1", "anon": True},
+    }[scheme]
     return open_backend(
         f"{scheme}://bucket/run", {**options, "endpoint_url": "http://127.0.0.1:9"},
         retry=RetryPolicy(), part_bytes=PART, part_concurrency=1,
@@ -130,6 +134,12 @@ def test_kept_is_the_gcs_crc32c_or_nothing():
     assert StoreSums("md5").kept is None
 
 
+def test_kept_is_the_azure_md5_where_no_crc32c_is_kept():
+    md5 = base64.b64encode(hashlib.md5(b"blob").digest()).decode()
+    assert StoreSums(None, md5=md5).kept == "md5:" + md5
+    assert StoreSums(None, crc32c=crc(b"blob"), md5=md5).kept == "crc32c:" + crc(b"blob")
+
+
 # -- the backends' sums ----------------------------------------------------------------------
 
 
@@ -160,7 +170,16 @@ def test_gcs_keeps_the_whole_objects_crc32c_and_base64_md5_whatever_its_size(tmp
     assert sums.kept == "crc32c:" + crc(data)
 
 
-@pytest.mark.parametrize("scheme", ["s3", "gs"])
+@pytest.mark.parametrize("size", [0, 1, 2 * PART, 7 * PART + 999])
+def test_azure_keeps_the_whole_blobs_base64_md5_whatever_its_size(tmp_path, size):
+    path, record, data = shard_file(tmp_path, size)
+    sums = backend("az").sums(path, record)
+    assert sums.md5 == base64.b64encode(hashlib.md5(data).digest()).decode()  # the blob's Content-MD5
+    assert sums.etag is None and sums.crc32c is None and sums.parts == ()
+    assert sums.kept == "md5:" + sums.md5
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs", "az"])
 def test_a_backend_never_computes_sums_of_a_damaged_source(tmp_path, scheme):
     path, record, data = shard_file(tmp_path, 3 * PART)
     path.write_bytes(bytes(reversed(data)))

@@ -330,7 +330,7 @@ def test_a_bad_endpoint_url_is_refused_naming_where_it_came_from(tmp_path):
     code, _, err = run(env, "ls", "--local-dir", str(tmp_path))
     assert code == 2 and "TIERED_CKPT_REMOTE_ENDPOINT_URL): key 'remote.url' is required" in err
     code, _, err = run(env, "ls", "--local-dir", str(tmp_path), "--remote-url", f"file://{tmp_path}/bucket")
-    assert code == 2 and "applies to s3:// and gs:// URLs only" in err
+    assert code == 2 and "applies to s3://, gs:// and az:// URLs only" in err
 
 
 @pytest.mark.parametrize(

@@ -243,7 +243,10 @@ def test_precedence_is_argument_then_environment_then_file_then_default(tmp_path
         ("[local\ndir = 'x'\n", "not a valid TOML config"),
         ("[local]\ndir = 'x'\n[remote]\nurl = 's3://b/r'\nendpoint_url = 'minio:9000'\n", "must be an http:// or"),
         ("[local]\ndir = 'x'\n[remote]\nurl = 's3://b/r'\nendpoint_url = 'http://k:abc@h'\n", "not hold credentials"),
-        ("[local]\ndir = 'x'\n[remote]\nurl = 'memory://b/r'\nendpoint_url = 'http://h'\n", "s3:// and gs:// URLs"),
+        (
+            "[local]\ndir = 'x'\n[remote]\nurl = 'memory://b/r'\nendpoint_url = 'http://h'\n",
+            "s3://, gs:// and az:// URLs",
+        ),
     ],
 )
 def test_bad_config_names_the_file_and_the_key(tmp_path, text, problem):
@@ -326,23 +329,24 @@ def test_a_remote_url_without_a_bucket_is_a_config_error(tmp_path, url):
         load_config(write(tmp_path, f"[local]\ndir = 'x'\n[remote]\nurl = '{url}'\n"), environ={})
 
 
-@pytest.mark.parametrize("scheme", ["s3", "gcs"])
+@pytest.mark.parametrize("scheme", ["s3", "gcs", "azure"])
 def test_endpoint_url_from_a_config_or_the_environment_reaches_the_store(tmp_path, request, scheme, monkeypatch):
-    from conftest import S3_TEST_KEY, S3_TEST_SECRET
+    from conftest import AZURITE_ACCOUNT, AZURITE_KEY, S3_TEST_KEY, S3_TEST_SECRET
 
     url, options = request.getfixturevalue(f"{scheme}_url")
-    endpoint = options["endpoint_url"] if scheme == "gcs" else options["client_kwargs"]["endpoint_url"]
+    endpoint = options["endpoint_url"] if scheme != "s3" else options["client_kwargs"]["endpoint_url"]
     with CheckpointManager(tmp_path / "job", world_size=1, remote=RemoteOptions(url, storage_options=options)) as m:
         manager = m
         manager.save(1, [{"w": np.arange(3.0)}])
         manager.wait(uploaded=True)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", S3_TEST_KEY)  # the store's own chain, not the config
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_TEST_SECRET)
-    storage = (
-        "[remote.storage_options]\nproject = 'test'\ntoken = 'anon'\n"
-        if scheme == "gcs"
-        else "[remote.storage_options.client_kwargs]\nregion_name = 'us-east-1'\n"
-    )
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", AZURITE_KEY)
+    storage = {
+        "gcs": "[remote.storage_options]\nproject = 'test'\ntoken = 'anon'\n",
+        "azure": f"[remote.storage_options]\naccount_name = '{AZURITE_ACCOUNT}'\n",
+        "s3": "[remote.storage_options.client_kwargs]\nregion_name = 'us-east-1'\n",
+    }[scheme]
     given = write(tmp_path, f"[local]\ndir = 'x'\n[remote]\nurl = '{url}'\nendpoint_url = '{endpoint}'\n{storage}")
     unnamed = write(tmp_path, f"[local]\ndir = 'x'\n[remote]\nurl = '{url}'\n{storage}", "unnamed.toml")
     for config in (

@@ -839,6 +839,26 @@ def test_transient_faults_on_gcs_still_commit_every_step(tmp_path, faulty_gcs, g
         assert_states_equal(large_states(2, 64 * 1024, version=2), node.restore().states)
 
 
+def test_transient_faults_on_azure_still_commit_every_step(tmp_path, faulty_azure, azure_url):
+    proxy, url, options = faulty_azure
+    with CheckpointManager(
+        tmp_path,
+        world_size=2,
+        remote=RemoteOptions(url, storage_options=options),
+        upload=UploadOptions(backoff_seconds=0.001, max_tries=25),
+    ) as manager:
+        for step in (1, 2):
+            manager.save(step, large_states(2, 64 * 1024, version=step))
+        manager.wait(uploaded=True)
+    assert proxy.injected >= 3 and proxy.requests > proxy.injected
+    direct_url, direct_options = azure_url
+    with CheckpointManager(
+        tmp_path / "other-node", world_size=2, remote=RemoteOptions(direct_url, storage_options=direct_options)
+    ) as node:
+        assert node.remote_steps() == [1, 2]
+        assert_states_equal(large_states(2, 64 * 1024, version=2), node.restore().states)
+
+
 def test_a_failing_start_releases_the_directory_and_stops_the_uploader(tmp_path, memory_url, states):
     url, options = memory_url
     with CheckpointManager(tmp_path, world_size=4, runtime=ZERO1) as manager:
@@ -957,19 +977,23 @@ def test_a_closed_port_is_a_typed_error_at_start(tmp_path):
         CheckpointManager(tmp_path, world_size=1, remote=f"ftp://127.0.0.1:{free_port()}/x")
 
 
-@pytest.mark.parametrize("store", ["s3", "gcs"])
+@pytest.mark.parametrize("store", ["s3", "gcs", "azure"])
 def test_bytes_changed_in_transit_are_never_committed(tmp_path, store, request, monkeypatch, states, caplog):
     """A proxy flips a byte of every PUT/POST body: the checksum the store computed of what it
-    received (S3's ETag, GCS's md5Hash) differs from the file's, so no shard is confirmed."""
+    received (S3's ETag, GCS's md5Hash, Azure's Content-MD5) differs from the file's, so no
+    shard is confirmed."""
     from conftest import FaultInjectingProxy
 
-    endpoint = request.getfixturevalue("moto_endpoint" if store == "s3" else "gcs_endpoint")
+    endpoint = request.getfixturevalue({"s3": "moto_endpoint", "gcs": "gcs_endpoint"}.get(store, "azurite_endpoint"))
     url, options = request.getfixturevalue(f"{store}_url")
-    proxy = FaultInjectingProxy(endpoint, failure_rate=0.0, corrupt=("PUT", "POST"))
+    account = endpoint.rsplit("/", 1)[1] if store == "azure" else ""
+    proxy = FaultInjectingProxy(endpoint.removesuffix(f"/{account}"), failure_rate=0.0, corrupt=("PUT", "POST"))
     if store == "s3":
         from conftest import s3_storage_options
 
         options = s3_storage_options(proxy.endpoint)
+    elif store == "azure":
+        options = {**options, "endpoint_url": f"{proxy.endpoint}/{account}"}
     else:
         import asyncio
         import types

@@ -346,3 +346,38 @@ def test_the_record_bound_is_never_below_what_a_manifest_takes(monkeypatch, ndim
 def test_a_manifest_that_may_be_over_the_limit_is_a_problem():
     assert manifest_problem([MAX_MANIFEST_BYTES // 2] * 2, ()) is not None
     assert manifest_problem([MAX_MANIFEST_BYTES // 4] * 2, ()) is None
+
+
+@pytest.mark.parametrize(
+    "checksum",
+    [
+        "crc32c:qg7Tjw==",
+        "crc32c:qg7Tjw==-3",
+        "sha256:" + "A" * 43 + "=",
+        "md5:1B2M2Y8AsgTpgAmY7PhCfg==",
+        "md5:" + "/" * 21 + "w==",
+    ],
+)
+def test_a_remote_manifest_keeps_each_stores_checksum_form(checksum):
+    manifest = ShardManifest.from_dict(valid_document(2), source=SOURCE)
+    remote = RemoteManifest(manifest, 1.0, {record.path: checksum for record in manifest.shards})
+    assert RemoteManifest.from_json(remote.to_json()).store_checksums == remote.store_checksums
+
+
+@pytest.mark.parametrize(
+    "checksum",
+    [
+        "md5:1B2M2Y8AsgTpgAmY7PhCfg==-2",  # an MD5 is of the whole blob: no part count
+        "md5:1B2M2Y8AsgTpgAmY7PhCfh==",  # not canonical base64 of 16 bytes (bits past the digest)
+        "md5:1B2M2Y8AsgTpgAmY7PhCf==",  # 15 bytes
+        "md5:1B2M2Y8AsgTpgAmY7PhCfg",  # no padding
+        "MD5:1B2M2Y8AsgTpgAmY7PhCfg==",
+        "md5:1B2M2Y8AsgTpgAmY7PhCfg==\n",
+        "crc32c:1B2M2Y8AsgTpgAmY7PhCfg==",  # an MD5's length under another name
+    ],
+)
+def test_a_store_checksum_of_no_known_form_is_refused_naming_the_field(checksum):
+    document = {"kind": "tiered-ckpt remote manifest", "committed_at": 1.0, **valid_document(2)}
+    document["store_checksums"] = {document["shards"][0]["path"]: checksum}
+    with pytest.raises(ManifestError, match="field 'store_checksums'"):
+        RemoteManifest.from_json(json.dumps(document), source=SOURCE)

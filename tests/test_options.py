@@ -245,9 +245,9 @@ def test_a_bad_endpoint_url_is_refused_without_showing_it(endpoint, problem):
     assert problem in error.problem and SECRET not in str(error)
 
 
-def test_an_endpoint_url_is_only_for_s3_and_gcs():
-    assert "applies to s3:// and gs:// URLs only" in refused(RemoteOptions, "endpoint_url", "http://h:1").problem
-    for url in ("s3://b/run", "gs://b/run"):
+def test_an_endpoint_url_is_only_for_s3_gcs_and_azure():
+    assert "applies to s3://, gs:// and az:// URLs only" in refused(RemoteOptions, "endpoint_url", "http://h:1").problem
+    for url in ("s3://b/run", "gs://b/run", "az://container/run", "abfs://container/run"):
         assert RemoteOptions(url, endpoint_url="http://127.0.0.1:9000").endpoint_url == "http://127.0.0.1:9000"
 
 

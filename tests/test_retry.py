@@ -320,3 +320,98 @@ def test_a_status_that_is_a_boolean_or_not_a_number_is_no_http_status():
     error.status = True
     error.code = "500"
     assert not is_transient(error)
+
+
+class AzureAnswers:
+    """A loopback server answering every request as Blob Storage answers a failed one: ``status``
+    with the error ``code`` (its XML body and ``x-ms-error-code`` header), or a connection closed
+    without an answer (``status`` None)."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        answers = self
+        self.status, self.code = 500, "InternalError"
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_PUT(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if answers.status is None:
+                    self.close_connection = True
+                    return
+                body = (
+                    f"<?xml version='1.0' encoding='utf-8'?><Error><Code>{answers.code}</Code>"
+                    f"<Message>{answers.code} (injected)</Message></Error>"
+                ).encode()
+                self.send_response(answers.status)
+                self.send_header("x-ms-error-code", answers.code)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}/devstoreaccount1"
+
+    def error(self, status, code=""):
+        """What the Azure SDK raises for a Put Blob that gets this answer (its own retries off)."""
+        from azure.storage.blob import BlobClient
+
+        from conftest import AZURITE_KEY
+
+        self.status, self.code = status, code
+        credential = {"account_name": "devstoreaccount1", "account_key": AZURITE_KEY}
+        with BlobClient(self.endpoint, "container", "blob", credential=credential, retry_total=0) as client:
+            with pytest.raises(Exception) as caught:
+                client.upload_blob(b"shard", overwrite=True)
+        return caught.value
+
+    def close(self):
+        self._server.shutdown()
+        self._server.server_close()
+
+
+@pytest.fixture(scope="module")
+def azure_answers():
+    answers = AzureAnswers()
+    yield answers
+    answers.close()
+
+
+@pytest.mark.parametrize(
+    "status, code, expected",
+    [
+        (500, "InternalError", True),
+        (503, "ServerBusy", True),
+        (400, "Md5Mismatch", True),  # the block's bytes are not those its Content-MD5 was computed of
+        (None, "", True),  # the connection closed before an answer: ServiceResponseError
+        (400, "InvalidHeaderValue", False),
+        (403, "AuthenticationFailed", False),
+        (404, "ContainerNotFound", False),
+        (409, "BlobAlreadyExists", False),  # a create-only write that lost: never tried again
+        (412, "ConditionNotMet", False),
+    ],
+)
+def test_azure_errors_as_the_sdk_raises_them(azure_answers, status, code, expected):
+    from azure.core.exceptions import AzureError
+
+    error = azure_answers.error(status, code)
+    assert isinstance(error, AzureError) and getattr(error, "status_code", None) == status
+    assert is_transient(error) is expected
+
+
+def test_an_azure_request_to_a_closed_port_is_transient():
+    from azure.core.exceptions import ServiceRequestError
+    from azure.storage.blob import BlobClient
+
+    from conftest import free_port
+
+    client = BlobClient(f"http://127.0.0.1:{free_port()}/devstoreaccount1", "container", "blob", retry_total=0)
+    with pytest.raises(ServiceRequestError) as caught:
+        client.get_blob_properties()
+    assert is_transient(caught.value)

@@ -61,6 +61,12 @@ class TestRemoteTierOnGcs(RemoteTierContract):
         return gcs_url
 
 
+class TestRemoteTierOnAzure(RemoteTierContract):
+    @pytest.fixture
+    def url(self, azure_url):
+        return azure_url
+
+
 class TestLocalTier(TierContract):
     @pytest.fixture
     def tier(self, tmp_path):

@@ -51,7 +51,7 @@ environment variables (used when no option names the value; a config file's valu
 overridden by its variable, and both by an option):
   {ENV_PREFIX}LOCAL_DIR            the local directory (local.dir)
   {ENV_PREFIX}REMOTE_URL           the bucket, e.g. s3://bucket/run (remote.url)
-  {ENV_PREFIX}REMOTE_ENDPOINT_URL  the S3 or GCS endpoint, e.g. http://127.0.0.1:9000
+  {ENV_PREFIX}REMOTE_ENDPOINT_URL  the S3, GCS or Azure endpoint, e.g. http://127.0.0.1:9000
                                     (remote.endpoint_url)
   {ENV_PREFIX}<TABLE>_<KEY>        any other config key, e.g. {ENV_PREFIX}LOCAL_KEEP_LAST=5
   AWS_ENDPOINT_URL, AWS_ENDPOINT_URL_S3
@@ -352,7 +352,7 @@ def _global_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
     parser.add_argument(
         "--endpoint-url",
         default=default,
-        help="the S3 or GCS endpoint, e.g. http://127.0.0.1:9000 for MinIO (overrides remote.endpoint_url)",
+        help="the S3, GCS or Azure endpoint, e.g. http://127.0.0.1:9000 for MinIO (overrides remote.endpoint_url)",
     )
     parser.add_argument(
         "--json", action="store_true", default=False if top else argparse.SUPPRESS, help="print JSON (null: none)"

@@ -83,7 +83,7 @@ def check_remote_url(url: Any) -> None:
         raise invalid_option("url", f"{url!r} names no bucket or directory")
 
 
-_ENDPOINT_SCHEMES = ("s3", "s3a", "gs", "gcs")
+_ENDPOINT_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
 
 
 def _check_endpoint_url(endpoint: Any, url: str) -> None:
@@ -109,7 +109,7 @@ def _check_endpoint_url(endpoint: Any, url: str) -> None:
     if not rest.strip("/"):
         raise invalid_option("endpoint_url", f"names no host after {scheme}://")
     if url.partition("://")[0] not in _ENDPOINT_SCHEMES:
-        raise invalid_option("endpoint_url", f"applies to s3:// and gs:// URLs only, not {url!r:.80}")
+        raise invalid_option("endpoint_url", f"applies to s3://, gs:// and az:// URLs only, not {url!r:.80}")
 
 
 class _Retained:
@@ -156,8 +156,9 @@ class RemoteOptions(_Retained):
     retention (``keep_last``, ``keep_every``: as the local tier's, default all), and the
     ``layout`` of its shard objects ("flat", or "hashed": spread over 256 key prefixes
     per step; see :meth:`~tiered_ckpt.tiers.remote.RemoteTier.object_name`). ``endpoint_url``
-    (``s3://`` and ``gs://`` only) names the store's endpoint, e.g. a MinIO server; it
-    takes precedence over ``storage_options["endpoint_url"]``.
+    (``s3://``, ``gs://`` and ``az://``/``abfs://`` only) names the store's endpoint, e.g. a
+    MinIO server, or for Azure the account's blob URL (``http://127.0.0.1:10000/devstoreaccount1``
+    for Azurite); it takes precedence over ``storage_options["endpoint_url"]``.
 
     How a run holds the URL (see :mod:`~tiered_ckpt.tiers.owners`): its lease on it lasts
     ``lease_seconds`` unrenewed (it is renewed every quarter of that while the run lives);

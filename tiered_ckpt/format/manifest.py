@@ -19,7 +19,7 @@ from tiered_ckpt.errors import ChecksumMismatchError, ManifestError, ShardCountM
 from tiered_ckpt.format.layout import MANIFEST_NAME, is_plain_name
 from tiered_ckpt.format.shardfile import DTYPES, MAX_DIMS, MAX_HEADER_BYTES, json_length_bound
 from tiered_ckpt.format.strict_json import Fields, load_object
-from tiered_ckpt.io.hashing import ShardDigest
+from tiered_ckpt.io.hashing import STORE_CHECKSUM, ShardDigest
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -58,7 +58,6 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 _ARRAY_XXH3 = re.compile(r"(?:[0-9a-f]{16})*")
 _XXH3_64 = re.compile(r"[0-9a-f]{16}")
 _LOCATION = re.compile(r"[0-9a-f]{2}/[^/]+")
-_STORE_CHECKSUM = re.compile(r"(sha256:[A-Za-z0-9+/]{43}=|crc32c:[A-Za-z0-9+/]{6}==)(-[1-9][0-9]{0,4})?")
 _RESERVED_KEY = "__metadata__"
 
 
@@ -270,8 +269,8 @@ class RemoteManifest:
     object's name under the step's prefix) and ``committed_at``, the Unix time at which
     every shard had been uploaded and confirmed. ``store_checksums`` maps a shard's path to
     the checksum the store keeps for its object (``"crc32c:<base64>"``, on S3 with ``-N`` for
-    an object of N parts; ``"sha256:<base64>[-N]"`` from earlier versions), for checks
-    without a download; empty where the store keeps none.
+    an object of N parts; ``"md5:<base64>"`` on Azure; ``"sha256:<base64>[-N]"`` from earlier
+    versions), for checks without a download; empty where the store keeps none.
     ``locations`` maps a shard's path to its object's name under the step's prefix where
     that is not the path itself (the "hashed" layout: ``"3f/rank-..."``). Its ``kind``
     field keeps it from being read as a local manifest, and the other way round.
@@ -285,7 +284,7 @@ class RemoteManifest:
     def __post_init__(self) -> None:
         paths = {record.path for record in self.manifest.shards}
         for path, checksum in self.store_checksums.items():
-            if path not in paths or not isinstance(checksum, str) or not _STORE_CHECKSUM.fullmatch(checksum):
+            if path not in paths or not isinstance(checksum, str) or not STORE_CHECKSUM.fullmatch(checksum):
                 raise ManifestError(f"remote manifest: field 'store_checksums': {path!r:.80}: {checksum!r:.80}")
         for path, name in self.locations.items():
             if path not in paths or not isinstance(name, str) or not _LOCATION.fullmatch(name) or name[3:] != path:

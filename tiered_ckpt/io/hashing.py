@@ -1,4 +1,4 @@
-"""Checksums of bytes as they stream: sha256 and xxh3-64 in one pass, and S3's CRC32C.
+"""Checksums of bytes as they stream: sha256 and xxh3-64 in one pass, S3's CRC32C, a store's checksum forms.
 
 Every function here hashes each piece of bytes right after it was copied (into a file's
 staging block, a target array, a buffer), while the piece is in the CPU's cache, so a
@@ -13,6 +13,7 @@ import base64
 import errno
 import hashlib
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO, Literal
@@ -39,6 +40,7 @@ __all__ = [
     "read_hashing",
     "part_crc32c",
     "composite_crc32c",
+    "STORE_CHECKSUM",
 ]
 
 Verify = Literal["full", "fast"]
@@ -230,3 +232,11 @@ def composite_crc32c(parts: Sequence[str]) -> str:
     if len(parts) == 1:
         return parts[0]
     return f"{part_crc32c(b''.join(base64.b64decode(part) for part in parts))}-{len(parts)}"
+
+
+STORE_CHECKSUM = re.compile(
+    r"(sha256:[A-Za-z0-9+/]{43}=|crc32c:[A-Za-z0-9+/]{6}==)(-[1-9][0-9]{0,4})?|md5:[A-Za-z0-9+/]{21}[AQgw]=="
+)
+"""The text forms of the checksum an object store keeps of an object: ``<algorithm>:<base64 of
+the digest>``, a CRC32C or SHA256 with ``-N`` for an S3 object of N parts, or the MD5 of a whole
+blob (Azure's Content-MD5) in canonical base64 (the bits past its 16 bytes zero)."""

@@ -7,10 +7,12 @@ bytes it received, so bytes changed in transit are never confirmed:
 - S3, multipart: the composite CRC32C of the parts (``base64(crc32c(part digests))-N``):
   S3 checks each part against the ``x-amz-checksum-crc32c`` it was sent with and composes
   them;
-- GCS: ``md5Hash``, and the ``crc32c`` it computes itself.
+- GCS: ``md5Hash``, and the ``crc32c`` it computes itself;
+- Azure: the blob's ``Content-MD5``, which Blob Storage computes of a blob put in one request
+  (a blob of several blocks: see :mod:`~tiered_ckpt.tiers.backends.azure`).
 
-The S3 CRC32C / GCS crc32c is also what the remote manifest records per object, so that
-``tiered-ckpt verify --remote`` checks objects without downloading them. CRC32C rather
+The S3 CRC32C / GCS crc32c (Azure: the Content-MD5) is also what the remote manifest records
+per object, so that ``tiered-ckpt verify --remote`` checks objects without downloading them. CRC32C rather
 than SHA256 or MD5 per byte: it runs at ~10 GB/s per core (the ``crc32c`` package,
 hardware CRC, GIL released) where those run at ~1 and ~0.7, and an upload shares the
 CPU with training.
@@ -42,19 +44,23 @@ def _b64(digest: bytes) -> str:
 class StoreSums:
     """An object's checksums as the store computes them: ``etag`` (S3's ETag of a one-request
     object: the body's MD5 in quotes; GCS's md5Hash; None where not compared), ``parts``
-    (S3: each part's CRC32C, base64, parts cut every ``part_bytes`` as the upload cuts them)
-    and ``crc32c`` (GCS: the object's)."""
+    (S3: each part's CRC32C, base64, parts cut every ``part_bytes`` as the upload cuts them),
+    ``crc32c`` (GCS: the object's) and ``md5`` (Azure: the blob's Content-MD5, base64)."""
 
     etag: str | None
     parts: tuple[str, ...] = ()
     crc32c: str | None = None
+    md5: str | None = None
 
     @property
     def kept(self) -> str | None:
-        """The checksum the store keeps for the object, as the remote manifest records it."""
+        """The checksum the store keeps for the object, as the remote manifest records it: its
+        CRC32C where the store keeps one, else its MD5 (None: neither)."""
         if self.parts:
             return "crc32c:" + composite_crc32c(self.parts)
-        return "crc32c:" + self.crc32c if self.crc32c is not None else None
+        if self.crc32c is not None:
+            return "crc32c:" + self.crc32c
+        return "md5:" + self.md5 if self.md5 is not None else None
 
 
 def check_source(path: Path, record: ShardRecord) -> None:

@@ -44,11 +44,17 @@ _TRANSIENT_NAMES = (
     "RetryError",
     "ServiceUnavailable",
     "TransportError",
+    "ServiceRequestError",  # azure-core: the request could not be sent (refused, reset, DNS)
+    "ServiceResponseError",  # azure-core: the connection broke before the whole answer came
 )
 # HTTP statuses worth another try, for clients that raise them as a number rather than an
 # errno or a message: gcsfs's HttpError (``code``, once its own tries are spent: a GCS 500 or
-# 429 is "Backend Error, 500" / "...rate limit..., 429"), aiohttp's ClientResponseError (``status``).
+# 429 is "Backend Error, 500" / "...rate limit..., 429"), aiohttp's ClientResponseError (``status``),
+# azure-core's HttpResponseError (``status_code``).
 _TRANSIENT_STATUSES = {408, 429, 500, 502, 503, 504}
+# Azure's error codes (``error_code``) of a request whose body did not arrive as sent: Blob
+# Storage refuses a block whose bytes differ from the Content-MD5 (or CRC64) sent with it.
+_TRANSIENT_CODES = {"Md5Mismatch", "Crc64Mismatch"}
 _TRANSIENT_TEXT = (
     "SlowDown",
     "Service Unavailable",
@@ -67,9 +73,15 @@ def is_transient(exc: BaseException) -> bool:
         return True
     if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
         return True
-    status = getattr(exc, "status", None)
-    status = getattr(exc, "code", None) if status is None else status
+    for name in ("status", "code", "status_code"):
+        status = getattr(exc, name, None)
+        if status is not None:
+            break
     if isinstance(status, int) and not isinstance(status, bool) and status in _TRANSIENT_STATUSES:
+        return True
+    code = getattr(exc, "error_code", None)
+    code = getattr(code, "value", code)  # the SDK's StorageErrorCode, a str enum, or the header's str
+    if isinstance(code, str) and code in _TRANSIENT_CODES:
         return True
     names = [cls.__name__ for cls in type(exc).__mro__]
     if any(marker in name for name in names for marker in _TRANSIENT_NAMES):

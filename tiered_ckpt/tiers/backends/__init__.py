@@ -1,7 +1,7 @@
 """The stores behind the object-store tier, one module each, and the one place that picks one.
 
 :func:`open_backend` maps the URL's protocol to the backend module that knows its store
-(``s3``, ``gs``, a file system); fsspec's own registry (``url_to_fs``) decides the
+(``s3``, ``gs``, ``az``, a file system); fsspec's own registry (``url_to_fs``) decides the
 filesystem, and any protocol without a module of ours gets the generic
 :class:`~tiered_ckpt.tiers.backends.fsspec.FsspecBackend`.
 """
@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from fsspec.core import url_to_fs
-
 from tiered_ckpt.errors import RemoteError
+from tiered_ckpt.tiers.backends.azure import AzureBackend
 from tiered_ckpt.tiers.backends.base import Backend
 from tiered_ckpt.tiers.backends.fsspec import FsspecBackend
 from tiered_ckpt.tiers.backends.gcs import GcsBackend
@@ -28,6 +27,9 @@ _BY_PROTOCOL: dict[str, type[FsspecBackend]] = {
     "s3a": S3Backend,
     "gs": GcsBackend,
     "gcs": GcsBackend,
+    "az": AzureBackend,
+    "abfs": AzureBackend,
+    "abfss": AzureBackend,
     "file": PosixBackend,
     "local": PosixBackend,
 }
@@ -42,7 +44,7 @@ def open_backend(
     protocol = url.partition("://")[0] if "://" in url else "file"
     kind = _BY_PROTOCOL.get(protocol, FsspecBackend)
     try:
-        fs, root = url_to_fs(url, **kind.client_options(storage_options, retry))
+        fs, root = kind.open_filesystem(url, storage_options, retry)
     except Exception as exc:  # a missing backend, a bad option, a backend that connects at once and fails
         raise RemoteError(f"cannot open {url}: {type(exc).__name__}: {exc}", transient=is_transient(exc)) from exc
     return kind(url, fs, root, retry=retry, part_bytes=part_bytes, part_concurrency=part_concurrency)

@@ -14,6 +14,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar
 
+from fsspec.core import url_to_fs
 from fsspec.implementations.memory import MemoryFileSystem
 
 from tiered_ckpt.errors import RemoteError
@@ -44,6 +45,13 @@ class FsspecBackend:
         merged = dict(options)
         merged.setdefault("skip_instance_cache", True)  # an instance of our own: its settings are ours to change
         return merged
+
+    @classmethod
+    def open_filesystem(cls, url: str, options: Mapping[str, Any], retry: RetryPolicy) -> tuple[Any, str]:
+        """The fsspec filesystem fsspec's registry opens for ``url`` with :meth:`client_options`,
+        and the URL's path as that filesystem names it."""
+        fs, root = url_to_fs(url, **cls.client_options(options, retry))
+        return fs, root
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"

@@ -60,7 +60,7 @@ class GcsBackend(FsspecBackend):
 
     def kept_checksum(self, head: Head, algorithm: str) -> str | None:
         kept = head.answer.get("crc32c")  # GCS keeps it in the object's metadata
-        return f"{algorithm}:{kept}" if kept else None
+        return f"crc32c:{kept}" if algorithm == "crc32c" and kept else None
 
     def store_problem(self, head: Head, sums: StoreSums) -> str | None:
         kept = head.answer.get("md5Hash")

@@ -11,11 +11,11 @@ from tiered_ckpt.format import manifest as manifest_module
 from tiered_ckpt.format.manifest import (
     MAX_MANIFEST_BYTES,
     ChunkRecord,
-    RemoteManifest,
     ShardRecord,
     manifest_problem,
     record_bytes_bound,
 )
+from tiered_ckpt.format.remote_manifest import RemoteManifest
 
 SOURCE = "/ckpt/step-000000000012/manifest.json"
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from tiered_ckpt.dist.coordination import Coordinator, gather, leader_decides
 from tiered_ckpt.engine.resume import other_runs
 from tiered_ckpt.errors import CheckpointError, RemoteError, UploadError
-from tiered_ckpt.format.manifest import RemoteManifest, ShardManifest, ShardRecord
+from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
+from tiered_ckpt.format.remote_manifest import RemoteManifest
 from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.tiers import pruning
 from tiered_ckpt.tiers.base import Tier

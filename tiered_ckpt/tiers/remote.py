@@ -36,7 +36,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
-from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, TypeVar
 
@@ -51,19 +50,18 @@ from tiered_ckpt.errors import (
 from tiered_ckpt.format.layout import (
     LATEST_NAME,
     MANIFEST_NAME,
-    OWNERS_DIR,
-    owner_name,
-    parse_owner_name,
     parse_step_dir_name,
     step_dir_name,
 )
-from tiered_ckpt.format.manifest import MAX_MANIFEST_BYTES, RemoteManifest, ShardManifest, ShardRecord
+from tiered_ckpt.format.manifest import MAX_MANIFEST_BYTES, ShardManifest, ShardRecord
+from tiered_ckpt.format.remote_manifest import RemoteManifest
 from tiered_ckpt.io.hashing import ShardDigest, Verify, copy_hashing, hash_stream
 from tiered_ckpt.tiers.backends import open_backend
 from tiered_ckpt.tiers.backends.base import Backend
 from tiered_ckpt.tiers.backends.s3 import same_checksum
 from tiered_ckpt.tiers.backends.wrappers import Counting
 from tiered_ckpt.tiers.base import Capabilities, ShardSource
+from tiered_ckpt.tiers.bucket_upkeep import BucketUpkeep
 from tiered_ckpt.tiers.checksums import StoreSums
 from tiered_ckpt.tiers.requests import LimitedReader, Requests
 from tiered_ckpt.tiers.retry import RetryPolicy, is_transient
@@ -78,10 +76,9 @@ Layout = Literal["flat", "hashed"]
 # concurrent part uploads (max_concurrency, 10 by default) keep the link busy.
 DEFAULT_PART_BYTES = 16 << 20
 DEFAULT_PART_CONCURRENCY = 8  # parts in flight per tier (S3), before throttling lowers it
-MAX_OWNER_BYTES = 64 << 10  # an owner record is a few hundred bytes; a bigger object is not one
 
 
-class RemoteTier:
+class RemoteTier(BucketUpkeep):
     """Checkpoints under ``url``, in the store its protocol names, opened with ``storage_options``.
 
     Every public method makes its requests under ``retry`` (see :class:`RetryPolicy`).
@@ -110,7 +107,7 @@ class RemoteTier:
         opened = open_backend(
             self.url, storage_options or {}, retry=self.retry, part_bytes=part_bytes, part_concurrency=part_concurrency
         )
-        self.backend = Counting(wrap(opened) if wrap is not None else opened)
+        self.backend: Counting = Counting(wrap(opened) if wrap is not None else opened)
         facts = self.backend.facts
         self.capabilities = Capabilities(
             durable=True, shared=True, create_only_commit=facts.create_only,
@@ -425,32 +422,6 @@ class RemoteTier:
 
     # -- deleting -----------------------------------------------------------------------
 
-    def abort_orphans(self, older_than_seconds: float = 0.0, *, now: float | None = None) -> list[str]:
-        """Abort the multipart uploads left open under this tier's URL by an upload that failed or
-        was killed, started at least ``older_than_seconds`` before ``now`` (a Unix time; default:
-        the clock's); return their URLs.
-
-        The caller makes sure no live run is uploading under the URL (see
-        :mod:`~tiered_ckpt.tiers.owners`): an open upload does not say which run started it.
-        Only uploads of this library's objects (``step-*/...`` under the URL) are touched;
-        a store that lists no unfinished uploads (see its backend) has none to abort.
-        """
-        uploads = self._run(f"listing unfinished multipart uploads under {self.url}", self.backend.open_uploads)
-        now = time.time() if now is None else now
-        aborted = []
-        for upload in uploads:
-            relative = upload.path[len(self._root) :].lstrip("/")
-            if parse_step_dir_name(relative.split("/", 1)[0]) is None or "/" not in relative:
-                continue  # not an object of ours
-            if upload.started is not None and now - upload.started.timestamp() < older_than_seconds:
-                continue  # may belong to an upload still running
-            location = f"{self.url}/{relative}"
-            what = f"aborting the unfinished multipart upload of {location}"
-            self._run(what, partial(self.backend.abort_upload, upload))
-            logger.warning("aborted an unfinished multipart upload of %s (started %s)", location, upload.started)
-            aborted.append(location)
-        return aborted
-
     def delete_step(self, step: int) -> None:
         """Delete a step: its remote manifest first (the step turns invisible), then its objects,
         each named by its exact key (no glob expansion)."""
@@ -462,38 +433,3 @@ class RemoteTier:
 
         self._run(f"deleting {self.location(step)}", delete)
         self.forget_landed(step)
-
-    # -- owner records (see tiered_ckpt.tiers.owners) -----------------------------------------
-
-    def owner_location(self, run_id: str) -> str:
-        """The URL of run ``run_id``'s owner record, for messages."""
-        return f"{self.url}/{OWNERS_DIR}/{owner_name(run_id)}"
-
-    def write_owner(self, run_id: str, document: bytes) -> None:
-        """Write (or overwrite) run ``run_id``'s owner record."""
-        path = f"{self._root}/{OWNERS_DIR}/{owner_name(run_id)}"
-        self._run(f"writing {self.owner_location(run_id)}", lambda: self.backend.put_bytes(path, document))
-
-    def read_owners(self) -> dict[str, bytes]:
-        """Every owner record under the URL, by run id (an exact listing of ``owners/``; a
-        record deleted while listed is left out; at most 64 KiB + 1 byte of each is read)."""
-        directory = f"{self._root}/{OWNERS_DIR}"
-
-        def read() -> dict[str, bytes]:
-            records: dict[str, bytes] = {}
-            for path in self.backend.find(directory):
-                run_id = parse_owner_name(path.rsplit("/", 1)[-1])
-                if run_id is None:
-                    continue
-                try:
-                    records[run_id] = self.backend.read(path, 0, MAX_OWNER_BYTES + 1)
-                except FileNotFoundError:
-                    continue  # released while we listed
-            return records
-
-        return self._run(f"reading the owner records under {self.url}/{OWNERS_DIR}", read)
-
-    def delete_owner(self, run_id: str) -> None:
-        """Delete run ``run_id``'s owner record (none there is no error)."""
-        path = f"{self._root}/{OWNERS_DIR}/{owner_name(run_id)}"
-        self._run(f"deleting {self.owner_location(run_id)}", lambda: self.backend.delete([path]))

@@ -1,9 +1,12 @@
 """The remote manifest: the bucket's commit record of one step, a document of its own.
 
 It holds the step's manifest (the same shard records as the local one) and what only the
-bucket knows: when the step was committed, the checksum the store keeps for each object
-and each object's name where it is not the shard's. Read from a bucket, it is untrusted
-input, validated as strictly as the manifest itself (see :mod:`~tiered_ckpt.format.manifest`).
+bucket knows: when the step was committed, the checksum the store keeps for each object,
+each object's name where it is not the shard's, and how each object compressed on its way
+there is stored (:mod:`~tiered_ckpt.format.compressed`). Read from a bucket, it is
+untrusted input, validated as strictly as the manifest itself (see
+:mod:`~tiered_ckpt.format.manifest`); a document without the newer fields (written before
+them) reads as objects stored under their own names, uncompressed.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiered_ckpt.errors import ManifestError
+from tiered_ckpt.format.compressed import CompressedObject
 from tiered_ckpt.format.manifest import MAX_MANIFEST_BYTES, ShardManifest
 from tiered_ckpt.format.strict_json import Fields, load_object
 
@@ -23,7 +27,7 @@ __all__ = ["REMOTE_KIND", "RemoteManifest"]
 REMOTE_KIND = "tiered-ckpt remote manifest"
 _LOCATION = re.compile(r"[0-9a-f]{2}/[^/]+")
 _STORE_CHECKSUM = re.compile(r"(sha256:[A-Za-z0-9+/]{43}=|crc32c:[A-Za-z0-9+/]{6}==)(-[1-9][0-9]{0,4})?")
-_MAPS = ("store_checksums", "locations")
+_MAPS = ("store_checksums", "locations", "compression")
 
 
 @dataclass(frozen=True)
@@ -37,22 +41,29 @@ class RemoteManifest:
     ``"sha256:<base64>[-N]"`` from earlier versions), for checks without a download; empty
     where the store keeps none. ``locations`` maps a shard's path to its object's name under
     the step's prefix where that is not the path itself (the "hashed" layout: ``"3f/rank-..."``).
-    Its ``kind`` field keeps it from being read as a local manifest, and the other way round.
+    ``compression`` maps a shard's path to how its object is stored where it was compressed
+    (its name then ends in ``.zst``); every other object is the shard file as it is. Its
+    ``kind`` field keeps it from being read as a local manifest, and the other way round.
     """
 
     manifest: ShardManifest
     committed_at: float
     store_checksums: Mapping[str, str] = field(default_factory=dict)
     locations: Mapping[str, str] = field(default_factory=dict)
+    compression: Mapping[str, CompressedObject] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        paths = {record.path for record in self.manifest.shards}
+        sizes = {record.path: record.size_bytes for record in self.manifest.shards}
         for path, checksum in self.store_checksums.items():
-            if path not in paths or not isinstance(checksum, str) or not _STORE_CHECKSUM.fullmatch(checksum):
+            if path not in sizes or not isinstance(checksum, str) or not _STORE_CHECKSUM.fullmatch(checksum):
                 raise ManifestError(f"remote manifest: field 'store_checksums': {path!r:.80}: {checksum!r:.80}")
         for path, name in self.locations.items():
-            if path not in paths or not isinstance(name, str) or not _LOCATION.fullmatch(name) or name[3:] != path:
+            if path not in sizes or not isinstance(name, str) or not _LOCATION.fullmatch(name) or name[3:] != path:
                 raise ManifestError(f"remote manifest: field 'locations': {path!r:.80}: {name!r:.80}")
+        for path, stored in self.compression.items():
+            problem = stored.problem(sizes[path]) if path in sizes else "names no shard of the step"
+            if problem is not None:
+                raise ManifestError(f"remote manifest: field 'compression': {path!r:.80}: {problem}")
 
     def to_json(self) -> str:
         """Serialise to the JSON document :meth:`from_json` reads back unchanged (its maps sorted by path)."""
@@ -61,6 +72,8 @@ class RemoteManifest:
             document["store_checksums"] = dict(sorted(self.store_checksums.items()))
         if self.locations:
             document["locations"] = dict(sorted(self.locations.items()))
+        if self.compression:
+            document["compression"] = {path: stored.to_dict() for path, stored in sorted(self.compression.items())}
         return json.dumps(document, indent=1) + "\n"
 
     @classmethod
@@ -78,7 +91,11 @@ class RemoteManifest:
                 raise ManifestError(f"{source}: field '{key}': expected an object")
         rest = {key: value for key, value in document.items() if key not in ("kind", "committed_at", *extras)}
         manifest = ShardManifest.from_dict(rest, source=source)
+        compression = {
+            path: CompressedObject.from_dict(entry, source=source, prefix=f"compression.{path[:80]}.")
+            for path, entry in extras["compression"].items()
+        }
         try:
-            return cls(manifest, committed_at, extras["store_checksums"], extras["locations"])
+            return cls(manifest, committed_at, extras["store_checksums"], extras["locations"], compression)
         except ManifestError as exc:
             raise ManifestError(f"{source}: {exc}") from None

@@ -327,3 +327,18 @@ def test_the_remote_manifest_of_a_compressed_step_names_each_object_once(tmp_pat
     assert names == sorted([MANIFEST_NAME, *(f"{record.path}.zst" for record in manifest.shards)])
     assert tier.shard_location(3, manifest.shard(0)).endswith(".safetensors.zst")
     assert committed == tier.read_manifest(3)
+
+
+def test_the_hashed_layout_spreads_compressed_objects_and_a_reader_finds_them(tmp_path, memory_url):
+    url, options = memory_url
+    manifest = save_sharded([trained(0), trained(1)], tmp_path / "ckpt" / step_dir_name(3), step=3)
+    tier = RemoteTier(url, options, layout="hashed", compression="zstd")
+    for record in manifest.shards:
+        tier.land_shard(3, record, ShardSource(path=tmp_path / "ckpt" / step_dir_name(3) / record.path))
+    committed = tier.commit(manifest)
+    reader = RemoteTier(url, options)  # flat and uncompressed by its own options
+    for record in manifest.shards:
+        name = committed.locations[record.path]
+        assert name.endswith(record.path) and name != record.path
+        assert tier.backend.exists(f"{tier.backend.root}/{step_dir_name(3)}/{name}.zst")
+        assert reader.check_shard(3, record) is None

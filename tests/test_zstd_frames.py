@@ -168,6 +168,22 @@ def test_the_cache_holds_at_most_its_bytes():
     assert cache.get(("s", 99)) is None
 
 
+class Reads(io.BytesIO):
+    """A source recording the size of each read asked of it."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self.asked: list[int] = []
+
+    def readinto(self, buffer) -> int:
+        self.asked.append(len(buffer))
+        return super().readinto(buffer)
+
+    def read(self, size=-1) -> bytes:
+        self.asked.append(size)
+        return super().read(size)
+
+
 def test_the_reader_streams_every_frame_in_order_and_refuses_a_short_or_long_stream():
     payload = weights(60_000) + os.urandom(30_000)
     stream, index = compressed(payload, 777, 65_536)
@@ -182,22 +198,13 @@ def test_the_reader_streams_every_frame_in_order_and_refuses_a_short_or_long_str
     while count := reader.readinto(view[got:]):
         got += count
     assert bytes(buffer[:got]) == payload
+    source = Reads(stream)
+    assert FramesReader(source, index, "object").read() == payload
+    assert min(source.asked[:-1]) >= 16 << 20 and source.asked[-1] == 1  # a few large reads, then the end
     with pytest.raises(IncompleteCheckpointError, match="object ends in frame"):
         FramesReader(io.BytesIO(stream[:-1]), index, "object").read()
     with pytest.raises(ChecksumMismatchError, match="longer than its frames"):
         FramesReader(io.BytesIO(stream + b"x"), index, "object").read()
-
-
-class Reads(io.BytesIO):
-    """A source recording the size of each read asked of it."""
-
-    def __init__(self, data: bytes) -> None:
-        super().__init__(data)
-        self.asked: list[int] = []
-
-    def readinto(self, buffer) -> int:
-        self.asked.append(len(buffer))
-        return super().readinto(buffer)
 
 
 def test_compressing_reads_a_frame_at_a_time_and_hashes_a_longer_source_whole():

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -63,6 +63,7 @@ _RAW_HEADER_BYTES = 4 + 1 + 8
 _CHECKSUM_BYTES = 4
 _KEEP_BELOW = 31 / 32  # a compressed frame is kept only if at most this fraction of its raw form
 _FETCH_BYTES = 64 << 20  # compressed bytes fetched by one ranged request, at most
+_SOURCE_READ_BYTES = 16 << 20  # what a stream of frames reads from its source at once
 
 
 @cache
@@ -319,18 +320,42 @@ class FramesReader:
         self._source, self._index, self._what = source, index, what
         self._number = 0
         self._frame, self._at = b"", 0  # the frame being read, and how much of it was
+        self._read: deque[memoryview] = deque()  # compressed bytes read from source, not yet taken
+        self._read_bytes = 0
 
     def readable(self) -> bool:
         return True
 
+    def _take(self, count: int) -> bytes | memoryview:
+        """The next ``count`` compressed bytes (fewer only where ``source`` ends). ``source`` is read
+        16 MiB at a time whatever the frames' size, so a remote file makes as few requests as a
+        plain read of it; a frame is copied only where it spans two reads."""
+        while self._read_bytes < count:
+            more = self._source.read(max(count - self._read_bytes, _SOURCE_READ_BYTES))
+            if not more:
+                break
+            self._read.append(memoryview(more))
+            self._read_bytes += len(more)
+        pieces: list[memoryview] = []
+        while count and self._read:
+            piece = self._read[0][:count]
+            pieces.append(piece)
+            if len(piece) == len(self._read[0]):
+                self._read.popleft()
+            else:
+                self._read[0] = self._read[0][len(piece) :]
+            count -= len(piece)
+            self._read_bytes -= len(piece)
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
     def _next_frame(self) -> bool:
         index, number = self._index, self._number
         if number == len(index.sizes):
-            if self._source.read(1):
+            if self._read_bytes or self._source.read(1):
                 raise ChecksumMismatchError(f"{self._what}: the object is longer than its frames")
             return False
-        data = bytearray(index.sizes[number])
-        if _read_fully(self._source, memoryview(data)) < len(data):
+        data = self._take(index.sizes[number])
+        if len(data) < index.sizes[number]:
             raise IncompleteCheckpointError(f"{self._what}: the object ends in frame {number}; it is shorter")
         self._frame, self._at = decompress_frame(data, index.lengths[number], f"{self._what} frame {number}"), 0
         self._number += 1

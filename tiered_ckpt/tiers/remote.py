@@ -345,7 +345,7 @@ class RemoteTier(BucketUpkeep):
         self, step: int, record: ShardRecord, local_path: Path, stored: CompressedObject | None, deadline: float | None
     ) -> bool:
         """:meth:`land_shard` of the file ``local_path``: the shard, or its compressed copy (``stored``)."""
-        (key, obj) = self._object(step, record, stored)
+        key, obj = self._object(step, record, stored)
         location = self.location(step, object_name(self.object_name(step, record.path), stored))
 
         def put_and_confirm() -> bool:

@@ -309,7 +309,8 @@ def _frames(
 
 class FramesReader:
     """The uncompressed bytes of the frames ``index`` describes, read in order from ``source`` (the
-    compressed stream), as a read-only stream: one frame in memory at a time.
+    compressed stream), as a read-only stream: in memory, one frame and at most 16 MiB of
+    compressed bytes read ahead.
 
     Raises :class:`IncompleteCheckpointError` if ``source`` ends before the last frame,
     :class:`ChecksumMismatchError` if a frame does not decompress to its length or ``source``

@@ -342,3 +342,22 @@ def test_the_hashed_layout_spreads_compressed_objects_and_a_reader_finds_them(tm
         assert name.endswith(record.path) and name != record.path
         assert tier.backend.exists(f"{tier.backend.root}/{step_dir_name(3)}/{name}.zst")
         assert reader.check_shard(3, record) is None
+
+
+def test_credentials_never_appear_in_what_a_compressed_tier_logs_records_or_raises(tmp_path, s3_url, caplog):
+    from tiered_ckpt import IncompleteCheckpointError
+
+    url, options = s3_url
+    caplog.set_level(logging.DEBUG)
+    manifest, tier, committed = compressed_step(tmp_path, url, options)
+    record = manifest.shard(0)
+    tier.backend.fs.pipe_file(object_key(tier, 3, record), tier.backend.read(object_key(tier, 3, record))[:-10])
+    seen = [repr(tier), committed.to_json(), tier.check_shard(3, record) or "no problem found"]
+    stored = committed.compression[record.path]
+    index = stored.index(record.size_bytes)
+    with pytest.raises(IncompleteCheckpointError, match="shorter") as caught:
+        tier.read_range_into(3, record, index.starts[-2], memoryview(bytearray(index.lengths[-1])))
+    seen += [str(caught.value), repr(caught.value)]
+    seen += [each.getMessage() for each in caplog.records if each.name.startswith("tiered_ckpt")]
+    assert "no problem found" not in seen and record.path in seen[2]
+    assert not [text for text in seen if options["secret"] in text or options["key"] in text]

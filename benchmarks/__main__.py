@@ -9,8 +9,9 @@ within a minute, so a figure is only compared with the limit measured in the sam
 round). One module per section, each saying what it measures: ``sync`` (save and loads
 next to the disk's and sha256's limits), ``async`` (in ``async_save.py``), ``retention``,
 ``dist`` (rank processes), ``train``, ``remote`` (moto's S3 server next to boto3),
-``structure``, ``fsdp`` (next to DCP), ``peer`` (a lost node restored from its partners'
-memory, and a partner copy's cost), ``parts`` (a partial restore and an export) and, with
+``compression`` (zstd-compressed bucket objects next to plain ones), ``structure``,
+``fsdp`` (next to DCP), ``peer`` (a lost node restored from its partners' memory, and a
+partner copy's cost), ``parts`` (a partial restore and an export) and, with
 ``--peers``, ``peers`` (safetensors, ``torch.save``, DCP on the same state); ``--plot
 FILE.png`` draws the peers table (needs matplotlib: ``pip install -e '.[bench]'``). What
 they share is in :mod:`benchmarks.harness`.
@@ -24,13 +25,29 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks import async_save, dist, fsdp, parts, peer, peers, remote, retention, structure, sync, train
+from benchmarks import (
+    async_save,
+    compression,
+    dist,
+    fsdp,
+    parts,
+    peer,
+    peers,
+    remote,
+    retention,
+    structure,
+    sync,
+    train,
+)
 from benchmarks.harness import check_plotting, make_states, parser, positive
 
 __all__ = ["main"]
 
-SECTIONS = ("sync", "async", "retention", "dist", "train", "remote", "structure", "fsdp", "peer", "parts", "peers")
-DEFAULT = ("sync", "async", "retention", "dist", "train", "remote", "structure", "fsdp", "peer", "parts")
+SECTIONS = (
+    *("sync", "async", "retention", "dist", "train", "remote", "compression"),
+    *("structure", "fsdp", "peer", "parts", "peers"),
+)
+DEFAULT = SECTIONS[:-1]
 IN_MEMORY = {"sync", "async", "retention", "peers"}  # the sections measuring one state made here
 
 
@@ -76,6 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "remote" in sections:
             print("remote tier (upload and download, against boto3 on the same server):")
             remote.bench_remote(args.remote_size_gib, args.ranks, root, args.repeat)
+        if "compression" in sections:
+            print("compression of bucket objects (zstd next to none, on the same server):")
+            compression.bench_compression(args.remote_size_gib, args.ranks, root, args.repeat)
         if "structure" in sections:
             print("the structure document of a nested optimizer state (save_sharded / load_sharded, warm):")
             structure.bench_structure(args.params, total, root, args.repeat)

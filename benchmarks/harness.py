@@ -351,6 +351,8 @@ def parser(sections: Sequence[str], description: str) -> argparse.ArgumentParser
         "--plot", type=Path, metavar="FILE.png", help="draw the peers section's table (implies --peers)"
     )
     parser.add_argument("--train-steps", type=int, default=200, help="training loop steps (default 200)")
-    parser.add_argument("--remote-size-gib", type=float, default=1.0, help="checkpoint size for 'remote' (default 1)")
+    parser.add_argument(
+        "--remote-size-gib", type=float, default=1.0, help="checkpoint size for 'remote' and 'compression' (default 1)"
+    )
     parser.add_argument("--params", type=int, default=10_000, help="parameter tensors for 'structure' (default 10000)")
     return parser

@@ -101,7 +101,11 @@ def run(config: dict, coordinator: TorchDistributedCoordinator, result: dict) ->
             keep_last=config.get("keep_last", 3),
         ),
         coordinator=coordinator,
-        remote=RemoteOptions(url, storage_options=config.get("options") or {}) if url is not None else None,
+        remote=RemoteOptions(
+            url, storage_options=config.get("options") or {}, compression=config.get("compression", "none")
+        )
+        if url is not None
+        else None,
         upload=UploadOptions(max_tries=1),
         runtime=RuntimeOptions(preemption_signals=(signal.SIGUSR1,)),
     )

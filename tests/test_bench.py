@@ -36,6 +36,10 @@ def test_benchmark_runs_every_section_and_prints_its_ratios(tmp_path):
         "extra peak RSS / state size",
         "keep_last=1 / no retention (throughput)",
         "upload / boto3 upload_file",
+        "bf16 model + fp32 AdamW: bucket bytes, zstd / none",
+        "fp32 model + AdamW: upload time, zstd / none",
+        "random fp32 bits: compress CPU s per GiB",
+        "fp32 model + AdamW: decompress CPU s per GiB",
         "save / min(raw, sha256), 1 process",
         "save / min(raw, sha256), 4 processes",
         "slowdown",
@@ -71,7 +75,7 @@ def test_help_names_the_command_and_every_section():
     result = bench("--help", timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: python -m benchmarks")
-    assert "{sync,async,retention,dist,train,remote,structure,fsdp,peer,parts,peers}" in result.stdout
+    assert "{sync,async,retention,dist,train,remote,compression,structure,fsdp,peer,parts,peers}" in result.stdout
     assert "--dist-processes N [N ...]" in result.stdout and "(default 1 2 4)" in result.stdout
     assert "--fsdp-processes N [N ...]" in result.stdout and "(default 2 4)" in result.stdout
 
@@ -105,6 +109,7 @@ def test_the_benchmark_is_a_dag_of_a_harness_and_sections_and_the_library_never_
         "dist",
         "train",
         "remote",
+        "compression",
         "structure",
         "fsdp",
         "peer",

@@ -379,6 +379,7 @@ ENVIRONMENT = {
     ("remote", "orphan_age_seconds"): ("7200.5", 7200.5),
     ("remote", "other_owners"): ("refuse", "refuse"),
     ("remote", "every"): ("500", 500),
+    ("remote", "compression"): ("zstd", "zstd"),
     ("upload", "concurrency"): ("3", 3),
     ("upload", "max_tries"): ("8", 8),
     ("upload", "backoff_seconds"): ("0.25", 0.25),

@@ -11,11 +11,11 @@ from tiered_ckpt.format import manifest as manifest_module
 from tiered_ckpt.format.manifest import (
     MAX_MANIFEST_BYTES,
     ChunkRecord,
-    RemoteManifest,
     ShardRecord,
     manifest_problem,
     record_bytes_bound,
 )
+from tiered_ckpt.format.remote_manifest import RemoteManifest
 
 SOURCE = "/ckpt/step-000000000012/manifest.json"
 
@@ -381,3 +381,60 @@ def test_a_store_checksum_of_no_known_form_is_refused_naming_the_field(checksum)
     document["store_checksums"] = {document["shards"][0]["path"]: checksum}
     with pytest.raises(ManifestError, match="field 'store_checksums'"):
         RemoteManifest.from_json(json.dumps(document), source=SOURCE)
+
+
+# -- the remote manifest's compression field ----------------------------------------------------
+
+REMOTE_SOURCE = "s3://b/run/step-000000000012/manifest.json"
+
+
+def remote_document(**extra) -> dict:
+    """A remote manifest of ``valid_document()``'s step as JSON, with ``extra`` fields."""
+    return {"kind": "tiered-ckpt remote manifest", "committed_at": 1700000001.0, **valid_document(), **extra}
+
+
+def compressed_entry(size: int = 1000) -> dict:
+    """How a shard of ``size`` bytes is stored compressed: one frame of 900 bytes."""
+    return {
+        "codec": "zstd",
+        "size_bytes": 900,
+        "xxh3_64": "f" * 16,
+        "head_bytes": size,
+        "frame_bytes": 4 << 20,
+        "frames": [900],
+    }
+
+
+def parse_remote(document: dict) -> RemoteManifest:
+    return RemoteManifest.from_json(json.dumps(document), source=REMOTE_SOURCE)
+
+
+def test_a_remote_manifest_records_how_each_compressed_object_is_stored_and_reads_it_back():
+    path = "rank-00000-of-00004.safetensors"
+    remote = parse_remote(remote_document(compression={path: compressed_entry()}))
+    assert set(remote.compression) == {path} and remote.compression[path].frames == (900,)
+    assert RemoteManifest.from_json(remote.to_json(), source=REMOTE_SOURCE) == remote
+    assert json.loads(remote.to_json())["compression"][path] == compressed_entry()
+
+
+def test_a_remote_manifest_written_before_compression_reads_as_every_object_as_it_is():
+    remote = parse_remote(remote_document(store_checksums={}, locations={}))
+    assert remote.compression == {} and "compression" not in json.loads(remote.to_json())
+
+
+@pytest.mark.parametrize(
+    "compression, problem",
+    [
+        ([], "field 'compression': expected an object"),
+        ({"rank-00000-of-00004.safetensors": "zstd"}, "field 'compression.rank-00000-of-00004.safetensors': expected"),
+        ({"rank-00009-of-00004.safetensors": compressed_entry()}, "names no shard of the step"),
+        ({"manifest.json": compressed_entry()}, "names no shard of the step"),
+        ({"rank-00000-of-00004.safetensors": compressed_entry(size=999)}, "1 frames, a shard of 1000 bytes has 2"),
+        ({"rank-00000-of-00004.safetensors": {**compressed_entry(), "frames": [2000]}}, "frame 0 takes 2000"),
+        ({"rank-00000-of-00004.safetensors": {**compressed_entry(), "level": 3}}, ".level': unknown field"),
+    ],
+)
+def test_a_compression_entry_a_writer_could_not_have_made_is_refused_naming_the_field(compression, problem):
+    with pytest.raises(ManifestError, match=re.escape(problem)) as caught:
+        parse_remote(remote_document(compression=compression))
+    assert REMOTE_SOURCE in str(caught.value) and "compression" in str(caught.value)

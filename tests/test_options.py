@@ -155,6 +155,7 @@ def test_ownership_seconds_are_checked_where_the_remote_options_are_made(name, m
         (UploadOptions, "when_behind", ("wait", "skip")),
         (RemoteOptions, "layout", ("flat", "hashed")),
         (RemoteOptions, "other_owners", ("warn", "refuse")),
+        (RemoteOptions, "compression", ("none", "zstd")),
         (RestoreOptions, "verify", ("full", "fast")),
     ],
 )

@@ -13,6 +13,7 @@ of this shape; every key is optional but ``local.dir``::
     keep_last = 10
     keep_every = 5000
     endpoint_url = "http://127.0.0.1:9000"   # s3://, gs://, az:// only: another endpoint (MinIO, R2...)
+    compression = "zstd"        # or "none" (the default): shard objects as they are
 
     [remote.storage_options]    # passed to fsspec as they are (endpoint, profile, region...)
     endpoint_url = "https://s3.example.com"

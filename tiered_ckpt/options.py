@@ -24,6 +24,7 @@ import fsspec
 from tiered_ckpt.engine.replication import ReplicationPolicy, WhenBehind
 from tiered_ckpt.errors import ConfigError, UsageError, invalid_option, restated
 from tiered_ckpt.io.hashing import VERIFY_MODES, Verify
+from tiered_ckpt.tiers.compression import Compression, check_compression
 from tiered_ckpt.tiers.owners import OtherOwners, OwnershipPolicy
 from tiered_ckpt.tiers.remote import DEFAULT_PART_BYTES, DEFAULT_PART_CONCURRENCY, Layout, RemoteTier
 from tiered_ckpt.tiers.retention import RetentionPolicy
@@ -166,7 +167,10 @@ class RemoteOptions(_Retained):
     old, and only while no other run's lease is live; another live run on the URL is a
     WARNING naming it (``other_owners="warn"``) or :class:`~tiered_ckpt.RemoteInUseError`
     at start-up (``"refuse"``). Only the saved steps divisible by ``every`` are uploaded
-    (1: every one; local retention keeps each until its upload)."""
+    (1: every one; local retention keeps each until its upload).
+
+    ``compression="zstd"`` (the ``zstd`` extra) puts shard objects as zstd frames; ``"none"``
+    as they are. A reader goes by each step's remote manifest (:mod:`~tiered_ckpt.tiers.compression`)."""
 
     url: str
     keep_last: int | None = None
@@ -178,11 +182,13 @@ class RemoteOptions(_Retained):
     orphan_age_seconds: float = 3600.0
     other_owners: OtherOwners = "warn"
     every: int = 1
+    compression: Compression = "none"
 
     def __post_init__(self) -> None:
         check_remote_url(self.url)
         _check_number("every", self.every, 1)
         _check_choice("layout", self.layout, ("flat", "hashed"))
+        check_compression(self.compression)
         if not isinstance(self.storage_options, Mapping):
             # The value is never echoed: it may be a secret.
             raise invalid_option("storage_options", f"must be a table, got {type(self.storage_options).__name__}")
@@ -208,7 +214,7 @@ class RemoteOptions(_Retained):
             storage_options["endpoint_url"] = self.endpoint_url
         tier = RemoteTier(
             self.url, storage_options, retry=upload.retry, part_bytes=upload.part_bytes,
-            part_concurrency=upload.part_concurrency, layout=self.layout,
+            part_concurrency=upload.part_concurrency, layout=self.layout, compression=self.compression,
         )  # fmt: skip
         if check_bucket:
             tier.check_bucket()

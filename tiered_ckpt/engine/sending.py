@@ -24,10 +24,13 @@ from dataclasses import dataclass
 from tiered_ckpt.dist.coordination import Coordinator, gather, leader_decides
 from tiered_ckpt.engine.resume import other_runs
 from tiered_ckpt.errors import CheckpointError, RemoteError, UploadError
-from tiered_ckpt.format.manifest import RemoteManifest, ShardManifest, ShardRecord
+from tiered_ckpt.format.compressed import CompressedObject
+from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
+from tiered_ckpt.format.remote_manifest import RemoteManifest
 from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.tiers import pruning
 from tiered_ckpt.tiers.base import Tier
+from tiered_ckpt.tiers.landed import Landed
 from tiered_ckpt.tiers.owners import Lease
 from tiered_ckpt.tiers.store import TieredStore
 
@@ -47,9 +50,22 @@ class HeldStep:
 
 @dataclass(frozen=True)
 class _Put:
-    """The checksums the bucket computed for one process's shards, as (shard path, checksum) pairs."""
+    """What one process's shards left on the bucket: the checksums it computed, as (shard path,
+    checksum) pairs, and how those sent compressed are stored, as (shard path, entry as JSON)."""
 
     checksums: tuple[tuple[str, str], ...]
+    compressed: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def of(cls, landed: Landed) -> _Put:
+        return cls(
+            tuple(sorted(landed.checksums.items())),
+            tuple(sorted((path, stored.to_json()) for path, stored in landed.compressed.items())),
+        )
+
+    def landed(self, source: str) -> Landed:
+        compressed = {path: CompressedObject.from_json(text, source=source) for path, text in self.compressed}
+        return Landed(dict(self.checksums), compressed)
 
 
 @dataclass(frozen=True)
@@ -105,12 +121,12 @@ class Sender:
             if self._coordinator.is_leader and self._lease is not None and not self._lease.held:  # push() alone
                 self._lease.hold()
             run_parallel(put, ranks, self._concurrency)
-            return _Put(tuple(sorted(bucket.take_landed_checksums(step).items())) if bucket is not None else ())
+            return _Put.of(bucket.take_landed(step)) if bucket is not None else _Put(())
 
         landed = gather(self._coordinator, "put", _Put, put_mine)
         if self._coordinator.is_leader and bucket is not None:  # the one that commits
             for part in landed:
-                bucket.add_landed_checksums(step, dict(part.checksums))
+                bucket.add_landed(step, part.landed(f"what was landed of {self.where(step)}"))
         if target.capabilities.shared:  # one copy every node sees: the leader commits it
             remote = leader_decides(
                 self._coordinator, "commit", _Committed, lambda: _Committed(self._commit(manifest, deadline))

@@ -35,7 +35,8 @@ from tiered_ckpt.dist.reshard import (
 from tiered_ckpt.engine.restore_result import RestoreResult
 from tiered_ckpt.errors import CheckpointError, IncompleteCheckpointError, InvalidStateError, UsageError, restated
 from tiered_ckpt.format.differences import into_difference
-from tiered_ckpt.format.manifest import RemoteManifest, ShardManifest, ShardRecord
+from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
+from tiered_ckpt.format.remote_manifest import RemoteManifest
 from tiered_ckpt.format.selection import prefixes, select, selects
 from tiered_ckpt.format.state import FlatState, State, flatten_into
 from tiered_ckpt.format.structure import Structure

@@ -12,14 +12,14 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import InitVar, dataclass, field
+from dataclasses import InitVar, dataclass
 from typing import Any
 
 from tiered_ckpt.errors import ChecksumMismatchError, ManifestError, ShardCountMismatchError
 from tiered_ckpt.format.layout import MANIFEST_NAME, is_plain_name
 from tiered_ckpt.format.shardfile import DTYPES, MAX_DIMS, MAX_HEADER_BYTES, json_length_bound
 from tiered_ckpt.format.strict_json import Fields, load_object
-from tiered_ckpt.io.hashing import STORE_CHECKSUM, ShardDigest
+from tiered_ckpt.io.hashing import ShardDigest
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -27,7 +27,6 @@ __all__ = [
     "ChunkRecord",
     "ShardRecord",
     "ShardManifest",
-    "RemoteManifest",
     "MAX_MANIFEST_BYTES",
     "record_bytes_bound",
     "records_array_digests",
@@ -57,7 +56,6 @@ _ARRAY_DIGESTS_BYTES = MAX_MANIFEST_BYTES // 4
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _ARRAY_XXH3 = re.compile(r"(?:[0-9a-f]{16})*")
 _XXH3_64 = re.compile(r"[0-9a-f]{16}")
-_LOCATION = re.compile(r"[0-9a-f]{2}/[^/]+")
 _RESERVED_KEY = "__metadata__"
 
 
@@ -256,68 +254,6 @@ class ShardManifest:
             schema_version=version,
             source=source,
         )
-
-
-REMOTE_KIND = "tiered-ckpt remote manifest"
-
-
-@dataclass(frozen=True)
-class RemoteManifest:
-    """The remote tier's commit record of one step: a document separate from the local manifest.
-
-    It holds the same shard records (sizes, sha256s, offsets; each ``path`` is the
-    object's name under the step's prefix) and ``committed_at``, the Unix time at which
-    every shard had been uploaded and confirmed. ``store_checksums`` maps a shard's path to
-    the checksum the store keeps for its object (``"crc32c:<base64>"``, on S3 with ``-N`` for
-    an object of N parts; ``"md5:<base64>"`` on Azure; ``"sha256:<base64>[-N]"`` from earlier
-    versions), for checks without a download; empty where the store keeps none.
-    ``locations`` maps a shard's path to its object's name under the step's prefix where
-    that is not the path itself (the "hashed" layout: ``"3f/rank-..."``). Its ``kind``
-    field keeps it from being read as a local manifest, and the other way round.
-    """
-
-    manifest: ShardManifest
-    committed_at: float
-    store_checksums: Mapping[str, str] = field(default_factory=dict)
-    locations: Mapping[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        paths = {record.path for record in self.manifest.shards}
-        for path, checksum in self.store_checksums.items():
-            if path not in paths or not isinstance(checksum, str) or not STORE_CHECKSUM.fullmatch(checksum):
-                raise ManifestError(f"remote manifest: field 'store_checksums': {path!r:.80}: {checksum!r:.80}")
-        for path, name in self.locations.items():
-            if path not in paths or not isinstance(name, str) or not _LOCATION.fullmatch(name) or name[3:] != path:
-                raise ManifestError(f"remote manifest: field 'locations': {path!r:.80}: {name!r:.80}")
-
-    def to_json(self) -> str:
-        """Serialise to the JSON document :meth:`from_json` reads back unchanged (its maps sorted by path)."""
-        document = {"kind": REMOTE_KIND, "committed_at": self.committed_at, **self.manifest.to_dict()}
-        if self.store_checksums:
-            document["store_checksums"] = dict(sorted(self.store_checksums.items()))
-        if self.locations:
-            document["locations"] = dict(sorted(self.locations.items()))
-        return json.dumps(document, indent=1) + "\n"
-
-    @classmethod
-    def from_json(cls, text: str | bytes, *, source: str = "remote manifest") -> RemoteManifest:
-        """Parse and validate a remote manifest; ``source`` (a URL) is named in errors."""
-        document = load_object(text, source, MAX_MANIFEST_BYTES)
-        fields = Fields(document, source, "")
-        kind = fields.string("kind")
-        if kind != REMOTE_KIND:
-            raise ManifestError(f"{source}: field 'kind': expected {REMOTE_KIND!r}, got {kind[:80]!r}")
-        committed_at = fields.number("committed_at")
-        extras = {key: document.get(key, {}) for key in ("store_checksums", "locations")}
-        for key, value in extras.items():
-            if not isinstance(value, dict):
-                raise ManifestError(f"{source}: field '{key}': expected an object")
-        rest = {key: value for key, value in document.items() if key not in ("kind", "committed_at", *extras)}
-        manifest = ShardManifest.from_dict(rest, source=source)
-        try:
-            return cls(manifest, committed_at, extras["store_checksums"], extras["locations"])
-        except ManifestError as exc:
-            raise ManifestError(f"{source}: {exc}") from None
 
 
 def record_bytes_bound(chunks: Iterable[tuple[str, int]] = ()) -> int:

@@ -71,7 +71,8 @@ class ShardSource:
     """The bytes of one shard, handed to :meth:`Tier.land_shard`.
 
     ``path``: a file on this node's disk holding them (a committed local shard), which a tier
-    may read in concurrent parts. ``write``: a function that streams them into a binary file
+    may read in concurrent parts (and write a copy of beside it under a temp name, as the
+    object-store tier writes a compressed one). ``write``: a function that streams them into a binary file
     object and returns their digest (the writer serializing a state, a download being
     refilled). ``data``: the bytes themselves, in memory (a step kept in no file); ``write``
     is then made from them, so a tier that streams needs nothing else. At least one is given;

@@ -37,7 +37,8 @@ from tiered_ckpt.format.layout import (
     parse_step_dir_name,
     step_dir_name,
 )
-from tiered_ckpt.format.manifest import MAX_MANIFEST_BYTES, RemoteManifest, ShardManifest, ShardRecord
+from tiered_ckpt.format.manifest import MAX_MANIFEST_BYTES, ShardManifest, ShardRecord
+from tiered_ckpt.format.remote_manifest import RemoteManifest
 from tiered_ckpt.format.shardfile import read_shard_file
 from tiered_ckpt.format.state import FlatState, own_targets
 from tiered_ckpt.io.durable import atomic_write, fsync_directory, write_bytes

@@ -50,7 +50,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from tiered_ckpt.errors import CheckpointError, ManifestError, RemoteError, RemoteInUseError, invalid_option
-from tiered_ckpt.tiers.remote import MAX_OWNER_BYTES, RemoteTier
+from tiered_ckpt.tiers.bucket_upkeep import MAX_OWNER_BYTES
+from tiered_ckpt.tiers.remote import RemoteTier
 
 __all__ = ["OwnershipPolicy", "OwnerRecord", "Lease", "OtherOwners", "live_owners", "OWNER_KIND"]
 

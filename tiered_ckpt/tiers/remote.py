@@ -16,7 +16,9 @@ Committing a step, as :class:`~tiered_ckpt.engine.replication.Replicator` drives
    store keeps metadata) and confirms it: the object's size and stored sha256 must match
    the record, and the checksums the store computed of what it received must match what
    was sent, so a shard is never taken as uploaded on the PUT's word alone. A shard
-   already there intact is not sent again;
+   already there intact is not sent again. With ``compression="zstd"`` what is put is the
+   shard as independent zstd frames (:mod:`~tiered_ckpt.tiers.compression`), and every
+   read goes by what the step's remote manifest records of it, whatever the option;
 2. :meth:`RemoteTier.confirm_shard` checks each object once more, right before
 3. :meth:`RemoteTier.commit` writes the remote manifest (with the store's checksums of the
    shards landed), create-only; :meth:`RemoteTier.set_latest` then moves ``latest``. A step
@@ -33,10 +35,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Mapping
-from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, TypeVar
 
@@ -48,23 +48,26 @@ from tiered_ckpt.errors import (
     ManifestError,
     RemoteError,
 )
+from tiered_ckpt.format.compressed import CompressedObject
 from tiered_ckpt.format.layout import (
     LATEST_NAME,
     MANIFEST_NAME,
-    OWNERS_DIR,
-    owner_name,
-    parse_owner_name,
     parse_step_dir_name,
     step_dir_name,
 )
-from tiered_ckpt.format.manifest import MAX_MANIFEST_BYTES, RemoteManifest, ShardManifest, ShardRecord
+from tiered_ckpt.format.manifest import MAX_MANIFEST_BYTES, ShardManifest, ShardRecord
+from tiered_ckpt.format.remote_manifest import RemoteManifest
 from tiered_ckpt.io.hashing import ShardDigest, Verify, copy_hashing, hash_stream
+from tiered_ckpt.io.zstd_frames import FrameCache, FramesReader, read_range_into
 from tiered_ckpt.tiers.backends import open_backend
 from tiered_ckpt.tiers.backends.base import Backend
 from tiered_ckpt.tiers.backends.s3 import same_checksum
 from tiered_ckpt.tiers.backends.wrappers import Counting
 from tiered_ckpt.tiers.base import Capabilities, ShardSource
+from tiered_ckpt.tiers.bucket_upkeep import BucketUpkeep
 from tiered_ckpt.tiers.checksums import StoreSums
+from tiered_ckpt.tiers.compression import Compression, check_compression, compressed_copy, object_name
+from tiered_ckpt.tiers.landed import Landed, LandedShards
 from tiered_ckpt.tiers.requests import LimitedReader, Requests
 from tiered_ckpt.tiers.retry import RetryPolicy, is_transient
 
@@ -78,10 +81,9 @@ Layout = Literal["flat", "hashed"]
 # concurrent part uploads (max_concurrency, 10 by default) keep the link busy.
 DEFAULT_PART_BYTES = 16 << 20
 DEFAULT_PART_CONCURRENCY = 8  # parts in flight per tier (S3), before throttling lowers it
-MAX_OWNER_BYTES = 64 << 10  # an owner record is a few hundred bytes; a bigger object is not one
 
 
-class RemoteTier:
+class RemoteTier(BucketUpkeep):
     """Checkpoints under ``url``, in the store its protocol names, opened with ``storage_options``.
 
     Every public method makes its requests under ``retry`` (see :class:`RetryPolicy`).
@@ -101,16 +103,18 @@ class RemoteTier:
         part_concurrency: int = DEFAULT_PART_CONCURRENCY,
         layout: Layout = "flat",
         wrap: Callable[[Backend], Backend] | None = None,
+        compression: Compression = "none",
     ) -> None:
         self.url = url.rstrip("/")
         self.retry = retry or RetryPolicy()
         if layout not in ("flat", "hashed"):
             raise RemoteError(f"{self.url}: layout must be 'flat' or 'hashed', got {layout!r:.40}", transient=False)
-        self.layout = layout
+        check_compression(compression)
+        self.layout, self.compression = layout, compression
         opened = open_backend(
             self.url, storage_options or {}, retry=self.retry, part_bytes=part_bytes, part_concurrency=part_concurrency
         )
-        self.backend = Counting(wrap(opened) if wrap is not None else opened)
+        self.backend: Counting = Counting(wrap(opened) if wrap is not None else opened)
         facts = self.backend.facts
         self.capabilities = Capabilities(
             durable=True, shared=True, create_only_commit=facts.create_only,
@@ -120,8 +124,9 @@ class RemoteTier:
         self._requests = Requests(self.retry)
         self._run, self._timeout = self._requests.run, self._requests.timeout
         self._locations: dict[int, Mapping[str, str]] = {}  # step -> its remote manifest's object names
-        self._kept: dict[tuple[int, str], str] = {}  # (step, shard path) -> the store's checksum of what was sent
-        self._kept_lock = threading.Lock()
+        self._compressed: dict[int, Mapping[str, CompressedObject]] = {}  # step -> its manifest's compressed objects
+        self._landed = LandedShards()
+        self._frames = FrameCache()
 
     def __repr__(self) -> str:
         return f"RemoteTier({self.url!r})"
@@ -154,11 +159,26 @@ class RemoteTier:
             return f"{hashlib.sha256(f'{step_dir_name(step)}/{path}'.encode()).hexdigest()[:2]}/{path}"
         return path
 
-    def _shard(self, step: int, record: ShardRecord) -> str:
-        return self._path(step, self.object_name(step, record.path))
+    def _shard(self, step: int, record: ShardRecord, stored: CompressedObject | None = None) -> str:
+        return self._path(step, object_name(self.object_name(step, record.path), stored))
 
     def shard_location(self, step: int, record: ShardRecord) -> str:
-        return self.location(step, self.object_name(step, record.path))
+        return self.location(step, object_name(self.object_name(step, record.path), self._stored(step, record)))
+
+    def _stored(self, step: int, record: ShardRecord, *, read: bool = False) -> CompressedObject | None:
+        """How ``record``'s object is stored (None: as the shard file it is): as the step's remote
+        manifest says once read, else as this tier landed it. ``read``: read a committed step's
+        remote manifest first if this tier has not yet (a reader never goes by its own option)."""
+        if step not in self._compressed and (landed := self._landed.compressed(step, record.path)) is not None:
+            return landed
+        if step not in self._compressed and read:
+            try:
+                self.read_manifest(step)
+            except RemoteError as exc:
+                if not isinstance(exc.__cause__, FileNotFoundError):
+                    raise
+                return None  # not committed: a shard of it is read as it is
+        return self._compressed.get(step, {}).get(record.path)
 
     def location(self, step: int, name: str | None = None) -> str:
         """The URL of a step's prefix or of one object in it, for messages."""
@@ -200,7 +220,7 @@ class RemoteTier:
         remote = RemoteManifest.from_json(self._run(f"reading {location}", read), source=location)
         if remote.manifest.step != step:
             raise ManifestError(f"{location}: field 'step' is {remote.manifest.step}, the prefix is step {step}")
-        self._locations[step] = remote.locations
+        self._locations[step], self._compressed[step] = remote.locations, remote.compression
         return remote
 
     def manifest(self, step: int) -> ShardManifest:
@@ -216,35 +236,52 @@ class RemoteTier:
         record is never read whole; where the store tells the object's size on opening it
         (S3, GCS), a size other than the record's raises before ``consume`` is called:
         :class:`IncompleteCheckpointError` if shorter, :class:`ChecksumMismatchError` if longer.
+        A compressed object (see :mod:`~tiered_ckpt.tiers.compression`) streams decompressed, a
+        frame at a time; its sizes are then the compressed object's, as its remote manifest records.
         """
-        location = self.shard_location(step, record)
+        stored = self._stored(step, record, read=True)
+        location, size_bytes = self.shard_location(step, record), (stored or record).size_bytes
 
         def read() -> T:
-            with self.backend.open(self._shard(step, record)) as source:
+            with self.backend.open(self._shard(step, record, stored)) as source:
                 size = getattr(source, "size", None)
-                if isinstance(size, int) and size != record.size_bytes:
-                    error = IncompleteCheckpointError if size < record.size_bytes else ChecksumMismatchError
-                    raise error(f"{location}: the object has {size} bytes, the manifest records {record.size_bytes}")
-                stream = LimitedReader(source, self._requests, f"downloading {location}", record.size_bytes + 1)
-                return consume(stream)  # type: ignore[arg-type]
+                if isinstance(size, int) and size != size_bytes:
+                    error = IncompleteCheckpointError if size < size_bytes else ChecksumMismatchError
+                    raise error(f"{location}: the object has {size} bytes, the manifest records {size_bytes}")
+                stream: Any = LimitedReader(source, self._requests, f"downloading {location}", size_bytes + 1)
+                if stored is not None:
+                    stream = FramesReader(stream, stored.index(record.size_bytes), location)
+                return consume(stream)
 
         return self._run(f"downloading {location}", read)
 
     def read_range_into(
         self, step: int, record: ShardRecord, offset: int, buffer: memoryview, verify: Verify = "full"
     ) -> str:
-        """Fill ``buffer`` with ``record``'s object's bytes from ``offset`` (one ranged GET, retried
-        on a transient error) and return their sha256 (``verify="fast"``: their xxh3-64).
-        Raises :class:`IncompleteCheckpointError` if the object is shorter."""
-        end = offset + len(buffer)
+        """Fill ``buffer`` with the shard's bytes from ``offset`` (one ranged GET, retried on a
+        transient error) and return their sha256 (``verify="fast"``: their xxh3-64). Raises
+        :class:`IncompleteCheckpointError` if the object is shorter. Of a compressed object, only
+        the frames covering the range are fetched (one GET per 64 MiB of them) and decompressed,
+        each at most once while it stays among the last few read."""
+        stored = self._stored(step, record, read=True)
+        end, key = offset + len(buffer), self._shard(step, record, stored)
         what = f"reading bytes {offset}-{end} of {self.shard_location(step, record)}"
-        data = self._run(what, lambda: self.backend.read(self._shard(step, record), offset, end))
+        if stored is not None:
+            index, cache = stored.index(record.size_bytes), (self._frames, f"{key} {stored.xxh3_64}")
+
+            def fetch(start: int, stop: int) -> bytes:
+                return self._run(what, lambda: self.backend.read(key, start, stop))
+
+            return read_range_into(fetch, index, offset, buffer, verify, what, cache)
+        data = self._run(what, lambda: self.backend.read(key, offset, end))
         if len(data) != len(buffer):
             raise IncompleteCheckpointError(f"{what}: got {len(data)} bytes; the object is shorter than recorded")
         return copy_hashing(np.frombuffer(data, np.uint8), np.frombuffer(buffer, np.uint8), verify)
 
     def check_shard(self, step: int, record: ShardRecord) -> str | None:
-        """Stream and hash one shard object; return the problem, or None if it matches the record."""
+        """Stream and hash one shard object (decompressed, if it was compressed); return the problem,
+        or None if it matches the record."""
+        self._stored(step, record, read=True)
         location = self.shard_location(step, record)
         try:
             digest = self.open_shard(step, record, lambda source: hash_stream(source, "full"))
@@ -259,33 +296,39 @@ class RemoteTier:
 
     # -- landing and committing ---------------------------------------------------------------
 
-    def _mismatch(
-        self, step: int, record: ShardRecord, sums: Callable[[], StoreSums | None] | None = None
-    ) -> str | None:
-        """Why the shard's object does not match ``record`` (size, stored sha256), or None; given
-        ``sums``, also the store's checksums of what it received against ``sums()`` (called only
-        once the rest matches; None: nothing more to compare), which catches bytes changed in transit."""
+    def _mismatch(self, key: str, obj: ShardRecord, sums: Callable[[], StoreSums | None] | None = None) -> str | None:
+        """Why the object ``key`` does not match ``obj`` (the record of its own bytes: size, stored
+        sha256), or None; given ``sums``, also the store's checksums of what it received against
+        ``sums()`` (called only once the rest matches; None: nothing more to compare), which
+        catches bytes changed in transit."""
         try:
-            head = self.backend.head(self._shard(step, record), timeout=self._timeout())
+            head = self.backend.head(key, timeout=self._timeout())
         except FileNotFoundError:
             return "missing"
-        problem = record.mismatch(ShardDigest(head.size, head.sha256 or "", ""))
+        problem = obj.mismatch(ShardDigest(head.size, head.sha256 or "", ""))
         expected = sums() if problem is None and sums is not None else None
         return self.backend.store_problem(head, expected) if expected is not None else problem
 
+    def _object(self, step: int, record: ShardRecord, stored: CompressedObject | None) -> tuple[str, ShardRecord]:
+        """The key of ``record``'s object stored as ``stored`` says, and the record of its own bytes."""
+        return self._shard(step, record, stored), stored.object_record(record) if stored is not None else record
+
     def shard_is_uploaded(self, step: int, record: ShardRecord) -> bool:
         """True if the shard's object exists with the recorded size (and sha256, where kept)."""
-        return self._run(f"checking {self.shard_location(step, record)}", lambda: self._mismatch(step, record) is None)
+        key, obj = self._object(step, record, self._stored(step, record, read=True))
+        return self._run(f"checking {self.shard_location(step, record)}", lambda: self._mismatch(key, obj) is None)
 
     def land_shard(self, step: int, record: ShardRecord, source: ShardSource, *, deadline: float | None = None) -> bool:
         """Make the shard's object match ``record``: put ``source`` (a stream is staged in a temp file
-        first) unless the object is already there intact, then confirm.
+        first; with ``compression="zstd"``, the file compressed) unless the object is already there
+        intact, then confirm.
 
         Returns True if it was put, False if it was already there. One operation under the
         retry policy and ``deadline``: a try that finds the object wrong afterwards puts it
         again. The file is checked against ``record`` before an object is made of it.
         "Intact" includes the store's checksums of what it received (bytes changed in transit
-        are never confirmed); the one of what was sent is kept for :meth:`commit`.
+        are never confirmed); the one of what was sent, and how a compressed object is stored,
+        are kept for :meth:`commit`.
         """
         if source.write is not None and source.path is None:  # staged in a temp file, checked, put from there
             with tempfile.TemporaryDirectory(prefix="tiered-ckpt-") as directory:
@@ -293,51 +336,64 @@ class RemoteTier:
                     record.verify(source.write(out), f"{self.shard_location(step, record)} (staged)")
                 return self.land_shard(step, record, ShardSource(path=staged), deadline=deadline)
         assert source.path is not None
-        local_path, location = source.path, self.shard_location(step, record)
+        if self.compression == "zstd":
+            with compressed_copy(source.path, record, str(source.path)) as (compressed, stored):
+                return self._put(step, record, compressed, stored, deadline)
+        return self._put(step, record, source.path, None, deadline)
+
+    def _put(
+        self, step: int, record: ShardRecord, local_path: Path, stored: CompressedObject | None, deadline: float | None
+    ) -> bool:
+        """:meth:`land_shard` of the file ``local_path``: the shard, or its compressed copy (``stored``)."""
+        key, obj = self._object(step, record, stored)
+        location = self.location(step, object_name(self.object_name(step, record.path), stored))
 
         def put_and_confirm() -> bool:
-            if self._mismatch(step, record, lambda: self.backend.sums(local_path, record)) is None:
+            if self._mismatch(key, obj, lambda: self.backend.sums(local_path, obj)) is None:
+                self._landed.keep(step, record.path, None, stored)
                 return False
             self._timeout()
-            target, at = self._shard(step, record), self._requests.deadline
-            sums = self.backend.put_shard(local_path, target, record, deadline=at).sums
-            problem = self._mismatch(step, record, lambda: sums)
+            sums = self.backend.put_shard(local_path, key, obj, deadline=self._requests.deadline).sums
+            problem = self._mismatch(key, obj, lambda: sums)
             if problem is not None:
                 raise RemoteError(f"{location}: not confirmed after the upload: {problem}", transient=True)
-            if sums is not None and sums.kept is not None:  # what the store keeps for the bytes we sent
-                with self._kept_lock:
-                    self._kept[(step, record.path)] = sums.kept
+            self._landed.keep(step, record.path, sums.kept if sums is not None else None, stored)
             return True
 
         return self._run(f"uploading {local_path} to {location}", put_and_confirm, deadline)
 
+    def take_landed(self, step: int) -> Landed:
+        """What this tier kept of each shard of ``step`` it landed: the store's checksum of what it
+        put (one found already there intact has none) and how a compressed one is stored, by shard
+        path, as the remote manifest records them; handed over once."""
+        return self._landed.take(step)
+
+    def add_landed(self, step: int, landed: Landed) -> None:
+        """Take another process's :meth:`take_landed` (its shards of ``step``) for the commit here."""
+        self._landed.add(step, landed)
+
     def take_landed_checksums(self, step: int) -> dict[str, str]:
-        """The store's checksum of each shard of ``step`` this tier put, by shard path (one found
-        already there intact has none), as the remote manifest records them; handed over once."""
-        with self._kept_lock:
-            taken = {path: kept for (each, path), kept in self._kept.items() if each == step}
-        self.forget_landed(step)
-        return taken
+        """The store's checksums of :meth:`take_landed` (for a tier that compresses, hand that over)."""
+        return dict(self._landed.take(step).checksums)
 
     def add_landed_checksums(self, step: int, checksums: Mapping[str, str]) -> None:
         """Take another process's :meth:`take_landed_checksums` (its shards of ``step``) for the commit here."""
-        with self._kept_lock:
-            self._kept.update({(step, path): kept for path, kept in checksums.items()})
+        self._landed.add(step, Landed(checksums))
 
     def forget_landed(self, step: int) -> None:
         """Drop what this tier kept of ``step``'s landed shards (its upload committed or given up)."""
-        with self._kept_lock:
-            for key in [key for key in self._kept if key[0] == step]:
-                del self._kept[key]
+        self._landed.forget(step)
 
     def check_store_checksum(self, step: int, record: ShardRecord, expected: str) -> str | None:
         """The problem, or None, comparing without a download the store's checksum of ``record``'s
-        object with ``expected`` (the remote manifest's; earlier versions recorded SHA256)."""
+        object with ``expected`` (the remote manifest's; earlier versions recorded SHA256); of a
+        compressed object, both are of its compressed bytes, and so is the size compared."""
+        key, obj = self._object(step, record, self._stored(step, record, read=True))
         location = self.shard_location(step, record)
         algorithm = expected.partition(":")[0]
 
         def head() -> tuple[int, str | None]:
-            answer = self.backend.head(self._shard(step, record), timeout=self._timeout())
+            answer = self.backend.head(key, timeout=self._timeout())
             return answer.size, self.backend.kept_checksum(answer, algorithm)
 
         try:
@@ -346,8 +402,8 @@ class RemoteTier:
             if isinstance(exc.__cause__, FileNotFoundError):
                 return f"{location}: missing"
             raise
-        if size != record.size_bytes:
-            return f"{location}: {size} bytes, the manifest records {record.size_bytes}"
+        if size != obj.size_bytes:
+            return f"{location}: {size} bytes, the manifest records {obj.size_bytes}"
         if not same_checksum(kept, expected):
             return f"{location}: the store keeps checksum {kept}, the remote manifest records {expected}"
         return None
@@ -356,16 +412,15 @@ class RemoteTier:
         """Check ``record``'s object once more, by one HEAD, right before a commit: the problem
         (naming the object; one deleted or replaced since it was put), or None if its size,
         stored sha256 and store checksum (against what was sent) are as recorded."""
-        location = self.shard_location(step, record)
-        with self._kept_lock:
-            kept = self._kept.get((step, record.path))
+        key, obj = self._object(step, record, self._stored(step, record))
+        location, kept = self.shard_location(step, record), self._landed.checksum(step, record.path)
 
         def head() -> str | None:
             try:
-                answer = self.backend.head(self._shard(step, record), timeout=self._timeout())
+                answer = self.backend.head(key, timeout=self._timeout())
             except FileNotFoundError:
                 return "missing"
-            problem = record.mismatch(ShardDigest(answer.size, answer.sha256 or "", ""))
+            problem = obj.mismatch(ShardDigest(answer.size, answer.sha256 or "", ""))
             if problem is None and self.backend.facts.keeps_metadata and answer.sha256 is None:
                 problem = "the sha256 stored with it is gone"
             if problem is None and kept is not None:
@@ -379,18 +434,18 @@ class RemoteTier:
 
     def commit(self, manifest: ShardManifest, *, deadline: float | None = None) -> RemoteManifest:
         """Write the remote manifest of ``manifest``'s step, with the store's checksums of the
-        shards landed (see :meth:`take_landed_checksums`), create-only where the store supports it
-        (under ``deadline``, see :meth:`_run`).
+        shards landed and how those compressed are stored (see :meth:`take_landed`), create-only
+        where the store supports it (under ``deadline``, see :meth:`_run`).
 
         Call only once every shard is confirmed. If the step is already committed with
-        the same shards (a retried or resumed commit), that commit is returned.
+        the same shards (a retried or resumed commit), that commit is returned. A remote
+        manifest a reader would refuse as too large (a compressed step's frame indexes over
+        tens of TiB) is never written: :class:`RemoteError`, not transient.
         """
         step = manifest.step
         location = self.location(step, MANIFEST_NAME)
         path = self._path(step, MANIFEST_NAME)
-        paths = {record.path for record in manifest.shards}
-        with self._kept_lock:
-            store_checksums = {each: kept for (at, each), kept in self._kept.items() if at == step and each in paths}
+        landed = self._landed.of(step, {record.path for record in manifest.shards})
 
         def create() -> RemoteManifest | None:
             locations = {
@@ -398,11 +453,12 @@ class RemoteTier:
                 for record in manifest.shards
                 if self.object_name(step, record.path) != record.path
             }
-            remote = RemoteManifest(
-                manifest, committed_at=time.time(), store_checksums=store_checksums, locations=locations
-            )
+            remote = RemoteManifest(manifest, time.time(), dict(landed.checksums), locations, dict(landed.compressed))
+            if len(document := remote.to_json().encode()) > MAX_MANIFEST_BYTES:
+                problem = f"{len(document):,} bytes, over the {MAX_MANIFEST_BYTES:,} a reader accepts"
+                raise RemoteError(f"{location}: the remote manifest would take {problem}", transient=False)
             try:
-                self.backend.put_bytes(path, remote.to_json().encode(), create_only=True, timeout=self._timeout())
+                self.backend.put_bytes(path, document, create_only=True, timeout=self._timeout())
             except FileExistsError:
                 return None
             return remote
@@ -410,6 +466,7 @@ class RemoteTier:
         remote = self._run(f"committing {location}", create, deadline)
         self.forget_landed(step)
         if remote is not None:
+            self._compressed[step] = remote.compression
             return remote
         existing = self.read_manifest(step)
         if existing.manifest.shards != manifest.shards:
@@ -425,32 +482,6 @@ class RemoteTier:
 
     # -- deleting -----------------------------------------------------------------------
 
-    def abort_orphans(self, older_than_seconds: float = 0.0, *, now: float | None = None) -> list[str]:
-        """Abort the multipart uploads left open under this tier's URL by an upload that failed or
-        was killed, started at least ``older_than_seconds`` before ``now`` (a Unix time; default:
-        the clock's); return their URLs.
-
-        The caller makes sure no live run is uploading under the URL (see
-        :mod:`~tiered_ckpt.tiers.owners`): an open upload does not say which run started it.
-        Only uploads of this library's objects (``step-*/...`` under the URL) are touched;
-        a store that lists no unfinished uploads (see its backend) has none to abort.
-        """
-        uploads = self._run(f"listing unfinished multipart uploads under {self.url}", self.backend.open_uploads)
-        now = time.time() if now is None else now
-        aborted = []
-        for upload in uploads:
-            relative = upload.path[len(self._root) :].lstrip("/")
-            if parse_step_dir_name(relative.split("/", 1)[0]) is None or "/" not in relative:
-                continue  # not an object of ours
-            if upload.started is not None and now - upload.started.timestamp() < older_than_seconds:
-                continue  # may belong to an upload still running
-            location = f"{self.url}/{relative}"
-            what = f"aborting the unfinished multipart upload of {location}"
-            self._run(what, partial(self.backend.abort_upload, upload))
-            logger.warning("aborted an unfinished multipart upload of %s (started %s)", location, upload.started)
-            aborted.append(location)
-        return aborted
-
     def delete_step(self, step: int) -> None:
         """Delete a step: its remote manifest first (the step turns invisible), then its objects,
         each named by its exact key (no glob expansion)."""
@@ -462,38 +493,4 @@ class RemoteTier:
 
         self._run(f"deleting {self.location(step)}", delete)
         self.forget_landed(step)
-
-    # -- owner records (see tiered_ckpt.tiers.owners) -----------------------------------------
-
-    def owner_location(self, run_id: str) -> str:
-        """The URL of run ``run_id``'s owner record, for messages."""
-        return f"{self.url}/{OWNERS_DIR}/{owner_name(run_id)}"
-
-    def write_owner(self, run_id: str, document: bytes) -> None:
-        """Write (or overwrite) run ``run_id``'s owner record."""
-        path = f"{self._root}/{OWNERS_DIR}/{owner_name(run_id)}"
-        self._run(f"writing {self.owner_location(run_id)}", lambda: self.backend.put_bytes(path, document))
-
-    def read_owners(self) -> dict[str, bytes]:
-        """Every owner record under the URL, by run id (an exact listing of ``owners/``; a
-        record deleted while listed is left out; at most 64 KiB + 1 byte of each is read)."""
-        directory = f"{self._root}/{OWNERS_DIR}"
-
-        def read() -> dict[str, bytes]:
-            records: dict[str, bytes] = {}
-            for path in self.backend.find(directory):
-                run_id = parse_owner_name(path.rsplit("/", 1)[-1])
-                if run_id is None:
-                    continue
-                try:
-                    records[run_id] = self.backend.read(path, 0, MAX_OWNER_BYTES + 1)
-                except FileNotFoundError:
-                    continue  # released while we listed
-            return records
-
-        return self._run(f"reading the owner records under {self.url}/{OWNERS_DIR}", read)
-
-    def delete_owner(self, run_id: str) -> None:
-        """Delete run ``run_id``'s owner record (none there is no error)."""
-        path = f"{self._root}/{OWNERS_DIR}/{owner_name(run_id)}"
-        self._run(f"deleting {self.owner_location(run_id)}", lambda: self.backend.delete([path]))
+        self._compressed.pop(step, None)

@@ -43,7 +43,8 @@ from tiered_ckpt.errors import (
     ShardFormatError,
     UsageError,
 )
-from tiered_ckpt.format.manifest import RemoteManifest, ShardManifest, ShardRecord
+from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
+from tiered_ckpt.format.remote_manifest import RemoteManifest
 from tiered_ckpt.format.shardfile import ShardHeader, read_header, read_shard_buffer
 from tiered_ckpt.format.state import FlatState, own_targets
 from tiered_ckpt.format.structure import Structure, structure_of

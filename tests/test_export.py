@@ -222,3 +222,24 @@ def test_pipeline_stages_restore_in_part_and_export_every_stages_layers(tmp_path
         expected = np.arange(8, dtype=np.float32).reshape(4, 2) + 10 * stage
         np.testing.assert_array_equal(exported[f"layers.{stage}.w"], expected)
         assert float(exported[f"layers.{stage}.step"]) == 3 + stage
+
+
+def test_an_export_from_the_bucket_holds_one_tensor_and_one_ranged_read_at_a_time(tmp_path, memory_url):
+    import tracemalloc
+
+    from tiered_ckpt import RemoteOptions
+
+    url, options = memory_url
+    remote = RemoteOptions(url, storage_options=options)
+    with CheckpointManager(tmp_path / "ckpt", world_size=1, remote=remote) as manager:
+        manager.save(1, [{f"layer{i}": np.full((4096, 4096), i, np.float32) for i in range(2)}], blocking=True)
+        manager.wait(uploaded=True)
+    shutil.rmtree(tmp_path / "ckpt")  # every part from the bucket, in ranged reads of 16 MiB
+    tracemalloc.start()
+    try:
+        result = export_safetensors(tmp_path / "ckpt", tmp_path / "out", remote=remote)
+        _current, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result.largest_tensor_bytes == 64 << 20
+    assert peak < 1.6 * result.largest_tensor_bytes  # a read of the whole tensor at once would be 2x

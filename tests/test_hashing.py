@@ -128,3 +128,27 @@ def test_crc32c_as_s3_carries_and_composes_it():
     assert composite_crc32c(parts[:1]) == parts[0]
     joined = b"".join(base64.b64decode(part) for part in parts)
     assert composite_crc32c(parts) == f"{part_crc32c(joined)}-3"
+
+
+def test_a_ranged_fill_reads_in_pieces_and_hashes_what_it_copied():
+    import hashlib
+
+    import numpy as np
+
+    from tiered_ckpt.io.hashing import fill_hashing
+
+    data = bytes(range(256)) * 1000
+    asked = []
+
+    def read(start, stop):
+        asked.append((start, stop))
+        return data[start:stop]
+
+    target = np.empty(len(data) - 100, np.uint8)
+    assert fill_hashing(read, 100, target, piece_bytes=60_000) == hashlib.sha256(data[100:]).hexdigest()
+    assert target.tobytes() == data[100:] and asked[:2] == [(100, 60_100), (60_100, 120_100)] and len(asked) == 5
+    from tiered_ckpt.errors import IncompleteCheckpointError
+
+    with pytest.raises(IncompleteCheckpointError, match="a ranged read: got 60000 of bytes 0-70000"):
+        fill_hashing(lambda start, stop: data[start:stop][:60_000] if start else data[:60_000], 0,
+                     np.empty(70_000, np.uint8), piece_bytes=70_000)  # fmt: skip

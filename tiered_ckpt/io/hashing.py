@@ -22,7 +22,7 @@ import crc32c as _crc32c
 import numpy as np
 import xxhash
 
-from tiered_ckpt.errors import ConfigError
+from tiered_ckpt.errors import ConfigError, IncompleteCheckpointError
 from tiered_ckpt.io.durable import observe_writes, write_all
 
 __all__ = [
@@ -37,6 +37,8 @@ __all__ = [
     "hash_stream",
     "copy_and_hash",
     "copy_hashing",
+    "copy_hashing_into",
+    "fill_hashing",
     "read_hashing",
     "part_crc32c",
     "composite_crc32c",
@@ -143,11 +145,46 @@ def copy_hashing(source: np.ndarray, target: np.ndarray, verify: Verify = "full"
     sha256 (``verify="fast"``: their xxh3-64), hashing each piece of the copy while it is in
     cache (as :func:`~tiered_ckpt.format.shardfile.read_shard_file` does)."""
     hasher = Hasher(verify)
+    copy_hashing_into(source, target, hasher)
+    return _hex(hasher, verify)
+
+
+RANGE_PIECE_BYTES = 16 * 2**20
+"""The most :func:`fill_hashing` holds of a ranged read beside its target."""
+
+
+def fill_hashing(
+    read: Callable[[int, int], bytes],
+    offset: int,
+    target: np.ndarray,
+    verify: Verify = "full",
+    *,
+    what: str = "a ranged read",
+    piece_bytes: int = RANGE_PIECE_BYTES,
+) -> str:
+    """Fill ``target`` (a 1-D uint8 array) with the bytes ``read(start, stop)`` returns from
+    ``offset`` on, one read of at most ``piece_bytes`` at a time (all that is held beside
+    ``target``, whatever its size), and return their sha256 (``verify="fast"``: their xxh3-64),
+    each piece hashed while in cache. Raises :class:`IncompleteCheckpointError` naming ``what``
+    and the bytes a read fell short of."""
+    hasher = Hasher(verify)
+    for start in range(0, len(target), piece_bytes):
+        piece = target[start : start + piece_bytes]
+        data = read(offset + start, offset + start + len(piece))
+        if len(data) != len(piece):
+            got = f"got {len(data)} of bytes {offset + start}-{offset + start + len(piece)}"
+            raise IncompleteCheckpointError(f"{what}: {got}; the object is shorter than recorded")
+        copy_hashing_into(np.frombuffer(data, np.uint8), piece, hasher)
+    return _hex(hasher, verify)
+
+
+def copy_hashing_into(source: np.ndarray, target: np.ndarray, hasher: Hasher) -> None:
+    """Copy ``source`` into ``target`` (1-D uint8 arrays of one length), feeding ``hasher`` each
+    piece of the copy while it is in cache."""
     for start in range(0, len(target), CHUNK_BYTES):
         piece = target[start : start + CHUNK_BYTES]
         np.copyto(piece, source[start : start + CHUNK_BYTES])
         hasher.update(piece.data)
-    return _hex(hasher, verify)
 
 
 def read_hashing(fd: int, offset: int, target: np.ndarray, verify: Verify = "full") -> str:

@@ -57,7 +57,7 @@ from tiered_ckpt.format.layout import (
 )
 from tiered_ckpt.format.manifest import MAX_MANIFEST_BYTES, ShardManifest, ShardRecord
 from tiered_ckpt.format.remote_manifest import RemoteManifest
-from tiered_ckpt.io.hashing import ShardDigest, Verify, copy_hashing, hash_stream
+from tiered_ckpt.io.hashing import ShardDigest, Verify, fill_hashing, hash_stream
 from tiered_ckpt.io.zstd_frames import FrameCache, FramesReader, read_range_into
 from tiered_ckpt.tiers.backends import open_backend
 from tiered_ckpt.tiers.backends.base import Backend
@@ -258,25 +258,23 @@ class RemoteTier(BucketUpkeep):
     def read_range_into(
         self, step: int, record: ShardRecord, offset: int, buffer: memoryview, verify: Verify = "full"
     ) -> str:
-        """Fill ``buffer`` with the shard's bytes from ``offset`` (one ranged GET, retried on a
-        transient error) and return their sha256 (``verify="fast"``: their xxh3-64). Raises
-        :class:`IncompleteCheckpointError` if the object is shorter. Of a compressed object, only
-        the frames covering the range are fetched (one GET per 64 MiB of them) and decompressed,
-        each at most once while it stays among the last few read."""
+        """Fill ``buffer`` with the shard's bytes from ``offset`` (ranged GETs of at most 16 MiB,
+        each retried on a transient error: that is all held beside ``buffer``) and return their
+        sha256 (``verify="fast"``: their xxh3-64). Raises :class:`IncompleteCheckpointError` if
+        the object is shorter. Of a compressed object, only the frames covering the range are
+        fetched (one GET per 64 MiB of them) and decompressed, each at most once while it
+        stays among the last few read."""
         stored = self._stored(step, record, read=True)
         end, key = offset + len(buffer), self._shard(step, record, stored)
         what = f"reading bytes {offset}-{end} of {self.shard_location(step, record)}"
+
+        def fetch(start: int, stop: int) -> bytes:
+            return self._run(what, lambda: self.backend.read(key, start, stop))
+
         if stored is not None:
             index, cache = stored.index(record.size_bytes), (self._frames, f"{key} {stored.xxh3_64}")
-
-            def fetch(start: int, stop: int) -> bytes:
-                return self._run(what, lambda: self.backend.read(key, start, stop))
-
             return read_range_into(fetch, index, offset, buffer, verify, what, cache)
-        data = self._run(what, lambda: self.backend.read(key, offset, end))
-        if len(data) != len(buffer):
-            raise IncompleteCheckpointError(f"{what}: got {len(data)} bytes; the object is shorter than recorded")
-        return copy_hashing(np.frombuffer(data, np.uint8), np.frombuffer(buffer, np.uint8), verify)
+        return fill_hashing(fetch, offset, np.frombuffer(buffer, np.uint8), verify, what=what)
 
     def check_shard(self, step: int, record: ShardRecord) -> str | None:
         """Stream and hash one shard object (decompressed, if it was compressed); return the problem,

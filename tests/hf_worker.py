@@ -8,21 +8,18 @@ bucket too when the config names one. Rank 0 also writes the gathered parameters
 ``config.json`` to ``<results>/hf``, for the test to compare an export with.
 """
 
-import json
-import os
-import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from rank_worker import serve
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tiered_ckpt import CheckpointManager, RemoteOptions, TorchDistributedCoordinator
+from tiered_ckpt import CheckpointManager, RemoteOptions
 
 CONFIG = LlamaConfig(
     vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -30,13 +27,9 @@ CONFIG = LlamaConfig(
 )  # fmt: skip
 
 
-def main() -> None:
-    config = json.loads(Path(sys.argv[1]).read_text())
-    rank, world_size = int(sys.argv[2]), config["world_size"]
+def run(config: dict, coordinator, result: dict) -> None:
+    rank, world_size = dist.get_rank(), config["world_size"]
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{config['store']}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
-    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(CONFIG)
     mesh = init_device_mesh("cpu", (world_size,))
@@ -53,7 +46,7 @@ def main() -> None:
     url = config.get("url")
     remote = RemoteOptions(url, storage_options=config.get("options") or {}) if url else None
     directory = Path(config["local_root"]) / f"rank-{rank}"
-    with CheckpointManager(directory, coordinator=TorchDistributedCoordinator(), remote=remote) as manager:
+    with CheckpointManager(directory, coordinator=coordinator, remote=remote) as manager:
         manager.save(3, {"model": model_state, "optim": optim_state, "epoch": 1}, blocking=True)
         manager.wait(uploaded=True)
     gathered = {name: value.full_tensor().contiguous() for name, value in model_state.items()}
@@ -61,10 +54,7 @@ def main() -> None:
     if rank == 0:
         save_file(gathered, str(results / "gathered.safetensors"))
         CONFIG.save_pretrained(str(results / "hf"))
-    (results / f"rank-{rank}.json").write_text(json.dumps({"rank": rank}))
-    sys.stdout.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":
-    main()
+    serve(run)

@@ -8,18 +8,15 @@ the sha256 of each array of both restores and the manifest's replicas.
 """
 
 import hashlib
-import json
-import os
-import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from rank_worker import serve
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from tiered_ckpt import CheckpointError, CheckpointManager, TorchDistributedCoordinator
+from tiered_ckpt import CheckpointManager
 
 
 def stage_state(rank: int) -> dict:
@@ -43,30 +40,18 @@ def digests(state: dict) -> dict[str, str]:
     return found
 
 
-def main() -> None:
-    config = json.loads(Path(sys.argv[1]).read_text())
-    rank = int(sys.argv[2])
+def run(config: dict, coordinator, result: dict) -> None:
+    rank = dist.get_rank()
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{config['store']}", rank=rank, world_size=4, timeout=timedelta(seconds=60)
-    )
-    result: dict = {"rank": rank}
-    try:
-        state = stage_state(rank)
-        directory = Path(config["local_root"]) / f"rank-{rank}"
-        with CheckpointManager(directory, coordinator=TorchDistributedCoordinator()) as manager:
-            manager.save(1, state, blocking=True)
-            result["saved"] = digests(state)
-            result["replicas"] = [list(map(list, record.replicas)) for record in manager.locate(1).shards]
-            whole = manager.restore().torch_state()
-            part = manager.restore(paths=["model"]).torch_state()
-            result["whole"], result["part"], result["part_keys"] = digests(whole), digests(part), sorted(part)
-    except CheckpointError as exc:
-        result["error"] = [type(exc).__name__, str(exc)]
-    (Path(config["results"]) / f"rank-{rank}.json").write_text(json.dumps(result))
-    sys.stdout.flush()
-    os._exit(0)
+    state = stage_state(rank)
+    with CheckpointManager(Path(config["local_root"]) / f"rank-{rank}", coordinator=coordinator) as manager:
+        manager.save(1, state, blocking=True)
+        result["saved"] = digests(state)
+        result["replicas"] = [list(map(list, record.replicas)) for record in manager.locate(1).shards]
+        whole = manager.restore().torch_state()
+        part = manager.restore(paths=["model"]).torch_state()
+        result["whole"], result["part"], result["part_keys"] = digests(whole), digests(part), sorted(part)
 
 
 if __name__ == "__main__":
-    main()
+    serve(run)

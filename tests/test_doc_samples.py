@@ -49,6 +49,16 @@ def sample(name: str) -> str:
     return found[0]
 
 
+def run_twice(path: Path, env: dict, cwd: Path) -> list[str]:
+    """What ``path`` printed in a run and in a second one after it (a resume), each succeeding."""
+    outputs = []
+    for _ in range(2):
+        result = run(path, env, cwd)
+        assert result.returncode == 0, result.stderr[-5000:]
+        outputs.append(result.stdout)
+    return outputs
+
+
 def test_every_python_sample_of_the_docs_is_run_here():
     claimed = {(guide, marker) for guide, marker in MARKERS.values()}
     for guide in sorted(DOCS.rglob("*.md")):
@@ -152,11 +162,7 @@ def test_the_remote_tier_lag_and_oneshot_samples_run(tmp_path, bucket):
 def test_the_saving_guide_trains_saves_to_the_bucket_and_resumes(tmp_path, bucket):
     server, env = bucket
     path = script(tmp_path, "use", TRAINING, sample("use"), 'print("restored", restored and restored.step)')
-    outputs = []
-    for _ in range(2):
-        result = run(path, env, tmp_path)
-        assert result.returncode == 0, result.stderr[-5000:]
-        outputs.append(result.stdout)
+    outputs = run_twice(path, env, tmp_path)
     assert "restored None" in outputs[0] and "restored 400" in outputs[1]
     assert committed(server) == [200, 400]
 
@@ -250,11 +256,7 @@ def test_the_lightning_guide_resumes_a_trainer_from_the_bucket_and_fabric_from_i
 
     epilogue = "print('fabric', io.last_restore and io.last_restore.step, state['step'])\n"
     fabric = script(tmp_path, "fabric_sample", LIGHTNING_PRELUDE, sample("fabric"), epilogue)
-    outputs = []
-    for _ in range(2):
-        result = run(fabric, env, tmp_path)
-        assert result.returncode == 0, result.stderr[-5000:]
-        outputs.append(result.stdout)
+    outputs = run_twice(fabric, env, tmp_path)
     assert "fabric None 200" in outputs[0] and "fabric 200 200" in outputs[1]
     assert sorted(path.name for path in (tmp_path / "checkpoints").glob("fabric-*")) == [
         "fabric-100.ckpt",

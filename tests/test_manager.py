@@ -819,28 +819,9 @@ def test_transient_faults_on_30_percent_of_requests_still_commit_every_step(tmp_
         assert_states_equal(large_states(4, 256 * 1024, version=5), node.restore().states)
 
 
-def test_transient_faults_on_gcs_still_commit_every_step(tmp_path, faulty_gcs, gcs_url):
-    proxy, url, options = faulty_gcs
-    with CheckpointManager(
-        tmp_path,
-        world_size=2,
-        remote=RemoteOptions(url, storage_options=options),
-        upload=UploadOptions(backoff_seconds=0.001, max_tries=25),
-    ) as manager:
-        for step in (1, 2):
-            manager.save(step, large_states(2, 64 * 1024, version=step))
-        manager.wait(uploaded=True)
-    assert proxy.injected >= 3
-    direct_url, direct_options = gcs_url
-    with CheckpointManager(
-        tmp_path / "other-node", world_size=2, remote=RemoteOptions(direct_url, storage_options=direct_options)
-    ) as node:
-        assert node.remote_steps() == [1, 2]
-        assert_states_equal(large_states(2, 64 * 1024, version=2), node.restore().states)
-
-
-def test_transient_faults_on_azure_still_commit_every_step(tmp_path, faulty_azure, azure_url):
-    proxy, url, options = faulty_azure
+@pytest.mark.parametrize("store", ["gcs", "azure"])
+def test_transient_faults_on_gcs_and_azure_still_commit_every_step(tmp_path, store, request):
+    proxy, url, options = request.getfixturevalue(f"faulty_{store}")
     with CheckpointManager(
         tmp_path,
         world_size=2,
@@ -851,7 +832,7 @@ def test_transient_faults_on_azure_still_commit_every_step(tmp_path, faulty_azur
             manager.save(step, large_states(2, 64 * 1024, version=step))
         manager.wait(uploaded=True)
     assert proxy.injected >= 3 and proxy.requests > proxy.injected
-    direct_url, direct_options = azure_url
+    direct_url, direct_options = request.getfixturevalue(f"{store}_url")
     with CheckpointManager(
         tmp_path / "other-node", world_size=2, remote=RemoteOptions(direct_url, storage_options=direct_options)
     ) as node:

@@ -39,8 +39,8 @@ from tiered_ckpt.compose import open_store
 from tiered_ckpt.errors import IncompleteCheckpointError, ManifestError, UsageError
 from tiered_ckpt.format.manifest import ChunkRecord, ShardManifest, ShardRecord
 from tiered_ckpt.format.selection import check_paths, resolve_path, select
-from tiered_ckpt.format.shardfile import DTYPES, ShardHeader, header_of
-from tiered_ckpt.format.structure import COMPLEX_TAGS, Structure, structure_of
+from tiered_ckpt.format.shardfile import DTYPE_CODES, DTYPES, ShardHeader, header_of
+from tiered_ckpt.format.structure import COMPLEX_TAGS, Structure, decode_key, structure_of
 from tiered_ckpt.io.durable import atomic_write, fsync_directory, write_all
 from tiered_ckpt.io.hashing import Hasher
 from tiered_ckpt.options import LocalOptions, RemoteOptions, UploadOptions, resolve_options
@@ -306,8 +306,7 @@ def _check_tiling(array: str, shape: tuple[int, ...], parts: tuple[_Part, ...]) 
 
 
 def _code(headers: list[ShardHeader], part: _Part) -> str:
-    dtype = headers[part.rank].arrays[part.name].dtype
-    return next(code for code, known in DTYPES.items() if known == dtype)
+    return DTYPE_CODES[headers[part.rank].arrays[part.name].dtype]
 
 
 def _complex_leaves(node: object) -> set[str]:
@@ -333,8 +332,7 @@ def _scalars(node: object, path: tuple[str | int, ...]) -> list[str]:
     if tag == "dict":
         found = []
         for key, item in value:
-            decoded = int(key["int"], 16) if isinstance(key, dict) else key
-            found += _scalars(item, (*path, decoded))
+            found += _scalars(item, (*path, decode_key(key)))
         return found
     if tag in ("list", "tuple"):
         return [entry for index, item in enumerate(value) for entry in _scalars(item, (*path, index))]

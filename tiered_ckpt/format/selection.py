@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tiered_ckpt.errors import UsageError
-from tiered_ckpt.format.structure import Structure, is_flat, leaf_name, path_text
+from tiered_ckpt.format.structure import Structure, decode_key, is_flat, leaf_name, path_text
 
 __all__ = ["Paths", "check_paths", "prefixes", "resolve_path", "select", "selects"]
 
@@ -63,7 +63,7 @@ def resolve_path(structure: Structure, entry: str | tuple[str | int, ...], what:
     of some array names."""
     if isinstance(entry, tuple):
         return entry
-    top = [_decode(key) for key, _item in structure.root["dict"]]
+    top = [decode_key(key) for key, _item in structure.root["dict"]]
     if entry in top:
         return (entry,)
     if entry in structure.paths:
@@ -84,15 +84,11 @@ def _cut(node: Any, wanted: list[tuple[str | int, ...]], path: tuple[str | int, 
         raise UsageError(f"{what}: paths: {path_text((*path, wanted[0][0]))} goes into a {kind}, not a dict")
     items = []
     for key, item in node["dict"]:
-        decoded = _decode(key)
+        decoded = decode_key(key)
         below = [rest[1:] for rest in wanted if rest[0] == decoded and type(rest[0]) is type(decoded)]
         if below:
             items.append([key, _cut(item, below, (*path, decoded), what)])
     return {"dict": items}
-
-
-def _decode(key: Any) -> str | int:
-    return int(key["int"], 16) if isinstance(key, dict) else key
 
 
 def select(structure: Structure, paths: Sequence[str | tuple[str | int, ...]], what: str) -> Structure:

@@ -60,6 +60,7 @@ __all__ = [
     "encode_int",
     "encode_float",
     "is_flat",
+    "decode_key",
 ]
 
 STRUCTURE_KEY = "tiered_ckpt.structure"
@@ -214,7 +215,7 @@ class Structure:
         node = self._node_at(path)
         if not (isinstance(node, dict) and "dict" in node):
             raise KeyError(tuple(path))
-        return [_decode_key(key) for key, _item in node["dict"]]
+        return [decode_key(key) for key, _item in node["dict"]]
 
     def _node_at(self, path: Sequence[str | int]) -> Any:
         node = self.root
@@ -223,7 +224,7 @@ class Structure:
                 raise KeyError(key)
             ((tag, value),) = node.items()
             if tag == "dict":
-                matches = [item for item_key, item in value if _decode_key(item_key) == key]
+                matches = [item for item_key, item in value if decode_key(item_key) == key]
                 if not matches:
                     raise KeyError(key)
                 node = matches[0]
@@ -340,7 +341,8 @@ def is_flat(root: Any) -> bool:
     )
 
 
-def _decode_key(key: Any) -> Any:
+def decode_key(key: Any) -> Any:
+    """A dict key as the structure document holds it (``{"int": hex}`` for a large int), as the state's own."""
     return int(key["int"], 16) if isinstance(key, dict) else key
 
 
@@ -349,7 +351,7 @@ def _build(node: Any, arrays: Mapping[str, Any], torch_kinds: Mapping[str, Kind]
         return node  # None, bool, str, a small int
     ((tag, value),) = node.items()
     if tag == "dict":
-        return {_decode_key(key): _build(item, arrays, torch_kinds) for key, item in value}
+        return {decode_key(key): _build(item, arrays, torch_kinds) for key, item in value}
     if tag == "list":
         return [_build(item, arrays, torch_kinds) for item in value]
     if tag == "tuple":
@@ -383,8 +385,8 @@ def _difference(mine: Any, theirs: Any, path: tuple[str | int, ...]) -> str | No
     if tag != other_tag:
         return path_text(path)
     if tag == "dict":
-        keys = [_decode_key(key) for key, _ in value]
-        if keys != [_decode_key(key) for key, _ in other_value]:
+        keys = [decode_key(key) for key, _ in value]
+        if keys != [decode_key(key) for key, _ in other_value]:
             return path_text(path)
         for key, (_, item), (_, other_item) in zip(keys, value, other_value, strict=True):
             if (found := _difference(item, other_item, (*path, key))) is not None:

@@ -12,6 +12,7 @@ from tiered_ckpt.format.layout import step_dir_name
 from tiered_ckpt.tiers import survey
 from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt.tiers.local import LocalTier
+from tiered_ckpt.tiers.pull import pull
 from tiered_ckpt.tiers.remote import RemoteTier
 from tiered_ckpt.tiers.retention import RetentionPolicy
 from tiered_ckpt.tiers.store import TieredStore
@@ -89,7 +90,7 @@ def test_without_a_bucket_a_damaged_shard_fails_as_it_is(two_tiers):
     with pytest.raises(IncompleteCheckpointError, match="file is missing"):
         local_only.fetch_shard(3, manifest.shard(0))
     with pytest.raises(UsageError, match="needs a remote tier"):
-        local_only.pull()
+        pull(local_only)
 
 
 def test_status_and_verify_see_both_tiers(two_tiers):
@@ -112,7 +113,7 @@ def test_pull_fills_an_empty_local_tier(two_tiers, tmp_path):
     store, manifest, states = two_tiers
     fresh = TieredStore([LocalTier(tmp_path / "fresh"), store.remote])
     with fresh.local.lock():
-        pulled = fresh.pull()
+        pulled = pull(fresh)
     assert pulled.step == 3 and pulled.sources == {0: "remote", 1: "remote"}
     assert fresh.local.steps() == [3] and fresh.receipted(3)
     assert fresh.local.read_shard(3, manifest.shard(1)).arrays["w"].tobytes() == states[1]["w"].tobytes()

@@ -31,6 +31,7 @@ from tiered_ckpt.format.layout import MANIFEST_NAME, parse_step_dir_name
 from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.format.shardfile import DTYPE_CODES
 from tiered_ckpt.tiers import pruning, survey
+from tiered_ckpt.tiers.pull import pull
 from tiered_ckpt.tiers.store import TieredStore
 
 __all__ = ["main", "DESCRIPTION", "EPILOG"]
@@ -199,7 +200,7 @@ def command_pull(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
         def landed(record: ShardRecord, _source: str) -> None:
             bar.update(record.size_bytes)
 
-        pulled = store.pull(args.step, progress=landed)
+        pulled = pull(store, args.step, progress=landed)
     step, sources = pulled.step, pulled.sources
     fetched = sorted(rank for rank, source in sources.items() if source != store.local.name)
     return EXIT_OK, (

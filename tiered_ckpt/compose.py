@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather
 from tiered_ckpt.engine.peer_setup import open_peer_tier, peer_policy
 from tiered_ckpt.engine.preemption import PreemptionNotice, PreemptionWatch
+from tiered_ckpt.engine.refill import Refiller
 from tiered_ckpt.engine.replication import Backlog, Replicator
 from tiered_ckpt.engine.restore import Restorer
 from tiered_ckpt.engine.restore_result import RestoreResult
@@ -45,7 +46,8 @@ from tiered_ckpt.tiers.base import Tier
 from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.peer import PeerTier
 from tiered_ckpt.tiers.pruning import PruneResult
-from tiered_ckpt.tiers.store import PullResult, TieredStore
+from tiered_ckpt.tiers.pull import PullResult, pull
+from tiered_ckpt.tiers.store import TieredStore
 from tiered_ckpt.tiers.survey import Lag
 
 __all__ = ["Parts", "open_parts", "open_store", "check_process_layout"]
@@ -131,7 +133,7 @@ class Parts:
 
     def pull(self, step: int | None) -> PullResult:
         """:meth:`~tiered_ckpt.CheckpointManager.pull`."""
-        return self._maintenance("pull").pull(step, max_workers=self.max_workers)
+        return pull(self._maintenance("pull"), step, max_workers=self.max_workers)
 
     def push(self, step: int | None) -> PushResult:
         """:meth:`~tiered_ckpt.CheckpointManager.push`."""
@@ -202,7 +204,12 @@ class Parts:
         if self.peer is None:
             return lag
         failed = self.peer.last_error
-        return dataclasses.replace(lag, peer_error=failed[1] if failed else None, peer_off=self.peer.given_up)
+        return dataclasses.replace(
+            lag,
+            peer_error=failed[1] if failed else None,
+            peer_off=self.peer.given_up,
+            refill_error=self.restorer.refill_error,
+        )
 
     def _uploads_lag(self) -> Lag:
         uploader = self.uploader
@@ -341,5 +348,6 @@ def open_parts(options: Options, coordinator: Coordinator) -> Parts:
         local_every=options.local.every,
     )
     stack.enter_context(closing(writer))  # closed first: the last write reaches the replicators before they finish
-    restorer = Restorer(store, coordinator, world_size, max_workers, peer=peer_tier)
+    refiller = Refiller(store, writer.run_after)
+    restorer = Restorer(store, coordinator, world_size, max_workers, peer=peer_tier, refiller=refiller)
     return Parts(store, errors, restorer, writer, uploader, peer, preemption, stack, options, one_process, max_workers)

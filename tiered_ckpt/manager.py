@@ -50,7 +50,8 @@ from tiered_ckpt.options import (
 )
 from tiered_ckpt.tiers import survey
 from tiered_ckpt.tiers.pruning import PruneResult
-from tiered_ckpt.tiers.store import PullResult, TieredStore
+from tiered_ckpt.tiers.pull import PullResult
+from tiered_ckpt.tiers.store import TieredStore
 from tiered_ckpt.tiers.survey import Lag, VerifyResult
 
 __all__ = ["CheckpointManager", "SaveHandle", "RestoreResult", "PullResult", "PushResult", "PruneResult"]
@@ -248,8 +249,8 @@ class CheckpointManager:
         return self._parts.reached_preemption(step)
 
     def wait(self, *, uploaded: bool = False) -> None:
-        """Block until every save so far is committed locally (and, with ``uploaded=True``,
-        committed remotely or past its upload deadline).
+        """Block until every save so far (and a restore's refill of the disk) is committed locally
+        and, with ``uploaded=True``, committed remotely or past its upload deadline.
 
         Raises a background error not yet raised: :class:`SaveError` or a permanent
         :class:`UploadError`; with ``uploaded=True`` also the :class:`UploadError` (``transient``

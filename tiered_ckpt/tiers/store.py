@@ -15,11 +15,11 @@ no tier knows another. Reading a shard is a chain, in the tiers' order:
 The first copy that verifies wins. Every shard that moves between tiers goes through
 the store: a replicator's put (:meth:`TieredStore.send_shard`), a refill
 (:meth:`TieredStore.download_shard`), a read. The store also records what the later tiers
-committed (receipts in the first tier), fills the first tier from a later one
-(:meth:`TieredStore.pull`), and holds each tier's retention (applied by
+committed (receipts in the first tier) and holds each tier's retention (applied by
 :mod:`~tiered_ckpt.tiers.pruning`); :mod:`~tiered_ckpt.tiers.survey` says what each tier
-holds. Writing needs the local directory's lock (``store.local.lock()``), which a
-manager holds for its whole run and the CLI for one command.
+holds; :func:`~tiered_ckpt.tiers.pull.pull` fills the first tier from the bucket. Writing
+needs the local directory's lock (``store.local.lock()``), which a manager holds for its
+whole run and the CLI for one command.
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
-from types import MappingProxyType
 from typing import BinaryIO, NoReturn, TypeVar, cast
 
 import numpy as np
@@ -50,31 +48,24 @@ from tiered_ckpt.format.state import FlatState, own_targets
 from tiered_ckpt.format.structure import Structure, structure_of
 from tiered_ckpt.io.durable import write_all
 from tiered_ckpt.io.hashing import ShardDigest, Verify, copy_and_hash
-from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.tiers.base import ShardSource, Tier
 from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.remote import RemoteTier
 from tiered_ckpt.tiers.retention import RetentionPolicy
 
-__all__ = ["TieredStore", "Source", "PullResult"]
+__all__ = ["TieredStore", "Source", "Landing"]
 
 logger = logging.getLogger("tiered_ckpt")
 
 Source = str
 """The name of the tier a shard was read from (:attr:`~tiered_ckpt.tiers.base.Tier.name`)."""
 
+Landing = tuple[ShardRecord, memoryview]
+"""A shard's bytes in memory that matched its record, waiting to land on the local disk."""
+
 T = TypeVar("T")
 _READ_FAILURES = (IncompleteCheckpointError, ChecksumMismatchError, ShardFormatError)
 _TRIES_OF_A_LATER_TIER = 2
-
-
-@dataclass(frozen=True)
-class PullResult:
-    """What :meth:`TieredStore.pull` did: the ``step`` pulled and, per rank, the name of the
-    tier its shard now on disk came from (the first tier's: it was there and verified)."""
-
-    step: int
-    sources: Mapping[int, Source]
 
 
 class TieredStore:
@@ -225,16 +216,18 @@ class TieredStore:
         verify: Verify = "full",
         into: Mapping[str, np.ndarray] | None = None,
         later: Collection[str] | None = None,
+        deferred: list[Landing] | None = None,
     ) -> tuple[FlatState, Source]:
         """One shard's verified state and the name of the tier it came from (see the module doc
         for the chain). ``later``: the names of the later tiers to try (None: every one; empty:
-        the first tier only)."""
+        the first tier only). ``deferred``: a copy read from this process's memory is not landed
+        on the local disk here but appended to it, verified, for :meth:`land_copies` to land."""
 
         def read(tier: Tier) -> FlatState:
             in_memory = getattr(tier, "copy_in_memory", None)  # a tier whose copy is in this process's memory
             data = in_memory(step, record) if in_memory is not None and tier is not self.local else None
             if data is not None:
-                return self._read_from_memory(step, record, data, verify, into, tier)
+                return self._read_from_memory(step, record, data, verify, into, tier, deferred)
             if tier is not self.local:
                 self.download_shard(step, record, tier)
             return self.local.read_shard(step, record, verify, into)
@@ -249,23 +242,32 @@ class TieredStore:
         verify: Verify,
         into: Mapping[str, np.ndarray] | None,
         tier: Tier,
+        deferred: list[Landing] | None,
     ) -> FlatState:
         """The state in a copy already in memory, each byte hashed once as it is copied into its
-        array, then landed on the local disk as it is (a refill): the disk's read and second hash
-        of a refill are spared. Raises as :meth:`LocalTier.read_shard` does."""
+        array, then landed on the local disk as it is (a refill; ``deferred``: later): the disk's
+        read and second hash of a refill are spared. Raises as :meth:`LocalTier.read_shard` does."""
         what = f"rank {record.rank} shard {tier.shard_location(step, record)}"
         if len(data) != record.size_bytes:
             raise IncompleteCheckpointError(f"{what}: {len(data)} bytes, the manifest records {record.size_bytes}")
         elsewhere, held = own_targets(record.replicas, into)
         contents = read_shard_buffer(data, check=lambda d: record.verify(d, what), verify=verify, what=what, into=held)
-
-        # These very bytes just matched the record: the landing writes them without hashing them again.
-        def write(out: BinaryIO) -> ShardDigest:
-            write_all(out, data)
-            return ShardDigest(record.size_bytes, record.sha256, record.xxh3_64)
-
-        self.local.land_shard(step, record, ShardSource(write=write))
+        if deferred is None:
+            self.land_copies(step, [(record, data)])
+        else:
+            deferred.append((record, data))
         return FlatState.from_shard(contents, what, elsewhere)
+
+    def land_copies(self, step: int, copies: Sequence[Landing]) -> None:
+        """Land each verified ``(record, bytes)`` of ``step`` in the local step as it is; the
+        caller records the refill (:meth:`record_refill`). Raises as :meth:`LocalTier.land_shard` does."""
+        for record, data in copies:
+            # These very bytes matched the record: the landing writes them without hashing them again.
+            def write(out: BinaryIO, record: ShardRecord = record, data: memoryview = data) -> ShardDigest:
+                write_all(out, data)
+                return ShardDigest(record.size_bytes, record.sha256, record.xxh3_64)
+
+            self.local.land_shard(step, record, ShardSource(write=write))
 
     def _first_that_verifies(
         self, step: int, record: ShardRecord, read: Callable[[Tier], T], later: Collection[str] | None, refills: bool
@@ -398,43 +400,6 @@ class TieredStore:
                 self.local.record_held(step, manifest, (held or set()) | set(fetched))
         if remote is not None and self.remote is not None and not self.receipted(step):
             self.record_commit(step, self.remote, remote)
-
-    def pull(
-        self,
-        step: int | None = None,
-        *,
-        max_workers: int | None = None,
-        progress: Callable[[ShardRecord, Source], None] | None = None,
-    ) -> PullResult:
-        """Fill the local tier with the shared tier's ``step`` (default: its newest) without loading it.
-
-        Local shards that verify are kept; the others are streamed from the bucket and
-        verified. Returns the step and, per rank, the name of the tier each shard on disk
-        came from. ``progress`` is called with each shard and where it came from once it is on disk.
-        """
-        remote_tier = self.remote
-        if remote_tier is None:
-            raise UsageError("pull needs a remote tier (remote.url)")
-        remote_steps = remote_tier.steps()
-        step = remote_steps[-1] if step is None and remote_steps else step
-        if step is None or step not in remote_steps:
-            raise IncompleteCheckpointError(f"{remote_tier.url}: step {step} is not committed remotely")
-        remote = remote_tier.read_manifest(step)
-        self.local.new_step_dir(step)
-
-        def fetch(record: ShardRecord) -> Source:
-            source = self.local.name
-            if self.local.check_shard(step, record) is not None:
-                self.download_shard(step, record, remote_tier)
-                source = remote_tier.name
-            if progress is not None:
-                progress(record, source)
-            return source
-
-        was_committed = step in self.local.steps()
-        sources = run_parallel(fetch, remote.manifest.shards, max_workers)
-        self.record_refill(remote.manifest, remote, range(remote.manifest.world_size), was_committed)
-        return PullResult(step, MappingProxyType(dict(enumerate(sources))))
 
 
 def _no_copy_verifies(record: ShardRecord, tried: list[tuple[str, CheckpointError]]) -> NoReturn:

@@ -14,7 +14,9 @@ scratch root (so nothing is left in ``/dev/shm``). Two parts, each in interleave
    bucket. Every shard file on the disks is evicted from the page cache before each
    restore (cold); the partners' memory and moto's objects are in RAM. Each rank times its
    restore from a barrier before ``restore()`` to a barrier after it; the figure is the
-   slowest of node a's ranks.
+   slowest of node a's ranks. A restore from the partners returns before the lost disks
+   are refilled (the refill runs on the writer's thread after it): the time until that
+   refill is durable (``manager.wait()``, then a barrier) is shown beside it.
 2. *The cost of a copy*: in one running job, a save of the same state to disk
    (``local.every=1``, no peer tier) and a partner copy of a step kept in memory only
    (``local.every`` never reached, ``peer.every=1``), in alternating order: the save
@@ -71,6 +73,7 @@ RESTORES = (
     ("bucket (node a lost, peer tier off)", True, False, "remote"),
 )
 SAVES = ("disk save", "partner copy")
+REFILLED = "partners' memory, until the disk is refilled"
 
 
 def bench_peer(total_bytes: int, root: Path, repeat: int, steps: int) -> None:
@@ -101,7 +104,7 @@ def bench_peer(total_bytes: int, root: Path, repeat: int, steps: int) -> None:
         os.sync()
     if restores is not None:
         print("  restore of one step by freshly started processes, node a's ranks, barrier to barrier (disks cold):")
-        for label, *_ in RESTORES:
+        for label in [label for label, *_ in RESTORES] + [REFILLED]:
             _print_seconds(f"    {label}", restores[label])
     print("  one save of the whole state, the slowest rank's (CPU: the 4 processes'):")
     for name in SAVES:
@@ -182,7 +185,7 @@ def _launcher(root: Path, **shared: Any) -> Callable[..., list[dict[str, Any]]]:
 def _recovery(total_bytes: int, root: Path, repeat: int) -> dict[str, list[float]]:
     """Part 1 (see the module doc): the seconds of each restore, by label, a value a round."""
     root.mkdir()
-    seconds: dict[str, list[float]] = {label: [] for label, *_ in RESTORES}
+    seconds: dict[str, list[float]] = {label: [] for label, *_ in RESTORES} | {REFILLED: []}
     with moto_server() as (_endpoint, client, options):
         client.create_bucket(Bucket=BUCKET)
         launch = _launcher(root, total_bytes=total_bytes, url=f"s3://{BUCKET}/run", options=options)
@@ -202,6 +205,8 @@ def _recovery(total_bytes: int, root: Path, repeat: int) -> dict[str, list[float
                     if report["step"] != 1 or report["sources"] != {str(rank): source}:
                         raise RuntimeError(f"peer benchmark, {label}: rank {rank} restored {report}, not from {source}")
                 seconds[label].append(max(reports[rank]["seconds"] for rank in LOST_RANKS))
+                if lose and peer:
+                    seconds[REFILLED].append(max(reports[rank]["refilled"] for rank in LOST_RANKS))
     return seconds
 
 
@@ -313,8 +318,11 @@ def _restore(config: dict[str, Any], rank: int, job: Any) -> dict[str, Any]:
         restored = manager.restore()
         job.barrier()
         seconds = time.perf_counter() - start
+        manager.wait()  # the refill of a lost node's disk runs after restore() returned
+        job.barrier()
+        refilled = time.perf_counter() - start
     sources = {str(old): tier for old, tier in restored.sources.items()}
-    return {"seconds": seconds, "step": restored.step, "sources": sources}
+    return {"seconds": seconds, "refilled": refilled, "step": restored.step, "sources": sources}
 
 
 def _timed_save(job: Any, manager: CheckpointManager, step: int, state: dict[str, Any]) -> dict[str, float]:

@@ -7,9 +7,10 @@ the config has a URL; runs the actions and writes ``<results>/rank-<RANK>.json``
 
 Actions: {"do": "save", "step": S} (blocking, then waits for the partner copy), {"do": "train",
 "steps": N} (saves 1..N, recording those some tier's cadence took), {"do": "wait"}
-(uploads), {"do": "restore"} (records step, sources and digests), {"do": "report"} (whether
-the tier is on; its lag and verify), {"do": "saves", "count": N} (N saves of a small state, each
-followed by the partner copy, recording the memory held after each), and
+(uploads and refills; records lag().refill_error), {"do": "restore"} (records step, sources
+and digests), {"do": "report"} (whether the tier is on; its lag and verify), {"do": "saves",
+"count": N} (N saves of a small state, each followed by the partner copy, recording the
+memory held after each), and
 {"do": "kill_on_copy", "rank": R, "step": S}: rank R SIGKILLs itself once it has received
 its ward's bytes of step S, before answering; {"do": "hang_on_serve", "rank": R, "seconds": T}:
 rank R sleeps T seconds before sending a restore its copies (a partner that hangs);
@@ -87,6 +88,7 @@ def act(action: dict, rank: int, world_size: int, checkpoints: CheckpointManager
         result.setdefault("peer_errors", []).append(checkpoints._parts.peer.last_error)
     elif action["do"] == "wait":
         checkpoints.wait(uploaded=True)
+        result["refill_error"] = checkpoints.lag().refill_error
     elif action["do"] == "train":
         for step in range(1, action["steps"] + 1):
             saved = checkpoints.save(step, rank_state(step, world_size, rank), blocking=True)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FaultInjectingProxy, launch_ranks, new_s3_bucket, s3_storage_options
+from tiered_ckpt.tiers.local import LocalTier
 
 WORKER = Path(__file__).with_name("peer_worker.py")
 NODES = ["a", "a", "b", "b"]
@@ -62,14 +63,18 @@ def test_a_lost_node_restores_byte_for_byte_from_its_partners_without_reading_th
     lose_node(tmp_path, "a")
     proxy.log.clear()
 
-    restored = run_job(tmp_path, [{"do": "restore"}], remote)
+    restored = run_job(tmp_path, [{"do": "restore"}, {"do": "wait"}], remote)
     for rank, result in restored.items():
         assert result["restored"]["step"] == 2, result
         assert result["restored"]["digests"] == expected_digests(2, 4, rank)
         assert result["restored"]["sources"] == {str(rank): "peer" if NODES[rank] == "a" else "local"}
+        assert result["refill_error"] is None
     assert shard_reads(proxy) == []  # not one shard was read from the bucket
-    for rank in (0, 1):  # the replaced node's disks were refilled from the partners
-        assert (tmp_path / "nodes" / f"rank-{rank}" / "step-000000000002").is_dir()
+    for rank in (0, 1):  # the replaced node's disks were refilled from the partners, after restore() returned
+        disk = LocalTier(tmp_path / "nodes" / f"rank-{rank}")
+        assert disk.steps() == [2]
+        assert disk.held_ranks(2, disk.manifest(2)) == [rank]
+        assert disk.check_shard(2, disk.manifest(2).shard(rank)) is None  # its bytes match the manifest
 
 
 def test_a_partners_flipped_byte_is_caught_and_the_bucket_is_read_instead(tmp_path, counted_bucket):

@@ -408,6 +408,19 @@ def test_a_slow_partner_fails_no_save_its_queued_steps_stay_on_disk(tmp_path):
             replicator.close()
 
 
+def test_a_step_a_partner_memory_never_got_is_named_not_in_that_tier_not_local_only(tmp_path):
+    save_locally(tmp_path / "ckpt", 1)
+    peer = MemoryTier("peer")
+    store = TieredStore([LocalTier(tmp_path / "ckpt"), peer])
+    with store.local.lock():
+        replicator = Replicator(store, peer, errors=ErrorBox())
+        never_sent = replicator.outcome(1)
+        replicator.close()
+    error = never_sent.exception(timeout=0)
+    assert isinstance(error, UploadError) and error.transient
+    assert "step 1 is not in the peer tier" in str(error) and "local-only" not in str(error)
+
+
 def test_replicators_sharing_a_backlog_keep_each_others_queues(job, tmp_path):
     store, remote, faults, _start = job
     peer = MemoryTier("peer")

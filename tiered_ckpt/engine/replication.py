@@ -34,22 +34,21 @@ At most ``policy.max_pending`` steps wait in the queue; beyond that ``when_behin
 makes :meth:`Replicator.submit` block until there is room, ``"skip"`` drops the oldest
 waiting step (local-only, superseded). While the target is failing (no commit since a
 failed try), the queue takes up to the local tier's ``max_awaiting_upload`` steps so saves
-go on; beyond that one process holding every rank drops the oldest waiting step, while
-with one process per rank (whose queues must stay the same) :meth:`submit` waits for room.
+go on; beyond that one process holding every rank drops the oldest waiting step, while with
+one process per rank (whose queues must stay the same) :meth:`submit` waits for room.
 
-A best-effort ``policy`` (a partner's memory) logs its failures and shows them in
-``last_error``, never in the error box, and never retries; a storage failure that is not
-transient (a partner that gave no answer in time, seen by every process at the same step)
-gives the target up for the run: every process proposes it with its next step, and all drop
-their queues and send no later step (``given_up``).
+A best-effort ``policy`` (a partner's memory; a step it drops "is not in the peer tier")
+logs its failures in ``last_error``, never in the error box, and never retries; a failure
+that is not transient (a partner that gave no answer in time, seen by every process at
+the same step) gives the target up for the run: every process proposes it with its next
+step, and all drop their queues and send no later step (``given_up``).
 
 After :meth:`Replicator.preempt` (a preemption notice: the job has seconds to minutes
-left), the newest queued step goes next and the older queued ones are dropped (they
-stay local-only, superseded), and :meth:`Replicator.submit` no longer waits for room. A
-step already being replicated is finished first. The processes pick each next step
-together (one small collective): every one proposes its oldest queued step, or its
-newest once preempted, and the oldest proposal wins, so every process replicates the
-same step even while their queues and notices differ for a moment.
+left), the newest queued step goes next, the older queued ones are dropped (superseded),
+and :meth:`Replicator.submit` no longer waits for room; a step being replicated is finished
+first. The processes pick each next step together (one small collective): each proposes
+its oldest queued step, or its newest once preempted, and the oldest proposal wins, so
+every process replicates the same step while their queues and notices differ for a moment.
 """
 
 from __future__ import annotations
@@ -218,8 +217,9 @@ class Replicator:
                 future.set_exception(error)
 
     def _left_local(self, steps: Sequence[int], why: str) -> None:
+        left = "stays local-only" if self._what == "upload" else f"is not in the {self.target.name} tier"
         for each in steps:
-            self._settle(each, UploadError(f"step {each} stays local-only: {why}", step=each, tries=0, transient=True))
+            self._settle(each, UploadError(f"step {each} {left}: {why}", step=each, tries=0, transient=True))
 
     def _room(self) -> float:
         """How many steps the queue holds before ``when_behind`` applies (see the module doc)."""

@@ -13,7 +13,8 @@ A restore, step by step:
 3. each process checks the world size (resharding only when asked), works out which
    saved ranks it needs, and reads each through :meth:`TieredStore.fetch_shard`
    (local copy, else a partner's memory, else the bucket, verified, refilling the local
-   step; with a peer tier, the shards a process lacks on disk are first fetched from the
+   step, from memory once the restore returned: :mod:`~tiered_ckpt.engine.refill`; with a
+   peer tier, the shards a process lacks on disk are first fetched from the
    processes holding them, a collective of its own); failures on any
    process fail the restore on every process (a third collective); with one process per
    rank on the saved world size, the replicated arrays a rank's shard left to another
@@ -37,6 +38,7 @@ from typing import Any
 
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather
 from tiered_ckpt.dist.replicas import share
+from tiered_ckpt.engine.refill import Refiller
 from tiered_ckpt.engine.restore_result import RestoreResult, by_tier, rank_ranges
 from tiered_ckpt.engine.shard_reads import PendingRead, ShardReader
 from tiered_ckpt.engine.step_choice import StepChooser
@@ -87,8 +89,10 @@ class Restorer:
         max_workers: int | None = None,
         *,
         peer: PeerTier | None = None,
+        refiller: Refiller | None = None,
     ) -> None:
         self._store = store
+        self._refiller = refiller or Refiller(store)
         self._coordinator = coordinator
         self._ranks = tuple(coordinator.local_ranks)
         self._world_size = world_size
@@ -130,6 +134,7 @@ class Restorer:
                 lambda: self._reader.load(restored, in_remote, world_size, reshard, verify, into, selected)
             )
         finally:
+            self._refiller.start(self._reader.take_refills())  # the refills hold the copies they land
             if self._peer is not None:
                 self._peer.forget(restored)
         gather(self._coordinator, "restore: read", Done, loaded.done)
@@ -147,6 +152,11 @@ class Restorer:
             by_tier(result.sources),
         )  # fmt: skip
         return result
+
+    @property
+    def refill_error(self) -> str | None:
+        """The last failure to refill this node's disk after a restore (None: none failed)."""
+        return self._refiller.last_error
 
     def _on_disk(self, step: int, rank: int) -> bool:
         """True if this process's disk committed ``step`` holding ``rank``'s shard."""

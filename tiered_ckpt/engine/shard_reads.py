@@ -4,7 +4,8 @@
 1. :meth:`ShardReader.load` checks the world size (resharding only when asked), works out
    which saved ranks this process needs, and reads each through
    :meth:`TieredStore.fetch_shard` (local copy, else each later tier, verified, refilling the
-   local step), or, into a state of DTensors, just the chunks that overlap its own
+   local step; a copy read from memory is left to land after the restore returns,
+   :meth:`ShardReader.take_refills`), or, into a state of DTensors, just the chunks that overlap its own
    (:meth:`TieredStore.read_parts`);
 2. the arrays its ranks' shards left to other ranks are put back
    (:meth:`ShardReader.complete`): read here, or, with one process per rank on the saved
@@ -32,6 +33,7 @@ from tiered_ckpt.dist.reshard import (
     reshard_rank,
     source_ranks,
 )
+from tiered_ckpt.engine.refill import Refill
 from tiered_ckpt.engine.restore_result import RestoreResult
 from tiered_ckpt.errors import CheckpointError, IncompleteCheckpointError, InvalidStateError, UsageError, restated
 from tiered_ckpt.format.differences import into_difference
@@ -43,7 +45,7 @@ from tiered_ckpt.format.structure import Structure
 from tiered_ckpt.format.validate import check_into, check_world_size
 from tiered_ckpt.io.hashing import Verify
 from tiered_ckpt.io.parallel import run_parallel
-from tiered_ckpt.tiers.store import Source, TieredStore
+from tiered_ckpt.tiers.store import Landing, Source, TieredStore
 
 __all__ = ["PendingRead", "ShardReader"]
 
@@ -112,6 +114,12 @@ class ShardReader:
         self._ranks = tuple(ranks)
         self._world_size = world_size
         self._max_workers = max_workers
+        self._refills: list[Refill] = []
+
+    def take_refills(self) -> list[Refill]:
+        """The refills the reads since the last call left to land (see :mod:`~tiered_ckpt.engine.refill`)."""
+        refills, self._refills = self._refills, []
+        return refills
 
     @property
     def _one_process(self) -> bool:
@@ -169,7 +177,8 @@ class ShardReader:
             wanted = self._needed(manifest, target)
             if not in_remote and not self._one_process:
                 self._check_on_this_node(manifest, wanted)
-            with self._step_dir(step):
+            deferred: list[Landing] = []
+            with self._step_dir(step) as created:
                 fetched = run_parallel(
                     lambda index: store.fetch_shard(
                         step,
@@ -177,11 +186,15 @@ class ShardReader:
                         verify=verify,
                         into=targets[index].arrays if targets is not None else None,
                         later=store.readable(in_remote),
+                        deferred=deferred,
                     ),
                     range(len(wanted)),
                     self._max_workers,
                 )
-                store.record_refill(manifest, remote, wanted, was_committed=in_local)
+                if deferred:  # copies read from memory: landed after the restore returns
+                    self._refills.append(Refill(manifest, remote, tuple(wanted), in_local, created, tuple(deferred)))
+                else:
+                    store.record_refill(manifest, remote, wanted, was_committed=in_local)
             pending = PendingRead(
                 step,
                 manifest,
@@ -198,13 +211,13 @@ class ShardReader:
             raise restated(exc, f"restore of step {step}: {exc}") from exc
 
     @contextmanager
-    def _step_dir(self, step: int) -> Iterator[None]:
-        """The local directory of ``step`` while shards are read into it: created if needed, and
-        removed again if this restore created it and fails before committing it."""
+    def _step_dir(self, step: int) -> Iterator[bool]:
+        """The local directory of ``step`` while shards are read into it: created if needed (True
+        is yielded), and removed again if this restore created it and fails before committing it."""
         created = not self._store.local.step_dir(step).is_dir()
         self._store.local.new_step_dir(step)
         try:
-            yield
+            yield created
         except BaseException:
             if created:
                 self._store.local.discard_uncommitted(step)

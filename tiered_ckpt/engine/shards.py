@@ -10,9 +10,10 @@ kept in memory only (for a partner's memory) is serialized to bytes instead
 
 from __future__ import annotations
 
-import io
 from collections.abc import Mapping, Sequence
-from typing import BinaryIO, Literal
+from typing import BinaryIO, Literal, cast
+
+import numpy as np
 
 from tiered_ckpt.dist.replicas import written
 from tiered_ckpt.format.layout import shard_name
@@ -24,7 +25,7 @@ from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt.tiers.local import LocalTier
 
-__all__ = ["build_manifest", "serialize_shards", "write_shards"]
+__all__ = ["ShardBuffer", "build_manifest", "serialize_shards", "write_shards"]
 
 
 def write_shards(
@@ -57,6 +58,35 @@ def write_shards(
     return run_parallel(write, range(len(ranks)), max_workers)
 
 
+class ShardBuffer:
+    """A shard's bytes in memory, written in place into a buffer reused from save to save.
+
+    A new ``io.BytesIO`` each save regrows while it is written and touches fresh pages; this
+    buffer reaches a shard's size once and is then overwritten: the view :meth:`write_shard`
+    returned holds its shard's bytes until the next call."""
+
+    def __init__(self) -> None:
+        self._data = np.empty(0, np.uint8)
+        self._size = 0
+
+    def write(self, chunk: memoryview | bytes) -> int:
+        view = np.frombuffer(chunk, np.uint8)
+        end = self._size + view.size
+        if end > self._data.size:  # the old array stays whole while a view of it is held
+            grown = np.empty(max(end, 2 * self._data.size), np.uint8)
+            grown[: self._size] = self._data[: self._size]
+            self._data = grown
+        self._data[self._size : end] = view
+        self._size = end
+        return view.size
+
+    def write_shard(self, shard: _Shard) -> tuple[ShardDigest, memoryview]:
+        """Write ``shard`` from the buffer's start; its digest and a view of its bytes."""
+        self._size = 0
+        digest = shard.write(cast(BinaryIO, self))
+        return digest, self._data[: self._size].data
+
+
 def serialize_shards(
     step: int,
     states: Sequence[FlatState],
@@ -66,15 +96,18 @@ def serialize_shards(
     numels: Sequence[int],
     max_workers: int | None = None,
     left_out: Mapping[int, Mapping[str, int]] | None = None,
+    buffers: Mapping[int, ShardBuffer] | None = None,
 ) -> list[tuple[ShardRecord, memoryview]]:
     """The shards :func:`write_shards` would write, as bytes in memory with their records (a step
-    kept in memory only), in the order of ``ranks``."""
+    kept in memory only), in the order of ``ranks``; each in ``buffers[rank]`` if given (what
+    the last call returned for that rank is overwritten), else in a buffer of its own."""
 
     def serialize(index: int) -> tuple[ShardRecord, memoryview]:
-        shard = _Shard(step, states[index], ranks[index], world_size, (left_out or {}).get(ranks[index], {}))
-        out = io.BytesIO()
-        digest = shard.write(out)
-        return shard.record(digest, numels), out.getbuffer()  # the stream's own buffer: no copy of it
+        rank = ranks[index]
+        shard = _Shard(step, states[index], rank, world_size, (left_out or {}).get(rank, {}))
+        buffer = buffers[rank] if buffers is not None else ShardBuffer()
+        digest, data = buffer.write_shard(shard)
+        return shard.record(digest, numels), data
 
     return run_parallel(serialize, range(len(ranks)), max_workers)
 

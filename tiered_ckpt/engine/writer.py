@@ -36,7 +36,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -46,7 +46,7 @@ from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather
 from tiered_ckpt.dist.replicas import leave_out
 from tiered_ckpt.engine.replication import Replicator
 from tiered_ckpt.engine.sending import HeldStep
-from tiered_ckpt.engine.shards import build_manifest, serialize_shards, write_shards
+from tiered_ckpt.engine.shards import ShardBuffer, build_manifest, serialize_shards, write_shards
 from tiered_ckpt.engine.staging import StagingBuffers
 from tiered_ckpt.errors import CheckpointError, ErrorBox, ReportedFuture, SaveError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
@@ -158,8 +158,11 @@ class Writer:
         self._max_workers = max_workers
         self._local_every = local_every
         self._staging = StagingBuffers()
+        # A step kept in memory only is serialized here: the previous one's copies ended before this one's began.
+        self._in_memory = {rank: ShardBuffer() for rank in self._ranks}
         self._last_save: Future[ShardManifest | None] | None = None
         self._last_retention: Future[None] | None = None
+        self._last_job: Future[None] | None = None
         self._writer = ThreadPoolExecutor(1, "tiered-ckpt-writer", initializer=_background_thread, initargs=(cpus,))
         self._janitor = ThreadPoolExecutor(1, "tiered-ckpt-retention", initializer=_background_thread, initargs=(cpus,))
 
@@ -188,7 +191,8 @@ class Writer:
         the ones reused here, and overwriting them under a running write would save this step's
         arrays as that one's.
         """
-        self.settle(retention=False)
+        if self._last_save is not None:
+            self._last_save.exception()
         to_disk, replicators = self.tiers_of(step, every_tier=every_tier)
         buffers = self._staging.stage([state.arrays for state in states])
         staged = [dataclasses.replace(state, arrays=arrays) for arrays, state in zip(buffers, states, strict=True)]
@@ -201,14 +205,22 @@ class Writer:
         self._last_save = committed
         return SaveHandle(step, committed, uploaded)
 
+    def run_after(self, job: Callable[[], None]) -> None:
+        """Queue ``job`` (which raises nothing) on the writer's thread, after the queued write and
+        before any later one; :meth:`settle` and :meth:`close` wait for it (a restore's refill)."""
+        self._last_job = self._writer.submit(job)
+
     def settle(self, *, retention: bool = True) -> None:
-        """Wait for the previous save's write and, unless ``retention=False``, the retention after it.
+        """Wait for the previous save's write and job (:meth:`run_after`) and, unless
+        ``retention=False``, the retention after the write.
 
         Their errors stay in the box. The next save need not wait for retention: it deletes
         only committed steps older than the newest, never the directory being written.
         """
         if self._last_save is not None:
             self._last_save.exception()
+        if self._last_job is not None:
+            self._last_job.result()
         if retention and self._last_retention is not None:
             self._last_retention.result()
 
@@ -241,7 +253,7 @@ class Writer:
             def write() -> _Written:
                 written = serialize_shards(
                     step, staged, self._ranks, world_size=self._world_size, numels=numels,
-                    max_workers=self._max_workers, left_out=left_out,
+                    max_workers=self._max_workers, left_out=left_out, buffers=self._in_memory,
                 )  # fmt: skip
                 shards.update((record.rank, data) for record, data in written)
                 return _Written(tuple(record.to_dict() for record, _data in written), time.time())

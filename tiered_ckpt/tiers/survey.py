@@ -95,7 +95,9 @@ class Lag:
     failing; None: none is), ``retry_tries`` the requests tried for it so far. ``bucket`` names
     the bucket's tier (None: the store has none). ``peer_error`` is the last failure of a
     copy to a partner's memory (None: none, or no peer tier), ``peer_off`` why copies to the
-    partner stopped for the run (a partner that gave no answer in time; None: they go on).
+    partner stopped for the run (a partner that gave no answer in time; None: they go on), and
+    ``refill_error`` the last failure to land on this node's disk a step restored from a
+    partner's memory (the step stays readable there; None: none failed).
     """
 
     newest: Mapping[str, int | None]
@@ -109,6 +111,7 @@ class Lag:
     bucket: str | None = None
     peer_error: str | None = None
     peer_off: str | None = None
+    refill_error: str | None = None
 
     @property
     def newest_local(self) -> int | None:
@@ -142,6 +145,7 @@ class Lag:
             "retry_tries": self.retry_tries,
             "peer_error": self.peer_error,
             "peer_off": self.peer_off,
+            "refill_error": self.refill_error,
         }
 
 

@@ -16,7 +16,7 @@ import os
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import BinaryIO, Literal
+from typing import BinaryIO, Literal, NamedTuple
 
 import crc32c as _crc32c
 import numpy as np
@@ -31,6 +31,7 @@ __all__ = [
     "check_verify",
     "CHUNK_BYTES",
     "ShardDigest",
+    "PartDigest",
     "Hasher",
     "HashedStream",
     "hashing_writer",
@@ -60,6 +61,15 @@ def check_verify(verify: object) -> None:
         raise ConfigError(f"verify must be 'full' (sha256) or 'fast' (xxh3-64), got {verify!r}")
 
 
+class PartDigest(NamedTuple):
+    """Size and checksums of one part of a file (an array's bytes); "" for a checksum not computed.
+    A tuple, not a dataclass: a shard of many small arrays makes one per array."""
+
+    size_bytes: int
+    sha256: str
+    xxh3_64: str
+
+
 @dataclass(frozen=True)
 class ShardDigest:
     """Size and checksums of a shard file's bytes; from :func:`~tiered_ckpt.format.shardfile.write_shard`
@@ -72,7 +82,7 @@ class ShardDigest:
     xxh3_64: str
     header_bytes: int = 0
     header_sha256: str = ""
-    arrays: Mapping[str, ShardDigest] = field(default_factory=dict)
+    arrays: Mapping[str, PartDigest] = field(default_factory=dict)
 
 
 class Hasher:

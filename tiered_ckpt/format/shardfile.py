@@ -22,6 +22,7 @@ import hashlib
 import json
 import json.encoder
 import math
+import operator
 import os
 import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -89,6 +90,8 @@ MAX_DIMS = 64
 MAX_BYTES = 2**63
 _METADATA = "__metadata__"
 _ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
+_INT = frozenset((int,))
+_BY_PLACE = operator.itemgetter(3, 4)  # an entry's (begin, end)
 _quote = json.encoder.encode_basestring_ascii  # the escaping json.dumps applies to a str
 
 
@@ -302,24 +305,25 @@ def _parse_header(raw: bytes, data_bytes: int) -> tuple[list[_Entry], dict[str, 
                 raise ValueError("__metadata__ must map strings to strings")
             metadata = info
             continue
-        if not isinstance(info, dict) or info.keys() != _ENTRY_KEYS:
+        if type(info) is not dict or info.keys() != _ENTRY_KEYS:
             raise ValueError(f"entry {name!r} must have exactly dtype, shape and data_offsets")
-        dtype = DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+        code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        dtype = DTYPES.get(code) if type(code) is str else None
         if dtype is None:
-            raise ValueError(f"entry {name!r} has unsupported dtype {info['dtype']!r}")
-        shape, offsets = info["shape"], info["data_offsets"]
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(f"entry {name!r} has unsupported dtype {code!r}")
+        # set(map(type, ...)): the exact-type check (a bool is not a dimension) without a Python loop
+        if type(shape) is not list or not set(map(type, shape)) <= _INT or (shape and min(shape) < 0):
             raise ValueError(f"entry {name!r} has invalid shape {str(shape)[:200]}")
         numel = math.prod(shape)
         if len(shape) > MAX_DIMS or (numel or math.prod(d for d in shape if d)) * dtype.itemsize >= MAX_BYTES:
             raise ValueError(f"entry {name!r} has a shape numpy cannot make: {str(shape)[:200]}")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+        if type(offsets) is not list or len(offsets) != 2 or not set(map(type, offsets)) <= _INT:
             raise ValueError(f"entry {name!r} has invalid data_offsets {offsets!r}")
         begin, end = offsets
         if end - begin != numel * dtype.itemsize or begin < 0:
             raise ValueError(f"entry {name!r}: data_offsets {offsets} do not fit shape {shape} of {info['dtype']}")
         entries.append(_Entry(name, dtype, tuple(shape), begin, end))
-    entries.sort(key=lambda entry: (entry.begin, entry.end))
+    entries.sort(key=_BY_PLACE)
     position = 0
     for entry in entries:
         if entry.begin != position:

@@ -434,22 +434,25 @@ def _read(
     what: str,
     into: Mapping[str, np.ndarray] | None,
 ) -> ShardContents:
-    hasher = Hasher(verify)
-    stream = HashedStream(blocks, hasher)
+    # The sha256 of what is copied runs on a second core (one thread per shard); xxh3 is too fast to gain
+    stream = HashedStream(blocks, Hasher(verify), behind=verify == "full")
     try:
-        _start, entries, metadata = _parse_prefix(stream, size)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        # A broken header is usually a corrupted file: hash the rest to tell which.
-        stream.hash_rest()
-        check(hasher.digest())
-        raise ShardFormatError(f"{what}: bytes verify but are not a valid shard: {exc}") from exc
-    if into is None:
-        targets = read_arrays(stream, entries)
-    else:
-        targets = _targets(entries, into, what)
-        for entry in entries:
-            stream.copy_into(targets[entry.name].reshape(-1).view(np.uint8))
-    check(hasher.digest())
+        try:
+            _start, entries, metadata = _parse_prefix(stream, size)
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            # A broken header is usually a corrupted file: hash the rest to tell which.
+            stream.hash_rest()
+            check(stream.digest())
+            raise ShardFormatError(f"{what}: bytes verify but are not a valid shard: {exc}") from exc
+        if into is None:
+            targets = read_arrays(stream, entries)
+        else:
+            targets = _targets(entries, into, what)
+            for entry in entries:
+                stream.copy_into(targets[entry.name].reshape(-1).view(np.uint8))
+        check(stream.digest())
+    finally:
+        stream.close()
     return ShardContents(dict(targets), metadata)
 
 

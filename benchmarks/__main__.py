@@ -10,7 +10,8 @@ round). One module per section, each saying what it measures: ``sync`` (save and
 next to the disk's and sha256's limits), ``async`` (in ``async_save.py``), ``retention``,
 ``dist`` (rank processes), ``train``, ``remote`` (moto's S3 server next to boto3),
 ``compression`` (zstd-compressed bucket objects next to plain ones), ``structure``,
-``fsdp`` (next to DCP), ``peer`` (a lost node restored from its partners' memory, and a
+``fsdp`` (next to DCP), ``small-arrays`` (40,000 small arrays next to the same bytes in
+four), ``peer`` (a lost node restored from its partners' memory, and a
 partner copy's cost), ``parts`` (a partial restore and an export) and, with
 ``--peers``, ``peers`` (safetensors, ``torch.save``, DCP on the same state); ``--plot
 FILE.png`` draws the peers table (needs matplotlib: ``pip install -e '.[bench]'``). What
@@ -35,6 +36,7 @@ from benchmarks import (
     peers,
     remote,
     retention,
+    small_arrays,
     structure,
     sync,
     train,
@@ -45,7 +47,7 @@ __all__ = ["main"]
 
 SECTIONS = (
     *("sync", "async", "retention", "dist", "train", "remote", "compression"),
-    *("structure", "fsdp", "peer", "parts", "peers"),
+    *("structure", "small-arrays", "fsdp", "peer", "parts", "peers"),
 )
 DEFAULT = SECTIONS[:-1]
 IN_MEMORY = {"sync", "async", "retention", "peers"}  # the sections measuring one state made here
@@ -99,6 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "structure" in sections:
             print("the structure document of a nested optimizer state (save_sharded / load_sharded, warm):")
             structure.bench_structure(args.params, total, root, args.repeat)
+        if "small-arrays" in sections:
+            print("one shard of many small arrays next to the same bytes in a few large ones (save_sharded):")
+            small_arrays.bench_small_arrays(args.small_arrays_mib << 20, args.small_arrays, root, args.repeat)
         if "fsdp" in sections:
             print("FSDP2 state from rank processes (gloo), next to torch.distributed.checkpoint on the same disk:")
             fsdp.bench_fsdp(total, root, args.repeat, args.fsdp_processes)

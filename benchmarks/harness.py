@@ -355,4 +355,10 @@ def parser(sections: Sequence[str], description: str) -> argparse.ArgumentParser
         "--remote-size-gib", type=float, default=1.0, help="checkpoint size for 'remote' and 'compression' (default 1)"
     )
     parser.add_argument("--params", type=int, default=10_000, help="parameter tensors for 'structure' (default 10000)")
+    parser.add_argument(
+        "--small-arrays", type=positive, default=40_000, help="arrays of the 'small-arrays' shard (default 40000)"
+    )
+    parser.add_argument(
+        "--small-arrays-mib", type=positive, default=256, help="bytes of the 'small-arrays' shard, MiB (default 256)"
+    )
     return parser

@@ -23,6 +23,7 @@ def test_benchmark_runs_every_section_and_prints_its_ratios(tmp_path):
     result = bench(
         *["--size-gib", "0.02", "--remote-size-gib", "0.02", "--repeat", "1", "--train-steps", "20"],
         *["--params", "200", "--dir", str(tmp_path / "scratch"), "--plot", str(tmp_path / "peers.png")],
+        *["--small-arrays", "2000", "--small-arrays-mib", "4"],
         *["--dist-processes", "1", "4", "--fsdp-processes", "2"],  # the fewest rank processes that say it all
     )
     assert result.returncode == 0, result.stderr
@@ -45,6 +46,9 @@ def test_benchmark_runs_every_section_and_prints_its_ratios(tmp_path):
         "slowdown",
         "structure / save_sharded",
         "structure / load_sharded",
+        "many small / few large arrays: save",
+        "many small / few large arrays: load, cold",
+        "many small / few large arrays: load, warm",
         "save / dcp.save (throughput)",
         "load+verify / dcp.load (throughput)",
         "stall: save(blocking=False) / dcp.async_save",
@@ -75,7 +79,10 @@ def test_help_names_the_command_and_every_section():
     result = bench("--help", timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: python -m benchmarks")
-    assert "{sync,async,retention,dist,train,remote,compression,structure,fsdp,peer,parts,peers}" in result.stdout
+    assert (
+        "{sync,async,retention,dist,train,remote,compression,structure,small-arrays,fsdp,peer,parts,peers}"
+        in result.stdout
+    )
     assert "--dist-processes N [N ...]" in result.stdout and "(default 1 2 4)" in result.stdout
     assert "--fsdp-processes N [N ...]" in result.stdout and "(default 2 4)" in result.stdout
 

@@ -121,6 +121,31 @@ def test_hashed_stream_hashes_every_byte_once_in_order():
         HashedStream(iter([memoryview(b"ab")]), Hasher()).copy_into(np.zeros(3, np.uint8))
 
 
+@pytest.mark.parametrize("rest", ["copied", "hashed"])
+def test_hashing_behind_on_a_thread_hashes_every_byte_once_in_order(rest):
+    # Pieces small and large, more than a batch of them: the thread starts, batches go over in order.
+    data = payload(3 * hashing.CHUNK_BYTES + 12_345)
+    blocks = iter(memoryview(data)[start : start + 300_000] for start in range(0, len(data), 300_000))
+    stream = HashedStream(blocks, Hasher(), behind=True)
+    assert stream.take(8) == data[:8]
+    position, targets = 8, []
+    for size in [100] * 500 + [2_000_000, 7]:
+        target = np.zeros(size, np.uint8)
+        stream.copy_into(target)
+        targets.append(target)
+        position += size
+    if rest == "copied":
+        stream.copy_into(last := np.zeros(len(data) - position, np.uint8))
+        targets.append(last)
+    else:
+        stream.hash_rest()
+    digest = stream.digest()
+    stream.close()
+    assert digest == hashing.ShardDigest(*sums(data))
+    copied = b"".join(target.tobytes() for target in targets)
+    assert copied == data[8 : 8 + len(copied)]
+
+
 def test_crc32c_as_s3_carries_and_composes_it():
     data = payload(3000)
     assert part_crc32c(data) == base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode()

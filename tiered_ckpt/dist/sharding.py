@@ -23,7 +23,10 @@ __all__ = ["resolve_sharded_keys", "sharding_summary"]
 
 def sharding_summary(state: Mapping[Any, Any]) -> dict[str, list[int]]:
     """The shape of every array of a rank's state: what :func:`resolve_sharded_keys` needs of it."""
-    return {key: [int(n) for n in np.shape(array)] for key, array in state.items()}
+    return {
+        key: list(array.shape) if type(array) is np.ndarray else [int(n) for n in np.shape(array)]
+        for key, array in state.items()
+    }
 
 
 def resolve_sharded_keys(

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import json.encoder
 import math
+import operator
 import os
 import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -33,8 +35,9 @@ import numpy as np
 
 from tiered_ckpt.errors import InvalidStateError, ShardFormatError
 from tiered_ckpt.format.differences import into_difference
+from tiered_ckpt.format.packing import Placed, read_arrays, write_arrays
 from tiered_ckpt.io.blockread import read_blocks
-from tiered_ckpt.io.hashing import CHUNK_BYTES, HashedStream, Hasher, ShardDigest, Verify, check_verify, hashing_writer
+from tiered_ckpt.io.hashing import HashedStream, Hasher, ShardDigest, Verify, check_verify, hashing_writer
 
 __all__ = [
     "DTYPES",
@@ -86,6 +89,10 @@ MAX_HEADER_BYTES = 100_000_000
 MAX_DIMS = 64
 MAX_BYTES = 2**63
 _METADATA = "__metadata__"
+_ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
+_INT = frozenset((int,))
+_BY_PLACE = operator.itemgetter(3, 4)  # an entry's (begin, end)
+_quote = json.encoder.encode_basestring_ascii  # the escaping json.dumps applies to a str
 
 
 def _dtype_code(name: str, array: np.ndarray, owner: str = "state") -> str:
@@ -114,6 +121,8 @@ def _is_utf8(text: str) -> bool:
 
 def array_problem(array: np.ndarray) -> str | None:
     """Why a shard cannot hold ``array`` (a phrase: "has dtype ..."), or None if it can."""
+    if type(array) is np.ndarray and array.dtype in _CODES:  # the common case, checked first
+        return None
     if isinstance(array, np.ma.MaskedArray):
         return "is a masked array, whose mask a shard cannot hold; pass .filled() or .data"
     dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
@@ -160,12 +169,16 @@ def _header_text(layout: list[tuple[str, str, np.ndarray, int, int]], metadata: 
 
 
 def _json_of(entries: Sequence[tuple[str, str, tuple[int, ...], int, int]], metadata: Mapping[str, str] | None) -> str:
-    header: dict[str, object] = {}
+    """What ``json.dumps(header, separators=(",", ":"))`` gives, each entry formatted in one step:
+    building a dict per array for json to walk took most of a large header's time."""
+    parts = []
     if metadata:
-        header[_METADATA] = {str(k): str(v) for k, v in metadata.items()}
+        fields = ",".join(f"{_quote(str(k))}:{_quote(str(v))}" for k, v in metadata.items())
+        parts.append(f'"{_METADATA}":{{{fields}}}')
     for name, code, shape, begin, end in entries:
-        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [begin, end]}
-    return json.dumps(header, separators=(",", ":"))
+        dims = ",".join(str(int(d)) for d in shape)
+        parts.append(f'{_quote(name)}:{{"dtype":{_quote(code)},"shape":[{dims}],"data_offsets":[{begin},{end}]}}')
+    return "{" + ",".join(parts) + "}"
 
 
 def _padded(text: str) -> bytes:
@@ -233,22 +246,6 @@ def header_problem(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str]
     return None
 
 
-def _byte_chunks(array: np.ndarray) -> Iterator[memoryview]:
-    """Yield the array's C-order little-endian bytes in chunks, copying only when it must."""
-    if array.dtype.byteorder == ">" or not array.flags.c_contiguous:
-        # Copy a slab of rows at a time so memory stays bounded for any array size.
-        dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
-        rows = array.reshape(1, *array.shape) if array.ndim == 0 else array
-        row_bytes = max(1, rows[0:1].nbytes)
-        step = max(1, CHUNK_BYTES // row_bytes)
-        for start in range(0, rows.shape[0], step):
-            yield from _byte_chunks(np.ascontiguousarray(rows[start : start + step], dtype=dtype))
-        return
-    flat = array.reshape(-1).view(np.uint8).data
-    for start in range(0, len(flat), CHUNK_BYTES):
-        yield flat[start : start + CHUNK_BYTES]
-
-
 def write_shard(
     out: BinaryIO,
     arrays: Mapping[str, np.ndarray],
@@ -278,15 +275,7 @@ def write_shard(
         )
     write = hashing_writer(out, hasher)
     write(header)
-    digests: dict[str, ShardDigest] = {}
-    for name, _code, array, _begin, _end in layout:
-        part = None if part_digests is None else Hasher(None if part_digests == "both" else "fast")
-        for chunk in _byte_chunks(array):
-            write(chunk)
-            if part is not None:
-                part.update(chunk)
-        if part is not None:
-            digests[name] = part.digest()
+    digests = write_arrays(write, [entry[2] for entry in layout], [entry[0] for entry in layout], part_digests)
     return replace(
         hasher.digest(), header_bytes=len(header), header_sha256=hashlib.sha256(header).hexdigest(), arrays=digests
     )
@@ -300,13 +289,7 @@ class ShardContents:
     metadata: dict[str, str]
 
 
-@dataclass(frozen=True)
-class _Entry:
-    name: str
-    dtype: np.dtype
-    shape: tuple[int, ...]
-    begin: int
-    end: int
+_Entry = Placed
 
 
 def _parse_header(raw: bytes, data_bytes: int) -> tuple[list[_Entry], dict[str, str]]:
@@ -322,23 +305,25 @@ def _parse_header(raw: bytes, data_bytes: int) -> tuple[list[_Entry], dict[str, 
                 raise ValueError("__metadata__ must map strings to strings")
             metadata = info
             continue
-        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        if type(info) is not dict or info.keys() != _ENTRY_KEYS:
             raise ValueError(f"entry {name!r} must have exactly dtype, shape and data_offsets")
-        dtype = DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+        code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        dtype = DTYPES.get(code) if type(code) is str else None
         if dtype is None:
-            raise ValueError(f"entry {name!r} has unsupported dtype {info['dtype']!r}")
-        shape, offsets = info["shape"], info["data_offsets"]
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(f"entry {name!r} has unsupported dtype {code!r}")
+        # set(map(type, ...)): the exact-type check (a bool is not a dimension) without a Python loop
+        if type(shape) is not list or not set(map(type, shape)) <= _INT or (shape and min(shape) < 0):
             raise ValueError(f"entry {name!r} has invalid shape {str(shape)[:200]}")
-        if len(shape) > MAX_DIMS or math.prod(d for d in shape if d) * dtype.itemsize >= MAX_BYTES:
+        numel = math.prod(shape)
+        if len(shape) > MAX_DIMS or (numel or math.prod(d for d in shape if d)) * dtype.itemsize >= MAX_BYTES:
             raise ValueError(f"entry {name!r} has a shape numpy cannot make: {str(shape)[:200]}")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+        if type(offsets) is not list or len(offsets) != 2 or not set(map(type, offsets)) <= _INT:
             raise ValueError(f"entry {name!r} has invalid data_offsets {offsets!r}")
         begin, end = offsets
-        if end - begin != int(np.prod(shape, dtype=object)) * dtype.itemsize or begin < 0:
+        if end - begin != numel * dtype.itemsize or begin < 0:
             raise ValueError(f"entry {name!r}: data_offsets {offsets} do not fit shape {shape} of {info['dtype']}")
         entries.append(_Entry(name, dtype, tuple(shape), begin, end))
-    entries.sort(key=lambda entry: (entry.begin, entry.end))
+    entries.sort(key=_BY_PLACE)
     position = 0
     for entry in entries:
         if entry.begin != position:
@@ -449,26 +434,30 @@ def _read(
     what: str,
     into: Mapping[str, np.ndarray] | None,
 ) -> ShardContents:
-    hasher = Hasher(verify)
-    stream = HashedStream(blocks, hasher)
+    # The sha256 of what is copied runs on a second core (one thread per shard); xxh3 is too fast to gain
+    stream = HashedStream(blocks, Hasher(verify), behind=verify == "full")
     try:
-        _start, entries, metadata = _parse_prefix(stream, size)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        # A broken header is usually a corrupted file: hash the rest to tell which.
-        stream.hash_rest()
-        check(hasher.digest())
-        raise ShardFormatError(f"{what}: bytes verify but are not a valid shard: {exc}") from exc
-    targets = _targets(entries, into, what)
-    for entry in entries:
-        stream.copy_into(targets[entry.name].reshape(-1).view(np.uint8))
-    check(hasher.digest())
+        try:
+            _start, entries, metadata = _parse_prefix(stream, size)
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            # A broken header is usually a corrupted file: hash the rest to tell which.
+            stream.hash_rest()
+            check(stream.digest())
+            raise ShardFormatError(f"{what}: bytes verify but are not a valid shard: {exc}") from exc
+        if into is None:
+            targets = read_arrays(stream, entries)
+        else:
+            targets = _targets(entries, into, what)
+            for entry in entries:
+                stream.copy_into(targets[entry.name].reshape(-1).view(np.uint8))
+        check(stream.digest())
+    finally:
+        stream.close()
     return ShardContents(dict(targets), metadata)
 
 
-def _targets(entries: list[_Entry], into: Mapping[str, np.ndarray] | None, what: str) -> dict[str, np.ndarray]:
-    """The arrays to fill: new ones, or the caller's after checking they match the shard."""
-    if into is None:
-        return {entry.name: np.empty(entry.shape, dtype=entry.dtype) for entry in entries}
+def _targets(entries: list[_Entry], into: Mapping[str, np.ndarray], what: str) -> dict[str, np.ndarray]:
+    """The caller's arrays to fill, after checking they match the shard."""
     difference = into_difference({entry.name: (entry.dtype, entry.shape) for entry in entries}, into)
     if difference:
         raise InvalidStateError(f"{what}: into does not match the shard: {difference}")

@@ -47,7 +47,7 @@ from tiered_ckpt.format.structure import (
     structure_of,
     too_deep,
 )
-from tiered_ckpt.io.hashing import ShardDigest
+from tiered_ckpt.io.hashing import PartDigest
 from tiered_ckpt.torch.dtensor import is_dtensor, local_chunk
 from tiered_ckpt.torch.tensors import float_pairs, is_tensor, to_numpy
 
@@ -110,7 +110,7 @@ class _Flattener:
         """``value``'s node; ``name`` is its tensor name so far (the escaped keys of ``path``)."""
         if type(value) in _SCALARS:
             return self.scalar(value, path)
-        if isinstance(value, (np.ndarray, np.generic, ChunkOf)) or is_tensor(value):
+        if type(value) is np.ndarray or isinstance(value, (np.ndarray, np.generic, ChunkOf)) or is_tensor(value):
             return self.leaf(value, path, "%5F_metadata__" if name == "__metadata__" else name)
         if type(value) in _BLOBS:
             return self.blob(value, path, "%5F_metadata__" if name == "__metadata__" else name)
@@ -181,7 +181,9 @@ class _Flattener:
     def leaf(self, value: Any, path: tuple[str | int, ...], name: str) -> dict[str, Any]:
         if name in self.arrays:  # distinct paths make distinct names; this guards that rule
             raise self.fail(path, f"has the tensor name {name!r} of {path_text(self.paths[name])}")
-        kind: Kind = ("dtensor" if is_dtensor(value) else "tensor") if is_tensor(value) else "array"
+        kind: Kind = "array"
+        if type(value) is not np.ndarray and is_tensor(value):
+            kind = "dtensor" if is_dtensor(value) else "tensor"
         if isinstance(value, ChunkOf):
             kind = "dtensor"
         node: Any = name
@@ -287,7 +289,7 @@ class FlatState:
     structure: Structure
     shared: frozenset[str] = frozenset()
 
-    def chunk_records(self, digests: Mapping[str, ShardDigest]) -> tuple[ChunkRecord, ...]:
+    def chunk_records(self, digests: Mapping[str, PartDigest]) -> tuple[ChunkRecord, ...]:
         """Every array of this state as the chunk the manifest records (a plain array is the
         one chunk of itself), with the sha256 and xxh3-64 of its bytes from ``digests``."""
         records = []

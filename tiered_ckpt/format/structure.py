@@ -74,6 +74,7 @@ Kind = Literal["array", "tensor", "dtensor", "bytes", "bytesio"]
 """How a tensor name's leaf was handed to ``save`` (see :class:`Structure`)."""
 COMPLEX_TAGS = ("complex64", "complex128")  # the wrapper tags of complex leaves, saved as float pairs
 _SMALL_INT = 2**63
+_FLAT_TAGS = frozenset(("array", "tensor", "dtensor"))
 _HEX_INT = re.compile(r"-?0x[0-9a-f]+")
 _FLOAT_BITS = re.compile(r"[0-9a-f]{16}")
 
@@ -81,6 +82,8 @@ _FLOAT_BITS = re.compile(r"[0-9a-f]{16}")
 def _escape(key: str) -> str:
     if not key:
         return "%"
+    if "%" not in key and "/" not in key and key[0] != "#":  # most keys: nothing to escape
+        return key
     escaped = key.replace("%", "%25").replace("/", "%2F")
     return "%23" + escaped[1:] if escaped.startswith("#") else escaped
 
@@ -322,7 +325,11 @@ class _Parser:
             if (type(key), key) in seen:
                 raise self.fail(path, f"the key {key!r:.80} appears twice")
             seen.add((type(key), key))
-            self.node(item[1], (*path, key), depth + 1)
+            node = item[1]
+            if type(node) is dict and len(node) == 1 and "array" in node:  # what node() does, for the common leaf
+                self.leaf("array", node["array"], (*path, key))
+            else:
+                self.node(node, (*path, key), depth + 1)
 
     def key(self, key: Any, path: tuple[str | int, ...]) -> str | int:
         if type(key) is str or (type(key) is int and -_SMALL_INT <= key < _SMALL_INT):
@@ -335,10 +342,7 @@ class _Parser:
 
 def is_flat(root: Any) -> bool:
     """True for a dict node of arrays under string keys and nothing else."""
-    return all(
-        type(key) is str and isinstance(item, dict) and set(item) <= {"array", "tensor", "dtensor"}
-        for key, item in root["dict"]
-    )
+    return all(type(key) is str and isinstance(item, dict) and item.keys() <= _FLAT_TAGS for key, item in root["dict"])
 
 
 def decode_key(key: Any) -> Any:

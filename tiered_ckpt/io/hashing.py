@@ -2,8 +2,10 @@
 
 Every function here hashes each piece of bytes right after it was copied (into a file's
 staging block, a target array, a buffer), while the piece is in the CPU's cache, so a
-checksum costs no second read from memory. ``"full"`` verification is the sha256,
-``"fast"`` the xxh3-64 (~12 GB/s, for inner-loop reloads). It knows nothing of shards
+checksum costs no second read from memory; except that a verified read of a file
+(:class:`HashedStream` with ``behind``) hands its sha256 to a thread of its own, which
+hashes what was copied on another core while the next piece is copied. ``"full"``
+verification is the sha256, ``"fast"`` the xxh3-64 (~12 GB/s, for inner-loop reloads). It knows nothing of shards
 or manifests: :class:`ShardDigest` is what a hashed file's bytes came to.
 """
 
@@ -13,10 +15,12 @@ import base64
 import errno
 import hashlib
 import os
+import queue
 import re
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import BinaryIO, Literal
+from typing import BinaryIO, Literal, NamedTuple
 
 import crc32c as _crc32c
 import numpy as np
@@ -31,6 +35,7 @@ __all__ = [
     "check_verify",
     "CHUNK_BYTES",
     "ShardDigest",
+    "PartDigest",
     "Hasher",
     "HashedStream",
     "hashing_writer",
@@ -60,6 +65,15 @@ def check_verify(verify: object) -> None:
         raise ConfigError(f"verify must be 'full' (sha256) or 'fast' (xxh3-64), got {verify!r}")
 
 
+class PartDigest(NamedTuple):
+    """Size and checksums of one part of a file (an array's bytes); "" for a checksum not computed.
+    A tuple, not a dataclass: a shard of many small arrays makes one per array."""
+
+    size_bytes: int
+    sha256: str
+    xxh3_64: str
+
+
 @dataclass(frozen=True)
 class ShardDigest:
     """Size and checksums of a shard file's bytes; from :func:`~tiered_ckpt.format.shardfile.write_shard`
@@ -72,7 +86,7 @@ class ShardDigest:
     xxh3_64: str
     header_bytes: int = 0
     header_sha256: str = ""
-    arrays: Mapping[str, ShardDigest] = field(default_factory=dict)
+    arrays: Mapping[str, PartDigest] = field(default_factory=dict)
 
 
 class Hasher:
@@ -208,15 +222,70 @@ def read_hashing(fd: int, offset: int, target: np.ndarray, verify: Verify = "ful
     return _hex(hasher, verify)
 
 
+class _HashBehind:
+    """Feeds a :class:`Hasher` from a thread of its own, in the order given: one sha256 is one
+    sequential stream, so the only way to put a second core to work on a verified load is to
+    hash the pieces already copied while the caller copies the next (hashlib releases the
+    GIL while it hashes). Pieces are handed over a batch of :data:`CHUNK_BYTES` at a time, so a
+    run of small arrays costs one hand-over per batch, not one per array; a stream shorter
+    than a batch starts no thread."""
+
+    def __init__(self, hasher: Hasher) -> None:
+        self._hasher = hasher
+        self._batch: list[memoryview | bytes] = []
+        self._batched = 0
+        self._queue: queue.SimpleQueue[list[memoryview | bytes] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def update(self, piece: memoryview | bytes) -> None:
+        self._batch.append(piece)
+        self._batched += len(piece)
+        if self._batched >= CHUNK_BYTES:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tiered-ckpt-hash", daemon=True)
+                self._thread.start()
+            self._queue.put(self._batch)
+            self._batch, self._batched = [], 0
+
+    def _run(self) -> None:
+        while (batch := self._queue.get()) is not None:
+            for piece in batch:
+                self._hasher.update(piece)
+
+    def settle(self) -> None:
+        """Return once every piece given so far is hashed."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        for piece in self._batch:
+            self._hasher.update(piece)
+        self._batch, self._batched = [], 0
+
+
 class HashedStream:
     """A file's bytes in order, from :func:`~tiered_ckpt.io.blockread.read_blocks`, taken a piece
     at a time; every byte taken (or skipped with :meth:`hash_rest`) is fed to ``hasher`` once,
-    in file order."""
+    in file order. With ``behind``, what is copied is hashed on a thread of its own while the
+    next piece is copied (:meth:`digest` waits for it); call :meth:`close` in any case."""
 
-    def __init__(self, blocks: Iterator[memoryview], hasher: Hasher) -> None:
+    def __init__(self, blocks: Iterator[memoryview], hasher: Hasher, *, behind: bool = False) -> None:
         self._blocks = blocks
         self._view = memoryview(b"")
         self._hasher = hasher
+        self._behind = _HashBehind(hasher) if behind else None
+        self._hash = self._behind.update if self._behind is not None else hasher.update
+
+    def digest(self) -> ShardDigest:
+        """The digest of every byte taken so far."""
+        if self._behind is not None:
+            self._behind.settle()
+        return self._hasher.digest()
+
+    def close(self) -> None:
+        """Stop the hashing thread, if any (after it has hashed what it was given)."""
+        if self._behind is not None:
+            self._behind.settle()
 
     def _current(self) -> memoryview:
         if not self._view:
@@ -227,9 +296,9 @@ class HashedStream:
         """Up to ``count`` bytes (fewer only at the end of the file), hashed."""
         parts = []
         while count and (view := self._current()):
-            piece = view[:count]
-            parts.append(bytes(piece))
-            self._hasher.update(piece)
+            piece = bytes(view[:count])  # a copy: a block is reused once the next is asked for
+            parts.append(piece)
+            self._hash(piece)
             self._view, count = view[len(piece) :], count - len(piece)
         return b"".join(parts)
 
@@ -244,11 +313,13 @@ class HashedStream:
             count = min(len(view), len(target) - position)
             piece = target[position : position + count]
             np.copyto(piece, np.frombuffer(view[:count], np.uint8))
-            self._hasher.update(piece.data)
+            self._hash(piece.data)
             self._view, position = view[count:], position + count
 
     def hash_rest(self) -> None:
         """Hash every byte not taken yet, to the end of the file."""
+        if self._behind is not None:  # the blocks themselves are hashed: in order, after what was taken
+            self._behind.settle()
         while view := self._current():
             self._hasher.update(view)
             self._view = memoryview(b"")

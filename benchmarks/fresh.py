@@ -170,12 +170,11 @@ def bench_fresh(
         return _median(one.cpu[name] / (size / GIB) for one in rounds)
 
     print(f"  {size / GIB:.2f} GiB over {ranks} ranks, each measurement in a fresh process, {repeat} round(s)")
-    print("  limits in the same rounds, GB/s (median):")
+    print("  every measurement: GB/s, median (min, max) of the rounds; CPU-s per GiB, median:")
     for name in measured:
-        if name.startswith(("write", "read", "sha256", "xxh3")):
-            print(f"    {name:<36} {rate(name):6.2f} GB/s   {cpu_per_gib(name):5.2f} CPU-s/GiB")
-    for name in (WRITE_LIMIT, "disk read limit, cold", "disk read limit, warm"):
-        print(f"    {name:<36} {rate(name):6.2f} GB/s")
+        spread = [size / one.seconds[name] / 1e9 for one in rounds]
+        cpu = f"{cpu_per_gib(name):6.2f} CPU-s/GiB" if name in rounds[0].cpu else ""
+        print(f"    {name:<40} {rate(name):6.2f} GB/s ({min(spread):.2f}, {max(spread):.2f})  {cpu}")
     print(f"  {'method':<13} {'save':>6} {'CPU-s/GiB':>10} {'load cold':>10} {'load warm':>10}")
     methods = [method for method in METHODS if f"{method} save" in measured]
     for method in methods:

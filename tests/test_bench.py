@@ -92,7 +92,7 @@ def test_fresh_processes_print_every_target_of_issue_26_with_a_number_and_a_verd
         assert all(row and float(row["value"]) >= 0 for row in rows)  # each a ratio, a goal and a verdict
     for limit in (
         "write O_DIRECT, 1 stream(s)",
-        "write buffered, 4 stream(s)",
+        "write buffered, 2 stream(s)",
         "read cold, 1 reader(s)",
         "sha256",
         "xxh3",

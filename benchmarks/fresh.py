@@ -47,8 +47,6 @@ _NEEDS = {"safetensors": "safetensors", "torch.save": "torch", "dcp": "torch"}
 GIB = 2**30
 WRITE_LIMIT = "disk write limit (fastest plain write)"
 
-Record = dict[str, list[float]]  # measurement -> per round seconds (or CPU seconds)
-
 
 class _Round:
     """One round's measurements: seconds and CPU seconds by name, each in its own process."""

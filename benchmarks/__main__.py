@@ -12,7 +12,8 @@ next to the disk's and sha256's limits), ``async`` (in ``async_save.py``), ``ret
 ``compression`` (zstd-compressed bucket objects next to plain ones), ``structure``,
 ``fsdp`` (next to DCP), ``small-arrays`` (40,000 small arrays next to the same bytes in
 four), ``peer`` (a lost node restored from its partners' memory, and a
-partner copy's cost), ``parts`` (a partial restore and an export) and, with
+partner copy's cost), ``parts`` (a partial restore and an export), ``fresh`` (each method and
+each limit in a fresh process, next to issue 26's targets; not run by default) and, with
 ``--peers``, ``peers`` (safetensors, ``torch.save``, DCP on the same state); ``--plot
 FILE.png`` draws the peers table (needs matplotlib: ``pip install -e '.[bench]'``). What
 they share is in :mod:`benchmarks.harness`.
@@ -30,6 +31,8 @@ from benchmarks import (
     async_save,
     compression,
     dist,
+    fresh,
+    fresh_worker,
     fsdp,
     parts,
     peer,
@@ -41,15 +44,18 @@ from benchmarks import (
     sync,
     train,
 )
-from benchmarks.harness import check_plotting, make_states, parser, positive
+from benchmarks.harness import Target, check_plotting, make_states, parser, positive, print_targets
 
 __all__ = ["main"]
 
 SECTIONS = (
     *("sync", "async", "retention", "dist", "train", "remote", "compression"),
-    *("structure", "small-arrays", "fsdp", "peer", "parts", "peers"),
+    *("structure", "small-arrays", "fsdp", "peer", "parts", "fresh", "peers"),
 )
-DEFAULT = SECTIONS[:-1]
+DEFAULT = tuple(section for section in SECTIONS if section not in ("fresh", "peers"))
+# Issue 26's items and the section that measures each: a section returns its Target rows and
+# the summary at the end prints them all, and names the items no section of the run measured.
+ISSUE_26 = {item: "section fresh" for item in range(1, 6)} | {6: "section scale", 7: "section small-arrays"}
 IN_MEMORY = {"sync", "async", "retention", "peers"}  # the sections measuring one state made here
 
 
@@ -79,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     # Sections that write many gigabytes remove each round's files after it (see harness.clear()).
     root = Path(tempfile.mkdtemp(prefix="tiered-ckpt-bench-", dir=args.dir))
+    targets: list[Target] = []
     try:
         if "sync" in sections:
             print("save_sharded / load_sharded:")
@@ -103,7 +110,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             structure.bench_structure(args.params, total, root, args.repeat)
         if "small-arrays" in sections:
             print("one shard of many small arrays next to the same bytes in a few large ones (save_sharded):")
-            small_arrays.bench_small_arrays(args.small_arrays_mib << 20, args.small_arrays, root, args.repeat)
+            targets += small_arrays.bench_small_arrays(
+                args.small_arrays_mib << 20, args.small_arrays, root, args.repeat
+            )
         if "fsdp" in sections:
             print("FSDP2 state from rank processes (gloo), next to torch.distributed.checkpoint on the same disk:")
             fsdp.bench_fsdp(total, root, args.repeat, args.fsdp_processes)
@@ -119,12 +128,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.plot is not None:
                 peers.plot(table, args.plot)
                 print(f"  plot written to {args.plot}")
+        if "fresh" in sections:
+            print("fresh processes: each method and each limit in a process of its own (rotated rounds):")
+            targets += fresh.bench_fresh(total, args.ranks, root, args.repeat, worker=fresh_worker.__name__)
         if "train" in sections:
             del states
             print("training loop (numpy matmuls, checkpoint every 20 steps):")
             train.bench_train(root, args.ranks, args.train_steps, args.repeat)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    if targets:
+        print("issue 26, every target measured in this run (met / not met):")
+        print_targets(targets, ISSUE_26)
     return 0
 
 

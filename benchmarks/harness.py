@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -38,6 +39,7 @@ __all__ = [
     "DISK_LIMIT",
     "LIMIT",
     "SHA256_LIMIT",
+    "Target",
     "Timings",
     "cache",
     "check_plotting",
@@ -50,8 +52,10 @@ __all__ = [
     "parser",
     "peak_rss_growth",
     "positive",
+    "print_targets",
     "raw_read",
     "raw_write",
+    "run_process",
     "run_rank_processes",
     "sha256_all_cores",
     "show_ratio",
@@ -279,6 +283,57 @@ def run_rank_processes(
     if any(codes):
         raise RuntimeError(f"rank processes of the {section} benchmark exited with {codes}")
     return json.loads(results.read_text())
+
+
+def run_process(module: str, task: Mapping[str, Any]) -> Any:
+    """Run ``python -m module TASK_JSON`` in a fresh interpreter (the repository first on its
+    path) and return the JSON it prints last on stdout; its exit status and stderr in the
+    error if it fails."""
+    path = os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [sys.executable, "-m", module, json.dumps(dict(task))],
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"{module} {task} exited with {result.returncode}: {result.stderr[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@dataclass(frozen=True)
+class Target:
+    """One ratio an issue targets, as measured: ``value`` against ``bound`` (at least, or with
+    ``at_least=False`` at most; ``strict``: more than), under its ``item`` of the issue."""
+
+    item: int
+    label: str
+    value: float
+    bound: float
+    at_least: bool = True
+    strict: bool = False
+
+    @property
+    def met(self) -> bool:
+        if self.at_least:
+            return self.value > self.bound if self.strict else self.value >= self.bound
+        return self.value < self.bound if self.strict else self.value <= self.bound
+
+    @property
+    def goal(self) -> str:
+        return ("> " if self.strict else ">= ") + f"{self.bound:.2f}" if self.at_least else f"<= {self.bound:.2f}"
+
+
+def print_targets(targets: Sequence[Target], unmeasured: Mapping[int, str] | None = None) -> None:
+    """Print each target's ratio next to its goal, "met" or "not met", by item; then the items
+    no section of this run measured (``unmeasured``: item -> what measures it)."""
+    for target in sorted(targets, key=lambda target: target.item):
+        verdict = "met" if target.met else "not met"
+        print(f"  item {target.item}: {target.label:<60} {target.value:6.2f}  {target.goal:<8} {verdict}")
+    for item, what in sorted((unmeasured or {}).items()):
+        if all(target.item != item for target in targets):
+            print(f"  item {item}: not measured in this run ({what})")
 
 
 MOTO_KEYS = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench", "region_name": "us-east-1"}

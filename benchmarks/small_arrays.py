@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.harness import cache, clear, evict, show_ratio
+from benchmarks.harness import Target, cache, clear, evict, show_ratio
 from tiered_ckpt.oneshot import load_sharded, save_sharded
 
 __all__ = ["bench_small_arrays", "split_state"]
@@ -44,8 +44,9 @@ def _measure(action: Callable[[], object]) -> tuple[float, float]:
     return seconds
 
 
-def bench_small_arrays(total_bytes: int, count: int, root: Path, repeat: int) -> None:
-    """Save and load rates of ``count`` small arrays next to ``LARGE_ARRAYS`` large ones of the same bytes."""
+def bench_small_arrays(total_bytes: int, count: int, root: Path, repeat: int) -> list[Target]:
+    """Save and load rates of ``count`` small arrays next to ``LARGE_ARRAYS`` large ones of the same
+    bytes; returns the rate ratios as issue 26's item 7 rows."""
     states = {"small": split_state(total_bytes, count), "large": split_state(total_bytes, LARGE_ARRAYS)}
     size = sum(array.nbytes for array in states["small"].values())
     wall: dict[str, list[float]] = {}
@@ -74,8 +75,12 @@ def bench_small_arrays(total_bytes: int, count: int, root: Path, repeat: int) ->
         rate = size / statistics.median(wall[name]) / 1e9
         print(f"  {name:<20} {rate:6.2f} GB/s   CPU {statistics.median(cpu[name]):6.3f} s")
     print("ratios (target):")
+    targets = []
     for what in ("save", "load, cold", "load, warm"):
         pairs = zip(wall[f"{what} small"], wall[f"{what} large"], strict=True)
-        show_ratio(f"many small / few large arrays: {what}", statistics.median(b / a for a, b in pairs), TARGET)
+        ratio = statistics.median(b / a for a, b in pairs)
+        show_ratio(f"many small / few large arrays: {what}", ratio, TARGET)
+        targets.append(Target(7, f"{count:,} small / {LARGE_ARRAYS} large arrays: {what}", ratio, 0.8))
         cpus = zip(cpu[f"{what} small"], cpu[f"{what} large"], strict=True)
         show_ratio(f"  CPU s, many small / few large: {what}", statistics.median(a / b for a, b in cpus), "1.0 ideal")
+    return targets

@@ -629,6 +629,7 @@ _TESTS = Path(__file__).resolve().parent
 _SLOW = (  # test file::test id; a test's name alone covers all its parameters, an id may be cut short
     "test_azure.py::test_a_store_that_never_answers_a_put_fails_it_as_transient",
     "test_bench.py::test_benchmark_runs_every_section_and_prints_its_ratios",
+    "test_bench.py::test_fresh_processes_print_every_target_of_issue_26_with_a_number_and_a_verdict",
     "test_cli.py::test_a_bad_endpoint_url_is_refused_naming_where_it_came_from",
     "test_cli.py::test_show_lists_each_ranks_arrays_from_their_headers_alone",
     "test_export.py::test_a_transformers_model_trained_under_fsdp2_exports_and_loads_with_from_pretrained",

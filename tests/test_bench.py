@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +70,43 @@ def test_benchmark_runs_every_section_and_prints_its_ratios(tmp_path):
     assert list((tmp_path / "scratch").iterdir()) == []  # the benchmark's files are removed
 
 
+TARGET_LINE = re.compile(r"item (?P<item>\d): (?P<label>.+?) +(?P<value>\d+\.\d+) +(>=|>|<=) \d\.\d\d +(met|not met)")
+FRESH_TARGETS = (
+    "item 1: save / best plain durable write (disk's write limit)",
+    *(f"item 2: save / {peer} save" for peer in ("safetensors", "torch.save", "dcp")),
+    *(
+        f"item 3: verified load {temperature} / {peer} load (new arrays)"
+        for temperature in ("warm", "cold")
+        for peer in ("safetensors", "torch.save", "dcp")
+    ),
+    "item 3: into caller's arrays warm / min(sha256 all cores, read warm)",
+    "item 3: into caller's arrays cold / min(sha256 all cores, read cold)",
+    "item 4: writer CPU-s per GiB / sha256's own",
+    "item 5: upload / boto3 upload_file",
+)
+
+
+def test_fresh_processes_print_every_target_of_issue_26_with_a_number_and_a_verdict(tmp_path):
+    result = bench("--only", "fresh", "--size-gib", "0.004", "--ranks", "2", "--repeat", "1", "--dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    section, summary = result.stdout.split("issue 26, every target measured in this run")
+    for text in (section, summary):
+        rows = [TARGET_LINE.fullmatch(line.strip()) for line in text.splitlines() if TARGET_LINE.match(line.strip())]
+        assert sorted(f"item {row['item']}: {row['label']}" for row in rows if row) == sorted(FRESH_TARGETS)
+        assert all(row and float(row["value"]) >= 0 for row in rows)  # each a ratio, a goal and a verdict
+    for limit in (
+        "write O_DIRECT, 1 stream(s)",
+        "write buffered, 2 stream(s)",
+        "read cold, 1 reader(s)",
+        "sha256",
+        "xxh3",
+    ):
+        assert limit in section
+    assert "item 6: not measured in this run (section scale)" in summary
+    assert "item 7: not measured in this run (section small-arrays)" in summary
+    assert list(tmp_path.iterdir()) == []  # every process's files are removed
+
+
 def test_plotting_without_a_directory_to_write_to_fails_before_measuring(tmp_path):
     result = bench("--only", "sync", "--plot", str(tmp_path / "no" / "such.png"), timeout=60)
     assert result.returncode != 0 and "no directory" in result.stderr
@@ -80,7 +118,7 @@ def test_help_names_the_command_and_every_section():
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: python -m benchmarks")
     assert (
-        "{sync,async,retention,dist,train,remote,compression,structure,small-arrays,fsdp,peer,parts,peers}"
+        "{sync,async,retention,dist,train,remote,compression,structure,small-arrays,fsdp,peer,parts,fresh,peers}"
         in result.stdout
     )
     assert "--dist-processes N [N ...]" in result.stdout and "(default 1 2 4)" in result.stdout
@@ -121,6 +159,8 @@ def test_the_benchmark_is_a_dag_of_a_harness_and_sections_and_the_library_never_
         "fsdp",
         "peer",
         "parts",
+        "fresh",
+        "fresh_worker",
         "peers",
     }
     assert expected <= sections

@@ -11,7 +11,9 @@ next to the disk's and sha256's limits), ``async`` (in ``async_save.py``), ``ret
 ``dist`` (rank processes), ``train``, ``remote`` (moto's S3 server next to boto3),
 ``compression`` (zstd-compressed bucket objects next to plain ones), ``structure``,
 ``fsdp`` (next to DCP), ``peer`` (a lost node restored from its partners' memory, and a
-partner copy's cost), ``parts`` (a partial restore and an export) and, with
+partner copy's cost), ``parts`` (a partial restore and an export), ``scale`` (per-save
+overhead at many rank processes next to ``dcp.save``, and a leader's work at thousands of
+simulated ranks) and, with
 ``--peers``, ``peers`` (safetensors, ``torch.save``, DCP on the same state); ``--plot
 FILE.png`` draws the peers table (needs matplotlib: ``pip install -e '.[bench]'``). What
 they share is in :mod:`benchmarks.harness`.
@@ -35,6 +37,7 @@ from benchmarks import (
     peers,
     remote,
     retention,
+    scale,
     structure,
     sync,
     train,
@@ -45,7 +48,7 @@ __all__ = ["main"]
 
 SECTIONS = (
     *("sync", "async", "retention", "dist", "train", "remote", "compression"),
-    *("structure", "fsdp", "peer", "parts", "peers"),
+    *("structure", "fsdp", "peer", "parts", "scale", "peers"),
 )
 DEFAULT = SECTIONS[:-1]
 IN_MEMORY = {"sync", "async", "retention", "peers"}  # the sections measuring one state made here
@@ -54,7 +57,11 @@ IN_MEMORY = {"sync", "async", "retention", "peers"}  # the sections measuring on
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the chosen sections in a scratch directory, removed afterwards; 0 when all ran."""
     command = parser(SECTIONS, __doc__.split("\n\n")[0])
-    for section, counts in (("dist", dist.RANK_PROCESSES), ("fsdp", fsdp.RANK_PROCESSES)):
+    for section, counts in (
+        ("dist", dist.RANK_PROCESSES),
+        ("fsdp", fsdp.RANK_PROCESSES),
+        ("scale", scale.RANK_PROCESSES),
+    ):
         command.add_argument(
             f"--{section}-processes",
             type=positive,
@@ -108,6 +115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "parts" in sections:
             print("restoring a part (paths=) and exporting one safetensors checkpoint, warm:")
             parts.bench_parts(total, args.ranks, root, args.repeat)
+        if "scale" in sections:
+            print("per-save overhead as the ranks grow: rank processes next to dcp.save, and a leader of N ranks:")
+            scale.bench_scale(root, args.repeat, args.scale_processes)
         if "peers" in sections:
             print("peers: the same state saved and loaded by each (interleaved rounds):")
             table = peers.bench_peers(states, root, args.repeat)

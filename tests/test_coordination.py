@@ -186,7 +186,7 @@ def test_a_save_takes_three_rounds_of_collectives_and_a_long_payload_one_more(tm
     for result in results.values():
         # the call's check, the shard records, the commit's agreement: one backend round each
         assert result["rounds"] == [3, 3], result
-        # 10,000 and 20,000 bytes are over the first round's 4 KiB; short ones then fit the grown
+        # 10,000 and 20,000 bytes are over a new channel's 4 KiB; short ones then fit the grown
         # capacity, and 60,000 bytes are over it again
         assert result["long"] == [[True, 2], [True, 1], [True, 2]], result
 

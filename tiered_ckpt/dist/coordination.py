@@ -265,16 +265,22 @@ class TorchDistributedCoordinator:
         sent[_LENGTH_BYTES : _LENGTH_BYTES + len(head)] = head
         received = self._gather_round(torch.from_numpy(sent), size)
         lengths = [int.from_bytes(chunk[:_LENGTH_BYTES].tobytes(), "little") for chunk in received]
-        parts = [chunk[_LENGTH_BYTES : _LENGTH_BYTES + min(n, capacity)].tobytes() for chunk, n in zip(received, lengths, strict=True)]
+        parts = [
+            chunk[_LENGTH_BYTES : _LENGTH_BYTES + min(n, capacity)].tobytes()
+            for chunk, n in zip(received, lengths, strict=True)
+        ]
         longest = max(lengths)
         if longest > capacity:
             rest = np.zeros(longest - capacity, dtype=np.uint8)
             tail = np.frombuffer(data, dtype=np.uint8)[capacity:]
             rest[: len(tail)] = tail
             more = self._gather_round(torch.from_numpy(rest), size)
-            parts = [part + chunk[: max(0, n - capacity)].tobytes() for part, chunk, n in zip(parts, more, lengths, strict=True)]
+            parts = [
+                part + chunk[: max(0, n - capacity)].tobytes()
+                for part, chunk, n in zip(parts, more, lengths, strict=True)
+            ]
         self._longest = (*self._longest[1 - _CAPACITY_MEMORY :], longest)
-        self._capacity = max(_FIRST_CAPACITY, 1 << (max(self._longest) - 1).bit_length())
+        self._capacity = max(_LEAST_CAPACITY, 1 << (max(self._longest) - 1).bit_length())
         return parts
 
     def _gather_round(self, tensor: Any, size: int) -> list[np.ndarray]:
@@ -286,11 +292,14 @@ class TorchDistributedCoordinator:
         return [chunk.numpy() for chunk in received]
 
 
-# A gather's first round carries payloads up to the capacity: the longest of the channel's
-# last _CAPACITY_MEMORY gathers (a save's calls alternate between short and longer ones),
-# rounded up to a power of two, at least _FIRST_CAPACITY.
+# A gather's first round carries payloads up to the capacity: _FIRST_CAPACITY on a new
+# channel, then the longest of its last _CAPACITY_MEMORY gathers (a save's calls alternate
+# between short and longer ones) rounded up to a power of two, at least _LEAST_CAPACITY.
+# Every process receives capacity bytes from each: a floor far above the payloads would
+# cost thousands of ranks more bytes than the round it saves.
 _LENGTH_BYTES = 8
 _FIRST_CAPACITY = 4096
+_LEAST_CAPACITY = 1024
 _CAPACITY_MEMORY = 8
 
 
@@ -377,9 +386,7 @@ def gather(coordinator: Coordinator, label: str, payload_type: type[P], action: 
     return [from_payload(payload_type, item["result"]) for item in gathered]
 
 
-def _outcome(
-    payload_type: type[P], action: Callable[[], P], label: str
-) -> tuple[dict[str, Any], Exception | None]:
+def _outcome(payload_type: type[P], action: Callable[[], P], label: str) -> tuple[dict[str, Any], Exception | None]:
     """What this process sends in a collective: ``action``'s payload, or, if it failed, its error
     described (and the error itself, which the process raises once the collective is done)."""
     try:

@@ -30,7 +30,7 @@ def test_benchmark_runs_every_section_and_prints_its_ratios(tmp_path):
             "--fsdp-processes",
             "2",
             "--scale-processes",
-            "2",
+            "3",
         ],  # the fewest that say it all
     )
     assert result.returncode == 0, result.stderr

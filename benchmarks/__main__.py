@@ -12,8 +12,10 @@ next to the disk's and sha256's limits), ``async`` (in ``async_save.py``), ``ret
 ``compression`` (zstd-compressed bucket objects next to plain ones), ``structure``,
 ``fsdp`` (next to DCP), ``small-arrays`` (40,000 small arrays next to the same bytes in
 four), ``peer`` (a lost node restored from its partners' memory, and a
-partner copy's cost), ``parts`` (a partial restore and an export), ``fresh`` (each method and
-each limit in a fresh process, next to issue 26's targets; not run by default) and, with
+partner copy's cost), ``parts`` (a partial restore and an export), ``scale`` (per-save
+overhead at many rank processes next to ``dcp.save``, and a leader's work at thousands of
+simulated ranks), ``fresh`` (each method and each limit in a fresh process, next to issue
+26's targets; not run by default) and, with
 ``--peers``, ``peers`` (safetensors, ``torch.save``, DCP on the same state); ``--plot
 FILE.png`` draws the peers table (needs matplotlib: ``pip install -e '.[bench]'``). What
 they share is in :mod:`benchmarks.harness`.
@@ -39,6 +41,7 @@ from benchmarks import (
     peers,
     remote,
     retention,
+    scale,
     small_arrays,
     structure,
     sync,
@@ -50,7 +53,7 @@ __all__ = ["main"]
 
 SECTIONS = (
     *("sync", "async", "retention", "dist", "train", "remote", "compression"),
-    *("structure", "small-arrays", "fsdp", "peer", "parts", "fresh", "peers"),
+    *("structure", "small-arrays", "fsdp", "peer", "parts", "scale", "fresh", "peers"),
 )
 DEFAULT = tuple(section for section in SECTIONS if section not in ("fresh", "peers"))
 # Issue 26's items and the section that measures each: a section returns its Target rows and
@@ -62,7 +65,11 @@ IN_MEMORY = {"sync", "async", "retention", "peers"}  # the sections measuring on
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the chosen sections in a scratch directory, removed afterwards; 0 when all ran."""
     command = parser(SECTIONS, __doc__.split("\n\n")[0])
-    for section, counts in (("dist", dist.RANK_PROCESSES), ("fsdp", fsdp.RANK_PROCESSES)):
+    for section, counts in (
+        ("dist", dist.RANK_PROCESSES),
+        ("fsdp", fsdp.RANK_PROCESSES),
+        ("scale", scale.RANK_PROCESSES),
+    ):
         command.add_argument(
             f"--{section}-processes",
             type=positive,
@@ -122,6 +129,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "parts" in sections:
             print("restoring a part (paths=) and exporting one safetensors checkpoint, warm:")
             parts.bench_parts(total, args.ranks, root, args.repeat)
+        if "scale" in sections:
+            print("per-save overhead as the ranks grow: rank processes next to dcp.save, and a leader of N ranks:")
+            targets += scale.bench_scale(root, args.repeat, args.scale_processes)
         if "peers" in sections:
             print("peers: the same state saved and loaded by each (interleaved rounds):")
             table = peers.bench_peers(states, root, args.repeat)

@@ -19,7 +19,9 @@ next save at POINT: "after-shard" (its shard is durable, the commit not agreed) 
 {"do": "train", "steps": N, "signal_rank": R, "signal_at": S} runs steps 1..N asking
 reached_preemption at each (rank R sends itself SIGUSR1, the manager's preemption signal,
 at step S), and on True saves that step, waits for its upload and records it as
-"preempted_at". {"do": "ask_preemption", "step": S, "step_by_rank": {R: S}} asks once.
+"preempted_at". {"do": "ask_preemption", "step": S, "step_by_rank": {R: S}} asks once. {"do": "count_rounds", "step": S}
+saves S blocking and appends to "rounds" the backend collectives it took; {"do": "long_payloads"} gathers
+strings longer than a first round carries and records [equal, rounds] for each.
 """
 
 import hashlib
@@ -163,6 +165,16 @@ def act(
                 break
     elif action["do"] == "ask_preemption":
         result["asked"] = checkpoints.reached_preemption(action.get("step_by_rank", {}).get(str(rank), action["step"]))
+    elif action["do"] == "count_rounds":  # a blocking save, and the backend collectives it ran here
+        before = coordinator.rounds
+        checkpoints.save(action["step"], rank_state(action["step"], world_size, rank), blocking=True)
+        result.setdefault("rounds", []).append(coordinator.rounds - before)
+    elif action["do"] == "long_payloads":  # over the first round's capacity, then within the grown one
+        for length in (10_000, 100, 30_000):
+            before = coordinator.rounds
+            gathered = coordinator.all_gather("x" * (length * (rank + 1)))
+            expected = ["x" * (length * (r + 1)) for r in range(world_size)]
+            result.setdefault("long", []).append([gathered == expected, coordinator.rounds - before])
     elif action["do"] == "collectives":
         result["gathered"] = coordinator.all_gather({"rank": rank})
         result["broadcast"] = coordinator.broadcast(f"from rank {rank}")

@@ -25,7 +25,15 @@ def test_benchmark_runs_every_section_and_prints_its_ratios(tmp_path):
         *["--size-gib", "0.02", "--remote-size-gib", "0.02", "--repeat", "1", "--train-steps", "20"],
         *["--params", "200", "--dir", str(tmp_path / "scratch"), "--plot", str(tmp_path / "peers.png")],
         *["--small-arrays", "2000", "--small-arrays-mib", "4"],
-        *["--dist-processes", "1", "4", "--fsdp-processes", "2"],  # the fewest rank processes that say it all
+        *[
+            "--dist-processes",
+            "1",
+            "4",
+            "--fsdp-processes",
+            "2",
+            "--scale-processes",
+            "3",
+        ],  # the fewest that say it all
     )
     assert result.returncode == 0, result.stderr
     for line in (
@@ -61,6 +69,8 @@ def test_benchmark_runs_every_section_and_prints_its_ratios(tmp_path):
         "floor of its CPU share, no core free",
         "restore(model) / full restore: bytes read",
         "export peak RSS growth / largest tensor",
+        "collectives per save; save / dcp.save",
+        "growth time(4096) / time(1024)",
     ):
         assert line in result.stdout
     assert "2 processes" not in result.stdout and "4 rank processes" not in result.stdout  # as told
@@ -118,11 +128,12 @@ def test_help_names_the_command_and_every_section():
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: python -m benchmarks")
     assert (
-        "{sync,async,retention,dist,train,remote,compression,structure,small-arrays,fsdp,peer,parts,fresh,peers}"
+        "{sync,async,retention,dist,train,remote,compression,structure,small-arrays,fsdp,peer,parts,scale,fresh,peers}"
         in result.stdout
     )
     assert "--dist-processes N [N ...]" in result.stdout and "(default 1 2 4)" in result.stdout
     assert "--fsdp-processes N [N ...]" in result.stdout and "(default 2 4)" in result.stdout
+    assert "--scale-processes N [N ...]" in result.stdout and "(default 4 8 16)" in result.stdout
 
 
 def test_a_rank_process_count_below_one_is_refused_before_measuring():
@@ -161,6 +172,7 @@ def test_the_benchmark_is_a_dag_of_a_harness_and_sections_and_the_library_never_
         "parts",
         "fresh",
         "fresh_worker",
+        "scale",
         "peers",
     }
     assert expected <= sections

@@ -180,6 +180,17 @@ def test_a_failing_action_on_one_of_two_processes_makes_both_raise_naming_the_ra
     assert all(result["typed_equal"] and result["decided_equal"] for result in results.values()), results
 
 
+def test_a_save_takes_three_rounds_of_collectives_and_a_long_payload_one_more(tmp_path):
+    actions = [{"do": "count_rounds", "step": 1}, {"do": "count_rounds", "step": 2}, {"do": "long_payloads"}]
+    results = run_ranks(tmp_path, 2, actions)
+    for result in results.values():
+        # the call's check, the shard records, the commit's agreement: one backend round each
+        assert result["rounds"] == [3, 3], result
+        # 10,000 and 20,000 bytes are over a new channel's 4 KiB; short ones then fit the grown
+        # capacity, and 60,000 bytes are over it again
+        assert result["long"] == [[True, 2], [True, 1], [True, 2]], result
+
+
 def test_each_rank_writes_only_its_shard_and_the_step_commits_in_both_tiers(saved_job):
     root, remote, results = saved_job
     assert all("error" not in result for result in results.values()), results

@@ -55,6 +55,17 @@ def test_round_trip_is_lossless():
     assert manifest.total_bytes == 4006
 
 
+def test_a_manifest_is_written_a_shard_record_a_line_and_an_indented_one_reads_the_same():
+    manifest = parse(valid_document())
+    lines = manifest.to_json().splitlines()
+    assert [json.loads(line.rstrip(",")) for line in lines[1:5]] == valid_document()["shards"]
+    assert len(lines) == 6 and lines[0].startswith('{"schema_version": 2') and lines[5] == "]}"
+    indented = json.dumps(manifest.to_dict(), indent=1) + "\n"  # as earlier releases wrote it
+    assert ShardManifest.from_json(indented, source=SOURCE) == manifest
+    remote = RemoteManifest(manifest, committed_at=1.5)
+    assert RemoteManifest.from_json(remote.to_json()) == remote
+
+
 def test_the_schema_version_is_read_and_written_back_unchanged():
     manifest = parse(valid_document())
     assert manifest.schema_version == 2 and json.loads(manifest.to_json())["schema_version"] == 2

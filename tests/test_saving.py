@@ -3,9 +3,17 @@
 import numpy as np
 import pytest
 
-from tiered_ckpt import CheckpointExistsError, DirectoryInUseError, InvalidStateError, SaveError, UploadError
+from tiered_ckpt import (
+    CheckpointExistsError,
+    CheckpointManager,
+    DirectoryInUseError,
+    InvalidStateError,
+    SaveError,
+    UploadError,
+)
 from tiered_ckpt.dist.coordination import Attempt, SingleProcessCoordinator
 from tiered_ckpt.engine.saving import SaveReport, check_save, not_saved
+from tiered_ckpt.format.state import ChunkOf
 
 
 def states(world_size=2):
@@ -77,3 +85,40 @@ def test_the_report_is_a_frozen_payload():
     report = SaveReport('{"step": 1}', None, ((("flat", (6,)),),), True, (100,))
     with pytest.raises(AttributeError):
         report.newest = 3  # type: ignore[misc]
+
+
+class CountingCoordinator(SingleProcessCoordinator):
+    """One process holding every rank, counting its collectives: with a process per rank each is a
+    round every process waits for."""
+
+    def __init__(self, world_size: int) -> None:
+        super().__init__(world_size)
+        self.rounds = 0
+
+    def all_gather(self, payload):
+        self.rounds += 1
+        return super().all_gather(payload)
+
+    def broadcast(self, payload):
+        self.rounds += 1
+        return super().broadcast(payload)
+
+    def barrier(self) -> None:
+        self.rounds += 1
+
+
+def test_a_save_is_three_collectives_and_one_more_only_when_a_rank_holds_copies_of_arrays(tmp_path):
+    whole = np.arange(2 * 4 * 3, dtype=np.float32).reshape(8, 3)
+    plain = [{"w": np.full(5, rank, dtype=np.float32)} for rank in range(2)]
+    chunked = [{"w": ChunkOf(whole[4 * r : 4 * r + 4], whole.shape, (4 * r, 0)), "table": np.ones(9)} for r in range(2)]
+    coordinator = CountingCoordinator(2)
+    counted = []
+    with CheckpointManager(tmp_path, coordinator=coordinator) as manager:
+        for step, states in ((1, plain), (2, chunked), (3, plain)):
+            before = coordinator.rounds
+            manager.save(step, states, blocking=True)
+            counted.append(coordinator.rounds - before)
+        manifest = manager.restore(2).manifest
+    # the call's check, the shard records, the commit; the exchange of copies only for step 2
+    assert counted == [3, 4, 3]
+    assert [record.replicas for record in manifest.shards] == [(), (("table", 0),)]  # the copy written once

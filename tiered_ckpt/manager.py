@@ -216,7 +216,9 @@ class CheckpointManager:
                 stop_step=parts.preemption.step,
             )
         stop = step == parts.preemption.step  # a preemption's step goes to every tier
-        handle = parts.writer.submit(step, list(plan.states), plan.sharded_keys, list(plan.numels), every_tier=stop)
+        handle = parts.writer.submit(
+            step, list(plan.states), plan.sharded_keys, list(plan.numels), every_tier=stop, replicated=plan.replicated
+        )
         if blocking:
             handle.committed.result()
         return handle

@@ -163,6 +163,12 @@ class TorchDistributedCoordinator:
         self._ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         self._group = self._new_gloo_group()
         self._rank = dist.get_rank(self._group)
+        self._start_counting()
+
+    def _start_counting(self) -> None:
+        self._rounds = 0
+        self._capacity = _FIRST_CAPACITY
+        self._longest: tuple[int, ...] = ()
 
     def _new_gloo_group(self, timeout: timedelta | None = None) -> Any:
         subset = len(self._ranks) != self._dist.get_world_size()
@@ -198,6 +204,7 @@ class TorchDistributedCoordinator:
 
     def barrier(self) -> None:
         with self._collective("barrier"):
+            self._rounds += 1
             self._dist.barrier(group=self._group)
 
     def all_gather(self, payload: Any) -> list[Any]:
@@ -216,8 +223,8 @@ class TorchDistributedCoordinator:
             ) from exc
 
     def broadcast(self, payload: Any) -> Any:
-        # Payloads are a few KB: one all_gather (the others send null) costs less code
-        # than a size broadcast followed by a data broadcast, and no more time.
+        # Payloads are a few KB: one all_gather (the others send null) is one round, as a
+        # broadcast of a buffer of the channel's capacity would be, and less code.
         return self.all_gather(payload if self.is_leader else None)[0]
 
     def broadcast_array(self, array: np.ndarray, source: int) -> None:
@@ -227,6 +234,7 @@ class TorchDistributedCoordinator:
             return
         data = torch.from_numpy(array.reshape(-1).view(np.uint8))
         with self._collective("broadcast_array"):
+            self._rounds += 1
             self._dist.broadcast(data, group=self._group, group_src=source)
 
     def new_channel(self) -> TorchDistributedCoordinator:
@@ -234,22 +242,65 @@ class TorchDistributedCoordinator:
         channel._dist, channel._timeout, channel._ranks = self._dist, self._timeout, self._ranks
         channel._group = self._new_gloo_group()
         channel._rank = self._rank
+        channel._start_counting()
         return channel
 
+    @property
+    def rounds(self) -> int:
+        """How many backend collectives this coordinator (not its channels) has run: each one a
+        round that every process of the group waits for."""
+        return self._rounds
+
     def _all_gather_bytes(self, data: bytes) -> list[bytes]:
-        # all_gather_object would pickle; a length round then a padded byte round does not.
+        # all_gather_object would pickle. gloo gathers only equal sizes, so each process sends
+        # its length and its bytes padded to the channel's capacity: one round for a payload
+        # that fits, a second for the rest of one that does not. Every process sees the same
+        # lengths, so every process picks the same capacity for the next gather.
         import torch
 
-        dist, size = self._dist, len(self._ranks)
-        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-        dist.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64), group=self._group)
-        longest = max(int(length) for length in lengths)
-        padded = torch.zeros(longest, dtype=torch.uint8)
-        if data:
-            padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        received = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
-        dist.all_gather(received, padded, group=self._group)
-        return [bytes(chunk[: int(length)].numpy()) for chunk, length in zip(received, lengths, strict=True)]
+        size, capacity = len(self._ranks), self._capacity
+        sent = np.zeros(_LENGTH_BYTES + capacity, dtype=np.uint8)
+        sent[:_LENGTH_BYTES] = np.frombuffer(len(data).to_bytes(_LENGTH_BYTES, "little"), dtype=np.uint8)
+        head = np.frombuffer(data, dtype=np.uint8, count=min(len(data), capacity))
+        sent[_LENGTH_BYTES : _LENGTH_BYTES + len(head)] = head
+        received = self._gather_round(torch.from_numpy(sent), size)
+        lengths = [int.from_bytes(chunk[:_LENGTH_BYTES].tobytes(), "little") for chunk in received]
+        parts = [
+            chunk[_LENGTH_BYTES : _LENGTH_BYTES + min(n, capacity)].tobytes()
+            for chunk, n in zip(received, lengths, strict=True)
+        ]
+        longest = max(lengths)
+        if longest > capacity:
+            rest = np.zeros(longest - capacity, dtype=np.uint8)
+            tail = np.frombuffer(data, dtype=np.uint8)[capacity:]
+            rest[: len(tail)] = tail
+            more = self._gather_round(torch.from_numpy(rest), size)
+            parts = [
+                part + chunk[: max(0, n - capacity)].tobytes()
+                for part, chunk, n in zip(parts, more, lengths, strict=True)
+            ]
+        self._longest = (*self._longest[1 - _CAPACITY_MEMORY :], longest)
+        self._capacity = max(_LEAST_CAPACITY, 1 << (max(self._longest) - 1).bit_length())
+        return parts
+
+    def _gather_round(self, tensor: Any, size: int) -> list[np.ndarray]:
+        import torch
+
+        received = [torch.empty_like(tensor) for _ in range(size)]
+        self._rounds += 1
+        self._dist.all_gather(received, tensor, group=self._group)
+        return [chunk.numpy() for chunk in received]
+
+
+# A gather's first round carries payloads up to the capacity: _FIRST_CAPACITY on a new
+# channel, then the longest of its last _CAPACITY_MEMORY gathers (a save's calls alternate
+# between short and longer ones) rounded up to a power of two, at least _LEAST_CAPACITY.
+# Every process receives capacity bytes from each: a floor far above the payloads would
+# cost thousands of ranks more bytes than the round it saves.
+_LENGTH_BYTES = 8
+_FIRST_CAPACITY = 4096
+_LEAST_CAPACITY = 1024
+_CAPACITY_MEMORY = 8
 
 
 def resolve_coordinator(coordinator: Coordinator | None, world_size: int | None) -> Coordinator:
@@ -335,9 +386,7 @@ def gather(coordinator: Coordinator, label: str, payload_type: type[P], action: 
     return [from_payload(payload_type, item["result"]) for item in gathered]
 
 
-def _outcome(
-    payload_type: type[P], action: Callable[[], P], label: str
-) -> tuple[dict[str, Any], Exception | None]:
+def _outcome(payload_type: type[P], action: Callable[[], P], label: str) -> tuple[dict[str, Any], Exception | None]:
     """What this process sends in a collective: ``action``'s payload, or, if it failed, its error
     described (and the error itself, which the process raises once the collective is done)."""
     try:

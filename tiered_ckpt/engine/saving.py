@@ -9,7 +9,9 @@
    others, and reports its :class:`SaveReport`;
 3. every process reads the gathered reports the same way: the same call on every rank, a
    step newer than every rank's newest, the sharded keys of the flat-parameter rule, and
-   a manifest that fits what a reader accepts.
+   a manifest that fits what a reader accepts, and whether any rank holds arrays other
+   ranks may hold copies of: if none does, the writer skips the exchange that gives each
+   copy one writer (:func:`~tiered_ckpt.dist.replicas.leave_out`), a collective less per save.
 
 Around it, :func:`not_saved` says that a background error raised there means this save's
 step was not saved.
@@ -44,24 +46,28 @@ def not_saved(step: int) -> Iterator[None]:
 @dataclass(frozen=True)
 class SaveReport:
     """One process's check of a save call: its arguments, its newest step, its arrays' shapes per
-    rank, whether each of its ranks' states is a flat dict of arrays, and the most bytes each of
-    its ranks' records may add to the manifest."""
+    rank, whether each of its ranks' states is a flat dict of arrays, the most bytes each of
+    its ranks' records may add to the manifest, and whether any of its ranks' states holds
+    arrays another rank may hold an identical copy of (:attr:`FlatState.shared`)."""
 
     arguments: str
     newest: int | None
     shapes: tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]
     flat: bool
     record_bytes: tuple[int, ...]
+    shared: bool = True
 
 
 @dataclass(frozen=True)
 class SavePlan:
     """What a checked save writes: this process's flattened states (one per rank it holds), the
-    sharded keys (sorted) and every rank's ``param_shard_numel``."""
+    sharded keys (sorted), every rank's ``param_shard_numel``, and whether any rank's state
+    holds arrays another rank may hold a copy of (then the writer agrees who writes each)."""
 
     states: tuple[FlatState, ...]
     sharded_keys: tuple[str, ...]
     numels: tuple[int, ...]
+    replicated: bool = True
 
 
 def _flatten(step: int, states: Sequence[State] | State, ranks: Sequence[int]) -> tuple[FlatState, ...]:
@@ -74,9 +80,8 @@ def _flatten(step: int, states: Sequence[State] | State, ranks: Sequence[int]) -
 def _report(step: int, local: Sequence[FlatState], newest: int | None, world_size: int) -> SaveReport:
     shapes = tuple(tuple((key, tuple(shape)) for key, shape in sharding_summary(s.arrays).items()) for s in local)
     flat = all(s.structure.flat for s in local)
-    return SaveReport(
-        json.dumps({"step": step}), newest, shapes, flat, tuple(s.record_bytes(world_size) for s in local)
-    )
+    sizes = tuple(s.record_bytes(world_size) for s in local)
+    return SaveReport(json.dumps({"step": step}), newest, shapes, flat, sizes, any(s.shared for s in local))
 
 
 def check_save(
@@ -120,4 +125,4 @@ def check_save(
     shapes = [dict(rank_shapes) for each in reports for rank_shapes in each.shapes]
     keys, numels = resolve_sharded_keys(shapes, sharded_keys, flat=all(each.flat for each in reports))
     check_manifest_fits([size for each in reports for size in each.record_bytes], keys, step)
-    return SavePlan(attempt.value[0], keys, tuple(numels))
+    return SavePlan(attempt.value[0], keys, tuple(numels), any(each.shared for each in reports))

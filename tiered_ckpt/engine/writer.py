@@ -5,12 +5,13 @@ A save, from the moment its call has been checked on every rank:
 1. :meth:`Writer.submit` copies this process's arrays into staging buffers reused from
    save to save (the only time the training loop is blocked) and queues the write;
 2. the writer thread agrees with the other ranks which of them writes each replicated
-   array of a state of DTensors (:mod:`~tiered_ckpt.dist.replicas`, a collective), writes each
-   shard (temp file, hashed as it streams, fsync, rename), the ranks exchange their shard
-   records (a collective), and every process commits the manifest in its local tier once
-   every rank's shard is durable; the processes then agree that every one of them
-   committed (a collective: the commit itself is agreed), and each records that
-   agreement in its step (:meth:`~tiered_ckpt.tiers.local.LocalTier.mark_agreed`);
+   array of a state of DTensors (:mod:`~tiered_ckpt.dist.replicas`, a collective, run only
+   when the call's check found such arrays on some rank), writes each shard (temp file,
+   hashed as it streams, fsync, rename), the ranks exchange their shard records (a
+   collective), and every process commits the manifest in its local tier once every rank's
+   shard is durable; the processes then agree that every one of them committed (a
+   collective: the commit itself is agreed), and each records that agreement in its step
+   (:meth:`~tiered_ckpt.tiers.local.LocalTier.mark_agreed`);
 3. the committed step goes to the queue of each :class:`~tiered_ckpt.engine.replication.Replicator`
    whose cadence takes it (the next stages: one per later tier fed), and the save's handle
    resolves;
@@ -183,9 +184,12 @@ class Writer:
         numels: list[int],
         *,
         every_tier: bool = False,
+        replicated: bool = True,
     ) -> SaveHandle:
         """Stage ``states`` (this process's ranks, checked) and queue their write as ``step``, to
-        the tiers :meth:`tiers_of` names (the caller checked there is one).
+        the tiers :meth:`tiers_of` names (the caller checked there is one). ``replicated=False``
+        (every process must pass the same, as the call's check gives it): no rank's state holds
+        an array another rank may hold a copy of, so the ranks skip agreeing who writes each.
 
         Waits first for the previous save's write (not its retention): its staging buffers are
         the ones reused here, and overwriting them under a running write would save this step's
@@ -199,7 +203,7 @@ class Writer:
         committed: Future[ShardManifest | None] = ReportedFuture(self._errors)
         uploaded = next((each.outcome(step) for each in replicators if each.target is self._store.remote), None)
         write = partial(self._write, every_tier=every_tier) if to_disk else self._write_to_memory
-        self._writer.submit(write, step, staged, keys, numels, replicators).add_done_callback(
+        self._writer.submit(write, step, staged, keys, numels, replicators, replicated).add_done_callback(
             lambda done: _copy_outcome(done, committed)
         )
         self._last_save = committed
@@ -239,15 +243,20 @@ class Writer:
             source=f"the shard records of step {step}",
         )
 
+    def _left_out(self, staged: list[FlatState], replicated: bool) -> dict[int, dict[str, int]]:
+        """Per rank, the arrays its shard leaves to another rank's (a collective, if ``replicated``)."""
+        return leave_out(self._coordinator, staged) if replicated else {}
+
     def _write_to_memory(
-        self, step: int, staged: list[FlatState], keys: tuple[str, ...], numels: list[int], to: list[Replicator]
-    ) -> ShardManifest | None:
+        self, step: int, staged: list[FlatState], keys: tuple[str, ...], numels: list[int], to: list[Replicator],
+        replicated: bool = True,
+    ) -> ShardManifest | None:  # fmt: skip
         """Writer thread: serialize this process's shards of a step the disk skips, agree on its
         manifest, and hand it to the replicators of the tiers that take it (a partner's memory);
         the step is committed once each of them committed it. A failure is logged (WARNING),
         never raised: the step is simply kept nowhere, and None is returned."""
         try:
-            left_out = leave_out(self._coordinator, staged)
+            left_out = self._left_out(staged, replicated)
             shards: dict[int, memoryview] = {}
 
             def write() -> _Written:
@@ -278,14 +287,14 @@ class Writer:
 
     def _write(
         self, step: int, staged: list[FlatState], keys: tuple[str, ...], numels: list[int], to: list[Replicator],
-        *, every_tier: bool = False,
+        replicated: bool = True, *, every_tier: bool = False,
     ) -> ShardManifest:  # fmt: skip
         """Writer thread: write this process's shards, commit once every rank's are durable, queue
         the upload. ``every_tier`` is recorded with the commit: a restart still owes it to every tier."""
         local = self._store.local
         committed_here = False
         try:
-            left_out = leave_out(self._coordinator, staged)  # replicated arrays: each written by one rank
+            left_out = self._left_out(staged, replicated)  # replicated arrays: each written by one rank
 
             def write() -> _Written:
                 records = write_shards(

@@ -9,7 +9,6 @@ in rank order. Anything else raises :class:`ManifestError` naming the file and f
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import InitVar, dataclass
@@ -18,7 +17,7 @@ from typing import Any
 from tiered_ckpt.errors import ChecksumMismatchError, ManifestError, ShardCountMismatchError
 from tiered_ckpt.format.layout import MANIFEST_NAME, is_plain_name
 from tiered_ckpt.format.shardfile import DTYPES, MAX_DIMS, MAX_HEADER_BYTES, json_length_bound
-from tiered_ckpt.format.strict_json import Fields, load_object
+from tiered_ckpt.format.strict_json import Fields, dump_object, load_object
 from tiered_ckpt.io.hashing import ShardDigest
 
 __all__ = [
@@ -42,7 +41,7 @@ READABLE_SCHEMA_VERSIONS = (2,)
 # Bounds what a hostile manifest can make us allocate; 10**5 ranks take ~30 MB. A save
 # whose manifest might not fit is refused up front (manifest_problem): a step that saves loads.
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
-# At least what to_json (indented) and a remote manifest's entries take, measured: a shard
+# At least what to_json (indented, as it was written before) and a remote manifest's entries take, measured: a shard
 # record with its fields; one chunk record (or replica) besides its name; one dimension in
 # each of a chunk's three lists; the manifest's own fields.
 _RECORD_BYTES = 1024
@@ -210,7 +209,7 @@ class ShardManifest:
 
     def to_json(self) -> str:
         """Serialise to the JSON document :meth:`from_json` reads back unchanged."""
-        return json.dumps(self.to_dict(), indent=1) + "\n"
+        return dump_object(self.to_dict(), "shards")
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest as a JSON object (what :meth:`to_json` writes and :meth:`from_dict` reads)."""

@@ -11,7 +11,6 @@ them) reads as objects stored under their own names, uncompressed.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from typing import Any
 from tiered_ckpt.errors import ManifestError
 from tiered_ckpt.format.compressed import CompressedObject
 from tiered_ckpt.format.manifest import MAX_MANIFEST_BYTES, ShardManifest
-from tiered_ckpt.format.strict_json import Fields, load_object
+from tiered_ckpt.format.strict_json import Fields, dump_object, load_object
 from tiered_ckpt.io.hashing import STORE_CHECKSUM
 
 __all__ = ["REMOTE_KIND", "RemoteManifest"]
@@ -74,7 +73,7 @@ class RemoteManifest:
             document["locations"] = dict(sorted(self.locations.items()))
         if self.compression:
             document["compression"] = {path: stored.to_dict() for path, stored in sorted(self.compression.items())}
-        return json.dumps(document, indent=1) + "\n"
+        return dump_object(document, "shards")
 
     @classmethod
     def from_json(cls, text: str | bytes, *, source: str = "remote manifest") -> RemoteManifest:

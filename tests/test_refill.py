@@ -66,3 +66,33 @@ def test_a_refill_into_a_step_committed_here_before_records_the_rank_it_adds(tmp
         Refiller(store).start([Refill(manifest, None, (1,), True, False, ((manifest.shard(1), data[1]),))])
         assert store.local.held_ranks(5, store.local.manifest(5)) == [0, 1]
         assert store.local.check_shard(5, manifest.shard(1)) is None
+
+
+def test_bytes_changed_after_their_check_are_caught_as_they_land_and_nothing_is_committed(tmp_path, copies):
+    manifest, data = copies
+    store = TieredStore([LocalTier(tmp_path / "disk")])
+    queued = []
+    refiller = Refiller(store, queued.append)
+    changing = bytearray(data[0])  # memory its tier may reuse before the refill runs
+    with store.local.lock():
+        store.local.new_step_dir(5)
+        refiller.start([Refill(manifest, None, (0,), False, True, ((manifest.shard(0), memoryview(changing)),))])
+        changing[len(changing) // 2] ^= 0x01
+        queued[0]()
+        assert store.local.steps() == [] and not store.local.step_dir(5).exists()
+    assert refiller.last_error is not None and "rank 0" in refiller.last_error
+
+
+def test_a_refill_failing_for_any_reason_raises_nothing_to_the_queue_that_runs_it(tmp_path, copies):
+    manifest, data = copies
+    store = TieredStore([LocalTier(tmp_path / "disk")])
+    queued = []
+    refiller = Refiller(store, queued.append)
+    released = memoryview(bytes(data[0]))
+    with store.local.lock():
+        store.local.new_step_dir(5)
+        refiller.start([Refill(manifest, None, (0,), False, True, ((manifest.shard(0), released),))])
+        released.release()  # reading it now raises ValueError, not an OSError
+        queued[0]()
+        assert store.local.steps() == []
+    assert refiller.last_error is not None and "step 5" in refiller.last_error

@@ -348,6 +348,6 @@ def open_parts(options: Options, coordinator: Coordinator) -> Parts:
         local_every=options.local.every,
     )
     stack.enter_context(closing(writer))  # closed first: the last write reaches the replicators before they finish
-    refiller = Refiller(store, writer.run_after)
+    refiller = Refiller(store, writer.run_after, max_workers)
     restorer = Restorer(store, coordinator, world_size, max_workers, peer=peer_tier, refiller=refiller)
     return Parts(store, errors, restorer, writer, uploader, peer, preemption, stack, options, one_process, max_workers)

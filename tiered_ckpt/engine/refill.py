@@ -7,10 +7,12 @@ refill runs after it, off the caller's thread:
 
 1. :meth:`ShardReader.load <tiered_ckpt.engine.shard_reads.ShardReader.load>` records a
    :class:`Refill` for the step (the verified bytes, and what the step's local record needs);
-2. the restorer hands it to :meth:`Refiller.start`, which queues it on the writer's thread
-   (before any later save's write, and waited for by ``settle``, ``wait`` and ``close``);
-3. there each shard is landed as it is (temp file, fsync, rename) and the step is committed
-   locally, or its held ranks recorded.
+2. once the restore's last collective is over (whether it succeeded or not: the copies
+   verified), the restorer hands it to :meth:`Refiller.start`, which queues it on the
+   writer's thread (before any later save's write; the next save, ``wait`` and ``close``
+   wait for it);
+3. there the shards are landed (temp file, hashed again as they are written, fsync, rename)
+   and the step is committed locally, or its held ranks recorded.
 
 A refill that fails is logged at WARNING and kept in :attr:`Refiller.last_error` (shown by
 ``lag()``), never raised: the job goes on, the step stays readable from the partner or the
@@ -54,11 +56,12 @@ class Refiller:
     """Lands each :class:`Refill` on ``store``'s local disk through ``schedule`` (a queue running
     its jobs one at a time, off the caller's thread; None: at once, on the caller's)."""
 
-    def __init__(self, store: TieredStore, schedule: Schedule | None = None) -> None:
+    def __init__(self, store: TieredStore, schedule: Schedule | None = None, max_workers: int | None = None) -> None:
         self._store = store
         self._schedule = schedule
+        self._max_workers = max_workers
         self.last_error: str | None = None
-        """The last refill's failure (None: none failed)."""
+        """The last failure of a refill in this run (None: none failed)."""
 
     def start(self, refills: Sequence[Refill]) -> None:
         """Queue ``refills`` (see the module doc); never raises for a refill's failure."""
@@ -71,11 +74,11 @@ class Refiller:
     def _land(self, refill: Refill) -> None:
         store, step = self._store, refill.manifest.step
         try:
-            store.land_copies(step, refill.copies)
+            store.land_copies(step, refill.copies, self._max_workers)
             store.record_refill(refill.manifest, refill.remote, refill.ranks, was_committed=refill.was_committed)
-        except (CheckpointError, OSError) as exc:
+        except Exception as exc:  # a disk's failure or a bug: the job goes on, the step is still where it came from
             self.last_error = f"step {step}: refilling {store.local.url} from a partner's memory failed: {exc}"
-            logger.warning("%s; the step stays readable from the tier it came from", self.last_error)
+            logger.warning("%s; the step stays readable from the tier it came from", self.last_error, exc_info=True)
             if refill.created:
                 try:
                     store.local.discard_uncommitted(step)

@@ -41,7 +41,7 @@ from tiered_ckpt.dist.replicas import share
 from tiered_ckpt.engine.refill import Refiller
 from tiered_ckpt.engine.restore_result import RestoreResult, by_tier, rank_ranges
 from tiered_ckpt.engine.shard_reads import PendingRead, ShardReader
-from tiered_ckpt.engine.step_choice import StepChooser
+from tiered_ckpt.engine.step_choice import AgreedStep, StepChooser
 from tiered_ckpt.errors import CheckpointError, UsageError, restated
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.selection import Paths, check_paths
@@ -128,15 +128,32 @@ class Restorer:
             return None
         in_remote = restored in agreed.remote_steps
         try:
+            return self._read(agreed, restored, in_remote, started, world_size, reshard, verify, into, selected)
+        finally:  # the copies read from memory land once the restore's collectives are over (they verified)
+            self._refiller.start(self._reader.take_refills())
+
+    def _read(
+        self,
+        agreed: AgreedStep,
+        restored: int,
+        in_remote: bool,
+        started: float,
+        world_size: int,
+        reshard: bool,
+        verify: Verify,
+        into: Sequence[State] | State | None,
+        selected: tuple[str | tuple[str | int, ...], ...] | None,
+    ) -> RestoreResult:
+        """Steps 3 to 5 of :meth:`restore` for the agreed step ``restored``."""
+        try:
             if self._peer is not None:
                 self._fetch_from_partners(self._peer, restored, in_remote)
             loaded = Attempt.run(
                 lambda: self._reader.load(restored, in_remote, world_size, reshard, verify, into, selected)
             )
         finally:
-            self._refiller.start(self._reader.take_refills())  # the refills hold the copies they land
             if self._peer is not None:
-                self._peer.forget(restored)
+                self._peer.forget(restored)  # the refills hold the copies they land
         gather(self._coordinator, "restore: read", Done, loaded.done)
         result = loaded.value
         if isinstance(result, PendingRead):  # the same on every process: they hold one manifest and world size

@@ -224,7 +224,10 @@ class Writer:
         if self._last_save is not None:
             self._last_save.exception()
         if self._last_job is not None:
-            self._last_job.result()
+            failed = self._last_job.exception()  # a job raises nothing (see run_after); a bug is logged once
+            if failed is not None:
+                logger.error("a background job of the writer failed", exc_info=failed)
+            self._last_job = None
         if retention and self._last_retention is not None:
             self._last_retention.result()
 

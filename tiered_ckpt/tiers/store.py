@@ -46,8 +46,8 @@ from tiered_ckpt.format.remote_manifest import RemoteManifest
 from tiered_ckpt.format.shardfile import ShardHeader, read_header, read_shard_buffer
 from tiered_ckpt.format.state import FlatState, own_targets
 from tiered_ckpt.format.structure import Structure, structure_of
-from tiered_ckpt.io.durable import write_all
-from tiered_ckpt.io.hashing import ShardDigest, Verify, copy_and_hash
+from tiered_ckpt.io.hashing import Hasher, ShardDigest, Verify, copy_and_hash, hashing_writer
+from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.tiers.base import ShardSource, Tier
 from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.remote import RemoteTier
@@ -246,7 +246,7 @@ class TieredStore:
     ) -> FlatState:
         """The state in a copy already in memory, each byte hashed once as it is copied into its
         array, then landed on the local disk as it is (a refill; ``deferred``: later): the disk's
-        read and second hash of a refill are spared. Raises as :meth:`LocalTier.read_shard` does."""
+        read of a refill is spared. Raises as :meth:`LocalTier.read_shard` does."""
         what = f"rank {record.rank} shard {tier.shard_location(step, record)}"
         if len(data) != record.size_bytes:
             raise IncompleteCheckpointError(f"{what}: {len(data)} bytes, the manifest records {record.size_bytes}")
@@ -258,16 +258,23 @@ class TieredStore:
             deferred.append((record, data))
         return FlatState.from_shard(contents, what, elsewhere)
 
-    def land_copies(self, step: int, copies: Sequence[Landing]) -> None:
-        """Land each verified ``(record, bytes)`` of ``step`` in the local step as it is; the
-        caller records the refill (:meth:`record_refill`). Raises as :meth:`LocalTier.land_shard` does."""
-        for record, data in copies:
-            # These very bytes matched the record: the landing writes them without hashing them again.
-            def write(out: BinaryIO, record: ShardRecord = record, data: memoryview = data) -> ShardDigest:
-                write_all(out, data)
-                return ShardDigest(record.size_bytes, record.sha256, record.xxh3_64)
+    def land_copies(self, step: int, copies: Sequence[Landing], max_workers: int | None = None) -> None:
+        """Land each ``(record, bytes)`` of ``step`` in the local step, ``max_workers`` at a time,
+        hashed again as they are written: memory a tier reuses may have changed since they were
+        checked. The caller records the refill (:meth:`record_refill`). Raises as
+        :meth:`LocalTier.land_shard` does (:class:`ChecksumMismatchError`: the bytes changed)."""
+
+        def land(copy: Landing) -> None:
+            record, data = copy
+
+            def write(out: BinaryIO) -> ShardDigest:
+                hasher = Hasher()
+                hashing_writer(out, hasher)(data)
+                return hasher.digest()
 
             self.local.land_shard(step, record, ShardSource(write=write))
+
+        run_parallel(land, copies, max_workers)
 
     def _first_that_verifies(
         self, step: int, record: ShardRecord, read: Callable[[Tier], T], later: Collection[str] | None, refills: bool

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import CHUNK, MOTO_KEYS, make_states, raw_read, sha256_all_cores
+from benchmarks.harness import CHUNK, MOTO_KEYS, fsync_tree, make_states, per_shard, raw_read, sha256_all_cores
 
 __all__ = ["TASKS", "main", "run_task"]
 
@@ -69,20 +69,6 @@ def _shapes(size: int, ranks: int) -> States:
         }
         for _ in range(ranks)
     ]
-
-
-def _fsync_tree(directory: Path) -> None:
-    for path in [*directory.rglob("*"), directory]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _per_shard(function: Callable[[int], object], shards: int) -> list[object]:
-    with ThreadPoolExecutor(shards) as pool:
-        return list(pool.map(function, range(shards)))
 
 
 def _tensors(states: States) -> States:
@@ -125,8 +111,8 @@ def _save(method: str, states: States, directory: Path) -> Callable[[], object]:
 
     def save() -> None:
         directory.mkdir(parents=True)
-        _per_shard(write, len(states))
-        _fsync_tree(directory)
+        per_shard(write, len(states))
+        fsync_tree(directory)
 
     return save
 
@@ -141,11 +127,11 @@ def _load(method: str, size: int, ranks: int, directory: Path) -> Callable[[], o
     if method == "safetensors":
         from safetensors.numpy import load_file
 
-        return lambda: _per_shard(lambda rank: load_file(str(directory / f"{rank}.safetensors")), ranks)
+        return lambda: per_shard(lambda rank: load_file(str(directory / f"{rank}.safetensors")), ranks)
     if method == "torch.save":
         import torch
 
-        return lambda: _per_shard(lambda rank: torch.load(directory / f"{rank}.pt", weights_only=True), ranks)
+        return lambda: per_shard(lambda rank: torch.load(directory / f"{rank}.pt", weights_only=True), ranks)
     if method == "dcp":
         import torch
         import torch.distributed.checkpoint as dcp
@@ -162,7 +148,8 @@ def _load(method: str, size: int, ranks: int, directory: Path) -> Callable[[], o
 
 
 def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    # The os module has no sync_file_range: it is called through libc (Linux only).
+    # The os module has no sync_file_range: it is called through libc (Linux only). Not the
+    # library's own loader: the plain-code limit must not run the code it is the limit for.
     if not sys.platform.startswith("linux"):
         return None
     function = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)

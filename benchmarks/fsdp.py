@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
-from benchmarks.harness import run_rank_processes
+from benchmarks.harness import barrier_timed, run_rank_processes
 
 __all__ = ["bench_fsdp", "rank_process"]
 
@@ -101,11 +101,7 @@ def rank_process(config_path: Path, rank: int) -> None:
     root = Path(config["root"])
 
     def timed(action: Callable[[], object]) -> float:
-        coordinator.barrier()
-        start = time.perf_counter()
-        action()
-        coordinator.barrier()
-        return time.perf_counter() - start
+        return barrier_timed(coordinator, action)
 
     rounds = []
     # keep_last=None: deleting older steps inside a timed save would time the deletion too

@@ -41,16 +41,19 @@ __all__ = [
     "SHA256_LIMIT",
     "Target",
     "Timings",
+    "barrier_timed",
     "cache",
     "check_plotting",
     "clear",
     "evict",
+    "fsync_tree",
     "make_rank_state",
     "make_states",
     "measure_limits",
     "moto_server",
     "parser",
     "peak_rss_growth",
+    "per_shard",
     "positive",
     "print_targets",
     "raw_read",
@@ -417,3 +420,28 @@ def parser(sections: Sequence[str], description: str) -> argparse.ArgumentParser
         "--small-arrays-mib", type=positive, default=256, help="bytes of the 'small-arrays' shard, MiB (default 256)"
     )
     return parser
+
+
+def fsync_tree(directory: Path) -> None:
+    """fsync every file and directory under ``directory``, and ``directory`` itself."""
+    for path in [*directory.rglob("*"), directory]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def per_shard(function: Callable[[int], object], shards: int) -> list[object]:
+    """``function`` of each shard index, one thread per shard, in order."""
+    with ThreadPoolExecutor(shards) as pool:
+        return list(pool.map(function, range(shards)))
+
+
+def barrier_timed(coordinator: Any, action: Callable[[], object]) -> float:
+    """Seconds of ``action`` on every rank, from a barrier before it to a barrier after it."""
+    coordinator.barrier()
+    start = time.perf_counter()
+    action()
+    coordinator.barrier()
+    return time.perf_counter() - start

@@ -27,7 +27,6 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,8 +41,10 @@ from benchmarks.harness import (
     cache,
     clear,
     evict,
+    fsync_tree,
     measure_limits,
     peak_rss_growth,
+    per_shard,
     timed,
 )
 from tiered_ckpt.io.parallel import default_workers
@@ -88,25 +89,11 @@ class _Method:
     async_save: Callable[[States, Path], tuple[float, Callable[[], None]]] | None = None
 
 
-def _fsync_tree(directory: Path) -> None:
-    for path in [*directory.rglob("*"), directory]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _per_shard(function: Callable[[int], object], shards: int) -> list[object]:
-    with ThreadPoolExecutor(shards) as pool:
-        return list(pool.map(function, range(shards)))
-
-
-def _files_per_shard(directory: Path, shards: int, write: Callable[[int, Path], object], suffix: str) -> None:
+def _filesper_shard(directory: Path, shards: int, write: Callable[[int, Path], object], suffix: str) -> None:
     """``write(rank, path)`` each shard's file in ``directory``, one thread per shard, then fsync them all."""
     directory.mkdir(parents=True)
-    _per_shard(lambda rank: write(rank, directory / f"{rank}{suffix}"), shards)
-    _fsync_tree(directory)
+    per_shard(lambda rank: write(rank, directory / f"{rank}{suffix}"), shards)
+    fsync_tree(directory)
 
 
 def _ours() -> _Method:
@@ -135,10 +122,10 @@ def _safetensors() -> _Method | None:
         return None
 
     def save(states: States, directory: Path) -> None:
-        _files_per_shard(directory, len(states), lambda rank, path: save_file(states[rank], str(path)), ".safetensors")
+        _filesper_shard(directory, len(states), lambda rank, path: save_file(states[rank], str(path)), ".safetensors")
 
     def load(states: States, directory: Path) -> object:
-        return _per_shard(lambda rank: load_file(str(directory / f"{rank}.safetensors")), len(states))
+        return per_shard(lambda rank: load_file(str(directory / f"{rank}.safetensors")), len(states))
 
     return _Method("safetensors", save, load)
 
@@ -157,10 +144,10 @@ def _torch_save() -> _Method | None:
 
     def save(states: States, directory: Path) -> None:
         tensors = _tensors(states)
-        _files_per_shard(directory, len(states), lambda rank, path: torch.save(tensors[rank], path), ".pt")
+        _filesper_shard(directory, len(states), lambda rank, path: torch.save(tensors[rank], path), ".pt")
 
     def load(states: States, directory: Path) -> object:
-        return _per_shard(lambda rank: torch.load(directory / f"{rank}.pt", weights_only=True), len(states))
+        return per_shard(lambda rank: torch.load(directory / f"{rank}.pt", weights_only=True), len(states))
 
     return _Method("torch.save", save, load)
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import Target, run_rank_processes
+from benchmarks.harness import Target, barrier_timed, run_rank_processes
 from tiered_ckpt.format.layout import MANIFEST_NAME, shard_name, step_dir_name
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.manager import CheckpointManager
@@ -90,11 +90,7 @@ def rank_process(config_path: Path, rank: int) -> None:
     calls = _count_collectives(dist)
 
     def timed(action: Callable[[], object]) -> float:
-        coordinator.barrier()
-        start = time.perf_counter()
-        action()
-        coordinator.barrier()
-        return time.perf_counter() - start
+        return barrier_timed(coordinator, action)
 
     figures: dict[str, Any] = {"save": [], "dcp.save": []}
     with CheckpointManager(LocalOptions(root / f"rank-{rank}", keep_last=2), coordinator=coordinator) as manager:

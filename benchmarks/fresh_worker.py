@@ -230,22 +230,23 @@ def _write_plain(states: States, directory: Path, *, direct: bool, streams: int)
     return write
 
 
+def _hash_one_core(states: States, new_hasher: Callable[[], Any]) -> None:
+    """Hash each state's bytes on this thread, a chunk at a time, with a hasher of its own."""
+    for state in states:
+        hasher = new_hasher()
+        for view in _views(state):
+            for start in range(0, len(view), CHUNK):
+                hasher.update(view[start : start + CHUNK])
+
+
 def _xxh3(states: States) -> None:
     import xxhash
 
-    for state in states:
-        hasher = xxhash.xxh3_64()
-        for view in _views(state):
-            for start in range(0, len(view), CHUNK):
-                hasher.update(view[start : start + CHUNK])
+    _hash_one_core(states, xxhash.xxh3_64)
 
 
 def _sha256_one_core(states: States) -> None:
-    for state in states:
-        hasher = hashlib.sha256()
-        for view in _views(state):
-            for start in range(0, len(view), CHUNK):
-                hasher.update(view[start : start + CHUNK])
+    _hash_one_core(states, hashlib.sha256)
 
 
 def _upload(method: str, task: dict[str, Any]) -> Callable[[], object]:

@@ -35,6 +35,7 @@ import numpy as np
 
 from tiered_ckpt import errors
 from tiered_ckpt.errors import CheckpointError, ConfigError, CoordinationError, UsageError, invalid_option
+from tiered_ckpt.io.gc_pause import cyclic_gc_paused
 
 __all__ = [
     "Coordinator",
@@ -47,6 +48,7 @@ __all__ = [
     "resolve_coordinator",
     "to_payload",
     "from_payload",
+    "decode_gathered",
 ]
 
 T = TypeVar("T")
@@ -210,7 +212,7 @@ class TorchDistributedCoordinator:
     def all_gather(self, payload: Any) -> list[Any]:
         with self._collective("all_gather"):
             gathered = self._all_gather_bytes(json.dumps(payload).encode())
-        return [json.loads(data) for data in gathered]
+        return decode_gathered(gathered)
 
     @contextmanager
     def _collective(self, name: str) -> Iterator[None]:
@@ -383,7 +385,14 @@ def gather(coordinator: Coordinator, label: str, payload_type: type[P], action: 
     for rank, item in enumerate(gathered):
         if "error" in item:
             raise _error_from(item["error"], rank, label)
-    return [from_payload(payload_type, item["result"]) for item in gathered]
+    with cyclic_gc_paused():  # one payload per rank, all alive until returned: see io/gc_pause.py
+        return [from_payload(payload_type, item["result"]) for item in gathered]
+
+
+def decode_gathered(gathered: Sequence[bytes]) -> list[Any]:
+    """The JSON values of a gather's payloads, one per process, in rank order."""
+    with cyclic_gc_paused():  # one per rank, all alive until returned: see io/gc_pause.py
+        return [json.loads(data) for data in gathered]
 
 
 def _outcome(payload_type: type[P], action: Callable[[], P], label: str) -> tuple[dict[str, Any], Exception | None]:

@@ -52,6 +52,7 @@ from tiered_ckpt.engine.staging import StagingBuffers
 from tiered_ckpt.errors import CheckpointError, ErrorBox, ReportedFuture, SaveError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.format.state import FlatState
+from tiered_ckpt.io.gc_pause import cyclic_gc_paused
 from tiered_ckpt.tiers import pruning
 from tiered_ckpt.tiers.store import TieredStore
 
@@ -237,14 +238,15 @@ class Writer:
         self._janitor.shutdown(wait=True)
 
     def _records(self, step: int, parts: list[_Written], keys: tuple[str, ...]) -> ShardManifest:
-        return build_manifest(
-            step,
-            [ShardRecord.from_dict(shard) for part in parts for shard in part.shards],
-            world_size=self._world_size,
-            sharded_keys=keys,
-            wall_clock_seconds=parts[0].time,  # the leader's clock
-            source=f"the shard records of step {step}",
-        )
+        with cyclic_gc_paused():  # a record per rank, all alive until returned: see io/gc_pause.py
+            return build_manifest(
+                step,
+                [ShardRecord.from_dict(shard) for part in parts for shard in part.shards],
+                world_size=self._world_size,
+                sharded_keys=keys,
+                wall_clock_seconds=parts[0].time,  # the leader's clock
+                source=f"the shard records of step {step}",
+            )
 
     def _left_out(self, staged: list[FlatState], replicated: bool) -> dict[int, dict[str, int]]:
         """Per rank, the arrays its shard leaves to another rank's (a collective, if ``replicated``)."""

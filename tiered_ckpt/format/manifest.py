@@ -18,6 +18,7 @@ from tiered_ckpt.errors import ChecksumMismatchError, ManifestError, ShardCountM
 from tiered_ckpt.format.layout import MANIFEST_NAME, is_plain_name
 from tiered_ckpt.format.shardfile import DTYPES, MAX_DIMS, MAX_HEADER_BYTES, json_length_bound
 from tiered_ckpt.format.strict_json import Fields, dump_object, load_object
+from tiered_ckpt.io.gc_pause import cyclic_gc_paused
 from tiered_ckpt.io.hashing import ShardDigest
 
 __all__ = [
@@ -209,7 +210,8 @@ class ShardManifest:
 
     def to_json(self) -> str:
         """Serialise to the JSON document :meth:`from_json` reads back unchanged."""
-        return dump_object(self.to_dict(), "shards")
+        with cyclic_gc_paused():  # a dict per rank, all alive until written: see io/gc_pause.py
+            return dump_object(self.to_dict(), "shards")
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest as a JSON object (what :meth:`to_json` writes and :meth:`from_dict` reads)."""
@@ -225,7 +227,8 @@ class ShardManifest:
     @classmethod
     def from_json(cls, text: str | bytes, *, source: str = "manifest") -> ShardManifest:
         """Parse and validate a manifest; ``source`` (a path or URL) is named in errors."""
-        return cls.from_dict(load_object(text, source, MAX_MANIFEST_BYTES), source=source)
+        with cyclic_gc_paused():  # a dict, then a record, per rank: see io/gc_pause.py
+            return cls.from_dict(load_object(text, source, MAX_MANIFEST_BYTES), source=source)
 
     @classmethod
     def from_dict(cls, document: Mapping[str, Any], *, source: str = "manifest") -> ShardManifest:
@@ -239,20 +242,21 @@ class ShardManifest:
                 f"(this library reads versions {', '.join(map(str, READABLE_SCHEMA_VERSIONS))})"
             )
         shards = fields.list_of("shards", Mapping)
-        return cls(
-            world_size=fields.integer("world_size", minimum=1),
-            step=fields.integer("step", minimum=0),
-            wall_clock_seconds=fields.number("wall_clock_seconds"),
-            sharded_keys=tuple(fields.list_of("sharded_keys", str)),
-            shards=tuple(
-                sorted(
-                    (_parse_record(shard, source, f"shards[{i}].") for i, shard in enumerate(shards)),
-                    key=lambda record: record.rank,
-                )
-            ),
-            schema_version=version,
-            source=source,
-        )
+        with cyclic_gc_paused():  # a record per rank, all alive until returned: see io/gc_pause.py
+            return cls(
+                world_size=fields.integer("world_size", minimum=1),
+                step=fields.integer("step", minimum=0),
+                wall_clock_seconds=fields.number("wall_clock_seconds"),
+                sharded_keys=tuple(fields.list_of("sharded_keys", str)),
+                shards=tuple(
+                    sorted(
+                        (_parse_record(shard, source, f"shards[{i}].") for i, shard in enumerate(shards)),
+                        key=lambda record: record.rank,
+                    )
+                ),
+                schema_version=version,
+                source=source,
+            )
 
 
 def record_bytes_bound(chunks: Iterable[tuple[str, int]] = ()) -> int:

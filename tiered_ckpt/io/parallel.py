@@ -30,6 +30,8 @@ def run_parallel(function: Callable[[T], R], items: Sequence[T], max_workers: in
     """
     if not items:
         return []
+    if len(items) == 1:  # a pool's thread would only add its start and a hand-over to the call
+        return [function(items[0])]
     with ThreadPoolExecutor(max_workers or default_workers(len(items)), thread_name_prefix="tiered-ckpt") as pool:
         futures = [pool.submit(function, item) for item in items]
         try:

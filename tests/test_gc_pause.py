@@ -2,11 +2,14 @@ import gc
 import json
 import threading
 
+import numpy as np
 import pytest
 
 from tests.test_manifest import valid_document
 from tiered_ckpt import ShardManifest
 from tiered_ckpt.dist.coordination import decode_gathered
+from tiered_ckpt.format.state import flatten
+from tiered_ckpt.format.structure import Structure
 from tiered_ckpt.io.gc_pause import cyclic_gc_paused
 
 
@@ -86,3 +89,20 @@ def test_payloads_of_many_ranks_are_decoded_with_one_collection_at_most(collecto
     decoded = decode_gathered(payloads)
     assert len(collections) <= 1  # the one the pause's end lets run
     assert decoded[4095] == {"result": {"shards": [{"rank": 4095, "sizes": [1, 2]}]}}
+
+
+def test_a_state_of_many_arrays_is_flattened_and_its_structure_read_with_one_collection_each(
+    collector_enabled, collections
+):
+    state = {"layers": [{"weight": np.zeros(2, np.float32), "bias": np.zeros(1, np.float32)} for _ in range(10_000)]}
+    collections.clear()
+    flat = flatten(state)
+    assert len(collections) <= 1  # about 30 without the pause
+    text = flat.structure.to_json()
+    collections.clear()
+    structure = Structure.from_json(text, flat.arrays, "shard")
+    assert len(collections) <= 1
+    collections.clear()
+    built = structure.build(flat.arrays)
+    assert len(collections) <= 1
+    assert len(built["layers"]) == 10_000 and built["layers"][9_999]["bias"] is flat.arrays["layers/9999/bias"]

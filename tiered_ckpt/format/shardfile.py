@@ -37,6 +37,7 @@ from tiered_ckpt.errors import InvalidStateError, ShardFormatError
 from tiered_ckpt.format.differences import into_difference
 from tiered_ckpt.format.packing import Placed, read_arrays, write_arrays
 from tiered_ckpt.io.blockread import read_blocks
+from tiered_ckpt.io.gc_pause import cyclic_gc_paused
 from tiered_ckpt.io.hashing import HashedStream, Hasher, ShardDigest, Verify, check_verify, hashing_writer
 
 __all__ = [
@@ -151,6 +152,7 @@ def check_arrays(arrays: Mapping[str, np.ndarray], owner: str = "state") -> dict
     return checked
 
 
+@cyclic_gc_paused()  # an object or more per array, all alive until returned: see io/gc_pause.py
 def _layout(arrays: Mapping[str, np.ndarray]) -> list[tuple[str, str, np.ndarray, int, int]]:
     """Order arrays largest item size first; return (name, code, array, begin, end)."""
     checked = check_arrays(arrays)
@@ -163,6 +165,7 @@ def _layout(arrays: Mapping[str, np.ndarray]) -> list[tuple[str, str, np.ndarray
     return layout
 
 
+@cyclic_gc_paused()  # an object or more per array, all alive until returned: see io/gc_pause.py
 def _header_text(layout: list[tuple[str, str, np.ndarray, int, int]], metadata: Mapping[str, str] | None) -> str:
     """The header's JSON, unpadded; ASCII (json escapes the rest), so its length is its size in bytes."""
     return _json_of([(name, code, array.shape, begin, end) for name, code, array, begin, end in layout], metadata)
@@ -292,6 +295,7 @@ class ShardContents:
 _Entry = Placed
 
 
+@cyclic_gc_paused()  # an object or more per array, all alive until returned: see io/gc_pause.py
 def _parse_header(raw: bytes, data_bytes: int) -> tuple[list[_Entry], dict[str, str]]:
     """Parse a header strictly into its entries and metadata; raise ValueError describing the first problem."""
     document = json.loads(raw.decode("utf-8"))

@@ -47,6 +47,7 @@ from tiered_ckpt.format.structure import (
     structure_of,
     too_deep,
 )
+from tiered_ckpt.io.gc_pause import cyclic_gc_paused
 from tiered_ckpt.io.hashing import PartDigest
 from tiered_ckpt.torch.dtensor import is_dtensor, local_chunk
 from tiered_ckpt.torch.tensors import float_pairs, is_tensor, to_numpy
@@ -347,6 +348,7 @@ def own_targets(
     } if into is not None else None
 
 
+@cyclic_gc_paused()  # an object or more per array, all alive until returned: see io/gc_pause.py
 def flatten(state: Any, owner: str = "state", *, into: bool = False) -> FlatState:
     """``state`` as named numpy arrays (torch tensors as views, copied to host from another
     device) and its structure; raise :class:`InvalidStateError` naming ``owner`` and the

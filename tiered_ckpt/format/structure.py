@@ -41,6 +41,7 @@ import numpy as np
 
 from tiered_ckpt.errors import ShardFormatError
 from tiered_ckpt.format.shardfile import MAX_DIMS
+from tiered_ckpt.io.gc_pause import cyclic_gc_paused
 from tiered_ckpt.torch.tensors import as_complex, to_torch
 
 __all__ = [
@@ -167,6 +168,7 @@ class Structure:
         return json.dumps({"version": STRUCTURE_VERSION, "root": self.root}, separators=(",", ":"))
 
     @classmethod
+    @cyclic_gc_paused()  # an object or more per array, all alive until returned: see io/gc_pause.py
     def from_json(cls, text: str, names: Iterable[str], what: str) -> Structure:
         """Parse and strictly validate a structure document against the shard's tensor ``names``.
 
@@ -193,12 +195,14 @@ class Structure:
             raise ShardFormatError(f"{what}: the structure document leaves out the shard's arrays {missing[:5]}")
         return cls(document["root"], parser.kinds, parser.paths, is_flat(document["root"]), parser.chunks)
 
+    @cyclic_gc_paused()  # an object or more per array, all alive until returned: see io/gc_pause.py
     def build(self, arrays: Mapping[str, Any], *, torch: bool = False) -> dict[Any, Any]:
         """The state, with each array taken from ``arrays`` by name; ``torch=True`` gives the
         leaves saved as torch tensors as CPU tensors."""
         state: dict[Any, Any] = _build(self.root, arrays, self.kinds if torch else None)  # the root is a dict
         return state
 
+    @cyclic_gc_paused()  # an object or more per array, all alive until returned: see io/gc_pause.py
     def build_at(self, path: Sequence[str | int], arrays: Mapping[str, Any], *, torch: bool = False) -> Any:
         """The value at ``path`` (dict keys and list indices from the root), built as
         :meth:`build` builds the whole state; ``arrays`` needs only the arrays under it.

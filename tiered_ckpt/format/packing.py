@@ -18,6 +18,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 import xxhash
 
+from tiered_ckpt.io.fresh_memory import new_array
 from tiered_ckpt.io.hashing import CHUNK_BYTES, HashedStream, Hasher, PartDigest
 
 __all__ = ["GATHER_BYTES", "SMALL_ARRAY_BYTES", "Placed", "byte_chunks", "write_arrays", "read_arrays"]
@@ -130,7 +131,7 @@ def read_arrays(stream: HashedStream, entries: Sequence[Placed]) -> dict[str, np
             continue
         if run:
             fill_run()
-        array = np.empty(entry.shape, entry.dtype)
+        array = new_array(entry.shape, entry.dtype)
         stream.copy_into(array.reshape(-1).view(np.uint8))
         arrays[entry.name] = array
     if run:

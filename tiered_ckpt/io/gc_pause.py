@@ -5,11 +5,11 @@ are built from as many small containers (decoded payloads, records, a state's no
 header entries) that all stay alive until the build returns. Each full pass of the
 collector walks every live container, and the more survivors pile up during one build,
 the more passes it runs, so with the collector running the build costs O(N log N) in the
-number of ranks or arrays rather than O(N). Reference
-counting still frees what these phases drop; only garbage in cycles, made meanwhile by any
-thread, waits until the pause ends. Every pause covers CPU work only, never a wait on a
-collective or on storage (a state's flattening may copy a device's tensors to the host),
-so it lasts as long as the work itself.
+number of ranks or arrays rather than O(N). Reference counting still frees what these
+phases drop; only garbage in cycles, made meanwhile by any thread, waits until the pause
+ends. Every pause covers CPU work only, never a wait on a collective or on storage (a
+state's flattening may copy a device's tensors to the host), so it lasts as long as the
+work itself.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ import numpy as np
 from tiered_ckpt.dist.peer_link import PeerLink
 from tiered_ckpt.errors import MemoryBudgetError, PeerError
 from tiered_ckpt.format.manifest import ShardRecord
+from tiered_ckpt.io.fresh_memory import new_array
 from tiered_ckpt.tiers.peer_memory import PeerMemory, Slot, sha256_of
 
 __all__ = ["Transfer", "copy_step", "fetch"]
@@ -152,7 +153,7 @@ def fetch(
         for key, raw in sizes.items():
             manifest_bytes, shard_bytes = _SIZES.unpack(raw.tobytes())
             if 0 <= manifest_bytes <= _MAX_MANIFEST and shard_bytes >= 0:
-                incoming[key] = (np.empty(manifest_bytes, np.uint8), np.empty(shard_bytes, np.uint8))
+                incoming[key] = (np.empty(manifest_bytes, np.uint8), new_array((shard_bytes,), np.uint8))
         payload = []
         for (needer, _shard), (_header, manifest, data) in zip(sends, outgoing, strict=True):
             if manifest is not None:

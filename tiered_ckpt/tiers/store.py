@@ -46,6 +46,7 @@ from tiered_ckpt.format.remote_manifest import RemoteManifest
 from tiered_ckpt.format.shardfile import ShardHeader, read_header, read_shard_buffer
 from tiered_ckpt.format.state import FlatState, own_targets
 from tiered_ckpt.format.structure import Structure, structure_of
+from tiered_ckpt.io.fresh_memory import new_array
 from tiered_ckpt.io.hashing import Hasher, ShardDigest, Verify, copy_and_hash, hashing_writer
 from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.tiers.base import ShardSource, Tier
@@ -458,7 +459,7 @@ def _read_parts(
         entry, chunk = header.arrays.get(name), recorded.get(name)
         if entry is None or (chunk is None and name not in plain) or (chunk and entry.shape != chunk.sizes):
             raise ShardFormatError(f"{what}: the array {name!r} is not in the shard as the manifest records it")
-        array = into[name] if name in into else np.empty(entry.shape, dtype=entry.dtype)
+        array = into[name] if name in into else new_array(entry.shape, entry.dtype)
         if array.shape != entry.shape or array.dtype != entry.dtype or not array.flags.c_contiguous:
             raise UsageError(f"{what}: into[{name!r}] is not a C-contiguous {entry.dtype} array of {entry.shape}")
         # A plain shard records only each array's xxh3-64: its sha256 covers the whole file.

@@ -4,9 +4,8 @@ Why not ``np.empty``: numpy asks for transparent huge pages (``madvise(MADV_HUGE
 every allocation of 4 MiB or more, and with the kernel's usual THP setting (``defrag``:
 ``madvise``) a fault in such memory compacts memory on the spot until a 2 MiB page is
 free. On a node whose memory is fragmented, as a page cache full of the job's files leaves
-it, that took a load of 1 GiB into new arrays from 0.8 s to 2.0 s of wall time, 3 s of it in
-the kernel. An anonymous mapping without the advice is faulted in 4 KiB pages, which never
-wait for compaction.
+it, a load into new arrays then spends most of its time in the kernel, compacting. An
+anonymous mapping without the advice is faulted in 4 KiB pages, which never wait for it.
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ def cyclic_gc_paused() -> Iterator[None]:
     """Run the block with the cyclic collector disabled (process-wide).
 
     Pauses nest and may overlap between threads: when the last open one ends, the collector
-    is enabled again if, and only if, it was enabled when the first of them began. A caller
-    that switches the collector itself while a pause is open has its switch undone then.
+    is enabled again if, and only if, it was enabled when the first of them began (so a
+    caller that disables it while a pause is open finds it enabled again then).
     """
     global _depth, _resume
     with _lock:

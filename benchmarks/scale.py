@@ -5,7 +5,7 @@
    (256 KiB per rank) from a barrier before it to a barrier after every rank committed, next
    to ``dcp.save`` of the same tensors (each rank's under keys of its own, so each rank writes
    its own) in the same rounds, alternated; printed: medians, the ratio save / dcp.save
-   (target <= 1.0) and the collectives one save ran (each one a round every process waits for).
+   (target <= 1.0) and the gloo operations one save ran (each a step every process waits for).
 2. The leader's work at 256, 1024 and 4,096 simulated ranks, in this process: a coordinator
    of ``N`` ranks of which this process holds rank 0 and is the leader hands it, in each
    collective, every rank's payload (rank 0's own, renumbered, parsed from JSON as the real
@@ -67,7 +67,7 @@ def _overhead(root: Path, repeat: int, counts: Sequence[int]) -> list[Target]:
         ours, theirs = statistics.median(result["save"]), statistics.median(result["dcp.save"])
         print(
             f"    {processes:>3} processes: save {ours:.3f} s, dcp.save {theirs:.3f} s, "
-            f"{result['collectives']} collectives per save; save / dcp.save {ours / theirs:5.2f}  (<= 1.0)"
+            f"{result['collectives']} gloo operations per save; save / dcp.save {ours / theirs:5.2f}  (<= 1.0)"
         )
         targets.append(Target(6, f"per-save overhead / dcp.save's, {processes} processes", ours / theirs, 1.0, False))
     return targets
@@ -110,9 +110,10 @@ def rank_process(config_path: Path, rank: int) -> None:
 
 
 def _count_collectives(dist: Any) -> list[int]:
-    """Count the gloo collectives the manager's coordinator runs (each a round every process joins)."""
+    """Count the gloo operations the manager's coordinator runs (each a step every process joins;
+    a gather round is two: a gather to the leader and its broadcast)."""
     calls = [0]
-    for name in ("all_gather", "broadcast", "barrier"):
+    for name in ("all_gather", "gather", "broadcast", "barrier"):
         original = getattr(dist, name)
 
         def counted(*args: Any, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:

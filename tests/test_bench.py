@@ -69,7 +69,7 @@ def test_benchmark_runs_every_section_and_prints_its_ratios(tmp_path):
         "floor of its CPU share, no core free",
         "restore(model) / full restore: bytes read",
         "export peak RSS growth / largest tensor",
-        "collectives per save; save / dcp.save",
+        "gloo operations per save; save / dcp.save",
         "growth time(4096) / time(1024)",
     ):
         assert line in result.stdout

@@ -225,8 +225,8 @@ class TorchDistributedCoordinator:
             ) from exc
 
     def broadcast(self, payload: Any) -> Any:
-        # Payloads are a few KB: one all_gather (the others send null) is one round, as a
-        # broadcast of a buffer of the channel's capacity would be, and less code.
+        # Payloads are a few KB: one gather round (the others send null) costs about what a
+        # broadcast of a buffer of the channel's capacity would, and is less code.
         return self.all_gather(payload if self.is_leader else None)[0]
 
     def broadcast_array(self, array: np.ndarray, source: int) -> None:
@@ -249,8 +249,9 @@ class TorchDistributedCoordinator:
 
     @property
     def rounds(self) -> int:
-        """How many backend collectives this coordinator (not its channels) has run: each one a
-        round that every process of the group waits for."""
+        """How many rounds this coordinator (not its channels) has run, each one that every
+        process of the group waits for: a barrier, a broadcast of an array, or a gather round
+        (a backend gather to the leader and its broadcast of everything it received)."""
         return self._rounds
 
     def _all_gather_bytes(self, data: bytes) -> list[bytes]:
@@ -286,12 +287,17 @@ class TorchDistributedCoordinator:
         return parts
 
     def _gather_round(self, tensor: Any, size: int) -> list[np.ndarray]:
+        # gloo's all_gather passes the payloads around a ring, a hop per process, so its
+        # latency grows with the number of processes; a gather to the leader and a broadcast
+        # of all it received take two steps whatever that number, for the same result.
         import torch
 
-        received = [torch.empty_like(tensor) for _ in range(size)]
+        received = torch.empty(size * tensor.numel(), dtype=tensor.dtype)
+        parts = list(received.chunk(size))
         self._rounds += 1
-        self._dist.all_gather(received, tensor, group=self._group)
-        return [chunk.numpy() for chunk in received]
+        self._dist.gather(tensor, parts if self._rank == 0 else None, group=self._group, group_dst=0)
+        self._dist.broadcast(received, group=self._group, group_src=0)
+        return [part.numpy() for part in parts]
 
 
 # A gather's first round carries payloads up to the capacity: _FIRST_CAPACITY on a new

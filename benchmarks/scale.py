@@ -67,7 +67,7 @@ def _overhead(root: Path, repeat: int, counts: Sequence[int]) -> list[Target]:
         ours, theirs = statistics.median(result["save"]), statistics.median(result["dcp.save"])
         print(
             f"    {processes:>3} processes: save {ours:.3f} s, dcp.save {theirs:.3f} s, "
-            f"{result['collectives']} gloo operations per save; save / dcp.save {ours / theirs:5.2f}  (<= 1.0)"
+            f"{result['operations']} gloo operations per save; save / dcp.save {ours / theirs:5.2f}  (<= 1.0)"
         )
         targets.append(Target(6, f"per-save overhead / dcp.save's, {processes} processes", ours / theirs, 1.0, False))
     return targets
@@ -89,7 +89,7 @@ def rank_process(config_path: Path, rank: int) -> None:
     state = {name: rng.random(BYTES_PER_RANK // 4 // 4, dtype=np.float32) for name in ("w", "b", "m", "v")}
     tensors = {f"rank{rank}.{name}": torch.from_numpy(array) for name, array in state.items()}
     coordinator = TorchDistributedCoordinator()
-    calls = _count_collectives(dist)
+    calls = _count_operations(dist)
 
     def timed(action: Callable[[], object]) -> float:
         return barrier_timed(coordinator, action)
@@ -100,7 +100,7 @@ def rank_process(config_path: Path, rank: int) -> None:
         dcp.save(tensors, checkpoint_id=root / "dcp-warm")
         before = calls[0]
         manager.save(1, state, blocking=True)
-        figures["collectives"] = calls[0] - before
+        figures["operations"] = calls[0] - before
         for run in range(2, config["repeat"] + 2):
             figures["save"].append(timed(lambda: manager.save(run, state, blocking=True)))  # noqa: B023
             figures["dcp.save"].append(timed(lambda: dcp.save(tensors, checkpoint_id=root / f"dcp-{run}")))  # noqa: B023
@@ -109,7 +109,7 @@ def rank_process(config_path: Path, rank: int) -> None:
     dist.destroy_process_group()
 
 
-def _count_collectives(dist: Any) -> list[int]:
+def _count_operations(dist: Any) -> list[int]:
     """Count the gloo operations the manager's coordinator runs (each a step every process joins;
     a gather round is two: a gather to the leader and its broadcast)."""
     calls = [0]

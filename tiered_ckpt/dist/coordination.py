@@ -249,7 +249,7 @@ class TorchDistributedCoordinator:
 
     @property
     def rounds(self) -> int:
-        """How many rounds this coordinator (not its channels) has run, each one that every
+        """How many rounds this coordinator (not its channels) has run, each a round every
         process of the group waits for: a barrier, a broadcast of an array, or a gather round
         (a backend gather to the leader and its broadcast of everything it received)."""
         return self._rounds
@@ -295,7 +295,7 @@ class TorchDistributedCoordinator:
         received = torch.empty(size * tensor.numel(), dtype=tensor.dtype)
         parts = list(received.chunk(size))
         self._rounds += 1
-        self._dist.gather(tensor, parts if self._rank == 0 else None, group=self._group, group_dst=0)
+        self._dist.gather(tensor, parts if self.is_leader else None, group=self._group, group_dst=0)
         self._dist.broadcast(received, group=self._group, group_src=0)
         return [part.numpy() for part in parts]
 

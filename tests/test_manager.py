@@ -1123,3 +1123,23 @@ def test_a_store_that_accepts_a_put_and_never_answers_fails_in_bounded_time(tmp_
         assert caught.value.tries >= 2 and "Timeout" in str(caught.value) + str(caught.value.__cause__)
     finally:
         proxy.close()
+
+
+def test_every_save_with_a_bucket_has_an_upload_future_that_answers(tmp_path, memory_url, states):
+    """``handle.uploaded`` is None only without a bucket: a step the bucket's cadence skips, or
+    that no tier takes, has a future failed at once with an UploadError of no tries."""
+    local = LocalOptions(tmp_path / "ckpt", every=2)
+    with two_tier(local, memory_url, every=4) as manager:
+        handles = {step: manager.save(step, states) for step in (2, 3, 4)}
+        assert handles[4].uploaded is not None and handles[4].uploaded.result(timeout=60) is None
+        for step, why in ((2, "remote.every"), (3, "no tier's cadence")):
+            uploaded = handles[step].uploaded
+            assert uploaded is not None and uploaded.done()
+            with pytest.raises(UploadError, match=f"step {step} is not uploaded: .*{why}") as raised:
+                uploaded.result()
+            assert raised.value.step == step and raised.value.tries == 0
+        assert handles[2].committed.result(timeout=60) is not None and handles[3].committed.result() is None
+        manager.check_for_errors()  # answering a skipped step's future raised nothing in the background
+        assert manager.remote_steps() == [4]
+    with CheckpointManager(tmp_path / "alone", world_size=4, runtime=ZERO1) as manager:
+        assert manager.save(1, states).uploaded is None  # no bucket

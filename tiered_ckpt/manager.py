@@ -198,7 +198,7 @@ class CheckpointManager:
         self._check_open()
         parts = self._parts
         if not parts.should_save(step):
-            return SaveHandle.skipped(step)
+            return SaveHandle.skipped(step, bucket=parts.store.remote is not None)
         parts.writer.settle(retention=False)
 
         def checked() -> int | None:

@@ -49,7 +49,7 @@ from tiered_ckpt.engine.replication import Replicator
 from tiered_ckpt.engine.sending import HeldStep
 from tiered_ckpt.engine.shards import ShardBuffer, build_manifest, serialize_shards, write_shards
 from tiered_ckpt.engine.staging import StagingBuffers
-from tiered_ckpt.errors import CheckpointError, ErrorBox, ReportedFuture, SaveError
+from tiered_ckpt.errors import CheckpointError, ErrorBox, ReportedFuture, SaveError, UploadError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.format.state import FlatState
 from tiered_ckpt.io.gc_pause import cyclic_gc_paused
@@ -94,11 +94,11 @@ class SaveHandle:
     only, once it is committed there), or None for a step in no tier: no tier's cadence took
     it, or the partners' memory, its only tier, did not keep it (logged, never raised); its
     exception is the :class:`SaveError` (cause chained) of a save that failed. ``uploaded`` is the commit
-    in the bucket (None without one): its result is None once the bucket holds the step;
+    in the bucket (None only without one): its result is None once the bucket holds the step;
     its exception is the step's :class:`UploadError` (it failed, missed its deadline, was
-    superseded by a newer step, or the manager closed first), or the save's
-    :class:`SaveError`. An error raised by either's ``result()`` is not raised again by
-    the manager's next call.
+    superseded by a newer step, the manager closed first, or the step never goes to the
+    bucket: its cadence skips it, ``tries`` 0), or the save's :class:`SaveError`. An error
+    raised by either's ``result()`` is not raised again by the manager's next call.
     """
 
     def __init__(self, step: int, committed: Future[ShardManifest | None], uploaded: Future[None] | None) -> None:
@@ -107,11 +107,12 @@ class SaveHandle:
         self.uploaded = uploaded
 
     @classmethod
-    def skipped(cls, step: int) -> SaveHandle:
-        """The handle of a save that saved nothing: no tier's cadence takes ``step``."""
+    def skipped(cls, step: int, *, bucket: bool) -> SaveHandle:
+        """The handle of a save that saved nothing: no tier's cadence takes ``step`` (``bucket``:
+        one is configured, so ``uploaded`` is a future that says the step is not uploaded)."""
         nothing: Future[ShardManifest | None] = Future()
         nothing.set_result(None)
-        return cls(step, nothing, None)
+        return cls(step, nothing, not_uploaded(step, "no tier's cadence takes it") if bucket else None)
 
     def __repr__(self) -> str:
         def state(future: Future[Any] | None) -> str:
@@ -120,6 +121,15 @@ class SaveHandle:
             return "pending" if not future.done() else "failed" if future.exception() else "done"
 
         return f"SaveHandle(step={self.step}, committed={state(self.committed)}, uploaded={state(self.uploaded)})"
+
+
+def not_uploaded(step: int, why: str) -> Future[None]:
+    """The ``uploaded`` future of a step that never goes to the bucket: failed at once with an
+    :class:`UploadError` of no tries saying ``why``. A waiting loop gets a typed answer for every
+    save, as for a step left local-only, rather than no future at all."""
+    future: Future[None] = Future()
+    future.set_exception(UploadError(f"step {step} is not uploaded: {why}", step=step, tries=0))
+    return future
 
 
 @dataclass(frozen=True)
@@ -202,13 +212,25 @@ class Writer:
         buffers = self._staging.stage([state.arrays for state in states])
         staged = [dataclasses.replace(state, arrays=arrays) for arrays, state in zip(buffers, states, strict=True)]
         committed: Future[ShardManifest | None] = ReportedFuture(self._errors)
-        uploaded = next((each.outcome(step) for each in replicators if each.target is self._store.remote), None)
+        uploaded = self._upload_outcome(step, to_disk, replicators)
         write = partial(self._write, every_tier=every_tier) if to_disk else self._write_to_memory
         self._writer.submit(write, step, staged, keys, numels, replicators, replicated).add_done_callback(
             lambda done: _copy_outcome(done, committed)
         )
         self._last_save = committed
         return SaveHandle(step, committed, uploaded)
+
+    def _upload_outcome(self, step: int, to_disk: bool, replicators: Sequence[Replicator]) -> Future[None] | None:
+        """The future of ``step``'s commit in the bucket (None without a bucket)."""
+        remote = self._store.remote
+        if remote is None:
+            return None
+        chosen = next((each for each in replicators if each.target is remote), None)
+        if chosen is not None:
+            return chosen.outcome(step)
+        if not to_disk:
+            return not_uploaded(step, "it is kept in a partner's memory only, and the bucket gets disk steps")
+        return not_uploaded(step, "the bucket's cadence (remote.every) skips it")
 
     def run_after(self, job: Callable[[], None]) -> None:
         """Queue ``job`` (which raises nothing) on the writer's thread, after the queued write and

@@ -52,10 +52,13 @@ def test_ls_shows_each_step_in_each_tier(setup):
     config, local, url, options, env = setup
     save_steps(local, url, options, [1, 2])
     save_steps(local, url, options, [3], upload=False)
-    (local / step_dir_name(4)).mkdir()  # a step being written: no manifest yet
+    (local / step_dir_name(4)).mkdir()  # a step being written: a shard, no manifest yet
+    (local / step_dir_name(4) / shard_name(0, 4)).write_bytes(b"the start of a shard")
+    (local / step_dir_name(5)).mkdir()  # an empty directory holds nothing of a step
     code, out, err = run(env, "--config", str(config), "--json", "ls")
     assert code == 0, err
     rows = {row["step"]: row for row in json.loads(out)}
+    assert sorted(rows) == [1, 2, 3, 4]
     assert [rows[s]["local"] for s in (1, 2, 3, 4)] == ["committed", "committed", "committed", "staged"]
     assert [rows[s]["remote"] for s in (1, 2, 3, 4)] == ["committed", "committed", "uploading", None]  # JSON null
     assert rows[2]["world_size"] == 4 and rows[2]["bytes"] > 0 and rows[2]["age_seconds"] >= 0
@@ -510,3 +513,24 @@ def test_show_of_a_shard_whose_header_does_not_verify_fails_naming_it(setup):
     flip_byte(local / step_dir_name(1) / shard_name(2, 4), 20)  # inside rank 2's header
     code, _, err = run(env, "--config", str(config), "show", "1")
     assert code == 1 and "rank 2" in err and "header's sha256" in err, err
+
+
+def test_a_failed_pull_leaves_no_step_directory_behind(setup):
+    config, local, url, options, env = setup
+    save_steps(local, url, options, [7])
+    import shutil
+
+    shutil.rmtree(local)  # a fresh node
+    tier = RemoteTier(url, options)
+    key = f"{tier.backend.root}/{step_dir_name(7)}/{shard_name(2, 4)}"
+    damaged = bytearray(tier.backend.fs.cat_file(key))
+    damaged[99] ^= 0xFF
+    tier.backend.fs.pipe_file(key, bytes(damaged))
+    code, out, err = run(env, "--config", str(config), "pull")
+    assert code == 1 and out == "" and "ChecksumMismatchError" in err, err
+    assert not local.exists()  # neither the step's directory nor the root it made
+    local.mkdir()
+    code, out, err = run(env, "--config", str(config), "pull")
+    assert code == 1 and os.listdir(local) == [], err  # a directory that was there stays, empty
+    code, out, err = run(env, "--config", str(config), "--json", "ls")
+    assert code == 0 and [(row["step"], row["local"]) for row in json.loads(out)] == [(7, None)], err

@@ -96,6 +96,15 @@ def _read_errors(what: str) -> Iterator[None]:
         raise IncompleteCheckpointError(f"{what}: read error: {exc.strerror or exc}") from exc
 
 
+def _holds_anything(directory: Path) -> bool:
+    """True if ``directory`` has an entry (False if it is empty or gone)."""
+    try:
+        with os.scandir(directory) as entries:
+            return next(entries, None) is not None
+    except FileNotFoundError:
+        return False
+
+
 def _remove_empty(directories: list[Path]) -> None:
     """Remove ``directories`` (each the parent of the one before) while they are empty."""
     for directory in directories:
@@ -209,10 +218,16 @@ class LocalTier:
         return (self.step_dir(step) / MANIFEST_NAME).is_file()
 
     def list_steps(self) -> tuple[list[int], list[int]]:
-        """(committed, uncommitted): step directories with a manifest, and those without (being
-        written, or left by a crash), each oldest first."""
-        listed = [(step, (directory / MANIFEST_NAME).is_file()) for step, directory in self._step_dirs()]
-        return sorted(s for s, done in listed if done), sorted(s for s, done in listed if not done)
+        """(committed, uncommitted): step directories with a manifest, and those without that hold
+        something (being written, or left by a crash), each oldest first. An empty step directory
+        holds nothing of a step and is in neither."""
+        committed, uncommitted = [], []
+        for step, directory in self._step_dirs():
+            if (directory / MANIFEST_NAME).is_file():
+                committed.append(step)
+            elif _holds_anything(directory):
+                uncommitted.append(step)
+        return sorted(committed), sorted(uncommitted)
 
     def steps(self) -> list[int]:
         return self.list_steps()[0]

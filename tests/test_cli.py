@@ -527,6 +527,7 @@ def test_ls_and_status_read_the_bucket_alone_without_a_local_directory(setup, tm
     assert [(row["step"], row["local"], row["remote"]) for row in json.loads(out)] == [
         (1, None, "committed"), (2, None, "committed")
     ]  # fmt: skip
+    assert f"{fresh} (local.dir, from --local-dir) does not exist; reading the bucket alone" in err  # a typo shows
     code, out, err = run(env, "--config", str(config), "--json", "status", "--local-dir", str(fresh))
     assert code == 0, err
     lag = json.loads(out)

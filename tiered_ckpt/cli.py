@@ -507,6 +507,10 @@ def _run(arguments: list[str]) -> int:
         reads_only = args.command in ("ls", "status", "show", "export")
         bucket_only = (getattr(args, "remote", False) or reads_only) and config.remote is not None
         _check_local_dir(config, may_be_missing=args.command == "pull" or bucket_only)
+        if bucket_only and not config.local.dir.exists():  # said, so that a mistyped directory is noticed
+            where = _origin(config, "local.dir")
+            print(f"tiered-ckpt: {config.local.dir} (local.dir, from {where}) does not exist; reading the bucket alone",
+                  file=sys.stderr)  # fmt: skip
         code, (data, text) = COMMANDS[args.command](config, args)
     except (ConfigError, UsageError) as exc:
         print(f"tiered-ckpt: {_as_flags(str(exc))}", file=sys.stderr)

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ZERO1_SHARDED_KEYS, flip_byte, s3_credentials_env, write_s3_config, zero1_states
+from conftest import ZERO1_SHARDED_KEYS, flip_byte, free_port, s3_credentials_env, write_s3_config, zero1_states
 from tiered_ckpt import CheckpointManager, LocalOptions, RemoteOptions, RuntimeOptions, save_sharded
 from tiered_ckpt.format.layout import MANIFEST_NAME, shard_name, step_dir_name
 from tiered_ckpt.io.hashing import part_crc32c
@@ -52,10 +52,13 @@ def test_ls_shows_each_step_in_each_tier(setup):
     config, local, url, options, env = setup
     save_steps(local, url, options, [1, 2])
     save_steps(local, url, options, [3], upload=False)
-    (local / step_dir_name(4)).mkdir()  # a step being written: no manifest yet
+    (local / step_dir_name(4)).mkdir()  # a step being written: a shard, no manifest yet
+    (local / step_dir_name(4) / shard_name(0, 4)).write_bytes(b"the start of a shard")
+    (local / step_dir_name(5)).mkdir()  # an empty directory holds nothing of a step
     code, out, err = run(env, "--config", str(config), "--json", "ls")
     assert code == 0, err
     rows = {row["step"]: row for row in json.loads(out)}
+    assert sorted(rows) == [1, 2, 3, 4]
     assert [rows[s]["local"] for s in (1, 2, 3, 4)] == ["committed", "committed", "committed", "staged"]
     assert [rows[s]["remote"] for s in (1, 2, 3, 4)] == ["committed", "committed", "uploading", None]  # JSON null
     assert rows[2]["world_size"] == 4 and rows[2]["bytes"] > 0 and rows[2]["age_seconds"] >= 0
@@ -510,3 +513,112 @@ def test_show_of_a_shard_whose_header_does_not_verify_fails_naming_it(setup):
     flip_byte(local / step_dir_name(1) / shard_name(2, 4), 20)  # inside rank 2's header
     code, _, err = run(env, "--config", str(config), "show", "1")
     assert code == 1 and "rank 2" in err and "header's sha256" in err, err
+
+
+# --- a bucket alone, a bucket out of reach, one rank's directory, a reader gone ------------
+
+
+def test_ls_and_status_read_the_bucket_alone_without_a_local_directory(setup, tmp_path):
+    config, local, url, options, env = setup
+    save_steps(local, url, options, [1, 2])
+    fresh = tmp_path / "laptop"
+    code, out, err = run(env, "--config", str(config), "--json", "ls", "--local-dir", str(fresh))
+    assert code == 0, err
+    assert [(row["step"], row["local"], row["remote"]) for row in json.loads(out)] == [
+        (1, None, "committed"), (2, None, "committed")
+    ]  # fmt: skip
+    assert f"{fresh} (local.dir, from --local-dir) does not exist; reading the bucket alone" in err  # a typo shows
+    code, out, err = run(env, "--config", str(config), "--json", "status", "--local-dir", str(fresh))
+    assert code == 0, err
+    lag = json.loads(out)
+    assert (lag["newest_local"], lag["newest_remote"], lag["steps_behind"]) == (None, 2, 0)
+    code, out, err = run(env, "--config", str(config), "status", "--local-dir", str(fresh))
+    assert code == 0 and "newest local step None, newest remote step 2" in out, err
+    assert not fresh.exists()  # a read creates nothing
+
+
+def test_ls_with_an_unreachable_bucket_lists_the_local_steps_and_says_the_bucket_was_not_reached(tmp_path):
+    local = tmp_path / "local"
+    save_steps(local, None, None, [1, 2], upload=False)
+    nothing_listens = f"http://127.0.0.1:{free_port()}"  # bound, then closed: connections are refused
+    config = write_s3_config(tmp_path / "ckpt.toml", local, "s3://tiered-unreachable/run", nothing_listens)
+    env = {**s3_credentials_env(), "TIERED_CKPT_UPLOAD_MAX_TRIES": "1"}
+    code, out, err = run(env, "--config", str(config), "--json", "ls")
+    assert code == 1, err
+    rows = json.loads(out)
+    assert [(row["step"], row["local"], row["remote"]) for row in rows] == [
+        (1, "committed", "unreachable"), (2, "committed", "unreachable")
+    ]  # fmt: skip
+    assert rows[1]["world_size"] == 4 and rows[1]["bytes"] > 0
+    assert "tiered-ckpt: the bucket could not be reached; only the local steps are listed" in err
+    assert "s3://tiered-unreachable" in err
+    code, out, err = run(env, "--config", str(config), "ls")
+    assert code == 1 and re.search(r"^\s+2\s+committed\s+unreachable\s", out, re.M), out + err
+
+
+def test_show_on_one_ranks_directory_lists_that_ranks_arrays_and_names_the_others(tmp_path):
+    root = tmp_path / "rank-1"  # the directory of rank 1 of a 2-rank job, as under torchrun
+    states = [{"w": np.arange(64, dtype=np.float32)}, {"w": np.zeros(64, dtype=np.float32), "b": np.ones(3)}]
+    manifest = save_sharded(states, root / step_dir_name(4), 4)
+    (root / step_dir_name(4) / shard_name(0, 2)).unlink()  # rank 0's shard is on its node
+    tier = LocalTier(root)
+    with tier.lock():
+        tier.record_held(4, manifest, [1])
+    code, out, err = run(os.environ, "--json", "show", "4", "--local-dir", str(root))
+    assert code == 0, err
+    assert sorted((row["rank"], row["name"], row["shape"]) for row in json.loads(out)) == [
+        (1, "b", [3]), (1, "w", [64])
+    ]  # fmt: skip
+    assert f"{root} holds the shards of rank 1 of 2" in err and "those of rank 0 are on other nodes' disks" in err
+    code, out, err = run(os.environ, "show", "4", "--local-dir", str(root))
+    assert code == 0 and out.splitlines()[-1].startswith("step 4: 2 arrays in 1 of 2 shards"), out + err
+
+
+def test_a_failed_pull_leaves_no_step_directory_behind(setup):
+    config, local, url, options, env = setup
+    save_steps(local, url, options, [7])
+    import shutil
+
+    shutil.rmtree(local)  # a fresh node
+    tier = RemoteTier(url, options)
+    key = f"{tier.backend.root}/{step_dir_name(7)}/{shard_name(2, 4)}"
+    damaged = bytearray(tier.backend.fs.cat_file(key))
+    damaged[99] ^= 0xFF
+    tier.backend.fs.pipe_file(key, bytes(damaged))
+    code, out, err = run(env, "--config", str(config), "pull")
+    assert code == 1 and out == "" and "ChecksumMismatchError" in err, err
+    assert not local.exists()  # neither the step's directory nor the root it made
+    local.mkdir()
+    code, out, err = run(env, "--config", str(config), "pull")
+    assert code == 1 and os.listdir(local) == [], err  # a directory that was there stays, empty
+
+
+def _with_its_output_closed(env, *args):
+    """Run the CLI writing to a pipe whose reading end is closed before it starts (a reader that
+    went away, as ``head`` does once it has read enough); return (exit code, stderr)."""
+    reader, writer = os.pipe()
+    os.close(reader)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "tiered_ckpt", *args], stdout=writer, stderr=subprocess.PIPE, text=True, env=env,
+            timeout=300,
+        )  # fmt: skip
+    finally:
+        os.close(writer)
+    return result.returncode, result.stderr
+
+
+@pytest.mark.parametrize(
+    "command, buffered",
+    [(["--json", "ls"], True), (["--json", "ls"], False), (["status"], True), (["verify"], True),
+     (["show", "3"], True), (["--version"], True)],  # unbuffered, argparse ignores a failed write of --version
+    ids=["ls-json", "ls-json-unbuffered", "status", "verify", "show", "version"],
+)  # fmt: skip
+def test_a_reader_that_closes_the_output_early_ends_the_command_quietly(tmp_path, command, buffered):
+    with CheckpointManager(tmp_path, world_size=2) as manager:
+        manager.save(3, [{"w": np.arange(4.0)}, {"w": np.arange(4.0)}], blocking=True)
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONUNBUFFERED"}
+    if not buffered:  # each print is written at once: the write itself fails, not the flush at exit
+        env["PYTHONUNBUFFERED"] = "1"
+    code, err = _with_its_output_closed(env, *command, "--local-dir", str(tmp_path))
+    assert (code, err) == (141, "")  # as a Unix tool that SIGPIPE ended: no traceback, no "Exception ignored"

@@ -370,6 +370,7 @@ def test_a_step_directory_that_is_a_symlink_is_not_a_step(tmp_path):
     tier = LocalTier(tmp_path / "root")
     with tier.lock():
         tier.new_step_dir(1)
+        (tier.step_dir(1) / "part").write_bytes(b"a step being written")
         (tier.root / step_dir_name(2)).symlink_to(tier.step_dir(1))
         assert tier.uncommitted_steps() == [1]
 
@@ -391,3 +392,12 @@ def test_opening_a_step_leaves_a_temp_file_being_written_and_its_writer_clears_c
         in_flight.write_bytes(b"{}")
         assert tier.new_step_dir(3) == directory and in_flight.exists()
         assert tier.clear_temp_files(3) == [in_flight.name] and not in_flight.exists()
+
+
+def test_an_empty_step_directory_is_no_step(tmp_path):
+    tier = LocalTier(tmp_path / "root")
+    with tier.lock():
+        tier.new_step_dir(1)  # made, nothing written into it yet (or a failed pull's, before it was cleaned up)
+        assert tier.list_steps() == ([], [])
+        (tier.step_dir(1) / "part").write_bytes(b"a step being written")
+        assert tier.list_steps() == ([], [1])

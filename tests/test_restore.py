@@ -274,3 +274,26 @@ def test_a_failed_check_of_the_caller_is_raised_by_restore_and_locate_inside_the
             restorer.locate(None, checked=refused)
         assert restorer.restore(None, **arguments, checked=Attempt.run(lambda: None)).step == 1
         assert restorer.locate(None).step == 1
+
+
+@pytest.mark.parametrize("reshard", [False, True])
+def test_shrinking_the_world_size_without_a_bucket_says_what_restores_it_not_file_is_missing(
+    two_rank_disks, tmp_path, reshard
+):
+    """The job of two nodes resumes on node 0 alone: one process, its disk holding rank 0's shards only."""
+    shutil.copytree(two_rank_disks / "nodes" / "rank-0", tmp_path / "nodes" / "rank-0")
+    (result,) = run_ranks(tmp_path, 1, [{"do": "restore", "reshard": reshard}]).values()
+    kind, message = result["error"]
+    assert kind == ("IncompleteCheckpointError" if reshard else "WorldSizeMismatchError"), result
+    assert "file is missing" not in message
+    assert (
+        "step 2 was saved by 2 ranks; the shards of ranks [1] are not on this node's disk and no remote tier holds "
+        "the step; reading another node's shards (to reshard, or after ranks moved between nodes) needs a bucket "
+        "(remote.url) holding it"
+    ) in message, message
+    if not reshard:  # resharding is not all it takes: say so, as the growing job's error does
+        assert message.endswith(
+            "to restore it on 1 rank, give the job a bucket holding step 2 (remote.url) and restore with "
+            "reshard=True (--reshard)"
+        ), message
+    assert LocalTier(tmp_path / "nodes" / "rank-0").steps() == [1, 2]  # nothing deleted

@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import re
+import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,8 @@ from tiered_ckpt import __version__
 from tiered_ckpt.compose import open_store
 from tiered_ckpt.config import ENV_PREFIX, Config, load_config
 from tiered_ckpt.engine.replication import Replicator
-from tiered_ckpt.errors import CheckpointError, ConfigError, IncompleteCheckpointError, UsageError
+from tiered_ckpt.engine.restore_result import rank_ranges
+from tiered_ckpt.errors import CheckpointError, ConfigError, IncompleteCheckpointError, RemoteError, UsageError
 from tiered_ckpt.export import export_step
 from tiered_ckpt.format.layout import MANIFEST_NAME, parse_step_dir_name
 from tiered_ckpt.format.manifest import ShardRecord
@@ -37,6 +40,7 @@ from tiered_ckpt.tiers.store import TieredStore
 __all__ = ["main", "DESCRIPTION", "EPILOG"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # what a shell reports for a tool that SIGPIPE ended
 _POLL_SECONDS = 0.1  # how often push looks at what the uploader has left
 
 DESCRIPTION = """\
@@ -63,10 +67,13 @@ overridden by its variable, and both by an option):
                                     from a config file)
 
 exit codes:
-  0  success
-  1  a shard or manifest failed verification, or an operation failed
-  2  bad usage: an invalid option or config, or a local directory that does not
-     exist or is a step directory"""
+  0    success
+  1    a shard or manifest failed verification, or an operation failed (ls: the
+       bucket could not be reached; the local steps are still listed)
+  2    bad usage: an invalid option or config, or a local directory that does not
+       exist (ls, status, show, export and verify --remote read the bucket alone
+       when one is configured) or is a step directory
+  141  the output's reader closed it early (| head); nothing more was printed"""
 
 
 def _store(config: Config) -> TieredStore:
@@ -124,19 +131,38 @@ def _absent(state: str) -> str | None:
     return None if state == "-" else state
 
 
+_UNREACHABLE = "unreachable"  # ls: the remote state of every step while the bucket cannot be reached
+
+
+def _statuses(config: Config) -> tuple[list[survey.StepStatus], RemoteError | None]:
+    """Every step the config's tiers know of, and the failure that kept the bucket from being
+    listed (None: it was listed). A bucket that cannot be reached now (a transient failure,
+    once the retry policy gave up) leaves the local steps to list; one that is missing or
+    refuses access (permanent) fails the command."""
+    try:
+        return survey.step_statuses(_store(config)), None
+    except RemoteError as exc:
+        if not exc.transient or config.remote is None:
+            raise
+        return survey.step_statuses(open_store(config.local, None, None)), exc
+
+
 def command_ls(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     """Every step either tier knows of. A step whose manifest is damaged is listed and marked
     (its problem in ``problem``, and on stderr); the command still exits 0, since the listing
-    itself succeeded: ``tiered-ckpt verify`` exits 1 for it."""
+    itself succeeded: ``tiered-ckpt verify`` exits 1 for it. A bucket that cannot be reached
+    is said on stderr and in every row's remote state (``unreachable``), the local steps are
+    listed, and the command exits 1: the listing is incomplete."""
     rows: list[dict[str, Any]] = []
     now = time.time()
-    for status in survey.step_statuses(_store(config)):  # a config describes the local tier and the bucket
+    statuses, unreachable = _statuses(config)
+    for status in statuses:
         manifest = status.manifest
         rows.append(
             {
                 "step": status.step,
                 "local": _absent(status.local),
-                "remote": _absent(status.remote),
+                "remote": _UNREACHABLE if unreachable is not None else _absent(status.remote),
                 "world_size": manifest.world_size if manifest else None,
                 "local_ranks": list(status.held_ranks) if status.held_ranks is not None else None,
                 "bytes": manifest.total_bytes if manifest else None,
@@ -160,6 +186,13 @@ def command_ls(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
                 f"tiered-ckpt: step {row['step']} is damaged: {row['problem']} (see tiered-ckpt verify {row['step']})",
                 file=sys.stderr,
             )
+    if unreachable is not None:
+        print(
+            f"tiered-ckpt: the bucket could not be reached; only the local steps are listed, each remote state "
+            f"shown as {_UNREACHABLE}: {unreachable}",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED, (rows, "\n".join(lines))
     return EXIT_OK, (rows, "\n".join(lines))
 
 
@@ -281,14 +314,22 @@ def command_prune(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
 def command_show(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     """The arrays of one step, rank by rank: tensor name (what ``restore(paths=...)`` takes),
     dtype, shape and bytes, from each shard's header, verified, read from the nearest tier
-    (a few KB per shard: no shard is read whole, nothing is written)."""
+    (a few KB per shard: no shard is read whole, nothing is written).
+
+    On one rank's directory of a multi-process job (no bucket holding the step), the ranks
+    whose shards are on other nodes' disks are named on stderr and left out."""
     store = _store(config)
     in_local = args.step in store.local.steps()
     in_remote = store.remote is not None and args.step in store.remote_steps()
     manifest, _remote = store.manifests(args.step, in_local=in_local, in_remote=in_remote)
+    later = store.readable(in_remote)
+    held = set(store.local.held_ranks(args.step, manifest)) if in_local else set()
+    elsewhere = [] if later else [record.rank for record in manifest.shards if record.rank not in held]
     rows: list[dict[str, Any]] = []
     for record in manifest.shards:
-        header, tier = store.read_shard_header(args.step, record, later=store.readable(in_remote))
+        if record.rank in elsewhere:
+            continue
+        header, tier = store.read_shard_header(args.step, record, later=later)
         for entry in sorted(header.arrays.values(), key=lambda entry: entry.name):
             rows.append(
                 {"rank": record.rank, "name": entry.name, "dtype": DTYPE_CODES[entry.dtype],
@@ -298,10 +339,21 @@ def command_show(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     for row in rows:
         shape = "x".join(map(str, row["shape"])) or "scalar"
         lines.append(f"{row['rank']:>5}  {row['dtype']:<5} {shape:<20} {human_size(row['bytes']):>9}  {row['name']}")
-    lines.append(
-        f"step {args.step}: {len(rows)} arrays in {manifest.world_size} shards, {human_size(manifest.total_bytes)}"
-    )
+    shards = f"{manifest.world_size - len(elsewhere)} of {manifest.world_size}" if elsewhere else manifest.world_size
+    lines.append(f"step {args.step}: {len(rows)} arrays in {shards} shards, {human_size(manifest.total_bytes)}")
+    if elsewhere:
+        print(
+            f"tiered-ckpt: step {args.step}: {store.local.root} holds the shards of {_ranks(held)} of "
+            f"{manifest.world_size} (one node's part of a multi-process job); those of {_ranks(elsewhere)} are on "
+            "other nodes' disks: give the bucket holding the step (--remote-url) to list them too",
+            file=sys.stderr,
+        )
     return EXIT_OK, (rows, "\n".join(lines))
+
+
+def _ranks(ranks: Collection[int]) -> str:
+    """``rank 2`` or ``ranks 0-1,3``."""
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {rank_ranges(ranks)}"
 
 
 _SIZE = re.compile(r"(\d+)\s*([KMGT]i?B|B)?", re.IGNORECASE)
@@ -424,7 +476,24 @@ COMMANDS: dict[str, Callable[[Config, argparse.Namespace], tuple[int, Any]]] = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; return its exit code. A reader that closes the output early (``| head``)
+    ends the command quietly with :data:`EXIT_BROKEN_PIPE`, as a Unix tool killed by SIGPIPE."""
     arguments = list(sys.argv[1:] if argv is None else argv)
+    try:
+        try:
+            return _run(arguments)
+        finally:  # the output still buffered is written here, not at exit where a failure prints a traceback
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # Nothing more can reach the reader; stdout goes to /dev/null so that the interpreter's
+        # own flush at exit finds nothing to fail on.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+
+
+def _run(arguments: list[str]) -> int:
     if arguments[:1] == ["demo"]:
         from tiered_ckpt.demo import main as demo_main
 
@@ -433,10 +502,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     given = {name: getattr(args, flag.removeprefix("--").replace("-", "_")) for name, flag in _FLAGS.items()}
     try:
         config = load_config(args.config, overrides={key: value for key, value in given.items() if value is not None})
-        # pull creates the directory it fills; verify --remote reads the bucket only
-        reads_only = args.command in ("show", "export")  # from the bucket alone if need be
+        # pull creates the directory it fills; verify --remote, and the commands that only read,
+        # read the bucket alone if need be
+        reads_only = args.command in ("ls", "status", "show", "export")
         bucket_only = (getattr(args, "remote", False) or reads_only) and config.remote is not None
         _check_local_dir(config, may_be_missing=args.command == "pull" or bucket_only)
+        if bucket_only and not config.local.dir.exists():  # said, so that a mistyped directory is noticed
+            where = _origin(config, "local.dir")
+            print(f"tiered-ckpt: {config.local.dir} (local.dir, from {where}) does not exist; reading the bucket alone",
+                  file=sys.stderr)  # fmt: skip
         code, (data, text) = COMMANDS[args.command](config, args)
     except (ConfigError, UsageError) as exc:
         print(f"tiered-ckpt: {_as_flags(str(exc))}", file=sys.stderr)

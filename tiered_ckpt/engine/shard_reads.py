@@ -35,7 +35,14 @@ from tiered_ckpt.dist.reshard import (
 )
 from tiered_ckpt.engine.refill import Refill
 from tiered_ckpt.engine.restore_result import RestoreResult
-from tiered_ckpt.errors import CheckpointError, IncompleteCheckpointError, InvalidStateError, UsageError, restated
+from tiered_ckpt.errors import (
+    CheckpointError,
+    IncompleteCheckpointError,
+    InvalidStateError,
+    UsageError,
+    WorldSizeMismatchError,
+    restated,
+)
 from tiered_ckpt.format.differences import into_difference
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.format.remote_manifest import RemoteManifest
@@ -156,6 +163,7 @@ class ShardReader:
             )
             manifest, remote = store.manifests(step, in_local=in_local, in_remote=in_remote)
             if not reshard:
+                self._check_reshardable_here(manifest, target, in_remote)
                 check_world_size(manifest, target, str(store.local.step_dir(step)))
             if paths is not None:
                 if manifest.world_size != target and (targets is not None or any(r.chunks for r in manifest.shards)):
@@ -175,7 +183,7 @@ class ShardReader:
             elif into_list is not None and len(into_list) != len(self._ranks):
                 raise InvalidStateError(f"into holds {len(into_list)} rank states, this process restores one")
             wanted = self._needed(manifest, target)
-            if not in_remote and not self._one_process:
+            if not in_remote:
                 self._check_on_this_node(manifest, wanted)
             deferred: list[Landing] = []
             with self._step_dir(step) as created:
@@ -313,7 +321,7 @@ class ShardReader:
         plans = [plan_chunks(manifest, state, rank, target) for rank, state in zip(self._ranks, targets, strict=True)]
         if from_peers:
             plans = [_without_replicas(plan, manifest.shard(plan.plain_source)) for plan in plans]
-        if not in_remote and not self._one_process:
+        if not in_remote:
             self._check_on_this_node(manifest, sorted({rank for plan in plans for rank in plan.reads}))
         names: dict[int, set[str]] = {}
         direct: dict[int, dict[str, np.ndarray]] = {}
@@ -375,7 +383,7 @@ class ShardReader:
         if targets is not None and len(targets) != len(self._ranks):
             raise InvalidStateError(f"into holds {len(targets)} rank states, this process restores {len(self._ranks)}")
         wanted = self._needed(manifest, target)
-        if not selection.in_remote and not self._one_process:
+        if not selection.in_remote:
             self._check_on_this_node(manifest, wanted)
         later = self._store.readable(selection.in_remote)
         whole = [rank for rank in wanted if not (manifest.shard(rank).chunks or manifest.shard(rank).array_xxh3_64)]
@@ -440,14 +448,45 @@ class ShardReader:
     def _check_on_this_node(self, manifest: ShardManifest, ranks: list[int]) -> None:
         """Without a bucket, a rank can read only the shards on its own disk (or, with a later tier
         of each node's own, such as a partner's memory, what that tier holds): say so if some are not."""
-        if any(tier is not self._store.remote for tier in self._store.later):
-            return  # the chain tries that tier, and names every copy it tried if none verifies
-        local = self._store.local
-        absent = [rank for rank in ranks if not local.shard_path(manifest.step, manifest.shard(rank)).is_file()]
-        if absent:
-            raise IncompleteCheckpointError(
-                f"{local.step_dir(manifest.step)}: step {manifest.step} was saved by {manifest.world_size} ranks; "
-                f"the shards of ranks {absent} are not on this node's disk and no remote tier holds the step; "
-                "reading another node's shards (to reshard, or after ranks moved between nodes) needs a bucket "
-                "(remote.url) holding it"
+        problem = self._not_on_this_node(manifest, ranks)
+        if problem is not None:
+            raise IncompleteCheckpointError(problem)
+
+    def _check_reshardable_here(self, manifest: ShardManifest, target: int, in_remote: bool) -> None:
+        """A restore on another world size without ``reshard``: if the disk could not serve the
+        reshard either (no bucket holds the step), say what would restore it, not only to reshard."""
+        if manifest.world_size == target or in_remote:
+            return
+        problem = self._not_on_this_node(manifest, self._needed(manifest, target))
+        if problem is not None:
+            raise WorldSizeMismatchError(
+                f"{problem}; to restore it on {target} rank{'' if target == 1 else 's'}, give the job a bucket "
+                f"holding step {manifest.step} "
+                "(remote.url) and restore with reshard=True (--reshard)"
             )
+
+    def _not_on_this_node(self, manifest: ShardManifest, ranks: list[int]) -> str | None:
+        """What keeps this process from reading ``ranks``' shards of a step no bucket holds (None: nothing).
+
+        With one process per rank, each node's disk holds its own ranks' shards; one process
+        holding every rank can be given one node's directory too, whose records say which ranks
+        it holds (a shard it should hold and lacks is a damaged disk, which the chain names)."""
+        if any(tier is not self._store.remote for tier in self._store.later):
+            return None  # the chain tries that tier, and names every copy it tried if none verifies
+        local, step = self._store.local, manifest.step
+        if self._one_process:
+            try:
+                held = set(local.held_ranks(step, manifest)) if step in local.steps() else set()
+            except CheckpointError:
+                return None  # a damaged record: the reads name what is wrong
+            absent = [rank for rank in ranks if rank not in held]
+        else:
+            absent = [rank for rank in ranks if not local.shard_path(step, manifest.shard(rank)).is_file()]
+        if not absent:
+            return None
+        return (
+            f"{local.step_dir(step)}: step {step} was saved by {manifest.world_size} ranks; "
+            f"the shards of ranks {absent} are not on this node's disk and no remote tier holds the step; "
+            "reading another node's shards (to reshard, or after ranks moved between nodes) needs a bucket "
+            "(remote.url) holding it"
+        )

@@ -96,6 +96,15 @@ def _read_errors(what: str) -> Iterator[None]:
         raise IncompleteCheckpointError(f"{what}: read error: {exc.strerror or exc}") from exc
 
 
+def _holds_anything(directory: Path) -> bool:
+    """True if ``directory`` has an entry (False if it is empty or gone)."""
+    try:
+        with os.scandir(directory) as entries:
+            return next(entries, None) is not None
+    except FileNotFoundError:
+        return False
+
+
 def _remove_empty(directories: list[Path]) -> None:
     """Remove ``directories`` (each the parent of the one before) while they are empty."""
     for directory in directories:
@@ -209,10 +218,16 @@ class LocalTier:
         return (self.step_dir(step) / MANIFEST_NAME).is_file()
 
     def list_steps(self) -> tuple[list[int], list[int]]:
-        """(committed, uncommitted): step directories with a manifest, and those without (being
-        written, or left by a crash), each oldest first."""
-        listed = [(step, (directory / MANIFEST_NAME).is_file()) for step, directory in self._step_dirs()]
-        return sorted(s for s, done in listed if done), sorted(s for s, done in listed if not done)
+        """(committed, uncommitted): step directories with a manifest, and those without that hold
+        something (being written, or left by a crash), each oldest first. An empty step directory
+        holds nothing of a step and is in neither."""
+        committed, uncommitted = [], []
+        for step, directory in self._step_dirs():
+            if (directory / MANIFEST_NAME).is_file():
+                committed.append(step)
+            elif _holds_anything(directory):
+                uncommitted.append(step)
+        return sorted(committed), sorted(uncommitted)
 
     def steps(self) -> list[int]:
         return self.list_steps()[0]
@@ -356,7 +371,7 @@ class LocalTier:
 
     def land_shard(
         self, step: int, record: ShardRecord | str, source: ShardSource, *, deadline: float | None = None,
-        sync_directory: bool = True, cached: bool = False,
+        sync_directory: bool = True, cached: bool = False, copy_of: str | None = None,
     ) -> ShardDigest:  # fmt: skip
         """Write ``source``'s bytes as ``record``'s shard in ``step`` (its directory made if needed),
         atomically: the file appears under its name only once what was written matches the record
@@ -367,11 +382,15 @@ class LocalTier:
         built from the digest returned. A ``path`` source is copied (``write`` is preferred
         when both are given). ``sync_directory=False`` leaves the directory's fsync to
         :meth:`commit`, for many shards landed at once; ``cached=True`` writes through the page
-        cache (a refill about to be read back). ``deadline`` is unused (a disk has no transient failures)."""
+        cache (a refill about to be read back). ``copy_of`` names the copy the bytes come from (a
+        bucket's object), for the error if they do not match: the copy failed, not this disk (default:
+        the path they land at). ``deadline`` is unused (a disk has no transient failures)."""
         del deadline
         path = self.new_step_dir(step) / (record if isinstance(record, str) else record.path)
         write = source.write if source.write is not None else partial(_copy_file, source.path)
-        check = None if isinstance(record, str) else partial(record.verify, what=f"rank {record.rank} shard {path}")
+        check = None
+        if not isinstance(record, str):
+            check = partial(record.verify, what=f"rank {record.rank} shard {copy_of or path}")
         digest: ShardDigest = atomic_write(path, write, check=check, sync_directory=sync_directory, direct=not cached)
         return digest
 

@@ -34,7 +34,8 @@ def pull(
 
     Local shards that verify are kept; the others are streamed from the bucket and verified
     (:meth:`TieredStore.download_shard`), then the step is committed locally with the bucket's
-    receipt. Returns the step and, per rank, the name of the tier each shard on disk came
+    receipt. A pull that fails leaves the local tier as it was: a step directory it created is
+    removed, with the shards it landed. Returns the step and, per rank, the name of the tier each shard on disk came
     from. ``progress`` is called with each shard and where it came from once it is on disk.
     """
     remote_tier = store.remote
@@ -45,6 +46,7 @@ def pull(
     if step is None or step not in remote_steps:
         raise IncompleteCheckpointError(f"{remote_tier.url}: step {step} is not committed remotely")
     remote = remote_tier.read_manifest(step)
+    created = not store.local.step_dir(step).is_dir()
     store.local.new_step_dir(step)
 
     def fetch(record: ShardRecord) -> Source:
@@ -57,6 +59,11 @@ def pull(
         return source
 
     was_committed = step in store.local.steps()
-    sources = run_parallel(fetch, remote.manifest.shards, max_workers)
-    store.record_refill(remote.manifest, remote, range(remote.manifest.world_size), was_committed)
+    try:
+        sources = run_parallel(fetch, remote.manifest.shards, max_workers)
+        store.record_refill(remote.manifest, remote, range(remote.manifest.world_size), was_committed)
+    except BaseException:
+        if created:  # a step directory without a manifest would be listed as a step being written
+            store.local.discard_uncommitted(step)
+        raise
     return PullResult(step, MappingProxyType(dict(enumerate(sources))))

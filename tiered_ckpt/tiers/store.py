@@ -204,8 +204,11 @@ class TieredStore:
         if tier is None or tier is self.local:
             raise UsageError("downloading a shard needs a tier after the first (remote.url)")
 
+        copy = tier.shard_location(step, record)  # a copy that does not match is the bucket's, not this disk's
+
         def land(source: BinaryIO) -> None:  # through the page cache: the read that follows finds it there
-            self.local.land_shard(step, record, ShardSource(write=lambda out: copy_and_hash(source, out)), cached=True)
+            write = ShardSource(write=lambda out: copy_and_hash(source, out))
+            self.local.land_shard(step, record, write, cached=True, copy_of=copy)
 
         tier.open_shard(step, record, land)
 
@@ -290,7 +293,7 @@ class TieredStore:
         good copy back), one this node never held (a replaced node, a reshard) at INFO. Each
         failed try of a later tier is logged at WARNING.
         """
-        tried: list[tuple[str, CheckpointError]] = []
+        tried: list[tuple[str, str, CheckpointError]] = []
         chain = [self.local, *(tier for tier in self.later if later is None or tier.name in later)]
         for tier in chain:
             where = tier.shard_location(step, record)
@@ -301,7 +304,7 @@ class TieredStore:
                 except (*_READ_FAILURES, RemoteError) as error:
                     if first and (isinstance(error, RemoteError) or len(chain) == 1):
                         raise
-                    tried.append((f"{tier.name} {where}", error))
+                    tried.append((tier.name, where, error))
                     if not first:
                         logger.warning("step %d rank %d: try %d of %d of %s failed: %s", step, record.rank, attempt,
                                        _TRIES_OF_A_LATER_TIER, where, error)  # fmt: skip
@@ -311,7 +314,7 @@ class TieredStore:
                 if self._held_locally(step, record.rank):
                     done = "repaired the local copy from" if refills else "read it instead from"
                     logger.warning(
-                        "step %d rank %d: %s %s; the local copy failed: %s", step, record.rank, done, where, tried[0][1]
+                        "step %d rank %d: %s %s; the local copy failed: %s", step, record.rank, done, where, tried[0][2]
                     )
                 else:
                     logger.info("step %d rank %d: not on this node's disk; read from %s", step, record.rank, where)
@@ -410,11 +413,20 @@ class TieredStore:
             self.record_commit(step, self.remote, remote)
 
 
-def _no_copy_verifies(record: ShardRecord, tried: list[tuple[str, CheckpointError]]) -> NoReturn:
-    mismatch = any(isinstance(error, ChecksumMismatchError) for _copy, error in tried)
+def _no_copy_verifies(record: ShardRecord, tried: list[tuple[str, str, CheckpointError]]) -> NoReturn:
+    """Raise the error of a shard no copy of which verified: each copy of ``tried`` (tier name,
+    location, error of each try) named once, by its tier and location, with what its tries found
+    (once, if every try found the same)."""
+    mismatch = any(isinstance(error, ChecksumMismatchError) for _tier, _where, error in tried)
     error_type = ChecksumMismatchError if mismatch else IncompleteCheckpointError
-    listing = "; ".join(f"{copy}: {error}" for copy, error in tried)
-    raise error_type(f"rank {record.rank}: no copy verifies; tried {listing}") from tried[-1][1]
+    copies: dict[tuple[str, str], list[str]] = {}
+    for tier, where, error in tried:
+        copies.setdefault((tier, where), []).append(str(error))
+    listing = []
+    for (tier, where), problems in copies.items():
+        tries = f" ({len(problems)} tries)" if len(problems) > 1 else ""
+        listing.append(f"{tier} {where}{tries}: {'; then '.join(dict.fromkeys(problems))}")
+    raise error_type(f"rank {record.rank}: no copy verifies; tried {'; '.join(listing)}") from tried[-1][2]
 
 
 def _verified_header(

@@ -178,7 +178,7 @@ def test_every_numeric_option_has_a_bound():
 
 
 @pytest.mark.parametrize("kind, name", sorted(BOUNDS, key=lambda key: (GROUP_OF[key[0]], key[1])))
-@FEW
+@settings(max_examples=25, deadline=None)  # loads a config per example: no per-example time limit on a busy machine
 @given(data=st.data())
 def test_a_number_above_its_bound_is_refused_naming_the_field_by_the_option_and_by_load_config(kind, name, data):
     value = data.draw(above(kind, name), "value")

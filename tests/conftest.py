@@ -642,6 +642,7 @@ _TESTS = Path(__file__).resolve().parent
 
 _SLOW = (  # test file::test id; a test's name alone covers all its parameters, an id may be cut short
     "test_agreement.py::test_a_variable_set_on_one_rank_only_fails_every_rank_at_construction_naming_it",
+    "test_agreement.py::test_options_one_rank_refuses_for_a_variable_only_it_has_fail_every_rank_at_construction",
     "test_agreement.py::test_peer_nodes_naming_fewer_ranks_than_the_job_is_a_config_error_on_every_rank",
     "test_azure.py::test_a_store_that_never_answers_a_put_fails_it_as_transient",
     "test_bench.py::test_benchmark_runs_every_section_and_prints_its_ratios",

@@ -111,12 +111,22 @@ def temp_files(directory: Path) -> list[str]:
 
 
 def launch_ranks(
-    worker: Path, root: Path, world_size: int, config: dict, remote=None, killed: int | None = None
+    worker: Path,
+    root: Path,
+    world_size: int,
+    config: dict,
+    remote=None,
+    killed: int | None = None,
+    *,
+    env_by_rank: Mapping[int, Mapping[str, str]] | None = None,
+    limit: float = 300,
 ) -> dict[int, dict]:
     """Run ``world_size`` processes of ``worker`` (one job, joined through a file store, over
     ``root/nodes``) with ``config``; return each rank's result (``<results>/rank-<r>.json``).
 
-    ``killed`` is the rank expected to SIGKILL itself (it leaves no result).
+    ``killed`` is the rank expected to SIGKILL itself (it leaves no result). ``env_by_rank``
+    adds variables to some ranks' environments. A process still running after ``limit``
+    seconds fails the test (a guard against a hang).
     """
     launch = root / f"launch-{len(list(root.glob('launch-*')))}"
     (launch / "results").mkdir(parents=True)
@@ -130,12 +140,16 @@ def launch_ranks(
     if remote is not None:
         config["url"], config["options"] = remote
     (launch / "config.json").write_text(json.dumps(config))
+    environments = env_by_rank or {}
     processes = [
-        subprocess.Popen([sys.executable, str(worker), str(launch / "config.json"), str(rank)])
+        subprocess.Popen(
+            [sys.executable, str(worker), str(launch / "config.json"), str(rank)],
+            env={**os.environ, **environments.get(rank, {})},
+        )
         for rank in range(world_size)
     ]
     try:
-        codes = [process.wait(timeout=300) for process in processes]  # a guard against a hang, not a timing
+        codes = [process.wait(timeout=limit) for process in processes]  # a guard against a hang, not a timing
     finally:
         for process in processes:
             process.kill()
@@ -627,6 +641,9 @@ _OTHER_PROCESSES = frozenset({"gcs_endpoint", "azurite_endpoint"})
 _TESTS = Path(__file__).resolve().parent
 
 _SLOW = (  # test file::test id; a test's name alone covers all its parameters, an id may be cut short
+    "test_agreement.py::test_a_variable_set_on_one_rank_only_fails_every_rank_at_construction_naming_it",
+    "test_agreement.py::test_options_one_rank_refuses_for_a_variable_only_it_has_fail_every_rank_at_construction",
+    "test_agreement.py::test_peer_nodes_naming_fewer_ranks_than_the_job_is_a_config_error_on_every_rank",
     "test_azure.py::test_a_store_that_never_answers_a_put_fails_it_as_transient",
     "test_bench.py::test_benchmark_runs_every_section_and_prints_its_ratios",
     "test_bench.py::test_fresh_processes_print_every_target_of_issue_26_with_a_number_and_a_verdict",

@@ -2,10 +2,12 @@
 
 Joins a gloo job through a file store (no ports to pick), opens a CheckpointManager on
 ``<local_root>/rank-<RANK>`` (``<local_root>/shared`` with "shared_dir") with a
-TorchDistributedCoordinator, runs the config's actions in order, and writes what
-happened to ``<results>/rank-<RANK>.json``. A CheckpointError ends the actions and is
-recorded as ``error``: [class name, message]. With "subgroup": [ranks], only those
-ranks take part, through a coordinator on that process group (ranks renumbered in it).
+TorchDistributedCoordinator (with "config_file", as that config and this process's
+``TIERED_CKPT_*`` variables describe it, on ``<local_root>/rank-<RANK>``), runs the
+config's actions in order, and writes what happened to ``<results>/rank-<RANK>.json``.
+A CheckpointError ends the actions and is recorded as ``error``: [class name, message].
+With "subgroup": [ranks], only those ranks take part, through a coordinator on that
+process group (ranks renumbered in it).
 
 Actions: {"do": "save", "step": S, "step_by_rank": {R: S}, "text_on_rank": R} (R adds
 an array of text; "long_note_on_rank": R, a string whose shard header no reader accepts), {"do": "wait"} (until
@@ -97,7 +99,24 @@ def arm_kill(at: str) -> None:
 def run(config: dict, coordinator: TorchDistributedCoordinator, result: dict) -> None:
     rank, world_size = coordinator.rank, coordinator.world_size
     url = config.get("url_by_rank", {}).get(str(rank), config.get("url"))
-    checkpoints = CheckpointManager(
+    if "config_file" in config:  # as a job configures it: a file, and this process's environment
+        local = Path(config["local_root"]) / f"rank-{rank}"
+        checkpoints = CheckpointManager.from_config(config["config_file"], local=local, coordinator=coordinator)
+    else:
+        checkpoints = open_manager(config, rank, url, coordinator)
+    try:
+        for action in config["actions"]:
+            act(action, rank, world_size, checkpoints, coordinator, result)
+    except CheckpointError as exc:
+        result["error"] = [type(exc).__name__, str(exc)]
+    try:
+        checkpoints.close()
+    except CheckpointError as exc:
+        result["close_error"] = [type(exc).__name__, str(exc)]
+
+
+def open_manager(config: dict, rank: int, url: str | None, coordinator: TorchDistributedCoordinator):
+    return CheckpointManager(
         LocalOptions(
             Path(config["local_root"]) / ("shared" if config.get("shared_dir") else f"rank-{rank}"),
             keep_last=config.get("keep_last", 3),
@@ -111,15 +130,6 @@ def run(config: dict, coordinator: TorchDistributedCoordinator, result: dict) ->
         upload=UploadOptions(max_tries=1),
         runtime=RuntimeOptions(preemption_signals=(signal.SIGUSR1,)),
     )
-    try:
-        for action in config["actions"]:
-            act(action, rank, world_size, checkpoints, coordinator, result)
-    except CheckpointError as exc:
-        result["error"] = [type(exc).__name__, str(exc)]
-    try:
-        checkpoints.close()
-    except CheckpointError as exc:
-        result["close_error"] = [type(exc).__name__, str(exc)]
 
 
 def act(

@@ -7,8 +7,8 @@ import threading
 import numpy as np
 import pytest
 
-from tiered_ckpt import ConfigError, DirectoryInUseError, RemoteOptions, RuntimeOptions, UploadOptions, UsageError
-from tiered_ckpt.compose import check_process_layout, open_parts
+from tiered_ckpt import DirectoryInUseError, RemoteOptions, RuntimeOptions, UsageError
+from tiered_ckpt.compose import open_parts
 from tiered_ckpt.dist.coordination import Attempt, SingleProcessCoordinator
 from tiered_ckpt.engine.saving import check_save
 from tiered_ckpt.options import resolve_options
@@ -78,11 +78,3 @@ def test_maintenance_waits_for_the_writes_then_runs_on_the_store(tmp_path):
         assert pruned.aborted == () and pruned.kept_unproven == ()
     finally:
         parts.close("test")
-
-
-def test_skipping_steps_is_refused_with_one_process_per_rank(tmp_path):
-    options = resolve_options(tmp_path, upload=UploadOptions(when_behind="skip"))
-    check_process_layout(options, one_process=True)  # one process holds every rank: fine
-    with pytest.raises(ConfigError, match="^upload.when_behind is 'skip'") as caught:
-        check_process_layout(options, one_process=False)
-    assert caught.value.field == "upload.when_behind"

@@ -88,9 +88,12 @@ def test_a_relative_local_dir_is_taken_from_the_config_files_folder(tmp_path, mo
 
 
 class OneOfTwoRanks:
-    """A coordinator's answers for rank 0 of 2, for argument checks made before any collective."""
+    """Rank 0 of 2, whose partner sends what it sends: for the checks made by a manager's first collective."""
 
     world_size, local_ranks, is_leader = 2, (0,), True
+
+    def all_gather(self, payload):
+        return [payload, payload]
 
 
 def test_skip_from_a_config_is_refused_with_one_process_per_rank_naming_the_file_and_key(tmp_path):
@@ -114,6 +117,27 @@ def test_nan_infinite_and_negative_seconds_are_refused_naming_the_source_and_key
         load_config(environ={"TIERED_CKPT_LOCAL_DIR": "x", variable: value})
     with pytest.raises(ConfigError, match="must be"):
         UploadOptions(**{key: float(value)})
+
+
+@pytest.mark.parametrize(
+    "table, key, toml, variable",
+    [
+        ("upload", "deadline_seconds", "1" + "0" * 400, "1e300"),
+        ("remote", "orphan_age_seconds", "1" + "0" * 400, "1e300"),
+        ("remote", "lease_seconds", "1" + "0" * 400, "1e300"),
+        ("peer", "timeout_seconds", "1e14", "1e14"),
+        ("remote", "keep_last", "1" + "0" * 400, str(2**63)),
+    ],
+)
+def test_a_number_its_consumer_would_fail_on_is_refused_naming_the_source_and_key(tmp_path, table, key, toml, variable):
+    remote = "url = 'memory://bucket/run'\n" if table == "remote" else ""
+    path = write(tmp_path, f"[local]\ndir = 'x'\n[{table}]\n{remote}{key} = {toml}\n")
+    with pytest.raises(ConfigError, match=f"ckpt.toml: key '{table}.{key}' must be <= "):
+        load_config(path, environ={})
+    name = f"TIERED_CKPT_{table.upper()}_{key.upper()}"
+    environ = {"TIERED_CKPT_LOCAL_DIR": "x", "TIERED_CKPT_REMOTE_URL": "memory://bucket/run", name: variable}
+    with pytest.raises(ConfigError, match=rf"^environment \({name}\): key '{table}.{key}' must be <= "):
+        load_config(environ=environ)
 
 
 def test_an_unknown_override_names_the_key_and_how_keys_are_spelled(tmp_path):

@@ -346,9 +346,12 @@ def test_a_missing_bucket_on_one_rank_is_raised_by_every_rank_at_construction(tm
 
 
 class OneOfTwoRanks:
-    """A coordinator's answers for rank 0 of 2, for argument checks made before any collective."""
+    """Rank 0 of 2, whose partner sends what it sends: for the checks made by a manager's first collective."""
 
     world_size, local_ranks, is_leader = 2, (0,), True
+
+    def all_gather(self, payload):
+        return [payload, payload]
 
 
 def test_skipping_uploads_when_behind_is_refused_with_one_process_per_rank(tmp_path):

@@ -14,7 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tiered_ckpt.config import load_config
 from tiered_ckpt.errors import ConfigError, UsageError
+from tiered_ckpt.format.bounds import MAX_COUNT, MAX_PART_BYTES, MAX_SECONDS
 from tiered_ckpt.options import (
     GROUPS,
     LocalOptions,
@@ -69,6 +71,18 @@ UPLOAD_NUMBERS = {
     "part_bytes": (5 << 20, True, False),
     "part_concurrency": (1, True, False),
 }
+# (group, field) -> the largest value it takes, for every numeric option (the seconds' is MAX_SECONDS)
+BOUNDS = {
+    (kind, each.name): MAX_PART_BYTES if each.name == "part_bytes" else MAX_COUNT
+    for kind in GROUPS.values()
+    for each in fields(kind)
+    if str(each.type) in ("int", "int | None")
+} | {
+    (kind, each.name): MAX_SECONDS
+    for kind in GROUPS.values()
+    for each in fields(kind)
+    if str(each.type) in ("float", "float | None")
+}
 KEEPS = {LocalOptions: ("keep_last", "keep_every", "max_awaiting_upload"), RemoteOptions: ("keep_last", "keep_every")}
 KEEP_FIELDS = [(kind, name) for kind, names in KEEPS.items() for name in names]
 
@@ -88,7 +102,7 @@ def test_an_upload_number_below_its_minimum_is_refused_and_one_at_or_above_is_ke
     )
     error = refused(UploadOptions, name, data.draw(low, "low"))
     assert f">= {minimum}" in error.problem
-    high = st.integers(minimum, 1 << 40) if integer else st.floats(minimum, 1e9)
+    high = st.integers(minimum, BOUNDS[UploadOptions, name]) if integer else st.floats(minimum, MAX_SECONDS)
     value = data.draw(high, "high")
     assert getattr(UploadOptions(**{name: value}), name) == value
 
@@ -144,6 +158,38 @@ def test_ownership_seconds_are_checked_where_the_remote_options_are_made(name, m
     good = data.draw(st.floats(minimum, 1e9))
     options = RemoteOptions(URL, **{name: good})
     assert getattr(options.ownership, name) == good and isinstance(options.ownership, OwnershipPolicy)
+
+
+GROUP_OF = {kind: group for group, kind in GROUPS.items()}
+
+
+def above(kind, name):
+    """Numbers above the bound of option ``name``: the ones each consumer used to fail on among them."""
+    maximum = BOUNDS[kind, name]
+    if maximum != MAX_SECONDS:
+        return st.one_of(st.integers(min_value=maximum + 1), st.just(10**400))
+    floats = st.floats(min_value=maximum, exclude_min=True, allow_infinity=False)
+    return st.one_of(floats, st.integers(min_value=int(maximum) + 1), st.sampled_from([10**400, 1e300, 1e14]))
+
+
+def test_every_numeric_option_has_a_bound():
+    expected = {"local": 4, "remote": 5, "upload": 10, "runtime": 1, "peer": 3}  # every int and float field
+    assert {group: sum(GROUP_OF[kind] == group for kind, _ in BOUNDS) for group in expected} == expected
+
+
+@pytest.mark.parametrize("kind, name", sorted(BOUNDS, key=lambda key: (GROUP_OF[key[0]], key[1])))
+@settings(max_examples=25, deadline=None)  # loads a config per example: no per-example time limit on a busy machine
+@given(data=st.data())
+def test_a_number_above_its_bound_is_refused_naming_the_field_by_the_option_and_by_load_config(kind, name, data):
+    value = data.draw(above(kind, name), "value")
+    error = refused(kind, name, value)
+    assert error.problem.startswith("must be <= ") and len(str(error)) < 200, error
+    key = f"{GROUP_OF[kind]}.{name}"
+    overrides = {"local.dir": "/ckpt", key: value} | ({"remote.url": URL} if kind is RemoteOptions else {})
+    with pytest.raises(ConfigError, match=f"^override {re.escape(repr(key))}: key '{re.escape(key)}' must be <="):
+        load_config(overrides=overrides, environ={})
+    maximum = BOUNDS[kind, name]
+    assert getattr(build(kind, **{name: maximum}), name) == maximum  # the bound itself is taken
 
 
 # -- choices ---------------------------------------------------------------------------------

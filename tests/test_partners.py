@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tiered_ckpt import UsageError
+from tiered_ckpt import ConfigError, UsageError
 from tiered_ckpt.dist.partners import choose_partners, node_of
 
 
@@ -54,6 +54,7 @@ def test_the_node_comes_from_the_mapping_then_the_launcher_then_the_host_name():
     assert node_of(0, None, {}) == socket.gethostname()
 
 
-def test_a_mapping_that_does_not_name_this_rank_is_refused():
-    with pytest.raises(UsageError, match="names 2 ranks, but this process is rank 3"):
+def test_a_mapping_that_does_not_name_this_rank_is_a_config_error_naming_the_option():
+    with pytest.raises(ConfigError, match="^peer.nodes names 2 ranks, but this process is rank 3$") as caught:
         node_of(3, ("a", "b"), {})
+    assert caught.value.field == "peer.nodes"

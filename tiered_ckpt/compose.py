@@ -35,7 +35,7 @@ from tiered_ckpt.engine.replication import Backlog, Replicator
 from tiered_ckpt.engine.restore import Restorer
 from tiered_ckpt.engine.restore_result import RestoreResult
 from tiered_ckpt.engine.writer import Writer
-from tiered_ckpt.errors import DirectoryInUseError, ErrorBox, UploadError, UsageError, invalid_option, restated
+from tiered_ckpt.errors import DirectoryInUseError, ErrorBox, UploadError, UsageError, restated
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.selection import Paths
 from tiered_ckpt.format.state import State
@@ -50,22 +50,9 @@ from tiered_ckpt.tiers.pull import PullResult, pull
 from tiered_ckpt.tiers.store import TieredStore
 from tiered_ckpt.tiers.survey import Lag
 
-__all__ = ["Parts", "open_parts", "open_store", "check_process_layout"]
+__all__ = ["Parts", "open_parts", "open_store"]
 
 logger = logging.getLogger("tiered_ckpt")
-
-
-def check_process_layout(options: Options, one_process: bool) -> None:
-    """Raise :class:`ConfigError` for options one process per rank cannot run: ``when_behind='skip'``
-    (ranks could skip different steps). The error names the option, ``upload.when_behind``
-    (which :meth:`~tiered_ckpt.CheckpointManager.from_config` names with its file or variable)."""
-    if one_process or options.upload.when_behind != "skip":
-        return
-    problem = (
-        "is 'skip', which needs one process holding every rank "
-        "(with one process per rank, ranks could skip different steps); use 'wait'"
-    )
-    raise invalid_option("upload.when_behind", problem)
 
 
 @dataclass(frozen=True)

@@ -95,7 +95,8 @@ _TABLES = GROUPS
 class Config:
     """A validated configuration; ``source`` names where it came from, and ``origins`` where
     each value that is not a default came from (``{"upload.when_behind": "configs/x.yaml"}``,
-    or ``"environment (TIERED_CKPT_UPLOAD_WHEN_BEHIND)"``), for errors found later."""
+    or ``"environment (TIERED_CKPT_UPLOAD_WHEN_BEHIND)"``), and each table given where its
+    first key came from (``{"peer": "environment (TIERED_CKPT_PEER_EVERY)"}``), for errors found later."""
 
     local: LocalOptions
     remote: RemoteOptions | None = None
@@ -301,5 +302,13 @@ def _build(merged: dict[tuple[str, str], tuple[Any, str]], source: str) -> Confi
         runtime=_options("runtime", merged, source),
         peer=_options("peer", merged, source) if any(table == "peer" for table, _key in merged) else None,
         source=source,
-        origins={f"{table}.{key}": where for (table, key), (_value, where) in merged.items()},
+        origins=_origins(merged),
     )
+
+
+def _origins(merged: dict[tuple[str, str], tuple[Any, str]]) -> dict[str, str]:
+    """Where each key's value came from, and each table's first key (what turned the table on)."""
+    origins = {f"{table}.{key}": where for (table, key), (_value, where) in merged.items()}
+    for (table, _key), (_value, where) in merged.items():
+        origins.setdefault(table, where)
+    return origins

@@ -209,7 +209,8 @@ class UsageError(CheckpointError, ValueError):
 
 
 class ConfigError(UsageError):
-    """A configuration or option is not valid; the message names the file (or variable) and the key.
+    """A configuration or option is not valid, or the ranks' options differ where every rank must have
+    the same (see :mod:`~tiered_ckpt.agreement`); the message names the file (or variable) and the key.
 
     An option's own check sets ``field`` and ``problem`` (``"keep_last"``, ``"must be >= 1,
     got 0"``) so that a config loader can name the file and table it came from.

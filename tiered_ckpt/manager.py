@@ -26,7 +26,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, overload
 
-from tiered_ckpt.compose import PushResult, check_process_layout, open_parts
+from tiered_ckpt.agreement import agree_on_options
+from tiered_ckpt.compose import PushResult, open_parts
 from tiered_ckpt.config import Config, load_config
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, resolve_coordinator
 from tiered_ckpt.engine.restore import check_restore_arguments
@@ -96,10 +97,10 @@ class CheckpointManager:
         world_size: int | None = None,
         coordinator: Coordinator | None = None,
     ) -> None:
-        options = resolve_options(local, remote, upload, restore, runtime, peer)
+        resolved = Attempt.run(lambda: resolve_options(local, remote, upload, restore, runtime, peer))
         coordinator = resolve_coordinator(coordinator, world_size)
+        options = agree_on_options(coordinator, resolved)  # the first collective: every rank raises together
         self._ranks = tuple(coordinator.local_ranks)
-        check_process_layout(options, len(self._ranks) == coordinator.world_size)
         self.options = options
         self.world_size = coordinator.world_size
         self._coordinator = coordinator

@@ -11,7 +11,6 @@ failing check raises :class:`~tiered_ckpt.ConfigError` (also a ``ValueError``) w
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 from collections.abc import Iterable, Mapping, Sequence
@@ -23,6 +22,7 @@ import fsspec
 
 from tiered_ckpt.engine.replication import ReplicationPolicy, WhenBehind
 from tiered_ckpt.errors import ConfigError, UsageError, invalid_option, restated
+from tiered_ckpt.format.bounds import MAX_COUNT, MAX_PART_BYTES, MAX_SECONDS, check_number
 from tiered_ckpt.io.hashing import VERIFY_MODES, Verify
 from tiered_ckpt.tiers.compression import Compression, check_compression
 from tiered_ckpt.tiers.owners import OtherOwners, OwnershipPolicy
@@ -52,11 +52,8 @@ def _check_type(name: str, value: Any, types: tuple[type, ...]) -> None:
 
 
 def _check_number(name: str, value: Any, minimum: float, types: tuple[type, ...] = (int,)) -> None:
-    _check_type(name, value, types)
-    if isinstance(value, float) and not math.isfinite(value):  # nan passes every comparison
-        raise invalid_option(name, f"must be a finite number, got {value!r}")
-    if value < minimum:
-        raise invalid_option(name, f"must be >= {minimum}, got {value!r}")
+    """A count (``types`` int) up to :data:`MAX_COUNT`, or seconds up to :data:`MAX_SECONDS`."""
+    check_number(name, value, minimum, MAX_SECONDS if float in types else MAX_COUNT, types)
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -262,7 +259,7 @@ class UploadOptions:
         _check_choice("when_behind", self.when_behind, ("wait", "skip"))
         if self.deadline_seconds is not None:
             _check_number("deadline_seconds", self.deadline_seconds, 0.001, (int, float))
-        _check_number("part_bytes", self.part_bytes, 5 << 20)  # S3's smallest part
+        check_number("part_bytes", self.part_bytes, 5 << 20, MAX_PART_BYTES)  # S3's smallest part, see bounds
         _check_number("part_concurrency", self.part_concurrency, 1)
 
     @property

@@ -21,7 +21,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from tiered_ckpt.errors import UsageError
+from tiered_ckpt.errors import UsageError, invalid_option
 
 __all__ = ["Partners", "choose_partners", "node_of"]
 
@@ -31,7 +31,7 @@ def node_of(rank: int, nodes: Sequence[str] | None = None, environ: Mapping[str,
     env = os.environ if environ is None else environ
     if nodes is not None:
         if not 0 <= rank < len(nodes):
-            raise UsageError(f"peer.nodes names {len(nodes)} ranks, but this process is rank {rank}")
+            raise invalid_option("peer.nodes", f"names {len(nodes)} ranks, but this process is rank {rank}")
         return str(nodes[rank])
     if env.get("GROUP_RANK", "").strip().isdigit():
         return f"group-rank-{int(env['GROUP_RANK'])}"

@@ -121,6 +121,9 @@ def open_peer_tier(
             coordinator,
         )
         return None
+    if nodes is not None and len(nodes) < coordinator.world_size:  # the same on every rank: they agreed on it
+        named_ranks = f"{len(nodes)} rank{'' if len(nodes) == 1 else 's'}"
+        raise invalid_option("peer.nodes", f"names the node of {named_ranks}, but the job has {coordinator.world_size}")
 
     def named() -> _Node:
         _check_budget(memory_dir, max_bytes)

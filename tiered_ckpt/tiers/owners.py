@@ -43,6 +43,7 @@ import math
 import os
 import secrets
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -50,6 +51,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from tiered_ckpt.errors import CheckpointError, ManifestError, RemoteError, RemoteInUseError, invalid_option
+from tiered_ckpt.format.bounds import MAX_SECONDS, check_number
 from tiered_ckpt.tiers.bucket_upkeep import MAX_OWNER_BYTES
 from tiered_ckpt.tiers.remote import RemoteTier
 
@@ -59,13 +61,6 @@ logger = logging.getLogger("tiered_ckpt")
 
 OWNER_KIND = "tiered_ckpt.owner/1"
 OtherOwners = Literal["warn", "refuse"]
-
-
-def _check_seconds(name: str, value: Any, minimum: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise invalid_option(name, f"must be a finite number, got {type(value).__name__} {value!r:.60}")
-    if value < minimum:
-        raise invalid_option(name, f"must be >= {minimum}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -79,8 +74,8 @@ class OwnershipPolicy:
     other_owners: OtherOwners = "warn"
 
     def __post_init__(self) -> None:
-        _check_seconds("lease_seconds", self.lease_seconds, 1)
-        _check_seconds("orphan_age_seconds", self.orphan_age_seconds, 0)
+        check_number("lease_seconds", self.lease_seconds, 1, MAX_SECONDS, (int, float))
+        check_number("orphan_age_seconds", self.orphan_age_seconds, 0, MAX_SECONDS, (int, float))
         if self.other_owners not in ("warn", "refuse"):
             raise invalid_option("other_owners", f"must be one of ['refuse', 'warn'], got {self.other_owners!r:.60}")
 
@@ -160,7 +155,7 @@ class OwnerRecord:
             number = kind is float and isinstance(value, int) and not isinstance(value, bool)
             if not (isinstance(value, kind) and not isinstance(value, bool)) and not number:
                 raise ManifestError(f"{source}: field {name!r}: expected {kind.__name__}, got {value!r:.60}")
-            if kind is float and not math.isfinite(value):
+            if kind is float and not abs(value) <= sys.float_info.max:  # nan, infinity, an int no float holds
                 raise ManifestError(f"{source}: field {name!r}: expected a finite number, got {value!r}")
             values[name] = float(value) if kind is float else value
         return cls(**values)

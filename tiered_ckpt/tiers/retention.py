@@ -12,17 +12,14 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from tiered_ckpt.errors import invalid_option
+from tiered_ckpt.format.bounds import MAX_COUNT, check_number
 
 __all__ = ["RetentionPolicy", "awaiting", "protected", "retainable"]
 
 
 def _check_keep(name: str, value: object) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid_option(name, f"must be int, got {type(value).__name__} {value!r:.60} (or None: keep all)")
-    if value < 1:
-        raise invalid_option(name, f"must be >= 1, got {value!r} (or None: keep all)")
+    if value is not None:
+        check_number(name, value, 1, MAX_COUNT, hint=" (or None: keep all)")
 
 
 @dataclass(frozen=True)

@@ -344,3 +344,14 @@ def test_steps_a_lost_node_left_unrestorable_in_memory_never_refuse_the_next_sav
     restarted = run_job(tmp_path, [{"do": "restore"}], **CADENCE)
     for rank, result in restarted.items():
         assert result["restored"]["step"] == 6 and result["restored"]["digests"] == expected_digests(6, 4, rank)
+
+
+def test_a_lost_node_whose_step_no_partner_holds_is_told_a_bucket_or_a_partners_memory_would_serve_it(tmp_path):
+    run_job(tmp_path, [{"do": "save", "step": 1}], peer_every=2)  # the partners skip step 1; no bucket
+    lose_node(tmp_path, "a")
+    restored = run_job(tmp_path, [{"do": "restore"}], peer_every=2)
+    for result in restored.values():
+        kind, message = result["error"]
+        assert kind == "IncompleteCheckpointError", result
+        assert "nor do the partners' memories (peer tier) hold the shards the other ranks lack" in message
+        assert "only through a bucket or a partner's memory holding them" in message

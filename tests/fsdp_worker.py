@@ -5,7 +5,9 @@ CPU device mesh, and either trains it a few steps and saves ``get_state_dict(mod
 optimizer)`` ("save"), or builds it afresh (other initial values) and restores into its
 state dict ("restore", any world size). Either way it writes to
 ``<results>/rank-<RANK>.json`` the sha256 of every tensor of the full (unsharded) state,
-and what the restore read from where. A CheckpointError is recorded as ``error``.
+and what the restore read from where. A CheckpointError is recorded as ``error``. With
+``nodes`` (a node name per rank) the job has a peer tier, each node's memory in
+``<root>/memory-<node>``.
 """
 
 import hashlib
@@ -22,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from tiered_ckpt import CheckpointError, CheckpointManager, RemoteOptions, TorchDistributedCoordinator
+from tiered_ckpt import CheckpointError, CheckpointManager, PeerOptions, RemoteOptions, TorchDistributedCoordinator
 
 
 def build(seed: int, world_size: int):
@@ -113,7 +115,9 @@ def run(config: dict, rank: int, world_size: int, result: dict) -> None:
     directory = Path(config["local_root"]) / f"rank-{rank}"
     url = config.get("url")
     remote = RemoteOptions(url, storage_options=config.get("options") or {}) if url is not None else None
-    with CheckpointManager(directory, coordinator=coordinator, remote=remote) as manager:
+    nodes = config.get("nodes")  # a node name per rank: a peer tier, each node's memory in <root>/memory-<node>
+    peer = PeerOptions(nodes=tuple(nodes), memory_dir=Path(config["root"]) / f"memory-{nodes[rank]}") if nodes else None
+    with CheckpointManager(directory, coordinator=coordinator, remote=remote, peer=peer) as manager:
         if config["do"].startswith("dcp_"):
             run_dcp(config["do"], manager, world_size, result)
             return

@@ -7,8 +7,8 @@ the config has a URL; runs the actions and writes ``<results>/rank-<RANK>.json``
 
 Actions: {"do": "save", "step": S} (blocking, then waits for the partner copy), {"do": "train",
 "steps": N} (saves 1..N, recording those some tier's cadence took), {"do": "wait"}
-(uploads and refills; records lag().refill_error), {"do": "restore"} (records step, sources
-and digests), {"do": "report"} (whether the tier is on; its lag and verify), {"do": "saves",
+(uploads and refills; records lag().refill_error), {"do": "restore", "step": S} (S optional;
+records step, sources and digests), {"do": "report"} (whether the tier is on; its lag and verify), {"do": "saves",
 "count": N} (N saves of a small state, each followed by the partner copy, recording the
 memory held after each), and
 {"do": "kill_on_copy", "rank": R, "step": S}: rank R SIGKILLs itself once it has received
@@ -18,9 +18,11 @@ rank R sleeps T seconds before sending a restore its copies (a partner that hang
 a copy, before answering; {"do": "corrupt_copy", "rank": R}: the bytes rank R sends its partner are changed on the way
 (until {"do": "uncorrupt_copy"}); {"do": "unreadable_copy", "rank": R}: rank R cannot read
 its own shard for the copy (until "uncorrupt_copy"); {"do": "restore_if_any"} records the
-step restored, or None.
+step restored, or None; {"do": "record_logs"} records every later log record of the library
+as [level, message] in "logs".
 """
 
+import logging
 import os
 import signal
 import time
@@ -133,6 +135,16 @@ def act(action: dict, rank: int, world_size: int, checkpoints: CheckpointManager
             raise ValueError("mmap length is greater than file size")  # a shard cut short on disk
 
         peer._mapped._read = unreadable
+    elif action["do"] == "record_logs":
+        records = result.setdefault("logs", [])
+
+        class Recorder(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                records.append([record.levelname, record.getMessage()])
+
+        logger = logging.getLogger("tiered_ckpt")
+        logger.setLevel(logging.DEBUG)
+        logger.addHandler(Recorder())
     elif action["do"] == "restore_if_any":
         restored = checkpoints.restore(missing_ok=True)
         result["restored_if_any"] = None if restored is None else restored.step
@@ -153,7 +165,7 @@ def act(action: dict, rank: int, world_size: int, checkpoints: CheckpointManager
 
         peer_copy._outgoing = hang_then_send
     elif action["do"] == "restore":
-        restored = checkpoints.restore()
+        restored = checkpoints.restore(step=action.get("step"))
         result["restored"] = {
             "step": restored.step,
             "sources": {str(old): tier for old, tier in restored.sources.items()},

@@ -4,6 +4,7 @@ and torch/dtensor's reading of one DTensor, on a one-rank mesh in this process."
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from conftest import flip_byte, launch_ranks
 from tiered_ckpt.errors import InvalidStateError
 from tiered_ckpt.format.layout import shard_name, step_dir_name
 from tiered_ckpt.format.state import flatten
+from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.torch.dtensor import is_dtensor, local_chunk
 
 WORKER = Path(__file__).resolve().parent / "fsdp_worker.py"
@@ -158,3 +160,39 @@ def test_the_dcp_backend_round_trips_an_fsdp2_state_across_world_sizes(tmp_path,
         assert result["digests"] == saved[0]["digests"]
     manifest = json.loads((tmp_path / "nodes" / "rank-0" / step_dir_name(3) / "manifest.json").read_text())
     assert manifest["world_size"] == old and all(shard["chunks"] for shard in manifest["shards"])
+
+
+def lose_rank(root: Path, rank: int) -> None:
+    """Rank ``rank``'s node is replaced: its directory (and its node's memory, if any) is gone."""
+    shutil.rmtree(root / "nodes" / f"rank-{rank}")
+    shutil.rmtree(root / f"memory-{'ab'[rank]}", ignore_errors=True)
+
+
+def assert_refilled(root: Path, rank: int, step: int = 3) -> None:
+    disk = LocalTier(root / "nodes" / f"rank-{rank}")
+    assert disk.steps() == [step]
+    assert disk.held_ranks(step, disk.manifest(step)) == [rank]
+    assert disk.check_shard(step, disk.manifest(step).shard(rank)) is None  # its bytes match the manifest
+
+
+def test_a_restore_into_dtensors_refills_a_replaced_disk_from_the_bucket(tmp_path, s3_url):
+    saved = run_job(tmp_path, 2, "save", remote=s3_url)
+    lose_rank(tmp_path, 1)
+    restored = run_job(tmp_path, 2, "restore", remote=s3_url)
+    for rank, result in restored.items():
+        assert "error" not in result, result
+        assert result["digests"] == saved[rank]["digests"] and result["seed"] == rank
+    assert restored[1]["sources"] == {"1": "remote"}
+    assert_refilled(tmp_path, 1)
+
+
+def test_a_restore_into_dtensors_refills_a_replaced_disk_from_the_partners_memory(tmp_path):
+    nodes = {"nodes": ["a", "b"], "root": str(tmp_path)}
+    saved = launch_ranks(WORKER, tmp_path, 2, {"do": "save", **nodes})
+    lose_rank(tmp_path, 1)
+    restored = launch_ranks(WORKER, tmp_path, 2, {"do": "restore", **nodes})
+    for rank, result in restored.items():
+        assert "error" not in result, result
+        assert result["digests"] == saved[rank]["digests"] and result["seed"] == rank
+    assert restored[1]["sources"] == {"1": "peer"}
+    assert_refilled(tmp_path, 1)

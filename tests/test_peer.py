@@ -264,3 +264,94 @@ def test_a_step_kept_in_memory_only_that_no_partner_keeps_is_not_saved_and_raise
     for result in results.values():
         assert "error" not in result and "close_error" not in result, result
         assert result["saved"] == [2] and result["local_steps"] == [2]  # 1 and 3 are in no tier
+
+
+def test_with_the_default_budget_a_lost_node_resumes_the_newest_disk_step_from_its_partners(tmp_path):
+    # disk every 2nd step, partners every step, no peer.max_bytes: step 3 is in memory only
+    saved = run_job(tmp_path, [{"do": "train", "steps": 3}], local_every=2)
+    for result in saved.values():
+        assert result["saved"] == [1, 2, 3] and result["local_steps"] == [2]
+    lose_node(tmp_path, "a")  # node b's shards of step 3 were in node a's memory only
+    restored = run_job(tmp_path, [{"do": "restore"}, {"do": "wait"}], local_every=2)
+    for rank, result in restored.items():
+        assert "error" not in result, result
+        assert result["restored"]["step"] == 2
+        assert result["restored"]["sources"] == {str(rank): "peer" if NODES[rank] == "a" else "local"}
+        assert result["restored"]["digests"] == expected_digests(2, 4, rank)
+        assert result["refill_error"] is None
+    for rank in (0, 1):
+        disk = LocalTier(tmp_path / "nodes" / f"rank-{rank}")
+        assert disk.steps() == [2] and disk.check_shard(2, disk.manifest(2).shard(rank)) is None
+
+
+def test_a_shard_rotten_on_its_own_disk_is_read_from_the_partner_holding_it_without_a_bucket(tmp_path):
+    run_job(tmp_path, [{"do": "save", "step": 1}])
+    shard = next((tmp_path / "nodes" / "rank-1" / "step-000000000001").glob("rank-*"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # a real byte flipped on rank 1's disk
+    shard.write_bytes(data)
+    restored = run_job(tmp_path, [{"do": "restore"}, {"do": "wait"}])
+    for rank, result in restored.items():
+        assert "error" not in result, result
+        assert result["restored"]["digests"] == expected_digests(1, 4, rank)
+        assert result["restored"]["sources"] == {str(rank): "peer" if rank == 1 else "local"}
+        assert result["refill_error"] is None
+    disk = LocalTier(tmp_path / "nodes" / "rank-1")
+    assert disk.check_shard(1, disk.manifest(1).shard(1)) is None  # repaired from the partner's copy
+
+
+def test_a_step_no_partner_holds_costs_one_line_per_rank_and_no_warning(tmp_path, counted_bucket):
+    _proxy, remote = counted_bucket
+    run_job(tmp_path, [{"do": "save", "step": 1}, {"do": "wait"}], remote, peer_every=2)  # the partners skip step 1
+    lose_node(tmp_path, "a")
+    restored = run_job(tmp_path, [{"do": "record_logs"}, {"do": "restore"}], remote, peer_every=2)
+    for rank in (0, 1):
+        result = restored[rank]
+        assert result["restored"]["sources"] == {str(rank): "remote"}
+        assert result["restored"]["digests"] == expected_digests(1, 4, rank)
+        lines = [(level, text) for level, text in result["logs"] if f"rank {rank}" in text and "peer" in text]
+        assert [level for level, _text in result["logs"] if level in ("WARNING", "ERROR")] == [], result["logs"]
+        assert len(lines) == 1 and lines[0][0] == "INFO", lines
+        assert "not on this node's disk nor in the peer tier; read from s3://" in lines[0][1]
+
+
+ROLLBACK = {"local_every": 5, "max_bytes": 12000}  # room for five steps' shards of one rank
+
+
+def test_a_save_after_a_rollback_is_refused_while_the_partners_hold_newer_steps_and_nothing_is_lost(tmp_path):
+    saved = run_job(tmp_path, [{"do": "train", "steps": 8}], **ROLLBACK)
+    for result in saved.values():
+        assert result["saved"] == list(range(1, 9)) and result["local_steps"] == [5]  # 6 to 8: in memory only
+    actions = [{"do": "restore", "step": 5}, {"do": "save", "step": 6}]
+    rolled_back = run_job(tmp_path, actions, **ROLLBACK)
+    for rank, result in rolled_back.items():
+        assert result["restored"]["step"] == 5 and result["restored"]["digests"] == expected_digests(5, 4, rank)
+        kind, message = result["error"]  # as the disk refuses a step not newer than its newest
+        assert kind == "CheckpointExistsError", result
+        assert "the partners' memory (peer tier): step 6 is not newer than the newest checkpoint, step 8" in message
+    restarted = run_job(tmp_path, [{"do": "restore"}], **ROLLBACK)
+    for rank, result in restarted.items():  # no branch was started: step 8 is still the newest, intact
+        assert result["restored"]["step"] == 8 and result["restored"]["digests"] == expected_digests(8, 4, rank)
+
+
+def test_steps_a_lost_node_left_unrestorable_in_memory_never_refuse_the_next_saves(tmp_path):
+    run_job(tmp_path, [{"do": "train", "steps": 6}], **CADENCE)
+    lose_node(tmp_path, "a")  # node b's memory keeps its part of step 6, which no restart can restore
+    resumed = run_job(tmp_path, [{"do": "restore"}, {"do": "save", "step": 6}], **CADENCE)
+    for result in resumed.values():
+        assert "error" not in result, result
+        assert result["restored"]["step"] == 4 and result["committed"] == [True]  # 6: in the partners' memory
+    restarted = run_job(tmp_path, [{"do": "restore"}], **CADENCE)
+    for rank, result in restarted.items():
+        assert result["restored"]["step"] == 6 and result["restored"]["digests"] == expected_digests(6, 4, rank)
+
+
+def test_a_lost_node_whose_step_no_partner_holds_is_told_a_bucket_or_a_partners_memory_would_serve_it(tmp_path):
+    run_job(tmp_path, [{"do": "save", "step": 1}], peer_every=2)  # the partners skip step 1; no bucket
+    lose_node(tmp_path, "a")
+    restored = run_job(tmp_path, [{"do": "restore"}], peer_every=2)
+    for result in restored.values():
+        kind, message = result["error"]
+        assert kind == "IncompleteCheckpointError", result
+        assert "nor do the partners' memories (peer tier) hold the shards the other ranks lack" in message
+        assert "only through a bucket or a partner's memory holding them" in message

@@ -106,3 +106,14 @@ def test_a_slot_record_that_does_not_parse_frees_the_slot(tmp_path, meta, caplog
 def test_a_budget_that_is_not_a_positive_integer_is_refused(tmp_path):
     with pytest.raises(UsageError, match="max_bytes"):
         PeerMemory(tmp_path, max_bytes=0)
+
+
+def test_by_default_the_newest_step_on_disk_stays_while_steps_kept_in_memory_only_come_and_go(tmp_path):
+    memory = PeerMemory(tmp_path)
+    on_disk = take(memory, 2, 0, 1000, on_disk=True)
+    take(memory, 3, 0, 1000)  # in memory only: a lost node's ranks still need step 2's copy
+    assert memory.steps() == [2, 3]
+    take(memory, 5, 0, 1000)
+    assert memory.steps() == [2, 5] and bytes(memory.view(2, 0)) == on_disk
+    take(memory, 6, 0, 1000, on_disk=True)  # a newer step on disk: step 2's copy is needed no more
+    assert memory.steps() == [6]

@@ -184,6 +184,12 @@ class Parts:
         remote = self.uploader.newest_committed if self.uploader is not None else None
         return max([*steps[-1:], *([remote] if remote is not None else [])], default=None)
 
+    def newest_saved(self) -> int | None:
+        """The newest step a save must be newer than: :meth:`newest_step`, or a newer one committed
+        in this process's peer memory (a restart would restore it, as it would a disk's)."""
+        held = self.peer.target.steps()[-1:] if self.peer is not None else []
+        return max([*held, *([newest] if (newest := self.newest_step()) is not None else [])], default=None)
+
     def lag(self) -> Lag:
         """The store's lag, with the uploader's pending steps, rate, last failure and retry, and
         the peer tier's last failure."""

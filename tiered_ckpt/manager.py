@@ -192,7 +192,8 @@ class CheckpointManager:
         such bucket, access denied), saying that ``step`` was not saved, then
         :class:`InvalidStateError` for bad input and :class:`CheckpointExistsError` if
         ``step`` is not newer than every committed step (on every rank, whichever rank's
-        input or directory is at fault). A bucket that is unreachable or failing never
+        input or directory is at fault; with a peer tier, steps committed in the partners'
+        memory count too: a restart would restore them). A bucket that is unreachable or failing never
         makes it raise: the upload is retried until its deadline, and a step that misses it
         stays local-only (see :meth:`wait` and :meth:`lag`).
         """
@@ -204,7 +205,7 @@ class CheckpointManager:
 
         def checked() -> int | None:
             parts.before_collective()
-            return self.latest_step()
+            return parts.newest_saved()
 
         with parts.raised_on_every_rank(), not_saved(step):
             plan = check_save(
@@ -213,7 +214,7 @@ class CheckpointManager:
                 states,
                 checked=Attempt.run(checked),
                 sharded_keys=self.options.runtime.sharded_keys,
-                where=str(self.root),
+                where=str(self.root) if parts.peer is None else f"{self.root} and the partners' memory (peer tier)",
                 stop_step=parts.preemption.step,
             )
         stop = step == parts.preemption.step  # a preemption's step goes to every tier

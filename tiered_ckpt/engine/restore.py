@@ -15,7 +15,8 @@ A restore, step by step:
    (local copy, else a partner's memory, else the bucket, verified, refilling the local
    step, from memory once the restore returned: :mod:`~tiered_ckpt.engine.refill`; with a
    peer tier, the shards a process lacks on disk are first fetched from the
-   processes holding them, a collective of its own); failures on any
+   processes holding them, a collective of its own, and after the read those whose copy on
+   disk failed and no later tier gave, in a second one, then read again); failures on any
    process fail the restore on every process (a third collective); with one process per
    rank on the saved world size, the replicated arrays a rank's shard left to another
    rank then come from that rank's process (:func:`~tiered_ckpt.dist.replicas.share`, a
@@ -42,7 +43,14 @@ from tiered_ckpt.engine.refill import Refiller
 from tiered_ckpt.engine.restore_result import RestoreResult, by_tier, rank_ranges
 from tiered_ckpt.engine.shard_reads import PendingRead, ShardReader
 from tiered_ckpt.engine.step_choice import AgreedStep, StepChooser
-from tiered_ckpt.errors import CheckpointError, UsageError, restated
+from tiered_ckpt.errors import (
+    CheckpointError,
+    ChecksumMismatchError,
+    IncompleteCheckpointError,
+    ShardFormatError,
+    UsageError,
+    restated,
+)
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.selection import Paths, check_paths
 from tiered_ckpt.format.state import State
@@ -55,6 +63,7 @@ __all__ = ["Restorer", "check_restore_arguments"]
 logger = logging.getLogger("tiered_ckpt")
 
 NOTHING_CHECKED: Attempt[None] = Attempt()  # a caller that ran no checks of its own
+_READ_FAILURES = (ChecksumMismatchError, IncompleteCheckpointError, ShardFormatError)  # a copy that did not verify
 
 
 def check_restore_arguments(step: Any, world_size: Any, verify: Any, into: Any, paths: Any = None) -> None:
@@ -124,6 +133,7 @@ class Restorer:
         self._chooser.drop_unfinished_saves(agreed)
         restored = agreed.choice.step
         if restored is None:
+            self._chooser.drop_unrestorable_copies(None, agreed)
             logger.info("restore: no step committed in %s; starting fresh", self._store.where())
             return None
         in_remote = restored in agreed.remote_steps
@@ -145,12 +155,25 @@ class Restorer:
         selected: tuple[str | tuple[str | int, ...], ...] | None,
     ) -> RestoreResult:
         """Steps 3 to 5 of :meth:`restore` for the agreed step ``restored``."""
-        try:
-            if self._peer is not None:
-                self._fetch_from_partners(self._peer, restored, in_remote)
-            loaded = Attempt.run(
+
+        def load() -> Attempt[RestoreResult | PendingRead]:
+            return Attempt.run(
                 lambda: self._reader.load(restored, in_remote, world_size, reshard, verify, into, selected)
             )
+
+        try:
+            if self._peer is None:
+                loaded = load()
+            else:
+                peer = self._peer
+                lacking = tuple(rank for rank in self._ranks if not self._store.held_locally(restored, rank))
+                self._fetch_from_partners(peer, restored, in_remote, lacking)
+                loaded = load()
+                # A shard that failed on this disk (it rotted, or was cut short) is asked of the
+                # partner holding a copy, and read again: every process joins, whatever it read.
+                failed = tuple(r for r in self._ranks if r not in lacking and isinstance(loaded.error, _READ_FAILURES))
+                if self._fetch_from_partners(peer, restored, in_remote, failed, repairs=True) and failed:
+                    loaded = load()
         finally:
             if self._peer is not None:
                 self._peer.forget(restored)  # the refills hold the copies they land
@@ -162,6 +185,7 @@ class Restorer:
             gather(self._coordinator, "restore: replicas", Done, finished.done)
             result = finished.value
         self._chooser.drop_unfinished_commits(restored, agreed)
+        self._chooser.drop_unrestorable_copies(restored, agreed)
         result = replace(result, seconds=time.monotonic() - started)
         logger.info(
             "restored step %d for rank(s) %s: %d bytes of %d shard(s) read in %.3f s; shards by tier: %s",
@@ -175,24 +199,17 @@ class Restorer:
         """The last failure to refill this node's disk after a restore (None: none failed)."""
         return self._refiller.last_error
 
-    def _on_disk(self, step: int, rank: int) -> bool:
-        """True if this process's disk committed ``step`` holding ``rank``'s shard."""
-        local = self._store.local
-        try:
-            return step in local.steps() and rank in local.held_ranks(step, local.manifest(step))
-        except CheckpointError:
-            return False
-
-    def _fetch_from_partners(self, peer: PeerTier, step: int, in_remote: bool) -> None:
-        """Step 3's first part with a peer tier (collective): the shards of ``step`` this process's
-        rank lacks on its disk come from the processes holding them in memory, for the store's
-        chain to read and verify (a copy that does not arrive leaves the bucket to read)."""
-
-        def plan() -> _PartnerPlan:
-            needs = tuple(rank for rank in self._ranks if not self._on_disk(step, rank))
-            return _PartnerPlan(needs, peer.holdings().get(step, ()))
-
-        plans = gather(self._coordinator, "restore: partners", _PartnerPlan, plan)
+    def _fetch_from_partners(
+        self, peer: PeerTier, step: int, in_remote: bool, needs: tuple[int, ...], *, repairs: bool = False
+    ) -> bool:
+        """Fetch from the processes holding them in memory the shards of ``step`` of this process's
+        ranks ``needs`` (those it lacks on disk, or, ``repairs``, whose disk copy failed), for the
+        store's chain to read and verify (a collective; a copy that does not arrive leaves the
+        bucket to read). True if some process fetched some copy (the same on every process)."""
+        label = "restore: repairs" if repairs else "restore: partners"
+        plans = gather(
+            self._coordinator, label, _PartnerPlan, lambda: _PartnerPlan(needs, peer.holdings().get(step, ()))
+        )
         transfers = []
         for needer, wanted in enumerate(plans):
             for rank in wanted.needs:
@@ -200,13 +217,16 @@ class Restorer:
                 if holder is not None and holder != needer:
                     transfers.append((holder, needer, rank))
         if not transfers:
-            return
-        only_there = "" if in_remote else " (on no disk of this node, not in the bucket: only while that partner lived)"
+            return False
+        # A copy of a step no disk of this node holds, nor the bucket, exists only while its holder lives
+        only_there = not in_remote and not repairs
         for rank in peer.fetch(step, transfers):
             holder = next(h for h, _n, r in transfers if r == rank)
-            level = logging.INFO if in_remote else logging.WARNING
+            level = logging.WARNING if only_there else logging.INFO
             logger.log(level, "restore of step %d: rank %d's shard came from rank %d's memory%s", step, rank, holder,
-                       only_there)  # fmt: skip
+                       " (on no disk of this node, not in the bucket: only while that partner lived)" if only_there
+                       else "")  # fmt: skip
+        return True
 
     def _finish_from_peers(self, pending: PendingRead) -> RestoreResult:
         """Step 3 continued, with one process per rank on the saved world size: the arrays

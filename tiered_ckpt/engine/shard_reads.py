@@ -64,8 +64,9 @@ def _part_bytes(record: ShardRecord, state: FlatState) -> int:
 
 @dataclass(frozen=True)
 class _Selection:
-    """A partial restore's paths, and where its step is: the bucket's remote manifest (None if
-    a nearer tier's manifest was used), and whether the local disk and the bucket committed it."""
+    """A partial restore's paths (none: a restore into DTensors), and where its step is: the
+    bucket's remote manifest (None if a nearer tier's manifest was used), and whether the local
+    disk and the bucket committed it."""
 
     paths: Sequence[str | tuple[str | int, ...]]
     remote: RemoteManifest | None
@@ -174,7 +175,8 @@ class ShardReader:
                 selection = _Selection(paths, remote, in_local, in_remote)
                 return self._completed_here(self._load_selected(step, manifest, selection, target, targets, verify))
             if targets is not None and any(state.structure.chunks for state in targets):
-                return self._completed_here(self._load_chunks(step, manifest, in_remote, target, targets, verify))
+                where = _Selection((), remote, in_local, in_remote)
+                return self._completed_here(self._load_chunks(step, manifest, where, target, targets, verify))
             from_peers = self._from_peers(manifest, target)
             if reshard and into_list is not None:
                 raise UsageError("into cannot be combined with reshard=True (except into a state of DTensors)")
@@ -304,7 +306,7 @@ class ShardReader:
         self,
         step: int,
         manifest: ShardManifest,
-        in_remote: bool,
+        where: _Selection,
         target: int,
         targets: list[FlatState],
         verify: Verify,
@@ -312,9 +314,12 @@ class ShardReader:
         """Fill states of DTensors in place: each of this process's ranks reads, of the saved
         shards whose chunks overlap its own, just the header and those chunks, each verified
         against the sha256 the manifest records for it, or its xxh3-64 with ``verify="fast"``
-        (:meth:`TieredStore.read_parts`). With one process per rank on the saved world size,
+        (:meth:`TieredStore.read_parts`). A shard of this process's own ranks on the saved world
+        size that its disk does not hold is read whole instead, as a whole restore reads it, and
+        refills the disk (:meth:`_read_whole`). With one process per rank on the saved world size,
         the arrays a rank's shard left to other ranks come from their processes instead
-        (given to :meth:`complete`)."""
+        (given to :meth:`complete`). ``where``: the step's remote manifest and tiers (no paths)."""
+        in_remote = where.in_remote
         if len(targets) != len(self._ranks):
             raise InvalidStateError(f"into holds {len(targets)} rank states, this process restores {len(self._ranks)}")
         from_peers = self._from_peers(manifest, target)
@@ -337,31 +342,83 @@ class ShardReader:
                     if destination is not None:
                         direct.setdefault(saved_rank, {})[name] = destination
         ranks = sorted(names)
-        fetched = run_parallel(
-            lambda rank: self._store.read_parts(
-                step,
-                manifest.shard(rank),
-                names[rank],
-                later=self._store.readable(in_remote),
-                into=direct.get(rank),
-                verify=verify,
-            ),
-            ranks,
-            self._max_workers,
+        whole = [rank for rank in ranks if self._refills_here(manifest, target, rank)]
+        parts = [rank for rank in ranks if rank not in whole]
+        fetched = dict(
+            zip(
+                parts,
+                run_parallel(
+                    lambda rank: self._store.read_parts(
+                        step,
+                        manifest.shard(rank),
+                        names[rank],
+                        later=self._store.readable(in_remote),
+                        into=direct.get(rank),
+                        verify=verify,
+                    ),
+                    parts,
+                    self._max_workers,
+                ),
+                strict=True,
+            )
         )
-        read = {rank: state for rank, (state, _source) in zip(ranks, fetched, strict=True)}
+        if whole:
+            fetched.update(self._read_whole(manifest, where, whole, verify))
+        read = {rank: fetched[rank][0] for rank in ranks}
         return PendingRead(
             step,
             manifest,
             target,
             read=read,
-            sources={rank: source for rank, (_state, source) in zip(ranks, fetched, strict=True)},
-            bytes_read=sum(_part_bytes(manifest.shard(rank), state) for rank, state in read.items()),
+            sources={rank: fetched[rank][1] for rank in ranks},
+            bytes_read=sum(
+                manifest.shard(rank).size_bytes if rank in whole else _part_bytes(manifest.shard(rank), state)
+                for rank, state in read.items()
+            ),
             from_peers=from_peers,
             later=self._store.readable(in_remote),
             plans=tuple(plans),
             targets=tuple(targets),
         )
+
+    def _refills_here(self, manifest: ShardManifest, target: int, rank: int) -> bool:
+        """True if ``rank``'s shard belongs on this process's disk (one of its ranks, on the saved
+        world size) and the disk does not hold it: a read of it should refill the disk."""
+        return (
+            rank in self._ranks and manifest.world_size == target and not self._store.held_locally(manifest.step, rank)
+        )
+
+    def _read_whole(
+        self,
+        manifest: ShardManifest,
+        where: _Selection,
+        ranks: list[int],
+        verify: Verify,
+    ) -> dict[int, tuple[FlatState, Source]]:
+        """The verified states of the whole shards of ``ranks``, read through the store's chain
+        (into new arrays: a shard fills a whole ``into`` only), refilling the local step as a
+        whole restore does (a copy read from memory lands after the restore returns)."""
+        step, store = manifest.step, self._store
+        deferred: list[Landing] = []
+        with self._step_dir(step) as created:
+            fetched = run_parallel(
+                lambda rank: store.fetch_shard(
+                    step,
+                    manifest.shard(rank),
+                    verify=verify,
+                    later=store.readable(where.in_remote),
+                    deferred=deferred,
+                ),
+                ranks,
+                self._max_workers,
+            )
+            if deferred:
+                self._refills.append(
+                    Refill(manifest, where.remote, tuple(ranks), where.in_local, created, tuple(deferred))
+                )
+            else:
+                store.record_refill(manifest, where.remote, ranks, was_committed=where.in_local)
+        return dict(zip(ranks, fetched, strict=True))
 
     def _load_selected(
         self,

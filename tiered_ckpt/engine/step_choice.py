@@ -276,11 +276,16 @@ class StepChooser:
         saved_by = next((known[step] for known in disks.world_sizes if known.get(step) is not None), None)
         remote = self._store.remote
         bucket = "no bucket is configured (remote.url)" if remote is None else f"the bucket {remote.url} lacks it"
+        if self._peer is None:
+            through = "only through a bucket"
+        else:
+            bucket = f"{bucket}, nor do the partners' memories (peer tier) hold the shards the other ranks lack"
+            through = "only through a bucket or a partner's memory holding them"
         problem = (
             f"{self._store.local.root}: step {step}, saved by {saved_by or 'an unknown number of'} ranks, "
             f"is committed on the disks of {_ranks_text(holders)} only and {bucket}: {_ranks_text(lacking)} of "
             f"this job's {self._world_size} {'holds' if len(lacking) == 1 else 'hold'} no copy, and a rank can read "
-            "the shards on other nodes' disks only through a bucket"
+            f"the shards on other nodes' disks {through}"
         )
         if saved_by is None or saved_by == self._world_size:
             if any(disks.agreed[rank].get(step) for rank in holders):
@@ -322,3 +327,16 @@ class StepChooser:
                     "deleting step %d from %s: its commit did not reach every rank", step, self._store.local.root
                 )
                 self._store.local.delete_step(step)
+
+    def drop_unrestorable_copies(self, restored: int | None, agreed: AgreedStep) -> None:
+        """Delete from this process's peer memory the steps newer than ``restored`` (None: every
+        step) saved by this job's world size that not every rank can restore (a lost node held the
+        other parts): they never will be, and each would refuse the save of its step number and
+        the ones before it (:meth:`CheckpointManager.save` counts the partners' memory)."""
+        if self._peer is None:
+            return
+        for step, saved_by, _ranks in self._peer_report():
+            newer = restored is None or step > restored
+            if newer and saved_by == self._world_size and step not in agreed.complete:
+                logger.info("deleting step %d from the partners' memory: not every rank can restore it", step)
+                self._peer.delete_step(step)

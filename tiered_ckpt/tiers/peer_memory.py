@@ -13,11 +13,12 @@ folder holds:
   peer tier (every rank's copy was taken by its partner), and ``step-<step>.disk`` if the
   step is also on the ranks' disks.
 
-At most ``max_bytes`` are held in slots (None: one step of the partners' shards, kept until
-the next step is committed, so a copy in flight needs a second step's room). Room is made
-by freeing the oldest steps,
-the newest step that is also on disk last: it is what a replaced node's disks are refilled
-with, while a step kept in memory only is restorable only while every partner lives. A
+At most ``max_bytes`` are held in slots (None: the newest committed step of the partners'
+shards and the newest one also on disk, each kept until a newer one of its kind is
+committed, so a copy in flight needs a third step's room). Room is made by freeing the
+oldest steps, the newest step that is also on disk last: it is what a replaced node's disks
+are refilled with, while a step kept in memory only is restorable only while every partner
+lives. A
 shard that cannot fit, even once every other step is freed, is refused
 (:class:`~tiered_ckpt.MemoryBudgetError`). What is
 read back is untrusted: metadata that does not parse frees its slot, and every copy is
@@ -176,10 +177,10 @@ class PeerMemory:
         for number, slot in self._slots.items():
             if slot is not None and slot.step == step and slot.rank == rank:
                 self._free(number)  # a second copy of the same shard replaces the first
-        if self.max_bytes is None:  # the newest committed step stays until this one is committed
-            keep = max(self.steps(), default=None)
+        if self.max_bytes is None:  # what the chain needs stays until this step is committed
+            keep = self._needed()
             for number, slot in self._slots.items():
-                if slot is not None and slot.step not in (step, keep):
+                if slot is not None and slot.step != step and slot.step not in keep:
                     self._free(number)
         number = self._choose_slot(step, size)
         path = self._bin_path(number)
@@ -240,10 +241,20 @@ class PeerMemory:
         if on_disk:
             _write_small(self._disk_path(step), b"")
         _write_small(self._manifest_path(step), manifest_json.encode())
-        if self.max_bytes is None:  # one step held: the one before it goes now
+        if self.max_bytes is None:  # the steps the chain no longer needs go now
+            keep = self._needed()
             for other in self.steps():
-                if other != step:
+                if other not in keep:
                     self.delete_step(other)
+
+    def _needed(self) -> set[int]:
+        """The committed steps the default budget keeps: the newest one, and the newest one also
+        on the ranks' disks. A step kept in memory only is restorable only while every partner
+        lives; after a node loss, the newest disk step is the newest one every rank can restore,
+        and the lost node's shards of it are here."""
+        steps = self.steps()
+        on_disk = [step for step in steps if self._disk_path(step).exists()]
+        return set(steps[-1:] + on_disk[-1:])
 
     def delete_step(self, step: int) -> None:
         """Forget ``step``: its manifest first, then its slots (kept, free, for later steps)."""

@@ -290,14 +290,22 @@ class TieredStore:
         A copy that fails (missing, short, unreadable, not matching) is one more reason to
         read the next tier; a shard the local step should hold and is taken from a later tier
         is logged at WARNING with the local copy's problem (``refills``: ``read()`` wrote a
-        good copy back), one this node never held (a replaced node, a reshard) at INFO. Each
-        failed try of a later tier is logged at WARNING.
+        good copy back), one this node never held (a replaced node, a reshard) at INFO, naming
+        the tiers that held no copy. Each failed try of a later tier is logged at WARNING; a tier
+        keeping its copies in this process's memory that holds none (a partner's memory that
+        sent none) is not tried at all.
         """
         tried: list[tuple[str, str, CheckpointError]] = []
+        absent: list[str] = []
         chain = [self.local, *(tier for tier in self.later if later is None or tier.name in later)]
         for tier in chain:
             where = tier.shard_location(step, record)
             first = tier is self.local
+            if not first and _holds_no_copy(tier, step, record):  # nothing to try, nothing to try again
+                missing = IncompleteCheckpointError(f"{where}: no copy of rank {record.rank}'s shard reached this rank")
+                tried.append((tier.name, where, missing))
+                absent.append(tier.name)
+                continue
             for attempt in range(1, 2 if first else _TRIES_OF_A_LATER_TIER + 1):
                 try:
                     found = read(tier)
@@ -311,19 +319,20 @@ class TieredStore:
                     continue
                 if first:
                     return found, tier.name
-                if self._held_locally(step, record.rank):
+                if self.held_locally(step, record.rank):
                     done = "repaired the local copy from" if refills else "read it instead from"
                     logger.warning(
                         "step %d rank %d: %s %s; the local copy failed: %s", step, record.rank, done, where, tried[0][2]
                     )
                 else:
-                    logger.info("step %d rank %d: not on this node's disk; read from %s", step, record.rank, where)
+                    logger.info("step %d rank %d: not on this node's disk%s; read from %s", step, record.rank,
+                                "".join(f" nor in the {name} tier" for name in absent), where)  # fmt: skip
                 tried.clear()  # their tracebacks hold this frame and what ``read`` filled: a cycle
                 return found, tier.name
         return _no_copy_verifies(record, tried)
 
-    def _held_locally(self, step: int, rank: int) -> bool:
-        """True if the local tier committed ``step`` holding ``rank``'s shard (which then failed)."""
+    def held_locally(self, step: int, rank: int) -> bool:
+        """True if the local tier committed ``step`` holding ``rank``'s shard (whether its bytes verify or not)."""
         try:
             return rank in self.local.held_ranks(step, self.local.manifest(step))
         except CheckpointError:  # not committed here, or its records are damaged (logged where they are read)
@@ -411,6 +420,13 @@ class TieredStore:
                 self.local.record_held(step, manifest, (held or set()) | set(fetched))
         if remote is not None and self.remote is not None and not self.receipted(step):
             self.record_commit(step, self.remote, remote)
+
+
+def _holds_no_copy(tier: Tier, step: int, record: ShardRecord) -> bool:
+    """True if ``tier`` keeps its copies in this process's memory and holds none of ``record``'s
+    shard (a partner's memory that sent none): a try would fail at once, and so would a second."""
+    in_memory = getattr(tier, "copy_in_memory", None)
+    return in_memory is not None and in_memory(step, record) is None
 
 
 def _no_copy_verifies(record: ShardRecord, tried: list[tuple[str, str, CheckpointError]]) -> NoReturn:

@@ -122,3 +122,19 @@ def test_a_save_is_three_collectives_and_one_more_only_when_a_rank_holds_copies_
     # the call's check, the shard records, the commit; the exchange of copies only for step 2
     assert counted == [3, 4, 3]
     assert [record.replicas for record in manifest.shards] == [(), (("table", 0),)]  # the copy written once
+
+
+def test_slices_of_one_flat_vector_in_different_dtypes_are_refused_before_anything_is_written(tmp_path):
+    mixed = [{"flat": np.arange(4, dtype=np.float32 if rank != 1 else np.float64)} for rank in range(3)]
+    named = r"sharded key 'flat' .* differ in dtype: float32 on ranks 0, 2; float64 on rank 1"
+    with CheckpointManager(tmp_path, world_size=3) as manager:
+        with pytest.raises(InvalidStateError, match=named):
+            manager.save(1, mixed, blocking=True)
+        assert manager.steps() == [] and not any(tmp_path.glob("step-*"))
+        manager.save(1, [{"flat": np.arange(4, dtype=np.float32)} for _ in range(3)], blocking=True)
+        assert manager.steps() == [1]  # the manager goes on
+    from tiered_ckpt import save_sharded
+
+    with pytest.raises(InvalidStateError, match=named):  # the one-shot save too
+        save_sharded(mixed, tmp_path / "oneshot", 1)
+    assert not (tmp_path / "oneshot").exists()

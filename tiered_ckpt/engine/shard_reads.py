@@ -40,13 +40,12 @@ from tiered_ckpt.format.differences import into_difference
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.format.remote_manifest import RemoteManifest
 from tiered_ckpt.format.selection import prefixes, select, selects
-from tiered_ckpt.format.shardfile import ShardHeader
 from tiered_ckpt.format.state import FlatState, State, flatten_into
-from tiered_ckpt.format.structure import Structure, structure_of
+from tiered_ckpt.format.structure import Structure
 from tiered_ckpt.format.validate import check_into, check_world_size
 from tiered_ckpt.io.hashing import Verify
 from tiered_ckpt.io.parallel import run_parallel
-from tiered_ckpt.tiers.store import Landing, Source, TieredStore
+from tiered_ckpt.tiers.store import Landing, ShardIndex, Source, TieredStore
 
 __all__ = ["PendingRead", "ShardReader"]
 
@@ -107,12 +106,12 @@ def _without_replicas(plan: ChunkPlan, record: ShardRecord) -> ChunkPlan:
 @dataclass(frozen=True)
 class _Looked:
     """A partial restore's look at one shard before anything is filled: the selection's structure,
-    the dtype and shape of each of its arrays the shard holds, and the shard's verified header
-    (read again for its parts) or, for a shard read whole, its cut state and tier."""
+    the dtype and shape of each of its arrays the shard holds, and the shard's verified header,
+    parsed (not read again for its parts), or, for a shard read whole, its cut state and tier."""
 
     structure: Structure
     kinds: Mapping[str, tuple[np.dtype, tuple[int, ...]]]
-    header: ShardHeader | None = None
+    index: ShardIndex | None = None
     whole: tuple[FlatState, Source] | None = None
 
 
@@ -425,13 +424,10 @@ class ShardReader:
                 arrays = {name: state.arrays[name] for name in structure.kinds if name in state.arrays}
                 kinds = {name: (array.dtype, array.shape) for name, array in arrays.items()}
                 return _Looked(structure, kinds, whole=(FlatState(arrays, structure), source))
-            header, _source = self._store.read_shard_header(step, record, later=later)
-            elsewhere = [name for name, _holder in record.replicas]
-            structure = cut_to(record.rank, what, structure_of(header.metadata, header.arrays, what, elsewhere))
-            kinds = {
-                name: (entry.dtype, entry.shape) for name, entry in header.arrays.items() if name in structure.kinds
-            }
-            return _Looked(structure, kinds, header=header)
+            parsed, _source = self._store.read_shard_index(step, record, later=later)
+            structure = cut_to(record.rank, what, parsed.structure)
+            kinds = {n: (e.dtype, e.shape) for n, e in parsed.header.arrays.items() if n in structure.kinds}
+            return _Looked(structure, kinds, index=parsed)
 
         def read(index: int, looked: _Looked | None) -> tuple[FlatState, Source]:
             record = manifest.shard(wanted[index])
@@ -446,8 +442,8 @@ class ShardReader:
                         arrays[name] = into[name]
                 return FlatState(arrays, state.structure), source
             part = partial(cut_to, record.rank, what)
-            header = looked.header if looked is not None else None
-            return self._store.read_parts(step, record, part, later=later, into=into, verify=verify, header=header)
+            parsed = looked.index if looked is not None else None
+            return self._store.read_parts(step, record, part, later=later, into=into, verify=verify, index=parsed)
 
         with self._step_dir(step) if whole else nullcontext():
             # Into the caller's arrays: every rank's checked before any is filled, as a whole read does.

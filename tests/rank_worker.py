@@ -10,7 +10,8 @@ With "subgroup": [ranks], only those ranks take part, through a coordinator on t
 process group (ranks renumbered in it).
 
 Actions: {"do": "save", "step": S, "step_by_rank": {R: S}, "text_on_rank": R} (R adds
-an array of text; "long_note_on_rank": R, a string whose shard header no reader accepts), {"do": "wait"} (until
+an array of text; "long_note_on_rank": R, a string whose shard header no reader accepts;
+"float64_on_rank": R, its flat slice "params" in float64), {"do": "wait"} (until
 uploaded), {"do": "drain_uploads", "rank": R} (rank R waits for its uploader without
 raising its errors), {"do": "restore",
 "reshard": bool}, {"do": "restore_if_any"} (records None), {"do": "collectives"} (records the errors of
@@ -145,6 +146,8 @@ def act(
         state = rank_state(step, world_size, rank)
         if action.get("text_on_rank") == rank:
             state["note"] = np.array(["not a tensor dtype a shard holds"])
+        if action.get("float64_on_rank") == rank:
+            state["params"] = state["params"].double()  # its slice of the flat vector in another dtype
         if action.get("long_note_on_rank") == rank:
             state["note"] = "é" * 14_500_000  # 7 bytes a character in the header: over the reader's 100 MB
         checkpoints.save(step, state)

@@ -18,6 +18,7 @@ from tiered_ckpt import (
 )
 from tiered_ckpt.export import INDEX_NAME
 from tiered_ckpt.format.layout import step_dir_name
+from tiered_ckpt.tiers.store import TieredStore
 
 HF_WORKER = Path(__file__).with_name("hf_worker.py")
 
@@ -243,3 +244,48 @@ def test_an_export_from_the_bucket_holds_one_tensor_and_one_ranged_read_at_a_tim
         tracemalloc.stop()
     assert result.largest_tensor_bytes == 64 << 20
     assert peak < 1.6 * result.largest_tensor_bytes  # a read of the whole tensor at once would be 2x
+
+
+def test_an_export_of_many_small_tensors_parses_each_shards_structure_once(tmp_path, monkeypatch):
+    from tiered_ckpt.format.structure import Structure
+
+    states = [{f"layer{i}": np.full(8, i + 10 * rank, np.float32) for i in range(300)} for rank in range(2)]
+    with CheckpointManager(tmp_path / "ckpt", world_size=2, runtime=RuntimeOptions(sharded_keys=[])) as manager:
+        manager.save(1, states, blocking=True)
+    parsed = []
+    from_json = Structure.from_json.__func__
+
+    def counted(cls, text, names, what):
+        parsed.append(what)
+        return from_json(cls, text, names, what)
+
+    monkeypatch.setattr(Structure, "from_json", classmethod(counted))
+    reads = []
+    read_parts = TieredStore.read_parts
+
+    def counted_reads(self, step, record, names, **keywords):
+        reads.append(record.rank)
+        return read_parts(self, step, record, names, **keywords)
+
+    monkeypatch.setattr(TieredStore, "read_parts", counted_reads)
+    result = export_safetensors(tmp_path / "ckpt", tmp_path / "out")
+    assert len(result.tensors) == 300 and len(parsed) == 2  # once per shard, not once per tensor
+    assert reads == [0]  # the 300 tensors (9.6 kB) in one read of the shard holding them
+    from safetensors.numpy import load_file
+
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert all(exported[f"layer{i}"].tolist() == [i] * 8 for i in range(300))  # rank 0's copy of each
+
+
+def test_a_flat_parameter_empty_on_every_rank_exports_as_an_empty_tensor(tmp_path):
+    states = [{"model": {"flat": np.zeros(0, np.float16), "bias": np.ones(3, np.float32)}} for _ in range(2)]
+    keys = RuntimeOptions(sharded_keys=[("model", "flat")])
+    with CheckpointManager(tmp_path / "ckpt", world_size=2, runtime=keys) as manager:
+        manager.save(4, states, blocking=True)
+    result = export_safetensors(tmp_path / "ckpt", tmp_path / "out", only="model")
+    from safetensors.numpy import load_file
+
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(result.tensors) == {"flat", "bias"}
+    assert exported["flat"].dtype == np.float16 and exported["flat"].shape == (0,)
+    np.testing.assert_array_equal(exported["bias"], np.ones(3, np.float32))

@@ -287,6 +287,30 @@ def test_a_step_saved_under_two_names_is_saved_once_and_removing_a_name_keeps_th
     assert not (names / "last.ckpt").exists() and manager.steps() == [2, 4, 6]
 
 
+def test_weights_changed_without_a_step_are_never_saved_as_a_pointer_to_the_old_ones(manager, tmp_path):
+    names = tmp_path / "names"
+    io = TieredCheckpointIO(manager)
+    trainer(io, names, 4).fit(Model(), batches())
+    finished = trainer(io, names, 4)  # the run is finished: fit loads step 4 and trains no further
+    model = Model()
+    finished.fit(model, batches(), ckpt_path="last")
+    assert io.last_restore is not None and io.last_restore.step == 4 and finished.global_step == 4
+
+    finished.save_checkpoint(tmp_path / "same.ckpt")  # the weights as loaded: the step holds these bytes
+    assert pointer_step(tmp_path / "same.ckpt") == 4
+    weights = {name: value.clone() for name, value in model.state_dict().items()}
+    for name, value in io.load_checkpoint(tmp_path / "same.ckpt")["state_dict"].items():
+        assert value.dtype == weights[name].dtype and value.numpy().tobytes() == weights[name].numpy().tobytes()
+
+    with torch.no_grad():
+        model.net.weight.mul_(0.5)  # averaged with zeros: new weights, no optimizer step
+    with pytest.raises(CheckpointExistsError, match=r"merged\.ckpt: step 4 is saved already with other contents"):
+        finished.save_checkpoint(tmp_path / "merged.ckpt")
+    assert not (tmp_path / "merged.ckpt").exists() and manager.steps() == [2, 4]
+    stored = io.load_checkpoint(tmp_path / "same.ckpt")["state_dict"]  # the step keeps the weights it had
+    assert stored["net.weight"].numpy().tobytes() == weights["net.weight"].numpy().tobytes()
+
+
 def test_last_resumes_the_newest_pointer_and_ckpt_path_a_given_step_from_either_tier(manager, tmp_path):
     names = tmp_path / "names"
     io = TieredCheckpointIO(manager)

@@ -1,5 +1,7 @@
 """The check of a save call (tiered_ckpt/engine/saving.py), on one process holding every rank."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -122,3 +124,32 @@ def test_a_save_is_three_collectives_and_one_more_only_when_a_rank_holds_copies_
     # the call's check, the shard records, the commit; the exchange of copies only for step 2
     assert counted == [3, 4, 3]
     assert [record.replicas for record in manifest.shards] == [(), (("table", 0),)]  # the copy written once
+
+
+def test_slices_of_one_flat_vector_in_different_dtypes_are_refused_before_anything_is_written(tmp_path):
+    mixed = [{"flat": np.arange(4, dtype=np.float32 if rank != 1 else np.float64)} for rank in range(3)]
+    named = r"sharded key 'flat' .* differ in dtype: float32 on ranks 0, 2; float64 on rank 1"
+    with CheckpointManager(tmp_path, world_size=3) as manager:
+        with pytest.raises(InvalidStateError, match=named):
+            manager.save(1, mixed, blocking=True)
+        assert manager.steps() == [] and not any(tmp_path.glob("step-*"))
+        manager.save(1, [{"flat": np.arange(4, dtype=np.float32)} for _ in range(3)], blocking=True)
+        assert manager.steps() == [1]  # the manager goes on
+    from tiered_ckpt import save_sharded
+
+    with pytest.raises(InvalidStateError, match=named):  # the one-shot save too
+        save_sharded(mixed, tmp_path / "oneshot", 1)
+    assert not (tmp_path / "oneshot").exists()
+
+
+def test_ranks_holding_one_flat_vector_in_different_dtypes_all_refuse_the_save_naming_them(tmp_path):
+    from conftest import launch_ranks
+    from tiered_ckpt.format.layout import step_dir_name
+
+    worker = Path(__file__).with_name("rank_worker.py")
+    config = {"actions": [{"do": "save", "step": 1, "float64_on_rank": 1}], "timeout_seconds": 60}
+    for rank, result in launch_ranks(worker, tmp_path, 3, config).items():
+        assert result["error"][0] == "InvalidStateError", result
+        assert "sharded key 'params'" in result["error"][1], result
+        assert "float32 on ranks 0, 2; float64 on rank 1" in result["error"][1], result
+        assert not (tmp_path / "nodes" / f"rank-{rank}" / step_dir_name(1)).exists()

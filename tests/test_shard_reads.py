@@ -215,3 +215,51 @@ def test_a_part_of_flat_shards_reshards_onto_another_world_size(tmp_path):
     assert [set(state) for state in result.states] == [{"model"}, {"model"}]
     np.testing.assert_array_equal(np.concatenate([s["model"]["flat"] for s in result.states]), flat)
     assert all(np.array_equal(s["model"]["embed"], np.eye(3)) for s in result.states)
+
+
+def into_for(rank: int, refusal: str) -> dict:
+    """Arrays for ``paths=["model"]`` of ``nested(rank)``, each full of a marker; rank 1's refused for ``refusal``."""
+    into: dict = {"model": {"w": np.full(4096, -7, np.float32), "b": np.full(16, -7, np.float64)}}
+    if rank == 1 and refusal == "whole nesting":  # the whole state's nesting, not the selection's
+        into["optim"] = {"state": {0: {"exp_avg": np.full(3 * 4096, -7, np.float32)}}}
+    elif rank == 1 and refusal == "another dtype":
+        into["model"]["b"] = np.full(16, -7, np.float32)
+    elif rank == 1 and refusal == "one missing":
+        del into["model"]["b"]
+    return into
+
+
+@pytest.mark.parametrize("digests", [True, False], ids=["parts", "whole-shards"])
+@pytest.mark.parametrize(
+    ("refusal", "named"),
+    [
+        ("whole nesting", r"1 not in the selected paths: 'optim/state/#0/exp_avg'"),
+        ("another dtype", r"1 of another dtype or shape: 'model/b' float32 16 \(the selected paths: float64 16\)"),
+        ("one missing", r"1 missing from into: 'model/b'"),
+    ],
+)
+def test_a_partial_restore_refusing_into_writes_nothing_into_the_callers_arrays(tmp_path, refusal, named, digests):
+    import json
+
+    from tiered_ckpt.format.layout import MANIFEST_NAME
+
+    with CheckpointManager(tmp_path, world_size=2) as manager:
+        manager.save(5, [nested(0), nested(1)], blocking=True)
+    if not digests:  # a step saved before per-array digests were recorded: its shards are read whole
+        path = tmp_path / step_dir_name(5) / MANIFEST_NAME
+        document = json.loads(path.read_text())
+        for shard in document["shards"]:
+            del shard["array_xxh3_64"]
+        path.write_text(json.dumps(document))
+    into = [into_for(0, refusal), into_for(1, refusal)]
+    with CheckpointManager(tmp_path, world_size=2) as manager:
+        with pytest.raises(
+            InvalidStateError, match=r"into\[1\] does not hold the arrays of the selected paths: " + named
+        ):
+            manager.restore(paths=["model"], into=into)
+    for state in into:  # every array of every rank as it was: nothing was filled before the refusal
+        for part in state.values():
+            for name, array in part.items():
+                if isinstance(array, dict):
+                    array = array[0]["exp_avg"]
+                assert (array == -7).all(), name

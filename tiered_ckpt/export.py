@@ -5,17 +5,20 @@ with ``model.safetensors.index.json`` when the tensors exceed ``max_shard_bytes`
 of full tensors:
 
 1. every rank's shard header is read and verified (its sha256 in the manifest), from the
-   local disk or by ranged GETs from the bucket: they say where each array lies;
+   local disk or by ranged GETs from the bucket, and parsed once: they say where each
+   array lies;
 2. the tensors to write are planned from every rank's structure (``only``: the part under
    one path, e.g. ``"model"``; names are the keys below it joined by ``.``, as a state
    dict's): a DTensor from the chunks every rank's record lists (each checked against its
    shard's verified header, together an exact tiling of the tensor), a flat slice
-   (``sharded_keys``) from every rank's slice in offset order, any other array from the
-   first rank that holds it (a pipeline stage's layers from that stage's ranks);
+   (``sharded_keys``) from every rank's slice in offset order (an empty tensor if every
+   slice is empty), any other array from the first rank that holds it (a pipeline
+   stage's layers from that stage's ranks);
 3. each file is written through a temp file, fsynced and renamed: its header first (known
    from the plan), then each tensor in turn, assembled in one buffer of its full size from
    the verified parts read straight into it (each part checked against its own digest:
-   a chunk's sha256, a plain array's xxh3-64). Peak extra memory is one tensor.
+   a chunk's sha256, a plain array's xxh3-64). Peak extra memory is one tensor; smaller
+   tensors are read in batches of up to 1 MiB (one read of each shard per batch).
 
 The files' sha256s are computed as they are written and returned (:class:`ExportResult`).
 Values that are not tensors (scalars, ``bytes``, complex arrays, which safetensors has no
@@ -24,6 +27,7 @@ dtype for) are left out, listed.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -37,18 +41,19 @@ import numpy as np
 
 from tiered_ckpt.compose import open_store
 from tiered_ckpt.errors import IncompleteCheckpointError, ManifestError, UsageError
-from tiered_ckpt.format.manifest import ChunkRecord, ShardManifest, ShardRecord
+from tiered_ckpt.format.manifest import ChunkRecord, ShardManifest
 from tiered_ckpt.format.selection import check_paths, resolve_path, select
 from tiered_ckpt.format.shardfile import DTYPE_CODES, DTYPES, ShardHeader, header_of
-from tiered_ckpt.format.structure import COMPLEX_TAGS, Structure, decode_key, structure_of
+from tiered_ckpt.format.structure import COMPLEX_TAGS, Structure, decode_key
 from tiered_ckpt.io.durable import atomic_write, fsync_directory, write_all
 from tiered_ckpt.io.hashing import Hasher
 from tiered_ckpt.options import LocalOptions, RemoteOptions, UploadOptions, resolve_options
-from tiered_ckpt.tiers.store import TieredStore
+from tiered_ckpt.tiers.store import ShardIndex, TieredStore
 
 __all__ = ["ExportResult", "ExportedFile", "export_safetensors", "export_step", "INDEX_NAME"]
 
 INDEX_NAME = "model.safetensors.index.json"
+_BATCH_BYTES = 1 << 20  # tensors smaller than this are read together, up to this many bytes
 _METADATA = {"format": "pt"}  # what transformers' from_pretrained asks of a safetensors file
 
 
@@ -93,7 +98,7 @@ class _Tensor:
     shape: tuple[int, ...]
     parts: tuple[_Part, ...]
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return DTYPES[self.dtype].itemsize * math.prod(self.shape)
 
@@ -154,8 +159,9 @@ def export_step(
         raise IncompleteCheckpointError(f"{store.where()}: step {step} is committed in no tier")
     manifest, _remote = store.manifests(step, in_local=in_local, in_remote=in_remote)
     later = store.readable(in_remote)
-    headers = [store.read_shard_header(step, record, later=later)[0] for record in manifest.shards]
-    structures = [_structure(header, record) for header, record in zip(headers, manifest.shards, strict=True)]
+    indexes = [store.read_shard_index(step, record, later=later)[0] for record in manifest.shards]
+    headers = [index.header for index in indexes]
+    structures = [index.structure for index in indexes]  # each parsed once, for every read of its parts
     cuts, prefix = _cuts(structures, selected, step)
     tensors, skipped = _plan(manifest, headers, structures, cuts, prefix)
     groups = _groups(tensors, max_shard_bytes)
@@ -166,7 +172,7 @@ def export_step(
     files = []
     for index, group in enumerate(groups):
         name = "model.safetensors" if len(groups) == 1 else f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors"
-        files.append(_write_file(root / name, group, store, step, manifest, headers, later))
+        files.append(_write_file(root / name, group, store, step, manifest, indexes, later))
     if len(groups) > 1:
         weight_map = {tensor.name: file.name for group, file in zip(groups, files, strict=True) for tensor in group}
         index_document = {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": weight_map}
@@ -175,11 +181,6 @@ def export_step(
     fsync_directory(root)
     largest = max((tensor.nbytes for tensor in tensors), default=0)
     return ExportResult(step, root, tuple(files), tuple(t.name for t in tensors), tuple(skipped), largest)
-
-
-def _structure(header: ShardHeader, record: ShardRecord) -> Structure:
-    what = f"rank {record.rank} shard {record.path}"
-    return structure_of(header.metadata, header.arrays, what, [name for name, _holder in record.replicas])
 
 
 def _cuts(
@@ -216,6 +217,7 @@ def _plan(
     """The tensors to write, from every rank's part of its state (a tensor is planned at the
     first rank holding it), and the paths of what is not a tensor."""
     chunks = {(record.rank, chunk.name): chunk for record in manifest.shards for chunk in record.chunks}
+    sharded = frozenset(manifest.sharded_keys)
     tensors: list[_Tensor] = []
     skipped: dict[str, None] = {}
     seen: dict[str, tuple[str | int, ...]] = {}
@@ -240,7 +242,7 @@ def _plan(
             seen[name] = path
             planned.add(array_name)
             holder = left.get(array_name, rank)  # its own shard's array, or the rank it was left to
-            tensors.append(_tensor(name, array_name, holder, manifest, headers, structures, chunks))
+            tensors.append(_tensor(name, array_name, holder, manifest, headers, structures, chunks, sharded))
         skipped.update(dict.fromkeys(_scalars(cut.root, ())))
     return tensors, list(skipped)
 
@@ -253,6 +255,7 @@ def _tensor(
     headers: list[ShardHeader],
     structures: list[Structure],
     chunks: dict[tuple[int, str], ChunkRecord],
+    sharded: frozenset[str],
 ) -> _Tensor:
     """Where ``array``'s full tensor comes from: every distinct chunk the ranks' records list
     (each checked against the verified header of its shard, together an exact tiling of the
@@ -280,13 +283,14 @@ def _tensor(
         parts = tuple(boxes.values())
         _check_tiling(array, global_shape, parts)
         return _Tensor(name, _code(headers, parts[0]), global_shape, parts)
-    if array in manifest.sharded_keys:
+    if array in sharded:
         parts = tuple(
             _Part(record.rank, array, (record.param_shard_offset,), (record.param_shard_numel,))
             for record in manifest.shards
             if record.param_shard_numel
-        )
-        return _Tensor(name, _code(headers, parts[0]), (manifest.total_numel,), parts)
+        )  # none if the vector is empty on every rank: an empty tensor of the holder's dtype
+        first = parts[0] if parts else _Part(holder, array, (0,), (0,))
+        return _Tensor(name, _code(headers, first), (manifest.total_numel,), parts)
     shape = headers[holder].arrays[array].shape
     part = _Part(holder, array, (0,) * len(shape), shape)
     return _Tensor(name, _code(headers, part), shape, (part,))
@@ -360,7 +364,7 @@ def _write_file(
     store: TieredStore,
     step: int,
     manifest: ShardManifest,
-    headers: list[ShardHeader],
+    indexes: list[ShardIndex],
     later: tuple[str, ...],
 ) -> ExportedFile:
     def write(out: BinaryIO) -> tuple[int, str]:
@@ -368,8 +372,9 @@ def _write_file(
         header = header_of([(t.name, t.dtype, t.shape) for t in tensors], _METADATA)
         write_all(out, header)
         hasher.update(header)
-        for tensor in tensors:  # one at a time: the peak is one tensor
-            data = _assembled(tensor, store, step, manifest, headers, later)
+        # One batch at a time: the peak is one tensor, or a batch of smaller ones read together.
+        for batch in _groups(tensors, max(_BATCH_BYTES, max(tensor.nbytes for tensor in tensors))):
+            data = _assembled(batch, store, step, manifest, indexes, later)
             write_all(out, data)
             hasher.update(data)
             del data
@@ -381,27 +386,37 @@ def _write_file(
 
 
 def _assembled(
-    tensor: _Tensor,
+    batch: list[_Tensor],
     store: TieredStore,
     step: int,
     manifest: ShardManifest,
-    headers: list[ShardHeader],
+    indexes: list[ShardIndex],
     later: tuple[str, ...],
 ) -> memoryview:
-    """The bytes of ``tensor`` whole, each part read (verified) straight into its place where that place is
-    contiguous memory, else into its own buffer and copied there."""
-    full = np.empty(tensor.shape, dtype=DTYPES[tensor.dtype])
-    for part in tensor.parts:
-        box: tuple[Any, ...] = (*(slice(o, o + n) for o, n in zip(part.offsets, part.sizes, strict=True)), ...)
-        place = full[box]
-        record, header = manifest.shard(part.rank), headers[part.rank]  # the header verified once
-        if place.flags.c_contiguous:
-            into = {part.name: place.reshape(part.sizes)}
-            store.read_parts(step, record, {part.name}, later=later, into=into, header=header)
-        else:
-            state, _source = store.read_parts(step, record, {part.name}, later=later, header=header)
+    """The bytes of the tensors of ``batch`` whole, back to back as the file holds them, each
+    part read (verified) straight into its place where that place is contiguous memory (one
+    read of each rank's shard for all such parts of the batch), else into its own buffer, one
+    at a time, and copied there."""
+    data = np.empty(sum(tensor.nbytes for tensor in batch), np.uint8)
+    ends = np.cumsum([0] + [tensor.nbytes for tensor in batch]).tolist()
+    fulls = [
+        data[begin:end].view(DTYPES[tensor.dtype]).reshape(tensor.shape)
+        for tensor, begin, end in zip(batch, ends, ends[1:], strict=False)
+    ]
+    direct: dict[int, dict[str, np.ndarray]] = {}  # by rank: the places its parts are read into
+    for tensor, full in zip(batch, fulls, strict=True):
+        for part in tensor.parts:
+            box: tuple[Any, ...] = (*(slice(o, o + n) for o, n in zip(part.offsets, part.sizes, strict=True)), ...)
+            place = full[box]
+            if place.flags.c_contiguous:
+                direct.setdefault(part.rank, {})[part.name] = place.reshape(part.sizes)
+                continue
+            record, index = manifest.shard(part.rank), indexes[part.rank]  # the header verified and parsed once
+            state, _source = store.read_parts(step, record, {part.name}, later=later, index=index)
             place[...] = state.arrays[part.name].reshape(part.sizes)
-    return full.reshape(-1).view(np.uint8).data
+    for rank, into in direct.items():
+        store.read_parts(step, manifest.shard(rank), into.keys(), later=later, into=into, index=indexes[rank])
+    return data.data
 
 
 _WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")

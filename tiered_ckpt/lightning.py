@@ -22,8 +22,16 @@ disk. Lightning's own bookkeeping reads these pointers as it reads checkpoint fi
 ``ModelCheckpoint``'s top-k and ``last.ckpt``, its version counters, ``ckpt_path="last"`` (the
 newest ``last*.ckpt`` in the callback's directory) and ``remove_checkpoint`` (which removes the
 pointer only: the manager's retention decides when a step is deleted). A step Lightning saves
-under two names (the top-k file and ``last.ckpt`` of one step) is saved once; its contents are
-those of the first save, and the other names point at it. :meth:`load_checkpoint` takes a
+under two names (the top-k file and ``last.ckpt`` of one step) is saved once, and the other
+names point at it: a pointer is written only for the contents the step holds. Each save and
+load takes the xxh3-128 of the checkpoint (its structure, every value and every tensor's bytes:
+one pass over host memory, a copy to host for a tensor on another device), and a save of a step
+already saved or loaded here with other contents (weights changed without an optimizer step: an
+adapter merged, weights averaged or quantized after resuming a finished run) raises
+:class:`CheckpointExistsError` and writes nothing: a step is saved once, so such weights go to
+a new step or elsewhere. Left out of the comparison is what ``ModelCheckpoint`` callbacks
+record of their own files (``last_model_path``, ``best_k_models``, ...), which changes between
+the names of one step as each is written: the step keeps the first save's. :meth:`load_checkpoint` takes a
 pointer or a step's directory, ``<local.dir>/step-000000000100`` (:meth:`ckpt_path`), which
 need not exist: the manager restores the step from whichever tier holds it.
 
@@ -46,18 +54,22 @@ import json
 import logging
 import os
 import threading
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed
+import xxhash
 from lightning.fabric.plugins import CheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from tiered_ckpt.engine.restore_result import RestoreResult
 from tiered_ckpt.errors import CheckpointError, CheckpointExistsError, InvalidStateError, UsageError, restated
 from tiered_ckpt.format.layout import parse_step_dir_name, step_dir_name
+from tiered_ckpt.format.shardfile import dtype_code
+from tiered_ckpt.format.state import flatten
 from tiered_ckpt.format.strict_json import Fields, load_object
 from tiered_ckpt.io.durable import write_bytes
 from tiered_ckpt.manager import CheckpointManager
@@ -94,7 +106,7 @@ class TieredCheckpointIO(CheckpointIO):
         self.step_key = step_key
         self.last_restore: RestoreResult | None = None
         self._lock = threading.Lock()  # AsyncCheckpointIO saves from a thread of its own
-        self._newest: tuple[int, frozenset[str]] | None = None  # the newest step saved or loaded here, its keys
+        self._newest: _Saved | None = None  # the newest step saved or loaded here
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.manager!r}, step_key={self.step_key!r})"
@@ -107,12 +119,13 @@ class TieredCheckpointIO(CheckpointIO):
         """Save ``checkpoint`` as the step its ``step_key`` holds and write the pointer at ``path``.
 
         Returns once the step is committed on local disk and the pointer is durable (the
-        upload goes on in the background). A step already saved (or loaded) here is not
-        saved again: the pointer names it. Raises :class:`InvalidStateError` for a value
-        that cannot be stored (naming its path) or a step that is not an ``int``,
-        :class:`CheckpointExistsError` for a step not newer than the manager's newest (a run
-        resumed from an older step, or started afresh over saved steps) or saved here with
-        other top-level keys,
+        upload goes on in the background). A step already saved (or loaded) here with the
+        same contents (the same xxh3-128 of its structure and bytes) is not saved again: the
+        pointer names it. Raises :class:`InvalidStateError` for a value that cannot be stored
+        (naming its path) or a step that is not an ``int``, :class:`CheckpointExistsError`
+        for a step not newer than the manager's newest (a run resumed from an older step, or
+        started afresh over saved steps) or saved or loaded here with other contents (other
+        top-level keys, or weights changed without an optimizer step),
         :class:`UsageError` for ``storage_options`` or a step the manager's cadence skips,
         and the manager's background errors; nothing is written then.
         """
@@ -124,18 +137,13 @@ class TieredCheckpointIO(CheckpointIO):
         _refuse_several_processes("save")
         target = _local_path(path)
         step = self._step_of(checkpoint, target)
-        keys = frozenset(checkpoint)
         with self._lock:
-            if self._newest is not None and self._newest[0] == step:
-                if self._newest[1] != keys:
-                    raise CheckpointExistsError(
-                        f"{target}: step {step} is saved already with the top-level keys {sorted(self._newest[1])}, "
-                        f"not {sorted(keys)} (a weights-only and a full checkpoint of one step?); a step is saved "
-                        "once, and its other names point at it"
-                    )
+            saved = _Saved.of(step, checkpoint, str(target))
+            if self._newest is not None and self._newest.step == step:
+                self._newest.refuse_other(saved, target)
             else:
                 self._save(step, checkpoint, target)
-                self._newest = (step, keys)
+                self._newest = saved
             target.parent.mkdir(parents=True, exist_ok=True)
             write_bytes(target, self._pointer(step))
 
@@ -233,7 +241,7 @@ class TieredCheckpointIO(CheckpointIO):
             result = self.manager.restore(step)
             checkpoint = result.torch_state()
             self.last_restore = replace(result, states=[], flat=())
-            self._newest = (step, frozenset(checkpoint))
+            self._newest = _Saved.of(step, checkpoint, os.fspath(path))
         logger.info("restored step %d for Lightning from %s", step, os.fspath(path))
         if device is not None:
             checkpoint = apply_to_collection(checkpoint, torch.Tensor, lambda tensor: tensor.to(device))
@@ -299,6 +307,63 @@ class TieredCheckpointIO(CheckpointIO):
         local = fields.string("local")
         remote = None if document.get("remote", "") is None else fields.string("remote")
         return step, local, remote
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """A step saved or loaded here: its number, top-level keys and fingerprint (the xxh3-128 of
+    its structure document and of every array's name, dtype, shape and bytes; a chance
+    collision is 2**-64 even over 2**32 checkpoints)."""
+
+    step: int
+    keys: frozenset[Any]
+    fingerprint: str
+
+    @classmethod
+    def of(cls, step: int, checkpoint: dict[str, Any], owner: str) -> _Saved:
+        """``checkpoint`` of ``step``; :class:`InvalidStateError` naming ``owner`` and the path of a
+        value that cannot be stored."""
+        flat = flatten(_compared(checkpoint), owner)
+        hasher = xxhash.xxh3_128()
+        hasher.update(flat.structure.to_json().encode())
+        for name in sorted(flat.arrays):
+            array = flat.arrays[name]
+            hasher.update(json.dumps([name, dtype_code(array), list(array.shape)]).encode())
+            hasher.update(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+        return cls(step, frozenset(checkpoint), hasher.hexdigest())
+
+    def refuse_other(self, other: _Saved, target: Path) -> None:
+        """Raise :class:`CheckpointExistsError` naming ``target`` unless ``other`` holds what this step holds."""
+        if other.keys != self.keys:
+            raise CheckpointExistsError(
+                f"{target}: step {self.step} is saved already with the top-level keys {sorted(self.keys)}, "
+                f"not {sorted(other.keys)} (a weights-only and a full checkpoint of one step?); a step is saved "
+                "once, and its other names point at it"
+            )
+        if other.fingerprint != self.fingerprint:
+            raise CheckpointExistsError(
+                f"{target}: step {self.step} is saved already with other contents (weights changed without an "
+                "optimizer step: merged, averaged or quantized?); a step is saved once, and its other names point "
+                "at the same bytes: save the changed weights as a new step, or elsewhere (a manager of another "
+                "local.dir and remote.url, or Lightning's TorchCheckpointIO)"
+            )
+
+
+_FILE_BOOKKEEPING = frozenset({"dirpath", "best_model_path", "best_k_models", "last_model_path"})
+
+
+def _compared(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """``checkpoint`` without the states of its ``ModelCheckpoint`` callbacks (of any subclass):
+    which files hold which step, which change between the names of one step as each is written."""
+    callbacks = checkpoint.get("callbacks")
+    if not isinstance(callbacks, dict):
+        return checkpoint
+    kept = {
+        key: state
+        for key, state in callbacks.items()
+        if not (isinstance(state, dict) and _FILE_BOOKKEEPING <= state.keys())
+    }
+    return {**checkpoint, "callbacks": kept}
 
 
 def _local_path(path: str | os.PathLike[str]) -> Path:

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from tiered_ckpt.dist.replicas import assign, offer, put_back
-from tiered_ckpt.dist.sharding import resolve_sharded_keys, sharding_summary
+from tiered_ckpt.dist.sharding import dtype_summary, resolve_sharded_keys, sharding_summary
 from tiered_ckpt.engine.shards import build_manifest, write_shards
 from tiered_ckpt.errors import CheckpointError, CheckpointExistsError
 from tiered_ckpt.format.layout import MANIFEST_NAME
@@ -95,7 +95,10 @@ def save_sharded(
     validate_step(step)
     flat = [flatten(state, f"rank {rank}") for rank, state in enumerate(states_per_rank)]
     keys, numels = resolve_sharded_keys(
-        [sharding_summary(s.arrays) for s in flat], sharded_keys, flat=all(s.structure.flat for s in flat)
+        [sharding_summary(s.arrays) for s in flat],
+        sharded_keys,
+        flat=all(s.structure.flat for s in flat),
+        dtypes=[dtype_summary(s.arrays) for s in flat],
     )
     check_manifest_fits([s.record_bytes(len(flat)) for s in flat], keys, step)
     tier = LocalTier(directory, single_step=True)

@@ -8,7 +8,8 @@
    inside the collective, so bad input raises on every rank rather than stranding the
    others, and reports its :class:`SaveReport`;
 3. every process reads the gathered reports the same way: the same call on every rank, a
-   step newer than every rank's newest, the sharded keys of the flat-parameter rule, and
+   step newer than every rank's newest, the sharded keys of the flat-parameter rule (one
+   dtype for each flat vector's slices), and
    a manifest that fits what a reader accepts, and whether any rank holds arrays other
    ranks may hold copies of: if none does, the writer skips the exchange that gives each
    copy one writer (:func:`~tiered_ckpt.dist.replicas.leave_out`), a collective less per save.
@@ -25,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, gather
-from tiered_ckpt.dist.sharding import resolve_sharded_keys, sharding_summary
+from tiered_ckpt.dist.sharding import dtype_summary, resolve_sharded_keys, sharding_summary
 from tiered_ckpt.engine.step_choice import same_call
 from tiered_ckpt.errors import CheckpointExistsError, SaveError, UploadError, restated
 from tiered_ckpt.format.state import FlatState, State, flatten
@@ -47,8 +48,9 @@ def not_saved(step: int) -> Iterator[None]:
 class SaveReport:
     """One process's check of a save call: its arguments, its newest step, its arrays' shapes per
     rank, whether each of its ranks' states is a flat dict of arrays, the most bytes each of
-    its ranks' records may add to the manifest, and whether any of its ranks' states holds
-    arrays another rank may hold an identical copy of (:attr:`FlatState.shared`)."""
+    its ranks' records may add to the manifest, whether any of its ranks' states holds
+    arrays another rank may hold an identical copy of (:attr:`FlatState.shared`), and the
+    dtypes of its 1-D arrays per rank (a flat vector's slices have one)."""
 
     arguments: str
     newest: int | None
@@ -56,6 +58,7 @@ class SaveReport:
     flat: bool
     record_bytes: tuple[int, ...]
     shared: bool = True
+    dtypes: tuple[tuple[tuple[str, str], ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,9 @@ def _report(step: int, local: Sequence[FlatState], newest: int | None, world_siz
     shapes = tuple(tuple((key, tuple(shape)) for key, shape in sharding_summary(s.arrays).items()) for s in local)
     flat = all(s.structure.flat for s in local)
     sizes = tuple(s.record_bytes(world_size) for s in local)
-    return SaveReport(json.dumps({"step": step}), newest, shapes, flat, sizes, any(s.shared for s in local))
+    dtypes = tuple(tuple(dtype_summary(s.arrays).items()) for s in local)
+    shared = any(s.shared for s in local)
+    return SaveReport(json.dumps({"step": step}), newest, shapes, flat, sizes, shared, dtypes)
 
 
 def check_save(
@@ -123,6 +128,8 @@ def check_save(
             f"{where}: step {step} is not newer than the newest checkpoint, step {newest}{hint}"
         )
     shapes = [dict(rank_shapes) for each in reports for rank_shapes in each.shapes]
-    keys, numels = resolve_sharded_keys(shapes, sharded_keys, flat=all(each.flat for each in reports))
+    dtypes = [dict(rank_dtypes) for each in reports for rank_dtypes in each.dtypes]
+    flat = all(each.flat for each in reports)
+    keys, numels = resolve_sharded_keys(shapes, sharded_keys, flat=flat, dtypes=dtypes)
     check_manifest_fits([size for each in reports for size in each.record_bytes], keys, step)
     return SavePlan(attempt.value[0], keys, tuple(numels), any(each.shared for each in reports))

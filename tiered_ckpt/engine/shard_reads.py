@@ -52,7 +52,7 @@ from tiered_ckpt.format.structure import Structure
 from tiered_ckpt.format.validate import check_into, check_world_size
 from tiered_ckpt.io.hashing import Verify
 from tiered_ckpt.io.parallel import run_parallel
-from tiered_ckpt.tiers.store import Landing, Source, TieredStore
+from tiered_ckpt.tiers.store import Landing, ShardIndex, Source, TieredStore
 
 __all__ = ["PendingRead", "ShardReader"]
 
@@ -109,6 +109,32 @@ def _without_replicas(plan: ChunkPlan, record: ShardRecord) -> ChunkPlan:
         plan.overlaps,
         plan.plain_source,
     )
+
+
+@dataclass(frozen=True)
+class _Looked:
+    """A partial restore's look at one shard before anything is filled: the selection's structure,
+    the dtype and shape of each of its arrays the shard holds, and the shard's verified header,
+    parsed (not read again for its parts), or, for a shard read whole, its cut state and tier."""
+
+    structure: Structure
+    kinds: Mapping[str, tuple[np.dtype, tuple[int, ...]]]
+    index: ShardIndex | None = None
+    whole: tuple[FlatState, Source] | None = None
+
+
+def _check_selected_into(index: int, looked: _Looked | None, target: FlatState) -> None:
+    """Raise :class:`InvalidStateError` naming ``into[index]`` and its arrays unless ``target``
+    holds exactly the selection ``looked`` at, each writable and C-contiguous where read into."""
+    assert looked is not None  # every rank with a target was looked at
+    expected = {**dict.fromkeys(looked.structure.kinds), **looked.kinds}
+    problem = into_difference(expected, target.arrays, "the selected paths")
+    if problem:
+        raise InvalidStateError(f"into[{index}] does not hold the arrays of the selected paths: {problem}")
+    for name in looked.kinds:
+        array = target.arrays[name]
+        if not (array.flags.c_contiguous and array.flags.writeable):
+            raise InvalidStateError(f"into[{index}][{name!r}] must be writable and C-contiguous")
 
 
 class ShardReader:
@@ -432,8 +458,10 @@ class ShardReader:
         """A partial restore: each saved rank this process needs reads, of its shard, the header
         and the arrays under the selection's paths (:func:`~tiered_ckpt.format.selection.select`),
         each verified (:meth:`TieredStore.read_parts`), into ``targets``' arrays when given (a
-        state of the selection's nesting); a shard whose record has no per-array digests (saved
-        before they were recorded) is read whole, verified by its sha256, and cut. The
+        state of the selection's nesting: every rank's checked against its shard's header before
+        any is filled, :class:`InvalidStateError` naming the arrays that differ); a shard whose
+        record has no per-array digests (saved before they were recorded) is read whole,
+        verified by its sha256, and cut. The
         manifest handed on keeps only the replicated arrays and sharded keys inside the
         selection, so that only those are put back and resharded (every rank of one job
         selects the same names: their states share one nesting)."""
@@ -450,37 +478,51 @@ class ShardReader:
             starts[rank] = prefixes(structure, selection.paths, what)
             return select(structure, selection.paths, what)
 
-        def read(index: int) -> tuple[FlatState, Source]:
+        def look(index: int) -> _Looked:
+            """What rank ``wanted[index]``'s selection holds, nothing of the caller's filled: its
+            header (the shard read whole, and cut, if its arrays have no digests of their own)."""
             record = manifest.shard(wanted[index])
             what = f"rank {record.rank} shard {record.path}"
-            into = targets[index].arrays if targets is not None else None
-            if record.rank not in whole:
-                part = partial(cut_to, record.rank, what)
-                return self._store.read_parts(step, record, part, later=later, into=into, verify=verify)
-            state, source = self._store.fetch_shard(step, record, verify=verify, later=later)
-            structure = cut_to(record.rank, what, state.structure)
-            arrays = {name: state.arrays[name] for name in structure.kinds if name in state.arrays}
-            for name, array in arrays.items():
-                given = (into or {}).get(name)
-                if given is not None and (given.dtype, given.shape) == (array.dtype, array.shape):
-                    np.copyto(given, array)  # the rest: named by the check of into below
-                    arrays[name] = given
-            return FlatState(arrays, structure), source
+            if record.rank in whole:
+                state, source = self._store.fetch_shard(step, record, verify=verify, later=later)
+                structure = cut_to(record.rank, what, state.structure)
+                arrays = {name: state.arrays[name] for name in structure.kinds if name in state.arrays}
+                kinds = {name: (array.dtype, array.shape) for name, array in arrays.items()}
+                return _Looked(structure, kinds, whole=(FlatState(arrays, structure), source))
+            parsed, _source = self._store.read_shard_index(step, record, later=later)
+            structure = cut_to(record.rank, what, parsed.structure)
+            kinds = {n: (e.dtype, e.shape) for n, e in parsed.header.arrays.items() if n in structure.kinds}
+            return _Looked(structure, kinds, index=parsed)
+
+        def read(index: int, looked: _Looked | None) -> tuple[FlatState, Source]:
+            record = manifest.shard(wanted[index])
+            what = f"rank {record.rank} shard {record.path}"
+            into = targets[index].arrays if targets is not None else {}
+            if looked is not None and looked.whole is not None:
+                state, source = looked.whole
+                arrays = dict(state.arrays)
+                for name, array in arrays.items():
+                    if name in into:  # checked to match by _check_selected_into
+                        np.copyto(into[name], array)
+                        arrays[name] = into[name]
+                return FlatState(arrays, state.structure), source
+            part = partial(cut_to, record.rank, what)
+            parsed = looked.index if looked is not None else None
+            return self._store.read_parts(step, record, part, later=later, into=into, verify=verify, index=parsed)
 
         with self._step_dir(step) if whole else nullcontext():
-            fetched = run_parallel(read, range(len(wanted)), self._max_workers)
+            # Into the caller's arrays: every rank's checked before any is filled, as a whole read does.
+            looks: list[_Looked | None] = [None] * len(wanted)
+            if targets is not None or whole:
+                firsts = [index for index, rank in enumerate(wanted) if targets is not None or rank in whole]
+                for index, looked in zip(firsts, run_parallel(look, firsts, self._max_workers), strict=True):
+                    looks[index] = looked
+            for index, target_state in enumerate(targets or ()):
+                _check_selected_into(index, looks[index], target_state)
+            fetched = run_parallel(lambda index: read(index, looks[index]), range(len(wanted)), self._max_workers)
             if whole:  # a shard read whole from a later tier refilled the local step
                 self._store.record_refill(manifest, selection.remote, whole, was_committed=selection.in_local)
         read_states = {rank: state for rank, (state, _source) in zip(wanted, fetched, strict=True)}
-        for index, target_state in enumerate(targets or ()):
-            state = read_states[wanted[index]]
-            expected = {
-                **dict.fromkeys(state.structure.kinds),
-                **{n: (a.dtype, a.shape) for n, a in state.arrays.items()},
-            }
-            problem = into_difference(expected, target_state.arrays, "the selected paths")
-            if problem:
-                raise InvalidStateError(f"into[{index}] does not hold the arrays of the selected paths: {problem}")
         # What is put back and resharded is decided from names alone, so that every process cuts
         # the manifest alike: the replicas exchanged are then the same on every process.
         chosen = partial(selects, starts[wanted[0]])

@@ -28,6 +28,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import BinaryIO, NoReturn, TypeVar, cast
 
 import numpy as np
@@ -54,7 +55,7 @@ from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.remote import RemoteTier
 from tiered_ckpt.tiers.retention import RetentionPolicy
 
-__all__ = ["TieredStore", "Source", "Landing"]
+__all__ = ["TieredStore", "ShardIndex", "Source", "Landing"]
 
 logger = logging.getLogger("tiered_ckpt")
 
@@ -347,10 +348,11 @@ class TieredStore:
         later: Collection[str] | None = None,
         into: Mapping[str, np.ndarray] | None = None,
         verify: Verify = "full",
-        header: ShardHeader | None = None,
+        index: ShardIndex | None = None,
     ) -> tuple[FlatState, Source]:
-        """Some arrays of ``record``'s shard, verified, and the tier they came from (``header``:
-        its header as :meth:`read_shard_header` returned it, not read again).
+        """Some arrays of ``record``'s shard, verified, and the tier they came from (``index``:
+        its header as :meth:`read_shard_index` returned it, neither read nor parsed again: the
+        reads of many arrays of one shard, one call each, parse its structure document once).
 
         Reads only the shard's header and those arrays' bytes, each checked against the
         sha256 the manifest records for it in a state of DTensors (``verify="fast"``: its
@@ -375,9 +377,9 @@ class TieredStore:
             what = f"rank {record.rank} shard {tier.shard_location(step, record)}"
             if tier is self.local:
                 with self.local.open_ranges(step, record) as read_into:
-                    return _read_parts(read_into, record, names, what, targets, verify, header)
+                    return _read_parts(read_into, record, names, what, targets, verify, index)
             read_range = functools.partial(tier.read_range_into, step, record)
-            return _read_parts(read_range, record, names, what, targets, verify, header)
+            return _read_parts(read_range, record, names, what, targets, verify, index)
 
         return self._first_that_verifies(step, record, read, later, refills=False)
 
@@ -397,6 +399,16 @@ class TieredStore:
             return _verified_header(functools.partial(tier.read_range_into, step, record), record, what)
 
         return self._first_that_verifies(step, record, read, later, refills=False)
+
+    def read_shard_index(
+        self, step: int, record: ShardRecord, *, later: Collection[str] | None = None
+    ) -> tuple[ShardIndex, Source]:
+        """``record``'s shard header as :meth:`read_shard_header` reads it, parsed for
+        :meth:`read_parts`: its structure document and its arrays' digests. Raises as
+        :meth:`read_shard_header` does, and :class:`ShardFormatError` for a structure document
+        or digests that do not match the header."""
+        header, source = self.read_shard_header(step, record, later=later)
+        return _index(header, record, f"rank {record.rank} shard {record.path}"), source
 
     # -- writing the local tier from a later one --------------------------------------------
 
@@ -457,6 +469,28 @@ def _verified_header(
     return read_header(bytes(raw), record.size_bytes, what)
 
 
+@dataclass(frozen=True)
+class ShardIndex:
+    """A shard's verified header, parsed once for the reads of its parts (:meth:`TieredStore.read_parts`):
+    where each array lies, the structure document, and the xxh3-64 its record holds for each
+    plain array ({} if none)."""
+
+    header: ShardHeader
+    structure: Structure
+    digests: Mapping[str, str]
+
+
+def _index(header: ShardHeader, record: ShardRecord, what: str) -> ShardIndex:
+    """``header`` (verified, of ``record``'s shard) parsed; :class:`ShardFormatError` naming ``what``."""
+    elsewhere = [name for name, _holder in record.replicas]
+    structure = structure_of(header.metadata, header.arrays, what, elsewhere)
+    try:
+        digests = record.array_digests(header.arrays)
+    except ManifestError as exc:
+        raise ShardFormatError(f"{what}: {exc}") from None
+    return ShardIndex(header, structure, digests)
+
+
 def _read_parts(
     read_into: Callable[[int, memoryview, Verify], str],
     record: ShardRecord,
@@ -464,22 +498,18 @@ def _read_parts(
     what: str,
     into: Mapping[str, np.ndarray],
     verify: Verify,
-    verified: ShardHeader | None = None,
+    index: ShardIndex | None = None,
 ) -> FlatState:
-    """Read and verify a shard's header (unless ``verified`` is it), then each of ``names``' arrays,
+    """Read, verify and parse a shard's header (unless ``index`` is it), then each of ``names``' arrays,
     through ``read_into(offset, buffer)``: each copied straight into its memory (``into``'s, else
     new) and hashed piece by piece while each piece is in cache, with no copy through Python bytes."""
-    header = verified if verified is not None else _verified_header(read_into, record, what)
-    elsewhere = [name for name, _holder in record.replicas]
-    structure = structure_of(header.metadata, header.arrays, what, elsewhere)
+    if index is None:
+        index = _index(_verified_header(read_into, record, what), record, what)
+    header, structure, plain = index.header, index.structure, index.digests
     if callable(names):
         structure = names(structure)
         names = [name for name in structure.kinds if name in header.arrays]
     recorded = {chunk.name: chunk for chunk in record.chunks}
-    try:
-        plain = record.array_digests(header.arrays)
-    except ManifestError as exc:
-        raise ShardFormatError(f"{what}: {exc}") from None
     if names and not recorded and not plain:
         raise ShardFormatError(f"{what}: the manifest records no digest of its arrays: it can only be read whole")
     arrays = {}

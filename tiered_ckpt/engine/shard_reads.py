@@ -52,7 +52,8 @@ from tiered_ckpt.format.structure import Structure
 from tiered_ckpt.format.validate import check_into, check_world_size
 from tiered_ckpt.io.hashing import Verify
 from tiered_ckpt.io.parallel import run_parallel
-from tiered_ckpt.tiers.store import Landing, ShardIndex, Source, TieredStore
+from tiered_ckpt.tiers.shard_parts import ShardIndex
+from tiered_ckpt.tiers.store import Landing, Source, TieredStore
 
 __all__ = ["PendingRead", "ShardReader"]
 

@@ -48,7 +48,8 @@ from tiered_ckpt.format.structure import COMPLEX_TAGS, Structure, decode_key
 from tiered_ckpt.io.durable import atomic_write, fsync_directory, write_all
 from tiered_ckpt.io.hashing import Hasher
 from tiered_ckpt.options import LocalOptions, RemoteOptions, UploadOptions, resolve_options
-from tiered_ckpt.tiers.store import ShardIndex, TieredStore
+from tiered_ckpt.tiers.shard_parts import ShardIndex
+from tiered_ckpt.tiers.store import TieredStore
 
 __all__ = ["ExportResult", "ExportedFile", "export_safetensors", "export_step", "INDEX_NAME"]
 

@@ -33,26 +33,24 @@ from tiered_ckpt.dist.reshard import (
     reshard_rank,
     source_ranks,
 )
+from tiered_ckpt.engine.node_shards import check_on_this_node, check_reshardable_here
 from tiered_ckpt.engine.refill import Refill
 from tiered_ckpt.engine.restore_result import RestoreResult
+from tiered_ckpt.engine.selected_reads import read_selected
 from tiered_ckpt.errors import (
     CheckpointError,
-    IncompleteCheckpointError,
     InvalidStateError,
     UsageError,
-    WorldSizeMismatchError,
     restated,
 )
-from tiered_ckpt.format.differences import into_difference
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.format.remote_manifest import RemoteManifest
-from tiered_ckpt.format.selection import prefixes, select, selects
+from tiered_ckpt.format.selection import selects
 from tiered_ckpt.format.state import FlatState, State, flatten_into
-from tiered_ckpt.format.structure import Structure
 from tiered_ckpt.format.validate import check_into, check_world_size
 from tiered_ckpt.io.hashing import Verify
 from tiered_ckpt.io.parallel import run_parallel
-from tiered_ckpt.tiers.store import Landing, ShardIndex, Source, TieredStore
+from tiered_ckpt.tiers.store import Landing, Source, TieredStore
 
 __all__ = ["PendingRead", "ShardReader"]
 
@@ -111,32 +109,6 @@ def _without_replicas(plan: ChunkPlan, record: ShardRecord) -> ChunkPlan:
     )
 
 
-@dataclass(frozen=True)
-class _Looked:
-    """A partial restore's look at one shard before anything is filled: the selection's structure,
-    the dtype and shape of each of its arrays the shard holds, and the shard's verified header,
-    parsed (not read again for its parts), or, for a shard read whole, its cut state and tier."""
-
-    structure: Structure
-    kinds: Mapping[str, tuple[np.dtype, tuple[int, ...]]]
-    index: ShardIndex | None = None
-    whole: tuple[FlatState, Source] | None = None
-
-
-def _check_selected_into(index: int, looked: _Looked | None, target: FlatState) -> None:
-    """Raise :class:`InvalidStateError` naming ``into[index]`` and its arrays unless ``target``
-    holds exactly the selection ``looked`` at, each writable and C-contiguous where read into."""
-    assert looked is not None  # every rank with a target was looked at
-    expected = {**dict.fromkeys(looked.structure.kinds), **looked.kinds}
-    problem = into_difference(expected, target.arrays, "the selected paths")
-    if problem:
-        raise InvalidStateError(f"into[{index}] does not hold the arrays of the selected paths: {problem}")
-    for name in looked.kinds:
-        array = target.arrays[name]
-        if not (array.flags.c_contiguous and array.flags.writeable):
-            raise InvalidStateError(f"into[{index}][{name!r}] must be writable and C-contiguous")
-
-
 class ShardReader:
     """Reads, through ``store``, the shards the processes' ``ranks`` of a job of ``world_size``
     ranks need (see the module doc), ``max_workers`` at a time."""
@@ -190,7 +162,10 @@ class ShardReader:
             )
             manifest, remote = store.manifests(step, in_local=in_local, in_remote=in_remote)
             if not reshard:
-                self._check_reshardable_here(manifest, target, in_remote)
+                if manifest.world_size != target and not in_remote:
+                    check_reshardable_here(
+                        self._store, self._one_process, manifest, target, self._needed(manifest, target)
+                    )
                 check_world_size(manifest, target, str(store.local.step_dir(step)))
             if paths is not None:
                 if manifest.world_size != target and (targets is not None or any(r.chunks for r in manifest.shards)):
@@ -212,7 +187,7 @@ class ShardReader:
                 raise InvalidStateError(f"into holds {len(into_list)} rank states, this process restores one")
             wanted = self._needed(manifest, target)
             if not in_remote:
-                self._check_on_this_node(manifest, wanted)
+                check_on_this_node(self._store, self._one_process, manifest, wanted)
             deferred: list[Landing] = []
             with self._step_dir(step) as created:
                 fetched = run_parallel(
@@ -353,7 +328,9 @@ class ShardReader:
         if from_peers:
             plans = [_without_replicas(plan, manifest.shard(plan.plain_source)) for plan in plans]
         if not in_remote:
-            self._check_on_this_node(manifest, sorted({rank for plan in plans for rank in plan.reads}))
+            check_on_this_node(
+                self._store, self._one_process, manifest, sorted({rank for plan in plans for rank in plan.reads})
+            )
         names: dict[int, set[str]] = {}
         direct: dict[int, dict[str, np.ndarray]] = {}
         for plan, state in zip(plans, targets, strict=True):
@@ -461,7 +438,7 @@ class ShardReader:
         state of the selection's nesting: every rank's checked against its shard's header before
         any is filled, :class:`InvalidStateError` naming the arrays that differ); a shard whose
         record has no per-array digests (saved before they were recorded) is read whole,
-        verified by its sha256, and cut. The
+        verified by its sha256, and cut (:func:`~tiered_ckpt.engine.selected_reads.read_selected`). The
         manifest handed on keeps only the replicated arrays and sharded keys inside the
         selection, so that only those are put back and resharded (every rank of one job
         selects the same names: their states share one nesting)."""
@@ -469,57 +446,13 @@ class ShardReader:
             raise InvalidStateError(f"into holds {len(targets)} rank states, this process restores {len(self._ranks)}")
         wanted = self._needed(manifest, target)
         if not selection.in_remote:
-            self._check_on_this_node(manifest, wanted)
+            check_on_this_node(self._store, self._one_process, manifest, wanted)
         later = self._store.readable(selection.in_remote)
         whole = [rank for rank in wanted if not (manifest.shard(rank).chunks or manifest.shard(rank).array_xxh3_64)]
-        starts: dict[int, tuple[str, ...]] = {}  # by saved rank: the names the paths start
-
-        def cut_to(rank: int, what: str, structure: Structure) -> Structure:
-            starts[rank] = prefixes(structure, selection.paths, what)
-            return select(structure, selection.paths, what)
-
-        def look(index: int) -> _Looked:
-            """What rank ``wanted[index]``'s selection holds, nothing of the caller's filled: its
-            header (the shard read whole, and cut, if its arrays have no digests of their own)."""
-            record = manifest.shard(wanted[index])
-            what = f"rank {record.rank} shard {record.path}"
-            if record.rank in whole:
-                state, source = self._store.fetch_shard(step, record, verify=verify, later=later)
-                structure = cut_to(record.rank, what, state.structure)
-                arrays = {name: state.arrays[name] for name in structure.kinds if name in state.arrays}
-                kinds = {name: (array.dtype, array.shape) for name, array in arrays.items()}
-                return _Looked(structure, kinds, whole=(FlatState(arrays, structure), source))
-            parsed, _source = self._store.read_shard_index(step, record, later=later)
-            structure = cut_to(record.rank, what, parsed.structure)
-            kinds = {n: (e.dtype, e.shape) for n, e in parsed.header.arrays.items() if n in structure.kinds}
-            return _Looked(structure, kinds, index=parsed)
-
-        def read(index: int, looked: _Looked | None) -> tuple[FlatState, Source]:
-            record = manifest.shard(wanted[index])
-            what = f"rank {record.rank} shard {record.path}"
-            into = targets[index].arrays if targets is not None else {}
-            if looked is not None and looked.whole is not None:
-                state, source = looked.whole
-                arrays = dict(state.arrays)
-                for name, array in arrays.items():
-                    if name in into:  # checked to match by _check_selected_into
-                        np.copyto(into[name], array)
-                        arrays[name] = into[name]
-                return FlatState(arrays, state.structure), source
-            part = partial(cut_to, record.rank, what)
-            parsed = looked.index if looked is not None else None
-            return self._store.read_parts(step, record, part, later=later, into=into, verify=verify, index=parsed)
-
         with self._step_dir(step) if whole else nullcontext():
-            # Into the caller's arrays: every rank's checked before any is filled, as a whole read does.
-            looks: list[_Looked | None] = [None] * len(wanted)
-            if targets is not None or whole:
-                firsts = [index for index, rank in enumerate(wanted) if targets is not None or rank in whole]
-                for index, looked in zip(firsts, run_parallel(look, firsts, self._max_workers), strict=True):
-                    looks[index] = looked
-            for index, target_state in enumerate(targets or ()):
-                _check_selected_into(index, looks[index], target_state)
-            fetched = run_parallel(lambda index: read(index, looks[index]), range(len(wanted)), self._max_workers)
+            fetched, starts = read_selected(
+                self._store, manifest, wanted, whole, selection.paths, targets, verify, later, self._max_workers
+            )
             if whole:  # a shard read whole from a later tier refilled the local step
                 self._store.record_refill(manifest, selection.remote, whole, was_committed=selection.in_local)
         read_states = {rank: state for rank, (state, _source) in zip(wanted, fetched, strict=True)}
@@ -542,50 +475,4 @@ class ShardReader:
             from_peers=self._from_peers(cut, target),
             later=later,
             into={rank: state.arrays for rank, state in zip(wanted, targets or (), strict=False)},
-        )
-
-    def _check_on_this_node(self, manifest: ShardManifest, ranks: list[int]) -> None:
-        """Without a bucket, a rank can read only the shards on its own disk (or, with a later tier
-        of each node's own, such as a partner's memory, what that tier holds): say so if some are not."""
-        problem = self._not_on_this_node(manifest, ranks)
-        if problem is not None:
-            raise IncompleteCheckpointError(problem)
-
-    def _check_reshardable_here(self, manifest: ShardManifest, target: int, in_remote: bool) -> None:
-        """A restore on another world size without ``reshard``: if the disk could not serve the
-        reshard either (no bucket holds the step), say what would restore it, not only to reshard."""
-        if manifest.world_size == target or in_remote:
-            return
-        problem = self._not_on_this_node(manifest, self._needed(manifest, target))
-        if problem is not None:
-            raise WorldSizeMismatchError(
-                f"{problem}; to restore it on {target} rank{'' if target == 1 else 's'}, give the job a bucket "
-                f"holding step {manifest.step} "
-                "(remote.url) and restore with reshard=True (--reshard)"
-            )
-
-    def _not_on_this_node(self, manifest: ShardManifest, ranks: list[int]) -> str | None:
-        """What keeps this process from reading ``ranks``' shards of a step no bucket holds (None: nothing).
-
-        With one process per rank, each node's disk holds its own ranks' shards; one process
-        holding every rank can be given one node's directory too, whose records say which ranks
-        it holds (a shard it should hold and lacks is a damaged disk, which the chain names)."""
-        if any(tier is not self._store.remote for tier in self._store.later):
-            return None  # the chain tries that tier, and names every copy it tried if none verifies
-        local, step = self._store.local, manifest.step
-        if self._one_process:
-            try:
-                held = set(local.held_ranks(step, manifest)) if step in local.steps() else set()
-            except CheckpointError:
-                return None  # a damaged record: the reads name what is wrong
-            absent = [rank for rank in ranks if rank not in held]
-        else:
-            absent = [rank for rank in ranks if not local.shard_path(step, manifest.shard(rank)).is_file()]
-        if not absent:
-            return None
-        return (
-            f"{local.step_dir(step)}: step {step} was saved by {manifest.world_size} ranks; "
-            f"the shards of ranks {absent} are not on this node's disk and no remote tier holds the step; "
-            "reading another node's shards (to reshard, or after ranks moved between nodes) needs a bucket "
-            "(remote.url) holding it"
         )

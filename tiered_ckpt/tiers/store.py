@@ -28,7 +28,6 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
 from typing import BinaryIO, NoReturn, TypeVar, cast
 
 import numpy as np
@@ -44,18 +43,18 @@ from tiered_ckpt.errors import (
 )
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.format.remote_manifest import RemoteManifest
-from tiered_ckpt.format.shardfile import ShardHeader, read_header, read_shard_buffer
+from tiered_ckpt.format.shardfile import ShardHeader, read_shard_buffer
 from tiered_ckpt.format.state import FlatState, own_targets
-from tiered_ckpt.format.structure import Structure, structure_of
-from tiered_ckpt.io.fresh_memory import new_array
+from tiered_ckpt.format.structure import Structure
 from tiered_ckpt.io.hashing import Hasher, ShardDigest, Verify, copy_and_hash, hashing_writer
 from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.tiers.base import ShardSource, Tier
 from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.remote import RemoteTier
 from tiered_ckpt.tiers.retention import RetentionPolicy
+from tiered_ckpt.tiers.shard_parts import ShardIndex, read_verified_parts, shard_index, verified_header
 
-__all__ = ["TieredStore", "ShardIndex", "Source", "Landing"]
+__all__ = ["TieredStore", "Source", "Landing"]
 
 logger = logging.getLogger("tiered_ckpt")
 
@@ -377,9 +376,9 @@ class TieredStore:
             what = f"rank {record.rank} shard {tier.shard_location(step, record)}"
             if tier is self.local:
                 with self.local.open_ranges(step, record) as read_into:
-                    return _read_parts(read_into, record, names, what, targets, verify, index)
+                    return read_verified_parts(read_into, record, names, what, targets, verify, index)
             read_range = functools.partial(tier.read_range_into, step, record)
-            return _read_parts(read_range, record, names, what, targets, verify, index)
+            return read_verified_parts(read_range, record, names, what, targets, verify, index)
 
         return self._first_that_verifies(step, record, read, later, refills=False)
 
@@ -393,10 +392,10 @@ class TieredStore:
             what = f"rank {record.rank} shard {tier.shard_location(step, record)}"
             if tier is self.local:
                 with self.local.open_ranges(step, record) as read_into:
-                    return _verified_header(read_into, record, what)
+                    return verified_header(read_into, record, what)
             if not tier.capabilities.ranged_reads:
                 raise IncompleteCheckpointError(f"{what}: the tier reads whole shards only")
-            return _verified_header(functools.partial(tier.read_range_into, step, record), record, what)
+            return verified_header(functools.partial(tier.read_range_into, step, record), record, what)
 
         return self._first_that_verifies(step, record, read, later, refills=False)
 
@@ -408,7 +407,7 @@ class TieredStore:
         :meth:`read_shard_header` does, and :class:`ShardFormatError` for a structure document
         or digests that do not match the header."""
         header, source = self.read_shard_header(step, record, later=later)
-        return _index(header, record, f"rank {record.rank} shard {record.path}"), source
+        return shard_index(header, record, f"rank {record.rank} shard {record.path}"), source
 
     # -- writing the local tier from a later one --------------------------------------------
 
@@ -455,76 +454,3 @@ def _no_copy_verifies(record: ShardRecord, tried: list[tuple[str, str, Checkpoin
         tries = f" ({len(problems)} tries)" if len(problems) > 1 else ""
         listing.append(f"{tier} {where}{tries}: {'; then '.join(dict.fromkeys(problems))}")
     raise error_type(f"rank {record.rank}: no copy verifies; tried {'; '.join(listing)}") from tried[-1][2]
-
-
-def _verified_header(
-    read_into: Callable[[int, memoryview, Verify], str], record: ShardRecord, what: str
-) -> ShardHeader:
-    """A shard's header through ``read_into(offset, buffer)``, checked against the sha256 its record holds."""
-    if not record.header_bytes:
-        raise ShardFormatError(f"{what}: the manifest records no digest of its header: it can only be read whole")
-    raw = bytearray(record.header_bytes)
-    if read_into(0, memoryview(raw), "full") != record.header_sha256:
-        raise ChecksumMismatchError(f"{what}: its header's sha256 is not the one the manifest records")
-    return read_header(bytes(raw), record.size_bytes, what)
-
-
-@dataclass(frozen=True)
-class ShardIndex:
-    """A shard's verified header, parsed once for the reads of its parts (:meth:`TieredStore.read_parts`):
-    where each array lies, the structure document, and the xxh3-64 its record holds for each
-    plain array ({} if none)."""
-
-    header: ShardHeader
-    structure: Structure
-    digests: Mapping[str, str]
-
-
-def _index(header: ShardHeader, record: ShardRecord, what: str) -> ShardIndex:
-    """``header`` (verified, of ``record``'s shard) parsed; :class:`ShardFormatError` naming ``what``."""
-    elsewhere = [name for name, _holder in record.replicas]
-    structure = structure_of(header.metadata, header.arrays, what, elsewhere)
-    try:
-        digests = record.array_digests(header.arrays)
-    except ManifestError as exc:
-        raise ShardFormatError(f"{what}: {exc}") from None
-    return ShardIndex(header, structure, digests)
-
-
-def _read_parts(
-    read_into: Callable[[int, memoryview, Verify], str],
-    record: ShardRecord,
-    names: Collection[str] | Callable[[Structure], Structure],
-    what: str,
-    into: Mapping[str, np.ndarray],
-    verify: Verify,
-    index: ShardIndex | None = None,
-) -> FlatState:
-    """Read, verify and parse a shard's header (unless ``index`` is it), then each of ``names``' arrays,
-    through ``read_into(offset, buffer)``: each copied straight into its memory (``into``'s, else
-    new) and hashed piece by piece while each piece is in cache, with no copy through Python bytes."""
-    if index is None:
-        index = _index(_verified_header(read_into, record, what), record, what)
-    header, structure, plain = index.header, index.structure, index.digests
-    if callable(names):
-        structure = names(structure)
-        names = [name for name in structure.kinds if name in header.arrays]
-    recorded = {chunk.name: chunk for chunk in record.chunks}
-    if names and not recorded and not plain:
-        raise ShardFormatError(f"{what}: the manifest records no digest of its arrays: it can only be read whole")
-    arrays = {}
-    for name in names:
-        entry, chunk = header.arrays.get(name), recorded.get(name)
-        if entry is None or (chunk is None and name not in plain) or (chunk and entry.shape != chunk.sizes):
-            raise ShardFormatError(f"{what}: the array {name!r} is not in the shard as the manifest records it")
-        array = into[name] if name in into else new_array(entry.shape, entry.dtype)
-        if array.shape != entry.shape or array.dtype != entry.dtype or not array.flags.c_contiguous:
-            raise UsageError(f"{what}: into[{name!r}] is not a C-contiguous {entry.dtype} array of {entry.shape}")
-        # A plain shard records only each array's xxh3-64: its sha256 covers the whole file.
-        fast = chunk is None or (verify == "fast" and bool(chunk.xxh3_64))
-        expected = plain[name] if chunk is None else chunk.xxh3_64 if fast else chunk.sha256
-        if read_into(entry.begin, array.reshape(-1).view(np.uint8).data, "fast" if fast else "full") != expected:
-            kind = "xxh3-64" if fast else "sha256"
-            raise ChecksumMismatchError(f"{what}: the bytes of {name!r} do not match the {kind} the manifest records")
-        arrays[name] = array
-    return FlatState(arrays, structure)

@@ -402,3 +402,24 @@ def test_a_bucket_that_cannot_be_listed_is_refused_as_access_denied(tmp_path):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_restore_from_sixty_steps_goes_through_a_bucket_failing_a_tenth_of_its_requests(tmp_path, faulty_s3, s3_url):
+    proxy, url, options = faulty_s3
+    proxy.failure_rate = 0.0  # the steps go up directly, the restores through the faults
+    direct = RemoteTier(*s3_url)
+    for step in range(1, 61):
+        manifest = save_sharded([{"w": np.full(16, step, np.float32)}], tmp_path / "saved" / f"{step}", step=step)
+        upload_all(direct, tmp_path / "saved" / f"{step}", manifest)
+        direct.commit(manifest)
+    proxy.failure_rate = 0.1
+    upload = UploadOptions(backoff_seconds=0.001, max_backoff_seconds=0.01)  # the default max_tries
+    remote = RemoteOptions(url, storage_options=options)
+    with CheckpointManager(tmp_path / "node", world_size=1, remote=remote, upload=upload) as node:
+        # 20 restores, each listing the bucket (a LIST and 60 manifest checks) and taking a step
+        # this empty disk lacks from it: the newest, then 59 down to 41
+        for step in [None, *range(59, 40, -1)]:
+            result = node.restore(step)
+            assert result.step == (step or 60) and result.sources == {0: "remote"}
+            np.testing.assert_array_equal(result.states[0]["w"], np.full(16, result.step, np.float32))
+    assert proxy.injected > 100  # a tenth of some 1,300 requests

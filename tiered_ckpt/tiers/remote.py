@@ -188,15 +188,20 @@ class RemoteTier(BucketUpkeep):
     # -- listing and reading ------------------------------------------------------------------
 
     def list_steps(self) -> tuple[list[int], list[int]]:
-        """(committed, uncommitted): steps whose remote manifest exists, and prefixes holding objects but none."""
+        """(committed, uncommitted): steps whose remote manifest exists, and prefixes holding objects but none.
 
-        def listing() -> tuple[list[int], list[int]]:
-            parsed = (parse_step_dir_name(name) for name in self.backend.list_names(self._root))
-            steps = sorted(step for step in parsed if step is not None)
-            committed = {step for step in steps if self.backend.exists(self._path(step, MANIFEST_NAME))}
-            return sorted(committed), [step for step in steps if step not in committed]
+        Each request (the listing, then one check of each step's manifest) is tried on its own
+        under the retry policy: a listing of many steps goes through a store that fails a share
+        of its requests as surely as one of a few steps."""
+        names = self._run(f"listing {self.url}", lambda: self.backend.list_names(self._root))
+        steps = sorted(step for step in map(parse_step_dir_name, names) if step is not None)
 
-        return self._run(f"listing {self.url}", listing)
+        def committed(step: int) -> bool:
+            path = self._path(step, MANIFEST_NAME)
+            return self._run(f"checking {self.location(step, MANIFEST_NAME)}", lambda: self.backend.exists(path))
+
+        found = {step for step in steps if committed(step)}
+        return sorted(found), [step for step in steps if step not in found]
 
     def steps(self) -> list[int]:
         """Steps whose remote manifest exists, oldest first."""

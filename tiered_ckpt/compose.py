@@ -216,7 +216,7 @@ class Parts:
         if uploader is None:
             return survey.lag(self.store)
         lag = survey.lag(self.store, uploader.pending(), uploader.newest_committed)
-        failed = uploader.last_error
+        failed = uploader.last_failure()
         retrying = uploader.retrying()
         return dataclasses.replace(
             lag,

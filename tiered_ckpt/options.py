@@ -244,7 +244,7 @@ class UploadOptions:
     backoff_seconds: float = 0.5
     max_backoff_seconds: float = 30.0
     max_seconds: float = 300.0
-    timeout_seconds: float = 60.0
+    timeout_seconds: float = 10.0
     max_pending: int = 2
     when_behind: WhenBehind = "wait"
     deadline_seconds: float | None = 3600.0

@@ -68,7 +68,7 @@ from tiered_ckpt.tiers.bucket_upkeep import BucketUpkeep
 from tiered_ckpt.tiers.checksums import StoreSums
 from tiered_ckpt.tiers.compression import Compression, check_compression, compressed_copy, object_name
 from tiered_ckpt.tiers.landed import Landed, LandedShards
-from tiered_ckpt.tiers.requests import LimitedReader, Requests
+from tiered_ckpt.tiers.requests import LimitedReader, Requests, Trouble
 from tiered_ckpt.tiers.retry import RetryPolicy, is_transient
 
 __all__ = ["RemoteTier", "RetryPolicy", "is_transient"]
@@ -130,6 +130,11 @@ class RemoteTier(BucketUpkeep):
 
     def __repr__(self) -> str:
         return f"RemoteTier({self.url!r})"
+
+    def trouble(self) -> Trouble | None:
+        """Whether the store is failing now: its tries that failed for a transient reason since it
+        last answered one (see :meth:`~tiered_ckpt.tiers.requests.Requests.trouble`; None: it answers)."""
+        return self._requests.trouble()
 
     def check_bucket(self) -> None:
         """Raise :class:`RemoteError` naming the bucket unless it exists and can be listed.

@@ -629,6 +629,46 @@ def test_a_bucket_that_accepts_and_never_answers_blocks_no_save_and_every_step_a
         proxy.close()
 
 
+def test_a_manager_starts_while_its_bucket_hangs_restores_from_its_disk_and_sets_the_bucket_up_once_it_answers(
+    tmp_path, moto_endpoint, s3_url, caplog
+):
+    from conftest import FaultInjectingProxy, s3_storage_options
+
+    url, _options = s3_url
+    proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0)
+    remote = (url, s3_storage_options(proxy.endpoint))
+    caplog.set_level(logging.WARNING, logger="tiered_ckpt")
+    try:
+        with two_tier(tmp_path / "node", remote, upload=hung_bucket_options()) as manager:
+            for step in (1, 2):
+                manager.save(step, zero1_states(seed=step))
+            manager.wait(uploaded=True)
+        proxy.stall = ("GET", "PUT", "POST", "HEAD", "DELETE")  # a restart while the bucket hangs
+        try:
+            with two_tier(tmp_path / "node", remote, upload=hung_bucket_options(max_tries=3)) as manager:
+                assert any("did not answer at start-up" in r.getMessage() for r in caplog.records)
+                restored = manager.restore()  # every step it needs is on its disk
+                assert restored.step == 2 and set(restored.sources.values()) == {"local"}
+                assert_states_equal(zero1_states(seed=2), restored.states)
+                manager.save(3, zero1_states(seed=3), blocking=True)
+                failing = "the bucket is failing"
+                until(lambda: failing in (manager.lag().last_error or ""), "the setup tried in the background")
+                with two_tier(tmp_path / "fresh", remote, upload=hung_bucket_options(max_tries=3)) as fresh:
+                    with pytest.raises(RemoteError, match=f"restore: the bucket {url} does not answer") as caught:
+                        fresh.restore()  # no disk of this job can serve it: a typed, transient error
+                    assert caught.value.transient
+                proxy.stall = ()  # the bucket answers again: set up, and step 3 uploaded
+                manager.wait(uploaded=True)
+                assert manager.remote_steps() == [1, 2, 3]
+        finally:
+            proxy.stall = ()
+    finally:
+        proxy.close()
+    with pytest.raises(RemoteError, match="does not exist") as caught:  # a permanent failure: refused at once
+        two_tier(tmp_path / "other", ("s3://tiered-no-such-bucket/run", s3_storage_options(moto_endpoint)))
+    assert not caught.value.transient
+
+
 def test_an_outage_keeps_at_most_max_awaiting_upload_waiting_steps_beside_the_one_being_retried(
     tmp_path, stoppable_s3, caplog
 ):
@@ -906,13 +946,10 @@ def test_a_store_that_always_refuses_costs_max_tries_requests_per_operation(tmp_
 
     url, _ = s3_url
     everything = FaultInjectingProxy(moto_endpoint, failure_rate=1.0)
-    with pytest.raises(RemoteError, match="listing") as caught:  # the start-up listing of the bucket
-        CheckpointManager(
-            tmp_path / "a",
-            world_size=4,
-            remote=RemoteOptions(url, storage_options=s3_storage_options(everything.endpoint)),
-            upload=UploadOptions(max_tries=3, backoff_seconds=0),
-        )
+    remote = RemoteOptions(url, storage_options=s3_storage_options(everything.endpoint))
+    tier = remote.open_tier(UploadOptions(max_tries=3, backoff_seconds=0), check_bucket=False)
+    with pytest.raises(RemoteError, match="listing") as caught:  # a listing of the bucket, as a restore makes
+        tier.steps()
     everything.close()
     assert caught.value.tries == 3 and everything.requests == 3
 

@@ -70,6 +70,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 
 from tiered_ckpt.dist.coordination import Coordinator, SingleProcessCoordinator, gather
 from tiered_ckpt.engine.replication_policy import Backlog, ReplicationPolicy, WhenBehind
@@ -150,6 +151,7 @@ class Replicator:
         self._failing = False  # a try failed for a transient reason and no commit succeeded since
         self._retry: tuple[int, int] | None = None  # (step, tries so far) of a step being retried
         self._giving_up = False  # see give_up_retries
+        self._set_up_later = False  # resume() is left to the thread (see resume)
         self.given_up: str | None = None  # why a best-effort target gets no more steps (see _give_up)
         self._giving_up_on: str | None = None  # a failure that gives it up, not yet agreed
         self.backlog = backlog or Backlog()
@@ -164,16 +166,66 @@ class Replicator:
 
     # -- the owner's side -------------------------------------------------------------------
 
-    def resume(self) -> list[int]:
+    def resume(self, *, later: bool = False) -> list[int]:
         """Queue what a crash left unsent and clean half-finished steps (see :mod:`~tiered_ckpt.engine.resume`);
         return the steps queued. Call once, before any :meth:`submit`, on every process (it is collective).
+
+        A transient failure of the target (or ``later``: it did not answer a check just now)
+        leaves this to the replicator's thread, before any step it sends: tried again after
+        the policy's backoff until it succeeds (each failure logged and shown in
+        :attr:`last_error`), while :meth:`submit` queues steps as usual; no step is returned.
         """
+        if not later:
+            try:
+                return self._resume()
+            except RemoteError as exc:  # raised on every process (the collectives say so)
+                if not exc.transient:
+                    raise
+                self.last_error = (time.time(), f"setting up {self.target.url}: {exc}")
+                logger.warning("%s could not be set up at start-up (%s): trying again in the background", self, exc)
+        with self._changed:
+            self._set_up_later = True
+            self._changed.notify_all()
+        return []
+
+    def _resume(self) -> list[int]:
         self.newest_committed, resumed = resume_steps(
             self._store, self.target, self._coordinator, self._lease, self._clock, self.takes
         )
-        for step in resumed:
-            self.submit(step, bounded=False)
+        with self._changed:
+            self._queue = deque(sorted(set(self._queue).union(resumed)))
+            self._changed.notify_all()
         return resumed
+
+    def _set_up(self) -> None:
+        """Thread: :meth:`resume`, tried until it succeeds, the processes agreeing on each retry;
+        given up (logged) on a failure that is not transient, or once the owner closes or gives
+        up retries (the queued steps are then tried as usual)."""
+        for attempt in itertools.count(1):
+            try:
+                self._resume()
+                logger.warning("%s is set up: uploads go on", self)
+                return
+            except RemoteError as exc:
+                failure = exc
+            self.last_error = (time.time(), f"setting up {self.target.url}, try {attempt}: {failure}")
+            with self._changed:
+                again = failure.transient and not self._closing and not self._giving_up
+            mine = _RetryView(again, failure.transient, False, self._backoff.delay(attempt))
+            views = gather(self._coordinator, "resume: retry", _RetryView, partial(_same, mine))
+            if not all(view.again for view in views):
+                if failure.transient:
+                    logger.warning("%s: its setup is given up (%s); queued steps are still sent", self, failure)
+                else:  # access denied, no such bucket, another run's lease refused: raised by the next call
+                    logger.error("%s could not be set up: %s", self, failure)
+                    self.errors.put(failure)
+                return
+            logger.warning(
+                "%s could not be set up (try %d): %s; trying again in %.1f s (saves go on meanwhile)",
+                self, attempt, failure, views[0].delay,
+            )  # fmt: skip
+            with self._changed:
+                self._changed.wait_for(lambda: self._closing or self._giving_up, views[0].delay)
 
     def takes(self, step: int) -> bool:
         """Whether ``step`` goes to the target by the policy's ``every`` (the same on every process,
@@ -359,8 +411,20 @@ class Replicator:
     def _run(self) -> None:
         while True:
             with self._changed:
-                while not self._queue and not self._closing:
+                while not self._queue and not self._closing and not self._set_up_later:
                     self._changed.wait()
+                set_up, self._set_up_later = self._set_up_later, False
+            if set_up:
+                try:
+                    self._set_up()
+                except Exception as exc:  # the processes could not agree, a local failure, a bug: never lost
+                    failed = f"setting up {self.target.url} failed: {type(exc).__name__}: {exc}"
+                    error = exc if isinstance(exc, CheckpointError) else RemoteError(failed, transient=False)
+                    error.__cause__ = exc if error is not exc else exc.__cause__
+                    logger.error("%s could not be set up: %s", self, error)
+                    self.errors.put(error)
+                continue
+            with self._changed:
                 if not self._queue:
                     return
                 kept = self._oldest_kept()
@@ -545,6 +609,10 @@ class Replicator:
             step, self._sender.where(step), sent, seconds, sent / max(seconds, 1e-9) / 1e6,
         )  # fmt: skip
         self._sender.retain(step, self.backlog.pending())
+
+
+def _same(view: _RetryView) -> _RetryView:
+    return view
 
 
 @dataclass(frozen=True)

@@ -136,15 +136,16 @@ class RemoteTier(BucketUpkeep):
         last answered one (see :meth:`~tiered_ckpt.tiers.requests.Requests.trouble`; None: it answers)."""
         return self._requests.trouble()
 
-    def check_bucket(self) -> None:
+    def check_bucket(self, *, once: bool = False) -> None:
         """Raise :class:`RemoteError` naming the bucket unless it exists and can be listed.
 
-        One listing request, under the retry policy (a missing or unlistable bucket raises at
-        once, saying which); a store without buckets (a file system, memory) has none to check.
+        One listing request, under the retry policy (``once``: tried once; a missing or
+        unlistable bucket raises at once, saying which, its error not transient); a store
+        without buckets (a file system, memory) has none to check.
         """
         bucket = self.backend.facts.bucket
         if bucket is not None:
-            self._run(f"listing {self.url} to check its bucket {bucket}", self.backend.check_bucket)
+            self._run(f"listing {self.url} to check its bucket {bucket}", self.backend.check_bucket, once=once)
 
     # -- names and plumbing -----------------------------------------------------------------
 
@@ -192,18 +193,20 @@ class RemoteTier(BucketUpkeep):
 
     # -- listing and reading ------------------------------------------------------------------
 
-    def list_steps(self) -> tuple[list[int], list[int]]:
+    def list_steps(self, *, once: bool = False) -> tuple[list[int], list[int]]:
         """(committed, uncommitted): steps whose remote manifest exists, and prefixes holding objects but none.
 
         Each request (the listing, then one check of each step's manifest) is tried on its own
         under the retry policy: a listing of many steps goes through a store that fails a share
-        of its requests as surely as one of a few steps."""
-        names = self._run(f"listing {self.url}", lambda: self.backend.list_names(self._root))
+        of its requests as surely as one of a few steps. ``once``: each request is tried once
+        (a caller that can do without the bucket learns at once that it is failing)."""
+        names = self._run(f"listing {self.url}", lambda: self.backend.list_names(self._root), once=once)
         steps = sorted(step for step in map(parse_step_dir_name, names) if step is not None)
 
         def committed(step: int) -> bool:
             path = self._path(step, MANIFEST_NAME)
-            return self._run(f"checking {self.location(step, MANIFEST_NAME)}", lambda: self.backend.exists(path))
+            what = f"checking {self.location(step, MANIFEST_NAME)}"
+            return self._run(what, lambda: self.backend.exists(path), once=once)
 
         found = {step for step in steps if committed(step)}
         return sorted(found), [step for step in steps if step not in found]

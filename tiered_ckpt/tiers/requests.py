@@ -16,6 +16,7 @@ not once the operation's tries are spent.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -85,12 +86,12 @@ class Requests:
             kind = "transient" if transient else "permanent"
             raise RemoteError(f"{what}: {kind} error {type(exc).__name__}: {exc}", transient=transient) from exc
 
-    def run(self, what: str, action: Callable[[], T], deadline: float | None = None) -> T:
-        """``action`` under the retry policy, its backend errors translated; with a ``deadline``
-        (a ``time.monotonic()`` time), no try starts after it and a request still running
-        then is cut short (see :meth:`timeout`)."""
+    def run(self, what: str, action: Callable[[], T], deadline: float | None = None, *, once: bool = False) -> T:
+        """``action`` under the retry policy (``once``: one try only), its backend errors
+        translated; with a ``deadline`` (a ``time.monotonic()`` time), no try starts after it
+        and a request still running then is cut short (see :meth:`timeout`)."""
 
-        def once() -> T:
+        def one_try() -> T:
             try:
                 with self.translated(what):
                     result = action()
@@ -102,7 +103,8 @@ class Requests:
 
         self._context.at = deadline
         try:
-            return self.retry.run(what, once, deadline=deadline)
+            policy = dataclasses.replace(self.retry, max_tries=1) if once else self.retry
+            return policy.run(what, one_try, deadline=deadline)
         finally:
             self._context.at = None
 

@@ -25,6 +25,11 @@ at step S), and on True saves that step, waits for its upload and records it as
 "preempted_at". {"do": "ask_preemption", "step": S, "step_by_rank": {R: S}} asks once. {"do": "count_rounds", "step": S}
 saves S blocking and appends to "rounds" the backend collectives it took; {"do": "long_payloads"} gathers
 strings longer than a first round carries and records [equal, rounds] for each.
+{"do": "signal", "path": P} creates the file ``P-<RANK>``; {"do": "await", "path": P} waits (at most
+two minutes) until the file ``P`` exists; {"do": "saves", "steps": [S...]} saves each step blocking;
+{"do": "await_retrying"} waits (at most two minutes) until the manager's lag shows a step being
+retried and records it as "retrying": [step, tries]. Config "upload" holds UploadOptions fields
+(default: max_tries 1), "max_awaiting_upload" the local tier's.
 """
 
 import hashlib
@@ -97,6 +102,17 @@ def arm_kill(at: str) -> None:
         raise ValueError(at)
 
 
+def wait_until(condition, guard_seconds: float = 120.0) -> None:
+    """Wait for ``condition()`` (a guard against a hang, not a timing): raises after ``guard_seconds``."""
+    import time
+
+    give_up = time.monotonic() + guard_seconds
+    while not condition():
+        if time.monotonic() > give_up:
+            raise InvalidStateError("a condition the test waits for never came")
+        time.sleep(0.02)
+
+
 def run(config: dict, coordinator: TorchDistributedCoordinator, result: dict) -> None:
     rank, world_size = coordinator.rank, coordinator.world_size
     url = config.get("url_by_rank", {}).get(str(rank), config.get("url"))
@@ -121,6 +137,7 @@ def open_manager(config: dict, rank: int, url: str | None, coordinator: TorchDis
         LocalOptions(
             Path(config["local_root"]) / ("shared" if config.get("shared_dir") else f"rank-{rank}"),
             keep_last=config.get("keep_last", 3),
+            max_awaiting_upload=config.get("max_awaiting_upload", 8),
         ),
         coordinator=coordinator,
         remote=RemoteOptions(
@@ -128,7 +145,7 @@ def open_manager(config: dict, rank: int, url: str | None, coordinator: TorchDis
         )
         if url is not None
         else None,
-        upload=UploadOptions(max_tries=1),
+        upload=UploadOptions(**config.get("upload", {"max_tries": 1})),
         runtime=RuntimeOptions(preemption_signals=(signal.SIGUSR1,)),
     )
 
@@ -188,6 +205,17 @@ def act(
             gathered = coordinator.all_gather("x" * (length * (rank + 1)))
             expected = ["x" * (length * (r + 1)) for r in range(world_size)]
             result.setdefault("long", []).append([gathered == expected, coordinator.rounds - before])
+    elif action["do"] == "signal":
+        Path(f"{action['path']}-{rank}").touch()
+    elif action["do"] == "await":
+        wait_until(Path(action["path"]).exists)
+    elif action["do"] == "saves":
+        for step in action["steps"]:
+            checkpoints.save(step, rank_state(step, world_size, rank), blocking=True)
+    elif action["do"] == "await_retrying":
+        wait_until(lambda: checkpoints.lag().retrying_step is not None)
+        lag = checkpoints.lag()
+        result["retrying"] = [lag.retrying_step, lag.retry_tries]
     elif action["do"] == "collectives":
         result["gathered"] = coordinator.all_gather({"rank": rank})
         result["broadcast"] = coordinator.broadcast(f"from rank {rank}")

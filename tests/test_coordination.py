@@ -408,3 +408,64 @@ def test_ranks_retry_a_failing_bucket_together_and_commit_every_step_once_it_is_
     for result in results.values():
         assert "error" not in result and "close_error" not in result, result  # no rank failed for the bucket
     assert RemoteTier(url, options).steps() == [1, 2]
+
+
+def test_two_ranks_save_through_a_bucket_that_never_answers_and_every_step_arrives_once_it_answers(
+    tmp_path, moto_endpoint, s3_url
+):
+    import threading
+    import time
+
+    from conftest import FaultInjectingProxy, s3_storage_options
+
+    url, options = s3_url
+    proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0)
+    signals = tmp_path / "signals"
+    signals.mkdir()
+    actions = [
+        {"do": "save", "step": 1},
+        {"do": "wait"},
+        {"do": "signal", "path": str(signals / "uploaded")},
+        {"do": "await", "path": str(signals / "hung")},
+        {"do": "saves", "steps": [2, 3, 4, 5, 6, 7]},  # more than max_pending, while the bucket hangs
+        {"do": "await_retrying"},
+        {"do": "signal", "path": str(signals / "saved")},
+        {"do": "await", "path": str(signals / "answering")},
+        {"do": "wait"},
+    ]
+    upload = {"timeout_seconds": 0.5, "max_tries": 10_000, "max_seconds": 3600, "backoff_seconds": 0.01}
+    results: dict = {}
+    job = threading.Thread(
+        target=lambda: results.update(
+            run_ranks(
+                tmp_path, 2, actions, (url, s3_storage_options(proxy.endpoint)),
+                upload={**upload, "max_backoff_seconds": 0.1}, max_awaiting_upload=10,
+            )
+        )
+    )  # fmt: skip
+    job.start()
+
+    def until(*names: str) -> bool:  # a guard against a hang, not a timing
+        give_up = time.monotonic() + 120
+        while not all((signals / name).exists() for name in names) and job.is_alive():
+            if time.monotonic() > give_up:
+                return False
+            time.sleep(0.05)
+        return all((signals / name).exists() for name in names)
+
+    try:
+        assert until("uploaded-0", "uploaded-1")
+        proxy.stall = ("GET", "PUT", "POST", "HEAD", "DELETE")  # accepted, read, never answered
+        (signals / "hung").touch()
+        saved = until("saved-0", "saved-1")  # every save returned, and each rank shows its step retrying
+    finally:
+        proxy.stall = ()  # the bucket answers again
+        (signals / "answering").touch()
+        job.join(timeout=300)
+        proxy.close()
+    assert saved, "a save waited for the hung bucket"
+    assert not job.is_alive()
+    for result in results.values():
+        assert "error" not in result and "close_error" not in result, result  # no rank failed for the bucket
+        assert result["retrying"][0] == 2 and result["retrying"][1] >= 1
+    assert RemoteTier(url, options).steps() == [1, 2, 3, 4, 5, 6, 7]

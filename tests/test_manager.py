@@ -582,6 +582,93 @@ def test_a_bucket_outage_never_fails_save_wait_or_close_and_every_step_saved_sin
         assert manager.lag().retrying_step is None and manager.steps() == [5, 6]
 
 
+def hung_bucket_options(**fields):
+    """Requests cut short after 0.5 s without an answer, and tried again for as long as a test's
+    hang lasts: only the per-request timeout tells a hung bucket from a slow one."""
+    return UploadOptions(
+        **{"timeout_seconds": 0.5, "max_tries": 10_000, "max_seconds": 3600, "backoff_seconds": 0.01,
+           "max_backoff_seconds": 0.1, **fields}
+    )  # fmt: skip
+
+
+def test_a_bucket_that_accepts_and_never_answers_blocks_no_save_and_every_step_arrives_once_it_answers(
+    tmp_path, moto_endpoint, s3_url, caplog
+):
+    from conftest import FaultInjectingProxy, s3_storage_options
+
+    url, _options = s3_url
+    proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0)
+    caplog.set_level(logging.WARNING, logger="tiered_ckpt")
+    local = LocalOptions(tmp_path, keep_last=2, max_awaiting_upload=10)
+    remote = (url, s3_storage_options(proxy.endpoint))
+    try:
+        with two_tier(local, remote, upload=hung_bucket_options()) as manager:
+            manager.save(1, zero1_states(seed=1))
+            manager.wait(uploaded=True)
+            proxy.stall = ("GET", "PUT", "POST", "HEAD", "DELETE")  # accepted, read, never answered
+            try:
+                saved = threading.Thread(
+                    target=lambda: [manager.save(s, zero1_states(seed=s), blocking=True) for s in range(2, 8)]
+                )
+                saved.start()
+                saved.join(timeout=60)  # a guard against a hang: the bucket stays hung all along
+                assert not saved.is_alive(), "a save waited for the hung bucket"
+                until(lambda: manager.lag().retrying_step == 2, "step 2 shown retrying while the bucket hangs")
+                lag = manager.lag()
+                assert lag.retry_tries >= 1 and "Timeout" in lag.last_error and lag.newest_remote == 1
+                assert [step for step, _ in lag.waiting] == list(range(2, 8)) and manager.steps() == list(range(2, 8))
+                hung = [r.getMessage() for r in caplog.records if "transient error (try" in r.getMessage()]
+                assert any("Timeout" in message for message in hung)
+            finally:
+                proxy.stall = ()  # the bucket answers again
+                saved.join()
+            manager.wait(uploaded=True)
+            assert manager.remote_steps() == list(range(1, 8))  # every step saved during the hang
+            assert manager.lag().retrying_step is None
+    finally:
+        proxy.close()
+
+
+def test_a_manager_starts_while_its_bucket_hangs_restores_from_its_disk_and_sets_the_bucket_up_once_it_answers(
+    tmp_path, moto_endpoint, s3_url, caplog
+):
+    from conftest import FaultInjectingProxy, s3_storage_options
+
+    url, _options = s3_url
+    proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0)
+    remote = (url, s3_storage_options(proxy.endpoint))
+    caplog.set_level(logging.WARNING, logger="tiered_ckpt")
+    try:
+        with two_tier(tmp_path / "node", remote, upload=hung_bucket_options()) as manager:
+            for step in (1, 2):
+                manager.save(step, zero1_states(seed=step))
+            manager.wait(uploaded=True)
+        proxy.stall = ("GET", "PUT", "POST", "HEAD", "DELETE")  # a restart while the bucket hangs
+        try:
+            with two_tier(tmp_path / "node", remote, upload=hung_bucket_options(max_tries=3)) as manager:
+                assert any("did not answer at start-up" in r.getMessage() for r in caplog.records)
+                restored = manager.restore()  # every step it needs is on its disk
+                assert restored.step == 2 and set(restored.sources.values()) == {"local"}
+                assert_states_equal(zero1_states(seed=2), restored.states)
+                manager.save(3, zero1_states(seed=3), blocking=True)
+                failing = "the bucket is failing"
+                until(lambda: failing in (manager.lag().last_error or ""), "the setup tried in the background")
+                with two_tier(tmp_path / "fresh", remote, upload=hung_bucket_options(max_tries=3)) as fresh:
+                    with pytest.raises(RemoteError, match=f"restore: the bucket {url} does not answer") as caught:
+                        fresh.restore()  # no disk of this job can serve it: a typed, transient error
+                    assert caught.value.transient
+                proxy.stall = ()  # the bucket answers again: set up, and step 3 uploaded
+                manager.wait(uploaded=True)
+                assert manager.remote_steps() == [1, 2, 3]
+        finally:
+            proxy.stall = ()
+    finally:
+        proxy.close()
+    with pytest.raises(RemoteError, match="does not exist") as caught:  # a permanent failure: refused at once
+        two_tier(tmp_path / "other", ("s3://tiered-no-such-bucket/run", s3_storage_options(moto_endpoint)))
+    assert not caught.value.transient
+
+
 def test_an_outage_keeps_at_most_max_awaiting_upload_waiting_steps_beside_the_one_being_retried(
     tmp_path, stoppable_s3, caplog
 ):
@@ -706,20 +793,19 @@ def test_the_handles_futures_and_check_for_errors_raise_a_failed_upload_once(tmp
     assert manager.steps() == [1, 2, 3]
 
 
-def test_uploads_behind_with_wait_hold_the_next_save(tmp_path, memory_url, monkeypatch):
+def test_uploads_behind_with_wait_hold_no_save_and_upload_every_step_in_order(tmp_path, memory_url, monkeypatch):
     blocked = BlockedUploads(monkeypatch)
     manager = two_tier(
         tmp_path, memory_url, upload=UploadOptions(backoff_seconds=0.01, max_pending=1, when_behind="wait")
     )
     manager.save(1, zero1_states(seed=1), blocking=True)
-    blocked.started.wait()  # step 1 is being uploaded (held)
-    manager.save(2, zero1_states(seed=2), blocking=True)  # queued
-    third = manager.save(3, zero1_states(seed=3))  # committed locally, waits for room in the queue
-    assert not third.committed.done()
+    blocked.started.wait()  # step 1 is being uploaded (held: no answer yet)
+    for step in (2, 3, 4):  # beyond max_pending: each committed locally while the upload is still held
+        assert manager.save(step, zero1_states(seed=step), blocking=True).committed.result().step == step
+    assert manager.lag().steps_behind == 4
     blocked.release.set()
-    third.committed.result()
     manager.wait(uploaded=True)
-    assert manager.remote_steps() == [1, 2, 3]
+    assert manager.remote_steps() == [1, 2, 3, 4]  # none skipped within local.max_awaiting_upload
     manager.close()
 
 
@@ -860,13 +946,10 @@ def test_a_store_that_always_refuses_costs_max_tries_requests_per_operation(tmp_
 
     url, _ = s3_url
     everything = FaultInjectingProxy(moto_endpoint, failure_rate=1.0)
-    with pytest.raises(RemoteError, match="listing") as caught:  # the start-up listing of the bucket
-        CheckpointManager(
-            tmp_path / "a",
-            world_size=4,
-            remote=RemoteOptions(url, storage_options=s3_storage_options(everything.endpoint)),
-            upload=UploadOptions(max_tries=3, backoff_seconds=0),
-        )
+    remote = RemoteOptions(url, storage_options=s3_storage_options(everything.endpoint))
+    tier = remote.open_tier(UploadOptions(max_tries=3, backoff_seconds=0), check_bucket=False)
+    with pytest.raises(RemoteError, match="listing") as caught:  # a listing of the bucket, as a restore makes
+        tier.steps()
     everything.close()
     assert caught.value.tries == 3 and everything.requests == 3
 

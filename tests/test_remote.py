@@ -321,21 +321,29 @@ def test_a_missing_bucket_is_refused_at_manager_construction_naming_it(tmp_path,
     RemoteTier(url, options).check_bucket()  # a bucket that exists (and an empty prefix in it) is fine
 
 
-def test_a_bucket_unreachable_at_construction_is_retried_then_raised(tmp_path, moto_endpoint, s3_url):
+def test_a_bucket_failing_at_construction_is_logged_and_set_up_once_it_answers(tmp_path, moto_endpoint, s3_url, caplog):
+    import logging
+
     from conftest import FaultInjectingProxy, s3_storage_options
 
     url, _ = s3_url
-    proxy = FaultInjectingProxy(moto_endpoint, failure_rate=1.0)
+    proxy = FaultInjectingProxy(moto_endpoint, failure_rate=1.0)  # every request answered 503
+    upload = UploadOptions(max_tries=3, backoff_seconds=0.01, max_backoff_seconds=0.05)
+    caplog.set_level(logging.WARNING, logger="tiered_ckpt")
     try:
-        with pytest.raises(RemoteError, match="check its bucket") as caught:
-            CheckpointManager(
-                tmp_path / "ckpt", world_size=1,
-                remote=RemoteOptions(url, storage_options=s3_storage_options(proxy.endpoint)),
-                upload=UploadOptions(max_tries=3, backoff_seconds=0),
-            )  # fmt: skip
+        remote = RemoteOptions(url, storage_options=s3_storage_options(proxy.endpoint))
+        with CheckpointManager(tmp_path / "ckpt", world_size=1, remote=remote, upload=upload) as manager:
+            (started,) = [r.getMessage() for r in caplog.records if "did not answer at start-up" in r.getMessage()]
+            assert f"check its bucket {url.rsplit('/', 1)[0]}" in started and "transient" in started
+            with pytest.raises(RemoteError, match="restore: the bucket .* does not answer") as caught:
+                manager.restore()  # an empty disk: nothing to restore without the bucket
+            assert caught.value.transient
+            manager.save(1, {"w": np.arange(8, dtype=np.float32)}, blocking=True)
+            proxy.failure_rate = 0.0  # the bucket answers: set up in the background, then step 1 goes up
+            manager.wait(uploaded=True)
+            assert manager.remote_steps() == [1]
     finally:
         proxy.close()
-    assert caught.value.transient and caught.value.tries == 3 and proxy.requests == 3
 
 
 # -- an object longer than its record is never read whole ---------------------------------------
@@ -402,3 +410,24 @@ def test_a_bucket_that_cannot_be_listed_is_refused_as_access_denied(tmp_path):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_restore_from_sixty_steps_goes_through_a_bucket_failing_a_tenth_of_its_requests(tmp_path, faulty_s3, s3_url):
+    proxy, url, options = faulty_s3
+    proxy.failure_rate = 0.0  # the steps go up directly, the restores through the faults
+    direct = RemoteTier(*s3_url)
+    for step in range(1, 61):
+        manifest = save_sharded([{"w": np.full(16, step, np.float32)}], tmp_path / "saved" / f"{step}", step=step)
+        upload_all(direct, tmp_path / "saved" / f"{step}", manifest)
+        direct.commit(manifest)
+    proxy.failure_rate = 0.1
+    upload = UploadOptions(backoff_seconds=0.001, max_backoff_seconds=0.01)  # the default max_tries
+    remote = RemoteOptions(url, storage_options=options)
+    with CheckpointManager(tmp_path / "node", world_size=1, remote=remote, upload=upload) as node:
+        # 20 restores, each listing the bucket (a LIST and 60 manifest checks) and taking a step
+        # this empty disk lacks from it: the newest, then 59 down to 41
+        for step in [None, *range(59, 40, -1)]:
+            result = node.restore(step)
+            assert result.step == (step or 60) and result.sources == {0: "remote"}
+            np.testing.assert_array_equal(result.states[0]["w"], np.full(16, result.step, np.float32))
+    assert proxy.injected > 100  # a tenth of some 1,300 requests

@@ -165,21 +165,28 @@ def test_steps_are_uploaded_in_order_and_skip_drops_the_oldest_waiting(job):
     assert remote.steps() == [1, 3]
 
 
-def test_wait_mode_blocks_the_submitter_until_there_is_room(job):
-    _store, remote, faults, start = job
-    faults.hold.clear()
+def test_wait_mode_never_blocks_the_submitter_and_uploads_every_waiting_step_in_order(job, tmp_path):
+    store, remote, faults, start = job
+    for step in range(5, 8):
+        save_sharded([{"w": np.full(64, step, np.float32)}], tmp_path / "ckpt" / step_dir_name(step), step=step)
+    store.retention = {"local": RetentionPolicy(keep_last=1, max_awaiting_upload=3)}
+    faults.hold.clear()  # a bucket that takes the first PUT and gives no answer (yet)
     uploader = start(max_pending=1, when_behind="wait")
-    uploader.submit(1)
-    faults.holding.wait()
-    uploader.submit(2)
-    third = threading.Thread(target=uploader.submit, args=(3,))
-    third.start()
-    third.join(timeout=0.5)  # a guard, not a timing assertion: it must still be blocked below
-    assert third.is_alive() and uploader.pending() == [1, 2]
-    faults.hold.set()
-    third.join()
-    uploader.wait()
-    assert remote.steps() == [1, 2, 3]
+    try:
+        uploader.submit(1)
+        faults.holding.wait()
+        for step in range(2, 5):  # beyond max_pending, up to max_awaiting_upload: none waits, none is dropped
+            uploader.submit(step)
+        assert uploader.pending() == [1, 2, 3, 4]
+        for step in range(5, 8):  # beyond max_awaiting_upload: the oldest waiting steps give way
+            uploader.submit(step)
+        assert uploader.pending() == [1, 5, 6, 7]
+        faults.hold.set()
+        uploader.wait()
+        uploader.errors.raise_first()  # superseded steps are no error
+        assert remote.steps() == [1, 5, 6, 7]
+    finally:
+        faults.hold.set()
 
 
 def test_each_steps_outcome_settles_with_its_commit_or_its_upload_error(job):

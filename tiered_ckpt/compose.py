@@ -5,9 +5,11 @@
 1. the tiers the options describe, the :class:`~tiered_ckpt.tiers.store.TieredStore`
    over them and the restorer on it;
 2. one collective, ``open``: lock the local directory, remove what crashed saves left in
-   it, and check the bucket (on every rank, so one rank's failure fails all);
+   it, and check the bucket (on every rank, so one rank's failure fails all; a bucket that
+   fails the check for a transient reason is no failure: see below);
 3. the uploader (the :class:`~tiered_ckpt.engine.replication.Replicator` to the bucket),
-   which resumes what an earlier run left waiting for upload, and the peer tier's
+   which resumes what an earlier run left waiting for upload (in the background, tried
+   until the bucket answers, if it did not answer the check), and the peer tier's
    replicator (a partner node's memory: partners chosen, links built, both collectives);
 4. the preemption notice (its signal handlers) and its watch;
 5. the writer, which hands each step to the replicators whose cadence takes it.
@@ -27,7 +29,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, closing, contextmanager
 from dataclasses import dataclass
 
-from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather
+from tiered_ckpt.dist.coordination import Attempt, Coordinator, gather
 from tiered_ckpt.engine.peer_setup import open_peer_tier, peer_policy
 from tiered_ckpt.engine.preemption import PreemptionNotice, PreemptionWatch
 from tiered_ckpt.engine.refill import Refiller
@@ -35,7 +37,7 @@ from tiered_ckpt.engine.replication import Backlog, Replicator
 from tiered_ckpt.engine.restore import Restorer
 from tiered_ckpt.engine.restore_result import RestoreResult
 from tiered_ckpt.engine.writer import Writer
-from tiered_ckpt.errors import DirectoryInUseError, ErrorBox, UploadError, UsageError, restated
+from tiered_ckpt.errors import DirectoryInUseError, ErrorBox, RemoteError, UploadError, UsageError, restated
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.selection import Paths
 from tiered_ckpt.format.state import State
@@ -209,7 +211,7 @@ class Parts:
         if uploader is None:
             return survey.lag(self.store)
         lag = survey.lag(self.store, uploader.pending(), uploader.newest_committed)
-        failed = uploader.last_error
+        failed = uploader.last_failure()
         retrying = uploader.retrying()
         return dataclasses.replace(
             lag,
@@ -253,8 +255,17 @@ class Parts:
         self.errors.raise_first()
 
 
-def _open_local_dir(store: TieredStore, opened: ExitStack, one_process: bool) -> None:
-    """Lock the local directory (released by ``opened``), remove what crashed saves left in it, and check the bucket."""
+@dataclass(frozen=True)
+class _Opened:
+    """One process's start-up: whether the bucket answered its check (True without a bucket)."""
+
+    bucket_answered: bool
+
+
+def _open_local_dir(store: TieredStore, opened: ExitStack, one_process: bool) -> _Opened:
+    """Lock the local directory (released by ``opened``), remove what crashed saves left in it, and
+    check the bucket: once, so that a bucket down for a moment costs the start one request; a
+    permanent failure (no such bucket, access denied) raises, a transient one is logged."""
     try:
         opened.enter_context(store.local.lock())
     except DirectoryInUseError as exc:
@@ -266,8 +277,20 @@ def _open_local_dir(store: TieredStore, opened: ExitStack, one_process: bool) ->
     removed = store.local.remove_uncommitted()
     if removed:
         logger.warning("removed what crashed saves left in %s: %s", store.local.root, ", ".join(removed))
-    if store.remote is not None:  # on every rank, in this collective: one rank's failure fails all
-        store.remote.check_bucket()
+    if store.remote is None:
+        return _Opened(True)
+    try:  # on every rank, in this collective: one rank's permanent failure fails all
+        store.remote.check_bucket(once=True)
+    except RemoteError as exc:
+        if not exc.transient:
+            raise
+        logger.warning(
+            "the bucket %s did not answer at start-up (%s): the manager starts, saves go to %s, and the "
+            "bucket's setup (its lease, what an earlier run left to upload) is tried again in the background",
+            store.remote.url, exc, store.local.root,
+        )  # fmt: skip
+        return _Opened(False)
+    return _Opened(True)
 
 
 def open_store(
@@ -304,7 +327,7 @@ def open_parts(options: Options, coordinator: Coordinator) -> Parts:
     backlog = Backlog()  # local retention keeps what any later tier has still to commit
     stack = ExitStack()
     try:
-        gather(coordinator, "open", Done, Attempt.run(lambda: _open_local_dir(store, stack, one_process)).done)
+        opened = gather(coordinator, "open", _Opened, lambda: _open_local_dir(store, stack, one_process))
         if options.remote is not None and remote_tier is not None:
             policy = dataclasses.replace(options.upload.replication, every=options.remote.every)
             uploader = Replicator(
@@ -318,7 +341,7 @@ def open_parts(options: Options, coordinator: Coordinator) -> Parts:
                 backlog=backlog,
             )
             stack.enter_context(closing(uploader))
-            uploader.resume()
+            uploader.resume(later=not all(each.bucket_answered for each in opened))
         if peer_tier is not None and options.peer is not None:
             peer = Replicator(
                 store, peer_tier, policy=peer_policy(options.peer.every), errors=errors,

@@ -222,8 +222,10 @@ class RemoteOptions(_Retained):
 class UploadOptions:
     """The uploader and the remote tier's requests.
 
-    ``concurrency`` shards of a step go up at once; ``max_pending`` steps wait in the
-    queue before ``when_behind`` applies. Every remote request (uploads, reads,
+    ``concurrency`` shards of a step go up at once. A save never waits for the upload
+    queue: with ``when_behind="wait"`` up to the local tier's ``max_awaiting_upload`` steps
+    wait in it, each uploaded in order; with ``"skip"``, ``max_pending`` while the bucket
+    answers; beyond that the oldest waiting step stays local-only (superseded). Every remote request (uploads, reads,
     listings, deletions) is tried at most ``max_tries`` times, backing off from
     ``backoff_seconds`` (each wait at most ``max_backoff_seconds``), and no more tries
     start once ``max_seconds`` have passed since the first; a request that gets no answer
@@ -241,7 +243,7 @@ class UploadOptions:
     backoff_seconds: float = 0.5
     max_backoff_seconds: float = 30.0
     max_seconds: float = 300.0
-    timeout_seconds: float = 60.0
+    timeout_seconds: float = 10.0
     max_pending: int = 2
     when_behind: WhenBehind = "wait"
     deadline_seconds: float | None = 3600.0

@@ -30,12 +30,21 @@ raised by the owner's next call. Both go to the shared :class:`~tiered_ckpt.erro
 (cause chained); the local copy is kept. The processes agree on every retry (one small
 collective), so they try, wait and give up together.
 
-At most ``policy.max_pending`` steps wait in the queue; beyond that ``when_behind="wait"``
-makes :meth:`Replicator.submit` block until there is room, ``"skip"`` drops the oldest
-waiting step (local-only, superseded). While the target is failing (no commit since a
-failed try), the queue takes up to the local tier's ``max_awaiting_upload`` steps so saves
-go on; beyond that one process holding every rank drops the oldest waiting step, while with
-one process per rank (whose queues must stay the same) :meth:`submit` waits for room.
+:meth:`Replicator.submit` never waits for the bucket (a save never does): the queue is
+bounded by superseding its oldest waiting steps (they stay local-only, logged, their
+:meth:`~Replicator.outcome` a transient :class:`UploadError`), never by blocking. It holds
+up to ``policy.max_pending`` waiting steps with ``when_behind="skip"`` while the bucket
+answers; with ``"wait"``, or while the bucket is failing (a try failed for a transient
+reason since its last answer, a request that got no answer within its timeout included),
+up to the local tier's ``max_awaiting_upload`` (None: every step), so that every step
+reaches the bucket once it answers again while they fit. One process holding every rank
+drops at once in :meth:`submit`; processes of one rank each (whose queues must stay the
+same) drop together where they agree anyway (the next step, each retry), so between two
+of those points their queues may hold more. A best-effort target (below) keeps the
+older rule: ``"wait"`` blocks :meth:`submit` until there is room.
+
+The bucket's trouble shows at once: :meth:`Replicator.retrying` names the step being sent
+from the first failed try of one of its requests (each one logged by the retry policy).
 
 A best-effort ``policy`` (a partner's memory; a step it drops "is not in the peer tier")
 logs its failures in ``last_error``, never in the error box, and never retries; a failure
@@ -61,6 +70,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 
 from tiered_ckpt.dist.coordination import Coordinator, SingleProcessCoordinator, gather
 from tiered_ckpt.engine.replication_policy import Backlog, ReplicationPolicy, WhenBehind
@@ -79,6 +89,7 @@ from tiered_ckpt.errors import (
 )
 from tiered_ckpt.tiers.base import Tier
 from tiered_ckpt.tiers.owners import Lease, OwnershipPolicy
+from tiered_ckpt.tiers.requests import Trouble
 from tiered_ckpt.tiers.retry import RetryPolicy
 from tiered_ckpt.tiers.store import TieredStore
 
@@ -125,6 +136,7 @@ class Replicator:
         self._clock = clock
         # the leader's, held from resume() or push(); only the bucket has leases
         self._lease = Lease(bucket, ownership, clock=clock) if bucket is not None else None
+        self._bucket = bucket
         self._sender = Sender(store, target, self._coordinator, ranks, self._options.concurrency, self._lease)
         self._queue: deque[int] = deque()
         self._outcomes: dict[int, Future[None]] = {}  # see outcome(); settled ones are dropped
@@ -139,6 +151,7 @@ class Replicator:
         self._failing = False  # a try failed for a transient reason and no commit succeeded since
         self._retry: tuple[int, int] | None = None  # (step, tries so far) of a step being retried
         self._giving_up = False  # see give_up_retries
+        self._set_up_later = False  # resume() is left to the thread (see resume)
         self.given_up: str | None = None  # why a best-effort target gets no more steps (see _give_up)
         self._giving_up_on: str | None = None  # a failure that gives it up, not yet agreed
         self.backlog = backlog or Backlog()
@@ -153,16 +166,66 @@ class Replicator:
 
     # -- the owner's side -------------------------------------------------------------------
 
-    def resume(self) -> list[int]:
+    def resume(self, *, later: bool = False) -> list[int]:
         """Queue what a crash left unsent and clean half-finished steps (see :mod:`~tiered_ckpt.engine.resume`);
         return the steps queued. Call once, before any :meth:`submit`, on every process (it is collective).
+
+        A transient failure of the target (or ``later``: it did not answer a check just now)
+        leaves this to the replicator's thread, before any step it sends: tried again after
+        the policy's backoff until it succeeds (each failure logged and shown in
+        :attr:`last_error`), while :meth:`submit` queues steps as usual; no step is returned.
         """
+        if not later:
+            try:
+                return self._resume()
+            except RemoteError as exc:  # raised on every process (the collectives say so)
+                if not exc.transient:
+                    raise
+                self.last_error = (time.time(), f"setting up {self.target.url}: {exc}")
+                logger.warning("%s could not be set up at start-up (%s): trying again in the background", self, exc)
+        with self._changed:
+            self._set_up_later = True
+            self._changed.notify_all()
+        return []
+
+    def _resume(self) -> list[int]:
         self.newest_committed, resumed = resume_steps(
             self._store, self.target, self._coordinator, self._lease, self._clock, self.takes
         )
-        for step in resumed:
-            self.submit(step, bounded=False)
+        with self._changed:
+            self._queue = deque(sorted(set(self._queue).union(resumed)))
+            self._changed.notify_all()
         return resumed
+
+    def _set_up(self) -> None:
+        """Thread: :meth:`resume`, tried until it succeeds, the processes agreeing on each retry;
+        given up (logged) on a failure that is not transient, or once the owner closes or gives
+        up retries (the queued steps are then tried as usual)."""
+        for attempt in itertools.count(1):
+            try:
+                self._resume()
+                logger.warning("%s is set up: uploads go on", self)
+                return
+            except RemoteError as exc:
+                failure = exc
+            self.last_error = (time.time(), f"setting up {self.target.url}, try {attempt}: {failure}")
+            with self._changed:
+                again = failure.transient and not self._closing and not self._giving_up
+            mine = _RetryView(again, failure.transient, False, self._backoff.delay(attempt))
+            views = gather(self._coordinator, "resume: retry", _RetryView, partial(_same, mine))
+            if not all(view.again for view in views):
+                if failure.transient:
+                    logger.warning("%s: its setup is given up (%s); queued steps are still sent", self, failure)
+                else:  # access denied, no such bucket, another run's lease refused: raised by the next call
+                    logger.error("%s could not be set up: %s", self, failure)
+                    self.errors.put(failure)
+                return
+            logger.warning(
+                "%s could not be set up (try %d): %s; trying again in %.1f s (saves go on meanwhile)",
+                self, attempt, failure, views[0].delay,
+            )  # fmt: skip
+            with self._changed:
+                self._changed.wait_for(lambda: self._closing or self._giving_up, views[0].delay)
 
     def takes(self, step: int) -> bool:
         """Whether ``step`` goes to the target by the policy's ``every`` (the same on every process,
@@ -180,13 +243,16 @@ class Replicator:
             if self.given_up is not None:
                 return self._settle(step, self._not_sent(step))
             while bounded and not self._preempted and len(self._queue) >= self._room():
-                if self._options.when_behind == "skip" or (self._failing and one_process):
-                    skipped = self._queue.popleft()
-                    why = "the bucket is failing" if self._failing else "uploads behind"
-                    logger.warning("%s: step %d stays local-only, superseded by step %d", why, skipped, step)
-                    self._left_local([skipped], f"{why}, superseded by step {step}")
-                else:
+                if not one_process and not self._options.best_effort:
+                    break  # processes of one rank each drop together (see _next_step and _agree_on_retry)
+                waits = self._options.when_behind == "wait" and not (self._failing and one_process)
+                if self._options.best_effort and waits:
                     self._changed.wait()
+                    continue
+                skipped = self._queue.popleft()
+                why = self._behind()
+                logger.warning("%s: step %d stays local-only, superseded by step %d", why, skipped, step)
+                self._left_local([skipped], f"{why}, superseded by step {step}")
             self._queue.append(step)
             if held is not None:
                 self._held[step] = held
@@ -222,17 +288,52 @@ class Replicator:
             self._settle(each, UploadError(f"step {each} {left}: {why}", step=each, tries=0, transient=True))
 
     def _room(self) -> float:
-        """How many steps the queue holds before ``when_behind`` applies (see the module doc)."""
-        if not self._failing:
+        """How many steps the queue holds before its oldest are superseded (see the module doc)."""
+        failing = self._failing or self._trouble() is not None
+        grows = failing or (not self._options.best_effort and self._options.when_behind == "wait")
+        if not grows:
             return self._options.max_pending
         bound = self._store.policy(self._store.local).max_awaiting_upload
         return float("inf") if bound is None else max(bound, self._options.max_pending)
 
-    def retrying(self) -> tuple[int, int] | None:
-        """The step whose upload is being tried again after a transient failure, and the tries
-        made of it so far (None: no step is)."""
+    def _behind(self) -> str:
+        """Why the queue is over its room, for messages."""
+        return "the bucket is failing" if self._failing or self._trouble() is not None else "uploads behind"
+
+    def _trouble(self) -> Trouble | None:
+        """The bucket's failing tries since its last answer (None: it answers, or the target is no bucket)."""
+        return self._bucket.trouble() if self._bucket is not None else None
+
+    def _oldest_kept(self) -> int | None:
+        """Of the queue, the oldest step its room keeps (None: empty); the older ones are to be superseded."""
         with self._changed:
-            return self._retry
+            room = self._room()
+            if not self._queue:
+                return None
+            return self._queue[-int(room)] if len(self._queue) > room else self._queue[0]
+
+    def retrying(self) -> tuple[int, int] | None:
+        """The step whose upload is being tried again after a transient failure (of the step, or of
+        one of its requests, from the first one on), and the requests tried for it so far that
+        failed (None: no step is)."""
+        trouble = self._trouble()
+        with self._changed:
+            if self._retry is not None:
+                step, tries = self._retry
+                return step, tries + (trouble.failures if trouble is not None else 0)
+            if self._active is not None and trouble is not None:
+                return self._active, trouble.failures
+            return None
+
+    def last_failure(self) -> tuple[float, str] | None:
+        """(Unix time, message) of the last failure: of a try of a step (:attr:`last_error`), or of
+        one of the bucket's requests since it last answered, whichever came later."""
+        trouble = self._trouble()
+        failed = self.last_error
+        if trouble is not None and (failed is None or failed[0] < trouble.since):
+            tries = f"{trouble.failures} {'try' if trouble.failures == 1 else 'tries'} since its last answer"
+            return trouble.since, f"the bucket is failing ({tries}): {trouble.last}"
+        return failed
 
     def preempt(self) -> None:
         """From now on, upload the newest queued step first and drop the older ones (see the module doc)."""
@@ -310,11 +411,24 @@ class Replicator:
     def _run(self) -> None:
         while True:
             with self._changed:
-                while not self._queue and not self._closing:
+                while not self._queue and not self._closing and not self._set_up_later:
                     self._changed.wait()
+                set_up, self._set_up_later = self._set_up_later, False
+            if set_up:
+                try:
+                    self._set_up()
+                except Exception as exc:  # the processes could not agree, a local failure, a bug: never lost
+                    failed = f"setting up {self.target.url} failed: {type(exc).__name__}: {exc}"
+                    error = exc if isinstance(exc, CheckpointError) else RemoteError(failed, transient=False)
+                    error.__cause__ = exc if error is not exc else exc.__cause__
+                    logger.error("%s could not be set up: %s", self, error)
+                    self.errors.put(error)
+                continue
+            with self._changed:
                 if not self._queue:
                     return
-                proposal = self._queue[-1] if self._preempted else self._queue[0]
+                kept = self._oldest_kept()
+                proposal = self._queue[-1] if self._preempted or kept is None else kept
             try:
                 chosen = self._next_step(proposal)
             except BaseException as exc:  # the processes could not agree: every one records it, none goes on
@@ -379,8 +493,9 @@ class Replicator:
             self._active = step
             self._changed.notify_all()
         if superseded:
-            logger.warning("preemption: steps %s stay local-only, superseded by step %d", superseded, step)
-            self._left_local(superseded, f"preemption, superseded by step {step}")
+            why = "preemption" if self._preempted else self._behind()
+            logger.warning("%s: steps %s stay local-only, superseded by step %d", why, superseded, step)
+            self._left_local(superseded, f"{why}, superseded by step {step}")
         return step
 
     def _upload(self, step: int) -> None:
@@ -456,8 +571,9 @@ class Replicator:
         with self._changed:
             superseded = self._preempted and any(each > step for each in self._queue)
         again = failure.transient and not failure.deadline and in_time
-        mine = _RetryView(again, transient, superseded, delay)
+        mine = _RetryView(again, transient, superseded, delay, self._oldest_kept() or 0)
         views = gather(self._coordinator, "retry", _RetryView, lambda: mine)
+        self._supersede_below(min(view.keep_from for view in views))
         transient_everywhere = all(view.transient for view in views)
         return (
             all(view.again for view in views),
@@ -465,6 +581,19 @@ class Replicator:
             transient_everywhere and any(view.superseded for view in views),
             float(views[0].delay),
         )
+
+    def _supersede_below(self, keep_from: int) -> None:
+        """Drop the queued steps older than ``keep_from``, which every process agreed on (each
+        process keeps the steps from its own queue's oldest kept one: none is dropped on one
+        process and sent by another)."""
+        with self._changed:
+            dropped = [each for each in self._queue if each < keep_from]
+            self._queue = deque(each for each in self._queue if each >= keep_from)
+            self._changed.notify_all()
+        if dropped:
+            why = self._behind()
+            logger.warning("%s: steps %s stay local-only, superseded by step %d", why, dropped, keep_from)
+            self._left_local(dropped, f"{why}, superseded by step {keep_from}")
 
     def _put_and_commit(self, step: int, deadline: float | None) -> None:
         started = time.monotonic()
@@ -480,6 +609,10 @@ class Replicator:
             step, self._sender.where(step), sent, seconds, sent / max(seconds, 1e-9) / 1e6,
         )  # fmt: skip
         self._sender.retain(step, self.backlog.pending())
+
+
+def _same(view: _RetryView) -> _RetryView:
+    return view
 
 
 @dataclass(frozen=True)
@@ -498,3 +631,4 @@ class _RetryView:
     transient: bool
     superseded: bool
     delay: float
+    keep_from: int = 0  # the oldest queued step this process keeps (0: all of them)

@@ -16,6 +16,7 @@ restored.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Collection, Mapping, Sequence
@@ -28,6 +29,7 @@ from tiered_ckpt.errors import (
     IncompleteCheckpointError,
     InvalidStateError,
     ManifestError,
+    RemoteError,
     UsageError,
     WorldSizeMismatchError,
 )
@@ -52,14 +54,17 @@ class StepReport:
     remote: tuple[int, ...] | None
     agreed: tuple[tuple[int, bool | None], ...] = ()
     peer: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    bucket_down: str | None = None  # on the leader: why the bucket could not be listed (None: it was)
 
 
 @dataclass(frozen=True)
 class StepChoice:
-    """The step every process restores (None: none), and the unfinished saves every process deletes."""
+    """The step every process restores (None: none), the unfinished saves every process deletes,
+    and the bucket's steps if the leader listed them while choosing (None: as reported)."""
 
     step: int | None
     unfinished: tuple[int, ...] = ()
+    remote: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -170,14 +175,47 @@ class StepChooser:
         same_call([report.arguments for report in reports], "restore")
         remote_steps = set(reports[0].remote or ())
         disks = Disks.of(reports)
-        complete = sorted(remote_steps.union(disks.on_every_disk(), _with_partners(reports, disks, self._world_size)))
-        chosen = leader_decides(
-            self._coordinator,
-            "restore: choice",
-            StepChoice,
-            lambda: self._choose(step, complete, disks, missing_ok, reshard),
-        )
+        held = disks.on_every_disk().union(_with_partners(reports, disks, self._world_size))
+
+        def choose() -> StepChoice:
+            listed = self._list_again(step, held, disks, reports[0].bucket_down)
+            complete = sorted(remote_steps.union(held, listed or ()))
+            chosen = self._choose(step, complete, disks, missing_ok, reshard)
+            return chosen if listed is None else dataclasses.replace(chosen, remote=tuple(listed))
+
+        chosen = leader_decides(self._coordinator, "restore: choice", StepChoice, choose)
+        if chosen.remote is not None:
+            remote_steps = set(chosen.remote)
+        complete = sorted(remote_steps.union(held))
         return AgreedStep(chosen, frozenset(remote_steps), tuple(complete), tuple(reports))
+
+    def _list_again(self, step: int | None, held: set[int], disks: Disks, down: str | None) -> list[int] | None:
+        """Leader, when the bucket failed its first listing (``down`` says how; None: it did not):
+        nothing if the disks (and partners) hold every rank's shard of the step asked for, or of
+        the newest step any disk holds (the bucket, fed from the disks, holds none newer); else
+        the bucket's steps, listed under the retry policy. Raises :class:`RemoteError`
+        (transient, naming the bucket) if that fails too."""
+        remote = self._store.remote
+        if down is None or remote is None:
+            return None
+        wanted = step if step is not None else max(disks.steps().union(held), default=None)
+        if wanted is not None and wanted in held:
+            logger.warning(
+                "restore: the bucket %s did not answer (%s); step %d is restored from this job's disks without it",
+                remote.url, down, wanted,
+            )  # fmt: skip
+            return None
+        try:
+            return remote.steps()
+        except RemoteError as exc:
+            if not exc.transient:
+                raise
+            what = f"step {wanted}" if wanted is not None else "a step"
+            raise RemoteError(
+                f"restore: the bucket {remote.url} does not answer ({exc}), and the disks of this job hold no "
+                f"complete copy of {what}: try again once the bucket answers",
+                transient=True,
+            ) from exc
 
     def _report(self, arguments: str, world_size: int, checked: Attempt[None]) -> StepReport:
         checked.done()
@@ -190,9 +228,25 @@ class StepChooser:
                 local.append((step, self._store.local.manifest(step).world_size))
             except ManifestError:
                 local.append((step, None))  # damaged: the restore falls back to the remote manifest or fails
-        remote = tuple(self._store.remote_steps()) if self._coordinator.is_leader else None
+        remote, down = self._remote_report()
         agreed = tuple((step, self._store.local.agreement(step)) for step in steps)
-        return StepReport(arguments, tuple(local), remote, agreed, self._peer_report())
+        return StepReport(arguments, tuple(local), remote, agreed, self._peer_report(), down)
+
+    def _remote_report(self) -> tuple[tuple[int, ...] | None, str | None]:
+        """Leader: the bucket's committed steps, each request tried once (a bucket that does not
+        answer costs a restore the disks can serve one request, see :meth:`_list_again`), or why
+        they could not be listed; other processes: nothing."""
+        remote = self._store.remote
+        if not self._coordinator.is_leader:
+            return None, None
+        if remote is None:
+            return (), None
+        try:
+            return tuple(remote.list_steps(once=True)[0]), None
+        except RemoteError as exc:
+            if not exc.transient:
+                raise
+            return None, str(exc)
 
     def _peer_report(self) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
         """The steps committed in this process's peer memory, with the world size and ranks of each."""

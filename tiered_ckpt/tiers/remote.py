@@ -68,7 +68,7 @@ from tiered_ckpt.tiers.bucket_upkeep import BucketUpkeep
 from tiered_ckpt.tiers.checksums import StoreSums
 from tiered_ckpt.tiers.compression import Compression, check_compression, compressed_copy, object_name
 from tiered_ckpt.tiers.landed import Landed, LandedShards
-from tiered_ckpt.tiers.requests import LimitedReader, Requests
+from tiered_ckpt.tiers.requests import LimitedReader, Requests, Trouble
 from tiered_ckpt.tiers.retry import RetryPolicy, is_transient
 
 __all__ = ["RemoteTier", "RetryPolicy", "is_transient"]
@@ -131,15 +131,21 @@ class RemoteTier(BucketUpkeep):
     def __repr__(self) -> str:
         return f"RemoteTier({self.url!r})"
 
-    def check_bucket(self) -> None:
+    def trouble(self) -> Trouble | None:
+        """Whether the store is failing now: its tries that failed for a transient reason since it
+        last answered one (see :meth:`~tiered_ckpt.tiers.requests.Requests.trouble`; None: it answers)."""
+        return self._requests.trouble()
+
+    def check_bucket(self, *, once: bool = False) -> None:
         """Raise :class:`RemoteError` naming the bucket unless it exists and can be listed.
 
-        One listing request, under the retry policy (a missing or unlistable bucket raises at
-        once, saying which); a store without buckets (a file system, memory) has none to check.
+        One listing request, under the retry policy (``once``: tried once; a missing or
+        unlistable bucket raises at once, saying which, its error not transient); a store
+        without buckets (a file system, memory) has none to check.
         """
         bucket = self.backend.facts.bucket
         if bucket is not None:
-            self._run(f"listing {self.url} to check its bucket {bucket}", self.backend.check_bucket)
+            self._run(f"listing {self.url} to check its bucket {bucket}", self.backend.check_bucket, once=once)
 
     # -- names and plumbing -----------------------------------------------------------------
 
@@ -187,16 +193,23 @@ class RemoteTier(BucketUpkeep):
 
     # -- listing and reading ------------------------------------------------------------------
 
-    def list_steps(self) -> tuple[list[int], list[int]]:
-        """(committed, uncommitted): steps whose remote manifest exists, and prefixes holding objects but none."""
+    def list_steps(self, *, once: bool = False) -> tuple[list[int], list[int]]:
+        """(committed, uncommitted): steps whose remote manifest exists, and prefixes holding objects but none.
 
-        def listing() -> tuple[list[int], list[int]]:
-            parsed = (parse_step_dir_name(name) for name in self.backend.list_names(self._root))
-            steps = sorted(step for step in parsed if step is not None)
-            committed = {step for step in steps if self.backend.exists(self._path(step, MANIFEST_NAME))}
-            return sorted(committed), [step for step in steps if step not in committed]
+        Each request (the listing, then one check of each step's manifest) is tried on its own
+        under the retry policy: a listing of many steps goes through a store that fails a share
+        of its requests as surely as one of a few steps. ``once``: each request is tried once
+        (a caller that can do without the bucket learns at once that it is failing)."""
+        names = self._run(f"listing {self.url}", lambda: self.backend.list_names(self._root), once=once)
+        steps = sorted(step for step in map(parse_step_dir_name, names) if step is not None)
 
-        return self._run(f"listing {self.url}", listing)
+        def committed(step: int) -> bool:
+            path = self._path(step, MANIFEST_NAME)
+            what = f"checking {self.location(step, MANIFEST_NAME)}"
+            return self._run(what, lambda: self.backend.exists(path), once=once)
+
+        found = {step for step in steps if committed(step)}
+        return sorted(found), [step for step in steps if step not in found]
 
     def steps(self) -> list[int]:
         """Steps whose remote manifest exists, oldest first."""

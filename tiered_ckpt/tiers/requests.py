@@ -7,22 +7,39 @@ request times out after ``timeout_seconds`` (see :class:`~tiered_ckpt.tiers.retr
 An error leaves as :class:`RemoteError`, its ``transient`` flag set when trying again may
 help (throttling, 5xx, resets, timeouts), ``tries`` counting the tries made, the original
 exception chained; a :class:`~tiered_ckpt.errors.CheckpointError` passes as it is.
+
+:meth:`Requests.trouble` says whether the store is failing now: a try that failed for a
+transient reason (a hung request included, once its timeout cut it short) since the last
+request it answered. The uploader shows it as a step being retried as soon as it happens,
+not once the operation's tries are spent.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from tiered_ckpt.errors import CheckpointError, RemoteError
 from tiered_ckpt.tiers.retry import RetryPolicy, is_transient
 
-__all__ = ["LimitedReader", "Requests"]
+__all__ = ["LimitedReader", "Requests", "Trouble"]
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Trouble:
+    """The store failing now: ``failures`` tries failed for a transient reason since the last
+    answer, the first at ``since`` (Unix time), the last with ``last`` (its message)."""
+
+    since: float
+    failures: int
+    last: str
 
 
 class Requests:
@@ -32,6 +49,25 @@ class Requests:
     def __init__(self, retry: RetryPolicy) -> None:
         self.retry = retry
         self._context = threading.local()
+        self._lock = threading.Lock()
+        self._trouble: Trouble | None = None
+
+    def trouble(self) -> Trouble | None:
+        """The store's failing tries since it last answered (None: it answered the last one)."""
+        with self._lock:
+            return self._trouble
+
+    def _answered(self, error: RemoteError | None) -> None:
+        """Record a try's outcome: an answer (``error`` None or not transient) ends the trouble."""
+        if error is not None and error.deadline:  # cut short by the caller's deadline: no word of the store
+            return
+        with self._lock:
+            if error is None or not error.transient:
+                self._trouble = None
+            elif self._trouble is None:
+                self._trouble = Trouble(time.time(), 1, str(error))
+            else:
+                self._trouble = Trouble(self._trouble.since, self._trouble.failures + 1, str(error))
 
     @property
     def deadline(self) -> float | None:
@@ -50,18 +86,25 @@ class Requests:
             kind = "transient" if transient else "permanent"
             raise RemoteError(f"{what}: {kind} error {type(exc).__name__}: {exc}", transient=transient) from exc
 
-    def run(self, what: str, action: Callable[[], T], deadline: float | None = None) -> T:
-        """``action`` under the retry policy, its backend errors translated; with a ``deadline``
-        (a ``time.monotonic()`` time), no try starts after it and a request still running
-        then is cut short (see :meth:`timeout`)."""
+    def run(self, what: str, action: Callable[[], T], deadline: float | None = None, *, once: bool = False) -> T:
+        """``action`` under the retry policy (``once``: one try only), its backend errors
+        translated; with a ``deadline`` (a ``time.monotonic()`` time), no try starts after it
+        and a request still running then is cut short (see :meth:`timeout`)."""
 
-        def once() -> T:
-            with self.translated(what):
-                return action()
+        def one_try() -> T:
+            try:
+                with self.translated(what):
+                    result = action()
+            except RemoteError as exc:
+                self._answered(exc)
+                raise
+            self._answered(None)
+            return result
 
         self._context.at = deadline
         try:
-            return self.retry.run(what, once, deadline=deadline)
+            policy = dataclasses.replace(self.retry, max_tries=1) if once else self.retry
+            return policy.run(what, one_try, deadline=deadline)
         finally:
             self._context.at = None
 

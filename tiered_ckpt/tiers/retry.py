@@ -105,7 +105,7 @@ class RetryPolicy:
     backoff_seconds: float = 0.5
     max_backoff_seconds: float = 30.0
     max_seconds: float = 300.0
-    timeout_seconds: float = 60.0
+    timeout_seconds: float = 10.0
 
     def delay(self, attempt: int) -> float:
         """The random wait after failed try ``attempt`` (1, 2, ...): up to ``backoff_seconds *

@@ -30,18 +30,10 @@ raised by the owner's next call. Both go to the shared :class:`~tiered_ckpt.erro
 (cause chained); the local copy is kept. The processes agree on every retry (one small
 collective), so they try, wait and give up together.
 
-:meth:`Replicator.submit` never waits for the bucket (a save never does): the queue is
-bounded by superseding its oldest waiting steps (they stay local-only, logged, their
-:meth:`~Replicator.outcome` a transient :class:`UploadError`), never by blocking. It holds
-up to ``policy.max_pending`` waiting steps with ``when_behind="skip"`` while the bucket
-answers; with ``"wait"``, or while the bucket is failing (a try failed for a transient
-reason since its last answer, a request that got no answer within its timeout included),
-up to the local tier's ``max_awaiting_upload`` (None: every step), so that every step
-reaches the bucket once it answers again while they fit. One process holding every rank
-drops at once in :meth:`submit`; processes of one rank each (whose queues must stay the
-same) drop together where they agree anyway (the next step, each retry), so between two
-of those points their queues may hold more. A best-effort target (below) keeps the
-older rule: ``"wait"`` blocks :meth:`submit` until there is room.
+:meth:`Replicator.submit` never waits for the bucket (a save never does): its queue is
+bounded by superseding its oldest waiting steps, never by blocking, and holds more while the
+bucket is failing (see :mod:`~tiered_ckpt.engine.upload_queue`). When the target does not
+answer at start-up, it is set up in the background (see :mod:`~tiered_ckpt.engine.bucket_setup`).
 
 The bucket's trouble shows at once: :meth:`Replicator.retrying` names the step being sent
 from the first failed try of one of its requests (each one logged by the retry policy).
@@ -70,18 +62,16 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from functools import partial
 
 from tiered_ckpt.dist.coordination import Coordinator, SingleProcessCoordinator, gather
+from tiered_ckpt.engine.bucket_setup import BackgroundSetup
 from tiered_ckpt.engine.replication_policy import Backlog, ReplicationPolicy, WhenBehind
-from tiered_ckpt.engine.resume import resume_steps
 from tiered_ckpt.engine.sending import HeldStep, Sender
+from tiered_ckpt.engine.upload_queue import UploadQueue
 from tiered_ckpt.errors import (
-    CheckpointError,
     ErrorBox,
     IncompleteCheckpointError,
     RemoteError,
-    ReportedFuture,
     StorageError,
     UploadError,
     UsageError,
@@ -89,7 +79,6 @@ from tiered_ckpt.errors import (
 )
 from tiered_ckpt.tiers.base import Tier
 from tiered_ckpt.tiers.owners import Lease, OwnershipPolicy
-from tiered_ckpt.tiers.requests import Trouble
 from tiered_ckpt.tiers.retry import RetryPolicy
 from tiered_ckpt.tiers.store import TieredStore
 
@@ -100,7 +89,7 @@ logger = logging.getLogger("tiered_ckpt")
 RATE_WINDOW = 5  # remote commits the upload rate is measured over
 
 
-class Replicator:
+class Replicator(UploadQueue, BackgroundSetup):
     """One background thread that lands and commits queued steps of ``store``'s first tier in ``target``.
 
     ``target`` is one of ``store``'s later tiers (default: the bucket); ``ranks`` are the ranks
@@ -166,75 +155,15 @@ class Replicator:
 
     # -- the owner's side -------------------------------------------------------------------
 
-    def resume(self, *, later: bool = False) -> list[int]:
-        """Queue what a crash left unsent and clean half-finished steps (see :mod:`~tiered_ckpt.engine.resume`);
-        return the steps queued. Call once, before any :meth:`submit`, on every process (it is collective).
-
-        A transient failure of the target (or ``later``: it did not answer a check just now)
-        leaves this to the replicator's thread, before any step it sends: tried again after
-        the policy's backoff until it succeeds (each failure logged and shown in
-        :attr:`last_error`), while :meth:`submit` queues steps as usual; no step is returned.
-        """
-        if not later:
-            try:
-                return self._resume()
-            except RemoteError as exc:  # raised on every process (the collectives say so)
-                if not exc.transient:
-                    raise
-                self.last_error = (time.time(), f"setting up {self.target.url}: {exc}")
-                logger.warning("%s could not be set up at start-up (%s): trying again in the background", self, exc)
-        with self._changed:
-            self._set_up_later = True
-            self._changed.notify_all()
-        return []
-
-    def _resume(self) -> list[int]:
-        self.newest_committed, resumed = resume_steps(
-            self._store, self.target, self._coordinator, self._lease, self._clock, self.takes
-        )
-        with self._changed:
-            self._queue = deque(sorted(set(self._queue).union(resumed)))
-            self._changed.notify_all()
-        return resumed
-
-    def _set_up(self) -> None:
-        """Thread: :meth:`resume`, tried until it succeeds, the processes agreeing on each retry;
-        given up (logged) on a failure that is not transient, or once the owner closes or gives
-        up retries (the queued steps are then tried as usual)."""
-        for attempt in itertools.count(1):
-            try:
-                self._resume()
-                logger.warning("%s is set up: uploads go on", self)
-                return
-            except RemoteError as exc:
-                failure = exc
-            self.last_error = (time.time(), f"setting up {self.target.url}, try {attempt}: {failure}")
-            with self._changed:
-                again = failure.transient and not self._closing and not self._giving_up
-            mine = _RetryView(again, failure.transient, False, self._backoff.delay(attempt))
-            views = gather(self._coordinator, "resume: retry", _RetryView, partial(_same, mine))
-            if not all(view.again for view in views):
-                if failure.transient:
-                    logger.warning("%s: its setup is given up (%s); queued steps are still sent", self, failure)
-                else:  # access denied, no such bucket, another run's lease refused: raised by the next call
-                    logger.error("%s could not be set up: %s", self, failure)
-                    self.errors.put(failure)
-                return
-            logger.warning(
-                "%s could not be set up (try %d): %s; trying again in %.1f s (saves go on meanwhile)",
-                self, attempt, failure, views[0].delay,
-            )  # fmt: skip
-            with self._changed:
-                self._changed.wait_for(lambda: self._closing or self._giving_up, views[0].delay)
-
     def takes(self, step: int) -> bool:
         """Whether ``step`` goes to the target by the policy's ``every`` (the same on every process,
         whatever each has seen: a step submitted after the target was given up is settled at once)."""
         return step % self._options.every == 0
 
     def submit(self, step: int, *, bounded: bool = True, held: HeldStep | None = None) -> None:
-        """Queue ``step`` (committed locally, or ``held`` in memory) for upload; see the module doc
-        for a full queue. ``bounded=False`` queues it whatever the queue holds (steps resumed at start-up).
+        """Queue ``step`` (committed locally, or ``held`` in memory) for upload; see
+        :mod:`~tiered_ckpt.engine.upload_queue` for a full queue. ``bounded=False`` queues it
+        whatever the queue holds (steps resumed at start-up).
         """
         one_process = len(self._coordinator.local_ranks) == self._coordinator.world_size
         with self._changed:
@@ -257,60 +186,6 @@ class Replicator:
             if held is not None:
                 self._held[step] = held
             self._changed.notify_all()
-
-    def outcome(self, step: int) -> Future[None]:
-        """The future of ``step``'s commit in the target (call it before submitting the step).
-
-        Its result is None once the target holds the step; its exception is the step's
-        :class:`UploadError` when it will not (failed, missed its deadline, superseded, or
-        this replicator closed first), or what :meth:`abandon` gave.
-        """
-        with self._changed:
-            return self._outcomes.setdefault(step, ReportedFuture(self.errors))
-
-    def abandon(self, step: int, error: CheckpointError) -> None:
-        """``step`` will never be submitted (its save failed): its :meth:`outcome` fails with ``error``."""
-        self._settle(step, error)
-
-    def _settle(self, step: int, error: CheckpointError | None) -> None:
-        with self._changed:
-            future = self._outcomes.pop(step, None)
-            self._held.pop(step, None)
-        if future is not None and not future.done():
-            if error is None:
-                future.set_result(None)
-            else:
-                future.set_exception(error)
-
-    def _left_local(self, steps: Sequence[int], why: str) -> None:
-        left = "stays local-only" if self._what == "upload" else f"is not in the {self.target.name} tier"
-        for each in steps:
-            self._settle(each, UploadError(f"step {each} {left}: {why}", step=each, tries=0, transient=True))
-
-    def _room(self) -> float:
-        """How many steps the queue holds before its oldest are superseded (see the module doc)."""
-        failing = self._failing or self._trouble() is not None
-        grows = failing or (not self._options.best_effort and self._options.when_behind == "wait")
-        if not grows:
-            return self._options.max_pending
-        bound = self._store.policy(self._store.local).max_awaiting_upload
-        return float("inf") if bound is None else max(bound, self._options.max_pending)
-
-    def _behind(self) -> str:
-        """Why the queue is over its room, for messages."""
-        return "the bucket is failing" if self._failing or self._trouble() is not None else "uploads behind"
-
-    def _trouble(self) -> Trouble | None:
-        """The bucket's failing tries since its last answer (None: it answers, or the target is no bucket)."""
-        return self._bucket.trouble() if self._bucket is not None else None
-
-    def _oldest_kept(self) -> int | None:
-        """Of the queue, the oldest step its room keeps (None: empty); the older ones are to be superseded."""
-        with self._changed:
-            room = self._room()
-            if not self._queue:
-                return None
-            return self._queue[-int(room)] if len(self._queue) > room else self._queue[0]
 
     def retrying(self) -> tuple[int, int] | None:
         """The step whose upload is being tried again after a transient failure (of the step, or of
@@ -415,14 +290,7 @@ class Replicator:
                     self._changed.wait()
                 set_up, self._set_up_later = self._set_up_later, False
             if set_up:
-                try:
-                    self._set_up()
-                except Exception as exc:  # the processes could not agree, a local failure, a bug: never lost
-                    failed = f"setting up {self.target.url} failed: {type(exc).__name__}: {exc}"
-                    error = exc if isinstance(exc, CheckpointError) else RemoteError(failed, transient=False)
-                    error.__cause__ = exc if error is not exc else exc.__cause__
-                    logger.error("%s could not be set up: %s", self, error)
-                    self.errors.put(error)
+                self._set_up_in_background()
                 continue
             with self._changed:
                 if not self._queue:
@@ -582,19 +450,6 @@ class Replicator:
             float(views[0].delay),
         )
 
-    def _supersede_below(self, keep_from: int) -> None:
-        """Drop the queued steps older than ``keep_from``, which every process agreed on (each
-        process keeps the steps from its own queue's oldest kept one: none is dropped on one
-        process and sent by another)."""
-        with self._changed:
-            dropped = [each for each in self._queue if each < keep_from]
-            self._queue = deque(each for each in self._queue if each >= keep_from)
-            self._changed.notify_all()
-        if dropped:
-            why = self._behind()
-            logger.warning("%s: steps %s stay local-only, superseded by step %d", why, dropped, keep_from)
-            self._left_local(dropped, f"{why}, superseded by step {keep_from}")
-
     def _put_and_commit(self, step: int, deadline: float | None) -> None:
         started = time.monotonic()
         with self._changed:
@@ -609,10 +464,6 @@ class Replicator:
             step, self._sender.where(step), sent, seconds, sent / max(seconds, 1e-9) / 1e6,
         )  # fmt: skip
         self._sender.retain(step, self.backlog.pending())
-
-
-def _same(view: _RetryView) -> _RetryView:
-    return view
 
 
 @dataclass(frozen=True)

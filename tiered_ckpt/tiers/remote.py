@@ -52,7 +52,6 @@ from tiered_ckpt.format.compressed import CompressedObject
 from tiered_ckpt.format.layout import (
     LATEST_NAME,
     MANIFEST_NAME,
-    parse_step_dir_name,
     step_dir_name,
 )
 from tiered_ckpt.format.manifest import MAX_MANIFEST_BYTES, ShardManifest, ShardRecord
@@ -64,6 +63,7 @@ from tiered_ckpt.tiers.backends.base import Backend
 from tiered_ckpt.tiers.backends.s3 import same_checksum
 from tiered_ckpt.tiers.backends.wrappers import Counting
 from tiered_ckpt.tiers.base import Capabilities, ShardSource
+from tiered_ckpt.tiers.bucket_listing import BucketListing
 from tiered_ckpt.tiers.bucket_upkeep import BucketUpkeep
 from tiered_ckpt.tiers.checksums import StoreSums
 from tiered_ckpt.tiers.compression import Compression, check_compression, compressed_copy, object_name
@@ -83,7 +83,7 @@ DEFAULT_PART_BYTES = 16 << 20
 DEFAULT_PART_CONCURRENCY = 8  # parts in flight per tier (S3), before throttling lowers it
 
 
-class RemoteTier(BucketUpkeep):
+class RemoteTier(BucketListing, BucketUpkeep):
     """Checkpoints under ``url``, in the store its protocol names, opened with ``storage_options``.
 
     Every public method makes its requests under ``retry`` (see :class:`RetryPolicy`).
@@ -136,22 +136,7 @@ class RemoteTier(BucketUpkeep):
         last answered one (see :meth:`~tiered_ckpt.tiers.requests.Requests.trouble`; None: it answers)."""
         return self._requests.trouble()
 
-    def check_bucket(self, *, once: bool = False) -> None:
-        """Raise :class:`RemoteError` naming the bucket unless it exists and can be listed.
-
-        One listing request, under the retry policy (``once``: tried once; a missing or
-        unlistable bucket raises at once, saying which, its error not transient); a store
-        without buckets (a file system, memory) has none to check.
-        """
-        bucket = self.backend.facts.bucket
-        if bucket is not None:
-            self._run(f"listing {self.url} to check its bucket {bucket}", self.backend.check_bucket, once=once)
-
     # -- names and plumbing -----------------------------------------------------------------
-
-    def _path(self, step: int, name: str | None = None) -> str:
-        prefix = f"{self._root}/{step_dir_name(step)}"
-        return f"{prefix}/{name}" if name else prefix
 
     def object_name(self, step: int, path: str) -> str:
         """Where the shard file ``path`` of ``step`` is under the step's prefix: as the step's
@@ -186,38 +171,7 @@ class RemoteTier(BucketUpkeep):
                 return None  # not committed: a shard of it is read as it is
         return self._compressed.get(step, {}).get(record.path)
 
-    def location(self, step: int, name: str | None = None) -> str:
-        """The URL of a step's prefix or of one object in it, for messages."""
-        prefix = f"{self.url}/{step_dir_name(step)}"
-        return f"{prefix}/{name}" if name else prefix
-
     # -- listing and reading ------------------------------------------------------------------
-
-    def list_steps(self, *, once: bool = False) -> tuple[list[int], list[int]]:
-        """(committed, uncommitted): steps whose remote manifest exists, and prefixes holding objects but none.
-
-        Each request (the listing, then one check of each step's manifest) is tried on its own
-        under the retry policy: a listing of many steps goes through a store that fails a share
-        of its requests as surely as one of a few steps. ``once``: each request is tried once
-        (a caller that can do without the bucket learns at once that it is failing)."""
-        names = self._run(f"listing {self.url}", lambda: self.backend.list_names(self._root), once=once)
-        steps = sorted(step for step in map(parse_step_dir_name, names) if step is not None)
-
-        def committed(step: int) -> bool:
-            path = self._path(step, MANIFEST_NAME)
-            what = f"checking {self.location(step, MANIFEST_NAME)}"
-            return self._run(what, lambda: self.backend.exists(path), once=once)
-
-        found = {step for step in steps if committed(step)}
-        return sorted(found), [step for step in steps if step not in found]
-
-    def steps(self) -> list[int]:
-        """Steps whose remote manifest exists, oldest first."""
-        return self.list_steps()[0]
-
-    def uncommitted_steps(self) -> list[int]:
-        """Step prefixes holding objects but no remote manifest (half-uploaded steps)."""
-        return self.list_steps()[1]
 
     def read_manifest(self, step: int) -> RemoteManifest:
         """The remote manifest of ``step`` (commit time, store checksums, locations), strictly validated."""

@@ -1,0 +1,75 @@
+"""The remote tier's words for its steps' prefixes: where each is, and which the bucket holds.
+
+A step's objects are under ``step-<12 digits>/`` of the tier's URL (see
+:mod:`~tiered_ckpt.format.layout`), and a step is committed there exactly when its remote
+manifest exists. :class:`BucketListing` is the part of
+:class:`~tiered_ckpt.tiers.remote.RemoteTier` that names those prefixes and lists them,
+each request under the tier's retry policy, tried on its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tiered_ckpt.format.layout import MANIFEST_NAME, parse_step_dir_name, step_dir_name
+from tiered_ckpt.tiers.requests import Requests
+
+__all__ = ["BucketListing"]
+
+
+class BucketListing:
+    """Step prefixes under ``url`` (the tier's ``backend``, its objects under ``_root``, every
+    request made through ``_requests``)."""
+
+    url: str
+    backend: Any  # the tier's Backend (only the object-store tier itself imports the backends)
+    _root: str
+    _requests: Requests
+
+    def _path(self, step: int, name: str | None = None) -> str:
+        prefix = f"{self._root}/{step_dir_name(step)}"
+        return f"{prefix}/{name}" if name else prefix
+
+    def location(self, step: int, name: str | None = None) -> str:
+        """The URL of a step's prefix or of one object in it, for messages."""
+        prefix = f"{self.url}/{step_dir_name(step)}"
+        return f"{prefix}/{name}" if name else prefix
+
+    def check_bucket(self, *, once: bool = False) -> None:
+        """Raise :class:`RemoteError` naming the bucket unless it exists and can be listed.
+
+        One listing request, under the retry policy (``once``: tried once; a missing or
+        unlistable bucket raises at once, saying which, its error not transient); a store
+        without buckets (a file system, memory) has none to check.
+        """
+        bucket = self.backend.facts.bucket
+        if bucket is not None:
+            self._requests.run(f"listing {self.url} to check its bucket {bucket}", self.backend.check_bucket, once=once)
+
+    # -- listing -------------------------------------------------------------------------------
+
+    def list_steps(self, *, once: bool = False) -> tuple[list[int], list[int]]:
+        """(committed, uncommitted): steps whose remote manifest exists, and prefixes holding objects but none.
+
+        Each request (the listing, then one check of each step's manifest) is tried on its own
+        under the retry policy: a listing of many steps goes through a store that fails a share
+        of its requests as surely as one of a few steps. ``once``: each request is tried once
+        (a caller that can do without the bucket learns at once that it is failing)."""
+        names = self._requests.run(f"listing {self.url}", lambda: self.backend.list_names(self._root), once=once)
+        steps = sorted(step for step in map(parse_step_dir_name, names) if step is not None)
+
+        def committed(step: int) -> bool:
+            path = self._path(step, MANIFEST_NAME)
+            what = f"checking {self.location(step, MANIFEST_NAME)}"
+            return bool(self._requests.run(what, lambda: self.backend.exists(path), once=once))
+
+        found = {step for step in steps if committed(step)}
+        return sorted(found), [step for step in steps if step not in found]
+
+    def steps(self) -> list[int]:
+        """Steps whose remote manifest exists, oldest first."""
+        return self.list_steps()[0]
+
+    def uncommitted_steps(self) -> list[int]:
+        """Step prefixes holding objects but no remote manifest (half-uploaded steps)."""
+        return self.list_steps()[1]

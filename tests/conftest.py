@@ -303,7 +303,8 @@ class FaultInjectingProxy:
     whose method is in ``corrupt`` are forwarded with one byte of their body flipped (bytes
     changed in transit); those in ``stall`` are read and never answered (while ``stall`` names their method), or
     with ``stall_paths`` only those whose path holds one of its strings (``".safetensors"``:
-    shard uploads). ``failure_rate`` and ``stall`` are attributes a test may change while it runs.
+    shard uploads). ``failure_rate``, ``fail_next`` (the next requests answered 503) and ``stall``
+    are attributes a test may change while it runs.
 
     Which requests fail comes from a seeded generator, so the sequence of decisions is
     the same in every run (which request meets which decision depends on thread timing).
@@ -330,6 +331,7 @@ class FaultInjectingProxy:
         self._closed = threading.Event()
         self.stall = stall
         self.failure_rate = failure_rate
+        self.fail_next = 0  # the next this many requests are answered 503 whatever the rate
         self.requests = 0
         self.log: list[tuple[str, str]] = []  # (method, path) of every request received
         self.injected = 0
@@ -358,6 +360,8 @@ class FaultInjectingProxy:
                     proxy.requests += 1
                     proxy.log.append((self.command, self.path))
                     fail = decisions.random() < proxy.failure_rate and (methods is None or self.command in methods)
+                    fail = fail or proxy.fail_next > 0
+                    proxy.fail_next = max(0, proxy.fail_next - 1)
                     proxy.injected += fail
                 if fail:
                     error = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"

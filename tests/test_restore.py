@@ -297,3 +297,24 @@ def test_shrinking_the_world_size_without_a_bucket_says_what_restores_it_not_fil
             "reshard=True (--reshard)"
         ), message
     assert LocalTier(tmp_path / "nodes" / "rank-0").steps() == [1, 2]  # nothing deleted
+
+
+def test_a_damaged_shard_is_repaired_from_the_bucket_when_its_listing_failed_once(tmp_path, faulty_s3):
+    """A restore whose one-try listing of the bucket fails takes the step from the disks, and
+    still asks the bucket for a shard that fails there (a blip is no reason to lose a copy)."""
+    proxy, url, options = faulty_s3
+    proxy.failure_rate = 0.0
+    remote = RemoteOptions(url, storage_options=options)
+    states = [{"w": np.arange(4096, dtype=np.float32) + rank} for rank in range(2)]
+    with CheckpointManager(tmp_path / "node", world_size=2, remote=remote) as manager:
+        manager.save(1, states)
+        manager.wait(uploaded=True)
+    flip_byte(tmp_path / "node" / step_dir_name(1) / shard_name(1, 2), 1000)
+    with CheckpointManager(tmp_path / "node", world_size=2, remote=remote) as manager:
+        manager.wait()
+        proxy.fail_next = 1  # the restore's listing, tried once: the bucket looks down
+        restored = manager.restore()
+        assert proxy.fail_next == 0 and restored.step == 1
+        assert restored.sources == {0: "local", 1: "remote"}
+        assert restored.states[1]["w"].tobytes() == states[1]["w"].tobytes()
+        assert manager.restore(1).sources == {0: "local", 1: "local"}  # the repaired copy

@@ -136,7 +136,9 @@ class Restorer:
             self._chooser.drop_unrestorable_copies(None, agreed)
             logger.info("restore: no step committed in %s; starting fresh", self._store.where())
             return None
-        in_remote = restored in agreed.remote_steps
+        # None: the bucket did not answer its listing and the disks serve the step; a copy that
+        # fails there is still asked of the bucket (it may hold one), last.
+        in_remote = True if restored in agreed.remote_steps else None if agreed.bucket_unlisted else False
         try:
             return self._read(agreed, restored, in_remote, started, world_size, reshard, verify, into, selected)
         finally:  # the copies read from memory land once the restore's collectives are over (they verified)
@@ -146,7 +148,7 @@ class Restorer:
         self,
         agreed: AgreedStep,
         restored: int,
-        in_remote: bool,
+        in_remote: bool | None,
         started: float,
         world_size: int,
         reshard: bool,
@@ -200,7 +202,7 @@ class Restorer:
         return self._refiller.last_error
 
     def _fetch_from_partners(
-        self, peer: PeerTier, step: int, in_remote: bool, needs: tuple[int, ...], *, repairs: bool = False
+        self, peer: PeerTier, step: int, in_remote: bool | None, needs: tuple[int, ...], *, repairs: bool = False
     ) -> bool:
         """Fetch from the processes holding them in memory the shards of ``step`` of this process's
         ranks ``needs`` (those it lacks on disk, or, ``repairs``, whose disk copy failed), for the

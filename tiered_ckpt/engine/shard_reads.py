@@ -69,7 +69,7 @@ class _Selection:
     paths: Sequence[str | tuple[str | int, ...]]
     remote: RemoteManifest | None
     in_local: bool
-    in_remote: bool
+    in_remote: bool | None  # None: the bucket could not be listed; its copies are tried last
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ class ShardReader:
     def load(
         self,
         step: int,
-        in_remote: bool,
+        in_remote: bool | None,
         target: int,
         reshard: bool,
         verify: Verify,
@@ -160,7 +160,7 @@ class ShardReader:
                 if into_list is not None
                 else None
             )
-            manifest, remote = store.manifests(step, in_local=in_local, in_remote=in_remote)
+            manifest, remote = store.manifests(step, in_local=in_local, in_remote=in_remote is True)
             if not reshard:
                 if manifest.world_size != target and not in_remote:
                     check_reshardable_here(

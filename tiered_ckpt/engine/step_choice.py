@@ -77,6 +77,11 @@ class AgreedStep:
     complete: tuple[int, ...]
     reports: tuple[StepReport, ...]
 
+    @property
+    def bucket_unlisted(self) -> bool:
+        """Whether the leader's listing of the bucket failed and the step was chosen without it."""
+        return self.reports[0].bucket_down is not None and self.choice.remote is None
+
 
 def same_call(arguments: Sequence[str], call: str) -> None:
     """Raise :class:`InvalidStateError` on every rank if the ranks made ``call`` with different arguments."""

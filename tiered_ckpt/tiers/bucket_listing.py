@@ -53,15 +53,16 @@ class BucketListing:
 
         Each request (the listing, then one check of each step's manifest) is tried on its own
         under the retry policy: a listing of many steps goes through a store that fails a share
-        of its requests as surely as one of a few steps. ``once``: each request is tried once
-        (a caller that can do without the bucket learns at once that it is failing)."""
+        of its requests as surely as one of a few steps. ``once``: the first request is tried
+        once (a caller that can do without the bucket learns at once that it is failing); once
+        it answered, the checks are retried as usual."""
         names = self._requests.run(f"listing {self.url}", lambda: self.backend.list_names(self._root), once=once)
         steps = sorted(step for step in map(parse_step_dir_name, names) if step is not None)
 
         def committed(step: int) -> bool:
             path = self._path(step, MANIFEST_NAME)
             what = f"checking {self.location(step, MANIFEST_NAME)}"
-            return bool(self._requests.run(what, lambda: self.backend.exists(path), once=once))
+            return bool(self._requests.run(what, lambda: self.backend.exists(path)))
 
         found = {step for step in steps if committed(step)}
         return sorted(found), [step for step in steps if step not in found]

@@ -111,11 +111,11 @@ class TieredStore:
         """The tiers after the first, nearest first."""
         return self.tiers[1:]
 
-    def readable(self, in_remote: bool) -> tuple[str, ...]:
+    def readable(self, in_remote: bool | None) -> tuple[str, ...]:
         """The later tiers a read of a step tries, by name: the bucket if it committed the step
-        (``in_remote``), and every other later tier (what each holds is not listed first: a
-        copy it lacks is one more failed try)."""
-        return tuple(tier.name for tier in self.later if tier is not self.remote or in_remote)
+        (``in_remote``) or may have (None: it could not be listed), and every other later tier
+        (what each holds is not listed first: a copy it lacks is one more failed try)."""
+        return tuple(tier.name for tier in self.later if tier is not self.remote or in_remote is not False)
 
     def tier(self, name: str) -> Tier:
         """The tier called ``name``."""

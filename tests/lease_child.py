@@ -39,7 +39,7 @@ def main(directory: str, remote_json: str) -> None:
     multipart._read_part = pause_at_the_first_part
     states = [
         {"w": np.arange(1000, dtype=np.float32)},
-        {"w": np.random.default_rng(1).integers(0, 255, 12 << 20, dtype=np.uint8)},
+        {"w": np.random.default_rng(1).integers(0, 255, 12 << 20, dtype=np.uint8).view(np.float32)},
     ]
     manager.save(1, states)
     manager.wait(uploaded=True)

@@ -363,7 +363,8 @@ def test_a_stop_step_off_the_buckets_cadence_whose_upload_was_cut_off_is_resumed
             runtime=RuntimeOptions(preemption_signals=[signal.SIGUSR1]),
         ) as manager:
             manager.save(10, state, blocking=True)
-            assert manager.save(11, state, blocking=True).uploaded is None  # off the bucket's cadence
+            skipped = manager.save(11, state, blocking=True).uploaded  # off the bucket's cadence
+            assert skipped is not None and "remote.every" in str(skipped.exception())
             os.kill(os.getpid(), signal.SIGUSR1)
             assert manager.reached_preemption(13)
             stop = manager.save(13, state, blocking=True)

@@ -13,6 +13,7 @@ from tiered_ckpt import (
     ManifestError,
     RemoteError,
     RemoteOptions,
+    UploadError,
     UploadOptions,
     save_sharded,
 )
@@ -342,6 +343,45 @@ def test_a_bucket_failing_at_construction_is_logged_and_set_up_once_it_answers(t
             proxy.failure_rate = 0.0  # the bucket answers: set up in the background, then step 1 goes up
             manager.wait(uploaded=True)
             assert manager.remote_steps() == [1]
+    finally:
+        proxy.close()
+
+
+def test_wait_uploaded_returns_while_the_bucket_cannot_be_set_up_once_each_step_is_past_its_deadline(
+    tmp_path, moto_endpoint, s3_url
+):
+    import threading
+
+    from conftest import FaultInjectingProxy, s3_storage_options
+
+    url, _ = s3_url
+    proxy = FaultInjectingProxy(moto_endpoint, failure_rate=1.0)  # down from the start: set up in the background
+    upload = UploadOptions(max_tries=2, backoff_seconds=0.01, max_backoff_seconds=0.05, deadline_seconds=1)
+    try:
+        remote = RemoteOptions(url, storage_options=s3_storage_options(proxy.endpoint))
+        with CheckpointManager(tmp_path / "ckpt", world_size=1, remote=remote, upload=upload) as manager:
+            for step in (1, 2):
+                manager.save(step, {"w": np.full(8, step, np.float32)}, blocking=True)
+            raised: list[BaseException] = []
+
+            def wait_uploaded() -> None:
+                try:
+                    manager.wait(uploaded=True)
+                except BaseException as exc:
+                    raised.append(exc)
+
+            waiting = threading.Thread(target=wait_uploaded, daemon=True)
+            waiting.start()
+            waiting.join(timeout=60)  # a guard against a hang: the bucket stays down all along
+            assert not waiting.is_alive(), "wait(uploaded=True) waited for the bucket's setup"
+            (error,) = raised
+            assert isinstance(error, UploadError) and error.transient and error.step == 2
+            assert "steps 1, 2 missed their upload deadline" in str(error)
+            assert manager.steps() == [1, 2]  # kept on local disk
+            proxy.failure_rate = 0.0  # the bucket answers: its setup queues the local-only steps again
+            manager.save(3, {"w": np.full(8, 3, np.float32)})
+            manager.wait(uploaded=True)
+            assert manager.remote_steps() == [1, 2, 3]
     finally:
         proxy.close()
 

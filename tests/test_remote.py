@@ -386,6 +386,32 @@ def test_wait_uploaded_returns_while_the_bucket_cannot_be_set_up_once_each_step_
         proxy.close()
 
 
+def test_a_close_during_the_setups_backoff_starts_no_further_setup_try(tmp_path, moto_endpoint, s3_url, caplog):
+    import logging
+    import time
+
+    from conftest import FaultInjectingProxy, s3_storage_options
+
+    url, _ = s3_url
+    proxy = FaultInjectingProxy(moto_endpoint, failure_rate=1.0)
+    # a backoff so long that the setup's second try could only come from the close
+    upload = UploadOptions(max_tries=1, backoff_seconds=1e6, max_backoff_seconds=1e6)
+    caplog.set_level(logging.WARNING, logger="tiered_ckpt")
+    try:
+        remote = RemoteOptions(url, storage_options=s3_storage_options(proxy.endpoint))
+        manager = CheckpointManager(tmp_path / "ckpt", world_size=1, remote=remote, upload=upload)
+        give_up = time.monotonic() + 60  # a guard against a hang, not a timing
+        while not any("could not be set up (try 1)" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < give_up, "the setup was never tried in the background"
+            time.sleep(0.02)
+        before = len(proxy.log)
+        manager.close()
+        assert [method for method, _path in proxy.log[before:]] in ([], ["POST"])  # the lease's release at most
+        assert not any("could not be set up (try 2)" in r.getMessage() for r in caplog.records)
+    finally:
+        proxy.close()
+
+
 # -- an object longer than its record is never read whole ---------------------------------------
 
 

@@ -28,7 +28,9 @@ strings longer than a first round carries and records [equal, rounds] for each.
 {"do": "signal", "path": P} creates the file ``P-<RANK>``; {"do": "await", "path": P} waits (at most
 two minutes) until the file ``P`` exists; {"do": "saves", "steps": [S...]} saves each step blocking;
 {"do": "await_retrying"} waits (at most two minutes) until the manager's lag shows a step being
-retried and records it as "retrying": [step, tries]. Config "upload" holds UploadOptions fields
+retried and records it as "retrying": [step, tries]; {"do": "await_queued", "at_most": N} waits
+(at most "guard_seconds", default two minutes) until its uploader holds at most N steps and
+records them as "queued". Config "upload" holds UploadOptions fields
 (default: max_tries 1), "max_awaiting_upload" the local tier's.
 """
 
@@ -212,6 +214,10 @@ def act(
     elif action["do"] == "saves":
         for step in action["steps"]:
             checkpoints.save(step, rank_state(step, world_size, rank), blocking=True)
+    elif action["do"] == "await_queued":  # until the uploader holds at most "at_most" steps
+        uploader = checkpoints._parts.uploader
+        wait_until(lambda: len(uploader.pending()) <= action["at_most"], action.get("guard_seconds", 120.0))
+        result["queued"] = uploader.pending()
     elif action["do"] == "await_retrying":
         wait_until(lambda: checkpoints.lag().retrying_step is not None)
         lag = checkpoints.lag()

@@ -469,3 +469,55 @@ def test_two_ranks_save_through_a_bucket_that_never_answers_and_every_step_arriv
         assert "error" not in result and "close_error" not in result, result  # no rank failed for the bucket
         assert result["retrying"][0] == 2 and result["retrying"][1] >= 1
     assert RemoteTier(url, options).steps() == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_two_ranks_started_while_the_bucket_is_down_keep_at_most_max_awaiting_upload_steps_queued(
+    tmp_path, moto_endpoint, s3_url
+):
+    import threading
+    import time
+
+    from conftest import FaultInjectingProxy, s3_storage_options
+
+    url, options = s3_url
+    proxy = FaultInjectingProxy(moto_endpoint, failure_rate=1.0)  # down from the start: set up in the background
+    signals = tmp_path / "signals"
+    signals.mkdir()
+    actions = [
+        {"do": "saves", "steps": [1, 2, 3, 4, 5, 6]},  # more than max_awaiting_upload, while the setup retries
+        {"do": "await_queued", "at_most": 2, "guard_seconds": 60},
+        {"do": "saves", "steps": [7]},
+        {"do": "await_queued", "at_most": 2, "guard_seconds": 60},
+        {"do": "signal", "path": str(signals / "queued")},
+        {"do": "await", "path": str(signals / "answering")},
+        {"do": "wait"},
+    ]
+    upload = {"max_tries": 2, "backoff_seconds": 0.01, "max_backoff_seconds": 0.05, "max_pending": 1}
+    results: dict = {}
+    job = threading.Thread(
+        target=lambda: results.update(
+            run_ranks(
+                tmp_path, 2, actions, (url, s3_storage_options(proxy.endpoint)), upload=upload, max_awaiting_upload=2
+            )
+        )
+    )
+    job.start()
+    try:
+        give_up = time.monotonic() + 180  # a guard against a hang, not a timing
+        while not all((signals / f"queued-{rank}").exists() for rank in range(2)) and job.is_alive():
+            assert time.monotonic() < give_up, "the ranks never got through their saves"
+            time.sleep(0.05)
+    finally:
+        proxy.failure_rate = 0.0  # the bucket answers: set up, and the steps still on disk go up
+        (signals / "answering").touch()
+        job.join(timeout=300)
+        proxy.close()
+    assert not job.is_alive()
+    for result in results.values():
+        assert "error" not in result and "close_error" not in result, result  # each queue came down to 2 steps
+        assert result["queued"][-1] == 7  # the newest step is never dropped
+    assert results[0]["queued"] == results[1]["queued"]  # the ranks dropped the same steps
+    for rank in range(2):  # the superseded steps are gone from the disk (keep_last=3)
+        on_disk = sorted(int(path.name.rsplit("-", 1)[1]) for path in node(tmp_path, rank).glob("step-*"))
+        assert on_disk == [5, 6, 7], on_disk
+    assert RemoteTier(url, options).steps()[-1] == 7

@@ -13,6 +13,7 @@ from tiered_ckpt import (
     ManifestError,
     RemoteError,
     RemoteOptions,
+    UploadError,
     UploadOptions,
     save_sharded,
 )
@@ -342,6 +343,71 @@ def test_a_bucket_failing_at_construction_is_logged_and_set_up_once_it_answers(t
             proxy.failure_rate = 0.0  # the bucket answers: set up in the background, then step 1 goes up
             manager.wait(uploaded=True)
             assert manager.remote_steps() == [1]
+    finally:
+        proxy.close()
+
+
+def test_wait_uploaded_returns_while_the_bucket_cannot_be_set_up_once_each_step_is_past_its_deadline(
+    tmp_path, moto_endpoint, s3_url
+):
+    import threading
+
+    from conftest import FaultInjectingProxy, s3_storage_options
+
+    url, _ = s3_url
+    proxy = FaultInjectingProxy(moto_endpoint, failure_rate=1.0)  # down from the start: set up in the background
+    upload = UploadOptions(max_tries=2, backoff_seconds=0.01, max_backoff_seconds=0.05, deadline_seconds=1)
+    try:
+        remote = RemoteOptions(url, storage_options=s3_storage_options(proxy.endpoint))
+        with CheckpointManager(tmp_path / "ckpt", world_size=1, remote=remote, upload=upload) as manager:
+            for step in (1, 2):
+                manager.save(step, {"w": np.full(8, step, np.float32)}, blocking=True)
+            raised: list[BaseException] = []
+
+            def wait_uploaded() -> None:
+                try:
+                    manager.wait(uploaded=True)
+                except BaseException as exc:
+                    raised.append(exc)
+
+            waiting = threading.Thread(target=wait_uploaded, daemon=True)
+            waiting.start()
+            waiting.join(timeout=60)  # a guard against a hang: the bucket stays down all along
+            assert not waiting.is_alive(), "wait(uploaded=True) waited for the bucket's setup"
+            (error,) = raised
+            assert isinstance(error, UploadError) and error.transient and error.step == 2
+            assert "steps 1, 2 missed their upload deadline" in str(error)
+            assert manager.steps() == [1, 2]  # kept on local disk
+            proxy.failure_rate = 0.0  # the bucket answers: its setup queues the local-only steps again
+            manager.save(3, {"w": np.full(8, 3, np.float32)})
+            manager.wait(uploaded=True)
+            assert manager.remote_steps() == [1, 2, 3]
+    finally:
+        proxy.close()
+
+
+def test_a_close_during_the_setups_backoff_starts_no_further_setup_try(tmp_path, moto_endpoint, s3_url, caplog):
+    import logging
+    import time
+
+    from conftest import FaultInjectingProxy, s3_storage_options
+
+    url, _ = s3_url
+    proxy = FaultInjectingProxy(moto_endpoint, failure_rate=1.0)
+    # a backoff so long that the setup's second try could only come from the close
+    upload = UploadOptions(max_tries=1, backoff_seconds=1e6, max_backoff_seconds=1e6)
+    caplog.set_level(logging.WARNING, logger="tiered_ckpt")
+    try:
+        remote = RemoteOptions(url, storage_options=s3_storage_options(proxy.endpoint))
+        manager = CheckpointManager(tmp_path / "ckpt", world_size=1, remote=remote, upload=upload)
+        give_up = time.monotonic() + 60  # a guard against a hang, not a timing
+        while not any("could not be set up (try 1)" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < give_up, "the setup was never tried in the background"
+            time.sleep(0.02)
+        before = len(proxy.log)
+        manager.close()
+        assert [method for method, _path in proxy.log[before:]] in ([], ["POST"])  # the lease's release at most
+        assert not any("could not be set up (try 2)" in r.getMessage() for r in caplog.records)
     finally:
         proxy.close()
 

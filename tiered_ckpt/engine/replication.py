@@ -128,6 +128,7 @@ class Replicator(UploadQueue, BackgroundSetup):
         self._bucket = bucket
         self._sender = Sender(store, target, self._coordinator, ranks, self._options.concurrency, self._lease)
         self._queue: deque[int] = deque()
+        self._queued_at: dict[int, float] = {}  # when each queued step was queued (see bucket_setup)
         self._outcomes: dict[int, Future[None]] = {}  # see outcome(); settled ones are dropped
         self._held: dict[int, HeldStep] = {}  # the steps queued from memory, until settled
         self._active: int | None = None
@@ -183,6 +184,7 @@ class Replicator(UploadQueue, BackgroundSetup):
                 logger.warning("%s: step %d stays local-only, superseded by step %d", why, skipped, step)
                 self._left_local([skipped], f"{why}, superseded by step {step}")
             self._queue.append(step)
+            self._queued_at.setdefault(step, time.monotonic())
             if held is not None:
                 self._held[step] = held
             self._changed.notify_all()

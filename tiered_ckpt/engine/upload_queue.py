@@ -52,6 +52,7 @@ class UploadQueue:
     _queue: deque[int]
     _outcomes: dict[int, Future[None]]
     _held: dict[int, HeldStep]
+    _queued_at: dict[int, float]
     _failing: bool
     _what: str
 
@@ -73,6 +74,7 @@ class UploadQueue:
         with self._changed:
             future = self._outcomes.pop(step, None)
             self._held.pop(step, None)
+            self._queued_at.pop(step, None)
         if future is not None and not future.done():
             if error is None:
                 future.set_result(None)

@@ -83,7 +83,7 @@ def _codec_cpu(directory: Path, manifest: ShardManifest) -> list[tuple[float, fl
     """Per shard, the CPU seconds per GiB (of shard) one thread takes to make its compressed copy
     (read, check, compress, hash, write) and to decompress that copy again (read, decompress)."""
     from tiered_ckpt.io.zstd_frames import FramesReader
-    from tiered_ckpt.tiers.compression import compressed_copy
+    from tiered_ckpt.tiers.remote.compression import compressed_copy
 
     costs = []
     for record in manifest.shards:
@@ -106,7 +106,7 @@ def _round(
     """One upload and one verified download of the step with ``compression=mode``, into a fresh bucket."""
     from tiered_ckpt.engine.replication import Replicator
     from tiered_ckpt.tiers.local import LocalTier
-    from tiered_ckpt.tiers.remote import RemoteTier
+    from tiered_ckpt.tiers.remote.tier import RemoteTier
     from tiered_ckpt.tiers.store import TieredStore
 
     client.create_bucket(Bucket=bucket)

@@ -262,7 +262,7 @@ def _upload(method: str, task: dict[str, Any]) -> Callable[[], object]:
         return lambda: [client.upload_file(str(path), bucket, f"boto3/{path.name}") for path in files]
     from tiered_ckpt.engine.replication import Replicator
     from tiered_ckpt.tiers.local import LocalTier
-    from tiered_ckpt.tiers.remote import RemoteTier
+    from tiered_ckpt.tiers.remote.tier import RemoteTier
     from tiered_ckpt.tiers.store import TieredStore
 
     options = {

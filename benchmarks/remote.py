@@ -36,7 +36,7 @@ def _remote_run(
     """One run of the remote benchmark: ours and boto3's, up and down, into one fresh bucket."""
     from tiered_ckpt.engine.replication import Replicator
     from tiered_ckpt.tiers.local import LocalTier
-    from tiered_ckpt.tiers.remote import RemoteTier
+    from tiered_ckpt.tiers.remote.tier import RemoteTier
     from tiered_ckpt.tiers.store import TieredStore
 
     client.create_bucket(Bucket=bucket)

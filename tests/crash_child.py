@@ -78,7 +78,7 @@ def run_upload(directory: str, bytes_per_rank: int, remote_json: str) -> None:
     import json
 
     from tiered_ckpt import CheckpointManager, RemoteOptions, UploadOptions
-    from tiered_ckpt.tiers.remote import RemoteTier
+    from tiered_ckpt.tiers.remote.tier import RemoteTier
 
     remote = json.loads(remote_json)
     manager = CheckpointManager(
@@ -105,7 +105,7 @@ def run_multipart(directory: str, bytes_per_rank: int, remote_json: str) -> None
     import json
 
     from tiered_ckpt import CheckpointManager
-    from tiered_ckpt.tiers.backends import multipart
+    from tiered_ckpt.tiers.remote.backends import multipart
 
     remote = json.loads(remote_json)
     from tiered_ckpt import RemoteOptions, UploadOptions

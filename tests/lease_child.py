@@ -13,7 +13,7 @@ import threading
 import numpy as np
 
 from tiered_ckpt import CheckpointManager, RemoteOptions, UploadOptions
-from tiered_ckpt.tiers.backends import multipart
+from tiered_ckpt.tiers.remote.backends import multipart
 
 PART_BYTES = 5 << 20
 

@@ -1,4 +1,4 @@
-"""The Azure Blob backend (tiered_ckpt.tiers.backends.azure) on Azurite over real HTTP: what Blob
+"""The Azure Blob backend (tiered_ckpt.tiers.remote.backends.azure) on Azurite over real HTTP: what Blob
 Storage computes of a blob put in one request, blocks it checks on receipt, create-only commits,
 both URL schemes through the manager, the endpoint option, and the account key kept out of sight."""
 
@@ -23,9 +23,9 @@ from conftest import (
 )
 from tiered_ckpt import CheckpointManager, ChecksumMismatchError, RemoteError, RemoteOptions, save_sharded
 from tiered_ckpt.format.layout import step_dir_name
-from tiered_ckpt.tiers.backends.azure import AzureBackend
 from tiered_ckpt.tiers.base import ShardSource
-from tiered_ckpt.tiers.remote import RemoteTier, RetryPolicy
+from tiered_ckpt.tiers.remote.backends.azure import AzureBackend
+from tiered_ckpt.tiers.remote.tier import RemoteTier, RetryPolicy
 
 PART = 5 << 20
 

@@ -1,4 +1,4 @@
-"""The backends behind the object-store tier (tiered_ckpt.tiers.backends), on the real stores:
+"""The backends behind the object-store tier (tiered_ckpt.tiers.remote.backends), on the real stores:
 one chosen per protocol, what each says it can do, the checksums each computes, and the
 wrappers around them."""
 
@@ -7,16 +7,16 @@ import pytest
 
 from tiered_ckpt import RemoteError, save_sharded
 from tiered_ckpt.format.layout import step_dir_name
-from tiered_ckpt.tiers.backends import open_backend
-from tiered_ckpt.tiers.backends.azure import AzureBackend
-from tiered_ckpt.tiers.backends.base import Backend
-from tiered_ckpt.tiers.backends.fsspec import FsspecBackend
-from tiered_ckpt.tiers.backends.gcs import GcsBackend
-from tiered_ckpt.tiers.backends.posix import PosixBackend
-from tiered_ckpt.tiers.backends.s3 import S3Backend, same_checksum
-from tiered_ckpt.tiers.backends.wrappers import Counting, Wrapper
 from tiered_ckpt.tiers.base import Capabilities, ShardSource, Tier
-from tiered_ckpt.tiers.remote import RemoteTier, RetryPolicy
+from tiered_ckpt.tiers.remote.backends import open_backend
+from tiered_ckpt.tiers.remote.backends.azure import AzureBackend
+from tiered_ckpt.tiers.remote.backends.base import Backend
+from tiered_ckpt.tiers.remote.backends.fsspec import FsspecBackend
+from tiered_ckpt.tiers.remote.backends.gcs import GcsBackend
+from tiered_ckpt.tiers.remote.backends.posix import PosixBackend
+from tiered_ckpt.tiers.remote.backends.s3 import S3Backend, same_checksum
+from tiered_ckpt.tiers.remote.backends.wrappers import Counting, Wrapper
+from tiered_ckpt.tiers.remote.tier import RemoteTier, RetryPolicy
 
 EXPECTED = {  # protocol fixture -> (backend, store checksums, bucket's scheme)
     "memory": (FsspecBackend, False, None),

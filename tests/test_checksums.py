@@ -1,4 +1,4 @@
-"""The checksums a store computes of an uploaded shard, computed locally (tiered_ckpt.tiers.checksums),
+"""The checksums a store computes of an uploaded shard, computed locally (tiered_ckpt.tiers.remote.checksums),
 checked against independent computations with hashlib and crc32c: S3's ETag and composite CRC32C
 per part size, GCS's whole-object CRC32C and MD5, Azure's whole-blob MD5."""
 
@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from tiered_ckpt.errors import ChecksumMismatchError
 from tiered_ckpt.format.manifest import ShardRecord
-from tiered_ckpt.tiers.backends import open_backend
-from tiered_ckpt.tiers.checksums import StoreSums, check_source, hash_for_store
-from tiered_ckpt.tiers.retry import RetryPolicy
+from tiered_ckpt.tiers.remote.backends import open_backend
+from tiered_ckpt.tiers.remote.checksums import StoreSums, check_source, hash_for_store
+from tiered_ckpt.tiers.remote.retry import RetryPolicy
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # as conftest: no gRPC probe
 

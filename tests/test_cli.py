@@ -13,7 +13,7 @@ from tiered_ckpt import CheckpointManager, LocalOptions, RemoteOptions, RuntimeO
 from tiered_ckpt.format.layout import MANIFEST_NAME, shard_name, step_dir_name
 from tiered_ckpt.io.hashing import part_crc32c
 from tiered_ckpt.tiers.local import LocalTier
-from tiered_ckpt.tiers.remote import RemoteTier
+from tiered_ckpt.tiers.remote.tier import RemoteTier
 
 
 @pytest.fixture

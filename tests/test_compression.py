@@ -1,4 +1,4 @@
-"""Shards compressed on their way to the bucket (tiered_ckpt/tiers/compression.py): through the
+"""Shards compressed on their way to the bucket (tiered_ckpt/tiers/remote/compression.py): through the
 manager on every backend, a bucket holding compressed and uncompressed steps, flipped bytes in a
 compressed object, ranged reads fetching only the frames they need, verify --remote by the
 store's checksums, and the compressed copy a landing makes and removes."""
@@ -23,10 +23,10 @@ from tiered_ckpt import (
 )
 from tiered_ckpt.format.layout import MANIFEST_NAME, step_dir_name
 from tiered_ckpt.tiers import compression, survey
-from tiered_ckpt.tiers.backends.wrappers import Wrapper
 from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt.tiers.local import LocalTier
-from tiered_ckpt.tiers.remote import RemoteTier, RetryPolicy
+from tiered_ckpt.tiers.remote.backends.wrappers import Wrapper
+from tiered_ckpt.tiers.remote.tier import RemoteTier, RetryPolicy
 from tiered_ckpt.tiers.store import TieredStore
 
 

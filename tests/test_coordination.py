@@ -22,7 +22,7 @@ from tiered_ckpt import (
 )
 from tiered_ckpt.dist.coordination import Attempt, Done, from_payload, gather, leader_decides, to_payload
 from tiered_ckpt.format.layout import HELD_NAME, MANIFEST_NAME, shard_name, step_dir_name
-from tiered_ckpt.tiers.remote import RemoteTier
+from tiered_ckpt.tiers.remote.tier import RemoteTier
 
 
 def test_single_process_coordinator_holds_every_rank_and_leads():

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import s3_credentials_env, write_s3_config
 from tiered_ckpt import CheckpointManager, RemoteOptions
-from tiered_ckpt.tiers.remote import RemoteTier
+from tiered_ckpt.tiers.remote.tier import RemoteTier
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -1,4 +1,4 @@
-"""What the remote tier keeps of the shards it landed (tiered_ckpt/tiers/landed.py), and how it
+"""What the remote tier keeps of the shards it landed (tiered_ckpt/tiers/remote/landed.py), and how it
 reaches the process that commits: handed over once, through a collective's JSON payload."""
 
 import json
@@ -6,7 +6,7 @@ import json
 from tiered_ckpt.dist.coordination import from_payload, to_payload
 from tiered_ckpt.engine.sending import _Put
 from tiered_ckpt.format.compressed import CompressedObject
-from tiered_ckpt.tiers.landed import Landed, LandedShards
+from tiered_ckpt.tiers.remote.landed import Landed, LandedShards
 
 STORED = CompressedObject("zstd", 1234, "ab" * 8, 200, 4 << 20, (100, 1134))
 

@@ -14,7 +14,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tiered_ckpt"
 # tensors/dtensor views never import torch and sit under the format; the DCP backend is glue
 # over the manager; errors is the one tree everything raises from.
 RANKS = {"errors": 0, "io": 1, "torch-views": 2, "format": 3, "dist": 4, "tiers": 4, "engine": 5, "top": 6, "dcp": 7}
-TIERS = {"tiered_ckpt.tiers.local", "tiered_ckpt.tiers.remote"}
+TIERS = {"tiered_ckpt.tiers.local", "tiered_ckpt.tiers.remote.tier"}
 MAX_LINES = 500
 MAX_MANAGER_LINES = 400
 
@@ -87,10 +87,10 @@ def test_backend_modules_are_imported_only_by_the_object_store_tier_and_each_oth
     importers = {
         module
         for module, targets in GRAPH.items()
-        if any(target.startswith("tiered_ckpt.tiers.backends") for target in targets)
-        and not module.startswith("tiered_ckpt.tiers.backends")
+        if any(target.startswith("tiered_ckpt.tiers.remote.backends") for target in targets)
+        and not module.startswith("tiered_ckpt.tiers.remote.backends")
     }
-    assert importers <= {"tiered_ckpt.tiers.remote", "tiered_ckpt.tiers.checksums"}
+    assert importers <= {"tiered_ckpt.tiers.remote.tier", "tiered_ckpt.tiers.remote.checksums"}
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

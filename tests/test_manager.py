@@ -43,8 +43,8 @@ from tiered_ckpt import (
 )
 from tiered_ckpt.format.layout import MANIFEST_NAME, RECEIPT_NAME, parse_step_dir_name, step_dir_name
 from tiered_ckpt.io.durable import temp_name
-from tiered_ckpt.tiers.backends.wrappers import Counting
-from tiered_ckpt.tiers.remote import RemoteTier
+from tiered_ckpt.tiers.remote.backends.wrappers import Counting
+from tiered_ckpt.tiers.remote.tier import RemoteTier
 
 ZERO1 = RuntimeOptions(sharded_keys=ZERO1_SHARDED_KEYS)
 

@@ -1,4 +1,4 @@
-"""The S3 upload client (tiered_ckpt.tiers.backends.multipart) against a fake client that fails on command."""
+"""The S3 upload client (tiered_ckpt.tiers.remote.backends.multipart) against a fake client that fails on command."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import crc32c
 import pytest
 
 from tiered_ckpt import ChecksumMismatchError, RemoteError
-from tiered_ckpt.tiers.backends.multipart import Upload, Window, is_throttle
+from tiered_ckpt.tiers.remote.backends.multipart import Upload, Window, is_throttle
 
 PART = 1024
 

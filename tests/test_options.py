@@ -28,9 +28,9 @@ from tiered_ckpt.options import (
     UploadOptions,
     resolve_options,
 )
-from tiered_ckpt.tiers.owners import OwnershipPolicy
+from tiered_ckpt.tiers.remote.leases import OwnershipPolicy
+from tiered_ckpt.tiers.remote.retry import RetryPolicy
 from tiered_ckpt.tiers.retention import RetentionPolicy
-from tiered_ckpt.tiers.retry import RetryPolicy
 
 URL = "memory://bucket/run"
 SECRET = "hunter2-very-secret"

@@ -1,4 +1,4 @@
-"""Run identities on the bucket (tiered_ckpt.tiers.owners) and what they protect: a live run's
+"""Run identities on the bucket (tiered_ckpt.tiers.remote.leases) and what they protect: a live run's
 half-uploaded step and open multipart upload survive a second manager on the same URL;
 what a dead run left is removed; a commit over an object gone since its confirmation is
 never written. Times come from a clock the test sets, never from waiting."""
@@ -21,12 +21,13 @@ from tiered_ckpt import (
     UploadOptions,
     save_sharded,
 )
+from tiered_ckpt.engine.background import ErrorBox
 from tiered_ckpt.engine.replication import Replicator
-from tiered_ckpt.errors import ConfigError, ErrorBox
+from tiered_ckpt.errors import ConfigError
 from tiered_ckpt.format.layout import step_dir_name
 from tiered_ckpt.tiers.local import LocalTier
-from tiered_ckpt.tiers.owners import Lease, OwnerRecord, OwnershipPolicy, live_owners
-from tiered_ckpt.tiers.remote import RemoteTier, RetryPolicy
+from tiered_ckpt.tiers.remote.leases import Lease, OwnerRecord, OwnershipPolicy, live_owners
+from tiered_ckpt.tiers.remote.tier import RemoteTier, RetryPolicy
 from tiered_ckpt.tiers.store import TieredStore
 
 HERE = Path(__file__).parent

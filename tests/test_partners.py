@@ -1,11 +1,11 @@
-"""Partners chosen from the ranks' nodes (tiered_ckpt.dist.partners): never on the same node."""
+"""Partners chosen from the ranks' nodes (tiered_ckpt.tiers.peer.partners): never on the same node."""
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from tiered_ckpt import ConfigError, UsageError
-from tiered_ckpt.dist.partners import choose_partners, node_of
+from tiered_ckpt.tiers.peer.partners import choose_partners, node_of
 
 
 def test_two_nodes_of_two_hold_each_other_rank_by_rank():

@@ -1,4 +1,4 @@
-"""What a rank holds for its partners (tiered_ckpt.tiers.peer_memory): slots reused, the budget kept,
+"""What a rank holds for its partners (tiered_ckpt.tiers.peer.memory): slots reused, the budget kept,
 what a crash left freed, and what it reads back never trusted."""
 
 import hashlib
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tiered_ckpt import MemoryBudgetError, UsageError
-from tiered_ckpt.tiers.peer_memory import PeerMemory, Slot
+from tiered_ckpt.tiers.peer.memory import PeerMemory, Slot
 
 
 def take(memory: PeerMemory, step: int, rank: int, size: int, *, commit: bool = True, on_disk: bool = False) -> bytes:

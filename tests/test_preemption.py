@@ -315,7 +315,7 @@ def test_reached_preemption_puts_the_newest_upload_first_and_drops_the_older_que
     tmp_path, moto_endpoint, s3_url, usr1
 ):
     from conftest import FaultInjectingProxy, s3_storage_options
-    from tiered_ckpt.tiers.remote import RemoteTier
+    from tiered_ckpt.tiers.remote.tier import RemoteTier
 
     url, options = s3_url
     state = {"weights": np.arange(64, dtype=np.float32)}
@@ -348,7 +348,7 @@ def test_a_stop_step_off_the_buckets_cadence_whose_upload_was_cut_off_is_resumed
     tmp_path, moto_endpoint, s3_url, usr1
 ):
     from conftest import FaultInjectingProxy, s3_storage_options
-    from tiered_ckpt.tiers.remote import RemoteTier
+    from tiered_ckpt.tiers.remote.tier import RemoteTier
 
     url, options = s3_url
     state = {"weights": np.arange(64, dtype=np.float32)}

@@ -11,7 +11,7 @@ from tiered_ckpt.format.layout import step_dir_name
 from tiered_ckpt.tiers import pruning, step_records
 from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt.tiers.local import LocalTier
-from tiered_ckpt.tiers.remote import RemoteTier
+from tiered_ckpt.tiers.remote.tier import RemoteTier
 from tiered_ckpt.tiers.retention import RetentionPolicy
 from tiered_ckpt.tiers.store import TieredStore
 

@@ -24,7 +24,7 @@ import pytest
 
 from conftest import S3_TEST_KEY, S3_TEST_SECRET, StoppableS3
 from tiered_ckpt.format.layout import step_dir_name
-from tiered_ckpt.tiers.remote import RemoteTier
+from tiered_ckpt.tiers.remote.tier import RemoteTier
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 BUCKET_URL = "s3://my-bucket/run-42"  # what the samples name

@@ -22,7 +22,7 @@ from tiered_ckpt.io.hashing import hash_stream
 from tiered_ckpt.tiers import pruning
 from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt.tiers.local import LocalTier
-from tiered_ckpt.tiers.remote import RemoteTier, RetryPolicy, is_transient
+from tiered_ckpt.tiers.remote.tier import RemoteTier, RetryPolicy, is_transient
 from tiered_ckpt.tiers.retention import RetentionPolicy
 from tiered_ckpt.tiers.store import TieredStore
 

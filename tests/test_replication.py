@@ -11,14 +11,14 @@ import pytest
 from memory_tier import MemoryTier
 
 from tiered_ckpt import RemoteError, UploadError, UsageError, save_sharded
+from tiered_ckpt.engine.background import ErrorBox
 from tiered_ckpt.engine.replication import Backlog, ReplicationPolicy, Replicator
-from tiered_ckpt.errors import ErrorBox
 from tiered_ckpt.format.layout import parse_step_dir_name, step_dir_name
 from tiered_ckpt.options import UploadOptions
-from tiered_ckpt.tiers.backends.wrappers import Wrapper
 from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt.tiers.local import LocalTier
-from tiered_ckpt.tiers.remote import RemoteTier, RetryPolicy
+from tiered_ckpt.tiers.remote.backends.wrappers import Wrapper
+from tiered_ckpt.tiers.remote.tier import RemoteTier, RetryPolicy
 from tiered_ckpt.tiers.retention import RetentionPolicy
 from tiered_ckpt.tiers.store import TieredStore
 

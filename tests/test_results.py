@@ -25,7 +25,7 @@ from tiered_ckpt import (
     VerifyResult,
 )
 from tiered_ckpt.format.layout import shard_name, step_dir_name
-from tiered_ckpt.tiers.remote import RemoteTier
+from tiered_ckpt.tiers.remote.tier import RemoteTier
 
 
 def state(step: int) -> list[dict[str, np.ndarray]]:

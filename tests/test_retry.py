@@ -16,7 +16,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from tiered_ckpt.errors import RemoteError
-from tiered_ckpt.tiers.retry import RetryPolicy, is_transient
+from tiered_ckpt.tiers.remote.retry import RetryPolicy, is_transient
 
 
 class FakeTime:

@@ -19,7 +19,7 @@ from tiered_ckpt.engine.restore_result import RestoreResult
 from tiered_ckpt.engine.shard_reads import ShardReader
 from tiered_ckpt.format.layout import shard_name, step_dir_name
 from tiered_ckpt.tiers.local import LocalTier
-from tiered_ckpt.tiers.remote import RemoteTier
+from tiered_ckpt.tiers.remote.tier import RemoteTier
 from tiered_ckpt.tiers.store import TieredStore
 
 

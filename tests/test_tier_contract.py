@@ -9,8 +9,8 @@ from tier_contract import TierContract
 from tiered_ckpt.format.compressed import SUFFIX
 from tiered_ckpt.format.layout import MANIFEST_NAME, step_dir_name
 from tiered_ckpt.io.zstd_frames import compress_frames, frame_lengths
-from tiered_ckpt.tiers.compression import FRAME_BYTES
-from tiered_ckpt.tiers.remote import RemoteTier, RetryPolicy
+from tiered_ckpt.tiers.remote.compression import FRAME_BYTES
+from tiered_ckpt.tiers.remote.tier import RemoteTier, RetryPolicy
 
 
 class TestMemoryTier(TierContract):

@@ -13,14 +13,15 @@ from memory_tier import MemoryTier
 
 from tiered_ckpt.dist.coordination import SingleProcessCoordinator
 from tiered_ckpt.dist.sharding import resolve_sharded_keys, sharding_summary
+from tiered_ckpt.engine.background import ErrorBox
 from tiered_ckpt.engine.replication import Replicator
 from tiered_ckpt.engine.writer import BACKGROUND_NICENESS, SaveHandle, Writer
-from tiered_ckpt.errors import ErrorBox, SaveError, ShardCountMismatchError, UsageError
+from tiered_ckpt.errors import SaveError, ShardCountMismatchError, UsageError
 from tiered_ckpt.format.layout import MANIFEST_NAME, step_dir_name
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.state import flatten
 from tiered_ckpt.tiers.local import LocalTier
-from tiered_ckpt.tiers.remote import RemoteTier
+from tiered_ckpt.tiers.remote.tier import RemoteTier
 from tiered_ckpt.tiers.retention import RetentionPolicy
 from tiered_ckpt.tiers.store import TieredStore
 

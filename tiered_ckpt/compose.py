@@ -17,7 +17,7 @@
 :meth:`Parts.close` undoes them in reverse order: the writer finishes its queued write,
 the handlers are put back, the uploads finish (each until committed or past its
 deadline), and the directory is released. A failure while opening closes what was opened.
-The parts leave their background failures in one :class:`~tiered_ckpt.errors.ErrorBox`;
+The parts leave their background failures in one :class:`~tiered_ckpt.engine.background.ErrorBox`;
 its errors are raised here, on the caller's thread.
 """
 
@@ -30,14 +30,15 @@ from contextlib import ExitStack, closing, contextmanager
 from dataclasses import dataclass
 
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, gather
-from tiered_ckpt.engine.peer_setup import open_peer_tier, peer_policy
+from tiered_ckpt.engine.background import ErrorBox
 from tiered_ckpt.engine.preemption import PreemptionNotice, PreemptionWatch
 from tiered_ckpt.engine.refill import Refiller
 from tiered_ckpt.engine.replication import Backlog, Replicator
+from tiered_ckpt.engine.replication_policy import ReplicationPolicy
 from tiered_ckpt.engine.restore import Restorer
 from tiered_ckpt.engine.restore_result import RestoreResult
 from tiered_ckpt.engine.writer import Writer
-from tiered_ckpt.errors import DirectoryInUseError, ErrorBox, RemoteError, UploadError, UsageError, restated
+from tiered_ckpt.errors import DirectoryInUseError, RemoteError, UploadError, UsageError, restated
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.selection import Paths
 from tiered_ckpt.format.state import State
@@ -46,7 +47,8 @@ from tiered_ckpt.options import LocalOptions, Options, RemoteOptions
 from tiered_ckpt.tiers import pruning, survey
 from tiered_ckpt.tiers.base import Tier
 from tiered_ckpt.tiers.local import LocalTier
-from tiered_ckpt.tiers.peer import PeerTier
+from tiered_ckpt.tiers.peer.setup import open_peer_tier
+from tiered_ckpt.tiers.peer.tier import PeerTier
 from tiered_ckpt.tiers.pruning import PruneResult
 from tiered_ckpt.tiers.pull import PullResult, pull
 from tiered_ckpt.tiers.store import TieredStore
@@ -262,6 +264,13 @@ class _Opened:
     bucket_answered: bool
 
 
+def _peer_policy(every: int) -> ReplicationPolicy:
+    """How the peer tier's replicator sends steps: one shard per process at a time, every
+    ``every``-th step, each failure logged rather than raised (never retried: the next step's
+    copy is the retry), no deadline beyond the link's timeout."""
+    return ReplicationPolicy(concurrency=1, max_pending=2, deadline_seconds=None, every=every, best_effort=True)
+
+
 def _open_local_dir(store: TieredStore, opened: ExitStack, one_process: bool) -> _Opened:
     """Lock the local directory (released by ``opened``), remove what crashed saves left in it, and
     check the bucket: once, so that a bucket down for a moment costs the start one request; a
@@ -344,7 +353,7 @@ def open_parts(options: Options, coordinator: Coordinator) -> Parts:
             uploader.resume(later=not all(each.bucket_answered for each in opened))
         if peer_tier is not None and options.peer is not None:
             peer = Replicator(
-                store, peer_tier, policy=peer_policy(options.peer.every), errors=errors,
+                store, peer_tier, policy=_peer_policy(options.peer.every), errors=errors,
                 coordinator=coordinator.new_channel(), ranks=ranks, backlog=backlog,
             )  # fmt: skip
             stack.enter_context(closing(peer))

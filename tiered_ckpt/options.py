@@ -24,11 +24,11 @@ from tiered_ckpt.engine.replication import ReplicationPolicy, WhenBehind
 from tiered_ckpt.errors import ConfigError, UsageError, invalid_option, restated
 from tiered_ckpt.format.bounds import MAX_COUNT, MAX_PART_BYTES, MAX_SECONDS, check_number
 from tiered_ckpt.io.hashing import VERIFY_MODES, Verify
-from tiered_ckpt.tiers.compression import Compression, check_compression
-from tiered_ckpt.tiers.owners import OtherOwners, OwnershipPolicy
-from tiered_ckpt.tiers.remote import DEFAULT_PART_BYTES, DEFAULT_PART_CONCURRENCY, Layout, RemoteTier
+from tiered_ckpt.tiers.remote.compression import Compression, check_compression
+from tiered_ckpt.tiers.remote.leases import OtherOwners, OwnershipPolicy
+from tiered_ckpt.tiers.remote.retry import RetryPolicy
+from tiered_ckpt.tiers.remote.tier import DEFAULT_PART_BYTES, DEFAULT_PART_CONCURRENCY, Layout, RemoteTier
 from tiered_ckpt.tiers.retention import RetentionPolicy
-from tiered_ckpt.tiers.retry import RetryPolicy
 
 __all__ = [
     "LocalOptions",
@@ -153,12 +153,12 @@ class RemoteOptions(_Retained):
     """The remote tier: its ``url``, fsspec's ``storage_options`` for it (never shown), its
     retention (``keep_last``, ``keep_every``: as the local tier's, default all), and the
     ``layout`` of its shard objects ("flat", or "hashed": spread over 256 key prefixes
-    per step; see :meth:`~tiered_ckpt.tiers.remote.RemoteTier.object_name`). ``endpoint_url``
+    per step; see :meth:`~tiered_ckpt.tiers.remote.tier.RemoteTier.object_name`). ``endpoint_url``
     (``s3://``, ``gs://`` and ``az://``/``abfs://`` only) names the store's endpoint, e.g. a
     MinIO server, or for Azure the account's blob URL (``http://127.0.0.1:10000/devstoreaccount1``
     for Azurite); it takes precedence over ``storage_options["endpoint_url"]``.
 
-    How a run holds the URL (see :mod:`~tiered_ckpt.tiers.owners`): its lease on it lasts
+    How a run holds the URL (see :mod:`~tiered_ckpt.tiers.remote.leases`): its lease on it lasts
     ``lease_seconds`` unrenewed (it is renewed every quarter of that while the run lives);
     multipart uploads left open are aborted at start-up only once ``orphan_age_seconds``
     old, and only while no other run's lease is live; another live run on the URL is a
@@ -167,7 +167,7 @@ class RemoteOptions(_Retained):
     (1: every one; local retention keeps each until its upload).
 
     ``compression="zstd"`` (the ``zstd`` extra) puts shard objects as zstd frames; ``"none"``
-    as they are. A reader goes by each step's remote manifest (:mod:`~tiered_ckpt.tiers.compression`)."""
+    as they are. A reader goes by each step's remote manifest (:mod:`~tiered_ckpt.tiers.remote.compression`)."""
 
     url: str
     keep_last: int | None = None
@@ -203,7 +203,7 @@ class RemoteOptions(_Retained):
         """The remote tier these options describe, making its requests as ``upload`` says.
 
         Its bucket is checked first (one request, see
-        :meth:`~tiered_ckpt.tiers.remote.RemoteTier.check_bucket`): a missing or unlistable bucket
+        :meth:`~tiered_ckpt.tiers.remote.tier.RemoteTier.check_bucket`): a missing or unlistable bucket
         raises :class:`~tiered_ckpt.RemoteError` naming it here, not at the first upload.
         """
         storage_options = dict(self.storage_options)

@@ -181,7 +181,7 @@ class TorchDistributedCoordinator:
     def new_group(self, timeout: timedelta | None = None) -> Any:
         """A new gloo process group over the same ranks (collective), whose operations fail after
         ``timeout`` (default: the coordinator's); for point-to-point messages of one's own
-        (:class:`~tiered_ckpt.dist.peer_link.PeerLink`)."""
+        (:class:`~tiered_ckpt.tiers.peer.link.PeerLink`)."""
         return self._new_gloo_group(timeout)
 
     def __repr__(self) -> str:

@@ -29,12 +29,13 @@ from dataclasses import dataclass
 from functools import partial
 
 from tiered_ckpt.dist.coordination import Coordinator, gather
+from tiered_ckpt.engine.background import ErrorBox
 from tiered_ckpt.engine.replication_policy import ReplicationPolicy
 from tiered_ckpt.engine.resume import resume_steps
-from tiered_ckpt.errors import CheckpointError, ErrorBox, RemoteError, UploadError
+from tiered_ckpt.errors import CheckpointError, RemoteError, UploadError
 from tiered_ckpt.tiers.base import Tier
-from tiered_ckpt.tiers.owners import Lease
-from tiered_ckpt.tiers.retry import RetryPolicy
+from tiered_ckpt.tiers.remote.leases import Lease
+from tiered_ckpt.tiers.remote.retry import RetryPolicy
 from tiered_ckpt.tiers.store import TieredStore
 
 __all__ = ["BackgroundSetup"]

@@ -26,7 +26,7 @@ shown by :meth:`Replicator.retrying` and ``last_error``. A step that misses its 
 stays local-only, the queue moves on, and its :class:`UploadError` has ``transient=True``
 (``wait(uploaded=True)`` raises it; ``save`` and ``close`` do not). Any other failure
 (access denied, a local I/O error, a bug) has ``transient=False``, is logged at once and
-raised by the owner's next call. Both go to the shared :class:`~tiered_ckpt.errors.ErrorBox`
+raised by the owner's next call. Both go to the shared :class:`~tiered_ckpt.engine.background.ErrorBox`
 (cause chained); the local copy is kept. The processes agree on every retry (one small
 collective), so they try, wait and give up together.
 
@@ -64,12 +64,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from tiered_ckpt.dist.coordination import Coordinator, SingleProcessCoordinator, gather
+from tiered_ckpt.engine.background import ErrorBox
 from tiered_ckpt.engine.bucket_setup import BackgroundSetup
 from tiered_ckpt.engine.replication_policy import Backlog, ReplicationPolicy, WhenBehind
 from tiered_ckpt.engine.sending import HeldStep, Sender
 from tiered_ckpt.engine.upload_queue import UploadQueue
 from tiered_ckpt.errors import (
-    ErrorBox,
     IncompleteCheckpointError,
     RemoteError,
     StorageError,
@@ -78,8 +78,8 @@ from tiered_ckpt.errors import (
     as_upload_error,
 )
 from tiered_ckpt.tiers.base import Tier
-from tiered_ckpt.tiers.owners import Lease, OwnershipPolicy
-from tiered_ckpt.tiers.retry import RetryPolicy
+from tiered_ckpt.tiers.remote.leases import Lease, OwnershipPolicy
+from tiered_ckpt.tiers.remote.retry import RetryPolicy
 from tiered_ckpt.tiers.store import TieredStore
 
 __all__ = ["Replicator", "ReplicationPolicy", "WhenBehind"]

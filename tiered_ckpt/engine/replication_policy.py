@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from tiered_ckpt.tiers.retry import RetryPolicy
+from tiered_ckpt.tiers.remote.retry import RetryPolicy
 
 __all__ = ["Backlog", "ReplicationPolicy", "WhenBehind"]
 

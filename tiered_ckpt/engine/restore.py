@@ -55,7 +55,7 @@ from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.selection import Paths, check_paths
 from tiered_ckpt.format.state import State
 from tiered_ckpt.io.hashing import Verify, check_verify
-from tiered_ckpt.tiers.peer import PeerTier
+from tiered_ckpt.tiers.peer.tier import PeerTier
 from tiered_ckpt.tiers.store import TieredStore
 
 __all__ = ["Restorer", "check_restore_arguments"]

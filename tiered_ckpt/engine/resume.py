@@ -2,7 +2,7 @@
 
 :func:`resume_steps` is collective (every process of the job calls it, before any step is
 submitted): the leader takes the run's lease on a shared target (see
-:mod:`~tiered_ckpt.tiers.owners`) and, unless another live run holds one there, aborts the
+:mod:`~tiered_ckpt.tiers.remote.leases`) and, unless another live run holds one there, aborts the
 multipart uploads left open past the orphan age; every process names the local steps a
 crash kept from their commit in the target (mending lost receipts on the way); the steps
 every rank can resume are queued; and the leader removes the target's half-finished steps
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, gather, leader_decides
 from tiered_ckpt.errors import RemoteError
 from tiered_ckpt.tiers.base import Tier
-from tiered_ckpt.tiers.owners import Lease
+from tiered_ckpt.tiers.remote.leases import Lease
 from tiered_ckpt.tiers.store import TieredStore
 
 __all__ = ["resume_steps", "other_runs"]

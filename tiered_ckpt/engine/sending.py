@@ -30,8 +30,8 @@ from tiered_ckpt.format.remote_manifest import RemoteManifest
 from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.tiers import pruning
 from tiered_ckpt.tiers.base import Tier
-from tiered_ckpt.tiers.landed import Landed
-from tiered_ckpt.tiers.owners import Lease
+from tiered_ckpt.tiers.remote.landed import Landed
+from tiered_ckpt.tiers.remote.leases import Lease
 from tiered_ckpt.tiers.store import TieredStore
 
 __all__ = ["HeldStep", "Sender"]

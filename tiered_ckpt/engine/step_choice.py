@@ -33,7 +33,7 @@ from tiered_ckpt.errors import (
     UsageError,
     WorldSizeMismatchError,
 )
-from tiered_ckpt.tiers.peer import PeerTier
+from tiered_ckpt.tiers.peer.tier import PeerTier
 from tiered_ckpt.tiers.store import TieredStore
 
 __all__ = ["AgreedStep", "Disks", "StepChoice", "StepChooser", "StepReport", "same_call"]

@@ -26,12 +26,13 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 
+from tiered_ckpt.engine.background import ErrorBox, ReportedFuture
 from tiered_ckpt.engine.replication_policy import ReplicationPolicy
 from tiered_ckpt.engine.sending import HeldStep
-from tiered_ckpt.errors import CheckpointError, ErrorBox, ReportedFuture, UploadError
+from tiered_ckpt.errors import CheckpointError, UploadError
 from tiered_ckpt.tiers.base import Tier
-from tiered_ckpt.tiers.remote import RemoteTier
-from tiered_ckpt.tiers.requests import Trouble
+from tiered_ckpt.tiers.remote.requests import Trouble
+from tiered_ckpt.tiers.remote.tier import RemoteTier
 from tiered_ckpt.tiers.store import TieredStore
 
 __all__ = ["UploadQueue"]

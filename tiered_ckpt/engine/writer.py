@@ -21,7 +21,7 @@ A save, from the moment its call has been checked on every rank:
    before its commit leaves the older step restorable everywhere. Nor does it delete the
    step being written.
 
-A failure is recorded in the shared :class:`~tiered_ckpt.errors.ErrorBox` as
+A failure is recorded in the shared :class:`~tiered_ckpt.engine.background.ErrorBox` as
 :class:`SaveError` (cause chained), and what the failed save left is removed.
 
 A step the disk's cadence skips (``local.every``) and a partner's memory takes is kept in
@@ -45,11 +45,12 @@ from typing import Any
 
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather
 from tiered_ckpt.dist.replicas import leave_out
+from tiered_ckpt.engine.background import ErrorBox, ReportedFuture
 from tiered_ckpt.engine.replication import Replicator
 from tiered_ckpt.engine.sending import HeldStep
 from tiered_ckpt.engine.shards import ShardBuffer, build_manifest, serialize_shards, write_shards
 from tiered_ckpt.engine.staging import StagingBuffers
-from tiered_ckpt.errors import CheckpointError, ErrorBox, ReportedFuture, SaveError, UploadError
+from tiered_ckpt.errors import CheckpointError, SaveError, UploadError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.format.state import FlatState
 from tiered_ckpt.io.gc_pause import cyclic_gc_paused

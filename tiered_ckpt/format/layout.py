@@ -13,7 +13,7 @@ Pure functions, no I/O. The layout of one checkpoint directory::
 and under a remote URL the same step directories (shards, then ``manifest.json``, the
 remote manifest), ``latest``, a pointer to the newest remote commit, and
 ``owners/<run id>.json``, the lease of each run writing under the URL (see
-:mod:`~tiered_ckpt.tiers.owners`).
+:mod:`~tiered_ckpt.tiers.remote.leases`).
 
 Temp names (``.<final name>.<random hex>.tmp``) are the durable writes' own
 (:func:`~tiered_ckpt.io.durable.temp_name`); no plain name here starts with their dot.

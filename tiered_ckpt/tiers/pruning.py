@@ -22,7 +22,7 @@ from types import MappingProxyType
 
 from tiered_ckpt.errors import IncompleteCheckpointError, ManifestError
 from tiered_ckpt.tiers.base import Tier
-from tiered_ckpt.tiers.owners import live_owners
+from tiered_ckpt.tiers.remote.leases import live_owners
 from tiered_ckpt.tiers.retention import awaiting, protected, retainable
 from tiered_ckpt.tiers.store import TieredStore
 

@@ -50,7 +50,7 @@ from tiered_ckpt.io.hashing import Hasher, ShardDigest, Verify, copy_and_hash, h
 from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.tiers.base import ShardSource, Tier
 from tiered_ckpt.tiers.local import LocalTier
-from tiered_ckpt.tiers.remote import RemoteTier
+from tiered_ckpt.tiers.remote.tier import RemoteTier
 from tiered_ckpt.tiers.retention import RetentionPolicy
 from tiered_ckpt.tiers.shard_parts import ShardIndex, read_verified_parts, shard_index, verified_header
 

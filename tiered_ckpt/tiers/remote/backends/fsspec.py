@@ -19,9 +19,9 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from tiered_ckpt.errors import RemoteError
 from tiered_ckpt.format.manifest import ShardRecord
-from tiered_ckpt.tiers.backends.base import Facts, Head, OpenUpload, Sent
-from tiered_ckpt.tiers.checksums import StoreSums
-from tiered_ckpt.tiers.retry import RetryPolicy
+from tiered_ckpt.tiers.remote.backends.base import Facts, Head, OpenUpload, Sent
+from tiered_ckpt.tiers.remote.checksums import StoreSums
+from tiered_ckpt.tiers.remote.retry import RetryPolicy
 
 __all__ = ["FsspecBackend", "STREAM_BLOCK_BYTES", "seconds_left"]
 

@@ -18,11 +18,11 @@ from typing import Any, ClassVar
 from fsspec.asyn import sync
 
 from tiered_ckpt.format.manifest import ShardRecord
-from tiered_ckpt.tiers.backends.base import SHA256_METADATA_KEY, Facts, Head, OpenUpload, Sent
-from tiered_ckpt.tiers.backends.fsspec import FsspecBackend, seconds_left
-from tiered_ckpt.tiers.backends.multipart import Upload, Window, list_open_uploads
-from tiered_ckpt.tiers.checksums import StoreSums, check_source, hash_for_store
-from tiered_ckpt.tiers.retry import RetryPolicy
+from tiered_ckpt.tiers.remote.backends.base import SHA256_METADATA_KEY, Facts, Head, OpenUpload, Sent
+from tiered_ckpt.tiers.remote.backends.fsspec import FsspecBackend, seconds_left
+from tiered_ckpt.tiers.remote.backends.multipart import Upload, Window, list_open_uploads
+from tiered_ckpt.tiers.remote.checksums import StoreSums, check_source, hash_for_store
+from tiered_ckpt.tiers.remote.retry import RetryPolicy
 
 __all__ = ["DELETE_BATCH", "S3Backend", "same_checksum"]
 
@@ -40,7 +40,7 @@ class S3Backend(FsspecBackend):
     """A bucket (and prefix) on S3 or a store speaking its API, through s3fs.
 
     ``window`` holds how many parts may be in flight at once across this backend's uploads
-    (see :class:`~tiered_ckpt.tiers.backends.multipart.Window`)."""
+    (see :class:`~tiered_ckpt.tiers.remote.backends.multipart.Window`)."""
 
     FACTS: ClassVar[Facts] = Facts(create_only=True, store_checksums=True, keeps_metadata=True)
 

@@ -3,7 +3,7 @@
 A step's objects are under ``step-<12 digits>/`` of the tier's URL (see
 :mod:`~tiered_ckpt.format.layout`), and a step is committed there exactly when its remote
 manifest exists. :class:`BucketListing` is the part of
-:class:`~tiered_ckpt.tiers.remote.RemoteTier` that names those prefixes and lists them,
+:class:`~tiered_ckpt.tiers.remote.tier.RemoteTier` that names those prefixes and lists them,
 each request under the tier's retry policy, tried on its own.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from tiered_ckpt.format.layout import MANIFEST_NAME, parse_step_dir_name, step_dir_name
-from tiered_ckpt.tiers.requests import Requests
+from tiered_ckpt.tiers.remote.requests import Requests
 
 __all__ = ["BucketListing"]
 

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from tiered_ckpt.format.manifest import ShardRecord
-from tiered_ckpt.tiers.backends.base import Backend, Facts, Head, OpenUpload, Sent
-from tiered_ckpt.tiers.checksums import StoreSums
+from tiered_ckpt.tiers.remote.backends.base import Backend, Facts, Head, OpenUpload, Sent
+from tiered_ckpt.tiers.remote.checksums import StoreSums
 
 __all__ = ["Counting", "Wrapper"]
 

@@ -3,7 +3,7 @@ every backend error translated to :class:`~tiered_ckpt.errors.RemoteError`.
 
 An operation is tried at most ``max_tries`` times, with exponential backoff and full
 jitter, and no new try starts once ``max_seconds`` have passed since the first; each
-request times out after ``timeout_seconds`` (see :class:`~tiered_ckpt.tiers.retry.RetryPolicy`).
+request times out after ``timeout_seconds`` (see :class:`~tiered_ckpt.tiers.remote.retry.RetryPolicy`).
 An error leaves as :class:`RemoteError`, its ``transient`` flag set when trying again may
 help (throttling, 5xx, resets, timeouts), ``tries`` counting the tries made, the original
 exception chained; a :class:`~tiered_ckpt.errors.CheckpointError` passes as it is.
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from tiered_ckpt.errors import CheckpointError, RemoteError
-from tiered_ckpt.tiers.retry import RetryPolicy, is_transient
+from tiered_ckpt.tiers.remote.retry import RetryPolicy, is_transient
 
 __all__ = ["LimitedReader", "Requests", "Trouble"]
 

@@ -1,7 +1,7 @@
 """What the object-store tier needs of a store: the :class:`Backend` interface and its facts.
 
 One backend per module (:mod:`.s3`, :mod:`.gcs`, :mod:`.posix`, :mod:`.fsspec`), chosen once
-from the URL's protocol by :func:`~tiered_ckpt.tiers.backends.open_backend`; the tier above
+from the URL's protocol by :func:`~tiered_ckpt.tiers.remote.backends.open_backend`; the tier above
 speaks only these words and never asks which store it is on. Every path a backend takes
 or returns is as its fsspec filesystem names it (``bucket/prefix/...``, no protocol).
 
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol, runtime_checkable
 
 from tiered_ckpt.format.manifest import ShardRecord
-from tiered_ckpt.tiers.checksums import StoreSums
+from tiered_ckpt.tiers.remote.checksums import StoreSums
 
 __all__ = ["Backend", "Facts", "Head", "OpenUpload", "Sent"]
 

@@ -8,7 +8,7 @@ Layout under the URL::
     latest                              the newest committed step (a hint, written after it)
 
 It speaks the tier protocol (:class:`~tiered_ckpt.tiers.base.Tier`) over one
-:class:`~tiered_ckpt.tiers.backends.base.Backend`, chosen from the URL's protocol; what
+:class:`~tiered_ckpt.tiers.remote.backends.base.Backend`, chosen from the URL's protocol; what
 differs between stores is the backend's, and :attr:`RemoteTier.capabilities` says it.
 Committing a step, as :class:`~tiered_ckpt.engine.replication.Replicator` drives it:
 
@@ -17,7 +17,7 @@ Committing a step, as :class:`~tiered_ckpt.engine.replication.Replicator` drives
    the record, and the checksums the store computed of what it received must match what
    was sent, so a shard is never taken as uploaded on the PUT's word alone. A shard
    already there intact is not sent again. With ``compression="zstd"`` what is put is the
-   shard as independent zstd frames (:mod:`~tiered_ckpt.tiers.compression`), and every
+   shard as independent zstd frames (:mod:`~tiered_ckpt.tiers.remote.compression`), and every
    read goes by what the step's remote manifest records of it, whatever the option;
 2. :meth:`RemoteTier.confirm_shard` checks each object once more, right before
 3. :meth:`RemoteTier.commit` writes the remote manifest (with the store's checksums of the
@@ -26,7 +26,7 @@ Committing a step, as :class:`~tiered_ckpt.engine.replication.Replicator` drives
 
 **One retry policy** (:class:`RetryPolicy`) covers every request this tier makes, reads
 included, and every backend error leaves this module as :class:`RemoteError` (see
-:mod:`~tiered_ckpt.tiers.requests`); the clients' own retry loops are turned off where
+:mod:`~tiered_ckpt.tiers.remote.requests`); the clients' own retry loops are turned off where
 they have a switch. Storage options (credentials) are never put in messages or reprs.
 """
 
@@ -58,18 +58,18 @@ from tiered_ckpt.format.manifest import MAX_MANIFEST_BYTES, ShardManifest, Shard
 from tiered_ckpt.format.remote_manifest import RemoteManifest
 from tiered_ckpt.io.hashing import ShardDigest, Verify, fill_hashing, hash_stream
 from tiered_ckpt.io.zstd_frames import FrameCache, FramesReader, read_range_into
-from tiered_ckpt.tiers.backends import open_backend
-from tiered_ckpt.tiers.backends.base import Backend
-from tiered_ckpt.tiers.backends.s3 import same_checksum
-from tiered_ckpt.tiers.backends.wrappers import Counting
 from tiered_ckpt.tiers.base import Capabilities, ShardSource
-from tiered_ckpt.tiers.bucket_listing import BucketListing
-from tiered_ckpt.tiers.bucket_upkeep import BucketUpkeep
-from tiered_ckpt.tiers.checksums import StoreSums
-from tiered_ckpt.tiers.compression import Compression, check_compression, compressed_copy, object_name
-from tiered_ckpt.tiers.landed import Landed, LandedShards
-from tiered_ckpt.tiers.requests import LimitedReader, Requests, Trouble
-from tiered_ckpt.tiers.retry import RetryPolicy, is_transient
+from tiered_ckpt.tiers.remote.backends import open_backend
+from tiered_ckpt.tiers.remote.backends.base import Backend
+from tiered_ckpt.tiers.remote.backends.s3 import same_checksum
+from tiered_ckpt.tiers.remote.backends.wrappers import Counting
+from tiered_ckpt.tiers.remote.checksums import StoreSums
+from tiered_ckpt.tiers.remote.compression import Compression, check_compression, compressed_copy, object_name
+from tiered_ckpt.tiers.remote.landed import Landed, LandedShards
+from tiered_ckpt.tiers.remote.listing import BucketListing
+from tiered_ckpt.tiers.remote.requests import LimitedReader, Requests, Trouble
+from tiered_ckpt.tiers.remote.retry import RetryPolicy, is_transient
+from tiered_ckpt.tiers.remote.upkeep import BucketUpkeep
 
 __all__ = ["RemoteTier", "RetryPolicy", "is_transient"]
 
@@ -88,7 +88,7 @@ class RemoteTier(BucketListing, BucketUpkeep):
 
     Every public method makes its requests under ``retry`` (see :class:`RetryPolicy`).
     :attr:`backend` is the store: the URL's backend, given to ``wrap`` if given (a wrapper of
-    :mod:`~tiered_ckpt.tiers.backends.wrappers`), in a ``Counting`` wrapper (uploads' requests).
+    :mod:`~tiered_ckpt.tiers.remote.backends.wrappers`), in a ``Counting`` wrapper (uploads' requests).
     """
 
     name = "remote"
@@ -133,7 +133,7 @@ class RemoteTier(BucketListing, BucketUpkeep):
 
     def trouble(self) -> Trouble | None:
         """Whether the store is failing now: its tries that failed for a transient reason since it
-        last answered one (see :meth:`~tiered_ckpt.tiers.requests.Requests.trouble`; None: it answers)."""
+        last answered one (see :meth:`~tiered_ckpt.tiers.remote.requests.Requests.trouble`; None: it answers)."""
         return self._requests.trouble()
 
     # -- names and plumbing -----------------------------------------------------------------
@@ -203,7 +203,7 @@ class RemoteTier(BucketListing, BucketUpkeep):
         record is never read whole; where the store tells the object's size on opening it
         (S3, GCS), a size other than the record's raises before ``consume`` is called:
         :class:`IncompleteCheckpointError` if shorter, :class:`ChecksumMismatchError` if longer.
-        A compressed object (see :mod:`~tiered_ckpt.tiers.compression`) streams decompressed, a
+        A compressed object (see :mod:`~tiered_ckpt.tiers.remote.compression`) streams decompressed, a
         frame at a time; its sizes are then the compressed object's, as its remote manifest records.
         """
         stored = self._stored(step, record, read=True)

@@ -52,8 +52,8 @@ from typing import Any, Literal
 
 from tiered_ckpt.errors import CheckpointError, ManifestError, RemoteError, RemoteInUseError, invalid_option
 from tiered_ckpt.format.bounds import MAX_SECONDS, check_number
-from tiered_ckpt.tiers.bucket_upkeep import MAX_OWNER_BYTES
-from tiered_ckpt.tiers.remote import RemoteTier
+from tiered_ckpt.tiers.remote.tier import RemoteTier
+from tiered_ckpt.tiers.remote.upkeep import MAX_OWNER_BYTES
 
 __all__ = ["OwnershipPolicy", "OwnerRecord", "Lease", "OtherOwners", "live_owners", "OWNER_KIND"]
 

@@ -15,8 +15,8 @@ from typing import ClassVar
 from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.io.durable import atomic_write, write_bytes
 from tiered_ckpt.io.hashing import copy_and_hash
-from tiered_ckpt.tiers.backends.base import Facts, Sent
-from tiered_ckpt.tiers.backends.fsspec import FsspecBackend
+from tiered_ckpt.tiers.remote.backends.base import Facts, Sent
+from tiered_ckpt.tiers.remote.backends.fsspec import FsspecBackend
 
 __all__ = ["PosixBackend"]
 

@@ -3,7 +3,7 @@
 :func:`open_backend` maps the URL's protocol to the backend module that knows its store
 (``s3``, ``gs``, ``az``, a file system); fsspec's own registry (``url_to_fs``) decides the
 filesystem, and any protocol without a module of ours gets the generic
-:class:`~tiered_ckpt.tiers.backends.fsspec.FsspecBackend`.
+:class:`~tiered_ckpt.tiers.remote.backends.fsspec.FsspecBackend`.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from tiered_ckpt.errors import RemoteError
-from tiered_ckpt.tiers.backends.azure import AzureBackend
-from tiered_ckpt.tiers.backends.base import Backend
-from tiered_ckpt.tiers.backends.fsspec import FsspecBackend
-from tiered_ckpt.tiers.backends.gcs import GcsBackend
-from tiered_ckpt.tiers.backends.posix import PosixBackend
-from tiered_ckpt.tiers.backends.s3 import S3Backend
-from tiered_ckpt.tiers.retry import RetryPolicy, is_transient
+from tiered_ckpt.tiers.remote.backends.azure import AzureBackend
+from tiered_ckpt.tiers.remote.backends.base import Backend
+from tiered_ckpt.tiers.remote.backends.fsspec import FsspecBackend
+from tiered_ckpt.tiers.remote.backends.gcs import GcsBackend
+from tiered_ckpt.tiers.remote.backends.posix import PosixBackend
+from tiered_ckpt.tiers.remote.backends.s3 import S3Backend
+from tiered_ckpt.tiers.remote.retry import RetryPolicy, is_transient
 
 __all__ = ["open_backend"]
 

@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from tiered_ckpt.format.manifest import ShardRecord
-from tiered_ckpt.tiers.backends.base import SHA256_METADATA_KEY, Facts, Head, Sent
-from tiered_ckpt.tiers.backends.fsspec import FsspecBackend, seconds_left
-from tiered_ckpt.tiers.backends.s3 import same_checksum
-from tiered_ckpt.tiers.checksums import StoreSums, hash_for_store
-from tiered_ckpt.tiers.retry import RetryPolicy
+from tiered_ckpt.tiers.remote.backends.base import SHA256_METADATA_KEY, Facts, Head, Sent
+from tiered_ckpt.tiers.remote.backends.fsspec import FsspecBackend, seconds_left
+from tiered_ckpt.tiers.remote.backends.s3 import same_checksum
+from tiered_ckpt.tiers.remote.checksums import StoreSums, hash_for_store
+from tiered_ckpt.tiers.remote.retry import RetryPolicy
 
 __all__ = ["GcsBackend"]
 

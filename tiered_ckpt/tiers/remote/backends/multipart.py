@@ -20,7 +20,7 @@ same s3fs instance (its credentials, endpoint and session), without those five l
 4. once every part is sent and ``verify_source`` passed, ``CompleteMultipartUpload`` with
    every part's checksum; on any failure, cancellation included, ``AbortMultipartUpload``.
 
-The checksums the store will hold (:class:`~tiered_ckpt.tiers.checksums.StoreSums`: the one
+The checksums the store will hold (:class:`~tiered_ckpt.tiers.remote.checksums.StoreSums`: the one
 request's MD5 ETag, the parts' CRC32C) come out in :attr:`UploadStats.sums`, computed from
 the bytes as they were sent: hashing rides along with the sending instead of a pass
 over the file before it.
@@ -42,7 +42,7 @@ from typing import Any
 
 from tiered_ckpt.errors import RemoteError
 from tiered_ckpt.io.hashing import part_crc32c
-from tiered_ckpt.tiers.checksums import StoreSums
+from tiered_ckpt.tiers.remote.checksums import StoreSums
 
 __all__ = ["Window", "UploadStats", "Upload", "is_throttle", "list_open_uploads"]
 

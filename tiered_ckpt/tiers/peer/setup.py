@@ -2,7 +2,7 @@
 
 :func:`open_peer_tier`, on every process at once:
 
-1. each process names its node (:func:`~tiered_ckpt.dist.partners.node_of`) and checks its
+1. each process names its node (:func:`~tiered_ckpt.tiers.peer.partners.node_of`) and checks its
    memory folder against ``peer.max_bytes``; the names and any refusal are gathered (one
    collective: a refusal on one rank fails every rank, naming it);
 2. partners are chosen from the nodes; with one node, or without one process per rank
@@ -22,14 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather
-from tiered_ckpt.dist.partners import choose_partners, node_of
-from tiered_ckpt.dist.peer_link import PeerLink
-from tiered_ckpt.engine.replication import ReplicationPolicy
 from tiered_ckpt.errors import invalid_option
-from tiered_ckpt.tiers.peer import PeerTier
-from tiered_ckpt.tiers.peer_memory import PeerMemory
+from tiered_ckpt.tiers.peer.link import PeerLink
+from tiered_ckpt.tiers.peer.memory import PeerMemory
+from tiered_ckpt.tiers.peer.partners import choose_partners, node_of
+from tiered_ckpt.tiers.peer.tier import PeerTier
 
-__all__ = ["MEMORY_ID", "memory_folder", "open_peer_tier", "peer_policy"]
+__all__ = ["MEMORY_ID", "memory_folder", "open_peer_tier"]
 
 MEMORY_ID = "peer-memory-id"  # in the local directory: names its folder of copies
 _ID = re.compile(r"[0-9a-f]{32}")
@@ -43,13 +42,6 @@ class _Node:
     """The node one process runs on."""
 
     name: str
-
-
-def peer_policy(every: int) -> ReplicationPolicy:
-    """How the peer tier's replicator sends steps: one shard per process at a time, every
-    ``every``-th step, each failure logged rather than raised (never retried: the next step's
-    copy is the retry), no deadline beyond the link's timeout."""
-    return ReplicationPolicy(concurrency=1, max_pending=2, deadline_seconds=None, every=every, best_effort=True)
 
 
 def memory_folder(memory_dir: Path, local_dir: Path) -> Path:

@@ -9,7 +9,7 @@ bytes it received, so bytes changed in transit are never confirmed:
   them;
 - GCS: ``md5Hash``, and the ``crc32c`` it computes itself;
 - Azure: the blob's ``Content-MD5``, which Blob Storage computes of a blob put in one request
-  (a blob of several blocks: see :mod:`~tiered_ckpt.tiers.backends.azure`).
+  (a blob of several blocks: see :mod:`~tiered_ckpt.tiers.remote.backends.azure`).
 
 The S3 CRC32C / GCS crc32c (Azure: the Content-MD5) is also what the remote manifest records
 per object, so that ``tiered-ckpt verify --remote`` checks objects without downloading them. CRC32C rather

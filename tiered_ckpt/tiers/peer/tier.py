@@ -1,11 +1,11 @@
 """The peer tier: each rank's committed shards also held in the memory of a partner rank on another node.
 
 A :class:`PeerTier` is one process's side of it, with one process per rank: it sends this
-rank's shards to its partner (chosen by :func:`~tiered_ckpt.dist.partners.choose_partners`)
-and holds its wards' shards in a :class:`~tiered_ckpt.tiers.peer_memory.PeerMemory`. Copies
-travel over :class:`~tiered_ckpt.dist.peer_link.PeerLink` s of its own, one for saves (the
+rank's shards to its partner (chosen by :func:`~tiered_ckpt.tiers.peer.partners.choose_partners`)
+and holds its wards' shards in a :class:`~tiered_ckpt.tiers.peer.memory.PeerMemory`. Copies
+travel over :class:`~tiered_ckpt.tiers.peer.link.PeerLink` s of its own, one for saves (the
 replicator's thread), one for restores (the caller's), in the rounds of
-:mod:`~tiered_ckpt.tiers.peer_copy`.
+:mod:`~tiered_ckpt.tiers.peer.copies`.
 
 A save's copy happens in :meth:`PeerTier.land_shard`, which every process calls for its own
 rank at once (the replicator's processes work on the same step together); only a copy
@@ -18,7 +18,7 @@ partner's memory -> bucket): the store lands them on disk only if they verify.
 A partner that died, hangs or sent bytes that do not verify fails only the copy (a
 :class:`~tiered_ckpt.PeerError`): the replicator logs it and the step is not in this
 tier; a link that timed out stays broken for the run (see
-:class:`~tiered_ckpt.dist.peer_link.PeerLink`).
+:class:`~tiered_ckpt.tiers.peer.link.PeerLink`).
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ from typing import BinaryIO, TypeVar
 
 import numpy as np
 
-from tiered_ckpt.dist.partners import Partners
-from tiered_ckpt.dist.peer_link import PeerLink
 from tiered_ckpt.errors import CheckpointError, IncompleteCheckpointError, ManifestError, PeerError, UsageError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.io.hashing import Verify
 from tiered_ckpt.tiers.base import Capabilities, ShardSource
-from tiered_ckpt.tiers.peer_copy import Transfer, copy_step, fetch
-from tiered_ckpt.tiers.peer_memory import PeerMemory, sha256_of
+from tiered_ckpt.tiers.peer.copies import Transfer, copy_step, fetch
+from tiered_ckpt.tiers.peer.link import PeerLink
+from tiered_ckpt.tiers.peer.memory import PeerMemory, sha256_of
+from tiered_ckpt.tiers.peer.partners import Partners
 
 __all__ = ["PeerTier"]
 

@@ -1,9 +1,9 @@
 """The remote tier's words for what a bucket holds beside its steps: owner records and open uploads.
 
 A run holds its URL by an owner record (``owners/<run id>.json``, see
-:mod:`~tiered_ckpt.tiers.owners`), and an upload that failed or was killed may leave a
+:mod:`~tiered_ckpt.tiers.remote.leases`), and an upload that failed or was killed may leave a
 multipart upload open under it. :class:`BucketUpkeep` is the part of
-:class:`~tiered_ckpt.tiers.remote.RemoteTier` that reads, writes and removes those, each
+:class:`~tiered_ckpt.tiers.remote.tier.RemoteTier` that reads, writes and removes those, each
 request under the tier's retry policy, every key named exactly.
 """
 
@@ -15,7 +15,7 @@ from functools import partial
 from typing import Any
 
 from tiered_ckpt.format.layout import OWNERS_DIR, owner_name, parse_owner_name, parse_step_dir_name
-from tiered_ckpt.tiers.requests import Requests
+from tiered_ckpt.tiers.remote.requests import Requests
 
 __all__ = ["BucketUpkeep", "MAX_OWNER_BYTES"]
 
@@ -41,7 +41,7 @@ class BucketUpkeep:
         the clock's); return their URLs.
 
         The caller makes sure no live run is uploading under the URL (see
-        :mod:`~tiered_ckpt.tiers.owners`): an open upload does not say which run started it.
+        :mod:`~tiered_ckpt.tiers.remote.leases`): an open upload does not say which run started it.
         Only uploads of this library's objects (``step-*/...`` under the URL) are touched;
         a store that lists no unfinished uploads (see its backend) has none to abort.
         """
@@ -63,7 +63,7 @@ class BucketUpkeep:
             aborted.append(location)
         return aborted
 
-    # -- owner records (see tiered_ckpt.tiers.owners) -----------------------------------------
+    # -- owner records (see tiered_ckpt.tiers.remote.leases) -----------------------------------------
 
     def owner_location(self, run_id: str) -> str:
         """The URL of run ``run_id``'s owner record, for messages."""

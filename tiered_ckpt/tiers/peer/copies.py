@@ -1,4 +1,4 @@
-"""The peer tier's two exchanges over a :class:`~tiered_ckpt.dist.peer_link.PeerLink`.
+"""The peer tier's two exchanges over a :class:`~tiered_ckpt.tiers.peer.link.PeerLink`.
 
 :func:`copy_step`, a save's copy, which every process runs at once for its own rank, in
 four rounds, each rank playing both parts (sender to its partner, holder of its wards):
@@ -29,11 +29,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tiered_ckpt.dist.peer_link import PeerLink
 from tiered_ckpt.errors import MemoryBudgetError, PeerError
 from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.io.fresh_memory import new_array
-from tiered_ckpt.tiers.peer_memory import PeerMemory, Slot, sha256_of
+from tiered_ckpt.tiers.peer.link import PeerLink
+from tiered_ckpt.tiers.peer.memory import PeerMemory, Slot, sha256_of
 
 __all__ = ["Transfer", "copy_step", "fetch"]
 

@@ -49,11 +49,11 @@ from fsspec.asyn import sync
 
 from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.io.hashing import ShardDigest
-from tiered_ckpt.tiers.backends.base import SHA256_METADATA_KEY, Facts, Head, Sent
-from tiered_ckpt.tiers.backends.fsspec import FsspecBackend, seconds_left
-from tiered_ckpt.tiers.backends.multipart import Window
-from tiered_ckpt.tiers.checksums import StoreSums, hash_for_store
-from tiered_ckpt.tiers.retry import RetryPolicy
+from tiered_ckpt.tiers.remote.backends.base import SHA256_METADATA_KEY, Facts, Head, Sent
+from tiered_ckpt.tiers.remote.backends.fsspec import FsspecBackend, seconds_left
+from tiered_ckpt.tiers.remote.backends.multipart import Window
+from tiered_ckpt.tiers.remote.checksums import StoreSums, hash_for_store
+from tiered_ckpt.tiers.remote.retry import RetryPolicy
 
 __all__ = ["AzureBackend", "MAX_PUT_BLOB_BYTES", "content_md5"]
 

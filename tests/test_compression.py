@@ -22,9 +22,10 @@ from tiered_ckpt import (
     save_sharded,
 )
 from tiered_ckpt.format.layout import MANIFEST_NAME, step_dir_name
-from tiered_ckpt.tiers import compression, survey
+from tiered_ckpt.tiers import survey
 from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt.tiers.local import LocalTier
+from tiered_ckpt.tiers.remote import compression
 from tiered_ckpt.tiers.remote.backends.wrappers import Wrapper
 from tiered_ckpt.tiers.remote.tier import RemoteTier, RetryPolicy
 from tiered_ckpt.tiers.store import TieredStore

@@ -18,12 +18,12 @@ from tiered_ckpt.tiers.remote.backends.s3 import S3Backend, same_checksum
 from tiered_ckpt.tiers.remote.backends.wrappers import Counting, Wrapper
 from tiered_ckpt.tiers.remote.tier import RemoteTier, RetryPolicy
 
-EXPECTED = {  # protocol fixture -> (backend, store checksums, bucket's scheme)
-    "memory": (FsspecBackend, False, None),
-    "file": (PosixBackend, False, None),
-    "s3": (S3Backend, True, "s3"),
-    "gcs": (GcsBackend, True, "gs"),
-    "azure": (AzureBackend, True, "az"),
+EXPECTED = {  # protocol fixture -> (backend, create-only commits, store checksums, bucket's scheme)
+    "memory": (FsspecBackend, True, False, None),
+    "file": (PosixBackend, True, False, None),
+    "s3": (S3Backend, True, True, "s3"),
+    "gcs": (GcsBackend, True, True, "gs"),
+    "azure": (AzureBackend, True, True, "az"),
 }
 
 
@@ -37,13 +37,14 @@ def shard(tmp_path, size=300_000, step=4):
 def test_each_protocol_gets_its_backend_and_the_tier_says_what_it_can_do(store, request):
     url, options = request.getfixturevalue(f"{store}_url")
     tier = RemoteTier(url, options)
-    kind, checksums, scheme = EXPECTED[store]
+    kind, create_only, checksums, scheme = EXPECTED[store]
     assert isinstance(tier, Tier) and isinstance(tier.backend, Backend) and type(tier.backend.inner) is kind
     assert tier.name == "remote"
     assert tier.capabilities == Capabilities(
-        durable=True, shared=True, create_only_commit=True, store_checksums=checksums, ranged_reads=True
+        durable=True, shared=True, create_only_commit=create_only, store_checksums=checksums, ranged_reads=True
     )
-    bucket = tier.backend.facts.bucket
+    assert tier.capabilities is tier.backend.capabilities and tier.backend.keeps_metadata is checksums
+    bucket = tier.backend.bucket
     assert bucket == (None if scheme is None else f"{scheme}://{url.split('://')[1].split('/')[0]}")
     tier.check_bucket()  # exists (or there is none to check)
 

@@ -12,14 +12,15 @@ import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, BinaryIO, ClassVar
+from typing import Any, BinaryIO
 
 from fsspec.core import url_to_fs
 from fsspec.implementations.memory import MemoryFileSystem
 
 from tiered_ckpt.errors import RemoteError
 from tiered_ckpt.format.manifest import ShardRecord
-from tiered_ckpt.tiers.remote.backends.base import Facts, Head, OpenUpload, Sent
+from tiered_ckpt.tiers.base import Capabilities
+from tiered_ckpt.tiers.remote.backends.base import Head, OpenUpload, Sent
 from tiered_ckpt.tiers.remote.checksums import StoreSums
 from tiered_ckpt.tiers.remote.retry import RetryPolicy
 
@@ -29,14 +30,22 @@ STREAM_BLOCK_BYTES = 16 << 20
 
 
 class FsspecBackend:
-    """A store reached through the fsspec filesystem ``fs``, its objects under ``root``."""
+    """A store reached through the fsspec filesystem ``fs``, its objects under ``root``.
 
-    FACTS: ClassVar[Facts] = Facts(create_only=True, store_checksums=False, keeps_metadata=False)
+    A subclass states what its store does in the class attributes: ``capabilities``,
+    ``keeps_metadata`` and ``BUCKET_SCHEME`` (the scheme of :attr:`bucket`; None: no bucket)."""
+
+    capabilities = Capabilities(
+        durable=True, shared=True, create_only_commit=True, store_checksums=False, ranged_reads=True
+    )
+    keeps_metadata = False
+    BUCKET_SCHEME: str | None = None
 
     def __init__(self, url: str, fs: Any, root: str, *, retry: RetryPolicy, part_bytes: int, part_concurrency: int):
         self.url, self.fs, self.root = url, fs, root.rstrip("/")
         self.part_bytes = part_bytes
-        self.facts = self.FACTS
+        scheme = self.BUCKET_SCHEME
+        self.bucket = None if scheme is None else f"{scheme}://{self.root.partition('/')[0]}"
 
     @classmethod
     def client_options(cls, options: Mapping[str, Any], retry: RetryPolicy) -> dict[str, Any]:

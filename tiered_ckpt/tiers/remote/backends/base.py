@@ -72,7 +72,8 @@ class Backend(Protocol):
     capabilities: Capabilities
     """What a tier over this store can do, in the tiers' own words (the object-store tier's
     :attr:`~tiered_ckpt.tiers.base.Tier.capabilities` is this): durable and shared, as a bucket
-    is."""
+    is; ``create_only_commit`` only where :meth:`put_bytes` creates atomically (a conditional
+    request, a link), never by a check before the write."""
     keeps_metadata: bool
     """The sha256 sent with a shard is stored with it and told by :meth:`head`."""
     bucket: str | None
@@ -91,7 +92,8 @@ class Backend(Protocol):
         ...
 
     def put_bytes(self, path: str, data: bytes, *, create_only: bool = False, timeout: float | None = None) -> None:
-        """Write a small object whole; ``create_only`` raises FileExistsError if it exists."""
+        """Write a small object whole; ``create_only`` raises FileExistsError if it exists (atomically
+        where ``capabilities.create_only_commit``; otherwise by a check before the write)."""
         ...
 
     def head(self, path: str, *, timeout: float | None = None) -> Head:

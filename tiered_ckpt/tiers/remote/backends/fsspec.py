@@ -4,6 +4,17 @@ The other backends build on :class:`FsspecBackend` and change what their store d
 differently. Every list and delete names exact paths: fsspec's ``rm(recursive=True)``,
 ``glob`` and ``expand_path`` treat ``[]``, ``*`` and ``?`` as patterns and are never called,
 so a URL such as ``s3://b/sweep[12]`` is as good as any.
+
+A small object written create-only goes through fsspec's ``pipe_file(mode="create")``: a
+conditional request where the filesystem sends one (s3fs: ``If-None-Match: *``; gcsfs:
+``ifGenerationMatch=0``), but in fsspec's own implementation, which every other filesystem
+inherits, a check for the object and then a write, which two writers can both pass. So this
+backend claims no create-only commits (``capabilities.create_only_commit`` is False); those
+whose store refuses a second create atomically (S3, GCS, Azure, POSIX) claim them. Here a
+second commit of a committed step is still refused (the check sees the first); two commits
+racing between check and write take two live runs committing one step under one prefix,
+which the run leases report (:mod:`~tiered_ckpt.tiers.remote.leases`; ``other_owners="refuse"``
+keeps the second run from starting).
 """
 
 from __future__ import annotations
@@ -36,7 +47,7 @@ class FsspecBackend:
     ``keeps_metadata`` and ``BUCKET_SCHEME`` (the scheme of :attr:`bucket`; None: no bucket)."""
 
     capabilities = Capabilities(
-        durable=True, shared=True, create_only_commit=True, store_checksums=False, ranged_reads=True
+        durable=True, shared=True, create_only_commit=False, store_checksums=False, ranged_reads=True
     )
     keeps_metadata = False
     BUCKET_SCHEME: str | None = None

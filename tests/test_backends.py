@@ -4,6 +4,7 @@ wrappers around them."""
 
 import numpy as np
 import pytest
+from tier_contract import manifest_of, shard_bytes, writing
 
 from tiered_ckpt import RemoteError, save_sharded
 from tiered_ckpt.format.layout import step_dir_name
@@ -18,12 +19,12 @@ from tiered_ckpt.tiers.remote.backends.s3 import S3Backend, same_checksum
 from tiered_ckpt.tiers.remote.backends.wrappers import Counting, Wrapper
 from tiered_ckpt.tiers.remote.tier import RemoteTier, RetryPolicy
 
-EXPECTED = {  # protocol fixture -> (backend, store checksums, bucket's scheme)
-    "memory": (FsspecBackend, False, None),
-    "file": (PosixBackend, False, None),
-    "s3": (S3Backend, True, "s3"),
-    "gcs": (GcsBackend, True, "gs"),
-    "azure": (AzureBackend, True, "az"),
+EXPECTED = {  # protocol fixture -> (backend, atomic create-only commits, store checksums, bucket's scheme)
+    "memory": (FsspecBackend, False, False, None),
+    "file": (PosixBackend, True, False, None),
+    "s3": (S3Backend, True, True, "s3"),
+    "gcs": (GcsBackend, True, True, "gs"),
+    "azure": (AzureBackend, True, True, "az"),
 }
 
 
@@ -37,13 +38,14 @@ def shard(tmp_path, size=300_000, step=4):
 def test_each_protocol_gets_its_backend_and_the_tier_says_what_it_can_do(store, request):
     url, options = request.getfixturevalue(f"{store}_url")
     tier = RemoteTier(url, options)
-    kind, checksums, scheme = EXPECTED[store]
+    kind, create_only, checksums, scheme = EXPECTED[store]
     assert isinstance(tier, Tier) and isinstance(tier.backend, Backend) and type(tier.backend.inner) is kind
     assert tier.name == "remote"
     assert tier.capabilities == Capabilities(
-        durable=True, shared=True, create_only_commit=True, store_checksums=checksums, ranged_reads=True
+        durable=True, shared=True, create_only_commit=create_only, store_checksums=checksums, ranged_reads=True
     )
-    bucket = tier.backend.facts.bucket
+    assert tier.capabilities is tier.backend.capabilities and tier.backend.keeps_metadata is checksums
+    bucket = tier.backend.bucket
     assert bucket == (None if scheme is None else f"{scheme}://{url.split('://')[1].split('/')[0]}")
     tier.check_bucket()  # exists (or there is none to check)
 
@@ -137,6 +139,42 @@ def test_a_file_system_writes_small_objects_create_only_and_deletes_a_step_whole
     assert backend.read(path) == b"first" and backend.find(f"{backend.root}/{step_dir_name(1)}") == [path]
     backend.delete_prefix(f"{backend.root}/{step_dir_name(1)}")
     assert not backend.exists(path) and backend.list_names(backend.root) == []
+
+
+def test_the_generic_backend_claims_no_create_only_commit_as_fsspec_checks_then_writes(memory_url):
+    url, options = memory_url
+    backend = open_backend(url, options, retry=RetryPolicy(), part_bytes=1 << 20, part_concurrency=1)
+    assert type(backend) is FsspecBackend and not backend.capabilities.create_only_commit
+    path = f"{backend.root}/{step_dir_name(3)}/manifest.json"
+    checked, answers = backend.fs.exists, []
+
+    def checked_before_another_writer_lands(name):  # its create lands after the checks, before the write
+        if not answers:
+            answers.append(checked(name))
+            backend.fs.pipe_file(path, b"the other writer's commit")
+        return answers[0]
+
+    backend.fs.exists = checked_before_another_writer_lands
+    backend.put_bytes(path, b"this commit", create_only=True)  # no FileExistsError: it replaced the other
+    del backend.fs.exists
+    assert answers == [False] and backend.read(path) == b"this commit"
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_the_generic_backend_still_refuses_a_second_commit_of_a_committed_step(memory_url, compression):
+    # What guards it instead of an atomic create: fsspec's check before the write (and the run
+    # leases, which report, or with other_owners="refuse" refuse, a second live run on the URL).
+    tier = RemoteTier(*memory_url, retry=RetryPolicy(max_tries=2, backoff_seconds=0), compression=compression)
+    first = manifest_of(6)
+    for record in first.shards:
+        tier.land_shard(6, record, writing(shard_bytes(6, record.rank)))
+    tier.commit(first)
+    other = manifest_of(6, [b"other" * 100, b"bytes" * 100])
+    for record, data in zip(other.shards, (b"other" * 100, b"bytes" * 100), strict=True):
+        tier.land_shard(6, record, writing(data))
+    with pytest.raises(RemoteError, match="a different checkpoint of step 6 is already committed"):
+        tier.commit(other)
+    assert tier.manifest(6).shards == first.shards
 
 
 def test_memory_forgets_the_directories_of_a_deleted_step(memory_url):

@@ -62,7 +62,7 @@ def test_a_dtensor_that_is_not_one_box_is_refused_naming_its_path(mesh):
         local_chunk(strided, "w")
 
 
-def test_a_replicated_dtensor_is_shared_and_a_sharded_one_is_not(mesh):
+def test_a_replicated_dtensor_is_replicated_and_a_sharded_one_is_not(mesh):
     import torch
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -72,7 +72,7 @@ def test_a_replicated_dtensor_is_shared_and_a_sharded_one_is_not(mesh):
         "s": DTensor.from_local(local.clone(), mesh, [Shard(0)], run_check=False),
     }
     flat = flatten(state)
-    assert flat.shared == frozenset({"r"})
+    assert flat.replicated == frozenset({"r"})
     assert flat.structure.chunks["s"].global_shape == (2, 2, 2)  # complex: its float pairs
 
 

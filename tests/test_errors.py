@@ -64,7 +64,39 @@ def test_a_background_error_carries_its_step():
     assert (upload.step, upload.tries, upload.transient) == (4, 2, True)
 
 
+RETRYABLE = {
+    errors.RemoteError,
+    errors.RemoteInUseError,
+    errors.PeerError,
+    errors.MemoryBudgetError,
+    errors.UploadError,
+}
+
+
+def test_the_errors_another_try_may_cure_are_retryable_and_declare_its_fields_once():
+    assert {kind for kind in errors.TREE.values() if issubclass(kind, errors.Retryable)} == RETRYABLE
+    assert tiered_ckpt.Retryable is errors.Retryable and errors.Retryable not in errors.TREE.values()
+    for kind in errors.TREE.values():  # one declaration of each field: the mixin's
+        assert not {"transient", "tries"} & set(vars(kind).get("__annotations__", {}))
+    remote, peer = errors.RemoteError("x", transient=True), errors.PeerError("y", transient=False)
+    assert (remote.transient, remote.tries, peer.transient, peer.tries) == (True, 1, False, 1)
+    assert errors.as_upload_error(5, remote).tries == 1 and errors.as_upload_error(5, peer, tries=3).tries == 3
+
+
 PACKAGE = Path(tiered_ckpt.__file__).parent
+
+
+def test_no_module_probes_an_error_for_its_retry_fields():
+    probe = re.compile(r"getattr\([^)]*[\"'](transient|tries)[\"']")
+    found = [
+        f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if probe.search(line)
+    ]
+    assert not found, "\n".join(found)
+
+
 # Internal parsers whose callers turn their ValueError into an error of the tree, and checks of
 # the library's own bugs (a call site returning the wrong type), which no caller should catch.
 # (The io layer raises OSError as the OS does; the tiers turn it into an error of the tree.)

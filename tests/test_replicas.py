@@ -43,12 +43,12 @@ def records(directory) -> dict[int, dict]:
 
 def test_only_plain_arrays_of_a_state_of_chunks_are_offered_and_equal_bytes_fingerprint_alike():
     flat = [flatten(state) for state in chunked_states()]
-    assert flat[0].shared == {"table", "seed"}
-    assert flatten({"a": np.zeros(3)}).shared == frozenset()  # no chunks: nothing is shared
+    assert flat[0].replicated == {"table", "seed"}
+    assert flatten({"a": np.zeros(3)}).replicated == frozenset()  # no chunks: nothing is replicated
     offers = offer(flat, [0, 1, 2])
     prints = {(rank, name): fingerprint for rank, name, fingerprint, _size in offers.arrays}
     assert prints[(0, "table")] == prints[(2, "table")] and prints[(0, "seed")] != prints[(1, "seed")]
-    assert dict(offers.unshared_bytes) == {rank: 4 * 5 * 4 for rank in range(3)}
+    assert dict(offers.own_bytes) == {rank: 4 * 5 * 4 for rank in range(3)}
 
 
 def test_assign_gives_each_group_one_writer_balancing_bytes_and_is_the_same_for_any_order():
@@ -115,11 +115,11 @@ def test_the_manager_writes_replicas_once_and_restores_them_locally_and_from_the
     [
         ([["table", 1]], "is not another rank"),  # itself
         ([["table", 7]], "is not another rank"),
-        ([["nothing", 0]], "does not hold"),
+        ([["nothing", 0]], "does not store"),
         ([["table", 0], ["table", 0]], "listed twice"),
-        ([["seed", 0]], "also held by this shard"),
-        ([["table"]], "expected \\[array name, holder rank\\]"),
-        ([["table", "0"]], "expected \\[array name, holder rank\\]"),
+        ([["seed", 0]], "also stored in this shard"),
+        ([["table"]], "expected \\[array name, writer rank\\]"),
+        ([["table", "0"]], "expected \\[array name, writer rank\\]"),
         ("table", "expected a list"),
     ],
 )
@@ -184,7 +184,7 @@ def test_a_manifest_naming_a_replica_its_holders_shard_does_not_hold_is_a_manife
     save_sharded(states, tmp_path / "ckpt", step=5)
     misled = _lie_about_a_holder(tmp_path / "ckpt")
     shard = tmp_path / "ckpt" / "rank-00000-of-00003.safetensors"
-    problem = f"rank {misled}'s record lists 'table' as held by rank 0, but rank 0's shard {shard} does not hold it"
+    problem = f"rank {misled}'s record lists 'table' as written by rank 0, but rank 0's shard {shard} does not store it"
     with pytest.raises(ManifestError) as raised:
         load_sharded(tmp_path / "ckpt", expected_world_size=3)
     assert problem in str(raised.value)
@@ -205,6 +205,6 @@ def test_a_manifest_leaving_out_an_array_the_ranks_own_shard_holds_is_a_manifest
     document["shards"][1]["chunks"] = [c for c in document["shards"][1]["chunks"] if c["name"] != "seed"]
     document["shards"][1]["replicas"].append(["seed", 0])
     (tmp_path / "ckpt" / MANIFEST_NAME).write_text(json.dumps(document))
-    problem = "rank 1's record lists 'seed' as held by rank 0, but rank 1's shard .*rank-00001.* holds it itself"
+    problem = "rank 1's record lists 'seed' as written by rank 0, but rank 1's shard .*rank-00001.* stores it itself"
     with pytest.raises(ManifestError, match=problem):
         load_sharded(tmp_path / "ckpt", expected_world_size=3)

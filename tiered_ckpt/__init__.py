@@ -21,6 +21,7 @@ from tiered_ckpt.errors import (
     RemoteError,
     RemoteInUseError,
     ReshardError,
+    Retryable,
     SaveError,
     ShardCountMismatchError,
     ShardFormatError,
@@ -103,6 +104,7 @@ __all__ = [
     "ReshardError",
     "CoordinationError",
     "RankFailedError",
+    "Retryable",
 ]
 
 

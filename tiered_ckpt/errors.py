@@ -29,6 +29,9 @@ that say what to do about it::
         │                             died or timed out; the cause is chained)
         └── RankFailedError           another rank failed with an exception not of this tree
 
+:class:`RemoteError`, :class:`PeerError` and :class:`UploadError` are also :class:`Retryable`:
+``.transient`` says whether another try may succeed, ``.tries`` how many were made.
+
 An error one rank raises in a collective is raised on every rank: on the others as the
 same class of this tree with the same fields, its ``rank`` attribute naming the rank it
 came from (None: this rank's own); an exception not of this tree (an ``OSError``, a bug)
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointError",
+    "Retryable",
     "CorruptCheckpointError",
     "ManifestError",
     "ShardCountMismatchError",
@@ -79,6 +83,19 @@ class CheckpointError(Exception):
     rank: int | None = None
 
 
+class Retryable:
+    """Mixed into the errors whose operation another try may cure: every reader checks
+    ``isinstance(error, Retryable)`` and reads these two fields, declared here once.
+
+    ``transient``: True when trying again may succeed (an unreachable, failing or throttling
+    store; a copy that did not verify), False when it cannot (access denied, no such bucket, a
+    partner given up). ``tries``: the tries already made of what failed.
+    """
+
+    transient: bool = False
+    tries: int = 1
+
+
 # -- what is stored is wrong --------------------------------------------------------------
 
 
@@ -114,7 +131,7 @@ class StorageError(CheckpointError):
     """The storage failed: the object store, or the lock of a local directory."""
 
 
-class RemoteError(StorageError):
+class RemoteError(StorageError, Retryable):
     """The remote store failed a request; ``transient`` is True when a retry may succeed.
 
     ``tries`` is the number of tries made of the operation that failed; ``deadline`` is
@@ -123,7 +140,6 @@ class RemoteError(StorageError):
     policy does not try it again, though a later try of the whole step may succeed).
     """
 
-    tries: int = 1
     deadline: bool = False
     exhausted: bool = False
 
@@ -144,7 +160,7 @@ class DirectoryInUseError(StorageError):
     """Another save, or another CheckpointManager, holds the directory."""
 
 
-class PeerError(StorageError):
+class PeerError(StorageError, Retryable):
     """A partner rank did not take or give a copy for the peer tier: it died, hangs, or its
     bytes did not verify. Never raised by a save: the step is simply not in that tier.
     ``transient`` is False when the partner gave no answer in time: its link is given up
@@ -176,7 +192,7 @@ class SaveError(BackgroundError):
     """A background save failed: step ``step`` is not committed on local disk."""
 
 
-class UploadError(BackgroundError):
+class UploadError(BackgroundError, Retryable):
     """Step ``step`` could not be committed to the remote tier after ``tries`` tries.
 
     The local copy of the step is kept; ``__cause__`` holds the last error. ``transient``
@@ -278,7 +294,7 @@ def as_upload_error(step: int, exc: BaseException, tries: int | None = None, wha
     """``exc`` as the :class:`UploadError` of ``step`` (as it is, if it already is one)."""
     if isinstance(exc, UploadError):
         return exc
-    tries = tries if tries is not None else exc.tries if isinstance(exc, RemoteError) else 1
+    tries = tries if tries is not None else exc.tries if isinstance(exc, Retryable) else 1
     message = f"{what} of step {step} failed after {tries} {'try' if tries == 1 else 'tries'}: {exc}"
     error = UploadError(message, step=step, tries=tries)
     error.__cause__ = exc

@@ -94,4 +94,4 @@ class ErrorBox:
 
 
 def _missed_deadline(error: CheckpointError) -> bool:
-    return isinstance(error, UploadError) and getattr(error, "transient", False)
+    return isinstance(error, UploadError) and error.transient

@@ -72,6 +72,7 @@ from tiered_ckpt.engine.upload_queue import UploadQueue
 from tiered_ckpt.errors import (
     IncompleteCheckpointError,
     RemoteError,
+    Retryable,
     StorageError,
     UploadError,
     UsageError,
@@ -324,7 +325,8 @@ class Replicator(UploadQueue, BackgroundSetup):
                 error = as_upload_error(step, exc, what=self._what)
                 self._failed(error)
                 self._settle(step, error)
-                if self._options.best_effort and isinstance(exc, StorageError) and not getattr(exc, "transient", 1):
+                permanent = isinstance(exc, StorageError) and isinstance(exc, Retryable) and not exc.transient
+                if self._options.best_effort and permanent:
                     self._giving_up_on = str(error)  # proposed with the next step (see _next_step)
             finally:
                 with self._changed:

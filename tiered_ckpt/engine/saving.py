@@ -10,9 +10,9 @@
 3. every process reads the gathered reports the same way: the same call on every rank, a
    step newer than every rank's newest, the sharded keys of the flat-parameter rule (one
    dtype for each flat vector's slices), and
-   a manifest that fits what a reader accepts, and whether any rank holds arrays other
-   ranks may hold copies of: if none does, the writer skips the exchange that gives each
-   copy one writer (:func:`~tiered_ckpt.dist.replicas.leave_out`), a collective less per save.
+   a manifest that fits what a reader accepts, and whether any rank's state has replicated
+   arrays (that other ranks may have identical copies of): if none does, the writer skips the
+   exchange that gives each one writer (:func:`~tiered_ckpt.dist.replicas.leave_out`), a collective less per save.
 
 Around it, :func:`not_saved` says that a background error raised there means this save's
 step was not saved.
@@ -48,8 +48,8 @@ def not_saved(step: int) -> Iterator[None]:
 class SaveReport:
     """One process's check of a save call: its arguments, its newest step, its arrays' shapes per
     rank, whether each of its ranks' states is a flat dict of arrays, the most bytes each of
-    its ranks' records may add to the manifest, whether any of its ranks' states holds
-    arrays another rank may hold an identical copy of (:attr:`FlatState.shared`), and the
+    its ranks' records may add to the manifest, whether any of its ranks' states has
+    replicated arrays (:attr:`FlatState.replicated`), and the
     dtypes of its 1-D arrays per rank (a flat vector's slices have one)."""
 
     arguments: str
@@ -57,15 +57,15 @@ class SaveReport:
     shapes: tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]
     flat: bool
     record_bytes: tuple[int, ...]
-    shared: bool = True
+    replicated: bool = True
     dtypes: tuple[tuple[tuple[str, str], ...], ...] = ()
 
 
 @dataclass(frozen=True)
 class SavePlan:
-    """What a checked save writes: this process's flattened states (one per rank it holds), the
+    """What a checked save writes: this process's flattened states (one per local rank), the
     sharded keys (sorted), every rank's ``param_shard_numel``, and whether any rank's state
-    holds arrays another rank may hold a copy of (then the writer agrees who writes each)."""
+    has replicated arrays (then the writer agrees who writes each)."""
 
     states: tuple[FlatState, ...]
     sharded_keys: tuple[str, ...]
@@ -85,8 +85,8 @@ def _report(step: int, local: Sequence[FlatState], newest: int | None, world_siz
     flat = all(s.structure.flat for s in local)
     sizes = tuple(s.record_bytes(world_size) for s in local)
     dtypes = tuple(tuple(dtype_summary(s.arrays).items()) for s in local)
-    shared = any(s.shared for s in local)
-    return SaveReport(json.dumps({"step": step}), newest, shapes, flat, sizes, shared, dtypes)
+    replicated = any(s.replicated for s in local)
+    return SaveReport(json.dumps({"step": step}), newest, shapes, flat, sizes, replicated, dtypes)
 
 
 def check_save(
@@ -132,4 +132,4 @@ def check_save(
     flat = all(each.flat for each in reports)
     keys, numels = resolve_sharded_keys(shapes, sharded_keys, flat=flat, dtypes=dtypes)
     check_manifest_fits([size for each in reports for size in each.record_bytes], keys, step)
-    return SavePlan(attempt.value[0], keys, tuple(numels), any(each.shared for each in reports))
+    return SavePlan(attempt.value[0], keys, tuple(numels), any(each.replicated for each in reports))

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from tiered_ckpt.dist.coordination import Coordinator, gather, leader_decides
 from tiered_ckpt.engine.resume import other_runs
-from tiered_ckpt.errors import CheckpointError, RemoteError, UploadError
+from tiered_ckpt.errors import CheckpointError, RemoteError, Retryable, UploadError
 from tiered_ckpt.format.compressed import CompressedObject
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.format.remote_manifest import RemoteManifest
@@ -192,5 +192,5 @@ class Sender:
             raise UploadError(
                 f"step {step} is committed at {self.where(step)}, but the retention that follows failed: {exc}",
                 step=step,
-                tries=getattr(exc, "tries", 1),
+                tries=exc.tries if isinstance(exc, Retryable) else 1,
             ) from exc

@@ -42,9 +42,9 @@ def write_shards(
     """Write the shards of ``ranks`` (``states[i]`` is rank ``ranks[i]``'s) into ``step`` of ``tier``
     (held locked), each with its structure document; return their records, in the order of ``ranks``.
 
-    ``left_out[rank]`` maps the arrays that rank's shard leaves out to the rank whose
-    shard holds them (:func:`~tiered_ckpt.dist.replicas.leave_out`); its record lists them as
-    replicas. Temp files an earlier crash left in the step are removed first. Each shard is
+    ``left_out[rank]`` is that rank's replicas: the replicated arrays its shard leaves out, each
+    mapped to its writer, the rank whose shard stores it (:func:`~tiered_ckpt.dist.replicas.leave_out`);
+    its record lists them as ``replicas``. Temp files an earlier crash left in the step are removed first. Each shard is
     durable under its name once this returns; the names are, once :meth:`LocalTier.commit` is.
     """
     tier.new_step_dir(step)
@@ -115,11 +115,11 @@ def serialize_shards(
 class _Shard:
     """One rank's shard of a step: its name, its bytes (written to a stream) and its record."""
 
-    def __init__(self, step: int, state: FlatState, rank: int, world_size: int, others: Mapping[str, int]) -> None:
+    def __init__(self, step: int, state: FlatState, rank: int, world_size: int, replicas: Mapping[str, int]) -> None:
         self.rank = rank
         self.name = shard_name(rank, world_size)
-        self.others = others
-        self.state = written(state, others)
+        self.replicas = replicas
+        self.state = written(state, replicas)
         self.metadata = {
             "tiered_ckpt.rank": str(rank),
             "tiered_ckpt.world_size": str(world_size),
@@ -145,7 +145,7 @@ class _Shard:
             chunks=self.state.chunk_records(digest.arrays) if self.chunked else (),
             header_bytes=digest.header_bytes,
             header_sha256=digest.header_sha256,
-            replicas=tuple(sorted(self.others.items())),
+            replicas=tuple(sorted(self.replicas.items())),
             array_xxh3_64="".join(digest.arrays[name].xxh3_64 for name in sorted(digest.arrays))
             if self.array_digests
             else "",

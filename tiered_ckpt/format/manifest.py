@@ -101,9 +101,9 @@ class ShardRecord:
     document; 0 and "" in manifests written before them). For a state of DTensors,
     ``chunks`` lists every array of the shard with its own sha256: with them a reader
     verifies the parts of the file it reads without reading all of it. ``replicas`` lists
-    the arrays of this rank's state that its shard leaves out because they are identical
-    to an array another rank's shard holds, as ``(name, holder rank)`` pairs (the holder
-    records that array among its ``chunks``; see :mod:`tiered_ckpt.dist.replicas`).
+    the replicated arrays of this rank's state that its shard leaves out, because another
+    rank (their writer) stores them, as ``(name, writer rank)`` pairs (the writer's record
+    has the array among its ``chunks``; see :mod:`tiered_ckpt.dist.replicas`).
     ``array_xxh3_64``: in a shard of plain arrays, each array's xxh3-64 (16 hex digits, in
     sorted name order; "" if not recorded, :func:`records_array_digests`): with it and the
     header's sha256, a reader of some arrays verifies what it read (:meth:`array_digests`).
@@ -168,7 +168,7 @@ class ShardRecord:
             "param_shard_numel": self.param_shard_numel,
             **({"chunks": [chunk.to_dict() for chunk in self.chunks]} if self.chunks else {}),
             **({"header_bytes": self.header_bytes, "header_sha256": self.header_sha256} if self.header_bytes else {}),
-            **({"replicas": [[name, holder] for name, holder in self.replicas]} if self.replicas else {}),
+            **({"replicas": [[name, writer] for name, writer in self.replicas]} if self.replicas else {}),
             **({"array_xxh3_64": self.array_xxh3_64} if self.array_xxh3_64 else {}),
         }
 
@@ -311,7 +311,7 @@ def _parse_record(document: Mapping[str, Any], source: str, prefix: str) -> Shar
 
 def _parse_replica(item: list[Any], source: str, field: str) -> tuple[str, int]:
     if len(item) != 2 or type(item[0]) is not str or type(item[1]) is not int:
-        raise ManifestError(f"{source}: field '{field}': expected [array name, holder rank], got {str(item)[:80]}")
+        raise ManifestError(f"{source}: field '{field}': expected [array name, writer rank], got {str(item)[:80]}")
     return item[0], item[1]
 
 
@@ -410,19 +410,19 @@ def _check_chunks(record: ShardRecord, where: str, fail: Callable[[str, str], Ma
 
 
 def _check_replicas(manifest: ShardManifest, fail: Callable[[str, str], ManifestError]) -> None:
-    """Each array a shard leaves out is named once, and held as a chunk by another rank's shard."""
-    held = [{chunk.name for chunk in record.chunks} for record in manifest.shards]
+    """Each replica of a shard is named once, and is a chunk of its writer's shard (another rank's)."""
+    stored = [{chunk.name for chunk in record.chunks} for record in manifest.shards]
     for record in manifest.shards:
         names: set[str] = set()
-        for index, (name, holder) in enumerate(record.replicas):
+        for index, (name, writer) in enumerate(record.replicas):
             field = f"shards[rank {record.rank}].replicas[{index}]"
-            if name in names or name in held[record.rank]:
-                raise fail(field, f"{name!r:.80} is listed twice, or also held by this shard")
+            if name in names or name in stored[record.rank]:
+                raise fail(field, f"{name!r:.80} is listed twice, or also stored in this shard")
             names.add(name)
-            if not 0 <= holder < manifest.world_size or holder == record.rank:
-                raise fail(field, f"holder rank {holder} is not another rank of 0..{manifest.world_size - 1}")
-            if name not in held[holder]:
-                raise fail(field, f"rank {holder}'s shard does not hold {name!r:.80}")
+            if not 0 <= writer < manifest.world_size or writer == record.rank:
+                raise fail(field, f"writer rank {writer} is not another rank of 0..{manifest.world_size - 1}")
+            if name not in stored[writer]:
+                raise fail(field, f"rank {writer}'s shard does not store {name!r:.80}")
 
 
 def _check_same_tensors(manifest: ShardManifest, fail: Callable[[str, str], ManifestError]) -> None:

@@ -95,7 +95,7 @@ class _Flattener:
         self.kinds: dict[str, Kind] = {}
         self.paths: dict[str, tuple[str | int, ...]] = {}
         self.chunks: dict[str, Chunk] = {}
-        self.replicated: set[str] = set()
+        self.replicate_chunks: set[str] = set()  # chunks on a Replicate mesh dimension
         self._open: set[int] = set()
         self.largest: tuple[int, tuple[str | int, ...]] = (0, ())  # roughly the most header bytes, and where
 
@@ -225,10 +225,10 @@ class _Flattener:
 
     def dtensor(self, value: Any, path: tuple[str | int, ...], name: str) -> tuple[np.ndarray, Chunk]:
         """A DTensor's local chunk (a view of it) and where it sits in the global tensor; ``name``
-        joins the shared arrays if another rank holds a replica of the chunk."""
+        joins the replicated arrays if another rank holds an identical copy of the chunk."""
         chunk = local_chunk(value, f"{self.owner}: {path_text(path)}")
         if chunk.replicated:
-            self.replicated.add(name)
+            self.replicate_chunks.add(name)
         return self.tensor(chunk.tensor, path), Chunk(chunk.global_shape, chunk.offsets)
 
     def chunk_of(self, value: ChunkOf, path: tuple[str | int, ...]) -> tuple[np.ndarray, Chunk]:
@@ -281,14 +281,14 @@ def _text_bytes(text: str) -> int:
 class FlatState:
     """A rank's state as a shard holds it: arrays by tensor name, and their structure.
 
-    ``shared`` names the arrays of a state of DTensors that other ranks may hold identical
-    copies of (its plain arrays, and DTensor chunks on a replicated mesh dimension): a
-    save writes each such copy once (:mod:`tiered_ckpt.dist.replicas`).
+    ``replicated`` names the replicated arrays of a state of DTensors: those other ranks may
+    hold identical copies of (its plain arrays, and DTensor chunks on a replicated mesh
+    dimension), which a save has one rank write (:mod:`tiered_ckpt.dist.replicas`).
     """
 
     arrays: dict[str, np.ndarray]
     structure: Structure
-    shared: frozenset[str] = frozenset()
+    replicated: frozenset[str] = frozenset()
 
     def chunk_records(self, digests: Mapping[str, PartDigest]) -> tuple[ChunkRecord, ...]:
         """Every array of this state as the chunk the manifest records (a plain array is the
@@ -328,24 +328,22 @@ class FlatState:
         return {STRUCTURE_KEY: self.structure.to_json()}
 
     @classmethod
-    def from_shard(cls, contents: ShardContents, what: str, elsewhere: Iterable[str] = ()) -> FlatState:
+    def from_shard(cls, contents: ShardContents, what: str, replicas: Iterable[str] = ()) -> FlatState:
         """The state a verified shard holds; a shard without a structure document (written
-        before there were any) is a flat dict of its arrays. ``elsewhere`` names the arrays
-        the document names but another rank's shard holds (the manifest's replicas): they
-        are not in the state returned. Raises :class:`ShardFormatError` naming ``what`` if
+        before there were any) is a flat dict of its arrays. ``replicas`` names the arrays
+        the document names but the shard leaves to their writers' shards (its record's
+        ``replicas``): they are not in the state returned. Raises :class:`ShardFormatError` naming ``what`` if
         the document is not valid."""
-        return cls(contents.arrays, structure_of(contents.metadata, contents.arrays, what, elsewhere))
+        return cls(contents.arrays, structure_of(contents.metadata, contents.arrays, what, replicas))
 
 
 def own_targets(
     replicas: Iterable[tuple[str, int]], into: Mapping[str, np.ndarray] | None
 ) -> tuple[frozenset[str], dict[str, np.ndarray] | None]:
-    """The names of the arrays a shard leaves to other ranks' shards (its record's ``replicas``),
-    and of the caller's arrays ``into`` (None: none) those the shard itself fills."""
-    elsewhere = frozenset(name for name, _holder in replicas)
-    return elsewhere, {
-        name: array for name, array in into.items() if name not in elsewhere
-    } if into is not None else None
+    """The names of the shard's ``replicas`` (the arrays it leaves to their writers' shards), and
+    of the caller's arrays ``into`` (None: none) those the shard itself fills."""
+    names = frozenset(name for name, _writer in replicas)
+    return names, {name: array for name, array in into.items() if name not in names} if into is not None else None
 
 
 @cyclic_gc_paused()  # an object or more per array, all alive until returned: see io/gc_pause.py
@@ -360,8 +358,8 @@ def flatten(state: Any, owner: str = "state", *, into: bool = False) -> FlatStat
     root = flattener.node(state, (), "")
     structure = Structure(root, flattener.kinds, flattener.paths, is_flat(root), flattener.chunks)
     plain = {name for name, kind in flattener.kinds.items() if kind != "dtensor"}
-    shared = frozenset(plain | flattener.replicated) if flattener.chunks else frozenset()
-    flat = FlatState(flattener.arrays, structure, shared)
+    replicated = frozenset(plain | flattener.replicate_chunks) if flattener.chunks else frozenset()
+    flat = FlatState(flattener.arrays, structure, replicated)
     if not into:
         flattener.check_header(flat)
     return flat

@@ -411,11 +411,11 @@ def _difference(mine: Any, theirs: Any, path: tuple[str | int, ...]) -> str | No
 
 
 def structure_of(
-    metadata: Mapping[str, str], names: Iterable[str], what: str, elsewhere: Iterable[str] = ()
+    metadata: Mapping[str, str], names: Iterable[str], what: str, replicas: Iterable[str] = ()
 ) -> Structure:
-    """The structure of a shard with ``metadata`` holding the arrays ``names`` (and naming
-    ``elsewhere``, held by another rank's shard); see :meth:`~tiered_ckpt.format.state.FlatState.from_shard`."""
+    """The structure of a shard with ``metadata`` holding the arrays ``names`` (and naming its
+    ``replicas``, which their writers' shards store); see :meth:`~tiered_ckpt.format.state.FlatState.from_shard`."""
     text = metadata.get(STRUCTURE_KEY)
     if text is None:
         raise ShardFormatError(f"{what}: the shard has no structure document ({STRUCTURE_KEY} in its metadata)")
-    return Structure.from_json(text, [*names, *elsewhere], what)
+    return Structure.from_json(text, [*names, *replicas], what)

@@ -42,7 +42,7 @@ class BucketListing:
         unlistable bucket raises at once, saying which, its error not transient); a store
         without buckets (a file system, memory) has none to check.
         """
-        bucket = self.backend.facts.bucket
+        bucket = self.backend.bucket
         if bucket is not None:
             self._requests.run(f"listing {self.url} to check its bucket {bucket}", self.backend.check_bucket, once=once)
 

@@ -115,11 +115,7 @@ class RemoteTier(BucketListing, BucketUpkeep):
             self.url, storage_options or {}, retry=self.retry, part_bytes=part_bytes, part_concurrency=part_concurrency
         )
         self.backend: Counting = Counting(wrap(opened) if wrap is not None else opened)
-        facts = self.backend.facts
-        self.capabilities = Capabilities(
-            durable=True, shared=True, create_only_commit=facts.create_only,
-            store_checksums=facts.store_checksums, ranged_reads=facts.ranged_reads,
-        )  # fmt: skip
+        self.capabilities: Capabilities = self.backend.capabilities
         self._root = self.backend.root
         self._requests = Requests(self.retry)
         self._run, self._timeout = self._requests.run, self._requests.timeout
@@ -386,7 +382,7 @@ class RemoteTier(BucketListing, BucketUpkeep):
             except FileNotFoundError:
                 return "missing"
             problem = obj.mismatch(ShardDigest(answer.size, answer.sha256 or "", ""))
-            if problem is None and self.backend.facts.keeps_metadata and answer.sha256 is None:
+            if problem is None and self.backend.keeps_metadata and answer.sha256 is None:
                 problem = "the sha256 stored with it is gone"
             if problem is None and kept is not None:
                 found = self.backend.kept_checksum(answer, kept.partition(":")[0])

@@ -41,7 +41,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, BinaryIO, ClassVar
+from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
 import xxhash
@@ -49,7 +49,7 @@ from fsspec.asyn import sync
 
 from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.io.hashing import ShardDigest
-from tiered_ckpt.tiers.remote.backends.base import SHA256_METADATA_KEY, Facts, Head, Sent
+from tiered_ckpt.tiers.remote.backends.base import SHA256_METADATA_KEY, Head, Sent
 from tiered_ckpt.tiers.remote.backends.fsspec import FsspecBackend, seconds_left
 from tiered_ckpt.tiers.remote.backends.multipart import Window
 from tiered_ckpt.tiers.remote.checksums import StoreSums, hash_for_store
@@ -126,11 +126,13 @@ def _read_hashing(source: BinaryIO, size: int, md5: Any, whole: Any) -> bytes:
 class AzureBackend(FsspecBackend):
     """A container (and prefix) on Azure Blob Storage, or a store speaking its API."""
 
-    FACTS: ClassVar[Facts] = Facts(create_only=True, store_checksums=True, keeps_metadata=True)
+    # create-only: put_bytes sends If-None-Match: *, refused (409) if the blob exists
+    capabilities = replace(FsspecBackend.capabilities, create_only_commit=True, store_checksums=True)
+    keeps_metadata = True
+    BUCKET_SCHEME = "az"
 
     def __init__(self, url: str, fs: Any, root: str, *, retry: RetryPolicy, part_bytes: int, part_concurrency: int):
         super().__init__(url, fs, root, retry=retry, part_bytes=part_bytes, part_concurrency=part_concurrency)
-        self.facts = replace(self.FACTS, bucket=f"az://{self.root.partition('/')[0]}")
         self.window = Window(part_concurrency)
 
     @classmethod

@@ -1,4 +1,4 @@
-"""What the object-store tier needs of a store: the :class:`Backend` interface and its facts.
+"""What the object-store tier needs of a store: the :class:`Backend` interface.
 
 One backend per module (:mod:`.s3`, :mod:`.gcs`, :mod:`.posix`, :mod:`.fsspec`), chosen once
 from the URL's protocol by :func:`~tiered_ckpt.tiers.remote.backends.open_backend`; the tier above
@@ -21,30 +21,12 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol, runtime_checkable
 
 from tiered_ckpt.format.manifest import ShardRecord
+from tiered_ckpt.tiers.base import Capabilities
 from tiered_ckpt.tiers.remote.checksums import StoreSums
 
-__all__ = ["Backend", "Facts", "Head", "OpenUpload", "Sent"]
+__all__ = ["Backend", "Head", "OpenUpload", "Sent"]
 
 SHA256_METADATA_KEY = "sha256"
-
-
-@dataclass(frozen=True)
-class Facts:
-    """What a store can do, for the tier (and its :class:`~tiered_ckpt.tiers.base.Capabilities`).
-
-    ``create_only``: a small object can be written create-only, atomically (a commit never
-    overwrites another). ``store_checksums``: the store computes a checksum of what it
-    received and keeps it with the object. ``keeps_metadata``: the sha256 sent with a shard
-    is stored with it and told by :meth:`Backend.head`. ``ranged_reads``: a byte range of an
-    object can be read alone. ``bucket``: the URL of the bucket to check (None: no bucket,
-    e.g. a file system).
-    """
-
-    create_only: bool
-    store_checksums: bool
-    keeps_metadata: bool
-    ranged_reads: bool = True
-    bucket: str | None = None
 
 
 @dataclass(frozen=True)
@@ -87,7 +69,15 @@ class Backend(Protocol):
     """The URL's path as the filesystem names it, without a trailing slash."""
     fs: Any
     """The fsspec filesystem fsspec's registry chose for the URL's protocol."""
-    facts: Facts
+    capabilities: Capabilities
+    """What a tier over this store can do, in the tiers' own words (the object-store tier's
+    :attr:`~tiered_ckpt.tiers.base.Tier.capabilities` is this): durable and shared, as a bucket
+    is; ``create_only_commit`` only where :meth:`put_bytes` creates atomically (a conditional
+    request, a link), never by a check before the write."""
+    keeps_metadata: bool
+    """The sha256 sent with a shard is stored with it and told by :meth:`head`."""
+    bucket: str | None
+    """The URL of the bucket :meth:`check_bucket` checks (None: none, e.g. a file system)."""
 
     def sums(self, local_path: Path, record: ShardRecord) -> StoreSums | None:
         """The checksums this store computes of ``local_path`` once uploaded (None: none it keeps),
@@ -102,7 +92,8 @@ class Backend(Protocol):
         ...
 
     def put_bytes(self, path: str, data: bytes, *, create_only: bool = False, timeout: float | None = None) -> None:
-        """Write a small object whole; ``create_only`` raises FileExistsError if it exists."""
+        """Write a small object whole; ``create_only`` raises FileExistsError if it exists (atomically
+        where ``capabilities.create_only_commit``; otherwise by a check before the write)."""
         ...
 
     def head(self, path: str, *, timeout: float | None = None) -> Head:

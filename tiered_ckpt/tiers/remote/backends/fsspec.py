@@ -4,6 +4,17 @@ The other backends build on :class:`FsspecBackend` and change what their store d
 differently. Every list and delete names exact paths: fsspec's ``rm(recursive=True)``,
 ``glob`` and ``expand_path`` treat ``[]``, ``*`` and ``?`` as patterns and are never called,
 so a URL such as ``s3://b/sweep[12]`` is as good as any.
+
+A small object written create-only goes through fsspec's ``pipe_file(mode="create")``: a
+conditional request where the filesystem sends one (s3fs: ``If-None-Match: *``; gcsfs:
+``ifGenerationMatch=0``), but in fsspec's own implementation, which every other filesystem
+inherits, a check for the object and then a write, which two writers can both pass. So this
+backend claims no create-only commits (``capabilities.create_only_commit`` is False); those
+whose store refuses a second create atomically (S3, GCS, Azure, POSIX) claim them. Here a
+second commit of a committed step is still refused (the check sees the first); two commits
+racing between check and write take two live runs committing one step under one prefix,
+which the run leases report (:mod:`~tiered_ckpt.tiers.remote.leases`; ``other_owners="refuse"``
+keeps the second run from starting).
 """
 
 from __future__ import annotations
@@ -12,14 +23,15 @@ import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, BinaryIO, ClassVar
+from typing import Any, BinaryIO
 
 from fsspec.core import url_to_fs
 from fsspec.implementations.memory import MemoryFileSystem
 
 from tiered_ckpt.errors import RemoteError
 from tiered_ckpt.format.manifest import ShardRecord
-from tiered_ckpt.tiers.remote.backends.base import Facts, Head, OpenUpload, Sent
+from tiered_ckpt.tiers.base import Capabilities
+from tiered_ckpt.tiers.remote.backends.base import Head, OpenUpload, Sent
 from tiered_ckpt.tiers.remote.checksums import StoreSums
 from tiered_ckpt.tiers.remote.retry import RetryPolicy
 
@@ -29,14 +41,22 @@ STREAM_BLOCK_BYTES = 16 << 20
 
 
 class FsspecBackend:
-    """A store reached through the fsspec filesystem ``fs``, its objects under ``root``."""
+    """A store reached through the fsspec filesystem ``fs``, its objects under ``root``.
 
-    FACTS: ClassVar[Facts] = Facts(create_only=True, store_checksums=False, keeps_metadata=False)
+    A subclass states what its store does in the class attributes: ``capabilities``,
+    ``keeps_metadata`` and ``BUCKET_SCHEME`` (the scheme of :attr:`bucket`; None: no bucket)."""
+
+    capabilities = Capabilities(
+        durable=True, shared=True, create_only_commit=False, store_checksums=False, ranged_reads=True
+    )
+    keeps_metadata = False
+    BUCKET_SCHEME: str | None = None
 
     def __init__(self, url: str, fs: Any, root: str, *, retry: RetryPolicy, part_bytes: int, part_concurrency: int):
         self.url, self.fs, self.root = url, fs, root.rstrip("/")
         self.part_bytes = part_bytes
-        self.facts = self.FACTS
+        scheme = self.BUCKET_SCHEME
+        self.bucket = None if scheme is None else f"{scheme}://{self.root.partition('/')[0]}"
 
     @classmethod
     def client_options(cls, options: Mapping[str, Any], retry: RetryPolicy) -> dict[str, Any]:

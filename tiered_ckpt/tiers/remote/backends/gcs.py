@@ -11,10 +11,10 @@ import base64
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from tiered_ckpt.format.manifest import ShardRecord
-from tiered_ckpt.tiers.remote.backends.base import SHA256_METADATA_KEY, Facts, Head, Sent
+from tiered_ckpt.tiers.remote.backends.base import SHA256_METADATA_KEY, Head, Sent
 from tiered_ckpt.tiers.remote.backends.fsspec import FsspecBackend, seconds_left
 from tiered_ckpt.tiers.remote.backends.s3 import same_checksum
 from tiered_ckpt.tiers.remote.checksums import StoreSums, hash_for_store
@@ -26,11 +26,10 @@ __all__ = ["GcsBackend"]
 class GcsBackend(FsspecBackend):
     """A bucket (and prefix) on Google Cloud Storage."""
 
-    FACTS: ClassVar[Facts] = Facts(create_only=True, store_checksums=True, keeps_metadata=True)
-
-    def __init__(self, url: str, fs: Any, root: str, *, retry: RetryPolicy, part_bytes: int, part_concurrency: int):
-        super().__init__(url, fs, root, retry=retry, part_bytes=part_bytes, part_concurrency=part_concurrency)
-        self.facts = replace(self.FACTS, bucket=f"gs://{self.root.partition('/')[0]}")
+    # create-only: gcsfs's pipe_file(mode="create") uploads with ifGenerationMatch=0, refused (412) if the object exists
+    capabilities = replace(FsspecBackend.capabilities, create_only_commit=True, store_checksums=True)
+    keeps_metadata = True
+    BUCKET_SCHEME = "gs"
 
     @classmethod
     def client_options(cls, options: Mapping[str, Any], retry: RetryPolicy) -> dict[str, Any]:

@@ -10,12 +10,11 @@ from __future__ import annotations
 import shutil
 from dataclasses import replace
 from pathlib import Path
-from typing import ClassVar
 
 from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.io.durable import atomic_write, write_bytes
 from tiered_ckpt.io.hashing import copy_and_hash
-from tiered_ckpt.tiers.remote.backends.base import Facts, Sent
+from tiered_ckpt.tiers.remote.backends.base import Sent
 from tiered_ckpt.tiers.remote.backends.fsspec import FsspecBackend
 
 __all__ = ["PosixBackend"]
@@ -24,7 +23,7 @@ __all__ = ["PosixBackend"]
 class PosixBackend(FsspecBackend):
     """A directory on a file system this node mounts."""
 
-    FACTS: ClassVar[Facts] = Facts(create_only=True, store_checksums=False, keeps_metadata=False)
+    capabilities = replace(FsspecBackend.capabilities, create_only_commit=True)  # a link never replaces a file
 
     def put_shard(self, local_path: Path, path: str, record: ShardRecord, *, deadline: float | None) -> Sent:
         target = Path(path)

@@ -13,12 +13,12 @@ import functools
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from fsspec.asyn import sync
 
 from tiered_ckpt.format.manifest import ShardRecord
-from tiered_ckpt.tiers.remote.backends.base import SHA256_METADATA_KEY, Facts, Head, OpenUpload, Sent
+from tiered_ckpt.tiers.remote.backends.base import SHA256_METADATA_KEY, Head, OpenUpload, Sent
 from tiered_ckpt.tiers.remote.backends.fsspec import FsspecBackend, seconds_left
 from tiered_ckpt.tiers.remote.backends.multipart import Upload, Window, list_open_uploads
 from tiered_ckpt.tiers.remote.checksums import StoreSums, check_source, hash_for_store
@@ -42,11 +42,13 @@ class S3Backend(FsspecBackend):
     ``window`` holds how many parts may be in flight at once across this backend's uploads
     (see :class:`~tiered_ckpt.tiers.remote.backends.multipart.Window`)."""
 
-    FACTS: ClassVar[Facts] = Facts(create_only=True, store_checksums=True, keeps_metadata=True)
+    # create-only: s3fs's pipe_file(mode="create") is a PutObject with If-None-Match: *, refused (412) if the key exists
+    capabilities = replace(FsspecBackend.capabilities, create_only_commit=True, store_checksums=True)
+    keeps_metadata = True
+    BUCKET_SCHEME = "s3"
 
     def __init__(self, url: str, fs: Any, root: str, *, retry: RetryPolicy, part_bytes: int, part_concurrency: int):
         super().__init__(url, fs, root, retry=retry, part_bytes=part_bytes, part_concurrency=part_concurrency)
-        self.facts = replace(self.FACTS, bucket=f"s3://{self.root.partition('/')[0]}")
         self.window = Window(part_concurrency)
         self._retry = retry
         fs.retries = 1  # s3fs's own retry loop (no constructor argument): ours are the only retries

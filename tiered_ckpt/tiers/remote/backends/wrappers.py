@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from tiered_ckpt.format.manifest import ShardRecord
-from tiered_ckpt.tiers.remote.backends.base import Backend, Facts, Head, OpenUpload, Sent
+from tiered_ckpt.tiers.base import Capabilities
+from tiered_ckpt.tiers.remote.backends.base import Backend, Head, OpenUpload, Sent
 from tiered_ckpt.tiers.remote.checksums import StoreSums
 
 __all__ = ["Counting", "Wrapper"]
@@ -41,8 +42,16 @@ class Wrapper:
         return self.inner.fs
 
     @property
-    def facts(self) -> Facts:
-        return self.inner.facts
+    def capabilities(self) -> Capabilities:
+        return self.inner.capabilities
+
+    @property
+    def keeps_metadata(self) -> bool:
+        return self.inner.keeps_metadata
+
+    @property
+    def bucket(self) -> str | None:
+        return self.inner.bucket
 
     def sums(self, local_path: Path, record: ShardRecord) -> StoreSums | None:
         return self.inner.sums(local_path, record)

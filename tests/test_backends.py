@@ -41,8 +41,9 @@ def test_each_protocol_gets_its_backend_and_the_tier_says_what_it_can_do(store, 
     assert isinstance(tier, Tier) and isinstance(tier.backend, Backend) and type(tier.backend.inner) is kind
     assert tier.name == "remote"
     assert tier.capabilities == Capabilities(
-        durable=True, shared=True, create_only_commit=True, store_checksums=checksums, ranged_reads=True
-    )
+        durable=True, shared=True, create_only_commit=True, store_checksums=checksums, ranged_reads=True,
+        receipts=True, leases=True, latest=True, retries=True,
+    )  # fmt: skip
     bucket = tier.backend.facts.bucket
     assert bucket == (None if scheme is None else f"{scheme}://{url.split('://')[1].split('/')[0]}")
     tier.check_bucket()  # exists (or there is none to check)
@@ -65,7 +66,8 @@ def test_the_checksums_a_backend_computes_are_the_ones_its_store_keeps(store, re
     tier = RemoteTier(url, options)
     manifest, path = shard(tmp_path)
     record = manifest.shard(0)
-    assert tier.land_shard(4, record, ShardSource(path=path))
+    landed = tier.land_shard(4, record, ShardSource(path=path))
+    assert landed.sent
     expected = tier.backend.sums(path, record)
     head = tier.backend.head(f"{tier.backend.root}/{step_dir_name(4)}/{record.path}")
     assert head.size == record.size_bytes and head.sha256 == record.sha256
@@ -73,7 +75,7 @@ def test_the_checksums_a_backend_computes_are_the_ones_its_store_keeps(store, re
     algorithm = "md5" if store == "azure" else "crc32c"  # Azure keeps no CRC of a blob
     assert expected.kept.startswith(f"{algorithm}:") and tier.backend.kept_checksum(head, "sha256") is None
     assert same_checksum(tier.backend.kept_checksum(head, algorithm), expected.kept)
-    assert tier.take_landed_checksums(4) == {record.path: expected.kept}
+    assert landed.checksum == expected.kept
 
 
 @pytest.mark.parametrize("store", ["memory", "file"])
@@ -83,20 +85,21 @@ def test_a_store_without_checksums_or_metadata_has_none_to_compare(store, reques
     manifest, path = shard(tmp_path)
     record = manifest.shard(0)
     assert tier.backend.sums(path, record) is None
-    assert tier.land_shard(4, record, ShardSource(path=path))
+    landed = tier.land_shard(4, record, ShardSource(path=path))
+    assert landed.sent
     head = tier.backend.head(f"{tier.backend.root}/{step_dir_name(4)}/{record.path}")
     assert head.size == record.size_bytes and head.sha256 is None
-    assert tier.take_landed_checksums(4) == {} and tier.backend.open_uploads() == []
+    assert landed.checksum is None and tier.backend.open_uploads() == []
 
 
 def test_counting_counts_every_request_of_a_multipart_upload(s3_url, tmp_path):
     url, options = s3_url
     tier = RemoteTier(url, options, part_bytes=5 << 20)
     manifest, path = shard(tmp_path, 11 << 20)
-    assert tier.land_shard(4, manifest.shard(0), ShardSource(path=path))
+    assert tier.land_shard(4, manifest.shard(0), ShardSource(path=path)).sent
     # CreateMultipartUpload, 3 parts, CompleteMultipartUpload; none throttled.
     assert isinstance(tier.backend, Counting) and (tier.backend.requests, tier.backend.throttled) == (5, 0)
-    assert not tier.land_shard(4, manifest.shard(0), ShardSource(path=path))  # intact: nothing sent
+    assert not tier.land_shard(4, manifest.shard(0), ShardSource(path=path)).sent  # intact: nothing sent
     assert tier.backend.requests == 5
 
 
@@ -119,10 +122,11 @@ def test_a_wrapper_sees_the_tiers_calls_and_its_faults_are_retried(memory_url, t
     tier = RemoteTier(url, options, retry=RetryPolicy(max_tries=3, backoff_seconds=0), wrap=Recording)
     manifest, path = shard(tmp_path)
     record = manifest.shard(0)
-    assert tier.land_shard(4, record, ShardSource(path=path))
+    landed = tier.land_shard(4, record, ShardSource(path=path))
+    assert landed.sent
     assert tier.backend.inner.puts == [record.path, record.path]  # the reset, then the put that went through
     assert tier.backend.requests == 1  # Counting stays outermost: what reached the store
-    tier.commit(manifest)
+    tier.commit(manifest, landed=[landed])
     assert tier.steps() == [4] and tier.check_shard(4, record) is None
     assert repr(tier.backend) == f"Counting(Recording(FsspecBackend({url!r})))"
 

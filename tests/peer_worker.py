@@ -39,7 +39,9 @@ from tiered_ckpt import (
     TorchDistributedCoordinator,
     UploadOptions,
 )
-from tiered_ckpt.tiers import peer, peer_copy, peer_memory
+from tiered_ckpt.tiers.peer import copies as peer_copy
+from tiered_ckpt.tiers.peer import memory as peer_memory
+from tiered_ckpt.tiers.peer import tier as peer
 
 _ENTER = peer._mapped.__enter__
 _READ = peer._mapped._read

@@ -99,3 +99,17 @@ def record(method, calls):
         return method(self, step, landed)
 
     return recording
+
+
+def test_what_landed_is_checked_as_a_reader_would_before_the_commit_makes_a_request(tmp_path, memory_url):
+    url, options = memory_url
+    manifest = save_sharded([{"w": np.arange(1000, dtype=np.float32)}], tmp_path / step_dir_name(2), step=2)
+    record = manifest.shard(0)
+    tier = RemoteTier(url, options)
+    good = tier.land_shard(2, record, ShardSource(path=tmp_path / step_dir_name(2) / record.path))
+    escaping = Landed(0, record.path, f"../{record.path}", record.size_bytes, record.size_bytes)
+    requests = tier.backend.requests
+    with pytest.raises(RemoteError, match="what was landed cannot be committed: .*field 'locations'") as caught:
+        tier.commit(manifest, landed=[escaping])
+    assert not caught.value.transient and tier.backend.requests == requests and tier.steps() == []
+    assert tier.commit(manifest, landed=[good]).manifest == manifest and tier.steps() == [2]

@@ -39,7 +39,7 @@ import logging
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, TypeVar
 
@@ -416,12 +416,17 @@ class RemoteTier(BucketListing, BucketUpkeep):
         shards = {record.path: record for record in manifest.shards}
         mine = {each.path: each for each in landed if each.path in shards}
         names = {path: mine[path].location if path in mine else self.object_name(step, path) for path in shards}
-        compressed = {
-            path: CompressedObject.from_json(each.compression, source=source)
-            for path, each in mine.items()
-            if each.compression is not None
-        }
         checksums = {path: each.checksum for path, each in mine.items() if each.checksum is not None}
+        locations = {path: name for path, name in names.items() if name != path}
+        try:  # what crossed from other processes is checked as a reader would, before any request
+            compressed = {
+                path: CompressedObject.from_json(each.compression, source=source)
+                for path, each in mine.items()
+                if each.compression is not None
+            }
+            planned = RemoteManifest(manifest, time.time(), checksums, locations, compressed)
+        except ManifestError as exc:
+            raise RemoteError(f"{location}: what was landed cannot be committed: {exc}", transient=False) from exc
 
         def confirm(record: ShardRecord) -> str | None:
             path = record.path
@@ -438,8 +443,7 @@ class RemoteTier(BucketListing, BucketUpkeep):
             )
 
         def create() -> RemoteManifest | None:
-            locations = {path: name for path, name in names.items() if name != path}
-            remote = RemoteManifest(manifest, time.time(), checksums, locations, compressed)
+            remote = replace(planned, committed_at=time.time())
             if len(document := remote.to_json().encode()) > MAX_MANIFEST_BYTES:
                 problem = f"{len(document):,} bytes, over the {MAX_MANIFEST_BYTES:,} a reader accepts"
                 raise RemoteError(f"{location}: the remote manifest would take {problem}", transient=False)

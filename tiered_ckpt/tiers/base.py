@@ -17,7 +17,7 @@ A step's life on a tier, in the order the calls are made:
    shard's bytes appear under their final name only once they match ``record`` (size and
    sha256); a failed or interrupted landing leaves nothing a reader could take for the
    shard. What it returns says what landed (where, its sizes stored and raw, the store's
-   checksum, how it is encoded): a frozen value that crosses a collective, so that the
+   checksum, how it is compressed): a frozen value that crosses a collective, so that the
    processes landing shards need not be the one committing them. The tier keeps nothing of
    it: between landing and commit, the caller holds that state.
 3. ``commit(manifest, landed=...)``, given what every landing of the step returned (gathered

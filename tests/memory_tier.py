@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import io
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import BinaryIO, TypeVar
 
 import xxhash
@@ -18,7 +18,7 @@ import xxhash
 from tiered_ckpt.errors import CheckpointExistsError, IncompleteCheckpointError, ManifestError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.io.hashing import ShardDigest, Verify
-from tiered_ckpt.tiers.base import Capabilities, ShardSource
+from tiered_ckpt.tiers.base import Capabilities, Landed, ShardSource
 
 T = TypeVar("T")
 
@@ -90,7 +90,9 @@ class MemoryTier:
         problem = record.mismatch(digest_of(data))
         return f"{self.name}: step {step}, {record.path}: {problem}" if problem else None
 
-    def land_shard(self, step: int, record: ShardRecord, source: ShardSource, *, deadline: float | None = None) -> None:
+    def land_shard(
+        self, step: int, record: ShardRecord, source: ShardSource, *, deadline: float | None = None
+    ) -> Landed:
         if source.write is not None:
             out = io.BytesIO()
             source.write(out)
@@ -101,8 +103,9 @@ class MemoryTier:
         record.verify(digest_of(data), f"{self.name}: step {step}, {record.path}")
         with self._lock:
             self.shards[(step, record.path)] = data
+        return Landed.as_is(record)
 
-    def commit(self, manifest: ShardManifest, *, deadline: float | None = None) -> None:
+    def commit(self, manifest: ShardManifest, *, landed: Sequence[Landed] = (), deadline: float | None = None) -> None:
         for record in manifest.shards:
             self._data(manifest.step, record)
         with self._lock:

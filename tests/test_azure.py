@@ -68,7 +68,8 @@ def test_a_shard_put_in_one_request_is_confirmed_by_the_md5_blob_storage_compute
     try:
         tier = RemoteTier(url, azure_storage_options(through), part_bytes=PART)
         path, record = shard_of(tmp_path, 300_000)
-        assert tier.land_shard(4, record, ShardSource(path=path))
+        landed = tier.land_shard(4, record, ShardSource(path=path))
+        assert landed.sent
     finally:
         proxy.close()
     assert [method for method, each in proxy.log if method == "PUT"] == ["PUT"]  # one Put Blob
@@ -76,7 +77,7 @@ def test_a_shard_put_in_one_request_is_confirmed_by_the_md5_blob_storage_compute
     md5 = b64_md5(path.read_bytes())
     assert base64.b64encode(properties.content_settings.content_md5).decode() == md5  # sent none: Azurite's own
     assert properties.metadata["sha256"] == record.sha256 and properties.size == record.size_bytes
-    assert tier.take_landed_checksums(4) == {record.path: f"md5:{md5}"}
+    assert landed.checksum == f"md5:{md5}"
 
 
 def test_a_larger_shard_goes_up_block_by_block_and_is_confirmed_by_its_md5(azurite_endpoint, tmp_path):
@@ -85,11 +86,12 @@ def test_a_larger_shard_goes_up_block_by_block_and_is_confirmed_by_its_md5(azuri
     try:
         tier = RemoteTier(url, azure_storage_options(through), part_bytes=PART)
         path, record = shard_of(tmp_path, 11 << 20)
-        assert tier.land_shard(4, record, ShardSource(path=path))
+        landed = tier.land_shard(4, record, ShardSource(path=path))
+        assert landed.sent
         puts = [each for method, each in proxy.log if method == "PUT"]
         assert [each.split("comp=")[1].split("&")[0] for each in puts] == ["block"] * 3 + ["blocklist"]
         assert tier.backend.requests == 4  # Counting: 3 Put Block, 1 Put Block List
-        assert not tier.land_shard(4, record, ShardSource(path=path))  # confirmed intact: nothing sent again
+        assert not tier.land_shard(4, record, ShardSource(path=path)).sent  # confirmed intact: nothing sent again
     finally:
         proxy.close()
     blob = blob_of(azurite_endpoint, tier, 4, record)
@@ -98,7 +100,7 @@ def test_a_larger_shard_goes_up_block_by_block_and_is_confirmed_by_its_md5(azuri
     assert blob.download_blob().readall() == path.read_bytes()
     md5 = b64_md5(path.read_bytes())  # set by the Put Block List (Blob Storage computes none of blocks)
     assert base64.b64encode(blob.get_blob_properties().content_settings.content_md5).decode() == md5
-    assert tier.take_landed_checksums(4) == {record.path: f"md5:{md5}"}
+    assert landed.checksum == f"md5:{md5}"
 
 
 def test_a_block_changed_in_transit_is_refused_by_the_store_and_never_committed(azurite_endpoint, tmp_path):
@@ -132,7 +134,7 @@ def test_a_shard_changed_in_transit_in_one_request_is_never_confirmed(azurite_en
             tier.land_shard(4, record, ShardSource(path=path))
     finally:
         proxy.close()
-    assert caught.value.transient and tier.take_landed_checksums(4) == {}
+    assert caught.value.transient
 
 
 @pytest.mark.parametrize("size", [300_000, 11 << 20], ids=["one-request", "blocks"])
@@ -144,7 +146,7 @@ def test_a_shard_damaged_on_local_disk_is_never_made_a_blob(azure_url, tmp_path,
     with pytest.raises(ChecksumMismatchError, match="before its upload"):
         tier.land_shard(4, record, ShardSource(path=path))
     assert not tier.backend.exists(f"{tier.backend.root}/{step_dir_name(4)}/{record.path}")
-    assert tier.uncommitted_steps() == [] and tier.take_landed_checksums(4) == {}
+    assert tier.uncommitted_steps() == []
 
 
 def test_one_of_16_racing_commits_of_a_manifest_wins(azure_url):
@@ -212,7 +214,7 @@ def test_a_connection_string_reaches_the_account_it_names(azure_url, tmp_path):
     )
     tier = RemoteTier(url, {"connection_string": connection})
     path, record = shard_of(tmp_path, 1000)
-    assert tier.land_shard(4, record, ShardSource(path=path))
+    assert tier.land_shard(4, record, ShardSource(path=path)).sent
     assert tier.backend.read(f"{tier.backend.root}/{step_dir_name(4)}/{record.path}") == path.read_bytes()
     assert AZURITE_KEY not in repr(tier) and AZURITE_KEY not in repr(tier.backend)
 

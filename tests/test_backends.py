@@ -2,6 +2,8 @@
 one chosen per protocol, what each says it can do, the checksums each computes, and the
 wrappers around them."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from tier_contract import manifest_of, shard_bytes, writing
@@ -42,9 +44,20 @@ def test_each_protocol_gets_its_backend_and_the_tier_says_what_it_can_do(store, 
     assert isinstance(tier, Tier) and isinstance(tier.backend, Backend) and type(tier.backend.inner) is kind
     assert tier.name == "remote"
     assert tier.capabilities == Capabilities(
-        durable=True, shared=True, create_only_commit=create_only, store_checksums=checksums, ranged_reads=True
+        durable=True,
+        shared=True,
+        create_only_commit=create_only,
+        store_checksums=checksums,
+        ranged_reads=True,
+        receipts=True,
+        leases=True,
+        latest=True,
+        retries=True,
     )
-    assert tier.capabilities is tier.backend.capabilities and tier.backend.keeps_metadata is checksums
+    assert tier.backend.keeps_metadata is checksums
+    assert tier.capabilities == replace(
+        tier.backend.capabilities, receipts=True, leases=True, latest=True, retries=True
+    )
     bucket = tier.backend.bucket
     assert bucket == (None if scheme is None else f"{scheme}://{url.split('://')[1].split('/')[0]}")
     tier.check_bucket()  # exists (or there is none to check)
@@ -67,7 +80,8 @@ def test_the_checksums_a_backend_computes_are_the_ones_its_store_keeps(store, re
     tier = RemoteTier(url, options)
     manifest, path = shard(tmp_path)
     record = manifest.shard(0)
-    assert tier.land_shard(4, record, ShardSource(path=path))
+    landed = tier.land_shard(4, record, ShardSource(path=path))
+    assert landed.sent
     expected = tier.backend.sums(path, record)
     head = tier.backend.head(f"{tier.backend.root}/{step_dir_name(4)}/{record.path}")
     assert head.size == record.size_bytes and head.sha256 == record.sha256
@@ -75,7 +89,7 @@ def test_the_checksums_a_backend_computes_are_the_ones_its_store_keeps(store, re
     algorithm = "md5" if store == "azure" else "crc32c"  # Azure keeps no CRC of a blob
     assert expected.kept.startswith(f"{algorithm}:") and tier.backend.kept_checksum(head, "sha256") is None
     assert same_checksum(tier.backend.kept_checksum(head, algorithm), expected.kept)
-    assert tier.take_landed_checksums(4) == {record.path: expected.kept}
+    assert landed.checksum == expected.kept
 
 
 @pytest.mark.parametrize("store", ["memory", "file"])
@@ -85,20 +99,21 @@ def test_a_store_without_checksums_or_metadata_has_none_to_compare(store, reques
     manifest, path = shard(tmp_path)
     record = manifest.shard(0)
     assert tier.backend.sums(path, record) is None
-    assert tier.land_shard(4, record, ShardSource(path=path))
+    landed = tier.land_shard(4, record, ShardSource(path=path))
+    assert landed.sent
     head = tier.backend.head(f"{tier.backend.root}/{step_dir_name(4)}/{record.path}")
     assert head.size == record.size_bytes and head.sha256 is None
-    assert tier.take_landed_checksums(4) == {} and tier.backend.open_uploads() == []
+    assert landed.checksum is None and tier.backend.open_uploads() == []
 
 
 def test_counting_counts_every_request_of_a_multipart_upload(s3_url, tmp_path):
     url, options = s3_url
     tier = RemoteTier(url, options, part_bytes=5 << 20)
     manifest, path = shard(tmp_path, 11 << 20)
-    assert tier.land_shard(4, manifest.shard(0), ShardSource(path=path))
+    assert tier.land_shard(4, manifest.shard(0), ShardSource(path=path)).sent
     # CreateMultipartUpload, 3 parts, CompleteMultipartUpload; none throttled.
     assert isinstance(tier.backend, Counting) and (tier.backend.requests, tier.backend.throttled) == (5, 0)
-    assert not tier.land_shard(4, manifest.shard(0), ShardSource(path=path))  # intact: nothing sent
+    assert not tier.land_shard(4, manifest.shard(0), ShardSource(path=path)).sent  # intact: nothing sent
     assert tier.backend.requests == 5
 
 
@@ -121,10 +136,11 @@ def test_a_wrapper_sees_the_tiers_calls_and_its_faults_are_retried(memory_url, t
     tier = RemoteTier(url, options, retry=RetryPolicy(max_tries=3, backoff_seconds=0), wrap=Recording)
     manifest, path = shard(tmp_path)
     record = manifest.shard(0)
-    assert tier.land_shard(4, record, ShardSource(path=path))
+    landed = tier.land_shard(4, record, ShardSource(path=path))
+    assert landed.sent
     assert tier.backend.inner.puts == [record.path, record.path]  # the reset, then the put that went through
     assert tier.backend.requests == 1  # Counting stays outermost: what reached the store
-    tier.commit(manifest)
+    tier.commit(manifest, landed=[landed])
     assert tier.steps() == [4] and tier.check_shard(4, record) is None
     assert repr(tier.backend) == f"Counting(Recording(FsspecBackend({url!r})))"
 
@@ -166,14 +182,13 @@ def test_the_generic_backend_still_refuses_a_second_commit_of_a_committed_step(m
     # leases, which report, or with other_owners="refuse" refuse, a second live run on the URL).
     tier = RemoteTier(*memory_url, retry=RetryPolicy(max_tries=2, backoff_seconds=0), compression=compression)
     first = manifest_of(6)
-    for record in first.shards:
-        tier.land_shard(6, record, writing(shard_bytes(6, record.rank)))
-    tier.commit(first)
+    landed = [tier.land_shard(6, record, writing(shard_bytes(6, record.rank))) for record in first.shards]
+    tier.commit(first, landed=landed)
     other = manifest_of(6, [b"other" * 100, b"bytes" * 100])
-    for record, data in zip(other.shards, (b"other" * 100, b"bytes" * 100), strict=True):
-        tier.land_shard(6, record, writing(data))
+    datas = (b"other" * 100, b"bytes" * 100)
+    landed = [tier.land_shard(6, record, writing(data)) for record, data in zip(other.shards, datas, strict=True)]
     with pytest.raises(RemoteError, match="a different checkpoint of step 6 is already committed"):
-        tier.commit(other)
+        tier.commit(other, landed=landed)
     assert tier.manifest(6).shards == first.shards
 
 

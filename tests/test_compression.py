@@ -67,9 +67,11 @@ def compressed_step(tmp_path, url, options, step=3, ranks=2):
         [trained(rank) for rank in range(ranks)], tmp_path / "ckpt" / step_dir_name(step), step=step
     )
     tier = RemoteTier(url, options, compression="zstd")
-    for record in manifest.shards:
+    landed = [
         tier.land_shard(step, record, ShardSource(path=tmp_path / "ckpt" / step_dir_name(step) / record.path))
-    return manifest, tier, tier.commit(manifest)
+        for record in manifest.shards
+    ]
+    return manifest, tier, tier.commit(manifest, landed=landed)
 
 
 def object_key(tier, step, record) -> str:
@@ -218,8 +220,10 @@ def test_a_transient_failure_is_retried_and_a_permanent_one_leaves_no_compressed
     retry = RetryPolicy(max_tries=3, backoff_seconds=0)
     tier = RemoteTier(*memory_url, retry=retry, compression="zstd", wrap=lambda inner: Failing(inner, transient=2))
     with caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
-        assert tier.land_shard(1, record, ShardSource(path=path))
-    assert tier.shard_is_uploaded(1, record) and temp_files(path.parent) == []
+        landed = tier.land_shard(1, record, ShardSource(path=path))
+    assert landed.sent and temp_files(path.parent) == []
+    tier.commit(manifest, landed=[landed])  # what landed says how the object is stored: read it back through it
+    assert tier.check_shard(1, record) is None
     refused = PermissionError("access denied (injected)")
     tier = RemoteTier(
         *memory_url, retry=retry, compression="zstd", wrap=lambda inner: Failing(inner, permanent=refused)
@@ -334,9 +338,11 @@ def test_the_hashed_layout_spreads_compressed_objects_and_a_reader_finds_them(tm
     url, options = memory_url
     manifest = save_sharded([trained(0), trained(1)], tmp_path / "ckpt" / step_dir_name(3), step=3)
     tier = RemoteTier(url, options, layout="hashed", compression="zstd")
-    for record in manifest.shards:
+    landed = [
         tier.land_shard(3, record, ShardSource(path=tmp_path / "ckpt" / step_dir_name(3) / record.path))
-    committed = tier.commit(manifest)
+        for record in manifest.shards
+    ]
+    committed = tier.commit(manifest, landed=landed)
     reader = RemoteTier(url, options)  # flat and uncompressed by its own options
     for record in manifest.shards:
         name = committed.locations[record.path]

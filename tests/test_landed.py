@@ -1,34 +1,115 @@
-"""What the remote tier keeps of the shards it landed (tiered_ckpt/tiers/remote/landed.py), and how it
-reaches the process that commits: handed over once, through a collective's JSON payload."""
+"""What a landing returns (tiered_ckpt/tiers/base.py's ``Landed``), how it reaches the process that
+commits (a collective's JSON payload), and a commit that carries it: no tier keeps state between
+landing and commit."""
 
 import json
 
-from tiered_ckpt.dist.coordination import from_payload, to_payload
-from tiered_ckpt.engine.sending import _Put
+import numpy as np
+import pytest
+
+from tiered_ckpt import save_sharded
+from tiered_ckpt.dist.coordination import SingleProcessCoordinator, from_payload, to_payload
+from tiered_ckpt.engine.sending import Sender, _Landings
+from tiered_ckpt.errors import CheckpointError, RemoteError
 from tiered_ckpt.format.compressed import CompressedObject
-from tiered_ckpt.tiers.remote.landed import Landed, LandedShards
+from tiered_ckpt.format.layout import step_dir_name
+from tiered_ckpt.tiers.base import Landed, ShardSource
+from tiered_ckpt.tiers.local import LocalTier
+from tiered_ckpt.tiers.remote.tier import RemoteTier
+from tiered_ckpt.tiers.store import TieredStore
 
 STORED = CompressedObject("zstd", 1234, "ab" * 8, 200, 4 << 20, (100, 1134))
 
 
-def test_what_a_landing_kept_is_handed_over_once_and_forgotten_with_its_step():
-    landed = LandedShards()
-    landed.keep(3, "a", "crc32c:AAAAAA==", STORED)
-    landed.keep(3, "b", None, None)  # found already there, uncompressed: nothing to keep
-    landed.keep(4, "a", "crc32c:BBBBBB==", None)
-    assert landed.compressed(3, "a") == STORED and landed.checksum(3, "b") is None
-    assert landed.of(3, {"b"}) == Landed({}, {})
-    taken = landed.take(3)
-    assert taken == Landed({"a": "crc32c:AAAAAA=="}, {"a": STORED})
-    assert landed.take(3) == Landed() and landed.of(4).checksums == {"a": "crc32c:BBBBBB=="}
-    landed.add(3, taken)  # on the process that commits
-    assert landed.of(3) == taken
-    landed.forget(3)
-    assert landed.of(3) == Landed() and landed.compressed(3, "a") is None
+def test_what_landed_crosses_a_collective_as_json_and_comes_back_equal():
+    sent = [
+        Landed(1, "rank-1", "7f/rank-1", 1234, 4096, "crc32c:AAAAAA==", STORED.to_json()),
+        Landed(2, "rank-2", "rank-2", 4096, 4096, sent=False),  # found already there, uncompressed
+    ]
+    payload = json.loads(json.dumps(to_payload(_Landings.of(sent))))  # what a collective carries
+    assert _Landings.of(sent).landed() == sent
+    assert from_payload(_Landings, payload).landed() == sent
+    assert CompressedObject.from_json(sent[0].compression, source="test") == STORED
 
 
-def test_a_processs_landing_crosses_a_collective_as_json_and_comes_back_equal():
-    sent = Landed({"rank-1": "crc32c:AAAAAA=="}, {"rank-1": STORED})
-    payload = json.loads(json.dumps(to_payload(_Put.of(sent))))  # what a collective carries
-    assert _Put.of(sent).landed("test") == sent
-    assert from_payload(_Put, payload).landed("test") == sent
+@pytest.mark.parametrize("layout", ["flat", "hashed"])
+def test_a_commit_records_what_another_process_landed_and_this_tier_never_saw(tmp_path, memory_url, layout):
+    """Two tiers on one URL stand for two processes: one lands (compressed, spread over prefixes),
+    the other commits what it is handed; a commit not handed it cannot find the objects."""
+    url, options = memory_url
+    states = [{"w": np.arange(50_000, dtype=np.float32) + rank} for rank in range(2)]
+    manifest = save_sharded(states, tmp_path / step_dir_name(3), step=3)
+    landing = RemoteTier(url, options, compression="zstd", layout=layout)
+    landed = [
+        landing.land_shard(3, record, ShardSource(path=tmp_path / step_dir_name(3) / record.path))
+        for record in manifest.shards
+    ]
+    assert all(each.sent and each.compression is not None and each.stored_bytes < each.raw_bytes for each in landed)
+    assert [each.rank for each in landed] == [0, 1] and [each.raw_bytes for each in landed] == [
+        r.size_bytes for r in manifest.shards
+    ]
+    with pytest.raises(RemoteError, match="2 of its objects changed after their upload was confirmed") as caught:
+        RemoteTier(url, options).commit(manifest)  # handed nothing: the uncompressed objects are missing
+    assert not caught.value.transient and RemoteTier(url, options).steps() == []
+    committing = RemoteTier(url, options)  # compresses nothing itself, lays out flat
+    crossed = [from_payload(Landed, each) for each in json.loads(json.dumps([to_payload(each) for each in landed]))]
+    remote = committing.commit(manifest, landed=crossed)
+    assert set(remote.compression) == {record.path for record in manifest.shards}
+    assert dict(remote.locations) == {each.path: each.location for each in landed if each.location != each.path}
+    assert RemoteTier(url, options).read_manifest(3) == remote
+    assert committing.backend.read(f"{committing.backend.root}/latest") == b"3\n"  # latest moved by the commit
+    for record in manifest.shards:
+        assert RemoteTier(url, options).check_shard(3, record) is None
+
+
+def test_a_step_tried_again_records_the_store_checksums_its_earlier_try_sent(tmp_path, s3_url, monkeypatch):
+    """The second try finds every object intact (nothing sent, no checksum of its own): the commit
+    still records the store's checksums of what the first try sent, as the sender kept them."""
+    states = [{"w": np.arange(50_000, dtype=np.float32) + rank} for rank in range(2)]
+    manifest = save_sharded(states, tmp_path / "ckpt" / step_dir_name(1), step=1)
+    tier = RemoteTier(*s3_url)
+    store = TieredStore([LocalTier(tmp_path / "ckpt"), tier])
+    sender = Sender(store, tier, SingleProcessCoordinator(1), None, 2, None)
+    commit, failures = RemoteTier.commit, [RemoteError("reset by peer (injected)", transient=True)]
+
+    def fail_once(self, *args, **kwargs):
+        if failures:
+            raise failures.pop()
+        return commit(self, *args, **kwargs)
+
+    monkeypatch.setattr(RemoteTier, "commit", fail_once)
+    landed = []
+    monkeypatch.setattr(Sender, "_with_earlier_tries", record(Sender._with_earlier_tries, landed))
+    with store.local.lock():
+        with pytest.raises(CheckpointError, match="injected"):
+            sender.send(1, None)
+        sender.send(1, None)
+    assert [each.sent for each in landed[1][2]] == [False, False]  # the second try sent nothing
+    checksums = tier.read_manifest(1).store_checksums
+    assert set(checksums) == {record.path for record in manifest.shards}
+    assert checksums == {each.path: each.checksum for each in landed[0][2]}
+    assert store.receipted(1)
+    sender.forget(1)
+    assert sender._landed == {}  # a step settled keeps nothing
+
+
+def record(method, calls):
+    def recording(self, step, landed):
+        calls.append((self, step, list(landed)))
+        return method(self, step, landed)
+
+    return recording
+
+
+def test_what_landed_is_checked_as_a_reader_would_before_the_commit_makes_a_request(tmp_path, memory_url):
+    url, options = memory_url
+    manifest = save_sharded([{"w": np.arange(1000, dtype=np.float32)}], tmp_path / step_dir_name(2), step=2)
+    record = manifest.shard(0)
+    tier = RemoteTier(url, options)
+    good = tier.land_shard(2, record, ShardSource(path=tmp_path / step_dir_name(2) / record.path))
+    escaping = Landed(0, record.path, f"../{record.path}", record.size_bytes, record.size_bytes)
+    requests = tier.backend.requests
+    with pytest.raises(RemoteError, match="what was landed cannot be committed: .*field 'locations'") as caught:
+        tier.commit(manifest, landed=[escaping])
+    assert not caught.value.transient and tier.backend.requests == requests and tier.steps() == []
+    assert tier.commit(manifest, landed=[good]).manifest == manifest and tier.steps() == [2]

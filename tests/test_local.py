@@ -17,7 +17,7 @@ from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.format.shardfile import write_shard
 from tiered_ckpt.format.state import flatten
 from tiered_ckpt.io.durable import atomic_write, temp_name
-from tiered_ckpt.tiers.base import ShardSource
+from tiered_ckpt.tiers.base import Landed, ShardSource
 from tiered_ckpt.tiers.local import LocalTier
 
 
@@ -64,7 +64,7 @@ def written_record(tier) -> tuple[ShardRecord, dict]:
     arrays = {"w": np.arange(1000, dtype=np.float32)}
     name = "rank-00000-of-00001.safetensors"
     metadata = flatten(arrays).metadata()  # the structure document every shard carries
-    digest = tier.land_shard(1, name, ShardSource(write=lambda out: write_shard(out, arrays, metadata)))
+    digest = tier.write_shard(1, name, ShardSource(write=lambda out: write_shard(out, arrays, metadata)))
     record = ShardRecord(0, name, digest.sha256, digest.xxh3_64, digest.size_bytes, 0, 1000)
     return record, arrays
 
@@ -322,7 +322,8 @@ def test_every_write_needs_the_lock(tmp_path):
     manifest = _manifest_of(1)
     source = ShardSource(write=lambda out: write_shard(out, {"w": np.zeros(2, np.float32)}, {}))
     for write in (
-        lambda: tier.land_shard(1, manifest.shards[0].path, source),
+        lambda: tier.write_shard(1, manifest.shards[0].path, source),
+        lambda: tier.land_shard(1, manifest.shards[0], source),
         lambda: tier.commit(manifest),
         lambda: tier.delete_step(1),
         lambda: tier.new_step_dir(1),
@@ -333,12 +334,13 @@ def test_every_write_needs_the_lock(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_a_shard_landed_by_name_returns_the_digest_its_record_is_built_from(tier, tmp_path):
+def test_a_shard_written_by_name_returns_the_digest_its_record_is_built_from(tier, tmp_path):
     record, arrays = written_record(tier)
     assert tier.check_shard(1, record) is None
     copy = tmp_path / "copy.safetensors"
     copy.write_bytes(tier.open_shard(1, record, lambda stream: stream.read()))
-    assert tier.land_shard(2, record, ShardSource(path=copy)).sha256 == record.sha256  # a path source: copied
+    assert tier.land_shard(2, record, ShardSource(path=copy)) == Landed.as_is(record)  # a path source: copied
+    assert tier.check_shard(2, record) is None  # its sha256 is the record's
     np.testing.assert_array_equal(tier.read_shard(2, record).arrays["w"], arrays["w"])
     assert tier.uncommitted_steps() == [1, 2] and tier.steps() == []
 

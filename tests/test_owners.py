@@ -258,4 +258,3 @@ def test_an_object_gone_between_its_confirmation_and_the_commit_means_no_commit(
             uploader.close()
     assert isinstance(caught.value.__cause__, RemoteError) and not caught.value.__cause__.transient
     assert tier.steps() == [] and not store.receipted(1)
-    assert tier.take_landed_checksums(1) == {}  # a step given up keeps nothing for the process's life

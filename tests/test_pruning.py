@@ -17,9 +17,11 @@ from tiered_ckpt.tiers.store import TieredStore
 
 
 def put(tier, store, manifest):
-    for record in manifest.shards:
+    landed = [
         tier.land_shard(manifest.step, record, ShardSource(path=store.local.shard_path(manifest.step, record)))
-    return tier.commit(manifest)
+        for record in manifest.shards
+    ]
+    return tier.commit(manifest, landed=landed)
 
 
 @pytest.fixture

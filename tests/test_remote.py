@@ -41,8 +41,12 @@ def tier(remote_url):
 
 
 def upload_all(tier, directory, manifest):
-    for record in manifest.shards:
-        assert tier.land_shard(manifest.step, record, ShardSource(path=directory / record.path))
+    """Land every shard of ``manifest`` (each put: none was there); what landed, for the commit."""
+    landed = [
+        tier.land_shard(manifest.step, record, ShardSource(path=directory / record.path)) for record in manifest.shards
+    ]
+    assert all(each.sent for each in landed)
+    return landed
 
 
 def download(tier, step, record, root):
@@ -56,10 +60,10 @@ def download(tier, step, record, root):
 
 def test_upload_confirm_commit_download_delete(tier, saved, tmp_path):
     directory, manifest = saved
-    upload_all(tier, directory, manifest)
-    assert all(tier.shard_is_uploaded(3, record) for record in manifest.shards)
+    landed = upload_all(tier, directory, manifest)
+    assert all(tier.check_shard(3, record) is None for record in manifest.shards)
     assert tier.uncommitted_steps() == [3] and tier.steps() == []
-    remote = tier.commit(manifest)
+    remote = tier.commit(manifest, landed=landed)
     assert tier.steps() == [3] and tier.uncommitted_steps() == []
     assert tier.read_manifest(3) == remote and remote.manifest == manifest
     target = download(tier, 3, manifest.shard(1), tmp_path / "downloaded")
@@ -70,9 +74,9 @@ def test_upload_confirm_commit_download_delete(tier, saved, tmp_path):
 
 def test_commit_is_create_only(tier, saved, tmp_path):
     directory, manifest = saved
-    upload_all(tier, directory, manifest)
-    first = tier.commit(manifest)
-    assert tier.commit(manifest) == first  # a retried commit of the same shards
+    landed = upload_all(tier, directory, manifest)
+    first = tier.commit(manifest, landed=landed)
+    assert tier.commit(manifest, landed=landed) == first  # a retried commit of the same shards
     other = save_sharded([{"w": np.zeros(3)}, {"w": np.ones(3)}], tmp_path / "other", step=3)
     with pytest.raises(RemoteError, match="a different checkpoint of step 3 is already committed") as caught:
         tier.commit(other)
@@ -85,10 +89,10 @@ def test_a_changed_object_is_not_taken_as_uploaded(tier, saved):
     upload_all(tier, directory, manifest)
     record = manifest.shard(0)
     tier.backend.fs.pipe_file(f"{tier.backend.root}/step-000000000003/{record.path}", b"short")
-    assert not tier.shard_is_uploaded(3, record)
-    assert tier.land_shard(3, record, ShardSource(path=directory / record.path))  # put again, not skipped
-    assert tier.shard_is_uploaded(3, record)
-    assert not tier.land_shard(3, record, ShardSource(path=directory / record.path))  # intact: not sent again
+    assert tier.check_shard(3, record) is not None
+    assert tier.land_shard(3, record, ShardSource(path=directory / record.path)).sent  # put again, not skipped
+    assert tier.check_shard(3, record) is None
+    assert not tier.land_shard(3, record, ShardSource(path=directory / record.path)).sent  # intact: not sent again
 
 
 def test_download_of_a_corrupted_object_fails_and_leaves_no_file(tier, saved, tmp_path):
@@ -105,8 +109,7 @@ def test_download_of_a_corrupted_object_fails_and_leaves_no_file(tier, saved, tm
 
 def test_remote_manifest_is_parsed_strictly(tier, saved):
     directory, manifest = saved
-    upload_all(tier, directory, manifest)
-    tier.commit(manifest)
+    tier.commit(manifest, landed=upload_all(tier, directory, manifest))
     path = f"{tier.backend.root}/step-000000000003/{MANIFEST_NAME}"
     tier.backend.fs.pipe_file(path, manifest.to_json().encode())  # a local manifest is not a remote one
     with pytest.raises(ManifestError, match="field 'kind'"):
@@ -190,12 +193,11 @@ def test_the_stores_own_checksum_is_recorded_and_checked_without_a_download(clou
     states = [{"w": np.arange(300_000, dtype=np.float32)}]
     manifest = save_sharded(states, tmp_path / "local", step=4)
     record = manifest.shard(0)
-    assert tier.land_shard(4, record, ShardSource(path=tmp_path / "local" / record.path))
-    kept = tier.take_landed_checksums(4)[record.path]
+    landed = tier.land_shard(4, record, ShardSource(path=tmp_path / "local" / record.path))
+    assert landed.sent
+    kept = landed.checksum
     assert kept.startswith("md5:" if url.startswith("az://") else "crc32c:")  # Azure keeps no CRC of a blob
-    assert tier.take_landed_checksums(4) == {}  # handed over once
-    tier.add_landed_checksums(4, {record.path: kept})  # as the uploader hands them to the rank that commits
-    remote = tier.commit(manifest)
+    remote = tier.commit(manifest, landed=[landed])  # as the uploader hands it to the rank that commits
     assert tier.read_manifest(4).store_checksums == remote.store_checksums == {record.path: kept}
     monkeypatch.setattr(RemoteTier, "open_shard", lambda *args: pytest.fail("downloaded"))
     assert tier.check_store_checksum(4, record, kept) is None
@@ -239,13 +241,14 @@ def test_a_multipart_upload_is_confirmed_against_the_crc32c_the_store_composed(s
     url, options = s3_url
     tier = RemoteTier(url, options, part_bytes=5 << 20)
     path, record = eleven_mib_shard(tmp_path)
-    assert tier.land_shard(4, record, ShardSource(path=path))
+    landed = tier.land_shard(4, record, ShardSource(path=path))
+    assert landed.sent
     bucket, key, _version = tier.backend.fs.split_path(f"{tier.backend.root}/step-000000000004/{record.path}")
     head = tier.backend.fs.call_s3("head_object", Bucket=bucket, Key=key, ChecksumMode="ENABLED")
     assert head["ETag"].endswith('-3"')  # really a multipart upload, of 3 parts
-    kept = tier.take_landed_checksums(4)[record.path]
+    kept = landed.checksum
     assert kept.endswith("-3") and kept.removesuffix("-3") == "crc32c:" + head["ChecksumCRC32C"]  # moto's HEAD: no -N
-    assert not tier.land_shard(4, record, ShardSource(path=path))  # confirmed intact: not sent again
+    assert not tier.land_shard(4, record, ShardSource(path=path)).sent  # confirmed intact: not sent again
 
 
 def test_a_part_changed_in_transit_is_never_confirmed(moto_endpoint, s3_url, tmp_path):
@@ -287,14 +290,12 @@ def test_a_url_with_glob_characters_touches_only_its_own_steps(remote_url, saved
     base = url.rsplit("/", 1)[0]
     siblings = [RemoteTier(f"{base}/{sibling}", options) for sibling in ("sweep1", "sweep2")]
     for sibling in siblings:
-        upload_all(sibling, directory, manifest)
-        sibling.commit(manifest)
+        sibling.commit(manifest, landed=upload_all(sibling, directory, manifest))
     tier = RemoteTier(f"{base}/{name}", options)
     assert tier.list_steps() == ([], [])
     for step in (3, 4):
         step_manifest = dataclasses.replace(manifest, step=step)
-        upload_all(tier, directory, step_manifest)
-        tier.commit(step_manifest)
+        tier.commit(step_manifest, landed=upload_all(tier, directory, step_manifest))
     assert tier.list_steps() == ([3, 4], [])
     target = download(tier, 4, manifest.shard(1), tmp_path / "downloaded")
     assert target.read_bytes() == (directory / manifest.shard(1).path).read_bytes()
@@ -419,8 +420,7 @@ def test_an_object_32_mib_longer_than_its_record_is_refused_before_it_is_read(re
     url, options = remote_url
     tier = RemoteTier(url, options)
     directory, manifest = saved
-    upload_all(tier, directory, manifest)
-    tier.commit(manifest)
+    tier.commit(manifest, landed=upload_all(tier, directory, manifest))
     record = manifest.shard(1)
     longer = (directory / record.path).read_bytes() + bytes(32 << 20)
     tier.backend.fs.pipe_file(f"{tier.backend.root}/step-000000000003/{record.path}", longer)
@@ -484,8 +484,7 @@ def test_a_restore_from_sixty_steps_goes_through_a_bucket_failing_a_tenth_of_its
     direct = RemoteTier(*s3_url)
     for step in range(1, 61):
         manifest = save_sharded([{"w": np.full(16, step, np.float32)}], tmp_path / "saved" / f"{step}", step=step)
-        upload_all(direct, tmp_path / "saved" / f"{step}", manifest)
-        direct.commit(manifest)
+        direct.commit(manifest, landed=upload_all(direct, tmp_path / "saved" / f"{step}", manifest))
     proxy.failure_rate = 0.1
     upload = UploadOptions(backoff_seconds=0.001, max_backoff_seconds=0.01)  # the default max_tries
     remote = RemoteOptions(url, storage_options=options)

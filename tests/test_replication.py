@@ -289,7 +289,9 @@ def test_resume_queues_unuploaded_steps_and_removes_half_uploaded_ones(job):
         4, record, ShardSource(path=store.local.shard_path(4, record))
     )  # a half upload of step 4, no manifest
     assert remote.uncommitted_steps() == [4]
-    remote.commit(store.local.manifest(2))  # step 2 committed remotely, the receipt lost in a crash
+    committed = store.local.manifest(2).shard(0)
+    landed = remote.land_shard(2, committed, ShardSource(path=store.local.shard_path(2, committed)))
+    remote.commit(store.local.manifest(2), landed=[landed])  # step 2 committed remotely, the receipt lost in a crash
     uploader = start()
     assert uploader.resume() == [3, 4]  # newer than the newest remote commit; step 1 is superseded
     uploader.wait()

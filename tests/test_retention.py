@@ -116,9 +116,11 @@ def per_rank_store(tmp_path: Path, remote=None, uploaded: tuple[int, ...] = ()) 
         manifest = save_sharded(states, directory, step)
         with store.local.lock():
             if step in uploaded:
-                for record in manifest.shards:
+                landed = [
                     store.remote.land_shard(step, record, ShardSource(path=directory / record.path))
-                store.local.write_receipt(step, store.remote.url, store.remote.commit(manifest))
+                    for record in manifest.shards
+                ]
+                store.local.write_receipt(step, store.remote.url, store.remote.commit(manifest, landed=landed))
             (directory / shard_name(1, 2)).unlink()
             store.local.record_held(step, manifest, [0])  # rank 1's shard is on its node
     return store

@@ -25,9 +25,11 @@ def two_tiers(tmp_path, memory_url):
     manifest = save_sharded(states, tmp_path / "ckpt" / step_dir_name(3), step=3)
     url, options = memory_url
     store = TieredStore([LocalTier(tmp_path / "ckpt"), RemoteTier(url, options)])
-    for record in manifest.shards:
+    landed = [
         store.remote.land_shard(3, record, ShardSource(path=store.local.shard_path(3, record)))
-    store.remote.commit(manifest)
+        for record in manifest.shards
+    ]
+    store.remote.commit(manifest, landed=landed)
     with store.local.lock():
         yield store, manifest, states
 
@@ -90,9 +92,11 @@ def on_s3(tmp_path, s3_url):
     states = [{"w": np.arange(4096, dtype=np.float32) + rank} for rank in range(2)]
     manifest = save_sharded(states, tmp_path / "ckpt" / step_dir_name(3), step=3)
     store = TieredStore([LocalTier(tmp_path / "ckpt"), RemoteTier(*s3_url)])
-    for record in manifest.shards:
+    landed = [
         store.remote.land_shard(3, record, ShardSource(path=store.local.shard_path(3, record)))
-    store.remote.commit(manifest)
+        for record in manifest.shards
+    ]
+    store.remote.commit(manifest, landed=landed)
     with store.local.lock():
         yield store, manifest
 
@@ -178,8 +182,10 @@ def chunked_tiers(tmp_path, memory_url):
     assert isinstance(manifest, ShardManifest) and {c.name for c in manifest.shard(0).chunks} == {"a", "b"}
     url, options = memory_url
     store = TieredStore([LocalTier(tmp_path / "ckpt"), RemoteTier(url, options)])
-    store.remote.land_shard(3, manifest.shard(0), ShardSource(path=store.local.shard_path(3, manifest.shard(0))))
-    store.remote.commit(manifest)
+    landed = store.remote.land_shard(
+        3, manifest.shard(0), ShardSource(path=store.local.shard_path(3, manifest.shard(0)))
+    )
+    store.remote.commit(manifest, landed=[landed])
     with store.local.lock():
         yield store, manifest, arrays
 
@@ -259,9 +265,11 @@ def job_dirs(tmp_path, memory_url):
     for step in (1, 2):
         states = [{"w": np.arange(1024, dtype=np.float32) + rank + step} for rank in range(2)]
         manifest = save_sharded(states, store.local.step_dir(step), step=step)
-        for record in manifest.shards:
+        landed = [
             store.remote.land_shard(step, record, ShardSource(path=store.local.shard_path(step, record)))
-        store.remote.commit(manifest)
+            for record in manifest.shards
+        ]
+        store.remote.commit(manifest, landed=landed)
     return store
 
 
@@ -420,9 +428,11 @@ def test_an_io_error_in_a_partial_read_takes_the_arrays_from_the_bucket(tmp_path
 
     manifest = save_sharded(chunked_states(2), tmp_path / "ckpt" / step_dir_name(3), step=3)
     store = TieredStore([LocalTier(tmp_path / "ckpt"), RemoteTier(*memory_url)])
-    for record in manifest.shards:
+    landed = [
         store.remote.land_shard(3, record, ShardSource(path=store.local.shard_path(3, record)))
-    store.remote.commit(manifest)
+        for record in manifest.shards
+    ]
+    store.remote.commit(manifest, landed=landed)
     record = manifest.shard(0)
     path = store.local.shard_path(3, record)
     bad, real = os.stat(path).st_ino, os.preadv
@@ -455,9 +465,11 @@ def three_tiers(tmp_path, memory_url):
     peer, bucket = MemoryTier("peer"), RemoteTier(*memory_url)
     store = TieredStore([LocalTier(tmp_path / "ckpt"), peer, bucket])
     for tier in (peer, bucket):
-        for record in manifest.shards:
+        landed = [
             tier.land_shard(3, record, ShardSource(path=store.local.shard_path(3, record)))
-        tier.commit(manifest)
+            for record in manifest.shards
+        ]
+        tier.commit(manifest, landed=landed)
     with store.local.lock():
         yield store, peer, bucket, manifest, states
 
@@ -568,5 +580,5 @@ def test_a_store_holds_one_durable_later_tier_the_bucket(tmp_path, memory_url):
     bucket = RemoteTier(*memory_url)
     store = TieredStore([local, MemoryTier("peer"), bucket])
     assert store.remote is bucket
-    with pytest.raises(UsageError, match="only the bucket's commits have receipts"):
+    with pytest.raises(UsageError, match="only a tier with receipts has its commits recorded"):
         store.record_commit(3, store.tier("peer"), None)

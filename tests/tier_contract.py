@@ -27,7 +27,7 @@ from tiered_ckpt.errors import CheckpointError, ChecksumMismatchError, Incomplet
 from tiered_ckpt.format.layout import shard_name
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.io.hashing import ShardDigest
-from tiered_ckpt.tiers.base import Capabilities, ShardSource, Tier
+from tiered_ckpt.tiers.base import Capabilities, Landed, ShardSource, Tier
 
 WORLD_SIZE = 2
 
@@ -86,15 +86,20 @@ class TierContract:
 
     def commit_step(self, tier: Tier, step: int, source: str = "write", tmp_path: Any = None) -> ShardManifest:
         manifest = manifest_of(step)
+        landed = []
         for record in manifest.shards:
             data = shard_bytes(step, record.rank)
             if source == "path":
                 path = tmp_path / f"{step}-{record.path}"
                 path.write_bytes(data)
-                tier.land_shard(step, record, ShardSource(path=path))
+                landed.append(tier.land_shard(step, record, ShardSource(path=path)))
             else:
-                tier.land_shard(step, record, writing(data))
-        tier.commit(manifest)
+                landed.append(tier.land_shard(step, record, writing(data)))
+        assert all(
+            isinstance(each, Landed) and each.raw_bytes == record.size_bytes
+            for each, record in zip(landed, manifest.shards, strict=True)
+        )
+        tier.commit(manifest, landed=landed)
         return manifest
 
     # -- the protocol itself -----------------------------------------------------------
@@ -121,11 +126,11 @@ class TierContract:
 
     def test_a_step_is_visible_exactly_once_committed(self, tier):
         manifest = manifest_of(3)
-        tier.land_shard(3, manifest.shards[0], writing(shard_bytes(3, 0)))
+        landed = [tier.land_shard(3, manifest.shards[0], writing(shard_bytes(3, 0)))]
         assert tier.steps() == [] and tier.uncommitted_steps() == [3]
-        tier.land_shard(3, manifest.shards[1], writing(shard_bytes(3, 1)))
+        landed.append(tier.land_shard(3, manifest.shards[1], writing(shard_bytes(3, 1))))
         assert tier.steps() == []
-        tier.commit(manifest)
+        tier.commit(manifest, landed=landed)
         assert tier.steps() == [3] and tier.uncommitted_steps() == []
         assert tier.manifest(3).shards == manifest.shards and tier.manifest(3).step == 3
 
@@ -165,14 +170,15 @@ class TierContract:
         if not tier.capabilities.create_only_commit:
             pytest.skip("this tier's commits are not create-only (its writer refuses an existing step)")
         other = manifest_of(6, [b"other" * 100, b"bytes" * 100])
+        landed = []
         for record in other.shards:
             data = (b"other" if record.rank == 0 else b"bytes") * 100
             try:
-                tier.land_shard(6, record, writing(data))
+                landed.append(tier.land_shard(6, record, writing(data)))
             except CheckpointError:
                 pass  # a tier may refuse to land over a committed shard: as good
         with pytest.raises(CheckpointError):
-            tier.commit(other)
+            tier.commit(other, landed=landed)
         assert tier.manifest(6).shards == first.shards
 
     # -- crash safety ------------------------------------------------------------------

@@ -78,6 +78,7 @@ from tiered_ckpt.errors import (
     UsageError,
     as_upload_error,
 )
+from tiered_ckpt.tiers.abilities import leases_of, retries_of
 from tiered_ckpt.tiers.base import Tier
 from tiered_ckpt.tiers.remote.leases import Lease, OwnershipPolicy
 from tiered_ckpt.tiers.remote.retry import RetryPolicy
@@ -93,7 +94,7 @@ RATE_WINDOW = 5  # remote commits the upload rate is measured over
 class Replicator(UploadQueue, BackgroundSetup):
     """One background thread that lands and commits queued steps of ``store``'s first tier in ``target``.
 
-    ``target`` is one of ``store``'s later tiers (default: the bucket); ``ranks`` are the ranks
+    ``target`` is one of ``store``'s later tiers (default: the first with receipts, the bucket); ``ranks`` are the ranks
     whose shards this process sends (default: all); ``coordinator`` is a channel no other
     thread uses. Failures go to ``errors``; retention after each commit weighs the queues of
     every replicator sharing ``backlog`` (one per store). ``ownership`` says how the leader
@@ -112,21 +113,20 @@ class Replicator(UploadQueue, BackgroundSetup):
         clock: Callable[[], float] = time.time,
         backlog: Backlog | None = None,
     ) -> None:
-        target = target or store.remote
+        target = target or next((tier for tier in store.later if tier.capabilities.receipts), None)
         if target is None or target not in store.later:
             raise UsageError("a replicator needs a target among the store's later tiers (remote.url)")
         self._store = store
         self.target = target
         self._options = policy or ReplicationPolicy()
-        bucket = store.remote if target is store.remote else None
-        self._backoff = self._options.retry or (bucket.retry if bucket is not None else RetryPolicy())
+        self._retrying = retries_of(target)
+        self._backoff = self._options.retry or (self._retrying.retry if self._retrying is not None else RetryPolicy())
         self.errors = errors or ErrorBox()
         self._coordinator = coordinator or SingleProcessCoordinator(1)
         self._ranks = ranks
         self._clock = clock
-        # the leader's, held from resume() or push(); only the bucket has leases
-        self._lease = Lease(bucket, ownership, clock=clock) if bucket is not None else None
-        self._bucket = bucket
+        leased = leases_of(target)  # the leader's lease, held from resume() or push()
+        self._lease = Lease(leased, ownership, clock=clock) if leased is not None else None
         self._sender = Sender(store, target, self._coordinator, ranks, self._options.concurrency, self._lease)
         self._queue: deque[int] = deque()
         self._queued_at: dict[int, float] = {}  # when each queued step was queued (see bucket_setup)
@@ -147,8 +147,9 @@ class Replicator(UploadQueue, BackgroundSetup):
         self._giving_up_on: str | None = None  # a failure that gives it up, not yet agreed
         self.backlog = backlog or Backlog()
         self.backlog.add(target.name, self.pending)
-        self._what = "upload" if bucket is not None else f"copy to the {target.name} tier"
-        name = "tiered-ckpt-uploader" if bucket is not None else f"tiered-ckpt-to-{target.name}"
+        durable = target.capabilities.durable  # a copy that outlives the job: an upload
+        self._what = "upload" if durable else f"copy to the {target.name} tier"
+        name = "tiered-ckpt-uploader" if durable else f"tiered-ckpt-to-{target.name}"
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, gather, leader_decides
 from tiered_ckpt.errors import RemoteError
+from tiered_ckpt.tiers.abilities import leases_of, receipts_of
 from tiered_ckpt.tiers.base import Tier
 from tiered_ckpt.tiers.remote.leases import Lease
 from tiered_ckpt.tiers.store import TieredStore
@@ -64,9 +65,7 @@ def resume_steps(
     """The newest step committed in ``target`` and the local steps to queue for it, of those its
     cadence ``takes`` and those committed for every tier (a preemption's stop step; see the
     module doc)."""
-    listing = leader_decides(
-        coordinator, "resume: list", _Listing, lambda: _clean_and_list(store, target, lease, clock)
-    )
+    listing = leader_decides(coordinator, "resume: list", _Listing, lambda: _clean_and_list(target, lease, clock))
     newest = listing.committed[-1] if listing.committed else None
     resumable = Attempt.run(lambda: _ResumeReport(_resumable(store, target, listing.committed, newest, takes)))
     reports = gather(coordinator, "resume", _ResumeReport, lambda: resumable.value)
@@ -91,13 +90,14 @@ def resume_steps(
     return newest, resumed
 
 
-def _clean_and_list(store: TieredStore, target: Tier, lease: Lease | None, clock: Callable[[], float]) -> _Listing:
+def _clean_and_list(target: Tier, lease: Lease | None, clock: Callable[[], float]) -> _Listing:
     """Leader, while every process waits for it (so no replication of this job is running): take
     the lease; unless another live run holds one, abort the multipart uploads a failed or
     killed upload left open past the orphan age; then list the target."""
     others = lease.hold() if lease is not None else []
-    if others == [] and lease is not None and store.remote is not None:
-        store.remote.abort_orphans(lease.policy.orphan_age_seconds, now=clock())
+    leased = leases_of(target)
+    if others == [] and lease is not None and leased is not None:
+        leased.abort_orphans(lease.policy.orphan_age_seconds, now=clock())
     committed, uncommitted = target.list_steps()
     runs = ("(leases unreadable)",) if others is None else tuple(other.run_id for other in others)
     return _Listing(tuple(committed), tuple(uncommitted), runs)
@@ -110,11 +110,12 @@ def _resumable(
     way). A target that is not durable lost what it held with the job: only the newest local
     step is worth sending it again."""
     resumed = []
+    receipted = receipts_of(target)
     for step in store.local.steps():
         if store.receipted(step, target):
             continue
-        if step in committed and target is store.remote:  # committed remotely, the receipt lost in a crash
-            remote = store.remote.read_manifest(step)
+        if step in committed and receipted is not None:  # committed there, the receipt lost in a crash
+            remote = receipted.read_manifest(step)
             if remote.manifest.shards == store.local.manifest(step).shards:
                 store.record_commit(step, target, remote)
                 continue

@@ -4,13 +4,16 @@
 own channel):
 
 1. each process lands its ranks' shards in the target, ``concurrency`` at a time, each
-   confirmed (a shard already there intact is not sent again);
-2. ``put``: every process has landed its shards (on the bucket, the store's checksums of
-   them reach the leader);
-3. ``commit``: the leader commits the step in a shared target (on the bucket: every object
-   confirmed once more first, the manifest create-only, then ``latest``); in a target each
-   process holds a part of (a partner's memory), every process commits its part;
-4. every process records a durable target's commit in its local step (a receipt).
+   confirmed (a shard already there intact is not sent again); each landing returns what
+   landed (:class:`~tiered_ckpt.tiers.base.Landed`), which the tier does not keep;
+2. ``put``: every process has landed its shards, and what landed reaches every process
+   (a collective's payload);
+3. ``commit``: the leader commits the step in a shared target, handing the tier what every
+   process landed (the tier confirms the shards, commits, and moves its ``latest`` where it
+   keeps one); in a target each process holds a part of (a partner's memory), every process
+   commits its part;
+4. every process records the commit of a target with receipts in its local step, from the
+   record the commit returned.
 
 :meth:`Sender.retain` then applies the retention that follows a commit.
 """
@@ -20,17 +23,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from tiered_ckpt.dist.coordination import Coordinator, gather, leader_decides
+from tiered_ckpt.dist.coordination import Coordinator, from_payload, gather, leader_decides, to_payload
 from tiered_ckpt.engine.resume import other_runs
 from tiered_ckpt.errors import CheckpointError, RemoteError, Retryable, UploadError
-from tiered_ckpt.format.compressed import CompressedObject
-from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
+from tiered_ckpt.format.layout import step_dir_name
+from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.remote_manifest import RemoteManifest
 from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.tiers import pruning
-from tiered_ckpt.tiers.base import Tier
-from tiered_ckpt.tiers.remote.landed import Landed
+from tiered_ckpt.tiers.base import Landed, Tier
 from tiered_ckpt.tiers.remote.leases import Lease
 from tiered_ckpt.tiers.store import TieredStore
 
@@ -49,28 +52,23 @@ class HeldStep:
 
 
 @dataclass(frozen=True)
-class _Put:
-    """What one process's shards left on the bucket: the checksums it computed, as (shard path,
-    checksum) pairs, and how those sent compressed are stored, as (shard path, entry as JSON)."""
+class _Landings:
+    """What one process's shards left in the target, as a collective carries it: each
+    :class:`~tiered_ckpt.tiers.base.Landed` as its JSON fields."""
 
-    checksums: tuple[tuple[str, str], ...]
-    compressed: tuple[tuple[str, str], ...] = ()
+    shards: tuple[dict[str, Any], ...]
 
     @classmethod
-    def of(cls, landed: Landed) -> _Put:
-        return cls(
-            tuple(sorted(landed.checksums.items())),
-            tuple(sorted((path, stored.to_json()) for path, stored in landed.compressed.items())),
-        )
+    def of(cls, landed: Sequence[Landed]) -> _Landings:
+        return cls(tuple(to_payload(each) for each in landed))
 
-    def landed(self, source: str) -> Landed:
-        compressed = {path: CompressedObject.from_json(text, source=source) for path, text in self.compressed}
-        return Landed(dict(self.checksums), compressed)
+    def landed(self) -> list[Landed]:
+        return [from_payload(Landed, each) for each in self.shards]
 
 
 @dataclass(frozen=True)
 class _Committed:
-    """The leader's remote manifest, as every process records it (None: the target keeps none)."""
+    """The leader's record of a commit, as every process keeps it as a receipt (None: the target keeps none)."""
 
     document: str | None
 
@@ -89,80 +87,73 @@ class Sender:
     ) -> None:
         self._store = store
         self._target = target
-        # The bucket's own words (confirmation, its checksums, latest) go to it alone.
-        self._bucket = store.remote if target is store.remote else None
         self._coordinator = coordinator
         self._ranks = ranks
         self._concurrency = concurrency
         self._lease = lease
+        self._landed: dict[str, Landed] = {}  # what the tries of the step being sent landed, by shard path
+        self._sending: int | None = None
 
     def where(self, step: int) -> str:
         """The step's place in the target, for messages."""
-        return self._bucket.location(step) if self._bucket is not None else f"{self._target.url} (step {step})"
+        return f"{self._target.url}/{step_dir_name(step)}"
 
     def forget(self, step: int) -> None:
-        """Drop what this process kept of ``step``'s landing (a step given up keeps nothing)."""
-        if self._bucket is not None:
-            self._bucket.forget_landed(step)
+        """Drop what the tries of ``step`` landed (a step settled keeps nothing)."""
+        if self._sending == step:
+            self._landed, self._sending = {}, None
 
     def send(self, step: int, deadline: float | None, held: HeldStep | None = None) -> int:
         """Land, commit and record ``step`` in the target (see the module doc); the bytes this process sent.
 
         ``held``: the step is in no file of the first tier, these are its manifest and bytes."""
-        store, target, bucket = self._store, self._target, self._bucket
+        store, target = self._store, self._target
         manifest = held.manifest if held is not None else store.local.manifest(step)
         ranks = range(manifest.world_size) if self._ranks is None else self._ranks
 
-        def put(rank: int) -> None:
+        def put(rank: int) -> Landed:
             data = held.shards[rank] if held is not None else None
-            store.send_shard(step, manifest.shard(rank), target, deadline=deadline, data=data)
+            return store.send_shard(step, manifest.shard(rank), target, deadline=deadline, data=data)
 
-        def put_mine() -> _Put:
+        def put_mine() -> _Landings:
             if self._coordinator.is_leader and self._lease is not None and not self._lease.held:  # push() alone
                 self._lease.hold()
-            run_parallel(put, ranks, self._concurrency)
-            return _Put.of(bucket.take_landed(step)) if bucket is not None else _Put(())
+            return _Landings.of(run_parallel(put, ranks, self._concurrency))
 
-        landed = gather(self._coordinator, "put", _Put, put_mine)
-        if self._coordinator.is_leader and bucket is not None:  # the one that commits
-            for part in landed:
-                bucket.add_landed(step, part.landed(f"what was landed of {self.where(step)}"))
+        landings = gather(self._coordinator, "put", _Landings, put_mine)
+        landed = self._with_earlier_tries(step, [each for part in landings for each in part.landed()])
+
+        receipts = target.capabilities.receipts
+        mine: list[_Committed] = []
+
+        def commit() -> _Committed:
+            committed = target.commit(manifest, landed=landed, deadline=deadline)
+            mine.append(_Committed(committed.to_json() if committed is not None and receipts else None))
+            return mine[-1]
+
         if target.capabilities.shared:  # one copy every node sees: the leader commits it
-            remote = leader_decides(
-                self._coordinator, "commit", _Committed, lambda: _Committed(self._commit(manifest, deadline))
-            )
+            record = leader_decides(self._coordinator, "commit", _Committed, commit)
         else:  # each process holds a part of its own (a partner's memory): every one commits its part
-            gather(self._coordinator, "commit", _Committed, lambda: _Committed(self._commit(manifest, deadline)))
-            remote = _Committed(None)
-        if remote.document is not None:
-            store.record_commit(step, target, RemoteManifest.from_json(remote.document, source=self.where(step)))
+            gather(self._coordinator, "commit", _Committed, commit)
+            record = mine[0]
+        if record.document is not None:
+            store.record_commit(step, target, RemoteManifest.from_json(record.document, source=self.where(step)))
         return sum(manifest.shard(rank).size_bytes for rank in ranks)
 
-    def _commit(self, manifest: ShardManifest, deadline: float | None) -> str | None:
-        """Leader: commit the step in the target; the bucket's remote manifest as JSON, for the receipts.
-
-        On the bucket, every shard's object is confirmed once more first: a commit over an
-        object missing or changed since it was confirmed is never written (:class:`RemoteError`,
-        not transient)."""
-        step, bucket = manifest.step, self._bucket
-        if bucket is None:
-            self._target.commit(manifest, deadline=deadline)
-            return None
-
-        def confirm(record: ShardRecord) -> str | None:
-            return bucket.confirm_shard(step, record, deadline=deadline)
-
-        problems = [problem for problem in run_parallel(confirm, manifest.shards, self._concurrency) if problem]
-        if problems:
-            raise RemoteError(
-                f"step {step} was not committed at {self.where(step)}: {len(problems)} of its objects "
-                f"changed after their upload was confirmed (deleted or replaced by someone else?): "
-                + "; ".join(problems[:5]),
-                transient=False,
+    def _with_earlier_tries(self, step: int, landed: list[Landed]) -> list[Landed]:
+        """``landed``, each shard found already there intact on this try as an earlier try of the
+        step landed it, if one did (what that try's sending gave: the store's checksum of it)."""
+        if self._sending != step:
+            self._landed, self._sending = {}, step
+        for each in landed:
+            before = self._landed.get(each.path)
+            same_object = before is not None and (before.location, before.compression) == (
+                each.location,
+                each.compression,
             )
-        remote = bucket.commit(manifest, deadline=deadline)
-        bucket.set_latest(manifest.step)
-        return remote.to_json()
+            if each.sent or not same_object or each.checksum is not None:
+                self._landed[each.path] = each
+        return [self._landed[each.path] for each in landed]
 
     def retain(self, step: int, pending: pruning.Pending) -> None:
         """After ``step``'s commit: the leader's retention of the target (not while another live run

@@ -52,7 +52,7 @@ def write_shards(
 
     def write(index: int) -> ShardRecord:
         shard = _Shard(step, states[index], ranks[index], world_size, (left_out or {}).get(ranks[index], {}))
-        digest = tier.land_shard(step, shard.name, ShardSource(write=shard.write), sync_directory=False)
+        digest = tier.write_shard(step, shard.name, ShardSource(write=shard.write), sync_directory=False)
         return shard.record(digest, numels)
 
     return run_parallel(write, range(len(ranks)), max_workers)

@@ -30,9 +30,9 @@ from tiered_ckpt.engine.background import ErrorBox, ReportedFuture
 from tiered_ckpt.engine.replication_policy import ReplicationPolicy
 from tiered_ckpt.engine.sending import HeldStep
 from tiered_ckpt.errors import CheckpointError, UploadError
+from tiered_ckpt.tiers.abilities import RetryingTier
 from tiered_ckpt.tiers.base import Tier
 from tiered_ckpt.tiers.remote.requests import Trouble
-from tiered_ckpt.tiers.remote.tier import RemoteTier
 from tiered_ckpt.tiers.store import TieredStore
 
 __all__ = ["UploadQueue"]
@@ -48,7 +48,7 @@ class UploadQueue:
     errors: ErrorBox
     _store: TieredStore
     _options: ReplicationPolicy
-    _bucket: RemoteTier | None
+    _retrying: RetryingTier | None  # the target, if its storage fails transiently
     _changed: threading.Condition
     _queue: deque[int]
     _outcomes: dict[int, Future[None]]
@@ -101,8 +101,9 @@ class UploadQueue:
         return "the bucket is failing" if self._failing or self._trouble() is not None else "uploads behind"
 
     def _trouble(self) -> Trouble | None:
-        """The bucket's failing tries since its last answer (None: it answers, or the target is no bucket)."""
-        return self._bucket.trouble() if self._bucket is not None else None
+        """The target's failing tries since its last answer (None: it answers, or its storage never
+        fails transiently)."""
+        return self._retrying.trouble() if self._retrying is not None else None
 
     def _oldest_kept(self) -> int | None:
         """Of the queue, the oldest step its room keeps (None: empty); the older ones are to be superseded."""

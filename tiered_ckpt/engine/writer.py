@@ -222,11 +222,11 @@ class Writer:
         return SaveHandle(step, committed, uploaded)
 
     def _upload_outcome(self, step: int, to_disk: bool, replicators: Sequence[Replicator]) -> Future[None] | None:
-        """The future of ``step``'s commit in the bucket (None without a bucket)."""
-        remote = self._store.remote
-        if remote is None:
+        """The future of ``step``'s commit in the bucket: the first later tier with receipts (None without one)."""
+        bucket = next((tier for tier in self._store.later if tier.capabilities.receipts), None)
+        if bucket is None:
             return None
-        chosen = next((each for each in replicators if each.target is remote), None)
+        chosen = next((each for each in replicators if each.target.name == bucket.name), None)
         if chosen is not None:
             return chosen.outcome(step)
         if not to_disk:

@@ -3,22 +3,31 @@
 A tier holds checkpoints of one job in one place (this node's disk, a bucket, a partner's
 memory). It knows only its own storage; tiers meet in :class:`~tiered_ckpt.tiers.store.TieredStore`,
 which moves shards between them. Every tier implements :class:`Tier`; what differs between
-them is said by :class:`Capabilities`, never by a tier's type, with one exception: a
-store's one durable later tier is the bucket, whose own words (leases, receipts of its
-commits, the store's checksums) the object-store tier alone speaks.
+them is said by :class:`Capabilities`, never by a tier's type: an optional ability (receipts
+of its commits, run leases, a ``latest`` pointer, the store's checksums, retrying its
+storage's failures) is a flag there, and a tier that sets one also speaks that ability's
+words, which :mod:`~tiered_ckpt.tiers.abilities` hands out by the flag.
 
 A step's life on a tier, in the order the calls are made:
 
 1. ``steps()`` and ``uncommitted_steps()`` (both at once: ``list_steps()``): what the tier
    holds, committed or not (a step being written, or left by a crash: a later
    ``delete_step`` removes it).
-2. ``land_shard(step, record, source)`` for each shard the caller holds: the shard's bytes
-   appear under their final name only once they match ``record`` (size and sha256); a failed
-   or interrupted landing leaves nothing a reader could take for the shard.
-3. ``commit(manifest)``: the step is visible exactly once this returns, and only if every
-   shard of it was landed (on a tier that is ``shared``, by every rank). Where
-   ``capabilities.create_only_commit``, a second commit of a different checkpoint of the same
-   step is refused rather than written over the first.
+2. ``land_shard(step, record, source) -> Landed`` for each shard the caller holds: the
+   shard's bytes appear under their final name only once they match ``record`` (size and
+   sha256); a failed or interrupted landing leaves nothing a reader could take for the
+   shard. What it returns says what landed (where, its sizes stored and raw, the store's
+   checksum, how it is compressed): a frozen value that crosses a collective, so that the
+   processes landing shards need not be the one committing them. The tier keeps nothing of
+   it: between landing and commit, the caller holds that state.
+3. ``commit(manifest, landed=...)``, given what every landing of the step returned (gathered
+   from every process): the tier confirms the shards, records what they say and makes the
+   step visible, exactly once this returns, and only if every shard of it was landed (on a
+   tier that is ``shared``, by every rank); where ``capabilities.latest``, it then moves its
+   ``latest`` pointer. Where ``capabilities.create_only_commit``, a second commit of a
+   different checkpoint of the same step is refused rather than written over the first.
+   Where ``capabilities.receipts``, it returns the commit's record, which the caller keeps
+   as a receipt in the first tier.
 4. ``manifest(step)``: the step's manifest, strictly validated (manifests are untrusted
    input); one that names another step is refused.
 5. ``open_shard(step, record, consume)`` to stream a shard whole, or, where
@@ -32,16 +41,17 @@ A step's life on a tier, in the order the calls are made:
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol, TypeVar, runtime_checkable
 
 from tiered_ckpt.errors import UsageError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
+from tiered_ckpt.format.remote_manifest import RemoteManifest
 from tiered_ckpt.io.hashing import ShardDigest, Verify, copy_and_hash
 
-__all__ = ["Capabilities", "ShardSource", "Tier"]
+__all__ = ["Capabilities", "Landed", "ShardSource", "Tier"]
 
 T = TypeVar("T")
 
@@ -57,6 +67,14 @@ class Capabilities:
     ``store_checksums``: the storage computes a checksum of what it received, kept with the
     object, so bytes changed in transit are caught without a download.
     ``ranged_reads``: parts of a shard can be read without reading it whole.
+
+    The optional abilities the replication side asks for (each False unless a tier says so;
+    see :mod:`~tiered_ckpt.tiers.abilities` for the words a tier that has one speaks):
+    ``receipts``: its commits are the ones a later run resumes from, each recorded in the
+    first tier's step (a receipt, from what :meth:`Tier.commit` returns); ``leases``: a run
+    holds a lease on its storage, and uploads a failed run left open there are aborted;
+    ``latest``: its commit moves a ``latest`` pointer to the step; ``retries``: its storage
+    fails transiently and it retries its requests under its own policy, telling how they fail.
     """
 
     durable: bool
@@ -64,6 +82,41 @@ class Capabilities:
     create_only_commit: bool
     store_checksums: bool
     ranged_reads: bool
+    receipts: bool = False
+    leases: bool = False
+    latest: bool = False
+    retries: bool = False
+
+
+@dataclass(frozen=True)
+class Landed:
+    """What landing one shard left in a tier (:meth:`Tier.land_shard`), for its commit.
+
+    ``rank`` and ``path``: the shard's, as its record says. ``location``: where the tier put it
+    in the step, as its commit records it (the shard's own name, unless the tier spreads its
+    objects over prefixes). ``stored_bytes``: the size of what it holds; ``raw_bytes``: the
+    shard's (the same unless ``compression`` says how the stored bytes compress it, in the
+    tier's own words, as JSON). ``checksum``: the checksum the storage computed of what it received
+    and keeps with it, where it does (``capabilities.store_checksums``; None for a shard found
+    already there intact). ``sent``: False if it was already there intact, nothing sent.
+
+    Plain JSON fields: it crosses a collective (every process's landings reach the one that
+    commits), and the tier that reads it back takes it as untrusted input.
+    """
+
+    rank: int
+    path: str
+    location: str
+    stored_bytes: int
+    raw_bytes: int
+    checksum: str | None = None
+    compression: str | None = None
+    sent: bool = True
+
+    @classmethod
+    def as_is(cls, record: ShardRecord, *, sent: bool = True) -> Landed:
+        """A shard landed under its own name as the bytes it is, with no checksum of the storage's."""
+        return cls(record.rank, record.path, record.path, record.size_bytes, record.size_bytes, sent=sent)
 
 
 @dataclass(frozen=True)
@@ -141,17 +194,25 @@ class Tier(Protocol):
 
     def land_shard(
         self, step: int, record: ShardRecord, source: ShardSource, *, deadline: float | None = None
-    ) -> object:
-        """Put ``source``'s bytes at ``record``'s place in ``step``, atomically and verified.
+    ) -> Landed:
+        """Put ``source``'s bytes at ``record``'s place in ``step``, atomically and verified; say
+        what landed. The tier keeps nothing of it for the commit: the caller hands it over.
 
         A tier whose storage fails transiently retries until ``deadline`` (a
-        ``time.monotonic()`` value; None: its own retry policy alone decides). What it
-        returns is the tier's own (a digest, whether bytes were sent); the protocol needs none."""
+        ``time.monotonic()`` value; None: its own retry policy alone decides)."""
         ...
 
-    def commit(self, manifest: ShardManifest, *, deadline: float | None = None) -> object:
+    def commit(
+        self, manifest: ShardManifest, *, landed: Sequence[Landed] = (), deadline: float | None = None
+    ) -> RemoteManifest | None:
         """Make ``manifest``'s step visible; its shards must have landed (``deadline``: as for
-        :meth:`land_shard`). What it returns is the tier's own (the bucket's commit record)."""
+        :meth:`land_shard`).
+
+        ``landed``: what :meth:`land_shard` returned of the step's shards, on every process (a
+        shard it does not name is taken as landed under its own name, with no checksum of the
+        storage's). The tier confirms the shards, records what ``landed`` says of them, commits,
+        and, where ``capabilities.latest``, moves its ``latest`` pointer. Returns the commit's
+        record where ``capabilities.receipts`` (kept as the step's receipt), else None."""
         ...
 
     def delete_step(self, step: int) -> None:

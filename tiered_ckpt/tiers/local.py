@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from functools import partial
 from pathlib import Path
@@ -45,7 +45,7 @@ from tiered_ckpt.io.durable import atomic_write, fsync_directory, write_bytes
 from tiered_ckpt.io.files import directory_lock, open_regular, read_small, remove_temp_files
 from tiered_ckpt.io.hashing import ShardDigest, Verify, check_verify, copy_and_hash, hash_stream, read_hashing
 from tiered_ckpt.tiers import step_records
-from tiered_ckpt.tiers.base import Capabilities, ShardSource
+from tiered_ckpt.tiers.base import Capabilities, Landed, ShardSource
 
 __all__ = ["LocalTier"]
 
@@ -370,35 +370,45 @@ class LocalTier:
         return remove_temp_files(self.step_dir(step))
 
     def land_shard(
-        self, step: int, record: ShardRecord | str, source: ShardSource, *, deadline: float | None = None,
+        self, step: int, record: ShardRecord, source: ShardSource, *, deadline: float | None = None,
         sync_directory: bool = True, cached: bool = False, copy_of: str | None = None,
-    ) -> ShardDigest:  # fmt: skip
+    ) -> Landed:  # fmt: skip
         """Write ``source``'s bytes as ``record``'s shard in ``step`` (its directory made if needed),
         atomically: the file appears under its name only once what was written matches the record
-        (:class:`ChecksumMismatchError` otherwise, the file there before untouched). Returns their digest.
+        (:class:`ChecksumMismatchError` otherwise, the file there before untouched).
 
-        ``record`` may be a file name instead, for a shard written here first (the writer
-        serializing a state): nothing is known to check its bytes against, and the record is
-        built from the digest returned. A ``path`` source is copied (``write`` is preferred
-        when both are given). ``sync_directory=False`` leaves the directory's fsync to
-        :meth:`commit`, for many shards landed at once; ``cached=True`` writes through the page
-        cache (a refill about to be read back). ``copy_of`` names the copy the bytes come from (a
-        bucket's object), for the error if they do not match: the copy failed, not this disk (default:
-        the path they land at). ``deadline`` is unused (a disk has no transient failures)."""
+        A ``path`` source is copied (``write`` is preferred when both are given).
+        ``sync_directory=False`` leaves the directory's fsync to :meth:`commit`, for many shards
+        landed at once; ``cached=True`` writes through the page cache (a refill about to be read
+        back). ``copy_of`` names the copy the bytes come from (a bucket's object), for the error
+        if they do not match: the copy failed, not this disk (default: the path they land at).
+        ``deadline`` is unused (a disk has no transient failures)."""
         del deadline
-        path = self.new_step_dir(step) / (record if isinstance(record, str) else record.path)
+        path = self.new_step_dir(step) / record.path
+        check = partial(record.verify, what=f"rank {record.rank} shard {copy_of or path}")
+        self._write(path, source, check, sync_directory=sync_directory, cached=cached)
+        return Landed.as_is(record)
+
+    def write_shard(self, step: int, name: str, source: ShardSource, *, sync_directory: bool = True) -> ShardDigest:
+        """Write a shard written here first (the writer serializing a state) as the file ``name`` in
+        ``step``, atomically, as :meth:`land_shard` does; nothing is known to check its bytes
+        against: the caller builds its record from the digest returned."""
+        return self._write(self.new_step_dir(step) / name, source, None, sync_directory=sync_directory, cached=False)
+
+    def _write(
+        self, path: Path, source: ShardSource, check: Callable[[ShardDigest], None] | None, *,
+        sync_directory: bool, cached: bool,
+    ) -> ShardDigest:  # fmt: skip
         write = source.write if source.write is not None else partial(_copy_file, source.path)
-        check = None
-        if not isinstance(record, str):
-            check = partial(record.verify, what=f"rank {record.rank} shard {copy_of or path}")
         digest: ShardDigest = atomic_write(path, write, check=check, sync_directory=sync_directory, direct=not cached)
         return digest
 
     def commit(
-        self, manifest: ShardManifest, *, deadline: float | None = None, held: Collection[int] | None = None,
-        agreed: bool | None = True, every_tier: bool = False,
+        self, manifest: ShardManifest, *, landed: Sequence[Landed] = (), deadline: float | None = None,
+        held: Collection[int] | None = None, agreed: bool | None = True, every_tier: bool = False,
     ) -> None:  # fmt: skip
-        """Commit ``manifest``'s step: its shards (``held`` or all) must have landed here already.
+        """Commit ``manifest``'s step: its shards (``held`` or all) must have landed here already
+        (what their landings returned, ``landed``, says nothing a disk records).
 
         The step directory is fsynced first (every name landed in it is durable before the
         manifest is), then the records of held ranks, agreement and ``every_tier`` (the step
@@ -407,7 +417,7 @@ class LocalTier:
         before its agreement, which :meth:`mark_agreed` records): a step no rank marked agreed is
         a save cut short, not a lost disk. None: no record (one process saved every rank).
         """
-        del deadline
+        del landed, deadline
         self.check_locked()
         directory = self.step_dir(manifest.step)
         fsync_directory(directory)

@@ -48,7 +48,7 @@ from tiered_ckpt.format.state import FlatState, own_targets
 from tiered_ckpt.format.structure import Structure
 from tiered_ckpt.io.hashing import Hasher, ShardDigest, Verify, copy_and_hash, hashing_writer
 from tiered_ckpt.io.parallel import run_parallel
-from tiered_ckpt.tiers.base import ShardSource, Tier
+from tiered_ckpt.tiers.base import Landed, ShardSource, Tier
 from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.remote.tier import RemoteTier
 from tiered_ckpt.tiers.retention import RetentionPolicy
@@ -144,10 +144,11 @@ class TieredStore:
         return tier is not None and self.local.has_receipt(step, tier.url)
 
     def record_commit(self, step: int, tier: Tier, committed: RemoteManifest) -> None:
-        """Record in the local step that ``tier`` (the bucket) committed it: a receipt. Only the
-        durable tier has receipts: one of a copy that dies with the job would outlive it."""
-        if tier is not self.remote:
-            raise UsageError(f"only the bucket's commits have receipts, not {tier!r}'s")
+        """Record in the local step that ``tier`` committed it: a receipt. Only a tier whose
+        capabilities say ``receipts`` has them (a durable one: a receipt of a copy that dies with
+        the job would outlive it)."""
+        if not tier.capabilities.receipts:
+            raise UsageError(f"only a tier with receipts has its commits recorded, not {tier!r}")
         self.local.write_receipt(step, tier.url, committed)
 
     def manifests(self, step: int, *, in_local: bool, in_remote: bool) -> tuple[ShardManifest, RemoteManifest | None]:
@@ -190,12 +191,13 @@ class TieredStore:
         *,
         deadline: float | None = None,
         data: memoryview | None = None,
-    ) -> None:
+    ) -> Landed:
         """Land the first tier's copy of ``record``'s shard in ``tier`` (a replicator's put), or
         ``data``, the shard's bytes, for a step the first tier does not hold (one kept in memory
-        only): the copy appears there only once it matches the record (see :meth:`Tier.land_shard`)."""
+        only): the copy appears there only once it matches the record; what landed, for the
+        tier's commit (see :meth:`Tier.land_shard`)."""
         source = ShardSource(data=data) if data is not None else ShardSource(path=self.local.shard_path(step, record))
-        tier.land_shard(step, record, source, deadline=deadline)
+        return tier.land_shard(step, record, source, deadline=deadline)
 
     def download_shard(self, step: int, record: ShardRecord, tier: Tier | None = None) -> None:
         """Stream ``record``'s copy in ``tier`` (default: the shared tier) into the local step,

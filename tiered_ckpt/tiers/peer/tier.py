@@ -36,7 +36,7 @@ import numpy as np
 from tiered_ckpt.errors import CheckpointError, IncompleteCheckpointError, ManifestError, PeerError, UsageError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.io.hashing import Verify
-from tiered_ckpt.tiers.base import Capabilities, ShardSource
+from tiered_ckpt.tiers.base import Capabilities, Landed, ShardSource
 from tiered_ckpt.tiers.peer.copies import Transfer, copy_step, fetch
 from tiered_ckpt.tiers.peer.link import PeerLink
 from tiered_ckpt.tiers.peer.memory import PeerMemory, sha256_of
@@ -176,9 +176,12 @@ class PeerTier:
 
     # -- a save's copy -------------------------------------------------------------------------
 
-    def land_shard(self, step: int, record: ShardRecord, source: ShardSource, *, deadline: float | None = None) -> None:
+    def land_shard(
+        self, step: int, record: ShardRecord, source: ShardSource, *, deadline: float | None = None
+    ) -> Landed:
         """Copy this rank's shard ``record`` of ``step`` to its partner and take the wards' copies
-        (every process calls it at once; the link's timeout, not ``deadline``, bounds each round).
+        (every process calls it at once; the link's timeout, not ``deadline``, bounds each round);
+        what landed is the shard as it is, in the partner's memory.
 
         Raises :class:`PeerError` if the partner did not keep a matching copy
         (:class:`MemoryBudgetError` if its memory refused it; ``transient=False`` if the link
@@ -189,10 +192,11 @@ class PeerTier:
         self._copying = (step, source.path is not None)  # from the disk or not: one cadence, every rank
         with _mapped(source, record) as data:
             copy_step(self._save_link, self.memory, step, record, data, self.partner, self.wards)
+        return Landed.as_is(record)
 
-    def commit(self, manifest: ShardManifest, *, deadline: float | None = None) -> None:
+    def commit(self, manifest: ShardManifest, *, landed: Sequence[Landed] = (), deadline: float | None = None) -> None:
         """Commit ``manifest``'s step here: every ward's shard of it must be held and match its record
-        (a rank holding no ward's shard keeps nothing of the step)."""
+        (a rank holding no ward's shard keeps nothing of the step; ``landed`` says nothing more)."""
         step = manifest.step
         if not self.wards:
             return

@@ -48,19 +48,33 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from tiered_ckpt.errors import CheckpointError, ManifestError, RemoteError, RemoteInUseError, invalid_option
 from tiered_ckpt.format.bounds import MAX_SECONDS, check_number
-from tiered_ckpt.tiers.remote.tier import RemoteTier
 from tiered_ckpt.tiers.remote.upkeep import MAX_OWNER_BYTES
 
-__all__ = ["OwnershipPolicy", "OwnerRecord", "Lease", "OtherOwners", "live_owners", "OWNER_KIND"]
+__all__ = ["OwnershipPolicy", "OwnerRecord", "OwnerRecords", "Lease", "OtherOwners", "live_owners", "OWNER_KIND"]
 
 logger = logging.getLogger("tiered_ckpt")
 
 OWNER_KIND = "tiered_ckpt.owner/1"
 OtherOwners = Literal["warn", "refuse"]
+
+
+class OwnerRecords(Protocol):
+    """Where leases are kept: the owner records under one URL (the object-store tier's; see
+    :class:`~tiered_ckpt.tiers.remote.upkeep.BucketUpkeep`)."""
+
+    url: str
+
+    def owner_location(self, run_id: str) -> str: ...
+
+    def write_owner(self, run_id: str, document: bytes) -> None: ...
+
+    def read_owners(self) -> dict[str, bytes]: ...
+
+    def delete_owner(self, run_id: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -178,7 +192,7 @@ class OwnerRecord:
 
 
 def live_owners(
-    remote: RemoteTier, now: float, *, besides: str | None = None, remove_dead: bool = False
+    remote: OwnerRecords, now: float, *, besides: str | None = None, remove_dead: bool = False
 ) -> list[OwnerRecord]:
     """The runs whose records under ``remote``'s URL are live at ``now`` (besides run ``besides``);
     with ``remove_dead``, the records of dead runs are deleted on the way (a run that comes
@@ -214,7 +228,7 @@ class Lease:
 
     def __init__(
         self,
-        remote: RemoteTier,
+        remote: OwnerRecords,
         policy: OwnershipPolicy | None = None,
         *,
         clock: Callable[[], float] = time.time,

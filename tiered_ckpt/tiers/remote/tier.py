@@ -18,11 +18,13 @@ Committing a step, as :class:`~tiered_ckpt.engine.replication.Replicator` drives
    was sent, so a shard is never taken as uploaded on the PUT's word alone. A shard
    already there intact is not sent again. With ``compression="zstd"`` what is put is the
    shard as independent zstd frames (:mod:`~tiered_ckpt.tiers.remote.compression`), and every
-   read goes by what the step's remote manifest records of it, whatever the option;
-2. :meth:`RemoteTier.confirm_shard` checks each object once more, right before
-3. :meth:`RemoteTier.commit` writes the remote manifest (with the store's checksums of the
-   shards landed), create-only; :meth:`RemoteTier.set_latest` then moves ``latest``. A step
-   is visible remotely exactly when its remote manifest exists.
+   read goes by what the step's remote manifest records of it, whatever the option. It
+   returns what landed (:class:`~tiered_ckpt.tiers.base.Landed`: the object's name, sizes, the
+   store's checksum of what was sent, how it is compressed) and keeps nothing of it;
+2. :meth:`RemoteTier.commit`, handed what every process's landings returned, checks each
+   object once more, then writes the remote manifest (with the store's checksums of the
+   shards landed and how each is stored), create-only, then moves ``latest``. A step is
+   visible remotely exactly when its remote manifest exists.
 
 **One retry policy** (:class:`RetryPolicy`) covers every request this tier makes, reads
 included, and every backend error leaves this module as :class:`RemoteError` (see
@@ -36,7 +38,8 @@ import hashlib
 import logging
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, TypeVar
 
@@ -57,15 +60,15 @@ from tiered_ckpt.format.layout import (
 from tiered_ckpt.format.manifest import MAX_MANIFEST_BYTES, ShardManifest, ShardRecord
 from tiered_ckpt.format.remote_manifest import RemoteManifest
 from tiered_ckpt.io.hashing import ShardDigest, Verify, fill_hashing, hash_stream
+from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.io.zstd_frames import FrameCache, FramesReader, read_range_into
-from tiered_ckpt.tiers.base import Capabilities, ShardSource
+from tiered_ckpt.tiers.base import Capabilities, Landed, ShardSource
 from tiered_ckpt.tiers.remote.backends import open_backend
 from tiered_ckpt.tiers.remote.backends.base import Backend
 from tiered_ckpt.tiers.remote.backends.s3 import same_checksum
 from tiered_ckpt.tiers.remote.backends.wrappers import Counting
 from tiered_ckpt.tiers.remote.checksums import StoreSums
 from tiered_ckpt.tiers.remote.compression import Compression, check_compression, compressed_copy, object_name
-from tiered_ckpt.tiers.remote.landed import Landed, LandedShards
 from tiered_ckpt.tiers.remote.listing import BucketListing
 from tiered_ckpt.tiers.remote.requests import LimitedReader, Requests, Trouble
 from tiered_ckpt.tiers.remote.retry import RetryPolicy, is_transient
@@ -81,6 +84,15 @@ Layout = Literal["flat", "hashed"]
 # concurrent part uploads (max_concurrency, 10 by default) keep the link busy.
 DEFAULT_PART_BYTES = 16 << 20
 DEFAULT_PART_CONCURRENCY = 8  # parts in flight per tier (S3), before throttling lowers it
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """How a committed step's objects are named and stored, as its remote manifest says (what a
+    reader needs of it, kept once read: nothing of a step being landed is kept)."""
+
+    locations: Mapping[str, str] = field(default_factory=dict)
+    compression: Mapping[str, CompressedObject] = field(default_factory=dict)
 
 
 class RemoteTier(BucketListing, BucketUpkeep):
@@ -115,13 +127,16 @@ class RemoteTier(BucketListing, BucketUpkeep):
             self.url, storage_options or {}, retry=self.retry, part_bytes=part_bytes, part_concurrency=part_concurrency
         )
         self.backend: Counting = Counting(wrap(opened) if wrap is not None else opened)
-        self.capabilities: Capabilities = self.backend.capabilities
+        # The bucket's own words on top of what its store can do: receipts of its commits kept
+        # by the first tier, run leases, a `latest` pointer, and retries under its policy.
+        self.capabilities: Capabilities = replace(
+            self.backend.capabilities, receipts=True, leases=True, latest=True, retries=True
+        )
         self._root = self.backend.root
         self._requests = Requests(self.retry)
         self._run, self._timeout = self._requests.run, self._requests.timeout
-        self._locations: dict[int, Mapping[str, str]] = {}  # step -> its remote manifest's object names
-        self._compressed: dict[int, Mapping[str, CompressedObject]] = {}  # step -> its manifest's compressed objects
-        self._landed = LandedShards()
+        self._confirms_at_once = part_concurrency
+        self._placements: dict[int, _Placement] = {}  # committed steps whose remote manifest was read or written
         self._frames = FrameCache()
 
     def __repr__(self) -> str:
@@ -139,7 +154,8 @@ class RemoteTier(BucketListing, BucketUpkeep):
         remote manifest records it once read, else as this tier's layout puts it ("flat":
         ``path``; "hashed": ``<2 hex digits of a hash>/path``, spreading a step's objects over
         256 key prefixes so that a store's request rate per prefix is not the limit)."""
-        recorded = self._locations.get(step, {}).get(path)
+        placement = self._placements.get(step)
+        recorded = placement.locations.get(path) if placement is not None else None
         if recorded is not None:
             return recorded
         if self.layout == "hashed":
@@ -153,19 +169,18 @@ class RemoteTier(BucketListing, BucketUpkeep):
         return self.location(step, object_name(self.object_name(step, record.path), self._stored(step, record)))
 
     def _stored(self, step: int, record: ShardRecord, *, read: bool = False) -> CompressedObject | None:
-        """How ``record``'s object is stored (None: as the shard file it is): as the step's remote
-        manifest says once read, else as this tier landed it. ``read``: read a committed step's
-        remote manifest first if this tier has not yet (a reader never goes by its own option)."""
-        if step not in self._compressed and (landed := self._landed.compressed(step, record.path)) is not None:
-            return landed
-        if step not in self._compressed and read:
+        """How ``record``'s object is stored (None: as the shard file it is), as the step's remote
+        manifest says once read. ``read``: read a committed step's remote manifest first if this
+        tier has not yet (a reader never goes by its own option)."""
+        if step not in self._placements and read:
             try:
                 self.read_manifest(step)
             except RemoteError as exc:
                 if not isinstance(exc.__cause__, FileNotFoundError):
                     raise
                 return None  # not committed: a shard of it is read as it is
-        return self._compressed.get(step, {}).get(record.path)
+        placement = self._placements.get(step)
+        return placement.compression.get(record.path) if placement is not None else None
 
     # -- listing and reading ------------------------------------------------------------------
 
@@ -183,7 +198,7 @@ class RemoteTier(BucketListing, BucketUpkeep):
         remote = RemoteManifest.from_json(self._run(f"reading {location}", read), source=location)
         if remote.manifest.step != step:
             raise ManifestError(f"{location}: field 'step' is {remote.manifest.step}, the prefix is step {step}")
-        self._locations[step], self._compressed[step] = remote.locations, remote.compression
+        self._placements[step] = _Placement(remote.locations, remote.compression)
         return remote
 
     def manifest(self, step: int) -> ShardManifest:
@@ -274,22 +289,20 @@ class RemoteTier(BucketListing, BucketUpkeep):
         """The key of ``record``'s object stored as ``stored`` says, and the record of its own bytes."""
         return self._shard(step, record, stored), stored.object_record(record) if stored is not None else record
 
-    def shard_is_uploaded(self, step: int, record: ShardRecord) -> bool:
-        """True if the shard's object exists with the recorded size (and sha256, where kept)."""
-        key, obj = self._object(step, record, self._stored(step, record, read=True))
-        return self._run(f"checking {self.shard_location(step, record)}", lambda: self._mismatch(key, obj) is None)
-
-    def land_shard(self, step: int, record: ShardRecord, source: ShardSource, *, deadline: float | None = None) -> bool:
+    def land_shard(
+        self, step: int, record: ShardRecord, source: ShardSource, *, deadline: float | None = None
+    ) -> Landed:
         """Make the shard's object match ``record``: put ``source`` (a stream is staged in a temp file
         first; with ``compression="zstd"``, the file compressed) unless the object is already there
-        intact, then confirm.
+        intact, then confirm; say what landed.
 
-        Returns True if it was put, False if it was already there. One operation under the
-        retry policy and ``deadline``: a try that finds the object wrong afterwards puts it
-        again. The file is checked against ``record`` before an object is made of it.
-        "Intact" includes the store's checksums of what it received (bytes changed in transit
-        are never confirmed); the one of what was sent, and how a compressed object is stored,
-        are kept for :meth:`commit`.
+        One operation under the retry policy and ``deadline``: a try that finds the object
+        wrong afterwards puts it again. The file is checked against ``record`` before an
+        object is made of it. "Intact" includes the store's checksums of what it received
+        (bytes changed in transit are never confirmed). What it returns (``sent=False``: it
+        was already there) carries what :meth:`commit` records: the object's name, the store's
+        checksum of what was sent (none for one found already there) and, for a compressed
+        object, how it is stored; nothing of it is kept here.
         """
         if source.write is not None and source.path is None:  # staged in a temp file, checked, put from there
             with tempfile.TemporaryDirectory(prefix="tiered-ckpt-") as directory:
@@ -304,46 +317,28 @@ class RemoteTier(BucketListing, BucketUpkeep):
 
     def _put(
         self, step: int, record: ShardRecord, local_path: Path, stored: CompressedObject | None, deadline: float | None
-    ) -> bool:
+    ) -> Landed:
         """:meth:`land_shard` of the file ``local_path``: the shard, or its compressed copy (``stored``)."""
         key, obj = self._object(step, record, stored)
-        location = self.location(step, object_name(self.object_name(step, record.path), stored))
+        name = self.object_name(step, record.path)
+        location = self.location(step, object_name(name, stored))
 
-        def put_and_confirm() -> bool:
+        def landed(checksum: str | None, sent: bool) -> Landed:
+            compression = stored.to_json() if stored is not None else None
+            sizes = obj.size_bytes, record.size_bytes
+            return Landed(record.rank, record.path, name, *sizes, checksum=checksum, compression=compression, sent=sent)
+
+        def put_and_confirm() -> Landed:
             if self._mismatch(key, obj, lambda: self.backend.sums(local_path, obj)) is None:
-                self._landed.keep(step, record.path, None, stored)
-                return False
+                return landed(None, False)
             self._timeout()
             sums = self.backend.put_shard(local_path, key, obj, deadline=self._requests.deadline).sums
             problem = self._mismatch(key, obj, lambda: sums)
             if problem is not None:
                 raise RemoteError(f"{location}: not confirmed after the upload: {problem}", transient=True)
-            self._landed.keep(step, record.path, sums.kept if sums is not None else None, stored)
-            return True
+            return landed(sums.kept if sums is not None else None, True)
 
         return self._run(f"uploading {local_path} to {location}", put_and_confirm, deadline)
-
-    def take_landed(self, step: int) -> Landed:
-        """What this tier kept of each shard of ``step`` it landed: the store's checksum of what it
-        put (one found already there intact has none) and how a compressed one is stored, by shard
-        path, as the remote manifest records them; handed over once."""
-        return self._landed.take(step)
-
-    def add_landed(self, step: int, landed: Landed) -> None:
-        """Take another process's :meth:`take_landed` (its shards of ``step``) for the commit here."""
-        self._landed.add(step, landed)
-
-    def take_landed_checksums(self, step: int) -> dict[str, str]:
-        """The store's checksums of :meth:`take_landed` (for a tier that compresses, hand that over)."""
-        return dict(self._landed.take(step).checksums)
-
-    def add_landed_checksums(self, step: int, checksums: Mapping[str, str]) -> None:
-        """Take another process's :meth:`take_landed_checksums` (its shards of ``step``) for the commit here."""
-        self._landed.add(step, Landed(checksums))
-
-    def forget_landed(self, step: int) -> None:
-        """Drop what this tier kept of ``step``'s landed shards (its upload committed or given up)."""
-        self._landed.forget(step)
 
     def check_store_checksum(self, step: int, record: ShardRecord, expected: str) -> str | None:
         """The problem, or None, comparing without a download the store's checksum of ``record``'s
@@ -369,12 +364,16 @@ class RemoteTier(BucketListing, BucketUpkeep):
             return f"{location}: the store keeps checksum {kept}, the remote manifest records {expected}"
         return None
 
-    def confirm_shard(self, step: int, record: ShardRecord, *, deadline: float | None = None) -> str | None:
-        """Check ``record``'s object once more, by one HEAD, right before a commit: the problem
-        (naming the object; one deleted or replaced since it was put), or None if its size,
-        stored sha256 and store checksum (against what was sent) are as recorded."""
-        key, obj = self._object(step, record, self._stored(step, record))
-        location, kept = self.shard_location(step, record), self._landed.checksum(step, record.path)
+    def _confirm(
+        self, step: int, record: ShardRecord, name: str, stored: CompressedObject | None, kept: str | None,
+        deadline: float | None,
+    ) -> str | None:  # fmt: skip
+        """Check ``record``'s object (``name`` in the step, stored as ``stored`` says) once more, by
+        one HEAD, right before a commit: the problem (naming the object; one deleted or replaced
+        since it was put), or None if its size, stored sha256 and store checksum (against ``kept``,
+        the one of what was sent, if any) are as recorded."""
+        key, location = self._path(step, object_name(name, stored)), self.location(step, object_name(name, stored))
+        obj = stored.object_record(record) if stored is not None else record
 
         def head() -> str | None:
             try:
@@ -393,28 +392,57 @@ class RemoteTier(BucketListing, BucketUpkeep):
         problem = self._run(f"confirming {location}", head, deadline)
         return f"{location}: {problem}" if problem else None
 
-    def commit(self, manifest: ShardManifest, *, deadline: float | None = None) -> RemoteManifest:
-        """Write the remote manifest of ``manifest``'s step, with the store's checksums of the
-        shards landed and how those compressed are stored (see :meth:`take_landed`), create-only
-        where the store supports it (under ``deadline``, see :meth:`_run`).
+    def commit(
+        self, manifest: ShardManifest, *, landed: Sequence[Landed] = (), deadline: float | None = None
+    ) -> RemoteManifest:
+        """Commit ``manifest``'s step (every request under ``deadline``, see :meth:`_run`): check every
+        shard's object once more, write the remote manifest, create-only where the store supports
+        it, recording what ``landed`` says (each object's name, the store's checksum of what was
+        sent, how a compressed one is stored; a shard it does not name: under the layout's name,
+        as it is), then point ``latest`` at the step (a hint for people and tools; listing is the
+        truth). Returns the remote manifest, the receipt of the commit.
 
-        Call only once every shard is confirmed. If the step is already committed with
-        the same shards (a retried or resumed commit), that commit is returned. A remote
-        manifest a reader would refuse as too large (a compressed step's frame indexes over
-        tens of TiB) is never written: :class:`RemoteError`, not transient.
+        A commit over an object missing or changed since it was confirmed is never written
+        (:class:`RemoteError`, not transient). If the step is already committed with the same
+        shards (a retried or resumed commit), that commit is returned. A remote manifest a
+        reader would refuse as too large (a compressed step's frame indexes over tens of TiB)
+        is never written: :class:`RemoteError`, not transient.
         """
         step = manifest.step
         location = self.location(step, MANIFEST_NAME)
         path = self._path(step, MANIFEST_NAME)
-        landed = self._landed.of(step, {record.path for record in manifest.shards})
+        source = f"what was landed of {self.location(step)}"
+        shards = {record.path: record for record in manifest.shards}
+        mine = {each.path: each for each in landed if each.path in shards}
+        names = {path: mine[path].location if path in mine else self.object_name(step, path) for path in shards}
+        checksums = {path: each.checksum for path, each in mine.items() if each.checksum is not None}
+        locations = {path: name for path, name in names.items() if name != path}
+        try:  # what crossed from other processes is checked as a reader would, before any request
+            compressed = {
+                path: CompressedObject.from_json(each.compression, source=source)
+                for path, each in mine.items()
+                if each.compression is not None
+            }
+            planned = RemoteManifest(manifest, time.time(), checksums, locations, compressed)
+        except ManifestError as exc:
+            raise RemoteError(f"{location}: what was landed cannot be committed: {exc}", transient=False) from exc
+
+        def confirm(record: ShardRecord) -> str | None:
+            path = record.path
+            return self._confirm(step, record, names[path], compressed.get(path), checksums.get(path), deadline)
+
+        problems = [problem for problem in run_parallel(confirm, manifest.shards, self._confirms_at_once) if problem]
+        if problems:
+            self._refuse_another_commit(manifest)
+            raise RemoteError(
+                f"step {step} was not committed at {self.location(step)}: {len(problems)} of its objects "
+                f"changed after their upload was confirmed (deleted or replaced by someone else?): "
+                + "; ".join(problems[:5]),
+                transient=False,
+            )
 
         def create() -> RemoteManifest | None:
-            locations = {
-                record.path: self.object_name(step, record.path)
-                for record in manifest.shards
-                if self.object_name(step, record.path) != record.path
-            }
-            remote = RemoteManifest(manifest, time.time(), dict(landed.checksums), locations, dict(landed.compressed))
+            remote = replace(planned, committed_at=time.time())
             if len(document := remote.to_json().encode()) > MAX_MANIFEST_BYTES:
                 problem = f"{len(document):,} bytes, over the {MAX_MANIFEST_BYTES:,} a reader accepts"
                 raise RemoteError(f"{location}: the remote manifest would take {problem}", transient=False)
@@ -425,21 +453,31 @@ class RemoteTier(BucketListing, BucketUpkeep):
             return remote
 
         remote = self._run(f"committing {location}", create, deadline)
-        self.forget_landed(step)
         if remote is not None:
-            self._compressed[step] = remote.compression
-            return remote
-        existing = self.read_manifest(step)
+            self._placements[step] = _Placement(remote.locations, remote.compression)
+        else:
+            remote = self._refuse_another_commit(manifest)
+            assert remote is not None
+        latest, data = f"{self._root}/{LATEST_NAME}", f"{step}\n".encode()
+        self._run(f"writing {self.url}/{LATEST_NAME}", lambda: self.backend.put_bytes(latest, data))
+        return remote
+
+    def _refuse_another_commit(self, manifest: ShardManifest) -> RemoteManifest | None:
+        """The step's remote manifest if it is committed (None if not); :class:`RemoteError`, not
+        transient, if it is committed as another checkpoint than ``manifest``."""
+        step = manifest.step
+        try:
+            existing = self.read_manifest(step)
+        except RemoteError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):
+                return None
+            raise
         if existing.manifest.shards != manifest.shards:
+            location = self.location(step, MANIFEST_NAME)
             raise RemoteError(
                 f"{location}: a different checkpoint of step {step} is already committed", transient=False
             )
         return existing
-
-    def set_latest(self, step: int) -> None:
-        """Point ``latest`` at ``step`` (a hint for people and tools; listing is the truth)."""
-        path, data = f"{self._root}/{LATEST_NAME}", f"{step}\n".encode()
-        self._run(f"writing {self.url}/{LATEST_NAME}", lambda: self.backend.put_bytes(path, data))
 
     # -- deleting -----------------------------------------------------------------------
 
@@ -453,5 +491,4 @@ class RemoteTier(BucketListing, BucketUpkeep):
             self.backend.delete_prefix(self._path(step))
 
         self._run(f"deleting {self.location(step)}", delete)
-        self.forget_landed(step)
-        self._compressed.pop(step, None)
+        self._placements.pop(step, None)

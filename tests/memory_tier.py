@@ -49,9 +49,15 @@ class MemoryTier:
     def uncommitted_steps(self) -> list[int]:
         return sorted({step for step, _ in self.shards} - set(self.manifests))
 
-    def list_steps(self) -> tuple[list[int], list[int]]:
+    def list_steps(self, *, once: bool = False) -> tuple[list[int], list[int]]:
         with self._lock:
             return self.steps(), self.uncommitted_steps()
+
+    def held_ranks(self, step: int, manifest: ShardManifest) -> tuple[int, ...]:
+        """Every rank on a shared tier; on a node-local one, the ranks whose shards landed here."""
+        with self._lock:
+            held = {path for held_step, path in self.shards if held_step == step}
+        return tuple(record.rank for record in manifest.shards if self.capabilities.shared or record.path in held)
 
     def shard_location(self, step: int, record: ShardRecord) -> str:
         return f"{self.url}/{step}/{record.path}"

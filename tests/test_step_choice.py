@@ -7,7 +7,8 @@ import pytest
 
 from tiered_ckpt import CheckpointManager, IncompleteCheckpointError, InvalidStateError, UsageError
 from tiered_ckpt.dist.coordination import Attempt, SingleProcessCoordinator
-from tiered_ckpt.engine.step_choice import Disks, StepChooser, StepReport, same_call
+from tiered_ckpt.engine.step_choice import StepChooser, same_call
+from tiered_ckpt.engine.step_decision import Disks, StepReport
 from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.store import TieredStore
 
@@ -17,9 +18,9 @@ CHECKED = Attempt.run(lambda: None)
 def reports() -> list[StepReport]:
     """Three ranks' disks: step 1 on all, step 2 on ranks 0 and 2 (rank 2's manifest damaged), step 3 on rank 1."""
     return [
-        StepReport("{}", ((1, 3), (2, 3)), (), ((1, True), (2, False))),
-        StepReport("{}", ((1, 3), (3, 2)), None, ((1, True), (3, None))),
-        StepReport("{}", ((1, 3), (2, None)), None, ((1, True),)),
+        StepReport("{}", (("local", ((1, 3, None), (2, 3, None))),), ((1, True), (2, False))),
+        StepReport("{}", (("local", ((1, 3, None), (3, 2, None))),), ((1, True), (3, None))),
+        StepReport("{}", (("local", ((1, 3, None), (2, None, None))),), ((1, True),)),
     ]
 
 
@@ -58,7 +59,8 @@ def test_the_chooser_agrees_on_the_newest_step_or_the_one_asked_for(saved):
     assert agreed.choice.step == 2 and agreed.choice.unfinished == ()
     assert agreed.complete == (1, 2) and agreed.remote_steps == frozenset()
     (report,) = agreed.reports
-    assert report.local == ((1, 2), (2, 2)) and report.remote == () and report.agreed == ((1, True), (2, True))
+    assert report.tiers == (("local", ((1, 2, None), (2, 2, None))),) and report.down == ()
+    assert report.agreed == ((1, True), (2, True))
     assert saved.agree(1, "{}", 2, False, CHECKED).choice.step == 1
 
 

@@ -24,6 +24,13 @@ class TestMemoryTier(TierContract):
     def replace_manifest(self, tier, step, data):
         tier.manifests[step] = data
 
+    @pytest.mark.parametrize("shared", [False, True])
+    def test_a_node_local_tier_holds_the_ranks_that_landed_here_a_shared_one_every_rank(self, shared):
+        tier = MemoryTier(shared=shared)
+        manifest = self.commit_step(tier, 3)
+        del tier.shards[(3, manifest.shards[0].path)]  # this node's part: rank 0's shard is on another node
+        assert tier.held_ranks(3, manifest) == ((0, 1) if shared else (1,))
+
 
 class RemoteTierContract(TierContract):
     """The object-store tier, on each backend (the ``url`` fixture names one)."""

@@ -117,6 +117,16 @@ class TierContract:
         tier.land_shard(5, manifest.shards[0], writing(shard_bytes(5, 0)))
         assert tier.list_steps() == (tier.steps(), tier.uncommitted_steps()) == ([2], [5])
 
+    def test_a_listing_tried_once_says_what_the_listing_does(self, tier):
+        self.commit_step(tier, 4)
+        tier.land_shard(6, manifest_of(6).shards[1], writing(shard_bytes(6, 1)))
+        assert tier.list_steps(once=True) == tier.list_steps() == ([4], [6])
+
+    def test_a_step_whose_every_shard_landed_holds_every_rank(self, tier):
+        manifest = self.commit_step(tier, 7)
+        held = tier.held_ranks(7, manifest)
+        assert list(held) == list(range(WORLD_SIZE)) and all(type(rank) is int for rank in held)
+
     def test_a_shard_is_named_by_where_the_tier_keeps_it(self, tier):
         record = self.commit_step(tier, 3).shards[1]
         location = tier.shard_location(3, record)

@@ -12,7 +12,8 @@ A step's life on a tier, in the order the calls are made:
 
 1. ``steps()`` and ``uncommitted_steps()`` (both at once: ``list_steps()``): what the tier
    holds, committed or not (a step being written, or left by a crash: a later
-   ``delete_step`` removes it).
+   ``delete_step`` removes it); ``held_ranks(step, manifest)``: whose shards of a committed
+   step it holds (every rank's on a ``shared`` tier, a node's part on a node-local one).
 2. ``land_shard(step, record, source) -> Landed`` for each shard the caller holds: the
    shard's bytes appear under their final name only once they match ``record`` (size and
    sha256); a failed or interrupted landing leaves nothing a reader could take for the
@@ -164,8 +165,17 @@ class Tier(Protocol):
         """Steps with shards but no commit, oldest first."""
         ...
 
-    def list_steps(self) -> tuple[list[int], list[int]]:
-        """``(steps(), uncommitted_steps())`` from one look at the storage."""
+    def list_steps(self, *, once: bool = False) -> tuple[list[int], list[int]]:
+        """``(steps(), uncommitted_steps())`` from one look at the storage. ``once``: a tier that
+        retries transient failures tries its first request once (a caller that can do without
+        the tier learns at once that it is failing); others ignore it."""
+        ...
+
+    def held_ranks(self, step: int, manifest: ShardManifest) -> Sequence[int]:
+        """The ranks of ``manifest`` whose shards of committed ``step`` this tier holds, in
+        increasing order: every rank on a ``shared`` tier; on a node-local one (a disk, a
+        partner's memory) the part this node holds, which may be fewer (the rest live on other
+        nodes). A record of them that does not validate raises :class:`ManifestError`."""
         ...
 
     def shard_location(self, step: int, record: ShardRecord) -> str:

@@ -217,10 +217,10 @@ class LocalTier:
         """True if ``step``'s directory holds a manifest (its validity is checked by :meth:`manifest`)."""
         return (self.step_dir(step) / MANIFEST_NAME).is_file()
 
-    def list_steps(self) -> tuple[list[int], list[int]]:
+    def list_steps(self, *, once: bool = False) -> tuple[list[int], list[int]]:
         """(committed, uncommitted): step directories with a manifest, and those without that hold
         something (being written, or left by a crash), each oldest first. An empty step directory
-        holds nothing of a step and is in neither."""
+        holds nothing of a step and is in neither (``once``: nothing to retry, ignored)."""
         committed, uncommitted = [], []
         for step, directory in self._step_dirs():
             if (directory / MANIFEST_NAME).is_file():

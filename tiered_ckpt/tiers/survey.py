@@ -11,11 +11,12 @@ import logging
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from tiered_ckpt.errors import IncompleteCheckpointError, ManifestError, RemoteError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.tiers.base import Tier
+from tiered_ckpt.tiers.remote.tier import RemoteTier
 from tiered_ckpt.tiers.retention import awaiting
 from tiered_ckpt.tiers.store import TieredStore
 
@@ -180,6 +181,11 @@ class VerifyResult:
         return not self.failed
 
 
+def _is_bucket(tier: Tier) -> bool:
+    """Whether ``tier`` is the store's shared, durable one (the bucket)."""
+    return tier.capabilities.shared and tier.capabilities.durable
+
+
 def _bucket(store: TieredStore) -> str | None:
     return store.remote.name if store.remote is not None else None
 
@@ -265,7 +271,7 @@ def lag(
     steps = store.local.steps()
     newest: dict[str, int | None] = {store.local.name: steps[-1] if steps else None}
     for tier in store.later:
-        if tier is store.remote and not isinstance(newest_remote, Unknown):
+        if _is_bucket(tier) and not isinstance(newest_remote, Unknown):
             newest[tier.name] = newest_remote
         else:
             committed = tier.steps()
@@ -329,43 +335,34 @@ def verify(
 
 
 def _checks(store: TieredStore, tier: Tier, kept_sums: bool) -> Callable[[int], Iterator[ShardCheck]]:
-    """The checks of one step in ``tier`` (``kept_sums``: by the store's checksums where recorded)."""
+    """The checks of one step in ``tier``: the shards it holds are hashed (``kept_sums``, on a tier
+    whose storage keeps checksums: checked against those where its manifest records them, without
+    a download); those of ranks another node holds are "elsewhere"."""
 
     def checked(step: int, record: ShardRecord, problem: str | None) -> ShardCheck:
         return ShardCheck(step, tier.name, record.rank, "ok" if problem is None else "failed", problem)
 
-    def local(step: int) -> Iterator[ShardCheck]:
-        manifest = store.local.manifest(step)
-        held = set(store.local.held_ranks(step, manifest))
-        for record in manifest.shards:
-            if record.rank not in held:
-                yield ShardCheck(step, tier.name, record.rank, "elsewhere")
-            else:
-                yield checked(step, record, store.local.check_shard(step, record))
-
-    def shared(step: int) -> Iterator[ShardCheck]:
-        assert store.remote is not None
-        remote = store.remote.read_manifest(step)
-        for record in remote.manifest.shards:
-            kept = remote.store_checksums.get(record.path) if kept_sums else None
-            problem = (
-                store.remote.check_store_checksum(step, record, kept)
-                if kept is not None
-                else store.remote.check_shard(step, record)
-            )
-            yield checked(step, record, problem)
-
-    def other(step: int) -> Iterator[ShardCheck]:
+    def held(step: int) -> Iterator[ShardCheck]:
         manifest = tier.manifest(step)
-        held_ranks = getattr(tier, "held_ranks", None)  # a tier each node holds a part of says which
-        held = set(held_ranks(step, manifest)) if held_ranks is not None else None
+        ranks = set(tier.held_ranks(step, manifest))
         for record in manifest.shards:
-            if held is not None and record.rank not in held:
+            if record.rank not in ranks:
                 yield ShardCheck(step, tier.name, record.rank, "elsewhere")
             else:
                 yield checked(step, record, tier.check_shard(step, record))
 
-    return local if tier is store.local else shared if tier is store.remote else other
+    def by_kept_sums(step: int) -> Iterator[ShardCheck]:
+        # the store's checksums are the bucket's own words (see tiers/base.py)
+        bucket = cast(RemoteTier, tier)
+        remote = bucket.read_manifest(step)
+        for record in remote.manifest.shards:
+            kept = remote.store_checksums.get(record.path)
+            if kept is None:
+                yield checked(step, record, bucket.check_shard(step, record))
+            else:
+                yield checked(step, record, bucket.check_store_checksum(step, record, kept))
+
+    return by_kept_sums if kept_sums and tier.capabilities.store_checksums else held
 
 
 def _verify_in(

@@ -91,7 +91,8 @@ class PeerTier:
         with self.memory.lock:
             return self.memory.uncommitted_steps()
 
-    def list_steps(self) -> tuple[list[int], list[int]]:
+    def list_steps(self, *, once: bool = False) -> tuple[list[int], list[int]]:
+        """``(steps(), uncommitted_steps())`` at one instant (``once``: nothing to retry, ignored)."""
         with self.memory.lock:
             return self.memory.steps(), self.memory.uncommitted_steps()
 

@@ -205,6 +205,10 @@ class RemoteTier(BucketListing, BucketUpkeep):
         """The validated manifest of committed ``step`` (see :meth:`read_manifest`)."""
         return self.read_manifest(step).manifest
 
+    def held_ranks(self, step: int, manifest: ShardManifest) -> tuple[int, ...]:
+        """Every rank of ``manifest``: a committed step holds every shard, and every node sees them."""
+        return tuple(record.rank for record in manifest.shards)
+
     def open_shard(self, step: int, record: ShardRecord, consume: Callable[[BinaryIO], T]) -> T:
         """Open ``record``'s object and return ``consume(stream)``; retried from the start on a transient error.
 

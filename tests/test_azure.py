@@ -242,6 +242,7 @@ def test_a_store_that_always_fails_costs_max_tries_requests(azurite_endpoint):
     assert caught.value.transient and caught.value.tries == 3 and proxy.requests == 3
 
 
+@pytest.mark.slow
 def test_a_store_that_never_answers_a_put_fails_it_as_transient(azurite_endpoint, tmp_path):
     """The request timeout reaches the SDK client the library opens (its own is minutes)."""
     url, _ = new_azure_container(azurite_endpoint)

@@ -107,6 +107,7 @@ def test_a_compressed_bucket_restores_a_new_node_whose_reader_compresses_nothing
     assert refilled["optim/master"].tobytes() == trained(1)["optim"]["master"].tobytes()
 
 
+@pytest.mark.slow
 def test_a_bucket_holding_compressed_and_uncompressed_steps_reads_both_whatever_the_option(tmp_path, s3_url):
     url, options = s3_url
     for step, kind in ((1, "none"), (2, "zstd")):
@@ -127,6 +128,7 @@ def test_a_bucket_holding_compressed_and_uncompressed_steps_reads_both_whatever_
             assert reader.verify().ok and len(reader.verify().checks) == 8  # 2 steps x 2 ranks x 2 tiers
 
 
+@pytest.mark.slow
 def test_two_rank_processes_hand_their_compressed_entries_to_the_one_that_commits(tmp_path, s3_url):
     from test_coordination import WORKER, expected_digests
 

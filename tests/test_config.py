@@ -353,7 +353,7 @@ def test_a_remote_url_without_a_bucket_is_a_config_error(tmp_path, url):
         load_config(write(tmp_path, f"[local]\ndir = 'x'\n[remote]\nurl = '{url}'\n"), environ={})
 
 
-@pytest.mark.parametrize("scheme", ["s3", "gcs", "azure"])
+@pytest.mark.parametrize("scheme", [pytest.param("s3", marks=pytest.mark.slow), "gcs", "azure"])
 def test_endpoint_url_from_a_config_or_the_environment_reaches_the_store(tmp_path, request, scheme, monkeypatch):
     from conftest import AZURITE_ACCOUNT, AZURITE_KEY, S3_TEST_KEY, S3_TEST_SECRET
 

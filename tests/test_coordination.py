@@ -60,6 +60,7 @@ samples = st.builds(
 )
 
 
+@pytest.mark.slow
 @given(samples)
 def test_a_typed_payload_round_trips_through_the_json_a_collective_carries(sample):
     assert from_payload(Sample, json.loads(json.dumps(to_payload(sample)))) == sample
@@ -143,6 +144,7 @@ def copy_nodes(job_root: Path, tmp_path: Path, ranks) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow
 def test_torch_coordinator_gathers_broadcasts_and_fails_every_rank_together(saved_job):
     _root, _remote, results = saved_job
     for rank, result in results.items():
@@ -162,6 +164,7 @@ def test_torch_coordinator_gathers_broadcasts_and_fails_every_rank_together(save
         assert result["typed_equal"] and result["decided_equal"], result
 
 
+@pytest.mark.slow
 def test_a_failing_action_on_one_of_two_processes_makes_both_raise_naming_the_rank_and_label(tmp_path):
     results = run_ranks(tmp_path, 2, [{"do": "collectives"}])
     assert results[1]["agree_error"] == ["InvalidStateError", "rank 1 refuses"]  # its own error
@@ -180,6 +183,7 @@ def test_a_failing_action_on_one_of_two_processes_makes_both_raise_naming_the_ra
     assert all(result["typed_equal"] and result["decided_equal"] for result in results.values()), results
 
 
+@pytest.mark.slow
 def test_a_save_takes_three_rounds_of_collectives_and_a_long_payload_one_more(tmp_path):
     actions = [{"do": "count_rounds", "step": 1}, {"do": "count_rounds", "step": 2}, {"do": "long_payloads"}]
     results = run_ranks(tmp_path, 2, actions)
@@ -191,6 +195,7 @@ def test_a_save_takes_three_rounds_of_collectives_and_a_long_payload_one_more(tm
         assert result["long"] == [[True, 2], [True, 1], [True, 2]], result
 
 
+@pytest.mark.slow
 def test_each_rank_writes_only_its_shard_and_the_step_commits_in_both_tiers(saved_job):
     root, remote, results = saved_job
     assert all("error" not in result for result in results.values()), results
@@ -210,6 +215,7 @@ def test_each_rank_writes_only_its_shard_and_the_step_commits_in_both_tiers(save
     assert tier.read_manifest(2).manifest.shards == manifest.shards
 
 
+@pytest.mark.slow
 def test_restore_is_byte_equal_on_every_rank_and_only_the_replaced_node_downloads(saved_job, tmp_path):
     job_root, remote, _results = saved_job
     root = copy_nodes(job_root, tmp_path, [0, 1, 3])  # rank 2's node was replaced: empty disk
@@ -224,6 +230,7 @@ def test_restore_is_byte_equal_on_every_rank_and_only_the_replaced_node_download
     assert json.loads((refilled / HELD_NAME).read_text()) == {"ranks": [2]}
 
 
+@pytest.mark.slow
 def test_a_different_world_size_fails_on_every_rank_unless_resharding_is_asked(saved_job, tmp_path):
     job_root, remote, _results = saved_job
     root = copy_nodes(job_root, tmp_path, [0, 1])
@@ -241,6 +248,7 @@ def test_a_different_world_size_fails_on_every_rank_unless_resharding_is_asked(s
     assert json.loads((node(root, 0) / step_dir_name(2) / HELD_NAME).read_text()) == {"ranks": [0, 1]}
 
 
+@pytest.mark.slow
 def test_resharding_across_nodes_without_a_bucket_says_it_needs_one(saved_job, tmp_path):
     job_root, _remote, _results = saved_job
     root = copy_nodes(job_root, tmp_path, [0, 1])
@@ -251,6 +259,7 @@ def test_resharding_across_nodes_without_a_bucket_says_it_needs_one(saved_job, t
         assert "needs a bucket" in result["error"][1]
 
 
+@pytest.mark.slow
 def test_the_cli_verifies_a_node_directory_without_counting_other_nodes_shards_as_missing(saved_job, tmp_path):
     job_root, _remote, _results = saved_job
     root = copy_nodes(job_root, tmp_path, [3])
@@ -268,6 +277,7 @@ def test_the_cli_verifies_a_node_directory_without_counting_other_nodes_shards_a
     assert failed.returncode == 1 and "0 shards verified, 1 failed, 3 held by other nodes" in failed.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("at", ["after-shard", "before-commit"])
 def test_sigkill_of_one_rank_during_a_save_leaves_the_previous_step_on_every_rank(tmp_path, s3_url, at):
     first = [{"do": "save", "step": 1}, {"do": "wait"}, {"do": "kill", "rank": 1, "at": at}]
@@ -289,6 +299,7 @@ def test_sigkill_of_one_rank_during_a_save_leaves_the_previous_step_on_every_ran
     assert RemoteTier(*s3_url).steps() == [1, 2]
 
 
+@pytest.mark.slow
 def test_two_ranks_given_one_directory_both_fail_to_start_naming_the_fix(tmp_path):
     results = run_ranks(tmp_path, 2, [{"do": "save", "step": 1}], shared_dir=True)
     for result in results.values():
@@ -297,6 +308,7 @@ def test_two_ranks_given_one_directory_both_fail_to_start_naming_the_fix(tmp_pat
     assert any("give each rank a directory of its own (local.dir)" in result["error"][1] for result in results.values())
 
 
+@pytest.mark.slow
 def test_a_coordinator_on_a_process_group_saves_and_restores_only_that_groups_ranks(tmp_path):
     actions = [{"do": "collectives"}, {"do": "save", "step": 1}, {"do": "restore"}]
     results = run_ranks(tmp_path, 3, actions, subgroup=[0, 2])
@@ -308,6 +320,7 @@ def test_a_coordinator_on_a_process_group_saves_and_restores_only_that_groups_ra
     assert sorted(path.name for path in (tmp_path / "nodes").iterdir()) == ["rank-0", "rank-1"]
 
 
+@pytest.mark.slow
 def test_ranks_calling_save_with_different_steps_fail_together(tmp_path):
     results = run_ranks(tmp_path, 2, [{"do": "save", "step": 1, "step_by_rank": {"1": 2}}])
     for result in results.values():
@@ -315,6 +328,7 @@ def test_ranks_calling_save_with_different_steps_fail_together(tmp_path):
         assert "the ranks called save with different arguments: {0: {'step': 1}, 1: {'step': 2}}" in result["error"][1]
 
 
+@pytest.mark.slow
 def test_an_array_one_rank_cannot_save_fails_the_save_on_every_rank(tmp_path):
     actions = [{"do": "save", "step": 1, "text_on_rank": 1}]
     for rank, result in run_ranks(tmp_path, 2, actions).items():
@@ -324,6 +338,7 @@ def test_an_array_one_rank_cannot_save_fails_the_save_on_every_rank(tmp_path):
         assert not (node(tmp_path, rank) / step_dir_name(1)).exists()
 
 
+@pytest.mark.slow
 def test_a_failed_upload_is_raised_by_every_rank_at_the_same_call_and_only_once(tmp_path, s3_url):
     url, options = s3_url
     (tmp_path / "a-file").write_bytes(b"")
@@ -336,6 +351,7 @@ def test_a_failed_upload_is_raised_by_every_rank_at_the_same_call_and_only_once(
     assert RemoteTier(url, options).steps() == []
 
 
+@pytest.mark.slow
 def test_a_missing_bucket_on_one_rank_is_raised_by_every_rank_at_construction(tmp_path, s3_url):
     url, options = s3_url
     missing = url.replace("tiered-test-", "tiered-missing-")
@@ -364,6 +380,7 @@ def test_skipping_uploads_when_behind_is_refused_with_one_process_per_rank(tmp_p
         CheckpointManager(tmp_path)
 
 
+@pytest.mark.slow
 def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step_with_it_committed_in_the_bucket(tmp_path, s3_url):
     url, options = s3_url
     actions = [{"do": "train", "steps": 50, "signal_rank": 2, "signal_at": 17}]
@@ -374,6 +391,7 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step_with_it_committe
         assert (tmp_path / "nodes" / f"rank-{rank}" / step_dir_name(17) / MANIFEST_NAME).is_file()
 
 
+@pytest.mark.slow
 def test_ranks_asking_about_preemption_at_different_steps_fail_together(tmp_path):
     results = run_ranks(tmp_path, 2, [{"do": "ask_preemption", "step": 3, "step_by_rank": {"1": 4}}])
     for rank in range(2):
@@ -381,6 +399,7 @@ def test_ranks_asking_about_preemption_at_different_steps_fail_together(tmp_path
         assert "different steps [3, 4]" in results[rank]["error"][1]
 
 
+@pytest.mark.slow
 def test_ranks_retry_a_failing_bucket_together_and_commit_every_step_once_it_is_back(tmp_path, moto_endpoint, s3_url):
     import threading
     import time
@@ -410,6 +429,7 @@ def test_ranks_retry_a_failing_bucket_together_and_commit_every_step_once_it_is_
     assert RemoteTier(url, options).steps() == [1, 2]
 
 
+@pytest.mark.slow
 def test_two_ranks_save_through_a_bucket_that_never_answers_and_every_step_arrives_once_it_answers(
     tmp_path, moto_endpoint, s3_url
 ):

@@ -32,6 +32,7 @@ def loaded(manager: CheckpointManager, checkpoint_id=None, reader_step=None) -> 
     return digests(state)
 
 
+@pytest.mark.slow
 def test_the_torch_package_imports_the_backend_on_first_use_only():
     code = (
         "import sys; import tiered_ckpt.torch as glue; assert 'torch' not in sys.modules, 'eager'; "
@@ -48,6 +49,7 @@ def test_the_torch_package_imports_the_backend_on_first_use_only():
         glue.Tiered  # noqa: B018
 
 
+@pytest.mark.slow
 def test_checkpoint_id_names_the_step_saved_and_the_step_loaded(manager):
     writer = TieredWriter(manager)  # one writer for every step, as with a FileSystemWriter per directory
     saved = {}
@@ -105,6 +107,7 @@ def test_bytes_bytesio_numpy_and_complex_values_come_back_as_they_were_saved(man
     assert b"torch" not in shard.read_bytes()[:64] and b"\x80\x02" not in shard.read_bytes()  # no pickle
 
 
+@pytest.mark.slow
 def test_two_ranks_with_a_disk_each_and_no_bucket_save_and_load_each_step_by_id(tmp_path):
     results = run_job(
         tmp_path,

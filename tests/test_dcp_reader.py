@@ -59,6 +59,7 @@ def test_read_metadata_takes_no_rank_argument_so_dcp_never_retries_it_on_one_ran
     assert list(inspect.signature(TieredReader.read_metadata).parameters) == ["self"]
 
 
+@pytest.mark.slow
 def test_a_load_right_after_a_save_reads_nothing_another_rank_has_not_uploaded(tmp_path, moto_endpoint, s3_url):
     # no shard upload lands (what else the manager writes to the bucket goes through)
     proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0, stall=("PUT", "POST"), stall_paths=(".safetensors",))
@@ -78,6 +79,7 @@ def test_a_load_right_after_a_save_reads_nothing_another_rank_has_not_uploaded(t
         assert result["remote_steps"] == []  # the loads ran with no shard in the bucket
 
 
+@pytest.mark.slow
 def test_ranks_that_find_different_newest_steps_refuse_the_load_on_every_rank(tmp_path):
     run_job(tmp_path, [{"do": "save", "step": 10}, {"do": "save", "step": 20}])
     shutil.rmtree(tmp_path / "nodes" / "rank-1" / step_dir_name(20))  # rank 1's disk lost step 20
@@ -88,6 +90,7 @@ def test_ranks_that_find_different_newest_steps_refuse_the_load_on_every_rank(tm
     assert all("error" not in result for result in results.values()), results
 
 
+@pytest.mark.slow
 def test_a_step_the_writer_of_0_2_saved_loads_its_values_from_rank_0s_shard(tmp_path, file_url):
     actions = [{"do": "save_as_0_2", "step": 5}, {"do": "load_0_2", "id": 5, "as": "5"}]
     for result in run_job(tmp_path, actions, remote=file_url).values():

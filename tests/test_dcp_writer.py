@@ -42,6 +42,7 @@ def test_a_value_the_reader_could_not_give_back_is_refused_before_anything_is_wr
     assert manager.steps() == [] and not list(manager.root.glob("step-*"))
 
 
+@pytest.mark.slow
 def test_async_save_in_a_process_is_refused_saying_why(tmp_path):
     result = launch_ranks(WORKER, tmp_path, 1, {"actions": [{"do": "async_save_process", "step": 10}]})[0]
     assert result["error"][0] == "UsageError", result

@@ -81,6 +81,7 @@ def run_job(root: Path, world_size: int, do: str, remote=None) -> dict[int, dict
     return launch_ranks(WORKER, root, world_size, {"do": do}, remote=remote)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("old, news", [(2, (4, 3)), (4, (2,)), (3, (3,))])
 def test_an_fsdp2_state_restores_byte_equal_on_another_world_size(tmp_path, s3_url, old, news):
     saved = run_job(tmp_path, old, "save", remote=s3_url)
@@ -97,6 +98,7 @@ def test_an_fsdp2_state_restores_byte_equal_on_another_world_size(tmp_path, s3_u
                 assert set(result["sources"].values()) == {"remote"}, result
 
 
+@pytest.mark.slow
 def test_replicated_arrays_are_written_once_and_each_rank_keeps_its_own(tmp_path):
     saved = run_job(tmp_path, 3, "save")  # no bucket: a same-size restore needs none
     manifest = json.loads((tmp_path / "nodes" / "rank-0" / step_dir_name(3) / "manifest.json").read_text())
@@ -121,6 +123,7 @@ def test_replicated_arrays_are_written_once_and_each_rank_keeps_its_own(tmp_path
                 assert result["local"] == saved[rank]["local"]
 
 
+@pytest.mark.slow
 def test_a_part_of_the_state_restores_with_the_replicated_arrays_under_it_and_no_others(tmp_path):
     saved = run_job(tmp_path, 3, "save")  # extras/table is written once, by one rank, for all three
     for part in ("extras", "model"):  # its replica received from its holder; none exchanged at all
@@ -131,6 +134,7 @@ def test_a_part_of_the_state_restores_with_the_replicated_arrays_under_it_and_no
             assert result["local"] == expected and expected
 
 
+@pytest.mark.slow
 def test_a_flipped_byte_in_a_needed_shard_is_caught_and_read_from_the_bucket(tmp_path, s3_url):
     saved = run_job(tmp_path, 2, "save", remote=s3_url)
     step_dir = tmp_path / "nodes" / "rank-0" / step_dir_name(3)
@@ -141,6 +145,7 @@ def test_a_flipped_byte_in_a_needed_shard_is_caught_and_read_from_the_bucket(tmp
     assert all(result["digests"] == saved[0]["digests"] for result in restored.values())
 
 
+@pytest.mark.slow
 def test_without_a_bucket_a_flipped_byte_fails_the_restore_on_every_rank(tmp_path):
     run_job(tmp_path, 2, "save")
     shard = tmp_path / "nodes" / "rank-1" / step_dir_name(3) / shard_name(1, 2)
@@ -150,6 +155,7 @@ def test_without_a_bucket_a_flipped_byte_fails_the_restore_on_every_rank(tmp_pat
         assert result["error"][0] == "ChecksumMismatchError", result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("save, old, new", [("dcp_save", 2, 3), ("dcp_async_save", 3, 2)])
 def test_the_dcp_backend_round_trips_an_fsdp2_state_across_world_sizes(tmp_path, s3_url, save, old, new):
     saved = run_job(tmp_path, old, save, remote=s3_url)
@@ -175,6 +181,7 @@ def assert_refilled(root: Path, rank: int, step: int = 3) -> None:
     assert disk.check_shard(step, disk.manifest(step).shard(rank)) is None  # its bytes match the manifest
 
 
+@pytest.mark.slow
 def test_a_restore_into_dtensors_refills_a_replaced_disk_from_the_bucket(tmp_path, s3_url):
     saved = run_job(tmp_path, 2, "save", remote=s3_url)
     lose_rank(tmp_path, 1)
@@ -186,6 +193,7 @@ def test_a_restore_into_dtensors_refills_a_replaced_disk_from_the_bucket(tmp_pat
     assert_refilled(tmp_path, 1)
 
 
+@pytest.mark.slow
 def test_a_restore_into_dtensors_refills_a_replaced_disk_from_the_partners_memory(tmp_path):
     nodes = {"nodes": ["a", "b"], "root": str(tmp_path)}
     saved = launch_ranks(WORKER, tmp_path, 2, {"do": "save", **nodes})

@@ -23,6 +23,7 @@ from tiered_ckpt.tiers.store import TieredStore
 HF_WORKER = Path(__file__).with_name("hf_worker.py")
 
 
+@pytest.mark.slow
 def test_a_transformers_model_trained_under_fsdp2_exports_and_loads_with_from_pretrained(tmp_path, s3_url):
     import transformers
     from safetensors.torch import load_file
@@ -107,6 +108,7 @@ def test_an_export_holds_one_tensor_at_a_time(tmp_path):
     assert peak < 1.5 * result.largest_tensor_bytes  # all eight at once would be 8x
 
 
+@pytest.mark.slow
 def test_the_cli_exports_a_step_and_lists_each_files_sha256(tmp_path):
     import hashlib
     import os
@@ -203,6 +205,7 @@ def test_what_cannot_be_exported_is_refused_naming_it(tmp_path, state, only, err
         export_safetensors(tmp_path / "ckpt", tmp_path / "afile")
 
 
+@pytest.mark.slow
 def test_pipeline_stages_restore_in_part_and_export_every_stages_layers(tmp_path):
     from safetensors.numpy import load_file
 

@@ -137,6 +137,7 @@ def kill_mid_epoch(root: Path, remote: tuple[str, dict], uninterrupted: dict, **
     assert killed == uninterrupted["losses"][:KILL_AT]  # it trained past the checkpoint, then died
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrapped", [False, True], ids=["plugin", "async-wrapper"])
 def test_a_run_killed_mid_epoch_resumes_from_last_to_the_losses_and_parameters_of_an_uninterrupted_run(
     tmp_path, s3_url, uninterrupted, wrapped
@@ -151,6 +152,7 @@ def test_a_run_killed_mid_epoch_resumes_from_last_to_the_losses_and_parameters_o
     assert resumed["global_step"] == MAX_STEPS and MAX_STEPS in resumed["remote_steps"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("resume", ["last", "newest"])
 def test_a_run_whose_disk_was_lost_resumes_from_the_bucket(tmp_path, s3_url, uninterrupted, resume):
     kill_mid_epoch(tmp_path, s3_url, uninterrupted)
@@ -400,6 +402,7 @@ def test_paths_and_arguments_that_name_no_step_of_this_manager_are_refused_namin
             TieredCheckpointIO(four)
 
 
+@pytest.mark.slow
 def test_importing_tiered_ckpt_never_imports_lightning():
     code = "import sys, tiered_ckpt; assert not [m for m in sys.modules if m.startswith('lightning')]; print('ok')"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -131,6 +131,7 @@ def test_ownership_options_are_checked(field, value):
 # -- what the leases protect ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_second_manager_leaves_a_live_jobs_upload_and_multipart_upload_intact(tmp_path, s3_url, caplog):
     """Job A (a real process) is mid-upload: rank 0's object confirmed, rank 1's multipart
     upload open. A second manager on the same URL deletes and aborts nothing of it; once A
@@ -188,6 +189,7 @@ def test_leftovers_stay_while_a_lease_lives_and_go_once_it_expired(tmp_path, s3_
     assert tier.read_owners() == {}  # the dead run's record went with what it left
 
 
+@pytest.mark.slow
 def test_multipart_uploads_are_aborted_only_past_the_orphan_age(tmp_path, s3_url):
     url, options = s3_url
     tier = RemoteTier(url, options)

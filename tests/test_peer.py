@@ -50,6 +50,7 @@ def shard_reads(proxy: FaultInjectingProxy) -> list[str]:
     return [path for method, path in proxy.log if method == "GET" and ".safetensors" in path]
 
 
+@pytest.mark.slow
 def test_a_lost_node_restores_byte_for_byte_from_its_partners_without_reading_the_bucket(tmp_path, counted_bucket):
     proxy, remote = counted_bucket
     actions = [{"do": "save", "step": 1}, {"do": "save", "step": 2}, {"do": "wait"}, {"do": "report"}]
@@ -77,6 +78,7 @@ def test_a_lost_node_restores_byte_for_byte_from_its_partners_without_reading_th
         assert disk.check_shard(2, disk.manifest(2).shard(rank)) is None  # its bytes match the manifest
 
 
+@pytest.mark.slow
 def test_a_partners_flipped_byte_is_caught_and_the_bucket_is_read_instead(tmp_path, counted_bucket):
     proxy, remote = counted_bucket
     run_job(tmp_path, [{"do": "save", "step": 1}, {"do": "wait"}], remote)
@@ -96,6 +98,7 @@ def test_a_partners_flipped_byte_is_caught_and_the_bucket_is_read_instead(tmp_pa
     assert len(shard_reads(proxy)) == 2  # the two shards of the lost node, each read once
 
 
+@pytest.mark.slow
 def test_a_partner_killed_mid_copy_leaves_the_step_on_disk_and_it_reaches_the_bucket(tmp_path, counted_bucket):
     _proxy, remote = counted_bucket
     actions = [
@@ -121,6 +124,7 @@ def test_a_partner_killed_mid_copy_leaves_the_step_on_disk_and_it_reaches_the_bu
     assert fs.exists(f"{path}/step-000000000002/manifest.json")  # the restarted job uploaded it
 
 
+@pytest.mark.slow
 def test_the_memory_held_for_partners_stays_flat_over_100_saves(tmp_path):
     results = run_job(tmp_path, [{"do": "saves", "count": 100}], keep_last=1)
     for result in results.values():
@@ -136,6 +140,7 @@ def test_the_memory_held_for_partners_stays_flat_over_100_saves(tmp_path):
 CADENCE = {"local_every": 4, "peer_every": 2, "max_bytes": 5000}  # room for two steps' shards of one rank
 
 
+@pytest.mark.slow
 def test_steps_between_disk_saves_live_in_the_partners_memory_and_a_restart_restores_the_newest(tmp_path):
     saved = run_job(tmp_path, [{"do": "train", "steps": 6}], **CADENCE)
     for result in saved.values():
@@ -158,6 +163,7 @@ def test_a_lost_node_falls_back_to_the_newest_step_on_disk_its_partners_still_ho
         assert result["restored"]["digests"] == expected_digests(4, 4, rank)
 
 
+@pytest.mark.slow
 def test_a_partner_that_hangs_during_a_restore_costs_its_timeout_and_the_bucket_serves_instead(
     tmp_path, counted_bucket
 ):
@@ -174,11 +180,13 @@ def test_a_partner_that_hangs_during_a_restore_costs_its_timeout_and_the_bucket_
     assert len(shard_reads(proxy)) == 1
 
 
+@pytest.mark.slow
 def test_on_one_node_the_tier_protects_nothing_and_stays_off(tmp_path):
     results = run_job(tmp_path, [{"do": "report"}], nodes=["a", "a"])
     assert [result["peer_on"] for result in results.values()] == [False, False]
 
 
+@pytest.mark.slow
 def test_a_budget_larger_than_the_memory_file_system_is_refused_on_every_rank(tmp_path):
     results = run_job(tmp_path, [{"do": "report"}], nodes=["a", "b"], max_bytes=1 << 62)
     for result in results.values():
@@ -187,6 +195,7 @@ def test_a_budget_larger_than_the_memory_file_system_is_refused_on_every_rank(tm
         assert "peer.memory_dir" in message
 
 
+@pytest.mark.slow
 def test_a_copy_changed_on_its_way_is_not_kept_and_the_save_goes_on(tmp_path, counted_bucket):
     _proxy, remote = counted_bucket
     actions = [
@@ -208,6 +217,7 @@ def test_a_copy_changed_on_its_way_is_not_kept_and_the_save_goes_on(tmp_path, co
         assert peer_steps == {2}  # step 1 is on disk and in the bucket, not in the partners' memory
 
 
+@pytest.mark.slow
 def test_a_partner_that_hangs_during_a_copy_is_given_up_by_every_rank_and_saves_go_on(tmp_path):
     actions = [
         {"do": "hang_on_copy", "rank": 2, "seconds": 6},
@@ -226,6 +236,7 @@ def test_a_partner_that_hangs_during_a_copy_is_given_up_by_every_rank_and_saves_
         assert result["lag"]["newest_local"] == 2 and result["lag"]["newest_peer"] is None  # step 1 was not kept
 
 
+@pytest.mark.slow
 def test_a_holder_of_several_ranks_keeps_each_of_their_copies(tmp_path):
     results = run_job(tmp_path, [{"do": "save", "step": 1}, {"do": "save", "step": 2}, {"do": "report"}], nodes="aab")
     for result in results.values():
@@ -234,6 +245,7 @@ def test_a_holder_of_several_ranks_keeps_each_of_their_copies(tmp_path):
     assert held == {0: "ok", 1: "ok", 2: "elsewhere"}  # rank 2, alone on node b, holds node a's two ranks
 
 
+@pytest.mark.slow
 def test_a_rank_that_cannot_read_its_own_shard_fails_only_its_copy_and_no_partner_waits(tmp_path):
     actions = [
         {"do": "unreadable_copy", "rank": 0},
@@ -249,6 +261,7 @@ def test_a_rank_that_cannot_read_its_own_shard_fails_only_its_copy_and_no_partne
         assert result["lag"]["peer_off"] is None and result["lag"]["newest_peer"] == 2  # the next copy went on
 
 
+@pytest.mark.slow
 def test_a_fresh_start_on_new_directories_never_restores_copies_of_an_earlier_run(tmp_path):
     run_job(tmp_path, [{"do": "save", "step": 1}, {"do": "save", "step": 2}])
     earlier = sorted(path.name for node in "ab" for path in (tmp_path / f"memory-{node}").iterdir())
@@ -259,6 +272,7 @@ def test_a_fresh_start_on_new_directories_never_restores_copies_of_an_earlier_ru
     assert len(now) == 4 and not set(now) & set(earlier)  # the earlier copies are gone, not just ignored
 
 
+@pytest.mark.slow
 def test_a_step_kept_in_memory_only_that_no_partner_keeps_is_not_saved_and_raises_nothing(tmp_path):
     results = run_job(tmp_path, [{"do": "train", "steps": 3}], local_every=2, max_bytes=100)  # no shard fits
     for result in results.values():
@@ -266,6 +280,7 @@ def test_a_step_kept_in_memory_only_that_no_partner_keeps_is_not_saved_and_raise
         assert result["saved"] == [2] and result["local_steps"] == [2]  # 1 and 3 are in no tier
 
 
+@pytest.mark.slow
 def test_with_the_default_budget_a_lost_node_resumes_the_newest_disk_step_from_its_partners(tmp_path):
     # disk every 2nd step, partners every step, no peer.max_bytes: step 3 is in memory only
     saved = run_job(tmp_path, [{"do": "train", "steps": 3}], local_every=2)
@@ -284,6 +299,7 @@ def test_with_the_default_budget_a_lost_node_resumes_the_newest_disk_step_from_i
         assert disk.steps() == [2] and disk.check_shard(2, disk.manifest(2).shard(rank)) is None
 
 
+@pytest.mark.slow
 def test_a_shard_rotten_on_its_own_disk_is_read_from_the_partner_holding_it_without_a_bucket(tmp_path):
     run_job(tmp_path, [{"do": "save", "step": 1}])
     shard = next((tmp_path / "nodes" / "rank-1" / "step-000000000001").glob("rank-*"))
@@ -300,6 +316,7 @@ def test_a_shard_rotten_on_its_own_disk_is_read_from_the_partner_holding_it_with
     assert disk.check_shard(1, disk.manifest(1).shard(1)) is None  # repaired from the partner's copy
 
 
+@pytest.mark.slow
 def test_a_step_no_partner_holds_costs_one_line_per_rank_and_no_warning(tmp_path, counted_bucket):
     _proxy, remote = counted_bucket
     run_job(tmp_path, [{"do": "save", "step": 1}, {"do": "wait"}], remote, peer_every=2)  # the partners skip step 1
@@ -318,6 +335,7 @@ def test_a_step_no_partner_holds_costs_one_line_per_rank_and_no_warning(tmp_path
 ROLLBACK = {"local_every": 5, "max_bytes": 12000}  # room for five steps' shards of one rank
 
 
+@pytest.mark.slow
 def test_a_save_after_a_rollback_is_refused_while_the_partners_hold_newer_steps_and_nothing_is_lost(tmp_path):
     saved = run_job(tmp_path, [{"do": "train", "steps": 8}], **ROLLBACK)
     for result in saved.values():
@@ -334,6 +352,7 @@ def test_a_save_after_a_rollback_is_refused_while_the_partners_hold_newer_steps_
         assert result["restored"]["step"] == 8 and result["restored"]["digests"] == expected_digests(8, 4, rank)
 
 
+@pytest.mark.slow
 def test_steps_a_lost_node_left_unrestorable_in_memory_never_refuse_the_next_saves(tmp_path):
     run_job(tmp_path, [{"do": "train", "steps": 6}], **CADENCE)
     lose_node(tmp_path, "a")  # node b's memory keeps its part of step 6, which no restart can restore
@@ -346,6 +365,7 @@ def test_steps_a_lost_node_left_unrestorable_in_memory_never_refuse_the_next_sav
         assert result["restored"]["step"] == 6 and result["restored"]["digests"] == expected_digests(6, 4, rank)
 
 
+@pytest.mark.slow
 def test_a_lost_node_whose_step_no_partner_holds_is_told_a_bucket_or_a_partners_memory_would_serve_it(tmp_path):
     run_job(tmp_path, [{"do": "save", "step": 1}], peer_every=2)  # the partners skip step 1; no bucket
     lose_node(tmp_path, "a")

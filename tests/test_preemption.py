@@ -215,6 +215,7 @@ SIGINT_CHILD = """
 """
 
 
+@pytest.mark.slow
 def test_a_sigint_notice_saves_the_stop_step_and_raises_no_keyboard_interrupt(tmp_path):
     # In a child: were the notice to let KeyboardInterrupt through, it would end this test
     # session, not fail one test.
@@ -285,7 +286,11 @@ README_LOOP_CHILD = """
 
 @pytest.mark.parametrize(
     "signal_at, when",
-    [(200, "right after the step's regular save"), (200, "during the step"), (201, "during the step")],
+    [
+        pytest.param(200, "right after the step's regular save", marks=pytest.mark.slow),
+        (200, "during the step"),
+        (201, "during the step"),
+    ],
 )
 def test_the_readme_loop_saves_the_stop_step_whenever_the_notice_arrives(tmp_path, signal_at, when):
     loop = textwrap.indent(readme_preemption_loop(), " " * 8)
@@ -311,6 +316,7 @@ def test_saving_a_stop_step_saved_already_says_to_ask_before_the_regular_save(tm
         assert manager.steps() == [200]
 
 
+@pytest.mark.slow
 def test_reached_preemption_puts_the_newest_upload_first_and_drops_the_older_queued_ones(
     tmp_path, moto_endpoint, s3_url, usr1
 ):
@@ -344,6 +350,7 @@ def test_reached_preemption_puts_the_newest_upload_first_and_drops_the_older_que
     assert isinstance(handles[2].uploaded.exception(timeout=0), UploadError)  # passed over: stays local-only
 
 
+@pytest.mark.slow
 def test_a_stop_step_off_the_buckets_cadence_whose_upload_was_cut_off_is_resumed_by_the_next_start(
     tmp_path, moto_endpoint, s3_url, usr1
 ):

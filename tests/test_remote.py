@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import flip_byte
+from conftest import REMOTES, flip_byte, with_slow
 from tiered_ckpt import (
     CheckpointManager,
     ChecksumMismatchError,
@@ -248,6 +248,7 @@ def test_a_multipart_upload_is_confirmed_against_the_crc32c_the_store_composed(s
     assert not tier.land_shard(4, record, ShardSource(path=path))  # confirmed intact: not sent again
 
 
+@pytest.mark.slow
 def test_a_part_changed_in_transit_is_never_confirmed(moto_endpoint, s3_url, tmp_path):
     from conftest import FaultInjectingProxy, s3_storage_options
 
@@ -278,6 +279,7 @@ def test_a_shard_damaged_on_local_disk_is_never_uploaded_in_parts(s3_url, tmp_pa
 
 
 @pytest.mark.parametrize("name", ["sweep[12]", "sweep*", "sweep?"])
+@pytest.mark.parametrize("remote_url", with_slow(REMOTES, "s3"), indirect=True)
 def test_a_url_with_glob_characters_touches_only_its_own_steps(remote_url, saved, name, tmp_path):
     """Siblings ``sweep1`` and ``sweep2`` (which ``sweep[12]``, ``sweep*`` and ``sweep?`` match as
     patterns) keep every object while a run at the pattern's name lists, reads, prunes and
@@ -415,6 +417,7 @@ def test_a_close_during_the_setups_backoff_starts_no_further_setup_try(tmp_path,
 # -- an object longer than its record is never read whole ---------------------------------------
 
 
+@pytest.mark.parametrize("remote_url", with_slow(REMOTES, "s3"), indirect=True)
 def test_an_object_32_mib_longer_than_its_record_is_refused_before_it_is_read(remote_url, saved, tmp_path):
     url, options = remote_url
     tier = RemoteTier(url, options)
@@ -478,6 +481,7 @@ def test_a_bucket_that_cannot_be_listed_is_refused_as_access_denied(tmp_path):
         server.server_close()
 
 
+@pytest.mark.slow
 def test_a_restore_from_sixty_steps_goes_through_a_bucket_failing_a_tenth_of_its_requests(tmp_path, faulty_s3, s3_url):
     proxy, url, options = faulty_s3
     proxy.failure_rate = 0.0  # the steps go up directly, the restores through the faults

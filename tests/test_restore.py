@@ -157,6 +157,7 @@ def two_rank_disks(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reshard", [False, True])
 def test_growing_the_world_size_without_a_bucket_says_the_step_exists_and_what_restores_it(
     two_rank_disks, tmp_path, reshard
@@ -182,6 +183,7 @@ def test_growing_the_world_size_without_a_bucket_says_the_step_exists_and_what_r
         ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("saved_by", ["this-version", "0.2"])
 def test_a_replaced_disk_without_a_bucket_says_the_step_exists_and_where(two_rank_disks, tmp_path, saved_by):
     shutil.copytree(two_rank_disks / "nodes" / "rank-0", tmp_path / "nodes" / "rank-0")  # rank 1's disk is new
@@ -205,6 +207,7 @@ def test_a_replaced_disk_without_a_bucket_says_the_step_exists_and_where(two_ran
     assert LocalTier(tmp_path / "nodes" / "rank-0").steps() == [1, 2]  # nothing deleted
 
 
+@pytest.mark.slow
 def test_steps_saved_before_commit_agreements_were_recorded_still_restore(two_rank_disks, tmp_path):
     shutil.copytree(two_rank_disks / "nodes", tmp_path / "nodes")
     for record in (tmp_path / "nodes").glob(f"*/*/{AGREEMENT_NAME}"):
@@ -214,6 +217,7 @@ def test_steps_saved_before_commit_agreements_were_recorded_still_restore(two_ra
         assert LocalTier(tmp_path / "nodes" / f"rank-{rank}").steps() == [1, 2]
 
 
+@pytest.mark.slow
 def test_a_state_of_dtensors_resharded_without_a_bucket_says_it_needs_one_not_file_is_missing(tmp_path):
     saved = launch_ranks(FSDP_WORKER, tmp_path, 3, {"do": "save"})
     assert all("error" not in result for result in saved.values()), saved
@@ -229,6 +233,7 @@ def test_a_state_of_dtensors_resharded_without_a_bucket_says_it_needs_one_not_fi
 # --- one process per rank: a save cut short between the ranks' commits (real rank processes) ---
 
 
+@pytest.mark.slow
 def test_a_job_killed_during_its_first_save_relaunches_fresh_and_saves_that_step_again(tmp_path, capfd):
     actions = [{"do": "kill", "rank": 1, "at": "before-commit"}, {"do": "save", "step": 1}, {"do": "wait"}]
     config = {"actions": actions, "timeout_seconds": 60}
@@ -276,6 +281,7 @@ def test_a_failed_check_of_the_caller_is_raised_by_restore_and_locate_inside_the
         assert restorer.locate(None).step == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reshard", [False, True])
 def test_shrinking_the_world_size_without_a_bucket_says_what_restores_it_not_file_is_missing(
     two_rank_disks, tmp_path, reshard

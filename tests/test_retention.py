@@ -77,6 +77,7 @@ def committed(root: Path, rank: int) -> list[int]:
     return LocalTier(root / "nodes" / f"rank-{rank}").steps()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bucket", [False, True], ids=["no-bucket", "s3"])
 def test_a_rank_killed_before_its_commit_leaves_the_older_step_restorable_from_every_disk(tmp_path, request, bucket):
     remote = request.getfixturevalue("s3_url") if bucket else None

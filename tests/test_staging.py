@@ -1,6 +1,7 @@
 """The staging buffers a save copies into (tiered_ckpt.engine.staging)."""
 
 import numpy as np
+import pytest
 
 from tiered_ckpt.engine.staging import PARALLEL_BYTES, PIECE_BYTES, StagingBuffers, _pieces
 
@@ -16,6 +17,7 @@ def test_staging_buffers_are_reused_and_reallocated_only_when_shapes_change():
     assert staging.nbytes == 40
 
 
+@pytest.mark.slow
 def test_a_large_state_is_copied_exactly_in_pieces_by_several_threads():
     rng = np.random.default_rng(0)
     big = rng.integers(0, 2**31, PARALLEL_BYTES // 4 + 12_345, dtype=np.int32)  # not a whole number of pieces

@@ -248,6 +248,7 @@ nested = st.recursive(
 states = st.dictionaries(keys, nested, max_size=5)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(states)
 def test_any_generated_state_survives_flatten_document_and_build(state):
@@ -295,6 +296,7 @@ def round_trips(tmp_path, state) -> None:
         assert_same(manager.restore().state, state)
 
 
+@pytest.mark.slow
 def test_a_string_whose_shard_header_the_reader_would_refuse_is_refused_naming_its_path(tmp_path):
     # 14.5 M characters of é: 7 bytes each in the header (\\u00e9), over the reader's 100 MB
     state = {"w": np.ones(3, np.float32), "meta": {"note": "é" * 14_500_000}}
@@ -330,7 +332,12 @@ def largest_accepted(make, low: int, high: int) -> int:
         ("a long string", lambda n: {"w": np.ones(2), "note": "x" * n}, 'state["note"]'),
         ("a long key", lambda n: {"w": np.ones(2), "k" * n: np.zeros(2)}, 'state["kkkkkkkkkk'),
         ("a huge int", lambda n: {"w": np.ones(2), "seed": 2 ** (4 * n)}, 'state["seed"]'),
-        ("many arrays", lambda n: {"layers": [np.zeros(1, np.float16) for _ in range(n)]}, "save fewer, larger"),
+        pytest.param(
+            "many arrays",
+            lambda n: {"layers": [np.zeros(1, np.float16) for _ in range(n)]},
+            "save fewer, larger",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_a_state_at_the_header_limit_round_trips_and_one_just_over_it_is_refused(
@@ -426,6 +433,7 @@ def test_a_step_whose_manifest_the_reader_would_refuse_is_refused_on_every_rank_
     assert not (tmp_path / "sharded").exists()
 
 
+@pytest.mark.slow
 def test_a_state_one_rank_could_never_load_fails_the_save_on_every_rank_before_anything_is_written(tmp_path):
     from conftest import launch_ranks
 

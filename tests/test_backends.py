@@ -7,6 +7,7 @@ import pytest
 
 from tiered_ckpt import RemoteError, save_sharded
 from tiered_ckpt.format.layout import step_dir_name
+from tiered_ckpt.testing.backend import BackendContract
 from tiered_ckpt.tiers.base import Capabilities, ShardSource, Tier
 from tiered_ckpt.tiers.remote.backends import open_backend
 from tiered_ckpt.tiers.remote.backends.azure import AzureBackend
@@ -154,3 +155,41 @@ def test_a_stores_checksum_matches_with_or_without_the_part_count_and_nothing_el
     assert not same_checksum("crc32c:qg7Tjw==-4", "crc32c:qg7Tjw==-3")
     assert not same_checksum("", "crc32c:qg7Tjw==") and not same_checksum(None, "crc32c:qg7Tjw==")
     assert not same_checksum("", "-")  # no part count to leave off
+
+
+class OpenedBackendContract(BackendContract):
+    """The backend contract (tiered_ckpt/testing/backend.py) on the backend each URL opens (``url`` fixture)."""
+
+    @pytest.fixture
+    def backend(self, url):
+        return open_backend(*url, retry=RetryPolicy(), part_bytes=5 << 20, part_concurrency=2)
+
+
+class TestFsspecBackendOnMemory(OpenedBackendContract):
+    @pytest.fixture
+    def url(self, memory_url):
+        return memory_url
+
+
+class TestPosixBackend(OpenedBackendContract):
+    @pytest.fixture
+    def url(self, file_url):
+        return file_url
+
+
+class TestS3Backend(OpenedBackendContract):
+    @pytest.fixture
+    def url(self, s3_url):
+        return s3_url
+
+
+class TestGcsBackend(OpenedBackendContract):
+    @pytest.fixture
+    def url(self, gcs_url):
+        return gcs_url
+
+
+class TestAzureBackend(OpenedBackendContract):
+    @pytest.fixture
+    def url(self, azure_url):
+        return azure_url

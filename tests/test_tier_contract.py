@@ -1,14 +1,14 @@
-"""The tier contract (tests/tier_contract.py) on each tier: memory here; each real tier's tests subclass it too."""
+"""The tier contract (tiered_ckpt/testing/tier.py) on each tier: memory here; each real tier's tests subclass it too."""
 
 import io
 
 import pytest
 from memory_tier import MemoryTier
-from tier_contract import TierContract
 
 from tiered_ckpt.format.compressed import SUFFIX
 from tiered_ckpt.format.layout import MANIFEST_NAME, step_dir_name
 from tiered_ckpt.io.zstd_frames import compress_frames, frame_lengths
+from tiered_ckpt.testing.tier import TierContract
 from tiered_ckpt.tiers.remote.compression import FRAME_BYTES
 from tiered_ckpt.tiers.remote.tier import RemoteTier, RetryPolicy
 

@@ -1,17 +1,28 @@
 """The tier contract: what every tier guarantees, written once (as zarr's ``StoreTests``).
 
-A tier's tests subclass :class:`TierContract` and provide three things:
+A tier's tests, in this repository or out of it, subclass :class:`TierContract` and provide
+three things::
 
-- a ``tier`` fixture: a fresh, empty tier, ready to write (a local tier under its lock);
-- :meth:`TierContract.replace_shard`: put other bytes where a landed shard's copy is kept,
-  bypassing the tier (a flipped byte, a truncated or a longer copy on the storage itself);
-- :meth:`TierContract.replace_manifest`: the same for a committed step's manifest.
+    from tiered_ckpt.testing.tier import TierContract
 
-The properties are DESIGN §2's, as far as one tier holds them: visibility (a step is
-visible exactly once committed), crash safety (a landing that fails leaves nothing a
-reader takes for the shard, and never destroys a good copy), verification (every tier
-notices bytes that are not the record's, and never streams more than the record's size
-plus one byte), and deletion (invisible first, then gone; the neighbours untouched).
+    class TestMyTier(TierContract):
+        @pytest.fixture
+        def tier(self, tmp_path):  # a fresh, empty tier, ready to write (a local tier under its lock)
+            return MyTier(tmp_path / "store")
+
+        def replace_shard(self, tier, step, record, data): ...  # put other bytes where a landed
+            # shard's copy is kept, bypassing the tier (a flipped byte, a truncated or longer copy)
+
+        def replace_manifest(self, tier, step, data): ...  # the same for a committed step's manifest
+
+pytest collects the contract's tests on the subclass; a tier that passes them holds the
+properties of DESIGN §2, as far as one tier holds them: visibility (a step is visible exactly
+once committed), crash safety (a landing that fails leaves nothing a reader takes for the
+shard, and never destroys a good copy), verification (every tier notices bytes that are not
+the record's, and never streams more than the record's size plus one byte), and deletion
+(invisible first, then gone; the neighbours untouched).
+
+This module imports pytest: the package itself never imports it, only a test suite does.
 """
 
 from __future__ import annotations
@@ -28,6 +39,8 @@ from tiered_ckpt.format.layout import shard_name
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.io.hashing import ShardDigest
 from tiered_ckpt.tiers.base import Capabilities, ShardSource, Tier
+
+__all__ = ["WORLD_SIZE", "TierContract", "manifest_of", "read_whole", "record_of", "shard_bytes", "writing"]
 
 WORLD_SIZE = 2
 

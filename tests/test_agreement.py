@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import launch_ranks
+from support.processes import launch_ranks
 from tiered_ckpt import ConfigError, LocalOptions, PeerOptions, RemoteOptions, RuntimeOptions, UploadOptions
 from tiered_ckpt.agreement import Shared, _differences, agree_on_options, check_process_layout
 from tiered_ckpt.dist.coordination import Attempt
 from tiered_ckpt.format.layout import step_dir_name
 from tiered_ckpt.options import resolve_options
 
-WORKER = Path(__file__).with_name("rank_worker.py")
+WORKER = Path(__file__).resolve().parent / "support" / "rank_worker.py"
 
 
 class Ranks:

@@ -8,7 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ZERO1_SHARDED_KEYS, flip_byte, free_port, s3_credentials_env, write_s3_config, zero1_states
+from support.states import ZERO1_SHARDED_KEYS, flip_byte, zero1_states
+from support.stores import free_port, s3_credentials_env, write_s3_config
 from tiered_ckpt import CheckpointManager, LocalOptions, RemoteOptions, RuntimeOptions, save_sharded
 from tiered_ckpt.format.layout import MANIFEST_NAME, shard_name, step_dir_name
 from tiered_ckpt.io.hashing import part_crc32c

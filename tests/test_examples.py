@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import s3_credentials_env, write_s3_config
+from support.stores import s3_credentials_env, write_s3_config
 from tiered_ckpt import CheckpointManager, RemoteOptions
 from tiered_ckpt.tiers.remote.tier import RemoteTier
 

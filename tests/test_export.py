@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import flip_byte, launch_ranks
+from support.processes import launch_ranks
+from support.states import flip_byte
 from tiered_ckpt import (
     CheckpointManager,
     ChecksumMismatchError,
@@ -20,7 +21,7 @@ from tiered_ckpt.export import INDEX_NAME
 from tiered_ckpt.format.layout import step_dir_name
 from tiered_ckpt.tiers.store import TieredStore
 
-HF_WORKER = Path(__file__).with_name("hf_worker.py")
+HF_WORKER = Path(__file__).resolve().parent / "support" / "hf_worker.py"
 
 
 @pytest.mark.slow
@@ -209,7 +210,7 @@ def test_what_cannot_be_exported_is_refused_naming_it(tmp_path, state, only, err
 def test_pipeline_stages_restore_in_part_and_export_every_stages_layers(tmp_path):
     from safetensors.numpy import load_file
 
-    results = launch_ranks(Path(__file__).with_name("pipeline_worker.py"), tmp_path, 4, {})
+    results = launch_ranks(Path(__file__).resolve().parent / "support" / "pipeline_worker.py", tmp_path, 4, {})
     for rank, result in results.items():
         assert "error" not in result, result
         assert result["part"] == result["whole"] == result["saved"] and result["part_keys"] == ["model"], rank

@@ -1,6 +1,6 @@
 """The Lightning plugin (tiered_ckpt.lightning): a real ``lightning.Trainer`` (and ``Fabric``) on the CPU.
 
-The resume tests run real training processes (tests/lightning_child.py), SIGKILL one mid-epoch
+The resume tests run real training processes (tests/support/lightning_child.py), SIGKILL one mid-epoch
 once a checkpoint is committed and in the bucket (moto's S3 server), resume it and compare
 every step's loss and the final parameters, bit for bit, with a run that was never interrupted.
 """
@@ -36,7 +36,7 @@ from tiered_ckpt import (
 from tiered_ckpt.format.layout import step_dir_name
 from tiered_ckpt.lightning import POINTER_FORMAT, TieredCheckpointIO
 
-CHILD = Path(__file__).with_name("lightning_child.py")
+CHILD = Path(__file__).resolve().parent / "support" / "lightning_child.py"
 EVERY, KILL_AT, MAX_STEPS, EPOCH = 10, 24, 40, 16  # the child's loader has 16 batches an epoch
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")

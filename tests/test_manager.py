@@ -9,20 +9,9 @@ from pathlib import PurePosixPath
 import numpy as np
 import pytest
 
-from conftest import (
-    BYTES_PER_RANK,
-    CLOUDS,
-    REMOTES,
-    ZERO1_SHARDED_KEYS,
-    assert_states_equal,
-    flip_byte,
-    kill_child_at,
-    large_states,
-    running_as_root,
-    temp_files,
-    with_slow,
-    zero1_states,
-)
+from support.processes import BYTES_PER_RANK, kill_child_at, running_as_root
+from support.states import ZERO1_SHARDED_KEYS, assert_states_equal, flip_byte, large_states, temp_files, zero1_states
+from support.stores import CLOUDS, REMOTES, with_slow
 from tiered_ckpt import (
     CheckpointError,
     CheckpointExistsError,
@@ -603,7 +592,7 @@ def hung_bucket_options(**fields):
 def test_a_bucket_that_accepts_and_never_answers_blocks_no_save_and_every_step_arrives_once_it_answers(
     tmp_path, moto_endpoint, s3_url, caplog
 ):
-    from conftest import FaultInjectingProxy, s3_storage_options
+    from support.stores import FaultInjectingProxy, s3_storage_options
 
     url, _options = s3_url
     proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0)
@@ -642,7 +631,7 @@ def test_a_bucket_that_accepts_and_never_answers_blocks_no_save_and_every_step_a
 def test_a_manager_starts_while_its_bucket_hangs_restores_from_its_disk_and_sets_the_bucket_up_once_it_answers(
     tmp_path, moto_endpoint, s3_url, caplog
 ):
-    from conftest import FaultInjectingProxy, s3_storage_options
+    from support.stores import FaultInjectingProxy, s3_storage_options
 
     url, _options = s3_url
     proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0)
@@ -960,7 +949,7 @@ def test_a_failing_start_releases_the_directory_and_stops_the_uploader(tmp_path,
 def test_a_store_that_always_refuses_costs_max_tries_requests_per_operation(tmp_path, moto_endpoint, s3_url, states):
     """The one retry policy, counted on the wire: botocore's and s3fs's own retries are switched
     off by the library itself (the test sets none), so a failing operation costs max_tries requests."""
-    from conftest import FaultInjectingProxy, s3_storage_options
+    from support.stores import FaultInjectingProxy, s3_storage_options
 
     url, _ = s3_url
     everything = FaultInjectingProxy(moto_endpoint, failure_rate=1.0)
@@ -1053,7 +1042,7 @@ def test_a_directory_replaced_under_a_running_manager_is_never_written(tmp_path,
 
 
 def test_a_closed_port_is_a_typed_error_at_start(tmp_path):
-    from conftest import free_port
+    from support.stores import free_port
 
     with pytest.raises(RemoteError, match="cannot open ftp://127.0.0.1"):
         CheckpointManager(tmp_path, world_size=1, remote=f"ftp://127.0.0.1:{free_port()}/x")
@@ -1065,14 +1054,14 @@ def test_bytes_changed_in_transit_are_never_committed(tmp_path, store, request, 
     """A proxy flips a byte of every PUT/POST body: the checksum the store computed of what it
     received (S3's ETag, GCS's md5Hash, Azure's Content-MD5) differs from the file's, so no
     shard is confirmed."""
-    from conftest import FaultInjectingProxy
+    from support.stores import FaultInjectingProxy
 
     endpoint = request.getfixturevalue({"s3": "moto_endpoint", "gcs": "gcs_endpoint"}.get(store, "azurite_endpoint"))
     url, options = request.getfixturevalue(f"{store}_url")
     account = endpoint.rsplit("/", 1)[1] if store == "azure" else ""
     proxy = FaultInjectingProxy(endpoint.removesuffix(f"/{account}"), failure_rate=0.0, corrupt=("PUT", "POST"))
     if store == "s3":
-        from conftest import s3_storage_options
+        from support.stores import s3_storage_options
 
         options = s3_storage_options(proxy.endpoint)
     elif store == "azure":
@@ -1107,7 +1096,7 @@ def test_bytes_changed_in_transit_are_never_committed(tmp_path, store, request, 
 
 @pytest.mark.slow
 def test_lag_reports_the_lag_the_upload_rate_and_the_last_error(tmp_path, moto_endpoint, s3_url, states, caplog):
-    from conftest import FaultInjectingProxy, s3_storage_options
+    from support.stores import FaultInjectingProxy, s3_storage_options
 
     url, _ = s3_url
     proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0)
@@ -1142,7 +1131,7 @@ def test_lag_reports_the_lag_the_upload_rate_and_the_last_error(tmp_path, moto_e
 def test_a_step_not_committed_within_its_deadline_fails_and_the_next_step_goes_on(
     tmp_path, moto_endpoint, s3_url, states, fault
 ):
-    from conftest import FaultInjectingProxy, s3_storage_options
+    from support.stores import FaultInjectingProxy, s3_storage_options
 
     url, _ = s3_url
     proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0)
@@ -1176,7 +1165,8 @@ def test_a_step_not_committed_within_its_deadline_fails_and_the_next_step_goes_o
 def test_a_bucket_throttling_half_the_requests_for_a_while_gets_every_step_within_a_request_bound(
     tmp_path, moto_endpoint, s3_url
 ):
-    from conftest import FaultInjectingProxy, large_states, s3_storage_options
+    from support.states import large_states
+    from support.stores import FaultInjectingProxy, s3_storage_options
 
     url, _ = s3_url
     proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0)
@@ -1211,7 +1201,7 @@ def test_a_bucket_throttling_half_the_requests_for_a_while_gets_every_step_withi
 
 @pytest.mark.slow
 def test_a_store_that_accepts_a_put_and_never_answers_fails_in_bounded_time(tmp_path, moto_endpoint, s3_url, states):
-    from conftest import FaultInjectingProxy, s3_storage_options
+    from support.stores import FaultInjectingProxy, s3_storage_options
 
     url, _ = s3_url
     proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0, stall=("PUT",))

@@ -7,12 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import (
-    BYTES_PER_RANK,
+from support.processes import BYTES_PER_RANK, kill_child_at
+from support.states import (
     ZERO1_SHARDED_KEYS,
     assert_states_equal,
     flip_byte,
-    kill_child_at,
     large_states,
     split_sizes,
     temp_files,

@@ -22,7 +22,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from conftest import S3_TEST_KEY, S3_TEST_SECRET, StoppableS3
+from support.stores import S3_TEST_KEY, S3_TEST_SECRET, StoppableS3
 from tiered_ckpt.format.layout import step_dir_name
 from tiered_ckpt.tiers.remote.tier import RemoteTier
 

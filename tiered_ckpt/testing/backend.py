@@ -16,8 +16,8 @@ pytest collects the contract's tests on the subclass. They hold a backend to wha
 written whole (create-only where its facts say so), read whole and in ranges, sizes and heads
 asked of the store; listings, finds and deletes that name exact keys (no glob expansion, a
 step's neighbour with a longer name untouched); a shard put with its record's sha256 beside it
-where the store keeps metadata, and the store's own checksums of it equal to those the backend
-computes where it keeps any.
+where the store keeps metadata, a file unlike its record never made an object, and the store's
+own checksums of it equal to those the backend computes where it keeps any.
 
 This module imports pytest: the package itself never imports it, only a test suite does.
 """
@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 
+from tiered_ckpt.errors import ChecksumMismatchError
 from tiered_ckpt.format.layout import step_dir_name
 from tiered_ckpt.testing.tier import record_of, shard_bytes
 from tiered_ckpt.tiers.remote.backends.base import Backend, Facts, Head
@@ -132,6 +133,16 @@ class BackendContract:
         assert head.sha256 == (record.sha256 if backend.facts.keeps_metadata else None)
         assert hashlib.sha256(backend.read(path)).hexdigest() == record.sha256
         assert backend.open_uploads() == []
+
+    def test_a_file_unlike_its_record_is_never_made_an_object(self, backend, tmp_path):
+        local, record = self.shard_file(tmp_path)
+        other = bytearray(local.read_bytes())
+        other[len(other) // 2] ^= 0x01
+        local.write_bytes(bytes(other))  # the record's size, other bytes
+        path = self.at(backend, step_dir_name(4), record.path)
+        with pytest.raises(ChecksumMismatchError):
+            backend.put_shard(local, path, record, deadline=None)
+        assert not backend.exists(path)
 
     def test_the_checksums_a_backend_computes_are_the_ones_its_store_keeps(self, backend, tmp_path):
         local, record = self.shard_file(tmp_path)

@@ -1,25 +1,35 @@
-"""Shared fixtures and state builders for the tiered_ckpt tests."""
+"""The fixtures every test can use, and the hook that marks the tests that start processes.
+
+What the fixtures and tests share that is not a fixture (states, rank processes, the stores
+and the proxy in front of them, the workers) is in tests/support/."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
-import json
 import os
 import re
-import select
-import signal
-import subprocess
-import sys
-from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import settings
+
+from support.states import zero1_states
+from support.stores import (
+    AZURITE_ACCOUNT,
+    AZURITE_BIN,
+    CLOUDS,
+    REMOTES,
+    FaultInjectingProxy,
+    StoppableS3,
+    free_port,
+    new_azure_container,
+    new_s3_bucket,
+    running_emulator,
+    s3_storage_options,
+)
 
 # CI runs the property tests on a fixed sequence of examples (a failure there is then
 # reproducible, never a fluke of one run); a developer's run explores new ones.
@@ -27,171 +37,10 @@ settings.register_profile("ci", derandomize=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
-ZERO1_SHARDED_KEYS = ("param_fp16", "master_fp32", "exp_avg", "exp_avg_sq")
-
-
-def split_sizes(total: int, world_size: int) -> list[int]:
-    """Contiguous slice lengths of a flat vector of ``total`` elements over ``world_size`` ranks."""
-    base, extra = divmod(total, world_size)
-    return [base + (1 if rank < extra else 0) for rank in range(world_size)]
-
-
-def zero1_states(world_size: int = 4, total_numel: int = 1003, seed: int = 0) -> list[dict[str, np.ndarray]]:
-    """A ZeRO-1 training state sliced over ``world_size`` ranks, as a training job holds it.
-
-    Per rank: the rank's fp16 slice of the flat parameter vector, fp32 master weights and
-    Adam moments for the same slice, a replicated int64 step, a replicated bf16 matrix,
-    a 0-d loss scale and an empty 1-D array (replicated, so the sharded keys must be named).
-    """
-    rng = np.random.default_rng(seed)
-    master = rng.standard_normal(total_numel, dtype=np.float32)
-    exp_avg = rng.standard_normal(total_numel, dtype=np.float32) * 1e-3
-    exp_avg_sq = rng.random(total_numel, dtype=np.float32) * 1e-6
-    embedding = rng.standard_normal((8, 16), dtype=np.float32).astype(ml_dtypes.bfloat16)
-    states, offset = [], 0
-    for numel in split_sizes(total_numel, world_size):
-        window = slice(offset, offset + numel)
-        states.append(
-            {
-                "param_fp16": master[window].astype(np.float16),
-                "master_fp32": master[window].copy(),
-                "exp_avg": exp_avg[window].copy(),
-                "exp_avg_sq": exp_avg_sq[window].copy(),
-                "step": np.array(1234, dtype=np.int64),
-                "embedding_bf16": embedding.copy(),
-                "loss_scale": np.array(65536.0, dtype=np.float32),
-                "empty": np.zeros(0, dtype=np.float32),
-            }
-        )
-        offset += numel
-    return states
-
-
-def large_states(world_size: int, bytes_per_rank: int, version: int = 0) -> list[dict[str, np.ndarray]]:
-    """Cheap-to-build states of about ``bytes_per_rank`` bytes per rank, distinct per rank and version."""
-    numel = bytes_per_rank // 8
-    return [
-        {
-            "master_fp32": np.arange(rank + version, rank + version + numel, dtype=np.float32),
-            "exp_avg": np.arange(numel, dtype=np.float32) * (rank + 1 + version),
-            "step": np.array(version, dtype=np.int64),
-        }
-        for rank in range(world_size)
-    ]
-
-
-def assert_states_equal(
-    expected: Sequence[Mapping[str, np.ndarray]], actual: Sequence[Mapping[str, np.ndarray]]
-) -> None:
-    """Assert both lists hold the same keys, dtypes, shapes and bytes, rank by rank."""
-    assert len(expected) == len(actual)
-    for rank, (want, got) in enumerate(zip(expected, actual, strict=True)):
-        assert sorted(want) == sorted(got), f"rank {rank}"
-        for key in want:
-            assert got[key].dtype == want[key].dtype, f"rank {rank} {key}"
-            assert got[key].shape == want[key].shape, f"rank {rank} {key}"
-            assert got[key].tobytes() == want[key].tobytes(), f"rank {rank} {key}"
-
-
-def flip_byte(path: Path, offset: int) -> None:
-    """Flip every bit of one byte of ``path`` on disk, in place."""
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        (byte,) = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte ^ 0xFF]))
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def temp_files(directory: Path) -> list[str]:
-    from tiered_ckpt.io.durable import is_temp_name
-
-    return sorted(name for name in os.listdir(directory) if is_temp_name(name))
-
-
-def launch_ranks(
-    worker: Path,
-    root: Path,
-    world_size: int,
-    config: dict,
-    remote=None,
-    killed: int | None = None,
-    *,
-    env_by_rank: Mapping[int, Mapping[str, str]] | None = None,
-    limit: float = 300,
-) -> dict[int, dict]:
-    """Run ``world_size`` processes of ``worker`` (one job, joined through a file store, over
-    ``root/nodes``) with ``config``; return each rank's result (``<results>/rank-<r>.json``).
-
-    ``killed`` is the rank expected to SIGKILL itself (it leaves no result). ``env_by_rank``
-    adds variables to some ranks' environments. A process still running after ``limit``
-    seconds fails the test (a guard against a hang).
-    """
-    launch = root / f"launch-{len(list(root.glob('launch-*')))}"
-    (launch / "results").mkdir(parents=True)
-    config = {
-        "store": str(launch / "store"),
-        "results": str(launch / "results"),
-        "local_root": str(root / "nodes"),
-        "world_size": world_size,
-        **config,
-    }
-    if remote is not None:
-        config["url"], config["options"] = remote
-    (launch / "config.json").write_text(json.dumps(config))
-    environments = env_by_rank or {}
-    processes = [
-        subprocess.Popen(
-            [sys.executable, str(worker), str(launch / "config.json"), str(rank)],
-            env={**os.environ, **environments.get(rank, {})},
-        )
-        for rank in range(world_size)
-    ]
-    try:
-        codes = [process.wait(timeout=limit) for process in processes]  # a guard against a hang, not a timing
-    finally:
-        for process in processes:
-            process.kill()
-    for rank, code in enumerate(codes):
-        assert code == (-signal.SIGKILL if rank == killed else 0), f"rank {rank} exited with {code}"
-    return {
-        rank: json.loads((launch / "results" / f"rank-{rank}.json").read_text())
-        for rank in range(world_size)
-        if rank != killed
-    }
-
-
-def running_as_root() -> bool:
-    return os.geteuid() == 0
-
 
 @pytest.fixture
 def states() -> list[dict[str, np.ndarray]]:
     return zero1_states()
-
-
-CHILD = Path(__file__).with_name("crash_child.py")
-BYTES_PER_RANK = 64 * 1024 * 1024
-
-
-def kill_child_at(directory: Path, point: str, *mode: str, bytes_per_rank: int = BYTES_PER_RANK) -> None:
-    """Run a child saving 4 ranks into ``directory``; SIGKILL it once it reaches ``point``."""
-    child = subprocess.Popen(
-        [sys.executable, str(CHILD), str(directory), point, str(bytes_per_rank), *mode],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        # A guard against a hung child, not a timing assumption: the child signals readiness.
-        ready, _, _ = select.select([child.stdout], [], [], 300)
-        assert ready, f"child never reached {point}"
-        assert child.stdout.readline() == "PAUSED\n"
-    finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait()
-        child.stdout.close()
-    assert child.returncode == -signal.SIGKILL
 
 
 # --- object stores ---------------------------------------------------------------------
@@ -210,54 +59,6 @@ def moto_endpoint():
     host, port = server.get_host_and_port()
     yield f"http://{host}:{port}"
     server.stop()
-
-
-S3_TEST_KEY = "AKIATIEREDCKPTTESTKEY"
-S3_TEST_SECRET = "tiered-ckpt-test-secret-never-to-be-logged"
-
-
-def s3_storage_options(endpoint: str) -> dict:
-    return {
-        "key": S3_TEST_KEY,
-        "secret": S3_TEST_SECRET,
-        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
-        "skip_instance_cache": True,
-    }
-
-
-def write_s3_config(
-    path: Path, local_dir: Path, url: str, endpoint: str, *, local_keep: str = "", remote_keep: str = ""
-) -> Path:
-    """Write a TOML config for ``local_dir`` and the moto bucket at ``url``; credentials stay out of it."""
-    path.write_text(
-        f"[local]\ndir = '{local_dir}'\n{local_keep}\n[remote]\nurl = '{url}'\n{remote_keep}\n"
-        f"[remote.storage_options]\nendpoint_url = '{endpoint}'\n"
-        "[remote.storage_options.client_kwargs]\nregion_name = 'us-east-1'\n"
-    )
-    return path
-
-
-def s3_credentials_env() -> dict[str, str]:
-    """This process's environment plus the test credentials, as the store's own chain reads them."""
-    return {**os.environ, "AWS_ACCESS_KEY_ID": S3_TEST_KEY, "AWS_SECRET_ACCESS_KEY": S3_TEST_SECRET}
-
-
-def new_s3_bucket(endpoint: str, prefix: str = "tiered-test") -> tuple[str, dict]:
-    """Create a fresh bucket on the moto server at ``endpoint``; return (url, storage_options)."""
-    import uuid
-
-    import boto3
-
-    bucket = f"{prefix}-{uuid.uuid4().hex[:16]}"
-    client = boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id=S3_TEST_KEY,
-        aws_secret_access_key=S3_TEST_SECRET,
-        region_name="us-east-1",
-    )
-    client.create_bucket(Bucket=bucket)
-    return f"s3://{bucket}/run", s3_storage_options(endpoint)
 
 
 @pytest.fixture
@@ -289,120 +90,10 @@ def file_url(tmp_path_factory):
     return f"file://{tmp_path_factory.mktemp('shared-fs')}/run", {}
 
 
-@pytest.fixture(params=["memory", "s3", "gcs", "azure", "file"])
+@pytest.fixture(params=REMOTES)
 def remote_url(request):
     """Each remote backend in turn: (url, storage_options)."""
     return request.getfixturevalue(f"{request.param}_url")
-
-
-class FaultInjectingProxy:
-    """An HTTP proxy on a free loopback port in front of ``upstream`` that answers
-    ``failure_rate`` of the requests (of ``methods`` only, if given) with ``503 SlowDown``
-    instead of forwarding them. ``requests`` counts every request it received, ``log`` lists
-    each one's method and path. Requests
-    whose method is in ``corrupt`` are forwarded with one byte of their body flipped (bytes
-    changed in transit); those in ``stall`` are read and never answered (while ``stall`` names their method), or
-    with ``stall_paths`` only those whose path holds one of its strings (``".safetensors"``:
-    shard uploads). ``failure_rate``, ``fail_next`` (the next requests answered 503) and ``stall``
-    are attributes a test may change while it runs.
-
-    Which requests fail comes from a seeded generator, so the sequence of decisions is
-    the same in every run (which request meets which decision depends on thread timing).
-    """
-
-    def __init__(
-        self,
-        upstream: str,
-        failure_rate: float = 0.3,
-        seed: int = 1234,
-        methods: tuple[str, ...] | None = None,
-        corrupt: tuple[str, ...] = (),
-        stall: tuple[str, ...] = (),
-        stall_paths: tuple[str, ...] = (),
-    ) -> None:
-        import http.client
-        import http.server
-        import random
-        import threading
-        import urllib.parse
-
-        target = urllib.parse.urlsplit(upstream)
-        proxy = self
-        self._closed = threading.Event()
-        self.stall = stall
-        self.failure_rate = failure_rate
-        self.fail_next = 0  # the next this many requests are answered 503 whatever the rate
-        self.requests = 0
-        self.log: list[tuple[str, str]] = []  # (method, path) of every request received
-        self.injected = 0
-        self._lock = threading.Lock()
-        decisions = random.Random(seed)
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
-            def _handle(self):
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else b""
-                if self.command in proxy.stall and (not stall_paths or any(p in self.path for p in stall_paths)):
-                    while self.command in proxy.stall and not proxy._closed.wait(0.05):
-                        pass  # never answered: once the stall is lifted, the connection just closes
-                    self.close_connection = True
-                    return
-                if self.command in corrupt and body:
-                    flipped = bytearray(body)
-                    flipped[len(body) // 2] ^= 0xFF
-                    body = bytes(flipped)
-                with proxy._lock:
-                    proxy.requests += 1
-                    proxy.log.append((self.command, self.path))
-                    fail = decisions.random() < proxy.failure_rate and (methods is None or self.command in methods)
-                    fail = fail or proxy.fail_next > 0
-                    proxy.fail_next = max(0, proxy.fail_next - 1)
-                    proxy.injected += fail
-                if fail:
-                    error = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
-                    self.send_response(503)
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(error)))
-                    self.end_headers()
-                    if self.command != "HEAD":  # a HEAD answer has no body
-                        self.wfile.write(error)
-                    return
-                connection = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
-                connection.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
-                for name, value in self.headers.items():
-                    if name.lower() not in ("connection", "keep-alive", "proxy-connection", "transfer-encoding"):
-                        connection.putheader(name, value)
-                connection.endheaders(body)
-                response = connection.getresponse()
-                data = response.read()
-                self.send_response(response.status, response.reason)
-                for name, value in response.getheaders():
-                    if name.lower() not in ("connection", "keep-alive", "transfer-encoding", "content-length"):
-                        self.send_header(name, value)
-                # A HEAD answer carries the object's length, not that of its (empty) body.
-                length = response.getheader("Content-Length") if self.command == "HEAD" else str(len(data))
-                self.send_header("Content-Length", length or "0")
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-                connection.close()
-
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
-
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
-
-    def close(self) -> None:
-        self._closed.set()
-        self._server.shutdown()
-        self._server.server_close()
 
 
 @pytest.fixture
@@ -423,41 +114,6 @@ def faulty_s3(moto_endpoint, s3_url, monkeypatch):
 # gcsfs probes for a gRPC endpoint that the emulator cannot answer; without this each
 # call waits ~60 s. It must be set before gcsfs is imported.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@contextlib.contextmanager
-def running_emulator(command: list[str], probe: str, name: str) -> Iterator[None]:
-    """Run an emulator's ``command`` until the context ends, entering it once ``probe`` (a URL)
-    answers at all: an HTTP error status is an answer too."""
-    import time
-    import urllib.error
-    import urllib.request
-
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while True:  # readiness poll, not a timing assumption: proceed as soon as it answers
-            try:
-                urllib.request.urlopen(probe, timeout=2).read()
-                break
-            except urllib.error.HTTPError:  # it answers (Azurite: 403, the request is not signed)
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"{name} did not start") from None
-                time.sleep(0.05)
-        yield
-    finally:
-        server.terminate()
-        server.wait()
 
 
 @pytest.fixture(scope="session")
@@ -491,7 +147,7 @@ def gcs_url(gcs_endpoint):
     return f"gs://{bucket}/run", options
 
 
-@pytest.fixture(params=["s3", "gcs", "azure"])
+@pytest.fixture(params=CLOUDS)
 def cloud_url(request):
     """Each real object-store API in turn (S3 on moto, GCS on fake-gcs-server, Azure Blob on
     Azurite): (url, storage_options)."""
@@ -518,23 +174,6 @@ def faulty_gcs(gcs_endpoint, gcs_url, monkeypatch):
     proxy.close()
 
 
-# Azurite's well-known development account (Microsoft publishes both; they open nothing else).
-AZURITE_ACCOUNT = "devstoreaccount1"
-AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
-# Where .ci/run installs Azurite (npm), if `azurite-blob` is not on the PATH.
-AZURITE_BIN = Path(__file__).resolve().parent.parent / ".ci-node" / "node_modules" / ".bin" / "azurite-blob"
-
-
-def azure_storage_options(endpoint: str) -> dict:
-    """adlfs's options for the Azurite account whose blob endpoint is ``endpoint``."""
-    return {
-        "account_name": AZURITE_ACCOUNT,
-        "account_key": AZURITE_KEY,
-        "endpoint_url": endpoint,
-        "skip_instance_cache": True,
-    }
-
-
 @pytest.fixture(scope="session")
 def azurite_endpoint():
     """Azurite's Blob service (Microsoft's emulator, from npm) on a free loopback port, in memory,
@@ -557,19 +196,6 @@ def azurite_endpoint():
         yield endpoint
 
 
-def new_azure_container(endpoint: str) -> tuple[str, dict]:
-    """Create a fresh container on the Azurite at ``endpoint``; return (url, storage_options)."""
-    import uuid
-
-    from azure.storage.blob import BlobServiceClient
-
-    container = f"tiered-test-{uuid.uuid4().hex[:16]}"
-    credential = {"account_name": AZURITE_ACCOUNT, "account_key": AZURITE_KEY}
-    with BlobServiceClient(endpoint, credential=credential, retry_total=0) as client:
-        client.create_container(container)
-    return f"az://{container}/run", azure_storage_options(endpoint)
-
-
 @pytest.fixture
 def azure_url(azurite_endpoint):
     """A fresh container on Azurite; returns (url, storage_options)."""
@@ -586,32 +212,6 @@ def faulty_azure(azurite_endpoint, azure_url):
     proxy.close()
 
 
-class StoppableS3:
-    """moto's S3 server on a loopback port of its own that a test can stop (a real outage:
-    connection refused) and start again on the same port, with the buckets it held (moto
-    keeps them per process: every moto server of the test process sees the same buckets)."""
-
-    def __init__(self) -> None:
-        import logging
-
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self._server = None
-        self.start()
-
-    def start(self) -> None:
-        from moto.server import ThreadedMotoServer
-
-        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
-        self._server.start()
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.stop()
-            self._server = None
-
-
 @pytest.fixture
 def stoppable_s3():
     """(server, url, storage_options): a fresh bucket on a :class:`StoppableS3`."""
@@ -625,19 +225,23 @@ def stoppable_s3():
 
 # --- markers: slow and multiprocess ([tool.pytest.ini_options] registers them) ---------------------
 #
-# ``pytest -m "not slow"`` is the quick run (under two minutes on two cores), ``-m "not multiprocess"``
-# runs in one process; plain ``pytest`` runs everything. Both markers are set here, not on the tests.
+# ``pytest -m "not slow"`` is the quick run (under about two minutes on two cores), ``-m "not multiprocess"``
+# runs in one process; plain ``pytest`` runs everything.
 #
-# multiprocess is read off the source: a test is marked when it, a fixture of a test file or a
-# function of a test file it names (at any depth) starts a process (``_STARTS_A_PROCESS``). A new
-# way to start one (a helper in another package, a new launcher): add it to that pattern.
+# slow is on the tests themselves (``@pytest.mark.slow``; a test slow on some parameters only marks
+# those: ``pytest.param(..., marks=pytest.mark.slow)``, or for a store fixture
+# ``@pytest.mark.parametrize("remote_url", with_slow(REMOTES, "s3"), indirect=True)``). It is
+# measured: a test that takes over about a second (setup, call and teardown) in a full run on a
+# 2-core machine is marked, except that each test file keeps its quickest test in the quick run even
+# if it is slow (tests/test_markers.py checks that every file keeps one), so that the quick run still
+# runs every file. To keep it right: run `python -m pytest --durations=0 -q -p no:cacheprovider`,
+# mark what has grown over a second and unmark what no longer is, and check that
+# `python -m pytest -m "not slow"` stays under about two minutes.
 #
-# slow is measured: the tests that took over about a second (setup, call and teardown) in a full
-# run on a 2-core machine, listed in _SLOW, except that each test file keeps its quickest test in
-# the quick run even if it is slow (test_demo.py's one test), so that the quick run still runs
-# every file. To keep it right: run `python -m pytest --durations=0 -q -p no:cacheprovider`,
-# move into _SLOW what has grown over a second and out what no longer is, and check that
-# `python -m pytest -m "not slow"` stays under two minutes.
+# multiprocess is read off the source, so that it cannot go stale: a test is marked when it, a
+# fixture of a test file or a function of a test file it names (at any depth) starts a process
+# (``_STARTS_A_PROCESS``). A new way to start one (a helper in another package, a new launcher):
+# add it to that pattern.
 
 _STARTS_A_PROCESS = re.compile(
     r"\bsubprocess\.(?:run|Popen|check_call|check_output)\b|\b(?:launch_ranks|kill_child_at)\b"
@@ -645,168 +249,6 @@ _STARTS_A_PROCESS = re.compile(
 # Fixtures that start a process which is not the library's: the GCS and Azure emulators.
 _OTHER_PROCESSES = frozenset({"gcs_endpoint", "azurite_endpoint"})
 _TESTS = Path(__file__).resolve().parent
-
-_SLOW = (  # test file::test id; a test's name alone covers all its parameters, an id may be cut short
-    "test_agreement.py::test_a_variable_set_on_one_rank_only_fails_every_rank_at_construction_naming_it",
-    "test_agreement.py::test_options_one_rank_refuses_for_a_variable_only_it_has_fail_every_rank_at_construction",
-    "test_agreement.py::test_peer_nodes_naming_fewer_ranks_than_the_job_is_a_config_error_on_every_rank",
-    "test_azure.py::test_a_store_that_never_answers_a_put_fails_it_as_transient",
-    "test_bench.py::test_benchmark_runs_every_section_and_prints_its_ratios",
-    "test_bench.py::test_fresh_processes_print_every_target_of_issue_26_with_a_number_and_a_verdict",
-    "test_cli.py::test_a_bad_endpoint_url_is_refused_naming_where_it_came_from",
-    "test_cli.py::test_show_lists_each_ranks_arrays_from_their_headers_alone",
-    "test_export.py::test_a_transformers_model_trained_under_fsdp2_exports_and_loads_with_from_pretrained",
-    "test_export.py::test_the_cli_exports_a_step_and_lists_each_files_sha256",
-    "test_export.py::test_pipeline_stages_restore_in_part_and_export_every_stages_layers",
-    "test_preemption.py::test_a_stop_step_off_the_buckets_cadence_whose_upload_was_cut_off_is_resumed_by_the_next_start",
-    "test_cli.py::test_a_step_directory_given_as_the_root_is_named_with_its_parent",
-    "test_cli.py::test_an_endpoint_url_with_a_password_is_refused_without_showing_it",
-    "test_cli.py::test_endpoint_url_option_and_environment_variables_reach_the_store",
-    "test_cli.py::test_global_options_work_after_the_command_and_sizes_fit_their_unit",
-    "test_cli.py::test_ls_lists_every_step_and_marks_a_damaged_remote_manifest_and_verify_fails_it",
-    "test_cli.py::test_ls_shows_each_step_in_each_tier",
-    "test_cli.py::test_prune_dry_run_then_prune",
-    "test_cli.py::test_prune_of_one_ranks_directory_says_which_steps_it_keeps_and_why",
-    "test_cli.py::test_pull_and_push_show_progress_on_a_terminal_only",
-    "test_cli.py::test_pull_refills_a_lost_local_directory",
-    "test_cli.py::test_push_uploads_every_other_step_when_one_fails_and_reports_them",
-    "test_cli.py::test_push_uploads_what_only_the_local_tier_holds",
-    "test_cli.py::test_status_says_how_far_the_bucket_is_behind",
-    "test_cli.py::test_verify_passes_then_fails_on_a_flipped_byte_in_either_tier",
-    "test_cli.py::test_verify_remote_checks_the_stores_own_checksums_without_downloading",
-    "test_cli.py::test_verify_remote_reads_only_the_bucket_and_needs_one",
-    "test_cli.py::test_a_failed_pull_leaves_no_step_directory_behind",
-    "test_cli.py::test_a_reader_that_closes_the_output_early_ends_the_command_quietly",
-    "test_cli.py::test_ls_and_status_read_the_bucket_alone_without_a_local_directory",
-    "test_cli.py::test_ls_with_an_unreachable_bucket_lists_the_local_steps_and_says_the_bucket_was_not_reached",
-    "test_cli.py::test_show_on_one_ranks_directory_lists_that_ranks_arrays_and_names_the_others",
-    "test_compression.py::test_a_bucket_holding_compressed_and_uncompressed_steps_reads_both_whatever_the_option",
-    "test_compression.py::test_two_rank_processes_hand_their_compressed_entries_to_the_one_that_commits",
-    "test_config.py::test_endpoint_url_from_a_config_or_the_environment_reaches_the_store[s3]",
-    "test_coordination.py::test_two_ranks_save_through_a_bucket_that_never_answers_and_every_step_arrives_once_it_answers",
-    "test_coordination.py::test_a_coordinator_on_a_process_group_saves_and_restores_only_that_groups_ranks",
-    "test_coordination.py::test_a_save_takes_three_rounds_of_collectives_and_a_long_payload_one_more",
-    "test_coordination.py::test_a_different_world_size_fails_on_every_rank_unless_resharding_is_asked",
-    "test_coordination.py::test_a_failed_upload_is_raised_by_every_rank_at_the_same_call_and_only_once",
-    "test_coordination.py::test_a_failing_action_on_one_of_two_processes_makes_both_raise_naming_the_rank_and_label",
-    "test_coordination.py::test_a_missing_bucket_on_one_rank_is_raised_by_every_rank_at_construction",
-    "test_coordination.py::test_a_signal_to_one_rank_stops_every_rank_at_the_same_step_with_it_committed_in_the_bucket",
-    "test_coordination.py::test_a_typed_payload_round_trips_through_the_json_a_collective_carries",
-    "test_coordination.py::test_an_array_one_rank_cannot_save_fails_the_save_on_every_rank",
-    "test_coordination.py::test_each_rank_writes_only_its_shard_and_the_step_commits_in_both_tiers",
-    "test_coordination.py::test_ranks_asking_about_preemption_at_different_steps_fail_together",
-    "test_coordination.py::test_ranks_calling_save_with_different_steps_fail_together",
-    "test_coordination.py::test_ranks_retry_a_failing_bucket_together_and_commit_every_step_once_it_is_back",
-    "test_coordination.py::test_resharding_across_nodes_without_a_bucket_says_it_needs_one",
-    "test_coordination.py::test_restore_is_byte_equal_on_every_rank_and_only_the_replaced_node_downloads",
-    "test_coordination.py::test_sigkill_of_one_rank_during_a_save_leaves_the_previous_step_on_every_rank",
-    "test_coordination.py::test_the_cli_verifies_a_node_directory_without_counting_other_nodes_shards_as_missing",
-    "test_coordination.py::test_torch_coordinator_gathers_broadcasts_and_fails_every_rank_together",
-    "test_coordination.py::test_two_ranks_given_one_directory_both_fail_to_start_naming_the_fix",
-    "test_dcp.py::test_checkpoint_id_names_the_step_saved_and_the_step_loaded",
-    "test_dcp.py::test_the_torch_package_imports_the_backend_on_first_use_only",
-    "test_dcp.py::test_two_ranks_with_a_disk_each_and_no_bucket_save_and_load_each_step_by_id",
-    "test_dcp_reader.py::test_a_load_right_after_a_save_reads_nothing_another_rank_has_not_uploaded",
-    "test_dcp_reader.py::test_a_step_the_writer_of_0_2_saved_loads_its_values_from_rank_0s_shard",
-    "test_dcp_reader.py::test_ranks_that_find_different_newest_steps_refuse_the_load_on_every_rank",
-    "test_dcp_writer.py::test_async_save_in_a_process_is_refused_saying_why",
-    "test_doc_samples.py::test_the_fsdp2_and_dcp_samples_save_and_restore_a_sharded_model",
-    "test_doc_samples.py::test_the_lightning_guide_resumes_a_trainer_from_the_bucket_and_fabric_from_its_newest_step",
-    "test_doc_samples.py::test_the_one_process_per_rank_guide_saves_every_rank_and_resumes",
-    "test_doc_samples.py::test_the_peer_tier_guide_keeps_steps_in_partner_memory_and_restores_the_newest",
-    "test_doc_samples.py::test_the_remote_tier_lag_and_oneshot_samples_run",
-    "test_doc_samples.py::test_the_saving_guide_trains_saves_to_the_bucket_and_resumes",
-    "test_dtensor.py::test_a_part_of_the_state_restores_with_the_replicated_arrays_under_it_and_no_others",
-    "test_dtensor.py::test_a_flipped_byte_in_a_needed_shard_is_caught_and_read_from_the_bucket",
-    "test_dtensor.py::test_an_fsdp2_state_restores_byte_equal_on_another_world_size",
-    "test_dtensor.py::test_replicated_arrays_are_written_once_and_each_rank_keeps_its_own",
-    "test_dtensor.py::test_the_dcp_backend_round_trips_an_fsdp2_state_across_world_sizes",
-    "test_dtensor.py::test_without_a_bucket_a_flipped_byte_fails_the_restore_on_every_rank",
-    "test_dtensor.py::test_a_restore_into_dtensors_refills_a_replaced_disk_from_the_bucket",
-    "test_dtensor.py::test_a_restore_into_dtensors_refills_a_replaced_disk_from_the_partners_memory",
-    "test_examples.py::test_ddp_example_preempted_by_sigterm_commits_that_step_and_a_fresh_node_resumes_bit_for_bit",
-    "test_examples.py::test_ddp_example_resumes_after_a_sigkill_to_the_same_parameters_as_an_uninterrupted_run",
-    "test_examples.py::test_ddp_example_resumes_with_fewer_ranks_through_the_bucket",
-    "test_examples.py::test_fsdp2_example_resumes_bit_for_bit_and_on_another_world_size_through_the_bucket",
-    "test_examples.py::test_resume_from_bucket_takes_the_world_size_from_the_manifest",
-    "test_examples.py::test_training_example_resumes_and_a_fresh_node_restores_from_the_bucket",
-    "test_lightning.py::test_a_run_killed_mid_epoch_resumes_from_last_to_the_losses_and_parameters_of_an_uninterrupted_run",
-    "test_lightning.py::test_a_run_whose_disk_was_lost_resumes_from_the_bucket",
-    "test_lightning.py::test_importing_tiered_ckpt_never_imports_lightning",
-    "test_manager.py::test_a_manager_starts_while_its_bucket_hangs_restores_from_its_disk_and_sets_the_bucket_up_once_it_answers",
-    "test_manager.py::test_a_bucket_that_accepts_and_never_answers_blocks_no_save_and_every_step_arrives_once_it_answers",
-    "test_manager.py::test_a_bucket_outage_never_fails_save_wait_or_close_and_every_step_saved_since_commits_once_back",
-    "test_manager.py::test_a_bucket_throttling_half_the_requests_for_a_while_gets_every_step_within_a_request_bound",
-    "test_manager.py::test_a_multipart_upload_killed_midway_is_aborted_by_the_next_start",
-    "test_manager.py::test_a_step_not_committed_within_its_deadline_fails_and_the_next_step_goes_on",
-    "test_manager.py::test_a_step_that_missed_its_deadline_in_an_outage_fails_only_wait_uploaded_and_stays_local",
-    "test_manager.py::test_a_store_that_accepts_a_put_and_never_answers_fails_in_bounded_time",
-    "test_manager.py::test_a_store_that_always_refuses_costs_max_tries_requests_per_operation",
-    "test_manager.py::test_an_outage_keeps_at_most_max_awaiting_upload_waiting_steps_beside_the_one_being_retried",
-    "test_manager.py::test_both_object_layouts_restore_and_rotate[s3-flat]",
-    "test_manager.py::test_both_object_layouts_restore_and_rotate[s3-hashed]",
-    "test_manager.py::test_bytes_changed_in_transit_are_never_committed",
-    "test_manager.py::test_damaged_local_and_remote_copies_fail_naming_both[s3]",
-    "test_manager.py::test_lag_reports_the_lag_the_upload_rate_and_the_last_error",
-    "test_manager.py::test_leaving_the_with_block_on_an_error_does_not_wait_for_a_failing_bucket",
-    "test_manager.py::test_permanent_upload_failure_is_raised_and_local_steps_are_kept[s3]",
-    "test_manager.py::test_sigkill_during_background_write_then_restart_restores_previous_step",
-    "test_manager.py::test_sigkill_during_upload_then_restart_completes_it_without_resending",
-    "test_manager.py::test_transient_faults_on_30_percent_of_requests_still_commit_every_step",
-    "test_manager.py::test_transient_faults_on_gcs_and_azure_still_commit_every_step",
-    "test_oneshot.py::test_sigkill_during_save_keeps_previous_checkpoint_and_commits_nothing",
-    "test_oneshot.py::test_sigkill_right_after_the_manifest_rename_leaves_a_complete_checkpoint",
-    "test_options.py::test_ownership_seconds_are_checked_where_the_remote_options_are_made[orphan_age_seconds-0]",
-    "test_owners.py::test_a_second_manager_leaves_a_live_jobs_upload_and_multipart_upload_intact",
-    "test_owners.py::test_multipart_uploads_are_aborted_only_past_the_orphan_age",
-    "test_peer.py::test_a_budget_larger_than_the_memory_file_system_is_refused_on_every_rank",
-    "test_peer.py::test_a_copy_changed_on_its_way_is_not_kept_and_the_save_goes_on",
-    "test_peer.py::test_a_fresh_start_on_new_directories_never_restores_copies_of_an_earlier_run",
-    "test_peer.py::test_a_holder_of_several_ranks_keeps_each_of_their_copies",
-    "test_peer.py::test_a_lost_node_restores_byte_for_byte_from_its_partners_without_reading_the_bucket",
-    "test_peer.py::test_a_partner_killed_mid_copy_leaves_the_step_on_disk_and_it_reaches_the_bucket",
-    "test_peer.py::test_a_partner_that_hangs_during_a_copy_is_given_up_by_every_rank_and_saves_go_on",
-    "test_peer.py::test_a_partner_that_hangs_during_a_restore_costs_its_timeout_and_the_bucket_serves_instead",
-    "test_peer.py::test_a_partners_flipped_byte_is_caught_and_the_bucket_is_read_instead",
-    "test_peer.py::test_a_rank_that_cannot_read_its_own_shard_fails_only_its_copy_and_no_partner_waits",
-    "test_peer.py::test_a_step_kept_in_memory_only_that_no_partner_keeps_is_not_saved_and_raises_nothing",
-    "test_peer.py::test_on_one_node_the_tier_protects_nothing_and_stays_off",
-    "test_peer.py::test_steps_between_disk_saves_live_in_the_partners_memory_and_a_restart_restores_the_newest",
-    "test_peer.py::test_the_memory_held_for_partners_stays_flat_over_100_saves",
-    "test_peer.py::test_with_the_default_budget_a_lost_node_resumes_the_newest_disk_step_from_its_partners",
-    "test_peer.py::test_a_shard_rotten_on_its_own_disk_is_read_from_the_partner_holding_it_without_a_bucket",
-    "test_peer.py::test_a_step_no_partner_holds_costs_one_line_per_rank_and_no_warning",
-    "test_peer.py::test_a_save_after_a_rollback_is_refused_while_the_partners_hold_newer_steps_and_nothing_is_lost",
-    "test_peer.py::test_steps_a_lost_node_left_unrestorable_in_memory_never_refuse_the_next_saves",
-    "test_peer.py::test_a_lost_node_whose_step_no_partner_holds_is_told_a_bucket_or_a_partners_memory_would_serve_it",
-    "test_preemption.py::test_a_sigint_notice_saves_the_stop_step_and_raises_no_keyboard_interrupt",
-    "test_preemption.py::test_reached_preemption_puts_the_newest_upload_first_and_drops_the_older_queued_ones",
-    "test_preemption.py::test_the_readme_loop_saves_the_stop_step_whenever_the_notice_arrives[200-right after the",
-    "test_readme.py::test_the_error_handling_loop_trains_through_a_30_s_bucket_outage_and_every_step_reaches_the_bucket",
-    "test_readme.py::test_the_one_process_per_rank_sample_resumes_and_a_damaged_step_is_never_a_fresh_start",
-    "test_readme.py::test_the_use_sample_trains_saves_to_the_bucket_and_resumes",
-    "test_remote.py::test_a_restore_from_sixty_steps_goes_through_a_bucket_failing_a_tenth_of_its_requests",
-    "test_remote.py::test_a_part_changed_in_transit_is_never_confirmed",
-    "test_remote.py::test_a_url_with_glob_characters_touches_only_its_own_steps[s3-sweep*]",
-    "test_remote.py::test_a_url_with_glob_characters_touches_only_its_own_steps[s3-sweep?]",
-    "test_remote.py::test_a_url_with_glob_characters_touches_only_its_own_steps[s3-sweep[12]]",
-    "test_remote.py::test_an_object_32_mib_longer_than_its_record_is_refused_before_it_is_read[s3]",
-    "test_restore.py::test_a_job_killed_during_its_first_save_relaunches_fresh_and_saves_that_step_again",
-    "test_restore.py::test_a_replaced_disk_without_a_bucket_says_the_step_exists_and_where",
-    "test_restore.py::test_a_state_of_dtensors_resharded_without_a_bucket_says_it_needs_one_not_file_is_missing",
-    "test_restore.py::test_growing_the_world_size_without_a_bucket_says_the_step_exists_and_what_restores_it",
-    "test_restore.py::test_shrinking_the_world_size_without_a_bucket_says_what_restores_it_not_file_is_missing",
-    "test_restore.py::test_steps_saved_before_commit_agreements_were_recorded_still_restore",
-    "test_retention.py::test_a_rank_killed_before_its_commit_leaves_the_older_step_restorable_from_every_disk",
-    "test_staging.py::test_a_large_state_is_copied_exactly_in_pieces_by_several_threads",
-    "test_state.py::test_a_state_at_the_header_limit_round_trips_and_one_just_over_it_is_refused[many arrays-<lambda>",
-    "test_state.py::test_a_state_one_rank_could_never_load_fails_the_save_on_every_rank_before_anything_is_written",
-    "test_state.py::test_a_string_whose_shard_header_the_reader_would_refuse_is_refused_naming_its_path",
-    "test_state.py::test_any_generated_state_survives_flatten_document_and_build",
-    "test_tier_contract.py::TestRemoteTierOnS3::test_a_landing_that_fails_midway_leaves_no_shard",
-    "test_tier_contract.py::TestRemoteTierOnS3::test_a_missing_copy_is_noticed",
-    "test_tier_contract.py::TestRemoteTierOnS3::test_what_landed_reads_back_byte_for_byte_whole_and_in_ranges[path]",
-)
 
 
 def _source_file(function: Any) -> Path | None:
@@ -827,7 +269,7 @@ def _named_test_functions(function: Any) -> tuple[Any, ...]:
     found = []
     for name in names:
         value = function.__globals__.get(name)
-        if inspect.isfunction(value) and (path := _source_file(value)) is not None and path.parent == _TESTS:
+        if inspect.isfunction(value) and (path := _source_file(value)) is not None and _TESTS in path.parents:
             found.append(value)
     return tuple(found)
 
@@ -857,13 +299,9 @@ def _fixture_functions(item: pytest.Item) -> list[Any]:
             continue
         for definition in defs:
             function = getattr(definition, "func", None)
-            if function is not None and (path := _source_file(function)) is not None and path.parent == _TESTS:
+            if function is not None and (path := _source_file(function)) is not None and _TESTS in path.parents:
                 functions.append(function)
     return functions
-
-
-def _is_slow(test: str) -> bool:
-    return any(test == slow or test.startswith(slow if "[" in slow else f"{slow}[") for slow in _SLOW)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -873,5 +311,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         if any(_starts_a_process(each) for each in [function, *_fixture_functions(item)]):
             item.add_marker(pytest.mark.multiprocess)
-        if _is_slow(f"{item.path.name}::{item.nodeid.partition('::')[2]}"):
-            item.add_marker(pytest.mark.slow)

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import launch_ranks
+from support.processes import launch_ranks
 from tiered_ckpt import ConfigError, LocalOptions, PeerOptions, RemoteOptions, RuntimeOptions, UploadOptions
 from tiered_ckpt.agreement import Shared, _differences, agree_on_options, check_process_layout
 from tiered_ckpt.dist.coordination import Attempt
 from tiered_ckpt.format.layout import step_dir_name
 from tiered_ckpt.options import resolve_options
 
-WORKER = Path(__file__).with_name("rank_worker.py")
+WORKER = Path(__file__).resolve().parent / "support" / "rank_worker.py"
 
 
 class Ranks:
@@ -91,6 +91,7 @@ def launch(tmp_path, env_by_rank, actions=()):
     return launch_ranks(WORKER, tmp_path, 2, config, env_by_rank=env_by_rank, limit=120)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "variable, value, named",
     [
@@ -108,6 +109,7 @@ def test_a_variable_set_on_one_rank_only_fails_every_rank_at_construction_naming
     assert not any((tmp_path / "nodes" / f"rank-{rank}" / step_dir_name(1)).exists() for rank in (0, 1))
 
 
+@pytest.mark.slow
 def test_options_one_rank_refuses_for_a_variable_only_it_has_fail_every_rank_at_construction(tmp_path):
     bucket = {"TIERED_CKPT_REMOTE_URL": f"file://{tmp_path}/bucket"}  # the bucket's cadence is 1: every disk step
     results = launch(tmp_path, {0: bucket, 1: {**bucket, "TIERED_CKPT_LOCAL_EVERY": "2"}})
@@ -117,6 +119,7 @@ def test_options_one_rank_refuses_for_a_variable_only_it_has_fail_every_rank_at_
     assert results[0]["error"][1].startswith('rank 1 (during "options"): ')
 
 
+@pytest.mark.slow
 def test_peer_nodes_naming_fewer_ranks_than_the_job_is_a_config_error_on_every_rank(tmp_path):
     nodes = {"TIERED_CKPT_PEER_NODES": "a"}
     for result in launch(tmp_path, {0: nodes, 1: nodes}).values():

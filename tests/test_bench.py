@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPOSITORY = Path(__file__).resolve().parent.parent
 BENCHMARKS = REPOSITORY / "benchmarks"
 
@@ -19,6 +21,8 @@ def bench(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # about 220 s on a loaded 2-core machine, and bench()'s own guard is 600 s
 def test_benchmark_runs_every_section_and_prints_its_ratios(tmp_path):
     (tmp_path / "scratch").mkdir()
     result = bench(
@@ -96,6 +100,8 @@ FRESH_TARGETS = (
 )
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # about 220 s on a loaded 2-core machine, and bench()'s own guard is 600 s
 def test_fresh_processes_print_every_target_of_issue_26_with_a_number_and_a_verdict(tmp_path):
     result = bench("--only", "fresh", "--size-gib", "0.004", "--ranks", "2", "--repeat", "1", "--dir", str(tmp_path))
     assert result.returncode == 0, result.stderr

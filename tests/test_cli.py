@@ -8,7 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ZERO1_SHARDED_KEYS, flip_byte, free_port, s3_credentials_env, write_s3_config, zero1_states
+from support.states import ZERO1_SHARDED_KEYS, flip_byte, zero1_states
+from support.stores import free_port, s3_credentials_env, write_s3_config
 from tiered_ckpt import CheckpointManager, LocalOptions, RemoteOptions, RuntimeOptions, save_sharded
 from tiered_ckpt.format.layout import MANIFEST_NAME, shard_name, step_dir_name
 from tiered_ckpt.io.hashing import part_crc32c
@@ -48,6 +49,7 @@ def save_steps(local, url, options, steps, *, upload=True):
     manager.close()
 
 
+@pytest.mark.slow
 def test_ls_shows_each_step_in_each_tier(setup):
     config, local, url, options, env = setup
     save_steps(local, url, options, [1, 2])
@@ -66,6 +68,7 @@ def test_ls_shows_each_step_in_each_tier(setup):
     assert code == 0 and "STEP" in out.splitlines()[0] and "uploading" in out
 
 
+@pytest.mark.slow
 def test_status_says_how_far_the_bucket_is_behind(setup):
     config, local, url, options, env = setup
     save_steps(local, url, options, [1, 2])
@@ -80,6 +83,7 @@ def test_status_says_how_far_the_bucket_is_behind(setup):
     assert code == 0 and "2 steps waiting for upload: 3 (" in out
 
 
+@pytest.mark.slow
 def test_verify_passes_then_fails_on_a_flipped_byte_in_either_tier(setup):
     config, local, url, options, env = setup
     save_steps(local, url, options, [5])
@@ -97,6 +101,7 @@ def test_verify_passes_then_fails_on_a_flipped_byte_in_either_tier(setup):
     assert code == 1 and failed == [("local", 2), ("remote", 0)]
 
 
+@pytest.mark.slow
 def test_verify_remote_checks_the_stores_own_checksums_without_downloading(setup, monkeypatch):
     config, local, url, options, env = setup
     save_steps(local, url, options, [5])
@@ -126,6 +131,7 @@ def test_verify_remote_checks_the_stores_own_checksums_without_downloading(setup
     assert not result.ok and [check.rank for check in result.failed] == [1]
 
 
+@pytest.mark.slow
 def test_pull_refills_a_lost_local_directory(setup):
     config, local, url, options, env = setup
     save_steps(local, url, options, [7])
@@ -139,6 +145,7 @@ def test_pull_refills_a_lost_local_directory(setup):
     assert code == 0 and "8 shards verified, 0 failed" in out
 
 
+@pytest.mark.slow
 def test_push_uploads_what_only_the_local_tier_holds(setup):
     config, local, url, options, env = setup
     save_steps(local, url, options, [1, 2], upload=False)
@@ -150,6 +157,7 @@ def test_push_uploads_what_only_the_local_tier_holds(setup):
     assert json.loads(out) == {"uploaded_steps": []}
 
 
+@pytest.mark.slow
 def test_push_uploads_every_other_step_when_one_fails_and_reports_them(setup):
     config, local, url, options, env = setup
     save_steps(local, url, options, [1, 2, 3], upload=False)
@@ -160,6 +168,7 @@ def test_push_uploads_every_other_step_when_one_fails_and_reports_them(setup):
     assert RemoteTier(url, options).steps() == [1, 3]
 
 
+@pytest.mark.slow
 def test_prune_dry_run_then_prune(setup):
     config, local, url, options, env = setup
     save_steps(local, url, options, [1, 2, 3])
@@ -177,6 +186,7 @@ def test_prune_dry_run_then_prune(setup):
     assert RemoteTier(url, options).steps() == [2, 3]
 
 
+@pytest.mark.slow
 def test_prune_of_one_ranks_directory_says_which_steps_it_keeps_and_why(tmp_path):
     """A rank's directory of a 2-rank job: one rank's commit of step 3 proves nothing of the other's."""
     root = tmp_path / "rank-0"
@@ -224,6 +234,7 @@ def test_failure_to_reach_a_step_exits_1(tmp_path):
     assert code == 1 and "step 9 is committed in no tier" in err
 
 
+@pytest.mark.slow
 def test_global_options_work_after_the_command_and_sizes_fit_their_unit(setup):
     config, local, url, options, env = setup
     save_steps(local, url, options, [1])
@@ -258,6 +269,7 @@ def test_a_missing_local_dir_is_named_and_never_created(tmp_path, command):
     assert not missing.exists()
 
 
+@pytest.mark.slow
 def test_verify_remote_reads_only_the_bucket_and_needs_one(setup, tmp_path):
     config, local, url, options, env = setup
     save_steps(local, url, options, [1])
@@ -269,6 +281,7 @@ def test_verify_remote_reads_only_the_bucket_and_needs_one(setup, tmp_path):
     assert code == 2 and "verify --remote needs a remote tier" in err
 
 
+@pytest.mark.slow
 def test_a_step_directory_given_as_the_root_is_named_with_its_parent(tmp_path):
     with CheckpointManager(tmp_path, world_size=2) as manager:
         manager.save(3, [{"w": np.arange(4.0)}, {"w": np.arange(4.0)}], blocking=True)
@@ -299,6 +312,7 @@ def test_a_relative_local_dir_in_a_config_is_read_from_the_config_files_folder(t
 # --- naming an S3 endpoint -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_endpoint_url_option_and_environment_variables_reach_the_store(tmp_path, s3_url, moto_endpoint):
     url, options = s3_url
     save_steps(tmp_path / "job", url, options, [1, 2])
@@ -322,6 +336,7 @@ def test_endpoint_url_option_and_environment_variables_reach_the_store(tmp_path,
     assert remote_steps(wrong, "--endpoint-url", moto_endpoint) == expected
 
 
+@pytest.mark.slow
 def test_a_bad_endpoint_url_is_refused_naming_where_it_came_from(tmp_path):
     code, _, err = run(os.environ, "ls", "--local-dir", str(tmp_path), "--remote-url", "s3://b/run",
                        "--endpoint-url", "minio:9000")  # fmt: skip
@@ -336,6 +351,7 @@ def test_a_bad_endpoint_url_is_refused_naming_where_it_came_from(tmp_path):
     assert code == 2 and "applies to s3://, gs:// and az:// URLs only" in err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "endpoint",
     ["admin:hunter2@minio:9000", "http://admin:hunter2@minio:9000", "s3://admin:hunter2@m", "http://a:b/hunter2@m"],
@@ -427,6 +443,7 @@ def run_on_a_terminal(env, *args):
     return code, out, shown.decode(errors="replace")
 
 
+@pytest.mark.slow
 def test_pull_and_push_show_progress_on_a_terminal_only(setup):
     config, local, url, options, env = setup
     save_steps(local, url, options, [1, 2], upload=False)
@@ -447,6 +464,7 @@ def test_pull_and_push_show_progress_on_a_terminal_only(setup):
 # --- a damaged manifest among good ones ----------------------------------------------------
 
 
+@pytest.mark.slow
 def test_ls_lists_every_step_and_marks_a_damaged_remote_manifest_and_verify_fails_it(setup):
     config, local, url, options, env = setup
     save_steps(local, url, options, [1, 2, 3])
@@ -487,6 +505,7 @@ def test_a_missing_bucket_is_named_and_fails_the_command(tmp_path, moto_endpoint
     assert "the bucket 'tiered-no-such-bucket' does not exist" in err
 
 
+@pytest.mark.slow
 def test_show_lists_each_ranks_arrays_from_their_headers_alone(setup, tmp_path):
     config, local, url, options, env = setup
     save_steps(local, url, options, [1])
@@ -518,6 +537,7 @@ def test_show_of_a_shard_whose_header_does_not_verify_fails_naming_it(setup):
 # --- a bucket alone, a bucket out of reach, one rank's directory, a reader gone ------------
 
 
+@pytest.mark.slow
 def test_ls_and_status_read_the_bucket_alone_without_a_local_directory(setup, tmp_path):
     config, local, url, options, env = setup
     save_steps(local, url, options, [1, 2])
@@ -537,6 +557,7 @@ def test_ls_and_status_read_the_bucket_alone_without_a_local_directory(setup, tm
     assert not fresh.exists()  # a read creates nothing
 
 
+@pytest.mark.slow
 def test_ls_with_an_unreachable_bucket_lists_the_local_steps_and_says_the_bucket_was_not_reached(tmp_path):
     local = tmp_path / "local"
     save_steps(local, None, None, [1, 2], upload=False)
@@ -556,6 +577,7 @@ def test_ls_with_an_unreachable_bucket_lists_the_local_steps_and_says_the_bucket
     assert code == 1 and re.search(r"^\s+2\s+committed\s+unreachable\s", out, re.M), out + err
 
 
+@pytest.mark.slow
 def test_show_on_one_ranks_directory_lists_that_ranks_arrays_and_names_the_others(tmp_path):
     root = tmp_path / "rank-1"  # the directory of rank 1 of a 2-rank job, as under torchrun
     states = [{"w": np.arange(64, dtype=np.float32)}, {"w": np.zeros(64, dtype=np.float32), "b": np.ones(3)}]
@@ -574,6 +596,7 @@ def test_show_on_one_ranks_directory_lists_that_ranks_arrays_and_names_the_other
     assert code == 0 and out.splitlines()[-1].startswith("step 4: 2 arrays in 1 of 2 shards"), out + err
 
 
+@pytest.mark.slow
 def test_a_failed_pull_leaves_no_step_directory_behind(setup):
     config, local, url, options, env = setup
     save_steps(local, url, options, [7])
@@ -608,6 +631,7 @@ def _with_its_output_closed(env, *args):
     return result.returncode, result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "command, buffered",
     [(["--json", "ls"], True), (["--json", "ls"], False), (["status"], True), (["verify"], True),

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import ZERO1_SHARDED_KEYS, assert_states_equal
+from support.states import ZERO1_SHARDED_KEYS, assert_states_equal
 from tiered_ckpt import (
     CheckpointManager,
     Config,
@@ -353,9 +353,9 @@ def test_a_remote_url_without_a_bucket_is_a_config_error(tmp_path, url):
         load_config(write(tmp_path, f"[local]\ndir = 'x'\n[remote]\nurl = '{url}'\n"), environ={})
 
 
-@pytest.mark.parametrize("scheme", ["s3", "gcs", "azure"])
+@pytest.mark.parametrize("scheme", [pytest.param("s3", marks=pytest.mark.slow), "gcs", "azure"])
 def test_endpoint_url_from_a_config_or_the_environment_reaches_the_store(tmp_path, request, scheme, monkeypatch):
-    from conftest import AZURITE_ACCOUNT, AZURITE_KEY, S3_TEST_KEY, S3_TEST_SECRET
+    from support.stores import AZURITE_ACCOUNT, AZURITE_KEY, S3_TEST_KEY, S3_TEST_SECRET
 
     url, options = request.getfixturevalue(f"{scheme}_url")
     endpoint = options["endpoint_url"] if scheme != "s3" else options["client_kwargs"]["endpoint_url"]

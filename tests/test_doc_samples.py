@@ -12,6 +12,7 @@ import re
 import shutil
 from pathlib import Path
 
+import pytest
 import test_readme
 from test_readme import TRAINING, committed, run, script
 
@@ -78,6 +79,7 @@ PER_RANK_PRELUDE = """
 """
 
 
+@pytest.mark.slow
 def test_the_one_process_per_rank_guide_saves_every_rank_and_resumes(tmp_path, bucket):
     server, env = bucket
     epilogue = "print(f'rank {rank}: restored', restored and restored.step)\n"
@@ -115,6 +117,7 @@ FSDP_PRELUDE = """
 """
 
 
+@pytest.mark.slow
 def test_the_fsdp2_and_dcp_samples_save_and_restore_a_sharded_model(tmp_path, bucket):
     server, env = bucket
     between = "\nstep = 2\nstate = {'model': model_sd, 'optim': optim_sd}\n"
@@ -132,6 +135,7 @@ def test_the_fsdp2_and_dcp_samples_save_and_restore_a_sharded_model(tmp_path, bu
     assert committed(server) == [1, 2]
 
 
+@pytest.mark.slow
 def test_the_remote_tier_lag_and_oneshot_samples_run(tmp_path, bucket):
     server, env = bucket
     two_tier = script(tmp_path, "two_tier", "", sample("two_tier"), "manager.close()\nprint(manager.options.remote)\n")
@@ -159,6 +163,7 @@ def test_the_remote_tier_lag_and_oneshot_samples_run(tmp_path, bucket):
     assert (tmp_path / "ckpt" / step_dir_name(1200) / "manifest.json").is_file()
 
 
+@pytest.mark.slow
 def test_the_saving_guide_trains_saves_to_the_bucket_and_resumes(tmp_path, bucket):
     server, env = bucket
     path = script(tmp_path, "use", TRAINING, sample("use"), 'print("restored", restored and restored.step)')
@@ -195,6 +200,7 @@ PEER_PRELUDE = """
 """
 
 
+@pytest.mark.slow
 def test_the_peer_tier_guide_keeps_steps_in_partner_memory_and_restores_the_newest(tmp_path, bucket):
     server, env = bucket
     text = sample("peer").replace("/dev/shm/tiered_ckpt", str(tmp_path / "shm"))
@@ -241,6 +247,7 @@ LIGHTNING_PRELUDE = """
 """
 
 
+@pytest.mark.slow
 def test_the_lightning_guide_resumes_a_trainer_from_the_bucket_and_fabric_from_its_newest_step(tmp_path, bucket):
     server, env = bucket
     sources = "print('sources', io.last_restore and dict(io.last_restore.sources))\n"

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import s3_credentials_env, write_s3_config
+from support.stores import s3_credentials_env, write_s3_config
 from tiered_ckpt import CheckpointManager, RemoteOptions
 from tiered_ckpt.tiers.remote.tier import RemoteTier
 
@@ -30,6 +30,7 @@ def test_quickstart_saves_reloads_and_shows_the_three_failure_modes(tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_training_example_resumes_and_a_fresh_node_restores_from_the_bucket(tmp_path, s3_url, moto_endpoint):
     url, _options = s3_url
     config = write_s3_config(tmp_path / "job.toml", tmp_path / "node-a", url, moto_endpoint)
@@ -52,6 +53,7 @@ def test_training_example_resumes_and_a_fresh_node_restores_from_the_bucket(tmp_
     assert sorted(p.name for p in (tmp_path / "node-b").iterdir()) == ["step-000000000030"]
 
 
+@pytest.mark.slow
 def test_resume_from_bucket_takes_the_world_size_from_the_manifest(tmp_path, s3_url, moto_endpoint):
     url, options = s3_url
     with CheckpointManager(
@@ -70,6 +72,7 @@ def test_resume_from_bucket_takes_the_world_size_from_the_manifest(tmp_path, s3_
     assert "{0: 'remote', 1: 'remote', 2: 'remote'}" in result.stdout
 
 
+@pytest.mark.slow
 def test_ddp_example_resumes_after_a_sigkill_to_the_same_parameters_as_an_uninterrupted_run(tmp_path):
     def torchrun(local_dir, *args):
         env = {**os.environ, "TIERED_CKPT_LOCAL_DIR": str(local_dir)}
@@ -90,6 +93,7 @@ def test_ddp_example_resumes_after_a_sigkill_to_the_same_parameters_as_an_uninte
     assert final_digest(resumed) == uninterrupted
 
 
+@pytest.mark.slow
 def test_ddp_example_resumes_with_fewer_ranks_through_the_bucket(tmp_path, s3_url, moto_endpoint):
     url, _options = s3_url
     config = write_s3_config(tmp_path / "job.toml", tmp_path / "nodes", url, moto_endpoint)
@@ -130,6 +134,7 @@ def preempted_ddp_run(tmp_path, config, processes, signalled_rank, after_step, e
     return "".join(lines) + rest
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("processes, signalled_rank", [(1, 0), (2, 1)])
 def test_ddp_example_preempted_by_sigterm_commits_that_step_and_a_fresh_node_resumes_bit_for_bit(
     tmp_path, s3_url, moto_endpoint, processes, signalled_rank
@@ -164,6 +169,7 @@ def test_ddp_example_preempted_by_sigterm_commits_that_step_and_a_fresh_node_res
     assert digest.search(fresh).group(1) == digest.search(uninterrupted).group(1)
 
 
+@pytest.mark.slow
 def test_fsdp2_example_resumes_bit_for_bit_and_on_another_world_size_through_the_bucket(
     tmp_path, s3_url, moto_endpoint
 ):

@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import flip_byte, launch_ranks
+from support.processes import launch_ranks
+from support.states import flip_byte
 from tiered_ckpt import (
     CheckpointManager,
     ChecksumMismatchError,
@@ -20,9 +21,10 @@ from tiered_ckpt.export import INDEX_NAME
 from tiered_ckpt.format.layout import step_dir_name
 from tiered_ckpt.tiers.store import TieredStore
 
-HF_WORKER = Path(__file__).with_name("hf_worker.py")
+HF_WORKER = Path(__file__).resolve().parent / "support" / "hf_worker.py"
 
 
+@pytest.mark.slow
 def test_a_transformers_model_trained_under_fsdp2_exports_and_loads_with_from_pretrained(tmp_path, s3_url):
     import transformers
     from safetensors.torch import load_file
@@ -107,6 +109,7 @@ def test_an_export_holds_one_tensor_at_a_time(tmp_path):
     assert peak < 1.5 * result.largest_tensor_bytes  # all eight at once would be 8x
 
 
+@pytest.mark.slow
 def test_the_cli_exports_a_step_and_lists_each_files_sha256(tmp_path):
     import hashlib
     import os
@@ -203,10 +206,11 @@ def test_what_cannot_be_exported_is_refused_naming_it(tmp_path, state, only, err
         export_safetensors(tmp_path / "ckpt", tmp_path / "afile")
 
 
+@pytest.mark.slow
 def test_pipeline_stages_restore_in_part_and_export_every_stages_layers(tmp_path):
     from safetensors.numpy import load_file
 
-    results = launch_ranks(Path(__file__).with_name("pipeline_worker.py"), tmp_path, 4, {})
+    results = launch_ranks(Path(__file__).resolve().parent / "support" / "pipeline_worker.py", tmp_path, 4, {})
     for rank, result in results.items():
         assert "error" not in result, result
         assert result["part"] == result["whole"] == result["saved"] and result["part_keys"] == ["model"], rank

@@ -5,6 +5,8 @@ Read from the source (``ast``), not from what happens to be imported at run time
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -13,7 +15,11 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tiered_ckpt"
 # Lower first: a module imports only modules of its own layer or of a lower one.
 # tensors/dtensor views never import torch and sit under the format; the DCP backend is glue
 # over the manager; errors is the one tree everything raises from.
-RANKS = {"errors": 0, "io": 1, "torch-views": 2, "format": 3, "dist": 4, "tiers": 4, "engine": 5, "top": 6, "dcp": 7}
+# testing (the contracts an out-of-tree tier or backend subclasses) sits on top: nothing imports it.
+RANKS = {
+    "errors": 0, "io": 1, "torch-views": 2, "format": 3, "dist": 4, "tiers": 4, "engine": 5, "top": 6, "dcp": 7,
+    "testing": 8,
+}  # fmt: skip
 TIERS = {"tiered_ckpt.tiers.local", "tiered_ckpt.tiers.remote.tier"}
 MAX_LINES = 500
 MAX_MANAGER_LINES = 400
@@ -90,10 +96,20 @@ def test_backend_modules_are_imported_only_by_the_object_store_tier_and_each_oth
         if any(target.startswith("tiered_ckpt.tiers.remote.backends") for target in targets)
         and not module.startswith("tiered_ckpt.tiers.remote.backends")
     }
-    assert importers <= {"tiered_ckpt.tiers.remote.tier", "tiered_ckpt.tiers.remote.checksums"}
+    assert importers <= {
+        "tiered_ckpt.tiers.remote.tier",
+        "tiered_ckpt.tiers.remote.checksums",
+        "tiered_ckpt.testing.backend",
+    }
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_no_module_is_over_its_line_limit(module):
     limit = MAX_MANAGER_LINES if module == "tiered_ckpt.manager" else MAX_LINES
     assert len(MODULES[module].read_text().splitlines()) <= limit
+
+
+def test_the_package_and_its_testing_subpackage_import_without_pytest():
+    code = "import sys, tiered_ckpt, tiered_ckpt.testing; assert 'pytest' not in sys.modules, 'pytest imported'"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stderr == ""
+    assert "tiered_ckpt.testing" not in {target for targets in GRAPH.values() for target in targets}

@@ -1,6 +1,6 @@
 """The Lightning plugin (tiered_ckpt.lightning): a real ``lightning.Trainer`` (and ``Fabric``) on the CPU.
 
-The resume tests run real training processes (tests/lightning_child.py), SIGKILL one mid-epoch
+The resume tests run real training processes (tests/support/lightning_child.py), SIGKILL one mid-epoch
 once a checkpoint is committed and in the bucket (moto's S3 server), resume it and compare
 every step's loss and the final parameters, bit for bit, with a run that was never interrupted.
 """
@@ -36,7 +36,7 @@ from tiered_ckpt import (
 from tiered_ckpt.format.layout import step_dir_name
 from tiered_ckpt.lightning import POINTER_FORMAT, TieredCheckpointIO
 
-CHILD = Path(__file__).with_name("lightning_child.py")
+CHILD = Path(__file__).resolve().parent / "support" / "lightning_child.py"
 EVERY, KILL_AT, MAX_STEPS, EPOCH = 10, 24, 40, 16  # the child's loader has 16 batches an epoch
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
@@ -137,6 +137,7 @@ def kill_mid_epoch(root: Path, remote: tuple[str, dict], uninterrupted: dict, **
     assert killed == uninterrupted["losses"][:KILL_AT]  # it trained past the checkpoint, then died
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrapped", [False, True], ids=["plugin", "async-wrapper"])
 def test_a_run_killed_mid_epoch_resumes_from_last_to_the_losses_and_parameters_of_an_uninterrupted_run(
     tmp_path, s3_url, uninterrupted, wrapped
@@ -151,6 +152,7 @@ def test_a_run_killed_mid_epoch_resumes_from_last_to_the_losses_and_parameters_o
     assert resumed["global_step"] == MAX_STEPS and MAX_STEPS in resumed["remote_steps"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("resume", ["last", "newest"])
 def test_a_run_whose_disk_was_lost_resumes_from_the_bucket(tmp_path, s3_url, uninterrupted, resume):
     kill_mid_epoch(tmp_path, s3_url, uninterrupted)
@@ -400,6 +402,7 @@ def test_paths_and_arguments_that_name_no_step_of_this_manager_are_refused_namin
             TieredCheckpointIO(four)
 
 
+@pytest.mark.slow
 def test_importing_tiered_ckpt_never_imports_lightning():
     code = "import sys, tiered_ckpt; assert not [m for m in sys.modules if m.startswith('lightning')]; print('ok')"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

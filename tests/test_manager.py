@@ -9,17 +9,9 @@ from pathlib import PurePosixPath
 import numpy as np
 import pytest
 
-from conftest import (
-    BYTES_PER_RANK,
-    ZERO1_SHARDED_KEYS,
-    assert_states_equal,
-    flip_byte,
-    kill_child_at,
-    large_states,
-    running_as_root,
-    temp_files,
-    zero1_states,
-)
+from support.processes import BYTES_PER_RANK, kill_child_at, running_as_root
+from support.states import ZERO1_SHARDED_KEYS, assert_states_equal, flip_byte, large_states, temp_files, zero1_states
+from support.stores import CLOUDS, REMOTES, with_slow
 from tiered_ckpt import (
     CheckpointError,
     CheckpointExistsError,
@@ -350,6 +342,7 @@ def test_read_only_directory_fails_the_background_save(tmp_path, states):
 # --- a real crash in the middle of an async save ------------------------------------------
 
 
+@pytest.mark.slow
 def test_sigkill_during_background_write_then_restart_restores_previous_step(tmp_path):
     kill_child_at(tmp_path, f"shard-bytes:{BYTES_PER_RANK}", "manager")
     assert (tmp_path / step_dir_name(2)).exists()  # the killed step's partial files
@@ -378,6 +371,7 @@ def two_tier(local, remote, *, upload=None, runtime=ZERO1, **remote_fields) -> C
 
 
 @pytest.mark.parametrize("layout", ["flat", "hashed"])
+@pytest.mark.parametrize("remote_url", with_slow(REMOTES, "s3"), indirect=True)
 def test_both_object_layouts_restore_and_rotate(tmp_path, remote_url, layout):
     import re
 
@@ -430,6 +424,7 @@ def test_damaged_local_shard_alone_comes_from_the_bucket(tmp_path, remote_url, s
         assert manager.restore().sources[2] == "local"  # the local copy was repaired
 
 
+@pytest.mark.parametrize("cloud_url", with_slow(CLOUDS, "s3"), indirect=True)
 def test_damaged_local_and_remote_copies_fail_naming_both(tmp_path, cloud_url, states):
     url, options = cloud_url
     with two_tier(tmp_path, cloud_url) as manager:
@@ -458,6 +453,7 @@ def test_remote_retention_keeps_the_newest_remote_steps(tmp_path, memory_url):
         assert manager.steps() == [25]
 
 
+@pytest.mark.parametrize("cloud_url", with_slow(CLOUDS, "s3"), indirect=True)
 def test_permanent_upload_failure_is_raised_and_local_steps_are_kept(tmp_path, cloud_url, states):
     url, options = cloud_url
     with two_tier(LocalOptions(tmp_path, keep_last=1), cloud_url) as manager:
@@ -556,6 +552,7 @@ def outage_options(**fields):
     return UploadOptions(**{"max_tries": 2, "backoff_seconds": 0.01, "max_backoff_seconds": 0.2, **fields})
 
 
+@pytest.mark.slow
 def test_a_bucket_outage_never_fails_save_wait_or_close_and_every_step_saved_since_commits_once_back(
     tmp_path, stoppable_s3, caplog
 ):
@@ -591,10 +588,11 @@ def hung_bucket_options(**fields):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_bucket_that_accepts_and_never_answers_blocks_no_save_and_every_step_arrives_once_it_answers(
     tmp_path, moto_endpoint, s3_url, caplog
 ):
-    from conftest import FaultInjectingProxy, s3_storage_options
+    from support.stores import FaultInjectingProxy, s3_storage_options
 
     url, _options = s3_url
     proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0)
@@ -629,10 +627,11 @@ def test_a_bucket_that_accepts_and_never_answers_blocks_no_save_and_every_step_a
         proxy.close()
 
 
+@pytest.mark.slow
 def test_a_manager_starts_while_its_bucket_hangs_restores_from_its_disk_and_sets_the_bucket_up_once_it_answers(
     tmp_path, moto_endpoint, s3_url, caplog
 ):
-    from conftest import FaultInjectingProxy, s3_storage_options
+    from support.stores import FaultInjectingProxy, s3_storage_options
 
     url, _options = s3_url
     proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0)
@@ -669,6 +668,7 @@ def test_a_manager_starts_while_its_bucket_hangs_restores_from_its_disk_and_sets
     assert not caught.value.transient
 
 
+@pytest.mark.slow
 def test_an_outage_keeps_at_most_max_awaiting_upload_waiting_steps_beside_the_one_being_retried(
     tmp_path, stoppable_s3, caplog
 ):
@@ -689,6 +689,7 @@ def test_an_outage_keeps_at_most_max_awaiting_upload_waiting_steps_beside_the_on
         assert manager.remote_steps() == [1, 5, 6] and manager.steps() == [6]
 
 
+@pytest.mark.slow
 def test_a_step_that_missed_its_deadline_in_an_outage_fails_only_wait_uploaded_and_stays_local(
     tmp_path, stoppable_s3, caplog
 ):
@@ -729,6 +730,7 @@ def test_a_step_that_missed_its_deadline_in_an_outage_fails_only_wait_uploaded_a
         assert again.remote_steps() == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.slow
 def test_leaving_the_with_block_on_an_error_does_not_wait_for_a_failing_bucket(tmp_path, stoppable_s3, caplog):
     import time
 
@@ -835,6 +837,7 @@ def test_credentials_never_appear_in_logs_errors_or_reprs(tmp_path, s3_url, moto
     assert not [record for record in caplog.records if secret in record.getMessage()]
 
 
+@pytest.mark.slow
 def test_a_multipart_upload_killed_midway_is_aborted_by_the_next_start(tmp_path, s3_url, caplog):
     import json
 
@@ -852,6 +855,7 @@ def test_a_multipart_upload_killed_midway_is_aborted_by_the_next_start(tmp_path,
     assert any("aborted an unfinished multipart upload" in record.getMessage() for record in caplog.records)
 
 
+@pytest.mark.slow
 def test_sigkill_during_upload_then_restart_completes_it_without_resending(tmp_path, cloud_url, monkeypatch):
     import json
 
@@ -883,6 +887,7 @@ def test_sigkill_during_upload_then_restart_completes_it_without_resending(tmp_p
     assert_states_equal(large_states(4, bytes_per_rank, version=2), result.states)
 
 
+@pytest.mark.slow
 def test_transient_faults_on_30_percent_of_requests_still_commit_every_step(tmp_path, faulty_s3, s3_url, caplog):
     proxy, url, options = faulty_s3
     caplog.set_level(logging.WARNING, logger="tiered_ckpt")
@@ -905,6 +910,7 @@ def test_transient_faults_on_30_percent_of_requests_still_commit_every_step(tmp_
         assert_states_equal(large_states(4, 256 * 1024, version=5), node.restore().states)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("store", ["gcs", "azure"])
 def test_transient_faults_on_gcs_and_azure_still_commit_every_step(tmp_path, store, request):
     proxy, url, options = request.getfixturevalue(f"faulty_{store}")
@@ -939,10 +945,11 @@ def test_a_failing_start_releases_the_directory_and_stops_the_uploader(tmp_path,
     CheckpointManager(tmp_path, world_size=4).close()  # the directory was released
 
 
+@pytest.mark.slow
 def test_a_store_that_always_refuses_costs_max_tries_requests_per_operation(tmp_path, moto_endpoint, s3_url, states):
     """The one retry policy, counted on the wire: botocore's and s3fs's own retries are switched
     off by the library itself (the test sets none), so a failing operation costs max_tries requests."""
-    from conftest import FaultInjectingProxy, s3_storage_options
+    from support.stores import FaultInjectingProxy, s3_storage_options
 
     url, _ = s3_url
     everything = FaultInjectingProxy(moto_endpoint, failure_rate=1.0)
@@ -1035,25 +1042,26 @@ def test_a_directory_replaced_under_a_running_manager_is_never_written(tmp_path,
 
 
 def test_a_closed_port_is_a_typed_error_at_start(tmp_path):
-    from conftest import free_port
+    from support.stores import free_port
 
     with pytest.raises(RemoteError, match="cannot open ftp://127.0.0.1"):
         CheckpointManager(tmp_path, world_size=1, remote=f"ftp://127.0.0.1:{free_port()}/x")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("store", ["s3", "gcs", "azure"])
 def test_bytes_changed_in_transit_are_never_committed(tmp_path, store, request, monkeypatch, states, caplog):
     """A proxy flips a byte of every PUT/POST body: the checksum the store computed of what it
     received (S3's ETag, GCS's md5Hash, Azure's Content-MD5) differs from the file's, so no
     shard is confirmed."""
-    from conftest import FaultInjectingProxy
+    from support.stores import FaultInjectingProxy
 
     endpoint = request.getfixturevalue({"s3": "moto_endpoint", "gcs": "gcs_endpoint"}.get(store, "azurite_endpoint"))
     url, options = request.getfixturevalue(f"{store}_url")
     account = endpoint.rsplit("/", 1)[1] if store == "azure" else ""
     proxy = FaultInjectingProxy(endpoint.removesuffix(f"/{account}"), failure_rate=0.0, corrupt=("PUT", "POST"))
     if store == "s3":
-        from conftest import s3_storage_options
+        from support.stores import s3_storage_options
 
         options = s3_storage_options(proxy.endpoint)
     elif store == "azure":
@@ -1086,8 +1094,9 @@ def test_bytes_changed_in_transit_are_never_committed(tmp_path, store, request, 
     assert RemoteTier(*request.getfixturevalue(f"{store}_url")).steps() == []
 
 
+@pytest.mark.slow
 def test_lag_reports_the_lag_the_upload_rate_and_the_last_error(tmp_path, moto_endpoint, s3_url, states, caplog):
-    from conftest import FaultInjectingProxy, s3_storage_options
+    from support.stores import FaultInjectingProxy, s3_storage_options
 
     url, _ = s3_url
     proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0)
@@ -1117,11 +1126,12 @@ def test_lag_reports_the_lag_the_upload_rate_and_the_last_error(tmp_path, moto_e
         proxy.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["stall", "throttle"])
 def test_a_step_not_committed_within_its_deadline_fails_and_the_next_step_goes_on(
     tmp_path, moto_endpoint, s3_url, states, fault
 ):
-    from conftest import FaultInjectingProxy, s3_storage_options
+    from support.stores import FaultInjectingProxy, s3_storage_options
 
     url, _ = s3_url
     proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0)
@@ -1151,10 +1161,12 @@ def test_a_step_not_committed_within_its_deadline_fails_and_the_next_step_goes_o
         proxy.close()
 
 
+@pytest.mark.slow
 def test_a_bucket_throttling_half_the_requests_for_a_while_gets_every_step_within_a_request_bound(
     tmp_path, moto_endpoint, s3_url
 ):
-    from conftest import FaultInjectingProxy, large_states, s3_storage_options
+    from support.states import large_states
+    from support.stores import FaultInjectingProxy, s3_storage_options
 
     url, _ = s3_url
     proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0)
@@ -1187,8 +1199,9 @@ def test_a_bucket_throttling_half_the_requests_for_a_while_gets_every_step_withi
     assert throttled <= 4 * clean and after <= clean + 2  # and no backlog of retries once it stops
 
 
+@pytest.mark.slow
 def test_a_store_that_accepts_a_put_and_never_answers_fails_in_bounded_time(tmp_path, moto_endpoint, s3_url, states):
-    from conftest import FaultInjectingProxy, s3_storage_options
+    from support.stores import FaultInjectingProxy, s3_storage_options
 
     url, _ = s3_url
     proxy = FaultInjectingProxy(moto_endpoint, failure_rate=0.0, stall=("PUT",))

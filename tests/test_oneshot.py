@@ -7,12 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import (
-    BYTES_PER_RANK,
+from support.processes import BYTES_PER_RANK, kill_child_at
+from support.states import (
     ZERO1_SHARDED_KEYS,
     assert_states_equal,
     flip_byte,
-    kill_child_at,
     large_states,
     split_sizes,
     temp_files,
@@ -192,6 +191,7 @@ def test_invalid_arguments_are_refused(tmp_path, states, call, problem):
 # --- a real crash: SIGKILL of a process in the middle of a save --------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "point, leaves_temp_files",
     [
@@ -217,6 +217,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint_and_commits_nothing(tmp_p
     assert_states_equal(fresh, load_sharded(killed, 4))
 
 
+@pytest.mark.slow
 def test_sigkill_right_after_the_manifest_rename_leaves_a_complete_checkpoint(tmp_path):
     killed = tmp_path / "step-000000000002"
     kill_child_at(killed, "after-commit")

@@ -148,7 +148,7 @@ def test_a_keep_count_is_kept_and_reaches_the_retention_policy(kind, name, value
 
 
 @pytest.mark.parametrize(
-    "name, minimum", [("lease_seconds", 1), ("orphan_age_seconds", 0)]
+    "name, minimum", [("lease_seconds", 1), pytest.param("orphan_age_seconds", 0, marks=pytest.mark.slow)]
 )  # fmt: skip
 @FEW
 @given(data=st.data())

@@ -22,7 +22,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from conftest import S3_TEST_KEY, S3_TEST_SECRET, StoppableS3
+from support.stores import S3_TEST_KEY, S3_TEST_SECRET, StoppableS3
 from tiered_ckpt.format.layout import step_dir_name
 from tiered_ckpt.tiers.remote.tier import RemoteTier
 
@@ -138,6 +138,7 @@ TRAINING = """
 """
 
 
+@pytest.mark.slow
 def test_the_use_sample_trains_saves_to_the_bucket_and_resumes(tmp_path, bucket):
     server, env = bucket
     text = sample(MARKERS["use"])
@@ -152,6 +153,7 @@ def test_the_use_sample_trains_saves_to_the_bucket_and_resumes(tmp_path, bucket)
     assert "restored 400" in second.stdout
 
 
+@pytest.mark.slow
 def test_the_one_process_per_rank_sample_resumes_and_a_damaged_step_is_never_a_fresh_start(tmp_path, bucket):
     server, env = bucket
     prelude = TRAINING + "    import torch\n    model = torch.nn.Linear(8, 8)\n"
@@ -189,6 +191,7 @@ OUTAGE_PRELUDE = """
 """
 
 
+@pytest.mark.slow
 def test_the_error_handling_loop_trains_through_a_30_s_bucket_outage_and_every_step_reaches_the_bucket(
     tmp_path, bucket
 ):

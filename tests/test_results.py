@@ -10,7 +10,7 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from conftest import flip_byte
+from support.states import flip_byte
 from tiered_ckpt import (
     CheckpointManager,
     LocalOptions,

@@ -1,0 +1,1 @@
+"""What the tests share that is not a fixture: rank workers, crash children, the memory tier."""

@@ -13,7 +13,7 @@ URL (its bucket created)::
 
 pytest collects the contract's tests on the subclass. They hold a backend to what
 :class:`~tiered_ckpt.tiers.remote.backends.base.Backend` promises the tier: small objects
-written whole (create-only where its facts say so), read whole and in ranges, sizes and heads
+written whole (create-only where its capabilities say so), read whole and in ranges, sizes and heads
 asked of the store; listings, finds and deletes that name exact keys (no glob expansion, a
 step's neighbour with a longer name untouched); a shard put with its record's sha256 beside it
 where the store keeps metadata, a file unlike its record never made an object, and the store's
@@ -33,7 +33,8 @@ import pytest
 from tiered_ckpt.errors import ChecksumMismatchError
 from tiered_ckpt.format.layout import step_dir_name
 from tiered_ckpt.testing.tier import record_of, shard_bytes
-from tiered_ckpt.tiers.remote.backends.base import Backend, Facts, Head
+from tiered_ckpt.tiers.base import Capabilities
+from tiered_ckpt.tiers.remote.backends.base import Backend, Head
 
 __all__ = ["BackendContract"]
 
@@ -55,7 +56,7 @@ class BackendContract:
     # -- the protocol ------------------------------------------------------------------
 
     def test_it_speaks_the_protocol(self, backend):
-        assert isinstance(backend, Backend) and isinstance(backend.facts, Facts)
+        assert isinstance(backend, Backend) and isinstance(backend.capabilities, Capabilities)
         assert isinstance(backend.url, str) and backend.url
         assert isinstance(backend.root, str) and not backend.root.endswith("/")
         assert backend.list_names(backend.root) == [] and backend.find(backend.root) == []
@@ -68,7 +69,7 @@ class BackendContract:
         backend.put_bytes(path, data)
         assert backend.exists(path) and backend.size(path) == len(data) and backend.head(path).size == len(data)
         assert backend.read(path) == data
-        if backend.facts.ranged_reads:
+        if backend.capabilities.ranged_reads:
             assert backend.read(path, 100, 300) == data[100:300]
         with backend.open(path) as stream:
             assert stream.read() == data
@@ -80,7 +81,7 @@ class BackendContract:
         assert backend.read(path) == b"22" and backend.size(path) == 2
 
     def test_a_create_only_write_never_replaces_an_object_where_the_store_says_it_can(self, backend):
-        if not backend.facts.create_only:
+        if not backend.capabilities.create_only_commit:
             pytest.skip("this store cannot write create-only")
         path = self.at(backend, step_dir_name(2), "manifest.json")
         backend.put_bytes(path, b"first", create_only=True)
@@ -130,7 +131,7 @@ class BackendContract:
         assert sent.requests >= 1 and backend.read(path) == local.read_bytes()
         head = backend.head(path)
         assert isinstance(head, Head) and head.size == record.size_bytes
-        assert head.sha256 == (record.sha256 if backend.facts.keeps_metadata else None)
+        assert head.sha256 == (record.sha256 if backend.keeps_metadata else None)
         assert hashlib.sha256(backend.read(path)).hexdigest() == record.sha256
         assert backend.open_uploads() == []
 
@@ -147,7 +148,7 @@ class BackendContract:
     def test_the_checksums_a_backend_computes_are_the_ones_its_store_keeps(self, backend, tmp_path):
         local, record = self.shard_file(tmp_path)
         expected = backend.sums(local, record)
-        if not backend.facts.store_checksums:
+        if not backend.capabilities.store_checksums:
             assert expected is None
             return
         path = self.at(backend, step_dir_name(4), record.path)

@@ -6,11 +6,11 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from tier_contract import manifest_of, shard_bytes, writing
 
 from tiered_ckpt import RemoteError, save_sharded
 from tiered_ckpt.format.layout import step_dir_name
 from tiered_ckpt.testing.backend import BackendContract
+from tiered_ckpt.testing.tier import manifest_of, shard_bytes, writing
 from tiered_ckpt.tiers.base import Capabilities, ShardSource, Tier
 from tiered_ckpt.tiers.remote.backends import open_backend
 from tiered_ckpt.tiers.remote.backends.azure import AzureBackend

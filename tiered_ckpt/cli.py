@@ -9,7 +9,6 @@ no world size, no coordinator.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import re
@@ -22,25 +21,24 @@ from typing import Any
 
 from tqdm import tqdm
 
+from tiered_ckpt import maintenance
 from tiered_ckpt.cli_parser import build_parser
 from tiered_ckpt.compose import open_store
 from tiered_ckpt.config import Config, load_config
 from tiered_ckpt.engine.replication import Replicator
 from tiered_ckpt.engine.restore_result import rank_ranges
-from tiered_ckpt.errors import CheckpointError, ConfigError, IncompleteCheckpointError, RemoteError, UsageError
+from tiered_ckpt.errors import CheckpointError, ConfigError, RemoteError, UsageError
 from tiered_ckpt.export import export_step
 from tiered_ckpt.format.layout import MANIFEST_NAME, parse_step_dir_name
 from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.format.shardfile import DTYPE_CODES
-from tiered_ckpt.tiers import pruning, survey
-from tiered_ckpt.tiers.pull import pull
+from tiered_ckpt.tiers import survey
 from tiered_ckpt.tiers.store import TieredStore
 
 __all__ = ["main"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # what a shell reports for a tool that SIGPIPE ended
-_POLL_SECONDS = 0.1  # how often push looks at what the uploader has left
 
 
 def _store(config: Config) -> TieredStore:
@@ -200,7 +198,7 @@ def command_pull(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
         def landed(record: ShardRecord, _source: str) -> None:
             bar.update(record.size_bytes)
 
-        pulled = pull(store, args.step, progress=landed)
+        pulled = maintenance.pull(store, args.step, progress=landed)
     step, sources = pulled.step, pulled.sources
     fetched = sorted(rank for rank, source in sources.items() if source != store.local.name)
     return EXIT_OK, (
@@ -216,21 +214,19 @@ def command_push(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     store = _store(config)
     if store.remote is None:
         raise UsageError("push needs a remote tier (remote.url, --remote-url or TIERED_CKPT_REMOTE_URL)")
-    local = store.local.steps()
-    if args.step is not None and args.step not in local:
-        raise IncompleteCheckpointError(f"{store.local.root}: step {args.step} is not committed locally")
     ownership = config.remote.ownership if config.remote is not None else None
-    start = functools.partial(Replicator, store, store.remote, policy=config.upload.replication, ownership=ownership)
     failures: list[CheckpointError] = []
-    with store.local.lock(), closing(start()) as uploader:
-        steps = [step for step in ([args.step] if args.step is not None else local) if not store.receipted(step)]
-        for step in steps:
-            uploader.submit(step, bounded=False)
-        with _progress("push", total=len(steps), unit="step") as bar:
-            while pending := uploader.pending():  # a step leaves the queue committed or failed
-                bar.update(len(steps) - len(pending) - bar.n)
-                time.sleep(_POLL_SECONDS)
-            bar.update(len(steps) - bar.n)
+    with (
+        store.local.lock(),
+        closing(Replicator(store, store.remote, policy=config.upload.replication, ownership=ownership)) as uploader,
+        _progress("push", unit="step") as bar,
+    ):
+
+        def done(uploaded: int, queued: int) -> None:
+            bar.total = queued
+            bar.update(uploaded - bar.n)
+
+        pushed = list(maintenance.push(store, uploader, args.step, progress=done).steps)
         while True:
             try:
                 uploader.errors.raise_first()
@@ -238,9 +234,7 @@ def command_push(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
                 failures.append(exc)
             else:
                 break
-        newest = uploader.newest_committed
     failed = {getattr(error, "step", None) for error in failures}
-    pushed = [step for step in steps if step not in failed and newest is not None and step <= newest]
     for error in failures:
         print(f"tiered-ckpt: {type(error).__name__}: {error}", file=sys.stderr)
     data: dict[str, Any] = {"uploaded_steps": pushed}
@@ -253,9 +247,8 @@ def command_push(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
 
 def command_prune(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     store = _store(config)
-    orphans = config.remote.orphan_age_seconds if config.remote is not None else 3600.0
     with store.local.lock():
-        pruned = pruning.prune(store, dry_run=args.dry_run, orphans_older_than=orphans)
+        pruned = maintenance.prune(store, config.remote, dry_run=args.dry_run)
     plan = {
         "local": list(pruned.deleted[store.local.name]),
         "remote": list(pruned.deleted[store.remote.name]) if store.remote is not None else [],
@@ -340,7 +333,7 @@ def command_export(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
 
 
 def command_status(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
-    lag = survey.lag(_store(config))
+    lag = maintenance.lag(_store(config))
     waiting = ", ".join(f"{step} ({human_size(size)})" for step, size in lag.waiting) or "none"
     since = f", the oldest for {lag.waiting_seconds / 60:.1f} min" if lag.waiting_seconds is not None else ""
     text = (

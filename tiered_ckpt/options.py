@@ -175,9 +175,9 @@ class RemoteOptions(_Retained):
     storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
     layout: Layout = "flat"
     endpoint_url: str | None = None
-    lease_seconds: float = 300.0
-    orphan_age_seconds: float = 3600.0
-    other_owners: OtherOwners = "warn"
+    lease_seconds: float = OwnershipPolicy.lease_seconds
+    orphan_age_seconds: float = OwnershipPolicy.orphan_age_seconds
+    other_owners: OtherOwners = OwnershipPolicy.other_owners
     every: int = 1
     compression: Compression = "none"
 

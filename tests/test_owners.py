@@ -21,6 +21,7 @@ from tiered_ckpt import (
     UploadOptions,
     save_sharded,
 )
+from tiered_ckpt.build import replication_policy
 from tiered_ckpt.engine.background import ErrorBox
 from tiered_ckpt.engine.replication import Replicator
 from tiered_ckpt.errors import ConfigError
@@ -250,7 +251,7 @@ def test_an_object_gone_between_its_confirmation_and_the_commit_means_no_commit(
 
     monkeypatch.setattr(RemoteTier, "land_shard", put_then_lose_rank_0)
     with store.local.lock():
-        one_at_a_time = UploadOptions(concurrency=1).replication  # rank 0, then 1
+        one_at_a_time = replication_policy(UploadOptions(concurrency=1))  # rank 0, then 1
         uploader = Replicator(store, policy=one_at_a_time, errors=ErrorBox())
         try:
             with pytest.raises(UploadError, match="rank-00000-of-00002.safetensors: missing") as caught:

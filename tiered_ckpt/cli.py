@@ -22,8 +22,8 @@ from typing import Any
 from tqdm import tqdm
 
 from tiered_ckpt import maintenance
+from tiered_ckpt.build import open_store, replication_policy
 from tiered_ckpt.cli_parser import build_parser
-from tiered_ckpt.compose import open_store
 from tiered_ckpt.config import Config, load_config
 from tiered_ckpt.engine.replication import Replicator
 from tiered_ckpt.engine.restore_result import rank_ranges
@@ -42,7 +42,7 @@ EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # what a shell reports for a tool that 
 
 
 def _store(config: Config) -> TieredStore:
-    return open_store(config.local, config.remote, config.remote.open_tier(config.upload) if config.remote else None)
+    return open_store(config.local, config.remote, config.upload)
 
 
 # The option of each load_config override the command line passes (a config's "override 'X'").
@@ -109,7 +109,7 @@ def _statuses(config: Config) -> tuple[list[survey.StepStatus], RemoteError | No
     except RemoteError as exc:
         if not exc.transient or config.remote is None:
             raise
-        return survey.step_statuses(open_store(config.local, None, None)), exc
+        return survey.step_statuses(open_store(config.local)), exc
 
 
 def command_ls(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
@@ -218,7 +218,9 @@ def command_push(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     failures: list[CheckpointError] = []
     with (
         store.local.lock(),
-        closing(Replicator(store, store.remote, policy=config.upload.replication, ownership=ownership)) as uploader,
+        closing(
+            Replicator(store, store.remote, policy=replication_policy(config.upload), ownership=ownership)
+        ) as uploader,
         _progress("push", unit="step") as bar,
     ):
 

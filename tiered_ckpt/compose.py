@@ -24,29 +24,24 @@ manager calls the parts it was given.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from contextlib import ExitStack, closing
 from dataclasses import dataclass
 
+from tiered_ckpt import build
 from tiered_ckpt.dist.coordination import Coordinator, gather
 from tiered_ckpt.engine.background import ErrorBox
 from tiered_ckpt.engine.preemption import PreemptionNotice, PreemptionWatch
 from tiered_ckpt.engine.refill import Refiller
 from tiered_ckpt.engine.replication import Backlog, Replicator
-from tiered_ckpt.engine.replication_policy import ReplicationPolicy
 from tiered_ckpt.engine.restore import Restorer
 from tiered_ckpt.engine.writer import Writer
 from tiered_ckpt.errors import DirectoryInUseError, RemoteError
-from tiered_ckpt.options import LocalOptions, Options, RemoteOptions
+from tiered_ckpt.options import Options
 from tiered_ckpt.raising import raise_closed
-from tiered_ckpt.tiers.base import Tier
-from tiered_ckpt.tiers.local import LocalTier
-from tiered_ckpt.tiers.peer.setup import open_peer_tier
-from tiered_ckpt.tiers.peer.tier import PeerTier
 from tiered_ckpt.tiers.store import TieredStore
 
-__all__ = ["Parts", "open_parts", "open_store"]
+__all__ = ["Parts", "open_parts"]
 
 logger = logging.getLogger("tiered_ckpt")
 
@@ -87,13 +82,6 @@ class _Opened:
     bucket_answered: bool
 
 
-def _peer_policy(every: int) -> ReplicationPolicy:
-    """How the peer tier's replicator sends steps: one shard per process at a time, every
-    ``every``-th step, each failure logged rather than raised (never retried: the next step's
-    copy is the retry), no deadline beyond the link's timeout."""
-    return ReplicationPolicy(concurrency=1, max_pending=2, deadline_seconds=None, every=every, best_effort=True)
-
-
 def _open_local_dir(store: TieredStore, opened: ExitStack, one_process: bool) -> _Opened:
     """Lock the local directory (released by ``opened``), remove what crashed saves left in it, and
     check the bucket: once, so that a bucket down for a moment costs the start one request; a
@@ -116,27 +104,16 @@ def _open_local_dir(store: TieredStore, opened: ExitStack, one_process: bool) ->
     except RemoteError as exc:
         if not exc.transient:
             raise
+        setup = "the bucket's setup (its lease, what an earlier run left to upload) is tried again in the background"
         logger.warning(
-            "the bucket %s did not answer at start-up (%s): the manager starts, saves go to %s, and the "
-            "bucket's setup (its lease, what an earlier run left to upload) is tried again in the background",
-            store.remote.url, exc, store.local.root,
-        )  # fmt: skip
+            "the bucket %s did not answer at start-up (%s): the manager starts, saves go to %s, and %s",
+            store.remote.url,
+            exc,
+            store.local.root,
+            setup,
+        )
         return _Opened(False)
     return _Opened(True)
-
-
-def open_store(
-    local: LocalOptions, remote: RemoteOptions | None, remote_tier: Tier | None, peer_tier: PeerTier | None = None
-) -> TieredStore:
-    """The store the options describe: the local tier, then ``peer_tier`` and ``remote_tier`` if
-    given (nearest first), each with its retention (a partner's memory keeps what its budget holds)."""
-    local_tier = LocalTier(local.dir)
-    retention = {local_tier.name: local.retention}
-    if remote_tier is not None and remote is not None:
-        retention[local_tier.name] = dataclasses.replace(local.retention, upload_every=remote.every)
-        retention[remote_tier.name] = remote.retention
-    later = [tier for tier in (peer_tier, remote_tier) if tier is not None]
-    return TieredStore([local_tier, *later], retention)
 
 
 def open_parts(options: Options, coordinator: Coordinator) -> Parts:
@@ -145,14 +122,10 @@ def open_parts(options: Options, coordinator: Coordinator) -> Parts:
     world_size = coordinator.world_size
     ranks = tuple(coordinator.local_ranks)
     one_process = len(ranks) == world_size
-    remote_tier = options.remote.open_tier(options.upload, check_bucket=False) if options.remote is not None else None
-    peer_tier = None
-    if options.peer is not None:
-        peer_tier = open_peer_tier(
-            coordinator, local_dir=options.local.dir, memory_dir=options.peer.memory_dir,
-            max_bytes=options.peer.max_bytes, timeout_seconds=options.peer.timeout_seconds, nodes=options.peer.nodes,
-        )  # fmt: skip
-    store = open_store(options.local, options.remote, remote_tier, peer_tier)
+    remote, peer_options = options.remote, options.peer
+    remote_tier = build.open_remote_tier(remote, options.upload, check_bucket=False) if remote is not None else None
+    peer_tier = build.peer_tier(peer_options, coordinator, options.local.dir) if peer_options is not None else None
+    store = build.tiered_store(options.local, remote, remote_tier, peer_tier)
     errors = ErrorBox()
     uploader: Replicator | None = None
     peer: Replicator | None = None
@@ -160,8 +133,8 @@ def open_parts(options: Options, coordinator: Coordinator) -> Parts:
     stack = ExitStack()
     try:
         opened = gather(coordinator, "open", _Opened, lambda: _open_local_dir(store, stack, one_process))
-        if options.remote is not None and remote_tier is not None:
-            policy = dataclasses.replace(options.upload.replication, every=options.remote.every)
+        if remote is not None and remote_tier is not None:
+            policy = build.replication_policy(options.upload, every=remote.every)
             uploader = Replicator(
                 store,
                 remote_tier,
@@ -169,16 +142,17 @@ def open_parts(options: Options, coordinator: Coordinator) -> Parts:
                 errors=errors,
                 coordinator=coordinator.new_channel(),
                 ranks=ranks,
-                ownership=options.remote.ownership,
+                ownership=remote.ownership,
                 backlog=backlog,
             )
             stack.enter_context(closing(uploader))
             uploader.resume(later=not all(each.bucket_answered for each in opened))
-        if peer_tier is not None and options.peer is not None:
+        if peer_tier is not None and peer_options is not None:
+            policy = build.peer_policy(peer_options)
+            channel = coordinator.new_channel()
             peer = Replicator(
-                store, peer_tier, policy=_peer_policy(options.peer.every), errors=errors,
-                coordinator=coordinator.new_channel(), ranks=ranks, backlog=backlog,
-            )  # fmt: skip
+                store, peer_tier, policy=policy, errors=errors, coordinator=channel, ranks=ranks, backlog=backlog
+            )
             stack.enter_context(closing(peer))
         notice = stack.enter_context(closing(PreemptionNotice(options.runtime.preemption_signals)))
         preemption = PreemptionWatch(notice, coordinator if one_process else coordinator.new_channel())

@@ -39,7 +39,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from tiered_ckpt.compose import open_store
+from tiered_ckpt.build import open_store
 from tiered_ckpt.errors import IncompleteCheckpointError, ManifestError, UsageError
 from tiered_ckpt.format.manifest import ChunkRecord, ShardManifest
 from tiered_ckpt.format.selection import check_paths, resolve_path, select
@@ -119,8 +119,7 @@ def export_safetensors(
     Face style safetensors checkpoint in ``directory``; see :func:`export_step`. Reads only:
     nothing is written to the local directory or the bucket, and no lock is taken."""
     options = resolve_options(local, remote, upload)
-    tier = options.remote.open_tier(options.upload) if options.remote is not None else None
-    store = open_store(options.local, options.remote, tier)
+    store = open_store(options.local, options.remote, options.upload)
     if step is None:
         steps = sorted({*store.local.steps(), *store.remote_steps()})
         if not steps:

@@ -147,9 +147,7 @@ def test_a_keep_count_is_kept_and_reaches_the_retention_policy(kind, name, value
     assert isinstance(options.retention, RetentionPolicy)
 
 
-@pytest.mark.parametrize(
-    "name, minimum", [("lease_seconds", 1), ("orphan_age_seconds", 0)]
-)  # fmt: skip
+@pytest.mark.parametrize("name, minimum", [("lease_seconds", 1), ("orphan_age_seconds", 0)])
 @FEW
 @given(data=st.data())
 def test_ownership_seconds_are_checked_where_the_remote_options_are_made(name, minimum, data):

@@ -294,9 +294,15 @@ def command_show(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
         header, tier = store.read_shard_header(args.step, record, later=later)
         for entry in sorted(header.arrays.values(), key=lambda entry: entry.name):
             rows.append(
-                {"rank": record.rank, "name": entry.name, "dtype": DTYPE_CODES[entry.dtype],
-                 "shape": list(entry.shape), "bytes": entry.end - entry.begin, "tier": tier}
-            )  # fmt: skip
+                {
+                    "rank": record.rank,
+                    "name": entry.name,
+                    "dtype": DTYPE_CODES[entry.dtype],
+                    "shape": list(entry.shape),
+                    "bytes": entry.end - entry.begin,
+                    "tier": tier,
+                }
+            )
     lines = [f"{'RANK':>5}  {'DTYPE':<5} {'SHAPE':<20} {'SIZE':>9}  NAME"]
     for row in rows:
         shape = "x".join(map(str, row["shape"])) or "scalar"
@@ -324,8 +330,14 @@ def command_export(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     with _progress("export", unit="file"):
         result = export_step(_store(config), args.step, args.directory, only=only, max_shard_bytes=args.max_shard_size)
     files = [{"name": f.name, "bytes": f.size_bytes, "sha256": f.sha256} for f in result.files]
-    data = {"step": result.step, "directory": str(result.directory), "files": files, "tensors": len(result.tensors),
-            "skipped": list(result.skipped), "largest_tensor_bytes": result.largest_tensor_bytes}  # fmt: skip
+    data = {
+        "step": result.step,
+        "directory": str(result.directory),
+        "files": files,
+        "tensors": len(result.tensors),
+        "skipped": list(result.skipped),
+        "largest_tensor_bytes": result.largest_tensor_bytes,
+    }
     lines = [f"{f['sha256']}  {f['name']}" for f in files]
     lines.append(
         f"step {result.step}: {len(result.tensors)} tensors in {len(files)} files under {result.directory}"
@@ -391,8 +403,8 @@ def _run(arguments: list[str]) -> int:
         _check_local_dir(config, may_be_missing=args.command == "pull" or bucket_only)
         if bucket_only and not config.local.dir.exists():  # said, so that a mistyped directory is noticed
             where = _origin(config, "local.dir")
-            print(f"tiered-ckpt: {config.local.dir} (local.dir, from {where}) does not exist; reading the bucket alone",
-                  file=sys.stderr)  # fmt: skip
+            said = f"{config.local.dir} (local.dir, from {where}) does not exist; reading the bucket alone"
+            print(f"tiered-ckpt: {said}", file=sys.stderr)
         code, (data, text) = COMMANDS[args.command](config, args)
     except (ConfigError, UsageError) as exc:
         print(f"tiered-ckpt: {_as_flags(str(exc))}", file=sys.stderr)

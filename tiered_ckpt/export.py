@@ -268,8 +268,11 @@ def _tensor(
             continue
         placed = structures[record.rank].chunks.get(array)
         entry = headers[record.rank].arrays.get(array)
-        header_box = None if entry is None else (placed.global_shape, placed.offsets, entry.shape) if placed else (
-            entry.shape, (0,) * len(entry.shape), entry.shape)  # fmt: skip
+        header_box = None
+        if entry is not None and placed:
+            header_box = (placed.global_shape, placed.offsets, entry.shape)
+        elif entry is not None:
+            header_box = (entry.shape, (0,) * len(entry.shape), entry.shape)
         if header_box != (chunk.global_shape, chunk.offsets, chunk.sizes):
             raise ManifestError(
                 f"export: rank {record.rank}'s record places {array!r} at {chunk.offsets} of {chunk.global_shape}, "

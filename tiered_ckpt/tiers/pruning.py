@@ -108,11 +108,12 @@ def retain(store: TieredStore, tier: Tier, pending: Pending | None = None, *, co
         for step in deleted:
             tier.delete_step(step)
             if step in waited:
+                bucket = store.remote.url if store.remote else None
                 logger.warning(
                     "retention: deleted step %d from %s before it reached %s: more than max_awaiting_upload=%s "
                     "steps are waiting for upload (is the bucket reachable?)",
-                    step, tier.url, store.remote.url if store.remote else None, policy.max_awaiting_upload,
-                )  # fmt: skip
+                    *(step, tier.url, bucket, policy.max_awaiting_upload),
+                )
             elif tier is store.local:
                 logger.info("retention: deleted step %d from %s", step, tier.url)
             else:

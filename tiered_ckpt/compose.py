@@ -2,8 +2,8 @@
 
 :func:`open_parts`, on every process, in this order:
 
-1. the tiers the options describe, the :class:`~tiered_ckpt.tiers.store.TieredStore`
-   over them and the restorer on it;
+1. the tiers the options describe (:mod:`~tiered_ckpt.build` makes them), the
+   :class:`~tiered_ckpt.tiers.store.TieredStore` over them and the restorer on it;
 2. one collective, ``open``: lock the local directory, remove what crashed saves left in
    it, and check the bucket (on every rank, so one rank's failure fails all; a bucket that
    fails the check for a transient reason is no failure: see below);

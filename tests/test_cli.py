@@ -175,13 +175,21 @@ def test_prune_dry_run_then_prune(setup):
     code, out, err = run(env, "--config", str(config), "--json", "prune", "--dry-run")
     assert code == 0, err
     assert json.loads(out) == {
-        "dry_run": True, "local": [1, 2], "remote": [1], "aborted": [], "local_kept_unproven": []
-    }  # fmt: skip
+        "dry_run": True,
+        "local": [1, 2],
+        "remote": [1],
+        "aborted": [],
+        "local_kept_unproven": [],
+    }
     assert sorted(p.name for p in local.iterdir()) == [step_dir_name(s) for s in (1, 2, 3)]
     code, out, _ = run(env, "--config", str(config), "--json", "prune")
     assert code == 0 and json.loads(out) == {
-        "dry_run": False, "local": [1, 2], "remote": [1], "aborted": [], "local_kept_unproven": []
-    }  # fmt: skip
+        "dry_run": False,
+        "local": [1, 2],
+        "remote": [1],
+        "aborted": [],
+        "local_kept_unproven": [],
+    }
     assert sorted(p.name for p in local.iterdir()) == [step_dir_name(3)]
     assert RemoteTier(url, options).steps() == [2, 3]
 
@@ -303,8 +311,11 @@ def test_a_relative_local_dir_in_a_config_is_read_from_the_config_files_folder(t
     elsewhere.mkdir()
     result = subprocess.run(
         [sys.executable, "-m", "tiered_ckpt", "--json", "ls", "--config", str(config)],
-        capture_output=True, text=True, cwd=elsewhere, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=elsewhere,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert [row["step"] for row in json.loads(result.stdout)] == [5]
 
@@ -338,8 +349,9 @@ def test_endpoint_url_option_and_environment_variables_reach_the_store(tmp_path,
 
 @pytest.mark.slow
 def test_a_bad_endpoint_url_is_refused_naming_where_it_came_from(tmp_path):
-    code, _, err = run(os.environ, "ls", "--local-dir", str(tmp_path), "--remote-url", "s3://b/run",
-                       "--endpoint-url", "minio:9000")  # fmt: skip
+    code, _, err = run(
+        os.environ, "ls", "--local-dir", str(tmp_path), "--remote-url", "s3://b/run", "--endpoint-url", "minio:9000"
+    )
     assert code == 2 and "tiered-ckpt: --endpoint-url: key 'remote.endpoint_url' must be an http" in err
     assert "minio" not in err and "remote_endpoint_url" not in err
     code, _, err = run(os.environ, "ls", "--local-dir", str(tmp_path), "--endpoint-url", "http://127.0.0.1:9000")
@@ -545,8 +557,9 @@ def test_ls_and_status_read_the_bucket_alone_without_a_local_directory(setup, tm
     code, out, err = run(env, "--config", str(config), "--json", "ls", "--local-dir", str(fresh))
     assert code == 0, err
     assert [(row["step"], row["local"], row["remote"]) for row in json.loads(out)] == [
-        (1, None, "committed"), (2, None, "committed")
-    ]  # fmt: skip
+        (1, None, "committed"),
+        (2, None, "committed"),
+    ]
     assert f"{fresh} (local.dir, from --local-dir) does not exist; reading the bucket alone" in err  # a typo shows
     code, out, err = run(env, "--config", str(config), "--json", "status", "--local-dir", str(fresh))
     assert code == 0, err
@@ -568,8 +581,9 @@ def test_ls_with_an_unreachable_bucket_lists_the_local_steps_and_says_the_bucket
     assert code == 1, err
     rows = json.loads(out)
     assert [(row["step"], row["local"], row["remote"]) for row in rows] == [
-        (1, "committed", "unreachable"), (2, "committed", "unreachable")
-    ]  # fmt: skip
+        (1, "committed", "unreachable"),
+        (2, "committed", "unreachable"),
+    ]
     assert rows[1]["world_size"] == 4 and rows[1]["bytes"] > 0
     assert "tiered-ckpt: the bucket could not be reached; only the local steps are listed" in err
     assert "s3://tiered-unreachable" in err
@@ -589,8 +603,9 @@ def test_show_on_one_ranks_directory_lists_that_ranks_arrays_and_names_the_other
     code, out, err = run(os.environ, "--json", "show", "4", "--local-dir", str(root))
     assert code == 0, err
     assert sorted((row["rank"], row["name"], row["shape"]) for row in json.loads(out)) == [
-        (1, "b", [3]), (1, "w", [64])
-    ]  # fmt: skip
+        (1, "b", [3]),
+        (1, "w", [64]),
+    ]
     assert f"{root} holds the shards of rank 1 of 2" in err and "those of rank 0 are on other nodes' disks" in err
     code, out, err = run(os.environ, "show", "4", "--local-dir", str(root))
     assert code == 0 and out.splitlines()[-1].startswith("step 4: 2 arrays in 1 of 2 shards"), out + err
@@ -623,9 +638,13 @@ def _with_its_output_closed(env, *args):
     os.close(reader)
     try:
         result = subprocess.run(
-            [sys.executable, "-m", "tiered_ckpt", *args], stdout=writer, stderr=subprocess.PIPE, text=True, env=env,
+            [sys.executable, "-m", "tiered_ckpt", *args],
+            stdout=writer,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
             timeout=300,
-        )  # fmt: skip
+        )
     finally:
         os.close(writer)
     return result.returncode, result.stderr
@@ -634,10 +653,16 @@ def _with_its_output_closed(env, *args):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "command, buffered",
-    [(["--json", "ls"], True), (["--json", "ls"], False), (["status"], True), (["verify"], True),
-     (["show", "3"], True), (["--version"], True)],  # unbuffered, argparse ignores a failed write of --version
+    [
+        (["--json", "ls"], True),
+        (["--json", "ls"], False),
+        (["status"], True),
+        (["verify"], True),
+        (["show", "3"], True),
+        (["--version"], True),
+    ],  # unbuffered, argparse ignores a failed write of --version
     ids=["ls-json", "ls-json-unbuffered", "status", "verify", "show", "version"],
-)  # fmt: skip
+)
 def test_a_reader_that_closes_the_output_early_ends_the_command_quietly(tmp_path, command, buffered):
     with CheckpointManager(tmp_path, world_size=2) as manager:
         manager.save(3, [{"w": np.arange(4.0)}, {"w": np.arange(4.0)}], blocking=True)

@@ -12,6 +12,7 @@ from tiered_ckpt.compose import open_parts
 from tiered_ckpt.dist.coordination import Attempt, SingleProcessCoordinator
 from tiered_ckpt.engine.saving import check_save
 from tiered_ckpt.options import resolve_options
+from tiered_ckpt.tiers import survey
 
 
 def parts_on(directory, world_size=2, signals=(), remote=None):
@@ -65,16 +66,5 @@ def test_a_write_queued_before_close_is_committed_by_close(tmp_path):
     parts.writer.submit(3, list(plan.states), plan.sharded_keys, list(plan.numels))
     parts.close("test")  # the writer closes first: the write it holds is finished, then the directory is released
     assert parts.store.local.steps() == [3]
-    assert parts.lag().newest_local == 3 and parts.lag().newest_remote is None
-
-
-def test_maintenance_waits_for_the_writes_then_runs_on_the_store(tmp_path):
-    parts = parts_on(tmp_path)
-    try:
-        with pytest.raises(UsageError, match="push needs a remote tier"):
-            parts.push(None)
-        pruned = parts.prune(dry_run=True)
-        assert pruned.deleted == {"local": ()} and pruned.dry_run
-        assert pruned.aborted == () and pruned.kept_unproven == ()
-    finally:
-        parts.close("test")
+    lag = survey.lag(parts.store)
+    assert lag.newest_local == 3 and lag.newest_remote is None

@@ -21,6 +21,7 @@ from tiered_ckpt import (
     UploadOptions,
     load_config,
 )
+from tiered_ckpt.build import open_remote_tier
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").iterdir())
 
@@ -383,7 +384,7 @@ def test_endpoint_url_from_a_config_or_the_environment_reaches_the_store(tmp_pat
         ),
     ):
         assert config.remote.endpoint_url == endpoint
-        assert config.remote.open_tier(config.upload).steps() == [1]
+        assert open_remote_tier(config.remote, config.upload).steps() == [1]
 
 
 # One text per option for its TIERED_CKPT_ variable, and the value it stands for. Every field of

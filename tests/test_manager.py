@@ -33,6 +33,7 @@ from tiered_ckpt import (
     UsageError,
     WorldSizeMismatchError,
 )
+from tiered_ckpt.build import open_remote_tier
 from tiered_ckpt.format.layout import MANIFEST_NAME, RECEIPT_NAME, parse_step_dir_name, step_dir_name
 from tiered_ckpt.io.durable import temp_name
 from tiered_ckpt.tiers.remote.backends.wrappers import Counting
@@ -954,7 +955,7 @@ def test_a_store_that_always_refuses_costs_max_tries_requests_per_operation(tmp_
     url, _ = s3_url
     everything = FaultInjectingProxy(moto_endpoint, failure_rate=1.0)
     remote = RemoteOptions(url, storage_options=s3_storage_options(everything.endpoint))
-    tier = remote.open_tier(UploadOptions(max_tries=3, backoff_seconds=0), check_bucket=False)
+    tier = open_remote_tier(remote, UploadOptions(max_tries=3, backoff_seconds=0), check_bucket=False)
     with pytest.raises(RemoteError, match="listing") as caught:  # a listing of the bucket, as a restore makes
         tier.steps()
     everything.close()

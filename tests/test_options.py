@@ -149,7 +149,7 @@ def test_a_keep_count_is_kept_and_reaches_the_retention_policy(kind, name, value
 
 @pytest.mark.parametrize(
     "name, minimum", [("lease_seconds", 1), pytest.param("orphan_age_seconds", 0, marks=pytest.mark.slow)]
-)  # fmt: skip
+)
 @FEW
 @given(data=st.data())
 def test_ownership_seconds_are_checked_where_the_remote_options_are_made(name, minimum, data):

@@ -9,7 +9,6 @@ no world size, no coordinator.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import re
@@ -22,29 +21,28 @@ from typing import Any
 
 from tqdm import tqdm
 
+from tiered_ckpt import maintenance
+from tiered_ckpt.build import open_store, replication_policy
 from tiered_ckpt.cli_parser import build_parser
-from tiered_ckpt.compose import open_store
 from tiered_ckpt.config import Config, load_config
 from tiered_ckpt.engine.replication import Replicator
 from tiered_ckpt.engine.restore_result import rank_ranges
-from tiered_ckpt.errors import CheckpointError, ConfigError, IncompleteCheckpointError, RemoteError, UsageError
+from tiered_ckpt.errors import CheckpointError, ConfigError, RemoteError, UsageError
 from tiered_ckpt.export import export_step
 from tiered_ckpt.format.layout import MANIFEST_NAME, parse_step_dir_name
 from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.format.shardfile import DTYPE_CODES
-from tiered_ckpt.tiers import pruning, survey
-from tiered_ckpt.tiers.pull import pull
+from tiered_ckpt.tiers import survey
 from tiered_ckpt.tiers.store import TieredStore
 
 __all__ = ["main"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # what a shell reports for a tool that SIGPIPE ended
-_POLL_SECONDS = 0.1  # how often push looks at what the uploader has left
 
 
 def _store(config: Config) -> TieredStore:
-    return open_store(config.local, config.remote, config.remote.open_tier(config.upload) if config.remote else None)
+    return open_store(config.local, config.remote, config.upload)
 
 
 # The option of each load_config override the command line passes (a config's "override 'X'").
@@ -111,7 +109,7 @@ def _statuses(config: Config) -> tuple[list[survey.StepStatus], RemoteError | No
     except RemoteError as exc:
         if not exc.transient or config.remote is None:
             raise
-        return survey.step_statuses(open_store(config.local, None, None)), exc
+        return survey.step_statuses(open_store(config.local)), exc
 
 
 def command_ls(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
@@ -200,7 +198,7 @@ def command_pull(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
         def landed(record: ShardRecord, _source: str) -> None:
             bar.update(record.size_bytes)
 
-        pulled = pull(store, args.step, progress=landed)
+        pulled = maintenance.pull(store, args.step, progress=landed)
     step, sources = pulled.step, pulled.sources
     fetched = sorted(rank for rank, source in sources.items() if source != store.local.name)
     return EXIT_OK, (
@@ -216,21 +214,21 @@ def command_push(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     store = _store(config)
     if store.remote is None:
         raise UsageError("push needs a remote tier (remote.url, --remote-url or TIERED_CKPT_REMOTE_URL)")
-    local = store.local.steps()
-    if args.step is not None and args.step not in local:
-        raise IncompleteCheckpointError(f"{store.local.root}: step {args.step} is not committed locally")
     ownership = config.remote.ownership if config.remote is not None else None
-    start = functools.partial(Replicator, store, store.remote, policy=config.upload.replication, ownership=ownership)
     failures: list[CheckpointError] = []
-    with store.local.lock(), closing(start()) as uploader:
-        steps = [step for step in ([args.step] if args.step is not None else local) if not store.receipted(step)]
-        for step in steps:
-            uploader.submit(step, bounded=False)
-        with _progress("push", total=len(steps), unit="step") as bar:
-            while pending := uploader.pending():  # a step leaves the queue committed or failed
-                bar.update(len(steps) - len(pending) - bar.n)
-                time.sleep(_POLL_SECONDS)
-            bar.update(len(steps) - bar.n)
+    with (
+        store.local.lock(),
+        closing(
+            Replicator(store, store.remote, policy=replication_policy(config.upload), ownership=ownership)
+        ) as uploader,
+        _progress("push", unit="step") as bar,
+    ):
+
+        def done(uploaded: int, queued: int) -> None:
+            bar.total = queued
+            bar.update(uploaded - bar.n)
+
+        pushed = list(maintenance.push(store, uploader, args.step, progress=done).steps)
         while True:
             try:
                 uploader.errors.raise_first()
@@ -238,9 +236,7 @@ def command_push(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
                 failures.append(exc)
             else:
                 break
-        newest = uploader.newest_committed
     failed = {getattr(error, "step", None) for error in failures}
-    pushed = [step for step in steps if step not in failed and newest is not None and step <= newest]
     for error in failures:
         print(f"tiered-ckpt: {type(error).__name__}: {error}", file=sys.stderr)
     data: dict[str, Any] = {"uploaded_steps": pushed}
@@ -253,9 +249,8 @@ def command_push(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
 
 def command_prune(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     store = _store(config)
-    orphans = config.remote.orphan_age_seconds if config.remote is not None else 3600.0
     with store.local.lock():
-        pruned = pruning.prune(store, dry_run=args.dry_run, orphans_older_than=orphans)
+        pruned = maintenance.prune(store, config.remote, dry_run=args.dry_run)
     plan = {
         "local": list(pruned.deleted[store.local.name]),
         "remote": list(pruned.deleted[store.remote.name]) if store.remote is not None else [],
@@ -299,9 +294,15 @@ def command_show(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
         header, tier = store.read_shard_header(args.step, record, later=later)
         for entry in sorted(header.arrays.values(), key=lambda entry: entry.name):
             rows.append(
-                {"rank": record.rank, "name": entry.name, "dtype": DTYPE_CODES[entry.dtype],
-                 "shape": list(entry.shape), "bytes": entry.end - entry.begin, "tier": tier}
-            )  # fmt: skip
+                {
+                    "rank": record.rank,
+                    "name": entry.name,
+                    "dtype": DTYPE_CODES[entry.dtype],
+                    "shape": list(entry.shape),
+                    "bytes": entry.end - entry.begin,
+                    "tier": tier,
+                }
+            )
     lines = [f"{'RANK':>5}  {'DTYPE':<5} {'SHAPE':<20} {'SIZE':>9}  NAME"]
     for row in rows:
         shape = "x".join(map(str, row["shape"])) or "scalar"
@@ -329,8 +330,14 @@ def command_export(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     with _progress("export", unit="file"):
         result = export_step(_store(config), args.step, args.directory, only=only, max_shard_bytes=args.max_shard_size)
     files = [{"name": f.name, "bytes": f.size_bytes, "sha256": f.sha256} for f in result.files]
-    data = {"step": result.step, "directory": str(result.directory), "files": files, "tensors": len(result.tensors),
-            "skipped": list(result.skipped), "largest_tensor_bytes": result.largest_tensor_bytes}  # fmt: skip
+    data = {
+        "step": result.step,
+        "directory": str(result.directory),
+        "files": files,
+        "tensors": len(result.tensors),
+        "skipped": list(result.skipped),
+        "largest_tensor_bytes": result.largest_tensor_bytes,
+    }
     lines = [f"{f['sha256']}  {f['name']}" for f in files]
     lines.append(
         f"step {result.step}: {len(result.tensors)} tensors in {len(files)} files under {result.directory}"
@@ -340,7 +347,7 @@ def command_export(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
 
 
 def command_status(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
-    lag = survey.lag(_store(config))
+    lag = maintenance.lag(_store(config))
     waiting = ", ".join(f"{step} ({human_size(size)})" for step, size in lag.waiting) or "none"
     since = f", the oldest for {lag.waiting_seconds / 60:.1f} min" if lag.waiting_seconds is not None else ""
     text = (
@@ -396,8 +403,8 @@ def _run(arguments: list[str]) -> int:
         _check_local_dir(config, may_be_missing=args.command == "pull" or bucket_only)
         if bucket_only and not config.local.dir.exists():  # said, so that a mistyped directory is noticed
             where = _origin(config, "local.dir")
-            print(f"tiered-ckpt: {config.local.dir} (local.dir, from {where}) does not exist; reading the bucket alone",
-                  file=sys.stderr)  # fmt: skip
+            said = f"{config.local.dir} (local.dir, from {where}) does not exist; reading the bucket alone"
+            print(f"tiered-ckpt: {said}", file=sys.stderr)
         code, (data, text) = COMMANDS[args.command](config, args)
     except (ConfigError, UsageError) as exc:
         print(f"tiered-ckpt: {_as_flags(str(exc))}", file=sys.stderr)

@@ -60,7 +60,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,25 @@ class Config:
     peer: PeerOptions | None = None
     source: str = "<defaults>"
     origins: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    def arguments(self, local: str | os.PathLike[str] | LocalOptions | None = None) -> dict[str, Any]:
+        """The option groups as :class:`~tiered_ckpt.CheckpointManager` arguments, by group name.
+        ``local`` replaces the config's: a path replaces ``local.dir`` only (e.g. one directory
+        per rank under the config's), keeping the config's retention."""
+        if isinstance(local, (str, os.PathLike)):
+            local = dataclasses.replace(self.local, dir=Path(local))
+        return {group: getattr(self, group) for group in GROUPS} | {"local": local or self.local}
+
+    @contextmanager
+    def naming_origins(self) -> Iterator[None]:
+        """Around a use of this config's values: a :class:`ConfigError` about one of them (refused
+        there, not by its own check) is raised again naming the file or variable it came from."""
+        try:
+            yield
+        except ConfigError as exc:
+            if exc.field is None or exc.field not in self.origins:
+                raise
+            raise ConfigError(f"{self.origins[exc.field]}: key '{exc.field}' {exc.problem}") from None
 
 
 def _fields(table: str) -> dict[str, dataclasses.Field[Any]]:

@@ -39,7 +39,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from tiered_ckpt.compose import open_store
+from tiered_ckpt.build import open_store
 from tiered_ckpt.errors import IncompleteCheckpointError, ManifestError, UsageError
 from tiered_ckpt.format.manifest import ChunkRecord, ShardManifest
 from tiered_ckpt.format.selection import check_paths, resolve_path, select
@@ -119,8 +119,7 @@ def export_safetensors(
     Face style safetensors checkpoint in ``directory``; see :func:`export_step`. Reads only:
     nothing is written to the local directory or the bucket, and no lock is taken."""
     options = resolve_options(local, remote, upload)
-    tier = options.remote.open_tier(options.upload) if options.remote is not None else None
-    store = open_store(options.local, options.remote, tier)
+    store = open_store(options.local, options.remote, options.upload)
     if step is None:
         steps = sorted({*store.local.steps(), *store.remote_steps()})
         if not steps:
@@ -269,8 +268,11 @@ def _tensor(
             continue
         placed = structures[record.rank].chunks.get(array)
         entry = headers[record.rank].arrays.get(array)
-        header_box = None if entry is None else (placed.global_shape, placed.offsets, entry.shape) if placed else (
-            entry.shape, (0,) * len(entry.shape), entry.shape)  # fmt: skip
+        header_box = None
+        if entry is not None and placed:
+            header_box = (placed.global_shape, placed.offsets, entry.shape)
+        elif entry is not None:
+            header_box = (entry.shape, (0,) * len(entry.shape), entry.shape)
         if header_box != (chunk.global_shape, chunk.offsets, chunk.sizes):
             raise ManifestError(
                 f"export: rank {record.rank}'s record places {array!r} at {chunk.offsets} of {chunk.global_shape}, "

@@ -1,19 +1,13 @@
 """``CheckpointManager``: the object a training job holds for the whole run.
 
-It is composed of the parts below it (:mod:`~tiered_ckpt.compose` builds them from the
-options) and owns only the order of a save:
-
-1. raise any background error not yet raised; wait for the previous save's write;
-2. check the call on every rank (one collective, :func:`~tiered_ckpt.engine.saving.check_save`);
-3. stage: copy every array into host buffers reused from save to save (the only time the
-   training loop is blocked), and queue the write on the writer
-   (:class:`~tiered_ckpt.engine.writer.Writer`: shards, commit, upload, retention).
-
-Restores are the restorer's, uploads the uploader's, both tiers are reached only through
-the store, and background failures wait in one error box: nothing calls back up here.
-With one process per rank, collectives run on the caller's thread (the checks), the
-writer's and the uploader's, each on a process group of its own, so they never meet the
-training loop's; every rank must make the same calls in the same order.
+It calls the parts :mod:`~tiered_ckpt.compose` built from the options (the writer, the
+restorer, the uploader, the store) and owns only the order of a save: raise any background
+error not yet raised and wait for the previous write; check the call on every rank (one
+collective, :func:`~tiered_ckpt.engine.saving.check_save`); stage the arrays into reused
+host buffers (the only time the training loop is blocked) and queue the write. Background
+failures wait in one error box (:mod:`~tiered_ckpt.raising`): nothing calls back up here.
+With one process per rank, collectives run on the caller's thread, the writer's and the
+uploader's, each on a process group of its own; every rank makes the same calls in order.
 """
 
 from __future__ import annotations
@@ -21,26 +15,26 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, overload
 
+from tiered_ckpt import maintenance
 from tiered_ckpt.agreement import agree_on_options
-from tiered_ckpt.compose import PushResult, open_parts
+from tiered_ckpt.compose import open_parts
 from tiered_ckpt.config import Config, load_config
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, resolve_coordinator
 from tiered_ckpt.engine.restore import check_restore_arguments
 from tiered_ckpt.engine.restore_result import RestoreResult
 from tiered_ckpt.engine.saving import check_save, not_saved
 from tiered_ckpt.engine.writer import SaveHandle
-from tiered_ckpt.errors import CheckpointError, ConfigError, UsageError
+from tiered_ckpt.errors import CheckpointError, UsageError
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.selection import Paths
 from tiered_ckpt.format.state import State
 from tiered_ckpt.io.hashing import Verify
+from tiered_ckpt.maintenance import PruneResult, PullResult, PushResult
 from tiered_ckpt.options import (
-    GROUPS,
     LocalOptions,
     PeerOptions,
     RemoteOptions,
@@ -49,9 +43,8 @@ from tiered_ckpt.options import (
     UploadOptions,
     resolve_options,
 )
+from tiered_ckpt.raising import raise_waited, raised_on_every_rank
 from tiered_ckpt.tiers import survey
-from tiered_ckpt.tiers.pruning import PruneResult
-from tiered_ckpt.tiers.pull import PullResult
 from tiered_ckpt.tiers.store import TieredStore
 from tiered_ckpt.tiers.survey import Lag, VerifyResult
 
@@ -63,23 +56,18 @@ logger = logging.getLogger("tiered_ckpt")
 class CheckpointManager:
     """Saves, retains and restores the checkpoints of one training job in the directory ``local``.
 
-    ``world_size`` ranks are saved per step, each into its own shard. By default one
-    process holds them all; with ``coordinator=TorchDistributedCoordinator()`` each
-    process holds its own rank (``world_size`` then defaults to the coordinator's), and
-    the directory must be this process's own (one per rank, e.g. on the node's local
-    disk; two processes cannot share one). Starting a manager removes what crashed saves
-    left in the directory; two managers cannot hold one directory at once
+    ``world_size`` ranks are saved per step, each into its own shard. By default one process
+    holds them all; with ``coordinator=TorchDistributedCoordinator()`` each process holds its
+    own rank (``world_size`` then defaults to the coordinator's), and the directory must be this
+    process's own (one per rank, e.g. on the node's local disk). Starting a manager removes what
+    crashed saves left in the directory; two managers cannot hold one directory at once
     (:class:`DirectoryInUseError`).
 
-    The options come in one group per concern, each a frozen dataclass of
-    :mod:`tiered_ckpt.options` whose fields are the keys of the same config table
-    (``docs/reference/options.md`` lists every one): ``local`` is a path or
-    :class:`~tiered_ckpt.LocalOptions` (directory, retention), ``remote`` a URL or
-    :class:`~tiered_ckpt.RemoteOptions` (None: local only), ``upload`` an
-    :class:`~tiered_ckpt.UploadOptions` (the uploader and every remote request),
-    ``restore`` a :class:`~tiered_ckpt.RestoreOptions` (verification), ``runtime`` a
-    :class:`~tiered_ckpt.RuntimeOptions` (sharded keys, threads, CPUs, preemption signals),
-    ``peer`` a :class:`~tiered_ckpt.PeerOptions` (a partner node's memory; None: none).
+    The options come in one group per concern, each a frozen dataclass of :mod:`tiered_ckpt.options`
+    whose fields are the keys of the same config table (``docs/reference/options.md``): ``local``
+    (a path, or directory and retention), ``remote`` (a URL or its options; None: local only),
+    ``upload`` (the uploader and every remote request), ``restore`` (verification), ``runtime``
+    (sharded keys, threads, CPUs, preemption signals), ``peer`` (a partner node's memory; None: none).
     ``world_size`` and ``coordinator`` describe the job's processes and are not options.
 
     Use it as a context manager, or call :meth:`close` at the end of the run.
@@ -117,26 +105,14 @@ class CheckpointManager:
     ) -> CheckpointManager:
         """A manager as a config file (or a loaded :class:`Config`) describes it.
 
-        ``local`` and ``kwargs`` (:class:`CheckpointManager` arguments such as ``coordinator``
-        or ``runtime``) override the config (explicit argument > environment > file >
-        default): a path as ``local`` replaces ``local.dir`` only (e.g. one directory per
-        rank under the config's), keeping the config's retention.
+        ``local`` and ``kwargs`` (:class:`CheckpointManager` arguments such as ``coordinator`` or
+        ``runtime``) override the config (explicit argument > environment > file > default): a path
+        as ``local`` replaces ``local.dir`` only (e.g. one directory per rank under the config's).
         """
         if not isinstance(config, Config):
             config = load_config(config)
-        if local is None or isinstance(local, LocalOptions):
-            local = local or config.local
-        else:
-            local = replace(config.local, dir=Path(local))
-        arguments = {group: getattr(config, group) for group in GROUPS if group != "local"} | kwargs
-        try:
-            return cls(local, world_size=world_size, **arguments)
-        except ConfigError as exc:  # a config value refused here (not by its own check) names its file or variable
-            if exc.field is None or exc.field not in config.origins:
-                raise
-            raise ConfigError(f"{config.origins[exc.field]}: key '{exc.field}' {exc.problem}") from None
-
-    # -- what the manager is ------------------------------------------------------------
+        with config.naming_origins():
+            return cls(world_size=world_size, **config.arguments(local) | kwargs)
 
     @property
     def root(self) -> Path:
@@ -171,43 +147,38 @@ class CheckpointManager:
             return
         try:  # leaving on an error: a failing bucket is not waited for
             self._parts.close(repr(self), give_up_retries=True)
-        except CheckpointError:
-            # The exception already propagating is the one the caller needs to see.
+        except CheckpointError:  # the exception already propagating is the one the caller needs to see
             logger.exception("error while closing %r during another exception", self)
-
-    # -- saving -------------------------------------------------------------------------
 
     def save(self, step: int, states: Sequence[State] | State, *, blocking: bool = False) -> SaveHandle:
         """Checkpoint ``states`` (one state per rank) as ``step``.
 
-        A state is a dict nesting dicts, lists and tuples of numpy arrays, torch tensors
-        and scalars (see :mod:`tiered_ckpt.format.state`); ``restore`` gives it back with its
-        types. With one process per rank, ``states`` is this rank's state (every rank
-        calls ``save`` with the same step). Returns once the arrays are copied to staging
-        buffers: the caller may then overwrite its arrays. The write runs in the
-        background; the :class:`SaveHandle` returned holds a future of the local commit
-        (``committed``, which ``blocking=True`` waits for) and one of the bucket's
-        (``uploaded``); a step no tier takes is not saved (:meth:`should_save`). Raises first any background
-        error not yet raised (:class:`SaveError`, or a permanent :class:`UploadError`: no
-        such bucket, access denied), saying that ``step`` was not saved, then
-        :class:`InvalidStateError` for bad input and :class:`CheckpointExistsError` if
-        ``step`` is not newer than every committed step (on every rank, whichever rank's
-        input or directory is at fault; with a peer tier, steps committed in the partners'
-        memory count too: a restart would restore them). A bucket that is unreachable or failing never
-        makes it raise: the upload is retried until its deadline, and a step that misses it
-        stays local-only (see :meth:`wait` and :meth:`lag`).
+        A state is a dict nesting dicts, lists and tuples of numpy arrays, torch tensors and scalars
+        (see :mod:`tiered_ckpt.format.state`); ``restore`` gives it back with its types. With one
+        process per rank, ``states`` is this rank's state (every rank saves the same step). Returns
+        once the arrays are copied to staging buffers (the caller may then overwrite them); the
+        write runs in the background. The :class:`SaveHandle` holds a future of the local commit
+        (``committed``, which ``blocking=True`` waits for) and one of the bucket's (``uploaded``); a
+        step no tier takes is not saved (:meth:`should_save`). Raises first any background error not
+        yet raised (:class:`SaveError`, or a permanent :class:`UploadError`: no such bucket, access
+        denied), saying that ``step`` was not saved, then :class:`InvalidStateError` for bad input and
+        :class:`CheckpointExistsError` if ``step`` is not newer than every committed step (on every
+        rank, whichever rank is at fault; steps in the partners' memory count too: a restart would
+        restore them). An unreachable or failing bucket never makes it raise: the upload is retried
+        until its deadline, and a step that misses it stays local-only (see :meth:`wait`, :meth:`lag`).
         """
         self._check_open()
         parts = self._parts
-        if not parts.should_save(step):
+        if not self.should_save(step):
             return SaveHandle.skipped(step, bucket=parts.store.remote is not None)
         parts.writer.settle(retention=False)
 
         def checked() -> int | None:
-            parts.before_collective()
-            return parts.newest_saved()
+            self._before_collective()
+            held = parts.peer.target.steps()[-1:] if parts.peer is not None else []  # a restart restores these too
+            return max([*held, *([newest] if (newest := self.latest_step()) is not None else [])], default=None)
 
-        with parts.raised_on_every_rank(), not_saved(step):
+        with raised_on_every_rank(self._parts.errors), not_saved(step):
             plan = check_save(
                 self._coordinator,
                 step,
@@ -230,7 +201,10 @@ class CheckpointManager:
         ``peer.every`` if the peer tier opened), or a preemption notice stopped at it. A save of
         another step returns at once (``committed`` holds None) and raises nothing, not even a
         background error: the next save that saves raises it, on every rank together."""
-        return self._parts.should_save(step)
+        if isinstance(step, bool) or not isinstance(step, int) or step == self._parts.preemption.step:
+            return True  # a step that is no integer is saved, for the save's own checks to refuse it
+        to_disk, replicators = self._parts.writer.tiers_of(step)
+        return to_disk or bool(replicators)
 
     def reached_preemption(self, step: int) -> bool:
         """True once a ``runtime.preemption_signals`` signal has arrived: save ``step`` now and wait for its upload.
@@ -240,17 +214,14 @@ class CheckpointManager:
         step if any rank was signalled. From then on, uploads put the newest step first.
         Ask it after the step's training and before the step's regular save, so that the
         stop step is never one saved already (a signal that arrives during or after the
-        regular save is answered at the next step)::
-
-            train_one_step()
-            if manager.reached_preemption(step):
-                manager.save(step, state, blocking=True)
-                manager.wait(uploaded=True)
-                sys.exit(0)
-            manager.save(step, state)  # saves only the steps some tier's cadence takes
+        regular save is answered at the next step), as the loop in
+        ``docs/guides/saving-and-restoring.md`` does.
         """
         self._check_open()
-        return self._parts.reached_preemption(step)
+        preemption = self._parts.preemption.reached(step)
+        if preemption.new and self._parts.uploader is not None:
+            self._parts.uploader.preempt()
+        return preemption.stop
 
     def wait(self, *, uploaded: bool = False) -> None:
         """Block until every save so far (and a restore's refill of the disk) is committed locally
@@ -261,7 +232,11 @@ class CheckpointManager:
         True; one naming them all, ``step`` the newest) of the steps that missed their deadline
         while the bucket was unreachable: the caller asked for the bucket's copy and does not
         have it. Each such step is reported once; its local copy is kept."""
-        self._parts.wait(uploaded=uploaded)
+        parts = self._parts
+        parts.writer.settle()
+        if uploaded and parts.uploader is not None:
+            parts.uploader.wait()
+        raise_waited(parts.errors, uploaded=uploaded)
 
     def check_for_errors(self) -> None:
         """Raise the oldest background error not yet raised, without saving or waiting: a
@@ -272,20 +247,22 @@ class CheckpointManager:
     def close(self) -> None:
         """Finish pending saves and uploads, release the directory, and raise a background error not yet raised.
 
-        Uploads are waited for until each is committed or past its deadline. A step that
-        missed its deadline while the bucket was unreachable is logged (WARNING), not raised:
-        it is safe on local disk, a manager started on this directory uploads it again, and
-        a job ending while its bucket is down should not fail for it. A permanent failure
-        (no such bucket, access denied, a failed save) is raised. Leaving a ``with`` block on an
-        exception does not wait for a failing bucket: each upload still queued gets one try.
-        Calling it again does nothing."""
+        Uploads are waited for until each is committed or past its deadline. A step that missed its
+        deadline while the bucket was unreachable is logged (WARNING), not raised: it is safe on
+        local disk, a manager started on this directory uploads it again, and a job ending while its
+        bucket is down should not fail for it. A permanent failure (no such bucket, access denied, a
+        failed save) is raised. Leaving a ``with`` block on an exception does not wait for a failing
+        bucket: each upload still queued gets one try. Calling it again does nothing."""
         self._parts.close(repr(self))
 
     def _check_open(self) -> None:
         if self._parts.closed:
             raise UsageError(f"{self!r} is closed")
 
-    # -- listing and restoring -------------------------------------------------------------
+    def _before_collective(self) -> None:
+        """Every save's and restore's first checks: a background error (not a missed deadline), the lock."""
+        self._parts.errors.raise_first(transient=False)
+        self._parts.store.local.check_locked()
 
     def steps(self) -> list[int]:
         """Committed steps in the local directory, oldest first."""
@@ -299,28 +276,41 @@ class CheckpointManager:
         """The newest step committed on disk or in the bucket, or None if there is none: with one
         process per rank, this rank's view (its own directory and the bucket as of its last
         upload); :meth:`restore` is what makes the ranks agree."""
-        return self._parts.newest_step()
+        remote = [self._parts.uploader.newest_committed] if self._parts.uploader is not None else []
+        return max([*self.steps()[-1:], *(step for step in remote if step is not None)], default=None)
 
     def lag(self) -> Lag:
-        """How far the bucket is behind this process's disk: the newest step of each tier, the
-        steps waiting for upload with their bytes and how long the oldest has waited, the rate
-        of the last remote commits, and the last upload failure with its time (a
-        :class:`~tiered_ckpt.tiers.survey.Lag`). Cheap: it reads local manifests, lists no bucket."""
-        return self._parts.lag()
+        """How far the bucket is behind this process's disk (a :class:`~tiered_ckpt.tiers.survey.Lag`): the
+        newest step of each tier, the steps waiting for upload with their bytes and how long the oldest
+        has waited, the last remote commits' rate, the last upload failure and its time. Lists no bucket."""
+        parts = self._parts
+        return maintenance.lag(parts.store, parts.uploader, parts.peer, parts.restorer.refill_error)
 
     @overload
     def restore(
-        self, step: int | None = None, *, world_size: int | None = None, reshard: bool = False,
-        verify: Verify | None = None, into: Sequence[State] | State | None = None,
-        missing_ok: Literal[False] = False, paths: Paths | None = None,
-    ) -> RestoreResult: ...  # fmt: skip
+        self,
+        step: int | None = None,
+        *,
+        world_size: int | None = None,
+        reshard: bool = False,
+        verify: Verify | None = None,
+        into: Sequence[State] | State | None = None,
+        missing_ok: Literal[False] = False,
+        paths: Paths | None = None,
+    ) -> RestoreResult: ...
 
     @overload
     def restore(
-        self, step: int | None = None, *, world_size: int | None = None, reshard: bool = False,
-        verify: Verify | None = None, into: Sequence[State] | State | None = None,
-        missing_ok: bool, paths: Paths | None = None,
-    ) -> RestoreResult | None: ...  # fmt: skip
+        self,
+        step: int | None = None,
+        *,
+        world_size: int | None = None,
+        reshard: bool = False,
+        verify: Verify | None = None,
+        into: Sequence[State] | State | None = None,
+        missing_ok: bool,
+        paths: Paths | None = None,
+    ) -> RestoreResult | None: ...
 
     def restore(
         self,
@@ -336,19 +326,16 @@ class CheckpointManager:
         """Load a committed step (default: the newest) with every shard verified.
 
         ``world_size`` (default: the manager's) must match the checkpoint's, else
-        :class:`WorldSizeMismatchError`, unless ``reshard=True`` asks for the flat
-        shards to be re-cut for it. ``verify="fast"`` checks xxh3-64 instead of sha256
-        (default: the manager's ``verify``). ``into`` (a state of the same nesting) fills
-        the caller's arrays and CPU tensors in place; with resharding only a state of
-        DTensors, whose chunks are then filled from the saved chunks that overlap them,
-        each read in part and verified by its own sha256. ``paths`` (top-level keys, tensor
-        names or key tuples) restores only what lies under them, reading only those arrays
-        (see ``docs/guides/saving-and-restoring.md``). A damaged step fails loudly with the
-        step, rank and file named; it never falls back to an older step by itself.
-        ``missing_ok=True`` returns None instead of raising when no tier (of no rank) holds
-        any committed step: a fresh start.
-
-        With one process per rank every rank calls it and gets its own rank's state
+        :class:`WorldSizeMismatchError`, unless ``reshard=True`` asks for the flat shards to be
+        re-cut for it. ``verify="fast"`` checks xxh3-64 instead of sha256 (default: the manager's
+        ``verify``). ``into`` (a state of the same nesting) fills the caller's arrays and CPU
+        tensors in place; with resharding only a state of DTensors, whose chunks are filled from
+        the saved chunks that overlap them, each read in part and verified by its own sha256.
+        ``paths`` (top-level keys, tensor names or key tuples) restores only what lies under them,
+        reading only those arrays (see ``docs/guides/saving-and-restoring.md``). A damaged step
+        fails loudly naming step, rank and file; it never falls back to an older step by itself.
+        ``missing_ok=True`` returns None instead of raising when no tier (of no rank) holds any
+        committed step: a fresh start. With one process per rank every rank calls it and gets its own rank's state
         (:attr:`RestoreResult.state`); the step is the newest that every rank holds
         locally or the bucket holds, and a failure on any rank raises on every rank.
         """
@@ -357,9 +344,18 @@ class CheckpointManager:
         verify = self.options.restore.verify if verify is None else verify
         target = self.world_size if world_size is None else world_size
         check_restore_arguments(step, target, verify, into, paths)
-        return self._parts.restore(
-            step, target, reshard=reshard, verify=verify, into=into, missing_ok=missing_ok, paths=paths
-        )
+        checked = Attempt.run(self._before_collective)
+        with raised_on_every_rank(self._parts.errors):
+            return self._parts.restorer.restore(
+                step,
+                world_size=target,
+                reshard=reshard,
+                verify=verify,
+                into=into,
+                missing_ok=missing_ok,
+                checked=checked,
+                paths=paths,
+            )
 
     def locate(self, step: int | None = None) -> ShardManifest:
         """The manifest of ``step`` (default: the newest step every rank can restore), agreed by
@@ -367,26 +363,21 @@ class CheckpointManager:
         :class:`tiered_ckpt.torch.TieredReader`; :meth:`restore` does this itself."""
         self._check_open()
         self._parts.writer.settle()
-        return self._parts.locate(step)
-
-    # -- moving whole steps (one process holding every rank, as the CLI runs it) ---------------
+        with raised_on_every_rank(self._parts.errors):
+            return self._parts.restorer.locate(step, checked=Attempt.run(self._before_collective))
 
     def pull(self, step: int | None = None) -> PullResult:
-        """Fill the local tier with a remote step (default: the newest) without loading it.
-
-        Local shards that verify are kept; the others are streamed from the bucket and
-        verified. Returns the step and, per rank, the tier each shard now on disk came from.
-        """
-        self._check_open()
-        return self._parts.pull(step)
+        """Fill the local tier with a remote step (default: the newest) without loading it. Local shards
+        that verify are kept; the others are streamed from the bucket and verified. Returns the step
+        and, per rank, the tier each shard now on disk came from (one process holding every rank)."""
+        return maintenance.pull(self._maintenance("pull"), step, max_workers=self.options.runtime.max_workers)
 
     def push(self, step: int | None = None) -> PushResult:
-        """Upload ``step`` (default: every local step not yet committed remotely) and wait for it.
-
-        Returns the steps uploaded (``steps``); raises :class:`UploadError` if one fails.
-        """
-        self._check_open()
-        return self._parts.push(step)
+        """Upload ``step`` (default: every local step not yet committed remotely) and wait for it;
+        return the steps uploaded (``steps``); raise :class:`UploadError` if one fails."""
+        pushed = maintenance.push(self._maintenance("push"), self._parts.uploader, step)
+        self._parts.errors.raise_first()
+        return pushed
 
     def verify(self, step: int | None = None) -> VerifyResult:
         """Hash every shard of ``step`` (default: every committed step) in each tier that holds it
@@ -396,5 +387,14 @@ class CheckpointManager:
 
     def prune(self, *, dry_run: bool = False) -> PruneResult:
         """Apply retention to every tier now; return the steps deleted per tier (or, with ``dry_run``, to delete)."""
+        store = self._maintenance("prune")
+        if self._parts.uploader is not None:
+            self.wait(uploaded=True)  # every upload committed or past its deadline
+        return maintenance.prune(store, self.options.remote, dry_run=dry_run)
+
+    def _maintenance(self, operation: str) -> TieredStore:
+        """The store for ``operation`` (pull, push, prune), once every save so far is committed locally."""
         self._check_open()
-        return self._parts.prune(dry_run=dry_run)
+        maintenance.check_one_process(operation, len(self._ranks), self.world_size)
+        self.wait()
+        return self._parts.store

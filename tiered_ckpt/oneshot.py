@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from tiered_ckpt.build import single_step_tier
 from tiered_ckpt.dist.replicas import assign, offer, put_back
 from tiered_ckpt.dist.sharding import dtype_summary, resolve_sharded_keys, sharding_summary
 from tiered_ckpt.engine.shards import build_manifest, write_shards
@@ -62,9 +63,15 @@ def write_checkpoint(
     ranks = range(world_size)
     left_out = assign([offer(states_per_rank, ranks)])
     records = write_shards(
-        tier, step, states_per_rank, ranks, world_size=world_size, numels=numels, max_workers=max_workers,
+        tier,
+        step,
+        states_per_rank,
+        ranks,
+        world_size=world_size,
+        numels=numels,
+        max_workers=max_workers,
         left_out=left_out,
-    )  # fmt: skip
+    )
     manifest = build_manifest(
         step, records, world_size=world_size, sharded_keys=sharded_keys, wall_clock_seconds=time.time()
     )
@@ -101,7 +108,7 @@ def save_sharded(
         dtypes=[dtype_summary(s.arrays) for s in flat],
     )
     check_manifest_fits([s.record_bytes(len(flat)) for s in flat], keys, step)
-    tier = LocalTier(directory, single_step=True)
+    tier = single_step_tier(directory)
     with tier.lock():
         if tier.is_committed(step):
             raise CheckpointExistsError(f"{tier.root}: already holds a committed checkpoint ({MANIFEST_NAME})")
@@ -146,7 +153,7 @@ def load_sharded(
     :class:`ManifestError` / :class:`ShardCountMismatchError` (bad manifest),
     :class:`WorldSizeMismatchError` and :class:`ChecksumMismatchError`.
     """
-    tier = LocalTier(directory, single_step=True)
+    tier = single_step_tier(directory)
     manifest = tier.single_manifest()
     check_world_size(manifest, expected_world_size, str(tier.root))
     check_into(into, manifest)

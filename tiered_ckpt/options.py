@@ -1,5 +1,8 @@
 """The manager's options: one small frozen dataclass per concern, each checking its own fields.
 
+They are plain data: nothing here builds a tier or starts a stage (:mod:`~tiered_ckpt.build`
+does, from them).
+
 Each option has one name, ``<group>.<field>``: the same field of the group's dataclass
 given to :class:`~tiered_ckpt.CheckpointManager` (``upload=UploadOptions(max_tries=8)``),
 the same key of a config table (``[upload] max_tries = 8``, see
@@ -16,19 +19,22 @@ import signal
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import fsspec
 
-from tiered_ckpt.engine.replication import ReplicationPolicy, WhenBehind
 from tiered_ckpt.errors import ConfigError, UsageError, invalid_option, restated
 from tiered_ckpt.format.bounds import MAX_COUNT, MAX_PART_BYTES, MAX_SECONDS, check_number
 from tiered_ckpt.io.hashing import VERIFY_MODES, Verify
 from tiered_ckpt.tiers.remote.compression import Compression, check_compression
 from tiered_ckpt.tiers.remote.leases import OtherOwners, OwnershipPolicy
 from tiered_ckpt.tiers.remote.retry import RetryPolicy
-from tiered_ckpt.tiers.remote.tier import DEFAULT_PART_BYTES, DEFAULT_PART_CONCURRENCY, Layout, RemoteTier
+from tiered_ckpt.tiers.remote.tier import DEFAULT_PART_BYTES, DEFAULT_PART_CONCURRENCY, Layout
 from tiered_ckpt.tiers.retention import RetentionPolicy
+
+WhenBehind = Literal["wait", "skip"]
+"""What the uploader does while the bucket is behind: "wait" (queue every step up to
+``local.max_awaiting_upload``) or "skip" (keep ``upload.max_pending``, the oldest step stays local-only)."""
 
 __all__ = [
     "LocalOptions",
@@ -175,9 +181,9 @@ class RemoteOptions(_Retained):
     storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
     layout: Layout = "flat"
     endpoint_url: str | None = None
-    lease_seconds: float = 300.0
-    orphan_age_seconds: float = 3600.0
-    other_owners: OtherOwners = "warn"
+    lease_seconds: float = OwnershipPolicy.lease_seconds
+    orphan_age_seconds: float = OwnershipPolicy.orphan_age_seconds
+    other_owners: OtherOwners = OwnershipPolicy.other_owners
     every: int = 1
     compression: Compression = "none"
 
@@ -198,24 +204,6 @@ class RemoteOptions(_Retained):
     def ownership(self) -> OwnershipPolicy:
         """How a run holds the URL (constructing it checks the three fields)."""
         return OwnershipPolicy(self.lease_seconds, self.orphan_age_seconds, self.other_owners)
-
-    def open_tier(self, upload: UploadOptions, *, check_bucket: bool = True) -> RemoteTier:
-        """The remote tier these options describe, making its requests as ``upload`` says.
-
-        Its bucket is checked first (one request, see
-        :meth:`~tiered_ckpt.tiers.remote.tier.RemoteTier.check_bucket`): a missing or unlistable bucket
-        raises :class:`~tiered_ckpt.RemoteError` naming it here, not at the first upload.
-        """
-        storage_options = dict(self.storage_options)
-        if self.endpoint_url is not None:
-            storage_options["endpoint_url"] = self.endpoint_url
-        tier = RemoteTier(
-            self.url, storage_options, retry=upload.retry, part_bytes=upload.part_bytes,
-            part_concurrency=upload.part_concurrency, layout=self.layout, compression=self.compression,
-        )  # fmt: skip
-        if check_bucket:
-            tier.check_bucket()
-        return tier
 
 
 @dataclass(frozen=True)
@@ -273,12 +261,6 @@ class UploadOptions:
             max_seconds=self.max_seconds,
             timeout_seconds=self.timeout_seconds,
         )
-
-    @property
-    def replication(self) -> ReplicationPolicy:
-        """The uploader's policy: its queue, concurrency and deadline; a step's tries back off as
-        the bucket's requests do (its tier's :attr:`retry`)."""
-        return ReplicationPolicy(self.concurrency, self.max_pending, self.when_behind, self.deadline_seconds)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import pytest
 
 from support.memory_tier import MemoryTier
 from tiered_ckpt import RemoteError, UploadError, UsageError, save_sharded
+from tiered_ckpt.build import replication_policy
 from tiered_ckpt.engine.background import ErrorBox
 from tiered_ckpt.engine.replication import Backlog, ReplicationPolicy, Replicator
 from tiered_ckpt.format.layout import parse_step_dir_name, step_dir_name
@@ -61,7 +62,7 @@ def job(tmp_path, memory_url):
     uploaders = []
 
     def start(**options):
-        uploader = Replicator(store, policy=UploadOptions(**options).replication, errors=ErrorBox())
+        uploader = Replicator(store, policy=replication_policy(UploadOptions(**options)), errors=ErrorBox())
         uploaders.append(uploader)
         return uploader
 

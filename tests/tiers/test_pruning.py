@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from support.memory_tier import MemoryTier
-from tiered_ckpt import save_sharded
+from tiered_ckpt import maintenance, save_sharded
 from tiered_ckpt.format.layout import step_dir_name
 from tiered_ckpt.tiers import pruning, step_records
 from tiered_ckpt.tiers.base import ShardSource
@@ -47,13 +47,13 @@ def test_each_tier_keeps_what_its_own_policy_says(store):
     store, peer, bucket, upload = store
     upload(1, 2, 3, 4)
     store.retention = {"local": RetentionPolicy(keep_last=1), "peer": RetentionPolicy(keep_last=2)}
-    planned = pruning.prune(store, dry_run=True)
-    assert planned == pruning.PruneResult(
+    planned = maintenance.prune(store, dry_run=True)
+    assert planned == maintenance.PruneResult(
         {"local": (1, 2, 3), "peer": (1, 2), "remote": ()}, aborted=(), kept_unproven=(), dry_run=True
     )
     assert list(planned.deleted) == ["local", "peer", "remote"]  # in the store's order
     assert store.local.steps() == [1, 2, 3, 4]  # a dry run deletes nothing
-    plan = pruning.prune(store)
+    plan = maintenance.prune(store)
     assert dict(plan.deleted) == {"local": (1, 2, 3), "peer": (1, 2), "remote": ()} and not plan.dry_run
     assert (plan.aborted, plan.kept_unproven) == ((), ())
     assert (store.local.steps(), peer.steps(), bucket.steps()) == ([4], [3, 4], [1, 2, 3, 4])

@@ -9,10 +9,10 @@ from support.memory_tier import MemoryTier
 from support.states import flip_byte
 from tiered_ckpt import ChecksumMismatchError, IncompleteCheckpointError, UsageError, cli, load_sharded, save_sharded
 from tiered_ckpt.format.layout import step_dir_name
+from tiered_ckpt.maintenance import pull
 from tiered_ckpt.tiers import survey
 from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt.tiers.local import LocalTier
-from tiered_ckpt.tiers.pull import pull
 from tiered_ckpt.tiers.remote.tier import RemoteTier
 from tiered_ckpt.tiers.retention import RetentionPolicy
 from tiered_ckpt.tiers.store import TieredStore

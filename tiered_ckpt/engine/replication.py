@@ -70,7 +70,6 @@ from tiered_ckpt.engine.replication_policy import Backlog, ReplicationPolicy, Wh
 from tiered_ckpt.engine.sending import HeldStep, Sender
 from tiered_ckpt.engine.upload_queue import UploadQueue
 from tiered_ckpt.errors import (
-    IncompleteCheckpointError,
     RemoteError,
     Retryable,
     StorageError,
@@ -237,23 +236,6 @@ class Replicator(UploadQueue, BackgroundSetup):
         with self._changed:
             while self._queue or self._active is not None:
                 self._changed.wait()
-
-    def push(self, step: int | None = None) -> list[int]:
-        """Upload ``step`` (default: every local step without a remote commit) now, and wait for it.
-
-        Returns the steps uploaded; raises :class:`UploadError` if one fails.
-        """
-        local = self._store.local.steps()
-        if step is not None and step not in local:
-            raise IncompleteCheckpointError(f"{self._store.local.root}: step {step} is not committed locally")
-        unreceipted = [each for each in local if not self._store.receipted(each, self.target)]
-        chosen = [step] if step is not None else unreceipted
-        for each in chosen:
-            if each in unreceipted and each not in self.pending():
-                self.submit(each, bounded=False)
-        self.wait()
-        self.errors.raise_first()
-        return [each for each in chosen if each in unreceipted and self._store.receipted(each, self.target)]
 
     def close(self) -> None:
         """Finish every queued upload, then stop the thread."""

@@ -76,9 +76,15 @@ class CompressedObject:
         upload checks the file by), the shard's sha256 (what the store's metadata keeps beside it),
         no digests of the parts of the shard."""
         return replace(
-            record, size_bytes=self.size_bytes, xxh3_64=self.xxh3_64, chunks=(), header_bytes=0,
-            header_sha256="", replicas=(), array_xxh3_64="",
-        )  # fmt: skip
+            record,
+            size_bytes=self.size_bytes,
+            xxh3_64=self.xxh3_64,
+            chunks=(),
+            header_bytes=0,
+            header_sha256="",
+            replicas=(),
+            array_xxh3_64="",
+        )
 
     def problem(self, shard_bytes: int) -> str | None:
         """Why this entry cannot be the object of a shard of ``shard_bytes``, as a phrase; None if it can."""

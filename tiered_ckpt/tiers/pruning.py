@@ -15,18 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
-from types import MappingProxyType
 
 from tiered_ckpt.errors import IncompleteCheckpointError, ManifestError
 from tiered_ckpt.tiers.base import Tier
-from tiered_ckpt.tiers.remote.leases import live_owners
 from tiered_ckpt.tiers.retention import awaiting, protected, retainable
 from tiered_ckpt.tiers.store import TieredStore
 
-__all__ = ["to_delete", "unproven", "retain", "prune", "PruneResult", "Pending"]
+__all__ = ["to_delete", "unproven", "retain", "Pending"]
 
 logger = logging.getLogger("tiered_ckpt")
 
@@ -112,49 +108,14 @@ def retain(store: TieredStore, tier: Tier, pending: Pending | None = None, *, co
         for step in deleted:
             tier.delete_step(step)
             if step in waited:
+                bucket = store.remote.url if store.remote else None
                 logger.warning(
                     "retention: deleted step %d from %s before it reached %s: more than max_awaiting_upload=%s "
                     "steps are waiting for upload (is the bucket reachable?)",
-                    step, tier.url, store.remote.url if store.remote else None, policy.max_awaiting_upload,
-                )  # fmt: skip
+                    *(step, tier.url, bucket, policy.max_awaiting_upload),
+                )
             elif tier is store.local:
                 logger.info("retention: deleted step %d from %s", step, tier.url)
             else:
                 logger.info("%s retention: deleted step %d from %s", tier.name, step, tier.url)
     return deleted
-
-
-@dataclass(frozen=True)
-class PruneResult:
-    """What :func:`prune` did (or, with ``dry_run``, would do): ``deleted`` maps each tier's
-    name, in the store's order, to the steps deleted there; ``aborted`` names the shared
-    tier's unfinished multipart uploads aborted; ``kept_unproven`` the first tier's steps
-    :func:`unproven` names (kept: no commit shows they are safe elsewhere)."""
-
-    deleted: Mapping[str, tuple[int, ...]]
-    aborted: tuple[str, ...]
-    kept_unproven: tuple[int, ...]
-    dry_run: bool = False
-
-
-def prune(store: TieredStore, *, dry_run: bool = False, orphans_older_than: float = 3600.0) -> PruneResult:
-    """Apply every tier's retention now, and abort the shared tier's unfinished multipart uploads
-    started ``orphans_older_than`` seconds ago or earlier (younger ones may belong to a running
-    job; none while a run's lease on the URL is live)."""
-    kept = tuple(unproven(store))
-    if dry_run:
-        planned = {tier.name: tuple(to_delete(store, tier)) for tier in store.tiers}
-        return PruneResult(MappingProxyType(planned), (), kept, dry_run=True)
-    aborted: list[str] = []
-    if store.remote is not None:
-        others = live_owners(store.remote, time.time())
-        if others:  # an open upload does not say whose it is: a live run's may be among them
-            logger.warning(
-                "unfinished uploads left alone: run(s) %s write under %s",
-                [o.run_id for o in others],
-                store.remote.url,
-            )
-        else:
-            aborted = store.remote.abort_orphans(orphans_older_than)
-    deleted = {tier.name: tuple(retain(store, tier)) for tier in store.tiers}
-    return PruneResult(MappingProxyType(deleted), tuple(aborted), kept)

@@ -17,7 +17,7 @@ the store: a replicator's put (:meth:`TieredStore.send_shard`), a refill
 (:meth:`TieredStore.download_shard`), a read. The store also records what the later tiers
 committed (receipts in the first tier) and holds each tier's retention (applied by
 :mod:`~tiered_ckpt.tiers.pruning`); :mod:`~tiered_ckpt.tiers.survey` says what each tier
-holds; :func:`~tiered_ckpt.tiers.pull.pull` fills the first tier from the bucket. Writing
+holds; :func:`~tiered_ckpt.maintenance.pull` fills the first tier from the bucket. Writing
 needs the local directory's lock (``store.local.lock()``), which a manager holds for its
 whole run and the CLI for one command.
 """

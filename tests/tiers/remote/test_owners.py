@@ -21,10 +21,12 @@ from tiered_ckpt import (
     UploadOptions,
     save_sharded,
 )
+from tiered_ckpt.build import replication_policy
 from tiered_ckpt.engine.background import ErrorBox
 from tiered_ckpt.engine.replication import Replicator
 from tiered_ckpt.errors import ConfigError
 from tiered_ckpt.format.layout import step_dir_name
+from tiered_ckpt.maintenance import push
 from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.remote.leases import Lease, OwnerRecord, OwnershipPolicy, live_owners
 from tiered_ckpt.tiers.remote.tier import RemoteTier, RetryPolicy
@@ -253,11 +255,12 @@ def test_an_object_gone_between_its_confirmation_and_the_commit_means_no_commit(
 
     monkeypatch.setattr(RemoteTier, "land_shard", put_then_lose_rank_0)
     with store.local.lock():
-        one_at_a_time = UploadOptions(concurrency=1).replication  # rank 0, then 1
+        one_at_a_time = replication_policy(UploadOptions(concurrency=1))  # rank 0, then 1
         uploader = Replicator(store, policy=one_at_a_time, errors=ErrorBox())
         try:
             with pytest.raises(UploadError, match="rank-00000-of-00002.safetensors: missing") as caught:
-                uploader.push(1)
+                push(store, uploader, 1)  # the failure waits in the uploader's box
+                uploader.errors.raise_first()
         finally:
             uploader.close()
     assert isinstance(caught.value.__cause__, RemoteError) and not caught.value.__cause__.transient

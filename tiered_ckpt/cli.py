@@ -182,10 +182,10 @@ def command_verify(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
         f"{shown.get(r['status']) or 'FAILED ' + r['problem']}"
         for r in results
     ]
-    elsewhere = len(results) - len(failures) - len(verified)
+    on_other_nodes = len(results) - len(failures) - len(verified)
     lines.append(
         f"{len(verified)} shards verified, {len(failures)} failed"
-        + (f", {elsewhere} held by other nodes" if elsewhere else "")
+        + (f", {on_other_nodes} held by other nodes" if on_other_nodes else "")
         + ("" if results else f" (no committed step in {store.where()})")
     )
     return (EXIT_FAILED if failures else EXIT_OK), (results, "\n".join(lines))
@@ -286,10 +286,10 @@ def command_show(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     manifest, _remote = store.manifests(args.step, in_local=in_local, in_remote=in_remote)
     later = store.readable(in_remote)
     held = set(store.local.held_ranks(args.step, manifest)) if in_local else set()
-    elsewhere = [] if later else [record.rank for record in manifest.shards if record.rank not in held]
+    on_other_nodes = [] if later else [record.rank for record in manifest.shards if record.rank not in held]
     rows: list[dict[str, Any]] = []
     for record in manifest.shards:
-        if record.rank in elsewhere:
+        if record.rank in on_other_nodes:
             continue
         header, tier = store.read_shard_header(args.step, record, later=later)
         for entry in sorted(header.arrays.values(), key=lambda entry: entry.name):
@@ -307,12 +307,16 @@ def command_show(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     for row in rows:
         shape = "x".join(map(str, row["shape"])) or "scalar"
         lines.append(f"{row['rank']:>5}  {row['dtype']:<5} {shape:<20} {human_size(row['bytes']):>9}  {row['name']}")
-    shards = f"{manifest.world_size - len(elsewhere)} of {manifest.world_size}" if elsewhere else manifest.world_size
+    shards = (
+        f"{manifest.world_size - len(on_other_nodes)} of {manifest.world_size}"
+        if on_other_nodes
+        else manifest.world_size
+    )
     lines.append(f"step {args.step}: {len(rows)} arrays in {shards} shards, {human_size(manifest.total_bytes)}")
-    if elsewhere:
+    if on_other_nodes:
         print(
             f"tiered-ckpt: step {args.step}: {store.local.root} holds the shards of {_ranks(held)} of "
-            f"{manifest.world_size} (one node's part of a multi-process job); those of {_ranks(elsewhere)} are on "
+            f"{manifest.world_size} (one node's part of a multi-process job); those of {_ranks(on_other_nodes)} are on "
             "other nodes' disks: give the bucket holding the step (--remote-url) to list them too",
             file=sys.stderr,
         )

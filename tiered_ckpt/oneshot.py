@@ -61,7 +61,7 @@ def write_checkpoint(
     """
     world_size = len(states_per_rank)
     ranks = range(world_size)
-    left_out = assign([offer(states_per_rank, ranks)])
+    replicas = assign([offer(states_per_rank, ranks)])
     records = write_shards(
         tier,
         step,
@@ -70,7 +70,7 @@ def write_checkpoint(
         world_size=world_size,
         numels=numels,
         max_workers=max_workers,
-        left_out=left_out,
+        replicas=replicas,
     )
     manifest = build_manifest(
         step, records, world_size=world_size, sharded_keys=sharded_keys, wall_clock_seconds=time.time()

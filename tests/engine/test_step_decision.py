@@ -15,25 +15,25 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tiered_ckpt.dist.coordination import from_payload, to_payload
-from tiered_ckpt.engine.step_decision import Holdings, StepChoice, StepReport, TierFacts
+from tiered_ckpt.engine.step_decision import Holdings, StepChoice, StepReport, TierView
 from tiered_ckpt.errors import CheckpointError, IncompleteCheckpointError, WorldSizeMismatchError
 from tiered_ckpt.tiers.base import Capabilities
 
 STEPS = st.integers(1, 6)
 
 
-def facts(name: str, *, shared: bool, durable: bool) -> TierFacts:
+def facts(name: str, *, shared: bool, durable: bool) -> TierView:
     capabilities = Capabilities(
         durable=durable, shared=shared, create_only_commit=False, store_checksums=False, ranged_reads=False
     )
-    return TierFacts(name, f"mem://{name}", capabilities)
+    return TierView(name, f"mem://{name}", capabilities)
 
 
 DISK = facts("local", shared=False, durable=True)
 
 
 @st.composite
-def tier_lists(draw: st.DrawFn) -> tuple[TierFacts, ...]:
+def tier_lists(draw: st.DrawFn) -> tuple[TierView, ...]:
     """A disk, then 0 to 3 later tiers of any capabilities."""
     kinds = draw(st.lists(st.tuples(st.booleans(), st.booleans()), max_size=3))
     return (
@@ -43,7 +43,7 @@ def tier_lists(draw: st.DrawFn) -> tuple[TierFacts, ...]:
 
 
 @st.composite
-def holdings(draw: st.DrawFn, tiers: st.SearchStrategy[tuple[TierFacts, ...]] | None = None) -> Holdings:
+def holdings(draw: st.DrawFn, tiers: st.SearchStrategy[tuple[TierView, ...]] | None = None) -> Holdings:
     """Every process's report for ``tiers`` (default: any): one process holding every rank, or one per rank."""
     chosen = draw(tier_lists() if tiers is None else tiers)
     world_size = draw(st.integers(1, 4))

@@ -10,7 +10,7 @@ array once, by one rank: its *writer*.
    bytes (a chance collision of xxh3-128 is 2**-64 even over 2**32 arrays);
 2. one collective exchanges the offers and :func:`assign` gives each group of identical
    copies to one of the ranks that have it, its writer (the one with the fewest bytes so far,
-   then the lowest rank), the same way on every process (:func:`leave_out` runs both steps);
+   then the lowest rank), the same way on every process (:func:`choose_writers` runs both steps);
 3. the other ranks leave the array out of their shard (:func:`written`) and their manifest
    record lists it with its writer among its *replicas* (``ShardRecord.replicas``); the writer's record has it
    among its chunks, with its sha256.
@@ -41,7 +41,7 @@ from tiered_ckpt.format.shardfile import DTYPES, dtype_code
 from tiered_ckpt.format.state import FlatState
 from tiered_ckpt.format.structure import Chunk, path_text
 
-__all__ = ["Offer", "offer", "assign", "leave_out", "written", "missing", "put_back", "share"]
+__all__ = ["Offer", "offer", "assign", "choose_writers", "written", "missing", "put_back", "share"]
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def assign(offers: Iterable[Offer]) -> dict[int, dict[str, int]]:
     return replicas
 
 
-def leave_out(coordinator: Coordinator, states: Sequence[FlatState]) -> dict[int, dict[str, int]]:
+def choose_writers(coordinator: Coordinator, states: Sequence[FlatState]) -> dict[int, dict[str, int]]:
     """Collective (every process calls it at the same point of a save): :func:`assign` over
     every process's :func:`offer` for ``states`` (this process's ranks, in order)."""
     ranks = tuple(coordinator.local_ranks)

@@ -67,7 +67,7 @@ from tiered_ckpt.dist.coordination import Coordinator, SingleProcessCoordinator,
 from tiered_ckpt.engine.background import ErrorBox
 from tiered_ckpt.engine.bucket_setup import BackgroundSetup
 from tiered_ckpt.engine.replication_policy import Backlog, ReplicationPolicy, WhenBehind
-from tiered_ckpt.engine.sending import HeldStep, Sender
+from tiered_ckpt.engine.sending import MemoryStep, Sender
 from tiered_ckpt.engine.upload_queue import UploadQueue
 from tiered_ckpt.errors import (
     RemoteError,
@@ -130,7 +130,7 @@ class Replicator(UploadQueue, BackgroundSetup):
         self._queue: deque[int] = deque()
         self._queued_at: dict[int, float] = {}  # when each queued step was queued (see bucket_setup)
         self._outcomes: dict[int, Future[None]] = {}  # see outcome(); settled ones are dropped
-        self._held: dict[int, HeldStep] = {}  # the steps queued from memory, until settled
+        self._held: dict[int, MemoryStep] = {}  # the steps queued from memory, until settled
         self._active: int | None = None
         self._closing = False
         self._preempted = False
@@ -162,7 +162,7 @@ class Replicator(UploadQueue, BackgroundSetup):
         whatever each has seen: a step submitted after the target was given up is settled at once)."""
         return step % self._options.every == 0
 
-    def submit(self, step: int, *, bounded: bool = True, held: HeldStep | None = None) -> None:
+    def submit(self, step: int, *, bounded: bool = True, held: MemoryStep | None = None) -> None:
         """Queue ``step`` (committed locally, or ``held`` in memory) for upload; see
         :mod:`~tiered_ckpt.engine.upload_queue` for a full queue. ``bounded=False`` queues it
         whatever the queue holds (steps resumed at start-up).

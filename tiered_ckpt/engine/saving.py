@@ -12,7 +12,7 @@
    dtype for each flat vector's slices), and
    a manifest that fits what a reader accepts, and whether any rank's state has replicated
    arrays (that other ranks may have identical copies of): if none does, the writer skips the
-   exchange that gives each one writer (:func:`~tiered_ckpt.dist.replicas.leave_out`), a collective less per save.
+   exchange that gives each one writer (:func:`~tiered_ckpt.dist.replicas.choose_writers`), a collective less per save.
 
 Around it, :func:`not_saved` says that a background error raised there means this save's
 step was not saved.

@@ -37,13 +37,13 @@ from tiered_ckpt.tiers.base import Landed, Tier
 from tiered_ckpt.tiers.remote.leases import Lease
 from tiered_ckpt.tiers.store import TieredStore
 
-__all__ = ["HeldStep", "Sender"]
+__all__ = ["MemoryStep", "Sender"]
 
 logger = logging.getLogger("tiered_ckpt")
 
 
 @dataclass(frozen=True)
-class HeldStep:
+class MemoryStep:
     """A step kept in memory only (not written to the first tier): its ``manifest`` and, by rank,
     the bytes of this process's shards."""
 
@@ -103,7 +103,7 @@ class Sender:
         if self._sending == step:
             self._landed, self._sending = {}, None
 
-    def send(self, step: int, deadline: float | None, held: HeldStep | None = None) -> int:
+    def send(self, step: int, deadline: float | None, held: MemoryStep | None = None) -> int:
         """Land, commit and record ``step`` in the target (see the module doc); the bytes this process sent.
 
         ``held``: the step is in no file of the first tier, these are its manifest and bytes."""

@@ -37,13 +37,13 @@ def write_shards(
     world_size: int,
     numels: Sequence[int],
     max_workers: int | None = None,
-    left_out: Mapping[int, Mapping[str, int]] | None = None,
+    replicas: Mapping[int, Mapping[str, int]] | None = None,
 ) -> list[ShardRecord]:
     """Write the shards of ``ranks`` (``states[i]`` is rank ``ranks[i]``'s) into ``step`` of ``tier``
     (held locked), each with its structure document; return their records, in the order of ``ranks``.
 
-    ``left_out[rank]`` is that rank's replicas: the replicated arrays its shard leaves out, each
-    mapped to its writer, the rank whose shard stores it (:func:`~tiered_ckpt.dist.replicas.leave_out`);
+    ``replicas[rank]`` is that rank's replicas: the replicated arrays its shard leaves out, each
+    mapped to its writer, the rank whose shard stores it (:func:`~tiered_ckpt.dist.replicas.choose_writers`);
     its record lists them as ``replicas``. Temp files an earlier crash left in the step are removed first. Each shard is
     durable under its name once this returns; the names are, once :meth:`LocalTier.commit` is.
     """
@@ -51,7 +51,7 @@ def write_shards(
     tier.clear_temp_files(step)
 
     def write(index: int) -> ShardRecord:
-        shard = _Shard(step, states[index], ranks[index], world_size, (left_out or {}).get(ranks[index], {}))
+        shard = _Shard(step, states[index], ranks[index], world_size, (replicas or {}).get(ranks[index], {}))
         digest = tier.write_shard(step, shard.name, ShardSource(write=shard.write), sync_directory=False)
         return shard.record(digest, numels)
 
@@ -95,7 +95,7 @@ def serialize_shards(
     world_size: int,
     numels: Sequence[int],
     max_workers: int | None = None,
-    left_out: Mapping[int, Mapping[str, int]] | None = None,
+    replicas: Mapping[int, Mapping[str, int]] | None = None,
     buffers: Mapping[int, ShardBuffer] | None = None,
 ) -> list[tuple[ShardRecord, memoryview]]:
     """The shards :func:`write_shards` would write, as bytes in memory with their records (a step
@@ -104,7 +104,7 @@ def serialize_shards(
 
     def serialize(index: int) -> tuple[ShardRecord, memoryview]:
         rank = ranks[index]
-        shard = _Shard(step, states[index], rank, world_size, (left_out or {}).get(rank, {}))
+        shard = _Shard(step, states[index], rank, world_size, (replicas or {}).get(rank, {}))
         buffer = buffers[rank] if buffers is not None else ShardBuffer()
         digest, data = buffer.write_shard(shard)
         return shard.record(digest, numels), data

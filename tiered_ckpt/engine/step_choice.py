@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, gather, leader_decides
 from tiered_ckpt.engine.step_decision import (
     Disks,
-    HeldStep,
+    Holding,
     Holdings,
     StepChoice,
     StepReport,
-    TierFacts,
+    TierView,
     called,
 )
 from tiered_ckpt.errors import CheckpointError, InvalidStateError, ManifestError, RemoteError, UsageError
@@ -72,7 +72,7 @@ class StepChooser:
         self._store = store
         self._coordinator = coordinator
         self._world_size = world_size
-        self._tiers = tuple(TierFacts.of(tier) for tier in store.tiers)
+        self._tiers = tuple(TierView.of(tier) for tier in store.tiers)
 
     @property
     def _one_process(self) -> bool:
@@ -146,13 +146,13 @@ class StepChooser:
         if not self._one_process and world_size != self._world_size:
             raise UsageError(f"with one process per rank the world size is the coordinator's, {self._world_size}")
         disk = self._store.local
-        on_disk: list[HeldStep] = []
+        on_disk: list[Holding] = []
         for step in disk.steps():
             try:
                 on_disk.append((step, disk.manifest(step).world_size, None))
             except ManifestError:
                 on_disk.append((step, None, None))  # damaged: the restore falls back to another tier's or fails
-        tiers: list[tuple[str, tuple[HeldStep, ...] | None]] = [(disk.name, tuple(on_disk))]
+        tiers: list[tuple[str, tuple[Holding, ...] | None]] = [(disk.name, tuple(on_disk))]
         down: list[tuple[str, str]] = []
         for tier in self._store.later:
             if not tier.capabilities.shared:
@@ -165,7 +165,7 @@ class StepChooser:
         agreed = tuple((step, disk.agreement(step)) for step, _saved_by, _ranks in on_disk)
         return StepReport(arguments, tuple(tiers), agreed, tuple(down))
 
-    def _shared_held(self, tier: Tier) -> tuple[tuple[HeldStep, ...] | None, str | None]:
+    def _shared_held(self, tier: Tier) -> tuple[tuple[Holding, ...] | None, str | None]:
         """Leader: ``tier``'s committed steps, its first request tried once (a tier that does not
         answer costs a restore the disks can serve one request, see :meth:`_list_again`), or why
         they could not be listed; other processes: nothing (every node sees the same)."""
@@ -178,7 +178,7 @@ class StepChooser:
                 raise
             return None, str(exc)
 
-    def _node_held(self, tier: Tier) -> tuple[HeldStep, ...]:
+    def _node_held(self, tier: Tier) -> tuple[Holding, ...]:
         """The steps committed in this process's part of node-local ``tier``, with the world size
         and the ranks held of each."""
         held = []

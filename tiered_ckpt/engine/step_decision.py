@@ -2,7 +2,7 @@
 
 Every process reports what each tier of its store holds (:class:`StepReport`, by the tier's
 name, in the store's order); :class:`Holdings` reads those reports against the tiers'
-capabilities (:class:`TierFacts`) and picks the step (:meth:`Holdings.choose`), for any list
+capabilities (:class:`TierView`) and picks the step (:meth:`Holdings.choose`), for any list
 of tiers whose first is this node's disk:
 
 - a step committed in a ``shared`` tier (a bucket) is complete: every process reads it there;
@@ -27,11 +27,11 @@ from tiered_ckpt.engine.restore_result import rank_ranges
 from tiered_ckpt.errors import CheckpointError, IncompleteCheckpointError, WorldSizeMismatchError
 from tiered_ckpt.tiers.base import Capabilities, Tier
 
-__all__ = ["HeldStep", "StepReport", "StepChoice", "TierFacts", "Disks", "Holdings", "ranks_text", "called"]
+__all__ = ["Holding", "StepReport", "StepChoice", "TierView", "Disks", "Holdings", "ranks_text", "called"]
 
 logger = logging.getLogger("tiered_ckpt")
 
-HeldStep = tuple[int, int | None, tuple[int, ...] | None]
+Holding = tuple[int, int | None, tuple[int, ...] | None]
 """A committed step one tier holds, as a report carries it: ``(step, saved_by, ranks)``.
 
 ``saved_by``: the world size of its manifest (None: not read, as a shared tier's are not, or
@@ -48,11 +48,11 @@ class StepReport:
     such records); and, on the leader, the shared tiers it could not list, with why."""
 
     arguments: str
-    tiers: tuple[tuple[str, tuple[HeldStep, ...] | None], ...]
+    tiers: tuple[tuple[str, tuple[Holding, ...] | None], ...]
     agreed: tuple[tuple[int, bool | None], ...] = ()
     down: tuple[tuple[str, str], ...] = ()
 
-    def held(self, name: str) -> tuple[HeldStep, ...] | None:
+    def held(self, name: str) -> tuple[Holding, ...] | None:
         """What the tier called ``name`` holds (None: not listed)."""
         return next((held for each, held in self.tiers if each == name), None)
 
@@ -69,7 +69,7 @@ class StepChoice:
 
 
 @dataclass(frozen=True)
-class TierFacts:
+class TierView:
     """What the choice knows of one tier of the store: its name, where it is (for messages), and
     what it can do."""
 
@@ -78,7 +78,7 @@ class TierFacts:
     capabilities: Capabilities
 
     @classmethod
-    def of(cls, tier: Tier) -> TierFacts:
+    def of(cls, tier: Tier) -> TierView:
         return cls(tier.name, tier.url, tier.capabilities)
 
 
@@ -87,7 +87,7 @@ def ranks_text(ranks: Collection[int]) -> str:
     return f"{'rank' if len(ranks) == 1 else 'ranks'} {rank_ranges(ranks)}"
 
 
-def called(tier: TierFacts) -> str:
+def called(tier: TierView) -> str:
     """How messages name a shared tier: "the bucket <url>" for a durable one."""
     return f"the bucket {tier.url}" if tier.capabilities.durable else f"the {tier.name} tier {tier.url}"
 
@@ -134,7 +134,7 @@ class Holdings:
     this node's disk), for a job of ``world_size`` ranks whose processes are the reports'."""
 
     reports: tuple[StepReport, ...]
-    tiers: tuple[TierFacts, ...]
+    tiers: tuple[TierView, ...]
     world_size: int
 
     @property
@@ -142,11 +142,11 @@ class Holdings:
         return Disks.of(self.reports)
 
     @property
-    def shared_tiers(self) -> tuple[TierFacts, ...]:
+    def shared_tiers(self) -> tuple[TierView, ...]:
         return tuple(tier for tier in self.tiers[1:] if tier.capabilities.shared)
 
     @property
-    def node_tiers(self) -> tuple[TierFacts, ...]:
+    def node_tiers(self) -> tuple[TierView, ...]:
         """The later tiers each node holds its own part of (a partner's memory)."""
         return tuple(tier for tier in self.tiers[1:] if not tier.capabilities.shared)
 
@@ -306,7 +306,7 @@ class Holdings:
         return WorldSizeMismatchError(f"{problem}; {fix} and restore with reshard=True (--reshard)")
 
 
-def _node_copies(tier: TierFacts) -> tuple[str, str]:
+def _node_copies(tier: TierView) -> tuple[str, str]:
     """How messages name a node-local later tier's copies: what holds them, and how a rank gets one."""
     if tier.capabilities.durable:
         return f"the {tier.name} tiers of the nodes", f"the {tier.name} tier of a node holding them"

@@ -28,7 +28,7 @@ from concurrent.futures import Future
 
 from tiered_ckpt.engine.background import ErrorBox, ReportedFuture
 from tiered_ckpt.engine.replication_policy import ReplicationPolicy
-from tiered_ckpt.engine.sending import HeldStep
+from tiered_ckpt.engine.sending import MemoryStep
 from tiered_ckpt.errors import CheckpointError, UploadError
 from tiered_ckpt.tiers.abilities import RetryingTier
 from tiered_ckpt.tiers.base import Tier
@@ -52,7 +52,7 @@ class UploadQueue:
     _changed: threading.Condition
     _queue: deque[int]
     _outcomes: dict[int, Future[None]]
-    _held: dict[int, HeldStep]
+    _held: dict[int, MemoryStep]
     _queued_at: dict[int, float]
     _failing: bool
     _what: str

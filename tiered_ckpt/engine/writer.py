@@ -44,10 +44,10 @@ from functools import partial
 from typing import Any
 
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather
-from tiered_ckpt.dist.replicas import leave_out
+from tiered_ckpt.dist.replicas import choose_writers
 from tiered_ckpt.engine.background import ErrorBox, ReportedFuture
 from tiered_ckpt.engine.replication import Replicator
-from tiered_ckpt.engine.sending import HeldStep
+from tiered_ckpt.engine.sending import MemoryStep
 from tiered_ckpt.engine.shards import ShardBuffer, build_manifest, serialize_shards, write_shards
 from tiered_ckpt.engine.staging import StagingBuffers
 from tiered_ckpt.errors import CheckpointError, SaveError, UploadError
@@ -271,9 +271,9 @@ class Writer:
                 source=f"the shard records of step {step}",
             )
 
-    def _left_out(self, staged: list[FlatState], replicated: bool) -> dict[int, dict[str, int]]:
+    def _replicas(self, staged: list[FlatState], replicated: bool) -> dict[int, dict[str, int]]:
         """Per rank, the arrays its shard leaves to another rank's (a collective, if ``replicated``)."""
-        return leave_out(self._coordinator, staged) if replicated else {}
+        return choose_writers(self._coordinator, staged) if replicated else {}
 
     def _write_to_memory(
         self, step: int, staged: list[FlatState], keys: tuple[str, ...], numels: list[int], to: list[Replicator],
@@ -284,13 +284,13 @@ class Writer:
         the step is committed once each of them committed it. A failure is logged (WARNING),
         never raised: the step is simply kept nowhere, and None is returned."""
         try:
-            left_out = self._left_out(staged, replicated)
+            replicas = self._replicas(staged, replicated)
             shards: dict[int, memoryview] = {}
 
             def write() -> _Written:
                 written = serialize_shards(
                     step, staged, self._ranks, world_size=self._world_size, numels=numels,
-                    max_workers=self._max_workers, left_out=left_out, buffers=self._in_memory,
+                    max_workers=self._max_workers, replicas=replicas, buffers=self._in_memory,
                 )  # fmt: skip
                 shards.update((record.rank, data) for record, data in written)
                 return _Written(tuple(record.to_dict() for record, _data in written), time.time())
@@ -300,7 +300,7 @@ class Writer:
                 return None
             outcomes = [replicator.outcome(step) for replicator in to]
             for replicator in to:
-                replicator.submit(step, held=HeldStep(manifest, shards))
+                replicator.submit(step, held=MemoryStep(manifest, shards))
             failures: list[BaseException | None] = [outcome.exception() for outcome in outcomes]
         except Exception as exc:  # a collective, a serialization or a bug: logged below, on the handle
             failures = [exc]
@@ -322,12 +322,12 @@ class Writer:
         local = self._store.local
         committed_here = False
         try:
-            left_out = self._left_out(staged, replicated)  # replicated arrays: each written by one rank
+            replicas = self._replicas(staged, replicated)  # replicated arrays: each written by one rank
 
             def write() -> _Written:
                 records = write_shards(
                     local, step, staged, self._ranks, world_size=self._world_size, numels=numels,
-                    max_workers=self._max_workers, left_out=left_out,
+                    max_workers=self._max_workers, replicas=replicas,
                 )  # fmt: skip
                 return _Written(tuple(record.to_dict() for record in records), time.time())
 

@@ -10,20 +10,20 @@ from tiered_ckpt.tiers.peer.partners import choose_partners, node_of
 
 def test_two_nodes_of_two_hold_each_other_rank_by_rank():
     partners = choose_partners(["a", "a", "b", "b"])
-    assert partners.holder == (2, 3, 0, 1)
+    assert partners.partner == (2, 3, 0, 1)
     assert partners.active
     assert partners.wards(2) == (0,) and partners.wards(0) == (2,)
 
 
 def test_three_uneven_nodes_form_a_ring_and_a_smaller_node_holds_more_than_one_rank():
     partners = choose_partners(["a", "a", "a", "b", "c", "c"])
-    assert partners.holder == (3, 3, 3, 4, 0, 1)  # node a -> b -> c -> a
+    assert partners.partner == (3, 3, 3, 4, 0, 1)  # node a -> b -> c -> a
     assert partners.wards(3) == (0, 1, 2)
 
 
 def test_one_node_gives_no_rank_a_partner():
     partners = choose_partners(["host"] * 4)
-    assert partners.holder == (None,) * 4
+    assert partners.partner == (None,) * 4
     assert not partners.active
 
 
@@ -39,7 +39,7 @@ def test_a_partner_is_never_on_the_same_node_and_every_rank_is_held_once(nodes):
         assert not partners.active
         return
     assert partners.active
-    for rank, holder in enumerate(partners.holder):
+    for rank, holder in enumerate(partners.partner):
         assert holder is not None and nodes[holder] != nodes[rank]
     assert sorted(ward for rank in range(len(nodes)) for ward in partners.wards(rank)) == list(range(len(nodes)))
 

@@ -43,20 +43,20 @@ def node_of(rank: int, nodes: Sequence[str] | None = None, environ: Mapping[str,
 
 @dataclass(frozen=True)
 class Partners:
-    """The ranks' nodes (``nodes[rank]``) and who holds each rank's shards (``holder[rank]``,
-    None when no rank is on another node)."""
+    """The ranks' nodes (``nodes[rank]``) and each rank's partner, the rank holding its shards
+    (``partner[rank]``, None when no rank is on another node)."""
 
     nodes: tuple[str, ...]
-    holder: tuple[int | None, ...]
+    partner: tuple[int | None, ...]
 
     @property
     def active(self) -> bool:
         """True if every rank has a partner (the job runs on two nodes or more)."""
-        return all(holder is not None for holder in self.holder)
+        return all(partner is not None for partner in self.partner)
 
     def wards(self, rank: int) -> tuple[int, ...]:
         """The ranks whose shards ``rank`` holds, in order."""
-        return tuple(ward for ward, holder in enumerate(self.holder) if holder == rank)
+        return tuple(ward for ward, partner in enumerate(self.partner) if partner == rank)
 
 
 def choose_partners(nodes: Sequence[str]) -> Partners:
@@ -69,9 +69,9 @@ def choose_partners(nodes: Sequence[str]) -> Partners:
     ring = list(by_node.values())
     if len(ring) < 2:
         return Partners(tuple(nodes), (None,) * len(nodes))
-    holder: list[int | None] = [None] * len(nodes)
+    partner: list[int | None] = [None] * len(nodes)
     for index, ranks in enumerate(ring):
         following = ring[(index + 1) % len(ring)]
         for position, rank in enumerate(ranks):
-            holder[rank] = following[position % len(following)]
-    return Partners(tuple(nodes), tuple(holder))
+            partner[rank] = following[position % len(following)]
+    return Partners(tuple(nodes), tuple(partner))

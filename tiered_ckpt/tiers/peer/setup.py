@@ -135,6 +135,6 @@ def open_peer_tier(
     memory = opened.value
     save_link = PeerLink(coordinator, timeout_seconds)
     restore_link = PeerLink(coordinator, timeout_seconds)
-    holder = partners.holder[rank]
+    holder = partners.partner[rank]
     logger.info("peer tier: rank %d's shards are held by rank %s on node %s", rank, holder, names[holder or 0])
     return PeerTier(memory, partners, rank, save_link, restore_link)

@@ -57,7 +57,7 @@ class PeerTier:
     def __init__(
         self, memory: PeerMemory, partners: Partners, rank: int, save_link: PeerLink, restore_link: PeerLink
     ) -> None:
-        holder = partners.holder[rank]
+        holder = partners.partner[rank]
         if holder is None:
             raise UsageError(f"rank {rank} has no partner on another node: the peer tier protects nothing")
         self.memory = memory
@@ -110,7 +110,7 @@ class PeerTier:
 
     def shard_location(self, step: int, record: ShardRecord) -> str:
         """Where ``record``'s copy is: the memory of the rank holding it."""
-        return f"peer://rank-{self.partners.holder[record.rank]}/step-{step}/{record.path}"
+        return f"peer://rank-{self.partners.partner[record.rank]}/step-{step}/{record.path}"
 
     def manifest(self, step: int) -> ShardManifest:
         """The manifest of ``step`` as a restore fetched it, or as held here; validated."""

@@ -25,8 +25,8 @@ What the leases decide (see :class:`~tiered_ckpt.engine.replication.Replicator`)
 Why ``"warn"`` by default: a job killed on one node and restarted on another within
 ``lease_seconds`` finds its own previous run's record live, and refusing would keep an
 elastic restart from starting for minutes. Sharing a URL loses nothing already in the
-bucket: nothing of a live run is deleted or aborted, remote manifests are create-only,
-and every object is confirmed again right before a commit, so a commit over a missing or
+bucket: nothing of a live run is deleted or aborted, remote manifests are create-only
+(atomically on S3, GCS, Azure and file systems), and every object is confirmed again right before a commit, so a commit over a missing or
 replaced object is never written. What sharing cannot prevent is two live runs writing
 the same step's objects, so that one of them fails its upload: set
 ``other_owners="refuse"`` where that must not happen (e.g. the runs of a sweep).

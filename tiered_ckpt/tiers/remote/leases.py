@@ -26,10 +26,10 @@ Why ``"warn"`` by default: a job killed on one node and restarted on another wit
 ``lease_seconds`` finds its own previous run's record live, and refusing would keep an
 elastic restart from starting for minutes. Sharing a URL loses nothing already in the
 bucket: nothing of a live run is deleted or aborted, remote manifests are create-only
-(atomically on S3, GCS, Azure and file systems), and every object is confirmed again right before a commit, so a commit over a missing or
-replaced object is never written. What sharing cannot prevent is two live runs writing
-the same step's objects, so that one of them fails its upload: set
-``other_owners="refuse"`` where that must not happen (e.g. the runs of a sweep).
+(atomically on S3, GCS, Azure and file systems), and every object is confirmed again right
+before a commit, so a commit over a missing or replaced object is never written. What
+sharing cannot prevent is two live runs writing the same step's objects, so that one of
+them fails its upload: set ``other_owners="refuse"`` where that must not happen (e.g. the runs of a sweep).
 
 Clocks: ``renewed_at`` is the writer's clock, compared with the reader's; hosts sharing
 a bucket must keep their clocks within a small part of ``lease_seconds`` (NTP does).

@@ -2,7 +2,7 @@
 
 Both writers of a new step use it: the background writer (:mod:`~tiered_ckpt.engine.writer`,
 this process's ranks) and the one-shot save (:mod:`~tiered_ckpt.oneshot`, every rank). Each
-shard lands with :meth:`LocalTier.land_shard <tiered_ckpt.tiers.local.LocalTier.land_shard>`,
+shard lands with :meth:`WritingTier.write_shard <tiered_ckpt.tiers.abilities.WritingTier.write_shard>`,
 so every write checks the tier's lock; the directory's fsync is left to the commit. A step
 kept in memory only (for a partner's memory) is serialized to bytes instead
 (:func:`serialize_shards`), with the same records.
@@ -22,14 +22,14 @@ from tiered_ckpt.format.shardfile import write_shard
 from tiered_ckpt.format.state import FlatState
 from tiered_ckpt.io.hashing import ShardDigest
 from tiered_ckpt.io.parallel import run_parallel
+from tiered_ckpt.tiers.abilities import WritingTier
 from tiered_ckpt.tiers.base import ShardSource
-from tiered_ckpt.tiers.local import LocalTier
 
 __all__ = ["ShardBuffer", "build_manifest", "serialize_shards", "write_shards"]
 
 
 def write_shards(
-    tier: LocalTier,
+    tier: WritingTier,
     step: int,
     states: Sequence[FlatState],
     ranks: Sequence[int],
@@ -45,7 +45,7 @@ def write_shards(
     ``replicas[rank]`` is that rank's replicas: the replicated arrays its shard leaves out, each
     mapped to its writer, the rank whose shard stores it (:func:`~tiered_ckpt.dist.replicas.choose_writers`);
     its record lists them as ``replicas``. Temp files an earlier crash left in the step are removed first. Each shard is
-    durable under its name once this returns; the names are, once :meth:`LocalTier.commit` is.
+    durable under its name once this returns; the names are, once the tier's commit is.
     """
     tier.new_step_dir(step)
     tier.clear_temp_files(step)

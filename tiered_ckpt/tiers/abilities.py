@@ -9,6 +9,8 @@ method:
 - ``leases`` (:class:`LeasedTier`): a run holds a lease on its storage
   (:class:`~tiered_ckpt.tiers.remote.leases.Lease`), and the uploads a failed run left open
   there are aborted past an age;
+- the first tier of a store (:class:`WritingTier`), where a running job writes its steps
+  before any other tier sees them: no flag, since a store's first tier always is one;
 - ``retries`` (:class:`RetryingTier`): its storage fails transiently; its requests are
   retried under its own policy, whose backoff a step's whole retries follow too, and it
   tells how they are failing now.
@@ -16,15 +18,17 @@ method:
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol, cast
 
 from tiered_ckpt.format.remote_manifest import RemoteManifest
-from tiered_ckpt.tiers.base import Tier
+from tiered_ckpt.io.hashing import ShardDigest
+from tiered_ckpt.tiers.base import ShardSource, Tier
 from tiered_ckpt.tiers.remote.leases import OwnerRecords
 from tiered_ckpt.tiers.remote.requests import Trouble
 from tiered_ckpt.tiers.remote.retry import RetryPolicy
 
-__all__ = ["LeasedTier", "ReceiptedTier", "RetryingTier", "leases_of", "receipts_of", "retries_of"]
+__all__ = ["LeasedTier", "ReceiptedTier", "RetryingTier", "WritingTier", "leases_of", "receipts_of", "retries_of"]
 
 
 class ReceiptedTier(Tier, Protocol):
@@ -51,6 +55,22 @@ class RetryingTier(Tier, Protocol):
 
     def trouble(self) -> Trouble | None:
         """Its tries that failed for a transient reason since it last answered one (None: it answers)."""
+        ...
+
+
+class WritingTier(Tier, Protocol):
+    """A store's first tier: steps are written here, a shard at a time, before any other tier sees them."""
+
+    def new_step_dir(self, step: int) -> Path:
+        """The directory of ``step``, created (and made durable) if needed."""
+        ...
+
+    def clear_temp_files(self, step: int) -> list[str]:
+        """Remove what a crashed write left in ``step``; return the names."""
+        ...
+
+    def write_shard(self, step: int, name: str, source: ShardSource, *, sync_directory: bool = True) -> ShardDigest:
+        """Write a new shard as the file ``name`` in ``step``, atomically; its digest, to build its record from."""
         ...
 
 

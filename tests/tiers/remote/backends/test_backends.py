@@ -223,10 +223,6 @@ class TestFsspecBackendOnMemory(OpenedBackendContract):
     def url(self, memory_url):
         return memory_url
 
-    @pytest.mark.xfail(strict=True, reason="FsspecBackend.put_shard puts the file without checking it (size, xxh3)")
-    def test_a_file_unlike_its_record_is_never_made_an_object(self, backend, tmp_path):
-        super().test_a_file_unlike_its_record_is_never_made_an_object(backend, tmp_path)
-
 
 class TestPosixBackend(OpenedBackendContract):
     @pytest.fixture

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -30,6 +31,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from tiered_ckpt.errors import RemoteError
 from tiered_ckpt.format.manifest import ShardRecord
+from tiered_ckpt.io.hashing import hash_stream
 from tiered_ckpt.tiers.base import Capabilities
 from tiered_ckpt.tiers.remote.backends.base import Head, OpenUpload, Sent
 from tiered_ckpt.tiers.remote.checksums import StoreSums
@@ -85,6 +87,13 @@ class FsspecBackend:
         return None
 
     def put_shard(self, local_path: Path, path: str, record: ShardRecord, *, deadline: float | None) -> Sent:
+        # fsspec's generic files make the object when they close, with no way to abandon a write
+        # that turned out wrong; so the file is checked first (by size and xxh3-64, as every
+        # backend checks it: a compressed object's record keeps the sha256 of the shard inside).
+        # It is this node's own committed file or temp copy, which nothing rewrites in between.
+        with open(local_path, "rb") as source:
+            digest = hash_stream(source, "fast")
+        record.verify(replace(digest, sha256=""), f"{self.url}/{path[len(self.root) :].lstrip('/')} from {local_path}")
         self.fs.put_file(str(local_path), path, **self._limit(seconds_left(deadline)))
         return Sent(None)
 

@@ -89,7 +89,10 @@ def read_selected(
         record = manifest.shard(wanted[index])
         what = f"rank {record.rank} shard {record.path}"
         if record.rank in whole:
-            state, source = store.fetch_shard(step, record, verify=verify, later=later)
+            fetched = store.fetch_shard(step, record, verify=verify, later=later)
+            if fetched.copy is not None:  # a copy from memory: on the disk before the step's refill is recorded
+                store.land_copies(step, [fetched.copy])
+            state, source = fetched.state, fetched.source
             structure = cut_to(record.rank, what, state.structure)
             arrays = {name: state.arrays[name] for name in structure.kinds if name in state.arrays}
             kinds = {name: (array.dtype, array.shape) for name, array in arrays.items()}

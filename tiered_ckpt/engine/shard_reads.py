@@ -4,9 +4,9 @@
 1. :meth:`ShardReader.load` checks the world size (resharding only when asked), works out
    which saved ranks this process needs, and reads each through
    :meth:`TieredStore.fetch_shard` (local copy, else each later tier, verified, refilling the
-   local step; a copy read from memory is left to land after the restore returns,
-   :meth:`ShardReader.take_refills`), or, into a state of DTensors, just the chunks that overlap its own
-   (:meth:`TieredStore.read_parts`);
+   local step; a copy read from memory is left to land after the restore returns: the
+   refills are returned with the result, :class:`Loaded`), or, into a state of DTensors,
+   just the chunks that overlap its own (:meth:`TieredStore.read_parts`);
 2. the arrays its ranks' shards left to other ranks are put back
    (:meth:`ShardReader.complete`): read here, or, with one process per rank on the saved
    world size, received from the processes holding them (the restorer's collective; until
@@ -31,10 +31,18 @@ from tiered_ckpt.dist.reshard import (
     plan_chunks,
     reshard_flat,
     reshard_rank,
-    source_ranks,
 )
-from tiered_ckpt.engine.node_shards import check_on_this_node, check_reshardable_here
+from tiered_ckpt.engine.node_shards import step_holdings
 from tiered_ckpt.engine.refill import Refill
+from tiered_ckpt.engine.restore_plan import (
+    RestorePlan,
+    RestoreRequest,
+    StepHoldings,
+    check_served,
+    check_world,
+    needed_ranks,
+    plan_restore,
+)
 from tiered_ckpt.engine.restore_result import RestoreResult
 from tiered_ckpt.engine.selected_reads import read_selected
 from tiered_ckpt.errors import (
@@ -47,12 +55,11 @@ from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.format.remote_manifest import RemoteManifest
 from tiered_ckpt.format.selection import selects
 from tiered_ckpt.format.state import FlatState, State, flatten_into
-from tiered_ckpt.format.validate import check_into, check_world_size
 from tiered_ckpt.io.hashing import Verify
 from tiered_ckpt.io.parallel import run_parallel
-from tiered_ckpt.tiers.store import Landing, Source, TieredStore
+from tiered_ckpt.tiers.store import FetchedShard, Source, TieredStore
 
-__all__ = ["PendingRead", "ShardReader"]
+__all__ = ["Loaded", "PendingRead", "ShardReader"]
 
 
 def _part_bytes(record: ShardRecord, state: FlatState) -> int:
@@ -96,6 +103,17 @@ class PendingRead:
     into: Mapping[int, Mapping[str, np.ndarray]] = field(default_factory=dict)
     plans: tuple[ChunkPlan, ...] = ()
     targets: tuple[FlatState, ...] = ()
+    refills: tuple[Refill, ...] = ()
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What :meth:`ShardReader.load` gives: the ``result``, or, while arrays must come from other
+    processes, what :meth:`ShardReader.complete` completes; and the ``refills`` its reads left
+    to land once the restore's collectives are over (:mod:`~tiered_ckpt.engine.refill`)."""
+
+    result: RestoreResult | PendingRead
+    refills: tuple[Refill, ...] = ()
 
 
 def _without_replicas(plan: ChunkPlan, record: ShardRecord) -> ChunkPlan:
@@ -120,23 +138,10 @@ class ShardReader:
         self._ranks = tuple(ranks)
         self._world_size = world_size
         self._max_workers = max_workers
-        self._refills: list[Refill] = []
-
-    def take_refills(self) -> list[Refill]:
-        """The refills the reads since the last call left to land (see :mod:`~tiered_ckpt.engine.refill`)."""
-        refills, self._refills = self._refills, []
-        return refills
 
     @property
     def _one_process(self) -> bool:
         return len(self._ranks) == self._world_size
-
-    def _needed(self, manifest: ShardManifest, target: int) -> list[int]:
-        """The saved ranks whose shards this process reads."""
-        if manifest.world_size == target:
-            return list(self._ranks)
-        new_ranks = range(target) if self._one_process else self._ranks
-        return sorted({old for rank in new_ranks for old in source_ranks(manifest, target, rank)})
 
     def load(
         self,
@@ -147,10 +152,12 @@ class ShardReader:
         verify: Verify,
         into: Sequence[State] | State | None,
         paths: Sequence[str | tuple[str | int, ...]] | None = None,
-    ) -> RestoreResult | PendingRead:
+    ) -> Loaded:
         """This process's part of a restore: its ranks' verified states (resharded when asked),
         or, when their replicated arrays must come from other processes, all but those;
-        with ``paths``, only the parts of the states under them (:meth:`_load_selected`)."""
+        with ``paths``, only the parts of the states under them (:meth:`_load_selected`); and
+        the refills its reads left to land.
+        A whole restore reads what :func:`~tiered_ckpt.engine.restore_plan.plan_restore` plans."""
         store = self._store
         in_local = step in store.local.steps()
         into_list = [into] if isinstance(into, Mapping) else into
@@ -161,12 +168,11 @@ class ShardReader:
                 else None
             )
             manifest, remote = store.manifests(step, in_local=in_local, in_remote=in_remote is True)
-            if not reshard:
-                if manifest.world_size != target and not in_remote:
-                    check_reshardable_here(
-                        self._store, self._one_process, manifest, target, self._needed(manifest, target)
-                    )
-                check_world_size(manifest, target, str(store.local.step_dir(step)))
+            given = None if into_list is None else len(into_list)
+            request = RestoreRequest(self._ranks, target, self._one_process, reshard, given)
+            wanted = needed_ranks(manifest, request)
+            holdings = self._holdings(manifest, wanted, in_remote)
+            check_world(manifest, request, holdings)
             if paths is not None:
                 if manifest.world_size != target and (targets is not None or any(r.chunks for r in manifest.shards)):
                     raise UsageError(
@@ -174,52 +180,56 @@ class ShardReader:
                         "of those on the saved world size)"
                     )
                 selection = _Selection(paths, remote, in_local, in_remote)
-                return self._completed_here(self._load_selected(step, manifest, selection, target, targets, verify))
+                return self._completed_here(self._load_selected(step, manifest, selection, request, targets, verify))
             if targets is not None and any(state.structure.chunks for state in targets):
                 where = _Selection((), remote, in_local, in_remote)
                 return self._completed_here(self._load_chunks(step, manifest, where, target, targets, verify))
-            from_peers = self._from_peers(manifest, target)
-            if reshard and into_list is not None:
-                raise UsageError("into cannot be combined with reshard=True (except into a state of DTensors)")
-            if self._one_process:
-                check_into(into_list, manifest)
-            elif into_list is not None and len(into_list) != len(self._ranks):
-                raise InvalidStateError(f"into holds {len(into_list)} rank states, this process restores one")
-            wanted = self._needed(manifest, target)
-            if not in_remote:
-                check_on_this_node(self._store, self._one_process, manifest, wanted)
-            deferred: list[Landing] = []
-            with self._step_dir(step) as created:
-                fetched = run_parallel(
-                    lambda index: store.fetch_shard(
-                        step,
-                        manifest.shard(wanted[index]),
-                        verify=verify,
-                        into=targets[index].arrays if targets is not None else None,
-                        later=store.readable(in_remote),
-                        deferred=deferred,
-                    ),
-                    range(len(wanted)),
-                    self._max_workers,
-                )
-                if deferred:  # copies read from memory: landed after the restore returns
-                    self._refills.append(Refill(manifest, remote, tuple(wanted), in_local, created, tuple(deferred)))
-                else:
-                    store.record_refill(manifest, remote, wanted, was_committed=in_local)
-            pending = PendingRead(
-                step,
-                manifest,
-                target,
-                read={rank: state for rank, (state, _source) in zip(wanted, fetched, strict=True)},
-                sources={rank: source for rank, (_state, source) in zip(wanted, fetched, strict=True)},
-                bytes_read=sum(manifest.shard(rank).size_bytes for rank in wanted),
-                from_peers=from_peers,
-                later=store.readable(in_remote),
-                into={rank: state.arrays for rank, state in zip(wanted, targets or (), strict=False)},
-            )
-            return self._completed_here(pending)
+            plan = plan_restore(manifest, request, holdings)
+            return self._completed_here(self._execute(plan, remote, in_local, targets, verify, in_remote))
         except CheckpointError as exc:
             raise restated(exc, f"restore of step {step}: {exc}") from exc
+
+    def _holdings(self, manifest: ShardManifest, ranks: Sequence[int], in_remote: bool | None) -> StepHoldings:
+        return step_holdings(self._store, self._one_process, manifest, ranks, in_remote)
+
+    def _execute(
+        self,
+        plan: RestorePlan,
+        remote: RemoteManifest | None,
+        in_local: bool,
+        targets: list[FlatState] | None,
+        verify: Verify,
+        in_remote: bool | None,
+    ) -> PendingRead:
+        """Run ``plan``'s reads through the store's chain, refilling the local step (a copy read
+        from memory lands after the restore returns: :attr:`PendingRead.refills`)."""
+        store, manifest = self._store, plan.manifest
+        step, wanted = manifest.step, [read.rank for read in plan.reads]
+        with self._step_dir(step) as created:
+            fetched = run_parallel(
+                lambda read: store.fetch_shard(
+                    step,
+                    manifest.shard(read.rank),
+                    verify=verify,
+                    into=targets[read.into].arrays if targets is not None and read.into is not None else None,
+                    later=read.tiers,
+                ),
+                plan.reads,
+                self._max_workers,
+            )
+            refills = self._refills(manifest, remote, wanted, in_local, created, fetched)
+        return PendingRead(
+            step,
+            manifest,
+            plan.target,
+            read={rank: each.state for rank, each in zip(wanted, fetched, strict=True)},
+            sources={rank: each.source for rank, each in zip(wanted, fetched, strict=True)},
+            bytes_read=sum(manifest.shard(rank).size_bytes for rank in wanted),
+            from_peers=plan.replicas_from_peers,
+            later=store.readable(in_remote),
+            into={rank: state.arrays for rank, state in zip(wanted, targets or (), strict=False)},
+            refills=refills,
+        )
 
     @contextmanager
     def _step_dir(self, step: int) -> Iterator[bool]:
@@ -239,9 +249,9 @@ class ShardReader:
         them (one process per rank on the saved world size, and the checkpoint has some)."""
         return not self._one_process and manifest.world_size == target and any(r.replicas for r in manifest.shards)
 
-    def _completed_here(self, pending: PendingRead) -> RestoreResult | PendingRead:
+    def _completed_here(self, pending: PendingRead) -> Loaded:
         """The result, if no array ``pending`` lacks must come from another process; else ``pending``."""
-        return pending if pending.from_peers else self.complete(pending, {})
+        return Loaded(pending if pending.from_peers else self.complete(pending, {}), pending.refills)
 
     def complete(self, pending: PendingRead, received: Mapping[int, Mapping[str, np.ndarray]]) -> RestoreResult:
         """The end of a read: the arrays ``pending``'s shards left to other ranks put back (by holder
@@ -327,10 +337,8 @@ class ShardReader:
         plans = [plan_chunks(manifest, state, rank, target) for rank, state in zip(self._ranks, targets, strict=True)]
         if from_peers:
             plans = [_without_replicas(plan, manifest.shard(plan.plain_source)) for plan in plans]
-        if not in_remote:
-            check_on_this_node(
-                self._store, self._one_process, manifest, sorted({rank for plan in plans for rank in plan.reads})
-            )
+        needed = sorted({rank for plan in plans for rank in plan.reads})
+        check_served(manifest, self._holdings(manifest, needed, in_remote), needed)
         names: dict[int, set[str]] = {}
         direct: dict[int, dict[str, np.ndarray]] = {}
         for plan, state in zip(plans, targets, strict=True):
@@ -365,8 +373,10 @@ class ShardReader:
                 strict=True,
             )
         )
+        refills: tuple[Refill, ...] = ()
         if whole:
-            fetched.update(self._read_whole(manifest, where, whole, verify))
+            read_whole, refills = self._read_whole(manifest, where, whole, verify)
+            fetched.update(read_whole)
         read = {rank: fetched[rank][0] for rank in ranks}
         return PendingRead(
             step,
@@ -382,6 +392,7 @@ class ShardReader:
             later=self._store.readable(in_remote),
             plans=tuple(plans),
             targets=tuple(targets),
+            refills=refills,
         )
 
     def _refills_here(self, manifest: ShardManifest, target: int, rank: int) -> bool:
@@ -397,38 +408,45 @@ class ShardReader:
         where: _Selection,
         ranks: list[int],
         verify: Verify,
-    ) -> dict[int, tuple[FlatState, Source]]:
+    ) -> tuple[dict[int, tuple[FlatState, Source]], tuple[Refill, ...]]:
         """The verified states of the whole shards of ``ranks``, read through the store's chain
         (into new arrays: a shard fills a whole ``into`` only), refilling the local step as a
         whole restore does (a copy read from memory lands after the restore returns)."""
         step, store = manifest.step, self._store
-        deferred: list[Landing] = []
         with self._step_dir(step) as created:
             fetched = run_parallel(
                 lambda rank: store.fetch_shard(
-                    step,
-                    manifest.shard(rank),
-                    verify=verify,
-                    later=store.readable(where.in_remote),
-                    deferred=deferred,
+                    step, manifest.shard(rank), verify=verify, later=store.readable(where.in_remote)
                 ),
                 ranks,
                 self._max_workers,
             )
-            if deferred:
-                self._refills.append(
-                    Refill(manifest, where.remote, tuple(ranks), where.in_local, created, tuple(deferred))
-                )
-            else:
-                store.record_refill(manifest, where.remote, ranks, was_committed=where.in_local)
-        return dict(zip(ranks, fetched, strict=True))
+            refills = self._refills(manifest, where.remote, ranks, where.in_local, created, fetched)
+        return {rank: (each.state, each.source) for rank, each in zip(ranks, fetched, strict=True)}, refills
+
+    def _refills(
+        self,
+        manifest: ShardManifest,
+        remote: RemoteManifest | None,
+        ranks: Sequence[int],
+        was_committed: bool,
+        created: bool,
+        fetched: Sequence[FetchedShard],
+    ) -> tuple[Refill, ...]:
+        """After ``ranks``' shards were ``fetched`` into the local step: the refill the copies read
+        from memory leave to land after the restore returns, or, with none, the refill recorded now."""
+        copies = tuple(each.copy for each in fetched if each.copy is not None)
+        if copies:
+            return (Refill(manifest, remote, tuple(ranks), was_committed, created, copies),)
+        self._store.record_refill(manifest, remote, ranks, was_committed=was_committed)
+        return ()
 
     def _load_selected(
         self,
         step: int,
         manifest: ShardManifest,
         selection: _Selection,
-        target: int,
+        request: RestoreRequest,
         targets: list[FlatState] | None,
         verify: Verify,
     ) -> PendingRead:
@@ -444,9 +462,9 @@ class ShardReader:
         selects the same names: their states share one nesting)."""
         if targets is not None and len(targets) != len(self._ranks):
             raise InvalidStateError(f"into holds {len(targets)} rank states, this process restores {len(self._ranks)}")
-        wanted = self._needed(manifest, target)
-        if not selection.in_remote:
-            check_on_this_node(self._store, self._one_process, manifest, wanted)
+        target = request.world_size
+        wanted = list(needed_ranks(manifest, request))
+        check_served(manifest, self._holdings(manifest, wanted, selection.in_remote), wanted)
         later = self._store.readable(selection.in_remote)
         whole = [rank for rank in wanted if not (manifest.shard(rank).chunks or manifest.shard(rank).array_xxh3_64)]
         with self._step_dir(step) if whole else nullcontext():

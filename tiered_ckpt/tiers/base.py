@@ -32,7 +32,7 @@ A step's life on a tier, in the order the calls are made:
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol, TypeVar, runtime_checkable
@@ -41,9 +41,10 @@ from tiered_ckpt.errors import UsageError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.io.hashing import ShardDigest, Verify, copy_and_hash
 
-__all__ = ["Capabilities", "ShardSource", "Tier"]
+__all__ = ["Capabilities", "Gather", "PreparedReads", "ShardSource", "Tier"]
 
 T = TypeVar("T")
+P = TypeVar("P")
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ class Capabilities:
     ``store_checksums``: the storage computes a checksum of what it received, kept with the
     object, so bytes changed in transit are caught without a download.
     ``ranged_reads``: parts of a shard can be read without reading it whole.
+    ``prepared_reads``: a restore prepares its reads of the tier first, and the copies read are
+    in this process's memory (a partner's memory): the tier is a :class:`PreparedReads`.
     """
 
     durable: bool
@@ -64,6 +67,7 @@ class Capabilities:
     create_only_commit: bool
     store_checksums: bool
     ranged_reads: bool
+    prepared_reads: bool = False
 
 
 @dataclass(frozen=True)
@@ -156,4 +160,40 @@ class Tier(Protocol):
 
     def delete_step(self, step: int) -> None:
         """Remove ``step``: its commit first, then its shards."""
+        ...
+
+
+class Gather(Protocol):
+    """A collective among the processes of a restore: ``action()`` run on every one, its
+    ``payload`` (a frozen dataclass of JSON fields) returned from every process, in rank order;
+    ``label`` names it in errors (:func:`~tiered_ckpt.dist.coordination.gather`)."""
+
+    def __call__(self, label: str, payload: type[P], action: Callable[[], P]) -> list[P]: ...
+
+
+class PreparedReads(Tier, Protocol):
+    """A tier whose copies a restore brings to the reading process before it reads them, and
+    reads in this process's memory (``capabilities.prepared_reads``; a partner's memory).
+
+    A restore calls, on every process at once and in this order: :meth:`prepare_reads` for
+    the shards a process lacks on its disk; its reads (the store's chain asks
+    :meth:`copy_in_memory`); :meth:`prepare_reads` again with ``repairs`` for the shards whose
+    disk copy failed, and reads again; :meth:`finish_reads` (whether it succeeded or not)."""
+
+    def prepare_reads(self, step: int, ranks: Sequence[int], gather: Gather, *, repairs: bool, elsewhere: bool) -> bool:
+        """Bring to the processes needing them the copies of ``step``'s shards of this process's
+        ``ranks`` (a collective through ``gather``; every process calls it with its own). Never
+        raises for a copy that does not arrive (the next tier is read instead). ``elsewhere``:
+        a durable tier holds the step too (else a copy brought exists only while its holder
+        lives, which is logged at WARNING). True if some process brought some copy (the same
+        on every process)."""
+        ...
+
+    def copy_in_memory(self, step: int, record: ShardRecord) -> memoryview | None:
+        """The bytes of ``record``'s copy if this process has them (brought or held), not yet
+        verified (None: none)."""
+        ...
+
+    def finish_reads(self, step: int) -> None:
+        """Drop what :meth:`prepare_reads` brought of ``step``."""
         ...

@@ -2,18 +2,21 @@
 world sizes, the processes' ranks, what the caller gives and which tier holds what."""
 
 import re
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiered_ckpt.dist.reshard import partition_sizes
+from tiered_ckpt.dist.reshard import ChunkPlan, partition_sizes
 from tiered_ckpt.engine.restore_plan import (
     RestoreRequest,
     StepHoldings,
     TierHolding,
     needed_ranks,
+    plan_chunk_restore,
     plan_restore,
+    plan_selected_restore,
 )
 from tiered_ckpt.errors import IncompleteCheckpointError, InvalidStateError, UsageError, WorldSizeMismatchError
 from tiered_ckpt.format.manifest import ChunkRecord, ShardManifest, ShardRecord
@@ -54,7 +57,7 @@ def cases(draw: st.DrawFn) -> tuple[ShardManifest, RestoreRequest, StepHoldings]
     manifest = manifest_of(saved, draw(st.integers(0, 40)), replicated=draw(st.booleans()))
     target = draw(st.integers(1, 8))
     if draw(st.booleans()):  # one process runs every rank of a job of some size
-        job = draw(st.integers(1, 8))
+        job = target if saved == target else draw(st.integers(1, 8))  # a job of another size reshards
         request_ranks, one_process = tuple(range(job)), True
     else:  # one process per rank
         request_ranks, one_process = (draw(st.integers(0, target - 1)),), target == 1
@@ -84,6 +87,7 @@ def covered(manifest: ShardManifest, ranks: set[int], target: int, new_rank: int
     )  # fmt: skip
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(cases())
 def test_a_plan_reads_each_needed_shard_once_from_the_tiers_that_may_hold_it(case):
@@ -165,3 +169,65 @@ def test_an_unlisted_tier_is_tried_but_not_counted_on():
         plan_restore(manifest, request, half)
     partner = StepHoldings(WHERE, (TierHolding("local", frozenset({0})), TierHolding("peer", None), unlisted))
     assert plan_restore(manifest, request, partner).reads[1].tiers == ("peer", "remote")
+
+
+@pytest.mark.slow
+@settings(max_examples=300, deadline=None)
+@given(cases(), st.booleans())
+def test_a_partial_restore_reads_the_selection_of_each_needed_shard_or_a_shard_without_digests_whole(case, digests):
+    manifest, request, held = case
+    if digests:  # records that name their arrays' digests: only the selection is read of them
+        manifest = replace(manifest, shards=tuple(replace(r, array_xxh3_64="0" * 16) for r in manifest.shards))
+    resharded = manifest.world_size != request.world_size
+    expected: tuple[type[Exception], str] | None = None
+    if resharded and not request.reshard:
+        expected = WorldSizeMismatchError, "reshard"
+    elif resharded and (request.into is not None or any(r.chunks for r in manifest.shards)):
+        expected = UsageError, "paths with reshard=True"
+    elif request.into is not None and request.into != len(request.ranks):
+        expected = InvalidStateError, "this process restores"
+    if expected is not None:
+        with pytest.raises(expected[0], match=expected[1]):
+            plan_selected_restore(manifest, request, held, ["model"])
+        return
+    try:
+        whole_plan = plan_restore(manifest, replace(request, into=None), held)
+    except IncompleteCheckpointError as exc:
+        with pytest.raises(IncompleteCheckpointError, match=re.escape(str(exc))):
+            plan_selected_restore(manifest, request, held, ["model"])
+        return
+    plan = plan_selected_restore(manifest, request, held, ["model"])
+    assert plan.paths == ("model",) and plan.ranks == whole_plan.ranks
+    assert [(r.rank, r.tiers) for r in plan.reads] == [(r.rank, r.tiers) for r in whole_plan.reads]
+    for index, read in enumerate(plan.reads):
+        record = manifest.shard(read.rank)
+        assert read.selected == bool(record.chunks or record.array_xxh3_64) and read.whole == (not read.selected)
+        assert read.names is None and read.into == (index if request.into is not None else None)
+
+
+@pytest.mark.slow
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_a_restore_into_dtensors_reads_each_overlapping_shard_once_and_refills_only_its_own_missing_shards(data):
+    saved = data.draw(st.integers(1, 6))
+    manifest = manifest_of(saved, 12)
+    one_process = data.draw(st.booleans())
+    target = saved if data.draw(st.booleans()) else data.draw(st.integers(1, 6))
+    ranks = tuple(range(target)) if one_process else (data.draw(st.integers(0, target - 1)),)
+    request = RestoreRequest(ranks, target, one_process or target == 1, reshard=True)
+    names = st.frozensets(st.sampled_from(["a", "b", "c"]), min_size=1)
+    plans = [ChunkPlan(data.draw(st.dictionaries(st.integers(0, saved - 1), names, min_size=1)), {}, 0) for _ in ranks]
+    held_here = data.draw(st.frozensets(st.integers(0, saved - 1)))
+    everything = StepHoldings(WHERE, (TierHolding("local", held_here), TierHolding("remote", frozenset(range(saved)))))
+    plan = plan_chunk_restore(manifest, request, everything, plans, held_here)
+    assert [read.rank for read in plan.reads] == sorted({rank for p in plans for rank in p.reads})
+    for read in plan.reads:
+        whole = saved == target and read.rank in ranks and read.rank not in held_here
+        assert read.whole == whole and read.tiers == ("remote",)
+        if not whole:
+            assert read.names == frozenset().union(*(p.reads.get(read.rank, frozenset()) for p in plans))
+    disk_only = StepHoldings(WHERE, (TierHolding("local", held_here),))
+    missing = sorted({rank for p in plans for rank in p.reads} - held_here)
+    if missing:
+        with pytest.raises(IncompleteCheckpointError, match=re.escape(f"ranks {missing} are not")):
+            plan_chunk_restore(manifest, request, disk_only, plans, held_here)

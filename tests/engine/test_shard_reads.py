@@ -49,12 +49,12 @@ def saved(tmp_path, memory_url):
 
 def test_a_read_of_every_rank_returns_the_verified_states_and_each_shards_tier(saved):
     flip_byte(saved.local.step_dir(3) / shard_name(1, 2), 200)
-    result = ShardReader(saved, range(2), 2).load(3, True, 2, False, "full", None)
+    result = ShardReader(saved, range(2), 2).load(3, True, 2, False, "full", None).result
     assert isinstance(result, RestoreResult)
     assert result.ranks == (0, 1) and result.sources == {0: "local", 1: "remote"}
     assert [state["w"].tolist() for state in result.states] == [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]
     assert result.bytes_read == result.manifest.total_bytes
-    again = ShardReader(saved, range(2), 2).load(3, True, 2, False, "fast", None)  # the local copy was refilled
+    again = ShardReader(saved, range(2), 2).load(3, True, 2, False, "fast", None).result  # the local copy was refilled
     assert again.sources == {0: "local", 1: "local"}
 
 
@@ -62,7 +62,7 @@ def test_a_read_for_another_world_size_reshards_only_when_asked(saved):
     reader = ShardReader(saved, range(3), 3)
     with pytest.raises(WorldSizeMismatchError, match="^restore of step 3: "):
         reader.load(3, True, 3, False, "full", None)
-    result = reader.load(3, True, 3, True, "full", None)
+    result = reader.load(3, True, 3, True, "full", None).result
     assert isinstance(result, RestoreResult) and result.ranks == (0, 1, 2)
     assert [state["w"].tolist() for state in result.states] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
 
@@ -70,7 +70,7 @@ def test_a_read_for_another_world_size_reshards_only_when_asked(saved):
 def test_a_read_into_the_callers_arrays_fills_them_and_refuses_into_with_reshard(saved):
     into = [{"w": np.zeros(6, np.float32), "step": np.zeros((), np.int64)} for _ in range(2)]
     reader = ShardReader(saved, range(2), 2)
-    result = reader.load(3, False, 2, False, "full", into)
+    result = reader.load(3, False, 2, False, "full", into).result
     assert isinstance(result, RestoreResult) and into[1]["w"].tolist() == [6, 7, 8, 9, 10, 11]
     with pytest.raises(UsageError, match="^restore of step 3: into cannot be combined with reshard=True"):
         ShardReader(saved, range(3), 3).load(3, True, 3, True, "full", into)
@@ -79,7 +79,7 @@ def test_a_read_into_the_callers_arrays_fills_them_and_refuses_into_with_reshard
 def test_a_step_only_the_bucket_holds_refills_the_local_tier_and_a_failed_refill_leaves_no_directory(saved):
     step_dir = saved.local.step_dir(3)
     shutil.rmtree(step_dir)
-    result = ShardReader(saved, range(2), 2).load(3, True, 2, False, "full", None)
+    result = ShardReader(saved, range(2), 2).load(3, True, 2, False, "full", None).result
     assert result.sources == {0: "remote", 1: "remote"}
     assert saved.local.steps() == [3]  # refilled and committed again
     shutil.rmtree(step_dir)

@@ -36,7 +36,8 @@ def two_tiers(tmp_path, memory_url):
 
 def test_an_intact_local_shard_is_read_locally(two_tiers):
     store, manifest, states = two_tiers
-    state, source = store.fetch_shard(3, manifest.shard(1))
+    fetched = store.fetch_shard(3, manifest.shard(1))
+    state, source = fetched.state, fetched.source
     arrays = state.arrays
     assert source == "local" and arrays["w"].tobytes() == states[1]["w"].tobytes()
 
@@ -58,7 +59,8 @@ def test_a_damaged_local_shard_comes_from_the_bucket_and_is_landed_locally(two_t
     else:  # the committed bytes, but through a link that leaves the checkpoint
         os.replace(path, path.parent.parent / "elsewhere")
         path.symlink_to(path.parent.parent / "elsewhere")
-    state, source = store.fetch_shard(3, record)
+    fetched = store.fetch_shard(3, record)
+    state, source = fetched.state, fetched.source
     arrays = state.arrays
     assert source == "remote" and arrays["w"].tobytes() == states[0]["w"].tobytes()
     assert store.local.check_shard(3, record) is None  # the local tier was refilled
@@ -385,9 +387,10 @@ def test_an_io_error_reading_the_local_shard_takes_the_bucket_copy_and_refills_i
     path = store.local.shard_path(3, record)
     fail_reads_of(monkeypatch, path)
     with caplog.at_level("WARNING", logger="tiered_ckpt"):
-        state, source = store.fetch_shard(3, record)
+        fetched = store.fetch_shard(3, record)
+        state, source = fetched.state, fetched.source
     assert source == "remote" and state.arrays["w"].tobytes() == states[1]["w"].tobytes()
-    assert store.local.check_shard(3, record) is None and store.fetch_shard(3, record)[1] == "local"  # refilled
+    assert store.local.check_shard(3, record) is None and store.fetch_shard(3, record).source == "local"  # refilled
     (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
     assert "step 3 rank 1: repaired the local copy from memory://" in warning.getMessage()
     assert f"{path}: read error: Input/output error" in warning.getMessage()
@@ -478,14 +481,16 @@ def test_the_chain_walks_the_tiers_in_order_and_the_nearest_copy_that_verifies_w
     store, peer, _bucket, manifest, states = three_tiers
     record = manifest.shard(0)
     flip_byte(store.local.shard_path(3, record), 100)
-    state, source = store.fetch_shard(3, record)
+    fetched = store.fetch_shard(3, record)
+    state, source = fetched.state, fetched.source
     assert source == "peer" and state.arrays["w"].tobytes() == states[0]["w"].tobytes()
     assert store.local.check_shard(3, record) is None  # refilled from the partner
     flip_byte(store.local.shard_path(3, record), 100)
     del peer.shards[(3, record.path)]  # the partner lost it too
-    state, source = store.fetch_shard(3, record)
+    fetched = store.fetch_shard(3, record)
+    state, source = fetched.state, fetched.source
     assert source == "remote" and state.arrays["w"].tobytes() == states[0]["w"].tobytes()
-    assert store.fetch_shard(3, record)[1] == "local"
+    assert store.fetch_shard(3, record).source == "local"
 
 
 def test_a_shard_no_tier_holds_intact_is_an_error_naming_every_copy_tried(three_tiers):
@@ -565,7 +570,8 @@ def test_a_read_tries_the_bucket_only_where_it_committed_the_step_and_every_othe
     for record in manifest.shards:  # the partner holds step 4, the bucket not yet
         peer.land_shard(4, record, ShardSource(path=store.local.shard_path(4, record)))
     flip_byte(store.local.shard_path(4, manifest.shard(0)), 200)
-    state, source = store.fetch_shard(4, manifest.shard(0), later=store.readable(False))
+    fetched = store.fetch_shard(4, manifest.shard(0), later=store.readable(False))
+    state, source = fetched.state, fetched.source
     assert source == "peer" and state.arrays["w"].tobytes() == states[0]["w"].tobytes()
 
 

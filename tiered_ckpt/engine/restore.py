@@ -10,13 +10,15 @@ A restore, step by step:
    a step some processes hold and none recorded the agreement of (a save cut short
    between the ranks' commits) is skipped, and deleted from the disks holding it
    (steps 1 and 2: :mod:`~tiered_ckpt.engine.step_choice`);
-3. each process checks the world size (resharding only when asked), works out which
-   saved ranks it needs, and reads each through :meth:`TieredStore.fetch_shard`
-   (local copy, else a partner's memory, else the bucket, verified, refilling the local
-   step, from memory once the restore returned: :mod:`~tiered_ckpt.engine.refill`; with a
-   peer tier, the shards a process lacks on disk are first fetched from the
-   processes holding them, a collective of its own, and after the read those whose copy on
-   disk failed and no later tier gave, in a second one, then read again); failures on any
+3. each tier that prepares its reads (``capabilities.prepared_reads``: a partner's memory)
+   brings to each process the shards it lacks on disk (a collective of its own,
+   :meth:`~tiered_ckpt.tiers.base.PreparedReads.prepare_reads`); each process plans its
+   reads (:mod:`~tiered_ckpt.engine.restore_plan`: the world size checked, resharding
+   only when asked, the saved ranks it needs) and reads each through
+   :meth:`TieredStore.fetch_shard` (local copy, else each later tier in order, verified,
+   refilling the local step; the copies read from memory are returned and land once the
+   restore returned: :mod:`~tiered_ckpt.engine.refill`); the shards whose copy on disk
+   failed and no later tier gave are prepared in a second round, then read again; failures on any
    process fail the restore on every process (a third collective); with one process per
    rank on the saved world size, the replicated arrays a rank's shard left to another
    rank then come from that rank's process (:func:`~tiered_ckpt.dist.replicas.share`, a
@@ -33,15 +35,15 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any, TypeVar, cast
 
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather
 from tiered_ckpt.dist.replicas import share
 from tiered_ckpt.engine.refill import Refiller
 from tiered_ckpt.engine.restore_result import RestoreResult, by_tier, rank_ranges
-from tiered_ckpt.engine.shard_reads import PendingRead, ShardReader
+from tiered_ckpt.engine.shard_reads import Loaded, PendingRead, ShardReader
 from tiered_ckpt.engine.step_choice import AgreedStep, StepChooser
 from tiered_ckpt.errors import (
     CheckpointError,
@@ -55,12 +57,14 @@ from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.selection import Paths, check_paths
 from tiered_ckpt.format.state import State
 from tiered_ckpt.io.hashing import Verify, check_verify
-from tiered_ckpt.tiers.peer.tier import PeerTier
+from tiered_ckpt.tiers.base import PreparedReads
 from tiered_ckpt.tiers.store import TieredStore
 
 __all__ = ["Restorer", "check_restore_arguments"]
 
 logger = logging.getLogger("tiered_ckpt")
+
+P = TypeVar("P")
 
 NOTHING_CHECKED: Attempt[None] = Attempt()  # a caller that ran no checks of its own
 _READ_FAILURES = (ChecksumMismatchError, IncompleteCheckpointError, ShardFormatError)  # a copy that did not verify
@@ -79,14 +83,6 @@ def check_restore_arguments(step: Any, world_size: Any, verify: Any, into: Any, 
         raise UsageError(f"restore: into must be a dict of arrays or a list of them, got {type(into).__name__}")
 
 
-@dataclass(frozen=True)
-class _PartnerPlan:
-    """One process's part of fetching from partners: the ranks it lacks on disk, and the ranks it holds in memory."""
-
-    needs: tuple[int, ...]
-    held: tuple[int, ...]
-
-
 class Restorer:
     """Restores for the ranks of ``coordinator`` (see the module doc) through ``store``."""
 
@@ -97,15 +93,15 @@ class Restorer:
         world_size: int,
         max_workers: int | None = None,
         *,
-        peer: PeerTier | None = None,
+        peer: Any = None,
         refiller: Refiller | None = None,
     ) -> None:
+        # ``peer`` is only handed on to the step choice, whose business it is what a partner's memory holds
         self._store = store
         self._refiller = refiller or Refiller(store)
         self._coordinator = coordinator
         self._ranks = tuple(coordinator.local_ranks)
         self._world_size = world_size
-        self._peer = peer
         self._chooser = StepChooser(store, coordinator, world_size, peer)
         self._reader = ShardReader(store, self._ranks, world_size, max_workers)
 
@@ -139,48 +135,71 @@ class Restorer:
         # None: the bucket did not answer its listing and the disks serve the step; a copy that
         # fails there is still asked of the bucket (it may hold one), last.
         in_remote = True if restored in agreed.remote_steps else None if agreed.bucket_unlisted else False
+        loaded = self._load(restored, in_remote, world_size, reshard, verify, into, selected)
         try:
-            return self._read(agreed, restored, in_remote, started, world_size, reshard, verify, into, selected)
+            return self._finish(agreed, restored, loaded, started)
         finally:  # the copies read from memory land once the restore's collectives are over (they verified)
-            self._refiller.start(self._reader.take_refills())
+            self._refiller.start(loaded.result.refills if loaded.result is not None else ())
 
-    def _read(
+    def _load(
         self,
-        agreed: AgreedStep,
         restored: int,
         in_remote: bool | None,
-        started: float,
         world_size: int,
         reshard: bool,
         verify: Verify,
         into: Sequence[State] | State | None,
         selected: tuple[str | tuple[str | int, ...], ...] | None,
-    ) -> RestoreResult:
-        """Steps 3 to 5 of :meth:`restore` for the agreed step ``restored``."""
+    ) -> Attempt[Loaded]:
+        """Step 3 of :meth:`restore` for the agreed step ``restored``, up to this process's reads
+        (with a peer tier, the collectives of its fetches included); a failure is kept, not raised."""
 
-        def load() -> Attempt[RestoreResult | PendingRead]:
+        def load() -> Attempt[Loaded]:
             return Attempt.run(
                 lambda: self._reader.load(restored, in_remote, world_size, reshard, verify, into, selected)
             )
 
+        preparing = [cast(PreparedReads, tier) for tier in self._store.later if tier.capabilities.prepared_reads]
         try:
-            if self._peer is None:
+            if not preparing:
+                return load()
+            lacking = tuple(rank for rank in self._ranks if not self._store.held_locally(restored, rank))
+            self._prepare(preparing, restored, in_remote, lacking, repairs=False)
+            loaded = load()
+            # A shard that failed on this disk (it rotted, or was cut short) is asked of the tiers
+            # preparing reads, and read again: every process joins, whatever it read.
+            failed = tuple(r for r in self._ranks if r not in lacking and isinstance(loaded.error, _READ_FAILURES))
+            if self._prepare(preparing, restored, in_remote, failed, repairs=True) and failed:
                 loaded = load()
-            else:
-                peer = self._peer
-                lacking = tuple(rank for rank in self._ranks if not self._store.held_locally(restored, rank))
-                self._fetch_from_partners(peer, restored, in_remote, lacking)
-                loaded = load()
-                # A shard that failed on this disk (it rotted, or was cut short) is asked of the
-                # partner holding a copy, and read again: every process joins, whatever it read.
-                failed = tuple(r for r in self._ranks if r not in lacking and isinstance(loaded.error, _READ_FAILURES))
-                if self._fetch_from_partners(peer, restored, in_remote, failed, repairs=True) and failed:
-                    loaded = load()
+            return loaded
         finally:
-            if self._peer is not None:
-                self._peer.forget(restored)  # the refills hold the copies they land
+            for tier in preparing:
+                tier.finish_reads(restored)  # the refills hold the copies they land
+
+    def _prepare(
+        self,
+        tiers: Sequence[PreparedReads],
+        step: int,
+        in_remote: bool | None,
+        ranks: tuple[int, ...],
+        *,
+        repairs: bool,
+    ) -> bool:
+        """Each of ``tiers`` prepares the reads of ``ranks``' shards of ``step`` (collectives, in
+        the store's order on every process); True if some tier brought some copy."""
+
+        def collective(label: str, payload: type[P], action: Callable[[], P]) -> list[P]:
+            return gather(self._coordinator, label, payload, action)
+
+        brought = False
+        for tier in tiers:
+            brought |= tier.prepare_reads(step, ranks, collective, repairs=repairs, elsewhere=in_remote is True)
+        return brought
+
+    def _finish(self, agreed: AgreedStep, restored: int, loaded: Attempt[Loaded], started: float) -> RestoreResult:
+        """Steps 3 (its collectives) to 5 of :meth:`restore` for the agreed step ``restored``."""
         gather(self._coordinator, "restore: read", Done, loaded.done)
-        result = loaded.value
+        result = loaded.value.result
         if isinstance(result, PendingRead):  # the same on every process: they hold one manifest and world size
             pending = result
             finished = Attempt.run(lambda: self._finish_from_peers(pending))
@@ -200,35 +219,6 @@ class Restorer:
     def refill_error(self) -> str | None:
         """The last failure to refill this node's disk after a restore (None: none failed)."""
         return self._refiller.last_error
-
-    def _fetch_from_partners(
-        self, peer: PeerTier, step: int, in_remote: bool | None, needs: tuple[int, ...], *, repairs: bool = False
-    ) -> bool:
-        """Fetch from the processes holding them in memory the shards of ``step`` of this process's
-        ranks ``needs`` (those it lacks on disk, or, ``repairs``, whose disk copy failed), for the
-        store's chain to read and verify (a collective; a copy that does not arrive leaves the
-        bucket to read). True if some process fetched some copy (the same on every process)."""
-        label = "restore: repairs" if repairs else "restore: partners"
-        plans = gather(
-            self._coordinator, label, _PartnerPlan, lambda: _PartnerPlan(needs, peer.holdings().get(step, ()))
-        )
-        transfers = []
-        for needer, wanted in enumerate(plans):
-            for rank in wanted.needs:
-                holder = next((each for each, other in enumerate(plans) if rank in other.held), None)
-                if holder is not None and holder != needer:
-                    transfers.append((holder, needer, rank))
-        if not transfers:
-            return False
-        # A copy of a step no disk of this node holds, nor the bucket, exists only while its holder lives
-        only_there = not in_remote and not repairs
-        for rank in peer.fetch(step, transfers):
-            holder = next(h for h, _n, r in transfers if r == rank)
-            level = logging.WARNING if only_there else logging.INFO
-            logger.log(level, "restore of step %d: rank %d's shard came from rank %d's memory%s", step, rank, holder,
-                       " (on no disk of this node, not in the bucket: only while that partner lived)" if only_there
-                       else "")  # fmt: skip
-        return True
 
     def _finish_from_peers(self, pending: PendingRead) -> RestoreResult:
         """Step 3 continued, with one process per rank on the saved world size: the arrays

@@ -14,6 +14,7 @@ from functools import partial
 
 import numpy as np
 
+from tiered_ckpt.engine.restore_plan import Selection, ShardRead
 from tiered_ckpt.errors import InvalidStateError
 from tiered_ckpt.format.differences import into_difference
 from tiered_ckpt.format.manifest import ShardManifest
@@ -57,25 +58,27 @@ def _check_selected_into(index: int, looked: _Looked | None, target: FlatState) 
 def read_selected(
     store: TieredStore,
     manifest: ShardManifest,
-    wanted: Sequence[int],
-    whole: Sequence[int],
-    paths: Sequence[str | tuple[str | int, ...]],
+    reads: Sequence[ShardRead],
+    paths: Selection,
     targets: Sequence[FlatState] | None,
     verify: Verify,
-    later: tuple[str, ...],
     max_workers: int | None = None,
 ) -> tuple[list[tuple[FlatState, Source]], dict[int, tuple[str, ...]]]:
-    """By index of ``wanted`` (saved ranks), the selection of each one's shard under ``paths``
-    (:func:`~tiered_ckpt.format.selection.select`) and the tier it came from; and by saved rank,
-    the names the paths start (:func:`~tiered_ckpt.format.selection.prefixes`).
+    """By index of ``reads`` (a partial restore's plan,
+    :func:`~tiered_ckpt.engine.restore_plan.plan_selected_restore`), the selection of each
+    one's shard under ``paths`` (:func:`~tiered_ckpt.format.selection.select`) and the tier it
+    came from; and by saved rank, the names the paths start
+    (:func:`~tiered_ckpt.format.selection.prefixes`).
 
     Each shard's header and the selected arrays are read through ``store``
-    (:meth:`TieredStore.read_parts`, ``later`` tiers as for :meth:`TieredStore.fetch_shard`),
-    each array verified; the shards of ``whole`` ranks (records without per-array digests)
-    are read whole, verified by their sha256, and cut. Into ``targets``' arrays (by index of
-    ``wanted``) when given: every one is checked against its shard's header first, and an
-    :class:`InvalidStateError` naming ``into[index]`` and the arrays that differ leaves all
-    of them unfilled."""
+    (:meth:`TieredStore.read_parts`, trying the read's tiers), each array verified; the
+    shards of whole reads (records without per-array digests) are read whole, verified by
+    their sha256, and cut (a copy read from memory lands on the local disk at once). Into
+    ``targets``' arrays (by index of ``reads``) when given: every one is checked against its
+    shard's header first, and an :class:`InvalidStateError` naming ``into[index]`` and the
+    arrays that differ leaves all of them unfilled."""
+    wanted = [read.rank for read in reads]
+    whole = {read.rank for read in reads if read.whole}
     step = manifest.step
     starts: dict[int, tuple[str, ...]] = {}  # by saved rank: the names the paths start
 
@@ -86,10 +89,13 @@ def read_selected(
     def look(index: int) -> _Looked:
         """What rank ``wanted[index]``'s selection holds, nothing of the caller's filled: its
         header (the shard read whole, and cut, if its arrays have no digests of their own)."""
-        record = manifest.shard(wanted[index])
+        record, later = manifest.shard(wanted[index]), reads[index].tiers
         what = f"rank {record.rank} shard {record.path}"
         if record.rank in whole:
-            state, source = store.fetch_shard(step, record, verify=verify, later=later)
+            fetched = store.fetch_shard(step, record, verify=verify, later=later)
+            if fetched.copy is not None:  # a copy from memory: on the disk before the step's refill is recorded
+                store.land_copies(step, [fetched.copy])
+            state, source = fetched.state, fetched.source
             structure = cut_to(record.rank, what, state.structure)
             arrays = {name: state.arrays[name] for name in structure.kinds if name in state.arrays}
             kinds = {name: (array.dtype, array.shape) for name, array in arrays.items()}
@@ -100,7 +106,7 @@ def read_selected(
         return _Looked(structure, kinds, index=parsed)
 
     def read(index: int, looked: _Looked | None) -> tuple[FlatState, Source]:
-        record = manifest.shard(wanted[index])
+        record, later = manifest.shard(wanted[index]), reads[index].tiers
         what = f"rank {record.rank} shard {record.path}"
         into = targets[index].arrays if targets is not None else {}
         if looked is not None and looked.whole is not None:

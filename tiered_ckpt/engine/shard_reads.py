@@ -1,12 +1,16 @@
 """Reading this process's part of a chosen step through the store: steps 3 and 4 of a restore
 (:mod:`~tiered_ckpt.engine.restore`), without a collective of its own.
 
-1. :meth:`ShardReader.load` checks the world size (resharding only when asked), works out
-   which saved ranks this process needs, and reads each through
+1. :meth:`ShardReader.load` looks at what the tiers hold of the step and has the restore
+   planned (:mod:`~tiered_ckpt.engine.restore_plan`: the world size checked, resharding only
+   when asked, the saved ranks this process needs, whole shards or only the chunks of a
+   state of DTensors, or the arrays under ``paths``), then runs the plan's reads through
+   the store (:meth:`ShardReader._run`; a selection's through
+   :func:`~tiered_ckpt.engine.selected_reads.read_selected`): each shard whole through
    :meth:`TieredStore.fetch_shard` (local copy, else each later tier, verified, refilling the
-   local step; a copy read from memory is left to land after the restore returns,
-   :meth:`ShardReader.take_refills`), or, into a state of DTensors, just the chunks that overlap its own
-   (:meth:`TieredStore.read_parts`);
+   local step; a copy read from memory is left to land after the restore returns: the
+   refills are returned with the result, :class:`Loaded`), or in parts through
+   :meth:`TieredStore.read_parts`;
 2. the arrays its ranks' shards left to other ranks are put back
    (:meth:`ShardReader.complete`): read here, or, with one process per rank on the saved
    world size, received from the processes holding them (the restorer's collective; until
@@ -16,7 +20,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -28,31 +32,39 @@ from tiered_ckpt.dist.reshard import (
     ChunkPlan,
     direct_destination,
     fill_chunks,
-    plan_chunks,
     reshard_flat,
     reshard_rank,
-    source_ranks,
 )
-from tiered_ckpt.engine.node_shards import check_on_this_node, check_reshardable_here
+from tiered_ckpt.engine.node_shards import step_holdings
 from tiered_ckpt.engine.refill import Refill
+from tiered_ckpt.engine.restore_plan import (
+    RestorePlan,
+    RestoreRequest,
+    ShardRead,
+    StepHoldings,
+    check_world,
+    chunk_plans,
+    needed_ranks,
+    plan_chunk_restore,
+    plan_restore,
+    plan_selected_restore,
+    replicas_from_peers,
+)
 from tiered_ckpt.engine.restore_result import RestoreResult
 from tiered_ckpt.engine.selected_reads import read_selected
 from tiered_ckpt.errors import (
     CheckpointError,
-    InvalidStateError,
-    UsageError,
     restated,
 )
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.format.remote_manifest import RemoteManifest
 from tiered_ckpt.format.selection import selects
 from tiered_ckpt.format.state import FlatState, State, flatten_into
-from tiered_ckpt.format.validate import check_into, check_world_size
 from tiered_ckpt.io.hashing import Verify
 from tiered_ckpt.io.parallel import run_parallel
-from tiered_ckpt.tiers.store import Landing, Source, TieredStore
+from tiered_ckpt.tiers.store import FetchedShard, Source, TieredStore
 
-__all__ = ["PendingRead", "ShardReader"]
+__all__ = ["Loaded", "PendingRead", "ShardReader"]
 
 
 def _part_bytes(record: ShardRecord, state: FlatState) -> int:
@@ -96,17 +108,17 @@ class PendingRead:
     into: Mapping[int, Mapping[str, np.ndarray]] = field(default_factory=dict)
     plans: tuple[ChunkPlan, ...] = ()
     targets: tuple[FlatState, ...] = ()
+    refills: tuple[Refill, ...] = ()
 
 
-def _without_replicas(plan: ChunkPlan, record: ShardRecord) -> ChunkPlan:
-    """``plan`` without reading the arrays ``record``'s shard left to other ranks (their processes send them)."""
-    left = set(record.replicas)
-    reads = {rank: frozenset(name for name in names if (name, rank) not in left) for rank, names in plan.reads.items()}
-    return ChunkPlan(
-        {rank: names for rank, names in reads.items() if names or rank == plan.plain_source},
-        plan.overlaps,
-        plan.plain_source,
-    )
+@dataclass(frozen=True)
+class Loaded:
+    """What :meth:`ShardReader.load` gives: the ``result``, or, while arrays must come from other
+    processes, what :meth:`ShardReader.complete` completes; and the ``refills`` its reads left
+    to land once the restore's collectives are over (:mod:`~tiered_ckpt.engine.refill`)."""
+
+    result: RestoreResult | PendingRead
+    refills: tuple[Refill, ...] = ()
 
 
 class ShardReader:
@@ -120,23 +132,10 @@ class ShardReader:
         self._ranks = tuple(ranks)
         self._world_size = world_size
         self._max_workers = max_workers
-        self._refills: list[Refill] = []
-
-    def take_refills(self) -> list[Refill]:
-        """The refills the reads since the last call left to land (see :mod:`~tiered_ckpt.engine.refill`)."""
-        refills, self._refills = self._refills, []
-        return refills
 
     @property
     def _one_process(self) -> bool:
         return len(self._ranks) == self._world_size
-
-    def _needed(self, manifest: ShardManifest, target: int) -> list[int]:
-        """The saved ranks whose shards this process reads."""
-        if manifest.world_size == target:
-            return list(self._ranks)
-        new_ranks = range(target) if self._one_process else self._ranks
-        return sorted({old for rank in new_ranks for old in source_ranks(manifest, target, rank)})
 
     def load(
         self,
@@ -147,10 +146,12 @@ class ShardReader:
         verify: Verify,
         into: Sequence[State] | State | None,
         paths: Sequence[str | tuple[str | int, ...]] | None = None,
-    ) -> RestoreResult | PendingRead:
+    ) -> Loaded:
         """This process's part of a restore: its ranks' verified states (resharded when asked),
         or, when their replicated arrays must come from other processes, all but those;
-        with ``paths``, only the parts of the states under them (:meth:`_load_selected`)."""
+        with ``paths``, only the parts of the states under them (:meth:`_load_selected`); and
+        the refills its reads left to land.
+        A whole restore reads what :func:`~tiered_ckpt.engine.restore_plan.plan_restore` plans."""
         store = self._store
         in_local = step in store.local.steps()
         into_list = [into] if isinstance(into, Mapping) else into
@@ -161,65 +162,95 @@ class ShardReader:
                 else None
             )
             manifest, remote = store.manifests(step, in_local=in_local, in_remote=in_remote is True)
-            if not reshard:
-                if manifest.world_size != target and not in_remote:
-                    check_reshardable_here(
-                        self._store, self._one_process, manifest, target, self._needed(manifest, target)
-                    )
-                check_world_size(manifest, target, str(store.local.step_dir(step)))
+            given = None if into_list is None else len(into_list)
+            request = RestoreRequest(self._ranks, target, self._one_process, reshard, given)
+            wanted = needed_ranks(manifest, request)
+            holdings = self._holdings(manifest, wanted, in_remote)
+            check_world(manifest, request, holdings)
             if paths is not None:
-                if manifest.world_size != target and (targets is not None or any(r.chunks for r in manifest.shards)):
-                    raise UsageError(
-                        "restore: paths with reshard=True takes no into= and no state of DTensors (restore a part "
-                        "of those on the saved world size)"
-                    )
                 selection = _Selection(paths, remote, in_local, in_remote)
-                return self._completed_here(self._load_selected(step, manifest, selection, target, targets, verify))
+                return self._completed_here(self._load_selected(step, manifest, selection, request, targets, verify))
             if targets is not None and any(state.structure.chunks for state in targets):
                 where = _Selection((), remote, in_local, in_remote)
-                return self._completed_here(self._load_chunks(step, manifest, where, target, targets, verify))
-            from_peers = self._from_peers(manifest, target)
-            if reshard and into_list is not None:
-                raise UsageError("into cannot be combined with reshard=True (except into a state of DTensors)")
-            if self._one_process:
-                check_into(into_list, manifest)
-            elif into_list is not None and len(into_list) != len(self._ranks):
-                raise InvalidStateError(f"into holds {len(into_list)} rank states, this process restores one")
-            wanted = self._needed(manifest, target)
-            if not in_remote:
-                check_on_this_node(self._store, self._one_process, manifest, wanted)
-            deferred: list[Landing] = []
-            with self._step_dir(step) as created:
-                fetched = run_parallel(
-                    lambda index: store.fetch_shard(
-                        step,
-                        manifest.shard(wanted[index]),
-                        verify=verify,
-                        into=targets[index].arrays if targets is not None else None,
-                        later=store.readable(in_remote),
-                        deferred=deferred,
-                    ),
-                    range(len(wanted)),
-                    self._max_workers,
-                )
-                if deferred:  # copies read from memory: landed after the restore returns
-                    self._refills.append(Refill(manifest, remote, tuple(wanted), in_local, created, tuple(deferred)))
-                else:
-                    store.record_refill(manifest, remote, wanted, was_committed=in_local)
-            pending = PendingRead(
-                step,
-                manifest,
-                target,
-                read={rank: state for rank, (state, _source) in zip(wanted, fetched, strict=True)},
-                sources={rank: source for rank, (_state, source) in zip(wanted, fetched, strict=True)},
-                bytes_read=sum(manifest.shard(rank).size_bytes for rank in wanted),
-                from_peers=from_peers,
-                later=store.readable(in_remote),
-                into={rank: state.arrays for rank, state in zip(wanted, targets or (), strict=False)},
-            )
-            return self._completed_here(pending)
+                return self._completed_here(self._load_chunks(manifest, where, request, targets, verify))
+            plan = plan_restore(manifest, request, holdings)
+            return self._completed_here(self._execute(plan, remote, in_local, targets, verify, in_remote))
         except CheckpointError as exc:
             raise restated(exc, f"restore of step {step}: {exc}") from exc
+
+    def _holdings(self, manifest: ShardManifest, ranks: Sequence[int], in_remote: bool | None) -> StepHoldings:
+        return step_holdings(self._store, self._one_process, manifest, ranks, in_remote)
+
+    def _execute(
+        self,
+        plan: RestorePlan,
+        remote: RemoteManifest | None,
+        in_local: bool,
+        targets: list[FlatState] | None,
+        verify: Verify,
+        in_remote: bool | None,
+    ) -> PendingRead:
+        """Run a whole restore's ``plan`` (:meth:`_run`)."""
+        manifest = plan.manifest
+
+        def into(read: ShardRead) -> Mapping[str, np.ndarray] | None:
+            return targets[read.into].arrays if targets is not None and read.into is not None else None
+
+        read, sources, bytes_read, refills = self._run(manifest, plan.reads, verify, remote, in_local, into)
+        wanted = [each.rank for each in plan.reads]
+        return PendingRead(
+            manifest.step,
+            manifest,
+            plan.target,
+            read=read,
+            sources=sources,
+            bytes_read=bytes_read,
+            from_peers=plan.replicas_from_peers,
+            later=self._store.readable(in_remote),
+            into={rank: state.arrays for rank, state in zip(wanted, targets or (), strict=False)},
+            refills=refills,
+        )
+
+    def _run(
+        self,
+        manifest: ShardManifest,
+        reads: Sequence[ShardRead],
+        verify: Verify,
+        remote: RemoteManifest | None,
+        in_local: bool,
+        into: Callable[[ShardRead], Mapping[str, np.ndarray] | None],
+    ) -> tuple[dict[int, FlatState], dict[int, Source], int, tuple[Refill, ...]]:
+        """The one executor of a plan's ``reads``, through the store's chain, ``max_workers`` at a
+        time, each into ``into(read)``'s arrays: by saved rank, the verified states and the tiers
+        they came from; the bytes read; and the refills (a whole read from a later tier refills
+        the local step, which is created for it and removed again if the reads fail before it
+        was committed; a copy read from memory lands after the restore returns)."""
+        store, step = self._store, manifest.step
+
+        def one(read: ShardRead) -> FetchedShard:
+            record = manifest.shard(read.rank)
+            if read.whole:
+                return store.fetch_shard(step, record, verify=verify, into=into(read), later=read.tiers)
+            assert read.names is not None  # a selection's reads look at each header first: read_selected
+            state, source = store.read_parts(step, record, read.names, later=read.tiers, into=into(read), verify=verify)
+            return FetchedShard(state, source)
+
+        whole = [read.rank for read in reads if read.whole]
+        with self._step_dir(step) if whole else nullcontext(False) as created:
+            fetched = run_parallel(one, reads, self._max_workers)
+            refills: tuple[Refill, ...] = ()
+            if whole:
+                wholes = [each for read, each in zip(reads, fetched, strict=True) if read.whole]
+                refills = self._refills(manifest, remote, whole, in_local, created, wholes)
+        read = {each.rank: got.state for each, got in zip(reads, fetched, strict=True)}
+        sources = {each.rank: got.source for each, got in zip(reads, fetched, strict=True)}
+        bytes_read = sum(
+            manifest.shard(each.rank).size_bytes
+            if each.whole
+            else _part_bytes(manifest.shard(each.rank), read[each.rank])
+            for each in reads
+        )
+        return read, sources, bytes_read, refills
 
     @contextmanager
     def _step_dir(self, step: int) -> Iterator[bool]:
@@ -234,14 +265,9 @@ class ShardReader:
                 self._store.local.discard_uncommitted(step)
             raise
 
-    def _from_peers(self, manifest: ShardManifest, target: int) -> bool:
-        """True if this process's rank gets the arrays its shard left out from the ranks holding
-        them (one process per rank on the saved world size, and the checkpoint has some)."""
-        return not self._one_process and manifest.world_size == target and any(r.replicas for r in manifest.shards)
-
-    def _completed_here(self, pending: PendingRead) -> RestoreResult | PendingRead:
+    def _completed_here(self, pending: PendingRead) -> Loaded:
         """The result, if no array ``pending`` lacks must come from another process; else ``pending``."""
-        return pending if pending.from_peers else self.complete(pending, {})
+        return Loaded(pending if pending.from_peers else self.complete(pending, {}), pending.refills)
 
     def complete(self, pending: PendingRead, received: Mapping[int, Mapping[str, np.ndarray]]) -> RestoreResult:
         """The end of a read: the arrays ``pending``'s shards left to other ranks put back (by holder
@@ -305,38 +331,28 @@ class ShardReader:
 
     def _load_chunks(
         self,
-        step: int,
         manifest: ShardManifest,
         where: _Selection,
-        target: int,
+        request: RestoreRequest,
         targets: list[FlatState],
         verify: Verify,
     ) -> PendingRead:
-        """Fill states of DTensors in place: each of this process's ranks reads, of the saved
-        shards whose chunks overlap its own, just the header and those chunks, each verified
-        against the sha256 the manifest records for it, or its xxh3-64 with ``verify="fast"``
-        (:meth:`TieredStore.read_parts`). A shard of this process's own ranks on the saved world
-        size that its disk does not hold is read whole instead, as a whole restore reads it, and
-        refills the disk (:meth:`_read_whole`). With one process per rank on the saved world size,
-        the arrays a rank's shard left to other ranks come from their processes instead
-        (given to :meth:`complete`). ``where``: the step's remote manifest and tiers (no paths)."""
-        in_remote = where.in_remote
-        if len(targets) != len(self._ranks):
-            raise InvalidStateError(f"into holds {len(targets)} rank states, this process restores {len(self._ranks)}")
-        from_peers = self._from_peers(manifest, target)
-        plans = [plan_chunks(manifest, state, rank, target) for rank, state in zip(self._ranks, targets, strict=True)]
-        if from_peers:
-            plans = [_without_replicas(plan, manifest.shard(plan.plain_source)) for plan in plans]
-        if not in_remote:
-            check_on_this_node(
-                self._store, self._one_process, manifest, sorted({rank for plan in plans for rank in plan.reads})
-            )
-        names: dict[int, set[str]] = {}
+        """Fill states of DTensors in place, as
+        :func:`~tiered_ckpt.engine.restore_plan.plan_chunk_restore` plans: each part read
+        (:meth:`TieredStore.read_parts`) is verified against the sha256 the manifest records for
+        each chunk, or its xxh3-64 with ``verify="fast"``, straight into the caller's memory
+        where a chunk is one contiguous piece of it. ``where``: the step's remote manifest and
+        tiers (no paths)."""
+        step, store = manifest.step, self._store
+        plans = chunk_plans(manifest, request, targets)
+        needed = sorted({rank for chunk_plan in plans for rank in chunk_plan.reads})
+        holdings = self._holdings(manifest, needed, where.in_remote)
+        mine = [rank for rank in self._ranks if rank < manifest.world_size]
+        held_here = frozenset(rank for rank in mine if store.held_locally(step, rank))
+        plan = plan_chunk_restore(manifest, request, holdings, plans, held_here)
         direct: dict[int, dict[str, np.ndarray]] = {}
-        for plan, state in zip(plans, targets, strict=True):
-            for saved_rank, wanted in plan.reads.items():
-                names.setdefault(saved_rank, set()).update(wanted)
-            for name, overlaps in plan.overlaps.items():
+        for chunk_plan, state in zip(plan.plans, targets, strict=True):
+            for name, overlaps in chunk_plan.overlaps.items():
                 array = state.arrays[name]
                 chunked = state.structure.chunks.get(name)
                 offsets = chunked.offsets if chunked is not None else (0,) * array.ndim
@@ -344,95 +360,53 @@ class ShardReader:
                     destination = direct_destination(array, offsets, chunk)
                     if destination is not None:
                         direct.setdefault(saved_rank, {})[name] = destination
-        ranks = sorted(names)
-        whole = [rank for rank in ranks if self._refills_here(manifest, target, rank)]
-        parts = [rank for rank in ranks if rank not in whole]
-        fetched = dict(
-            zip(
-                parts,
-                run_parallel(
-                    lambda rank: self._store.read_parts(
-                        step,
-                        manifest.shard(rank),
-                        names[rank],
-                        later=self._store.readable(in_remote),
-                        into=direct.get(rank),
-                        verify=verify,
-                    ),
-                    parts,
-                    self._max_workers,
-                ),
-                strict=True,
-            )
-        )
-        if whole:
-            fetched.update(self._read_whole(manifest, where, whole, verify))
-        read = {rank: fetched[rank][0] for rank in ranks}
+
+        def into(read: ShardRead) -> Mapping[str, np.ndarray] | None:
+            return direct.get(read.rank) if read.names is not None else None  # a whole shard into new arrays
+
+        read, sources, bytes_read, refills = self._run(manifest, plan.reads, verify, where.remote, where.in_local, into)
         return PendingRead(
             step,
             manifest,
-            target,
+            request.world_size,
             read=read,
-            sources={rank: fetched[rank][1] for rank in ranks},
-            bytes_read=sum(
-                manifest.shard(rank).size_bytes if rank in whole else _part_bytes(manifest.shard(rank), state)
-                for rank, state in read.items()
-            ),
-            from_peers=from_peers,
-            later=self._store.readable(in_remote),
-            plans=tuple(plans),
+            sources=sources,
+            bytes_read=bytes_read,
+            from_peers=plan.replicas_from_peers,
+            later=store.readable(where.in_remote),
+            plans=plan.plans,
             targets=tuple(targets),
+            refills=refills,
         )
 
-    def _refills_here(self, manifest: ShardManifest, target: int, rank: int) -> bool:
-        """True if ``rank``'s shard belongs on this process's disk (one of its ranks, on the saved
-        world size) and the disk does not hold it: a read of it should refill the disk."""
-        return (
-            rank in self._ranks and manifest.world_size == target and not self._store.held_locally(manifest.step, rank)
-        )
-
-    def _read_whole(
+    def _refills(
         self,
         manifest: ShardManifest,
-        where: _Selection,
-        ranks: list[int],
-        verify: Verify,
-    ) -> dict[int, tuple[FlatState, Source]]:
-        """The verified states of the whole shards of ``ranks``, read through the store's chain
-        (into new arrays: a shard fills a whole ``into`` only), refilling the local step as a
-        whole restore does (a copy read from memory lands after the restore returns)."""
-        step, store = manifest.step, self._store
-        deferred: list[Landing] = []
-        with self._step_dir(step) as created:
-            fetched = run_parallel(
-                lambda rank: store.fetch_shard(
-                    step,
-                    manifest.shard(rank),
-                    verify=verify,
-                    later=store.readable(where.in_remote),
-                    deferred=deferred,
-                ),
-                ranks,
-                self._max_workers,
-            )
-            if deferred:
-                self._refills.append(
-                    Refill(manifest, where.remote, tuple(ranks), where.in_local, created, tuple(deferred))
-                )
-            else:
-                store.record_refill(manifest, where.remote, ranks, was_committed=where.in_local)
-        return dict(zip(ranks, fetched, strict=True))
+        remote: RemoteManifest | None,
+        ranks: Sequence[int],
+        was_committed: bool,
+        created: bool,
+        fetched: Sequence[FetchedShard],
+    ) -> tuple[Refill, ...]:
+        """After ``ranks``' shards were ``fetched`` into the local step: the refill the copies read
+        from memory leave to land after the restore returns, or, with none, the refill recorded now."""
+        copies = tuple(each.copy for each in fetched if each.copy is not None)
+        if copies:
+            return (Refill(manifest, remote, tuple(ranks), was_committed, created, copies),)
+        self._store.record_refill(manifest, remote, ranks, was_committed=was_committed)
+        return ()
 
     def _load_selected(
         self,
         step: int,
         manifest: ShardManifest,
         selection: _Selection,
-        target: int,
+        request: RestoreRequest,
         targets: list[FlatState] | None,
         verify: Verify,
     ) -> PendingRead:
-        """A partial restore: each saved rank this process needs reads, of its shard, the header
+        """A partial restore, as :func:`~tiered_ckpt.engine.restore_plan.plan_selected_restore`
+        plans: each saved rank this process needs reads, of its shard, the header
         and the arrays under the selection's paths (:func:`~tiered_ckpt.format.selection.select`),
         each verified (:meth:`TieredStore.read_parts`), into ``targets``' arrays when given (a
         state of the selection's nesting: every rank's checked against its shard's header before
@@ -442,16 +416,13 @@ class ShardReader:
         manifest handed on keeps only the replicated arrays and sharded keys inside the
         selection, so that only those are put back and resharded (every rank of one job
         selects the same names: their states share one nesting)."""
-        if targets is not None and len(targets) != len(self._ranks):
-            raise InvalidStateError(f"into holds {len(targets)} rank states, this process restores {len(self._ranks)}")
-        wanted = self._needed(manifest, target)
-        if not selection.in_remote:
-            check_on_this_node(self._store, self._one_process, manifest, wanted)
-        later = self._store.readable(selection.in_remote)
-        whole = [rank for rank in wanted if not (manifest.shard(rank).chunks or manifest.shard(rank).array_xxh3_64)]
+        wanted = needed_ranks(manifest, request)
+        holdings = self._holdings(manifest, wanted, selection.in_remote)
+        plan = plan_selected_restore(manifest, request, holdings, selection.paths)
+        whole = [read.rank for read in plan.reads if read.whole]
         with self._step_dir(step) if whole else nullcontext():
             fetched, starts = read_selected(
-                self._store, manifest, wanted, whole, selection.paths, targets, verify, later, self._max_workers
+                self._store, manifest, plan.reads, selection.paths, targets, verify, self._max_workers
             )
             if whole:  # a shard read whole from a later tier refilled the local step
                 self._store.record_refill(manifest, selection.remote, whole, was_committed=selection.in_local)
@@ -465,14 +436,14 @@ class ShardReader:
         return PendingRead(
             step,
             cut,
-            target,
+            plan.target,
             read=read_states,
             sources={rank: source for rank, (_state, source) in zip(wanted, fetched, strict=True)},
             bytes_read=sum(
                 manifest.shard(rank).size_bytes if rank in whole else _part_bytes(manifest.shard(rank), state)
                 for rank, state in read_states.items()
             ),
-            from_peers=self._from_peers(cut, target),
-            later=later,
+            from_peers=replicas_from_peers(cut, request),
+            later=self._store.readable(selection.in_remote),
             into={rank: state.arrays for rank, state in zip(wanted, targets or (), strict=False)},
         )

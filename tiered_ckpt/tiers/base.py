@@ -52,9 +52,10 @@ from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.format.remote_manifest import RemoteManifest
 from tiered_ckpt.io.hashing import ShardDigest, Verify, copy_and_hash
 
-__all__ = ["Capabilities", "Landed", "ShardSource", "Tier"]
+__all__ = ["Capabilities", "Gather", "Landed", "PreparedReads", "ShardSource", "Tier"]
 
 T = TypeVar("T")
+P = TypeVar("P")
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,8 @@ class Capabilities:
     holds a lease on its storage, and uploads a failed run left open there are aborted;
     ``latest``: its commit moves a ``latest`` pointer to the step; ``retries``: its storage
     fails transiently and it retries its requests under its own policy, telling how they fail.
+    ``prepared_reads``: a restore prepares its reads of the tier first, and the copies read are
+    in this process's memory (a partner's memory): the tier is a :class:`PreparedReads`.
     """
 
     durable: bool
@@ -87,6 +90,7 @@ class Capabilities:
     leases: bool = False
     latest: bool = False
     retries: bool = False
+    prepared_reads: bool = False
 
 
 @dataclass(frozen=True)
@@ -227,4 +231,40 @@ class Tier(Protocol):
 
     def delete_step(self, step: int) -> None:
         """Remove ``step``: its commit first, then its shards."""
+        ...
+
+
+class Gather(Protocol):
+    """A collective among the processes of a restore: ``action()`` run on every one, its
+    ``payload`` (a frozen dataclass of JSON fields) returned from every process, in rank order;
+    ``label`` names it in errors (:func:`~tiered_ckpt.dist.coordination.gather`)."""
+
+    def __call__(self, label: str, payload: type[P], action: Callable[[], P]) -> list[P]: ...
+
+
+class PreparedReads(Tier, Protocol):
+    """A tier whose copies a restore brings to the reading process before it reads them, and
+    reads in this process's memory (``capabilities.prepared_reads``; a partner's memory).
+
+    A restore calls, on every process at once and in this order: :meth:`prepare_reads` for
+    the shards a process lacks on its disk; its reads (the store's chain asks
+    :meth:`copy_in_memory`); :meth:`prepare_reads` again with ``repairs`` for the shards whose
+    disk copy failed, and reads again; :meth:`finish_reads` (whether it succeeded or not)."""
+
+    def prepare_reads(self, step: int, ranks: Sequence[int], gather: Gather, *, repairs: bool, elsewhere: bool) -> bool:
+        """Bring to the processes needing them the copies of ``step``'s shards of this process's
+        ``ranks`` (a collective through ``gather``; every process calls it with its own). Never
+        raises for a copy that does not arrive (the next tier is read instead). ``elsewhere``:
+        a durable tier holds the step too (else a copy brought exists only while its holder
+        lives, which is logged at WARNING). True if some process brought some copy (the same
+        on every process)."""
+        ...
+
+    def copy_in_memory(self, step: int, record: ShardRecord) -> memoryview | None:
+        """The bytes of ``record``'s copy if this process has them (brought or held), not yet
+        verified (None: none)."""
+        ...
+
+    def finish_reads(self, step: int) -> None:
+        """Drop what :meth:`prepare_reads` brought of ``step``."""
         ...

@@ -28,6 +28,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import BinaryIO, NoReturn, TypeVar, cast
 
 import numpy as np
@@ -48,13 +49,13 @@ from tiered_ckpt.format.state import FlatState, own_targets
 from tiered_ckpt.format.structure import Structure
 from tiered_ckpt.io.hashing import Hasher, ShardDigest, Verify, copy_and_hash, hashing_writer
 from tiered_ckpt.io.parallel import run_parallel
-from tiered_ckpt.tiers.base import Landed, ShardSource, Tier
+from tiered_ckpt.tiers.base import Landed, PreparedReads, ShardSource, Tier
 from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.remote.tier import RemoteTier
 from tiered_ckpt.tiers.retention import RetentionPolicy
 from tiered_ckpt.tiers.shard_parts import ShardIndex, read_verified_parts, shard_index, verified_header
 
-__all__ = ["TieredStore", "Source", "Landing"]
+__all__ = ["FetchedShard", "TieredStore", "Source", "Landing"]
 
 logger = logging.getLogger("tiered_ckpt")
 
@@ -63,6 +64,20 @@ Source = str
 
 Landing = tuple[ShardRecord, memoryview]
 """A shard's bytes in memory that matched its record, waiting to land on the local disk."""
+
+
+@dataclass(frozen=True)
+class FetchedShard:
+    """A shard read through the store's chain (:meth:`TieredStore.fetch_shard`): its verified
+    ``state``, the name of the tier it came from (``source``), and ``copy``: the verified bytes
+    of a copy read from this process's memory, which the caller lands on the local disk
+    (:meth:`TieredStore.land_copies`) when it chooses (None: the chain refilled the disk
+    itself, or the first tier served it)."""
+
+    state: FlatState
+    source: Source
+    copy: Landing | None = None
+
 
 T = TypeVar("T")
 _READ_FAILURES = (IncompleteCheckpointError, ChecksumMismatchError, ShardFormatError)
@@ -222,23 +237,22 @@ class TieredStore:
         verify: Verify = "full",
         into: Mapping[str, np.ndarray] | None = None,
         later: Collection[str] | None = None,
-        deferred: list[Landing] | None = None,
-    ) -> tuple[FlatState, Source]:
+    ) -> FetchedShard:
         """One shard's verified state and the name of the tier it came from (see the module doc
         for the chain). ``later``: the names of the later tiers to try (None: every one; empty:
-        the first tier only). ``deferred``: a copy read from this process's memory is not landed
-        on the local disk here but appended to it, verified, for :meth:`land_copies` to land."""
+        the first tier only). A copy read from this process's memory is not landed on the local
+        disk here: it is returned, verified (:attr:`FetchedShard.copy`), for :meth:`land_copies`."""
 
-        def read(tier: Tier) -> FlatState:
-            in_memory = getattr(tier, "copy_in_memory", None)  # a tier whose copy is in this process's memory
-            data = in_memory(step, record) if in_memory is not None and tier is not self.local else None
+        def read(tier: Tier) -> tuple[FlatState, Landing | None]:
+            data = _copy_in_memory(tier, step, record) if tier is not self.local else None
             if data is not None:
-                return self._read_from_memory(step, record, data, verify, into, tier, deferred)
+                return self._read_from_memory(step, record, data, verify, into, tier), (record, data)
             if tier is not self.local:
                 self.download_shard(step, record, tier)
-            return self.local.read_shard(step, record, verify, into)
+            return self.local.read_shard(step, record, verify, into), None
 
-        return self._first_that_verifies(step, record, read, later, refills=True)
+        (state, copy), source = self._first_that_verifies(step, record, read, later, refills=True)
+        return FetchedShard(state, source, copy)
 
     def _read_from_memory(
         self,
@@ -248,20 +262,15 @@ class TieredStore:
         verify: Verify,
         into: Mapping[str, np.ndarray] | None,
         tier: Tier,
-        deferred: list[Landing] | None,
     ) -> FlatState:
         """The state in a copy already in memory, each byte hashed once as it is copied into its
-        array, then landed on the local disk as it is (a refill; ``deferred``: later): the disk's
-        read of a refill is spared. Raises as :meth:`LocalTier.read_shard` does."""
+        array (the caller lands the copy on the local disk as it is: the disk's read of a refill
+        is spared). Raises as :meth:`LocalTier.read_shard` does."""
         what = f"rank {record.rank} shard {tier.shard_location(step, record)}"
         if len(data) != record.size_bytes:
             raise IncompleteCheckpointError(f"{what}: {len(data)} bytes, the manifest records {record.size_bytes}")
         elsewhere, held = own_targets(record.replicas, into)
         contents = read_shard_buffer(data, check=lambda d: record.verify(d, what), verify=verify, what=what, into=held)
-        if deferred is None:
-            self.land_copies(step, [(record, data)])
-        else:
-            deferred.append((record, data))
         return FlatState.from_shard(contents, what, elsewhere)
 
     def land_copies(self, step: int, copies: Sequence[Landing], max_workers: int | None = None) -> None:
@@ -435,11 +444,16 @@ class TieredStore:
             self.record_commit(step, self.remote, remote)
 
 
+def _copy_in_memory(tier: Tier, step: int, record: ShardRecord) -> memoryview | None:
+    """The bytes of ``tier``'s copy of ``record``'s shard if the tier keeps its copies in this
+    process's memory (``capabilities.prepared_reads``) and holds one, not yet verified."""
+    return cast(PreparedReads, tier).copy_in_memory(step, record) if tier.capabilities.prepared_reads else None
+
+
 def _holds_no_copy(tier: Tier, step: int, record: ShardRecord) -> bool:
     """True if ``tier`` keeps its copies in this process's memory and holds none of ``record``'s
     shard (a partner's memory that sent none): a try would fail at once, and so would a second."""
-    in_memory = getattr(tier, "copy_in_memory", None)
-    return in_memory is not None and in_memory(step, record) is None
+    return tier.capabilities.prepared_reads and _copy_in_memory(tier, step, record) is None
 
 
 def _no_copy_verifies(record: ShardRecord, tried: list[tuple[str, str, CheckpointError]]) -> NoReturn:

@@ -169,7 +169,8 @@ def test_a_flipped_byte_in_a_compressed_object_is_caught_and_the_next_copy_is_re
     flip_byte(tmp_path / "ckpt" / step_dir_name(3) / record.path, 100)  # the local copy fails too
     store = TieredStore([LocalTier(tmp_path / "ckpt"), tier, spare])
     with store.local.lock():
-        state, source = store.fetch_shard(3, record)
+        fetched = store.fetch_shard(3, record)
+        state, source = fetched.state, fetched.source
         assert source == "spare" and state.arrays["optim/master"].tobytes() == trained(1)["optim"]["master"].tobytes()
         flip_byte(tmp_path / "ckpt" / step_dir_name(3) / record.path, 100)  # damaged again
         with pytest.raises(ChecksumMismatchError, match=f"remote .*{record.path}.zst"):

@@ -11,9 +11,10 @@ A save's copy happens in :meth:`PeerTier.land_shard`, which every process calls 
 rank at once (the replicator's processes work on the same step together); only a copy
 whose sha256 matches is kept, and :meth:`PeerTier.commit` then writes the manifest next to
 the wards' slots. A restore gets, for a chosen step, the shards its rank lacks on disk
-from whichever process holds them (:meth:`PeerTier.fetch`, after the restorer agreed who
-sends what), and reads them through the store's chain like any later tier's (own disk ->
-partner's memory -> bucket): the store lands them on disk only if they verify.
+from whichever process holds them (:meth:`PeerTier.prepare_reads`, the tier's preparation
+of a restore's reads: the processes agree who sends what, then send), and reads them
+through the store's chain like any later tier's (own disk -> partner's memory -> bucket):
+they land on disk only if they verify.
 
 A partner that died, hangs or sent bytes that do not verify fails only the copy (a
 :class:`~tiered_ckpt.PeerError`): the replicator logs it and the step is not in this
@@ -28,6 +29,7 @@ import logging
 import mmap
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
@@ -36,7 +38,7 @@ import numpy as np
 from tiered_ckpt.errors import CheckpointError, IncompleteCheckpointError, ManifestError, PeerError, UsageError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.io.hashing import Verify
-from tiered_ckpt.tiers.base import Capabilities, Landed, ShardSource
+from tiered_ckpt.tiers.base import Capabilities, Gather, Landed, ShardSource
 from tiered_ckpt.tiers.peer.copies import Transfer, copy_step, fetch
 from tiered_ckpt.tiers.peer.link import PeerLink
 from tiered_ckpt.tiers.peer.memory import PeerMemory, sha256_of
@@ -67,7 +69,12 @@ class PeerTier:
         self.wards = partners.wards(rank)
         self.url = f"peer://rank-{self.partner}"
         self.capabilities = Capabilities(
-            durable=False, shared=False, create_only_commit=False, store_checksums=False, ranged_reads=False
+            durable=False,
+            shared=False,
+            create_only_commit=False,
+            store_checksums=False,
+            ranged_reads=False,
+            prepared_reads=True,
         )
         self._save_link = save_link
         self._restore_link = restore_link
@@ -168,8 +175,8 @@ class PeerTier:
             return f"{where}: its sha256 does not match the manifest"
         return None
 
-    def forget(self, step: int) -> None:
-        """Drop what a restore fetched of ``step``."""
+    def finish_reads(self, step: int) -> None:
+        """Drop what a restore fetched of ``step`` (the refills hold the copies they land)."""
         with self._lock:
             self._manifests.pop(step, None)
             for key in [key for key in self._received if key[0] == step]:
@@ -216,7 +223,33 @@ class PeerTier:
 
     # -- a restore's copies ----------------------------------------------------------------------
 
-    def fetch(self, step: int, transfers: Sequence[Transfer]) -> list[int]:
+    def prepare_reads(self, step: int, ranks: Sequence[int], gather: Gather, *, repairs: bool, elsewhere: bool) -> bool:
+        """Fetch from the processes holding them in memory the shards of ``step`` of this process's
+        ``ranks`` (those it lacks on disk, or, ``repairs``, whose disk copy failed), for the
+        store's chain to read and verify (a collective: the processes agree through ``gather``
+        who sends what). A copy that does not arrive leaves the next tier to read. True if some
+        process fetched some copy (the same on every process)."""
+        label = "restore: repairs" if repairs else "restore: partners"
+        plans = gather(label, _PartnerPlan, lambda: _PartnerPlan(tuple(ranks), self.holdings().get(step, ())))
+        transfers = []
+        for needer, wanted in enumerate(plans):
+            for rank in wanted.needs:
+                holder = next((each for each, other in enumerate(plans) if rank in other.held), None)
+                if holder is not None and holder != needer:
+                    transfers.append((holder, needer, rank))
+        if not transfers:
+            return False
+        # A copy of a step no disk of this node holds, nor the bucket, exists only while its holder lives
+        only_there = not elsewhere and not repairs
+        for rank in self._fetch(step, transfers):
+            holder = next(h for h, _n, r in transfers if r == rank)
+            level = logging.WARNING if only_there else logging.INFO
+            logger.log(level, "restore of step %d: rank %d's shard came from rank %d's memory%s", step, rank, holder,
+                       " (on no disk of this node, not in the bucket: only while that partner lived)" if only_there
+                       else "")  # fmt: skip
+        return True
+
+    def _fetch(self, step: int, transfers: Sequence[Transfer]) -> list[int]:
         """Send and receive the copies of ``step`` that ``transfers`` name (every process calls it at
         once, with the same list); return the ranks whose shards reached this rank, each with a
         manifest that validates (the shards themselves are verified when the store reads them).
@@ -239,6 +272,14 @@ class PeerTier:
                 self._received[(step, shard)] = data
             ranks.append(shard)
         return ranks
+
+
+@dataclass(frozen=True)
+class _PartnerPlan:
+    """One process's part of fetching from partners: the ranks it lacks on disk, and the ranks it holds in memory."""
+
+    needs: tuple[int, ...]
+    held: tuple[int, ...]
 
 
 def _parse_manifest(text: bytes, step: int, source: str) -> ShardManifest:

@@ -20,7 +20,6 @@ RANKS = {
     "errors": 0, "io": 1, "torch-views": 2, "format": 3, "dist": 4, "tiers": 4, "engine": 5, "top": 6, "dcp": 7,
     "testing": 8,
 }  # fmt: skip
-TIERS = {"tiered_ckpt.tiers.local", "tiered_ckpt.tiers.remote.tier"}
 # A module may grow where it owns one thing (it says which in its docstring, and offers it in
 # __all__); none grows past MAX_LINES, and the manager stays composition and docstrings.
 MAX_LINES = 800
@@ -90,7 +89,7 @@ def test_the_import_graph_has_no_cycle():
 
 
 def test_the_store_and_the_factory_are_the_only_modules_that_import_more_than_one_tier():
-    importers = [module for module, targets in GRAPH.items() if len(targets & TIERS) > 1]
+    importers = [module for module, targets in GRAPH.items() if len(targets & tier_homes()) > 1]
     assert importers == ["tiered_ckpt.build", "tiered_ckpt.tiers.store"]
 
 
@@ -195,3 +194,50 @@ def test_only_the_factory_and_a_tiers_own_folder_construct_a_concrete_tier():
 
 def test_the_options_are_plain_data_that_import_no_stage():
     assert {target for target in GRAPH["tiered_ckpt.options"] if within(target, "tiered_ckpt.engine")} == set()
+
+
+def tier_homes() -> set[str]:
+    """The modules that define a concrete tier (the peer's and every other tier's included)."""
+    return {name.rpartition(".")[0] for name in concrete_tiers()}
+
+
+def test_no_engine_module_imports_a_concrete_tier():
+    tiers = concrete_tiers()
+    importing = {
+        (module, target)
+        for module, targets in GRAPH.items()
+        if within(module, "tiered_ckpt.engine")
+        for target in targets
+        if target in tier_homes() or target in tiers
+    }
+    assert importing == set()
+
+
+def identity_tests(source: str, label: str) -> list[str]:
+    """The ``is``/``is not`` comparisons and ``isinstance`` checks in ``source`` that ask which tier
+    something is: an operand naming a store's tier by role (``store.remote``, ``self.local``...)
+    or a concrete tier class."""
+    names = {name.rpartition(".")[2] for name in concrete_tiers()}
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+            operands = [node.left, *node.comparators]
+            if any(isinstance(o, ast.Attribute) and o.attr in ("local", "remote", "peer") for o in operands):
+                found.append(f"{label}:{node.lineno}")
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
+            kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+            if any(getattr(kind, "id", None) in names for kind in kinds):
+                found.append(f"{label}:{node.lineno}")
+    return found
+
+
+def test_no_engine_module_tests_a_tiers_identity():
+    engine = [module for module in MODULES if within(module, "tiered_ckpt.engine")]
+    assert [found for module in engine for found in identity_tests(MODULES[module].read_text(), module)] == []
+
+
+def test_the_identity_check_sees_the_peer_tier_and_every_way_of_asking():
+    assert {"tiered_ckpt.tiers.peer.tier", "tiered_ckpt.tiers.local", "tiered_ckpt.tiers.remote.tier"} <= tier_homes()
+    asking = "if tier is store.remote or t is not self.peer or isinstance(t, (int, PeerTier)):\n    pass\n"
+    assert identity_tests(asking, "probe") == ["probe:1", "probe:1", "probe:1"]
+    assert identity_tests("if tier.capabilities.shared and t is not None:\n    pass\n", "probe") == []

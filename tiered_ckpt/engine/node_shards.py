@@ -25,15 +25,17 @@ def step_holdings(
     store: TieredStore, one_process: bool, manifest: ShardManifest, ranks: Sequence[int], in_remote: bool | None
 ) -> StepHoldings:
     """What ``store``'s tiers hold of ``manifest``'s step for a read of ``ranks``' shards:
-    the bucket every shard if it committed the step (``in_remote``), none it can be counted on
-    for if it could not be listed (None; still tried), and is not read if it did not commit
-    it; any other later tier is not listed first (any shard may be there). This node's disk
+    a tier every node sees and a later run resumes from (``shared`` and ``durable``: a bucket)
+    every shard if it committed the step (``in_remote``, from the listing of those tiers),
+    none it can be counted on for if it could not be listed (None; still tried), and is not
+    read if it did not commit it; any other later tier is not listed first (any shard may be
+    there). This node's disk
     is looked at only when no later tier is known to hold every one of ``ranks``."""
     step, local = manifest.step, store.local
     everything = frozenset(range(manifest.world_size))
     later = []
     for tier in store.later:
-        if tier is not store.remote:
+        if not (tier.capabilities.shared and tier.capabilities.durable):
             later.append(TierHolding(tier.name, None))
         elif in_remote is None:
             later.append(TierHolding(tier.name, frozenset(), unlisted=True))

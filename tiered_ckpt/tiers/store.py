@@ -127,10 +127,15 @@ class TieredStore:
         return self.tiers[1:]
 
     def readable(self, in_remote: bool | None) -> tuple[str, ...]:
-        """The later tiers a read of a step tries, by name: the bucket if it committed the step
+        """The later tiers a read of a step tries, by name: a tier every node sees and a later run
+        resumes from (``shared`` and ``durable``: a bucket) if it committed the step
         (``in_remote``) or may have (None: it could not be listed), and every other later tier
         (what each holds is not listed first: a copy it lacks is one more failed try)."""
-        return tuple(tier.name for tier in self.later if tier is not self.remote or in_remote is not False)
+        return tuple(
+            tier.name
+            for tier in self.later
+            if not (tier.capabilities.shared and tier.capabilities.durable) or in_remote is not False
+        )
 
     def tier(self, name: str) -> Tier:
         """The tier called ``name``."""

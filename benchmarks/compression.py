@@ -114,7 +114,7 @@ def _round(
     store = TieredStore([LocalTier(source), tier])
     with store.local.lock(), contextlib.closing(Replicator(store)) as uploader:
         cpu = time.process_time()
-        upload = timed(lambda: uploader.push(manifest.step))
+        upload = timed(lambda: _push(store, uploader, manifest.step))
         cpu = time.process_time() - cpu
     stored = tier.read_manifest(manifest.step).compression
     held = sum(stored[r.path].size_bytes if r.path in stored else r.size_bytes for r in manifest.shards)
@@ -206,3 +206,11 @@ def bench_compression(size_gib: float, ranks: int, root: Path, repeat: int) -> N
     print("  moto S3 server on loopback (it shares the CPUs), each state's rounds interleaved; ratios (target):")
     for each in measured:
         each.print_ratios(KINDS[each.kind])
+
+
+def _push(store: Any, uploader: Any, step: int) -> None:
+    """Upload ``step`` through ``uploader`` and wait for it; its failure, if any, raised."""
+    from tiered_ckpt import maintenance
+
+    maintenance.push(store, uploader, step)
+    uploader.errors.raise_first()

@@ -275,7 +275,7 @@ def _upload(method: str, task: dict[str, Any]) -> Callable[[], object]:
 
     def upload() -> None:
         with store.local.lock(), contextlib.closing(Replicator(store)) as uploader:
-            uploader.push(1)
+            _push(store, uploader, 1)
 
     return upload
 
@@ -313,6 +313,14 @@ def main(argv: list[str]) -> int:
         return 2
     print(json.dumps(run_task(json.loads(argv[0]))))
     return 0
+
+
+def _push(store: Any, uploader: Any, step: int) -> None:
+    """Upload ``step`` through ``uploader`` and wait for it; its failure, if any, raised."""
+    from tiered_ckpt import maintenance
+
+    maintenance.push(store, uploader, step)
+    uploader.errors.raise_first()
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def _remote_run(
     tier = RemoteTier(f"s3://{bucket}/ours", options)
     source_store = TieredStore([LocalTier(source), tier])
     with source_store.local.lock(), contextlib.closing(Replicator(source_store)) as uploader:
-        timings.record("tiered_ckpt upload", timed(lambda: uploader.push(manifest.step)))
+        timings.record("tiered_ckpt upload", timed(lambda: _push(source_store, uploader, manifest.step)))
     target_store = TieredStore([LocalTier(target), tier])
     with target_store.local.lock():
         target_store.local.new_step_dir(manifest.step)
@@ -87,3 +87,11 @@ def bench_remote(size_gib: float, ranks: int, root: Path, repeat: int) -> None:
         timings.print_ratio(
             "download+verify / boto3 download_file", "tiered_ckpt download+verify", "boto3 download_file", ">= 1.0"
         )
+
+
+def _push(store: Any, uploader: Any, step: int) -> None:
+    """Upload ``step`` through ``uploader`` and wait for it; its failure, if any, raised."""
+    from tiered_ckpt import maintenance
+
+    maintenance.push(store, uploader, step)
+    uploader.errors.raise_first()

@@ -14,6 +14,7 @@ import argparse
 from pathlib import Path
 
 import tiered_ckpt
+from tiered_ckpt.build import open_remote_tier
 
 
 def main() -> None:
@@ -26,7 +27,7 @@ def main() -> None:
     config = tiered_ckpt.load_config(args.config, overrides=overrides)
     if config.remote is None:
         raise SystemExit(f"{args.config} names no [remote] tier to restore from")
-    bucket = config.remote.open_tier(config.upload)
+    bucket = open_remote_tier(config.remote, config.upload)
     steps = bucket.steps()
     if not steps:
         raise SystemExit(f"{config.remote.url} holds no committed step")

@@ -241,8 +241,8 @@ def _plan(
                 raise UsageError(f"export: the paths {seen[name]} and {path} both make the tensor name {name!r}")
             seen[name] = path
             planned.add(array_name)
-            holder = left.get(array_name, rank)  # its own shard's array, or the rank it was left to
-            tensors.append(_tensor(name, array_name, holder, manifest, headers, structures, chunks, sharded))
+            writer = left.get(array_name, rank)  # its own shard's array, or the rank it was left to
+            tensors.append(_tensor(name, array_name, writer, manifest, headers, structures, chunks, sharded))
         skipped.update(dict.fromkeys(_scalars(cut.root, ())))
     return tensors, list(skipped)
 
@@ -250,7 +250,7 @@ def _plan(
 def _tensor(
     name: str,
     array: str,
-    holder: int,
+    writer: int,
     manifest: ShardManifest,
     headers: list[ShardHeader],
     structures: list[Structure],
@@ -259,7 +259,7 @@ def _tensor(
 ) -> _Tensor:
     """Where ``array``'s full tensor comes from: every distinct chunk the ranks' records list
     (each checked against the verified header of its shard, together an exact tiling of the
-    tensor), every rank's flat slice, or ``holder``'s array."""
+    tensor), every rank's flat slice, or ``writer``'s array."""
     boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], _Part] = {}
     global_shape: tuple[int, ...] | None = None
     for record in manifest.shards:
@@ -291,11 +291,11 @@ def _tensor(
             _Part(record.rank, array, (record.param_shard_offset,), (record.param_shard_numel,))
             for record in manifest.shards
             if record.param_shard_numel
-        )  # none if the vector is empty on every rank: an empty tensor of the holder's dtype
-        first = parts[0] if parts else _Part(holder, array, (0,), (0,))
+        )  # none if the vector is empty on every rank: an empty tensor of the writer's dtype
+        first = parts[0] if parts else _Part(writer, array, (0,), (0,))
         return _Tensor(name, _code(headers, first), (manifest.total_numel,), parts)
-    shape = headers[holder].arrays[array].shape
-    part = _Part(holder, array, (0,) * len(shape), shape)
+    shape = headers[writer].arrays[array].shape
+    part = _Part(writer, array, (0,) * len(shape), shape)
     return _Tensor(name, _code(headers, part), shape, (part,))
 
 

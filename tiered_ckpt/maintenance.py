@@ -28,7 +28,7 @@ from tiered_ckpt.options import RemoteOptions
 from tiered_ckpt.tiers import survey
 from tiered_ckpt.tiers.pruning import retain, to_delete, unproven
 from tiered_ckpt.tiers.remote.leases import OwnershipPolicy, live_owners
-from tiered_ckpt.tiers.store import Source, TieredStore
+from tiered_ckpt.tiers.store import TieredStore, TierName
 from tiered_ckpt.tiers.survey import Lag
 
 __all__ = ["PullResult", "PushResult", "PruneResult", "check_one_process", "pull", "push", "prune", "lag"]
@@ -44,7 +44,7 @@ class PullResult:
     now on disk came from (the first tier's: it was there and verified)."""
 
     step: int
-    sources: Mapping[int, Source]
+    sources: Mapping[int, TierName]
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def pull(
     step: int | None = None,
     *,
     max_workers: int | None = None,
-    progress: Callable[[ShardRecord, Source], None] | None = None,
+    progress: Callable[[ShardRecord, TierName], None] | None = None,
 ) -> PullResult:
     """Fill ``store``'s local tier with its bucket's ``step`` (default: the newest) without loading it.
 
@@ -103,7 +103,7 @@ def pull(
     created = not store.local.step_dir(step).is_dir()
     store.local.new_step_dir(step)
 
-    def fetch(record: ShardRecord) -> Source:
+    def fetch(record: ShardRecord) -> TierName:
         source = store.local.name
         if store.local.check_shard(step, record) is not None:
             store.download_shard(step, record, remote_tier)

@@ -224,9 +224,9 @@ class Restorer:
         """Step 3 continued, with one process per rank on the saved world size: the arrays
         this rank's shard left to other ranks come from their processes (collective)."""
         (rank,) = self._ranks
-        held = pending.read[rank].arrays if rank in pending.read else {}  # sent to the ranks that left them out
+        own = pending.read[rank].arrays if rank in pending.read else {}  # sent to the ranks that left them out
         try:
-            return self._reader.complete(pending, share(self._coordinator, pending.manifest, held))
+            return self._reader.complete(pending, share(self._coordinator, pending.manifest, own))
         except CheckpointError as exc:
             raise restated(exc, f"restore of step {pending.manifest.step}: {exc}") from exc
 

@@ -9,7 +9,7 @@ from typing import Any
 from tiered_ckpt.errors import UsageError
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.state import FlatState
-from tiered_ckpt.tiers.store import Source
+from tiered_ckpt.tiers.store import TierName
 
 __all__ = ["RestoreResult", "by_tier", "rank_ranges"]
 
@@ -29,7 +29,7 @@ class RestoreResult:
 
     step: int
     states: list[dict[Any, Any]]
-    sources: dict[int, Source]
+    sources: dict[int, TierName]
     ranks: tuple[int, ...]
     manifest: ShardManifest
     flat: tuple[FlatState, ...] = ()
@@ -75,7 +75,7 @@ def rank_ranges(ranks: Collection[int]) -> str:
     return ",".join(str(first) if first == last else f"{first}-{last}" for first, last in runs) or "-"
 
 
-def by_tier(sources: Mapping[int, Source]) -> str:
+def by_tier(sources: Mapping[int, TierName]) -> str:
     """``sources`` (by rank, the tier each shard was read from) as "{local: 0-2, remote: 3}"."""
     tiers = sorted(set(sources.values()))
     listed = (f"{tier}: {rank_ranges([rank for rank, held in sources.items() if held == tier])}" for tier in tiers)

@@ -24,7 +24,7 @@ from tiered_ckpt.format.structure import Structure
 from tiered_ckpt.io.hashing import Verify
 from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.tiers.shard_parts import ShardIndex
-from tiered_ckpt.tiers.store import Source, TieredStore
+from tiered_ckpt.tiers.store import TieredStore, TierName
 
 __all__ = ["read_selected"]
 
@@ -38,7 +38,7 @@ class _Looked:
     structure: Structure
     kinds: Mapping[str, tuple[np.dtype, tuple[int, ...]]]
     index: ShardIndex | None = None
-    whole: tuple[FlatState, Source] | None = None
+    whole: tuple[FlatState, TierName] | None = None
 
 
 def _check_selected_into(index: int, looked: _Looked | None, target: FlatState) -> None:
@@ -63,7 +63,7 @@ def read_selected(
     targets: Sequence[FlatState] | None,
     verify: Verify,
     max_workers: int | None = None,
-) -> tuple[list[tuple[FlatState, Source]], dict[int, tuple[str, ...]]]:
+) -> tuple[list[tuple[FlatState, TierName]], dict[int, tuple[str, ...]]]:
     """By index of ``reads`` (a partial restore's plan,
     :func:`~tiered_ckpt.engine.restore_plan.plan_selected_restore`), the selection of each
     one's shard under ``paths`` (:func:`~tiered_ckpt.format.selection.select`) and the tier it
@@ -105,7 +105,7 @@ def read_selected(
         kinds = {n: (e.dtype, e.shape) for n, e in parsed.header.arrays.items() if n in structure.kinds}
         return _Looked(structure, kinds, index=parsed)
 
-    def read(index: int, looked: _Looked | None) -> tuple[FlatState, Source]:
+    def read(index: int, looked: _Looked | None) -> tuple[FlatState, TierName]:
         record, later = manifest.shard(wanted[index]), reads[index].tiers
         what = f"rank {record.rank} shard {record.path}"
         into = targets[index].arrays if targets is not None else {}

@@ -62,7 +62,7 @@ from tiered_ckpt.format.selection import selects
 from tiered_ckpt.format.state import FlatState, State, flatten_into
 from tiered_ckpt.io.hashing import Verify
 from tiered_ckpt.io.parallel import run_parallel
-from tiered_ckpt.tiers.store import FetchedShard, Source, TieredStore
+from tiered_ckpt.tiers.store import FetchedShard, TieredStore, TierName
 
 __all__ = ["Loaded", "PendingRead", "ShardReader"]
 
@@ -101,7 +101,7 @@ class PendingRead:
     manifest: ShardManifest
     target: int
     read: Mapping[int, FlatState]
-    sources: Mapping[int, Source]
+    sources: Mapping[int, TierName]
     bytes_read: int
     from_peers: bool
     later: tuple[str, ...]
@@ -219,7 +219,7 @@ class ShardReader:
         remote: RemoteManifest | None,
         in_local: bool,
         into: Callable[[ShardRead], Mapping[str, np.ndarray] | None],
-    ) -> tuple[dict[int, FlatState], dict[int, Source], int, tuple[Refill, ...]]:
+    ) -> tuple[dict[int, FlatState], dict[int, TierName], int, tuple[Refill, ...]]:
         """The one executor of a plan's ``reads``, through the store's chain, ``max_workers`` at a
         time, each into ``into(read)``'s arrays: by saved rank, the verified states and the tiers
         they came from; the bytes read; and the refills (a whole read from a later tier refills
@@ -270,15 +270,15 @@ class ShardReader:
         return Loaded(pending if pending.from_peers else self.complete(pending, {}), pending.refills)
 
     def complete(self, pending: PendingRead, received: Mapping[int, Mapping[str, np.ndarray]]) -> RestoreResult:
-        """The end of a read: the arrays ``pending``'s shards left to other ranks put back (by holder
+        """The end of a read: the arrays ``pending``'s shards left to other ranks put back (by writer
         rank, ``received`` from their processes, else read here), then the states resharded, or
         the chunks of the caller's DTensors filled."""
         step, manifest = pending.step, pending.manifest
         if pending.plans:
             read = dict(pending.read)
-            for holder, arrays in received.items():
-                base = read.get(holder, read[pending.plans[0].plain_source])
-                read[holder] = FlatState({**base.arrays, **arrays} if holder in read else dict(arrays), base.structure)
+            for writer, arrays in received.items():
+                base = read.get(writer, read[pending.plans[0].plain_source])
+                read[writer] = FlatState({**base.arrays, **arrays} if writer in read else dict(arrays), base.structure)
             plans = zip(pending.plans, pending.targets, strict=True)
             states = [fill_chunks(plan, read, state) for plan, state in plans]
             unflattened = [state.unflatten() for state in states]
@@ -296,18 +296,18 @@ class ShardReader:
     def _replicas_read(
         self, step: int, manifest: ShardManifest, read: Mapping[int, FlatState], later: tuple[str, ...]
     ) -> tuple[dict[int, Mapping[str, np.ndarray]], int]:
-        """By holder rank, the arrays the shards in ``read`` left to other ranks: from the
-        holder's shard if it is in ``read``, else by a verified partial read of it; and the
+        """By writer rank, the arrays the shards in ``read`` left to other ranks: from the
+        writer's shard if it is in ``read``, else by a verified partial read of it; and the
         bytes those partial reads took."""
         needed = missing(manifest.shard(rank) for rank in read)
         found: dict[int, Mapping[str, np.ndarray]] = {h: read[h].arrays for h in needed if h in read}
-        absent = sorted(holder for holder in needed if holder not in read)
+        absent = sorted(writer for writer in needed if writer not in read)
         parts = run_parallel(
-            lambda holder: self._store.read_parts(step, manifest.shard(holder), needed[holder], later=later),
+            lambda writer: self._store.read_parts(step, manifest.shard(writer), needed[writer], later=later),
             absent,
             self._max_workers,
         )
-        found.update((holder, state.arrays) for holder, (state, _source) in zip(absent, parts, strict=True))
+        found.update((writer, state.arrays) for writer, (state, _source) in zip(absent, parts, strict=True))
         return found, sum(_part_bytes(manifest.shard(h), state) for h, (state, _) in zip(absent, parts, strict=True))
 
     def _resharded(
@@ -316,7 +316,7 @@ class ShardReader:
         manifest: ShardManifest,
         target: int,
         read: Mapping[int, FlatState],
-        sources: dict[int, Source],
+        sources: dict[int, TierName],
     ) -> RestoreResult:
         """The result: the states read, resharded for ``target`` ranks when the world size changed."""
         ranks = self._ranks

@@ -281,12 +281,12 @@ class LocalTier:
         "full" or "fast".
         """
         check_verify(verify)
-        elsewhere, held = own_targets(record.replicas, into)
+        replicas, own = own_targets(record.replicas, into)
         with self._open_recorded(step, record) as (source, what), _read_errors(what):
             contents = read_shard_file(
-                source, check=lambda digest: record.verify(digest, what), verify=verify, what=what, into=held
+                source, check=lambda digest: record.verify(digest, what), verify=verify, what=what, into=own
             )
-        return FlatState.from_shard(contents, what, elsewhere)
+        return FlatState.from_shard(contents, what, replicas)
 
     def open_shard(self, step: int, record: ShardRecord, consume: Callable[[BinaryIO], T]) -> T:
         """``consume(stream)`` of ``record``'s shard, a regular file of the recorded size (so the

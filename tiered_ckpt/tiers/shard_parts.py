@@ -49,8 +49,8 @@ class ShardIndex:
 
 def shard_index(header: ShardHeader, record: ShardRecord, what: str) -> ShardIndex:
     """``header`` (verified, of ``record``'s shard) parsed; :class:`ShardFormatError` naming ``what``."""
-    elsewhere = [name for name, _holder in record.replicas]
-    structure = structure_of(header.metadata, header.arrays, what, elsewhere)
+    replicas = [name for name, _writer in record.replicas]
+    structure = structure_of(header.metadata, header.arrays, what, replicas)
     try:
         digests = record.array_digests(header.arrays)
     except ManifestError as exc:

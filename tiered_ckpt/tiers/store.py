@@ -55,11 +55,11 @@ from tiered_ckpt.tiers.remote.tier import RemoteTier
 from tiered_ckpt.tiers.retention import RetentionPolicy
 from tiered_ckpt.tiers.shard_parts import ShardIndex, read_verified_parts, shard_index, verified_header
 
-__all__ = ["FetchedShard", "TieredStore", "Source", "Landing"]
+__all__ = ["FetchedShard", "TieredStore", "TierName", "Landing"]
 
 logger = logging.getLogger("tiered_ckpt")
 
-Source = str
+TierName = str
 """The name of the tier a shard was read from (:attr:`~tiered_ckpt.tiers.base.Tier.name`)."""
 
 Landing = tuple[ShardRecord, memoryview]
@@ -75,7 +75,7 @@ class FetchedShard:
     itself, or the first tier served it)."""
 
     state: FlatState
-    source: Source
+    source: TierName
     copy: Landing | None = None
 
 
@@ -274,9 +274,9 @@ class TieredStore:
         what = f"rank {record.rank} shard {tier.shard_location(step, record)}"
         if len(data) != record.size_bytes:
             raise IncompleteCheckpointError(f"{what}: {len(data)} bytes, the manifest records {record.size_bytes}")
-        elsewhere, held = own_targets(record.replicas, into)
-        contents = read_shard_buffer(data, check=lambda d: record.verify(d, what), verify=verify, what=what, into=held)
-        return FlatState.from_shard(contents, what, elsewhere)
+        replicas, own = own_targets(record.replicas, into)
+        contents = read_shard_buffer(data, check=lambda d: record.verify(d, what), verify=verify, what=what, into=own)
+        return FlatState.from_shard(contents, what, replicas)
 
     def land_copies(self, step: int, copies: Sequence[Landing], max_workers: int | None = None) -> None:
         """Land each ``(record, bytes)`` of ``step`` in the local step, ``max_workers`` at a time,
@@ -298,7 +298,7 @@ class TieredStore:
 
     def _first_that_verifies(
         self, step: int, record: ShardRecord, read: Callable[[Tier], T], later: Collection[str] | None, refills: bool
-    ) -> tuple[T, Source]:
+    ) -> tuple[T, TierName]:
         """The chain of every read: ``read(tier)`` for the first tier, then for each tier named in
         ``later`` (None: every later tier), in the store's order, each later tier tried twice;
         raises naming every copy tried if none verifies.
@@ -364,7 +364,7 @@ class TieredStore:
         into: Mapping[str, np.ndarray] | None = None,
         verify: Verify = "full",
         index: ShardIndex | None = None,
-    ) -> tuple[FlatState, Source]:
+    ) -> tuple[FlatState, TierName]:
         """Some arrays of ``record``'s shard, verified, and the tier they came from (``index``:
         its header as :meth:`read_shard_index` returned it, neither read nor parsed again: the
         reads of many arrays of one shard, one call each, parse its structure document once).
@@ -400,7 +400,7 @@ class TieredStore:
 
     def read_shard_header(
         self, step: int, record: ShardRecord, *, later: Collection[str] | None = None
-    ) -> tuple[ShardHeader, Source]:
+    ) -> tuple[ShardHeader, TierName]:
         """``record``'s shard header (each array's place, dtype and shape; the metadata), verified by its
         sha256, from the nearest tier serving ranged reads (``later`` as for :meth:`fetch_shard`); writes nothing."""
 
@@ -417,7 +417,7 @@ class TieredStore:
 
     def read_shard_index(
         self, step: int, record: ShardRecord, *, later: Collection[str] | None = None
-    ) -> tuple[ShardIndex, Source]:
+    ) -> tuple[ShardIndex, TierName]:
         """``record``'s shard header as :meth:`read_shard_header` reads it, parsed for
         :meth:`read_parts`: its structure document and its arrays' digests. Raises as
         :meth:`read_shard_header` does, and :class:`ShardFormatError` for a structure document

@@ -149,7 +149,7 @@ class TieredReader(StorageReader):
         complex_dtypes = complex_dtypes_of(structure, what)
         chunks = self._chunks(manifest, complex_dtypes)
         state: dict[str, Any] = {}
-        for index, (_holder, chunk) in chunks.items():
+        for index, (_writer, chunk) in chunks.items():
             fqn, pairs = index.fqn, index.fqn in complex_dtypes
             if pairs and chunk.global_shape[-1:] != (2,):
                 raise ShardFormatError(f"{what}: {chunk.name!r} is not the float pairs of a complex tensor")
@@ -157,7 +157,7 @@ class TieredReader(StorageReader):
             dtype = COMPLEX_DTYPES[complex_dtypes[fqn]] if pairs else torch_dtype(chunk.dtype)
             entry = state.setdefault(fqn, TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), []))
             entry.chunks.append(ChunkStorageMetadata(torch.Size(index.offset or ()), torch.Size(sizes)))
-        where = {index: (holder, chunk.name) for index, (holder, chunk) in chunks.items()}
+        where = {index: (writer, chunk.name) for index, (writer, chunk) in chunks.items()}
         values: dict[str, tuple[str, ...]] = {}
         for section in VALUE_SECTIONS:
             for key in keys_at(structure, (ROOT, section)):
@@ -213,8 +213,8 @@ class TieredReader(StorageReader):
                 wanted.setdefault(rank, set()).add(name)
             else:
                 value_arrays.update(_value_arrays(located, item.storage_index.fqn))
-        for name, holder in value_arrays.items():
-            wanted.setdefault(holder, set()).add(name)
+        for name, writer in value_arrays.items():
+            wanted.setdefault(writer, set()).add(name)
         step = located.manifest.step
         ranks = sorted(wanted)
         parts = run_parallel(
@@ -223,7 +223,7 @@ class TieredReader(StorageReader):
             None,
         )
         read = dict(zip(ranks, parts, strict=True))
-        arrays = {name: read[holder][name] for name, holder in value_arrays.items()}
+        arrays = {name: read[writer][name] for name, writer in value_arrays.items()}
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
                 value = _value(located, item.storage_index.fqn, arrays)

@@ -171,5 +171,5 @@ def open_parts(options: Options, coordinator: Coordinator) -> Parts:
     )
     stack.enter_context(closing(writer))  # closed first: the last write reaches the replicators before they finish
     refiller = Refiller(store, writer.run_after, max_workers)
-    restorer = Restorer(store, coordinator, world_size, max_workers, peer=peer_tier, refiller=refiller)
+    restorer = Restorer(store, coordinator, world_size, max_workers, refiller=refiller)
     return Parts(store, errors, restorer, writer, uploader, peer, preemption, stack)

@@ -93,16 +93,14 @@ class Restorer:
         world_size: int,
         max_workers: int | None = None,
         *,
-        peer: Any = None,
         refiller: Refiller | None = None,
     ) -> None:
-        # ``peer`` is only handed on to the step choice, whose business it is what a partner's memory holds
         self._store = store
         self._refiller = refiller or Refiller(store)
         self._coordinator = coordinator
         self._ranks = tuple(coordinator.local_ranks)
         self._world_size = world_size
-        self._chooser = StepChooser(store, coordinator, world_size, peer)
+        self._chooser = StepChooser(store, coordinator, world_size)
         self._reader = ShardReader(store, self._ranks, world_size, max_workers)
 
     def restore(

@@ -66,9 +66,9 @@ def same_call(arguments: Sequence[str], call: str) -> None:
 class StepChooser:
     """Steps 1 and 2 (see the module doc) for the ranks of ``coordinator``, saved by
     ``world_size`` ranks, over every tier of ``store``; and the deletion of the steps they find
-    unrestorable. ``peer`` is not read (the store's tiers include it); the restorer passes it."""
+    unrestorable."""
 
-    def __init__(self, store: TieredStore, coordinator: Coordinator, world_size: int, peer: object = None) -> None:
+    def __init__(self, store: TieredStore, coordinator: Coordinator, world_size: int) -> None:
         self._store = store
         self._coordinator = coordinator
         self._world_size = world_size

@@ -39,6 +39,7 @@ from tiered_ckpt.engine.writer import Writer
 from tiered_ckpt.errors import DirectoryInUseError, RemoteError
 from tiered_ckpt.options import Options
 from tiered_ckpt.raising import raise_closed
+from tiered_ckpt.tiers.remote.tier import RemoteTier
 from tiered_ckpt.tiers.store import TieredStore
 
 __all__ = ["Parts", "open_parts"]
@@ -82,7 +83,7 @@ class _Opened:
     bucket_answered: bool
 
 
-def _open_local_dir(store: TieredStore, opened: ExitStack, one_process: bool) -> _Opened:
+def _open_local_dir(store: TieredStore, opened: ExitStack, one_process: bool, bucket: RemoteTier | None) -> _Opened:
     """Lock the local directory (released by ``opened``), remove what crashed saves left in it, and
     check the bucket: once, so that a bucket down for a moment costs the start one request; a
     permanent failure (no such bucket, access denied) raises, a transient one is logged."""
@@ -97,17 +98,17 @@ def _open_local_dir(store: TieredStore, opened: ExitStack, one_process: bool) ->
     removed = store.local.remove_uncommitted()
     if removed:
         logger.warning("removed what crashed saves left in %s: %s", store.local.root, ", ".join(removed))
-    if store.remote is None:
+    if bucket is None:
         return _Opened(True)
     try:  # on every rank, in this collective: one rank's permanent failure fails all
-        store.remote.check_bucket(once=True)
+        bucket.check_bucket(once=True)
     except RemoteError as exc:
         if not exc.transient:
             raise
         setup = "the bucket's setup (its lease, what an earlier run left to upload) is tried again in the background"
         logger.warning(
             "the bucket %s did not answer at start-up (%s): the manager starts, saves go to %s, and %s",
-            store.remote.url,
+            bucket.url,
             exc,
             store.local.root,
             setup,
@@ -132,7 +133,7 @@ def open_parts(options: Options, coordinator: Coordinator) -> Parts:
     backlog = Backlog()  # local retention keeps what any later tier has still to commit
     stack = ExitStack()
     try:
-        opened = gather(coordinator, "open", _Opened, lambda: _open_local_dir(store, stack, one_process))
+        opened = gather(coordinator, "open", _Opened, lambda: _open_local_dir(store, stack, one_process, remote_tier))
         if remote is not None and remote_tier is not None:
             policy = build.replication_policy(options.upload, every=remote.every)
             uploader = Replicator(

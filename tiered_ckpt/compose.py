@@ -9,8 +9,9 @@
    fails the check for a transient reason is no failure: see below);
 3. the uploader (the :class:`~tiered_ckpt.engine.replication.Replicator` to the bucket),
    which resumes what an earlier run left waiting for upload (in the background, tried
-   until the bucket answers, if it did not answer the check), and the peer tier's
-   replicator (a partner node's memory: partners chosen, links built, both collectives);
+   until the bucket answers, if it did not answer the check), the peer tier's
+   replicator (a partner node's memory: partners chosen, links built, both collectives),
+   and one replicator for each of the caller's tiers (``options.tiers``), which resumes too;
 4. the preemption notice (its signal handlers) and its watch;
 5. the writer, which hands each step to the replicators whose cadence takes it.
 
@@ -58,6 +59,7 @@ class Parts:
     writer: Writer
     uploader: Replicator | None
     peer: Replicator | None
+    others: tuple[Replicator, ...]  # one per tier of ``options.tiers``, in their order
     preemption: PreemptionWatch
     opened: ExitStack
     closed: bool = False
@@ -126,10 +128,11 @@ def open_parts(options: Options, coordinator: Coordinator) -> Parts:
     remote, peer_options = options.remote, options.peer
     remote_tier = build.open_remote_tier(remote, options.upload, check_bucket=False) if remote is not None else None
     peer_tier = build.peer_tier(peer_options, coordinator, options.local.dir) if peer_options is not None else None
-    store = build.tiered_store(options.local, remote, remote_tier, peer_tier)
+    store = build.tiered_store(options.local, remote, remote_tier, peer_tier, options.tiers)
     errors = ErrorBox()
     uploader: Replicator | None = None
     peer: Replicator | None = None
+    others: list[Replicator] = []
     backlog = Backlog()  # local retention keeps what any later tier has still to commit
     stack = ExitStack()
     try:
@@ -155,6 +158,16 @@ def open_parts(options: Options, coordinator: Coordinator) -> Parts:
                 store, peer_tier, policy=policy, errors=errors, coordinator=channel, ranks=ranks, backlog=backlog
             )
             stack.enter_context(closing(peer))
+        for extra in options.tiers:
+            channel = coordinator.new_channel()
+            policy = build.tier_policy(extra)
+            other = Replicator(
+                store, extra.tier, policy=policy, errors=errors, coordinator=channel, ranks=ranks, backlog=backlog
+            )
+            stack.enter_context(closing(other))
+            others.append(other)
+            if extra.tier.capabilities.shared or one_process:  # what a crash kept from it (see engine/resume.py)
+                other.resume()
         notice = stack.enter_context(closing(PreemptionNotice(options.runtime.preemption_signals)))
         preemption = PreemptionWatch(notice, coordinator if one_process else coordinator.new_channel())
     except BaseException:
@@ -165,7 +178,7 @@ def open_parts(options: Options, coordinator: Coordinator) -> Parts:
         coordinator,
         world_size=world_size,
         errors=errors,
-        replicators=[each for each in (uploader, peer) if each is not None],
+        replicators=[each for each in (uploader, peer, *others) if each is not None],
         max_workers=max_workers,
         cpus=options.runtime.writer_cpus,
         local_every=options.local.every,
@@ -173,4 +186,4 @@ def open_parts(options: Options, coordinator: Coordinator) -> Parts:
     stack.enter_context(closing(writer))  # closed first: the last write reaches the replicators before they finish
     refiller = Refiller(store, writer.run_after, max_workers)
     restorer = Restorer(store, coordinator, world_size, max_workers, peer=peer_tier, refiller=refiller)
-    return Parts(store, errors, restorer, writer, uploader, peer, preemption, stack)
+    return Parts(store, errors, restorer, writer, uploader, peer, tuple(others), preemption, stack)

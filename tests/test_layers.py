@@ -88,9 +88,13 @@ def test_the_import_graph_has_no_cycle():
             visit(module, [module])
 
 
-def test_the_store_and_the_factory_are_the_only_modules_that_import_more_than_one_tier():
+def test_the_factory_is_the_only_module_that_imports_more_than_one_tier():
     importers = [module for module, targets in GRAPH.items() if len(targets & tier_homes()) > 1]
-    assert importers == ["tiered_ckpt.build", "tiered_ckpt.tiers.store"]
+    assert importers == ["tiered_ckpt.build"]
+
+
+def test_the_store_imports_no_tier_but_its_first_the_local_disk():
+    assert GRAPH["tiered_ckpt.tiers.store"] & tier_homes() == {"tiered_ckpt.tiers.local"}
 
 
 def test_backend_modules_are_imported_only_by_the_object_store_tier_and_each_other():

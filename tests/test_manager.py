@@ -1229,6 +1229,7 @@ def test_every_save_with_a_bucket_has_an_upload_future_that_answers(tmp_path, me
     with two_tier(local, memory_url, every=4) as manager:
         handles = {step: manager.save(step, states) for step in (2, 3, 4)}
         assert handles[4].uploaded is not None and handles[4].uploaded.result(timeout=60) is None
+        assert all(handle.replicated == {"remote": handle.uploaded} for handle in handles.values())  # by tier name
         for step, why in ((2, "remote.every"), (3, "no tier's cadence")):
             uploaded = handles[step].uploaded
             assert uploaded is not None and uploaded.done()

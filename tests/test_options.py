@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support.memory_tier import MemoryTier
 from tiered_ckpt.config import load_config
 from tiered_ckpt.errors import ConfigError, UsageError
 from tiered_ckpt.format.bounds import MAX_COUNT, MAX_PART_BYTES, MAX_SECONDS
@@ -25,6 +26,7 @@ from tiered_ckpt.options import (
     RemoteOptions,
     RestoreOptions,
     RuntimeOptions,
+    TierOptions,
     UploadOptions,
     resolve_options,
 )
@@ -469,7 +471,25 @@ def test_every_field_of_a_group_is_named_in_its_docstring(group):
 
 
 def test_the_groups_are_the_fields_of_options_in_order():
-    assert list(GROUPS) == [each.name for each in fields(Options)]
+    # ``tiers`` holds tier objects: the one field no config table gives
+    assert list(GROUPS) == [each.name for each in fields(Options) if each.name != "tiers"]
+    assert "tiers" not in GROUPS and fields(Options)[-1].name == "tiers"
+
+
+def test_a_tier_of_the_callers_own_is_checked_where_it_is_given(tmp_path):
+    tier = MemoryTier("cache")
+    options = resolve_options(tmp_path, tiers=[TierOptions(tier, keep_last=2, every=3)])
+    assert options.tiers[0].tier is tier and options.tiers[0].retention.keep_last == 2
+    with pytest.raises(ConfigError, match="tier protocol"):
+        TierOptions(object())
+    with pytest.raises(ConfigError, match="a name the manager's own tiers take"):
+        TierOptions(MemoryTier("remote"))
+    with pytest.raises(ConfigError, match="every"):
+        TierOptions(tier, every=0)
+    with pytest.raises(UsageError, match="a list of TierOptions"):
+        resolve_options(tmp_path, tiers=TierOptions(tier))
+    with pytest.raises(UsageError, match=r"a name of its own, got \['cache', 'cache'\]"):
+        resolve_options(tmp_path, tiers=[TierOptions(tier), TierOptions(MemoryTier("cache"))])
 
 
 # -- the reference page --------------------------------------------------------------------------------

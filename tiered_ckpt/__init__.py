@@ -40,6 +40,7 @@ from tiered_ckpt.options import (
     RemoteOptions,
     RestoreOptions,
     RuntimeOptions,
+    TierOptions,
     UploadOptions,
 )
 from tiered_ckpt.tiers.store import TieredStore
@@ -54,6 +55,7 @@ __all__ = [
     "RestoreOptions",
     "RuntimeOptions",
     "PeerOptions",
+    "TierOptions",
     "load_config",
     "Config",
     "SaveHandle",

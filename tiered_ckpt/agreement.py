@@ -33,7 +33,8 @@ from tiered_ckpt.options import Options
 
 __all__ = ["SHARED", "Shared", "agree_on_options", "check_process_layout"]
 
-# "remote" and "peer" say whether the group is given; its fields are compared where it is.
+# "remote" and "peer" say whether the group is given; its fields are compared where it is;
+# "tiers" names the caller's tiers and their cadence.
 SHARED = (
     "local.every",
     "remote",
@@ -42,6 +43,7 @@ SHARED = (
     "peer.every",
     "peer.nodes",
     "runtime.sharded_keys",
+    "tiers",
 )
 _LONGEST_SHOWN = 120  # characters of a value's JSON; a longer one is compared and shown by its sha256
 
@@ -55,6 +57,7 @@ def _values(options: Options) -> dict[str, Any]:
     values["peer"] = "on" if options.peer is not None else "off"
     if options.peer is not None:
         values |= {"peer.every": options.peer.every, "peer.nodes": options.peer.nodes}
+    values["tiers"] = [[each.tier.name, each.every] for each in options.tiers]  # each tier's replicator, cadence
     keys = options.runtime.sharded_keys
     values["runtime.sharded_keys"] = None if keys is None else sorted(keys, key=json.dumps)  # a set of keys
     return values

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from tiered_ckpt.dist.coordination import Coordinator
 from tiered_ckpt.engine.replication_policy import ReplicationPolicy
-from tiered_ckpt.options import LocalOptions, PeerOptions, RemoteOptions, UploadOptions
+from tiered_ckpt.options import LocalOptions, PeerOptions, RemoteOptions, TierOptions, UploadOptions
 from tiered_ckpt.tiers.base import Tier
 from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.peer.setup import open_peer_tier
@@ -30,6 +31,7 @@ __all__ = [
     "single_step_tier",
     "replication_policy",
     "peer_policy",
+    "tier_policy",
 ]
 
 
@@ -71,16 +73,22 @@ def peer_tier(peer: PeerOptions, coordinator: Coordinator, local_dir: Path) -> P
 
 
 def tiered_store(
-    local: LocalOptions, remote: RemoteOptions | None, remote_tier: Tier | None, peer: Tier | None = None
+    local: LocalOptions,
+    remote: RemoteOptions | None,
+    remote_tier: Tier | None,
+    peer: Tier | None = None,
+    tiers: Sequence[TierOptions] = (),
 ) -> TieredStore:
-    """The store over the local tier ``local`` describes, then ``peer`` and ``remote_tier`` if given
-    (nearest first), each with its retention (a partner's memory keeps what its budget holds)."""
+    """The store over the local tier ``local`` describes, then ``peer``, the caller's ``tiers`` (in
+    their order) and ``remote_tier``, those given (nearest first), each with its retention (a
+    partner's memory keeps what its budget holds)."""
     local_tier = LocalTier(local.dir)
     retention = {local_tier.name: local.retention}
     if remote_tier is not None and remote is not None:
         retention[local_tier.name] = dataclasses.replace(local.retention, upload_every=remote.every)
         retention[remote_tier.name] = remote.retention
-    later = [tier for tier in (peer, remote_tier) if tier is not None]
+    retention |= {each.tier.name: each.retention for each in tiers}
+    later = [tier for tier in (peer, *(each.tier for each in tiers), remote_tier) if tier is not None]
     return TieredStore([local_tier, *later], retention)
 
 
@@ -104,6 +112,13 @@ def replication_policy(upload: UploadOptions, every: int = 1) -> ReplicationPoli
     return ReplicationPolicy(
         upload.concurrency, upload.max_pending, upload.when_behind, upload.deadline_seconds, every=every
     )
+
+
+def tier_policy(tier: TierOptions) -> ReplicationPolicy:
+    """How the replicator of a caller's ``tier`` sends steps: every ``tier.every``-th step, tried
+    again after transient failures until ``tier.deadline_seconds``, each failure raised by the
+    manager unless ``tier.best_effort``."""
+    return ReplicationPolicy(deadline_seconds=tier.deadline_seconds, every=tier.every, best_effort=tier.best_effort)
 
 
 def peer_policy(peer: PeerOptions) -> ReplicationPolicy:

@@ -9,8 +9,9 @@
    fails the check for a transient reason is no failure: see below);
 3. the uploader (the :class:`~tiered_ckpt.engine.replication.Replicator` to the bucket),
    which resumes what an earlier run left waiting for upload (in the background, tried
-   until the bucket answers, if it did not answer the check), and the peer tier's
-   replicator (a partner node's memory: partners chosen, links built, both collectives);
+   until the bucket answers, if it did not answer the check), the peer tier's
+   replicator (a partner node's memory: partners chosen, links built, both collectives),
+   and one replicator for each of the caller's tiers (``options.tiers``), which resumes too;
 4. the preemption notice (its signal handlers) and its watch;
 5. the writer, which hands each step to the replicators whose cadence takes it.
 
@@ -39,6 +40,7 @@ from tiered_ckpt.engine.writer import Writer
 from tiered_ckpt.errors import DirectoryInUseError, RemoteError
 from tiered_ckpt.options import Options
 from tiered_ckpt.raising import raise_closed
+from tiered_ckpt.tiers.remote.tier import RemoteTier
 from tiered_ckpt.tiers.store import TieredStore
 
 __all__ = ["Parts", "open_parts"]
@@ -57,6 +59,7 @@ class Parts:
     writer: Writer
     uploader: Replicator | None
     peer: Replicator | None
+    others: tuple[Replicator, ...]  # one per tier of ``options.tiers``, in their order
     preemption: PreemptionWatch
     opened: ExitStack
     closed: bool = False
@@ -82,7 +85,7 @@ class _Opened:
     bucket_answered: bool
 
 
-def _open_local_dir(store: TieredStore, opened: ExitStack, one_process: bool) -> _Opened:
+def _open_local_dir(store: TieredStore, opened: ExitStack, one_process: bool, bucket: RemoteTier | None) -> _Opened:
     """Lock the local directory (released by ``opened``), remove what crashed saves left in it, and
     check the bucket: once, so that a bucket down for a moment costs the start one request; a
     permanent failure (no such bucket, access denied) raises, a transient one is logged."""
@@ -97,17 +100,17 @@ def _open_local_dir(store: TieredStore, opened: ExitStack, one_process: bool) ->
     removed = store.local.remove_uncommitted()
     if removed:
         logger.warning("removed what crashed saves left in %s: %s", store.local.root, ", ".join(removed))
-    if store.remote is None:
+    if bucket is None:
         return _Opened(True)
     try:  # on every rank, in this collective: one rank's permanent failure fails all
-        store.remote.check_bucket(once=True)
+        bucket.check_bucket(once=True)
     except RemoteError as exc:
         if not exc.transient:
             raise
         setup = "the bucket's setup (its lease, what an earlier run left to upload) is tried again in the background"
         logger.warning(
             "the bucket %s did not answer at start-up (%s): the manager starts, saves go to %s, and %s",
-            store.remote.url,
+            bucket.url,
             exc,
             store.local.root,
             setup,
@@ -125,14 +128,15 @@ def open_parts(options: Options, coordinator: Coordinator) -> Parts:
     remote, peer_options = options.remote, options.peer
     remote_tier = build.open_remote_tier(remote, options.upload, check_bucket=False) if remote is not None else None
     peer_tier = build.peer_tier(peer_options, coordinator, options.local.dir) if peer_options is not None else None
-    store = build.tiered_store(options.local, remote, remote_tier, peer_tier)
+    store = build.tiered_store(options.local, remote, remote_tier, peer_tier, options.tiers)
     errors = ErrorBox()
     uploader: Replicator | None = None
     peer: Replicator | None = None
+    others: list[Replicator] = []
     backlog = Backlog()  # local retention keeps what any later tier has still to commit
     stack = ExitStack()
     try:
-        opened = gather(coordinator, "open", _Opened, lambda: _open_local_dir(store, stack, one_process))
+        opened = gather(coordinator, "open", _Opened, lambda: _open_local_dir(store, stack, one_process, remote_tier))
         if remote is not None and remote_tier is not None:
             policy = build.replication_policy(options.upload, every=remote.every)
             uploader = Replicator(
@@ -154,6 +158,16 @@ def open_parts(options: Options, coordinator: Coordinator) -> Parts:
                 store, peer_tier, policy=policy, errors=errors, coordinator=channel, ranks=ranks, backlog=backlog
             )
             stack.enter_context(closing(peer))
+        for extra in options.tiers:
+            channel = coordinator.new_channel()
+            policy = build.tier_policy(extra)
+            other = Replicator(
+                store, extra.tier, policy=policy, errors=errors, coordinator=channel, ranks=ranks, backlog=backlog
+            )
+            stack.enter_context(closing(other))
+            others.append(other)
+            if extra.tier.capabilities.shared or one_process:  # what a crash kept from it (see engine/resume.py)
+                other.resume()
         notice = stack.enter_context(closing(PreemptionNotice(options.runtime.preemption_signals)))
         preemption = PreemptionWatch(notice, coordinator if one_process else coordinator.new_channel())
     except BaseException:
@@ -164,7 +178,7 @@ def open_parts(options: Options, coordinator: Coordinator) -> Parts:
         coordinator,
         world_size=world_size,
         errors=errors,
-        replicators=[each for each in (uploader, peer) if each is not None],
+        replicators=[each for each in (uploader, peer, *others) if each is not None],
         max_workers=max_workers,
         cpus=options.runtime.writer_cpus,
         local_every=options.local.every,
@@ -172,4 +186,4 @@ def open_parts(options: Options, coordinator: Coordinator) -> Parts:
     stack.enter_context(closing(writer))  # closed first: the last write reaches the replicators before they finish
     refiller = Refiller(store, writer.run_after, max_workers)
     restorer = Restorer(store, coordinator, world_size, max_workers, refiller=refiller)
-    return Parts(store, errors, restorer, writer, uploader, peer, preemption, stack)
+    return Parts(store, errors, restorer, writer, uploader, peer, tuple(others), preemption, stack)

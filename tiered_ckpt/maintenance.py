@@ -26,6 +26,7 @@ from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.options import RemoteOptions
 from tiered_ckpt.tiers import survey
+from tiered_ckpt.tiers.abilities import leases_of
 from tiered_ckpt.tiers.pruning import retain, to_delete, unproven
 from tiered_ckpt.tiers.remote.leases import OwnershipPolicy, live_owners
 from tiered_ckpt.tiers.store import TieredStore, TierName
@@ -162,7 +163,7 @@ def push(
 
 
 def prune(store: TieredStore, remote: RemoteOptions | None = None, *, dry_run: bool = False) -> PruneResult:
-    """Apply every tier's retention now, and abort the shared tier's unfinished multipart uploads
+    """Apply every tier's retention now, and abort each leased tier's (the bucket's) unfinished multipart uploads
     at least ``remote.orphan_age_seconds`` old (younger ones may belong to a running job; none
     while a run's lease on the URL is live)."""
     kept = tuple(unproven(store))
@@ -170,15 +171,17 @@ def prune(store: TieredStore, remote: RemoteOptions | None = None, *, dry_run: b
         planned = {tier.name: tuple(to_delete(store, tier)) for tier in store.tiers}
         return PruneResult(MappingProxyType(planned), (), kept, dry_run=True)
     aborted: list[str] = []
-    if store.remote is not None:
-        others = live_owners(store.remote, time.time())
+    for leased in (leases_of(tier) for tier in store.later):
+        if leased is None:
+            continue
+        others = live_owners(leased, time.time())
         if others:  # an open upload does not say whose it is: a live run's may be among them
             logger.warning(
-                "unfinished uploads left alone: run(s) %s write under %s", [o.run_id for o in others], store.remote.url
+                "unfinished uploads left alone: run(s) %s write under %s", [o.run_id for o in others], leased.url
             )
         else:
             ownership = remote.ownership if remote is not None else OwnershipPolicy()
-            aborted = store.remote.abort_orphans(ownership.orphan_age_seconds)
+            aborted += leased.abort_orphans(ownership.orphan_age_seconds)
     deleted = {tier.name: tuple(retain(store, tier)) for tier in store.tiers}
     return PruneResult(MappingProxyType(deleted), tuple(aborted), kept)
 

@@ -40,6 +40,7 @@ from tiered_ckpt.options import (
     RemoteOptions,
     RestoreOptions,
     RuntimeOptions,
+    TierOptions,
     UploadOptions,
     resolve_options,
 )
@@ -67,7 +68,8 @@ class CheckpointManager:
     whose fields are the keys of the same config table (``docs/reference/options.md``): ``local``
     (a path, or directory and retention), ``remote`` (a URL or its options; None: local only),
     ``upload`` (the uploader and every remote request), ``restore`` (verification), ``runtime``
-    (sharded keys, threads, CPUs, preemption signals), ``peer`` (a partner node's memory; None: none).
+    (sharded keys, threads, CPUs, preemption signals), ``peer`` (a partner node's memory; None: none),
+    ``tiers`` (later tiers of the caller's own, each with its retention and cadence: :class:`TierOptions`).
     ``world_size`` and ``coordinator`` describe the job's processes and are not options.
 
     Use it as a context manager, or call :meth:`close` at the end of the run.
@@ -82,10 +84,11 @@ class CheckpointManager:
         restore: RestoreOptions | None = None,
         runtime: RuntimeOptions | None = None,
         peer: PeerOptions | None = None,
+        tiers: Sequence[TierOptions] = (),
         world_size: int | None = None,
         coordinator: Coordinator | None = None,
     ) -> None:
-        resolved = Attempt.run(lambda: resolve_options(local, remote, upload, restore, runtime, peer))
+        resolved = Attempt.run(lambda: resolve_options(local, remote, upload, restore, runtime, peer, tiers))
         coordinator = resolve_coordinator(coordinator, world_size)
         options = agree_on_options(coordinator, resolved)  # the first collective: every rank raises together
         self._ranks = tuple(coordinator.local_ranks)
@@ -126,7 +129,7 @@ class CheckpointManager:
 
     @property
     def store(self) -> TieredStore:
-        """Both tiers, for reading (steps, manifests, verification); the manager does the writing."""
+        """Every tier, for reading (steps, manifests, verification); the manager does the writing."""
         return self._parts.store
 
     def __repr__(self) -> str:
@@ -158,19 +161,19 @@ class CheckpointManager:
         process per rank, ``states`` is this rank's state (every rank saves the same step). Returns
         once the arrays are copied to staging buffers (the caller may then overwrite them); the
         write runs in the background. The :class:`SaveHandle` holds a future of the local commit
-        (``committed``, which ``blocking=True`` waits for) and one of the bucket's (``uploaded``); a
-        step no tier takes is not saved (:meth:`should_save`). Raises first any background error not
-        yet raised (:class:`SaveError`, or a permanent :class:`UploadError`: no such bucket, access
-        denied), saying that ``step`` was not saved, then :class:`InvalidStateError` for bad input and
-        :class:`CheckpointExistsError` if ``step`` is not newer than every committed step (on every
-        rank, whichever rank is at fault; steps in the partners' memory count too: a restart would
-        restore them). An unreachable or failing bucket never makes it raise: the upload is retried
-        until its deadline, and a step that misses it stays local-only (see :meth:`wait`, :meth:`lag`).
+        (``committed``, which ``blocking=True`` waits for), one of each later tier's by name (``replicated``;
+        the bucket's is ``uploaded``); a step no tier takes is not saved (:meth:`should_save`). Raises
+        first any background error not yet raised (:class:`SaveError`, or a permanent
+        :class:`UploadError`: no such bucket, access denied), saying that ``step`` was not saved, then
+        :class:`InvalidStateError` for bad input and :class:`CheckpointExistsError` if ``step`` is not newer
+        than every committed step (on every rank, whichever rank is at fault; steps in the partners' memory
+        count too: a restart would restore them). An unreachable or failing bucket never makes it raise: the
+        upload is retried until its deadline, and a step that misses it stays local-only (see :meth:`wait`).
         """
         self._check_open()
         parts = self._parts
         if not self.should_save(step):
-            return SaveHandle.skipped(step, bucket=parts.store.remote is not None)
+            return parts.writer.skipped(step)
         parts.writer.settle(retention=False)
 
         def checked() -> int | None:
@@ -225,17 +228,16 @@ class CheckpointManager:
 
     def wait(self, *, uploaded: bool = False) -> None:
         """Block until every save so far (and a restore's refill of the disk) is committed locally
-        and, with ``uploaded=True``, committed remotely or past its upload deadline.
+        and, with ``uploaded=True``, in the bucket and each tier of ``tiers`` or past its deadline.
 
-        Raises a background error not yet raised: :class:`SaveError` or a permanent
-        :class:`UploadError`; with ``uploaded=True`` also the :class:`UploadError` (``transient``
-        True; one naming them all, ``step`` the newest) of the steps that missed their deadline
-        while the bucket was unreachable: the caller asked for the bucket's copy and does not
-        have it. Each such step is reported once; its local copy is kept."""
+        Raises a background error not yet raised: :class:`SaveError` or a permanent :class:`UploadError`;
+        with ``uploaded=True`` also the :class:`UploadError` (``transient`` True; one naming them all, ``step``
+        the newest) of the steps that missed their deadline while the bucket was unreachable: the caller
+        asked for the bucket's copy and does not have it. Each such step is reported once; its local copy is kept."""
         parts = self._parts
         parts.writer.settle()
-        if uploaded and parts.uploader is not None:
-            parts.uploader.wait()
+        for replicator in [each for each in (parts.uploader, *parts.others) if each is not None and uploaded]:
+            replicator.wait()
         raise_waited(parts.errors, uploaded=uploaded)
 
     def check_for_errors(self) -> None:
@@ -325,19 +327,17 @@ class CheckpointManager:
     ) -> RestoreResult | None:
         """Load a committed step (default: the newest) with every shard verified.
 
-        ``world_size`` (default: the manager's) must match the checkpoint's, else
-        :class:`WorldSizeMismatchError`, unless ``reshard=True`` asks for the flat shards to be
-        re-cut for it. ``verify="fast"`` checks xxh3-64 instead of sha256 (default: the manager's
-        ``verify``). ``into`` (a state of the same nesting) fills the caller's arrays and CPU
-        tensors in place; with resharding only a state of DTensors, whose chunks are filled from
-        the saved chunks that overlap them, each read in part and verified by its own sha256.
-        ``paths`` (top-level keys, tensor names or key tuples) restores only what lies under them,
-        reading only those arrays (see ``docs/guides/saving-and-restoring.md``). A damaged step
-        fails loudly naming step, rank and file; it never falls back to an older step by itself.
-        ``missing_ok=True`` returns None instead of raising when no tier (of no rank) holds any
-        committed step: a fresh start. With one process per rank every rank calls it and gets its own rank's state
-        (:attr:`RestoreResult.state`); the step is the newest that every rank holds
-        locally or the bucket holds, and a failure on any rank raises on every rank.
+        ``world_size`` (default: the manager's) must match the checkpoint's, else :class:`WorldSizeMismatchError`,
+        unless ``reshard=True`` asks for the flat shards to be re-cut for it. ``verify="fast"`` checks xxh3-64
+        instead of sha256 (default: the manager's ``verify``). ``into`` (a state of the same nesting) fills the
+        caller's arrays and CPU tensors in place; with resharding only a state of DTensors, whose chunks are
+        filled from the saved chunks that overlap them, each read in part and verified by its own sha256.
+        ``paths`` (top-level keys, tensor names or key tuples) restores only what lies under them, reading only
+        those arrays (see ``docs/guides/saving-and-restoring.md``). A damaged step fails loudly naming step,
+        rank and file; it never falls back to an older step by itself. ``missing_ok=True`` returns None instead
+        of raising when no tier (of no rank) holds any committed step: a fresh start. With one process per rank
+        every rank calls it and gets its own rank's state (:attr:`RestoreResult.state`); the step is the newest
+        that every rank holds locally or some tier holds, and a failure on any rank raises on every rank.
         """
         self._check_open()
         self._parts.writer.settle()

@@ -26,6 +26,7 @@ import fsspec
 from tiered_ckpt.errors import ConfigError, UsageError, invalid_option, restated
 from tiered_ckpt.format.bounds import MAX_COUNT, MAX_PART_BYTES, MAX_SECONDS, check_number
 from tiered_ckpt.io.hashing import VERIFY_MODES, Verify
+from tiered_ckpt.tiers.base import Tier
 from tiered_ckpt.tiers.remote.compression import Compression, check_compression
 from tiered_ckpt.tiers.remote.leases import OtherOwners, OwnershipPolicy
 from tiered_ckpt.tiers.remote.retry import RetryPolicy
@@ -43,6 +44,7 @@ __all__ = [
     "RestoreOptions",
     "RuntimeOptions",
     "PeerOptions",
+    "TierOptions",
     "Options",
     "GROUPS",
     "resolve_options",
@@ -414,6 +416,48 @@ class PeerOptions:
             object.__setattr__(self, "nodes", nodes)
 
 
+_NAMES_TAKEN = ("local", "peer", "remote")  # the tiers the other groups describe
+
+
+@dataclass(frozen=True)
+class TierOptions(_Retained):
+    """A later tier of the caller's own (a second disk, a shared memory such as Redis), given to
+    the manager as ``tiers=[TierOptions(tier, ...)]``: ``tier`` speaks the tier protocol
+    (:class:`~tiered_ckpt.tiers.base.Tier`; :mod:`tiered_ckpt.testing` holds the contract that
+    proves it) under a ``name`` of its own (not ``local``, ``peer`` nor ``remote``). The store
+    reads such tiers after the partners' memory and before the bucket, in the order given.
+
+    Its retention: ``keep_last`` and ``keep_every`` as the local tier's (default: keep all).
+    Only the saved steps divisible by ``every`` are copied to it, by a replicator of its own;
+    a step's copy is tried again after a transient failure until ``deadline_seconds`` (None:
+    no deadline). A failure is raised by the manager's next call, as the bucket's is, unless
+    ``best_effort`` (a cache: it is logged, and the step is simply not in the tier). How it
+    went for each step is the save's ``SaveHandle.replicated[name]``.
+
+    The one group that is not plain data (it holds the tier itself): no config file or
+    environment variable gives it.
+    """
+
+    tier: Any
+    keep_last: int | None = None
+    keep_every: int | None = None
+    every: int = 1
+    deadline_seconds: float | None = 3600.0
+    best_effort: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tier, Tier):
+            raise invalid_option("tier", f"must speak the tier protocol (tiers.base.Tier), got {self.tier!r:.60}")
+        if self.tier.name in _NAMES_TAKEN:
+            raise invalid_option("tier", f"is called {self.tier.name!r}, a name the manager's own tiers take")
+        _check_number("every", self.every, 1)
+        if self.deadline_seconds is not None:
+            _check_number("deadline_seconds", self.deadline_seconds, 0.001, (int, float))
+        if not isinstance(self.best_effort, bool):
+            raise invalid_option("best_effort", f"must be True or False, got {self.best_effort!r:.60}")
+        self.retention  # noqa: B018 -- checks keep_last and keep_every
+
+
 @dataclass(frozen=True)
 class Options:
     """Everything a manager is configured with, resolved and checked: one group per concern."""
@@ -424,6 +468,7 @@ class Options:
     restore: RestoreOptions = RestoreOptions()
     runtime: RuntimeOptions = RuntimeOptions()
     peer: PeerOptions | None = None
+    tiers: tuple[TierOptions, ...] = ()
 
 
 def resolve_options(
@@ -433,9 +478,10 @@ def resolve_options(
     restore: RestoreOptions | None = None,
     runtime: RuntimeOptions | None = None,
     peer: PeerOptions | None = None,
+    tiers: Sequence[TierOptions] = (),
 ) -> Options:
     """The options a manager's arguments stand for: a path is ``LocalOptions(path)``, a URL
-    ``RemoteOptions(url)``, and a group not given its defaults.
+    ``RemoteOptions(url)``, and a group not given its defaults (``tiers``: none).
 
     Raises :class:`~tiered_ckpt.UsageError` naming the argument whose value is not one of those.
     """
@@ -462,9 +508,15 @@ def resolve_options(
             "remote.every",
             f"is {remote.every}, not a multiple of local.every ({local.every}): the bucket gets disk steps",
         )
+    if isinstance(tiers, TierOptions) or not all(isinstance(each, TierOptions) for each in tiers):
+        raise UsageError(f"argument tiers must be a list of TierOptions, got {tiers!r:.80}")
+    names = [each.tier.name for each in tiers]
+    if len(set(names)) != len(names):
+        raise UsageError(f"argument tiers: each tier needs a name of its own, got {names}")
     return Options(
-        local, remote, upload or UploadOptions(), restore or RestoreOptions(), runtime or RuntimeOptions(), peer
-    )
+        local, remote, upload or UploadOptions(), restore or RestoreOptions(), runtime or RuntimeOptions(), peer,
+        tuple(tiers),
+    )  # fmt: skip
 
 
 # One group per concern, each the same in the constructor, a config table and the

@@ -1,16 +1,22 @@
-"""A tier in this process's memory, for tests: the smallest implementation of the tier protocol.
+"""A tier in memory, for tests: the smallest implementation of the tier protocol.
 
 It holds shards and manifests in dicts; it is what the contract tests run on first, and
 what a store with more tiers than a disk and a bucket is tried with. Not durable, not
-shared between nodes.
+shared between nodes, unless told so. Given a ``directory`` (on a memory file system, such
+as /dev/shm or a test's tmp), its dicts are files there, which every process naming the
+directory shares and which outlive a killed process: a memory server such as Redis,
+standing outside the job (tests/test_extra_tiers.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import os
 import threading
-from collections.abc import Callable, Sequence
+import uuid
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
+from pathlib import Path
 from typing import BinaryIO, TypeVar
 
 import xxhash
@@ -27,17 +33,66 @@ def digest_of(data: bytes) -> ShardDigest:
     return ShardDigest(len(data), hashlib.sha256(data).hexdigest(), xxhash.xxh3_64_hexdigest(data))
 
 
+K = TypeVar("K")
+
+
+class _Files(MutableMapping[K, bytes]):
+    """A dict whose entries are files in ``directory``, each written whole under a temp name and
+    renamed: every process naming the directory sees the same entries, never a half-written one."""
+
+    def __init__(self, directory: Path, name: Callable[[K], str], key: Callable[[str], K]) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self._directory, self._name, self._key = directory, name, key
+
+    def __getitem__(self, key: K) -> bytes:
+        try:
+            return (self._directory / self._name(key)).read_bytes()
+        except FileNotFoundError:
+            raise KeyError(key) from None
+
+    def __setitem__(self, key: K, data: bytes) -> None:
+        temp = self._directory / f".{uuid.uuid4().hex}"
+        temp.write_bytes(data)
+        os.replace(temp, self._directory / self._name(key))
+
+    def __delitem__(self, key: K) -> None:
+        try:
+            (self._directory / self._name(key)).unlink()
+        except FileNotFoundError:
+            raise KeyError(key) from None
+
+    def __iter__(self) -> Iterator[K]:
+        return iter([self._key(name) for name in sorted(os.listdir(self._directory)) if not name.startswith(".")])
+
+    def __len__(self) -> int:
+        return len(list(iter(self)))
+
+
+def _shard_name(key: tuple[int, str]) -> str:
+    return f"{key[0]}-{key[1]}"
+
+
+def _shard_key(name: str) -> tuple[int, str]:
+    step, path = name.split("-", 1)
+    return int(step), path
+
+
 class MemoryTier:
     """Checkpoints in a dict; ``name`` and ``capabilities`` as a test needs them."""
 
-    def __init__(self, name: str = "memory", *, durable: bool = False, shared: bool = False) -> None:
+    def __init__(
+        self, name: str = "memory", *, durable: bool = False, shared: bool = False, directory: Path | None = None
+    ) -> None:
         self.name = name
         self.url = f"memory://{name}"
         self.capabilities = Capabilities(
             durable=durable, shared=shared, create_only_commit=True, store_checksums=False, ranged_reads=True
         )
-        self.shards: dict[tuple[int, str], bytes] = {}
-        self.manifests: dict[int, bytes] = {}
+        self.shards: MutableMapping[tuple[int, str], bytes] = {}
+        self.manifests: MutableMapping[int, bytes] = {}
+        if directory is not None:
+            self.shards = _Files(directory / "shards", _shard_name, _shard_key)
+            self.manifests = _Files(directory / "manifests", str, int)
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:

@@ -575,16 +575,13 @@ def test_a_read_tries_the_bucket_only_where_it_committed_the_step_and_every_othe
     assert source == "peer" and state.arrays["w"].tobytes() == states[0]["w"].tobytes()
 
 
-def test_a_store_holds_one_durable_later_tier_the_bucket(tmp_path, memory_url):
+def test_a_store_holds_any_number_of_durable_later_tiers_and_its_bucket_is_the_one_with_receipts(tmp_path, memory_url):
     local = LocalTier(tmp_path / "ckpt")
-    for later in (
-        [RemoteTier(*memory_url), MemoryTier("archive", durable=True)],  # receipts: one per step
-        [MemoryTier("archive", durable=True, shared=True)],  # no bucket's words (leases, receipts)
-    ):
-        with pytest.raises(UsageError, match="at most one durable tier, a bucket"):
-            TieredStore([local, *later])
+    archive, shared = MemoryTier("archive", durable=True), MemoryTier("shared", durable=True, shared=True)
+    store = TieredStore([local, archive, shared])  # durable, but no receipts: no bucket
+    assert store.remote is None and store.later == (archive, shared)
     bucket = RemoteTier(*memory_url)
-    store = TieredStore([local, MemoryTier("peer"), bucket])
-    assert store.remote is bucket
+    store = TieredStore([local, MemoryTier("peer"), archive, bucket, shared])
+    assert store.remote is bucket  # the first later tier with receipts, wherever it stands
     with pytest.raises(UsageError, match="only a tier with receipts has its commits recorded"):
-        store.record_commit(3, store.tier("peer"), None)
+        store.record_commit(3, store.tier("archive"), None)

@@ -32,6 +32,27 @@ class TestMemoryTier(TierContract):
         assert tier.held_ranks(3, manifest) == ((0, 1) if shared else (1,))
 
 
+class TestSharedMemoryTier(TierContract):
+    """The memory tier over a directory every process shares (standing for Redis, see tests/test_extra_tiers.py)."""
+
+    @pytest.fixture
+    def tier(self, tmp_path):
+        return MemoryTier("redis", shared=True, directory=tmp_path / "redis")
+
+    def replace_shard(self, tier, step, record, data):
+        tier.shards[(step, record.path)] = data
+
+    def replace_manifest(self, tier, step, data):
+        tier.manifests[step] = data
+
+    def test_every_tier_over_one_directory_holds_the_same_steps(self, tier, tmp_path):
+        manifest = self.commit_step(tier, 5)
+        other = MemoryTier("redis", shared=True, directory=tmp_path / "redis")  # another process's view
+        assert other.steps() == [5] and other.manifest(5) == manifest
+        other.delete_step(5)
+        assert tier.steps() == [] and tier.uncommitted_steps() == []
+
+
 class RemoteTierContract(TierContract):
     """The object-store tier, on each backend (the ``url`` fixture names one)."""
 

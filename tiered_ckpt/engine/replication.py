@@ -146,9 +146,9 @@ class Replicator(UploadQueue, BackgroundSetup):
         self._giving_up_on: str | None = None  # a failure that gives it up, not yet agreed
         self.backlog = backlog or Backlog()
         self.backlog.add(target.name, self.pending)
-        durable = target.capabilities.durable  # a copy that outlives the job: an upload
-        self._what = "upload" if durable else f"copy to the {target.name} tier"
-        name = "tiered-ckpt-uploader" if durable else f"tiered-ckpt-to-{target.name}"
+        bucket = target.capabilities.receipts  # the copy a later run resumes from: an upload
+        self._what = "upload" if bucket else f"copy to the {target.name} tier"
+        name = "tiered-ckpt-uploader" if bucket else f"tiered-ckpt-to-{target.name}"
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 

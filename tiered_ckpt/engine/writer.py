@@ -88,7 +88,7 @@ def _copy_outcome(done: Future[ShardManifest | None], into: Future[ShardManifest
 
 
 class SaveHandle:
-    """The pending result of one :meth:`CheckpointManager.save`, as two futures.
+    """The pending result of one :meth:`CheckpointManager.save`, as futures.
 
     ``committed`` is the local commit: its result is the step's manifest once every rank's
     shard is durable and the manifest is in place (for a step kept in a partner's memory
@@ -98,22 +98,32 @@ class SaveHandle:
     in the bucket (None only without one): its result is None once the bucket holds the step;
     its exception is the step's :class:`UploadError` (it failed, missed its deadline, was
     superseded by a newer step, the manager closed first, or the step never goes to the
-    bucket: its cadence skips it, ``tries`` 0), or the save's :class:`SaveError`. An error
-    raised by either's ``result()`` is not raised again by the manager's next call.
+    bucket: its cadence skips it, ``tries`` 0), or the save's :class:`SaveError`. ``replicated``
+    holds such a future for every later tier, by its name (the bucket's is ``uploaded``). An
+    error raised by any one's ``result()`` is not raised again by the manager's next call.
     """
 
-    def __init__(self, step: int, committed: Future[ShardManifest | None], uploaded: Future[None] | None) -> None:
+    def __init__(
+        self,
+        step: int,
+        committed: Future[ShardManifest | None],
+        uploaded: Future[None] | None,
+        replicated: Mapping[str, Future[None]] | None = None,
+    ) -> None:
         self.step = step
         self.committed = committed
         self.uploaded = uploaded
+        self.replicated: Mapping[str, Future[None]] = dict(replicated or {})
 
     @classmethod
-    def skipped(cls, step: int, *, bucket: bool) -> SaveHandle:
-        """The handle of a save that saved nothing: no tier's cadence takes ``step`` (``bucket``:
-        one is configured, so ``uploaded`` is a future that says the step is not uploaded)."""
+    def skipped(cls, step: int, *, later: Sequence[str] = (), bucket: str | None = None) -> SaveHandle:
+        """The handle of a save that saved nothing: no tier's cadence takes ``step``; each of the
+        ``later`` tiers (by name; ``bucket``, the bucket's) has a future that says the step is not there."""
         nothing: Future[ShardManifest | None] = Future()
         nothing.set_result(None)
-        return cls(step, nothing, not_uploaded(step, "no tier's cadence takes it") if bucket else None)
+        why = "no tier's cadence takes it"
+        replicated = {name: not_replicated(step, name, bucket, why) for name in later}
+        return cls(step, nothing, replicated.get(bucket) if bucket is not None else None, replicated)
 
     def __repr__(self) -> str:
         def state(future: Future[Any] | None) -> str:
@@ -124,12 +134,14 @@ class SaveHandle:
         return f"SaveHandle(step={self.step}, committed={state(self.committed)}, uploaded={state(self.uploaded)})"
 
 
-def not_uploaded(step: int, why: str) -> Future[None]:
-    """The ``uploaded`` future of a step that never goes to the bucket: failed at once with an
-    :class:`UploadError` of no tries saying ``why``. A waiting loop gets a typed answer for every
-    save, as for a step left local-only, rather than no future at all."""
+def not_replicated(step: int, name: str, bucket: str | None, why: str) -> Future[None]:
+    """The future of a step that never goes to the later tier called ``name`` (``bucket``: the
+    bucket's name): failed at once with an :class:`UploadError` of no tries saying ``why``. A
+    waiting loop gets a typed answer for every save, as for a step left local-only, rather than
+    no future at all."""
     future: Future[None] = Future()
-    future.set_exception(UploadError(f"step {step} is not uploaded: {why}", step=step, tries=0))
+    what = "uploaded" if name == bucket else f"copied to the {name} tier"
+    future.set_exception(UploadError(f"step {step} is not {what}: {why}", step=step, tries=0))
     return future
 
 
@@ -213,25 +225,37 @@ class Writer:
         buffers = self._staging.stage([state.arrays for state in states])
         staged = [dataclasses.replace(state, arrays=arrays) for arrays, state in zip(buffers, states, strict=True)]
         committed: Future[ShardManifest | None] = ReportedFuture(self._errors)
-        uploaded = self._upload_outcome(step, to_disk, replicators)
+        outcomes = self._outcomes(step, to_disk, replicators)
         write = partial(self._write, every_tier=every_tier) if to_disk else self._write_to_memory
         self._writer.submit(write, step, staged, keys, numels, replicators, replicated).add_done_callback(
             lambda done: _copy_outcome(done, committed)
         )
         self._last_save = committed
-        return SaveHandle(step, committed, uploaded)
+        bucket = self._bucket()
+        return SaveHandle(step, committed, outcomes.get(bucket) if bucket is not None else None, outcomes)
 
-    def _upload_outcome(self, step: int, to_disk: bool, replicators: Sequence[Replicator]) -> Future[None] | None:
-        """The future of ``step``'s commit in the bucket: the first later tier with receipts (None without one)."""
-        bucket = next((tier for tier in self._store.later if tier.capabilities.receipts), None)
-        if bucket is None:
-            return None
-        chosen = next((each for each in replicators if each.target.name == bucket.name), None)
-        if chosen is not None:
-            return chosen.outcome(step)
-        if not to_disk:
-            return not_uploaded(step, "it is kept in a partner's memory only, and the bucket gets disk steps")
-        return not_uploaded(step, "the bucket's cadence (remote.every) skips it")
+    def skipped(self, step: int) -> SaveHandle:
+        """The handle of a save of ``step`` that no tier's cadence takes (see :meth:`SaveHandle.skipped`)."""
+        return SaveHandle.skipped(step, later=[each.target.name for each in self._replicators], bucket=self._bucket())
+
+    def _bucket(self) -> str | None:
+        """The bucket's name: the first later tier with receipts (None without one)."""
+        return next((tier.name for tier in self._store.later if tier.capabilities.receipts), None)
+
+    def _outcomes(self, step: int, to_disk: bool, replicators: Sequence[Replicator]) -> dict[str, Future[None]]:
+        """The future of ``step``'s commit in each later tier a replicator feeds, by the tier's name."""
+        bucket, outcomes = self._bucket(), dict[str, Future[None]]()
+        for replicator in self._replicators:
+            name = replicator.target.name
+            if replicator in replicators:
+                outcomes[name] = replicator.outcome(step)
+                continue
+            cadence = "the bucket's cadence (remote.every)" if name == bucket else f"the {name} tier's cadence"
+            why = f"{cadence} skips it"
+            if not to_disk:
+                why = f"it is kept in a partner's memory only, and the {name} tier gets disk steps"
+            outcomes[name] = not_replicated(step, name, bucket, why)
+        return outcomes
 
     def run_after(self, job: Callable[[], None]) -> None:
         """Queue ``job`` (which raises nothing) on the writer's thread, after the queued write and

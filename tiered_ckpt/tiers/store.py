@@ -49,9 +49,9 @@ from tiered_ckpt.format.state import FlatState, own_targets
 from tiered_ckpt.format.structure import Structure
 from tiered_ckpt.io.hashing import Hasher, ShardDigest, Verify, copy_and_hash, hashing_writer
 from tiered_ckpt.io.parallel import run_parallel
+from tiered_ckpt.tiers.abilities import ReceiptedTier, receipts_of
 from tiered_ckpt.tiers.base import Landed, PreparedReads, ShardSource, Tier
 from tiered_ckpt.tiers.local import LocalTier
-from tiered_ckpt.tiers.remote.tier import RemoteTier
 from tiered_ckpt.tiers.retention import RetentionPolicy
 from tiered_ckpt.tiers.shard_parts import ShardIndex, read_verified_parts, shard_index, verified_header
 
@@ -88,10 +88,10 @@ class TieredStore:
     """Steps and shards across ``tiers``, nearest first; ``tiers[0]`` is this node's disk.
 
     ``retention`` maps a tier's name to its :class:`RetentionPolicy` (a tier not named
-    keeps every step). Of the later tiers, at most one is durable: the bucket (a
-    :class:`RemoteTier`, :attr:`remote`), which every rank reads, whose commits the local
-    steps record (receipts) and whose manifests keep the store's checksums; any number may
-    be neither (a partner's memory). Anything else is refused (:class:`UsageError`).
+    keeps every step). The later tiers may be any number, durable or not, shared or not
+    (a second disk, a partner's memory, a shared memory, a bucket); what differs between them
+    is said by their capabilities. :attr:`remote` is the first later tier with receipts (the
+    bucket), where the bucket is meant (None without one).
     """
 
     def __init__(self, tiers: Sequence[Tier], retention: Mapping[str, RetentionPolicy] | None = None) -> None:
@@ -104,18 +104,12 @@ class TieredStore:
         unknown = set(retention or {}) - set(names)
         if unknown:
             raise UsageError(f"retention names tiers the store does not have: {sorted(unknown)} (tiers: {names})")
-        durable = [tier for tier in tiers[1:] if tier.capabilities.durable]
-        # A durable copy is one a later run resumes from: its commits need receipts (one per
-        # step on the local disk) and its bucket's own words (leases, orphaned uploads, the
-        # store's checksums), which the object-store tier alone speaks.
-        if len(durable) > 1 or any(not isinstance(tier, RemoteTier) for tier in durable):
-            raise UsageError(
-                f"a store's later tiers hold at most one durable tier, a bucket (RemoteTier); got {list(tiers[1:])!r}"
-            )
         self.tiers: tuple[Tier, ...] = tiers
         self.local: LocalTier = tiers[0]
         self.retention: Mapping[str, RetentionPolicy] = dict(retention or {})
-        self.remote: RemoteTier | None = cast(RemoteTier, durable[0]) if durable else None
+        self.remote: ReceiptedTier | None = next(
+            (receipted for tier in tiers[1:] if (receipted := receipts_of(tier)) is not None), None
+        )
         self.retention_lock = threading.Lock()  # retention passes of the local tier never interleave
 
     def __repr__(self) -> str:
@@ -155,11 +149,11 @@ class TieredStore:
     # -- what the later tiers committed ---------------------------------------------------------
 
     def remote_steps(self) -> list[int]:
-        """Steps committed in the shared tier, oldest first (empty without one)."""
+        """Steps committed in the bucket (:attr:`remote`), oldest first (empty without one)."""
         return self.remote.steps() if self.remote is not None else []
 
     def receipted(self, step: int, tier: Tier | None = None) -> bool:
-        """True if the local step records its commit in ``tier`` (default: the shared tier)."""
+        """True if the local step records its commit in ``tier`` (default: the bucket)."""
         tier = tier or self.remote
         return tier is not None and self.local.has_receipt(step, tier.url)
 
@@ -173,7 +167,7 @@ class TieredStore:
 
     def manifests(self, step: int, *, in_local: bool, in_remote: bool) -> tuple[ShardManifest, RemoteManifest | None]:
         """The step's manifest (the local one if it validates, else a later tier's that is not the
-        bucket, else the bucket's) and the shared tier's remote manifest (``in_*``: whether each
+        bucket, else the bucket's) and the bucket's remote manifest (``in_*``: whether each
         tier committed the step; None when a nearer tier's manifest was used instead).
 
         Raises :class:`ManifestError` if the two describe different checkpoints.
@@ -220,7 +214,7 @@ class TieredStore:
         return tier.land_shard(step, record, source, deadline=deadline)
 
     def download_shard(self, step: int, record: ShardRecord, tier: Tier | None = None) -> None:
-        """Stream ``record``'s copy in ``tier`` (default: the shared tier) into the local step,
+        """Stream ``record``'s copy in ``tier`` (default: the bucket) into the local step,
         landing it only if it verifies (a refill)."""
         tier = tier or self.remote
         if tier is None or tier is self.local:
@@ -431,7 +425,7 @@ class TieredStore:
         self, manifest: ShardManifest, remote: RemoteManifest | None, fetched: Collection[int], was_committed: bool
     ) -> None:
         """After shards of ``fetched`` ranks were read into the local step: record what it holds,
-        commit it locally if it was not committed here before, and record the shared tier's
+        commit it locally if it was not committed here before, and record the bucket's
         commit (``remote``) if the step has no receipt. Nothing is rewritten that is already right."""
         step = manifest.step
         if not was_committed:

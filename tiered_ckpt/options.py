@@ -514,9 +514,14 @@ def resolve_options(
     if len(set(names)) != len(names):
         raise UsageError(f"argument tiers: each tier needs a name of its own, got {names}")
     return Options(
-        local, remote, upload or UploadOptions(), restore or RestoreOptions(), runtime or RuntimeOptions(), peer,
+        local,
+        remote,
+        upload or UploadOptions(),
+        restore or RestoreOptions(),
+        runtime or RuntimeOptions(),
+        peer,
         tuple(tiers),
-    )  # fmt: skip
+    )
 
 
 # One group per concern, each the same in the constructor, a config table and the

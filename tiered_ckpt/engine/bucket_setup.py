@@ -135,8 +135,11 @@ class BackgroundSetup:
                 return
             logger.warning(
                 "%s could not be set up (try %d): %s; trying again in %.1f s (saves go on meanwhile)",
-                self, attempt, failure, views[0].delay,
-            )  # fmt: skip
+                self,
+                attempt,
+                failure,
+                views[0].delay,
+            )
             with self._changed:
                 self._changed.wait_for(lambda: self._closing or self._giving_up, views[0].delay)
 

@@ -392,8 +392,13 @@ class Replicator(UploadQueue, BackgroundSetup):
             left = f"its deadline in {deadline - time.monotonic():.0f} s" if deadline is not None else "no deadline"
             logger.warning(
                 "upload of step %d failed (try %d, %d requests tried): %s; trying again in %.1f s (%s)",
-                step, attempt, tries, failure, delay, left,
-            )  # fmt: skip
+                step,
+                attempt,
+                tries,
+                failure,
+                delay,
+                left,
+            )
             with self._changed:  # a preemption notice cuts the wait short (the step may be superseded)
                 self._changed.wait_for(
                     lambda: self._giving_up or (self._preempted and any(s > step for s in self._queue)), delay
@@ -448,8 +453,12 @@ class Replicator(UploadQueue, BackgroundSetup):
             self._commits.append((sent, seconds))
         logger.info(
             "step %d committed at %s: %d bytes from this process in %.2f s (%.1f MB/s)",
-            step, self._sender.where(step), sent, seconds, sent / max(seconds, 1e-9) / 1e6,
-        )  # fmt: skip
+            step,
+            self._sender.where(step),
+            sent,
+            seconds,
+            sent / max(seconds, 1e-9) / 1e6,
+        )
         self._sender.retain(step, self.backlog.pending())
 
 

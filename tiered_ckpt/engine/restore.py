@@ -208,9 +208,13 @@ class Restorer:
         result = replace(result, seconds=time.monotonic() - started)
         logger.info(
             "restored step %d for rank(s) %s: %d bytes of %d shard(s) read in %.3f s; shards by tier: %s",
-            result.step, rank_ranges(result.ranks), result.bytes_read, len(result.sources), result.seconds,
+            result.step,
+            rank_ranges(result.ranks),
+            result.bytes_read,
+            len(result.sources),
+            result.seconds,
             by_tier(result.sources),
-        )  # fmt: skip
+        )
         return result
 
     @property

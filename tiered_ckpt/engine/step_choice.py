@@ -124,8 +124,10 @@ class StepChooser:
             if wanted is not None and wanted in held:
                 logger.warning(
                     "restore: %s did not answer (%s); step %d is restored from this job's disks without it",
-                    called(facts), down[facts.name], wanted,
-                )  # fmt: skip
+                    called(facts),
+                    down[facts.name],
+                    wanted,
+                )
                 continue
             try:
                 listed[facts.name] = tuple(self._store.tier(facts.name).steps())

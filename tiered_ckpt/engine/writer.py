@@ -300,9 +300,14 @@ class Writer:
         return choose_writers(self._coordinator, staged) if replicated else {}
 
     def _write_to_memory(
-        self, step: int, staged: list[FlatState], keys: tuple[str, ...], numels: list[int], to: list[Replicator],
+        self,
+        step: int,
+        staged: list[FlatState],
+        keys: tuple[str, ...],
+        numels: list[int],
+        to: list[Replicator],
         replicated: bool = True,
-    ) -> ShardManifest | None:  # fmt: skip
+    ) -> ShardManifest | None:
         """Writer thread: serialize this process's shards of a step the disk skips, agree on its
         manifest, and hand it to the replicators of the tiers that take it (a partner's memory);
         the step is committed once each of them committed it. A failure is logged (WARNING),
@@ -313,9 +318,15 @@ class Writer:
 
             def write() -> _Written:
                 written = serialize_shards(
-                    step, staged, self._ranks, world_size=self._world_size, numels=numels,
-                    max_workers=self._max_workers, replicas=replicas, buffers=self._in_memory,
-                )  # fmt: skip
+                    step,
+                    staged,
+                    self._ranks,
+                    world_size=self._world_size,
+                    numels=numels,
+                    max_workers=self._max_workers,
+                    replicas=replicas,
+                    buffers=self._in_memory,
+                )
                 shards.update((record.rank, data) for record, data in written)
                 return _Written(tuple(record.to_dict() for record, _data in written), time.time())
 
@@ -338,9 +349,16 @@ class Writer:
         return manifest
 
     def _write(
-        self, step: int, staged: list[FlatState], keys: tuple[str, ...], numels: list[int], to: list[Replicator],
-        replicated: bool = True, *, every_tier: bool = False,
-    ) -> ShardManifest:  # fmt: skip
+        self,
+        step: int,
+        staged: list[FlatState],
+        keys: tuple[str, ...],
+        numels: list[int],
+        to: list[Replicator],
+        replicated: bool = True,
+        *,
+        every_tier: bool = False,
+    ) -> ShardManifest:
         """Writer thread: write this process's shards, commit once every rank's are durable, queue
         the upload. ``every_tier`` is recorded with the commit: a restart still owes it to every tier."""
         local = self._store.local
@@ -350,9 +368,15 @@ class Writer:
 
             def write() -> _Written:
                 records = write_shards(
-                    local, step, staged, self._ranks, world_size=self._world_size, numels=numels,
-                    max_workers=self._max_workers, replicas=replicas,
-                )  # fmt: skip
+                    local,
+                    step,
+                    staged,
+                    self._ranks,
+                    world_size=self._world_size,
+                    numels=numels,
+                    max_workers=self._max_workers,
+                    replicas=replicas,
+                )
                 return _Written(tuple(record.to_dict() for record in records), time.time())
 
             manifest = self._records(step, gather(self._coordinator, "write", _Written, write), keys)

@@ -370,9 +370,16 @@ class LocalTier:
         return remove_temp_files(self.step_dir(step))
 
     def land_shard(
-        self, step: int, record: ShardRecord, source: ShardSource, *, deadline: float | None = None,
-        sync_directory: bool = True, cached: bool = False, copy_of: str | None = None,
-    ) -> Landed:  # fmt: skip
+        self,
+        step: int,
+        record: ShardRecord,
+        source: ShardSource,
+        *,
+        deadline: float | None = None,
+        sync_directory: bool = True,
+        cached: bool = False,
+        copy_of: str | None = None,
+    ) -> Landed:
         """Write ``source``'s bytes as ``record``'s shard in ``step`` (its directory made if needed),
         atomically: the file appears under its name only once what was written matches the record
         (:class:`ChecksumMismatchError` otherwise, the file there before untouched).
@@ -396,17 +403,28 @@ class LocalTier:
         return self._write(self.new_step_dir(step) / name, source, None, sync_directory=sync_directory, cached=False)
 
     def _write(
-        self, path: Path, source: ShardSource, check: Callable[[ShardDigest], None] | None, *,
-        sync_directory: bool, cached: bool,
-    ) -> ShardDigest:  # fmt: skip
+        self,
+        path: Path,
+        source: ShardSource,
+        check: Callable[[ShardDigest], None] | None,
+        *,
+        sync_directory: bool,
+        cached: bool,
+    ) -> ShardDigest:
         write = source.write if source.write is not None else partial(_copy_file, source.path)
         digest: ShardDigest = atomic_write(path, write, check=check, sync_directory=sync_directory, direct=not cached)
         return digest
 
     def commit(
-        self, manifest: ShardManifest, *, landed: Sequence[Landed] = (), deadline: float | None = None,
-        held: Collection[int] | None = None, agreed: bool | None = True, every_tier: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        manifest: ShardManifest,
+        *,
+        landed: Sequence[Landed] = (),
+        deadline: float | None = None,
+        held: Collection[int] | None = None,
+        agreed: bool | None = True,
+        every_tier: bool = False,
+    ) -> None:
         """Commit ``manifest``'s step: its shards (``held`` or all) must have landed here already
         (what their landings returned, ``landed``, says nothing a disk records).
 

@@ -324,8 +324,15 @@ class TieredStore:
                         raise
                     tried.append((tier.name, where, error))
                     if not first:
-                        logger.warning("step %d rank %d: try %d of %d of %s failed: %s", step, record.rank, attempt,
-                                       _TRIES_OF_A_LATER_TIER, where, error)  # fmt: skip
+                        logger.warning(
+                            "step %d rank %d: try %d of %d of %s failed: %s",
+                            step,
+                            record.rank,
+                            attempt,
+                            _TRIES_OF_A_LATER_TIER,
+                            where,
+                            error,
+                        )
                     continue
                 if first:
                     return found, tier.name
@@ -335,8 +342,13 @@ class TieredStore:
                         "step %d rank %d: %s %s; the local copy failed: %s", step, record.rank, done, where, tried[0][2]
                     )
                 else:
-                    logger.info("step %d rank %d: not on this node's disk%s; read from %s", step, record.rank,
-                                "".join(f" nor in the {name} tier" for name in absent), where)  # fmt: skip
+                    logger.info(
+                        "step %d rank %d: not on this node's disk%s; read from %s",
+                        step,
+                        record.rank,
+                        "".join(f" nor in the {name} tier" for name in absent),
+                        where,
+                    )
                 tried.clear()  # their tracebacks hold this frame and what ``read`` filled: a cycle
                 return found, tier.name
         return _no_copy_verifies(record, tried)

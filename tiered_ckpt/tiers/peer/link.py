@@ -80,8 +80,11 @@ class PeerLink:
                 try:
                     work.wait(timeout=timedelta(seconds=left))
                 except Exception as exc:  # the backend's own types (RuntimeError, DistBackendError) vary
-                    raise PeerError(f"rank {self.rank}: no answer from rank {rank} within {limit:.1f} s "
-                                    f"(it died or hangs): {_first_line(exc)}", transient=False) from exc  # fmt: skip
+                    raise PeerError(
+                        f"rank {self.rank}: no answer from rank {rank} within {limit:.1f} s "
+                        f"(it died or hangs): {_first_line(exc)}",
+                        transient=False,
+                    ) from exc
         except PeerError as exc:
             self.broken = str(exc)
             self._abandoned = works  # the backend may still write into them: never freed

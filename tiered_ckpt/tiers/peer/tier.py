@@ -244,9 +244,14 @@ class PeerTier:
         for rank in self._fetch(step, transfers):
             holder = next(h for h, _n, r in transfers if r == rank)
             level = logging.WARNING if only_there else logging.INFO
-            logger.log(level, "restore of step %d: rank %d's shard came from rank %d's memory%s", step, rank, holder,
-                       " (on no disk of this node, not in the bucket: only while that partner lived)" if only_there
-                       else "")  # fmt: skip
+            logger.log(
+                level,
+                "restore of step %d: rank %d's shard came from rank %d's memory%s",
+                step,
+                rank,
+                holder,
+                " (on no disk of this node, not in the bucket: only while that partner lived)" if only_there else "",
+            )
         return True
 
     def _fetch(self, step: int, transfers: Sequence[Transfer]) -> list[int]:

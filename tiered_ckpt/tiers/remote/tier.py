@@ -369,9 +369,14 @@ class RemoteTier(BucketListing, BucketUpkeep):
         return None
 
     def _confirm(
-        self, step: int, record: ShardRecord, name: str, stored: CompressedObject | None, kept: str | None,
+        self,
+        step: int,
+        record: ShardRecord,
+        name: str,
+        stored: CompressedObject | None,
+        kept: str | None,
         deadline: float | None,
-    ) -> str | None:  # fmt: skip
+    ) -> str | None:
         """Check ``record``'s object (``name`` in the step, stored as ``stored`` says) once more, by
         one HEAD, right before a commit: the problem (naming the object; one deleted or replaced
         since it was put), or None if its size, stored sha256 and store checksum (against ``kept``,

@@ -86,6 +86,10 @@ class StepHoldings:
     where: str
     tiers: tuple[TierHolding, ...]
 
+    def later_for(self, rank: int) -> tuple[str, ...]:
+        """The later tiers a read of ``rank``'s shard tries, by name, nearest first."""
+        return tuple(tier.name for tier in self.tiers[1:] if tier.may_hold(rank))
+
 
 @dataclass(frozen=True)
 class RestoreRequest:
@@ -222,11 +226,10 @@ def plan_restore(manifest: ShardManifest, request: RestoreRequest, holdings: Ste
         raise InvalidStateError(f"into holds {given} rank states, this process restores one")
     wanted = needed_ranks(manifest, request)
     check_served(manifest, holdings, wanted)
-    later = holdings.tiers[1:]
     reads = tuple(
         ShardRead(
             rank,
-            tuple(tier.name for tier in later if tier.may_hold(rank)),
+            holdings.later_for(rank),
             index if request.into is not None else None,
         )
         for index, rank in enumerate(wanted)
@@ -270,11 +273,10 @@ def plan_selected_restore(
         raise InvalidStateError(f"into holds {request.into} rank states, this process restores {len(request.ranks)}")
     wanted = needed_ranks(manifest, request)
     check_served(manifest, holdings, wanted)
-    later = holdings.tiers[1:]
     reads = tuple(
         ShardRead(
             rank,
-            tuple(tier.name for tier in later if tier.may_hold(rank)),
+            holdings.later_for(rank),
             index if request.into is not None else None,
             selected=bool(manifest.shard(rank).chunks or manifest.shard(rank).array_xxh3_64),
         )
@@ -327,10 +329,9 @@ def plan_chunk_restore(
             names.setdefault(saved_rank, set()).update(wanted)
     needed = sorted(names)
     check_served(manifest, holdings, needed)
-    later = holdings.tiers[1:]
     reads = []
     for rank in needed:
         whole = same_size and rank in request.ranks and rank not in held_here
-        tiers = tuple(tier.name for tier in later if tier.may_hold(rank))
+        tiers = holdings.later_for(rank)
         reads.append(ShardRead(rank, tiers, None, None if whole else frozenset(names[rank])))
     return ChunkRestorePlan(tuple(plans), tuple(reads), replicas_from_peers(manifest, request))

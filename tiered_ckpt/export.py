@@ -17,7 +17,9 @@ of full tensors:
 3. each file is written through a temp file, fsynced and renamed: its header first (known
    from the plan), then each tensor in turn, assembled in one buffer of its full size from
    the verified parts read straight into it (each part checked against its own digest:
-   a chunk's sha256, a plain array's xxh3-64). Peak extra memory is one tensor; smaller
+   a chunk's sha256, a plain array's xxh3-64; the reads planned and run as a restore's,
+   :func:`~tiered_ckpt.engine.restore_plan.plan_parts` and
+   :class:`~tiered_ckpt.engine.read_execution.ReadExecutor`). Peak extra memory is one tensor; smaller
    tensors are read in batches of up to 1 MiB (one read of each shard per batch).
 
 The files' sha256s are computed as they are written and returned (:class:`ExportResult`).
@@ -32,7 +34,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -40,10 +42,14 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from tiered_ckpt.build import open_store
+from tiered_ckpt.engine.node_shards import step_holdings
+from tiered_ckpt.engine.read_execution import ReadExecutor
+from tiered_ckpt.engine.restore_plan import StepHoldings, plan_parts
 from tiered_ckpt.errors import IncompleteCheckpointError, ManifestError, UsageError
 from tiered_ckpt.format.manifest import ChunkRecord, ShardManifest
 from tiered_ckpt.format.selection import check_paths, resolve_path, select
 from tiered_ckpt.format.shardfile import DTYPE_CODES, DTYPES, ShardHeader, header_of
+from tiered_ckpt.format.state import FlatState
 from tiered_ckpt.format.structure import COMPLEX_TAGS, Structure, decode_key
 from tiered_ckpt.io.durable import atomic_write, fsync_directory, write_all
 from tiered_ckpt.io.hashing import Hasher
@@ -158,8 +164,11 @@ def export_step(
     if not (in_local or in_remote):
         raise IncompleteCheckpointError(f"{store.where()}: step {step} is committed in no tier")
     manifest, _remote = store.manifests(step, in_local=in_local, in_remote=in_remote)
-    later = store.readable(in_remote)
-    indexes = [store.read_shard_index(step, record, later=later)[0] for record in manifest.shards]
+    committed = {store.remote.name: in_remote} if store.remote is not None else {}
+    holdings = step_holdings(store, True, manifest, range(manifest.world_size), committed)
+    later = holdings.later_for
+    indexes = [store.read_shard_index(step, record, later=later(record.rank))[0] for record in manifest.shards]
+    reads = _Reads(manifest, holdings, dict(enumerate(indexes)), ReadExecutor(store))
     headers = [index.header for index in indexes]
     structures = [index.structure for index in indexes]  # each parsed once, for every read of its parts
     cuts, prefix = _cuts(structures, selected, step)
@@ -172,7 +181,7 @@ def export_step(
     files = []
     for index, group in enumerate(groups):
         name = "model.safetensors" if len(groups) == 1 else f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors"
-        files.append(_write_file(root / name, group, store, step, manifest, indexes, later))
+        files.append(_write_file(root / name, group, reads))
     if len(groups) > 1:
         weight_map = {tensor.name: file.name for group, file in zip(groups, files, strict=True) for tensor in group}
         index_document = {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": weight_map}
@@ -361,15 +370,26 @@ def _groups(tensors: list[_Tensor], max_shard_bytes: int) -> list[list[_Tensor]]
     return groups
 
 
-def _write_file(
-    path: Path,
-    tensors: list[_Tensor],
-    store: TieredStore,
-    step: int,
-    manifest: ShardManifest,
-    indexes: list[ShardIndex],
-    later: tuple[str, ...],
-) -> ExportedFile:
+@dataclass(frozen=True)
+class _Reads:
+    """How an export reads the parts of ``manifest``'s shards: planned from what the tiers hold
+    (:func:`~tiered_ckpt.engine.restore_plan.plan_parts`), each shard's header read and parsed
+    once (``indexes``, by rank), run by the one executor of restores."""
+
+    manifest: ShardManifest
+    holdings: StepHoldings
+    indexes: Mapping[int, ShardIndex]
+    executor: ReadExecutor
+
+    def read(
+        self, wanted: Mapping[int, Collection[str]], into: Mapping[int, Mapping[str, np.ndarray]] | None = None
+    ) -> Mapping[int, FlatState]:
+        """By rank, the arrays ``wanted`` of its shard, each verified, into ``into``'s when given."""
+        reads = plan_parts(self.holdings, wanted)
+        return self.executor.run(self.manifest, reads, into=into, indexes=self.indexes).states
+
+
+def _write_file(path: Path, tensors: list[_Tensor], reads: _Reads) -> ExportedFile:
     def write(out: BinaryIO) -> tuple[int, str]:
         hasher = Hasher("full")
         header = header_of([(t.name, t.dtype, t.shape) for t in tensors], _METADATA)
@@ -377,7 +397,7 @@ def _write_file(
         hasher.update(header)
         # One batch at a time: the peak is one tensor, or a batch of smaller ones read together.
         for batch in _groups(tensors, max(_BATCH_BYTES, max(tensor.nbytes for tensor in tensors))):
-            data = _assembled(batch, store, step, manifest, indexes, later)
+            data = _assembled(batch, reads)
             write_all(out, data)
             hasher.update(data)
             del data
@@ -388,14 +408,7 @@ def _write_file(
     return ExportedFile(path.name, size, sha256)
 
 
-def _assembled(
-    batch: list[_Tensor],
-    store: TieredStore,
-    step: int,
-    manifest: ShardManifest,
-    indexes: list[ShardIndex],
-    later: tuple[str, ...],
-) -> memoryview:
+def _assembled(batch: list[_Tensor], reads: _Reads) -> memoryview:
     """The bytes of the tensors of ``batch`` whole, back to back as the file holds them, each
     part read (verified) straight into its place where that place is contiguous memory (one
     read of each rank's shard for all such parts of the batch), else into its own buffer, one
@@ -414,11 +427,9 @@ def _assembled(
             if place.flags.c_contiguous:
                 direct.setdefault(part.rank, {})[part.name] = place.reshape(part.sizes)
                 continue
-            record, index = manifest.shard(part.rank), indexes[part.rank]  # the header verified and parsed once
-            state, _source = store.read_parts(step, record, {part.name}, later=later, index=index)
-            place[...] = state.arrays[part.name].reshape(part.sizes)
-    for rank, into in direct.items():
-        store.read_parts(step, manifest.shard(rank), into.keys(), later=later, into=into, index=indexes[rank])
+            place[...] = reads.read({part.rank: {part.name}})[part.rank].arrays[part.name].reshape(part.sizes)
+    if direct:
+        reads.read({rank: into.keys() for rank, into in direct.items()}, into=direct)
     return data.data
 
 

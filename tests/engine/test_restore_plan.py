@@ -15,6 +15,8 @@ from tiered_ckpt.engine.restore_plan import (
     TierHolding,
     needed_ranks,
     plan_chunk_restore,
+    plan_parts,
+    plan_replica_reads,
     plan_restore,
     plan_selected_restore,
 )
@@ -231,3 +233,56 @@ def test_a_restore_into_dtensors_reads_each_overlapping_shard_once_and_refills_o
     if missing:
         with pytest.raises(IncompleteCheckpointError, match=re.escape(f"ranks {missing} are not")):
             plan_chunk_restore(manifest, request, disk_only, plans, held_here)
+
+
+@st.composite
+def replicated_manifests(draw: st.DrawFn) -> ShardManifest:
+    """A step whose arrays ``a0``..``a3`` are each stored by one writer rank, and left to it by
+    some of the other ranks' shards."""
+    world_size = draw(st.integers(1, 6))
+    manifest = manifest_of(world_size, draw(st.integers(0, 20)))
+    writer_of = draw(st.dictionaries(st.sampled_from(["a0", "a1", "a2", "a3"]), st.integers(0, world_size - 1)))
+    records = []
+    for record in manifest.shards:
+        chunks = tuple(
+            ChunkRecord(name, "I64", (), (), (), "0" * 64)
+            for name, writer in writer_of.items()
+            if writer == record.rank
+        )
+        left = tuple((name, w) for name, w in sorted(writer_of.items()) if w != record.rank and draw(st.booleans()))
+        digest = "0" * 64 if chunks else ""
+        records.append(
+            replace(record, chunks=chunks, header_bytes=8 if chunks else 0, header_sha256=digest, replicas=left)
+        )
+    return replace(manifest, shards=tuple(records))
+
+
+@settings(max_examples=300, deadline=None)
+@given(replicated_manifests(), st.data())
+def test_the_arrays_a_restores_shards_left_to_others_are_read_once_from_each_writer_not_read(manifest, data):
+    read = data.draw(st.frozensets(st.integers(0, manifest.world_size - 1), min_size=1))
+    held = data.draw(holdings(manifest.world_size))
+    reads = plan_replica_reads(manifest, read, held)
+    expected: dict[int, set[str]] = {}
+    for rank in read:
+        for name, writer in manifest.shard(rank).replicas:
+            expected.setdefault(writer, set()).add(name)
+    absent = {writer: names for writer, names in expected.items() if writer not in read}
+    assert [each.rank for each in reads] == sorted(absent)  # each writer once, in rank order, none already read
+    for each in reads:
+        assert each.names == absent[each.rank] and not each.whole and each.into is None
+        assert each.tiers == held.later_for(each.rank)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 6), st.data())
+def test_a_reader_of_named_arrays_reads_each_shard_once_from_the_tiers_that_may_hold_it(world_size, data):
+    ranks = st.integers(0, world_size - 1)
+    wanted = data.draw(st.dictionaries(ranks, st.frozensets(st.sampled_from(["a", "b", "c"]))))
+    held = data.draw(holdings(world_size))
+    reads = plan_parts(held, wanted)
+    assert [read.rank for read in reads] == sorted(wanted)
+    for read in reads:
+        assert read.names == wanted[read.rank] and not read.whole and not read.selected
+        later = [tier.name for tier in held.tiers[1:] if tier.may_hold(read.rank)]
+        assert list(read.tiers) == later

@@ -1,4 +1,5 @@
-"""Reading this process's part of a step through the store (tiered_ckpt.engine.shard_reads)."""
+"""Reading this process's part of a step through the store (tiered_ckpt.engine.shard_reads), then
+assembling the result (tiered_ckpt.engine.assembly)."""
 
 import shutil
 
@@ -15,12 +16,16 @@ from tiered_ckpt import (
     UsageError,
     WorldSizeMismatchError,
 )
+from tiered_ckpt.engine.assembly import assemble
 from tiered_ckpt.engine.restore_result import RestoreResult
 from tiered_ckpt.engine.shard_reads import ShardReader
 from tiered_ckpt.format.layout import shard_name, step_dir_name
 from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.remote.tier import RemoteTier
 from tiered_ckpt.tiers.store import TieredStore
+
+BUCKET = {"remote": True}  # the bucket committed the step
+NOT_IN_BUCKET = {"remote": False}
 
 
 def states(world_size: int) -> list[dict[str, np.ndarray]]:
@@ -49,20 +54,21 @@ def saved(tmp_path, memory_url):
 
 def test_a_read_of_every_rank_returns_the_verified_states_and_each_shards_tier(saved):
     flip_byte(saved.local.step_dir(3) / shard_name(1, 2), 200)
-    result = ShardReader(saved, range(2), 2).load(3, True, 2, False, "full", None).result
+    result = assemble(ShardReader(saved, range(2), 2).load(3, BUCKET, 2, False, "full", None), {})
     assert isinstance(result, RestoreResult)
     assert result.ranks == (0, 1) and result.sources == {0: "local", 1: "remote"}
     assert [state["w"].tolist() for state in result.states] == [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]
     assert result.bytes_read == result.manifest.total_bytes
-    again = ShardReader(saved, range(2), 2).load(3, True, 2, False, "fast", None).result  # the local copy was refilled
+    reader = ShardReader(saved, range(2), 2)
+    again = assemble(reader.load(3, BUCKET, 2, False, "fast", None), {})  # the local copy was refilled
     assert again.sources == {0: "local", 1: "local"}
 
 
 def test_a_read_for_another_world_size_reshards_only_when_asked(saved):
     reader = ShardReader(saved, range(3), 3)
     with pytest.raises(WorldSizeMismatchError, match="^restore of step 3: "):
-        reader.load(3, True, 3, False, "full", None)
-    result = reader.load(3, True, 3, True, "full", None).result
+        reader.load(3, BUCKET, 3, False, "full", None)
+    result = assemble(reader.load(3, BUCKET, 3, True, "full", None), {})
     assert isinstance(result, RestoreResult) and result.ranks == (0, 1, 2)
     assert [state["w"].tolist() for state in result.states] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
 
@@ -70,16 +76,16 @@ def test_a_read_for_another_world_size_reshards_only_when_asked(saved):
 def test_a_read_into_the_callers_arrays_fills_them_and_refuses_into_with_reshard(saved):
     into = [{"w": np.zeros(6, np.float32), "step": np.zeros((), np.int64)} for _ in range(2)]
     reader = ShardReader(saved, range(2), 2)
-    result = reader.load(3, False, 2, False, "full", into).result
+    result = assemble(reader.load(3, NOT_IN_BUCKET, 2, False, "full", into), {})
     assert isinstance(result, RestoreResult) and into[1]["w"].tolist() == [6, 7, 8, 9, 10, 11]
     with pytest.raises(UsageError, match="^restore of step 3: into cannot be combined with reshard=True"):
-        ShardReader(saved, range(3), 3).load(3, True, 3, True, "full", into)
+        ShardReader(saved, range(3), 3).load(3, BUCKET, 3, True, "full", into)
 
 
 def test_a_step_only_the_bucket_holds_refills_the_local_tier_and_a_failed_refill_leaves_no_directory(saved):
     step_dir = saved.local.step_dir(3)
     shutil.rmtree(step_dir)
-    result = ShardReader(saved, range(2), 2).load(3, True, 2, False, "full", None).result
+    result = assemble(ShardReader(saved, range(2), 2).load(3, BUCKET, 2, False, "full", None), {})
     assert result.sources == {0: "remote", 1: "remote"}
     assert saved.local.steps() == [3]  # refilled and committed again
     shutil.rmtree(step_dir)
@@ -89,7 +95,7 @@ def test_a_step_only_the_bucket_holds_refills_the_local_tier_and_a_failed_refill
     data[200] ^= 0xFF
     saved.remote.backend.fs.pipe_file(remote_path, bytes(data))
     with pytest.raises(ChecksumMismatchError, match="^restore of step 3: "):
-        ShardReader(saved, range(2), 2).load(3, True, 2, False, "full", None)
+        ShardReader(saved, range(2), 2).load(3, BUCKET, 2, False, "full", None)
     assert not step_dir.exists() and saved.local.steps() == []
 
 

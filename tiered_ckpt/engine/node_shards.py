@@ -11,7 +11,7 @@ own (a shard it should hold and lacks is a damaged disk, which the chain names).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from tiered_ckpt.engine.restore_plan import StepHoldings, TierHolding
 from tiered_ckpt.errors import CheckpointError
@@ -22,24 +22,29 @@ __all__ = ["step_holdings"]
 
 
 def step_holdings(
-    store: TieredStore, one_process: bool, manifest: ShardManifest, ranks: Sequence[int], in_remote: bool | None
+    store: TieredStore,
+    one_process: bool,
+    manifest: ShardManifest,
+    ranks: Sequence[int],
+    committed: Mapping[str, bool | None],
 ) -> StepHoldings:
-    """What ``store``'s tiers hold of ``manifest``'s step for a read of ``ranks``' shards:
-    a tier every node sees and a later run resumes from (``shared`` and ``durable``: a bucket)
-    every shard if it committed the step (``in_remote``, from the listing of those tiers),
-    none it can be counted on for if it could not be listed (None; still tried), and is not
-    read if it did not commit it; any other later tier is not listed first (any shard may be
-    there). This node's disk
-    is looked at only when no later tier is known to hold every one of ``ranks``."""
+    """What ``store``'s tiers hold of ``manifest``'s step for a read of ``ranks``' shards. A
+    tier every node sees and a later run resumes from (``shared`` and ``durable``: a bucket)
+    holds every shard if it committed the step (``committed[name]``, from its listing), none
+    it can be counted on for if it could not be listed (None, or not in ``committed``: still
+    tried), and is not read if it did not commit it; any other later tier is not listed first
+    (any shard may be there). This node's disk is looked at only when no later tier is known
+    to hold every one of ``ranks``."""
     step, local = manifest.step, store.local
     everything = frozenset(range(manifest.world_size))
     later = []
     for tier in store.later:
+        state = committed.get(tier.name)
         if not (tier.capabilities.shared and tier.capabilities.durable):
             later.append(TierHolding(tier.name, None))
-        elif in_remote is None:
+        elif state is None:
             later.append(TierHolding(tier.name, frozenset(), unlisted=True))
-        elif in_remote:
+        elif state:
             later.append(TierHolding(tier.name, everything))
     held: frozenset[int] | None = None
     if not all(any(tier.counts_on(rank) for tier in later) for rank in ranks):

@@ -5,9 +5,9 @@ arrays are filled from it); writing the same bytes to the local disk, durably, i
 refill: the step is still in the tier it came from. So the restore returns first, and the
 refill runs after it, off the caller's thread:
 
-1. :meth:`ShardReader.load <tiered_ckpt.engine.shard_reads.ShardReader.load>` returns a
-   :class:`Refill` for the step with what it read (the verified bytes, and what the step's
-   local record needs);
+1. the executor of the restore's reads (:mod:`~tiered_ckpt.engine.read_execution`) returns
+   a :class:`Refill` for the step with what it read (the verified bytes, and what the step's
+   local record needs), and the reader hands it on with what it read;
 2. once the restore's last collective is over (whether it succeeded or not: the copies
    verified), the restorer hands it to :meth:`Refiller.start`, which queues it on the
    writer's thread (before any later save's write; the next save, ``wait`` and ``close``

@@ -14,18 +14,21 @@ A restore, step by step:
    brings to each process the shards it lacks on disk (a collective of its own,
    :meth:`~tiered_ckpt.tiers.base.PreparedReads.prepare_reads`); each process plans its
    reads (:mod:`~tiered_ckpt.engine.restore_plan`: the world size checked, resharding
-   only when asked, the saved ranks it needs) and reads each through
-   :meth:`TieredStore.fetch_shard` (local copy, else each later tier in order, verified,
-   refilling the local step; the copies read from memory are returned and land once the
-   restore returned: :mod:`~tiered_ckpt.engine.refill`); the shards whose copy on disk
-   failed and no later tier gave are prepared in a second round, then read again; failures on any
+   only when asked, the saved ranks it needs) and the one executor runs them
+   (:mod:`~tiered_ckpt.engine.read_execution`: local copy, else each later tier in order,
+   verified, refilling the local step; the copies read from memory are returned and land
+   once the restore returned: :mod:`~tiered_ckpt.engine.refill`), what was read coming
+   back as a value (:class:`~tiered_ckpt.engine.assembly.ShardsRead`,
+   :mod:`~tiered_ckpt.engine.shard_reads`); the shards whose copy on disk failed and no
+   later tier gave are prepared in a second round, then read again; failures on any
    process fail the restore on every process (a third collective); with one process per
    rank on the saved world size, the replicated arrays a rank's shard left to another
    rank then come from that rank's process (:func:`~tiered_ckpt.dist.replicas.share`, a
    fourth collective);
-4. the shards are resharded if asked (steps 3 and 4: :mod:`~tiered_ckpt.engine.shard_reads`);
-   local steps newer than the chosen one whose commit never reached every rank are
-   deleted (they could never be restored);
+4. the result is assembled from what was read, with no I/O: arrays put back, states
+   resharded if asked (:func:`~tiered_ckpt.engine.assembly.assemble`); local steps newer
+   than the chosen one whose commit never reached every rank are deleted (they could
+   never be restored);
 5. the result (:class:`~tiered_ckpt.engine.restore_result.RestoreResult`) holds the
    states and, per shard read, the tier it came from.
 """
@@ -39,11 +42,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar, cast
 
+import numpy as np
+
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather
 from tiered_ckpt.dist.replicas import share
+from tiered_ckpt.engine.assembly import ShardsRead, assemble
 from tiered_ckpt.engine.refill import Refiller
 from tiered_ckpt.engine.restore_result import RestoreResult, by_tier, rank_ranges
-from tiered_ckpt.engine.shard_reads import Loaded, PendingRead, ShardReader
+from tiered_ckpt.engine.shard_reads import ShardReader
 from tiered_ckpt.engine.step_choice import AgreedStep, StepChooser
 from tiered_ckpt.errors import (
     CheckpointError,
@@ -130,10 +136,10 @@ class Restorer:
             self._chooser.drop_unrestorable_copies(None, agreed)
             logger.info("restore: no step committed in %s; starting fresh", self._store.where())
             return None
-        # None: the bucket did not answer its listing and the disks serve the step; a copy that
-        # fails there is still asked of the bucket (it may hold one), last.
-        in_remote = True if restored in agreed.remote_steps else None if agreed.bucket_unlisted else False
-        loaded = self._load(restored, in_remote, world_size, reshard, verify, into, selected)
+        # None for a bucket that did not answer its listing while the disks serve the step: a copy
+        # that fails there is still asked of it (it may hold one), last.
+        committed = agreed.committed(restored)
+        loaded = self._load(restored, committed, world_size, reshard, verify, into, selected)
         try:
             return self._finish(agreed, restored, loaded, started)
         finally:  # the copies read from memory land once the restore's collectives are over (they verified)
@@ -142,19 +148,19 @@ class Restorer:
     def _load(
         self,
         restored: int,
-        in_remote: bool | None,
+        committed: Mapping[str, bool | None],
         world_size: int,
         reshard: bool,
         verify: Verify,
         into: Sequence[State] | State | None,
         selected: tuple[str | tuple[str | int, ...], ...] | None,
-    ) -> Attempt[Loaded]:
+    ) -> Attempt[ShardsRead]:
         """Step 3 of :meth:`restore` for the agreed step ``restored``, up to this process's reads
         (with a peer tier, the collectives of its fetches included); a failure is kept, not raised."""
 
-        def load() -> Attempt[Loaded]:
+        def load() -> Attempt[ShardsRead]:
             return Attempt.run(
-                lambda: self._reader.load(restored, in_remote, world_size, reshard, verify, into, selected)
+                lambda: self._reader.load(restored, committed, world_size, reshard, verify, into, selected)
             )
 
         preparing = [cast(PreparedReads, tier) for tier in self._store.later if tier.capabilities.prepared_reads]
@@ -162,12 +168,12 @@ class Restorer:
             if not preparing:
                 return load()
             lacking = tuple(rank for rank in self._ranks if not self._store.held_locally(restored, rank))
-            self._prepare(preparing, restored, in_remote, lacking, repairs=False)
+            self._prepare(preparing, restored, committed, lacking, repairs=False)
             loaded = load()
             # A shard that failed on this disk (it rotted, or was cut short) is asked of the tiers
             # preparing reads, and read again: every process joins, whatever it read.
             failed = tuple(r for r in self._ranks if r not in lacking and isinstance(loaded.error, _READ_FAILURES))
-            if self._prepare(preparing, restored, in_remote, failed, repairs=True) and failed:
+            if self._prepare(preparing, restored, committed, failed, repairs=True) and failed:
                 loaded = load()
             return loaded
         finally:
@@ -178,7 +184,7 @@ class Restorer:
         self,
         tiers: Sequence[PreparedReads],
         step: int,
-        in_remote: bool | None,
+        committed: Mapping[str, bool | None],
         ranks: tuple[int, ...],
         *,
         repairs: bool,
@@ -189,20 +195,22 @@ class Restorer:
         def collective(label: str, payload: type[P], action: Callable[[], P]) -> list[P]:
             return gather(self._coordinator, label, payload, action)
 
+        elsewhere = any(value is True for value in committed.values())  # a bucket holds every shard
         brought = False
         for tier in tiers:
-            brought |= tier.prepare_reads(step, ranks, collective, repairs=repairs, elsewhere=in_remote is True)
+            brought |= tier.prepare_reads(step, ranks, collective, repairs=repairs, elsewhere=elsewhere)
         return brought
 
-    def _finish(self, agreed: AgreedStep, restored: int, loaded: Attempt[Loaded], started: float) -> RestoreResult:
+    def _finish(self, agreed: AgreedStep, restored: int, loaded: Attempt[ShardsRead], started: float) -> RestoreResult:
         """Steps 3 (its collectives) to 5 of :meth:`restore` for the agreed step ``restored``."""
-        gather(self._coordinator, "restore: read", Done, loaded.done)
-        result = loaded.value.result
-        if isinstance(result, PendingRead):  # the same on every process: they hold one manifest and world size
-            pending = result
-            finished = Attempt.run(lambda: self._finish_from_peers(pending))
-            gather(self._coordinator, "restore: replicas", Done, finished.done)
-            result = finished.value
+        assembled: Attempt[RestoreResult] | None = None
+        if loaded.error is None and not loaded.value.from_peers:
+            assembled = Attempt.run(lambda: self._assembled(loaded.value))
+        gather(self._coordinator, "restore: read", Done, (assembled or loaded).done)
+        if assembled is None:  # the same on every process: they hold one manifest and world size
+            assembled = Attempt.run(lambda: self._assembled(loaded.value))
+            gather(self._coordinator, "restore: replicas", Done, assembled.done)
+        result = assembled.value
         self._chooser.drop_unfinished_commits(restored, agreed)
         self._chooser.drop_unrestorable_copies(restored, agreed)
         result = replace(result, seconds=time.monotonic() - started)
@@ -222,15 +230,18 @@ class Restorer:
         """The last failure to refill this node's disk after a restore (None: none failed)."""
         return self._refiller.last_error
 
-    def _finish_from_peers(self, pending: PendingRead) -> RestoreResult:
-        """Step 3 continued, with one process per rank on the saved world size: the arrays
-        this rank's shard left to other ranks come from their processes (collective)."""
-        (rank,) = self._ranks
-        own = pending.read[rank].arrays if rank in pending.read else {}  # sent to the ranks that left them out
+    def _assembled(self, done: ShardsRead) -> RestoreResult:
+        """Steps 3 (the arrays other processes send, when ``done.from_peers``: a collective) and
+        4 for ``done``'s reads (:func:`~tiered_ckpt.engine.assembly.assemble`), errors naming the step."""
         try:
-            return self._reader.complete(pending, share(self._coordinator, pending.manifest, own))
+            received: dict[int, dict[str, np.ndarray]] = {}
+            if done.from_peers:
+                (rank,) = self._ranks
+                own = done.read[rank].arrays if rank in done.read else {}  # sent to the ranks that left them out
+                received = share(self._coordinator, done.manifest, own)
+            return assemble(done, received)
         except CheckpointError as exc:
-            raise restated(exc, f"restore of step {pending.manifest.step}: {exc}") from exc
+            raise restated(exc, f"restore of step {done.manifest.step}: {exc}") from exc
 
     def locate(self, step: int | None, checked: Attempt[None] = NOTHING_CHECKED) -> ShardManifest:
         """The manifest of ``step`` (default: the newest step every process can restore), the

@@ -18,14 +18,18 @@ store.
    state of DTensors needs; the arrays under a partial restore's paths) and the caller's
    state it fills, if any.
 
-Three requests, one plan each: a whole restore (:func:`plan_restore`), a restore into
-states of DTensors (:func:`chunk_plans`, then :func:`plan_chunk_restore`) and a partial
-restore (:func:`plan_selected_restore`).
+Every request makes one :class:`RestorePlan`: a whole restore (:func:`plan_restore`), a
+restore into states of DTensors (:func:`chunk_plans`, then :func:`plan_chunk_restore`) and a
+partial restore (:func:`plan_selected_restore`). The arrays its shards left to other ranks
+that no process sends are planned once the first reads said which are wanted
+(:func:`plan_replica_reads`); a reader of named arrays (export, the DCP reader) plans its
+reads with :func:`plan_parts`. One executor runs every plan
+(:mod:`~tiered_ckpt.engine.read_execution`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from tiered_ckpt.dist.reshard import ChunkPlan, plan_chunks, source_ranks
@@ -36,7 +40,6 @@ from tiered_ckpt.format.validate import check_world_size
 
 __all__ = [
     "Selection",
-    "ChunkRestorePlan",
     "RestorePlan",
     "RestoreRequest",
     "ShardRead",
@@ -47,6 +50,8 @@ __all__ = [
     "chunk_plans",
     "needed_ranks",
     "plan_chunk_restore",
+    "plan_parts",
+    "plan_replica_reads",
     "plan_restore",
     "plan_selected_restore",
     "replicas_from_peers",
@@ -127,23 +132,14 @@ class ShardRead:
 
 
 @dataclass(frozen=True)
-class ChunkRestorePlan:
-    """A restore into this process's states of DTensors: per rank of this process, what fills
-    its state (``plans``, without the arrays other processes send when
-    ``replicas_from_peers``), and the ``reads``, one per saved rank, in rank order."""
-
-    plans: tuple[ChunkPlan, ...]
-    reads: tuple[ShardRead, ...]
-    replicas_from_peers: bool
-
-
-@dataclass(frozen=True)
 class RestorePlan:
     """A restore of ``manifest``'s step by this process: the ``reads``, one per saved rank
     needed, in rank order; the result's ranks (``ranks``, of ``target`` ranks in all);
     ``replicas_from_peers``: the arrays its shards left to other ranks come from the processes
     holding them (one process per rank on the saved world size), else they are read here;
-    ``paths``: the parts of the states a partial restore reads (None: the whole states)."""
+    ``paths``: the parts of the states a partial restore reads (None: the whole states);
+    ``chunks``: for a restore into states of DTensors, per rank of this process, what fills
+    its state (without the arrays other processes send when ``replicas_from_peers``)."""
 
     manifest: ShardManifest
     target: int
@@ -151,6 +147,7 @@ class RestorePlan:
     reads: tuple[ShardRead, ...]
     replicas_from_peers: bool
     paths: Selection | None = None
+    chunks: tuple[ChunkPlan, ...] = ()
 
     @property
     def resharded(self) -> bool:
@@ -314,7 +311,7 @@ def plan_chunk_restore(
     holdings: StepHoldings,
     plans: Sequence[ChunkPlan],
     held_here: frozenset[int],
-) -> ChunkRestorePlan:
+) -> RestorePlan:
     """The plan of a restore into this process's states of DTensors, filled as ``plans``
     (:func:`chunk_plans`) say: of each saved shard whose chunks overlap them, only the header
     and those chunks, except that a shard of this process's own ranks on the saved world size
@@ -334,4 +331,29 @@ def plan_chunk_restore(
         whole = same_size and rank in request.ranks and rank not in held_here
         tiers = holdings.later_for(rank)
         reads.append(ShardRead(rank, tiers, None, None if whole else frozenset(names[rank])))
-    return ChunkRestorePlan(tuple(plans), tuple(reads), replicas_from_peers(manifest, request))
+    from_peers = replicas_from_peers(manifest, request)
+    target = request.world_size
+    return RestorePlan(manifest, target, request.ranks, tuple(reads), from_peers, chunks=tuple(plans))
+
+
+def plan_replica_reads(manifest: ShardManifest, read: Collection[int], holdings: StepHoldings) -> tuple[ShardRead, ...]:
+    """The reads of the arrays the shards of the saved ranks in ``read`` left to other ranks
+    (``manifest``'s replicas) whose writers' shards are not in ``read``: of each such writer's
+    shard, its header and those arrays, trying the tiers that may hold it, in writer order.
+    The writers' shards need no tier counted on: a read no tier serves fails naming them."""
+    needed: dict[int, set[str]] = {}
+    for rank in read:
+        for name, writer in manifest.shard(rank).replicas:
+            needed.setdefault(writer, set()).add(name)
+    return tuple(
+        ShardRead(writer, holdings.later_for(writer), names=frozenset(needed[writer]))
+        for writer in sorted(needed)
+        if writer not in read
+    )
+
+
+def plan_parts(holdings: StepHoldings, wanted: Mapping[int, Collection[str]]) -> tuple[ShardRead, ...]:
+    """The reads of the named arrays ``wanted`` of each saved rank's shard (its header and
+    those arrays, each verified), in rank order, trying this node's disk, then the tiers that
+    may hold it (a read no tier serves fails naming the shard)."""
+    return tuple(ShardRead(rank, holdings.later_for(rank), names=frozenset(wanted[rank])) for rank in sorted(wanted))

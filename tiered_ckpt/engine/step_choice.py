@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, gather, leader_decides
 from tiered_ckpt.engine.step_decision import (
@@ -45,15 +45,19 @@ logger = logging.getLogger("tiered_ckpt")
 @dataclass(frozen=True)
 class AgreedStep:
     """Steps 1 and 2 as every process knows them: the ``choice``, the steps committed in a
-    shared, durable tier (the bucket), the steps complete in some tier (in order), every
-    process's report (by rank), and whether a shared, durable tier could not be listed and the
-    step was chosen without it (``bucket_unlisted``)."""
+    shared, durable tier (a bucket), the steps complete in some tier (in order), every
+    process's report (by rank), and, by shared, durable tier, the steps it committed
+    (``durable``; None: it could not be listed, and the step was chosen without it)."""
 
     choice: StepChoice
     remote_steps: frozenset[int]
     complete: tuple[int, ...]
     reports: tuple[StepReport, ...]
-    bucket_unlisted: bool = False
+    durable: Mapping[str, frozenset[int] | None] = field(default_factory=dict)
+
+    def committed(self, step: int) -> dict[str, bool | None]:
+        """By shared, durable tier: whether it committed ``step`` (None: it could not be listed)."""
+        return {name: None if steps is None else step in steps for name, steps in self.durable.items()}
 
 
 def same_call(arguments: Sequence[str], call: str) -> None:
@@ -105,8 +109,8 @@ class StepChooser:
         shared = holdings.shared(listed)
         durable = [tier.name for tier in holdings.shared_tiers if tier.capabilities.durable]
         in_bucket = frozenset().union(*(shared[name] or () for name in durable))
-        unlisted = any(shared[name] is None for name in durable)
-        return AgreedStep(chosen, in_bucket, tuple(holdings.complete(listed)), tuple(reports), unlisted)
+        committed = {name: shared[name] for name in durable}
+        return AgreedStep(chosen, in_bucket, tuple(holdings.complete(listed)), tuple(reports), committed)
 
     def _list_again(self, step: int | None, holdings: Holdings) -> dict[str, tuple[int, ...]]:
         """Leader, for each shared tier that failed its first listing: nothing if the disks (and

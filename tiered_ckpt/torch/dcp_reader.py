@@ -28,10 +28,11 @@ it (every rank, except where it says the coordinator):
    (different steps raise on every rank, asking for a ``checkpoint_id``).
 6. :meth:`TieredReader.read_data`: reads, from each saved shard that holds a chunk this
    rank's plan needs, the shard's header and those chunks, each verified against its
-   recorded sha256, and hands them to DCP's planner. A chunk this rank's shard does not
-   hold (a load at another world size, or into another sharding) comes from the bucket:
-   right after a save, wait for its upload first (``manager.wait(uploaded=True)`` on
-   every rank).
+   recorded sha256 (planned and run as a restore's reads are:
+   :func:`~tiered_ckpt.engine.restore_plan.plan_parts`), and hands them to DCP's planner.
+   A chunk this rank's shard does not hold (a load at another world size, or into another
+   sharding) comes from the bucket: right after a save, wait for its upload first
+   (``manager.wait(uploaded=True)`` on every rank).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,10 +58,13 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from tiered_ckpt.engine.node_shards import step_holdings
+from tiered_ckpt.engine.read_execution import ReadExecutor
+from tiered_ckpt.engine.restore_plan import StepHoldings, plan_parts
 from tiered_ckpt.errors import IncompleteCheckpointError, ShardFormatError, UsageError
 from tiered_ckpt.format.manifest import ChunkRecord, ShardManifest
+from tiered_ckpt.format.state import FlatState
 from tiered_ckpt.format.structure import Structure
-from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.manager import CheckpointManager
 from tiered_ckpt.torch.dcp_document import (
     COMPLEX_DTYPES,
@@ -91,6 +95,7 @@ class _Located:
     where: Mapping[MetadataIndex, tuple[int, str]]
     complex_dtypes: Mapping[str, str]
     values: Mapping[str, tuple[str, ...]]  # fqn -> the path of its stored value
+    holdings: StepHoldings  # what the tiers hold of the step: the reads' plan's input
 
 
 class TieredReader(StorageReader):
@@ -138,13 +143,17 @@ class TieredReader(StorageReader):
                 f"{sorted(set(local_steps) | set(remote_steps))}"
             )
         manifest, _remote = store.manifests(step, in_local=step in local_steps, in_remote=step in remote_steps)
+        # a bucket not listed (the step is on this disk) is still tried, last, for a copy that fails here
+        in_remote = True if step in remote_steps else None if step in local_steps else False
+        committed = {store.remote.name: in_remote} if store.remote is not None else {}
+        holdings = step_holdings(store, False, manifest, (), committed)
         first = self._ranks[0]
         rank = first if first < manifest.world_size else 0  # a new rank takes rank 0's values
-        structure = store.read_parts(step, manifest.shard(rank), ())[0].structure
+        structure = self._read(manifest, holdings, {rank: ()})[rank].structure
         if rank != 0 and "planner_data" not in keys_at(structure, (ROOT,)):
             # written by a TieredWriter of 0.2, which stored the values in rank 0's shard only
             rank = 0
-            structure = store.read_parts(step, manifest.shard(rank), ())[0].structure
+            structure = self._read(manifest, holdings, {rank: ()})[rank].structure
         what = f"rank {rank} of step {step}"
         complex_dtypes = complex_dtypes_of(structure, what)
         chunks = self._chunks(manifest, complex_dtypes)
@@ -165,8 +174,15 @@ class TieredReader(StorageReader):
                     values[key] = value_path(section, key)
                     state[key] = BytesStorageMetadata()
         planner_data = planner_data_of(structure, what)
-        self._located = _Located(manifest, rank, structure, where, complex_dtypes, values)
+        self._located = _Located(manifest, rank, structure, where, complex_dtypes, values, holdings)
         return Metadata(state_dict_metadata=state, planner_data=planner_data or None)
+
+    def _read(
+        self, manifest: ShardManifest, holdings: StepHoldings, wanted: Mapping[int, Collection[str]]
+    ) -> Mapping[int, FlatState]:
+        """By saved rank, its shard's structure and the arrays ``wanted`` of it, each verified:
+        planned and run as a restore's reads are (:func:`~tiered_ckpt.engine.restore_plan.plan_parts`)."""
+        return ReadExecutor(self._manager.store).run(manifest, plan_parts(holdings, wanted)).states
 
     def _chunks(
         self, manifest: ShardManifest, complex_dtypes: Mapping[str, str]
@@ -215,14 +231,7 @@ class TieredReader(StorageReader):
                 value_arrays.update(_value_arrays(located, item.storage_index.fqn))
         for name, writer in value_arrays.items():
             wanted.setdefault(writer, set()).add(name)
-        step = located.manifest.step
-        ranks = sorted(wanted)
-        parts = run_parallel(
-            lambda rank: self._manager.store.read_parts(step, located.manifest.shard(rank), wanted[rank])[0].arrays,
-            ranks,
-            None,
-        )
-        read = dict(zip(ranks, parts, strict=True))
+        read = {rank: state.arrays for rank, state in self._read(located.manifest, located.holdings, wanted).items()}
         arrays = {name: read[writer][name] for name, writer in value_arrays.items()}
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:

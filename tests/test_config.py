@@ -421,6 +421,7 @@ ENVIRONMENT = {
     ("runtime", "max_workers"): ("2", 2),
     ("runtime", "writer_cpus"): ("0", frozenset({0})),
     ("runtime", "preemption_signals"): ("SIGTERM,usr1", (signal.SIGTERM, signal.SIGUSR1)),
+    ("runtime", "host_memory_bytes"): ("8589934592", 8 << 30),
     ("peer", "every"): ("10", 10),
     ("peer", "max_bytes"): (str(1 << 30), 1 << 30),
     ("peer", "timeout_seconds"): ("5", 5.0),

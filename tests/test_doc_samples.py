@@ -33,6 +33,7 @@ MARKERS = {
     "use": ("guides/saving-and-restoring.md", "def training_state(step):"),
     "partial": ("guides/saving-and-restoring.md", 'manager.restore(paths=["model"])'),
     "export": ("guides/exporting.md", 'export_safetensors("/nvme/ckpt/run"'),
+    "memory": ("guides/memory.md", "RuntimeOptions(host_memory_bytes=8 << 20)"),
     "peer": ("guides/peer-tier.md", "peer=PeerOptions(every=10"),
     "lightning": ("guides/lightning.md", "trainer.fit(model, train_dataloaders, ckpt_path=io.ckpt_path())"),
     "fabric": ("guides/lightning.md", 'TieredCheckpointIO(manager, step_key="step")'),
@@ -269,3 +270,13 @@ def test_the_lightning_guide_resumes_a_trainer_from_the_bucket_and_fabric_from_i
         "fabric-100.ckpt",
         "fabric-200.ckpt",
     ]
+
+
+def test_the_memory_guide_saves_a_state_past_its_budget(tmp_path, bucket):
+    _server, env = bucket
+    path = script(tmp_path, "memory", "", sample("memory"))
+    result = run(path, env, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "staged 4194304, written from the caller's memory 25165824" in result.stdout
+    assert "throttled by runtime.host_memory_bytes=8388608" in result.stderr  # the WARNING, once
+    assert (tmp_path / "nvme" / "run" / step_dir_name(1) / "manifest.json").is_file()

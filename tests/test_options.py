@@ -175,7 +175,7 @@ def above(kind, name):
 
 
 def test_every_numeric_option_has_a_bound():
-    expected = {"local": 4, "remote": 5, "upload": 10, "runtime": 1, "peer": 3}  # every int and float field
+    expected = {"local": 4, "remote": 5, "upload": 10, "runtime": 2, "peer": 3}  # every int and float field
     assert {group: sum(GROUP_OF[kind] == group for kind, _ in BOUNDS) for group in expected} == expected
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from tiered_ckpt import build
 from tiered_ckpt.dist.coordination import Coordinator, gather
 from tiered_ckpt.engine.background import ErrorBox
+from tiered_ckpt.engine.memory_budget import default_host_memory_bytes
 from tiered_ckpt.engine.preemption import PreemptionNotice, PreemptionWatch
 from tiered_ckpt.engine.refill import Refiller
 from tiered_ckpt.engine.replication import Backlog, Replicator
@@ -182,6 +183,7 @@ def open_parts(options: Options, coordinator: Coordinator) -> Parts:
         max_workers=max_workers,
         cpus=options.runtime.writer_cpus,
         local_every=options.local.every,
+        host_memory_bytes=options.runtime.host_memory_bytes or default_host_memory_bytes(),
     )
     stack.enter_context(closing(writer))  # closed first: the last write reaches the replicators before they finish
     refiller = Refiller(store, writer.run_after, max_workers)

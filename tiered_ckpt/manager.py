@@ -3,17 +3,18 @@
 It calls the parts :mod:`~tiered_ckpt.compose` built from the options (the writer, the
 restorer, the uploader, the store) and owns only the order of a save: raise any background
 error not yet raised and wait for the previous write; check the call on every rank (one
-collective, :func:`~tiered_ckpt.engine.saving.check_save`); stage the arrays into reused
-host buffers (the only time the training loop is blocked) and queue the write. Background
-failures wait in one error box (:mod:`~tiered_ckpt.raising`): nothing calls back up here.
-With one process per rank, collectives run on the caller's thread, the writer's and the
-uploader's, each on a process group of its own; every rank makes the same calls in order.
+collective, :func:`~tiered_ckpt.engine.saving.check_save`); stage the arrays (the writer,
+within the host memory budget) and queue the write. Background failures wait in one error
+box (:mod:`~tiered_ckpt.raising`): nothing calls back up here. With one process per rank,
+collectives run on the caller's thread, the writer's and the uploader's, each on a process
+group of its own; every rank makes the same calls in order.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
@@ -159,17 +160,18 @@ class CheckpointManager:
         A state is a dict nesting dicts, lists and tuples of numpy arrays, torch tensors and scalars
         (see :mod:`tiered_ckpt.format.state`); ``restore`` gives it back with its types. With one
         process per rank, ``states`` is this rank's state (every rank saves the same step). Returns
-        once the arrays are copied to staging buffers (the caller may then overwrite them); the
-        write runs in the background. The :class:`SaveHandle` holds a future of the local commit
-        (``committed``, which ``blocking=True`` waits for), one of each later tier's by name (``replicated``;
-        the bucket's is ``uploaded``); a step no tier takes is not saved (:meth:`should_save`). Raises
-        first any background error not yet raised (:class:`SaveError`, or a permanent
-        :class:`UploadError`: no such bucket, access denied), saying that ``step`` was not saved, then
-        :class:`InvalidStateError` for bad input and :class:`CheckpointExistsError` if ``step`` is not newer
-        than every committed step (on every rank, whichever rank is at fault; steps in the partners' memory
-        count too: a restart would restore them). An unreachable or failing bucket never makes it raise: the
-        upload is retried until its deadline, and a step that misses it stays local-only (see :meth:`wait`).
+        once the arrays are copied to staging buffers, and those past ``runtime.host_memory_bytes``
+        written (the caller may then overwrite them); the write runs in the background. The
+        :class:`SaveHandle` holds a future of the local commit (``committed``, which ``blocking=True``
+        waits for), one of each later tier's by name (``replicated``; the bucket's is ``uploaded``),
+        and what the call cost; a step no tier takes is not saved (:meth:`should_save`). Raises first
+        any background error not yet raised (:class:`SaveError`, or a permanent :class:`UploadError`: no
+        such bucket, access denied), saying that ``step`` was not saved, then :class:`InvalidStateError`
+        for bad input and :class:`CheckpointExistsError` if ``step`` is not newer than every committed step
+        (on every rank, whichever rank is at fault; steps in the partners' memory count too). An
+        unreachable bucket never makes it raise: the upload is retried until its deadline (:meth:`wait`).
         """
+        started = time.monotonic()
         self._check_open()
         parts = self._parts
         if not self.should_save(step):
@@ -192,12 +194,10 @@ class CheckpointManager:
                 stop_step=parts.preemption.step,
             )
         stop = step == parts.preemption.step  # a preemption's step goes to every tier
-        handle = parts.writer.submit(
-            step, list(plan.states), plan.sharded_keys, list(plan.numels), every_tier=stop, replicated=plan.replicated
+        flat, keys, numels = list(plan.states), plan.sharded_keys, list(plan.numels)
+        return parts.writer.submit(
+            step, flat, keys, numels, every_tier=stop, replicated=plan.replicated, blocking=blocking, started=started
         )
-        if blocking:
-            handle.committed.result()
-        return handle
 
     def should_save(self, step: int) -> bool:
         """Whether :meth:`save` of ``step`` saves it: a tier's cadence takes it (``local.every``, or

@@ -291,6 +291,11 @@ class RuntimeOptions:
     ``writer_cpus`` (e.g. ``{3}``; Linux) keeps the background writer and retention
     threads, and the threads they start, on those CPUs (say, cores the training loop
     leaves free); they always run at a lower priority than the training loop.
+    ``host_memory_bytes`` caps the host memory this process's saves hold for staging (default:
+    a quarter of the node's memory, or of its cgroup's limit, shared by the node's processes,
+    at least 256 MiB: :func:`~tiered_ckpt.engine.memory_budget.default_host_memory_bytes`): the
+    arrays of a state larger than it that do not fit are written straight from the caller's
+    memory while :meth:`~tiered_ckpt.CheckpointManager.save` waits (``docs/guides/memory.md``).
     ``preemption_signals`` (e.g. ``("SIGTERM",)``; default none) installs handlers that
     note a preemption notice for :meth:`~tiered_ckpt.CheckpointManager.reached_preemption`,
     only from the main thread: one per signal for the process, shared by every manager,
@@ -303,6 +308,7 @@ class RuntimeOptions:
     max_workers: int | None = None
     writer_cpus: frozenset[int] | None = None
     preemption_signals: tuple[signal.Signals, ...] = ()
+    host_memory_bytes: int | None = None
 
     def __init__(
         self,
@@ -310,6 +316,7 @@ class RuntimeOptions:
         max_workers: int | None = None,
         writer_cpus: Iterable[int] | None = None,
         preemption_signals: Iterable[SignalLike] = (),
+        host_memory_bytes: int | None = None,
     ) -> None:
         object.__setattr__(self, "sharded_keys", _sharded_keys(sharded_keys))
         if max_workers is not None:
@@ -320,6 +327,9 @@ class RuntimeOptions:
             raise invalid_option("preemption_signals", f"must be a list of signals, got {preemption_signals!r:.60}")
         chosen = tuple(dict.fromkeys(_signal(each) for each in preemption_signals))
         object.__setattr__(self, "preemption_signals", chosen)
+        if host_memory_bytes is not None:
+            _check_number("host_memory_bytes", host_memory_bytes, 1)
+        object.__setattr__(self, "host_memory_bytes", host_memory_bytes)
 
 
 def _sharded_keys(keys: Any) -> tuple[ShardedKey, ...] | None:

@@ -142,3 +142,25 @@ def test_the_header_is_the_json_json_dumps_makes():
     document = json.loads(raw)
     assert raw.decode() == json.dumps(document, separators=(",", ":"))
     assert document["__metadata__"] == metadata and set(document) - {"__metadata__"} == set(odd)
+
+
+@pytest.mark.parametrize("tail_bytes", [4, SMALL_ARRAY_BYTES // 2, 3 * SMALL_ARRAY_BYTES])
+def test_an_arrays_tail_written_from_elsewhere_gives_the_same_bytes_and_digests(tail_bytes):
+    arrays = [np.arange(SMALL_ARRAY_BYTES, dtype=np.float32), np.arange(10, dtype=np.int16)]
+    names = ["big", "small"]
+    plain, split = io.BytesIO(), io.BytesIO()
+    expected = write_arrays(lambda chunk: plain.write(chunk), arrays, names, "both")
+    tail = arrays[0].view(np.uint8)[-tail_bytes:].copy()
+    arrays[0].view(np.uint8)[-tail_bytes:] = 0  # what the caller's memory holds now: the tail must come from the copy
+    done: list[tuple[str, int]] = []
+    digests = write_arrays(
+        lambda chunk: split.write(chunk),
+        arrays,
+        names,
+        "both",
+        done_with=lambda name: done.append((name, split.tell())),
+        tails={"big": tail},
+    )
+    assert split.getvalue() == plain.getvalue() and digests == expected
+    # the caller's array is let go once its bytes before the tail are out, before the tail is written
+    assert done[0] == ("big", arrays[0].nbytes - tail_bytes) and [name for name, _ in done] == names

@@ -10,6 +10,7 @@ kept in memory only (for a partner's memory) is serialized to bytes instead
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from typing import BinaryIO, Literal, cast
 
@@ -25,7 +26,7 @@ from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.tiers.abilities import WritingTier
 from tiered_ckpt.tiers.base import ShardSource
 
-__all__ = ["ShardBuffer", "build_manifest", "serialize_shards", "write_shards"]
+__all__ = ["Borrowed", "ShardBuffer", "build_manifest", "serialize_shards", "write_shards"]
 
 
 def write_shards(
@@ -38,6 +39,7 @@ def write_shards(
     numels: Sequence[int],
     max_workers: int | None = None,
     replicas: Mapping[int, Mapping[str, int]] | None = None,
+    borrowed: Borrowed | None = None,
 ) -> list[ShardRecord]:
     """Write the shards of ``ranks`` (``states[i]`` is rank ``ranks[i]``'s) into ``step`` of ``tier``
     (held locked), each with its structure document; return their records, in the order of ``ranks``.
@@ -46,12 +48,14 @@ def write_shards(
     mapped to its writer, the rank whose shard stores it (:func:`~tiered_ckpt.dist.replicas.choose_writers`);
     its record lists them as ``replicas``. Temp files an earlier crash left in the step are removed first. Each shard is
     durable under its name once this returns; the names are, once the tier's commit is.
+    ``borrowed``: the arrays that are the caller's own memory, and whom to tell when each
+    shard is done with them.
     """
     tier.new_step_dir(step)
     tier.clear_temp_files(step)
 
     def write(index: int) -> ShardRecord:
-        shard = _Shard(step, states[index], ranks[index], world_size, (replicas or {}).get(ranks[index], {}))
+        shard = _Shard(step, states[index], ranks[index], world_size, (replicas or {}).get(ranks[index], {}), borrowed)
         digest = tier.write_shard(step, shard.name, ShardSource(write=shard.write), sync_directory=False)
         return shard.record(digest, numels)
 
@@ -97,6 +101,7 @@ def serialize_shards(
     max_workers: int | None = None,
     replicas: Mapping[int, Mapping[str, int]] | None = None,
     buffers: Mapping[int, ShardBuffer] | None = None,
+    borrowed: Borrowed | None = None,
 ) -> list[tuple[ShardRecord, memoryview]]:
     """The shards :func:`write_shards` would write, as bytes in memory with their records (a step
     kept in memory only), in the order of ``ranks``; each in ``buffers[rank]`` if given (what
@@ -104,7 +109,7 @@ def serialize_shards(
 
     def serialize(index: int) -> tuple[ShardRecord, memoryview]:
         rank = ranks[index]
-        shard = _Shard(step, states[index], rank, world_size, (replicas or {}).get(rank, {}))
+        shard = _Shard(step, states[index], rank, world_size, (replicas or {}).get(rank, {}), borrowed)
         buffer = buffers[rank] if buffers is not None else ShardBuffer()
         digest, data = buffer.write_shard(shard)
         return shard.record(digest, numels), data
@@ -112,11 +117,53 @@ def serialize_shards(
     return run_parallel(serialize, range(len(ranks)), max_workers)
 
 
+class Borrowed:
+    """The arrays of a save that are the caller's own memory (``direct``, by rank: not staged,
+    or only their last bytes, in ``tails``: :class:`~tiered_ckpt.engine.staging.Staged`), and
+    the save call waiting until every shard of this process is done with them (:meth:`wait`).
+
+    A shard tells :meth:`done` once it read the last of them (or holds none); :meth:`release`
+    ends the wait whatever happened (the write failed, or never started)."""
+
+    def __init__(
+        self, direct: Mapping[int, frozenset[str]], tails: Mapping[int, Mapping[str, np.ndarray]] | None = None
+    ) -> None:
+        self.direct = dict(direct)
+        self.tails = dict(tails or {})
+        self._left = set(direct)
+        self._lock = threading.Lock()
+        self._released = threading.Event()
+
+    def done(self, rank: int) -> None:
+        """Rank ``rank``'s shard reads none of the caller's arrays any more."""
+        with self._lock:
+            self._left.discard(rank)
+            if not self._left:
+                self._released.set()
+
+    def release(self) -> None:
+        """No shard reads the caller's arrays any more (the writer is done, or failed)."""
+        self._released.set()
+
+    def wait(self) -> None:
+        """Block until every shard is done with the caller's arrays."""
+        self._released.wait()
+
+
 class _Shard:
     """One rank's shard of a step: its name, its bytes (written to a stream) and its record."""
 
-    def __init__(self, step: int, state: FlatState, rank: int, world_size: int, replicas: Mapping[str, int]) -> None:
+    def __init__(
+        self,
+        step: int,
+        state: FlatState,
+        rank: int,
+        world_size: int,
+        replicas: Mapping[str, int],
+        borrowed: Borrowed | None = None,
+    ) -> None:
         self.rank = rank
+        self.borrowed = borrowed
         self.name = shard_name(rank, world_size)
         self.replicas = replicas
         self.state = written(state, replicas)
@@ -131,7 +178,20 @@ class _Shard:
 
     def write(self, out: BinaryIO) -> ShardDigest:
         parts: Literal["both", "xxh3"] | None = "both" if self.chunked else "xxh3" if self.array_digests else None
-        return write_shard(out, self.state.arrays, self.metadata, part_digests=parts)
+        borrowed = self.borrowed
+        waiting = set(borrowed.direct.get(self.rank, ())).intersection(self.state.arrays) if borrowed else set()
+        if borrowed is None or not waiting:
+            if borrowed is not None:
+                borrowed.done(self.rank)
+            return write_shard(out, self.state.arrays, self.metadata, part_digests=parts)
+
+        def done_with(name: str) -> None:
+            waiting.discard(name)
+            if not waiting:
+                borrowed.done(self.rank)
+
+        tails = {name: tail for name, tail in borrowed.tails.get(self.rank, {}).items() if name in self.state.arrays}
+        return write_shard(out, self.state.arrays, self.metadata, part_digests=parts, done_with=done_with, tails=tails)
 
     def record(self, digest: ShardDigest, numels: Sequence[int]) -> ShardRecord:
         return ShardRecord(

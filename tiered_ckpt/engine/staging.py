@@ -1,8 +1,15 @@
-"""The host buffers a save's arrays are copied into before the background write.
+"""The host buffers a save's arrays are copied into before the background write, within a budget.
 
 The copy is all that ``save(blocking=False)`` makes the training loop wait for, so it runs
 on several threads (numpy's copy releases the GIL): large arrays are cut into pieces, and
 the pieces are copied in parallel, the training loop's thread taking part.
+
+The buffers hold at most ``budget`` bytes (``runtime.host_memory_bytes``,
+:mod:`~tiered_ckpt.engine.memory_budget`). A state larger than it is staged from the end of
+each shard, in the order its file holds the arrays (:func:`~tiered_ckpt.format.shardfile.write_order`),
+as far as each shard's share of the budget goes: the arrays before those are written straight
+from the caller's memory, first, and the save call waits only until the writer is done with
+them (:class:`Staged`), so a larger state makes the call wait longer, never hold more.
 """
 
 from __future__ import annotations
@@ -10,12 +17,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from tiered_ckpt.format.shardfile import check_arrays
+from tiered_ckpt.format.shardfile import check_arrays, write_order
 
-__all__ = ["StagingBuffers"]
+__all__ = ["Staged", "StagingBuffers"]
 
 PIECE_BYTES = 32 << 20  # large enough that a piece's copy dwarfs handing it to a thread
 PARALLEL_BYTES = 64 << 20  # below this, one thread copies: starting others costs more than it saves
@@ -50,34 +58,108 @@ def _copy(pieces: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
             future.result()
 
 
+@dataclass(frozen=True)
+class Staged:
+    """A save's arrays after staging, by rank: the arrays to write (``states``: a staging
+    buffer holding a copy, or the caller's own array where the budget did not reach), the
+    names of those whose bytes are read from the caller's memory (``direct``, all of them or,
+    for an array in ``tails``, all but its last bytes, which the tail buffer holds), and the
+    bytes of each kind."""
+
+    states: list[dict[str, np.ndarray]]
+    direct: list[frozenset[str]]
+    staged_bytes: int
+    direct_bytes: int
+    tails: list[dict[str, np.ndarray]] = field(default_factory=list)
+
+
+def _splittable(array: np.ndarray) -> bool:
+    """True if the last bytes of ``array`` are the end of what its shard stores of it, as they are in memory."""
+    return array.ndim > 0 and array.flags.c_contiguous and array.dtype.byteorder != ">"
+
+
+def _plan(arrays: Mapping[str, np.ndarray], share: int) -> tuple[set[str], tuple[str, int] | None]:
+    """What of one rank's arrays is staged within ``share`` bytes: the longest run of whole
+    arrays that ends its shard's file and fits, and the last bytes of the array before them
+    (its name and how many, whole items) where those fit and its memory allows."""
+    chosen: set[str] = set()
+    used = 0
+    for name in reversed(write_order(arrays)):
+        array = arrays[name]
+        if used + array.nbytes <= share:
+            chosen.add(name)
+            used += array.nbytes
+            continue
+        tail = (share - used) // array.itemsize * array.itemsize
+        return chosen, (name, tail) if tail and _splittable(array) else None
+    return chosen, None
+
+
 class StagingBuffers:
-    """Host buffers that hold a copy of every rank's arrays between a save call and its write.
+    """Host buffers that hold a copy of every rank's arrays between a save call and its write,
+    at most ``budget`` bytes of them (None: no bound).
 
     A buffer is reused from save to save and reallocated only when its array's dtype or
-    shape changes; arrays that are no longer saved are released.
+    shape changes; buffers no longer wanted are released before any new one is allocated,
+    so the buffers never hold more than the budget.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, budget: int | None = None) -> None:
         self._buffers: list[dict[str, np.ndarray]] = []
+        self._tails: list[dict[str, np.ndarray]] = []
+        self.budget = budget
 
-    def stage(self, states: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-        """Copy ``states`` (arrays by name) into the buffers and return the buffers (C-contiguous copies)."""
-        staged, pieces = [], []
-        for rank, state in enumerate(states):
-            previous = self._buffers[rank] if rank < len(self._buffers) else {}
-            buffers = {}
-            for key, array in check_arrays(state, f"rank {rank}").items():
-                buffer = previous.get(key)
-                if buffer is None or buffer.dtype != array.dtype or buffer.shape != array.shape:
-                    buffer = np.empty(array.shape, dtype=array.dtype)
-                pieces += _pieces(buffer, array)
-                buffers[key] = buffer
-            staged.append(buffers)
+    def stage(self, states: Sequence[Mapping[str, np.ndarray]]) -> Staged:
+        """Copy ``states`` (arrays by name), or as much of them as the budget holds (see the
+        module doc), into the buffers (C-contiguous copies)."""
+        checked = [check_arrays(state, f"rank {rank}") for rank, state in enumerate(states)]
+        total = sum(array.nbytes for arrays in checked for array in arrays.values())
+        if self.budget is None or total <= self.budget:
+            plans: list[tuple[set[str], tuple[str, int] | None]] = [(set(arrays), None) for arrays in checked]
+        else:  # each shard's share of the budget in proportion to its size: they are written side by side
+            budget = self.budget
+            sizes = [sum(array.nbytes for array in arrays.values()) for arrays in checked]
+            plans = [_plan(arrays, budget * size // total) for arrays, size in zip(checked, sizes, strict=True)]
+        wholes = [
+            {name: (arrays[name].dtype, arrays[name].shape) for name in plan[0]}
+            for arrays, plan in zip(checked, plans, strict=True)
+        ]
+        tails = [{split[0]: (np.dtype(np.uint8), (split[1],))} if split else {} for _names, split in plans]
+        old_buffers, old_tails = _kept(self._buffers, wholes), _kept(self._tails, tails)
+        self._buffers, self._tails = [], []  # what is not reused is freed before anything new is allocated
+        pieces: list[tuple[np.ndarray, np.ndarray]] = []
+        buffers = [_allocated(wanted, old) for wanted, old in zip(wholes, old_buffers, strict=True)]
+        tail_buffers = [_allocated(wanted, old) for wanted, old in zip(tails, old_tails, strict=True)]
+        for arrays, mine, ends in zip(checked, buffers, tail_buffers, strict=True):
+            for name, buffer in mine.items():
+                pieces += _pieces(buffer, arrays[name])
+            for name, buffer in ends.items():  # the last bytes of the array, as its shard stores them
+                whole = arrays[name].reshape(-1).view(np.uint8)
+                pieces += _pieces(buffer, whole[whole.size - buffer.size :])
         _copy(pieces)
-        self._buffers = staged
-        return staged
+        self._buffers, self._tails = buffers, tail_buffers
+        direct = [frozenset(arrays).difference(names) for arrays, (names, _split) in zip(checked, plans, strict=True)]
+        states_out = [{**arrays, **mine} for arrays, mine in zip(checked, buffers, strict=True)]
+        return Staged(states_out, direct, self.nbytes, total - self.nbytes, tail_buffers)
 
     @property
     def nbytes(self) -> int:
         """Bytes held by the buffers."""
-        return sum(buffer.nbytes for buffers in self._buffers for buffer in buffers.values())
+        return sum(buffer.nbytes for group in (*self._buffers, *self._tails) for buffer in group.values())
+
+
+Wanted = Mapping[str, tuple[np.dtype, tuple[int, ...]]]
+
+
+def _kept(previous: Sequence[dict[str, np.ndarray]], wanted: Sequence[Wanted]) -> list[dict[str, np.ndarray]]:
+    """By rank, the buffers of ``previous`` that ``wanted`` (the dtype and shape by name) reuses."""
+    kept = []
+    for rank, each in enumerate(wanted):
+        old = previous[rank] if rank < len(previous) else {}
+        kept.append({name: b for name, b in old.items() if each.get(name) == (b.dtype, b.shape)})
+    return kept
+
+
+def _allocated(wanted: Wanted, old: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A buffer for each name of ``wanted``: ``old``'s, else a new one."""
+    return {name: old[name] if name in old else np.empty(shape, dtype) for name, (dtype, shape) in wanted.items()}

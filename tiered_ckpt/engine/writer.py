@@ -48,8 +48,8 @@ from tiered_ckpt.dist.replicas import choose_writers
 from tiered_ckpt.engine.background import ErrorBox, ReportedFuture
 from tiered_ckpt.engine.replication import Replicator
 from tiered_ckpt.engine.sending import MemoryStep
-from tiered_ckpt.engine.shards import ShardBuffer, build_manifest, serialize_shards, write_shards
-from tiered_ckpt.engine.staging import StagingBuffers
+from tiered_ckpt.engine.shards import Borrowed, ShardBuffer, build_manifest, serialize_shards, write_shards
+from tiered_ckpt.engine.staging import Staged, StagingBuffers
 from tiered_ckpt.errors import CheckpointError, SaveError, UploadError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.format.state import FlatState
@@ -101,6 +101,12 @@ class SaveHandle:
     bucket: its cadence skips it, ``tries`` 0), or the save's :class:`SaveError`. ``replicated``
     holds such a future for every later tier, by its name (the bucket's is ``uploaded``). An
     error raised by any one's ``result()`` is not raised again by the manager's next call.
+
+    What the call cost the caller: ``blocked_seconds``, how long ``save`` held it (the check,
+    the copy, and any wait: ``blocking=True``, or the budget's); ``staged_bytes``, the bytes
+    copied into the staging buffers (``runtime.host_memory_bytes``); ``throttled_bytes``, those
+    past the budget, written straight from the caller's memory while the call waited
+    ``throttled_seconds`` for them (0 when the state fits the budget).
     """
 
     def __init__(
@@ -114,6 +120,10 @@ class SaveHandle:
         self.committed = committed
         self.uploaded = uploaded
         self.replicated: Mapping[str, Future[None]] = dict(replicated or {})
+        self.blocked_seconds = 0.0
+        self.staged_bytes = 0
+        self.throttled_bytes = 0
+        self.throttled_seconds = 0.0
 
     @classmethod
     def skipped(cls, step: int, *, later: Sequence[str] = (), bucket: str | None = None) -> SaveHandle:
@@ -173,6 +183,7 @@ class Writer:
         max_workers: int | None = None,
         cpus: frozenset[int] | None = None,
         local_every: int = 1,
+        host_memory_bytes: int | None = None,
     ) -> None:
         self._store = store
         self._coordinator = coordinator
@@ -182,7 +193,8 @@ class Writer:
         self._replicators = tuple(replicators)
         self._max_workers = max_workers
         self._local_every = local_every
-        self._staging = StagingBuffers()
+        self._staging = StagingBuffers(host_memory_bytes)
+        self._throttle_told = False  # the WARNING that saves wait for the budget is logged once
         # A step kept in memory only is serialized here: the previous one's copies ended before this one's began.
         self._in_memory = {rank: ShardBuffer() for rank in self._ranks}
         self._last_save: Future[ShardManifest | None] | None = None
@@ -209,6 +221,8 @@ class Writer:
         *,
         every_tier: bool = False,
         replicated: bool = True,
+        blocking: bool = False,
+        started: float | None = None,
     ) -> SaveHandle:
         """Stage ``states`` (this process's ranks, checked) and queue their write as ``step``, to
         the tiers :meth:`tiers_of` names (the caller checked there is one). ``replicated=False``
@@ -217,22 +231,63 @@ class Writer:
 
         Waits first for the previous save's write (not its retention): its staging buffers are
         the ones reused here, and overwriting them under a running write would save this step's
-        arrays as that one's.
+        arrays as that one's. Returns once the arrays past the host memory budget are written
+        (:mod:`~tiered_ckpt.engine.staging`), and, if ``blocking``, once the step is committed;
+        the handle's ``blocked_seconds`` count from ``started`` (a ``time.monotonic()``; default:
+        this call's start).
         """
+        started = time.monotonic() if started is None else started
         if self._last_save is not None:
             self._last_save.exception()
         to_disk, replicators = self.tiers_of(step, every_tier=every_tier)
-        buffers = self._staging.stage([state.arrays for state in states])
-        staged = [dataclasses.replace(state, arrays=arrays) for arrays, state in zip(buffers, states, strict=True)]
+        arrays = self._staging.stage([state.arrays for state in states])
+        staged = [dataclasses.replace(state, arrays=each) for each, state in zip(arrays.states, states, strict=True)]
+        borrowed = None
+        if arrays.direct_bytes:
+            tails = dict(zip(self._ranks, arrays.tails, strict=True))
+            borrowed = Borrowed(dict(zip(self._ranks, arrays.direct, strict=True)), tails)
         committed: Future[ShardManifest | None] = ReportedFuture(self._errors)
         outcomes = self._outcomes(step, to_disk, replicators)
         write = partial(self._write, every_tier=every_tier) if to_disk else self._write_to_memory
+        write = partial(write, borrowed=borrowed)
         self._writer.submit(write, step, staged, keys, numels, replicators, replicated).add_done_callback(
             lambda done: _copy_outcome(done, committed)
         )
         self._last_save = committed
+        waited = 0.0
+        if borrowed is not None:  # the arrays past the budget are written from the caller's memory: wait for them
+            waiting = time.monotonic()
+            borrowed.wait()
+            waited = time.monotonic() - waiting
+            self._tell_throttled(step, arrays, waited)
         bucket = self._bucket()
-        return SaveHandle(step, committed, outcomes.get(bucket) if bucket is not None else None, outcomes)
+        handle = SaveHandle(step, committed, outcomes.get(bucket) if bucket is not None else None, outcomes)
+        handle.staged_bytes = arrays.staged_bytes
+        handle.throttled_bytes = arrays.direct_bytes
+        handle.throttled_seconds = waited
+        if blocking:
+            committed.result()
+        handle.blocked_seconds = time.monotonic() - started
+        return handle
+
+    def _tell_throttled(self, step: int, arrays: Staged, waited: float) -> None:
+        """Log once per run (WARNING) that saves wait for the host memory budget, and by how much."""
+        if self._throttle_told:
+            return
+        self._throttle_told = True
+        total = arrays.staged_bytes + arrays.direct_bytes
+        logger.warning(
+            "saves are throttled by runtime.host_memory_bytes=%d: step %d's state is %d bytes, and the %d bytes "
+            "past the budget (%.0f%%) were written straight from the caller's memory while save() waited "
+            "%.3f s longer; a budget of %d bytes lets save() return once the state is copied (logged once)",
+            self._staging.budget or 0,
+            step,
+            total,
+            arrays.direct_bytes,
+            100 * arrays.direct_bytes / max(total, 1),
+            waited,
+            total,
+        )
 
     def skipped(self, step: int) -> SaveHandle:
         """The handle of a save of ``step`` that no tier's cadence takes (see :meth:`SaveHandle.skipped`)."""
@@ -307,11 +362,14 @@ class Writer:
         numels: list[int],
         to: list[Replicator],
         replicated: bool = True,
+        *,
+        borrowed: Borrowed | None = None,
     ) -> ShardManifest | None:
         """Writer thread: serialize this process's shards of a step the disk skips, agree on its
         manifest, and hand it to the replicators of the tiers that take it (a partner's memory);
         the step is committed once each of them committed it. A failure is logged (WARNING),
-        never raised: the step is simply kept nowhere, and None is returned."""
+        never raised: the step is simply kept nowhere, and None is returned. ``borrowed``: the
+        caller's arrays the shards read, released once read (or on failure)."""
         try:
             replicas = self._replicas(staged, replicated)
             shards: dict[int, memoryview] = {}
@@ -326,6 +384,7 @@ class Writer:
                     max_workers=self._max_workers,
                     replicas=replicas,
                     buffers=self._in_memory,
+                    borrowed=borrowed,
                 )
                 shards.update((record.rank, data) for record, data in written)
                 return _Written(tuple(record.to_dict() for record, _data in written), time.time())
@@ -339,6 +398,9 @@ class Writer:
             failures: list[BaseException | None] = [outcome.exception() for outcome in outcomes]
         except Exception as exc:  # a collective, a serialization or a bug: logged below, on the handle
             failures = [exc]
+        finally:
+            if borrowed is not None:
+                borrowed.release()
         failed = next((failure for failure in failures if failure is not None), None)
         if failed is not None:
             logger.warning("step %d, to be kept in memory only, is in no tier: %s", step, failed)
@@ -358,9 +420,11 @@ class Writer:
         replicated: bool = True,
         *,
         every_tier: bool = False,
+        borrowed: Borrowed | None = None,
     ) -> ShardManifest:
         """Writer thread: write this process's shards, commit once every rank's are durable, queue
-        the upload. ``every_tier`` is recorded with the commit: a restart still owes it to every tier."""
+        the upload. ``every_tier`` is recorded with the commit: a restart still owes it to every tier.
+        ``borrowed``: the caller's arrays the shards read, released once read (or on failure)."""
         local = self._store.local
         committed_here = False
         try:
@@ -376,6 +440,7 @@ class Writer:
                     numels=numels,
                     max_workers=self._max_workers,
                     replicas=replicas,
+                    borrowed=borrowed,
                 )
                 return _Written(tuple(record.to_dict() for record in records), time.time())
 
@@ -416,6 +481,9 @@ class Writer:
             for replicator in self._replicators:  # the step will never be there
                 replicator.abandon(step, error)
             raise error from exc
+        finally:
+            if borrowed is not None:
+                borrowed.release()
 
     def _retain(self, step: int) -> None:
         """Retention thread: local retention after ``step``'s commit, which every rank made (off the write path)."""

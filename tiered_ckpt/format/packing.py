@@ -12,7 +12,7 @@ of up to :data:`GATHER_BYTES` and returned as views of it. Large arrays stream a
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -63,20 +63,30 @@ def _digest(data: memoryview, parts: Literal["both", "xxh3"]) -> PartDigest:
 
 
 def write_arrays(
-    write: Callable[[memoryview], None], arrays: Sequence[np.ndarray], names: Sequence[str], parts: PartDigests
+    write: Callable[[memoryview], None],
+    arrays: Sequence[np.ndarray],
+    names: Sequence[str],
+    parts: PartDigests,
+    done_with: Callable[[str], None] | None = None,
+    tails: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, PartDigest]:
     """Write the bytes of ``arrays`` back to back through ``write`` and return, with ``parts``,
     each one's digest by name (``"both"``: sha256 and xxh3-64, ``"xxh3"``: xxh3-64 only).
 
     Small C-contiguous little-endian arrays are copied into one buffer and written as one
     piece; any other array is written a chunk at a time, from its own memory where it can be.
+    ``done_with(name)`` is called as soon as an array's memory is read for the last time.
+    ``tails[name]`` (bytes, C-contiguous little-endian arrays only) holds the last bytes of
+    that array, written from there: of the array's own memory only the bytes before are read.
     """
     buffer = memoryview(bytearray(GATHER_BYTES))
     filled = 0
     digests: dict[str, PartDigest] = {}
+    tails = tails or {}
     for name, array in zip(names, arrays, strict=True):
         size = array.nbytes
-        if size <= SMALL_ARRAY_BYTES and array.flags.c_contiguous and array.dtype.byteorder != ">":
+        tail = tails.get(name)
+        if tail is None and size <= SMALL_ARRAY_BYTES and array.flags.c_contiguous and array.dtype.byteorder != ">":
             data = (array if array.ndim == 1 else array.reshape(-1)).view(np.uint8).data
             if filled + size > GATHER_BYTES:
                 write(buffer[:filled])
@@ -85,12 +95,21 @@ def write_arrays(
             filled += size
             if parts is not None:
                 digests[name] = _digest(data, parts)
+            if done_with is not None:
+                done_with(name)
             continue
         if filled:
             write(buffer[:filled])
             filled = 0
         part = None if parts is None else Hasher(None if parts == "both" else "fast")
-        for chunk in byte_chunks(array):
+        head = array if tail is None else array.reshape(-1).view(np.uint8)[: size - tail.size]
+        for chunk in byte_chunks(head):
+            write(chunk)
+            if part is not None:
+                part.update(chunk)
+        if done_with is not None:
+            done_with(name)
+        for chunk in byte_chunks(tail) if tail is not None else ():
             write(chunk)
             if part is not None:
                 part.update(chunk)

@@ -46,6 +46,7 @@ __all__ = [
     "check_arrays",
     "array_problem",
     "dtype_code",
+    "write_order",
     "write_shard",
     "read_shard_file",
     "read_shard_buffer",
@@ -153,12 +154,18 @@ def check_arrays(arrays: Mapping[str, np.ndarray], owner: str = "state") -> dict
 
 
 @cyclic_gc_paused()  # an object or more per array, all alive until returned: see io/gc_pause.py
+def write_order(arrays: Mapping[str, np.ndarray]) -> list[str]:
+    """The names of ``arrays`` in the order :func:`write_shard` writes them: largest item size
+    first (each array aligned for its dtype without padding), then by name."""
+    return sorted(arrays, key=lambda name: (-arrays[name].dtype.itemsize, name))
+
+
 def _layout(arrays: Mapping[str, np.ndarray]) -> list[tuple[str, str, np.ndarray, int, int]]:
-    """Order arrays largest item size first; return (name, code, array, begin, end)."""
+    """Order arrays as :func:`write_order` does; return (name, code, array, begin, end)."""
     checked = check_arrays(arrays)
-    ordered = sorted(checked.items(), key=lambda item: (-item[1].dtype.itemsize, item[0]))
     layout, offset = [], 0
-    for name, array in ordered:
+    for name in write_order(checked):
+        array = checked[name]
         code = _dtype_code(name, array)
         layout.append((name, code, array, offset, offset + array.nbytes))
         offset += array.nbytes
@@ -255,6 +262,8 @@ def write_shard(
     metadata: Mapping[str, str] | None = None,
     *,
     part_digests: Literal["both", "xxh3"] | None = None,
+    done_with: Callable[[str], None] | None = None,
+    tails: Mapping[str, np.ndarray] | None = None,
 ) -> ShardDigest:
     """Write ``arrays`` to ``out`` as one shard and return the size and checksums of what was written.
 
@@ -266,7 +275,9 @@ def write_shard(
     sha256 are measured too; ``part_digests`` also hashes each array on its own, in the same
     pass: ``"both"`` a second sha256 and xxh3-64 of every byte, ``"xxh3"`` only the xxh3-64
     (a few percent of the sha256's cost): with them, a reader of parts of the file verifies
-    what it reads (:func:`read_header`).
+    what it reads (:func:`read_header`). ``done_with(name)`` is called once the array called
+    ``name`` is read for the last time (its memory may then change); ``tails[name]`` holds the
+    last bytes of that array (C-contiguous little-endian), written from there instead.
     """
     layout = _layout(arrays)
     hasher = Hasher()
@@ -278,7 +289,8 @@ def write_shard(
         )
     write = hashing_writer(out, hasher)
     write(header)
-    digests = write_arrays(write, [entry[2] for entry in layout], [entry[0] for entry in layout], part_digests)
+    arrays_in_order, names = [entry[2] for entry in layout], [entry[0] for entry in layout]
+    digests = write_arrays(write, arrays_in_order, names, part_digests, done_with, tails)
     return replace(
         hasher.digest(), header_bytes=len(header), header_sha256=hashlib.sha256(header).hexdigest(), arrays=digests
     )

@@ -31,6 +31,7 @@ __all__ = ["BLOCK_BYTES", "read_blocks"]
 # caller copies and hashes the third.
 _BLOCKS_PER_FILE = 3
 _ALIGNMENT = 4096
+_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)  # Linux, macOS; elsewhere pages stay mapped
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -109,13 +110,20 @@ def _cached(fd: int, size: int) -> bool:
 
 def _mapped(fd: int, size: int) -> Iterator[memoryview]:
     """The file's bytes through a memory map of the page cache, a block at a time. The map
-    is unmapped once no view of it is left."""
+    is unmapped once no view of it is left.
+
+    Each block's pages are dropped from the map once the next block is asked for: the page
+    cache keeps them, but a mapped page counts in the process's resident memory, and a
+    restore of a large cached shard would otherwise show the whole shard there."""
     if size:
-        data = memoryview(mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
+        mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        data = memoryview(mapped)
         if len(data) < size:
             raise OSError(errno.EIO, f"file ended at byte {len(data)}, {size} were expected")
         for start in range(0, size, BLOCK_BYTES):
             yield data[start : start + BLOCK_BYTES]
+            if _DONTNEED is not None:
+                mapped.madvise(_DONTNEED, start, min(BLOCK_BYTES, len(data) - start))
 
 
 @contextmanager

@@ -1,0 +1,98 @@
+"""The host memory a save holds for staging (tiered_ckpt.engine.memory_budget, engine.staging):
+measured in fresh processes, a state of 2, 5 and 20 times the budget saved and restored."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tiered_ckpt import CheckpointManager, ConfigError, RuntimeOptions
+from tiered_ckpt.engine.memory_budget import (
+    MIN_DEFAULT_BYTES,
+    NODE_SHARE,
+    default_host_memory_bytes,
+    node_memory_bytes,
+)
+from tiered_ckpt.engine.staging import PIECE_BYTES
+
+CHILD = Path(__file__).parents[1] / "support" / "memory_child.py"
+MIB = 1 << 20
+SLOT = PIECE_BYTES  # the allowance past the budget: the write path's own buffers and the allocator's slack
+
+
+def run_child(
+    directory: Path, state_bytes: int, budget: int | None, arrays: int, env: dict[str, str] | None = None, *extra: str
+):
+    command = [sys.executable, str(CHILD), str(directory), str(state_bytes), str(budget or "default"), str(arrays)]
+    command += extra
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("times", [2, 5, 20])
+def test_a_state_larger_than_the_budget_is_saved_and_restored_within_it(tmp_path, times):
+    budget = 16 * MIB
+    got = run_child(tmp_path, times * budget, budget, 8)
+    assert got["exact"]  # bit for bit, into the caller's arrays
+    assert got["save_peak"] <= budget + SLOT, got
+    assert got["restore_peak"] <= budget + SLOT, got
+    assert got["staged_bytes"] == budget and got["throttled_bytes"] == (times - 1) * budget  # a slice of one array
+    assert abs(got["blocked_seconds"] - got["around"]) <= 0.1 * got["around"]
+    assert 0 < got["throttled_seconds"] <= got["blocked_seconds"]
+
+
+@pytest.mark.slow
+def test_a_restore_from_the_bucket_into_given_arrays_holds_no_copy_of_the_state(tmp_path):
+    budget = 16 * MIB
+    got = run_child(tmp_path, 10 * budget, budget, 8, None, "bucket")
+    assert got["exact"] and got["save_peak"] <= budget + SLOT and got["restore_peak"] <= budget + SLOT, got
+
+
+@pytest.mark.slow
+def test_the_default_budget_holds_on_a_state_larger_than_it(tmp_path):
+    # As many processes on the node as make a quarter of its memory, shared, fall below the floor.
+    processes = str(max(1, default_host_memory_bytes({}) // MIN_DEFAULT_BYTES + 1))
+    assert default_host_memory_bytes({"LOCAL_WORLD_SIZE": processes}) == MIN_DEFAULT_BYTES
+    state = MIN_DEFAULT_BYTES + 64 * MIB
+    got = run_child(tmp_path, state, None, 6, env={"LOCAL_WORLD_SIZE": processes})
+    assert got["exact"] and got["save_peak"] <= MIN_DEFAULT_BYTES + SLOT, got
+    assert got["staged_bytes"] == MIN_DEFAULT_BYTES and got["throttled_bytes"] > 0
+
+
+def test_the_default_is_a_share_of_the_nodes_memory_per_process_with_a_floor():
+    node = node_memory_bytes()
+    assert 0 < node <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert default_host_memory_bytes({}) == max(MIN_DEFAULT_BYTES, node // NODE_SHARE)
+    assert default_host_memory_bytes({"LOCAL_WORLD_SIZE": "4"}) == max(MIN_DEFAULT_BYTES, node // NODE_SHARE // 4)
+    assert default_host_memory_bytes({"LOCAL_WORLD_SIZE": "junk"}) == default_host_memory_bytes({})
+
+
+def test_a_throttled_save_is_bit_exact_says_what_it_cost_and_warns_once(tmp_path, caplog):
+    states = [{"w": np.arange(300_000, dtype=np.float64) + rank, "b": np.ones((2, 5), np.int32)} for rank in range(2)]
+    runtime = RuntimeOptions(host_memory_bytes=1 << 20)  # the state is 4.8 MB
+    with caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
+        with CheckpointManager(tmp_path, world_size=2, runtime=runtime) as manager:
+            first = manager.save(1, states, blocking=True)
+            second = manager.save(2, states, blocking=True)
+            restored = manager.restore()
+    for handle in (first, second):
+        assert handle.throttled_bytes > 0 and 0 < handle.staged_bytes <= 1 << 20
+        assert handle.staged_bytes + handle.throttled_bytes == 2 * (300_000 * 8 + 40)
+    for rank in range(2):
+        np.testing.assert_array_equal(restored.states[rank]["w"], states[rank]["w"])
+    warnings = [r.getMessage() for r in caplog.records if "throttled by runtime.host_memory_bytes" in r.getMessage()]
+    assert len(warnings) == 1 and "step 1" in warnings[0]
+
+
+def test_a_budget_that_is_not_a_positive_integer_is_refused_naming_the_option():
+    with pytest.raises(ConfigError, match="host_memory_bytes"):
+        RuntimeOptions(host_memory_bytes=0)
+    with pytest.raises(ConfigError, match="host_memory_bytes"):
+        RuntimeOptions(host_memory_bytes=1.5)

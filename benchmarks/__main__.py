@@ -14,8 +14,9 @@ next to the disk's and sha256's limits), ``async`` (in ``async_save.py``), ``ret
 four), ``peer`` (a lost node restored from its partners' memory, and a
 partner copy's cost), ``parts`` (a partial restore and an export), ``scale`` (per-save
 overhead at many rank processes next to ``dcp.save``, and a leader's work at thousands of
-simulated ranks), ``fresh`` (each method and each limit in a fresh process, next to issue
-26's targets; not run by default) and, with
+simulated ranks), ``memory`` (a save's and a restore's peak resident memory against the
+host memory budget, in fresh processes), ``fresh`` (each method and each limit in a fresh
+process, next to issue 26's targets; not run by default) and, with
 ``--peers``, ``peers`` (safetensors, ``torch.save``, DCP on the same state); ``--plot
 FILE.png`` draws the peers table (needs matplotlib: ``pip install -e '.[bench]'``). What
 they share is in :mod:`benchmarks.harness`.
@@ -36,6 +37,7 @@ from benchmarks import (
     fresh,
     fresh_worker,
     fsdp,
+    memory,
     parts,
     peer,
     peers,
@@ -53,7 +55,7 @@ __all__ = ["main"]
 
 SECTIONS = (
     *("sync", "async", "retention", "dist", "train", "remote", "compression"),
-    *("structure", "small-arrays", "fsdp", "peer", "parts", "scale", "fresh", "peers"),
+    *("structure", "small-arrays", "fsdp", "peer", "parts", "scale", "memory", "fresh", "peers"),
 )
 DEFAULT = tuple(section for section in SECTIONS if section not in ("fresh", "peers"))
 # Issue 26's items and the section that measures each: a section returns its Target rows and
@@ -132,6 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "scale" in sections:
             print("per-save overhead as the ranks grow: rank processes next to dcp.save, and a leader of N ranks:")
             targets += scale.bench_scale(root, args.repeat, args.scale_processes)
+        if "memory" in sections:
+            print("host memory: a save's and a restore's peak growth against runtime.host_memory_bytes:")
+            memory.bench_memory(root, args.repeat, budget=max(16 << 20, total // 32))
         if "peers" in sections:
             print("peers: the same state saved and loaded by each (interleaved rounds):")
             table = peers.bench_peers(states, root, args.repeat)

@@ -75,6 +75,8 @@ def test_benchmark_runs_every_section_and_prints_its_ratios(tmp_path):
         "export peak RSS growth / largest tensor",
         "gloo operations per save; save / dcp.save",
         "growth time(4096) / time(1024)",
+        "save peak / (budget + slot), 20x",
+        "restore peak / (budget + slot), 5x",
     ):
         assert line in result.stdout
     assert "2 processes" not in result.stdout and "4 rank processes" not in result.stdout  # as told
@@ -180,6 +182,7 @@ def test_the_benchmark_is_a_dag_of_a_harness_and_sections_and_the_library_never_
         "fresh_worker",
         "scale",
         "peers",
+        "memory",
     }
     assert expected <= sections
     assert own["harness"] == set() and own["__init__"] == set()  # the harness imports no section

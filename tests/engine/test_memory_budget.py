@@ -1,5 +1,6 @@
 """The host memory a save holds for staging (tiered_ckpt.engine.memory_budget, engine.staging):
-measured in fresh processes, a state of 2, 5 and 20 times the budget saved and restored."""
+measured in fresh processes (the benchmark's ``benchmarks.memory``), a state of 2, 5 and 20
+times the budget saved and restored."""
 
 import json
 import logging
@@ -20,17 +21,18 @@ from tiered_ckpt.engine.memory_budget import (
 )
 from tiered_ckpt.engine.staging import PIECE_BYTES
 
-CHILD = Path(__file__).parents[1] / "support" / "memory_child.py"
+REPOSITORY = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
 SLOT = PIECE_BYTES  # the allowance past the budget: the write path's own buffers and the allocator's slack
 
 
-def run_child(
-    directory: Path, state_bytes: int, budget: int | None, arrays: int, env: dict[str, str] | None = None, *extra: str
-):
-    command = [sys.executable, str(CHILD), str(directory), str(state_bytes), str(budget or "default"), str(arrays)]
-    command += extra
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300)
+def run_child(directory: Path, state_bytes: int, budget: int | None, arrays: int, *extra: str, env=None):
+    """``benchmarks.memory``'s measure in a fresh process: what a save and a restore added to its peak RSS."""
+    command = [sys.executable, "-m", "benchmarks.memory", str(directory), str(state_bytes), str(budget or "default")]
+    environ = {**os.environ, **(env or {})}
+    done = subprocess.run(
+        [*command, str(arrays), *extra], capture_output=True, text=True, env=environ, cwd=REPOSITORY, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -51,7 +53,7 @@ def test_a_state_larger_than_the_budget_is_saved_and_restored_within_it(tmp_path
 @pytest.mark.slow
 def test_a_restore_from_the_bucket_into_given_arrays_holds_no_copy_of_the_state(tmp_path):
     budget = 16 * MIB
-    got = run_child(tmp_path, 10 * budget, budget, 8, None, "bucket")
+    got = run_child(tmp_path, 10 * budget, budget, 8, "bucket")
     assert got["exact"] and got["save_peak"] <= budget + SLOT and got["restore_peak"] <= budget + SLOT, got
 
 
@@ -61,7 +63,7 @@ def test_the_default_budget_holds_on_a_state_larger_than_it(tmp_path):
     processes = str(max(1, default_host_memory_bytes({}) // MIN_DEFAULT_BYTES + 1))
     assert default_host_memory_bytes({"LOCAL_WORLD_SIZE": processes}) == MIN_DEFAULT_BYTES
     state = MIN_DEFAULT_BYTES + 64 * MIB
-    got = run_child(tmp_path, state, None, 6, env={"LOCAL_WORLD_SIZE": processes})
+    got = run_child(tmp_path, state, None, 5, env={"LOCAL_WORLD_SIZE": processes})
     assert got["exact"] and got["save_peak"] <= MIN_DEFAULT_BYTES + SLOT, got
     assert got["staged_bytes"] == MIN_DEFAULT_BYTES and got["throttled_bytes"] > 0
 

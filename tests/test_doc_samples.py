@@ -277,6 +277,6 @@ def test_the_memory_guide_saves_a_state_past_its_budget(tmp_path, bucket):
     path = script(tmp_path, "memory", "", sample("memory"))
     result = run(path, env, tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "staged 4194304, written from the caller's memory 25165824" in result.stdout
+    assert "staged 8388608, written from the caller's memory 20971520" in result.stdout
     assert "throttled by runtime.host_memory_bytes=8388608" in result.stderr  # the WARNING, once
     assert (tmp_path / "nvme" / "run" / step_dir_name(1) / "manifest.json").is_file()

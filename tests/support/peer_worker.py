@@ -36,6 +36,7 @@ from tiered_ckpt import (
     LocalOptions,
     PeerOptions,
     RemoteOptions,
+    RuntimeOptions,
     TorchDistributedCoordinator,
     UploadOptions,
 )
@@ -66,6 +67,7 @@ def run(config: dict, coordinator: TorchDistributedCoordinator, result: dict) ->
         remote=RemoteOptions(url, storage_options=storage, every=config.get("remote_every", 1)) if url else None,
         upload=UploadOptions(max_tries=2),
         peer=options,
+        runtime=RuntimeOptions(host_memory_bytes=config.get("host_memory_bytes")),
     )
     try:
         for action in config["actions"]:

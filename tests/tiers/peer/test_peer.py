@@ -142,8 +142,10 @@ CADENCE = {"local_every": 4, "peer_every": 2, "max_bytes": 5000}  # room for two
 
 
 @pytest.mark.slow
-def test_steps_between_disk_saves_live_in_the_partners_memory_and_a_restart_restores_the_newest(tmp_path):
-    saved = run_job(tmp_path, [{"do": "train", "steps": 6}], **CADENCE)
+@pytest.mark.parametrize("budget", [None, 256], ids=["staged", "past-the-host-memory-budget"])
+def test_steps_between_disk_saves_live_in_the_partners_memory_and_a_restart_restores_the_newest(tmp_path, budget):
+    # with a budget of 256 bytes, every save writes most of each state straight from the caller's memory
+    saved = run_job(tmp_path, [{"do": "train", "steps": 6}], host_memory_bytes=budget, **CADENCE)
     for result in saved.values():
         assert result["saved"] == [2, 4, 6]  # 1, 3 and 5 go to no tier; 2 and 6 to the partners only
         assert result["local_steps"] == [4]

@@ -16,7 +16,9 @@ from tiered_ckpt import CheckpointManager, ConfigError, RuntimeOptions
 from tiered_ckpt.engine.memory_budget import (
     MIN_DEFAULT_BYTES,
     NODE_SHARE,
+    cgroup_limit,
     default_host_memory_bytes,
+    local_processes,
     node_memory_bytes,
 )
 from tiered_ckpt.engine.staging import PIECE_BYTES
@@ -98,3 +100,50 @@ def test_a_budget_that_is_not_a_positive_integer_is_refused_naming_the_option():
         RuntimeOptions(host_memory_bytes=0)
     with pytest.raises(ConfigError, match="host_memory_bytes"):
         RuntimeOptions(host_memory_bytes=1.5)
+
+
+def test_the_tightest_limit_of_the_processs_cgroup_and_its_ancestors_is_the_nodes_memory(tmp_path):
+    v2 = tmp_path / "v2"
+    (v2 / "job" / "step").mkdir(parents=True)
+    (v2 / "memory.max").write_text("max\n")
+    (v2 / "job" / "memory.max").write_text("1073741824\n")
+    (v2 / "job" / "step" / "memory.max").write_text("max\n")
+    cgroups = tmp_path / "cgroup-v2"
+    cgroups.write_text("0::/job/step\n")
+    assert cgroup_limit(str(cgroups), str(v2)) == 1 << 30  # the job's, above the step's cgroup
+    v1 = tmp_path / "v1"
+    (v1 / "memory" / "slurm" / "uid_0").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (v1 / "memory" / "slurm" / "uid_0" / "memory.limit_in_bytes").write_text("2147483648\n")
+    cgroups.write_text("12:cpu,cpuacct:/slurm\n5:memory:/slurm/uid_0\n")
+    assert cgroup_limit(str(cgroups), str(v1)) == 2 << 30
+    (v1 / "memory" / "slurm" / "uid_0" / "memory.limit_in_bytes").unlink()
+    assert cgroup_limit(str(cgroups), str(v1)) == 9223372036854771712  # no limit: the RAM caps it
+    assert cgroup_limit(str(tmp_path / "none"), str(tmp_path / "nothing")) is None
+
+
+def test_the_processes_on_a_node_are_counted_from_any_launchers_variable():
+    assert local_processes({}) == 1
+    assert local_processes({"LOCAL_WORLD_SIZE": "8"}) == 8
+    assert local_processes({"SLURM_NTASKS_PER_NODE": "4(x2)"}) == 4
+    assert local_processes({"OMPI_COMM_WORLD_LOCAL_SIZE": "6", "LOCAL_WORLD_SIZE": "junk"}) == 6
+    assert local_processes({"MPI_LOCALNRANKS": "0"}) == 1
+
+
+@pytest.mark.parametrize("budget", [1 << 20, 3_000_000], ids=["whole-arrays-lent", "a-tail-staged"])
+def test_arrays_changed_once_a_throttled_save_returns_are_saved_as_they_were(tmp_path, budget):
+    """What ``save`` returns after is what is saved: the caller overwrites its arrays at once."""
+    states = [{f"w{i}": np.full(200_000, rank * 10 + i, np.float64) for i in range(4)} for rank in range(3)]
+    expected = [{name: array.copy() for name, array in state.items()} for state in states]
+    runtime = RuntimeOptions(host_memory_bytes=budget, max_workers=1)  # shards one at a time: the longest wait
+    with CheckpointManager(tmp_path, world_size=3, runtime=runtime) as manager:
+        handle = manager.save(1, states)  # not blocking
+        assert handle.throttled_bytes > 0
+        for state in states:
+            for array in state.values():
+                array.fill(-1.0)
+        manager.wait()
+        restored = manager.restore()
+    for rank in range(3):
+        for name, array in expected[rank].items():
+            np.testing.assert_array_equal(restored.states[rank][name], array)

@@ -9,9 +9,10 @@ from the caller's memory while the save call waits.
 
 The default, :func:`default_host_memory_bytes`: a quarter of the node's memory (the smaller
 of its RAM and its cgroup's limit), shared by the node's processes (``LOCAL_WORLD_SIZE``, as
-``torchrun`` sets it; else one), and at least :data:`MIN_DEFAULT_BYTES`. Three quarters stay
-with the training job, its data loaders and the page cache the writes go through; a state
-smaller than the budget is staged whole, as it always was.
+``torchrun`` sets it, or Slurm's, Open MPI's or MPICH's word for it; else one), and at least
+:data:`MIN_DEFAULT_BYTES`. Three quarters stay with the training job, its data loaders and
+the page cache the writes go through; a state smaller than the budget is staged whole, as
+it always was.
 """
 
 from __future__ import annotations
@@ -20,37 +21,88 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["MIN_DEFAULT_BYTES", "NODE_SHARE", "default_host_memory_bytes", "node_memory_bytes"]
+__all__ = [
+    "MIN_DEFAULT_BYTES",
+    "NODE_SHARE",
+    "cgroup_limit",
+    "default_host_memory_bytes",
+    "local_processes",
+    "node_memory_bytes",
+]
 
 MIN_DEFAULT_BYTES = 256 << 20  # below this, staging buys little and a tiny node throttles every save
 NODE_SHARE = 4  # the default is one quarter of the node's memory
 
-_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+# The launchers' words for "processes of this job on this node": torchrun's first, then
+# Slurm's ("8", or "8(x2)" for several nodes alike), Open MPI's, MPICH's and MVAPICH's.
+_LOCAL_SIZES = (
+    "LOCAL_WORLD_SIZE",
+    "SLURM_NTASKS_PER_NODE",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "MPI_LOCALNRANKS",
+    "MV2_COMM_WORLD_LOCAL_SIZE",
+)
 
 
-def _cgroup_limit(paths: tuple[str, ...] = _CGROUP_LIMITS) -> int | None:
-    """The memory limit of this process's cgroup (v2, else v1), None if it has none or none is readable."""
-    for path in paths:
-        try:
-            text = Path(path).read_text().strip()
-        except OSError:
+def _limit_in(path: Path) -> int | None:
+    """The number a cgroup memory limit file holds (None: "max", absent or unreadable)."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def cgroup_limit(cgroups: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """The tightest memory limit over this process's cgroup and its ancestors, in bytes (None:
+    none). Both hierarchies are read: v2's ``memory.max`` under ``root`` and v1's
+    ``memory.limit_in_bytes`` under ``root/memory`` (whose "no limit" is a huge number, which
+    the node's RAM caps), each from the process's own cgroup (``cgroups``, as
+    ``/proc/self/cgroup`` lists it) up to the hierarchy's root."""
+    found: list[int] = []
+    try:
+        lines = Path(cgroups).read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in [*lines, "0::/", "1:memory:/"]:  # the roots too: a namespace shows its own as "/"
+        parts = line.split(":", 2)
+        if len(parts) != 3:
             continue
-        if text.isdigit():
-            return int(text)  # v1 reports "no limit" as a huge number, which the RAM bound caps
-        return None  # "max": no limit
-    return None
+        _number, controllers, where = parts
+        if controllers == "":
+            base, name = Path(root), "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = Path(root, "memory"), "memory.limit_in_bytes"
+        else:
+            continue
+        directory = base / where.strip("/")
+        while True:
+            limit = _limit_in(directory / name)
+            if limit is not None:
+                found.append(limit)
+            if directory == base or base not in directory.parents:
+                break
+            directory = directory.parent
+    return min(found, default=None)
 
 
 def node_memory_bytes() -> int:
     """The memory this process's node gives it: its RAM, or its cgroup's limit if smaller."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    limit = _cgroup_limit()
+    limit = cgroup_limit()
     return min(ram, limit) if limit is not None else ram
+
+
+def local_processes(environ: Mapping[str, str]) -> int:
+    """How many processes of this job share the node, as its launcher says (1 if none says)."""
+    for name in _LOCAL_SIZES:
+        text = environ.get(name, "").split("(")[0].split(",")[0].strip()
+        if text.isdigit() and int(text) > 0:
+            return int(text)
+    return 1
 
 
 def default_host_memory_bytes(environ: Mapping[str, str] | None = None) -> int:
     """The default staging budget of one process (see the module doc)."""
-    environ = os.environ if environ is None else environ
-    text = environ.get("LOCAL_WORLD_SIZE", "")
-    processes = int(text) if text.isdigit() and int(text) > 0 else 1
+    processes = local_processes(os.environ if environ is None else environ)
     return max(MIN_DEFAULT_BYTES, node_memory_bytes() // NODE_SHARE // processes)

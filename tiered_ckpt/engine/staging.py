@@ -1,8 +1,9 @@
 """The host buffers a save's arrays are copied into before the background write, within a budget.
 
-The copy is all that ``save(blocking=False)`` makes the training loop wait for, so it runs
-on several threads (numpy's copy releases the GIL): large arrays are cut into pieces, and
-the pieces are copied in parallel, the training loop's thread taking part.
+The copy is what ``save(blocking=False)`` makes the training loop wait for (with a state
+within the budget, all of it), so it runs on several threads (numpy's copy releases the
+GIL): large arrays are cut into pieces, and the pieces are copied in parallel, the training
+loop's thread taking part.
 
 The buffers hold at most ``budget`` bytes (``runtime.host_memory_bytes``,
 :mod:`~tiered_ckpt.engine.memory_budget`). A state larger than it is staged from the end of

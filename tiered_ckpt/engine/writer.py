@@ -3,7 +3,9 @@
 A save, from the moment its call has been checked on every rank:
 
 1. :meth:`Writer.submit` copies this process's arrays into staging buffers reused from
-   save to save (the only time the training loop is blocked) and queues the write;
+   save to save, within the host memory budget, and queues the write (the training loop is
+   blocked for the copy, and, for a state past the budget, until the writer is done reading
+   the arrays that were not copied: :mod:`~tiered_ckpt.engine.staging`);
 2. the writer thread agrees with the other ranks which of them writes each replicated
    array of a state of DTensors (:mod:`~tiered_ckpt.dist.replicas`, a collective, run only
    when the call's check found such arrays on some rank), writes each shard (temp file,
@@ -250,14 +252,18 @@ class Writer:
         outcomes = self._outcomes(step, to_disk, replicators)
         write = partial(self._write, every_tier=every_tier) if to_disk else self._write_to_memory
         write = partial(write, borrowed=borrowed)
-        self._writer.submit(write, step, staged, keys, numels, replicators, replicated).add_done_callback(
-            lambda done: _copy_outcome(done, committed)
-        )
+        job = self._writer.submit(write, step, staged, keys, numels, replicators, replicated)
+        job.add_done_callback(lambda done: _copy_outcome(done, committed))
         self._last_save = committed
         waited = 0.0
         if borrowed is not None:  # the arrays past the budget are written from the caller's memory: wait for them
+            job.add_done_callback(lambda _done: borrowed.release())  # a job that never ran releases it too
             waiting = time.monotonic()
-            borrowed.wait()
+            try:
+                borrowed.wait()
+            except BaseException:  # an interrupt: the writer still reads the caller's arrays until released
+                borrowed.wait()
+                raise
             waited = time.monotonic() - waiting
             self._tell_throttled(step, arrays, waited)
         bucket = self._bucket()
@@ -271,7 +277,7 @@ class Writer:
         return handle
 
     def _tell_throttled(self, step: int, arrays: Staged, waited: float) -> None:
-        """Log once per run (WARNING) that saves wait for the host memory budget, and by how much."""
+        """Log once per manager (WARNING) that saves wait for the host memory budget, and by how much."""
         if self._throttle_told:
             return
         self._throttle_told = True

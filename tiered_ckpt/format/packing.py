@@ -102,6 +102,8 @@ def write_arrays(
             write(buffer[:filled])
             filled = 0
         part = None if parts is None else Hasher(None if parts == "both" else "fast")
+        if tail is not None and not (array.flags.c_contiguous and array.dtype.byteorder != ">" and array.ndim):
+            raise ValueError(f"{name!r}: a tail is for a C-contiguous little-endian array, not this one")
         head = array if tail is None else array.reshape(-1).view(np.uint8)[: size - tail.size]
         for chunk in byte_chunks(head):
             write(chunk)

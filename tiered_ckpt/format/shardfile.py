@@ -153,13 +153,13 @@ def check_arrays(arrays: Mapping[str, np.ndarray], owner: str = "state") -> dict
     return checked
 
 
-@cyclic_gc_paused()  # an object or more per array, all alive until returned: see io/gc_pause.py
 def write_order(arrays: Mapping[str, np.ndarray]) -> list[str]:
     """The names of ``arrays`` in the order :func:`write_shard` writes them: largest item size
     first (each array aligned for its dtype without padding), then by name."""
     return sorted(arrays, key=lambda name: (-arrays[name].dtype.itemsize, name))
 
 
+@cyclic_gc_paused()  # an object or more per array, all alive until returned: see io/gc_pause.py
 def _layout(arrays: Mapping[str, np.ndarray]) -> list[tuple[str, str, np.ndarray, int, int]]:
     """Order arrays as :func:`write_order` does; return (name, code, array, begin, end)."""
     checked = check_arrays(arrays)

@@ -120,10 +120,14 @@ def _mapped(fd: int, size: int) -> Iterator[memoryview]:
         data = memoryview(mapped)
         if len(data) < size:
             raise OSError(errno.EIO, f"file ended at byte {len(data)}, {size} were expected")
+        advise = _DONTNEED
         for start in range(0, size, BLOCK_BYTES):
             yield data[start : start + BLOCK_BYTES]
-            if _DONTNEED is not None:
-                mapped.madvise(_DONTNEED, start, min(BLOCK_BYTES, len(data) - start))
+            if advise is not None:
+                try:
+                    mapped.madvise(advise, start, min(BLOCK_BYTES, len(data) - start))
+                except OSError:  # a locked map (mlockall) refuses it: its pages stay, the read goes on
+                    advise = None
 
 
 @contextmanager

@@ -18,6 +18,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 import xxhash
 
+from tiered_ckpt.errors import InvalidStateError
 from tiered_ckpt.io.fresh_memory import new_array
 from tiered_ckpt.io.hashing import CHUNK_BYTES, HashedStream, Hasher, PartDigest
 
@@ -103,7 +104,7 @@ def write_arrays(
             filled = 0
         part = None if parts is None else Hasher(None if parts == "both" else "fast")
         if tail is not None and not (array.flags.c_contiguous and array.dtype.byteorder != ">" and array.ndim):
-            raise ValueError(f"{name!r}: a tail is for a C-contiguous little-endian array, not this one")
+            raise InvalidStateError(f"{name!r}: a tail is for a C-contiguous little-endian array, not this one")
         head = array if tail is None else array.reshape(-1).view(np.uint8)[: size - tail.size]
         for chunk in byte_chunks(head):
             write(chunk)

@@ -108,13 +108,16 @@ class ReadExecutor:
         paths: Selection | None = None,
         indexes: Mapping[int, ShardIndex] | None = None,
         remote: RemoteManifest | None = None,
+        in_local: bool | None = None,
     ) -> Executed:
         """Run ``reads`` of ``manifest``'s step (see the module doc): each into ``into``'s arrays
         for its saved rank when given (for a whole read, every array of the shard; for a read of
         parts, those it names), a selected read cut to ``paths``. ``indexes``: by saved rank,
         headers already read and parsed (:meth:`TieredStore.read_shard_index`), not read again.
         ``remote``: the bucket's manifest of the step, recorded by a refill (None: a nearer
-        tier's manifest was read). Raises the store's errors, naming the shard."""
+        tier's manifest was read); ``in_local``: whether this node's disk had committed the step
+        before the reads (None: looked up here, if a whole read refills it). Raises the store's
+        errors, naming the shard."""
         into = into or {}
         indexes = indexes or {}
         step = manifest.step
@@ -159,11 +162,13 @@ class ReadExecutor:
 
         whole = [read.rank for read in reads if read.whole]
         with self._step_dir(step) if whole else nullcontext(False) as created:
-            was_committed = step in self._store.local.steps() if whole else True
+            was_committed = in_local
+            if whole and was_committed is None:  # only a refill records it
+                was_committed = step in self._store.local.steps()
             looks = self._looks(reads, look, into) if paths is not None else [None] * len(reads)
             fetched = run_parallel(lambda pair: one(*pair), list(zip(reads, looks, strict=True)), self._max_workers)
             wholes = [each for read, each in zip(reads, fetched, strict=True) if read.whole]
-            refills = self._refills(manifest, remote, whole, was_committed, created, wholes) if whole else ()
+            refills = self._refills(manifest, remote, whole, bool(was_committed), created, wholes) if whole else ()
         states = {read.rank: got.state for read, got in zip(reads, fetched, strict=True)}
         bytes_read = sum(
             manifest.shard(read.rank).size_bytes if read.whole else _part_bytes(manifest.shard(read.rank), got.state)

@@ -103,7 +103,7 @@ class ShardReader:
             plan = self._plan(manifest, request, holdings, targets, paths, committed)
             arrays = _into(plan, targets)
             executed = self._executor.run(
-                manifest, plan.reads, verify=verify, into=arrays, paths=plan.paths, remote=remote
+                manifest, plan.reads, verify=verify, into=arrays, paths=plan.paths, remote=remote, in_local=in_local
             )
             read = dict(executed.states)
             cut = manifest if paths is None else _cut(manifest, executed.starts[plan.reads[0].rank])

@@ -27,8 +27,8 @@ from tiered_ckpt.config import Config, load_config
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, resolve_coordinator
 from tiered_ckpt.engine.restore import check_restore_arguments
 from tiered_ckpt.engine.restore_result import RestoreResult
+from tiered_ckpt.engine.save_handle import SaveHandle
 from tiered_ckpt.engine.saving import check_save, not_saved
-from tiered_ckpt.engine.writer import SaveHandle
 from tiered_ckpt.errors import CheckpointError, UsageError
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.selection import Paths

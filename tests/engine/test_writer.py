@@ -15,7 +15,8 @@ from tiered_ckpt.dist.coordination import SingleProcessCoordinator
 from tiered_ckpt.dist.sharding import resolve_sharded_keys, sharding_summary
 from tiered_ckpt.engine.background import ErrorBox
 from tiered_ckpt.engine.replication import Replicator
-from tiered_ckpt.engine.writer import BACKGROUND_NICENESS, SaveHandle, Writer
+from tiered_ckpt.engine.save_handle import SaveHandle
+from tiered_ckpt.engine.writer import BACKGROUND_NICENESS, Writer
 from tiered_ckpt.errors import SaveError, ShardCountMismatchError, UsageError
 from tiered_ckpt.format.layout import MANIFEST_NAME, step_dir_name
 from tiered_ckpt.format.manifest import ShardManifest

@@ -13,8 +13,8 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tiered_ckpt"
 
 # Lower first: a module imports only modules of its own layer or of a lower one.
-# tensors/dtensor views never import torch and sit under the format; the DCP backend is glue
-# over the manager; errors is the one tree everything raises from.
+# tensors/dtensor views and the CUDA copies import torch only when called and sit under the
+# format; the DCP backend is glue over the manager; errors is the one tree everything raises from.
 # testing (the contracts an out-of-tree tier or backend subclasses) sits on top: nothing imports it.
 RANKS = {
     "errors": 0, "io": 1, "torch-views": 2, "format": 3, "dist": 4, "tiers": 4, "engine": 5, "top": 6, "dcp": 7,
@@ -39,7 +39,7 @@ MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
 def layer(module: str) -> str:
     if module == "tiered_ckpt.errors":
         return "errors"
-    if module in ("tiered_ckpt.torch.tensors", "tiered_ckpt.torch.dtensor"):
+    if module in ("tiered_ckpt.torch.tensors", "tiered_ckpt.torch.dtensor", "tiered_ckpt.torch.device_copies"):
         return "torch-views"
     if module.startswith("tiered_ckpt.torch"):
         return "dcp"

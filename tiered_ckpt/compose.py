@@ -174,6 +174,7 @@ def open_parts(options: Options, coordinator: Coordinator) -> Parts:
     except BaseException:
         stack.close()  # release the directory and stop the uploader: nothing is half-open
         raise
+    budget = options.runtime.host_memory_bytes or default_host_memory_bytes()
     writer = Writer(
         store,
         coordinator,
@@ -183,9 +184,9 @@ def open_parts(options: Options, coordinator: Coordinator) -> Parts:
         max_workers=max_workers,
         cpus=options.runtime.writer_cpus,
         local_every=options.local.every,
-        host_memory_bytes=options.runtime.host_memory_bytes or default_host_memory_bytes(),
+        host_memory_bytes=budget,
     )
     stack.enter_context(closing(writer))  # closed first: the last write reaches the replicators before they finish
     refiller = Refiller(store, writer.run_after, max_workers)
-    restorer = Restorer(store, coordinator, world_size, max_workers, refiller=refiller)
+    restorer = Restorer(store, coordinator, world_size, max_workers, refiller=refiller, host_memory_bytes=budget)
     return Parts(store, errors, restorer, writer, uploader, peer, tuple(others), preemption, stack)

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.support.host_device import on_device
 from tiered_ckpt import CheckpointManager, ConfigError, RuntimeOptions
 from tiered_ckpt.engine.memory_budget import (
     MIN_DEFAULT_BYTES,
@@ -147,3 +148,29 @@ def test_arrays_changed_once_a_throttled_save_returns_are_saved_as_they_were(tmp
     for rank in range(3):
         for name, array in expected[rank].items():
             np.testing.assert_array_equal(restored.states[rank][name], array)
+
+
+@pytest.mark.parametrize("budget", [None, 1 << 20], ids=["staged-from-the-device", "written-from-the-device"])
+def test_arrays_on_a_device_are_copied_once_within_the_budget_and_saved_bit_exact(tmp_path, budget):
+    """A device array (here a stand-in whose "device" is host memory, copied call for call as
+    CUDA's is) is copied whole into a buffer of its source's within the budget; past it, the
+    writer copies it a piece at a time while the save call waits, and nothing else reads it."""
+    rng = np.random.default_rng(7)
+    arrays = {"w": rng.standard_normal(300_000).astype(np.float32), "m": rng.integers(0, 9, (64, 33), np.int64)}
+    stand_ins = {name: on_device(array) for name, array in arrays.items()}
+    state = {"model": {name: stand_in for name, (stand_in, _source) in stand_ins.items()}, "step": 3}
+    runtime = RuntimeOptions(host_memory_bytes=budget or (64 << 20))
+    with CheckpointManager(tmp_path, world_size=1, runtime=runtime) as manager:
+        first = manager.save(1, state, blocking=True)
+        second = manager.save(2, state, blocking=True)
+        restored = manager.restore()
+    for name, array in arrays.items():
+        np.testing.assert_array_equal(restored.state["model"][name], array)
+    assert restored.state["step"] == 3
+    source = stand_ins["w"][1]
+    if budget is None:  # staged whole, once per save, into one buffer allocated once
+        assert source.copies == [(0, arrays["w"].nbytes)] * 2 and source.buffers == [arrays["w"].nbytes]
+        assert first.throttled_bytes == second.throttled_bytes == 0
+    else:  # past the budget: in pieces, as the writer writes, each save through two small buffers
+        assert len(source.copies) == 2 and sum(size for _start, size in source.copies) == 2 * arrays["w"].nbytes
+        assert max(source.buffers) <= PIECE_BYTES and second.throttled_bytes >= arrays["w"].nbytes

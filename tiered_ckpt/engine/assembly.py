@@ -13,7 +13,7 @@ from it and the arrays other processes sent, if any (the restorer's collective,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,6 +42,8 @@ class ShardsRead:
     writer rank. ``into``: the caller's arrays by saved rank. ``chunks``: for a restore into
     states of DTensors (``targets``), per rank of this process, what fills its state.
     ``refills``: what the reads left to land on this node's disk after the restore.
+    ``to_device``: copies the arrays filled for CUDA tensors of ``into`` to them (once the
+    whole restore succeeded: no unverified byte reaches a tensor).
     ``where``: the local step directory, named in errors."""
 
     manifest: ShardManifest
@@ -58,6 +60,7 @@ class ShardsRead:
     chunks: tuple[ChunkPlan, ...] = ()
     targets: tuple[FlatState, ...] = ()
     refills: tuple[Refill, ...] = ()
+    to_device: Callable[[], None] | None = None
 
 
 def assemble(done: ShardsRead, received: Mapping[int, Mapping[str, np.ndarray]]) -> RestoreResult:

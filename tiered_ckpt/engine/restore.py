@@ -100,6 +100,7 @@ class Restorer:
         max_workers: int | None = None,
         *,
         refiller: Refiller | None = None,
+        host_memory_bytes: int | None = None,
     ) -> None:
         self._store = store
         self._refiller = refiller or Refiller(store)
@@ -107,7 +108,7 @@ class Restorer:
         self._ranks = tuple(coordinator.local_ranks)
         self._world_size = world_size
         self._chooser = StepChooser(store, coordinator, world_size)
-        self._reader = ShardReader(store, self._ranks, world_size, max_workers)
+        self._reader = ShardReader(store, self._ranks, world_size, max_workers, host_memory_bytes)
 
     def restore(
         self,
@@ -211,6 +212,8 @@ class Restorer:
             assembled = Attempt.run(lambda: self._assembled(loaded.value))
             gather(self._coordinator, "restore: replicas", Done, assembled.done)
         result = assembled.value
+        if loaded.value.to_device is not None:
+            loaded.value.to_device()
         self._chooser.drop_unfinished_commits(restored, agreed)
         self._chooser.drop_unrestorable_copies(restored, agreed)
         result = replace(result, seconds=time.monotonic() - started)

@@ -4,7 +4,8 @@
 
 1. the caller's own checks ran first (a background error not yet raised, the directory
    still locked) and gave this process's newest step; if they failed, every rank raises;
-2. each process checks and flattens its own states (torch tensors become numpy views),
+2. each process checks and flattens its own states (CPU tensors become numpy views, CUDA
+   tensors stand-ins whose bytes the staging copies after the collective),
    inside the collective, so bad input raises on every rank rather than stranding the
    others, and reports its :class:`SaveReport`;
 3. every process reads the gathered reports the same way: the same call on every rank, a
@@ -77,7 +78,8 @@ def _flatten(step: int, states: Sequence[State] | State, ranks: Sequence[int]) -
     validate_step(step)
     given = [states] if isinstance(states, Mapping) else states
     validate_states(given, len(ranks))
-    return tuple(flatten(state, f"rank {r}") for r, state in zip(ranks, given, strict=True))
+    # A CUDA tensor stands in until the staging copies it (engine/staging.py), out of this collective.
+    return tuple(flatten(state, f"rank {r}", off_host=True) for r, state in zip(ranks, given, strict=True))
 
 
 def _report(step: int, local: Sequence[FlatState], newest: int | None, world_size: int) -> SaveReport:

@@ -50,6 +50,7 @@ from tiered_ckpt.format.selection import selects
 from tiered_ckpt.format.state import FlatState, State, flatten_into
 from tiered_ckpt.io.hashing import Verify
 from tiered_ckpt.tiers.store import TieredStore
+from tiered_ckpt.torch.device_copies import DeviceTargets
 
 __all__ = ["ShardReader"]
 
@@ -59,9 +60,15 @@ class ShardReader:
     ranks need (see the module doc), ``max_workers`` at a time."""
 
     def __init__(
-        self, store: TieredStore, ranks: Sequence[int], world_size: int, max_workers: int | None = None
+        self,
+        store: TieredStore,
+        ranks: Sequence[int],
+        world_size: int,
+        max_workers: int | None = None,
+        host_memory_bytes: int | None = None,
     ) -> None:
         self._store = store
+        self._host_memory_bytes = host_memory_bytes  # of pinned buffers for CUDA tensors of into=
         self._ranks = tuple(ranks)
         self._world_size = world_size
         self._executor = ReadExecutor(store, max_workers)
@@ -88,9 +95,10 @@ class ShardReader:
         store = self._store
         in_local = step in store.local.steps()
         into_list = [into] if isinstance(into, Mapping) else into
+        devices = DeviceTargets(self._host_memory_bytes)
         try:
             targets = (
-                [flatten_into(state, f"into[{index}]") for index, state in enumerate(into_list)]
+                [flatten_into(state, f"into[{index}]", devices) for index, state in enumerate(into_list)]
                 if into_list is not None
                 else None
             )
@@ -128,6 +136,7 @@ class ShardReader:
                 chunks=plan.chunks,
                 targets=tuple(targets or ()) if plan.chunks else (),
                 refills=executed.refills,
+                to_device=devices.copy_back,
             )
         except CheckpointError as exc:
             raise restated(exc, f"restore of step {step}: {exc}") from exc

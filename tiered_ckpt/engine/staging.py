@@ -11,18 +11,24 @@ each shard, in the order its file holds the arrays (:func:`~tiered_ckpt.format.s
 as far as each shard's share of the budget goes: the arrays before those are written straight
 from the caller's memory, first, and the save call waits only until the writer is done with
 them (:class:`Staged`), so a larger state makes the call wait longer, never hold more.
+
+An array on a device (an :class:`~tiered_ckpt.io.off_host.OffHost` stand-in for a CUDA
+tensor) is staged the same way, in a pinned buffer its source allocates, copied straight
+from the device (its copies run while the host arrays are copied, and the stage waits for
+them); one past the budget is copied by the writer, a piece at a time, as it writes.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from tiered_ckpt.format.shardfile import check_arrays, write_order
+from tiered_ckpt.io.off_host import DeviceSource, OffHost
 
 __all__ = ["Staged", "StagingBuffers"]
 
@@ -76,7 +82,8 @@ class Staged:
 
 def _splittable(array: np.ndarray) -> bool:
     """True if the last bytes of ``array`` are the end of what its shard stores of it, as they are in memory."""
-    return array.ndim > 0 and array.flags.c_contiguous and array.dtype.byteorder != ">"
+    in_memory = array.flags.c_contiguous and not isinstance(array, OffHost)
+    return array.ndim > 0 and in_memory and array.dtype.byteorder != ">"
 
 
 def _plan(arrays: Mapping[str, np.ndarray], share: int) -> tuple[set[str], tuple[str, int] | None]:
@@ -121,23 +128,28 @@ class StagingBuffers:
             budget = self.budget
             sizes = [sum(array.nbytes for array in arrays.values()) for arrays in checked]
             plans = [_plan(arrays, budget * size // total) for arrays, size in zip(checked, sizes, strict=True)]
-        wholes = [
-            {name: (arrays[name].dtype, arrays[name].shape) for name in plan[0]}
-            for arrays, plan in zip(checked, plans, strict=True)
-        ]
-        tails = [{split[0]: (np.dtype(np.uint8), (split[1],))} if split else {} for _names, split in plans]
+        chosen = zip(checked, plans, strict=True)
+        wholes = [{name: _wanted(arrays[name]) for name in names} for arrays, (names, _split) in chosen]
+        tails = [{split[0]: (np.dtype(np.uint8), (split[1],), None)} if split else {} for _names, split in plans]
         old_buffers, old_tails = _kept(self._buffers, wholes), _kept(self._tails, tails)
         self._buffers, self._tails = [], []  # what is not reused is freed before anything new is allocated
         pieces: list[tuple[np.ndarray, np.ndarray]] = []
+        landed: list[Callable[[], None]] = []
         buffers = [_allocated(wanted, old) for wanted, old in zip(wholes, old_buffers, strict=True)]
         tail_buffers = [_allocated(wanted, old) for wanted, old in zip(tails, old_tails, strict=True)]
         for arrays, mine, ends in zip(checked, buffers, tail_buffers, strict=True):
             for name, buffer in mine.items():
-                pieces += _pieces(buffer, arrays[name])
+                array = arrays[name]
+                if isinstance(array, OffHost) and array.source is not None:  # from the device, once
+                    landed.append(array.source.start_copy(buffer.reshape(-1).view(np.uint8)))
+                else:
+                    pieces += _pieces(buffer, array)
             for name, buffer in ends.items():  # the last bytes of the array, as its shard stores them
                 whole = arrays[name].reshape(-1).view(np.uint8)
                 pieces += _pieces(buffer, whole[whole.size - buffer.size :])
-        _copy(pieces)
+        _copy(pieces)  # the device copies run meanwhile
+        for wait in landed:
+            wait()
         self._buffers, self._tails = buffers, tail_buffers
         direct = [frozenset(arrays).difference(names) for arrays, (names, _split) in zip(checked, plans, strict=True)]
         states_out = [{**arrays, **mine} for arrays, mine in zip(checked, buffers, strict=True)]
@@ -149,18 +161,45 @@ class StagingBuffers:
         return sum(buffer.nbytes for group in (*self._buffers, *self._tails) for buffer in group.values())
 
 
-Wanted = Mapping[str, tuple[np.dtype, tuple[int, ...]]]
+Wanted = Mapping[str, tuple[np.dtype, tuple[int, ...], DeviceSource | None]]
+
+
+def _wanted(array: np.ndarray) -> tuple[np.dtype, tuple[int, ...], DeviceSource | None]:
+    """The buffer ``array`` is staged in: its dtype and shape, and the device source of an
+    :class:`OffHost` array (whose buffer is pinned host memory of that device's)."""
+    source = array.source if isinstance(array, OffHost) else None
+    return array.dtype, array.shape, source
 
 
 def _kept(previous: Sequence[dict[str, np.ndarray]], wanted: Sequence[Wanted]) -> list[dict[str, np.ndarray]]:
-    """By rank, the buffers of ``previous`` that ``wanted`` (the dtype and shape by name) reuses."""
+    """By rank, the buffers of ``previous`` that ``wanted`` reuses: of the same dtype and shape,
+    pinned where a device array is wanted."""
     kept = []
     for rank, each in enumerate(wanted):
         old = previous[rank] if rank < len(previous) else {}
-        kept.append({name: b for name, b in old.items() if each.get(name) == (b.dtype, b.shape)})
+        kept.append(
+            {
+                name: buffer
+                for name, buffer in old.items()
+                if name in each
+                and each[name][:2] == (buffer.dtype, buffer.shape)
+                and (each[name][2] is None or _pinned(buffer))
+            }
+        )
     return kept
 
 
+def _pinned(buffer: np.ndarray) -> bool:
+    """True for a buffer a device source allocated (its memory is not numpy's own)."""
+    return buffer.base is not None
+
+
 def _allocated(wanted: Wanted, old: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """A buffer for each name of ``wanted``: ``old``'s, else a new one."""
-    return {name: old[name] if name in old else np.empty(shape, dtype) for name, (dtype, shape) in wanted.items()}
+    """A buffer for each name of ``wanted``: ``old``'s, else a new one (pinned, for a device array)."""
+    return {name: old[name] if name in old else _new(*each) for name, each in wanted.items()}
+
+
+def _new(dtype: np.dtype, shape: tuple[int, ...], source: DeviceSource | None) -> np.ndarray:
+    if source is None:
+        return np.empty(shape, dtype)
+    return source.host_buffer(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize).view(dtype).reshape(shape)

@@ -45,6 +45,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import numpy as np
+
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather
 from tiered_ckpt.dist.replicas import choose_writers
 from tiered_ckpt.engine.background import ErrorBox, ReportedFuture
@@ -57,6 +59,7 @@ from tiered_ckpt.errors import CheckpointError, SaveError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.format.state import FlatState
 from tiered_ckpt.io.gc_pause import cyclic_gc_paused
+from tiered_ckpt.io.off_host import OffHost
 from tiered_ckpt.tiers import pruning
 from tiered_ckpt.tiers.store import TieredStore
 
@@ -80,6 +83,13 @@ def _background_thread(cpus: frozenset[int] | None) -> None:
         logger.debug("could not lower the background writer's priority", exc_info=True)
     if cpus is not None:
         os.sched_setaffinity(0, cpus)  # 0: this thread (checked by RuntimeOptions)
+
+
+def _staged(state: FlatState, arrays: dict[str, np.ndarray]) -> FlatState:
+    """``state`` with its staged ``arrays``; an array still on a device (past the memory budget) is
+    no replicated array: the ranks' copies are compared by their bytes, which it has not here."""
+    on_device = {name for name, array in arrays.items() if isinstance(array, OffHost)}
+    return dataclasses.replace(state, arrays=arrays, replicated=state.replicated - on_device)
 
 
 def _copy_outcome(done: Future[ShardManifest | None], into: Future[ShardManifest | None]) -> None:
@@ -176,7 +186,7 @@ class Writer:
             self._last_save.exception()
         to_disk, replicators = self.tiers_of(step, every_tier=every_tier)
         arrays = self._staging.stage([state.arrays for state in states])
-        staged = [dataclasses.replace(state, arrays=each) for each, state in zip(arrays.states, states, strict=True)]
+        staged = [_staged(state, each) for each, state in zip(arrays.states, states, strict=True)]
         borrowed = None
         if arrays.direct_bytes:
             tails = dict(zip(self._ranks, arrays.tails, strict=True))

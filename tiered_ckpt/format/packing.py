@@ -21,6 +21,7 @@ import xxhash
 from tiered_ckpt.errors import InvalidStateError
 from tiered_ckpt.io.fresh_memory import new_array
 from tiered_ckpt.io.hashing import CHUNK_BYTES, HashedStream, Hasher, PartDigest
+from tiered_ckpt.io.off_host import OffHost
 
 __all__ = ["GATHER_BYTES", "SMALL_ARRAY_BYTES", "Placed", "byte_chunks", "write_arrays", "read_arrays"]
 
@@ -79,6 +80,8 @@ def write_arrays(
     ``done_with(name)`` is called as soon as an array's memory is read for the last time.
     ``tails[name]`` (bytes, C-contiguous little-endian arrays only) holds the last bytes of
     that array, written from there: of the array's own memory only the bytes before are read.
+    An :class:`~tiered_ckpt.io.off_host.OffHost` array (on a device) is copied to host
+    memory a piece at a time as it is written.
     """
     buffer = memoryview(bytearray(GATHER_BYTES))
     filled = 0
@@ -87,7 +90,11 @@ def write_arrays(
     for name, array in zip(names, arrays, strict=True):
         size = array.nbytes
         tail = tails.get(name)
-        if tail is None and size <= SMALL_ARRAY_BYTES and array.flags.c_contiguous and array.dtype.byteorder != ">":
+        device = isinstance(array, OffHost)  # on a device: its pieces are copied to host as they are written
+        if device and tail is not None:
+            raise InvalidStateError(f"{name!r}: a tail is for an array in host memory, not one on a device")
+        small = not device and tail is None and size <= SMALL_ARRAY_BYTES
+        if small and array.flags.c_contiguous and array.dtype.byteorder != ">":
             data = (array if array.ndim == 1 else array.reshape(-1)).view(np.uint8).data
             if filled + size > GATHER_BYTES:
                 write(buffer[:filled])
@@ -105,8 +112,11 @@ def write_arrays(
         part = None if parts is None else Hasher(None if parts == "both" else "fast")
         if tail is not None and not (array.flags.c_contiguous and array.dtype.byteorder != ">" and array.ndim):
             raise InvalidStateError(f"{name!r}: a tail is for a C-contiguous little-endian array, not this one")
-        head = array if tail is None else array.reshape(-1).view(np.uint8)[: size - tail.size]
-        for chunk in byte_chunks(head):
+        if isinstance(array, OffHost):
+            head = array.chunks()
+        else:
+            head = byte_chunks(array if tail is None else array.reshape(-1).view(np.uint8)[: size - tail.size])
+        for chunk in head:
             write(chunk)
             if part is not None:
                 part.update(chunk)

@@ -49,6 +49,7 @@ from tiered_ckpt.format.structure import (
 )
 from tiered_ckpt.io.gc_pause import cyclic_gc_paused
 from tiered_ckpt.io.hashing import PartDigest
+from tiered_ckpt.torch.device_copies import DeviceTargets, is_cuda, stand_in
 from tiered_ckpt.torch.dtensor import is_dtensor, local_chunk
 from tiered_ckpt.torch.tensors import float_pairs, is_tensor, to_numpy
 
@@ -88,9 +89,12 @@ class ChunkOf:
 class _Flattener:
     """One walk over a state handed to ``save`` (or ``into``), building its structure."""
 
-    def __init__(self, owner: str, into: bool) -> None:
+    def __init__(self, owner: str, into: bool, devices: DeviceTargets | None = None, off_host: bool = False) -> None:
         self.owner = owner
         self.into = into
+        self.devices = devices  # into=: host buffers for CUDA tensors
+        self.off_host = off_host  # a save: CUDA tensors stand in, copied later
+        self.ready: dict[Any, Any] = {}  # by device, the caller's stream when the save began
         self.arrays: dict[str, np.ndarray] = {}
         self.kinds: dict[str, Kind] = {}
         self.paths: dict[str, tuple[str | int, ...]] = {}
@@ -257,8 +261,14 @@ class _Flattener:
         return dims
 
     def tensor(self, value: Any, path: tuple[str | int, ...]) -> np.ndarray:
+        if value.device.type != "cpu" and is_cuda(value):
+            if self.into and self.devices is not None:
+                return self.devices.host_for(value)
+            if self.off_host and not value.is_complex():  # complex: copied here, as float pairs need bytes
+                return stand_in(value, self.ready)
         if self.into and value.device.type != "cpu":
-            raise self.fail(path, f"is on {value.device}; into= fills CPU tensors and arrays in place")
+            where = "CPU tensors and arrays" if self.devices is None else "CPU and CUDA tensors and arrays"
+            raise self.fail(path, f"is on {value.device}; into= fills {where} in place")
         try:
             return to_numpy(value)
         except (RuntimeError, TypeError) as exc:  # sparse, quantized or otherwise non-strided tensors
@@ -347,14 +357,24 @@ def own_targets(
 
 
 @cyclic_gc_paused()  # an object or more per array, all alive until returned: see io/gc_pause.py
-def flatten(state: Any, owner: str = "state", *, into: bool = False) -> FlatState:
+def flatten(
+    state: Any,
+    owner: str = "state",
+    *,
+    into: bool = False,
+    devices: DeviceTargets | None = None,
+    off_host: bool = False,
+) -> FlatState:
     """``state`` as named numpy arrays (torch tensors as views, copied to host from another
     device) and its structure; raise :class:`InvalidStateError` naming ``owner`` and the
-    path of the first value that cannot be saved. ``into=True`` checks a state to fill in
-    place instead: every tensor must then be on the CPU."""
+    path of the first value that cannot be saved. ``off_host=True`` (a save that stages):
+    a CUDA tensor becomes an :class:`~tiered_ckpt.io.off_host.OffHost` stand-in, whose
+    bytes are copied later, and only once. ``into=True`` checks a state to fill in place
+    instead: every tensor must then be on the CPU, or on a CUDA device if ``devices`` holds
+    the host buffers that stand in for them."""
     if not isinstance(state, dict):
         raise InvalidStateError(f"{owner}: the state is a {type(state).__name__}, not a dict")
-    flattener = _Flattener(owner, into)
+    flattener = _Flattener(owner, into, devices, off_host)
     root = flattener.node(state, (), "")
     structure = Structure(root, flattener.kinds, flattener.paths, is_flat(root), flattener.chunks)
     plain = {name for name, kind in flattener.kinds.items() if kind != "dtensor"}
@@ -365,10 +385,11 @@ def flatten(state: Any, owner: str = "state", *, into: bool = False) -> FlatStat
     return flat
 
 
-def flatten_into(into: Any, owner: str) -> FlatState:
+def flatten_into(into: Any, owner: str, devices: DeviceTargets | None = None) -> FlatState:
     """A state to fill in place: its arrays by tensor name (views of its tensors and DTensor
-    chunks) and where its DTensor chunks sit; its scalars are not filled."""
-    return flatten(into, owner, into=True)
+    chunks; for a CUDA tensor, a host buffer of ``devices``) and where its DTensor chunks sit;
+    its scalars are not filled."""
+    return flatten(into, owner, into=True, devices=devices)
 
 
 def sharded_names(keys: Iterable[str | Sequence[str | int]], names: Iterable[str]) -> list[str]:

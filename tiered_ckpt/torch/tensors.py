@@ -17,7 +17,16 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-__all__ = ["is_tensor", "to_numpy", "to_torch", "float_pairs", "as_complex", "numpy_state", "torch_state"]
+__all__ = [
+    "is_tensor",
+    "numpy_dtype",
+    "to_numpy",
+    "to_torch",
+    "float_pairs",
+    "as_complex",
+    "numpy_state",
+    "torch_state",
+]
 
 # torch dtypes numpy has no type for: (torch dtype name, same-size integer view, ml_dtypes type)
 _REINTERPRETED = {
@@ -30,6 +39,16 @@ _REINTERPRETED = {
 def is_tensor(value: Any) -> bool:
     """True for a torch.Tensor, without importing torch."""
     return type(value).__module__.startswith("torch") and hasattr(value, "data_ptr")
+
+
+def numpy_dtype(dtype: Any) -> np.dtype[Any]:
+    """The numpy dtype of the arrays a tensor of torch ``dtype`` becomes (bf16 and fp8 through ``ml_dtypes``)."""
+    import torch
+
+    name = str(dtype).removeprefix("torch.")
+    if name in _REINTERPRETED:
+        return np.dtype(_REINTERPRETED[name][1])
+    return np.dtype(torch.empty(0, dtype=dtype).numpy().dtype)
 
 
 def to_numpy(tensor: Any) -> np.ndarray:

@@ -1,0 +1,197 @@
+"""CUDA tensors saved and restored through pinned host buffers (tiered_ckpt.torch.device_copies).
+
+The CUDA tests run where a CUDA device is present and skip with their reason elsewhere; the
+CPU tests show that a process without CUDA never calls a CUDA API.
+"""
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tiered_ckpt import (
+    CheckpointError,
+    CheckpointManager,
+    InvalidStateError,
+    LocalOptions,
+    RuntimeOptions,
+    TorchDistributedCoordinator,
+)
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device; this machine has none")
+
+
+def _bits(tensor: torch.Tensor) -> bytes:
+    """A tensor's bytes, whatever its dtype (bf16 and fp8 through an integer view)."""
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def _cuda_state(seed: int) -> dict:
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    base = torch.randn(1 << 16, 3, device="cuda", generator=generator)
+    return {
+        "fp32": base.clone(),
+        "bf16": base.to(torch.bfloat16),
+        "fp8": {"e4m3": base.to(torch.float8_e4m3fn), "e5m2": base.to(torch.float8_e5m2)},
+        "transposed": base.t(),  # not contiguous: saved as its values, in C order
+        "scalar": torch.tensor(3.5, device="cuda"),
+        "steps": 7,
+    }
+
+
+def test_cpu_tensors_are_saved_and_restored_without_a_cuda_call(tmp_path, monkeypatch):
+    def refused(*_args, **_kwargs):
+        raise AssertionError("a CUDA API was called for CPU tensors")
+
+    for name in ("Stream", "Event", "current_stream", "stream", "synchronize"):
+        monkeypatch.setattr(torch.cuda, name, refused)
+    state = {"w": torch.arange(1000, dtype=torch.bfloat16), "b": torch.ones(3), "step": 1}
+    into = {"w": torch.zeros(1000, dtype=torch.bfloat16), "b": torch.zeros(3), "step": 0}
+    with CheckpointManager(tmp_path, world_size=1, runtime=RuntimeOptions(host_memory_bytes=1 << 10)) as manager:
+        manager.save(1, state, blocking=True)
+        manager.restore(into=into)
+    assert torch.equal(into["w"], state["w"]) and torch.equal(into["b"], state["b"])
+
+
+def test_into_a_tensor_on_a_device_without_a_copy_path_is_refused_naming_it(tmp_path):
+    with CheckpointManager(tmp_path, world_size=1) as manager:
+        manager.save(1, {"w": torch.ones(2), "step": 1}, blocking=True)
+        with pytest.raises(InvalidStateError, match=r'into\[0\]: state\["w"\] is on meta'):
+            manager.restore(into={"w": torch.empty(2, device="meta"), "step": 0})
+
+
+@needs_cuda
+@pytest.mark.parametrize("budget", [64 << 20, 1 << 20], ids=["staged", "past-the-budget"])
+def test_cuda_tensors_round_trip_bit_for_bit_into_cuda_tensors(tmp_path, budget):
+    state = _cuda_state(0)
+    expected = {key: _bits(value) for key, value in state.items() if isinstance(value, torch.Tensor)}
+    runtime = RuntimeOptions(host_memory_bytes=budget)
+    with CheckpointManager(tmp_path, world_size=1, runtime=runtime) as manager:
+        handle = manager.save(1, state)  # returns once the copies are done: the tensors may change
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                value.zero_()
+        handle.committed.result()
+        into = _cuda_state(1)
+        restored = manager.restore(into=into)
+        plain = manager.restore()
+    assert (handle.throttled_bytes > 0) == (budget == 1 << 20)
+    for key, bits in expected.items():
+        assert _bits(into[key]) == bits, key
+        assert into[key].device.type == "cuda"
+    assert _bits(into["fp8"]["e4m3"]) == _bits(_cuda_state(0)["fp8"]["e4m3"])
+    assert restored.step == plain.step == 1 and plain.state["steps"] == 7
+    np.testing.assert_array_equal(plain.state["fp32"], _cuda_state(0)["fp32"].cpu().numpy())
+
+
+@needs_cuda
+def test_a_failed_restore_leaves_the_cuda_tensors_as_they_were(tmp_path):
+    with CheckpointManager(tmp_path, world_size=1) as manager:
+        manager.save(1, {"w": torch.ones(1 << 16, device="cuda")}, blocking=True)
+    shard = next(Path(tmp_path).rglob("*.shard"))
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    into = {"w": torch.full((1 << 16,), 2.0, device="cuda")}
+    with CheckpointManager(tmp_path, world_size=1) as manager, pytest.raises(CheckpointError):
+        manager.restore(into=into)
+    assert bool((into["w"] == 2.0).all())
+
+
+@needs_cuda
+def test_the_pinned_buffers_are_reused_over_100_saves(tmp_path):
+    state = _cuda_state(0)
+    runtime = RuntimeOptions(host_memory_bytes=64 << 20)
+    with CheckpointManager(LocalOptions(tmp_path, keep_last=1), world_size=1, runtime=runtime) as manager:
+        for step in range(1, 11):  # warm: every buffer allocated
+            manager.save(step, state, blocking=True)
+        pinned, resident = _pinned_bytes(), _resident_bytes()
+        for step in range(11, 111):
+            state["fp32"].add_(1.0)
+            manager.save(step, state)
+        manager.wait()
+        restored = manager.restore()
+    assert _pinned_bytes() == pinned, "pinned memory grew over 100 saves"
+    assert _resident_bytes() - resident < 64 << 20, "resident memory grew over 100 saves"
+    np.testing.assert_array_equal(restored.state["fp32"], state["fp32"].cpu().numpy())
+
+
+def _pinned_bytes() -> int:
+    stats = torch.cuda.host_memory_stats()
+    return int(stats.get("reserved_bytes.current", stats.get("segment.current", 0)))
+
+
+def _resident_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+@needs_cuda
+def test_an_fsdp2_model_on_one_gpu_round_trips_bit_for_bit(tmp_path, monkeypatch):
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("cpu:gloo,cuda:nccl", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
+    try:
+
+        def build(seed: int):
+            torch.manual_seed(seed)
+            model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 8)).cuda()
+            mesh = init_device_mesh("cuda", (1,))
+            for layer in model:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+        model, optimizer = build(0)
+        model(torch.randn(4, 64, device="cuda")).sum().backward()
+        optimizer.step()
+        saved = get_state_dict(model, optimizer)
+        expected = _digests(saved)
+        root = tmp_path / "ckpt"
+        with CheckpointManager(root, coordinator=TorchDistributedCoordinator()) as manager:
+            manager.save(1, {"model": saved[0], "optim": saved[1]}, blocking=True)
+        fresh, fresh_optimizer = build(1)
+        into_model, into_optim = get_state_dict(fresh, fresh_optimizer)
+        with CheckpointManager(root, coordinator=TorchDistributedCoordinator()) as manager:
+            manager.restore(into={"model": into_model, "optim": into_optim})
+        set_state_dict(fresh, fresh_optimizer, model_state_dict=into_model, optim_state_dict=into_optim)
+        assert _digests(get_state_dict(fresh, fresh_optimizer)) == expected
+    finally:
+        dist.destroy_process_group()
+
+
+def _digests(state) -> dict[str, bytes]:
+    from torch.distributed.tensor import DTensor
+
+    found = {}
+
+    def walk(value, path):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{path}/{key}")
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                walk(item, f"{path}/{index}")
+        elif isinstance(value, torch.Tensor):
+            found[path] = _bits(value.full_tensor() if isinstance(value, DTensor) else value)
+
+    walk(state, "")
+    return found
+
+
+if os.environ.get("TIERED_CKPT_REQUIRE_CUDA") and not CUDA:  # a GPU run that lost its device fails, not skips
+    raise RuntimeError("TIERED_CKPT_REQUIRE_CUDA is set but torch sees no CUDA device")

@@ -18,6 +18,7 @@ class HostSource:
         self.buffers: list[int] = []  # the size of each host buffer allocated
         self.copies: list[tuple[int, int]] = []  # (start, bytes) of each copy begun
         self.waited = 0
+        self.released = False
 
     def host_buffer(self, nbytes: int) -> np.ndarray:
         self.buffers.append(nbytes)
@@ -31,6 +32,9 @@ class HostSource:
             self.waited += 1
 
         return wait
+
+    def release(self) -> None:
+        self.released = True
 
 
 def on_device(array: np.ndarray) -> tuple[OffHost, HostSource]:

@@ -20,6 +20,7 @@ from tiered_ckpt import (
     RuntimeOptions,
     TorchDistributedCoordinator,
 )
+from tiered_ckpt.torch.device_copies import pinned_bytes
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device; this machine has none")
@@ -39,9 +40,30 @@ def _cuda_state(seed: int) -> dict:
         "bf16": base.to(torch.bfloat16),
         "fp8": {"e4m3": base.to(torch.float8_e4m3fn), "e5m2": base.to(torch.float8_e5m2)},
         "transposed": base.t(),  # not contiguous: saved as its values, in C order
-        "scalar": torch.tensor(3.5, device="cuda"),
+        "scalar": torch.tensor(3.5 + seed, device="cuda"),
+        "empty": torch.empty(0, 4, device="cuda"),
         "steps": 7,
     }
+
+
+def _all_bits(state) -> dict[str, bytes]:
+    """The bytes of every tensor of a nested state, by path (DTensors gathered whole)."""
+    from torch.distributed.tensor import DTensor
+
+    found = {}
+
+    def walk(value, path):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{path}/{key}")
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                walk(item, f"{path}/{index}")
+        elif isinstance(value, torch.Tensor):
+            found[path] = _bits(value.full_tensor() if isinstance(value, DTensor) else value)
+
+    walk(state, "")
+    return found
 
 
 def test_cpu_tensors_are_saved_and_restored_without_a_cuda_call(tmp_path, monkeypatch):
@@ -69,24 +91,35 @@ def test_into_a_tensor_on_a_device_without_a_copy_path_is_refused_naming_it(tmp_
 @pytest.mark.parametrize("budget", [64 << 20, 1 << 20], ids=["staged", "past-the-budget"])
 def test_cuda_tensors_round_trip_bit_for_bit_into_cuda_tensors(tmp_path, budget):
     state = _cuda_state(0)
-    expected = {key: _bits(value) for key, value in state.items() if isinstance(value, torch.Tensor)}
+    expected = _all_bits(state)
     runtime = RuntimeOptions(host_memory_bytes=budget)
     with CheckpointManager(tmp_path, world_size=1, runtime=runtime) as manager:
         handle = manager.save(1, state)  # returns once the copies are done: the tensors may change
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                value.zero_()
+        for value in (state["fp32"], state["bf16"], *state["fp8"].values(), state["scalar"]):
+            value.zero_()
         handle.committed.result()
         into = _cuda_state(1)
         restored = manager.restore(into=into)
         plain = manager.restore()
     assert (handle.throttled_bytes > 0) == (budget == 1 << 20)
-    for key, bits in expected.items():
-        assert _bits(into[key]) == bits, key
-        assert into[key].device.type == "cuda"
-    assert _bits(into["fp8"]["e4m3"]) == _bits(_cuda_state(0)["fp8"]["e4m3"])
+    assert _all_bits(into) == expected and set(expected) >= {"/fp8/e4m3", "/fp8/e5m2", "/empty", "/scalar"}
+    assert into["fp8"]["e5m2"].device.type == "cuda" and into["transposed"].stride() == (1, 3)
     assert restored.step == plain.step == 1 and plain.state["steps"] == 7
     np.testing.assert_array_equal(plain.state["fp32"], _cuda_state(0)["fp32"].cpu().numpy())
+
+
+@needs_cuda
+def test_a_save_copies_what_the_callers_stream_computes_even_while_it_is_busy(tmp_path):
+    base = torch.randn(1 << 20, device="cuda")
+    expected_doubled = _bits(base * 2)
+    expected_tripled_t = _bits((base.reshape(1024, 1024) * 3).t())
+    with CheckpointManager(tmp_path, world_size=1) as manager:
+        torch.cuda._sleep(1 << 30)  # the caller's stream is busy for a while: what follows is queued
+        state = {"first": base * 2, "second": (base.reshape(1024, 1024) * 3).t(), "step": 1}
+        manager.save(1, state, blocking=True)
+        restored = manager.restore()
+    assert restored.state["first"].tobytes() == expected_doubled
+    assert np.ascontiguousarray(restored.state["second"]).tobytes() == expected_tripled_t
 
 
 @needs_cuda
@@ -110,20 +143,16 @@ def test_the_pinned_buffers_are_reused_over_100_saves(tmp_path):
     with CheckpointManager(LocalOptions(tmp_path, keep_last=1), world_size=1, runtime=runtime) as manager:
         for step in range(1, 11):  # warm: every buffer allocated
             manager.save(step, state, blocking=True)
-        pinned, resident = _pinned_bytes(), _resident_bytes()
+        pinned, resident = pinned_bytes(), _resident_bytes()
+        assert 0 < pinned <= 64 << 20
         for step in range(11, 111):
             state["fp32"].add_(1.0)
             manager.save(step, state)
         manager.wait()
         restored = manager.restore()
-    assert _pinned_bytes() == pinned, "pinned memory grew over 100 saves"
+        assert pinned_bytes() == pinned, "pinned memory grew over 100 saves"
     assert _resident_bytes() - resident < 64 << 20, "resident memory grew over 100 saves"
     np.testing.assert_array_equal(restored.state["fp32"], state["fp32"].cpu().numpy())
-
-
-def _pinned_bytes() -> int:
-    stats = torch.cuda.host_memory_stats()
-    return int(stats.get("reserved_bytes.current", stats.get("segment.current", 0)))
 
 
 def _resident_bytes() -> int:
@@ -160,7 +189,7 @@ def test_an_fsdp2_model_on_one_gpu_round_trips_bit_for_bit(tmp_path, monkeypatch
         model(torch.randn(4, 64, device="cuda")).sum().backward()
         optimizer.step()
         saved = get_state_dict(model, optimizer)
-        expected = _digests(saved)
+        expected = _all_bits(saved)
         root = tmp_path / "ckpt"
         with CheckpointManager(root, coordinator=TorchDistributedCoordinator()) as manager:
             manager.save(1, {"model": saved[0], "optim": saved[1]}, blocking=True)
@@ -169,28 +198,9 @@ def test_an_fsdp2_model_on_one_gpu_round_trips_bit_for_bit(tmp_path, monkeypatch
         with CheckpointManager(root, coordinator=TorchDistributedCoordinator()) as manager:
             manager.restore(into={"model": into_model, "optim": into_optim})
         set_state_dict(fresh, fresh_optimizer, model_state_dict=into_model, optim_state_dict=into_optim)
-        assert _digests(get_state_dict(fresh, fresh_optimizer)) == expected
+        assert _all_bits(get_state_dict(fresh, fresh_optimizer)) == expected
     finally:
         dist.destroy_process_group()
-
-
-def _digests(state) -> dict[str, bytes]:
-    from torch.distributed.tensor import DTensor
-
-    found = {}
-
-    def walk(value, path):
-        if isinstance(value, dict):
-            for key, item in value.items():
-                walk(item, f"{path}/{key}")
-        elif isinstance(value, (list, tuple)):
-            for index, item in enumerate(value):
-                walk(item, f"{path}/{index}")
-        elif isinstance(value, torch.Tensor):
-            found[path] = _bits(value.full_tensor() if isinstance(value, DTensor) else value)
-
-    walk(state, "")
-    return found
 
 
 if os.environ.get("TIERED_CKPT_REQUIRE_CUDA") and not CUDA:  # a GPU run that lost its device fails, not skips

@@ -147,9 +147,11 @@ class StagingBuffers:
             for name, buffer in ends.items():  # the last bytes of the array, as its shard stores them
                 whole = arrays[name].reshape(-1).view(np.uint8)
                 pieces += _pieces(buffer, whole[whole.size - buffer.size :])
-        _copy(pieces)  # the device copies run meanwhile
-        for wait in landed:
-            wait()
+        try:
+            _copy(pieces)  # the device copies run meanwhile
+        finally:  # a device copy still running lands before its buffer may go
+            for wait in landed:
+                wait()
         self._buffers, self._tails = buffers, tail_buffers
         direct = [frozenset(arrays).difference(names) for arrays, (names, _split) in zip(checked, plans, strict=True)]
         states_out = [{**arrays, **mine} for arrays, mine in zip(checked, buffers, strict=True)]

@@ -261,17 +261,17 @@ class _Flattener:
         return dims
 
     def tensor(self, value: Any, path: tuple[str | int, ...]) -> np.ndarray:
-        if value.device.type != "cpu" and is_cuda(value):
-            if self.into and self.devices is not None:
-                return self.devices.host_for(value)
-            if self.off_host and not value.is_complex():  # complex: copied here, as float pairs need bytes
-                return stand_in(value, self.ready)
-        if self.into and value.device.type != "cpu":
+        cuda = value.device.type != "cpu" and is_cuda(value)
+        if self.into and value.device.type != "cpu" and not (cuda and self.devices is not None):
             where = "CPU tensors and arrays" if self.devices is None else "CPU and CUDA tensors and arrays"
             raise self.fail(path, f"is on {value.device}; into= fills {where} in place")
         try:
+            if cuda and self.into and self.devices is not None:
+                return self.devices.host_for(value)
+            if cuda and self.off_host and not value.is_complex():  # complex: copied here, its pairs need bytes
+                return stand_in(value, self.ready)
             return to_numpy(value)
-        except (RuntimeError, TypeError) as exc:  # sparse, quantized or otherwise non-strided tensors
+        except (RuntimeError, TypeError, NotImplementedError) as exc:  # sparse, quantized, exotic dtypes
             raise self.fail(path, f"is a tensor numpy cannot view: {exc}") from exc
 
 

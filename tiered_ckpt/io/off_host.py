@@ -48,6 +48,10 @@ class DeviceSource(Protocol):
         blocks until they have landed."""
         ...
 
+    def release(self) -> None:
+        """The array's last copy has landed: let go of its memory on the device."""
+        ...
+
 
 class OffHost(np.ndarray):
     """A stand-in for an array on a device (see the module doc); ``source`` copies its bytes."""
@@ -60,7 +64,8 @@ class OffHost(np.ndarray):
     def chunks(self, piece_bytes: int = PIECE_BYTES) -> Iterator[memoryview]:
         """The array's bytes in C order, a piece at a time: each piece is copied from the
         device while the one before is used, into one of two buffers of ``piece_bytes``; a
-        piece is valid until the next is asked for."""
+        piece is valid until the next is asked for. Once the last is given, the source lets
+        go of the device's memory (a save flattens its tensors anew)."""
         source = self.source
         if source is None:
             raise InvalidStateError("a view of an array on a device has no bytes to copy; save the tensor itself")
@@ -69,17 +74,18 @@ class OffHost(np.ndarray):
             return
         step = min(piece_bytes, size)
         buffers = [source.host_buffer(step), source.host_buffer(step)] if size > step else [source.host_buffer(step)]
-        pending = source.start_copy(buffers[0][: min(step, size)], 0)
-        for index, start in enumerate(range(0, size, step)):
-            end = min(start + step, size)
-            pending()
-            following = None
-            if end < size:  # the next piece comes while this one is written
-                spare = buffers[(index + 1) % 2]
-                following = source.start_copy(spare[: min(step, size - end)], end)
-            yield buffers[index % 2][: end - start].data
-            if following is not None:
-                pending = following
+        running: list[Callable[[], None]] = [source.start_copy(buffers[0][:step], 0)]
+        try:
+            for index, start in enumerate(range(0, size, step)):
+                end = min(start + step, size)
+                running.pop()()
+                if end < size:  # the next piece comes while this one is written
+                    running.append(source.start_copy(buffers[(index + 1) % 2][: min(step, size - end)], end))
+                yield buffers[index % 2][: end - start].data
+        finally:  # a copy still running lands before its buffer may go
+            for landed in running:
+                landed()
+        source.release()
 
 
 def off_host(dtype: np.dtype[Any], shape: tuple[int, ...], source: DeviceSource) -> OffHost:

@@ -6,8 +6,12 @@ device into a host buffer (:class:`TensorSource`). The copies run on a stream of
 (one per device), after the work the caller's stream had queued when the save began
 (an event recorded then), with ``non_blocking=True`` into pinned memory: a page-locked
 buffer is what lets the copy run at the link's speed rather than through a pageable bounce.
-Pinned buffers come from torch's caching host allocator, which keeps a freed block for the
-next request of its size: a buffer reused from save to save is pinned once.
+A pinned buffer is host memory of the exact size asked, registered with CUDA
+(``cudaHostRegister``) when allocated and unregistered when freed: torch's caching host
+allocator would round each buffer up to a power of two and keep freed ones, which a budget
+cannot count. The staging reuses its buffers from save to save, so each is pinned once.
+Only the caller's current stream is waited for: work queued on other streams must be
+synchronized by the caller before ``save``.
 
 A restore into CUDA tensors fills pinned host buffers (:class:`DeviceTargets`), verified as
 any restore's arrays, and copies them to the tensors only once the whole restore succeeded.
@@ -19,6 +23,7 @@ CPU tensor never reaches this module.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +32,7 @@ import numpy as np
 from tiered_ckpt.io.off_host import OffHost, off_host
 from tiered_ckpt.torch.tensors import numpy_dtype
 
-__all__ = ["DeviceTargets", "TensorSource", "is_cuda", "stand_in"]
+__all__ = ["DeviceTargets", "TensorSource", "is_cuda", "pinned", "pinned_bytes", "stand_in"]
 
 logger = logging.getLogger("tiered_ckpt")
 
@@ -48,11 +53,39 @@ def _stream(device: Any) -> Any:
     return stream
 
 
+_registered = [0]  # the bytes of pinned buffers alive in this process
+
+
+def pinned_bytes() -> int:
+    """The bytes of this module's pinned buffers alive in this process."""
+    return _registered[0]
+
+
 def pinned(nbytes: int) -> np.ndarray:
-    """A uint8 host buffer of ``nbytes`` in pinned memory (from torch's caching host allocator)."""
+    """A uint8 host buffer of exactly ``nbytes``, pinned (registered with CUDA) until it is freed;
+    pageable if CUDA refuses to register it (logged, WARNING)."""
     import torch
 
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+    buffer = np.empty(nbytes, np.uint8)
+    if not nbytes:
+        return buffer
+    address = buffer.ctypes.data
+    status = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+    if int(status) != 0:
+        logger.warning(
+            "could not pin %d bytes of host memory (CUDA error %s): copies go through pageable memory", nbytes, status
+        )
+        return buffer
+    _registered[0] += nbytes
+    weakref.finalize(buffer, _unregister, address, nbytes)
+    return buffer
+
+
+def _unregister(address: int, nbytes: int) -> None:
+    import torch
+
+    torch.cuda.cudart().cudaHostUnregister(address)
+    _registered[0] -= nbytes
 
 
 class TensorSource:
@@ -63,9 +96,13 @@ class TensorSource:
         import torch
 
         self._tensor = tensor
-        self._flat = tensor.reshape(-1).view(torch.uint8)
+        self._flat: Any = tensor.reshape(-1).view(torch.uint8)
         self._ready = ready
         self.device = str(tensor.device)
+
+    def release(self) -> None:
+        """Let go of the tensor (its last copy has landed): the caller may free its memory."""
+        self._tensor = self._flat = None
 
     def host_buffer(self, nbytes: int) -> np.ndarray:
         return pinned(nbytes)
@@ -77,7 +114,7 @@ class TensorSource:
         with torch.cuda.stream(stream):
             stream.wait_event(self._ready)
             torch.from_numpy(out).copy_(self._flat[start : start + out.size], non_blocking=True)
-            landed = torch.cuda.Event()
+            landed = torch.cuda.Event(blocking=True)  # its wait sleeps rather than spins a core
             landed.record(stream)
         return landed.synchronize
 
@@ -89,14 +126,17 @@ def stand_in(tensor: Any, ready: dict[Any, Any]) -> OffHost:
     import torch
 
     tensor = tensor.detach()
+    dtype = numpy_dtype(tensor.dtype)
+    device = tensor.device
+    event = ready.get(device)
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
-    device = tensor.device
-    if device not in ready:
+        event = None  # queued after the event: the copy waits for this tensor's own
+    if event is None:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
-        ready[device] = event
-    return off_host(numpy_dtype(tensor.dtype), tuple(tensor.shape), TensorSource(tensor, ready[device]))
+        ready.setdefault(device, event)
+    return off_host(dtype, tuple(tensor.shape), TensorSource(tensor, event))
 
 
 class DeviceTargets:
@@ -139,12 +179,16 @@ class DeviceTargets:
         callers = {tensor.device: torch.cuda.current_stream(tensor.device) for _raw, tensor in self._pairs}
         for device, caller in callers.items():
             _stream(device).wait_stream(caller)  # after the work queued on the tensors
-        for raw, tensor in self._pairs:
-            with torch.cuda.stream(_stream(tensor.device)):
-                host = torch.from_numpy(raw).view(tensor.dtype).reshape(tensor.shape)
-                tensor.detach().copy_(host, non_blocking=True)  # any strides: torch lays the values out
-        for device, caller in callers.items():
-            caller.wait_stream(_stream(device))  # the caller's next work sees the new values
-            _stream(device).synchronize()  # and the host buffers may go
-        self._pairs.clear()
-        self._pinned = 0
+        try:
+            for raw, tensor in self._pairs:
+                if not raw.size:
+                    continue
+                with torch.cuda.stream(_stream(tensor.device)):
+                    host = torch.from_numpy(raw).view(tensor.dtype).reshape(tensor.shape)
+                    tensor.detach().copy_(host, non_blocking=True)  # any strides: torch lays the values out
+        finally:
+            for device, caller in callers.items():
+                caller.wait_stream(_stream(device))  # the caller's next work sees the new values
+                _stream(device).synchronize()  # and the host buffers may go
+            self._pairs.clear()
+            self._pinned = 0

@@ -16,6 +16,7 @@ import mmap
 import tempfile
 import threading
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import BinaryIO, Literal, cast
 
@@ -235,7 +236,7 @@ class _Shard:
         self.chunked = bool(self.state.structure.chunks)  # a state of DTensors: each array readable alone
         self.array_digests = not self.chunked and records_array_digests(len(self.state.arrays), world_size)
 
-    @property
+    @cached_property
     def size_bytes(self) -> int:
         """The bytes :meth:`write` writes: the length prefix, the padded header and the arrays."""
         arrays = self.state.arrays

@@ -1,5 +1,7 @@
 """A step's shards serialized to memory (a step kept in a partner's memory only), byte for byte as on disk."""
 
+import mmap
+
 import numpy as np
 
 from tiered_ckpt.engine.shards import ShardBuffer, serialize_shards, write_shards
@@ -36,3 +38,22 @@ def test_a_larger_shard_grows_the_buffer_and_reads_back_whole():
     contents = read_shard_buffer(large, check=lambda data: large_record.verify(data, "rank 0"), what="rank 0")
     assert np.array_equal(contents.arrays["w"], np.arange(100_000, dtype=np.float32) * 2)
     assert small_record.size_bytes < large_record.size_bytes == len(large)
+
+
+def test_shards_past_the_room_go_to_unnamed_files_with_the_same_bytes_and_free_their_buffers(tmp_path):
+    buffers = {rank: ShardBuffer() for rank in range(2)}
+    whole = [(record, bytes(data)) for record, data in serialize_shards(
+        1, states(1, 50_000), [0, 1], world_size=2, numels=[50_000] * 2, buffers=buffers)]  # fmt: skip
+    assert [buffers[rank].capacity >= len(whole[rank][1]) for rank in range(2)] == [True, True]
+    room = len(whole[0][1]) + 1000  # rank 0's shard fits, rank 1's does not
+    bounded = serialize_shards(1, states(1, 50_000), [0, 1], world_size=2, numels=[50_000] * 2,
+                               buffers=buffers, room=room, spill_dir=tmp_path)  # fmt: skip
+    for (record, data), (expected, expected_bytes) in zip(bounded, whole, strict=True):
+        assert record == expected and bytes(data) == expected_bytes
+    assert isinstance(bounded[1][1].obj, mmap.mmap) and not isinstance(bounded[0][1].obj, mmap.mmap)
+    assert buffers[1].capacity == 0  # the spilled rank's buffer is freed, the other one kept
+    assert buffers[0].capacity >= len(whole[0][1])
+    assert list(tmp_path.iterdir()) == []  # the file has no name: a crash leaves nothing behind
+    record, data = bounded[1]
+    contents = read_shard_buffer(data, check=lambda digest: record.verify(digest, "rank 1"), what="rank 1")
+    assert np.array_equal(contents.arrays["w"], np.arange(50_000, dtype=np.float32) + 1)

@@ -19,15 +19,22 @@ a copy, before answering; {"do": "corrupt_copy", "rank": R}: the bytes rank R se
 (until {"do": "uncorrupt_copy"}); {"do": "unreadable_copy", "rank": R}: rank R cannot read
 its own shard for the copy (until "uncorrupt_copy"); {"do": "restore_if_any"} records the
 step restored, or None; {"do": "record_logs"} records every later log record of the library
-as [level, message] in "logs".
+as [level, message] in "logs"; {"do": "measured_save", "step": S, "bytes": N}: a blocking save
+of a state of N bytes (8 float32 arrays), then the partner copy, recording in "measured" what
+they added to the process's peak resident memory (``VmHWM``, reset before through
+``/proc/self/clear_refs``), the shard's size, the copy's error and the state's digests.
+``config["piece_bytes"]`` sets the pieces a copy travels in.
 """
 
 import logging
 import os
+import re
 import signal
 import time
 from pathlib import Path
 
+import numpy as np
+import torch
 from rank_worker import digests, rank_state, serve
 
 from tiered_ckpt import (
@@ -59,6 +66,8 @@ def run(config: dict, coordinator: TorchDistributedCoordinator, result: dict) ->
         max_bytes=config.get("max_bytes"),
         every=config.get("peer_every", 1),
     )
+    if "piece_bytes" in config:
+        peer_copy.PIECE_BYTES = config["piece_bytes"]
     local = Path(config["local_root"]) / f"rank-{rank}"
     storage = config.get("options") or {}
     checkpoints = CheckpointManager(
@@ -86,8 +95,39 @@ def held_bytes(checkpoints: CheckpointManager) -> tuple[int, int]:
     return memory.bytes_held(), len(list(memory.root.iterdir()))
 
 
+def resident(field: str) -> int:
+    """A ``/proc/self/status`` figure of this process, in bytes."""
+    with open("/proc/self/status") as status:
+        found = re.search(rf"^{field}:\s+(\d+) kB", status.read(), re.M)
+    assert found is not None, field
+    return int(found.group(1)) * 1024
+
+
+def measured_save(checkpoints: CheckpointManager, step: int, rank: int, size: int) -> dict:
+    """A save of ``size`` bytes of tensors and its partner copy, with what they added to the peak resident memory."""
+    state = {
+        f"w{i}": torch.from_numpy(np.random.default_rng([step, rank, i]).random(size // 32, np.float32))
+        for i in range(8)
+    }
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # the peak is now the current resident memory
+    before = resident("VmRSS")
+    handle = checkpoints.save(step, state, blocking=True)
+    checkpoints._parts.peer.wait()
+    peak = resident("VmHWM") - before
+    manifest = handle.committed.result()
+    return {
+        "peak": peak,
+        "shard_bytes": manifest.shard(rank).size_bytes if manifest is not None else None,
+        "peer_error": checkpoints._parts.peer.last_error,
+        "digests": digests(state),
+    }
+
+
 def act(action: dict, rank: int, world_size: int, checkpoints: CheckpointManager, result: dict) -> None:
-    if action["do"] == "save":
+    if action["do"] == "measured_save":
+        result["measured"] = measured_save(checkpoints, action["step"], rank, action["bytes"])
+    elif action["do"] == "save":
         handle = checkpoints.save(action["step"], rank_state(action["step"], world_size, rank), blocking=True)
         result.setdefault("committed", []).append(handle.committed.result() is not None)
         checkpoints._parts.peer.wait()

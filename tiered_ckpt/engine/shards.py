@@ -5,13 +5,19 @@ this process's ranks) and the one-shot save (:mod:`~tiered_ckpt.oneshot`, every 
 shard lands with :meth:`WritingTier.write_shard <tiered_ckpt.tiers.abilities.WritingTier.write_shard>`,
 so every write checks the tier's lock; the directory's fsync is left to the commit. A step
 kept in memory only (for a partner's memory) is serialized to bytes instead
-(:func:`serialize_shards`), with the same records.
+(:func:`serialize_shards`), with the same records: in buffers reused from save to save while
+they fit the room the host memory budget leaves, else to unlinked files mapped back, whose
+pages a reader lets go as it moves on (:mod:`~tiered_ckpt.io.pages`).
 """
 
 from __future__ import annotations
 
+import mmap
+import tempfile
 import threading
 from collections.abc import Mapping, Sequence
+from functools import cached_property
+from pathlib import Path
 from typing import BinaryIO, Literal, cast
 
 import numpy as np
@@ -19,7 +25,7 @@ import numpy as np
 from tiered_ckpt.dist.replicas import written
 from tiered_ckpt.format.layout import shard_name
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord, records_array_digests
-from tiered_ckpt.format.shardfile import write_shard
+from tiered_ckpt.format.shardfile import header_length, write_shard
 from tiered_ckpt.format.state import FlatState
 from tiered_ckpt.io.hashing import ShardDigest
 from tiered_ckpt.io.parallel import run_parallel
@@ -73,6 +79,22 @@ class ShardBuffer:
         self._data = np.empty(0, np.uint8)
         self._size = 0
 
+    @property
+    def capacity(self) -> int:
+        """The bytes the buffer holds (what it grew to)."""
+        return self._data.size
+
+    def reserve(self, size: int) -> None:
+        """Hold at least ``size`` bytes, allocated at once (not regrown while a shard is
+        written, which holds the old array and the new one together)."""
+        if self._data.size < size:
+            self._data = np.empty(0, np.uint8)  # freed before the new one is allocated
+            self._data = np.empty(size, np.uint8)
+
+    def release(self) -> None:
+        """Free the buffer's memory (a view of it still held keeps it until dropped)."""
+        self._data, self._size = np.empty(0, np.uint8), 0
+
     def write(self, chunk: memoryview | bytes) -> int:
         view = np.frombuffer(chunk, np.uint8)
         end = self._size + view.size
@@ -102,19 +124,57 @@ def serialize_shards(
     replicas: Mapping[int, Mapping[str, int]] | None = None,
     buffers: Mapping[int, ShardBuffer] | None = None,
     borrowed: Borrowed | None = None,
+    room: int | None = None,
+    spill_dir: Path | None = None,
 ) -> list[tuple[ShardRecord, memoryview]]:
-    """The shards :func:`write_shards` would write, as bytes in memory with their records (a step
-    kept in memory only), in the order of ``ranks``; each in ``buffers[rank]`` if given (what
-    the last call returned for that rank is overwritten), else in a buffer of its own."""
+    """The shards :func:`write_shards` would write, as bytes with their records (a step kept in
+    memory only), in the order of ``ranks``.
+
+    A shard is serialized in ``buffers[rank]`` if given (what the last call returned for that
+    rank is overwritten), else in a buffer of its own, as long as the buffers of this call
+    hold at most ``room`` bytes (None: no bound), in the order of ``ranks``. Any other goes to
+    an unlinked file in ``spill_dir`` (default: the system's temporary directory), and its
+    bytes are a whole private map of that file: the page cache holds them, not this process,
+    and a reader that lets each part's pages go once read (:func:`~tiered_ckpt.io.pages.let_go`)
+    keeps them out of it; the file goes once the last view of the map is dropped. Its
+    ``buffers[rank]`` is freed.
+    """
+    shards = [
+        _Shard(step, states[index], rank, world_size, (replicas or {}).get(rank, {}), borrowed)
+        for index, rank in enumerate(ranks)
+    ]
+    owned = {rank: buffers[rank] if buffers is not None else ShardBuffer() for rank in ranks}
+    spilled: set[int] = set()
+    if room is not None:
+        used = 0
+        for shard in shards:
+            held = max(owned[shard.rank].capacity, shard.size_bytes)
+            if used + held <= room:
+                used += held
+            else:
+                spilled.add(shard.rank)
+                owned[shard.rank].release()
 
     def serialize(index: int) -> tuple[ShardRecord, memoryview]:
-        rank = ranks[index]
-        shard = _Shard(step, states[index], rank, world_size, (replicas or {}).get(rank, {}), borrowed)
-        buffer = buffers[rank] if buffers is not None else ShardBuffer()
-        digest, data = buffer.write_shard(shard)
+        shard = shards[index]
+        if shard.rank in spilled:
+            digest, data = _spill(shard, spill_dir)
+        else:
+            owned[shard.rank].reserve(shard.size_bytes if room is not None else 0)
+            digest, data = owned[shard.rank].write_shard(shard)
         return shard.record(digest, numels), data
 
     return run_parallel(serialize, range(len(ranks)), max_workers)
+
+
+def _spill(shard: _Shard, directory: Path | None) -> tuple[ShardDigest, memoryview]:
+    """Write ``shard`` to an unlinked file in ``directory``; its digest and a whole private map of
+    the file (writable, as a send over torch wants; never written)."""
+    with tempfile.TemporaryFile(dir=directory) as file:
+        digest = shard.write(cast(BinaryIO, file))
+        file.flush()
+        mapped = mmap.mmap(file.fileno(), digest.size_bytes, access=mmap.ACCESS_COPY)
+    return digest, memoryview(mapped)
 
 
 class Borrowed:
@@ -175,6 +235,12 @@ class _Shard:
         }
         self.chunked = bool(self.state.structure.chunks)  # a state of DTensors: each array readable alone
         self.array_digests = not self.chunked and records_array_digests(len(self.state.arrays), world_size)
+
+    @cached_property
+    def size_bytes(self) -> int:
+        """The bytes :meth:`write` writes: the length prefix, the padded header and the arrays."""
+        arrays = self.state.arrays
+        return 8 + header_length(arrays, self.metadata) + sum(array.nbytes for array in arrays.values())
 
     def write(self, out: BinaryIO) -> ShardDigest:
         parts: Literal["both", "xxh3"] | None = "both" if self.chunked else "xxh3" if self.array_digests else None

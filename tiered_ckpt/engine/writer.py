@@ -27,9 +27,10 @@ A failure is recorded in the shared :class:`~tiered_ckpt.engine.background.Error
 :class:`SaveError` (cause chained), and what the failed save left is removed.
 
 A step the disk's cadence skips (``local.every``) and a partner's memory takes is kept in
-memory only: step 2 serializes its shards to bytes and agrees on their records, and the
-step goes to the replicators of the tiers each process holds a part of; it is committed
-once they committed it. Their failures are logged, never raised by the manager.
+memory only: step 2 serializes its shards to bytes (in memory within the host memory
+budget, past it to unlinked files) and agrees on their records, and the step goes to the
+replicators of the tiers each process holds a part of; it is committed once they committed
+it. Their failures are logged, never raised by the manager.
 """
 
 from __future__ import annotations
@@ -318,7 +319,14 @@ class Writer:
         manifest, and hand it to the replicators of the tiers that take it (a partner's memory);
         the step is committed once each of them committed it. A failure is logged (WARNING),
         never raised: the step is simply kept nowhere, and None is returned. ``borrowed``: the
-        caller's arrays the shards read, released once read (or on failure)."""
+        caller's arrays the shards read, released once read (or on failure).
+
+        The shards are held in memory (buffers reused from save to save) as far as the host
+        memory budget goes beside the staging buffers; the rest are serialized to unlinked
+        files in the local tier's directory, which the copies read a piece at a time
+        (:func:`~tiered_ckpt.engine.shards.serialize_shards`): the save never holds more."""
+        budget = self._staging.budget
+        room = None if budget is None else max(0, budget - self._staging.nbytes)
         try:
             replicas = self._replicas(staged, replicated)
             shards: dict[int, memoryview] = {}
@@ -334,6 +342,8 @@ class Writer:
                     replicas=replicas,
                     buffers=self._in_memory,
                     borrowed=borrowed,
+                    room=room,
+                    spill_dir=self._store.local.root,
                 )
                 shards.update((record.rank, data) for record, data in written)
                 return _Written(tuple(record.to_dict() for record, _data in written), time.time())

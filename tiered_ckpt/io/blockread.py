@@ -24,6 +24,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from tiered_ckpt.io.durable import BLOCK_BYTES, aligned_block
+from tiered_ckpt.io.pages import let_go
 
 __all__ = ["BLOCK_BYTES", "read_blocks"]
 
@@ -31,7 +32,6 @@ __all__ = ["BLOCK_BYTES", "read_blocks"]
 # caller copies and hashes the third.
 _BLOCKS_PER_FILE = 3
 _ALIGNMENT = 4096
-_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)  # Linux, macOS; elsewhere pages stay mapped
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -120,14 +120,11 @@ def _mapped(fd: int, size: int) -> Iterator[memoryview]:
         data = memoryview(mapped)
         if len(data) < size:
             raise OSError(errno.EIO, f"file ended at byte {len(data)}, {size} were expected")
-        advise = _DONTNEED
+        letting_go = True
         for start in range(0, size, BLOCK_BYTES):
             yield data[start : start + BLOCK_BYTES]
-            if advise is not None:
-                try:
-                    mapped.madvise(advise, start, min(BLOCK_BYTES, len(data) - start))
-                except OSError:  # a locked map (mlockall) refuses it: its pages stay, the read goes on
-                    advise = None
+            if letting_go:  # a locked map (mlockall) refuses it: its pages stay, the read goes on
+                letting_go = let_go(mapped, start, start + BLOCK_BYTES)
 
 
 @contextmanager

@@ -11,7 +11,9 @@ import pytest
 
 from support.processes import launch_ranks
 from support.stores import FaultInjectingProxy, new_s3_bucket, s3_storage_options
+from tiered_ckpt.engine.staging import PIECE_BYTES as SLOT
 from tiered_ckpt.tiers.local import LocalTier
+from tiered_ckpt.tiers.peer.copies import PIECE_BYTES
 
 WORKER = Path(__file__).resolve().parents[2] / "support" / "peer_worker.py"
 NODES = ["a", "a", "b", "b"]
@@ -378,3 +380,47 @@ def test_a_lost_node_whose_step_no_partner_holds_is_told_a_bucket_or_a_partners_
         assert kind == "IncompleteCheckpointError", result
         assert "nor do the partners' memories (peer tier) hold the shards the other ranks lack" in message
         assert "only through a bucket or a partner's memory holding them" in message
+
+
+# --- the copies under the host memory budget (runtime.host_memory_bytes) -----------------------------
+
+PAIR = ["a", "b"]  # two ranks, each its own node: each sends its shard to the other and holds the other's
+MIB = 1 << 20
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("local_every", [2, 1], ids=["kept-in-memory-only", "on-disk"])
+def test_a_copy_of_a_state_five_times_the_budget_holds_the_budget_and_restores_bit_for_bit(tmp_path, local_every):
+    budget, state = 16 * MIB, 80 * MIB
+    actions = [{"do": "save", "step": 0}, {"do": "measured_save", "step": 1, "bytes": state}]  # step 0 warms up
+    options = {"host_memory_bytes": budget, "local_every": local_every, "nodes": PAIR}
+    saved = run_job(tmp_path, actions, **options)
+    for result in saved.values():
+        measured = result["measured"]
+        assert measured["peer_error"] is None, result
+        assert measured["shard_bytes"] > state and measured["shard_bytes"] % PIECE_BYTES  # a last piece cut short
+        # Before: the shard serialized whole into memory (kept in memory only) or its file's map
+        # resident whole (on disk), and the ward's copy resident whole too: over 2.5 times this.
+        assert measured["peak"] <= budget + SLOT, measured
+    if local_every == 1:  # node "a" is replaced: rank 0's shard is left only in rank 1's memory
+        shutil.rmtree(tmp_path / "nodes" / "rank-0")
+        shutil.rmtree(tmp_path / "memory-a")
+    restored = run_job(tmp_path, [{"do": "restore"}], **options)
+    for rank, result in restored.items():
+        assert result["restored"]["step"] == 1
+        from_peer = local_every == 2 or rank == 0
+        assert result["restored"]["sources"] == {str(rank): "peer" if from_peer else "local"}
+        assert result["restored"]["digests"] == saved[rank]["measured"]["digests"]
+
+
+@pytest.mark.slow
+def test_a_copy_in_many_pieces_the_last_one_short_reassembles_bit_for_bit(tmp_path):
+    options = {"local_every": 2, "piece_bytes": 4096, "nodes": PAIR}  # step 1 is kept in the partners' memory only
+    saved = run_job(tmp_path, [{"do": "measured_save", "step": 1, "bytes": MIB}], **options)
+    for result in saved.values():
+        assert result["measured"]["peer_error"] is None
+        assert result["measured"]["shard_bytes"] // 4096 > 200 and result["measured"]["shard_bytes"] % 4096
+    restored = run_job(tmp_path, [{"do": "restore"}], **options)
+    for rank, result in restored.items():
+        assert result["restored"]["sources"] == {str(rank): "peer"}
+        assert result["restored"]["digests"] == saved[rank]["measured"]["digests"]

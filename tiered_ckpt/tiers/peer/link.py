@@ -5,7 +5,9 @@ of its own (never the training loop's, nor the coordinator's collectives), so a 
 flight never interleaves with another collective. One :meth:`PeerLink.exchange` posts
 every send and receive of one round at once and waits for all of them, within the link's
 timeout plus the time its largest buffer takes at :data:`SLOWEST_BYTES_PER_SECOND`: a
-partner that died or hangs costs at most that long.
+partner that died or hangs costs at most that long. A save's copy moves a shard in pieces
+(:data:`~tiered_ckpt.tiers.peer.copies.PIECE_BYTES`), an exchange each, so the limit holds
+per piece: a partner that stops mid-copy costs one piece's limit, not the whole shard's.
 
 After a round that failed or timed out, a receive may still be posted in the backend and
 a late message could land in a buffer reused since, so the link is *broken* for the rest

@@ -44,7 +44,7 @@ from tiered_ckpt.errors import CheckpointError, ManifestError, MemoryBudgetError
 from tiered_ckpt.format.strict_json import Fields, load_object
 from tiered_ckpt.io.durable import temp_name
 
-__all__ = ["PeerMemory", "Slot"]
+__all__ = ["PeerMemory", "Slot", "file_map", "sha256_of"]
 
 logger = logging.getLogger("tiered_ckpt")
 
@@ -164,7 +164,8 @@ class PeerMemory:
     # -- taking a new copy -------------------------------------------------------------------
 
     def buffer_for(self, step: int, rank: int, size: int) -> tuple[int, np.ndarray]:
-        """A slot to receive ``rank``'s shard of ``step`` (``size`` bytes) and a writable map of it.
+        """A slot to receive ``rank``'s shard of ``step`` (``size`` bytes) and a writable map of it
+        (shared: what is written lands in the slot's file; :func:`file_map` is the map).
 
         Frees what the budget needs first (see the module doc); the slot holds nothing
         until :meth:`accept`. Raises :class:`MemoryBudgetError` if the shard cannot fit.
@@ -288,6 +289,15 @@ class PeerMemory:
 def sha256_of(buffer: np.ndarray) -> str:
     """The sha256 of a uint8 buffer."""
     return hashlib.sha256(buffer.data).hexdigest()
+
+
+def file_map(buffer: np.ndarray) -> mmap.mmap | None:
+    """The map of a slot's file that ``buffer``, from :meth:`PeerMemory.buffer_for` or
+    :meth:`PeerMemory.view`, is (None for an empty one): its pages may be let go
+    (:func:`~tiered_ckpt.io.pages.let_go`), the file keeps what was written through it."""
+    base = buffer.base
+    held = base.obj if isinstance(base, memoryview) else base
+    return held if isinstance(held, mmap.mmap) else None
 
 
 def _map(path: Path, size: int, *, private: bool) -> np.ndarray:

@@ -10,11 +10,17 @@ replicator's thread), one for restores (the caller's), in the rounds of
 A save's copy happens in :meth:`PeerTier.land_shard`, which every process calls for its own
 rank at once (the replicator's processes work on the same step together); only a copy
 whose sha256 matches is kept, and :meth:`PeerTier.commit` then writes the manifest next to
-the wards' slots. A restore gets, for a chosen step, the shards its rank lacks on disk
-from whichever process holds them (:meth:`PeerTier.prepare_reads`, the tier's preparation
-of a restore's reads: the processes agree who sends what, then send), and reads them
-through the store's chain like any later tier's (own disk -> partner's memory -> bucket):
-they land on disk only if they verify.
+the wards' slots. The shard travels in pieces, and the sender (reading a map of its file,
+or of the file a step kept in memory only was serialized to past the host memory budget)
+and the holder (writing a map of its slot) let each piece's pages go once it is through:
+a copy adds at most a piece or two to either process's resident memory, whatever the
+shard's size (the holder's slots are the tier's own storage, bounded by ``peer.max_bytes``).
+
+A restore gets, for a chosen step, the shards its rank lacks on disk from whichever process
+holds them (:meth:`PeerTier.prepare_reads`, the tier's preparation of a restore's reads: the
+processes agree who sends what, then send), and reads them through the store's chain like
+any later tier's (own disk -> partner's memory -> bucket): they land on disk only if they
+verify.
 
 A partner that died, hangs or sent bytes that do not verify fails only the copy (a
 :class:`~tiered_ckpt.PeerError`): the replicator logs it and the step is not in this
@@ -198,8 +204,9 @@ class PeerTier:
         if record.rank != self.rank:
             raise UsageError(f"rank {self.rank}'s peer tier sends its own shard only, not rank {record.rank}'s")
         self._copying = (step, source.path is not None)  # from the disk or not: one cadence, every rank
-        with _mapped(source, record) as data:
-            copy_step(self._save_link, self.memory, step, record, data, self.partner, self.wards)
+        reading = _mapped(source, record)
+        with reading as data:
+            copy_step(self._save_link, self.memory, step, record, data, self.partner, self.wards, mapped=reading.map)
         return Landed.as_is(record)
 
     def commit(self, manifest: ShardManifest, *, landed: Sequence[Landed] = (), deadline: float | None = None) -> None:
@@ -314,10 +321,16 @@ class _Reader(io.RawIOBase):
 class _mapped:
     """``source``'s bytes as a uint8 array for the time of a ``with`` block: a private map of its
     file (no copy), its bytes in memory, or what its writer produces; or, if they cannot be read,
-    the exception (the copy then tells the partner there is nothing to send)."""
+    the exception (the copy then tells the partner there is nothing to send).
+
+    ``map``: the map of a file the array is, whose pages the copy lets go as it sends them:
+    the shard's file, or the file a step kept in memory only was serialized to past the host
+    memory budget (:func:`~tiered_ckpt.engine.shards.serialize_shards` hands over a whole map
+    of it); None for bytes in memory."""
 
     def __init__(self, source: ShardSource, record: ShardRecord) -> None:
         self._source, self._record = source, record
+        self.map: mmap.mmap | None = None
 
     def __enter__(self) -> np.ndarray | BaseException:
         try:
@@ -330,10 +343,13 @@ class _mapped:
         size, source = self._record.size_bytes, self._source
         if source.data is not None:  # a send reads a writable buffer: only bytes are copied, once
             data = source.data
+            if isinstance(data, memoryview) and isinstance(data.obj, mmap.mmap) and data.nbytes == len(data.obj):
+                self.map = data.obj
             return np.frombuffer(bytearray(data) if isinstance(data, bytes) else data, np.uint8)
         if source.path is not None and size:
             with open(Path(source.path), "rb") as file:
                 mapped = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_COPY)
+            self.map = mapped
             return np.frombuffer(mapped, np.uint8, count=size)
         if source.write is not None:
             out = io.BytesIO()

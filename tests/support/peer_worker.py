@@ -23,9 +23,14 @@ as [level, message] in "logs"; {"do": "measured_save", "step": S, "bytes": N}: a
 of a state of N bytes (8 float32 arrays), then the partner copy, recording in "measured" what
 they added to the process's peak resident memory (``VmHWM``, reset before through
 ``/proc/self/clear_refs``), the shard's size, the copy's error and the state's digests.
+{"do": "measured_restore", "step": S, "bytes": N}: a restore of step S into the arrays of such a
+state (given, written before), then the refill of this rank's disk, recording in "measured" what
+they added to the peak resident memory, the sources, the refill's error and the digests.
+{"do": "no_room_on_disk", "rank": R}: rank R's disk has no room for the copies a restore fetches.
 ``config["piece_bytes"]`` sets the pieces a copy travels in.
 """
 
+import errno
 import logging
 import os
 import re
@@ -124,9 +129,30 @@ def measured_save(checkpoints: CheckpointManager, step: int, rank: int, size: in
     }
 
 
+def measured_restore(checkpoints: CheckpointManager, step: int, size: int) -> dict:
+    """A restore of ``step`` into the arrays of a state of ``size`` bytes (as :func:`measured_save`
+    saves), and the refill of this rank's disk it leaves, with what they added to the peak resident memory."""
+    into = {f"w{i}": torch.ones(size // 32, dtype=torch.float32) for i in range(8)}  # written: resident before
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    before = resident("VmRSS")
+    restored = checkpoints.restore(step=step, into=into)
+    checkpoints.wait()  # the refill of the disk lands after the restore returned
+    peak = resident("VmHWM") - before
+    return {
+        "peak": peak,
+        "step": restored.step,
+        "sources": {str(old): tier for old, tier in restored.sources.items()},
+        "refill_error": checkpoints.lag().refill_error,
+        "digests": digests(into),
+    }
+
+
 def act(action: dict, rank: int, world_size: int, checkpoints: CheckpointManager, result: dict) -> None:
     if action["do"] == "measured_save":
         result["measured"] = measured_save(checkpoints, action["step"], rank, action["bytes"])
+    elif action["do"] == "measured_restore":
+        result["measured"] = measured_restore(checkpoints, action["step"], action["bytes"])
     elif action["do"] == "save":
         handle = checkpoints.save(action["step"], rank_state(action["step"], world_size, rank), blocking=True)
         result.setdefault("committed", []).append(handle.committed.result() is not None)
@@ -179,6 +205,12 @@ def act(action: dict, rank: int, world_size: int, checkpoints: CheckpointManager
             raise ValueError("mmap length is greater than file size")  # a shard cut short on disk
 
         peer._mapped._read = unreadable
+    elif action["do"] == "no_room_on_disk" and action["rank"] == rank:
+
+        def no_room(directory, size):
+            raise OSError(errno.ENOSPC, "No space left on device", str(directory))
+
+        peer_copy.unnamed_map = no_room
     elif action["do"] == "record_logs":
         records = result.setdefault("logs", [])
 

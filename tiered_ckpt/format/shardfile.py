@@ -39,6 +39,7 @@ from tiered_ckpt.format.packing import Placed, read_arrays, write_arrays
 from tiered_ckpt.io.blockread import read_blocks
 from tiered_ckpt.io.gc_pause import cyclic_gc_paused
 from tiered_ckpt.io.hashing import HashedStream, Hasher, ShardDigest, Verify, check_verify, hashing_writer
+from tiered_ckpt.io.pages import blocks_of, whole_map
 
 __all__ = [
     "DTYPES",
@@ -433,10 +434,11 @@ def read_shard_buffer(
     into: Mapping[str, np.ndarray] | None = None,
 ) -> ShardContents:
     """:func:`read_shard_file` of a shard's bytes already in memory (a copy a partner sent):
-    the same checks, each byte hashed once while it is copied into its array."""
+    the same checks, each byte hashed once while it is copied into its array. Where ``data``
+    is a whole map of a file (:func:`~tiered_ckpt.io.pages.whole_map`), each block's pages are
+    let go as the read moves on: reading it holds a block of it resident."""
     check_verify(verify)
-    blocks = (data[offset : offset + _MEMORY_BLOCK] for offset in range(0, len(data), _MEMORY_BLOCK))
-    return _read(blocks, len(data), check, verify, what, into)
+    return _read(blocks_of(data, _MEMORY_BLOCK, whole_map(data)), len(data), check, verify, what, into)
 
 
 _MEMORY_BLOCK = 4 << 20  # pieces hashed while in the CPU's cache, as read_blocks's blocks are

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from tiered_ckpt.io.durable import BLOCK_BYTES, aligned_block
-from tiered_ckpt.io.pages import let_go
+from tiered_ckpt.io.pages import blocks_of
 
 __all__ = ["BLOCK_BYTES", "read_blocks"]
 
@@ -120,11 +120,7 @@ def _mapped(fd: int, size: int) -> Iterator[memoryview]:
         data = memoryview(mapped)
         if len(data) < size:
             raise OSError(errno.EIO, f"file ended at byte {len(data)}, {size} were expected")
-        letting_go = True
-        for start in range(0, size, BLOCK_BYTES):
-            yield data[start : start + BLOCK_BYTES]
-            if letting_go:  # a locked map (mlockall) refuses it: its pages stay, the read goes on
-                letting_go = let_go(mapped, start, start + BLOCK_BYTES)
+        yield from blocks_of(data[:size], BLOCK_BYTES, mapped)
 
 
 @contextmanager

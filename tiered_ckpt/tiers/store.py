@@ -47,7 +47,8 @@ from tiered_ckpt.format.remote_manifest import RemoteManifest
 from tiered_ckpt.format.shardfile import ShardHeader, read_shard_buffer
 from tiered_ckpt.format.state import FlatState, own_targets
 from tiered_ckpt.format.structure import Structure
-from tiered_ckpt.io.hashing import Hasher, ShardDigest, Verify, copy_and_hash, hashing_writer
+from tiered_ckpt.io.hashing import CHUNK_BYTES, Hasher, ShardDigest, Verify, copy_and_hash, hashing_writer
+from tiered_ckpt.io.pages import blocks_of, whole_map
 from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.tiers.abilities import ReceiptedTier, receipts_of
 from tiered_ckpt.tiers.base import Landed, PreparedReads, ShardSource, Tier
@@ -275,15 +276,19 @@ class TieredStore:
     def land_copies(self, step: int, copies: Sequence[Landing], max_workers: int | None = None) -> None:
         """Land each ``(record, bytes)`` of ``step`` in the local step, ``max_workers`` at a time,
         hashed again as they are written: memory a tier reuses may have changed since they were
-        checked. The caller records the refill (:meth:`record_refill`). Raises as
-        :meth:`LocalTier.land_shard` does (:class:`ChecksumMismatchError`: the bytes changed)."""
+        checked. Bytes that are a whole map of a file (a fetched copy received on disk) are
+        written a block at a time, each block's pages let go once written. The caller records
+        the refill (:meth:`record_refill`). Raises as :meth:`LocalTier.land_shard` does
+        (:class:`ChecksumMismatchError`: the bytes changed)."""
 
         def land(copy: Landing) -> None:
             record, data = copy
 
             def write(out: BinaryIO) -> ShardDigest:
                 hasher = Hasher()
-                hashing_writer(out, hasher)(data)
+                writer = hashing_writer(out, hasher)
+                for block in blocks_of(data, CHUNK_BYTES, whole_map(data)):
+                    writer(block)
                 return hasher.digest()
 
             self.local.land_shard(step, record, ShardSource(write=write))

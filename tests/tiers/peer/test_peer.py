@@ -424,3 +424,38 @@ def test_a_copy_in_many_pieces_the_last_one_short_reassembles_bit_for_bit(tmp_pa
     for rank, result in restored.items():
         assert result["restored"]["sources"] == {str(rank): "peer"}
         assert result["restored"]["digests"] == saved[rank]["measured"]["digests"]
+
+
+@pytest.mark.slow
+def test_a_lost_disk_restored_from_the_partners_memory_holds_the_budget_and_is_refilled(tmp_path):
+    budget, state = 16 * MIB, 80 * MIB
+    options = {"host_memory_bytes": budget, "nodes": PAIR}
+    saved = run_job(tmp_path, [{"do": "measured_save", "step": 1, "bytes": state}], **options)
+    assert all(result["measured"]["peer_error"] is None for result in saved.values()), saved
+    shutil.rmtree(tmp_path / "nodes" / "rank-0")  # node "a" lost its disk: rank 0's shard is in rank 1's memory
+    restored = run_job(tmp_path, [{"do": "measured_restore", "step": 1, "bytes": state}], **options)
+    for rank, result in restored.items():
+        measured = result["measured"]
+        assert measured["step"] == 1 and measured["refill_error"] is None, result
+        assert measured["sources"] == {str(rank): "peer" if rank == 0 else "local"}
+        assert measured["digests"] == saved[rank]["measured"]["digests"]
+        # Before: the fetched shard received whole into memory and held there for the refill
+        # (rank 0: over 80 MiB); now a piece of it, through a map of a file with no name.
+        assert measured["peak"] <= budget + SLOT, measured
+    disk = LocalTier(tmp_path / "nodes" / "rank-0")
+    assert disk.steps() == [1]
+    assert disk.check_shard(1, disk.manifest(1).shard(0)) is None
+    assert [path.name for path in disk.root.iterdir() if path.name.startswith("tmp")] == []  # no file left behind
+
+
+@pytest.mark.slow
+def test_a_fetched_copy_a_full_disk_has_no_room_for_is_received_into_memory_and_restores(tmp_path):
+    run_job(tmp_path, [{"do": "save", "step": 1}], nodes=PAIR)
+    shutil.rmtree(tmp_path / "nodes" / "rank-0")
+    actions = [{"do": "record_logs"}, {"do": "no_room_on_disk", "rank": 0}, {"do": "restore"}]
+    restored = run_job(tmp_path, actions, nodes=PAIR)
+    result = restored[0]
+    assert result["restored"]["sources"] == {"0": "peer"}, result
+    assert result["restored"]["digests"] == expected_digests(1, 2, 0)
+    warned = [message for level, message in result["logs"] if level == "WARNING"]
+    assert any("received into memory, past runtime.host_memory_bytes: no room for it" in m for m in warned), warned

@@ -25,7 +25,10 @@ is freed.
 :func:`fetch`, a restore's copies: the holders send each needed shard with the step's
 manifest, in rounds (sizes, manifests, then the bytes in pieces as a save's copy sends
 them, each piece's pages let go once sent); what does not arrive is logged and left to the
-next tier.
+next tier. The needer receives each shard into a file with no name on its own disk
+(:func:`~tiered_ckpt.io.scratch.unnamed_map`: the disk the restore refills), through a map
+whose pages it lets go once each piece is written: it holds a piece of the shard, whatever
+its size, and nothing is left behind if it dies.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import mmap
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -44,6 +48,7 @@ from tiered_ckpt.errors import MemoryBudgetError, PeerError
 from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.io.fresh_memory import new_array
 from tiered_ckpt.io.pages import let_go
+from tiered_ckpt.io.scratch import unnamed_map
 from tiered_ckpt.tiers.peer.link import PeerLink
 from tiered_ckpt.tiers.peer.memory import PeerMemory, Slot, file_map
 
@@ -205,11 +210,13 @@ def _keep(memory: PeerMemory, receiving: _Receiving) -> np.ndarray:
 
 
 def fetch(
-    link: PeerLink, memory: PeerMemory, step: int, rank: int, transfers: Sequence[Transfer]
-) -> dict[int, tuple[bytes, np.ndarray]]:
+    link: PeerLink, memory: PeerMemory, step: int, rank: int, transfers: Sequence[Transfer], spool: Path
+) -> dict[int, tuple[bytes, memoryview]]:
     """Send and receive the copies of ``step`` that ``transfers`` name (every process calls it at
     once, with the same list); return, by shard rank, the manifest document and bytes that
-    reached this rank (``rank``), neither yet verified.
+    reached this rank (``rank``), neither yet verified: the bytes a whole map of an unnamed file
+    on ``spool``'s disk (see the module doc), whose pages a reader may let go
+    (:func:`~tiered_ckpt.io.pages.blocks_of`), or memory where that disk had no room.
 
     A copy that does not arrive (its holder died or hangs, within the link's timeout, or no
     longer holds it) is logged, not raised: the restore reads that shard from the next tier.
@@ -218,33 +225,59 @@ def fetch(
     receives = [(holder, shard) for holder, needer, shard in transfers if needer == rank]
     outgoing = [_outgoing(memory, step, shard) for _needer, shard in sends]
     sizes = {(holder, shard): np.zeros(_SIZES.size, np.uint8) for holder, shard in receives}
-    incoming: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+    incoming: dict[tuple[int, int], tuple[np.ndarray, _Flow]] = {}
     try:
         link.exchange(
             [(needer, header) for (needer, _shard), (header, _m, _d) in zip(sends, outgoing, strict=True)],
             [(holder, buffer) for (holder, _shard), buffer in sizes.items()],
         )
-        for key, raw in sizes.items():
+        for (holder, shard), raw in sizes.items():
             manifest_bytes, shard_bytes = _SIZES.unpack(raw.tobytes())
             if 0 <= manifest_bytes <= _MAX_MANIFEST and shard_bytes >= 0:
-                incoming[key] = (np.empty(manifest_bytes, np.uint8), new_array((shard_bytes,), np.uint8))
+                room = _room(spool, step, shard, shard_bytes)
+                incoming[holder, shard] = (np.empty(manifest_bytes, np.uint8), _Flow(holder, *room))
         served = []
         for (needer, _shard), (_header, manifest, data) in zip(sends, outgoing, strict=True):
             if manifest is not None:
                 served.append((needer, manifest, data))
         link.exchange(
             [(needer, manifest) for needer, manifest, _data in served],
-            [(holder, manifest) for (holder, _shard), (manifest, _data) in incoming.items()],
+            [(holder, manifest) for (holder, _shard), (manifest, _flow) in incoming.items()],
         )
         _stream(
             link,
             [_Flow(needer, data, file_map(data)) for needer, _manifest, data in served],
-            [_Flow(holder, data) for (holder, _shard), (_manifest, data) in incoming.items()],
+            [flow for _manifest, flow in incoming.values()],
         )
     except PeerError as exc:
         logger.warning("restore of step %d: the partners' copies did not arrive: %s", step, exc)
         return {}
-    return {shard: (manifest.tobytes(), data) for (_holder, shard), (manifest, data) in incoming.items()}
+    return {
+        shard: (manifest.tobytes(), memoryview(flow.mapped) if flow.mapped is not None else flow.buffer.data)
+        for (_holder, shard), (manifest, flow) in incoming.items()
+    }
+
+
+def _room(spool: Path, step: int, shard: int, size: int) -> tuple[np.ndarray, mmap.mmap | None]:
+    """Where ``shard``'s fetched copy of ``size`` bytes is received, and the map it is (None: memory):
+    a map of an unnamed file on ``spool``'s disk; memory, past the host memory budget, if that
+    disk has no room for it (logged), rather than leave a copy the restore may need unread."""
+    if size == 0:
+        return np.zeros(0, np.uint8), None
+    try:
+        mapped = unnamed_map(spool, size)
+    except OSError as exc:
+        logger.warning(
+            "restore of step %d: rank %d's copy (%d bytes) is received into memory, past"
+            " runtime.host_memory_bytes: no room for it on %s: %s",
+            step,
+            shard,
+            size,
+            spool,
+            exc,
+        )
+        return new_array((size,), np.uint8), None
+    return np.frombuffer(mapped, np.uint8), mapped
 
 
 def _outgoing(memory: PeerMemory, step: int, shard: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:

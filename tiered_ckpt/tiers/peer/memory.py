@@ -28,7 +28,6 @@ hashed again by whoever uses it.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import mmap
@@ -44,7 +43,7 @@ from tiered_ckpt.errors import CheckpointError, ManifestError, MemoryBudgetError
 from tiered_ckpt.format.strict_json import Fields, load_object
 from tiered_ckpt.io.durable import temp_name
 
-__all__ = ["PeerMemory", "Slot", "file_map", "sha256_of"]
+__all__ = ["PeerMemory", "Slot", "file_map"]
 
 logger = logging.getLogger("tiered_ckpt")
 
@@ -284,11 +283,6 @@ class PeerMemory:
 
     def _disk_path(self, step: int) -> Path:
         return self.root / f"step-{step:012d}.disk"
-
-
-def sha256_of(buffer: np.ndarray) -> str:
-    """The sha256 of a uint8 buffer."""
-    return hashlib.sha256(buffer.data).hexdigest()
 
 
 def file_map(buffer: np.ndarray) -> mmap.mmap | None:

@@ -137,4 +137,4 @@ def open_peer_tier(
     restore_link = PeerLink(coordinator, timeout_seconds)
     holder = partners.partner[rank]
     logger.info("peer tier: rank %d's shards are held by rank %s on node %s", rank, holder, names[holder or 0])
-    return PeerTier(memory, partners, rank, save_link, restore_link)
+    return PeerTier(memory, partners, rank, save_link, restore_link, spool=local_dir)

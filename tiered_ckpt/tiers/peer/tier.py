@@ -20,7 +20,10 @@ A restore gets, for a chosen step, the shards its rank lacks on disk from whiche
 holds them (:meth:`PeerTier.prepare_reads`, the tier's preparation of a restore's reads: the
 processes agree who sends what, then send), and reads them through the store's chain like
 any later tier's (own disk -> partner's memory -> bucket): they land on disk only if they
-verify.
+verify. A fetched shard is received into a file with no name on this rank's disk (the
+``spool`` directory: its local directory), not into memory, and read from there through a
+map whose pages the reads let go as they move on: a restore holds a block or a piece of it,
+whatever its size (see :func:`~tiered_ckpt.tiers.peer.copies.fetch`).
 
 A partner that died, hangs or sent bytes that do not verify fails only the copy (a
 :class:`~tiered_ckpt.PeerError`): the replicator logs it and the step is not in this
@@ -30,6 +33,7 @@ tier; a link that timed out stays broken for the run (see
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import mmap
@@ -44,10 +48,11 @@ import numpy as np
 from tiered_ckpt.errors import CheckpointError, IncompleteCheckpointError, ManifestError, PeerError, UsageError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.io.hashing import Verify
+from tiered_ckpt.io.pages import blocks_of, whole_map
 from tiered_ckpt.tiers.base import Capabilities, Gather, Landed, ShardSource
-from tiered_ckpt.tiers.peer.copies import Transfer, copy_step, fetch
+from tiered_ckpt.tiers.peer.copies import PIECE_BYTES, Transfer, copy_step, fetch
 from tiered_ckpt.tiers.peer.link import PeerLink
-from tiered_ckpt.tiers.peer.memory import PeerMemory, sha256_of
+from tiered_ckpt.tiers.peer.memory import PeerMemory, file_map
 from tiered_ckpt.tiers.peer.partners import Partners
 
 __all__ = ["PeerTier"]
@@ -58,12 +63,19 @@ T = TypeVar("T")
 
 
 class PeerTier:
-    """This process's side of the peer tier (see the module doc), for rank ``rank`` of ``partners``."""
+    """This process's side of the peer tier (see the module doc), for rank ``rank`` of ``partners``;
+    ``spool``: a directory on this node's disk, where a restore receives the copies it fetches."""
 
     name = "peer"
 
     def __init__(
-        self, memory: PeerMemory, partners: Partners, rank: int, save_link: PeerLink, restore_link: PeerLink
+        self,
+        memory: PeerMemory,
+        partners: Partners,
+        rank: int,
+        save_link: PeerLink,
+        restore_link: PeerLink,
+        spool: Path,
     ) -> None:
         holder = partners.partner[rank]
         if holder is None:
@@ -84,7 +96,8 @@ class PeerTier:
         )
         self._save_link = save_link
         self._restore_link = restore_link
-        self._received: dict[tuple[int, int], np.ndarray] = {}  # (step, rank) -> bytes fetched for a restore
+        self._spool = spool
+        self._received: dict[tuple[int, int], memoryview] = {}  # (step, rank) -> bytes fetched for a restore
         self._manifests: dict[int, ShardManifest] = {}  # manifests fetched for a restore
         self._copying: tuple[int, bool] | None = None  # the step being copied, and whether from the disk
         self._lock = threading.Lock()  # guards what a restore fetched
@@ -137,14 +150,18 @@ class PeerTier:
 
     # -- reading -------------------------------------------------------------------------------
 
-    def _copy(self, step: int, record: ShardRecord) -> np.ndarray:
+    def _copy(self, step: int, record: ShardRecord) -> memoryview:
+        """The copy of ``record``'s shard fetched or held here: a whole map of its file where it is
+        one (:func:`~tiered_ckpt.io.pages.whole_map`: a reader may let its pages go)."""
         with self._lock:
             fetched = self._received.get((step, record.rank))
         if fetched is not None:
             return fetched
         try:
             with self.memory.lock:
-                return self.memory.view(step, record.rank)
+                held = self.memory.view(step, record.rank)
+            mapped = file_map(held)  # a private map of its slot, read only
+            return memoryview(mapped) if mapped is not None else held.data
         except CheckpointError:
             raise IncompleteCheckpointError(
                 f"{self.shard_location(step, record)}: no copy of rank {record.rank}'s shard reached this rank"
@@ -154,14 +171,14 @@ class PeerTier:
         """The bytes of ``record``'s copy, if this rank has them in memory (fetched or held), not yet
         verified: a reader may verify and parse them there rather than stream them (None: none)."""
         try:
-            return self._copy(step, record).data
+            return self._copy(step, record)
         except IncompleteCheckpointError:
             return None
 
     def open_shard(self, step: int, record: ShardRecord, consume: Callable[[BinaryIO], T]) -> T:
         """Stream the copy of ``record``'s shard that reached this rank (at most its size + 1 bytes)."""
         data = self._copy(step, record)
-        return consume(_Reader(data.data[: record.size_bytes + 1]))  # type: ignore[arg-type]
+        return consume(_Reader(data[: record.size_bytes + 1]))  # type: ignore[arg-type]
 
     def read_range_into(
         self, step: int, record: ShardRecord, offset: int, buffer: memoryview, verify: Verify = "full"
@@ -175,9 +192,12 @@ class PeerTier:
             data = self._copy(step, record)
         except IncompleteCheckpointError as exc:
             return str(exc)
-        if data.size != record.size_bytes:
-            return f"{where}: {data.size} bytes, the manifest records {record.size_bytes}"
-        if sha256_of(data) != record.sha256:
+        if len(data) != record.size_bytes:
+            return f"{where}: {len(data)} bytes, the manifest records {record.size_bytes}"
+        digest = hashlib.sha256()
+        for block in blocks_of(data, PIECE_BYTES, whole_map(data)):
+            digest.update(block)
+        if digest.hexdigest() != record.sha256:
             return f"{where}: its sha256 does not match the manifest"
         return None
 
@@ -267,7 +287,7 @@ class PeerTier:
         manifest that validates (the shards themselves are verified when the store reads them).
         Never raises: a copy that does not arrive is logged, and the next tier is read instead."""
         try:
-            arrived = fetch(self._restore_link, self.memory, step, self.rank, transfers)
+            arrived = fetch(self._restore_link, self.memory, step, self.rank, transfers, self._spool)
         except Exception:  # a bug or a failing memory file system must not stop a restore the bucket can serve
             logger.warning("restore of step %d: fetching the partners' copies failed", step, exc_info=True)
             return []
@@ -343,8 +363,8 @@ class _mapped:
         size, source = self._record.size_bytes, self._source
         if source.data is not None:  # a send reads a writable buffer: only bytes are copied, once
             data = source.data
-            if isinstance(data, memoryview) and isinstance(data.obj, mmap.mmap) and data.nbytes == len(data.obj):
-                self.map = data.obj
+            if isinstance(data, memoryview):
+                self.map = whole_map(data)
             return np.frombuffer(bytearray(data) if isinstance(data, bytes) else data, np.uint8)
         if source.path is not None and size:
             with open(Path(source.path), "rb") as file:

@@ -3,7 +3,9 @@
 import numpy as np
 import pytest
 
+from tests.support.host_device import on_device
 from tiered_ckpt.engine.staging import PARALLEL_BYTES, PIECE_BYTES, StagingBuffers, _pieces
+from tiered_ckpt.errors import InvalidStateError
 from tiered_ckpt.format.shardfile import write_order
 
 
@@ -58,3 +60,13 @@ def test_staging_within_a_budget_copies_the_end_of_each_shard_and_lends_the_rest
         assert staged.states[0][name] is arrays[name]
     everything = StagingBuffers(budget=None).stage([arrays])
     assert everything.direct == [frozenset()] and everything.staged_bytes == 24000
+
+
+def test_an_array_on_a_device_is_copied_from_its_source_and_a_view_of_one_is_refused():
+    array = np.arange(1000, dtype=np.float32)
+    stand_in, source = on_device(array)
+    staged = StagingBuffers(1 << 20).stage([{"a": stand_in}])
+    np.testing.assert_array_equal(staged.states[0]["a"], array)
+    assert source.copies == [(0, array.nbytes)] and source.waited == 1
+    with pytest.raises(InvalidStateError, match="'a' stands for an array on a device but has no source"):
+        StagingBuffers(1 << 20).stage([{"a": stand_in.reshape(10, 100)}])  # a view: its memory is no bytes

@@ -23,7 +23,7 @@ def test_its_pieces_are_its_bytes_in_order_each_copied_while_the_last_is_used(si
     seen = b"".join(bytes(piece) for piece in stand_in.chunks(piece_bytes=4096))
     assert seen == array.tobytes()
     assert source.copies == [(start, min(4096, size - start)) for start in range(0, size, 4096)]
-    assert len(source.buffers) == (0 if size == 0 else 1 if size <= 4096 else 2)  # two buffers, reused in turn
+    assert len(source.buffers) == (0 if size == 0 else 2)  # the source's two piece buffers, used in turn
 
 
 def test_the_next_piece_is_copied_before_the_one_before_is_given():

@@ -24,6 +24,9 @@ class HostSource:
         self.buffers.append(nbytes)
         return np.empty(nbytes, np.uint8)
 
+    def piece_buffers(self, nbytes: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.host_buffer(nbytes), self.host_buffer(nbytes)
+
     def start_copy(self, out: np.ndarray, start: int = 0) -> Callable[[], None]:
         self.copies.append((start, out.size))
         out[:] = self.data[start : start + out.size]

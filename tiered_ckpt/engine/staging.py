@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tiered_ckpt.errors import InvalidStateError
 from tiered_ckpt.format.shardfile import check_arrays, write_order
 from tiered_ckpt.io.off_host import DeviceSource, OffHost
 
@@ -137,17 +138,19 @@ class StagingBuffers:
         landed: list[Callable[[], None]] = []
         buffers = [_allocated(wanted, old) for wanted, old in zip(wholes, old_buffers, strict=True)]
         tail_buffers = [_allocated(wanted, old) for wanted, old in zip(tails, old_tails, strict=True)]
-        for arrays, mine, ends in zip(checked, buffers, tail_buffers, strict=True):
-            for name, buffer in mine.items():
-                array = arrays[name]
-                if isinstance(array, OffHost) and array.source is not None:  # from the device, once
-                    landed.append(array.source.start_copy(buffer.reshape(-1).view(np.uint8)))
-                else:
-                    pieces += _pieces(buffer, array)
-            for name, buffer in ends.items():  # the last bytes of the array, as its shard stores them
-                whole = arrays[name].reshape(-1).view(np.uint8)
-                pieces += _pieces(buffer, whole[whole.size - buffer.size :])
         try:
+            for arrays, mine, ends in zip(checked, buffers, tail_buffers, strict=True):
+                for name, buffer in mine.items():
+                    array = arrays[name]
+                    if not isinstance(array, OffHost):
+                        pieces += _pieces(buffer, array)
+                    elif array.source is None:  # its memory is no array's bytes
+                        raise InvalidStateError(f"{name!r} stands for an array on a device but has no source")
+                    else:  # from the device, once
+                        landed.append(array.source.start_copy(buffer.reshape(-1).view(np.uint8)))
+                for name, buffer in ends.items():  # the last bytes of the array, as its shard stores them
+                    whole = arrays[name].reshape(-1).view(np.uint8)
+                    pieces += _pieces(buffer, whole[whole.size - buffer.size :])
             _copy(pieces)  # the device copies run meanwhile
         finally:  # a device copy still running lands before its buffer may go
             for wait in landed:

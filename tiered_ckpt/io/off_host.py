@@ -42,6 +42,12 @@ class DeviceSource(Protocol):
         """A new uint8 host buffer of ``nbytes`` that a copy lands in fast (pinned memory)."""
         ...
 
+    def piece_buffers(self, nbytes: int) -> tuple[np.ndarray, np.ndarray]:
+        """Two uint8 host buffers of at least ``nbytes`` (<= :data:`PIECE_BYTES`) each, as
+        :meth:`host_buffer`'s, for pieces copied by the calling thread: the same two at each
+        call from that thread, so that they are pinned once."""
+        ...
+
     def start_copy(self, out: np.ndarray, start: int = 0) -> Callable[[], None]:
         """Begin copying the bytes ``[start, start + out.size)`` of the array (C order) into
         ``out`` (a C-contiguous uint8 view of a :meth:`host_buffer`); return a call that
@@ -61,9 +67,10 @@ class OffHost(np.ndarray):
     def __array_finalize__(self, obj: Any) -> None:
         self.source = None  # a view is not the array its source copies
 
-    def chunks(self, piece_bytes: int = PIECE_BYTES) -> Iterator[memoryview]:
+    def chunks(self, piece_bytes: int | None = None) -> Iterator[memoryview]:
         """The array's bytes in C order, a piece at a time: each piece is copied from the
-        device while the one before is used, into one of two buffers of ``piece_bytes``; a
+        device while the one before is used, into one of two buffers of ``piece_bytes``
+        (default :data:`PIECE_BYTES`), the source's :meth:`~DeviceSource.piece_buffers`; a
         piece is valid until the next is asked for. Once the last is given, the source lets
         go of the device's memory (a save flattens its tensors anew)."""
         source = self.source
@@ -72,8 +79,8 @@ class OffHost(np.ndarray):
         size = self.nbytes
         if not size:
             return
-        step = min(piece_bytes, size)
-        buffers = [source.host_buffer(step), source.host_buffer(step)] if size > step else [source.host_buffer(step)]
+        step = min(piece_bytes or PIECE_BYTES, size)
+        buffers = source.piece_buffers(step)
         running: list[Callable[[], None]] = [source.start_copy(buffers[0][:step], 0)]
         try:
             for index, start in enumerate(range(0, size, step)):

@@ -23,13 +23,14 @@ CPU tensor never reaches this module.
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from tiered_ckpt.io.off_host import OffHost, off_host
+from tiered_ckpt.io.off_host import PIECE_BYTES, OffHost, off_host
 from tiered_ckpt.torch.tensors import numpy_dtype
 
 __all__ = ["DeviceTargets", "TensorSource", "is_cuda", "pinned", "pinned_bytes", "stand_in"]
@@ -37,6 +38,7 @@ __all__ = ["DeviceTargets", "TensorSource", "is_cuda", "pinned", "pinned_bytes",
 logger = logging.getLogger("tiered_ckpt")
 
 _streams: dict[Any, Any] = {}  # the copy stream of each device, made on first use
+_pieces = threading.local()  # each writer thread's two pinned piece buffers, reused from save to save
 
 
 def is_cuda(tensor: Any) -> bool:
@@ -106,6 +108,14 @@ class TensorSource:
 
     def host_buffer(self, nbytes: int) -> np.ndarray:
         return pinned(nbytes)
+
+    def piece_buffers(self, nbytes: int) -> tuple[np.ndarray, np.ndarray]:
+        held: tuple[np.ndarray, np.ndarray] | None = getattr(_pieces, "buffers", None)
+        if held is None or held[0].size < nbytes:
+            _pieces.buffers = None  # the smaller pair goes before a larger one is pinned
+            size = max(nbytes, PIECE_BYTES)
+            held = _pieces.buffers = (pinned(size), pinned(size))
+        return held
 
     def start_copy(self, out: np.ndarray, start: int = 0) -> Callable[[], None]:
         import torch

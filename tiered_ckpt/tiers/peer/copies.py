@@ -37,6 +37,7 @@ import hashlib
 import logging
 import mmap
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +50,7 @@ from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.io.fresh_memory import new_array
 from tiered_ckpt.io.pages import let_go
 from tiered_ckpt.io.scratch import unnamed_map
-from tiered_ckpt.tiers.peer.link import PeerLink
+from tiered_ckpt.tiers.peer.link import SLOWEST_BYTES_PER_SECOND, PeerLink
 from tiered_ckpt.tiers.peer.memory import PeerMemory, Slot, file_map
 
 __all__ = ["PIECE_BYTES", "Transfer", "copy_step", "fetch"]
@@ -149,14 +150,21 @@ class _Flow:
 def _stream(link: PeerLink, sends: Sequence[_Flow], receives: Sequence[_Flow]) -> None:
     """Move every buffer of ``sends`` and fill every buffer of ``receives`` a piece of each at a
     time, one exchange per piece (their sizes are known on both sides, so the exchanges of
-    both pair up in order); each piece is then hashed and let go (:meth:`_Flow.through`)."""
-    rounds = max((-(-flow.buffer.size // PIECE_BYTES) for flow in (*sends, *receives)), default=0)
+    both pair up in order); each piece is then hashed and let go (:meth:`_Flow.through`).
+    The whole transfer is bounded as one exchange of its largest buffer would be (the link's
+    timeout plus that buffer at its slowest rate): a partner that answers slower than that
+    counts as hung, however small each piece."""
+    flows = (*sends, *receives)
+    largest = max((flow.buffer.size for flow in flows), default=0)
+    deadline = time.monotonic() + link.timeout_seconds + largest / SLOWEST_BYTES_PER_SECOND
+    rounds = max((-(-flow.buffer.size // PIECE_BYTES) for flow in flows), default=0)
     for index in range(rounds):
         out = [(flow, piece) for flow in sends if (piece := flow.piece(index)) is not None]
         into = [(flow, piece) for flow in receives if (piece := flow.piece(index)) is not None]
         link.exchange(
             [(flow.rank, flow.buffer[piece]) for flow, piece in out],
             [(flow.rank, flow.buffer[piece]) for flow, piece in into],
+            deadline=deadline,
         )
         for flow, piece in into:
             flow.through(piece, received=True)

@@ -6,8 +6,9 @@ flight never interleaves with another collective. One :meth:`PeerLink.exchange` 
 every send and receive of one round at once and waits for all of them, within the link's
 timeout plus the time its largest buffer takes at :data:`SLOWEST_BYTES_PER_SECOND`: a
 partner that died or hangs costs at most that long. A save's copy moves a shard in pieces
-(:data:`~tiered_ckpt.tiers.peer.copies.PIECE_BYTES`), an exchange each, so the limit holds
-per piece: a partner that stops mid-copy costs one piece's limit, not the whole shard's.
+(:data:`~tiered_ckpt.tiers.peer.copies.PIECE_BYTES`), an exchange each, within one limit for
+the whole shard (``deadline``) and one per piece: a partner that stops mid-copy costs one
+piece's limit, and one that keeps answering slower than the rate no more than the shard's.
 
 After a round that failed or timed out, a receive may still be posted in the backend and
 a late message could land in a buffer reused since, so the link is *broken* for the rest
@@ -51,12 +52,19 @@ class PeerLink:
     def __repr__(self) -> str:
         return f"PeerLink(rank={self.rank}, timeout_seconds={self.timeout_seconds})"
 
-    def exchange(self, sends: Sequence[tuple[int, np.ndarray]], receives: Sequence[tuple[int, np.ndarray]]) -> None:
+    def exchange(
+        self,
+        sends: Sequence[tuple[int, np.ndarray]],
+        receives: Sequence[tuple[int, np.ndarray]],
+        *,
+        deadline: float | None = None,
+    ) -> None:
         """Send each ``(rank, buffer)`` of ``sends`` and fill each of ``receives`` from its rank, all at once.
 
         Buffers are C-contiguous uint8 arrays (a receive's must have exactly the sender's
         length). Raises :class:`PeerError` (``transient=False``) if any of them failed or did
-        not finish in time (see the module doc); the link is then broken.
+        not finish in time (see the module doc), or by ``deadline`` (a ``time.monotonic()``:
+        that of a whole transfer this exchange is a piece of); the link is then broken.
         """
         import torch
 
@@ -64,6 +72,8 @@ class PeerLink:
             raise PeerError(f"rank {self.rank}: the peer link is broken since: {self.broken}", transient=False)
         largest = max((buffer.size for _rank, buffer in (*sends, *receives)), default=0)
         limit = self.timeout_seconds + largest / SLOWEST_BYTES_PER_SECOND
+        if deadline is not None:
+            limit = max(min(limit, deadline - time.monotonic()), 0.001)
         deadline = time.monotonic() + limit
         works = []
         try:

@@ -46,8 +46,11 @@ def test_shards_past_the_room_go_to_unnamed_files_with_the_same_bytes_and_free_t
         1, states(1, 50_000), [0, 1], world_size=2, numels=[50_000] * 2, buffers=buffers)]  # fmt: skip
     assert [buffers[rank].capacity >= len(whole[rank][1]) for rank in range(2)] == [True, True]
     room = len(whole[0][1]) + 1000  # rank 0's shard fits, rank 1's does not
+    spills: list[tuple[int, int]] = []
     bounded = serialize_shards(1, states(1, 50_000), [0, 1], world_size=2, numels=[50_000] * 2,
-                               buffers=buffers, room=room, spill_dir=tmp_path)  # fmt: skip
+                               buffers=buffers, room=room, spill_dir=tmp_path,
+                               on_spill=lambda rank, size: spills.append((rank, size)))  # fmt: skip
+    assert spills == [(1, len(whole[1][1]))]  # told, for the writer's WARNING
     for (record, data), (expected, expected_bytes) in zip(bounded, whole, strict=True):
         assert record == expected and bytes(data) == expected_bytes
     assert isinstance(bounded[1][1].obj, mmap.mmap) and not isinstance(bounded[0][1].obj, mmap.mmap)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import mmap
 import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import BinaryIO, Literal, cast
@@ -126,6 +126,7 @@ def serialize_shards(
     borrowed: Borrowed | None = None,
     room: int | None = None,
     spill_dir: Path | None = None,
+    on_spill: Callable[[int, int], None] | None = None,
 ) -> list[tuple[ShardRecord, memoryview]]:
     """The shards :func:`write_shards` would write, as bytes with their records (a step kept in
     memory only), in the order of ``ranks``.
@@ -137,7 +138,7 @@ def serialize_shards(
     bytes are a whole private map of that file: the page cache holds them, not this process,
     and a reader that lets each part's pages go once read (:func:`~tiered_ckpt.io.pages.let_go`)
     keeps them out of it; the file goes once the last view of the map is dropped. Its
-    ``buffers[rank]`` is freed.
+    ``buffers[rank]`` is freed, and ``on_spill(rank, size_bytes)`` told.
     """
     shards = [
         _Shard(step, states[index], rank, world_size, (replicas or {}).get(rank, {}), borrowed)
@@ -159,6 +160,8 @@ def serialize_shards(
         shard = shards[index]
         if shard.rank in spilled:
             digest, data = _spill(shard, spill_dir)
+            if on_spill is not None:
+                on_spill(shard.rank, digest.size_bytes)
         else:
             owned[shard.rank].reserve(shard.size_bytes if room is not None else 0)
             digest, data = owned[shard.rank].write_shard(shard)

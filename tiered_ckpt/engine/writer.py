@@ -141,6 +141,7 @@ class Writer:
         self._local_every = local_every
         self._staging = StagingBuffers(host_memory_bytes)
         self._throttle_told = False  # the WARNING that saves wait for the budget is logged once
+        self._spill_told = False  # and the one that memory-only steps go to the disk past it
         # A step kept in memory only is serialized here: the previous one's copies ended before this one's began.
         self._in_memory = {rank: ShardBuffer() for rank in self._ranks}
         self._last_save: Future[ShardManifest | None] | None = None
@@ -237,6 +238,22 @@ class Writer:
             100 * arrays.direct_bytes / max(total, 1),
             waited,
             total,
+        )
+
+    def _tell_spilled(self, step: int, rank: int, size: int) -> None:
+        """Log once per manager (WARNING) that a step kept in memory only went to the local disk."""
+        if self._spill_told:
+            return
+        self._spill_told = True
+        logger.warning(
+            "step %d is kept in memory only, but rank %d's shard (%d bytes) does not fit what "
+            "runtime.host_memory_bytes=%d leaves beside the staging buffers: it was written to an unnamed file in "
+            "%s for its copy to a partner, and such shards will be (logged once)",
+            step,
+            rank,
+            size,
+            self._staging.budget or 0,
+            self._store.local.root,
         )
 
     def skipped(self, step: int) -> SaveHandle:
@@ -344,6 +361,7 @@ class Writer:
                     borrowed=borrowed,
                     room=room,
                     spill_dir=self._store.local.root,
+                    on_spill=partial(self._tell_spilled, step),
                 )
                 shards.update((record.rank, data) for record, data in written)
                 return _Written(tuple(record.to_dict() for record, _data in written), time.time())

@@ -225,7 +225,9 @@ def command_push(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     ):
 
         def done(uploaded: int, queued: int) -> None:
-            bar.total = queued
+            if bar.total != queued:
+                bar.total = queued
+                bar.refresh()  # the bar with its total, before any step is up
             bar.update(uploaded - bar.n)
 
         pushed = list(maintenance.push(store, uploader, args.step, progress=done).steps)

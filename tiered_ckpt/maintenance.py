@@ -148,6 +148,8 @@ def push(
         raise IncompleteCheckpointError(f"{store.local.root}: step {step} is not committed locally")
     unreceipted = [each for each in local if not store.receipted(each, uploader.target)]
     queued = [each for each in ([step] if step is not None else unreceipted) if each in unreceipted]
+    if progress is not None:  # none is up yet: said before an upload can finish
+        progress(0, len(queued))
     for each in queued:
         if each not in uploader.pending():
             uploader.submit(each, bounded=False)

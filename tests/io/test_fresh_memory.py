@@ -3,6 +3,7 @@ import sys
 import numpy as np
 import pytest
 
+from tests.support.smaps import mapping_field
 from tiered_ckpt.io.fresh_memory import MAPPED_BYTES, new_array
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the advice and /proc/self/smaps are Linux's")
@@ -11,17 +12,7 @@ linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the adv
 def vm_flags(array: np.ndarray) -> set[str]:
     """The VmFlags of the mapping that holds ``array``'s middle byte (numpy advises from the
     first page boundary on, which splits the mapping there)."""
-    address = array.__array_interface__["data"][0] + array.nbytes // 2
-    inside = False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and all(c in "0123456789abcdef-" for c in head):
-                start, end = (int(part, 16) for part in head.split("-"))
-                inside = start <= address < end
-            elif inside and head == "VmFlags:":
-                return set(line.split()[1:])
-    raise AssertionError("no mapping holds the array")
+    return set(mapping_field(array.__array_interface__["data"][0] + array.nbytes // 2, "VmFlags:"))
 
 
 @pytest.mark.parametrize(

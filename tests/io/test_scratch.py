@@ -6,6 +6,7 @@ import sys
 import numpy as np
 import pytest
 
+from tests.support.smaps import mapping_field
 from tiered_ckpt.io.pages import blocks_of, let_go, whole_map
 from tiered_ckpt.io.scratch import unnamed_map
 
@@ -15,16 +16,7 @@ MIB = 1 << 20
 
 def resident_bytes(array: np.ndarray) -> int:
     """The resident bytes of the mapping that holds ``array``'s first byte."""
-    address, inside = array.__array_interface__["data"][0], False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and all(c in "0123456789abcdef-" for c in head):
-                start, end = (int(part, 16) for part in head.split("-"))
-                inside = start <= address < end
-            elif inside and head == "Rss:":
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no mapping holds the array")
+    return int(mapping_field(array.__array_interface__["data"][0], "Rss:")[0]) * 1024
 
 
 def test_a_map_of_a_file_with_no_name_keeps_what_is_written_and_leaves_no_file(tmp_path):

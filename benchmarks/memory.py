@@ -1,9 +1,11 @@
 """The ``memory`` section of the benchmark: a save's host memory against its budget.
 
 For states of 2, 5 and 20 times a budget (``runtime.host_memory_bytes``), each in a fresh
-process (``python -m benchmarks.memory DIR STATE_BYTES BUDGET|default ARRAYS [bucket]``): the
+process (``python -m benchmarks.memory DIR STATE_BYTES BUDGET|default ARRAYS [bucket] [paged]``): the
 state is saved, then restored into arrays of the process's own (``into=``), from its disk or,
-with ``bucket``, from a ``file://`` bucket by a manager whose disk lost the step. Before the
+with ``bucket``, from a ``file://`` bucket by a manager whose disk lost the step; with
+``paged``, into arrays over unnamed files (what a restore into CUDA tensors past the budget
+reads into). Before the
 save and the restore the kernel's peak of the process's resident memory is reset
 (``/proc/self/clear_refs``); what each added to it is read from ``VmHWM`` against ``VmRSS``
 just before. Printed next to each: its target (the budget plus one staging slot), the
@@ -29,6 +31,7 @@ import numpy as np
 from benchmarks.harness import show_ratio
 from tiered_ckpt import CheckpointManager, LocalOptions, RemoteOptions, RuntimeOptions
 from tiered_ckpt.engine.staging import PIECE_BYTES
+from tiered_ckpt.io.scratch import paged_array
 from tiered_ckpt.torch.device_copies import pinned_bytes
 
 __all__ = ["SLOT_BYTES", "bench_memory", "measure", "run_measure"]
@@ -52,12 +55,20 @@ def _reset_peak() -> int:
     return _status("VmRSS")
 
 
-def measure(directory: str, state_bytes: int, budget: int | None, count: int, bucket: bool) -> dict[str, Any]:
+def measure(
+    directory: str, state_bytes: int, budget: int | None, count: int, bucket: bool, paged: bool = False
+) -> dict[str, Any]:
     """In this process: the save and the restore of a state of ``count`` float32 arrays of
-    ``state_bytes`` in all (see the module doc), and what each added to the peak resident memory."""
+    ``state_bytes`` in all (see the module doc), and what each added to the peak resident memory.
+    ``paged``: restored into arrays over unnamed files, as a restore into CUDA tensors past
+    the budget reads them (their pages, touched by the read, count unless it lets them go)."""
     size = state_bytes // count // 4
     state = {f"layer{i}": np.random.default_rng(i).random(size, dtype=np.float32) for i in range(count)}
-    into = {name: np.zeros_like(array) for name, array in state.items()}  # every page touched
+    if paged:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        into = {name: paged_array(Path(directory), array.nbytes).view(np.float32) for name, array in state.items()}
+    else:
+        into = {name: np.zeros_like(array) for name, array in state.items()}  # every page touched
     runtime = RuntimeOptions(host_memory_bytes=budget)
     remote = RemoteOptions(Path(directory, "bucket").as_uri()) if bucket else None
     local = Path(directory, "disk")
@@ -97,11 +108,17 @@ def measure(directory: str, state_bytes: int, budget: int | None, count: int, bu
 
 
 def run_measure(
-    directory: Path, state_bytes: int, budget: int | None, count: int, bucket: bool = False, **env: str
+    directory: Path,
+    state_bytes: int,
+    budget: int | None,
+    count: int,
+    bucket: bool = False,
+    paged: bool = False,
+    **env: str,
 ) -> dict[str, Any]:
     """:func:`measure` in a fresh process (``env``: variables added to its environment)."""
     command = [sys.executable, "-m", "benchmarks.memory", str(directory), str(state_bytes), str(budget or "default")]
-    command += [str(count), *(["bucket"] if bucket else [])]
+    command += [str(count), *(["bucket"] if bucket else []), *(["paged"] if paged else [])]
     root = Path(__file__).resolve().parent.parent
     environ = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(command, capture_output=True, text=True, env=environ, cwd=root, timeout=600)
@@ -135,6 +152,17 @@ def bench_memory(root: Path, repeat: int, budget: int = 64 << 20) -> None:
             show_ratio(f"save peak / (budget + slot), {times}x", save / (budget + SLOT_BYTES), "<= 1.0")
             show_ratio(f"restore peak / (budget + slot), {times}x", restore / (budget + SLOT_BYTES), "<= 1.0")
             show_ratio(f"|reported - measured| / measured blocked, {times}x", off, "<= 0.10")
+    times, paged = MULTIPLES[1], []
+    for run in range(repeat):  # what a restore into CUDA tensors past the budget reads into
+        directory = root / f"memory-paged-{run}"
+        paged.append(run_measure(directory, times * budget, budget, 8, paged=True))
+        shutil.rmtree(directory, ignore_errors=True)
+    peak = max(each["restore_peak"] for each in paged)
+    print(
+        f"  state {times:2d}x ({times * budget / mib:5.0f} MiB), restore from disk into arrays over unnamed files: "
+        f"peak +{peak / mib:6.1f} MiB; bit for bit: {all(each['exact'] for each in paged)}"
+    )
+    show_ratio(f"restore peak into unnamed files / (budget + slot), {times}x", peak / (budget + SLOT_BYTES), "<= 1.0")
     if not _cuda():
         print("  GPU staging: no CUDA device here, not measured")
         return
@@ -231,4 +259,5 @@ def _step_times(root: Path, every: int | None, steps: int = 60) -> float:
 if __name__ == "__main__":
     directory, state_bytes, budget, count = sys.argv[1:5]
     chosen = None if budget == "default" else int(budget)
-    print(json.dumps(measure(directory, int(state_bytes), chosen, int(count), sys.argv[5:] == ["bucket"])))
+    flags = set(sys.argv[5:])
+    print(json.dumps(measure(directory, int(state_bytes), chosen, int(count), "bucket" in flags, "paged" in flags)))

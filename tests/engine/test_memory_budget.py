@@ -62,6 +62,16 @@ def test_a_restore_from_the_bucket_into_given_arrays_holds_no_copy_of_the_state(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("where", ["disk", "bucket"])
+def test_a_restore_into_arrays_over_an_unnamed_file_holds_a_piece_of_them(tmp_path, where):
+    # What a restore into CUDA tensors past the budget reads into: pages the read touches count
+    # in the process unless it lets them go (without: the state's size, 80 MiB here).
+    budget = 16 * MIB
+    got = run_child(tmp_path, 5 * budget, budget, 8, "paged", *(["bucket"] if where == "bucket" else []))
+    assert got["exact"] and got["restore_peak"] <= budget + SLOT, got
+
+
+@pytest.mark.slow
 def test_the_default_budget_holds_on_a_state_larger_than_it(tmp_path):
     # As many processes on the node as make a quarter of its memory, shared, fall below the floor.
     processes = str(max(1, default_host_memory_bytes({}) // MIN_DEFAULT_BYTES + 1))

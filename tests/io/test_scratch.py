@@ -1,14 +1,17 @@
-"""A file with no name for bytes a process must not hold (tiered_ckpt.io.scratch), and reading a map
-of one a block at a time with its pages let go (tiered_ckpt.io.pages.blocks_of)."""
+"""A file with no name for bytes a process must not hold (tiered_ckpt.io.scratch), reading a map
+of one a block at a time with its pages let go (tiered_ckpt.io.pages.blocks_of), and arrays over
+one that the hashing reads fill a piece at a time (tiered_ckpt.io.hashing)."""
 
+import hashlib
 import sys
 
 import numpy as np
 import pytest
 
 from tests.support.smaps import mapping_field
+from tiered_ckpt.io.hashing import HashedStream, Hasher, fill_hashing, read_hashing
 from tiered_ckpt.io.pages import blocks_of, let_go, whole_map
-from tiered_ckpt.io.scratch import unnamed_map
+from tiered_ckpt.io.scratch import paged_array, pages_of, unnamed_map
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
 MIB = 1 << 20
@@ -47,3 +50,45 @@ def test_reading_a_whole_map_a_block_at_a_time_holds_one_block_of_it(tmp_path):
         most = max(most, resident_bytes(data))
     assert total == 7 * 32 * MIB
     assert most <= 2 * MIB and resident_bytes(data) == 0  # without letting go: all 32 MiB by the end
+
+
+def test_a_paged_array_and_its_views_name_their_map_and_where_they_start_in_it(tmp_path):
+    array = paged_array(tmp_path, 4 * MIB)
+    mapped, offset = pages_of(array)
+    assert len(mapped) == 4 * MIB and offset == 0
+    floats = array.view(np.float32).reshape(1024, 1024)
+    assert pages_of(floats[512:]) == (mapped, 2 * MIB)
+    assert pages_of(np.frombuffer(floats[1:].reshape(-1).view(np.uint8).data, np.uint8)) == (mapped, 4096)
+    # Arrays that merely inherit the class, or hold other memory, are refused: their pages are not the file's.
+    assert pages_of(floats + 1) is None and pages_of(np.zeros(8)) is None
+    assert list(tmp_path.iterdir()) == []
+
+
+@linux
+@pytest.mark.parametrize("fill", ["stream", "read", "ranged"])
+def test_filling_a_paged_array_hashes_every_byte_and_holds_a_piece_of_it(tmp_path, fill):
+    data = np.random.default_rng(2).integers(0, 256, 24 * MIB + 5, dtype=np.uint8)
+    path = tmp_path / "source"
+    path.write_bytes(data.tobytes())
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    target = paged_array(scratch, data.size - 5)
+    if fill == "stream":  # after an array of the caller's, hashed behind on a thread
+        blocks = iter(memoryview(data)[start : start + MIB] for start in range(0, data.size, MIB))
+        stream = HashedStream(blocks, Hasher(), behind=True)
+        stream.copy_into(head := np.zeros(5, np.uint8))
+        stream.copy_into(target)
+        digest, expected = stream.digest().sha256, hashlib.sha256(data.tobytes()).hexdigest()
+        stream.close()
+        assert np.array_equal(head, data[:5])
+    else:  # ranged reads take their target as np.frombuffer of its bytes
+        given = np.frombuffer(target.data, np.uint8)
+        if fill == "read":
+            with open(path, "rb") as source:
+                digest = read_hashing(source.fileno(), 5, given)
+        else:
+            raw = data.tobytes()
+            digest = fill_hashing(lambda start, stop: raw[start:stop], 5, given, piece_bytes=4 * MIB)
+        expected = hashlib.sha256(data[5:].tobytes()).hexdigest()
+    assert resident_bytes(target) <= 4 * MIB + 4096  # without letting go: all 24 MiB
+    assert digest == expected and np.array_equal(target, data[5:])

@@ -4,7 +4,10 @@ The CUDA tests run where a CUDA device is present and skip with their reason els
 CPU tests show that a process without CUDA never calls a CUDA API.
 """
 
+import json
 import os
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,8 +23,10 @@ from tiered_ckpt import (
     RuntimeOptions,
     TorchDistributedCoordinator,
 )
+from tiered_ckpt.engine.staging import PIECE_BYTES as SLOT
 from tiered_ckpt.torch.device_copies import pinned_bytes
 
+REPOSITORY = Path(__file__).resolve().parents[2]
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device; this machine has none")
 
@@ -105,6 +110,7 @@ def test_cuda_tensors_round_trip_bit_for_bit_into_cuda_tensors(tmp_path, budget)
     assert _all_bits(into) == expected and set(expected) >= {"/fp8/e4m3", "/fp8/e5m2", "/empty", "/scalar"}
     assert into["fp8"]["e5m2"].device.type == "cuda" and into["transposed"].stride() == (1, 3)
     assert restored.step == plain.step == 1 and plain.state["steps"] == 7
+    assert restored.state["fp32"] is into["fp32"] and restored.state["transposed"] is into["transposed"]  # no host copy
     np.testing.assert_array_equal(plain.state["fp32"], _cuda_state(0)["fp32"].cpu().numpy())
 
 
@@ -123,17 +129,29 @@ def test_a_save_copies_what_the_callers_stream_computes_even_while_it_is_busy(tm
 
 
 @needs_cuda
-def test_a_failed_restore_leaves_the_cuda_tensors_as_they_were(tmp_path):
-    with CheckpointManager(tmp_path, world_size=1) as manager:
+@pytest.mark.parametrize("budget", [None, 1 << 10], ids=["pinned", "past-the-budget"])
+def test_a_failed_restore_leaves_the_cuda_tensors_as_they_were(tmp_path, budget):
+    runtime = RuntimeOptions(host_memory_bytes=budget)
+    with CheckpointManager(tmp_path, world_size=1, runtime=runtime) as manager:
         manager.save(1, {"w": torch.ones(1 << 16, device="cuda")}, blocking=True)
     shard = next(Path(tmp_path).rglob("*.shard"))
     data = bytearray(shard.read_bytes())
     data[-100] ^= 0xFF
     shard.write_bytes(bytes(data))
     into = {"w": torch.full((1 << 16,), 2.0, device="cuda")}
-    with CheckpointManager(tmp_path, world_size=1) as manager, pytest.raises(CheckpointError):
+    with CheckpointManager(tmp_path, world_size=1, runtime=runtime) as manager, pytest.raises(CheckpointError):
         manager.restore(into=into)
     assert bool((into["w"] == 2.0).all())
+
+
+@needs_cuda
+def test_a_restore_into_cuda_tensors_past_the_budget_holds_no_host_copy_of_them(tmp_path):
+    budget = 16 << 20
+    command = [sys.executable, "-m", "tests.support.cuda_restore_peak", str(tmp_path), str(5 * budget), str(budget)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPOSITORY, timeout=300)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert got["exact"] and got["restore_peak"] <= budget + SLOT, got  # was the state's size, 80 MiB
 
 
 @needs_cuda
@@ -205,3 +223,72 @@ def test_an_fsdp2_model_on_one_gpu_round_trips_bit_for_bit(tmp_path, monkeypatch
 
 if os.environ.get("TIERED_CKPT_REQUIRE_CUDA") and not CUDA:  # a GPU run that lost its device fails, not skips
     raise RuntimeError("TIERED_CKPT_REQUIRE_CUDA is set but torch sees no CUDA device")
+
+
+class _Stream:  # CUDA's ordering calls, for host memory: every copy is done when issued
+    def __init__(self, device=None):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class _Event:
+    def __init__(self, blocking=False):
+        self.waited = 0
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        self.waited += 1
+
+
+class _Cudart:
+    @staticmethod
+    def cudaHostRegister(address, nbytes, flags):
+        return 1  # refused: the buffers stay pageable, nothing to unregister later
+
+
+def test_a_restore_past_the_budget_fills_the_tensors_a_piece_at_a_time_from_an_unnamed_file(tmp_path, monkeypatch):
+    # CUDA's calls stood in for on the CPU: what runs where no device is, is the host side of it.
+    import contextlib
+
+    from tiered_ckpt.io.scratch import pages_of
+    from tiered_ckpt.torch import device_copies
+
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _Cudart)
+    monkeypatch.setattr(device_copies, "_streams", {})
+    monkeypatch.setattr(device_copies, "PIECE_BYTES", 4096)  # many pieces, through both buffers
+    source = torch.randn(3000, 7)
+    expected = {
+        "first": source[:10].clone(),  # within the budget
+        "bf16": source.to(torch.bfloat16),
+        "transposed": source.t().contiguous(),
+        "complex": torch.complex(source[:, 0], source[:, 1]),
+        "empty": torch.empty(0, 3),
+    }
+    tensors = {
+        "first": torch.zeros(10, 7),
+        "bf16": torch.zeros(3000, 7, dtype=torch.bfloat16),
+        "transposed": torch.zeros(3000, 7).t(),  # not contiguous: filled through a contiguous copy
+        "complex": torch.zeros(3000, dtype=torch.complex64),
+        "empty": torch.zeros(0, 3),
+    }
+    targets = device_copies.DeviceTargets(1024, tmp_path)
+    hosts = {name: targets.host_for(tensor) for name, tensor in tensors.items()}
+    assert pages_of(hosts["first"]) is None and pages_of(hosts["bf16"]) is not None
+    for name, host in hosts.items():
+        host.reshape(-1).view(np.uint8)[:] = expected[name].contiguous().reshape(-1).view(torch.uint8).numpy()
+    placed = targets.copy_back()
+    assert {placed[id(host)] is tensors[name] for name, host in hosts.items()} == {True}
+    for name, tensor in tensors.items():
+        assert torch.equal(tensor, expected[name]), name
+    assert tensors["transposed"].stride() == (1, 7) and targets.copy_back() == {}  # each buffer let go once

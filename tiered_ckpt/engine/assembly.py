@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -43,7 +44,8 @@ class ShardsRead:
     states of DTensors (``targets``), per rank of this process, what fills its state.
     ``refills``: what the reads left to land on this node's disk after the restore.
     ``to_device``: copies the arrays filled for CUDA tensors of ``into`` to them (once the
-    whole restore succeeded: no unverified byte reaches a tensor).
+    whole restore succeeded: no unverified byte reaches a tensor) and lets go of them;
+    returns, by ``id`` of each such array, its tensor.
     ``where``: the local step directory, named in errors."""
 
     manifest: ShardManifest
@@ -60,7 +62,7 @@ class ShardsRead:
     chunks: tuple[ChunkPlan, ...] = ()
     targets: tuple[FlatState, ...] = ()
     refills: tuple[Refill, ...] = ()
-    to_device: Callable[[], None] | None = None
+    to_device: Callable[[], Mapping[int, Any]] | None = None
 
 
 def assemble(done: ShardsRead, received: Mapping[int, Mapping[str, np.ndarray]]) -> RestoreResult:

@@ -48,7 +48,7 @@ from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather
 from tiered_ckpt.dist.replicas import share
 from tiered_ckpt.engine.assembly import ShardsRead, assemble
 from tiered_ckpt.engine.refill import Refiller
-from tiered_ckpt.engine.restore_result import RestoreResult, by_tier, rank_ranges
+from tiered_ckpt.engine.restore_result import RestoreResult, by_tier, on_devices, rank_ranges
 from tiered_ckpt.engine.shard_reads import ShardReader
 from tiered_ckpt.engine.step_choice import AgreedStep, StepChooser
 from tiered_ckpt.errors import (
@@ -213,7 +213,7 @@ class Restorer:
             gather(self._coordinator, "restore: replicas", Done, assembled.done)
         result = assembled.value
         if loaded.value.to_device is not None:
-            loaded.value.to_device()
+            result = on_devices(result, loaded.value.to_device())
         self._chooser.drop_unfinished_commits(restored, agreed)
         self._chooser.drop_unrestorable_copies(restored, agreed)
         result = replace(result, seconds=time.monotonic() - started)

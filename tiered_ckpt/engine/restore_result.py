@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tiered_ckpt.errors import UsageError
@@ -11,7 +11,7 @@ from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.state import FlatState
 from tiered_ckpt.tiers.store import TierName
 
-__all__ = ["RestoreResult", "by_tier", "rank_ranges"]
+__all__ = ["RestoreResult", "by_tier", "on_devices", "rank_ranges"]
 
 
 @dataclass(frozen=True, repr=False)
@@ -19,8 +19,9 @@ class RestoreResult:
     """What :meth:`CheckpointManager.restore` returns.
 
     ``states[i]`` is the state of rank ``ranks[i]`` as it was saved (nested dicts, lists,
-    tuples and scalars with their types), every array as a numpy array: every rank when
-    one process holds them all, this process's rank under a multi-process coordinator.
+    tuples and scalars with their types), every array as a numpy array (but for the CUDA
+    tensors of ``into``, filled in place: those tensors): every rank when one process holds
+    them all, this process's rank under a multi-process coordinator.
     ``sources`` maps each shard this process read (by the rank that saved it) to the
     name of the tier it was read from (``"local"``, ``"remote"``, ...). ``bytes_read`` counts
     the bytes of shards this process read (whole, or the parts it needed), ``seconds`` the time the
@@ -62,6 +63,29 @@ class RestoreResult:
     def torch_state(self) -> dict[Any, Any]:
         """:attr:`state` with each leaf saved as a torch tensor as a CPU tensor (see :meth:`torch_states`)."""
         return self.flat[self._single()].unflatten(torch=True)
+
+
+def on_devices(result: RestoreResult, placed: Mapping[int, Any]) -> RestoreResult:
+    """``result`` with each host array that stood in for a CUDA tensor of ``into`` (``placed``:
+    by ``id`` of the array, the tensor it was copied to) replaced by that tensor, so that the
+    result holds no host copy of them."""
+    if not placed:
+        return result
+    flat = tuple(
+        replace(state, arrays={name: placed.get(id(array), array) for name, array in state.arrays.items()})
+        if any(id(array) in placed for array in state.arrays.values())
+        else state
+        for state in result.flat
+    )
+    return replace(result, states=[_swapped(state, placed) for state in result.states], flat=flat)
+
+
+def _swapped(value: Any, placed: Mapping[int, Any]) -> Any:
+    if isinstance(value, dict):
+        return {key: _swapped(item, placed) for key, item in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_swapped(item, placed) for item in value)
+    return placed.get(id(value), value)
 
 
 def rank_ranges(ranks: Collection[int]) -> str:

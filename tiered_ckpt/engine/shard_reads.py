@@ -95,7 +95,7 @@ class ShardReader:
         store = self._store
         in_local = step in store.local.steps()
         into_list = [into] if isinstance(into, Mapping) else into
-        devices = DeviceTargets(self._host_memory_bytes)
+        devices = DeviceTargets(self._host_memory_bytes, store.local.root)
         try:
             targets = (
                 [flatten_into(state, f"into[{index}]", devices) for index, state in enumerate(into_list)]

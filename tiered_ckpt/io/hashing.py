@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import errno
 import hashlib
+import mmap
 import os
 import queue
 import re
@@ -28,6 +29,8 @@ import xxhash
 
 from tiered_ckpt.errors import ConfigError, IncompleteCheckpointError
 from tiered_ckpt.io.durable import observe_writes, write_all
+from tiered_ckpt.io.pages import let_go
+from tiered_ckpt.io.scratch import pages_of
 
 __all__ = [
     "Verify",
@@ -182,6 +185,7 @@ def fill_hashing(
     each piece hashed while in cache. Raises :class:`IncompleteCheckpointError` naming ``what``
     and the bytes a read fell short of."""
     hasher = Hasher(verify)
+    paged = pages_of(target)
     for start in range(0, len(target), piece_bytes):
         piece = target[start : start + piece_bytes]
         data = read(offset + start, offset + start + len(piece))
@@ -189,7 +193,18 @@ def fill_hashing(
             got = f"got {len(data)} of bytes {offset + start}-{offset + start + len(piece)}"
             raise IncompleteCheckpointError(f"{what}: {got}; the object is shorter than recorded")
         copy_hashing_into(np.frombuffer(data, np.uint8), piece, hasher)
+        paged = _let_go(paged, start, len(piece))
     return _hex(hasher, verify)
+
+
+def _let_go(paged: tuple[mmap.mmap, int] | None, start: int, count: int) -> tuple[mmap.mmap, int] | None:
+    """Let go of the pages of bytes ``start`` to ``start + count`` of a target over an unnamed
+    file (``paged``: :func:`~tiered_ckpt.io.scratch.pages_of` it), filled and hashed: the file
+    keeps them. Returns ``paged``, or None once a map refuses (its pages stay; no more asking)."""
+    if paged is None:
+        return None
+    mapped, offset = paged
+    return paged if let_go(mapped, offset + start, offset + start + count) else None
 
 
 def copy_hashing_into(source: np.ndarray, target: np.ndarray, hasher: Hasher) -> None:
@@ -210,6 +225,7 @@ def read_hashing(fd: int, offset: int, target: np.ndarray, verify: Verify = "ful
     file that ends before ``target`` is full raises OSError (EIO) too.
     """
     hasher = Hasher(verify)
+    paged = pages_of(target)
     for start in range(0, len(target), CHUNK_BYTES):
         piece = target[start : start + CHUNK_BYTES]
         got = 0
@@ -219,6 +235,7 @@ def read_hashing(fd: int, offset: int, target: np.ndarray, verify: Verify = "ful
                 raise OSError(errno.EIO, f"file ended at byte {offset + start + got}")
             got += count
         hasher.update(piece.data)
+        paged = _let_go(paged, start, len(piece))
     return _hex(hasher, verify)
 
 
@@ -304,7 +321,15 @@ class HashedStream:
 
     def copy_into(self, target: np.ndarray) -> None:
         """Fill ``target`` (1-D uint8) with the next bytes, hashing each piece of the copy
-        while it is in the CPU's cache; OSError (EIO) if the file ends first."""
+        while it is in the CPU's cache; OSError (EIO) if the file ends first. A target over
+        an unnamed file (:func:`~tiered_ckpt.io.scratch.pages_of`) is hashed here, not behind,
+        and each piece's pages are let go once hashed: filling it holds a piece of it."""
+        paged = pages_of(target)
+        hash_now = self._hash
+        if paged is not None:
+            if self._behind is not None:
+                self._behind.settle()  # in file order: what was given so far, before these pieces
+            hash_now = self._hasher.update
         position = 0
         while position < len(target):
             view = self._current()
@@ -313,7 +338,8 @@ class HashedStream:
             count = min(len(view), len(target) - position)
             piece = target[position : position + count]
             np.copyto(piece, np.frombuffer(view[:count], np.uint8))
-            self._hash(piece.data)
+            hash_now(piece.data)
+            paged = _let_go(paged, position, count)
             self._view, position = view[count:], position + count
 
     def hash_rest(self) -> None:

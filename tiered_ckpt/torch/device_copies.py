@@ -13,8 +13,11 @@ cannot count. The staging reuses its buffers from save to save, so each is pinne
 Only the caller's current stream is waited for: work queued on other streams must be
 synchronized by the caller before ``save``.
 
-A restore into CUDA tensors fills pinned host buffers (:class:`DeviceTargets`), verified as
-any restore's arrays, and copies them to the tensors only once the whole restore succeeded.
+A restore into CUDA tensors fills host buffers (:class:`DeviceTargets`), verified as any
+restore's arrays, and copies them to the tensors only once the whole restore succeeded:
+pinned buffers within the budget; past it, arrays over an unnamed file on the local disk
+(:func:`~tiered_ckpt.io.scratch.paged_array`), whose pages the reads let go as they fill
+them and which reach the device a piece at a time through two pinned piece buffers.
 
 torch is imported only when called; a process without CUDA never calls a CUDA API here: a
 CPU tensor never reaches this module.
@@ -26,11 +29,14 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from tiered_ckpt.io.off_host import PIECE_BYTES, OffHost, off_host
+from tiered_ckpt.io.pages import let_go
+from tiered_ckpt.io.scratch import paged_array, pages_of
 from tiered_ckpt.torch.tensors import numpy_dtype
 
 __all__ = ["DeviceTargets", "TensorSource", "is_cuda", "pinned", "pinned_bytes", "stand_in"]
@@ -83,6 +89,16 @@ def pinned(nbytes: int) -> np.ndarray:
     return buffer
 
 
+def _piece_buffers(nbytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """This thread's two pinned piece buffers of at least ``nbytes``, kept from call to call."""
+    held: tuple[np.ndarray, np.ndarray] | None = getattr(_pieces, "buffers", None)
+    if held is None or held[0].size < nbytes:
+        _pieces.buffers = None  # the smaller pair goes before a larger one is pinned
+        size = max(nbytes, PIECE_BYTES)
+        held = _pieces.buffers = (pinned(size), pinned(size))
+    return held
+
+
 def _unregister(address: int, nbytes: int) -> None:
     import torch
 
@@ -110,12 +126,7 @@ class TensorSource:
         return pinned(nbytes)
 
     def piece_buffers(self, nbytes: int) -> tuple[np.ndarray, np.ndarray]:
-        held: tuple[np.ndarray, np.ndarray] | None = getattr(_pieces, "buffers", None)
-        if held is None or held[0].size < nbytes:
-            _pieces.buffers = None  # the smaller pair goes before a larger one is pinned
-            size = max(nbytes, PIECE_BYTES)
-            held = _pieces.buffers = (pinned(size), pinned(size))
-        return held
+        return _piece_buffers(nbytes)
 
     def start_copy(self, out: np.ndarray, start: int = 0) -> Callable[[], None]:
         import torch
@@ -150,13 +161,16 @@ def stand_in(tensor: Any, ready: dict[Any, Any]) -> OffHost:
 
 
 class DeviceTargets:
-    """Host buffers standing in for the CUDA tensors a restore fills (``into=``), within
-    ``budget`` bytes of pinned memory (past it, pageable: logged once, WARNING), copied to
+    """Host buffers standing in for the CUDA tensors a restore fills (``into=``), copied to
     the tensors by :meth:`copy_back` once the restore succeeded (every array of ``into`` is
-    filled: a restore of some paths takes ``into`` of those paths only)."""
+    filled: a restore of some paths takes ``into`` of those paths only). Pinned within
+    ``budget`` bytes; past it, arrays over an unnamed file in ``scratch`` (the local disk)
+    that the reads fill a piece at a time, letting each piece's pages go (logged once,
+    WARNING); a disk without room for one gives pageable memory instead (WARNING)."""
 
-    def __init__(self, budget: int | None) -> None:
+    def __init__(self, budget: int | None, scratch: Path | None = None) -> None:
         self.budget = budget
+        self.scratch = scratch
         self._pairs: list[tuple[np.ndarray, Any]] = []
         self._pinned = 0
         self._told = False
@@ -168,37 +182,100 @@ class DeviceTargets:
             self._pinned += nbytes
             raw = pinned(nbytes)
         else:
-            if not self._told:
-                self._told = True
-                logger.warning(
-                    "restore into CUDA tensors: %d bytes of them do not fit runtime.host_memory_bytes=%d of pinned "
-                    "buffers and go through pageable memory (slower, and past the budget)",
-                    nbytes,
-                    self.budget,
-                )
-            raw = np.empty(nbytes, np.uint8)
-        self._pairs.append((raw, tensor))
-        return raw.view(numpy_dtype(tensor.dtype)).reshape(tuple(tensor.shape))
+            raw = self._past_budget(nbytes)
+        host = raw.view(numpy_dtype(tensor.dtype)).reshape(tuple(tensor.shape))
+        self._pairs.append((host, tensor))
+        return host
 
-    def copy_back(self) -> None:
-        """Copy every host buffer to its tensor (on each device's copy stream, then wait for them)."""
+    def _past_budget(self, nbytes: int) -> np.ndarray:
+        if not self._told:
+            self._told = True
+            logger.warning(
+                "restore into CUDA tensors: past runtime.host_memory_bytes=%d of pinned buffers, tensors are "
+                "read through an unnamed file in %s and copied to the device a piece at a time (slower)",
+                self.budget,
+                self.scratch,
+            )
+        if nbytes and self.scratch is not None:
+            try:
+                return paged_array(self.scratch, nbytes)
+            except OSError as exc:
+                logger.warning(
+                    "restore into CUDA tensors: no room for %d bytes in %s (%s): they go through pageable "
+                    "memory, past the budget",
+                    nbytes,
+                    self.scratch,
+                    exc.strerror or exc,
+                )
+        return np.empty(nbytes, np.uint8)
+
+    def copy_back(self) -> dict[int, Any]:
+        """Copy every host buffer to its tensor (on each device's copy stream, then wait for
+        them) and let go of the buffers; returns, by ``id`` of each host array given out, the
+        tensor it stood in for (what the restore's result holds in its place)."""
         if not self._pairs:
-            return
+            return {}
         import torch
 
-        callers = {tensor.device: torch.cuda.current_stream(tensor.device) for _raw, tensor in self._pairs}
+        placed = {id(host): tensor for host, tensor in self._pairs}
+        callers = {tensor.device: torch.cuda.current_stream(tensor.device) for _host, tensor in self._pairs}
         for device, caller in callers.items():
             _stream(device).wait_stream(caller)  # after the work queued on the tensors
+        pieces: tuple[np.ndarray, np.ndarray] | None = None  # pinned for this restore only: restores are rare
         try:
-            for raw, tensor in self._pairs:
-                if not raw.size:
+            for host, tensor in self._pairs:
+                if not host.size:
                     continue
-                with torch.cuda.stream(_stream(tensor.device)):
-                    host = torch.from_numpy(raw).view(tensor.dtype).reshape(tensor.shape)
-                    tensor.detach().copy_(host, non_blocking=True)  # any strides: torch lays the values out
+                stream = _stream(tensor.device)
+                if pages_of(host) is not None:
+                    pieces = pieces or (pinned(PIECE_BYTES), pinned(PIECE_BYTES))
+                    _in_pieces(host, tensor.detach(), stream, pieces)
+                    continue
+                with torch.cuda.stream(stream):
+                    source = torch.from_numpy(host.reshape(-1).view(np.uint8)).view(tensor.dtype).reshape(tensor.shape)
+                    tensor.detach().copy_(source, non_blocking=True)  # any strides: torch lays the values out
         finally:
             for device, caller in callers.items():
                 caller.wait_stream(_stream(device))  # the caller's next work sees the new values
                 _stream(device).synchronize()  # and the host buffers may go
             self._pairs.clear()
             self._pinned = 0
+        return placed
+
+
+def _in_pieces(host: np.ndarray, tensor: Any, stream: Any, buffers: tuple[np.ndarray, np.ndarray]) -> None:
+    """Copy ``host`` (over an unnamed file) to ``tensor`` a piece at a time through two
+    pinned ``buffers`` of :data:`PIECE_BYTES`, each piece's pages let go once copied, the
+    next piece read while the last one's copy runs; a non-contiguous tensor is filled
+    through a contiguous one on its device."""
+    import torch
+
+    whole = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    flat = whole.reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    out = flat.view(torch.uint8)
+    source = host.reshape(-1).view(np.uint8)
+    paged = pages_of(source)
+    landed: list[Any] = [None, None]
+    for index, start in enumerate(range(0, source.size, PIECE_BYTES)):
+        slot = index % 2
+        if landed[slot] is not None:
+            landed[slot].synchronize()  # its last copy has left the buffer
+        piece = source[start : start + PIECE_BYTES]
+        buffer = buffers[slot][: piece.size]
+        np.copyto(buffer, piece)
+        if paged is not None:
+            mapped, offset = paged
+            paged = paged if let_go(mapped, offset + start, offset + start + piece.size) else None
+        with torch.cuda.stream(stream):
+            out[start : start + piece.size].copy_(torch.from_numpy(buffer), non_blocking=True)
+            landed[slot] = torch.cuda.Event(blocking=True)
+            landed[slot].record(stream)
+    if whole is not tensor:
+        with torch.cuda.stream(stream):
+            tensor.copy_(whole, non_blocking=True)
+        stream.synchronize()  # before ``whole`` goes back to the allocator
+    for event in landed:
+        if event is not None:
+            event.synchronize()

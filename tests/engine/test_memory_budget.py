@@ -65,9 +65,10 @@ def test_a_restore_from_the_bucket_into_given_arrays_holds_no_copy_of_the_state(
 @pytest.mark.parametrize("where", ["disk", "bucket"])
 def test_a_restore_into_arrays_over_an_unnamed_file_holds_a_piece_of_them(tmp_path, where):
     # What a restore into CUDA tensors past the budget reads into: pages the read touches count
-    # in the process unless it lets them go (without: the state's size, 80 MiB here).
+    # in the process unless it lets them go (without: the state's size, 320 MiB here; letting go
+    # of each piece's range only, 85 MiB: faults of large folios mapped pages let go before).
     budget = 16 * MIB
-    got = run_child(tmp_path, 5 * budget, budget, 8, "paged", *(["bucket"] if where == "bucket" else []))
+    got = run_child(tmp_path, 20 * budget, budget, 8, "paged", *(["bucket"] if where == "bucket" else []))
     assert got["exact"] and got["restore_peak"] <= budget + SLOT, got
 
 

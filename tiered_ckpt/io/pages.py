@@ -16,20 +16,30 @@ from __future__ import annotations
 import mmap
 from collections.abc import Iterator
 
-__all__ = ["blocks_of", "let_go", "whole_map"]
+__all__ = ["FOLIO_BYTES", "blocks_of", "let_go", "whole_map"]
 
 _DONTNEED = getattr(mmap, "MADV_DONTNEED", None)  # Linux, macOS; elsewhere pages stay mapped
 
 
+FOLIO_BYTES = 4 << 20
+"""How far before a range :func:`let_go` drops pages again: the page cache holds a file in
+folios of up to a few MiB, and a fault on one page of a folio may map all of it, pages
+already let go included (a piece that starts in a page the last piece ended in, or a
+folio across the two). Callers go forward, so dropping those again costs a walk of
+page tables already empty."""
+
+
 def let_go(mapped: mmap.mmap, start: int, stop: int) -> bool:
     """Drop from this process the pages of bytes ``start`` to ``stop`` of ``mapped`` (a map of a
-    file; see the module doc), from the page holding byte ``start`` on.
+    file; see the module doc), from the page holding byte ``start`` on, and those of the
+    :data:`FOLIO_BYTES` before it, which the fault of a later page may have mapped again.
 
     Returns False if the pages stay: the platform has no such advice, or the map refuses it
     (a locked map, under ``mlockall``); the caller need not ask again for that map.
     """
     if _DONTNEED is None:
         return False
+    start = max(0, start - FOLIO_BYTES)
     begin, end = start - start % mmap.PAGESIZE, min(stop, len(mapped))
     if end <= begin:
         return True

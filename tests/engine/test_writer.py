@@ -38,7 +38,7 @@ def rank_states(world_size, step=0, n=1000):
 class Harness:
     """A store locked on ``root`` and a writer saving ``world_size`` ranks from this process."""
 
-    def __init__(self, root, world_size=2, retention=None, processes_ranks=None, cpus=None):
+    def __init__(self, root, world_size=2, retention=None, processes_ranks=None, cpus=None, budget=None):
         self.store = TieredStore([LocalTier(root)], {"local": retention or RetentionPolicy()})
         self.errors = ErrorBox()
         self._lock = self.store.local.lock()
@@ -50,6 +50,7 @@ class Harness:
             world_size=world_size,
             errors=self.errors,
             cpus=cpus,
+            host_memory_bytes=budget,
         )
 
     def save(self, step, states):
@@ -138,6 +139,17 @@ def test_the_caller_may_overwrite_its_arrays_once_submit_returns(harness):
             array.fill(-1)
     handle.committed.result()
     assert_same(expected, read_back(h.store, 1))
+
+
+def test_the_room_a_restore_has_beside_the_staging_is_what_the_saves_buffers_leave(harness):
+    h = harness(world_size=2, budget=3 << 20)
+    assert h.writer.host_room() == 3 << 20
+    h.save(1, rank_states(2, step=1, n=200_000)).committed.result()  # 2 x 800 KB, kept for the next save
+    assert h.writer.host_room() == (3 << 20) - 2 * (200_000 * 4 + 3 * 8)
+    h.save(2, rank_states(2, step=2, n=2_000_000)).committed.result()  # past the budget: staging holds all of it
+    assert h.writer.host_room() == 0
+    h.close()
+    assert harness(world_size=1).writer.host_room() is None  # no budget, no bound
 
 
 def test_close_finishes_the_queued_write(tmp_path):

@@ -100,7 +100,7 @@ class Restorer:
         max_workers: int | None = None,
         *,
         refiller: Refiller | None = None,
-        host_memory_bytes: int | None = None,
+        host_room: Callable[[], int | None] = lambda: None,
     ) -> None:
         self._store = store
         self._refiller = refiller or Refiller(store)
@@ -108,7 +108,7 @@ class Restorer:
         self._ranks = tuple(coordinator.local_ranks)
         self._world_size = world_size
         self._chooser = StepChooser(store, coordinator, world_size)
-        self._reader = ShardReader(store, self._ranks, world_size, max_workers, host_memory_bytes)
+        self._reader = ShardReader(store, self._ranks, world_size, max_workers, host_room)
 
     def restore(
         self,

@@ -150,6 +150,16 @@ class Writer:
         self._writer = ThreadPoolExecutor(1, "tiered-ckpt-writer", initializer=_background_thread, initargs=(cpus,))
         self._janitor = ThreadPoolExecutor(1, "tiered-ckpt-retention", initializer=_background_thread, initargs=(cpus,))
 
+    def host_room(self) -> int | None:
+        """What the host memory budget leaves beside the buffers saves keep from save to save
+        (the staging buffers, a memory-only step's shards); None: no budget. A restore into
+        CUDA tensors pins its host buffers within it."""
+        budget = self._staging.budget
+        if budget is None:
+            return None
+        held = self._staging.nbytes + sum(buffer.capacity for buffer in self._in_memory.values())
+        return max(0, budget - held)
+
     def tiers_of(self, step: int, *, every_tier: bool = False) -> tuple[bool, list[Replicator]]:
         """Whether ``step`` goes to the local disk, and the replicators it goes to (their tiers'
         cadence; ``every_tier``: all of them, as a preemption's step does). A step the disk skips

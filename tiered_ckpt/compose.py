@@ -188,5 +188,5 @@ def open_parts(options: Options, coordinator: Coordinator) -> Parts:
     )
     stack.enter_context(closing(writer))  # closed first: the last write reaches the replicators before they finish
     refiller = Refiller(store, writer.run_after, max_workers)
-    restorer = Restorer(store, coordinator, world_size, max_workers, refiller=refiller, host_room=writer.host_room)
+    restorer = Restorer(store, coordinator, world_size, max_workers, refiller=refiller, host_room=writer.restore_room)
     return Parts(store, errors, restorer, writer, uploader, peer, tuple(others), preemption, stack)

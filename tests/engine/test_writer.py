@@ -143,13 +143,17 @@ def test_the_caller_may_overwrite_its_arrays_once_submit_returns(harness):
 
 def test_the_room_a_restore_has_beside_the_staging_is_what_the_saves_buffers_leave(harness):
     h = harness(world_size=2, budget=3 << 20)
-    assert h.writer.host_room() == 3 << 20
+    assert h.writer.restore_room() == 3 << 20
     h.save(1, rank_states(2, step=1, n=200_000)).committed.result()  # 2 x 800 KB, kept for the next save
-    assert h.writer.host_room() == (3 << 20) - 2 * (200_000 * 4 + 3 * 8)
+    assert h.writer.restore_room() == (3 << 20) - 2 * (200_000 * 4 + 3 * 8)
     h.save(2, rank_states(2, step=2, n=2_000_000)).committed.result()  # past the budget: staging holds all of it
-    assert h.writer.host_room() == 0
+    assert h.writer.restore_room() == 0
+    assert h.writer.restore_room(release=True) == 3 << 20  # let go: the next save allocates them again
+    states = rank_states(2, step=3, n=200_000)
+    h.save(3, states).committed.result()
+    assert_same(states, read_back(h.store, 3))
     h.close()
-    assert harness(world_size=1).writer.host_room() is None  # no budget, no bound
+    assert harness(world_size=1).writer.restore_room() is None  # no budget, no bound
 
 
 def test_close_finishes_the_queued_write(tmp_path):

@@ -253,11 +253,11 @@ class _Cudart:
         return 1  # refused: the buffers stay pageable, nothing to unregister later
 
 
-def test_a_restore_past_the_budget_fills_the_tensors_a_piece_at_a_time_from_an_unnamed_file(tmp_path, monkeypatch):
-    # CUDA's calls stood in for on the CPU: what runs where no device is, is the host side of it.
+@pytest.fixture
+def host_cuda(monkeypatch):
+    """CUDA's calls stood in for on the CPU: what runs where no device is, is the host side of it."""
     import contextlib
 
-    from tiered_ckpt.io.scratch import pages_of
     from tiered_ckpt.torch import device_copies
 
     monkeypatch.setattr(torch.cuda, "Stream", _Stream)
@@ -267,6 +267,14 @@ def test_a_restore_past_the_budget_fills_the_tensors_a_piece_at_a_time_from_an_u
     monkeypatch.setattr(torch.cuda, "cudart", lambda: _Cudart)
     monkeypatch.setattr(device_copies, "_streams", {})
     monkeypatch.setattr(device_copies, "PIECE_BYTES", 4096)  # many pieces, through both buffers
+    return device_copies
+
+
+def test_a_restore_past_the_budget_fills_the_tensors_a_piece_at_a_time_from_an_unnamed_file(tmp_path, host_cuda):
+    from tiered_ckpt.io.scratch import pages_of
+    from tiered_ckpt.torch.tensors import float_pairs
+
+    device_copies = host_cuda
     source = torch.randn(3000, 7)
     expected = {
         "first": source[:10].clone(),  # within the budget
@@ -282,13 +290,49 @@ def test_a_restore_past_the_budget_fills_the_tensors_a_piece_at_a_time_from_an_u
         "complex": torch.zeros(3000, dtype=torch.complex64),
         "empty": torch.zeros(0, 3),
     }
-    targets = device_copies.DeviceTargets(1024, tmp_path)
+    targets = device_copies.DeviceTargets(lambda release: 1024, tmp_path)
     hosts = {name: targets.host_for(tensor) for name, tensor in tensors.items()}
     assert pages_of(hosts["first"]) is None and pages_of(hosts["bf16"]) is not None
     for name, host in hosts.items():
         host.reshape(-1).view(np.uint8)[:] = expected[name].contiguous().reshape(-1).view(torch.uint8).numpy()
     placed = targets.copy_back()
-    assert {placed[id(host)] is tensors[name] for name, host in hosts.items()} == {True}
+    assert {placed.tensor_for(host) is tensors[name] for name, host in hosts.items()} == {True}
+    # A complex tensor's host array is saved as its float pairs: those stand for the tensor's pairs.
+    pairs = placed.tensor_for(float_pairs(hosts["complex"]))
+    assert pairs.dtype == torch.float32 and pairs.data_ptr() == tensors["complex"].data_ptr()
+    assert placed.tensor_for(np.zeros(3)) is None and placed.tensor_for(hosts["first"].copy()) is None
     for name, tensor in tensors.items():
         assert torch.equal(tensor, expected[name]), name
-    assert tensors["transposed"].stride() == (1, 7) and targets.copy_back() == {}  # each buffer let go once
+    assert tensors["transposed"].stride() == (1, 7)
+    assert targets.copy_back().tensor_for(hosts["bf16"]) is None  # each buffer let go once
+
+
+def test_a_restore_lets_the_saves_staging_go_only_when_its_tensors_do_not_fit_beside_it(tmp_path, host_cuda):
+    asked = []
+
+    def room(release):
+        asked.append(release)
+        return 4096 if release else 1024  # the staging buffers hold 3 KiB of a 4 KiB budget
+
+    targets = host_cuda.DeviceTargets(room, tmp_path)
+    targets.host_for(torch.zeros(256))  # 1 KiB: fits beside the staging
+    assert asked == [False]
+    for _ in range(3):
+        targets.host_for(torch.zeros(256))  # the staging is let go, once: 4 KiB in all
+    assert asked == [False, True]
+    from tiered_ckpt.io.scratch import pages_of
+
+    assert pages_of(targets.host_for(torch.zeros(256))) is not None  # past the whole budget: on the disk
+    targets.copy_back()
+
+
+def test_a_disk_without_room_for_the_tensors_past_the_budget_is_said_once(tmp_path, host_cuda, caplog):
+    targets = host_cuda.DeviceTargets(lambda release: 0, tmp_path / "gone")
+    tensors = [torch.full((100,), float(i)) for i in range(5)]
+    hosts = [targets.host_for(torch.zeros(100)) for _ in tensors]
+    for host, tensor in zip(hosts, tensors, strict=True):
+        host[:] = tensor.numpy()
+    targets.copy_back()
+    said = [r.getMessage() for r in caplog.records if "cannot hold" in r.getMessage()]
+    assert len(said) == 1 and "gone" in said[0] and "No such file" in said[0] and "pageable memory" in said[0]
+    assert not any("read through unnamed files" in r.getMessage() for r in caplog.records)

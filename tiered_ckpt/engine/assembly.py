@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -26,6 +25,7 @@ from tiered_ckpt.engine.restore_result import RestoreResult
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.state import FlatState
 from tiered_ckpt.tiers.store import TierName
+from tiered_ckpt.torch.device_copies import Placed
 
 __all__ = ["ShardsRead", "assemble"]
 
@@ -45,7 +45,7 @@ class ShardsRead:
     ``refills``: what the reads left to land on this node's disk after the restore.
     ``to_device``: copies the arrays filled for CUDA tensors of ``into`` to them (once the
     whole restore succeeded: no unverified byte reaches a tensor) and lets go of them;
-    returns, by ``id`` of each such array, its tensor.
+    returns which tensor each such array stood in for.
     ``where``: the local step directory, named in errors."""
 
     manifest: ShardManifest
@@ -62,7 +62,7 @@ class ShardsRead:
     chunks: tuple[ChunkPlan, ...] = ()
     targets: tuple[FlatState, ...] = ()
     refills: tuple[Refill, ...] = ()
-    to_device: Callable[[], Mapping[int, Any]] | None = None
+    to_device: Callable[[], Placed] | None = None
 
 
 def assemble(done: ShardsRead, received: Mapping[int, Mapping[str, np.ndarray]]) -> RestoreResult:

@@ -100,7 +100,7 @@ class Restorer:
         max_workers: int | None = None,
         *,
         refiller: Refiller | None = None,
-        host_room: Callable[[], int | None] = lambda: None,
+        host_room: Callable[[bool], int | None] = lambda release: None,
     ) -> None:
         self._store = store
         self._refiller = refiller or Refiller(store)
@@ -213,7 +213,7 @@ class Restorer:
             gather(self._coordinator, "restore: replicas", Done, assembled.done)
         result = assembled.value
         if loaded.value.to_device is not None:
-            result = on_devices(result, loaded.value.to_device())
+            result = on_devices(result, loaded.value.to_device().tensor_for)
         self._chooser.drop_unfinished_commits(restored, agreed)
         self._chooser.drop_unrestorable_copies(restored, agreed)
         result = replace(result, seconds=time.monotonic() - started)

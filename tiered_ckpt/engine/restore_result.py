@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -65,27 +65,24 @@ class RestoreResult:
         return self.flat[self._single()].unflatten(torch=True)
 
 
-def on_devices(result: RestoreResult, placed: Mapping[int, Any]) -> RestoreResult:
-    """``result`` with each host array that stood in for a CUDA tensor of ``into`` (``placed``:
-    by ``id`` of the array, the tensor it was copied to) replaced by that tensor, so that the
-    result holds no host copy of them."""
-    if not placed:
-        return result
+def on_devices(result: RestoreResult, tensor_for: Callable[[Any], Any | None]) -> RestoreResult:
+    """``result`` with each host array that stood in for a CUDA tensor of ``into`` replaced by
+    that tensor (``tensor_for``: the tensor of a value, None for a value that stood in for
+    none), so that the result holds no host copy of them."""
     flat = tuple(
-        replace(state, arrays={name: placed.get(id(array), array) for name, array in state.arrays.items()})
-        if any(id(array) in placed for array in state.arrays.values())
-        else state
+        replace(state, arrays={name: _swapped(array, tensor_for) for name, array in state.arrays.items()})
         for state in result.flat
     )
-    return replace(result, states=[_swapped(state, placed) for state in result.states], flat=flat)
+    return replace(result, states=[_swapped(state, tensor_for) for state in result.states], flat=flat)
 
 
-def _swapped(value: Any, placed: Mapping[int, Any]) -> Any:
+def _swapped(value: Any, tensor_for: Callable[[Any], Any | None]) -> Any:
     if isinstance(value, dict):
-        return {key: _swapped(item, placed) for key, item in value.items()}
+        return {key: _swapped(item, tensor_for) for key, item in value.items()}
     if type(value) in (list, tuple):
-        return type(value)(_swapped(item, placed) for item in value)
-    return placed.get(id(value), value)
+        return type(value)(_swapped(item, tensor_for) for item in value)
+    tensor = tensor_for(value)
+    return value if tensor is None else tensor
 
 
 def rank_ranges(ranks: Collection[int]) -> str:

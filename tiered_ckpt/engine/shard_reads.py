@@ -65,10 +65,10 @@ class ShardReader:
         ranks: Sequence[int],
         world_size: int,
         max_workers: int | None = None,
-        host_room: Callable[[], int | None] = lambda: None,
+        host_room: Callable[[bool], int | None] = lambda release: None,
     ) -> None:
         self._store = store
-        self._host_room = host_room  # the budget for pinned buffers of CUDA tensors of into= (None: no bound)
+        self._host_room = host_room  # the room for pinned buffers of CUDA tensors of into= (None: no bound)
         self._ranks = tuple(ranks)
         self._world_size = world_size
         self._executor = ReadExecutor(store, max_workers)
@@ -95,7 +95,7 @@ class ShardReader:
         store = self._store
         in_local = step in store.local.steps()
         into_list = [into] if isinstance(into, Mapping) else into
-        devices = DeviceTargets(self._host_room(), store.local.root)
+        devices = DeviceTargets(self._host_room, store.local.root)
         try:
             targets = (
                 [flatten_into(state, f"into[{index}]", devices) for index, state in enumerate(into_list)]

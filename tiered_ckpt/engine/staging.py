@@ -160,6 +160,11 @@ class StagingBuffers:
         states_out = [{**arrays, **mine} for arrays, mine in zip(checked, buffers, strict=True)]
         return Staged(states_out, direct, self.nbytes, total - self.nbytes, tail_buffers)
 
+    def release(self) -> None:
+        """Let go of the buffers (the next save allocates them again); only while no save's
+        write still reads them."""
+        self._buffers, self._tails = [], []
+
     @property
     def nbytes(self) -> int:
         """Bytes held by the buffers."""

@@ -150,13 +150,18 @@ class Writer:
         self._writer = ThreadPoolExecutor(1, "tiered-ckpt-writer", initializer=_background_thread, initargs=(cpus,))
         self._janitor = ThreadPoolExecutor(1, "tiered-ckpt-retention", initializer=_background_thread, initargs=(cpus,))
 
-    def host_room(self) -> int | None:
+    def restore_room(self, release: bool = False) -> int | None:
         """What the host memory budget leaves beside the buffers saves keep from save to save
-        (the staging buffers, a memory-only step's shards); None: no budget. A restore into
-        CUDA tensors pins its host buffers within it."""
+        (the staging buffers, a memory-only step's shards); None: no budget. ``release``: the
+        staging buffers are let go first (the next save allocates them again), for a restore,
+        which waits for the saves before it (:meth:`settle`). A restore into CUDA tensors
+        pins its host buffers within it."""
         budget = self._staging.budget
         if budget is None:
             return None
+        if release:
+            self.settle(retention=False)
+            self._staging.release()
         held = self._staging.nbytes + sum(buffer.capacity for buffer in self._in_memory.values())
         return max(0, budget - held)
 

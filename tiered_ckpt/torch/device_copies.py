@@ -39,7 +39,7 @@ from tiered_ckpt.io.pages import let_go
 from tiered_ckpt.io.scratch import paged_array, pages_of
 from tiered_ckpt.torch.tensors import numpy_dtype
 
-__all__ = ["DeviceTargets", "TensorSource", "is_cuda", "pinned", "pinned_bytes", "stand_in"]
+__all__ = ["DeviceTargets", "Placed", "TensorSource", "is_cuda", "pinned", "pinned_bytes", "stand_in"]
 
 logger = logging.getLogger("tiered_ckpt")
 
@@ -164,21 +164,25 @@ class DeviceTargets:
     """Host buffers standing in for the CUDA tensors a restore fills (``into=``), copied to
     the tensors by :meth:`copy_back` once the restore succeeded (every array of ``into`` is
     filled: a restore of some paths takes ``into`` of those paths only). Pinned within
-    ``budget`` bytes; past it, arrays over an unnamed file in ``scratch`` (the local disk)
-    that the reads fill a piece at a time, letting each piece's pages go (logged once,
-    WARNING); a disk without room for one gives pageable memory instead (WARNING)."""
+    ``room(False)``, the host memory the budget leaves beside the saves' buffers (None: no
+    bound), asked when the first tensor comes, and ``room(True)``, what it leaves once they
+    are let go, asked when a tensor does not fit the first; past that, arrays over an unnamed
+    file in ``scratch`` (the local disk) that the reads fill a piece at a time, letting each
+    piece's pages go (WARNING, once); a disk without room for them gives pageable memory
+    instead (WARNING, once)."""
 
-    def __init__(self, budget: int | None, scratch: Path | None = None) -> None:
-        self.budget = budget
+    def __init__(self, room: Callable[[bool], int | None], scratch: Path | None = None) -> None:
+        self._room = room
         self.scratch = scratch
         self._pairs: list[tuple[np.ndarray, Any]] = []
         self._pinned = 0
-        self._told = False
+        self._budget: int | None = None
+        self._asked = self._released = self._told = False
 
     def host_for(self, tensor: Any) -> np.ndarray:
         """A host array of ``tensor``'s dtype and shape, filled in its place; :meth:`copy_back` moves it over."""
         nbytes = tensor.numel() * tensor.element_size()
-        if self.budget is None or self._pinned + nbytes <= self.budget:
+        if self._fits(nbytes):
             self._pinned += nbytes
             raw = pinned(nbytes)
         else:
@@ -187,37 +191,49 @@ class DeviceTargets:
         self._pairs.append((host, tensor))
         return host
 
+    def _fits(self, nbytes: int) -> bool:
+        if not self._asked:
+            self._asked, self._budget = True, self._room(False)
+        if self._budget is not None and self._pinned + nbytes > self._budget and not self._released:
+            self._released, self._budget = True, self._room(True)
+        return self._budget is None or self._pinned + nbytes <= self._budget
+
     def _past_budget(self, nbytes: int) -> np.ndarray:
-        if not self._told:
-            self._told = True
-            logger.warning(
-                "restore into CUDA tensors: past runtime.host_memory_bytes=%d of pinned buffers, tensors are "
-                "read through an unnamed file in %s and copied to the device a piece at a time (slower)",
-                self.budget,
-                self.scratch,
-            )
         if nbytes and self.scratch is not None:
             try:
-                return paged_array(self.scratch, nbytes)
+                array = paged_array(self.scratch, nbytes)
             except OSError as exc:
                 logger.warning(
-                    "restore into CUDA tensors: no room for %d bytes in %s (%s): they go through pageable "
-                    "memory, past the budget",
-                    nbytes,
+                    "restore into CUDA tensors: %s cannot hold the tensors past the %d bytes of host memory "
+                    "runtime.host_memory_bytes leaves the restore in unnamed files (%s): they go through "
+                    "pageable memory, past the budget",
                     self.scratch,
+                    self._budget,
                     exc.strerror or exc,
                 )
+                self.scratch = None  # asked once: the next tensors would fail alike
+            else:
+                if not self._told:
+                    self._told = True
+                    logger.warning(
+                        "restore into CUDA tensors: past the %d bytes of pinned host memory runtime.host_memory_bytes "
+                        "leaves the restore, tensors are read through unnamed files in %s and copied to the device "
+                        "a piece at a time (slower)",
+                        self._budget,
+                        self.scratch,
+                    )
+                return array
         return np.empty(nbytes, np.uint8)
 
-    def copy_back(self) -> dict[int, Any]:
+    def copy_back(self) -> Placed:
         """Copy every host buffer to its tensor (on each device's copy stream, then wait for
-        them) and let go of the buffers; returns, by ``id`` of each host array given out, the
-        tensor it stood in for (what the restore's result holds in its place)."""
+        them) and let go of the buffers; returns which tensor each host array given out stood
+        in for (what the restore's result holds in its place)."""
+        placed = Placed(self._pairs)
         if not self._pairs:
-            return {}
+            return placed
         import torch
 
-        placed = {id(host): tensor for host, tensor in self._pairs}
         callers = {tensor.device: torch.cuda.current_stream(tensor.device) for _host, tensor in self._pairs}
         for device, caller in callers.items():
             _stream(device).wait_stream(caller)  # after the work queued on the tensors
@@ -241,6 +257,32 @@ class DeviceTargets:
             self._pairs.clear()
             self._pinned = 0
         return placed
+
+
+class Placed:
+    """The CUDA tensors a restore filled, found by the host arrays that stood in for them."""
+
+    def __init__(self, pairs: list[tuple[np.ndarray, Any]]) -> None:
+        self._tensors = {_where(host): tensor for host, tensor in pairs}
+
+    def tensor_for(self, value: Any) -> Any | None:
+        """The tensor that ``value`` stood in for: a host array given out by
+        :meth:`DeviceTargets.host_for`, or a view of all of its bytes (a complex tensor's
+        float pairs, whose tensor is then the pairs' view of it); None for anything else."""
+        if not isinstance(value, np.ndarray):
+            return None
+        tensor = self._tensors.get(_where(value))
+        if tensor is None or not tensor.is_complex() or value.dtype.kind == "c":
+            return tensor
+        import torch
+
+        return torch.view_as_real(tensor.detach())
+
+
+def _where(array: np.ndarray) -> tuple[int, int]:
+    """An array's memory: where it starts and its size (an empty array's own identity instead),
+    the same for every view of all of it."""
+    return (array.ctypes.data, array.nbytes) if array.nbytes else (id(array), 0)
 
 
 def _in_pieces(host: np.ndarray, tensor: Any, stream: Any, buffers: tuple[np.ndarray, np.ndarray]) -> None:

@@ -3,6 +3,7 @@ of one a block at a time with its pages let go (tiered_ckpt.io.pages.blocks_of),
 one that the hashing reads fill a piece at a time (tiered_ckpt.io.hashing)."""
 
 import hashlib
+import os
 import sys
 
 import numpy as np
@@ -11,7 +12,8 @@ import pytest
 from tests.support.smaps import mapping_field
 from tiered_ckpt.io.hashing import HashedStream, Hasher, fill_hashing, read_hashing
 from tiered_ckpt.io.pages import blocks_of, let_go, whole_map
-from tiered_ckpt.io.scratch import paged_array, pages_of, unnamed_map
+from tiered_ckpt.errors import StorageError
+from tiered_ckpt.io.scratch import Pages, paged_array, pages_of, unnamed_map
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
 MIB = 1 << 20
@@ -54,11 +56,11 @@ def test_reading_a_whole_map_a_block_at_a_time_holds_one_block_of_it(tmp_path):
 
 def test_a_paged_array_and_its_views_name_their_map_and_where_they_start_in_it(tmp_path):
     array = paged_array(tmp_path, 4 * MIB)
-    mapped, offset = pages_of(array)
-    assert len(mapped) == 4 * MIB and offset == 0
+    pages = pages_of(array)
+    assert len(pages.backing.mapped) == 4 * MIB and pages.offset == 0
     floats = array.view(np.float32).reshape(1024, 1024)
-    assert pages_of(floats[512:]) == (mapped, 2 * MIB)
-    assert pages_of(np.frombuffer(floats[1:].reshape(-1).view(np.uint8).data, np.uint8)) == (mapped, 4096)
+    assert pages_of(floats[512:]) == Pages(pages.backing, 2 * MIB)
+    assert pages_of(np.frombuffer(floats[1:].reshape(-1).view(np.uint8).data, np.uint8)) == Pages(pages.backing, 4096)
     # Arrays that merely inherit the class, or hold other memory, are refused: their pages are not the file's.
     assert pages_of(floats + 1) is None and pages_of(np.zeros(8)) is None
     assert list(tmp_path.iterdir()) == []
@@ -92,3 +94,30 @@ def test_filling_a_paged_array_hashes_every_byte_and_holds_a_piece_of_it(tmp_pat
         expected = hashlib.sha256(data[5:].tobytes()).hexdigest()
     assert resident_bytes(target) <= 4 * MIB + 4096  # without letting go: all 24 MiB
     assert digest == expected and np.array_equal(target, data[5:])
+
+
+@pytest.mark.parametrize("damage", [None, "changed", "short"])
+def test_the_bytes_read_back_are_those_handed_over_or_an_error_names_the_directory(tmp_path, damage):
+    data = np.random.default_rng(3).integers(0, 256, 5 * MIB + 11, dtype=np.uint8)
+    target = paged_array(tmp_path, data.size)
+    pages = pages_of(target)
+    for start in range(0, data.size, 3 * MIB // 2):  # handed over in pieces of one size ...
+        piece = target[start : start + 3 * MIB // 2]
+        piece[:] = data[start : start + piece.size]
+        pages.filled(start, piece.data)
+    fd = pages.backing.file.fileno()
+    if damage == "changed":  # what the disk gives back is not what was verified
+        os.pwrite(fd, b"\xff\x00", 4 * MIB)
+    elif damage == "short":
+        os.ftruncate(fd, 4 * MIB)
+    reader, out = pages.reader(), np.empty(data.size, np.uint8)
+    starts = range(0, data.size, MIB)  # ... read back in pieces of another
+    if damage is None:
+        for start in starts:
+            reader.read_into(start, out[start : start + MIB])
+        assert np.array_equal(out, data)
+        return
+    with pytest.raises(StorageError, match=f"an unnamed file in {tmp_path}") as raised:
+        for start in starts:
+            reader.read_into(start, out[start : start + MIB])
+    assert ("differ from those verified" if damage == "changed" else "could not be read back") in str(raised.value)

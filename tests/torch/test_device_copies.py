@@ -336,3 +336,21 @@ def test_a_disk_without_room_for_the_tensors_past_the_budget_is_said_once(tmp_pa
     said = [r.getMessage() for r in caplog.records if "cannot hold" in r.getMessage()]
     assert len(said) == 1 and "gone" in said[0] and "No such file" in said[0] and "pageable memory" in said[0]
     assert not any("read through unnamed files" in r.getMessage() for r in caplog.records)
+
+
+def test_bytes_that_changed_on_the_disk_after_their_read_never_reach_the_tensor(tmp_path, host_cuda):
+    from tiered_ckpt import StorageError
+    from tiered_ckpt.io.scratch import pages_of
+
+    targets = host_cuda.DeviceTargets(lambda release: 0, tmp_path)
+    tensor = torch.zeros(4096)
+    host = targets.host_for(tensor)
+    raw = host.reshape(-1).view(np.uint8)
+    raw[:] = np.arange(raw.size, dtype=np.uint32).astype(np.uint8)
+    pages = pages_of(raw)
+    for start in range(0, raw.size, 4096):  # as a verified read hands it over
+        pages.filled(start, raw[start : start + 4096].data)
+    os.pwrite(pages.backing.file.fileno(), b"\xff" * 8, 3 * 4096 + 5)  # in the page cache, or from the disk
+    with pytest.raises(StorageError, match="differ from those verified"):
+        targets.copy_back()
+    assert not bool(tensor[3 * 1024 :].any())  # from the changed piece on, nothing was copied

@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import errno
 import hashlib
-import mmap
 import os
 import queue
 import re
@@ -29,8 +28,7 @@ import xxhash
 
 from tiered_ckpt.errors import ConfigError, IncompleteCheckpointError
 from tiered_ckpt.io.durable import observe_writes, write_all
-from tiered_ckpt.io.pages import let_go
-from tiered_ckpt.io.scratch import pages_of
+from tiered_ckpt.io.scratch import Pages, pages_of
 
 __all__ = [
     "Verify",
@@ -193,18 +191,18 @@ def fill_hashing(
             got = f"got {len(data)} of bytes {offset + start}-{offset + start + len(piece)}"
             raise IncompleteCheckpointError(f"{what}: {got}; the object is shorter than recorded")
         copy_hashing_into(np.frombuffer(data, np.uint8), piece, hasher)
-        paged = _let_go(paged, start, len(piece))
+        paged = _let_go(paged, start, piece)
     return _hex(hasher, verify)
 
 
-def _let_go(paged: tuple[mmap.mmap, int] | None, start: int, count: int) -> tuple[mmap.mmap, int] | None:
-    """Let go of the pages of bytes ``start`` to ``start + count`` of a target over an unnamed
-    file (``paged``: :func:`~tiered_ckpt.io.scratch.pages_of` it), filled and hashed: the file
-    keeps them. Returns ``paged``, or None once a map refuses (its pages stay; no more asking)."""
+def _let_go(paged: Pages | None, start: int, piece: np.ndarray) -> Pages | None:
+    """Hand over ``piece``, the bytes from ``start`` of a target over an unnamed file
+    (``paged``: :func:`~tiered_ckpt.io.scratch.pages_of` it), filled and hashed
+    (:meth:`~tiered_ckpt.io.scratch.Pages.filled`). Returns ``paged``, or None once its map
+    refuses to let pages go (they stay; no more asking)."""
     if paged is None:
         return None
-    mapped, offset = paged
-    return paged if let_go(mapped, offset + start, offset + start + count) else None
+    return paged if paged.filled(start, piece.data) else None
 
 
 def copy_hashing_into(source: np.ndarray, target: np.ndarray, hasher: Hasher) -> None:
@@ -235,7 +233,7 @@ def read_hashing(fd: int, offset: int, target: np.ndarray, verify: Verify = "ful
                 raise OSError(errno.EIO, f"file ended at byte {offset + start + got}")
             got += count
         hasher.update(piece.data)
-        paged = _let_go(paged, start, len(piece))
+        paged = _let_go(paged, start, piece)
     return _hex(hasher, verify)
 
 
@@ -339,7 +337,7 @@ class HashedStream:
             piece = target[position : position + count]
             np.copyto(piece, np.frombuffer(view[:count], np.uint8))
             hash_now(piece.data)
-            paged = _let_go(paged, position, count)
+            paged = _let_go(paged, position, piece)
             self._view, position = view[count:], position + count
 
     def hash_rest(self) -> None:

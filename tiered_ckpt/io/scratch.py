@@ -9,71 +9,166 @@ and unlinked at once): the file system frees it when its last map is gone, or th
 dies, so nothing is ever left behind to clean up.
 
 A restore into CUDA tensors past the host memory budget fills such a file as an array
-(:func:`paged_array`): the reads that fill it let each piece's pages go once it is written
-and hashed (:func:`pages_of` tells them which arrays they may do that to), and the copy to
-the device reads it back a piece at a time.
+(:func:`paged_array`): the reads that fill it hand each piece over once it is written and
+verified (:meth:`Pages.filled`: its xxh3-64 is kept and its pages let go; :func:`pages_of`
+tells them which arrays are such), and the copy to the device reads it back a piece at a
+time with ``pread`` (:meth:`Pages.read_back`), each filled piece checked against its
+xxh3-64 again: the page cache may have written the bytes to the disk and dropped them
+meanwhile, and a failing disk then answers EIO (an error) or other bytes (found), where a
+read through the map would kill the process (SIGBUS).
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
+import xxhash
 
-__all__ = ["Paged", "paged_array", "pages_of", "unnamed_map"]
+from tiered_ckpt.errors import StorageError
+from tiered_ckpt.io.pages import let_go
+
+__all__ = ["Pages", "Paged", "paged_array", "pages_of", "unnamed_map"]
+
+
+@contextmanager
+def _unnamed_file(directory: Path, size: int) -> Iterator[IO[bytes]]:
+    with tempfile.TemporaryFile(dir=directory) as file:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(file.fileno(), 0, size)
+        else:  # macOS: a sparse file; the room is taken as it is written
+            os.ftruncate(file.fileno(), size)
+        yield file
 
 
 def unnamed_map(directory: Path, size: int) -> mmap.mmap:
     """A writable shared map of ``size`` (> 0) bytes of a new, unnamed file on ``directory``'s
     file system (see the module doc), its blocks allocated first: a disk without room for it
     raises OSError (ENOSPC) here, not SIGBUS on a write through the map later."""
-    with tempfile.TemporaryFile(dir=directory) as file:
-        if hasattr(os, "posix_fallocate"):
-            os.posix_fallocate(file.fileno(), 0, size)
-        else:  # macOS: a sparse file; the room is taken as it is written
-            os.ftruncate(file.fileno(), size)
+    with _unnamed_file(directory, size) as file:
         return mmap.mmap(file.fileno(), size, access=mmap.ACCESS_WRITE)  # the map keeps the file
+
+
+@dataclass(eq=False)
+class _Backing:
+    """An unnamed file, its shared map, and the pieces filled and let go: by offset in the
+    file, their length and xxh3-64 (written by the threads that fill distinct ranges)."""
+
+    file: IO[bytes]
+    mapped: mmap.mmap
+    origin: int  # the address of the map's first byte
+    directory: Path
+    filled: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 class Paged(np.ndarray):
     """An array over a map of an unnamed file (:func:`paged_array`), and its views: whoever
     fills it may let the pages it filled go (:func:`pages_of`). A subclass rather than a
-    registry of addresses: the map travels with every view numpy makes of it, and an array
+    registry of addresses: the file travels with every view numpy makes of it, and an array
     that merely inherits the class (a ufunc's result) lies outside the map and is refused."""
 
-    _map: mmap.mmap | None = None
-    _origin: int = 0
+    _backing: _Backing | None = None
 
     def __array_finalize__(self, obj: Any) -> None:
-        self._map = getattr(obj, "_map", None)
-        self._origin = getattr(obj, "_origin", 0)
+        self._backing = getattr(obj, "_backing", None)
 
 
 def paged_array(directory: Path, nbytes: int) -> Paged:
     """A uint8 array of ``nbytes`` (> 0) over :func:`unnamed_map` on ``directory``'s file
     system: the page cache and the disk hold its bytes, the process only the pages it
-    touches and has not let go. Raises OSError as :func:`unnamed_map` does."""
-    mapped = unnamed_map(directory, nbytes)
+    touches and has not let go. The file goes with the array's last view. Raises OSError
+    as :func:`unnamed_map` does."""
+    with _unnamed_file(directory, nbytes) as file:
+        mapped = mmap.mmap(file.fileno(), nbytes, access=mmap.ACCESS_WRITE)
+        kept = os.fdopen(os.dup(file.fileno()), "rb", buffering=0)  # for read_back's pread
     array = np.frombuffer(mapped, np.uint8).view(Paged)
-    array._map, array._origin = mapped, array.ctypes.data
+    array._backing = _Backing(kept, mapped, array.ctypes.data, directory)
     return array
 
 
-def pages_of(array: np.ndarray) -> tuple[mmap.mmap, int] | None:
-    """The shared map of an unnamed file that ``array`` views (made by :func:`paged_array`,
-    or ``np.frombuffer`` of a view of one) and the offset of its first byte in it, whose pages may be let go once filled
-    (:func:`~tiered_ckpt.io.pages.let_go`); None for any other array."""
+@dataclass(frozen=True)
+class Pages:
+    """Where an array over an unnamed file (:func:`pages_of`) lies in it: from byte ``offset``."""
+
+    backing: _Backing
+    offset: int
+
+    def filled(self, start: int, piece: memoryview) -> bool:
+        """Hand over ``piece``, the array's bytes from ``start``, written and verified: its
+        xxh3-64 is kept for :meth:`read_back` and its pages are let go (the file keeps them).
+        Returns False if the map refuses to let pages go; the caller need not ask again."""
+        where = self.offset + start
+        self.backing.filled[where] = (len(piece), xxhash.xxh3_64_intdigest(piece))
+        return let_go(self.backing.mapped, where, where + len(piece))
+
+    def reader(self) -> _ReadBack:
+        """A reader of the array's bytes in order (:meth:`_ReadBack.read_into`)."""
+        return _ReadBack(self)
+
+
+class _ReadBack:
+    """The bytes of an array over an unnamed file, read back in order with ``pread``, every
+    piece handed over by :meth:`Pages.filled` checked against its xxh3-64 as it is read."""
+
+    def __init__(self, pages: Pages) -> None:
+        self._pages = pages
+        self._pieces = sorted((at, size, digest) for at, (size, digest) in pages.backing.filled.items())
+        self._next = 0
+        self._hasher: Any = None
+
+    def read_into(self, start: int, out: np.ndarray) -> None:
+        """Fill ``out`` (1-D uint8) with the array's bytes from ``start`` (each call starting
+        where the last ended). Raises :class:`StorageError` naming the file's directory if
+        the disk fails to read them or a piece differs from what was handed over."""
+        backing, where = self._pages.backing, self._pages.offset + start
+        what = f"restore into CUDA tensors: an unnamed file in {backing.directory}"
+        try:
+            got = 0
+            while got < out.size:
+                count = os.preadv(backing.file.fileno(), [out[got:].data], where + got)
+                if count == 0:
+                    raise OSError(errno.EIO, f"file ended at byte {where + got}")
+                got += count
+        except OSError as exc:
+            raise StorageError(f"{what} could not be read back: {exc.strerror or exc}") from exc
+        end = where + out.size
+        while self._next < len(self._pieces):
+            at, size, digest = self._pieces[self._next]
+            if at >= end:
+                break
+            begin, stop = max(at, where), min(at + size, end)
+            if begin < stop:
+                self._hasher = self._hasher or xxhash.xxh3_64()
+                self._hasher.update(out[begin - where : stop - where].data)
+            if at + size > end:
+                break  # the piece goes on in the next read
+            if self._hasher is None or self._hasher.intdigest() != digest:
+                raise StorageError(
+                    f"{what}: bytes {at}-{at + size} differ from those verified when they were read "
+                    "(the disk or the page cache lost them)"
+                )
+            self._hasher, self._next = None, self._next + 1
+
+
+def pages_of(array: np.ndarray) -> Pages | None:
+    """Where ``array`` lies in an unnamed file it views (made by :func:`paged_array`, or
+    ``np.frombuffer`` of a view of one), whose pieces are handed over once filled
+    (:meth:`Pages.filled`); None for any other array."""
     owner = array
     if not isinstance(owner, Paged) and isinstance(owner.base, memoryview):
         owner = owner.base.obj  # ``np.frombuffer`` of a view of one, as ranged reads take their target
-    if not isinstance(owner, Paged) or owner._map is None or owner._map.closed:
+    backing = owner._backing if isinstance(owner, Paged) else None
+    if backing is None or backing.mapped.closed:
         return None
-    mapped = owner._map
-    offset = array.ctypes.data - owner._origin
-    if offset < 0 or offset + array.nbytes > len(mapped):
+    offset = array.ctypes.data - backing.origin
+    if offset < 0 or offset + array.nbytes > len(backing.mapped):
         return None
-    return mapped, offset
+    return Pages(backing, offset)

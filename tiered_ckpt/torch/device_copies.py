@@ -35,7 +35,6 @@ from typing import Any
 import numpy as np
 
 from tiered_ckpt.io.off_host import PIECE_BYTES, OffHost, off_host
-from tiered_ckpt.io.pages import let_go
 from tiered_ckpt.io.scratch import paged_array, pages_of
 from tiered_ckpt.torch.tensors import numpy_dtype
 
@@ -287,7 +286,8 @@ def _where(array: np.ndarray) -> tuple[int, int]:
 
 def _in_pieces(host: np.ndarray, tensor: Any, stream: Any, buffers: tuple[np.ndarray, np.ndarray]) -> None:
     """Copy ``host`` (over an unnamed file) to ``tensor`` a piece at a time through two
-    pinned ``buffers`` of :data:`PIECE_BYTES`, each piece's pages let go once copied, the
+    pinned ``buffers`` of :data:`PIECE_BYTES`, each piece read back from the file and checked
+    against what the restore verified (:meth:`~tiered_ckpt.io.scratch.Pages.reader`), the
     next piece read while the last one's copy runs; a non-contiguous tensor is filled
     through a contiguous one on its device."""
     import torch
@@ -299,19 +299,17 @@ def _in_pieces(host: np.ndarray, tensor: Any, stream: Any, buffers: tuple[np.nda
     out = flat.view(torch.uint8)
     source = host.reshape(-1).view(np.uint8)
     paged = pages_of(source)
+    assert paged is not None  # copy_back sends only those
+    reader = paged.reader()
     landed: list[Any] = [None, None]
     for index, start in enumerate(range(0, source.size, PIECE_BYTES)):
         slot = index % 2
         if landed[slot] is not None:
             landed[slot].synchronize()  # its last copy has left the buffer
-        piece = source[start : start + PIECE_BYTES]
-        buffer = buffers[slot][: piece.size]
-        np.copyto(buffer, piece)
-        if paged is not None:
-            mapped, offset = paged
-            paged = paged if let_go(mapped, offset + start, offset + start + piece.size) else None
+        buffer = buffers[slot][: min(PIECE_BYTES, source.size - start)]
+        reader.read_into(start, buffer)
         with torch.cuda.stream(stream):
-            out[start : start + piece.size].copy_(torch.from_numpy(buffer), non_blocking=True)
+            out[start : start + buffer.size].copy_(torch.from_numpy(buffer), non_blocking=True)
             landed[slot] = torch.cuda.Event(blocking=True)
             landed[slot].record(stream)
     if whole is not tensor:

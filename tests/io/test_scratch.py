@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from tests.support.smaps import mapping_field
+from tiered_ckpt.errors import StorageError
 from tiered_ckpt.io.hashing import HashedStream, Hasher, fill_hashing, read_hashing
 from tiered_ckpt.io.pages import blocks_of, let_go, whole_map
-from tiered_ckpt.errors import StorageError
 from tiered_ckpt.io.scratch import Pages, paged_array, pages_of, unnamed_map
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
@@ -59,8 +59,9 @@ def test_a_paged_array_and_its_views_name_their_map_and_where_they_start_in_it(t
     pages = pages_of(array)
     assert len(pages.backing.mapped) == 4 * MIB and pages.offset == 0
     floats = array.view(np.float32).reshape(1024, 1024)
-    assert pages_of(floats[512:]) == Pages(pages.backing, 2 * MIB)
-    assert pages_of(np.frombuffer(floats[1:].reshape(-1).view(np.uint8).data, np.uint8)) == Pages(pages.backing, 4096)
+    assert pages_of(floats[512:]) == Pages(pages.backing, 2 * MIB, 2 * MIB)
+    given = np.frombuffer(floats[1:].reshape(-1).view(np.uint8).data, np.uint8)
+    assert pages_of(given) == Pages(pages.backing, 4096, 4 * MIB - 4096)
     # Arrays that merely inherit the class, or hold other memory, are refused: their pages are not the file's.
     assert pages_of(floats + 1) is None and pages_of(np.zeros(8)) is None
     assert list(tmp_path.iterdir()) == []
@@ -121,3 +122,14 @@ def test_the_bytes_read_back_are_those_handed_over_or_an_error_names_the_directo
         for start in starts:
             reader.read_into(start, out[start : start + MIB])
     assert ("differ from those verified" if damage == "changed" else "could not be read back") in str(raised.value)
+
+
+def test_arrays_sharing_an_unnamed_file_read_back_their_own_pieces_only(tmp_path):
+    shared = paged_array(tmp_path, 3 * MIB)
+    first, second = shared[: MIB + 5], shared[2 * MIB :]
+    for array, value in ((first, 1), (second, 2)):
+        array[:] = value
+        pages_of(array).filled(0, array.data)
+    out = np.empty(MIB, np.uint8)
+    pages_of(second).reader().read_into(0, out)
+    assert (out == 2).all()

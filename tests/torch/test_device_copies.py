@@ -354,3 +354,19 @@ def test_bytes_that_changed_on_the_disk_after_their_read_never_reach_the_tensor(
     with pytest.raises(StorageError, match="differ from those verified"):
         targets.copy_back()
     assert not bool(tensor[3 * 1024 :].any())  # from the changed piece on, nothing was copied
+
+
+def test_tensors_past_the_budget_share_a_few_unnamed_files(tmp_path, host_cuda):
+    from tiered_ckpt.io.scratch import pages_of
+
+    targets = host_cuda.DeviceTargets(lambda release: 0, tmp_path)
+    tensors = [torch.full((1 << 18,), float(i)) for i in range(300)]  # 1 MiB each
+    hosts = [targets.host_for(torch.zeros(1 << 18)) for _ in tensors]
+    backings = {id(pages_of(host).backing) for host in hosts}
+    assert len(backings) == 3  # 64 + 128 + 256 MiB, not 300 files (maps, descriptors)
+    for host, tensor in zip(hosts, tensors, strict=True):
+        host[:] = tensor.numpy()
+    outs = [torch.zeros(1 << 18) for _ in tensors]
+    targets._pairs = [(host, out) for host, out in zip(hosts, outs, strict=True)]
+    targets.copy_back()
+    assert all(torch.equal(out, tensor) for out, tensor in zip(outs, tensors, strict=True))

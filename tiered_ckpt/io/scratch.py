@@ -96,10 +96,11 @@ def paged_array(directory: Path, nbytes: int) -> Paged:
 
 @dataclass(frozen=True)
 class Pages:
-    """Where an array over an unnamed file (:func:`pages_of`) lies in it: from byte ``offset``."""
+    """Where an array over an unnamed file (:func:`pages_of`) lies in it: ``nbytes`` from byte ``offset``."""
 
     backing: _Backing
     offset: int
+    nbytes: int
 
     def filled(self, start: int, piece: memoryview) -> bool:
         """Hand over ``piece``, the array's bytes from ``start``, written and verified: its
@@ -120,7 +121,9 @@ class _ReadBack:
 
     def __init__(self, pages: Pages) -> None:
         self._pages = pages
-        self._pieces = sorted((at, size, digest) for at, (size, digest) in pages.backing.filled.items())
+        first, end = pages.offset, pages.offset + pages.nbytes  # the file may hold other arrays' pieces too
+        pieces = list(pages.backing.filled.items())
+        self._pieces = sorted((at, size, digest) for at, (size, digest) in pieces if first <= at < end)
         self._next = 0
         self._hasher: Any = None
 
@@ -171,4 +174,4 @@ def pages_of(array: np.ndarray) -> Pages | None:
     offset = array.ctypes.data - backing.origin
     if offset < 0 or offset + array.nbytes > len(backing.mapped):
         return None
-    return Pages(backing, offset)
+    return Pages(backing, offset, array.nbytes)

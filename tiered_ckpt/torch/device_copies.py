@@ -26,6 +26,7 @@ CPU tensor never reaches this module.
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 import weakref
 from collections.abc import Callable
@@ -61,6 +62,7 @@ def _stream(device: Any) -> Any:
 
 
 _registered = [0]  # the bytes of pinned buffers alive in this process
+_FIRST_ARENA, _LARGEST_ARENA = 64 << 20, 1 << 30
 
 
 def pinned_bytes() -> int:
@@ -177,6 +179,9 @@ class DeviceTargets:
         self._pinned = 0
         self._budget: int | None = None
         self._asked = self._released = self._told = False
+        self._arena: np.ndarray | None = None  # the unnamed file tensors past the budget are placed in
+        self._used = 0
+        self._next_arena = _FIRST_ARENA
 
     def host_for(self, tensor: Any) -> np.ndarray:
         """A host array of ``tensor``'s dtype and shape, filled in its place; :meth:`copy_back` moves it over."""
@@ -200,7 +205,7 @@ class DeviceTargets:
     def _past_budget(self, nbytes: int) -> np.ndarray:
         if nbytes and self.scratch is not None:
             try:
-                array = paged_array(self.scratch, nbytes)
+                array = self._paged(nbytes)
             except OSError as exc:
                 logger.warning(
                     "restore into CUDA tensors: %s cannot hold the tensors past the %d bytes of host memory "
@@ -223,6 +228,19 @@ class DeviceTargets:
                     )
                 return array
         return np.empty(nbytes, np.uint8)
+
+    def _paged(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` of an unnamed file, at a page boundary of one shared by the tensors before
+        (files of 64 MiB, then twice as large each up to 1 GiB, or the tensor's size): a
+        model's thousands of tensors take a few files, maps and descriptors, not one each."""
+        aligned = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        if self._arena is None or self._used + aligned > self._arena.size:
+            size = max(aligned, self._next_arena)
+            self._arena, self._used = paged_array(self.scratch, size), 0  # type: ignore[arg-type]
+            self._next_arena = min(2 * self._next_arena, _LARGEST_ARENA)
+        view = self._arena[self._used : self._used + nbytes]
+        self._used += aligned
+        return view
 
     def copy_back(self) -> Placed:
         """Copy every host buffer to its tensor (on each device's copy stream, then wait for
@@ -254,7 +272,7 @@ class DeviceTargets:
                 caller.wait_stream(_stream(device))  # the caller's next work sees the new values
                 _stream(device).synchronize()  # and the host buffers may go
             self._pairs.clear()
-            self._pinned = 0
+            self._pinned, self._arena = 0, None
         return placed
 
 

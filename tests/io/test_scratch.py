@@ -133,3 +133,16 @@ def test_arrays_sharing_an_unnamed_file_read_back_their_own_pieces_only(tmp_path
     out = np.empty(MIB, np.uint8)
     pages_of(second).reader().read_into(0, out)
     assert (out == 2).all()
+
+
+def test_an_array_filled_again_reads_back_what_the_second_fill_verified(tmp_path):
+    # A copy that failed to verify, then the next tier's, cut in pieces elsewhere.
+    target = paged_array(tmp_path, 3 * MIB + 7)
+    bad = np.zeros(target.size, np.uint8)
+    good = np.random.default_rng(4).integers(0, 256, target.size, dtype=np.uint8)
+    for data, block in ((bad, MIB), (good, 700_000)):
+        blocks = iter(memoryview(data)[start : start + block] for start in range(0, data.size, block))
+        HashedStream(blocks, Hasher()).copy_into(target)
+    out = np.empty(target.size, np.uint8)
+    pages_of(target).reader().read_into(0, out)
+    assert np.array_equal(out, good)

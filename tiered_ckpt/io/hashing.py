@@ -183,7 +183,7 @@ def fill_hashing(
     each piece hashed while in cache. Raises :class:`IncompleteCheckpointError` naming ``what``
     and the bytes a read fell short of."""
     hasher = Hasher(verify)
-    paged = pages_of(target)
+    paged = _refilled(target)
     for start in range(0, len(target), piece_bytes):
         piece = target[start : start + piece_bytes]
         data = read(offset + start, offset + start + len(piece))
@@ -193,6 +193,15 @@ def fill_hashing(
         copy_hashing_into(np.frombuffer(data, np.uint8), piece, hasher)
         paged = _let_go(paged, start, piece)
     return _hex(hasher, verify)
+
+
+def _refilled(target: np.ndarray) -> Pages | None:
+    """Where ``target`` lies in an unnamed file, its pieces handed over before forgotten
+    (:meth:`~tiered_ckpt.io.scratch.Pages.refill`); None for any other target."""
+    paged = pages_of(target)
+    if paged is not None:
+        paged.refill()
+    return paged
 
 
 def _let_go(paged: Pages | None, start: int, piece: np.ndarray) -> Pages | None:
@@ -223,7 +232,7 @@ def read_hashing(fd: int, offset: int, target: np.ndarray, verify: Verify = "ful
     file that ends before ``target`` is full raises OSError (EIO) too.
     """
     hasher = Hasher(verify)
-    paged = pages_of(target)
+    paged = _refilled(target)
     for start in range(0, len(target), CHUNK_BYTES):
         piece = target[start : start + CHUNK_BYTES]
         got = 0
@@ -322,7 +331,7 @@ class HashedStream:
         while it is in the CPU's cache; OSError (EIO) if the file ends first. A target over
         an unnamed file (:func:`~tiered_ckpt.io.scratch.pages_of`) is hashed here, not behind,
         and each piece's pages are let go once hashed: filling it holds a piece of it."""
-        paged = pages_of(target)
+        paged = _refilled(target)
         hash_now = self._hash
         if paged is not None:
             if self._behind is not None:

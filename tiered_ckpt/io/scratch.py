@@ -102,6 +102,14 @@ class Pages:
     offset: int
     nbytes: int
 
+    def refill(self) -> None:
+        """Forget what was handed over of this array: a read starts filling it (again, after
+        a copy that failed to verify), and its pieces may be cut elsewhere this time."""
+        first, end = self.offset, self.offset + self.nbytes
+        filled = self.backing.filled
+        for at in [at for at in list(filled) if first <= at < end]:
+            filled.pop(at, None)
+
     def filled(self, start: int, piece: memoryview) -> bool:
         """Hand over ``piece``, the array's bytes from ``start``, written and verified: its
         xxh3-64 is kept for :meth:`read_back` and its pages are let go (the file keeps them).

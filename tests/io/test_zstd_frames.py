@@ -217,3 +217,20 @@ def test_compressing_reads_a_frame_at_a_time_and_hashes_a_longer_source_whole():
     )
     short = compress_frames(io.BytesIO(payload[:500]), io.BytesIO(), [1000, 1000])
     assert short.source.size_bytes == 500 and short.frames == ()
+
+
+def test_a_range_read_into_an_unnamed_file_hands_each_frame_over(tmp_path):
+    # What a restore into CUDA tensors past the budget reads a compressed object into.
+    from tiered_ckpt.io.scratch import paged_array, pages_of
+
+    payload = weights(300_000, seed=2)
+    target = paged_array(tmp_path, len(payload) - 100)
+    # A first copy (other bytes, other frames), then the next tier's: the first one's pieces are forgotten.
+    for data, frame in ((weights(300_000, seed=3), 40_000), (payload, 65_536)):
+        stream, index = compressed(data, 1000, frame)
+        read_range_into(Fetches(stream), index, 100, memoryview(target.data), "full", "test")
+    pages = pages_of(target)
+    assert sum(size for size, _digest in pages.backing.filled.values()) == target.size
+    out = np.empty(target.size, np.uint8)
+    pages.reader().read_into(0, out)
+    assert out.tobytes() == payload[100:]

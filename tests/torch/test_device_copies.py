@@ -370,3 +370,22 @@ def test_tensors_past_the_budget_share_a_few_unnamed_files(tmp_path, host_cuda):
     targets._pairs = [(host, out) for host, out in zip(hosts, outs, strict=True)]
     targets.copy_back()
     assert all(torch.equal(out, tensor) for out, tensor in zip(outs, tensors, strict=True))
+
+
+def test_a_disk_without_room_for_a_whole_file_of_tensors_still_takes_each_tensor(tmp_path, host_cuda, monkeypatch):
+    import errno
+
+    from tiered_ckpt.io.scratch import pages_of
+
+    real = host_cuda.paged_array
+
+    def small_disk(directory, nbytes):
+        if nbytes > 8 << 20:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(directory, nbytes)
+
+    monkeypatch.setattr(host_cuda, "paged_array", small_disk)
+    targets = host_cuda.DeviceTargets(lambda release: 0, tmp_path)
+    hosts = [targets.host_for(torch.zeros(1 << 20)) for _ in range(2)]  # 4 MiB each, not 64 MiB
+    assert all(pages_of(host) is not None for host in hosts)
+    targets.copy_back()

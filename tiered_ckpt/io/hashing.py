@@ -28,7 +28,7 @@ import xxhash
 
 from tiered_ckpt.errors import ConfigError, IncompleteCheckpointError
 from tiered_ckpt.io.durable import observe_writes, write_all
-from tiered_ckpt.io.scratch import Pages, pages_of
+from tiered_ckpt.io.scratch import refilled
 
 __all__ = [
     "Verify",
@@ -183,7 +183,7 @@ def fill_hashing(
     each piece hashed while in cache. Raises :class:`IncompleteCheckpointError` naming ``what``
     and the bytes a read fell short of."""
     hasher = Hasher(verify)
-    paged = _refilled(target)
+    paged = refilled(target)
     for start in range(0, len(target), piece_bytes):
         piece = target[start : start + piece_bytes]
         data = read(offset + start, offset + start + len(piece))
@@ -191,27 +191,9 @@ def fill_hashing(
             got = f"got {len(data)} of bytes {offset + start}-{offset + start + len(piece)}"
             raise IncompleteCheckpointError(f"{what}: {got}; the object is shorter than recorded")
         copy_hashing_into(np.frombuffer(data, np.uint8), piece, hasher)
-        paged = _let_go(paged, start, piece)
+        if paged is not None:
+            paged.filled(start, piece.data)
     return _hex(hasher, verify)
-
-
-def _refilled(target: np.ndarray) -> Pages | None:
-    """Where ``target`` lies in an unnamed file, its pieces handed over before forgotten
-    (:meth:`~tiered_ckpt.io.scratch.Pages.refill`); None for any other target."""
-    paged = pages_of(target)
-    if paged is not None:
-        paged.refill()
-    return paged
-
-
-def _let_go(paged: Pages | None, start: int, piece: np.ndarray) -> Pages | None:
-    """Hand over ``piece``, the bytes from ``start`` of a target over an unnamed file
-    (``paged``: :func:`~tiered_ckpt.io.scratch.pages_of` it), filled and hashed
-    (:meth:`~tiered_ckpt.io.scratch.Pages.filled`). Returns ``paged``, or None once its map
-    refuses to let pages go (they stay; no more asking)."""
-    if paged is None:
-        return None
-    return paged if paged.filled(start, piece.data) else None
 
 
 def copy_hashing_into(source: np.ndarray, target: np.ndarray, hasher: Hasher) -> None:
@@ -232,7 +214,7 @@ def read_hashing(fd: int, offset: int, target: np.ndarray, verify: Verify = "ful
     file that ends before ``target`` is full raises OSError (EIO) too.
     """
     hasher = Hasher(verify)
-    paged = _refilled(target)
+    paged = refilled(target)
     for start in range(0, len(target), CHUNK_BYTES):
         piece = target[start : start + CHUNK_BYTES]
         got = 0
@@ -242,7 +224,8 @@ def read_hashing(fd: int, offset: int, target: np.ndarray, verify: Verify = "ful
                 raise OSError(errno.EIO, f"file ended at byte {offset + start + got}")
             got += count
         hasher.update(piece.data)
-        paged = _let_go(paged, start, piece)
+        if paged is not None:
+            paged.filled(start, piece.data)
     return _hex(hasher, verify)
 
 
@@ -331,7 +314,7 @@ class HashedStream:
         while it is in the CPU's cache; OSError (EIO) if the file ends first. A target over
         an unnamed file (:func:`~tiered_ckpt.io.scratch.pages_of`) is hashed here, not behind,
         and each piece's pages are let go once hashed: filling it holds a piece of it."""
-        paged = _refilled(target)
+        paged = refilled(target)
         hash_now = self._hash
         if paged is not None:
             if self._behind is not None:
@@ -346,7 +329,8 @@ class HashedStream:
             piece = target[position : position + count]
             np.copyto(piece, np.frombuffer(view[:count], np.uint8))
             hash_now(piece.data)
-            paged = _let_go(paged, position, piece)
+            if paged is not None:
+                paged.filled(position, piece.data)
             self._view, position = view[count:], position + count
 
     def hash_rest(self) -> None:

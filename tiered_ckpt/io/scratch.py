@@ -24,6 +24,7 @@ import errno
 import mmap
 import os
 import tempfile
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ import xxhash
 from tiered_ckpt.errors import StorageError
 from tiered_ckpt.io.pages import let_go
 
-__all__ = ["Pages", "Paged", "paged_array", "pages_of", "unnamed_map"]
+__all__ = ["Pages", "Paged", "paged_array", "pages_of", "refilled", "unnamed_map"]
 
 
 @contextmanager
@@ -67,6 +68,7 @@ class _Backing:
     origin: int  # the address of the map's first byte
     directory: Path
     filled: dict[int, tuple[int, int]] = field(default_factory=dict)
+    letting_go: bool = True  # False once the map refused (a locked map): its pages stay
 
 
 class Paged(np.ndarray):
@@ -88,9 +90,10 @@ def paged_array(directory: Path, nbytes: int) -> Paged:
     as :func:`unnamed_map` does."""
     with _unnamed_file(directory, nbytes) as file:
         mapped = mmap.mmap(file.fileno(), nbytes, access=mmap.ACCESS_WRITE)
-        kept = os.fdopen(os.dup(file.fileno()), "rb", buffering=0)  # for read_back's pread
+        kept = os.fdopen(os.dup(file.fileno()), "rb", buffering=0)  # for the reader's pread
     array = np.frombuffer(mapped, np.uint8).view(Paged)
-    array._backing = _Backing(kept, mapped, array.ctypes.data, directory)
+    array._backing = backing = _Backing(kept, mapped, array.ctypes.data, directory)
+    weakref.finalize(backing, kept.close)  # with the last view, not at the collector's leisure
     return array
 
 
@@ -110,13 +113,14 @@ class Pages:
         for at in [at for at in list(filled) if first <= at < end]:
             filled.pop(at, None)
 
-    def filled(self, start: int, piece: memoryview) -> bool:
+    def filled(self, start: int, piece: memoryview) -> None:
         """Hand over ``piece``, the array's bytes from ``start``, written and verified: its
-        xxh3-64 is kept for :meth:`read_back` and its pages are let go (the file keeps them).
-        Returns False if the map refuses to let pages go; the caller need not ask again."""
-        where = self.offset + start
-        self.backing.filled[where] = (len(piece), xxhash.xxh3_64_intdigest(piece))
-        return let_go(self.backing.mapped, where, where + len(piece))
+        xxh3-64 is kept for :meth:`reader` and its pages are let go (the file keeps them),
+        unless the map refused that once (a locked map: its pages stay)."""
+        where, backing = self.offset + start, self.backing
+        backing.filled[where] = (len(piece), xxhash.xxh3_64_intdigest(piece))
+        if backing.letting_go:
+            backing.letting_go = let_go(backing.mapped, where, where + len(piece))
 
     def reader(self) -> _ReadBack:
         """A reader of the array's bytes in order (:meth:`_ReadBack.read_into`)."""
@@ -167,6 +171,16 @@ class _ReadBack:
                     "(the disk or the page cache lost them)"
                 )
             self._hasher, self._next = None, self._next + 1
+
+
+def refilled(target: np.ndarray) -> Pages | None:
+    """Where ``target`` lies in an unnamed file (:func:`pages_of`), what was handed over of it
+    before forgotten (:meth:`Pages.refill`): for a read that starts filling it; None for any
+    other target."""
+    paged = pages_of(target)
+    if paged is not None:
+        paged.refill()
+    return paged
 
 
 def pages_of(array: np.ndarray) -> Pages | None:

@@ -35,6 +35,7 @@ import xxhash
 
 from tiered_ckpt.errors import ChecksumMismatchError, IncompleteCheckpointError, UsageError
 from tiered_ckpt.io.hashing import Hasher, ShardDigest, Verify
+from tiered_ckpt.io.scratch import refilled
 
 __all__ = [
     "LEVEL",
@@ -254,6 +255,7 @@ def read_range_into(
     if offset < 0 or end > index.size:
         raise IncompleteCheckpointError(f"{what}: bytes {offset}-{end} are past the end, at {index.size}")
     target = np.frombuffer(buffer, np.uint8)
+    paged = refilled(target)  # over an unnamed file: each piece handed over once hashed
     hasher = Hasher(verify)
     for number, frame in _frames(fetch, index, index.covering(offset, end), what, cache):
         start = index.starts[number]
@@ -261,6 +263,8 @@ def read_range_into(
         into = target[max(start - offset, 0) : max(start - offset, 0) + len(piece)]
         np.copyto(into, piece)
         hasher.update(into.data)
+        if paged is not None:
+            paged.filled(max(start - offset, 0), into.data)
     digest = hasher.digest()
     return digest.xxh3_64 if verify == "fast" else digest.sha256
 

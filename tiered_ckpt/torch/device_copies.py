@@ -208,21 +208,22 @@ class DeviceTargets:
                 array = self._paged(nbytes)
             except OSError as exc:
                 logger.warning(
-                    "restore into CUDA tensors: %s cannot hold the tensors past the %d bytes of host memory "
-                    "runtime.host_memory_bytes leaves the restore in unnamed files (%s): they go through "
-                    "pageable memory, past the budget",
+                    "restore into CUDA tensors: %s cannot hold a tensor of %d bytes in an unnamed file (%s): "
+                    "it and those after it go through pageable memory, past the %d bytes of pinned memory "
+                    "runtime.host_memory_bytes leaves this restore",
                     self.scratch,
-                    self._budget,
+                    nbytes,
                     exc.strerror or exc,
+                    self._budget,
                 )
                 self.scratch = None  # asked once: the next tensors would fail alike
             else:
                 if not self._told:
                     self._told = True
                     logger.warning(
-                        "restore into CUDA tensors: past the %d bytes of pinned host memory runtime.host_memory_bytes "
-                        "leaves the restore, tensors are read through unnamed files in %s and copied to the device "
-                        "a piece at a time (slower)",
+                        "restore into CUDA tensors: the tensors past the %d bytes of pinned memory "
+                        "runtime.host_memory_bytes leaves this restore are read through unnamed files in %s "
+                        "and copied to the device a piece at a time (slower)",
                         self._budget,
                         self.scratch,
                     )
@@ -235,8 +236,15 @@ class DeviceTargets:
         model's thousands of tensors take a few files, maps and descriptors, not one each."""
         aligned = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
         if self._arena is None or self._used + aligned > self._arena.size:
+            assert self.scratch is not None  # _past_budget asks only then
             size = max(aligned, self._next_arena)
-            self._arena, self._used = paged_array(self.scratch, size), 0  # type: ignore[arg-type]
+            try:
+                arena = paged_array(self.scratch, size)
+            except OSError:
+                if size == aligned:
+                    raise
+                arena = paged_array(self.scratch, aligned)  # the disk may still hold this tensor
+            self._arena, self._used = arena, 0
             self._next_arena = min(2 * self._next_arena, _LARGEST_ARENA)
         view = self._arena[self._used : self._used + nbytes]
         self._used += aligned

@@ -31,7 +31,7 @@ from tiered_ckpt.errors import CheckpointError, ConfigError, RemoteError, UsageE
 from tiered_ckpt.export import export_step
 from tiered_ckpt.format.layout import MANIFEST_NAME, parse_step_dir_name
 from tiered_ckpt.format.manifest import ShardRecord
-from tiered_ckpt.format.shardfile import DTYPE_CODES
+from tiered_ckpt.step_diff import StepArrays, diff_steps, step_arrays
 from tiered_ckpt.tiers import survey
 from tiered_ckpt.tiers.store import TieredStore
 
@@ -282,47 +282,65 @@ def command_show(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
 
     On one rank's directory of a multi-process job (no bucket holding the step), the ranks
     whose shards are on other nodes' disks are named on stderr and left out."""
-    store = _store(config)
-    in_local = args.step in store.local.steps()
-    in_remote = store.remote is not None and args.step in store.remote_steps()
-    manifest, _remote = store.manifests(args.step, in_local=in_local, in_remote=in_remote)
-    later = store.readable(in_remote)
-    held = set(store.local.held_ranks(args.step, manifest)) if in_local else set()
-    on_other_nodes = [] if later else [record.rank for record in manifest.shards if record.rank not in held]
-    rows: list[dict[str, Any]] = []
-    for record in manifest.shards:
-        if record.rank in on_other_nodes:
-            continue
-        header, tier = store.read_shard_header(args.step, record, later=later)
-        for entry in sorted(header.arrays.values(), key=lambda entry: entry.name):
-            rows.append(
-                {
-                    "rank": record.rank,
-                    "name": entry.name,
-                    "dtype": DTYPE_CODES[entry.dtype],
-                    "shape": list(entry.shape),
-                    "bytes": entry.end - entry.begin,
-                    "tier": tier,
-                }
-            )
+    found = step_arrays(_store(config), args.step)
+    manifest = found.manifest
+    rows: list[dict[str, Any]] = [
+        {"rank": a.rank, "name": a.name, "dtype": a.dtype, "shape": list(a.shape), "bytes": a.bytes, "tier": a.tier}
+        for a in found.arrays.values()
+    ]
     lines = [f"{'RANK':>5}  {'DTYPE':<5} {'SHAPE':<20} {'SIZE':>9}  NAME"]
     for row in rows:
         shape = "x".join(map(str, row["shape"])) or "scalar"
         lines.append(f"{row['rank']:>5}  {row['dtype']:<5} {shape:<20} {human_size(row['bytes']):>9}  {row['name']}")
-    shards = (
-        f"{manifest.world_size - len(on_other_nodes)} of {manifest.world_size}"
-        if on_other_nodes
-        else manifest.world_size
+    missing = found.missing_ranks
+    shards = f"{manifest.world_size - len(missing)} of {manifest.world_size}" if missing else manifest.world_size
+    lines.append(
+        f"step {args.step}: {len(rows)} arrays in {shards} shards, {human_size(manifest.total_bytes)} "
+        f"({human_size(found.own_bytes)} its own, {human_size(found.referenced_bytes)} in earlier steps' files)"
     )
-    lines.append(f"step {args.step}: {len(rows)} arrays in {shards} shards, {human_size(manifest.total_bytes)}")
-    if on_other_nodes:
-        print(
-            f"tiered-ckpt: step {args.step}: {store.local.root} holds the shards of {_ranks(held)} of "
-            f"{manifest.world_size} (one node's part of a multi-process job); those of {_ranks(on_other_nodes)} are on "
-            "other nodes' disks: give the bucket holding the step (--remote-url) to list them too",
-            file=sys.stderr,
-        )
+    _say_missing(config, args.step, found)
     return EXIT_OK, (rows, "\n".join(lines))
+
+
+def _say_missing(config: Config, step: int, found: StepArrays) -> None:
+    """On stderr: the ranks of ``step`` whose shards are on other nodes' disks, if any."""
+    if not found.missing_ranks:
+        return
+    held = [record.rank for record in found.manifest.shards if record.rank not in found.missing_ranks]
+    print(
+        f"tiered-ckpt: step {step}: {config.local.dir} holds the shards of {_ranks(held)} of "
+        f"{found.manifest.world_size} (one node's part of a multi-process job); those of "
+        f"{_ranks(found.missing_ranks)} are on other nodes' disks: give the bucket holding the step "
+        "(--remote-url) to list them too",
+        file=sys.stderr,
+    )
+
+
+def command_diff(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
+    """How step ``second`` differs from step ``first``, array by array, from manifests and
+    headers only (:func:`~tiered_ckpt.step_diff.diff_steps`)."""
+    diff = diff_steps(_store(config), args.first, args.second)
+    lines = [f"{'RANK':>5}  {'CHANGE':<8} {'BEFORE':<26} {'AFTER':<26} NAME"]
+    for change in diff.changes:
+        before = f"{change.before.describe()} ({human_size(change.before.bytes)})" if change.before else "-"
+        after = f"{change.after.describe()} ({human_size(change.after.bytes)})" if change.after else "-"
+        lines.append(f"{change.rank:>5}  {change.change:<8} {before:<26} {after:<26} {change.name}")
+    counts = {kind: sum(1 for c in diff.changes if c.change == kind) for kind in ("added", "removed")}
+    changed = len(diff.changes) - counts["added"] - counts["removed"]
+    unknown = sum(1 for c in diff.changes if c.change == "unknown")
+    lines.append(
+        f"step {args.first} -> step {args.second}: {changed} arrays changed"
+        + (f" ({unknown} of them unknown: no digest recorded)" if unknown else "")
+        + f", {counts['added']} added, {counts['removed']} removed, {diff.same} the same"
+    )
+    for side in (diff.first, diff.second):
+        lines.append(
+            f"step {side.manifest.step}: {human_size(side.own_bytes)} of its own, "
+            f"{human_size(side.referenced_bytes)} in earlier steps' files"
+        )
+    _say_missing(config, args.first, diff.first)
+    _say_missing(config, args.second, diff.second)
+    return EXIT_OK, (diff.to_dict(), "\n".join(lines))
 
 
 def _ranks(ranks: Collection[int]) -> str:
@@ -371,6 +389,7 @@ COMMANDS: dict[str, Callable[[Config, argparse.Namespace], tuple[int, Any]]] = {
     "push": command_push,
     "prune": command_prune,
     "show": command_show,
+    "diff": command_diff,
     "export": command_export,
 }
 
@@ -404,7 +423,7 @@ def _run(arguments: list[str]) -> int:
         config = load_config(args.config, overrides={key: value for key, value in given.items() if value is not None})
         # pull creates the directory it fills; verify --remote, and the commands that only read,
         # read the bucket alone if need be
-        reads_only = args.command in ("ls", "status", "show", "export")
+        reads_only = args.command in ("ls", "status", "show", "diff", "export")
         bucket_only = (getattr(args, "remote", False) or reads_only) and config.remote is not None
         _check_local_dir(config, may_be_missing=args.command == "pull" or bucket_only)
         if bucket_only and not config.local.dir.exists():  # said, so that a mistyped directory is noticed

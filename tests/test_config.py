@@ -422,6 +422,8 @@ ENVIRONMENT = {
     ("runtime", "writer_cpus"): ("0", frozenset({0})),
     ("runtime", "preemption_signals"): ("SIGTERM,usr1", (signal.SIGTERM, signal.SIGUSR1)),
     ("runtime", "host_memory_bytes"): ("8589934592", 8 << 30),
+    ("runtime", "must_change"): ("optim, model/head", ("optim", "model/head")),
+    ("runtime", "stale_saves"): ("error", "error"),
     ("peer", "every"): ("10", 10),
     ("peer", "max_bytes"): (str(1 << 30), 1 << 30),
     ("peer", "timeout_seconds"): ("5", 5.0),

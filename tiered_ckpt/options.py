@@ -277,6 +277,7 @@ class RestoreOptions:
 
 
 SignalLike = int | str | signal.Signals
+STALE_MODES = ("warn", "error", "off")  # runtime.stale_saves: what a stale step does (engine/stale.py)
 ShardedKey = str | Sequence[str | int]
 
 
@@ -302,6 +303,11 @@ class RuntimeOptions:
     chained to a Python handler it replaced but never to the default action (``SIG_DFL``,
     SIGINT's ``KeyboardInterrupt``), which the notice replaces; the last manager to close
     puts the old handler back, whatever order managers close in.
+    ``stale_saves`` says what a save does whose arrays did not change since the step before
+    it on this disk (compared by the digests the manifests record for each array): ``"warn"``
+    (a WARNING naming both steps), ``"error"`` (the save fails before anything is committed)
+    or ``"off"``; with ``must_change`` (tensor names or paths, e.g. ``["optim"]``), also one
+    in which none of the arrays under those paths changed (:mod:`~tiered_ckpt.engine.stale`).
     """
 
     sharded_keys: tuple[ShardedKey, ...] | None = None
@@ -309,6 +315,8 @@ class RuntimeOptions:
     writer_cpus: frozenset[int] | None = None
     preemption_signals: tuple[signal.Signals, ...] = ()
     host_memory_bytes: int | None = None
+    must_change: tuple[ShardedKey, ...] = ()
+    stale_saves: str = "warn"
 
     def __init__(
         self,
@@ -317,6 +325,8 @@ class RuntimeOptions:
         writer_cpus: Iterable[int] | None = None,
         preemption_signals: Iterable[SignalLike] = (),
         host_memory_bytes: int | None = None,
+        must_change: Iterable[ShardedKey] = (),
+        stale_saves: str = "warn",
     ) -> None:
         object.__setattr__(self, "sharded_keys", _sharded_keys(sharded_keys))
         if max_workers is not None:
@@ -330,23 +340,26 @@ class RuntimeOptions:
         if host_memory_bytes is not None:
             _check_number("host_memory_bytes", host_memory_bytes, 1)
         object.__setattr__(self, "host_memory_bytes", host_memory_bytes)
+        object.__setattr__(self, "must_change", _sharded_keys(must_change, "must_change") or ())
+        _check_choice("stale_saves", stale_saves, STALE_MODES)
+        object.__setattr__(self, "stale_saves", stale_saves)
 
 
-def _sharded_keys(keys: Any) -> tuple[ShardedKey, ...] | None:
+def _sharded_keys(keys: Any, option: str = "sharded_keys") -> tuple[ShardedKey, ...] | None:
     if keys is None:
         return None
     if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
-        raise invalid_option("sharded_keys", f"must be a list of tensor names or paths, got {keys!r:.60}")
+        raise invalid_option(option, f"must be a list of tensor names or paths, got {keys!r:.60}")
     chosen: list[ShardedKey] = []
     for key in keys:
         if isinstance(key, str):
             chosen.append(key)
         elif isinstance(key, Sequence) and not isinstance(key, bytes) and key:
             if not all(isinstance(part, str) or (isinstance(part, int) and not isinstance(part, bool)) for part in key):
-                raise invalid_option("sharded_keys", f"path {key!r:.60} must hold only names and list indices")
+                raise invalid_option(option, f"path {key!r:.60} must hold only names and list indices")
             chosen.append(tuple(key))
         else:
-            raise invalid_option("sharded_keys", f"{key!r:.60} is neither a tensor name nor a path")
+            raise invalid_option(option, f"{key!r:.60} is neither a tensor name nor a path")
     return tuple(chosen)
 
 

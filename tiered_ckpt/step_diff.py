@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
+from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.shardfile import DTYPE_CODES
 from tiered_ckpt.tiers.store import TieredStore
 
@@ -121,13 +121,6 @@ class StepDiff:
         }
 
 
-def _digests(record: ShardRecord, names: list[str]) -> dict[str, str]:
-    """By name, the digest ``record`` holds for each of its arrays ``names`` (none where it records none)."""
-    if record.chunks:
-        return {chunk.name: f"sha256:{chunk.sha256}" for chunk in record.chunks if chunk.sha256}
-    return {name: f"xxh3_64:{digest}" for name, digest in record.array_digests(names).items()}
-
-
 def step_arrays(store: TieredStore, step: int) -> StepArrays:
     """Every array of ``step`` from its manifest and its shards' headers (each verified by its
     sha256), read from the nearest tier holding them. Raises as the store's reads do
@@ -144,7 +137,7 @@ def step_arrays(store: TieredStore, step: int) -> StepArrays:
             continue
         header, tier = store.read_shard_header(step, record, later=later)
         names = sorted(header.arrays)
-        digests = _digests(record, names)
+        digests = record.digests_by_name(names)
         for name in names:
             entry = header.arrays[name]
             dtype, size = DTYPE_CODES[entry.dtype], entry.end - entry.begin

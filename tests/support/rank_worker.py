@@ -9,7 +9,8 @@ A CheckpointError ends the actions and is recorded as ``error``: [class name, me
 With "subgroup": [ranks], only those ranks take part, through a coordinator on that
 process group (ranks renumbered in it).
 
-Actions: {"do": "save", "step": S, "step_by_rank": {R: S}, "text_on_rank": R} (R adds
+Actions: {"do": "save", "step": S, "step_by_rank": {R: S}, "state_of": T, "text_on_rank": R} (T: the
+state of another step, as a stale save holds it; R adds
 an array of text; "long_note_on_rank": R, a string whose shard header no reader accepts;
 "float64_on_rank": R, its flat slice "params" in float64), {"do": "wait"} (until
 uploaded), {"do": "drain_uploads", "rank": R} (rank R waits for its uploader without
@@ -30,7 +31,7 @@ two minutes) until the file ``P`` exists; {"do": "saves", "steps": [S...]} saves
 {"do": "await_retrying"} waits (at most two minutes) until the manager's lag shows a step being
 retried and records it as "retrying": [step, tries]; {"do": "await_queued", "at_most": N} waits
 (at most "guard_seconds", default two minutes) until its uploader holds at most N steps and
-records them as "queued". Config "upload" holds UploadOptions fields
+records them as "queued". Config "stale_saves" is runtime.stale_saves, "upload" holds UploadOptions fields
 (default: max_tries 1), "max_awaiting_upload" the local tier's.
 """
 
@@ -148,7 +149,7 @@ def open_manager(config: dict, rank: int, url: str | None, coordinator: TorchDis
         if url is not None
         else None,
         upload=UploadOptions(**config.get("upload", {"max_tries": 1})),
-        runtime=RuntimeOptions(preemption_signals=(signal.SIGUSR1,)),
+        runtime=RuntimeOptions(preemption_signals=(signal.SIGUSR1,), stale_saves=config.get("stale_saves", "warn")),
     )
 
 
@@ -162,7 +163,7 @@ def act(
 ) -> None:
     if action["do"] == "save":
         step = action.get("step_by_rank", {}).get(str(rank), action["step"])
-        state = rank_state(step, world_size, rank)
+        state = rank_state(action.get("state_of", step), world_size, rank)
         if action.get("text_on_rank") == rank:
             state["note"] = np.array(["not a tensor dtype a shard holds"])
         if action.get("float64_on_rank") == rank:

@@ -28,6 +28,8 @@ __all__ = [
     "default_host_memory_bytes",
     "local_processes",
     "node_memory_bytes",
+    "spilled_text",
+    "throttled_text",
 ]
 
 MIN_DEFAULT_BYTES = 256 << 20  # below this, staging buys little and a tiny node throttles every save
@@ -106,3 +108,24 @@ def default_host_memory_bytes(environ: Mapping[str, str] | None = None) -> int:
     """The default staging budget of one process (see the module doc)."""
     processes = local_processes(os.environ if environ is None else environ)
     return max(MIN_DEFAULT_BYTES, node_memory_bytes() // NODE_SHARE // processes)
+
+
+def throttled_text(step: int, staged: int, direct: int, waited: float, budget: int | None) -> str:
+    """The WARNING that saves wait for the budget: step ``step``'s ``direct`` bytes past it
+    (beside ``staged``) were written from the caller's memory while ``save()`` waited ``waited`` s."""
+    total = staged + direct
+    return (
+        f"saves are throttled by runtime.host_memory_bytes={budget or 0}: step {step}'s state is {total} bytes, "
+        f"and the {direct} bytes past the budget ({100 * direct / max(total, 1):.0f}%) were written straight from "
+        f"the caller's memory while save() waited {waited:.3f} s longer; a budget of {total} bytes lets save() "
+        "return once the state is copied (logged once)"
+    )
+
+
+def spilled_text(step: int, rank: int, size: int, budget: int | None, root: Path) -> str:
+    """The WARNING that a step kept in memory only went to the local disk (rank ``rank``'s shard of ``size`` bytes)."""
+    return (
+        f"step {step} is kept in memory only, but rank {rank}'s shard ({size} bytes) does not fit what "
+        f"runtime.host_memory_bytes={budget or 0} leaves beside the staging buffers: it was written to an "
+        f"unnamed file in {root} for its copy to a partner, and such shards will be (logged once)"
+    )

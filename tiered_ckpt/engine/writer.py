@@ -42,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -51,11 +51,13 @@ import numpy as np
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather
 from tiered_ckpt.dist.replicas import choose_writers
 from tiered_ckpt.engine.background import ErrorBox, ReportedFuture
+from tiered_ckpt.engine.memory_budget import spilled_text, throttled_text
 from tiered_ckpt.engine.replication import Replicator
 from tiered_ckpt.engine.save_handle import SaveHandle, not_replicated
 from tiered_ckpt.engine.sending import MemoryStep
 from tiered_ckpt.engine.shards import Borrowed, ShardBuffer, build_manifest, serialize_shards, write_shards
 from tiered_ckpt.engine.staging import Staged, StagingBuffers
+from tiered_ckpt.engine.stale import check_stale, compare_with_previous
 from tiered_ckpt.errors import CheckpointError, SaveError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.format.state import FlatState
@@ -107,6 +109,7 @@ class _Written:
 
     shards: tuple[Mapping[str, Any], ...]
     time: float
+    compared: Mapping[str, Any] = field(default_factory=dict)  # engine/stale.py's Comparison
 
 
 class Writer:
@@ -130,8 +133,11 @@ class Writer:
         cpus: frozenset[int] | None = None,
         local_every: int = 1,
         host_memory_bytes: int | None = None,
+        stale: tuple[str, tuple[str, ...]] = ("warn", ()),
     ) -> None:
         self._store = store
+        self._stale, self._must_change = stale  # runtime.stale_saves, runtime.must_change's name prefixes
+        self._leader = coordinator.is_leader
         self._coordinator = coordinator
         self._ranks = tuple(coordinator.local_ranks)
         self._world_size = world_size
@@ -238,38 +244,15 @@ class Writer:
 
     def _tell_throttled(self, step: int, arrays: Staged, waited: float) -> None:
         """Log once per manager (WARNING) that saves wait for the host memory budget, and by how much."""
-        if self._throttle_told:
-            return
-        self._throttle_told = True
-        total = arrays.staged_bytes + arrays.direct_bytes
-        logger.warning(
-            "saves are throttled by runtime.host_memory_bytes=%d: step %d's state is %d bytes, and the %d bytes "
-            "past the budget (%.0f%%) were written straight from the caller's memory while save() waited "
-            "%.3f s longer; a budget of %d bytes lets save() return once the state is copied (logged once)",
-            self._staging.budget or 0,
-            step,
-            total,
-            arrays.direct_bytes,
-            100 * arrays.direct_bytes / max(total, 1),
-            waited,
-            total,
-        )
+        if not self._throttle_told:
+            self._throttle_told = True
+            logger.warning(throttled_text(step, arrays.staged_bytes, arrays.direct_bytes, waited, self._staging.budget))
 
     def _tell_spilled(self, step: int, rank: int, size: int) -> None:
         """Log once per manager (WARNING) that a step kept in memory only went to the local disk."""
-        if self._spill_told:
-            return
-        self._spill_told = True
-        logger.warning(
-            "step %d is kept in memory only, but rank %d's shard (%d bytes) does not fit what "
-            "runtime.host_memory_bytes=%d leaves beside the staging buffers: it was written to an unnamed file in "
-            "%s for its copy to a partner, and such shards will be (logged once)",
-            step,
-            rank,
-            size,
-            self._staging.budget or 0,
-            self._store.local.root,
-        )
+        if not self._spill_told:
+            self._spill_told = True
+            logger.warning(spilled_text(step, rank, size, self._staging.budget, self._store.local.root))
 
     def skipped(self, step: int) -> SaveHandle:
         """The handle of a save of ``step`` that no tier's cadence takes (see :meth:`SaveHandle.skipped`)."""
@@ -434,9 +417,12 @@ class Writer:
                     replicas=replicas,
                     borrowed=borrowed,
                 )
-                return _Written(tuple(record.to_dict() for record in records), time.time())
+                compared = compare_with_previous(self._store, step, records, self._must_change, self._stale)
+                return _Written(tuple(record.to_dict() for record in records), time.time(), compared)
 
-            manifest = self._records(step, gather(self._coordinator, "write", _Written, write), keys)
+            written = gather(self._coordinator, "write", _Written, write)
+            manifest = self._records(step, written, keys)
+            check_stale(step, [part.compared for part in written], self._stale, self._must_change, self._leader)
 
             # The commit is agreed: retention may delete older steps only once every rank has
             # committed this one. A collective on the writer's own channel, so a rank that died

@@ -131,6 +131,15 @@ class ShardRecord:
             raise ManifestError(f"rank {self.rank}'s record: field 'array_xxh3_64' holds {count}")
         return {name: digests[16 * i : 16 * i + 16] for i, name in enumerate(ordered)} if digests else {}
 
+    def digests_by_name(self, names: Iterable[str]) -> dict[str, str]:
+        """By name, the digest the record holds for each array of its shard (``names``: all of
+        them, from its header), as ``"sha256:<hex>"`` (a chunk of a state of DTensors) or
+        ``"xxh3_64:<hex>"`` (a shard of plain arrays); the arrays it records none for are left
+        out. Raises as :meth:`array_digests` does."""
+        if self.chunks:
+            return {chunk.name: f"sha256:{chunk.sha256}" for chunk in self.chunks if chunk.sha256}
+        return {name: f"xxh3_64:{digest}" for name, digest in self.array_digests(names).items()}
+
     @classmethod
     def from_dict(cls, document: Mapping[str, Any], *, source: str = "shard record") -> ShardRecord:
         """Validate a parsed JSON shard record (what :meth:`to_dict` made); errors name ``source``."""

@@ -38,6 +38,17 @@ def test_a_save_of_the_same_arrays_is_said_stale_naming_both_steps(tmp_path, cap
     assert "since step 30" in said[1]
 
 
+def test_a_restarted_job_compares_with_the_step_on_its_disk(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, "tiered_ckpt")
+    with CheckpointManager(tmp_path, world_size=1) as manager:
+        manager.save(5, state(5), blocking=True)
+    with CheckpointManager(tmp_path, world_size=1) as manager:  # its digests read from step 5's headers
+        manager.restore()
+        manager.save(6, state(5), blocking=True)
+    (said,) = stale_warnings(caplog)
+    assert "step 6 may be stale: none of its 4 arrays changed since step 5" in said
+
+
 def test_the_arrays_that_must_change_are_named_and_a_frozen_part_raises_no_alarm(tmp_path, caplog):
     caplog.set_level(logging.WARNING, "tiered_ckpt")
     runtime = RuntimeOptions(must_change=["optim"])

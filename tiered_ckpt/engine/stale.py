@@ -17,7 +17,10 @@ arrays), and judges across every process (:func:`judge`):
 ``runtime.stale_saves`` says what a stale step does: ``"warn"`` (the default: a WARNING
 naming both steps and the unchanged paths), ``"error"`` (the save fails before anything is
 committed: a :class:`~tiered_ckpt.SaveError`), or ``"off"``. Arrays whose manifest records
-no digest (a shard of very many arrays) are never judged unchanged.
+no digest (a shard of very many arrays) are never judged unchanged. The digests of the
+step a process last wrote are kept for the next save's comparison: only a save whose
+previous step this process did not write (the first after a restart) reads that step's
+shard headers.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from tiered_ckpt.format.selection import selects
 from tiered_ckpt.format.structure import leaf_name
 from tiered_ckpt.tiers.store import TieredStore
 
-__all__ = ["Comparison", "check_stale", "compare_with_previous", "judge", "must_change_names"]
+__all__ = ["Comparison", "StaleCheck", "judge", "must_change_names"]
 
 logger = logging.getLogger("tiered_ckpt")
 
@@ -72,30 +75,73 @@ def must_change_names(paths: Sequence[str | Sequence[str | int]] | None) -> tupl
     return tuple(path if isinstance(path, str) else leaf_name(tuple(path)) for path in paths or ())
 
 
-def compare_with_previous(
-    store: TieredStore, step: int, records: Sequence[ShardRecord], must: Sequence[str], mode: str = "warn"
-) -> dict[str, Any]:
-    """This process's shards of ``step`` (written, not committed: ``records``) compared with the
-    newest step committed on the local disk before it (see the module doc), as
-    :meth:`Comparison.to_dict` gives it to the write collective ({} for ``mode`` "off").
-    Reads the two steps' shard headers (a few KB each) and the earlier manifest."""
-    return {} if mode == "off" else _compared(store, step, records, must).to_dict()
+class StaleCheck:
+    """The stale-save check of one writer: ``mode`` is ``runtime.stale_saves``, ``must`` the
+    name prefixes of ``runtime.must_change`` (:func:`must_change_names`)."""
+
+    def __init__(self, mode: str = "warn", must: Sequence[str] = ()) -> None:
+        self.mode, self.must = mode, tuple(must)
+        self._kept: tuple[int, dict[int, dict[str, str]]] | None = None  # the last step written, its digests
+
+    def compare(
+        self, store: TieredStore, step: int, records: Sequence[ShardRecord], names: Mapping[int, Sequence[str]]
+    ) -> dict[str, Any]:
+        """This process's shards of ``step`` (written, not committed: ``records``, whose arrays
+        ``names`` lists by rank) compared with the newest step committed on the local disk
+        before it, as :meth:`Comparison.to_dict` gives it to the write collective ({} when the
+        check is off)."""
+        if self.mode == "off":
+            return {}
+        now = {record.rank: _digests(record, names[record.rank]) for record in records}
+        earlier = [each for each in store.local.steps() if each < step]
+        kept, self._kept = self._kept, (step, now)
+        if not earlier:
+            return Comparison().to_dict()
+        previous = earlier[-1]
+        if kept is not None and kept[0] == previous:
+            before = kept[1]
+        else:  # not written by this process (a restart): the step's headers say its arrays
+            records_before = {record.rank: record for record in store.local.manifest(previous).shards}
+            before = {rank: _read(store, previous, records_before[rank]) for rank in now if rank in records_before}
+        return _compared(previous, now, before, self.must).to_dict()
+
+    def check(self, step: int, compared: Sequence[Mapping[str, Any]], leader: bool) -> None:
+        """After the write collective, before the commit: judge ``step`` by every process's
+        comparison. Stale: a WARNING from the ``leader``, or under ``mode`` "error" an
+        :class:`InvalidStateError` on every process (nothing is committed)."""
+        if self.mode == "off" or not all(compared):
+            return
+        problem = judge(step, [Comparison.from_dict(each) for each in compared], self.must)
+        if problem is None:
+            return
+        if self.mode == "error":
+            raise InvalidStateError(f"{problem}; nothing was committed (runtime.stale_saves='error')")
+        if leader:
+            logger.warning("%s (runtime.stale_saves='warn')", problem)
 
 
-def _compared(store: TieredStore, step: int, records: Sequence[ShardRecord], must: Sequence[str]) -> Comparison:
-    local = store.local
-    earlier = [each for each in local.steps() if each < step]
-    if not earlier:
-        return Comparison()
-    previous = earlier[-1]
-    before = {record.rank: record for record in local.manifest(previous).shards}
+def _digests(record: ShardRecord, names: Sequence[str]) -> dict[str, str]:
+    """Every array of ``record``'s shard (``names``) with the digest the record holds for it
+    ("" where it holds none)."""
+    recorded = record.digests_by_name(sorted(names))
+    return {name: recorded.get(name, "") for name in names}
+
+
+def _read(store: TieredStore, step: int, record: ShardRecord) -> dict[str, str]:
+    """The digests ``step``'s manifest records for ``record``'s arrays, named by its shard's header (local)."""
+    header, _tier = store.read_shard_header(step, record, later=())
+    return _digests(record, list(header.arrays))
+
+
+def _compared(
+    previous: int, now: Mapping[int, Mapping[str, str]], before: Mapping[int, Mapping[str, str]], must: Sequence[str]
+) -> Comparison:
     arrays = compared = changed = must_count = must_compared = must_changed = 0
     unchanged: list[str] = []
-    for record in records:
-        now = _digests(store, step, record)
-        arrays += len(now)
-        old = _digests(store, previous, before[record.rank]) if record.rank in before else {}
-        for name, digest in now.items():
+    for rank, digests in now.items():
+        arrays += len(digests)
+        old = before.get(rank, {})
+        for name, digest in digests.items():
             under = selects(must, name)
             must_count += under
             if not digest or not old.get(name) or old[name].partition(":")[0] != digest.partition(":")[0]:
@@ -106,17 +152,8 @@ def _compared(store: TieredStore, step: int, records: Sequence[ShardRecord], mus
             must_compared += under
             must_changed += under and differs
             if under and not differs and len(unchanged) < _NAMED:
-                unchanged.append(f"rank {record.rank}: {name}")
+                unchanged.append(f"rank {rank}: {name}")
     return Comparison(previous, arrays, compared, changed, must_count, must_compared, must_changed, tuple(unchanged))
-
-
-def _digests(store: TieredStore, step: int, record: ShardRecord) -> dict[str, str]:
-    """By name, the digest ``step``'s manifest records for each array of ``record``'s shard
-    ("" where it records none); the names from the shard's header, on the local disk."""
-    header, _tier = store.read_shard_header(step, record, later=())
-    names = sorted(header.arrays)
-    recorded = record.digests_by_name(names)
-    return {name: recorded.get(name, "") for name in names}
 
 
 def judge(step: int, comparisons: Sequence[Comparison], must: Sequence[str]) -> str | None:
@@ -139,18 +176,3 @@ def judge(step: int, comparisons: Sequence[Comparison], must: Sequence[str]) -> 
             f"({', '.join(must)}) changed since step {earlier}: {listed}"
         )
     return None
-
-
-def check_stale(step: int, compared: Sequence[Mapping[str, Any]], mode: str, must: Sequence[str], leader: bool) -> None:
-    """After the write collective, before the commit: judge ``step`` by every process's
-    comparison (:func:`compare_with_previous`). Stale: a WARNING from the ``leader``, or under
-    ``mode`` "error" an :class:`InvalidStateError` on every process (nothing is committed)."""
-    if mode == "off" or not all(compared):
-        return
-    problem = judge(step, [Comparison.from_dict(each) for each in compared], must)
-    if problem is None:
-        return
-    if mode == "error":
-        raise InvalidStateError(f"{problem}; nothing was committed (runtime.stale_saves='error')")
-    if leader:
-        logger.warning("%s (runtime.stale_saves='warn')", problem)

@@ -57,7 +57,7 @@ from tiered_ckpt.engine.save_handle import SaveHandle, not_replicated
 from tiered_ckpt.engine.sending import MemoryStep
 from tiered_ckpt.engine.shards import Borrowed, ShardBuffer, build_manifest, serialize_shards, write_shards
 from tiered_ckpt.engine.staging import Staged, StagingBuffers
-from tiered_ckpt.engine.stale import check_stale, compare_with_previous
+from tiered_ckpt.engine.stale import StaleCheck
 from tiered_ckpt.errors import CheckpointError, SaveError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.format.state import FlatState
@@ -133,11 +133,10 @@ class Writer:
         cpus: frozenset[int] | None = None,
         local_every: int = 1,
         host_memory_bytes: int | None = None,
-        stale: tuple[str, tuple[str, ...]] = ("warn", ()),
+        stale: StaleCheck | None = None,
     ) -> None:
         self._store = store
-        self._stale, self._must_change = stale  # runtime.stale_saves, runtime.must_change's name prefixes
-        self._leader = coordinator.is_leader
+        self._stale = stale or StaleCheck()
         self._coordinator = coordinator
         self._ranks = tuple(coordinator.local_ranks)
         self._world_size = world_size
@@ -417,12 +416,14 @@ class Writer:
                     replicas=replicas,
                     borrowed=borrowed,
                 )
-                compared = compare_with_previous(self._store, step, records, self._must_change, self._stale)
+                mine = zip(self._ranks, staged, strict=True)
+                names = {rank: [n for n in state.arrays if n not in replicas.get(rank, {})] for rank, state in mine}
+                compared = self._stale.compare(self._store, step, records, names)
                 return _Written(tuple(record.to_dict() for record in records), time.time(), compared)
 
             written = gather(self._coordinator, "write", _Written, write)
             manifest = self._records(step, written, keys)
-            check_stale(step, [part.compared for part in written], self._stale, self._must_change, self._leader)
+            self._stale.check(step, [part.compared for part in written], self._coordinator.is_leader)
 
             # The commit is agreed: retention may delete older steps only once every rank has
             # committed this one. A collective on the writer's own channel, so a rank that died

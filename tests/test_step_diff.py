@@ -61,9 +61,9 @@ def test_every_kind_of_difference_is_listed_and_the_same_arrays_counted(tmp_path
         "optim/gone": "removed",
     }
     assert got["same"] == 1 and got["identical"] is False  # model/frozen
-    assert got["first"]["own_bytes"] > 0 and got["first"]["referenced_bytes"] == 0
+    assert got["first"]["bytes"] > 0 and got["second"]["world_size"] == 1
     code, out, _ = run(None, "diff", "2", "2", "--local-dir", str(tmp_path))
-    assert code == 0 and "0 arrays changed, 0 added, 0 removed, 5 the same" in out
+    assert code == 0 and "0 arrays changed, 0 added, 0 removed, 5 the same" in out and "step 2: 1 rank," in out
     code, out, _ = run(None, "diff", "1", "2", "--local-dir", str(tmp_path))
     assert "step 1 -> step 2: 3 arrays changed, 1 added, 1 removed, 1 the same" in out
     assert [line.split()[1] for line in out.splitlines()[1:6]] == ["dtype", "bytes", "removed", "shape", "added"]

@@ -294,10 +294,7 @@ def command_show(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
         lines.append(f"{row['rank']:>5}  {row['dtype']:<5} {shape:<20} {human_size(row['bytes']):>9}  {row['name']}")
     missing = found.missing_ranks
     shards = f"{manifest.world_size - len(missing)} of {manifest.world_size}" if missing else manifest.world_size
-    lines.append(
-        f"step {args.step}: {len(rows)} arrays in {shards} shards, {human_size(manifest.total_bytes)} "
-        f"({human_size(found.own_bytes)} its own, {human_size(found.referenced_bytes)} in earlier steps' files)"
-    )
+    lines.append(f"step {args.step}: {len(rows)} arrays in {shards} shards, {human_size(manifest.total_bytes)}")
     _say_missing(config, args.step, found)
     return EXIT_OK, (rows, "\n".join(lines))
 
@@ -329,18 +326,21 @@ def command_diff(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     changed = len(diff.changes) - counts["added"] - counts["removed"]
     unknown = sum(1 for c in diff.changes if c.change == "unknown")
     lines.append(
-        f"step {args.first} -> step {args.second}: {changed} arrays changed"
+        f"step {args.first} -> step {args.second}: {_count(changed, 'array')} changed"
         + (f" ({unknown} of them unknown: no digest recorded)" if unknown else "")
         + f", {counts['added']} added, {counts['removed']} removed, {diff.same} the same"
     )
     for side in (diff.first, diff.second):
-        lines.append(
-            f"step {side.manifest.step}: {human_size(side.own_bytes)} of its own, "
-            f"{human_size(side.referenced_bytes)} in earlier steps' files"
-        )
+        found = side.manifest
+        lines.append(f"step {found.step}: {_count(found.world_size, 'rank')}, {human_size(found.total_bytes)}")
     _say_missing(config, args.first, diff.first)
     _say_missing(config, args.second, diff.second)
     return EXIT_OK, (diff.to_dict(), "\n".join(lines))
+
+
+def _count(count: int, thing: str) -> str:
+    """``1 array``, ``3 arrays``."""
+    return f"{count} {thing}{'' if count == 1 else 's'}"
 
 
 def _ranks(ranks: Collection[int]) -> str:

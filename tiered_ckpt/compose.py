@@ -37,7 +37,7 @@ from tiered_ckpt.engine.preemption import PreemptionNotice, PreemptionWatch
 from tiered_ckpt.engine.refill import Refiller
 from tiered_ckpt.engine.replication import Backlog, Replicator
 from tiered_ckpt.engine.restore import Restorer
-from tiered_ckpt.engine.stale import StaleCheck, must_change_names
+from tiered_ckpt.engine.stale import StaleCheck
 from tiered_ckpt.engine.writer import Writer
 from tiered_ckpt.errors import DirectoryInUseError, RemoteError
 from tiered_ckpt.options import Options
@@ -186,7 +186,7 @@ def open_parts(options: Options, coordinator: Coordinator) -> Parts:
         cpus=options.runtime.writer_cpus,
         local_every=options.local.every,
         host_memory_bytes=budget,
-        stale=StaleCheck(options.runtime.stale_saves, must_change_names(options.runtime.must_change)),
+        stale=StaleCheck(options.runtime.stale_saves, options.runtime.must_change),
     )
     stack.enter_context(closing(writer))  # closed first: the last write reaches the replicators before they finish
     refiller = Refiller(store, writer.run_after, max_workers)

@@ -51,16 +51,6 @@ class StepArrays:
     arrays: Mapping[tuple[int, str], StepArray]
     missing_ranks: tuple[int, ...] = ()
 
-    @property
-    def own_bytes(self) -> int:
-        """The bytes of the step's own shards."""
-        return self.manifest.total_bytes
-
-    @property
-    def referenced_bytes(self) -> int:
-        """The bytes the step takes from earlier steps' files instead of writing them again."""
-        return 0
-
 
 @dataclass(frozen=True)
 class ArrayChange:
@@ -98,8 +88,7 @@ class StepDiff:
             return {
                 "step": arrays.manifest.step,
                 "world_size": arrays.manifest.world_size,
-                "own_bytes": arrays.own_bytes,
-                "referenced_bytes": arrays.referenced_bytes,
+                "bytes": arrays.manifest.total_bytes,
                 "missing_ranks": list(arrays.missing_ranks),
             }
 

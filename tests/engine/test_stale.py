@@ -58,7 +58,7 @@ def test_the_arrays_that_must_change_are_named_and_a_frozen_part_raises_no_alarm
         assert stale_warnings(caplog) == []
         manager.save(3, state(3, optim_step=2), blocking=True)  # the optimizer saved from an old copy
     (said,) = stale_warnings(caplog)
-    assert "none of the 2 arrays under runtime.must_change (optim) changed since step 2" in said
+    assert "none of the 2 arrays under runtime.must_change changed since step 2" in said
     assert "rank 0: optim/m" in said and "rank 0: optim/v" in said
 
 
@@ -121,3 +121,54 @@ def test_every_rank_of_a_job_refuses_a_stale_step_and_none_commits_it(tmp_path):
         assert "step 3 may be stale: none of its" in result["error"][1] and "since step 2" in result["error"][1]
         directory = tmp_path / "nodes" / f"rank-{rank}"
         assert (directory / step_dir_name(2)).is_dir() and not (directory / step_dir_name(3)).exists()
+
+
+def test_a_previous_step_that_cannot_be_read_never_fails_a_save(tmp_path, caplog):
+    from support.states import flip_byte
+
+    caplog.set_level(logging.INFO, "tiered_ckpt")
+    runtime = RuntimeOptions(stale_saves="error")
+    with CheckpointManager(tmp_path, world_size=1, runtime=runtime) as manager:
+        manager.save(1, state(1), blocking=True)
+    flip_byte(next((tmp_path / step_dir_name(1)).glob("*.safetensors")), 20)  # in its header
+    with CheckpointManager(tmp_path, world_size=1, runtime=runtime) as manager:  # nothing kept: headers are read
+        manager.save(2, state(1), blocking=True)  # the same arrays: but not judged, and committed
+        with pytest.raises(SaveError, match="step 3 may be stale"):
+            manager.save(3, state(1), blocking=True)  # against step 2, kept: judged
+        assert manager.steps() == [1, 2]
+    assert any("step 2 is not compared with step 1" in r.getMessage() for r in caplog.records)
+
+
+def test_must_change_paths_follow_the_structure_and_one_naming_nothing_is_said_once(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, "tiered_ckpt")
+
+    def nested(step, optim_step):
+        return {
+            "model": {"w": np.full(4, float(step))},
+            "optims": [{"m": np.full(3, float(optim_step))}, {"m": np.ones(2)}],  # a list, as torch gives
+            "a/b": {"c": np.full(2, float(optim_step))},  # a key holding "/"
+        }
+
+    runtime = RuntimeOptions(must_change=[("optims", 0), ("a/b",), "nothing_here"])
+    with CheckpointManager(tmp_path, world_size=1, runtime=runtime) as manager:
+        manager.save(1, nested(1, 1), blocking=True)
+        manager.save(2, nested(2, 1), blocking=True)
+        manager.save(3, nested(3, 3), blocking=True)
+    said = stale_warnings(caplog)
+    assert len(said) == 1 and "none of the 2 arrays under runtime.must_change changed since step 1" in said[0]
+    assert "rank 0: optims/0/m" in said[0] and "rank 0: a%2Fb/c" in said[0]
+    nothing = [r.getMessage() for r in caplog.records if "nothing_here" in r.getMessage()]
+    assert len(nothing) == 1 and "no stale-save check for it" in nothing[0]
+
+
+def test_a_stale_step_of_a_preemption_is_said_not_refused(caplog):
+    from tiered_ckpt.engine.stale import Comparison, StaleCheck
+
+    caplog.set_level(logging.WARNING, "tiered_ckpt")
+    stale = Comparison(previous=4, arrays=3, compared=3, changed=0).to_dict()
+    StaleCheck("error").check(5, [stale, stale], leader=True, refuse=False)  # the job's last step: kept
+    assert stale_warnings(caplog) == [
+        "step 5 may be stale: none of its 6 arrays changed since step 4 (runtime.stale_saves='error')"
+    ]
+    with pytest.raises(Exception, match="nothing was committed"):
+        StaleCheck("error").check(5, [stale, stale], leader=True)

@@ -26,17 +26,17 @@ shard headers.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tiered_ckpt.errors import InvalidStateError
+from tiered_ckpt.errors import CheckpointError, InvalidStateError, UsageError
 from tiered_ckpt.format.manifest import ShardRecord
-from tiered_ckpt.format.selection import selects
-from tiered_ckpt.format.structure import leaf_name
+from tiered_ckpt.format.selection import resolve_path
+from tiered_ckpt.format.state import FlatState
 from tiered_ckpt.tiers.store import TieredStore
 
-__all__ = ["Comparison", "StaleCheck", "judge", "must_change_names"]
+__all__ = ["Comparison", "StaleCheck", "judge"]
 
 logger = logging.getLogger("tiered_ckpt")
 
@@ -69,55 +69,90 @@ class Comparison:
         return cls(**{**document, "must_unchanged": tuple(document["must_unchanged"])})
 
 
-def must_change_names(paths: Sequence[str | Sequence[str | int]] | None) -> tuple[str, ...]:
-    """The tensor-name prefixes of ``runtime.must_change``: a top-level key or a tensor name
-    as it is, a tuple of keys as the tensor name it makes."""
-    return tuple(path if isinstance(path, str) else leaf_name(tuple(path)) for path in paths or ())
-
-
 class StaleCheck:
     """The stale-save check of one writer: ``mode`` is ``runtime.stale_saves``, ``must`` the
-    name prefixes of ``runtime.must_change`` (:func:`must_change_names`)."""
+    paths of ``runtime.must_change`` (tensor names, top-level keys or tuples of keys), resolved
+    against each state saved (:func:`~tiered_ckpt.format.selection.resolve_path`)."""
 
-    def __init__(self, mode: str = "warn", must: Sequence[str] = ()) -> None:
-        self.mode, self.must = mode, tuple(must)
+    def __init__(self, mode: str = "warn", must: Sequence[str | Sequence[str | int]] = ()) -> None:
+        self.mode = mode
+        self.must = tuple(path if isinstance(path, str) else tuple(path) for path in must)
         self._kept: tuple[int, dict[int, dict[str, str]]] | None = None  # the last step written, its digests
+        self._told: set[str] = set()  # the must_change paths said to match no array
 
     def compare(
-        self, store: TieredStore, step: int, records: Sequence[ShardRecord], names: Mapping[int, Sequence[str]]
+        self,
+        store: TieredStore,
+        step: int,
+        records: Sequence[ShardRecord],
+        states: Mapping[int, FlatState],
+        left: Mapping[int, Collection[str]],
     ) -> dict[str, Any]:
-        """This process's shards of ``step`` (written, not committed: ``records``, whose arrays
-        ``names`` lists by rank) compared with the newest step committed on the local disk
-        before it, as :meth:`Comparison.to_dict` gives it to the write collective ({} when the
-        check is off)."""
+        """This process's shards of ``step`` (written, not committed: ``records``; ``states``, by
+        rank, what they were written from, but the replicas ``left`` to other ranks' shards) compared with the
+        newest step committed on the local disk before it, as :meth:`Comparison.to_dict` gives
+        it to the write collective ({} when the check is off). A step that cannot be compared
+        (its files unreadable, on other nodes' disks) is not judged: a check never fails a save."""
         if self.mode == "off":
             return {}
-        now = {record.rank: _digests(record, names[record.rank]) for record in records}
-        earlier = [each for each in store.local.steps() if each < step]
+        now = {}
+        for record in records:
+            names = [name for name in states[record.rank].arrays if name not in left.get(record.rank, ())]
+            now[record.rank] = _digests(record, names)
         kept, self._kept = self._kept, (step, now)
-        if not earlier:
+        previous = None
+        try:
+            earlier = [each for each in store.local.steps() if each < step]
+            if not earlier:
+                return Comparison().to_dict()
+            previous = earlier[-1]
+            if kept is not None and kept[0] == previous:
+                before = kept[1]
+            else:  # not written by this process (a restart): the step's headers say its arrays
+                manifest = store.local.manifest(previous)
+                held = set(store.local.held_ranks(previous, manifest))
+                records_before = {record.rank: record for record in manifest.shards if record.rank in held}
+                before = {rank: _read(store, previous, records_before[rank]) for rank in now if rank in records_before}
+        except (CheckpointError, OSError) as exc:
+            logger.info("step %d is not compared with step %s for stale saves: %s", step, previous, exc)
             return Comparison().to_dict()
-        previous = earlier[-1]
-        if kept is not None and kept[0] == previous:
-            before = kept[1]
-        else:  # not written by this process (a restart): the step's headers say its arrays
-            records_before = {record.rank: record for record in store.local.manifest(previous).shards}
-            before = {rank: _read(store, previous, records_before[rank]) for rank in now if rank in records_before}
-        return _compared(previous, now, before, self.must).to_dict()
+        must = {rank: self._under(state) for rank, state in states.items()}
+        return _compared(previous, now, before, must).to_dict()
 
-    def check(self, step: int, compared: Sequence[Mapping[str, Any]], leader: bool) -> None:
+    def _under(self, state: FlatState) -> frozenset[str]:
+        """The arrays of ``state`` under the paths of ``runtime.must_change`` (by their places in
+        its structure: list indices and escaped keys as saved); a path that names no array of
+        it is said once (WARNING) and left out."""
+        found: set[str] = set()
+        for path in self.must:
+            try:
+                place = resolve_path(state.structure, path, "runtime.must_change")
+            except UsageError as exc:
+                place = None
+                problem = str(exc)
+            names = {name for name, at in state.structure.paths.items() if place and at[: len(place)] == place}
+            if not names and place is not None:
+                problem = f"runtime.must_change: paths: {path!r:.200} holds no array of the state saved"
+            if not names and str(path) not in self._told:
+                self._told.add(str(path))
+                logger.warning("%s: no stale-save check for it", problem)
+            found |= names
+        return frozenset(found)
+
+    def check(self, step: int, compared: Sequence[Mapping[str, Any]], leader: bool, refuse: bool = True) -> None:
         """After the write collective, before the commit: judge ``step`` by every process's
-        comparison. Stale: a WARNING from the ``leader``, or under ``mode`` "error" an
+        comparison. Stale: a WARNING from the ``leader``, or under ``mode`` "error" (unless
+        ``refuse`` is False: a preemption's last step is never refused) an
         :class:`InvalidStateError` on every process (nothing is committed)."""
         if self.mode == "off" or not all(compared):
             return
-        problem = judge(step, [Comparison.from_dict(each) for each in compared], self.must)
+        problem = judge(step, [Comparison.from_dict(each) for each in compared])
         if problem is None:
             return
-        if self.mode == "error":
+        if self.mode == "error" and refuse:
             raise InvalidStateError(f"{problem}; nothing was committed (runtime.stale_saves='error')")
         if leader:
-            logger.warning("%s (runtime.stale_saves='warn')", problem)
+            logger.warning("%s (runtime.stale_saves=%r)", problem, self.mode)
 
 
 def _digests(record: ShardRecord, names: Sequence[str]) -> dict[str, str]:
@@ -134,7 +169,10 @@ def _read(store: TieredStore, step: int, record: ShardRecord) -> dict[str, str]:
 
 
 def _compared(
-    previous: int, now: Mapping[int, Mapping[str, str]], before: Mapping[int, Mapping[str, str]], must: Sequence[str]
+    previous: int,
+    now: Mapping[int, Mapping[str, str]],
+    before: Mapping[int, Mapping[str, str]],
+    must: Mapping[int, Collection[str]],
 ) -> Comparison:
     arrays = compared = changed = must_count = must_compared = must_changed = 0
     unchanged: list[str] = []
@@ -142,7 +180,7 @@ def _compared(
         arrays += len(digests)
         old = before.get(rank, {})
         for name, digest in digests.items():
-            under = selects(must, name)
+            under = name in must[rank]
             must_count += under
             if not digest or not old.get(name) or old[name].partition(":")[0] != digest.partition(":")[0]:
                 continue
@@ -156,7 +194,7 @@ def _compared(
     return Comparison(previous, arrays, compared, changed, must_count, must_compared, must_changed, tuple(unchanged))
 
 
-def judge(step: int, comparisons: Sequence[Comparison], must: Sequence[str]) -> str | None:
+def judge(step: int, comparisons: Sequence[Comparison]) -> str | None:
     """Whether ``step`` is stale by every process's comparison (see the module doc): why, in a
     sentence naming both steps, or None."""
     previous = {each.previous for each in comparisons}
@@ -168,11 +206,11 @@ def judge(step: int, comparisons: Sequence[Comparison], must: Sequence[str]) -> 
         return f"step {step} may be stale: none of its {arrays} arrays changed since step {earlier}"
     must_total = sum(each.must for each in comparisons)
     if must_total and all(each.must_compared == each.must and not each.must_changed for each in comparisons):
-        named = [name for each in comparisons for name in each.must_unchanged]
+        named = [name for each in comparisons for name in each.must_unchanged][:_NAMED]
         more = must_total - len(named)
         listed = ", ".join(named) + (f" and {more} more" if more > 0 else "")
         return (
             f"step {step} may be stale: none of the {must_total} arrays under runtime.must_change "
-            f"({', '.join(must)}) changed since step {earlier}: {listed}"
+            f"changed since step {earlier}: {listed}"
         )
     return None

@@ -416,14 +416,13 @@ class Writer:
                     replicas=replicas,
                     borrowed=borrowed,
                 )
-                mine = zip(self._ranks, staged, strict=True)
-                names = {rank: [n for n in state.arrays if n not in replicas.get(rank, {})] for rank, state in mine}
-                compared = self._stale.compare(self._store, step, records, names)
+                mine = dict(zip(self._ranks, staged, strict=True))
+                compared = self._stale.compare(self._store, step, records, mine, replicas)
                 return _Written(tuple(record.to_dict() for record in records), time.time(), compared)
 
             written = gather(self._coordinator, "write", _Written, write)
             manifest = self._records(step, written, keys)
-            self._stale.check(step, [part.compared for part in written], self._coordinator.is_leader)
+            self._stale.check(step, [part.compared for part in written], self._coordinator.is_leader, not every_tier)
 
             # The commit is agreed: retention may delete older steps only once every rank has
             # committed this one. A collective on the writer's own channel, so a rank that died

@@ -37,7 +37,7 @@ class StepArray:
     digest: str = ""
 
     def describe(self) -> str:
-        """``bf16 4096x4096``: its dtype and shape, as ``show`` prints them."""
+        """``BF16 4096x4096``: its dtype and shape, as ``show`` prints them."""
         return f"{self.dtype} {'x'.join(map(str, self.shape)) or 'scalar'}"
 
 
@@ -155,7 +155,7 @@ def diff_steps(store: TieredStore, first: int, second: int) -> StepDiff:
     for key in sorted(set(a.arrays) | set(b.arrays)):
         before, after = a.arrays.get(key), b.arrays.get(key)
         if before is None or after is None:
-            if (before or after).rank in (*a.missing_ranks, *b.missing_ranks):  # type: ignore[union-attr]
+            if key[0] in (*a.missing_ranks, *b.missing_ranks):
                 continue  # on another node's disk in one of them: nothing to compare it with
             changes.append(ArrayChange(*key, "added" if before is None else "removed", before, after))
             continue

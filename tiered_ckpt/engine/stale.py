@@ -15,12 +15,15 @@ arrays), and judges across every process (:func:`judge`):
   a frozen part of the optimizer's state raises no alarm.
 
 ``runtime.stale_saves`` says what a stale step does: ``"warn"`` (the default: a WARNING
-naming both steps and the unchanged paths), ``"error"`` (the save fails before anything is
-committed: a :class:`~tiered_ckpt.SaveError`), or ``"off"``. Arrays whose manifest records
-no digest (a shard of very many arrays) are never judged unchanged. The digests of the
-step a process last wrote are kept for the next save's comparison: only a save whose
-previous step this process did not write (the first after a restart) reads that step's
-shard headers.
+naming both steps and the first unchanged arrays under ``runtime.must_change``),
+``"error"`` (the save fails before anything is committed: a
+:class:`~tiered_ckpt.SaveError`; a preemption's last step is only warned about), or
+``"off"``. Arrays whose manifest records no digest (a shard of very many arrays), or that
+moved to another rank, are never judged unchanged, and a step whose earlier step cannot be
+read is not judged: the check never fails a save by itself. The digests of the step a
+process last wrote are kept for the next save's comparison: only a save whose previous
+step this process did not write (the first after a restart) reads that step's shard
+headers.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ A restore into CUDA tensors past the host memory budget fills such a file as an 
 (:func:`paged_array`): the reads that fill it hand each piece over once it is written and
 verified (:meth:`Pages.filled`: its xxh3-64 is kept and its pages let go; :func:`pages_of`
 tells them which arrays are such), and the copy to the device reads it back a piece at a
-time with ``pread`` (:meth:`Pages.read_back`), each filled piece checked against its
+time with ``pread`` (:meth:`Pages.reader`), each filled piece checked against its
 xxh3-64 again: the page cache may have written the bytes to the disk and dropped them
 meanwhile, and a failing disk then answers EIO (an error) or other bytes (found), where a
 read through the map would kill the process (SIGBUS).

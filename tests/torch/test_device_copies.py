@@ -356,17 +356,19 @@ def test_bytes_that_changed_on_the_disk_after_their_read_never_reach_the_tensor(
     assert not bool(tensor[3 * 1024 :].any())  # from the changed piece on, nothing was copied
 
 
-def test_tensors_past_the_budget_share_a_few_unnamed_files(tmp_path, host_cuda):
+def test_tensors_past_the_budget_share_a_few_unnamed_files(tmp_path, host_cuda, monkeypatch):
     from tiered_ckpt.io.scratch import pages_of
 
+    monkeypatch.setattr(host_cuda, "_FIRST_ARENA", 1 << 20)  # files of 1, 2, 4, 4 MiB: the rule, on little disk
+    monkeypatch.setattr(host_cuda, "_LARGEST_ARENA", 4 << 20)
     targets = host_cuda.DeviceTargets(lambda release: 0, tmp_path)
-    tensors = [torch.full((1 << 18,), float(i)) for i in range(300)]  # 1 MiB each
-    hosts = [targets.host_for(torch.zeros(1 << 18)) for _ in tensors]
+    tensors = [torch.full((1 << 14,), float(i)) for i in range(160)]  # 64 KiB each, 10 MiB
+    hosts = [targets.host_for(torch.zeros(1 << 14)) for _ in tensors]
     backings = {id(pages_of(host).backing) for host in hosts}
-    assert len(backings) == 3  # 64 + 128 + 256 MiB, not 300 files (maps, descriptors)
+    assert len(backings) == 4  # not 160 files (maps, descriptors)
     for host, tensor in zip(hosts, tensors, strict=True):
         host[:] = tensor.numpy()
-    outs = [torch.zeros(1 << 18) for _ in tensors]
+    outs = [torch.zeros(1 << 14) for _ in tensors]
     targets._pairs = [(host, out) for host, out in zip(hosts, outs, strict=True)]
     targets.copy_back()
     assert all(torch.equal(out, tensor) for out, tensor in zip(outs, tensors, strict=True))
@@ -386,6 +388,7 @@ def test_a_disk_without_room_for_a_whole_file_of_tensors_still_takes_each_tensor
 
     monkeypatch.setattr(host_cuda, "paged_array", small_disk)
     targets = host_cuda.DeviceTargets(lambda release: 0, tmp_path)
-    hosts = [targets.host_for(torch.zeros(1 << 20)) for _ in range(2)]  # 4 MiB each, not 64 MiB
+    hosts = [targets.host_for(torch.zeros(1 << 20)) for _ in range(4)]  # 4 MiB each
     assert all(pages_of(host) is not None for host in hosts)
+    assert len({id(pages_of(host).backing) for host in hosts}) == 2  # files of 8 MiB: the most the disk takes
     targets.copy_back()

@@ -232,18 +232,22 @@ class DeviceTargets:
 
     def _paged(self, nbytes: int) -> np.ndarray:
         """``nbytes`` of an unnamed file, at a page boundary of one shared by the tensors before
-        (files of 64 MiB, then twice as large each up to 1 GiB, or the tensor's size): a
-        model's thousands of tensors take a few files, maps and descriptors, not one each."""
+        (files of 64 MiB, then twice as large each up to 1 GiB, or the tensor's size; half as
+        large, down to the tensor's, where the disk cannot hold one): a model's thousands of
+        tensors take a few files, maps and descriptors, not one each."""
         aligned = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
         if self._arena is None or self._used + aligned > self._arena.size:
             assert self.scratch is not None  # _past_budget asks only then
             size = max(aligned, self._next_arena)
-            try:
-                arena = paged_array(self.scratch, size)
-            except OSError:
-                if size == aligned:
-                    raise
-                arena = paged_array(self.scratch, aligned)  # the disk may still hold this tensor
+            while True:
+                try:
+                    arena = paged_array(self.scratch, size)
+                    break
+                except OSError:
+                    if size == aligned:
+                        raise
+                    size = max(aligned, size // 2)  # the disk may still hold a smaller file
+                    self._next_arena = size  # and no larger one, for now
             self._arena, self._used = arena, 0
             self._next_arena = min(2 * self._next_arena, _LARGEST_ARENA)
         view = self._arena[self._used : self._used + nbytes]

@@ -22,7 +22,7 @@ from typing import BinaryIO
 from tiered_ckpt.errors import DirectoryInUseError, IncompleteCheckpointError, ManifestError
 from tiered_ckpt.io.durable import is_temp_name, temp_target
 
-__all__ = ["directory_lock", "open_regular", "read_small", "remove_temp_files"]
+__all__ = ["directory_lock", "open_regular", "pread_exactly", "read_small", "remove_temp_files"]
 
 
 def open_regular(path: Path, what: str) -> BinaryIO:
@@ -45,6 +45,19 @@ def open_regular(path: Path, what: str) -> BinaryIO:
         raise IncompleteCheckpointError(f"{what}: {kind}, not the committed file")
     os.set_blocking(fd, True)
     return open(fd, "rb", buffering=0)
+
+
+def pread_exactly(fd: int, buffer: memoryview, offset: int) -> None:
+    """Fill ``buffer`` (a contiguous byte view) with the bytes of the open file ``fd`` from
+    ``offset``. With ``pread``, not through a map: a failing disk raises OSError (EIO), which
+    the caller can answer, where a mapped page would kill the process with SIGBUS. A file
+    that ends before ``buffer`` is full raises OSError (EIO) too."""
+    got = 0
+    while got < buffer.nbytes:
+        count = os.preadv(fd, [buffer[got:]], offset + got)
+        if count == 0:
+            raise OSError(errno.EIO, f"file ended at byte {offset + got}")
+        got += count
 
 
 def read_small(path: Path, limit: int) -> bytes:

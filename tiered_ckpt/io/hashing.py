@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import errno
 import hashlib
-import os
 import queue
 import re
 import threading
@@ -28,6 +27,7 @@ import xxhash
 
 from tiered_ckpt.errors import ConfigError, IncompleteCheckpointError
 from tiered_ckpt.io.durable import observe_writes, write_all
+from tiered_ckpt.io.files import pread_exactly
 from tiered_ckpt.io.scratch import refilled
 
 __all__ = [
@@ -217,12 +217,7 @@ def read_hashing(fd: int, offset: int, target: np.ndarray, verify: Verify = "ful
     paged = refilled(target)
     for start in range(0, len(target), CHUNK_BYTES):
         piece = target[start : start + CHUNK_BYTES]
-        got = 0
-        while got < len(piece):
-            count = os.preadv(fd, [piece[got:].data], offset + start + got)
-            if count == 0:
-                raise OSError(errno.EIO, f"file ended at byte {offset + start + got}")
-            got += count
+        pread_exactly(fd, piece.data, offset + start)
         hasher.update(piece.data)
         if paged is not None:
             paged.filled(start, piece.data)

@@ -20,7 +20,6 @@ read through the map would kill the process (SIGBUS).
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
 import tempfile
@@ -35,6 +34,7 @@ import numpy as np
 import xxhash
 
 from tiered_ckpt.errors import StorageError
+from tiered_ckpt.io.files import pread_exactly
 from tiered_ckpt.io.pages import let_go
 
 __all__ = ["Pages", "Paged", "paged_array", "pages_of", "refilled", "unnamed_map"]
@@ -146,12 +146,7 @@ class _ReadBack:
         backing, where = self._pages.backing, self._pages.offset + start
         what = f"restore into CUDA tensors: an unnamed file in {backing.directory}"
         try:
-            got = 0
-            while got < out.size:
-                count = os.preadv(backing.file.fileno(), [out[got:].data], where + got)
-                if count == 0:
-                    raise OSError(errno.EIO, f"file ended at byte {where + got}")
-                got += count
+            pread_exactly(backing.file.fileno(), out.data, where)
         except OSError as exc:
             raise StorageError(f"{what} could not be read back: {exc.strerror or exc}") from exc
         end = where + out.size

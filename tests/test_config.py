@@ -424,6 +424,7 @@ ENVIRONMENT = {
     ("runtime", "host_memory_bytes"): ("8589934592", 8 << 30),
     ("runtime", "must_change"): ("optim, model/head", ("optim", "model/head")),
     ("runtime", "stale_saves"): ("error", "error"),
+    ("runtime", "incremental"): ("false", False),
     ("peer", "every"): ("10", 10),
     ("peer", "max_bytes"): (str(1 << 30), 1 << 30),
     ("peer", "timeout_seconds"): ("5", 5.0),
@@ -458,6 +459,7 @@ def test_every_option_is_reachable_from_its_environment_variable(key):
         ("TIERED_CKPT_RUNTIME_WRITER_CPUS", "0,x", "expected an integer, got 'x'"),
         ("TIERED_CKPT_RUNTIME_PREEMPTION_SIGNALS", "SIGKILL", "key 'runtime.preemption_signals' SIGKILL cannot"),
         ("TIERED_CKPT_UPLOAD_MAX_TRIES", "none", "expected an integer, got 'none'"),
+        ("TIERED_CKPT_RUNTIME_INCREMENTAL", "maybe", "expected true or false, got 'maybe'"),
         ("TIERED_CKPT_REMOTE_STORAGE_OPTIONS", "{}", "remote.storage_options is a table; set it in a config"),
     ],
 )

@@ -107,3 +107,28 @@ def test_a_diff_reads_the_bucket_alone_when_the_disk_lost_the_steps(tmp_path, s3
     assert "reading the bucket alone" in err
     code, _, err = run(s3_credentials_env(), "--config", str(config), "diff", "1", "3")
     assert code == 1 and "step 3" in err
+
+
+def test_the_bytes_a_step_owns_are_told_from_those_it_references(tmp_path):
+    base = {f"layer{i}": np.full((32, 64), i, np.float32) for i in range(3)}  # 8 KiB each
+    with CheckpointManager(tmp_path, world_size=1) as manager:
+        manager.save(1, {"base": base, "adapter": np.zeros((32, 64), np.float32)}, blocking=True)
+        manager.save(2, {"base": base, "adapter": np.ones((32, 64), np.float32)}, blocking=True)
+    code, out, err = run(None, "diff", "1", "2", "--local-dir", str(tmp_path), "--json")
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["first"]["referenced_bytes"] == 0 and got["second"]["referenced_bytes"] == 3 * 8192
+    assert [change["name"] for change in got["changes"]] == ["adapter"] and got["same"] == 3
+    assert got["second"]["bytes"] < got["first"]["bytes"] - 3 * 8192 + 4096
+    code, out, _ = run(None, "show", "2", "--local-dir", str(tmp_path))
+    assert "24.0K referenced in earlier steps" in out and out.count("(in step 1)") == 3
+    code, out, _ = run(None, "ls", "--local-dir", str(tmp_path), "--json")
+    assert [row["referenced_bytes"] for row in json.loads(out)] == [0, 3 * 8192]
+    code, out, _ = run(None, "verify", "--local-dir", str(tmp_path))
+    assert code == 0, out
+    shard = tmp_path / "step-000000000001" / "rank-00000-of-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1  # the last array of step 1's file: a base layer step 2 references
+    shard.write_bytes(bytes(data))
+    code, out, err = run(None, "verify", "2", "--local-dir", str(tmp_path))
+    assert code == 1 and "referenced by this shard" in out + err

@@ -131,20 +131,23 @@ def command_ls(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
                 "world_size": manifest.world_size if manifest else None,
                 "local_ranks": list(status.held_ranks) if status.held_ranks is not None else None,
                 "bytes": manifest.total_bytes if manifest else None,
+                "referenced_bytes": manifest.referenced_bytes if manifest else None,
                 "age_seconds": round(now - manifest.wall_clock_seconds, 1) if manifest else None,
                 "problem": status.problem,
             }
         )
-    lines = [f"{'STEP':>12}  {'LOCAL':<10} {'REMOTE':<10} {'RANKS':>5} {'SIZE':>10} {'AGE':>10}"]
+    lines = [f"{'STEP':>12}  {'LOCAL':<10} {'REMOTE':<10} {'RANKS':>5} {'SIZE':>10} {'AGE':>10} {'REFERENCED':>11}"]
     for row in rows:
         size = human_size(row["bytes"]) if row["bytes"] is not None else "-"
+        referenced = human_size(row["referenced_bytes"]) if row["referenced_bytes"] else "-"
         age = f"{row['age_seconds'] / 60:.1f}m" if row["age_seconds"] is not None else "-"
         ranks = row["world_size"] or "-"
         if row["local_ranks"] is not None and len(row["local_ranks"]) < row["world_size"]:
             ranks = f"{len(row['local_ranks'])}/{row['world_size']}"  # a node of a multi-process job
         local, remote = row["local"] or "-", row["remote"] or "-"
         damaged = "  DAMAGED" if row["problem"] else ""
-        lines.append(f"{row['step']:>12}  {local:<10} {remote:<10} {ranks:>5} {size:>10} {age:>10}{damaged}")
+        line = f"{row['step']:>12}  {local:<10} {remote:<10} {ranks:>5} {size:>10} {age:>10} {referenced:>11}"
+        lines.append(line + damaged)
     for row in rows:
         if row["problem"]:
             print(
@@ -285,18 +288,35 @@ def command_show(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     found = step_arrays(_store(config), args.step)
     manifest = found.manifest
     rows: list[dict[str, Any]] = [
-        {"rank": a.rank, "name": a.name, "dtype": a.dtype, "shape": list(a.shape), "bytes": a.bytes, "tier": a.tier}
+        {
+            "rank": a.rank,
+            "name": a.name,
+            "dtype": a.dtype,
+            "shape": list(a.shape),
+            "bytes": a.bytes,
+            "tier": a.tier,
+            "stored_in": a.stored_in,
+        }
         for a in found.arrays.values()
     ]
     lines = [f"{'RANK':>5}  {'DTYPE':<5} {'SHAPE':<20} {'SIZE':>9}  NAME"]
     for row in rows:
         shape = "x".join(map(str, row["shape"])) or "scalar"
-        lines.append(f"{row['rank']:>5}  {row['dtype']:<5} {shape:<20} {human_size(row['bytes']):>9}  {row['name']}")
+        where = f"  (in step {row['stored_in']})" if row["stored_in"] is not None else ""
+        size = human_size(row["bytes"])
+        lines.append(f"{row['rank']:>5}  {row['dtype']:<5} {shape:<20} {size:>9}  {row['name']}{where}")
     missing = found.missing_ranks
     shards = f"{manifest.world_size - len(missing)} of {manifest.world_size}" if missing else manifest.world_size
-    lines.append(f"step {args.step}: {len(rows)} arrays in {shards} shards, {human_size(manifest.total_bytes)}")
+    lines.append(f"step {args.step}: {len(rows)} arrays in {shards} shards, {_owned(found)}")
     _say_missing(config, args.step, found)
     return EXIT_OK, (rows, "\n".join(lines))
+
+
+def _owned(found: StepArrays) -> str:
+    """``1.2 GiB``, or ``16.0 MiB own, 2.0 GiB referenced in earlier steps``."""
+    if not found.referenced_bytes:
+        return human_size(found.own_bytes)
+    return f"{human_size(found.own_bytes)} own, {human_size(found.referenced_bytes)} referenced in earlier steps"
 
 
 def _say_missing(config: Config, step: int, found: StepArrays) -> None:
@@ -332,7 +352,7 @@ def command_diff(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     )
     for side in (diff.first, diff.second):
         found = side.manifest
-        lines.append(f"step {found.step}: {_count(found.world_size, 'rank')}, {human_size(found.total_bytes)}")
+        lines.append(f"step {found.step}: {_count(found.world_size, 'rank')}, {_owned(side)}")
     _say_missing(config, args.first, diff.first)
     _say_missing(config, args.second, diff.second)
     return EXIT_OK, (diff.to_dict(), "\n".join(lines))

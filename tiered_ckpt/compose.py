@@ -187,6 +187,7 @@ def open_parts(options: Options, coordinator: Coordinator) -> Parts:
         local_every=options.local.every,
         host_memory_bytes=budget,
         stale=StaleCheck(options.runtime.stale_saves, options.runtime.must_change),
+        incremental=options.runtime.incremental,
     )
     stack.enter_context(closing(writer))  # closed first: the last write reaches the replicators before they finish
     refiller = Refiller(store, writer.run_after, max_workers)

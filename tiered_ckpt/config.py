@@ -210,7 +210,8 @@ def _read_document(path: Path) -> dict[str, Any]:
 
 def _env_value(name: str, text: str, field: dataclasses.Field[Any]) -> Any:
     """An environment variable's text as the type its option's field holds: a number, a list
-    of comma-separated items (numbers where the field holds numbers), ``none`` for None."""
+    of comma-separated items (numbers where the field holds numbers), ``true``/``false`` (or
+    1/0, yes/no) for a flag, ``none`` for None."""
     kind = str(field.type)
     if kind.endswith("| None") and text.strip().lower() in ("", "none"):
         return None
@@ -219,6 +220,13 @@ def _env_value(name: str, text: str, field: dataclasses.Field[Any]) -> Any:
         return [_number(name, item, "int") for item in items] if "[int]" in kind else items
     if kind.startswith(("int", "float")):
         return _number(name, text, kind[:3])
+    if kind == "bool":
+        value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(
+            text.strip().lower()
+        )
+        if value is None:
+            raise ConfigError(f"environment variable {name}: expected true or false, got {text!r}")
+        return value
     return text
 
 

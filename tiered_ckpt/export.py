@@ -169,7 +169,7 @@ def export_step(
     later = holdings.later_for
     indexes = [store.read_shard_index(step, record, later=later(record.rank))[0] for record in manifest.shards]
     reads = _Reads(manifest, holdings, dict(enumerate(indexes)), ReadExecutor(store))
-    headers = [index.header for index in indexes]
+    headers = [index.whole_header(record) for index, record in zip(indexes, manifest.shards, strict=True)]
     structures = [index.structure for index in indexes]  # each parsed once, for every read of its parts
     cuts, prefix = _cuts(structures, selected, step)
     tensors, skipped = _plan(manifest, headers, structures, cuts, prefix)

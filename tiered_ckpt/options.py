@@ -308,6 +308,10 @@ class RuntimeOptions:
     (a WARNING naming both steps), ``"error"`` (the save fails before anything is committed)
     or ``"off"``; with ``must_change`` (tensor names or paths, e.g. ``["optim"]``), also one
     in which none of the arrays under those paths changed (:mod:`~tiered_ckpt.engine.stale`).
+    ``incremental`` (default True): an array unchanged since the step before on this disk is
+    referenced in the earlier file that holds its bytes instead of written again, where every
+    tier keeps referenced files (:mod:`~tiered_ckpt.engine.incremental`); False writes every
+    array of every step.
     """
 
     sharded_keys: tuple[ShardedKey, ...] | None = None
@@ -317,6 +321,7 @@ class RuntimeOptions:
     host_memory_bytes: int | None = None
     must_change: tuple[ShardedKey, ...] = ()
     stale_saves: str = "warn"
+    incremental: bool = True
 
     def __init__(
         self,
@@ -327,6 +332,7 @@ class RuntimeOptions:
         host_memory_bytes: int | None = None,
         must_change: Iterable[ShardedKey] = (),
         stale_saves: str = "warn",
+        incremental: bool = True,
     ) -> None:
         object.__setattr__(self, "sharded_keys", _sharded_keys(sharded_keys))
         if max_workers is not None:
@@ -343,6 +349,9 @@ class RuntimeOptions:
         object.__setattr__(self, "must_change", _sharded_keys(must_change, "must_change") or ())
         _check_choice("stale_saves", stale_saves, STALE_MODES)
         object.__setattr__(self, "stale_saves", stale_saves)
+        if not isinstance(incremental, bool):
+            raise invalid_option("incremental", f"must be true or false, got {incremental!r:.60}")
+        object.__setattr__(self, "incremental", incremental)
 
 
 def _sharded_keys(keys: Any, option: str = "sharded_keys") -> tuple[ShardedKey, ...] | None:

@@ -5,6 +5,8 @@ An array is named by the rank whose shard stores it and its tensor name. Two ste
 of it are the same bytes where the digests their manifests record for it agree (the sha256
 of each array of a state of DTensors, or the xxh3-64 of each array of a shard of plain
 arrays); where either step recorded none, whether its bytes changed is unknown, and said so.
+A step of an incremental save owns its shard files and references the arrays it did not
+write again in earlier steps' files: both are counted (``own_bytes``, ``referenced_bytes``).
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ Change = Literal["added", "removed", "dtype", "shape", "bytes", "unknown"]
 @dataclass(frozen=True)
 class StepArray:
     """One array of a step as its shard stores it: ``rank``'s shard, ``name``, safetensors
-    ``dtype`` code, ``shape``, ``bytes``, the ``tier`` its header was read from, and the
-    digest the manifest records for its bytes (``"sha256:…"`` or ``"xxh3_64:…"``; "" if none)."""
+    ``dtype`` code, ``shape``, ``bytes``, the ``tier`` its header was read from, the
+    digest the manifest records for its bytes (``"sha256:…"`` or ``"xxh3_64:…"``; "" if none)
+    and ``stored_in``: the step whose file holds its bytes (an earlier one where the step
+    references it: an incremental save; None: its own)."""
 
     rank: int
     name: str
@@ -35,6 +39,7 @@ class StepArray:
     bytes: int
     tier: str
     digest: str = ""
+    stored_in: int | None = None
 
     def describe(self) -> str:
         """``BF16 4096x4096``: its dtype and shape, as ``show`` prints them."""
@@ -50,6 +55,16 @@ class StepArrays:
     manifest: ShardManifest
     arrays: Mapping[tuple[int, str], StepArray]
     missing_ranks: tuple[int, ...] = ()
+
+    @property
+    def own_bytes(self) -> int:
+        """The bytes of its shard files: what the step owns (the arrays it references are not)."""
+        return self.manifest.total_bytes
+
+    @property
+    def referenced_bytes(self) -> int:
+        """The bytes of the arrays it references in earlier steps' files."""
+        return self.manifest.referenced_bytes
 
 
 @dataclass(frozen=True)
@@ -88,14 +103,21 @@ class StepDiff:
             return {
                 "step": arrays.manifest.step,
                 "world_size": arrays.manifest.world_size,
-                "bytes": arrays.manifest.total_bytes,
+                "bytes": arrays.own_bytes,
+                "referenced_bytes": arrays.referenced_bytes,
                 "missing_ranks": list(arrays.missing_ranks),
             }
 
         def one(array: StepArray | None) -> dict[str, Any] | None:
             if array is None:
                 return None
-            return {"dtype": array.dtype, "shape": list(array.shape), "bytes": array.bytes, "digest": array.digest}
+            return {
+                "dtype": array.dtype,
+                "shape": list(array.shape),
+                "bytes": array.bytes,
+                "digest": array.digest,
+                "stored_in": array.stored_in,
+            }
 
         changes = [
             {"rank": c.rank, "name": c.name, "change": c.change, "before": one(c.before), "after": one(c.after)}
@@ -127,11 +149,13 @@ def step_arrays(store: TieredStore, step: int) -> StepArrays:
         header, tier = store.read_shard_header(step, record, later=later)
         names = sorted(header.arrays)
         digests = record.digests_by_name(names)
+        referenced = record.referenced
         for name in names:
             entry = header.arrays[name]
             dtype, size = DTYPE_CODES[entry.dtype], entry.end - entry.begin
+            stored_in = referenced[name].step if name in referenced else None
             arrays[record.rank, name] = StepArray(
-                record.rank, name, dtype, tuple(entry.shape), size, tier, digests.get(name, "")
+                record.rank, name, dtype, tuple(entry.shape), size, tier, digests.get(name, ""), stored_in
             )
     return StepArrays(manifest, arrays, missing)
 

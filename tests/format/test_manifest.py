@@ -71,7 +71,7 @@ def test_the_schema_version_is_read_and_written_back_unchanged():
     assert manifest.schema_version == 2 and json.loads(manifest.to_json())["schema_version"] == 2
 
 
-@pytest.mark.parametrize("version", [0, 1, 3])
+@pytest.mark.parametrize("version", [0, 1, 4])
 def test_another_schema_version_is_refused_naming_it(version):
     with pytest.raises(ManifestError, match=f"field 'schema_version': unsupported version {version} "):
         parse({**valid_document(), "schema_version": version})
@@ -104,7 +104,7 @@ def mutate(path: str, value):
 DELETE = object()
 
 VIOLATIONS = {
-    "unknown schema version": (mutate("schema_version", 3), "schema_version"),
+    "unknown schema version": (mutate("schema_version", 4), "schema_version"),
     "schema version as string": (mutate("schema_version", "1"), "schema_version"),
     "world size as string": (mutate("world_size", "4"), "world_size"),
     "world size zero": (mutate("world_size", 0), "world_size"),
@@ -449,3 +449,60 @@ def test_a_compression_entry_a_writer_could_not_have_made_is_refused_naming_the_
     with pytest.raises(ManifestError, match=re.escape(problem)) as caught:
         parse_remote(remote_document(compression=compression))
     assert REMOTE_SOURCE in str(caught.value) and "compression" in str(caught.value)
+
+
+def referencing_document() -> dict:
+    """A version-3 manifest whose rank 1 references two arrays of its file of step 10."""
+    document = valid_document()
+    document["schema_version"] = 3
+    document["shards"][1].update(header_bytes=64, header_sha256="a" * 64, array_xxh3_64="")
+    file = {**valid_document()["shards"][1], "header_bytes": 64, "header_sha256": "b" * 64}
+    reference = {"step": 10, "file": file, "names": ["w.a", "w.b"], "xxh3_64": "1" * 32, "bytes": 4096}
+    document["shards"][1]["references"] = [reference]
+    return document
+
+
+def test_references_round_trip_and_say_where_each_array_is():
+    manifest = parse(referencing_document())
+    assert ShardManifest.from_json(manifest.to_json(), source=SOURCE) == manifest
+    record = manifest.shard(1)
+    assert record.elsewhere == {"w.a", "w.b"} and record.referenced["w.b"].step == 10
+    assert record.references[0].digests() == {"w.a": "1" * 16, "w.b": "1" * 16}
+    assert manifest.referenced_bytes == 4096 and manifest.schema_version == 3
+
+
+REFERENCE_VIOLATIONS = {
+    "references in version 2": (mutate("schema_version", 2), "shards[rank 1].references", "schema_version 3"),
+    "a later step": (mutate("shards.1.references.0.step", 12), "references[0].step", "not a step before 12"),
+    "another rank's file": (mutate("shards.1.references.0.file.rank", 2), "references[0].file.rank", "is 2"),
+    "a path outside": (mutate("shards.1.references.0.file.path", "../x"), "references[0].file.path", "plain"),
+    "names unsorted": (mutate("shards.1.references.0.names", ["w.b", "w.a"]), "references[0].names", "sorted"),
+    "no names": (mutate("shards.1.references.0.names", []), "references[0].names", "at least one"),
+    "a digest short": (mutate("shards.1.references.0.xxh3_64", "1" * 16), "references[0].xxh3_64", "16 lowercase"),
+    "bytes negative": (mutate("shards.1.references.0.bytes", -1), "references[0].bytes", ">= 0"),
+    "no header digest": (mutate("shards.1.references.0.file.header_bytes", DELETE), "references[0].file", "header"),
+    "a nested reference": (
+        mutate("shards.1.references.0.file.references", []),
+        "file.references",
+        "references nothing",
+    ),
+    "an unknown field": (mutate("shards.1.references.0.via", 1), "references[0].via", "unknown"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFERENCE_VIOLATIONS))
+def test_a_reference_that_is_not_one_we_write_is_refused_naming_its_field(case):
+    change, field, problem = REFERENCE_VIOLATIONS[case]
+    with pytest.raises(ManifestError) as caught:
+        parse(change(referencing_document()))
+    assert field in str(caught.value) and problem in str(caught.value) and SOURCE in str(caught.value)
+
+
+def test_an_array_referenced_twice_is_refused():
+    document = referencing_document()
+    file = {**document["shards"][1]["references"][0]["file"], "path": "rank-00001-of-00002.safetensors"}
+    document["shards"][1]["references"].append(
+        {"step": 11, "file": file, "names": ["w.b"], "xxh3_64": "2" * 16, "bytes": 1}
+    )
+    with pytest.raises(ManifestError, match="'w.b' is empty, reserved or referenced twice"):
+        parse(document)

@@ -74,8 +74,18 @@ class _Looked:
 
 
 def _part_bytes(record: ShardRecord, state: FlatState) -> int:
-    """The bytes a partial read of ``record``'s shard took: its header and the arrays in ``state``."""
-    return record.header_bytes + sum(array.nbytes for array in state.arrays.values())
+    """The bytes a partial read of ``record``'s shard took: its header, the headers of the files it
+    references, and the arrays in ``state``."""
+    headers = record.header_bytes + sum(ref.file.header_bytes for ref in record.references)
+    return headers + sum(array.nbytes for array in state.arrays.values())
+
+
+def _whole_bytes(record: ShardRecord, state: FlatState) -> int:
+    """The bytes a whole read of ``record``'s shard took: its file, and the headers and arrays it
+    references in earlier files."""
+    referenced = record.referenced
+    extra = sum(ref.file.header_bytes for ref in record.references)
+    return record.size_bytes + extra + sum(a.nbytes for name, a in state.arrays.items() if name in referenced)
 
 
 def _check_selected_into(index: int | None, looked: _Looked, target: Mapping[str, np.ndarray]) -> None:
@@ -140,7 +150,8 @@ class ReadExecutor:
                 return _Looked(structure, kinds, whole=cut)
             parsed, _source = self._store.read_shard_index(step, record, later=read.tiers)
             structure = cut_to(record.rank, parsed.structure)
-            kinds = {n: (e.dtype, e.shape) for n, e in parsed.header.arrays.items() if n in structure.kinds}
+            entries = parsed.whole_header(record).arrays
+            kinds = {n: (e.dtype, e.shape) for n, e in entries.items() if n in structure.kinds}
             return _Looked(structure, kinds, index=parsed)
 
         def one(read: ShardRead, looked: _Looked | None) -> FetchedShard:
@@ -171,7 +182,9 @@ class ReadExecutor:
             refills = self._refills(manifest, remote, whole, bool(was_committed), created, wholes) if whole else ()
         states = {read.rank: got.state for read, got in zip(reads, fetched, strict=True)}
         bytes_read = sum(
-            manifest.shard(read.rank).size_bytes if read.whole else _part_bytes(manifest.shard(read.rank), got.state)
+            _whole_bytes(manifest.shard(read.rank), got.state)
+            if read.whole
+            else _part_bytes(manifest.shard(read.rank), got.state)
             for read, got in zip(reads, fetched, strict=True)
         )
         sources = {read.rank: got.source for read, got in zip(reads, fetched, strict=True)}

@@ -12,6 +12,7 @@ pages a reader lets go as it moves on (:mod:`~tiered_ckpt.io.pages`).
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import tempfile
 import threading
@@ -23,9 +24,19 @@ from typing import BinaryIO, Literal, cast
 import numpy as np
 
 from tiered_ckpt.dist.replicas import written
+from tiered_ckpt.engine.incremental import Baseline, Held, choose_references
+from tiered_ckpt.format.content import DIGESTS_KEY, content_digest, digests_text
 from tiered_ckpt.format.layout import shard_name
-from tiered_ckpt.format.manifest import ShardManifest, ShardRecord, records_array_digests
-from tiered_ckpt.format.shardfile import header_length, write_shard
+from tiered_ckpt.format.manifest import (
+    REFERENCES_SCHEMA_VERSION,
+    SCHEMA_VERSION,
+    Reference,
+    ShardManifest,
+    ShardRecord,
+    records_array_digests,
+    references_fit,
+)
+from tiered_ckpt.format.shardfile import header_length, json_length_bound, write_shard
 from tiered_ckpt.format.state import FlatState
 from tiered_ckpt.io.hashing import ShardDigest
 from tiered_ckpt.io.parallel import run_parallel
@@ -46,6 +57,7 @@ def write_shards(
     max_workers: int | None = None,
     replicas: Mapping[int, Mapping[str, int]] | None = None,
     borrowed: Borrowed | None = None,
+    baseline: Baseline | None = None,
 ) -> list[ShardRecord]:
     """Write the shards of ``ranks`` (``states[i]`` is rank ``ranks[i]``'s) into ``step`` of ``tier``
     (held locked), each with its structure document; return their records, in the order of ``ranks``.
@@ -55,15 +67,22 @@ def write_shards(
     its record lists them as ``replicas``. Temp files an earlier crash left in the step are removed first. Each shard is
     durable under its name once this returns; the names are, once the tier's commit is.
     ``borrowed``: the arrays that are the caller's own memory, and whom to tell when each
-    shard is done with them.
+    shard is done with them. ``baseline``: the arrays of the previous step, which a shard
+    references rather than writes where they did not change (:mod:`~tiered_ckpt.engine.incremental`);
+    it is told what each shard wrote.
     """
     tier.new_step_dir(step)
     tier.clear_temp_files(step)
 
     def write(index: int) -> ShardRecord:
-        shard = _Shard(step, states[index], ranks[index], world_size, (replicas or {}).get(ranks[index], {}), borrowed)
+        rank = ranks[index]
+        previous = baseline.previous(step, rank) if baseline is not None else None
+        shard = _Shard(step, states[index], rank, world_size, (replicas or {}).get(rank, {}), borrowed, previous)
         digest = tier.write_shard(step, shard.name, ShardSource(write=shard.write), sync_directory=False)
-        return shard.record(digest, numels)
+        record = shard.record(digest, numels)
+        if baseline is not None:
+            baseline.wrote(step, record, list(shard.state.arrays), shard.digests)
+        return record
 
     return run_parallel(write, range(len(ranks)), max_workers)
 
@@ -224,20 +243,34 @@ class _Shard:
         world_size: int,
         replicas: Mapping[str, int],
         borrowed: Borrowed | None = None,
+        previous: Mapping[str, Held] | None = None,
     ) -> None:
         self.rank = rank
         self.borrowed = borrowed
         self.name = shard_name(rank, world_size)
         self.replicas = replicas
         self.state = written(state, replicas)
+        self.chunked = bool(self.state.structure.chunks)  # a state of DTensors: each array readable alone
+        self.array_digests = not self.chunked and records_array_digests(len(self.state.arrays), world_size)
+        self.digests: dict[str, str] = {}
+        self.references: tuple[Reference, ...] = ()
+        arrays = self.state.arrays
+        if previous is not None and self.array_digests and not replicas and _references_fit(arrays, world_size):
+            tails = borrowed.tails.get(rank, {}) if borrowed is not None else {}
+            self.digests = {name: "" if name in tails else content_digest(array) for name, array in arrays.items()}
+            sizes = {name: array.nbytes for name, array in arrays.items()}
+            self.references = choose_references(previous, self.digests, sizes)
+            if self.references:
+                left = {name for ref in self.references for name in ref.names}
+                own = {name: array for name, array in arrays.items() if name not in left}
+                self.state = dataclasses.replace(self.state, arrays=own)
         self.metadata = {
             "tiered_ckpt.rank": str(rank),
             "tiered_ckpt.world_size": str(world_size),
             "tiered_ckpt.step": str(step),
             **self.state.metadata(),
+            **({DIGESTS_KEY: digests_text(self.digests)} if self.digests else {}),
         }
-        self.chunked = bool(self.state.structure.chunks)  # a state of DTensors: each array readable alone
-        self.array_digests = not self.chunked and records_array_digests(len(self.state.arrays), world_size)
 
     @cached_property
     def size_bytes(self) -> int:
@@ -278,7 +311,12 @@ class _Shard:
             array_xxh3_64="".join(digest.arrays[name].xxh3_64 for name in sorted(digest.arrays))
             if self.array_digests
             else "",
+            references=self.references,
         )
+
+
+def _references_fit(arrays: Mapping[str, np.ndarray], world_size: int) -> bool:
+    return references_fit(sum(json_length_bound(name) for name in arrays), len(arrays), world_size)
 
 
 def build_manifest(
@@ -298,5 +336,6 @@ def build_manifest(
         wall_clock_seconds=wall_clock_seconds,
         sharded_keys=sharded_keys,
         shards=tuple(records),
+        schema_version=REFERENCES_SCHEMA_VERSION if any(r.references for r in records) else SCHEMA_VERSION,
         source=source,
     )

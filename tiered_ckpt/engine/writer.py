@@ -51,6 +51,7 @@ import numpy as np
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, Done, gather
 from tiered_ckpt.dist.replicas import choose_writers
 from tiered_ckpt.engine.background import ErrorBox, ReportedFuture
+from tiered_ckpt.engine.incremental import Baseline
 from tiered_ckpt.engine.memory_budget import spilled_text, throttled_text
 from tiered_ckpt.engine.replication import Replicator
 from tiered_ckpt.engine.save_handle import SaveHandle, not_replicated
@@ -134,9 +135,12 @@ class Writer:
         local_every: int = 1,
         host_memory_bytes: int | None = None,
         stale: StaleCheck | None = None,
+        incremental: bool = False,
     ) -> None:
         self._store = store
         self._stale = stale or StaleCheck()
+        # unchanged arrays referenced, not written again, where every tier keeps referenced files
+        self._baseline = Baseline(store) if incremental and store.keeps_references else None
         self._coordinator = coordinator
         self._ranks = tuple(coordinator.local_ranks)
         self._world_size = world_size
@@ -415,6 +419,7 @@ class Writer:
                     max_workers=self._max_workers,
                     replicas=replicas,
                     borrowed=borrowed,
+                    baseline=self._baseline,
                 )
                 mine = dict(zip(self._ranks, staged, strict=True))
                 compared = self._stale.compare(self._store, step, records, mine, replicas)
@@ -434,6 +439,8 @@ class Writer:
                 # other ranks' shards are on their nodes; with them, the commit is not agreed yet
                 local.commit(manifest, held=self._ranks, agreed=one_process, every_tier=every_tier)
                 committed_here = True
+                if self._baseline is not None:
+                    self._baseline.committed(step)
 
             gather(self._coordinator, "commit", Done, Attempt.run(commit).done)
             if not one_process:  # a restore then tells a lost disk from a save cut short between commits
@@ -444,6 +451,8 @@ class Writer:
             self._last_retention = self._janitor.submit(self._retain, step)
             return manifest
         except BaseException as exc:
+            if self._baseline is not None and not committed_here:
+                self._baseline.failed(step)
             self._discard_uncommitted(step)
             where = local.step_dir(step)
             if committed_here:  # but not known to be committed on every rank

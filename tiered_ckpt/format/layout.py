@@ -48,6 +48,7 @@ HELD_NAME = "held-shards.json"
 AGREEMENT_NAME = "commit-agreement.json"
 EVERY_TIER_NAME = "every-tier.json"
 RECEIPT_NAME = "remote-commit.json"
+KEPT_NAME = "kept-for-later-steps.json"  # a deleted step's directory that keeps files later steps reference
 LATEST_NAME = "latest"
 OWNERS_DIR = "owners"
 SHARD_SUFFIX = ".safetensors"

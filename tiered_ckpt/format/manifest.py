@@ -23,22 +23,29 @@ from tiered_ckpt.io.hashing import ShardDigest
 
 __all__ = [
     "SCHEMA_VERSION",
+    "REFERENCES_SCHEMA_VERSION",
+    "MAX_REFERENCED_FILES",
     "READABLE_SCHEMA_VERSIONS",
     "ChunkRecord",
+    "Reference",
     "ShardRecord",
     "ShardManifest",
     "MAX_MANIFEST_BYTES",
     "record_bytes_bound",
     "records_array_digests",
+    "references_fit",
     "manifest_problem",
 ]
 
 # Version 2: shards carry the structure document of a nested state (format/structure.py),
-# and a shard record may list the DTensor chunks its shard holds ("chunks"). Version 1
-# (flat states, no structure documents) was never released: it is refused, as is any
-# version a later release writes, rather than misread.
+# and a shard record may list the DTensor chunks its shard holds ("chunks"). Version 3: a
+# shard record may reference arrays an earlier step's file holds ("references"); a manifest
+# with none is still written as version 2, which releases that know no references read.
+# Version 1 (flat states, no structure documents) was never released: it is refused, as is
+# any version a later release writes, rather than misread.
 SCHEMA_VERSION = 2
-READABLE_SCHEMA_VERSIONS = (2,)
+REFERENCES_SCHEMA_VERSION = 3
+READABLE_SCHEMA_VERSIONS = (2, 3)
 # Bounds what a hostile manifest can make us allocate; 10**5 ranks take ~30 MB. A save
 # whose manifest might not fit is refused up front (manifest_problem): a step that saves loads.
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
@@ -53,6 +60,9 @@ _MANIFEST_BYTES = 4096
 # Per-array xxh3-64s take 16 bytes per array: recorded only while all ranks' take at most
 # this much of a manifest, so a step that saved before still saves.
 _ARRAY_DIGESTS_BYTES = MAX_MANIFEST_BYTES // 4
+# The earlier files one shard may reference: past it, a save writes its arrays again, so that
+# a restore reads a bounded number of files per shard and a manifest stays small.
+MAX_REFERENCED_FILES = 16
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _ARRAY_XXH3 = re.compile(r"(?:[0-9a-f]{16})*")
 _XXH3_64 = re.compile(r"[0-9a-f]{16}")
@@ -90,6 +100,38 @@ class ChunkRecord:
 
 
 @dataclass(frozen=True)
+class Reference:
+    """Arrays of a rank's state that a shard leaves out because an earlier step's file already
+    holds their bytes (an incremental save): ``names`` (sorted) of the shard file ``file`` of
+    step ``step``, whose record is the one the step that wrote it recorded (its whole-file
+    digests and its header's, without per-array digests), and ``xxh3_64``: each of those
+    arrays' xxh3-64 (16 hex digits each, in the order of ``names``); ``bytes``: their size
+    together. With them a reader verifies the header and each array it reads from the file
+    without that step's manifest, which retention may have deleted (the file stays while a
+    retained step references it)."""
+
+    step: int
+    file: ShardRecord
+    names: tuple[str, ...]
+    xxh3_64: str
+    bytes: int
+
+    def digests(self) -> dict[str, str]:
+        """By name, the xxh3-64 of each array referenced."""
+        return {name: self.xxh3_64[16 * i : 16 * i + 16] for i, name in enumerate(self.names)}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The reference as the manifest's JSON holds it."""
+        return {
+            "step": self.step,
+            "file": self.file.to_dict(),
+            "names": list(self.names),
+            "xxh3_64": self.xxh3_64,
+            "bytes": self.bytes,
+        }
+
+
+@dataclass(frozen=True)
 class ShardRecord:
     """One rank's shard file as the manifest records it.
 
@@ -107,6 +149,9 @@ class ShardRecord:
     ``array_xxh3_64``: in a shard of plain arrays, each array's xxh3-64 (16 hex digits, in
     sorted name order; "" if not recorded, :func:`records_array_digests`): with it and the
     header's sha256, a reader of some arrays verifies what it read (:meth:`array_digests`).
+    ``references``: the arrays of the rank's state its shard leaves out because earlier
+    steps' files hold them (:class:`Reference`; an incremental save); the shard's structure
+    document still names them.
     """
 
     rank: int
@@ -121,6 +166,20 @@ class ShardRecord:
     header_sha256: str = ""
     replicas: tuple[tuple[str, int], ...] = ()
     array_xxh3_64: str = ""
+    references: tuple[Reference, ...] = ()
+
+    @property
+    def elsewhere(self) -> frozenset[str]:
+        """The arrays its structure document names that its shard file leaves out: those it left
+        to other ranks' shards (``replicas``) and those it references in earlier steps' files."""
+        return frozenset(
+            [name for name, _writer in self.replicas] + [name for ref in self.references for name in ref.names]
+        )
+
+    @property
+    def referenced(self) -> dict[str, Reference]:
+        """By name, the reference of each array whose bytes an earlier step's file holds."""
+        return {name: ref for ref in self.references for name in ref.names}
 
     def array_digests(self, names: Iterable[str]) -> dict[str, str]:
         """By name, the xxh3-64 ``array_xxh3_64`` records for the shard's arrays ``names`` (all of
@@ -133,12 +192,16 @@ class ShardRecord:
 
     def digests_by_name(self, names: Iterable[str]) -> dict[str, str]:
         """By name, the digest the record holds for each array of its shard (``names``: all of
-        them, from its header), as ``"sha256:<hex>"`` (a chunk of a state of DTensors) or
-        ``"xxh3_64:<hex>"`` (a shard of plain arrays); the arrays it records none for are left
-        out. Raises as :meth:`array_digests` does."""
+        them, from its header, the arrays it references included), as ``"sha256:<hex>"`` (a
+        chunk of a state of DTensors) or ``"xxh3_64:<hex>"`` (a shard of plain arrays); the
+        arrays it records none for are left out. Raises as :meth:`array_digests` does."""
         if self.chunks:
             return {chunk.name: f"sha256:{chunk.sha256}" for chunk in self.chunks if chunk.sha256}
-        return {name: f"xxh3_64:{digest}" for name, digest in self.array_digests(names).items()}
+        referenced = self.referenced
+        own = self.array_digests(name for name in names if name not in referenced)
+        for ref in self.references:
+            own.update(ref.digests())
+        return {name: f"xxh3_64:{digest}" for name, digest in own.items()}
 
     @classmethod
     def from_dict(cls, document: Mapping[str, Any], *, source: str = "shard record") -> ShardRecord:
@@ -179,6 +242,7 @@ class ShardRecord:
             **({"header_bytes": self.header_bytes, "header_sha256": self.header_sha256} if self.header_bytes else {}),
             **({"replicas": [[name, writer] for name, writer in self.replicas]} if self.replicas else {}),
             **({"array_xxh3_64": self.array_xxh3_64} if self.array_xxh3_64 else {}),
+            **({"references": [ref.to_dict() for ref in self.references]} if self.references else {}),
         }
 
 
@@ -209,8 +273,14 @@ class ShardManifest:
 
     @property
     def total_bytes(self) -> int:
-        """Bytes of all shard files together."""
+        """Bytes of all shard files together: the bytes the step owns (the arrays its shards
+        reference in earlier steps' files are :attr:`referenced_bytes`)."""
         return sum(record.size_bytes for record in self.shards)
+
+    @property
+    def referenced_bytes(self) -> int:
+        """Bytes of the arrays the shards reference in earlier steps' files (not their own)."""
+        return sum(ref.bytes for record in self.shards for ref in record.references)
 
     @property
     def total_numel(self) -> int:
@@ -281,6 +351,15 @@ def records_array_digests(arrays: int, world_size: int) -> bool:
     return world_size * arrays * 16 <= _ARRAY_DIGESTS_BYTES
 
 
+def references_fit(name_bytes: int, arrays: int, world_size: int) -> bool:
+    """Whether a plain shard of ``arrays`` arrays whose names take ``name_bytes`` (as JSON, each
+    :func:`~tiered_ckpt.format.shardfile.json_length_bound`) may reference earlier files, in a
+    step of ``world_size`` ranks: while every rank's references, all of its arrays referenced
+    from up to :data:`MAX_REFERENCED_FILES` files, take at most a quarter of a manifest."""
+    per_rank = name_bytes + arrays * (16 + 2) + MAX_REFERENCED_FILES * _RECORD_BYTES
+    return world_size * per_rank <= _ARRAY_DIGESTS_BYTES
+
+
 def manifest_problem(records: Iterable[int], sharded_keys: Iterable[str]) -> str | None:
     """Why the manifest of a step whose shard records take at most ``records`` bytes each
     (:func:`record_bytes_bound`) might not be read back, as a phrase; None if it will."""
@@ -290,11 +369,26 @@ def manifest_problem(records: Iterable[int], sharded_keys: Iterable[str]) -> str
     return None
 
 
-def _parse_record(document: Mapping[str, Any], source: str, prefix: str) -> ShardRecord:
+def _parse_reference(document: Mapping[str, Any], source: str, prefix: str) -> Reference:
+    fields = Fields(document, source, prefix)
+    fields.reject_unknown({"step", "file", "names", "xxh3_64", "bytes"})
+    file = document.get("file")
+    if not isinstance(file, Mapping):
+        raise ManifestError(f"{source}: field '{prefix}file': expected an object")
+    return Reference(
+        step=fields.integer("step", minimum=0),
+        file=_parse_record(file, source, f"{prefix}file.", nested=True),
+        names=tuple(fields.list_of("names", str)),
+        xxh3_64=fields.string("xxh3_64"),
+        bytes=fields.integer("bytes", minimum=0),
+    )
+
+
+def _parse_record(document: Mapping[str, Any], source: str, prefix: str, *, nested: bool = False) -> ShardRecord:
     fields = Fields(document, source, prefix)
     fields.reject_unknown(
         {"rank", "path", "sha256", "xxh3_64", "size_bytes", "param_shard_offset", "param_shard_numel"}
-        | {"chunks", "header_bytes", "header_sha256", "replicas", "array_xxh3_64"}
+        | {"chunks", "header_bytes", "header_sha256", "replicas", "array_xxh3_64", "references"}
     )
     array_xxh3 = fields.string("array_xxh3_64") if "array_xxh3_64" in document else ""
     if not _ARRAY_XXH3.fullmatch(array_xxh3) or (array_xxh3 and "header_bytes" not in document):
@@ -302,7 +396,13 @@ def _parse_record(document: Mapping[str, Any], source: str, prefix: str) -> Shar
         raise ManifestError(f"{source}: field '{prefix}array_xxh3_64': {problem}")
     chunks = fields.list_of("chunks", Mapping) if "chunks" in document else []
     replicas = fields.list_of("replicas", list) if "replicas" in document else []
+    references = fields.list_of("references", Mapping) if "references" in document and not nested else []
+    if nested and "references" in document:
+        raise ManifestError(f"{source}: field '{prefix}references': a referenced file references nothing")
     return ShardRecord(
+        references=tuple(
+            _parse_reference(item, source, f"{prefix}references[{i}].") for i, item in enumerate(references)
+        ),
         replicas=tuple(_parse_replica(item, source, f"{prefix}replicas[{i}]") for i, item in enumerate(replicas)),
         array_xxh3_64=array_xxh3,
         header_bytes=fields.integer("header_bytes", minimum=8) if chunks or "header_bytes" in document else 0,
@@ -381,8 +481,48 @@ def _check_manifest(manifest: ShardManifest, source: str) -> None:
             )
         expected_offset += record.param_shard_numel
         _check_chunks(record, f"{where}.chunks", fail)
+        _check_references(manifest, record, f"{where}.references", fail)
     _check_same_tensors(manifest, fail)
     _check_replicas(manifest, fail)
+
+
+def _check_references(
+    manifest: ShardManifest, record: ShardRecord, where: str, fail: Callable[[str, str], ManifestError]
+) -> None:
+    """Each reference of a plain shard names an earlier step's file of the same rank, with the
+    digests a reader of its parts needs, and names each array once, none its shard holds."""
+    if record.references and manifest.schema_version < REFERENCES_SCHEMA_VERSION:
+        raise fail(where, f"references need schema_version {REFERENCES_SCHEMA_VERSION}")
+    if record.references and (record.chunks or record.replicas):
+        raise fail(where, "only a shard of plain arrays references earlier files")
+    if len(record.references) > MAX_REFERENCED_FILES:
+        raise fail(where, f"references {len(record.references)} files, over the {MAX_REFERENCED_FILES} a shard may")
+    names: set[str] = set()
+    files: set[tuple[int, str]] = set()
+    for index, ref in enumerate(record.references):
+        field, file = f"{where}[{index}]", ref.file
+        if not ref.step < manifest.step:
+            raise fail(f"{field}.step", f"is {ref.step}, not a step before {manifest.step}")
+        if (ref.step, file.path) in files:
+            raise fail(f"{field}.file.path", f"step {ref.step}'s {file.path!r:.80} is referenced twice")
+        files.add((ref.step, file.path))
+        if not is_plain_name(file.path) or file.path == MANIFEST_NAME:
+            raise fail(f"{field}.file.path", f"{file.path!r:.80} is not a plain file name inside a checkpoint")
+        if file.rank != record.rank:
+            raise fail(f"{field}.file.rank", f"is {file.rank}, not the referencing shard's rank {record.rank}")
+        if not (_SHA256.fullmatch(file.sha256) and _XXH3_64.fullmatch(file.xxh3_64)):
+            raise fail(f"{field}.file", "needs the file's sha256 and xxh3_64")
+        if file.array_xxh3_64 or file.chunks or file.replicas or not file.header_bytes:
+            raise fail(f"{field}.file", "a referenced file is a shard of plain arrays with its header's digest")
+        _check_chunks(file, f"{field}.file.chunks", fail)
+        if not ref.names or list(ref.names) != sorted(set(ref.names)):
+            raise fail(f"{field}.names", "must list at least one array, sorted, each once")
+        if len(ref.xxh3_64) != 16 * len(ref.names) or not _ARRAY_XXH3.fullmatch(ref.xxh3_64):
+            raise fail(f"{field}.xxh3_64", "must hold 16 lowercase hex digits per array named")
+        for name in ref.names:
+            if not name or name == _RESERVED_KEY or name in names:
+                raise fail(f"{field}.names", f"{name!r:.80} is empty, reserved or referenced twice")
+            names.add(name)
 
 
 def _check_chunks(record: ShardRecord, where: str, fail: Callable[[str, str], ManifestError]) -> None:

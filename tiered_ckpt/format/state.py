@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from tiered_ckpt.errors import InvalidStateError
+from tiered_ckpt.format.content import DIGEST_HEADER_BYTES
 from tiered_ckpt.format.manifest import ChunkRecord, record_bytes_bound, records_array_digests
 from tiered_ckpt.format.shardfile import MAX_DIMS, ShardContents, array_problem, dtype_code, header_problem
 from tiered_ckpt.format.structure import (
@@ -169,7 +170,9 @@ class _Flattener:
 
     def check_header(self, state: FlatState) -> None:
         """Raise :class:`InvalidStateError` if the shard of ``state`` would have a header its reader refuses."""
-        problem = header_problem(state.arrays, state.metadata(), _WRITER_METADATA_BYTES)
+        problem = header_problem(
+            state.arrays, state.metadata(), _WRITER_METADATA_BYTES + DIGEST_HEADER_BYTES * len(state.arrays)
+        )
         if problem is None:
             return
         size, path = self.largest
@@ -341,19 +344,21 @@ class FlatState:
     def from_shard(cls, contents: ShardContents, what: str, replicas: Iterable[str] = ()) -> FlatState:
         """The state a verified shard holds; a shard without a structure document (written
         before there were any) is a flat dict of its arrays. ``replicas`` names the arrays
-        the document names but the shard leaves to their writers' shards (its record's
-        ``replicas``): they are not in the state returned. Raises :class:`ShardFormatError` naming ``what`` if
-        the document is not valid."""
+        the document names but the shard file leaves out (its record's ``elsewhere``: left to
+        their writers' shards, or referenced in earlier files): they are not in the state
+        returned. Raises :class:`ShardFormatError` naming ``what`` if the document is not valid."""
         return cls(contents.arrays, structure_of(contents.metadata, contents.arrays, what, replicas))
 
 
 def own_targets(
-    replicas: Iterable[tuple[str, int]], into: Mapping[str, np.ndarray] | None
+    elsewhere: frozenset[str], into: Mapping[str, np.ndarray] | None
 ) -> tuple[frozenset[str], dict[str, np.ndarray] | None]:
-    """The names of the shard's ``replicas`` (the arrays it leaves to their writers' shards), and
-    of the caller's arrays ``into`` (None: none) those the shard itself fills."""
-    names = frozenset(name for name, _writer in replicas)
-    return names, {name: array for name, array in into.items() if name not in names} if into is not None else None
+    """The names of the arrays a shard's file leaves out (``elsewhere``: its record's
+    :attr:`~tiered_ckpt.format.manifest.ShardRecord.elsewhere`), and of the caller's arrays
+    ``into`` (None: none) those the shard file itself fills."""
+    return elsewhere, {
+        name: array for name, array in into.items() if name not in elsewhere
+    } if into is not None else None
 
 
 @cyclic_gc_paused()  # an object or more per array, all alive until returned: see io/gc_pause.py

@@ -79,6 +79,9 @@ class Capabilities:
     fails transiently and it retries its requests under its own policy, telling how they fail.
     ``prepared_reads``: a restore prepares its reads of the tier first, and the copies read are
     in this process's memory (a partner's memory): the tier is a :class:`PreparedReads`.
+    ``references``: it keeps a file of a step it deleted while a step it holds references it
+    (:attr:`~tiered_ckpt.format.manifest.ShardRecord.references`), and reads it there: an
+    incremental save is made only where every tier of the store does.
     """
 
     durable: bool
@@ -91,6 +94,7 @@ class Capabilities:
     latest: bool = False
     retries: bool = False
     prepared_reads: bool = False
+    references: bool = False
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ the ranks whose shards it holds, whether the ranks agreed the commit, a later ti
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -25,6 +26,7 @@ from typing import BinaryIO, TypeVar
 import numpy as np
 
 from tiered_ckpt.errors import (
+    CheckpointError,
     ChecksumMismatchError,
     DirectoryInUseError,
     IncompleteCheckpointError,
@@ -32,6 +34,7 @@ from tiered_ckpt.errors import (
     UsageError,
 )
 from tiered_ckpt.format.layout import (
+    KEPT_NAME,
     MANIFEST_NAME,
     is_shard_name,
     parse_step_dir_name,
@@ -54,8 +57,10 @@ T = TypeVar("T")
 # A local commit replaces a manifest already there (an atomic rename): the writer never
 # lands a step twice, and a save into a committed one-step directory is refused before it
 # writes (save_sharded's CheckpointExistsError), so the tier itself is not create-only.
+logger = logging.getLogger("tiered_ckpt")
+
 CAPABILITIES = Capabilities(
-    durable=True, shared=False, create_only_commit=False, store_checksums=False, ranged_reads=True
+    durable=True, shared=False, create_only_commit=False, store_checksums=False, ranged_reads=True, references=True
 )
 
 
@@ -225,9 +230,35 @@ class LocalTier:
         for step, directory in self._step_dirs():
             if (directory / MANIFEST_NAME).is_file():
                 committed.append(step)
-            elif _holds_anything(directory):
+            elif _holds_anything(directory) and not (directory / KEPT_NAME).is_file():
                 uncommitted.append(step)
         return sorted(committed), sorted(uncommitted)
+
+    def kept_steps(self) -> list[int]:
+        """Deleted steps whose directories keep files that committed steps reference, oldest first."""
+        return sorted(
+            step
+            for step, directory in self._step_dirs()
+            if (directory / KEPT_NAME).is_file() and not (directory / MANIFEST_NAME).is_file()
+        )
+
+    def referenced_files(self, *, skip: int | None = None) -> dict[int, set[str]] | None:
+        """By step, the shard files the committed steps (but ``skip``) reference in earlier steps'
+        directories; None if a committed manifest cannot be read (its references are unknown:
+        nothing referenced may then be deleted)."""
+        referenced: dict[int, set[str]] = {}
+        for step in self.steps():
+            if step == skip:
+                continue
+            try:
+                manifest = self.manifest(step)
+            except CheckpointError as exc:
+                logger.warning("%s: files earlier steps hold are kept: step %d's manifest: %s", self.root, step, exc)
+                return None
+            for record in manifest.shards:
+                for ref in record.references:
+                    referenced.setdefault(ref.step, set()).add(ref.file.path)
+        return referenced
 
     def steps(self) -> list[int]:
         return self.list_steps()[0]
@@ -281,7 +312,7 @@ class LocalTier:
         "full" or "fast".
         """
         check_verify(verify)
-        replicas, own = own_targets(record.replicas, into)
+        replicas, own = own_targets(record.elsewhere, into)
         with self._open_recorded(step, record) as (source, what), _read_errors(what):
             contents = read_shard_file(
                 source, check=lambda digest: record.verify(digest, what), verify=verify, what=what, into=own
@@ -473,10 +504,19 @@ class LocalTier:
         directory = self.step_dir(step)
         if not directory.is_dir():
             return
+        kept: set[str] | None = set()
+        if not self._single:
+            referenced = self.referenced_files(skip=step)
+            kept = referenced.get(step, set()) if referenced is not None else None
+        if kept != set():  # marked before the manifest goes: a crash never leaves them unmarked
+            write_bytes(directory / KEPT_NAME, b"{}")
         manifest = directory / MANIFEST_NAME
         if manifest.exists():
             manifest.unlink()
             fsync_directory(directory)
+        if kept != set():
+            self._remove_all_but(directory, kept)
+            return
         if self._single:
             for entry in os.scandir(directory):
                 if entry.name in step_records.RECORD_NAMES or is_shard_name(entry.name):
@@ -486,6 +526,36 @@ class LocalTier:
             return
         shutil.rmtree(directory)
         fsync_directory(directory.parent)
+
+    def _remove_all_but(self, directory: Path, kept: set[str] | None) -> None:
+        """Remove what ``directory`` (a deleted step's) holds but the shard files ``kept`` (None:
+        every shard file) and its mark; the directory too once nothing is kept."""
+        for entry in os.scandir(directory):
+            keep = is_shard_name(entry.name) and (kept is None or entry.name in kept)
+            if not keep and entry.name != KEPT_NAME:
+                Path(entry.path).unlink(missing_ok=True)
+        if kept is not None and not kept.intersection(os.listdir(directory)):
+            shutil.rmtree(directory)
+            fsync_directory(directory.parent)
+        else:
+            fsync_directory(directory)
+
+    def collect_unreferenced(self) -> list[int]:
+        """Remove, from the directories of deleted steps, the files no committed step references any
+        more (all of a directory once none is); return the steps whose directories went."""
+        self.check_locked()
+        kept_steps = self.kept_steps()
+        if not kept_steps:
+            return []
+        referenced = self.referenced_files()
+        if referenced is None:
+            return []
+        gone = []
+        for step in kept_steps:
+            self._remove_all_but(self.step_dir(step), referenced.get(step, set()))
+            if not self.step_dir(step).is_dir():
+                gone.append(step)
+        return gone
 
     def discard_uncommitted(self, step: int) -> None:
         """Remove ``step``'s files if it was never committed (a failed save)."""
@@ -505,11 +575,12 @@ class LocalTier:
             if parse_step_dir_name(entry.name) is None or not entry.is_dir(follow_symlinks=False):
                 continue
             directory = Path(entry.path)
-            if (directory / MANIFEST_NAME).is_file():
+            if (directory / MANIFEST_NAME).is_file() or (directory / KEPT_NAME).is_file():
                 removed += [f"{entry.name}/{name}" for name in remove_temp_files(directory)]
             else:
                 shutil.rmtree(directory)
                 removed.append(f"{entry.name}/")
+        removed += [f"{step_dir_name(step)}/" for step in self.collect_unreferenced()]
         if removed:
             fsync_directory(root)
         return removed

@@ -9,6 +9,9 @@ rules are :mod:`~tiered_ckpt.tiers.retention`'s pure functions. What a tier prot
   receipt (beyond ``max_awaiting_upload`` of those the policy decides); it weighs only steps
   no newer than one every rank can restore (see :func:`~tiered_ckpt.tiers.retention.retainable`);
 - a later tier feeds none: its policy alone decides.
+
+Whatever a policy deletes, a file a retained step references stays (reachability, not step
+numbers: the tier's ``delete_step`` keeps it), and goes with the last step referencing it.
 """
 
 from __future__ import annotations
@@ -118,4 +121,7 @@ def retain(store: TieredStore, tier: Tier, pending: Pending | None = None, *, co
                 logger.info("retention: deleted step %d from %s", step, tier.url)
             else:
                 logger.info("%s retention: deleted step %d from %s", tier.name, step, tier.url)
+        if deleted and tier is store.local:  # the files only the deleted steps referenced go too
+            for step in store.local.collect_unreferenced():
+                logger.info("retention: removed the files of step %d no retained step references", step)
     return deleted

@@ -11,7 +11,7 @@ tried, and in what order, is the store's business (:meth:`~tiered_ckpt.tiers.sto
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -23,7 +23,7 @@ from tiered_ckpt.format.structure import Structure, structure_of
 from tiered_ckpt.io.fresh_memory import new_array
 from tiered_ckpt.io.hashing import Verify
 
-__all__ = ["ShardIndex", "read_verified_parts", "shard_index", "verified_header"]
+__all__ = ["ShardIndex", "read_verified_arrays", "read_verified_parts", "shard_index", "verified_header"]
 
 
 def verified_header(read_into: Callable[[int, memoryview, Verify], str], record: ShardRecord, what: str) -> ShardHeader:
@@ -40,17 +40,30 @@ def verified_header(read_into: Callable[[int, memoryview, Verify], str], record:
 class ShardIndex:
     """A shard's verified header, parsed once for the reads of its parts
     (:meth:`~tiered_ckpt.tiers.store.TieredStore.read_parts`): where each array lies, the
-    structure document, and the xxh3-64 its record holds for each plain array ({} if none)."""
+    structure document, and the xxh3-64 its record holds for each plain array ({} if none).
+    ``references``: the verified header of each earlier file its record references, in the
+    record's order (:attr:`~tiered_ckpt.format.manifest.ShardRecord.references`)."""
 
     header: ShardHeader
     structure: Structure
     digests: Mapping[str, str]
+    references: tuple[ShardHeader, ...] = ()
+
+    def whole_header(self, record: ShardRecord) -> ShardHeader:
+        """The header as if the shard's file held every array of its state: its own arrays, and
+        each one it references as the referenced file's header describes it (dtype and shape;
+        its place is in that file)."""
+        if not self.references:
+            return self.header
+        arrays = dict(self.header.arrays)
+        for ref, header in zip(record.references, self.references, strict=True):
+            arrays.update((name, header.arrays[name]) for name in ref.names)
+        return replace(self.header, arrays=arrays)
 
 
 def shard_index(header: ShardHeader, record: ShardRecord, what: str) -> ShardIndex:
     """``header`` (verified, of ``record``'s shard) parsed; :class:`ShardFormatError` naming ``what``."""
-    replicas = [name for name, _writer in record.replicas]
-    structure = structure_of(header.metadata, header.arrays, what, replicas)
+    structure = structure_of(header.metadata, header.arrays, what, record.elsewhere)
     try:
         digests = record.array_digests(header.arrays)
     except ManifestError as exc:
@@ -72,10 +85,27 @@ def read_verified_parts(
     new) and hashed piece by piece while each piece is in cache, with no copy through Python bytes."""
     if index is None:
         index = shard_index(verified_header(read_into, record, what), record, what)
-    header, structure, plain = index.header, index.structure, index.digests
+    structure = index.structure
     if callable(names):
         structure = names(structure)
-        names = [name for name in structure.kinds if name in header.arrays]
+        names = [name for name in structure.kinds if name in index.header.arrays]
+    arrays = read_verified_arrays(read_into, record, names, what, into, verify, index.header, index.digests)
+    return FlatState(arrays, structure)
+
+
+def read_verified_arrays(
+    read_into: Callable[[int, memoryview, Verify], str],
+    record: ShardRecord,
+    names: Collection[str],
+    what: str,
+    into: Mapping[str, np.ndarray],
+    verify: Verify,
+    header: ShardHeader,
+    plain: Mapping[str, str],
+) -> dict[str, np.ndarray]:
+    """``names``' arrays of a shard whose verified ``header`` is given, read as
+    :func:`read_verified_parts` reads them: each verified against its chunk record's digest, or
+    its xxh3-64 in ``plain``."""
     recorded = {chunk.name: chunk for chunk in record.chunks}
     if names and not recorded and not plain:
         raise ShardFormatError(f"{what}: the manifest records no digest of its arrays: it can only be read whole")
@@ -94,4 +124,4 @@ def read_verified_parts(
             kind = "xxh3-64" if fast else "sha256"
             raise ChecksumMismatchError(f"{what}: the bytes of {name!r} do not match the {kind} the manifest records")
         arrays[name] = array
-    return FlatState(arrays, structure)
+    return arrays

@@ -28,7 +28,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import BinaryIO, NoReturn, TypeVar, cast
 
 import numpy as np
@@ -42,7 +42,7 @@ from tiered_ckpt.errors import (
     ShardFormatError,
     UsageError,
 )
-from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
+from tiered_ckpt.format.manifest import Reference, ShardManifest, ShardRecord
 from tiered_ckpt.format.remote_manifest import RemoteManifest
 from tiered_ckpt.format.shardfile import ShardHeader, read_shard_buffer
 from tiered_ckpt.format.state import FlatState, own_targets
@@ -54,7 +54,13 @@ from tiered_ckpt.tiers.abilities import ReceiptedTier, receipts_of
 from tiered_ckpt.tiers.base import Landed, PreparedReads, ShardSource, Tier
 from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.retention import RetentionPolicy
-from tiered_ckpt.tiers.shard_parts import ShardIndex, read_verified_parts, shard_index, verified_header
+from tiered_ckpt.tiers.shard_parts import (
+    ShardIndex,
+    read_verified_arrays,
+    read_verified_parts,
+    shard_index,
+    verified_header,
+)
 
 __all__ = ["FetchedShard", "TieredStore", "TierName", "Landing"]
 
@@ -115,6 +121,12 @@ class TieredStore:
 
     def __repr__(self) -> str:
         return f"TieredStore([{', '.join(repr(tier) for tier in self.tiers)}])"
+
+    @property
+    def keeps_references(self) -> bool:
+        """Whether every tier keeps the files its steps reference (``capabilities.references``):
+        only then may a save reference an earlier step's file."""
+        return all(tier.capabilities.references for tier in self.tiers)
 
     @property
     def later(self) -> tuple[Tier, ...]:
@@ -252,7 +264,42 @@ class TieredStore:
             return self.local.read_shard(step, record, verify, into), None
 
         (state, copy), source = self._first_that_verifies(step, record, read, later, refills=True)
+        if record.references:
+            arrays = dict(state.arrays)
+            for ref in record.references:
+                arrays.update(self._read_referenced(step, ref, ref.names, into or {}, verify, later))
+            state = FlatState(arrays, state.structure, state.replicated)
         return FetchedShard(state, source, copy)
+
+    def _read_referenced(
+        self,
+        step: int,
+        ref: Reference,
+        names: Collection[str],
+        into: Mapping[str, np.ndarray],
+        verify: Verify,
+        later: Collection[str] | None,
+        header: ShardHeader | None = None,
+    ) -> dict[str, np.ndarray]:
+        """``names`` of the arrays ``ref`` (a reference of a shard of ``step``) places in an earlier
+        file, read along the chain as :meth:`read_parts` reads parts (``header``: the file's,
+        verified already), each verified against the xxh3-64 the reference records."""
+        digests = ref.digests()
+
+        def read(tier: Tier) -> dict[str, np.ndarray]:
+            if tier is not self.local and not tier.capabilities.ranged_reads:
+                self.download_shard(ref.step, ref.file, tier)
+                tier = self.local
+            what = f"rank {ref.file.rank} shard {tier.shard_location(ref.step, ref.file)} (referenced by step {step})"
+            if tier is self.local:
+                with self.local.open_ranges(ref.step, ref.file) as read_into:
+                    seen = header or verified_header(read_into, ref.file, what)
+                    return read_verified_arrays(read_into, ref.file, names, what, into, verify, seen, digests)
+            read_range = functools.partial(tier.read_range_into, ref.step, ref.file)
+            seen = header or verified_header(read_range, ref.file, what)
+            return read_verified_arrays(read_range, ref.file, names, what, into, verify, seen, digests)
+
+        return self._first_that_verifies(ref.step, ref.file, read, later, refills=False)[0]
 
     def _read_from_memory(
         self,
@@ -269,7 +316,7 @@ class TieredStore:
         what = f"rank {record.rank} shard {tier.shard_location(step, record)}"
         if len(data) != record.size_bytes:
             raise IncompleteCheckpointError(f"{what}: {len(data)} bytes, the manifest records {record.size_bytes}")
-        replicas, own = own_targets(record.replicas, into)
+        replicas, own = own_targets(record.elsewhere, into)
         contents = read_shard_buffer(data, check=lambda d: record.verify(d, what), verify=verify, what=what, into=own)
         return FlatState.from_shard(contents, what, replicas)
 
@@ -393,6 +440,8 @@ class TieredStore:
         :class:`IncompleteCheckpointError` naming every copy tried.
         """
         targets = into or {}
+        if record.references:
+            return self._read_parts_referencing(step, record, names, later, targets, verify, index)
 
         # ``read`` must not call itself: a closure over itself is a reference cycle, which would
         # keep ``into``'s arrays (whole tensors, for an export) alive until the next collection.
@@ -409,11 +458,54 @@ class TieredStore:
 
         return self._first_that_verifies(step, record, read, later, refills=False)
 
+    def _read_parts_referencing(
+        self,
+        step: int,
+        record: ShardRecord,
+        names: Collection[str] | Callable[[Structure], Structure],
+        later: Collection[str] | None,
+        into: Mapping[str, np.ndarray],
+        verify: Verify,
+        index: ShardIndex | None,
+    ) -> tuple[FlatState, TierName]:
+        """:meth:`read_parts` of a shard that references arrays in earlier files: those its own
+        file holds from it, the others from the files that hold them."""
+        if index is None:
+            index, _source = self.read_shard_index(step, record, later=later)
+        structure = index.structure
+        if callable(names):
+            structure = names(structure)
+            every = index.whole_header(record).arrays
+            names = [name for name in structure.kinds if name in every]
+        wanted = set(names)
+        referenced = record.referenced
+        own = [name for name in names if name not in referenced]
+        state, source = self.read_parts(
+            step, replace(record, references=()), own, later=later, into=into, verify=verify, index=index
+        )
+        arrays = dict(state.arrays)
+        for ref, header in zip(record.references, index.references, strict=True):
+            mine = [name for name in ref.names if name in wanted]
+            if mine:
+                arrays.update(self._read_referenced(step, ref, mine, into, verify, later, header))
+        return FlatState(arrays, structure), source
+
     def read_shard_header(
         self, step: int, record: ShardRecord, *, later: Collection[str] | None = None
     ) -> tuple[ShardHeader, TierName]:
         """``record``'s shard header (each array's place, dtype and shape; the metadata), verified by its
-        sha256, from the nearest tier serving ranged reads (``later`` as for :meth:`fetch_shard`); writes nothing."""
+        sha256, from the nearest tier serving ranged reads (``later`` as for :meth:`fetch_shard`); writes nothing.
+        For a shard that references arrays in earlier files, their entries are added from those
+        files' verified headers (:meth:`ShardIndex.whole_header`: their places are in those files)."""
+        if record.references:
+            index, source = self.read_shard_index(step, record, later=later)
+            return index.whole_header(record), source
+        return self._own_header(step, record, later)
+
+    def _own_header(
+        self, step: int, record: ShardRecord, later: Collection[str] | None
+    ) -> tuple[ShardHeader, TierName]:
+        """The header of ``record``'s own file, verified (see :meth:`read_shard_header`)."""
 
         def read(tier: Tier) -> ShardHeader:
             what = f"rank {record.rank} shard {tier.shard_location(step, record)}"
@@ -433,8 +525,25 @@ class TieredStore:
         :meth:`read_parts`: its structure document and its arrays' digests. Raises as
         :meth:`read_shard_header` does, and :class:`ShardFormatError` for a structure document
         or digests that do not match the header."""
-        header, source = self.read_shard_header(step, record, later=later)
-        return shard_index(header, record, f"rank {record.rank} shard {record.path}"), source
+        header, source = self._own_header(step, record, later)
+        index = shard_index(header, record, f"rank {record.rank} shard {record.path}")
+        if record.references:
+            index = replace(
+                index, references=tuple(self._reference_header(step, ref, later) for ref in record.references)
+            )
+        return index, source
+
+    def _reference_header(self, step: int, ref: Reference, later: Collection[str] | None) -> ShardHeader:
+        """The verified header of the earlier file ``ref`` (of a shard of ``step``) names, holding
+        each array it names (:class:`ShardFormatError` otherwise)."""
+        header, tier = self._own_header(ref.step, ref.file, later)
+        missing = [name for name in ref.names if name not in header.arrays]
+        if missing:
+            where = self.tier(tier).shard_location(ref.step, ref.file)
+            raise ShardFormatError(
+                f"{where} (referenced by step {step}): holds no array {missing[0]!r:.80} that the reference names"
+            )
+        return header
 
     # -- writing the local tier from a later one --------------------------------------------
 

@@ -327,17 +327,31 @@ def verify(
         if progress is not None:
             progress(check)
 
+    files: dict[str, dict[tuple[int, str], str | None]] = {tier.name: {} for tier in tiers}
     for each in steps:
         for tier in tiers:
             if each in held[tier.name]:
-                _verify_in(tier, each, _checks(store, tier, later_only), add)
+                _verify_in(tier, each, _checks(store, tier, later_only, files[tier.name]), add)
     return VerifyResult(tuple(checks))
 
 
-def _checks(store: TieredStore, tier: Tier, kept_sums: bool) -> Callable[[int], Iterator[ShardCheck]]:
-    """The checks of one step in ``tier``: the shards it holds are hashed (``kept_sums``, on a tier
-    whose storage keeps checksums: checked against those where its manifest records them, without
-    a download); those of ranks another node holds are "elsewhere"."""
+def _checks(
+    store: TieredStore, tier: Tier, kept_sums: bool, files: dict[tuple[int, str], str | None]
+) -> Callable[[int], Iterator[ShardCheck]]:
+    """The checks of one step in ``tier``: the shards it holds are hashed, each with the earlier
+    files it references (each file once: ``files`` holds, by step and name, those checked already)
+    (``kept_sums``, on a tier whose storage keeps checksums: checked against those where its
+    manifest records them, without a download); those of ranks another node holds are "elsewhere"."""
+
+    def referenced(record: ShardRecord) -> str | None:
+        for ref in record.references:
+            key = (ref.step, ref.file.path)
+            if key not in files:
+                problem = tier.check_shard(ref.step, ref.file)
+                files[key] = None if problem is None else f"{problem} (referenced by this shard)"
+            if files[key] is not None:
+                return files[key]
+        return None
 
     def checked(step: int, record: ShardRecord, problem: str | None) -> ShardCheck:
         return ShardCheck(step, tier.name, record.rank, "ok" if problem is None else "failed", problem)
@@ -349,7 +363,7 @@ def _checks(store: TieredStore, tier: Tier, kept_sums: bool) -> Callable[[int], 
             if record.rank not in ranks:
                 yield ShardCheck(step, tier.name, record.rank, "elsewhere")
             else:
-                yield checked(step, record, tier.check_shard(step, record))
+                yield checked(step, record, tier.check_shard(step, record) or referenced(record))
 
     def by_kept_sums(step: int) -> Iterator[ShardCheck]:
         # the store's checksums are the bucket's own words (see tiers/base.py)

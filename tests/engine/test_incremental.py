@@ -1,0 +1,197 @@
+"""Incremental saves (tiered_ckpt.engine.incremental): an array unchanged since the step before is
+referenced in the earlier file holding its bytes, every step still restores bit for bit, and
+retention keeps what a retained step references (real files, real managers)."""
+
+import json
+import logging
+import os
+
+import numpy as np
+import pytest
+
+from tiered_ckpt import (
+    CheckpointManager,
+    ChecksumMismatchError,
+    LocalOptions,
+    RemoteOptions,
+    RuntimeOptions,
+    UploadOptions,
+)
+from tiered_ckpt.format.layout import KEPT_NAME, MANIFEST_NAME, step_dir_name
+from tiered_ckpt.format.manifest import REFERENCES_SCHEMA_VERSION, SCHEMA_VERSION
+
+RNG = np.random.default_rng(7)
+BASE = {f"layer{i}": RNG.standard_normal((64, 64)).astype(np.float32) for i in range(6)}  # 16 KiB each
+
+
+def lora_state(step: int, base: dict | None = None) -> dict:
+    """A LoRA run's state at ``step``: a frozen base, an adapter and its moments that change every step."""
+    rng = np.random.default_rng(step)
+    adapter = {
+        "a": rng.standard_normal((64, 8)).astype(np.float32),
+        "b": rng.standard_normal((8, 64)).astype(np.float32),
+    }
+    moments = {name: rng.random((64, 8)).astype(np.float32) for name in ("m", "v")}
+    return {"model": {"base": dict(base or BASE), "adapter": adapter}, "optim": moments, "step": step}
+
+
+def equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+    return a == b
+
+
+def manifest_of(root, step: int) -> dict:
+    return json.loads((root / step_dir_name(step) / MANIFEST_NAME).read_text())
+
+
+def shard_bytes(root, step: int) -> int:
+    directory = root / step_dir_name(step)
+    return sum(entry.stat().st_size for entry in directory.iterdir() if entry.name.startswith("rank-"))
+
+
+def test_only_the_arrays_that_changed_are_written_and_every_step_restores_bit_for_bit(tmp_path):
+    saved = {step: lora_state(step) for step in (1, 2, 3)}
+    with CheckpointManager(tmp_path, world_size=1) as manager:
+        for step, state in saved.items():
+            manager.save(step, state, blocking=True)
+    first, later = shard_bytes(tmp_path, 1), shard_bytes(tmp_path, 3)
+    base_bytes = sum(array.nbytes for array in BASE.values())
+    assert first > base_bytes and later < first - base_bytes + 4096  # the base is not written again
+    document = manifest_of(tmp_path, 3)
+    assert document["schema_version"] == REFERENCES_SCHEMA_VERSION
+    (ref,) = document["shards"][0]["references"]
+    assert ref["step"] == 1 and ref["names"] == sorted(ref["names"]) and len(ref["names"]) == len(BASE)
+    assert ref["bytes"] == base_bytes and manifest_of(tmp_path, 1)["schema_version"] == SCHEMA_VERSION
+    with CheckpointManager(tmp_path, world_size=1) as manager:
+        for step, state in saved.items():
+            assert equal(manager.restore(step=step).states[0], state)
+            part = manager.restore(step=step, paths=[("model", "base")]).states[0]
+            assert equal(part["model"]["base"], BASE)
+            into = {key: value for key, value in lora_state(0, {k: np.zeros_like(v) for k, v in BASE.items()}).items()}
+            result = manager.restore(step=step, into=into)
+            assert equal(into["model"], state["model"]) and equal(into["optim"], state["optim"])
+            assert result.bytes_read >= base_bytes  # the referenced bytes are read, and counted
+
+
+def test_a_restarted_job_references_the_step_on_its_disk_and_never_a_chain(tmp_path):
+    with CheckpointManager(tmp_path, world_size=1) as manager:
+        manager.save(1, lora_state(1), blocking=True)
+    changed = {**BASE, "layer0": BASE["layer0"] + 1}
+    with CheckpointManager(tmp_path, world_size=1) as manager:  # the baseline read from step 1's header
+        manager.save(2, lora_state(2, changed), blocking=True)
+        manager.save(3, lora_state(3, changed), blocking=True)
+    refs = {ref["step"]: ref["names"] for ref in manifest_of(tmp_path, 3)["shards"][0]["references"]}
+    assert refs == {1: [f"model/base/layer{i}" for i in range(1, 6)], 2: ["model/base/layer0"]}  # where the bytes are
+    with CheckpointManager(tmp_path, world_size=1) as manager:
+        assert equal(manager.restore(step=3).states[0], lora_state(3, changed))
+
+
+def test_retention_keeps_what_a_retained_step_references_and_removes_the_rest(tmp_path, caplog):
+    caplog.set_level(logging.INFO, "tiered_ckpt")
+    local = LocalOptions(tmp_path, keep_last=2)
+    with CheckpointManager(local, world_size=1) as manager:
+        for step in range(1, 5):
+            manager.save(step, lora_state(step), blocking=True)
+        manager.wait()
+        assert manager.steps() == [3, 4]
+        kept = tmp_path / step_dir_name(1)
+        assert (kept / KEPT_NAME).is_file() and not (kept / MANIFEST_NAME).exists()
+        assert not (tmp_path / step_dir_name(2)).exists()  # nothing of it referenced
+        changed = {name: array + 1 for name, array in BASE.items()}
+        for step in (5, 6, 7):  # the base changes: step 1's file is referenced by no retained step
+            manager.save(step, lora_state(step, changed), blocking=True)
+        manager.wait()
+        assert manager.steps() == [6, 7] and not kept.exists()
+        assert (tmp_path / step_dir_name(5) / KEPT_NAME).is_file()
+        assert equal(manager.restore(step=7).states[0], lora_state(7, changed))
+    assert any("no retained step references" in r.getMessage() for r in caplog.records)
+
+
+def test_a_crash_leaves_the_kept_files_and_the_next_start_removes_only_what_nothing_references(tmp_path):
+    with CheckpointManager(LocalOptions(tmp_path, keep_last=1), world_size=1) as manager:
+        for step in (1, 2):
+            manager.save(step, lora_state(step), blocking=True)
+    kept = tmp_path / step_dir_name(1)
+    stray = kept / "rank-00001-of-00002.safetensors"  # as a deletion cut short by a crash leaves it
+    stray.write_bytes(b"x" * 10)
+    (tmp_path / step_dir_name(9)).mkdir()  # an uncommitted save
+    (tmp_path / step_dir_name(9) / "rank-00000-of-00001.safetensors").write_bytes(b"partial")
+    with CheckpointManager(LocalOptions(tmp_path, keep_last=1), world_size=1) as manager:
+        assert not stray.exists() and (kept / "rank-00000-of-00001.safetensors").is_file()
+        assert not (tmp_path / step_dir_name(9)).exists()
+        assert equal(manager.restore().states[0], lora_state(2))
+
+
+def test_a_damaged_referenced_file_fails_the_restore_naming_it(tmp_path):
+    with CheckpointManager(tmp_path, world_size=1) as manager:
+        for step in (1, 2):
+            manager.save(step, lora_state(step), blocking=True)
+    path = tmp_path / step_dir_name(1) / "rank-00000-of-00001.safetensors"
+    data = bytearray(path.read_bytes())
+    length = int.from_bytes(data[:8], "little")
+    begin, _end = json.loads(data[8 : 8 + length])["model/base/layer3"]["data_offsets"]
+    data[8 + length + begin] ^= 0xFF  # a byte of a base layer, which step 2 references
+    path.write_bytes(bytes(data))
+    with CheckpointManager(tmp_path, world_size=1) as manager:
+        with pytest.raises(ChecksumMismatchError, match=r"step-000000000001.*referenced by step 2"):
+            manager.restore(step=2)
+        with pytest.raises(ChecksumMismatchError, match="referenced by step 2"):
+            manager.restore(step=2, paths=[("model", "base")])
+
+
+def test_the_option_off_writes_every_array(tmp_path):
+    runtime = RuntimeOptions(incremental=False)
+    with CheckpointManager(tmp_path, world_size=1, runtime=runtime) as manager:
+        for step in (1, 2):
+            manager.save(step, lora_state(step), blocking=True)
+    assert "references" not in manifest_of(tmp_path, 2)["shards"][0]
+    assert shard_bytes(tmp_path, 2) == shard_bytes(tmp_path, 1)
+
+
+def test_a_tier_that_keeps_no_referenced_files_gets_whole_steps(tmp_path):
+    remote = RemoteOptions(f"file://{tmp_path / 'bucket'}")
+    with CheckpointManager(tmp_path / "local", remote=remote, upload=UploadOptions(), world_size=1) as manager:
+        for step in (1, 2):
+            manager.save(step, lora_state(step), blocking=True)
+        manager.wait()
+    assert "references" not in manifest_of(tmp_path / "local", 2)["shards"][0]
+
+
+def test_a_state_with_nothing_large_enough_writes_everything(tmp_path):
+    small = {"w": np.arange(8.0).reshape(2, 4), "b": np.zeros((3, 1), np.float32)}
+    with CheckpointManager(tmp_path, world_size=1) as manager:
+        manager.save(1, small, blocking=True)
+        manager.save(2, small, blocking=True)
+    assert manifest_of(tmp_path, 2)["schema_version"] == SCHEMA_VERSION
+    assert os.path.getsize(tmp_path / step_dir_name(2) / "rank-00000-of-00001.safetensors") > 0
+
+
+def test_a_referencing_step_exports_and_reshards_bit_for_bit(tmp_path):
+    from safetensors.numpy import load_file
+
+    from tiered_ckpt.export import export_step
+    from tiered_ckpt.tiers.local import LocalTier
+    from tiered_ckpt.tiers.store import TieredStore
+
+    frozen = np.full((32, 64), 5, np.float32)
+
+    def ranks(step: int) -> list[dict]:  # two ranks: a replicated frozen table, and flat slices of 3 + 3 values
+        return [{"frozen": frozen, "param": np.arange(3.0) + 3 * rank + step} for rank in (0, 1)]
+
+    with CheckpointManager(tmp_path / "ckpt", world_size=2) as manager:
+        manager.save(1, ranks(1), blocking=True)
+        manager.save(2, ranks(2), blocking=True)
+    assert all("references" in shard for shard in manifest_of(tmp_path / "ckpt", 2)["shards"])
+    with CheckpointManager(tmp_path / "ckpt", world_size=3) as manager:
+        states = manager.restore(step=2, reshard=True).states
+    assert np.array_equal(np.concatenate([state["param"] for state in states]), np.arange(6.0) + 2)
+    assert all(np.array_equal(state["frozen"], frozen) for state in states)
+    store = TieredStore([LocalTier(tmp_path / "ckpt")])
+    export_step(store, 2, tmp_path / "hf", only="frozen")
+    exported = {
+        name: array for path in (tmp_path / "hf").glob("*.safetensors") for name, array in load_file(path).items()
+    }
+    assert exported and all(np.array_equal(array, frozen) for array in exported.values())

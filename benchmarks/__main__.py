@@ -15,7 +15,8 @@ four), ``peer`` (a lost node restored from its partners' memory, and a
 partner copy's cost), ``parts`` (a partial restore and an export), ``scale`` (per-save
 overhead at many rank processes next to ``dcp.save``, and a leader's work at thousands of
 simulated ranks), ``memory`` (a save's and a restore's peak resident memory against the
-host memory budget, in fresh processes), ``fresh`` (each method and each limit in a fresh
+host memory budget, in fresh processes), ``incremental`` (what an incremental save writes
+and costs, LoRA and pretraining shapes, next to full saves), ``fresh`` (each method and each limit in a fresh
 process, next to issue 26's targets; not run by default) and, with
 ``--peers``, ``peers`` (safetensors, ``torch.save``, DCP on the same state); ``--plot
 FILE.png`` draws the peers table (needs matplotlib: ``pip install -e '.[bench]'``). What
@@ -37,6 +38,7 @@ from benchmarks import (
     fresh,
     fresh_worker,
     fsdp,
+    incremental,
     memory,
     parts,
     peer,
@@ -55,7 +57,7 @@ __all__ = ["main"]
 
 SECTIONS = (
     *("sync", "async", "retention", "dist", "train", "remote", "compression"),
-    *("structure", "small-arrays", "fsdp", "peer", "parts", "scale", "memory", "fresh", "peers"),
+    *("structure", "small-arrays", "fsdp", "peer", "parts", "scale", "memory", "incremental", "fresh", "peers"),
 )
 DEFAULT = tuple(section for section in SECTIONS if section not in ("fresh", "peers"))
 # Issue 26's items and the section that measures each: a section returns its Target rows and
@@ -137,6 +139,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "memory" in sections:
             print("host memory: a save's and a restore's peak growth against runtime.host_memory_bytes:")
             memory.bench_memory(root, args.repeat, budget=max(16 << 20, total // 32))
+        if "incremental" in sections:
+            print("incremental saves (runtime.incremental) next to full ones, interleaved rounds:")
+            incremental.bench_incremental(total, root, args.repeat)
         if "peers" in sections:
             print("peers: the same state saved and loaded by each (interleaved rounds):")
             table = peers.bench_peers(states, root, args.repeat)

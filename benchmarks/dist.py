@@ -22,7 +22,9 @@ from pathlib import Path
 
 from benchmarks.harness import Timings, make_rank_state, raw_write, run_rank_processes, sha256_all_cores
 from tiered_ckpt.manager import CheckpointManager
-from tiered_ckpt.options import LocalOptions
+from tiered_ckpt.options import LocalOptions, RuntimeOptions
+
+FULL = RuntimeOptions(incremental=False)  # every byte written: the incremental section measures references
 
 __all__ = ["bench_dist", "rank_process"]
 
@@ -95,7 +97,7 @@ def rank_process(config_path: Path, rank: int) -> None:
 
     timings = []
     # keep_last=None: deleting the previous step inside the timed save would time the deletion too.
-    with CheckpointManager(LocalOptions(directory, keep_last=None), coordinator=coordinator) as manager:
+    with CheckpointManager(LocalOptions(directory, keep_last=None), coordinator=coordinator, runtime=FULL) as manager:
         manager.save(0, state, blocking=True)
         for step in range(1, config["repeat"] + 1):
             raw = directory / f"raw-{step}"

@@ -69,7 +69,7 @@ def measure(
         into = {name: paged_array(Path(directory), array.nbytes).view(np.float32) for name, array in state.items()}
     else:
         into = {name: np.zeros_like(array) for name, array in state.items()}  # every page touched
-    runtime = RuntimeOptions(host_memory_bytes=budget)
+    runtime = RuntimeOptions(host_memory_bytes=budget, incremental=False)  # every byte written
     remote = RemoteOptions(Path(directory, "bucket").as_uri()) if bucket else None
     local = Path(directory, "disk")
     with CheckpointManager(local, world_size=1, runtime=runtime, remote=remote) as manager:
@@ -201,7 +201,7 @@ def bench_gpu(root: Path, repeat: int, state_bytes: int = 1 << 30) -> None:
         torch.cuda.synchronize()
         bare.append(time.perf_counter() - started)
     del pinned
-    runtime = RuntimeOptions(host_memory_bytes=2 * state_bytes)
+    runtime = RuntimeOptions(host_memory_bytes=2 * state_bytes, incremental=False)
     stalls = []
     with CheckpointManager(LocalOptions(root, keep_last=1), world_size=1, runtime=runtime) as manager:
         for step in range(1, 21):
@@ -240,7 +240,9 @@ def _step_times(root: Path, every: int | None, steps: int = 60) -> float:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = torch.randn(256, 4096, device="cuda")
     directory = root / f"steps-{every}"
-    with CheckpointManager(LocalOptions(directory, keep_last=1), world_size=1) as manager:
+    with CheckpointManager(
+        LocalOptions(directory, keep_last=1), world_size=1, runtime=RuntimeOptions(incremental=False)
+    ) as manager:
         torch.cuda.synchronize()
         started = time.perf_counter()
         for step in range(1, steps + 1):

@@ -99,10 +99,11 @@ def _filesper_shard(directory: Path, shards: int, write: Callable[[int, Path], o
 def _ours() -> _Method:
     from tiered_ckpt.manager import CheckpointManager
     from tiered_ckpt.oneshot import load_sharded, save_sharded
-    from tiered_ckpt.options import LocalOptions
+    from tiered_ckpt.options import LocalOptions, RuntimeOptions
 
     def async_save(states: States, directory: Path) -> tuple[float, Callable[[], None]]:
-        manager = CheckpointManager(LocalOptions(directory, keep_last=None), world_size=len(states))
+        full = RuntimeOptions(incremental=False)  # step 2 saves step 1's arrays: written again, as the peers do
+        manager = CheckpointManager(LocalOptions(directory, keep_last=None), world_size=len(states), runtime=full)
         manager.save(1, states)  # allocates the staging buffers, which a job's later saves reuse
         manager.wait()
         return timed(lambda: manager.save(2, states, blocking=False)), manager.close

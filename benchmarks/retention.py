@@ -11,7 +11,9 @@ import numpy as np
 
 from benchmarks.harness import Timings, clear
 from tiered_ckpt.manager import CheckpointManager
-from tiered_ckpt.options import LocalOptions
+from tiered_ckpt.options import LocalOptions, RuntimeOptions
+
+FULL = RuntimeOptions(incremental=False)  # every byte written: the incremental section measures references
 
 __all__ = ["bench_retention"]
 
@@ -31,7 +33,9 @@ def bench_retention(states: list[dict[str, np.ndarray]], root: Path, repeat: int
         for keep_last in order:
             seconds = []
             directory = root / f"retention-{run}-{keep_last}"
-            with CheckpointManager(LocalOptions(directory, keep_last=keep_last), world_size=len(states)) as manager:
+            with CheckpointManager(
+                LocalOptions(directory, keep_last=keep_last), world_size=len(states), runtime=FULL
+            ) as manager:
                 for step in range(4):
                     start = time.perf_counter()
                     manager.save(step, states, blocking=True)

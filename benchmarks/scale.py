@@ -34,7 +34,9 @@ from tiered_ckpt.dist.coordination import decode_gathered
 from tiered_ckpt.format.layout import MANIFEST_NAME, shard_name, step_dir_name
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.manager import CheckpointManager
-from tiered_ckpt.options import LocalOptions
+from tiered_ckpt.options import LocalOptions, RuntimeOptions
+
+FULL = RuntimeOptions(incremental=False)  # every byte written, as dcp.save writes them
 
 __all__ = ["bench_scale", "rank_process", "SimulatedRanks"]
 
@@ -95,7 +97,8 @@ def rank_process(config_path: Path, rank: int) -> None:
         return barrier_timed(coordinator, action)
 
     figures: dict[str, Any] = {"save": [], "dcp.save": []}
-    with CheckpointManager(LocalOptions(root / f"rank-{rank}", keep_last=2), coordinator=coordinator) as manager:
+    local = LocalOptions(root / f"rank-{rank}", keep_last=2)
+    with CheckpointManager(local, coordinator=coordinator, runtime=FULL) as manager:
         manager.save(0, state, blocking=True)  # staging buffers allocated
         dcp.save(tensors, checkpoint_id=root / "dcp-warm")
         before = calls[0]
@@ -181,7 +184,7 @@ def _leader(root: Path, repeat: int) -> list[Target]:
         directory = root / f"leader-{ranks}"
         saves, parses = [], []
         simulated = SimulatedRanks(ranks)
-        with CheckpointManager(LocalOptions(directory, keep_last=2), coordinator=simulated) as manager:
+        with CheckpointManager(LocalOptions(directory, keep_last=2), coordinator=simulated, runtime=FULL) as manager:
             manager.save(0, state, blocking=True)
             for step in range(1, max(repeat, LEADER_SAVES) + 1):
                 start, sending = time.process_time(), simulated.sending

@@ -136,7 +136,7 @@ def test_help_names_the_command_and_every_section():
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: python -m benchmarks")
     assert (
-        "{sync,async,retention,dist,train,remote,compression,structure,small-arrays,fsdp,peer,parts,scale,memory,fresh,peers}"
+        "{sync,async,retention,dist,train,remote,compression,structure,small-arrays,fsdp,peer,parts,scale,memory,incremental,fresh,peers}"
         in result.stdout
     )
     assert "--dist-processes N [N ...]" in result.stdout and "(default 1 2 4)" in result.stdout

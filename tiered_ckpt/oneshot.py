@@ -23,7 +23,7 @@ from tiered_ckpt.build import single_step_tier
 from tiered_ckpt.dist.replicas import assign, offer, put_back
 from tiered_ckpt.dist.sharding import dtype_summary, resolve_sharded_keys, sharding_summary
 from tiered_ckpt.engine.shards import build_manifest, write_shards
-from tiered_ckpt.errors import CheckpointError, CheckpointExistsError
+from tiered_ckpt.errors import CheckpointError, CheckpointExistsError, UsageError
 from tiered_ckpt.format.layout import MANIFEST_NAME
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.state import FlatState, flatten, flatten_into
@@ -151,10 +151,17 @@ def load_sharded(
     ``verify="fast"``) before any array is returned. Raises
     :class:`IncompleteCheckpointError` (no manifest, shard missing or short),
     :class:`ManifestError` / :class:`ShardCountMismatchError` (bad manifest),
-    :class:`WorldSizeMismatchError` and :class:`ChecksumMismatchError`.
+    :class:`WorldSizeMismatchError` and :class:`ChecksumMismatchError`; :class:`UsageError`
+    for a manager's step that references earlier steps' files (restore it with the manager).
     """
     tier = single_step_tier(directory)
     manifest = tier.single_manifest()
+    if any(record.references for record in manifest.shards):
+        raise UsageError(
+            f"{tier.root}: step {manifest.step} references arrays that earlier steps' files hold (an "
+            "incremental save of a CheckpointManager): restore it with the manager on the directory above "
+            f"(restore(step={manifest.step})), or export it (tiered-ckpt export)"
+        )
     check_world_size(manifest, expected_world_size, str(tier.root))
     check_into(into, manifest)
     targets = [flatten_into(state, f"into[{rank}]").arrays for rank, state in enumerate(into)] if into else None

@@ -5,10 +5,16 @@ retention keeps what a retained step references (real files, real managers)."""
 import json
 import logging
 import os
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from support.states import incremental_state, referenced_files_exist
 from tiered_ckpt import (
     CheckpointManager,
     ChecksumMismatchError,
@@ -97,15 +103,15 @@ def test_retention_keeps_what_a_retained_step_references_and_removes_the_rest(tm
             manager.save(step, lora_state(step), blocking=True)
         manager.wait()
         assert manager.steps() == [3, 4]
-        kept = tmp_path / step_dir_name(1)
-        assert (kept / KEPT_NAME).is_file() and not (kept / MANIFEST_NAME).exists()
+        kept = tmp_path / f"kept-{step_dir_name(1)}"  # which no clean-up of crashed saves touches
+        assert (kept / KEPT_NAME).is_file() and not (tmp_path / step_dir_name(1)).exists()
         assert not (tmp_path / step_dir_name(2)).exists()  # nothing of it referenced
         changed = {name: array + 1 for name, array in BASE.items()}
         for step in (5, 6, 7):  # the base changes: step 1's file is referenced by no retained step
             manager.save(step, lora_state(step, changed), blocking=True)
         manager.wait()
         assert manager.steps() == [6, 7] and not kept.exists()
-        assert (tmp_path / step_dir_name(5) / KEPT_NAME).is_file()
+        assert (tmp_path / f"kept-{step_dir_name(5)}" / KEPT_NAME).is_file()
         assert equal(manager.restore(step=7).states[0], lora_state(7, changed))
     assert any("no retained step references" in r.getMessage() for r in caplog.records)
 
@@ -114,7 +120,7 @@ def test_a_crash_leaves_the_kept_files_and_the_next_start_removes_only_what_noth
     with CheckpointManager(LocalOptions(tmp_path, keep_last=1), world_size=1) as manager:
         for step in (1, 2):
             manager.save(step, lora_state(step), blocking=True)
-    kept = tmp_path / step_dir_name(1)
+    kept = tmp_path / f"kept-{step_dir_name(1)}"
     stray = kept / "rank-00001-of-00002.safetensors"  # as a deletion cut short by a crash leaves it
     stray.write_bytes(b"x" * 10)
     (tmp_path / step_dir_name(9)).mkdir()  # an uncommitted save
@@ -129,7 +135,7 @@ def test_a_damaged_referenced_file_fails_the_restore_naming_it(tmp_path):
     with CheckpointManager(tmp_path, world_size=1) as manager:
         for step in (1, 2):
             manager.save(step, lora_state(step), blocking=True)
-    path = tmp_path / step_dir_name(1) / "rank-00000-of-00001.safetensors"
+    path = tmp_path / step_dir_name(1) / "rank-00000-of-00001.safetensors"  # a retained step's own file
     data = bytearray(path.read_bytes())
     length = int.from_bytes(data[:8], "little")
     begin, _end = json.loads(data[8 : 8 + length])["model/base/layer3"]["data_offsets"]
@@ -195,3 +201,136 @@ def test_a_referencing_step_exports_and_reshards_bit_for_bit(tmp_path):
         name: array for path in (tmp_path / "hf").glob("*.safetensors") for name, array in load_file(path).items()
     }
     assert exported and all(np.array_equal(array, frozen) for array in exported.values())
+
+
+CHILD = Path(__file__).resolve().parent.parent / "support" / "incremental_child.py"
+
+
+def _kill_child_at(directory: Path, point: str, count: int) -> None:
+    """Run the child's schedule of saves into ``directory``; SIGKILL it the ``count``-th time it reaches ``point``."""
+    child = subprocess.Popen(
+        [sys.executable, str(CHILD), str(directory), point, str(count)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        # A guard against a hung child, not a timing assumption: the child says where it is.
+        ready, _, _ = select.select([child.stdout], [], [], 300)
+        assert ready, f"child never reached {point}"
+        assert child.stdout.readline() == "PAUSED\n"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        child.stdout.close()
+
+
+def _unreferenced_kept_files(root: Path) -> list[str]:
+    referenced = {
+        (ref["step"], ref["file"]["path"])
+        for manifest in root.glob("step-*/manifest.json")
+        for shard in json.loads(manifest.read_text())["shards"]
+        for ref in shard.get("references", ())
+    }
+    return [
+        str(path)
+        for path in root.glob("*step-*/rank-*")
+        if not (path.parent / MANIFEST_NAME).exists()
+        and (int(path.parent.name.rpartition("-")[2]), path.name) not in referenced
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "point, count",
+    [("before-commit", 9), ("kept-marked", 3), ("kept-marked", 6), ("removing", 4), ("removing", 7),
+     ("removing-dir", 2), ("removing-dir", 5)],
+)  # fmt: skip
+def test_a_sigkill_at_any_point_leaves_no_step_whose_references_dangle(tmp_path, point, count):
+    _kill_child_at(tmp_path, point, count)
+    assert referenced_files_exist(tmp_path) == []
+    with CheckpointManager(LocalOptions(tmp_path, keep_last=2), world_size=1) as manager:
+        steps = manager.steps()
+        assert steps and _unreferenced_kept_files(tmp_path) == []  # the start removed what nothing references
+        for step in steps:
+            assert equal(manager.restore(step=step).states[0], incremental_state(step))
+        following = steps[-1] + 1
+        manager.save(following, incremental_state(following), blocking=True)
+        manager.wait()
+        assert equal(manager.restore(step=following).states[0], incremental_state(following))
+    assert referenced_files_exist(tmp_path) == [] and _unreferenced_kept_files(tmp_path) == []
+
+
+def test_a_big_endian_array_is_never_taken_for_the_little_endian_one_of_the_same_bytes(tmp_path):
+    big = np.arange(4096, dtype=">f4")
+    same_bytes = big.view("<f4").copy()  # other values, the same raw bytes
+    with CheckpointManager(tmp_path, world_size=1) as manager:
+        manager.save(1, {"w": big}, blocking=True)
+        manager.save(2, {"w": same_bytes}, blocking=True)
+        assert np.array_equal(manager.restore(step=2).states[0]["w"], same_bytes)
+        assert np.array_equal(manager.restore(step=1).states[0]["w"], big)
+
+
+def test_a_referencing_step_is_never_sent_to_a_tier_that_keeps_no_referenced_files(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, "tiered_ckpt")
+    with CheckpointManager(LocalOptions(tmp_path / "local", keep_last=1), world_size=1) as manager:
+        for step in (1, 2):
+            manager.save(step, lora_state(step), blocking=True)
+    remote = RemoteOptions(f"file://{tmp_path / 'bucket'}")
+    with CheckpointManager(LocalOptions(tmp_path / "local", keep_last=1), remote=remote, world_size=1) as manager:
+        manager.save(3, lora_state(3), blocking=True)  # whole: the bucket keeps no referenced files
+        manager.wait(uploaded=True)
+        assert equal(manager.restore(step=3).states[0], lora_state(3))
+    assert "references" not in manifest_of(tmp_path / "local", 3)["shards"][0]
+    assert any("step 2 is not sent to" in r.getMessage() for r in caplog.records)
+    assert not (tmp_path / "bucket" / step_dir_name(2)).exists()
+
+
+def test_load_sharded_of_a_referencing_step_says_to_restore_it_with_the_manager(tmp_path):
+    from tiered_ckpt import UsageError, load_sharded
+
+    with CheckpointManager(tmp_path, world_size=1) as manager:
+        for step in (1, 2):
+            manager.save(step, lora_state(step), blocking=True)
+    assert equal(load_sharded(tmp_path / step_dir_name(1), 1)[0], lora_state(1))
+    with pytest.raises(UsageError, match=r"step 2 references arrays .*\(restore\(step=2\)\)"):
+        load_sharded(tmp_path / step_dir_name(2), 1)
+
+
+def test_a_manifest_placing_an_own_array_elsewhere_or_a_step_outside_is_refused(tmp_path):
+    from tiered_ckpt import IncompleteCheckpointError, ShardFormatError
+
+    with CheckpointManager(tmp_path, world_size=1) as manager:
+        for step in (1, 2):
+            manager.save(step, lora_state(step), blocking=True)
+    path = tmp_path / step_dir_name(2) / MANIFEST_NAME
+    document = json.loads(path.read_text())
+    ref = document["shards"][0]["references"][0]
+    hostile = {**ref, "names": sorted([*ref["names"], "optim/m"]), "xxh3_64": ref["xxh3_64"] + "0" * 16}
+    path.write_text(json.dumps({**document, "shards": [{**document["shards"][0], "references": [hostile]}]}))
+    with CheckpointManager(tmp_path, world_size=1) as manager:
+        with pytest.raises(ShardFormatError, match="'optim/m', which its manifest record also places elsewhere"):
+            manager.restore(step=2)
+    path.write_text(json.dumps(document))
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere"
+    (tmp_path / step_dir_name(1)).rename(elsewhere)
+    (tmp_path / step_dir_name(1)).symlink_to(elsewhere)
+    with CheckpointManager(tmp_path, world_size=1) as manager:
+        with pytest.raises(IncompleteCheckpointError, match="symbolic link"):
+            manager.restore(step=2)
+
+
+def test_the_files_a_step_keeps_take_at_most_twice_its_state(tmp_path):
+    rng = np.random.default_rng(3)
+    frozen = {f"f{i}": rng.random(1024).astype(np.float32) for i in range(20)}  # 4 KiB each
+
+    def state(step: int) -> dict:  # buffer i stops changing at step i; a 64 KiB array changes every step
+        buffers = {name: array + min(step, i) for i, (name, array) in enumerate(frozen.items())}
+        return {"buffers": buffers, "moving": np.full(16384, step, np.float32)}
+
+    size = sum(array.nbytes for array in state(1)["buffers"].values()) + 16384 * 4
+    with CheckpointManager(LocalOptions(tmp_path, keep_last=2), world_size=1) as manager:
+        for step in range(1, 25):
+            manager.save(step, state(step), blocking=True)
+            manager.wait()
+        for step in manager.steps():
+            assert equal(manager.restore(step=step).states[0], state(step))
+    kept = sum(path.stat().st_size for path in tmp_path.glob("kept-step-*/rank-*"))
+    assert kept <= 2 * 2 * size  # two retained steps, each keeping at most twice its state

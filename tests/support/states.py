@@ -90,3 +90,39 @@ def temp_files(directory: Path) -> list[str]:
     from tiered_ckpt.io.durable import is_temp_name
 
     return sorted(name for name in os.listdir(directory) if is_temp_name(name))
+
+
+INCREMENTAL_ARRAYS = 6
+
+
+def changed_at(step: int, index: int) -> int:
+    """The last step at or before ``step`` at which array ``index`` of :func:`incremental_state`
+    changed: each changes at step 1 and then at the steps where ``(step * 7 + index * 3) % 4 == 0``."""
+    return max(s for s in range(1, step + 1) if s == 1 or (s * 7 + index * 3) % 4 == 0)
+
+
+def incremental_state(step: int, versions: Mapping[int, int] | None = None) -> dict:
+    """A state at ``step`` whose 16 KiB arrays change now and then (array ``i`` holds the values of
+    version ``versions[i]``, by default :func:`changed_at`), beside a scalar that changes every step:
+    the later steps of an incremental save reference the earlier files."""
+    arrays = {}
+    for index in range(INCREMENTAL_ARRAYS):
+        version = versions[index] if versions is not None else changed_at(step, index)
+        arrays[f"a{index}"] = np.random.default_rng((index, version)).standard_normal(4096).astype(np.float32)
+    return {"arrays": arrays, "step": step}
+
+
+def referenced_files_exist(root: Path) -> list[str]:
+    """The referenced files that committed steps under ``root`` name and that are missing (none: [])."""
+    import json
+
+    missing = []
+    for manifest in sorted(root.glob("step-*/manifest.json")):
+        for shard in json.loads(manifest.read_text())["shards"]:
+            for ref in shard.get("references", ()):
+                path = root / f"step-{ref['step']:012d}" / ref["file"]["path"]
+                if not path.exists():
+                    path = root / f"kept-step-{ref['step']:012d}" / ref["file"]["path"]
+                if not path.is_file() or path.stat().st_size != ref["file"]["size_bytes"]:
+                    missing.append(f"{manifest.parent.name} -> {path}")
+    return missing

@@ -8,8 +8,11 @@ of at least :data:`SMALLEST_REFERENCED` bytes, is left out of the new shard file
 as a :class:`~tiered_ckpt.format.manifest.Reference` to the earlier file holding its bytes:
 the file the baseline wrote it to, or the one the baseline itself referenced (a reference
 always names the file the bytes are in, never a chain). At most
-:data:`~tiered_ckpt.format.manifest.MAX_REFERENCED_FILES` files are referenced per shard
-(those holding the most bytes; the other unchanged arrays are written again).
+:data:`~tiered_ckpt.format.manifest.MAX_REFERENCED_FILES` files are referenced per shard,
+those holding the most of its bytes first, and only while the bytes those files hold that the
+shard does not use (which a reference keeps on the disk with them) add up to at most the
+shard's own state: the other unchanged arrays are written again, so that the files a
+retained step keeps take at most twice its state.
 
 Only where every tier of the store keeps referenced files (``capabilities.references``), for
 shards of plain arrays (a state of DTensors and replicated arrays are written whole), and
@@ -80,8 +83,14 @@ def choose_references(
         if held is not None and digest and held.digest == digest and sizes[name] >= SMALLEST_REFERENCED:
             by_file.setdefault((held.step, held.file.path), []).append((name, held))
     largest = sorted(by_file.values(), key=lambda group: -sum(sizes[name] for name, _ in group))
-    references = []
-    for group in largest[:MAX_REFERENCED_FILES]:
+    references: list[Reference] = []
+    pinned, bound = 0, sum(sizes.values())
+    for group in largest:
+        taken = sum(sizes[name] for name, _ in group)
+        unused = group[0][1].file.size_bytes - taken  # what the file holds that this shard does not use
+        if len(references) == MAX_REFERENCED_FILES or pinned + unused > bound:
+            continue
+        pinned += unused
         group.sort(key=lambda pair: pair[0])
         first = group[0][1]
         names = tuple(name for name, _ in group)

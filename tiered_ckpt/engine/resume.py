@@ -120,5 +120,12 @@ def _resumable(
                 store.record_commit(step, target, remote)
                 continue
         if (newest is None or step > newest) and (takes(step) or store.local.for_every_tier(step)):
-            resumed.append(step)
+            if store.sendable(step, target):
+                resumed.append(step)
+            else:
+                logger.warning(
+                    "step %d is not sent to %s: it references earlier steps' files (an incremental save of a "
+                    "job without that tier), which %s does not keep; the next save sends a whole step",
+                    *(step, target.url, target.name),
+                )
     return tuple(resumed if target.capabilities.durable else resumed[-1:])

@@ -42,11 +42,11 @@ _HEX = re.compile(r"(?:[0-9a-f]{32})*")
 
 def content_digest(array: np.ndarray) -> str:
     """The XXH3-128 of ``array``'s dtype code, shape and bytes (32 hex digits); "" for an
-    array whose memory is not one C-contiguous block, which is then never taken as unchanged."""
-    if not array.flags.c_contiguous:
+    array whose memory is not one C-contiguous block of little-endian (or byte-sized) values,
+    as the shard stores them: such an array is never taken as unchanged."""
+    if not array.flags.c_contiguous or array.dtype.byteorder == ">":
         return ""
-    dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
-    code = DTYPE_CODES.get(dtype)
+    code = DTYPE_CODES.get(array.dtype)
     if code is None:
         return ""
     digest = xxhash.xxh3_128(f"{code}{list(array.shape)}".encode())

@@ -31,6 +31,8 @@ __all__ = [
     "AGREEMENT_NAME",
     "EVERY_TIER_NAME",
     "RECEIPT_NAME",
+    "KEPT_NAME",
+    "KEPT_PREFIX",
     "LATEST_NAME",
     "OWNERS_DIR",
     "SHARD_SUFFIX",
@@ -49,6 +51,7 @@ AGREEMENT_NAME = "commit-agreement.json"
 EVERY_TIER_NAME = "every-tier.json"
 RECEIPT_NAME = "remote-commit.json"
 KEPT_NAME = "kept-for-later-steps.json"  # a deleted step's directory that keeps files later steps reference
+KEPT_PREFIX = "kept-"  # then moved to "kept-step-…", which no clean-up of step directories touches
 LATEST_NAME = "latest"
 OWNERS_DIR = "owners"
 SHARD_SUFFIX = ".safetensors"

@@ -15,7 +15,7 @@ from dataclasses import InitVar, dataclass
 from typing import Any
 
 from tiered_ckpt.errors import ChecksumMismatchError, ManifestError, ShardCountMismatchError
-from tiered_ckpt.format.layout import MANIFEST_NAME, is_plain_name
+from tiered_ckpt.format.layout import MANIFEST_NAME, is_plain_name, is_shard_name
 from tiered_ckpt.format.shardfile import DTYPES, MAX_DIMS, MAX_HEADER_BYTES, json_length_bound
 from tiered_ckpt.format.strict_json import Fields, dump_object, load_object
 from tiered_ckpt.io.gc_pause import cyclic_gc_paused
@@ -506,8 +506,8 @@ def _check_references(
         if (ref.step, file.path) in files:
             raise fail(f"{field}.file.path", f"step {ref.step}'s {file.path!r:.80} is referenced twice")
         files.add((ref.step, file.path))
-        if not is_plain_name(file.path) or file.path == MANIFEST_NAME:
-            raise fail(f"{field}.file.path", f"{file.path!r:.80} is not a plain file name inside a checkpoint")
+        if not is_shard_name(file.path):
+            raise fail(f"{field}.file.path", f"{file.path!r:.80} is not a shard file's name")
         if file.rank != record.rank:
             raise fail(f"{field}.file.rank", f"is {file.rank}, not the referencing shard's rank {record.rank}")
         if not (_SHA256.fullmatch(file.sha256) and _XXH3_64.fullmatch(file.xxh3_64)):

@@ -35,6 +35,7 @@ from tiered_ckpt.errors import (
 )
 from tiered_ckpt.format.layout import (
     KEPT_NAME,
+    KEPT_PREFIX,
     MANIFEST_NAME,
     is_shard_name,
     parse_step_dir_name,
@@ -147,8 +148,21 @@ class LocalTier:
     def step_dir(self, step: int) -> Path:
         return self.root if self._single else self.root / step_dir_name(step)
 
+    def kept_dir(self, step: int) -> Path:
+        """Where the files of deleted ``step`` that later steps reference are kept (a name no
+        release's clean-up of crashed saves touches)."""
+        return self.root / f"{KEPT_PREFIX}{step_dir_name(step)}"
+
     def shard_path(self, step: int, record: ShardRecord) -> Path:
-        return self.step_dir(step) / record.path
+        """``record``'s shard of ``step``: in the step's directory, or, for a deleted step whose
+        file later steps reference, in its kept directory (moved there atomically, so that one of
+        the two holds it at any time)."""
+        path = self.step_dir(step) / record.path
+        if not self._single and not os.path.lexists(path):
+            kept = self.kept_dir(step) / record.path
+            if os.path.lexists(kept):
+                return kept
+        return path
 
     def shard_location(self, step: int, record: ShardRecord) -> str:
         return str(self.shard_path(step, record))
@@ -235,12 +249,22 @@ class LocalTier:
         return sorted(committed), sorted(uncommitted)
 
     def kept_steps(self) -> list[int]:
-        """Deleted steps whose directories keep files that committed steps reference, oldest first."""
-        return sorted(
+        """Deleted steps whose files committed steps reference, oldest first: in their kept
+        directories, or still in their step directories (marked, no manifest: a deletion a
+        crash cut short)."""
+        kept = {
             step
             for step, directory in self._step_dirs()
             if (directory / KEPT_NAME).is_file() and not (directory / MANIFEST_NAME).is_file()
-        )
+        }
+        if not self._single and self.root.is_dir():
+            for entry in os.scandir(self.root):
+                step = (
+                    parse_step_dir_name(entry.name[len(KEPT_PREFIX) :]) if entry.name.startswith(KEPT_PREFIX) else None
+                )
+                if step is not None and entry.is_dir(follow_symlinks=False):
+                    kept.add(step)
+        return sorted(kept)
 
     def referenced_files(self, *, skip: int | None = None) -> dict[int, set[str]] | None:
         """By step, the shard files the committed steps (but ``skip``) reference in earlier steps'
@@ -287,6 +311,7 @@ class LocalTier:
         short, :class:`ChecksumMismatchError` if it is longer."""
         path = self.shard_path(step, record)
         what = f"rank {record.rank} shard {path}"
+        self._check_step_dir(step, what)
         with open_regular(path, what) as source:
             size = os.fstat(source.fileno()).st_size
             if size < record.size_bytes:
@@ -348,10 +373,17 @@ class LocalTier:
         with self.open_ranges(step, record) as read_into:
             return read_into(offset, buffer, verify)
 
+    def _check_step_dir(self, step: int, what: str) -> None:
+        """Raise :class:`IncompleteCheckpointError` if ``step``'s directory (or kept directory) is a
+        symbolic link: a manifest (untrusted) naming that step never leads a read outside ``root``."""
+        if not self._single and (os.path.islink(self.step_dir(step)) or os.path.islink(self.kept_dir(step))):
+            raise IncompleteCheckpointError(f"{what}: its step directory is a symbolic link, not one of {self.root}")
+
     def check_shard(self, step: int, record: ShardRecord) -> str | None:
         """Hash ``record``'s shard without loading it; the problem (naming the file), or None if it verifies."""
         path = self.shard_path(step, record)
         try:
+            self._check_step_dir(step, str(path))
             with open_regular(path, str(path)) as source:
                 size = os.fstat(source.fileno()).st_size
                 problem = record.mismatch(ShardDigest(size, "", "")) or record.mismatch(hash_stream(source, "full"))
@@ -516,6 +548,7 @@ class LocalTier:
             fsync_directory(directory)
         if kept != set():
             self._remove_all_but(directory, kept)
+            self._move_kept(step)
             return
         if self._single:
             for entry in os.scandir(directory):
@@ -540,9 +573,17 @@ class LocalTier:
         else:
             fsync_directory(directory)
 
+    def _move_kept(self, step: int) -> None:
+        """Move deleted ``step``'s directory, holding only kept files, to its kept directory."""
+        directory = self.step_dir(step)
+        if directory.is_dir() and not self.kept_dir(step).exists():
+            os.rename(directory, self.kept_dir(step))
+            fsync_directory(self.root)
+
     def collect_unreferenced(self) -> list[int]:
         """Remove, from the directories of deleted steps, the files no committed step references any
-        more (all of a directory once none is); return the steps whose directories went."""
+        more (all of a directory once none is), and finish the deletions a crash cut short; return
+        the steps whose files all went."""
         self.check_locked()
         kept_steps = self.kept_steps()
         if not kept_steps:
@@ -552,8 +593,11 @@ class LocalTier:
             return []
         gone = []
         for step in kept_steps:
-            self._remove_all_but(self.step_dir(step), referenced.get(step, set()))
-            if not self.step_dir(step).is_dir():
+            for directory in (self.step_dir(step), self.kept_dir(step)):
+                if directory.is_dir() and not (directory / MANIFEST_NAME).exists():
+                    self._remove_all_but(directory, referenced.get(step, set()))
+            self._move_kept(step)
+            if not self.step_dir(step).is_dir() and not self.kept_dir(step).is_dir():
                 gone.append(step)
         return gone
 
@@ -566,7 +610,9 @@ class LocalTier:
         """Remove what crashed saves left under ``root``; return the names removed.
 
         Step directories without a manifest are removed whole; temp files are removed from
-        ``root`` and from committed step directories. Nothing else is touched.
+        ``root`` and from committed step directories. The files of deleted steps that no
+        committed step references any more are removed too (:meth:`collect_unreferenced`),
+        and not listed. Nothing else is touched.
         """
         self.check_locked()
         root = self.root
@@ -580,7 +626,8 @@ class LocalTier:
             else:
                 shutil.rmtree(directory)
                 removed.append(f"{entry.name}/")
-        removed += [f"{step_dir_name(step)}/" for step in self.collect_unreferenced()]
+        for step in self.collect_unreferenced():  # no crash's leftovers: files nothing references any more
+            logger.info("%s: removed the files of step %d no committed step references", root, step)
         if removed:
             fsync_directory(root)
         return removed

@@ -54,8 +54,10 @@ def _newest_complete(
 
 
 def _owed(store: TieredStore, step: int, upload_every: int) -> bool:
-    """Whether the bucket takes local ``step``: its cadence does, or every tier does (a preemption's)."""
-    return step % upload_every == 0 or store.local.for_every_tier(step)
+    """Whether the bucket takes local ``step``: its cadence does, or every tier does (a preemption's),
+    and the bucket may hold it (:meth:`TieredStore.sendable`)."""
+    owed = step % upload_every == 0 or store.local.for_every_tier(step)
+    return owed and store.remote is not None and store.sendable(step, store.remote)
 
 
 def _plan(

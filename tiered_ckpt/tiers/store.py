@@ -122,6 +122,17 @@ class TieredStore:
     def __repr__(self) -> str:
         return f"TieredStore([{', '.join(repr(tier) for tier in self.tiers)}])"
 
+    def sendable(self, step: int, tier: Tier) -> bool:
+        """Whether local ``step`` may go to ``tier``: unless its shards reference earlier steps'
+        files (an incremental save made without ``tier``) and ``tier`` keeps no referenced files.
+        A step whose manifest cannot be read is left to the reads that will say why."""
+        if tier.capabilities.references:
+            return True
+        try:
+            return not any(record.references for record in self.local.manifest(step).shards)
+        except CheckpointError:
+            return True
+
     @property
     def keeps_references(self) -> bool:
         """Whether every tier keeps the files its steps reference (``capabilities.references``):

@@ -1,0 +1,163 @@
+"""Incremental saves as a stateful property (hypothesis): random sequences of saves that change
+some arrays, retention of every kind, prunes, restarts, SIGKILLed saves and retention passes (a
+real child process killed at a chosen point) and restores, over more than 1,000 saves in all.
+After every rule, each retained step restores bit for bit and every file a committed step
+references is there; after a start, no file is left that nothing references."""
+
+import json
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from support.states import INCREMENTAL_ARRAYS, incremental_state, referenced_files_exist
+from tiered_ckpt import CheckpointManager, LocalOptions
+
+CHILD = Path(__file__).resolve().parent.parent / "support" / "incremental_child.py"
+POINTS = ("before-commit", "kept-marked", "removing", "removing-dir")
+SAVES = [0]  # every save the machine made, over every example
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and np.array_equal(a, b)
+    return a == b
+
+
+class IncrementalSaves(RuleBasedStateMachine):
+    """A job's directory under random saves, retention, restarts and kills."""
+
+    @initialize(keep_last=st.sampled_from([1, 2, 3, None]))
+    def start(self, keep_last):
+        self.root = Path(tempfile.mkdtemp(prefix="incremental-machine-"))
+        self.keep_last = keep_last
+        self.versions = [0] * INCREMENTAL_ARRAYS
+        self.saved: dict[int, list[int]] = {}  # every step a save committed, with its arrays' versions
+        self.step = 0
+        self.kills = 0
+        self.manager = self._open()
+
+    def _open(self) -> CheckpointManager:
+        return CheckpointManager(LocalOptions(self.root, keep_last=self.keep_last), world_size=1)
+
+    def _change(self, changed) -> None:
+        for index in changed:
+            self.versions[index] = self.step
+
+    @rule(changes=st.lists(st.sets(st.integers(0, INCREMENTAL_ARRAYS - 1)), min_size=1, max_size=6))
+    def save(self, changes):
+        for changed in changes:
+            self.step += 1
+            self._change(changed)
+            self.manager.save(self.step, incremental_state(self.step, dict(enumerate(self.versions))), blocking=True)
+            self.saved[self.step] = list(self.versions)
+            SAVES[0] += 1
+
+    @rule(keep_last=st.sampled_from([1, 2, 3, None]))
+    def restart(self, keep_last):
+        self.manager.close()
+        self.keep_last = keep_last
+        self.manager = self._open()
+        self.manager.prune(dry_run=False)
+
+    @rule()
+    def prune(self):
+        self.manager.wait()
+        self.manager.prune(dry_run=False)
+
+    @precondition(lambda self: self.kills < 1)
+    @rule(point=st.sampled_from(POINTS), changed=st.sets(st.integers(0, INCREMENTAL_ARRAYS - 1)))
+    def sigkill(self, point, changed):
+        """A real process saves the next step and is SIGKILLed at ``point`` (of its save or of the
+        retention that follows), or once it is done if it never gets there."""
+        self.manager.close()
+        self.kills += 1
+        self.step += 1
+        self._change(changed)
+        keep = "none" if self.keep_last is None else str(self.keep_last)
+        command = [
+            sys.executable,
+            str(CHILD),
+            str(self.root),
+            point,
+            "1",
+            str(self.step),
+            json.dumps(self.versions),
+            keep,
+        ]
+        child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        try:
+            # A guard against a hung child, not a timing assumption: the child says where it is.
+            ready, _, _ = select.select([child.stdout], [], [], 300)
+            assert ready, f"the child never reached {point} nor finished"
+            assert child.stdout.readline() in ("PAUSED\n", "DONE\n")
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+            child.stdout.close()
+        SAVES[0] += 1
+        self.manager = self._open()
+        if self.step in self.manager.steps():
+            self.saved[self.step] = list(self.versions)
+        self._no_file_unreferenced()  # the start removed what the kill left
+
+    @precondition(lambda self: self.saved)
+    @rule(data=st.data())
+    def restore(self, data):
+        steps = self.manager.steps()
+        if steps:
+            step = data.draw(st.sampled_from(steps))
+            state = self.manager.restore(step=step).states[0]
+            assert _equal(state, incremental_state(step, dict(enumerate(self.saved[step]))))
+
+    @invariant()
+    def every_retained_step_restores_and_its_references_resolve(self):
+        if not hasattr(self, "manager"):
+            return
+        self.manager.wait()
+        assert referenced_files_exist(self.root) == []
+        steps = self.manager.steps()
+        assert set(steps) <= set(self.saved)
+        if steps:  # the newest, every time (each restore rule draws another)
+            state = self.manager.restore(step=steps[-1]).states[0]
+            assert _equal(state, incremental_state(steps[-1], dict(enumerate(self.saved[steps[-1]]))))
+
+    def _no_file_unreferenced(self) -> None:
+        referenced = {
+            (ref["step"], ref["file"]["path"])
+            for manifest in self.root.glob("step-*/manifest.json")
+            for shard in json.loads(manifest.read_text())["shards"]
+            for ref in shard.get("references", ())
+        }
+        for path in self.root.glob("kept-step-*/rank-*"):
+            assert (int(path.parent.name.rpartition("-")[2]), path.name) in referenced, path
+
+    def teardown(self):
+        if hasattr(self, "manager"):
+            self.manager.close()
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_every_retained_step_restores_under_random_saves_retention_and_kills():
+    SAVES[0] = 0
+    machine = settings(
+        max_examples=35,
+        stateful_step_count=40,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )(IncrementalSaves)
+    machine.TestCase().runTest()
+    assert SAVES[0] >= 1000, f"only {SAVES[0]} saves were made"

@@ -20,6 +20,9 @@ where the references fit the manifest (:func:`~tiered_ckpt.format.manifest.refer
 The baseline of the last step a writer committed is kept in memory; the first save after a
 restart reads it from the step's shard headers, and a baseline that cannot be read (or a
 referenced file no longer the size recorded) is none: the save writes every array, never fails.
+An array that changed at each of the last two comparisons is not hashed but at two saves of
+every :data:`PROBE_EVERY` (a pretraining state, which changes whole, pays the digests at
+those only).
 """
 
 from __future__ import annotations
@@ -34,12 +37,17 @@ from tiered_ckpt.format.content import parse_digests
 from tiered_ckpt.format.manifest import MAX_REFERENCED_FILES, Reference, ShardRecord
 from tiered_ckpt.tiers.store import TieredStore
 
-__all__ = ["Baseline", "Held", "SMALLEST_REFERENCED", "choose_references", "held_arrays"]
+__all__ = ["Baseline", "Held", "PROBE_EVERY", "SMALLEST_REFERENCED", "choose_references", "held_arrays"]
 
 logger = logging.getLogger("tiered_ckpt")
 
 SMALLEST_REFERENCED = 4096
 """Smaller arrays are written again: a reference costs a ranged read, rewriting them nothing."""
+
+PROBE_EVERY = 8
+"""An array found changed at each of the last two comparisons is not hashed (it is written, as it
+would be) but at two saves in every ``PROBE_EVERY``, which tell whether it still changes: a state
+that changes whole every step pays the digests at a quarter of its saves."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,16 @@ class Baseline:
         self._store = store
         self._kept: tuple[int, dict[int, dict[str, Held]]] | None = None
         self._pending: dict[int, dict[int, dict[str, Held]]] = {}
+        self._streaks: dict[int, dict[str, int]] = {}  # by rank and name: comparisons in a row it changed at
+        self._pending_streaks: dict[int, dict[int, dict[str, int]]] = {}
+        self._saves = 0
+
+    def skipped(self, rank: int) -> frozenset[str]:
+        """The arrays of rank ``rank`` the next save does not hash: those that changed at each of
+        the last two comparisons, except at the saves that probe them (see :data:`PROBE_EVERY`)."""
+        if self._saves % PROBE_EVERY < 2:
+            return frozenset()
+        return frozenset(name for name, changes in self._streaks.get(rank, {}).items() if changes >= 2)
 
     def previous(self, step: int, rank: int) -> Mapping[str, Held]:
         """Rank ``rank``'s arrays of the newest step committed on this disk before ``step``, each
@@ -147,19 +165,38 @@ class Baseline:
         digests = parse_digests(header.metadata, header.arrays, f"rank {rank} shard {local.shard_path(step, record)}")
         return held_arrays(step, record, own, digests)
 
-    def wrote(self, step: int, record: ShardRecord, names: Sequence[str], digests: Mapping[str, str]) -> None:
+    def wrote(
+        self,
+        step: int,
+        record: ShardRecord,
+        names: Sequence[str],
+        digests: Mapping[str, str],
+        unchanged: Mapping[str, bool],
+    ) -> None:
         """Rank ``record.rank``'s shard of ``step`` was written, holding ``names`` (digests of every
-        array of its state: ``digests``); it becomes the baseline once :meth:`committed`."""
-        self._pending.setdefault(step, {})[record.rank] = held_arrays(step, record, names, digests)
+        array of its state: ``digests``, "" for one not hashed; ``unchanged``: of the arrays
+        compared with the baseline, whether each was the same); it becomes the baseline once
+        :meth:`committed`."""
+        rank = record.rank
+        self._pending.setdefault(step, {})[rank] = held_arrays(step, record, names, digests)
+        before = self._streaks.get(rank, {})
+        streaks = {name: before.get(name, 0) for name in digests}
+        for name, same in unchanged.items():
+            streaks[name] = 0 if same else streaks[name] + 1
+        self._pending_streaks.setdefault(step, {})[rank] = streaks
 
     def committed(self, step: int) -> None:
         """``step`` is committed on this disk: the next save compares with it."""
         self._kept = (step, self._pending.pop(step, {}))
+        self._streaks.update(self._pending_streaks.pop(step, {}))
+        self._saves += 1
         self._pending = {each: ranks for each, ranks in self._pending.items() if each > step}
+        self._pending_streaks = {each: ranks for each, ranks in self._pending_streaks.items() if each > step}
 
     def failed(self, step: int) -> None:
         """``step`` was not committed: nothing it wrote is compared with."""
         self._pending.pop(step, None)
+        self._pending_streaks.pop(step, None)
 
 
 def _present(path: os.PathLike[str], size: int) -> bool:

@@ -77,11 +77,13 @@ def write_shards(
     def write(index: int) -> ShardRecord:
         rank = ranks[index]
         previous = baseline.previous(step, rank) if baseline is not None else None
-        shard = _Shard(step, states[index], rank, world_size, (replicas or {}).get(rank, {}), borrowed, previous)
+        skipped = baseline.skipped(rank) if baseline is not None else frozenset()
+        left = (replicas or {}).get(rank, {})
+        shard = _Shard(step, states[index], rank, world_size, left, borrowed, previous, skipped)
         digest = tier.write_shard(step, shard.name, ShardSource(write=shard.write), sync_directory=False)
         record = shard.record(digest, numels)
         if baseline is not None:
-            baseline.wrote(step, record, list(shard.state.arrays), shard.digests)
+            baseline.wrote(step, record, list(shard.state.arrays), shard.digests, shard.unchanged)
         return record
 
     return run_parallel(write, range(len(ranks)), max_workers)
@@ -244,6 +246,7 @@ class _Shard:
         replicas: Mapping[str, int],
         borrowed: Borrowed | None = None,
         previous: Mapping[str, Held] | None = None,
+        skipped: frozenset[str] = frozenset(),
     ) -> None:
         self.rank = rank
         self.borrowed = borrowed
@@ -252,12 +255,23 @@ class _Shard:
         self.state = written(state, replicas)
         self.chunked = bool(self.state.structure.chunks)  # a state of DTensors: each array readable alone
         self.array_digests = not self.chunked and records_array_digests(len(self.state.arrays), world_size)
-        self.digests: dict[str, str] = {}
+        self.digests: dict[str, str] = {}  # of every array, "" for one not hashed (engine/incremental.py)
+        self.unchanged: dict[str, bool] = {}  # of the arrays compared with the previous step's
         self.references: tuple[Reference, ...] = ()
         arrays = self.state.arrays
         if previous is not None and self.array_digests and not replicas and _references_fit(arrays, world_size):
             tails = borrowed.tails.get(rank, {}) if borrowed is not None else {}
-            self.digests = {name: "" if name in tails else content_digest(array) for name, array in arrays.items()}
+            hashed = [name for name in arrays if name not in tails and name not in skipped]
+            groups = [hashed[i::_HASHERS] for i in range(_HASHERS)]  # a thread per group, not per array
+            found = run_parallel(lambda group: {name: content_digest(arrays[name]) for name in group}, groups, _HASHERS)
+            self.digests = dict.fromkeys(arrays, "")
+            for part in found:
+                self.digests.update(part)
+            self.unchanged = {
+                name: previous[name].digest == digest
+                for name, digest in self.digests.items()
+                if digest and name in previous
+            }
             sizes = {name: array.nbytes for name, array in arrays.items()}
             self.references = choose_references(previous, self.digests, sizes)
             if self.references:
@@ -313,6 +327,9 @@ class _Shard:
             else "",
             references=self.references,
         )
+
+
+_HASHERS = 2  # content digests of a shard's arrays hashed at once: XXH3 lets the GIL go
 
 
 def _references_fit(arrays: Mapping[str, np.ndarray], world_size: int) -> bool:

@@ -38,7 +38,7 @@ from tiered_ckpt.options import LocalOptions, RuntimeOptions
 __all__ = ["bench_incremental"]
 
 MIB = 1 << 20
-_STEPS = 4  # saves per LoRA round: the first writes everything, the others are measured
+_STEPS = 6  # saves per LoRA round: the first writes everything, the medians of the others are taken
 # Saves per pretraining round (the median of all but the first): a job's steady state, where an
 # array that changed at each of two comparisons is hashed at two saves in 8 only (PROBE_EVERY).
 _PRETRAINING_STEPS = 12

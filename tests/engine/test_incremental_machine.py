@@ -161,3 +161,8 @@ def test_every_retained_step_restores_under_random_saves_retention_and_kills():
     )(IncrementalSaves)
     machine.TestCase().runTest()
     assert SAVES[0] >= 1000, f"only {SAVES[0]} saves were made"
+
+
+def test_a_short_run_of_the_machine():
+    machine = settings(max_examples=2, stateful_step_count=6, deadline=None, derandomize=True)(IncrementalSaves)
+    machine.TestCase().runTest()

@@ -55,11 +55,11 @@ __all__ = ["LocalTier"]
 
 T = TypeVar("T")
 
+logger = logging.getLogger("tiered_ckpt")
+
 # A local commit replaces a manifest already there (an atomic rename): the writer never
 # lands a step twice, and a save into a committed one-step directory is refused before it
 # writes (save_sharded's CheckpointExistsError), so the tier itself is not create-only.
-logger = logging.getLogger("tiered_ckpt")
-
 CAPABILITIES = Capabilities(
     durable=True, shared=False, create_only_commit=False, store_checksums=False, ranged_reads=True, references=True
 )

@@ -17,7 +17,14 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from support.states import INCREMENTAL_ARRAYS, incremental_state, referenced_files_exist
 from tiered_ckpt import CheckpointManager, LocalOptions
@@ -152,17 +159,22 @@ class IncrementalSaves(RuleBasedStateMachine):
 @pytest.mark.slow
 def test_every_retained_step_restores_under_random_saves_retention_and_kills():
     SAVES[0] = 0
-    machine = settings(
-        max_examples=35,
-        stateful_step_count=40,
-        deadline=None,
-        derandomize=True,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-    )(IncrementalSaves)
-    machine.TestCase().runTest()
+    run_state_machine_as_test(
+        IncrementalSaves,
+        settings=settings(
+            max_examples=35,
+            stateful_step_count=40,
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        ),
+    )
     assert SAVES[0] >= 1000, f"only {SAVES[0]} saves were made"
 
 
 def test_a_short_run_of_the_machine():
-    machine = settings(max_examples=2, stateful_step_count=6, deadline=None, derandomize=True)(IncrementalSaves)
-    machine.TestCase().runTest()
+    SAVES[0] = 0
+    run_state_machine_as_test(
+        IncrementalSaves, settings=settings(max_examples=6, stateful_step_count=10, deadline=None, derandomize=True)
+    )
+    assert SAVES[0] > 0

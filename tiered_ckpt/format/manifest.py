@@ -181,6 +181,14 @@ class ShardRecord:
         """By name, the reference of each array whose bytes an earlier step's file holds."""
         return {name: ref for ref in self.references for name in ref.names}
 
+    def check_holds(self, names: Iterable[str], what: str) -> None:
+        """Raise :class:`ManifestError` naming ``what`` (the shard file) if it holds an array
+        (``names``: those its verified header lists) that the record references elsewhere."""
+        if self.references:
+            both = self.referenced.keys() & set(names)
+            if both:
+                raise ManifestError(f"{what}: holds {min(both)!r:.80}, which its manifest record references elsewhere")
+
     def array_digests(self, names: Iterable[str]) -> dict[str, str]:
         """By name, the xxh3-64 ``array_xxh3_64`` records for the shard's arrays ``names`` (all of
         them, from its verified header; {} if it records none); :class:`ManifestError` if not one each."""

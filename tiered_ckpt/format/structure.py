@@ -418,10 +418,4 @@ def structure_of(
     text = metadata.get(STRUCTURE_KEY)
     if text is None:
         raise ShardFormatError(f"{what}: the shard has no structure document ({STRUCTURE_KEY} in its metadata)")
-    names, replicas = list(names), list(replicas)
-    both = set(names).intersection(replicas)
-    if both:
-        raise ShardFormatError(
-            f"{what}: the shard holds {min(both)!r:.80}, which its manifest record also places elsewhere"
-        )
     return Structure.from_json(text, [*names, *replicas], what)

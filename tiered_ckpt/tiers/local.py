@@ -342,6 +342,7 @@ class LocalTier:
             contents = read_shard_file(
                 source, check=lambda digest: record.verify(digest, what), verify=verify, what=what, into=own
             )
+        record.check_holds(contents.arrays, what)
         return FlatState.from_shard(contents, what, replicas)
 
     def open_shard(self, step: int, record: ShardRecord, consume: Callable[[BinaryIO], T]) -> T:

@@ -63,6 +63,7 @@ class ShardIndex:
 
 def shard_index(header: ShardHeader, record: ShardRecord, what: str) -> ShardIndex:
     """``header`` (verified, of ``record``'s shard) parsed; :class:`ShardFormatError` naming ``what``."""
+    record.check_holds(header.arrays, what)
     structure = structure_of(header.metadata, header.arrays, what, record.elsewhere)
     try:
         digests = record.array_digests(header.arrays)

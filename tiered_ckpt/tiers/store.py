@@ -329,6 +329,7 @@ class TieredStore:
             raise IncompleteCheckpointError(f"{what}: {len(data)} bytes, the manifest records {record.size_bytes}")
         replicas, own = own_targets(record.elsewhere, into)
         contents = read_shard_buffer(data, check=lambda d: record.verify(d, what), verify=verify, what=what, into=own)
+        record.check_holds(contents.arrays, what)
         return FlatState.from_shard(contents, what, replicas)
 
     def land_copies(self, step: int, copies: Sequence[Landing], max_workers: int | None = None) -> None:

@@ -244,7 +244,7 @@ def stoppable_s3():
 # add it to that pattern.
 
 _STARTS_A_PROCESS = re.compile(
-    r"\bsubprocess\.(?:run|Popen|check_call|check_output)\b|\b(?:launch_ranks|kill_child_at)\b"
+    r"\bsubprocess\.(?:run|Popen|check_call|check_output)\b|\b(?:launch_ranks|kill_child_at|kill_when_told)\b"
 )
 # Fixtures that start a process which is not the library's: the GCS and Azure emulators.
 _OTHER_PROCESSES = frozenset({"gcs_endpoint", "azurite_endpoint"})

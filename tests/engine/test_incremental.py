@@ -5,15 +5,13 @@ retention keeps what a retained step references (real files, real managers)."""
 import json
 import logging
 import os
-import select
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from support.processes import kill_when_told
 from support.states import incremental_state, referenced_files_exist
 from tiered_ckpt import (
     CheckpointManager,
@@ -208,18 +206,7 @@ CHILD = Path(__file__).resolve().parent.parent / "support" / "incremental_child.
 
 def _kill_child_at(directory: Path, point: str, count: int) -> None:
     """Run the child's schedule of saves into ``directory``; SIGKILL it the ``count``-th time it reaches ``point``."""
-    child = subprocess.Popen(
-        [sys.executable, str(CHILD), str(directory), point, str(count)], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        # A guard against a hung child, not a timing assumption: the child says where it is.
-        ready, _, _ = select.select([child.stdout], [], [], 300)
-        assert ready, f"child never reached {point}"
-        assert child.stdout.readline() == "PAUSED\n"
-    finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait()
-        child.stdout.close()
+    kill_when_told([sys.executable, str(CHILD), str(directory), point, str(count)], point)
 
 
 def _unreferenced_kept_files(root: Path) -> list[str]:

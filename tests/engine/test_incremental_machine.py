@@ -5,10 +5,7 @@ After every rule, each retained step restores bit for bit and every file a commi
 references is there; after a start, no file is left that nothing references."""
 
 import json
-import select
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -26,6 +23,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from support.processes import kill_when_told
 from support.states import INCREMENTAL_ARRAYS, incremental_state, referenced_files_exist
 from tiered_ckpt import CheckpointManager, LocalOptions
 
@@ -103,16 +101,7 @@ class IncrementalSaves(RuleBasedStateMachine):
             json.dumps(self.versions),
             keep,
         ]
-        child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-        try:
-            # A guard against a hung child, not a timing assumption: the child says where it is.
-            ready, _, _ = select.select([child.stdout], [], [], 300)
-            assert ready, f"the child never reached {point} nor finished"
-            assert child.stdout.readline() in ("PAUSED\n", "DONE\n")
-        finally:
-            child.send_signal(signal.SIGKILL)
-            child.wait()
-            child.stdout.close()
+        kill_when_told(command, point, ("PAUSED\n", "DONE\n"))
         SAVES[0] += 1
         self.manager = self._open()
         if self.step in self.manager.steps():
@@ -163,7 +152,7 @@ def test_every_retained_step_restores_under_random_saves_retention_and_kills():
         IncrementalSaves,
         settings=settings(
             max_examples=35,
-            stateful_step_count=40,
+            stateful_step_count=80,
             deadline=None,
             derandomize=True,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

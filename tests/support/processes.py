@@ -74,18 +74,22 @@ BYTES_PER_RANK = 64 * 1024 * 1024
 
 def kill_child_at(directory: Path, point: str, *mode: str, bytes_per_rank: int = BYTES_PER_RANK) -> None:
     """Run a child saving 4 ranks into ``directory``; SIGKILL it once it reaches ``point``."""
-    child = subprocess.Popen(
-        [sys.executable, str(CHILD), str(directory), point, str(bytes_per_rank), *mode],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    kill_when_told([sys.executable, str(CHILD), str(directory), point, str(bytes_per_rank), *mode], point)
+
+
+def kill_when_told(command: list[str], point: str, told: tuple[str, ...] = ("PAUSED\n",)) -> str:
+    """Run ``command``, a child that prints one of ``told`` once it reaches ``point`` and then
+    blocks; SIGKILL it once it said so, and return what it said."""
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         # A guard against a hung child, not a timing assumption: the child signals readiness.
         ready, _, _ = select.select([child.stdout], [], [], 300)
         assert ready, f"child never reached {point}"
-        assert child.stdout.readline() == "PAUSED\n"
+        said = child.stdout.readline()
+        assert said in told, f"child said {said!r} at {point}"
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait()
         child.stdout.close()
     assert child.returncode == -signal.SIGKILL
+    return said

@@ -5,6 +5,7 @@ retention keeps what a retained step references (real files, real managers)."""
 import json
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -19,7 +20,6 @@ from tiered_ckpt import (
     LocalOptions,
     RemoteOptions,
     RuntimeOptions,
-    UploadOptions,
 )
 from tiered_ckpt.format.layout import KEPT_NAME, MANIFEST_NAME, step_dir_name
 from tiered_ckpt.format.manifest import REFERENCES_SCHEMA_VERSION, SCHEMA_VERSION
@@ -155,13 +155,23 @@ def test_the_option_off_writes_every_array(tmp_path):
     assert shard_bytes(tmp_path, 2) == shard_bytes(tmp_path, 1)
 
 
-def test_a_tier_that_keeps_no_referenced_files_gets_whole_steps(tmp_path):
-    remote = RemoteOptions(f"file://{tmp_path / 'bucket'}")
-    with CheckpointManager(tmp_path / "local", remote=remote, upload=UploadOptions(), world_size=1) as manager:
-        for step in (1, 2):
-            manager.save(step, lora_state(step), blocking=True)
-        manager.wait()
-    assert "references" not in manifest_of(tmp_path / "local", 2)["shards"][0]
+def test_a_bucket_gets_only_what_changed_and_restores_every_step_alone(tmp_path):
+    bucket = tmp_path / "bucket"
+    saved = {step: lora_state(step) for step in (1, 2, 3)}
+    remote = RemoteOptions(f"file://{bucket}")
+    with CheckpointManager(LocalOptions(tmp_path / "local"), remote=remote, world_size=1) as manager:
+        for step, state in saved.items():
+            manager.save(step, state, blocking=True)
+        manager.wait(uploaded=True)
+    assert "references" in manifest_of(tmp_path / "local", 3)["shards"][0]
+    uploaded = {step: shard_bytes(bucket, step) for step in saved}
+    assert uploaded[2] == shard_bytes(tmp_path / "local", 2) < uploaded[1] // 4  # only the changed arrays
+    shutil.rmtree(tmp_path / "local")
+    with CheckpointManager(LocalOptions(tmp_path / "local"), remote=remote, world_size=1) as manager:
+        for step, state in saved.items():
+            assert equal(manager.restore(step=step).states[0], state)
+    assert "references" in manifest_of(tmp_path / "local", 3)["shards"][0]  # refilled, as it was saved
+    assert referenced_files_exist(tmp_path / "local") == []  # with the files it references
 
 
 def test_a_state_with_nothing_large_enough_writes_everything(tmp_path):
@@ -256,18 +266,29 @@ def test_a_big_endian_array_is_never_taken_for_the_little_endian_one_of_the_same
 
 
 def test_a_referencing_step_is_never_sent_to_a_tier_that_keeps_no_referenced_files(tmp_path, caplog):
+    from support.memory_tier import MemoryTier
+    from tiered_ckpt.engine.background import ErrorBox
+    from tiered_ckpt.engine.replication import Replicator
+    from tiered_ckpt.tiers.local import LocalTier
+    from tiered_ckpt.tiers.store import TieredStore
+
     caplog.set_level(logging.WARNING, "tiered_ckpt")
-    with CheckpointManager(LocalOptions(tmp_path / "local", keep_last=1), world_size=1) as manager:
+    with CheckpointManager(LocalOptions(tmp_path / "local"), world_size=1) as manager:
         for step in (1, 2):
             manager.save(step, lora_state(step), blocking=True)
-    remote = RemoteOptions(f"file://{tmp_path / 'bucket'}")
-    with CheckpointManager(LocalOptions(tmp_path / "local", keep_last=1), remote=remote, world_size=1) as manager:
-        manager.save(3, lora_state(3), blocking=True)  # whole: the bucket keeps no referenced files
-        manager.wait(uploaded=True)
-        assert equal(manager.restore(step=3).states[0], lora_state(3))
-    assert "references" not in manifest_of(tmp_path / "local", 3)["shards"][0]
+    peer = MemoryTier("peer")  # a partner's memory keeps no referenced files
+    store = TieredStore([LocalTier(tmp_path / "local"), peer])
+    assert not store.keeps_references and not store.sendable(2, peer) and store.sendable(1, peer)
+    with store.local.lock():
+        replicator = Replicator(store, peer, errors=ErrorBox())
+        try:
+            assert replicator.resume() == [1]  # the newest step it may hold
+            replicator.wait()
+            replicator.errors.raise_first()
+        finally:
+            replicator.close()
+    assert peer.steps() == [1]
     assert any("step 2 is not sent to" in r.getMessage() for r in caplog.records)
-    assert not (tmp_path / "bucket" / step_dir_name(2)).exists()
 
 
 def test_load_sharded_of_a_referencing_step_says_to_restore_it_with_the_manager(tmp_path):

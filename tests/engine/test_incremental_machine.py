@@ -1,8 +1,10 @@
 """Incremental saves as a stateful property (hypothesis): random sequences of saves that change
 some arrays, retention of every kind, prunes, restarts, SIGKILLed saves and retention passes (a
-real child process killed at a chosen point) and restores, over more than 1,000 saves in all.
-After every rule, each retained step restores bit for bit and every file a committed step
-references is there; after a start, no file is left that nothing references."""
+real child process killed at a chosen point) and restores, over more than 1,000 saves in all,
+on a disk alone and on a disk with a bucket (its uploads, retention and commits killed too,
+and the disk lost, the bucket restoring it). After every rule, each retained step restores
+bit for bit and every file a committed step references is there, on the disk and in the
+bucket; after a start, no file is left that nothing references."""
 
 import json
 import shutil
@@ -25,10 +27,14 @@ from hypothesis.stateful import (
 
 from support.processes import kill_when_told
 from support.states import INCREMENTAL_ARRAYS, incremental_state, referenced_files_exist
-from tiered_ckpt import CheckpointManager, LocalOptions
+from tiered_ckpt import CheckpointManager, LocalOptions, RemoteOptions
+from tiered_ckpt.format.layout import KEPT_NAME
+from tiered_ckpt.tiers.remote.compression import object_name
+from tiered_ckpt.tiers.remote.tier import RemoteTier
 
 CHILD = Path(__file__).resolve().parent.parent / "support" / "incremental_child.py"
 POINTS = ("before-commit", "kept-marked", "removing", "removing-dir")
+REMOTE_POINTS = (*POINTS, "remote-commit", "remote-kept", "remote-removing")
 SAVES = [0]  # every save the machine made, over every example
 
 
@@ -81,11 +87,17 @@ class IncrementalSaves(RuleBasedStateMachine):
         self.manager.wait()
         self.manager.prune(dry_run=False)
 
+    points = POINTS
+
+    def _child_arguments(self) -> list[str]:
+        return []
+
     @precondition(lambda self: self.kills < 1)
-    @rule(point=st.sampled_from(POINTS), changed=st.sets(st.integers(0, INCREMENTAL_ARRAYS - 1)))
-    def sigkill(self, point, changed):
-        """A real process saves the next step and is SIGKILLed at ``point`` (of its save or of the
+    @rule(data=st.data(), changed=st.sets(st.integers(0, INCREMENTAL_ARRAYS - 1)))
+    def sigkill(self, data, changed):
+        """A real process saves the next step and is SIGKILLed at a point (of its save or of the
         retention that follows), or once it is done if it never gets there."""
+        point = data.draw(st.sampled_from(self.points))
         self.manager.close()
         self.kills += 1
         self.step += 1
@@ -100,6 +112,7 @@ class IncrementalSaves(RuleBasedStateMachine):
             str(self.step),
             json.dumps(self.versions),
             keep,
+            *self._child_arguments(),
         ]
         kill_when_told(command, point, ("PAUSED\n", "DONE\n"))
         SAVES[0] += 1
@@ -145,6 +158,74 @@ class IncrementalSaves(RuleBasedStateMachine):
             shutil.rmtree(self.root, ignore_errors=True)
 
 
+class IncrementalSavesWithABucket(IncrementalSaves):
+    """The same with a bucket (``file://``: real processes share it), its own retention and
+    cadence, whose uploads, commits and retention a kill may cut too, and a rule losing the disk."""
+
+    points = REMOTE_POINTS
+
+    @initialize(
+        keep_last=st.sampled_from([1, 2, None]),
+        remote_keep=st.sampled_from([1, 2, None]),
+        every=st.sampled_from([1, 2]),
+    )
+    def start(self, keep_last, remote_keep, every):
+        self.bucket = Path(tempfile.mkdtemp(prefix="incremental-bucket-"))
+        self.remote_keep, self.every = remote_keep, every
+        self.url = f"file://{self.bucket}"
+        super().start(keep_last)
+
+    def _open(self) -> CheckpointManager:
+        remote = RemoteOptions(self.url, keep_last=self.remote_keep, every=self.every)
+        return CheckpointManager(LocalOptions(self.root, keep_last=self.keep_last), remote=remote, world_size=1)
+
+    def _child_arguments(self) -> list[str]:
+        return [self.url, "none" if self.remote_keep is None else str(self.remote_keep), str(self.every)]
+
+    @precondition(lambda self: self.saved)
+    @rule()
+    def lose_the_disk(self):
+        """The disk is lost: the newest step the bucket holds restores from it alone, bit for bit."""
+        self.manager.wait(uploaded=True)
+        self.manager.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.manager = self._open()
+        steps = RemoteTier(self.url).steps()
+        if steps:
+            state = self.manager.restore(step=steps[-1]).states[0]
+            assert _equal(state, incremental_state(steps[-1], dict(enumerate(self.saved[steps[-1]]))))
+
+    @invariant()
+    def the_bucket_holds_what_its_steps_reference(self):
+        if not hasattr(self, "manager"):
+            return
+        self.manager.wait(uploaded=True)
+        tier = RemoteTier(self.url)
+        committed, _uncommitted, kept = tier.survey()
+        assert set(committed) <= set(self.saved)
+        referenced = set()
+        for step in committed:
+            remote = tier.read_manifest(step)
+            for ref in (ref for record in remote.manifest.shards for ref in record.references):
+                stored = remote.stored(ref.step, ref.file.path)
+                path = Path(tier._path(ref.step, object_name(stored.location, stored.compression)))
+                assert path.is_file() and path.stat().st_size == ref.file.size_bytes, path
+                referenced.add(path)
+        self.referenced_in_bucket = referenced
+
+    def _no_file_unreferenced(self) -> None:
+        super()._no_file_unreferenced()
+        self.the_bucket_holds_what_its_steps_reference()
+        tier = RemoteTier(self.url)
+        for step in tier.kept_steps():
+            for name in tier.backend.find(tier._path(step)):
+                assert name.endswith(KEPT_NAME) or Path(name) in self.referenced_in_bucket, name
+
+    def teardown(self):
+        super().teardown()
+        shutil.rmtree(getattr(self, "bucket", "/nonexistent"), ignore_errors=True)
+
+
 @pytest.mark.slow
 def test_every_retained_step_restores_under_random_saves_retention_and_kills():
     SAVES[0] = 0
@@ -161,9 +242,34 @@ def test_every_retained_step_restores_under_random_saves_retention_and_kills():
     assert SAVES[0] >= 1000, f"only {SAVES[0]} saves were made"
 
 
+@pytest.mark.slow
+def test_every_retained_step_restores_from_the_disk_or_the_bucket_under_random_saves_and_kills():
+    SAVES[0] = 0
+    run_state_machine_as_test(
+        IncrementalSavesWithABucket,
+        settings=settings(
+            max_examples=20,
+            stateful_step_count=50,
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        ),
+    )
+    assert SAVES[0] >= 400, f"only {SAVES[0]} saves were made"
+
+
 def test_a_short_run_of_the_machine():
     SAVES[0] = 0
     run_state_machine_as_test(
         IncrementalSaves, settings=settings(max_examples=6, stateful_step_count=10, deadline=None, derandomize=True)
+    )
+    assert SAVES[0] > 0
+
+
+def test_a_short_run_of_the_machine_with_a_bucket():
+    SAVES[0] = 0
+    run_state_machine_as_test(
+        IncrementalSavesWithABucket,
+        settings=settings(max_examples=4, stateful_step_count=10, deadline=None, derandomize=True),
     )
     assert SAVES[0] > 0

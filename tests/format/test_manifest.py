@@ -507,3 +507,34 @@ def test_an_array_referenced_twice_is_refused():
     )
     with pytest.raises(ManifestError, match="'w.b' is empty, reserved or referenced twice"):
         parse(document)
+
+
+REFERENCED_KEY = "step-000000000010/rank-00001-of-00004.safetensors"  # the file referencing_document names
+
+
+def test_a_remote_manifest_says_where_each_referenced_file_is_stored_and_reads_it_back():
+    entry = {"location": "3f/rank-00001-of-00004.safetensors", "compression": compressed_entry(1001)}
+    remote = parse_remote({**remote_document(), **referencing_document(), "referenced": {REFERENCED_KEY: entry}})
+    stored = remote.stored(10, "rank-00001-of-00004.safetensors")
+    assert stored.location == entry["location"] and stored.compression.frames == (900,)
+    assert RemoteManifest.from_json(remote.to_json(), source=REMOTE_SOURCE) == remote
+    assert remote.stored(9, "rank-00001-of-00004.safetensors").location == "rank-00001-of-00004.safetensors"
+
+
+@pytest.mark.parametrize(
+    "referenced, problem",
+    [
+        ({"step-000000000011/rank-00001-of-00004.safetensors": {"location": "x"}}, "names no file the step"),
+        ({"steps/rank-00001-of-00004.safetensors": {"location": "x"}}, "names no step's file"),
+        ({REFERENCED_KEY: {"location": "3f/rank-00002-of-00004.safetensors"}}, "location"),
+        ({REFERENCED_KEY: {"location": "../rank-00001-of-00004.safetensors"}}, "location"),
+        ({REFERENCED_KEY: {"location": "rank-00001-of-00004.safetensors", "via": 1}}, ".via': unknown field"),
+        ({REFERENCED_KEY: {}}, ".location': missing"),
+        ({REFERENCED_KEY: "rank-00001-of-00004.safetensors"}, "expected an object"),
+        ({REFERENCED_KEY: {"location": "rank-00001-of-00004.safetensors", "compression": compressed_entry(5)}}, "fr"),
+    ],
+)
+def test_a_referenced_entry_a_writer_could_not_have_made_is_refused_naming_the_field(referenced, problem):
+    with pytest.raises(ManifestError, match=re.escape(problem)) as caught:
+        parse_remote({**remote_document(), **referencing_document(), "referenced": referenced})
+    assert REMOTE_SOURCE in str(caught.value) and "referenced" in str(caught.value)

@@ -3,7 +3,8 @@
 :func:`resume_steps` is collective (every process of the job calls it, before any step is
 submitted): the leader takes the run's lease on a shared target (see
 :mod:`~tiered_ckpt.tiers.remote.leases`) and, unless another live run holds one there, aborts the
-multipart uploads left open past the orphan age; every process names the local steps a
+multipart uploads left open past the orphan age and removes the files kept for later steps that
+no committed step references; every process names the local steps a
 crash kept from their commit in the target (mending lost receipts on the way); the steps
 every rank can resume are queued; and the leader removes the target's half-finished steps
 that are not among them, unless another live run may be writing them.
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, gather, leader_decides
 from tiered_ckpt.errors import RemoteError
-from tiered_ckpt.tiers.abilities import leases_of, receipts_of
+from tiered_ckpt.tiers.abilities import leases_of, receipts_of, references_of
 from tiered_ckpt.tiers.base import Tier
 from tiered_ckpt.tiers.remote.leases import Lease
 from tiered_ckpt.tiers.store import TieredStore
@@ -98,6 +99,10 @@ def _clean_and_list(target: Tier, lease: Lease | None, clock: Callable[[], float
     leased = leases_of(target)
     if others == [] and lease is not None and leased is not None:
         leased.abort_orphans(lease.policy.orphan_age_seconds, now=clock())
+    referencing = references_of(target)
+    if others == [] and referencing is not None:  # no upload runs: the files a crashed one landed go too
+        for step in referencing.collect_unreferenced(all_steps=True):
+            logger.info("removed the files of step %d no committed step references from %s", step, target.url)
     committed, uncommitted = target.list_steps()
     runs = ("(leases unreadable)",) if others is None else tuple(other.run_id for other in others)
     return _Listing(tuple(committed), tuple(uncommitted), runs)

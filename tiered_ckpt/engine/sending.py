@@ -4,8 +4,10 @@
 own channel):
 
 1. each process lands its ranks' shards in the target, ``concurrency`` at a time, each
-   confirmed (a shard already there intact is not sent again); each landing returns what
-   landed (:class:`~tiered_ckpt.tiers.base.Landed`), which the tier does not keep;
+   confirmed (a shard already there intact is not sent again), and the earlier steps' files
+   they reference (an incremental save's) under those steps' places, from the first tier;
+   each landing returns what landed (:class:`~tiered_ckpt.tiers.base.Landed`), which the tier
+   does not keep;
 2. ``put``: every process has landed its shards, and what landed reaches every process
    (a collective's payload);
 3. ``commit``: the leader commits the step in a shared target, handing the tier what every
@@ -29,7 +31,7 @@ from tiered_ckpt.dist.coordination import Coordinator, from_payload, gather, lea
 from tiered_ckpt.engine.resume import other_runs
 from tiered_ckpt.errors import CheckpointError, RemoteError, Retryable, UploadError
 from tiered_ckpt.format.layout import step_dir_name
-from tiered_ckpt.format.manifest import ShardManifest
+from tiered_ckpt.format.manifest import Reference, ShardManifest
 from tiered_ckpt.format.remote_manifest import RemoteManifest
 from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.tiers import pruning
@@ -91,7 +93,7 @@ class Sender:
         self._ranks = ranks
         self._concurrency = concurrency
         self._lease = lease
-        self._landed: dict[str, Landed] = {}  # what the tries of the step being sent landed, by shard path
+        self._landed: dict[tuple[int | None, str], Landed] = {}  # what the tries of the step landed, by step and path
         self._sending: int | None = None
 
     def where(self, step: int) -> str:
@@ -115,10 +117,15 @@ class Sender:
             data = held.shards[rank] if held is not None else None
             return store.send_shard(step, manifest.shard(rank), target, deadline=deadline, data=data)
 
+        def put_referenced(ref: Reference) -> Landed:
+            return store.send_referenced(ref, target, deadline=deadline)
+
         def put_mine() -> _Landings:
             if self._coordinator.is_leader and self._lease is not None and not self._lease.held:  # push() alone
                 self._lease.hold()
-            return _Landings.of(run_parallel(put, ranks, self._concurrency))
+            own = run_parallel(put, ranks, self._concurrency)
+            refs = {(ref.step, ref.file.path): ref for rank in ranks for ref in manifest.shard(rank).references}
+            return _Landings.of([*own, *run_parallel(put_referenced, list(refs.values()), self._concurrency)])
 
         landings = gather(self._coordinator, "put", _Landings, put_mine)
         landed = self._with_earlier_tries(step, [each for part in landings for each in part.landed()])
@@ -146,14 +153,14 @@ class Sender:
         if self._sending != step:
             self._landed, self._sending = {}, step
         for each in landed:
-            before = self._landed.get(each.path)
+            before = self._landed.get((each.step, each.path))
             same_object = before is not None and (before.location, before.compression) == (
                 each.location,
                 each.compression,
             )
             if each.sent or not same_object or each.checksum is not None:
-                self._landed[each.path] = each
-        return [self._landed[each.path] for each in landed]
+                self._landed[(each.step, each.path)] = each
+        return [self._landed[(each.step, each.path)] for each in landed]
 
     def retain(self, step: int, pending: pruning.Pending) -> None:
         """After ``step``'s commit: the leader's retention of the target (not while another live run

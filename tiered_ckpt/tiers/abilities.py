@@ -13,7 +13,9 @@ method:
   before any other tier sees them: no flag, since a store's first tier always is one;
 - ``retries`` (:class:`RetryingTier`): its storage fails transiently; its requests are
   retried under its own policy, whose backoff a step's whole retries follow too, and it
-  tells how they are failing now.
+  tells how they are failing now;
+- ``references`` (:class:`ReferencingTier`): it keeps the files of deleted steps that its
+  committed steps reference, and removes them once none does.
 """
 
 from __future__ import annotations
@@ -28,7 +30,17 @@ from tiered_ckpt.tiers.remote.leases import OwnerRecords
 from tiered_ckpt.tiers.remote.requests import Trouble
 from tiered_ckpt.tiers.remote.retry import RetryPolicy
 
-__all__ = ["LeasedTier", "ReceiptedTier", "RetryingTier", "WritingTier", "leases_of", "receipts_of", "retries_of"]
+__all__ = [
+    "LeasedTier",
+    "ReceiptedTier",
+    "ReferencingTier",
+    "RetryingTier",
+    "WritingTier",
+    "leases_of",
+    "receipts_of",
+    "references_of",
+    "retries_of",
+]
 
 
 class ReceiptedTier(Tier, Protocol):
@@ -58,6 +70,21 @@ class RetryingTier(Tier, Protocol):
         ...
 
 
+class ReferencingTier(Tier, Protocol):
+    """A tier with ``capabilities.references``: ``delete_step`` keeps the files of the step that
+    committed steps reference, as a kept step's."""
+
+    def kept_steps(self) -> list[int]:
+        """Deleted (or never committed) steps whose files committed steps reference, oldest first."""
+        ...
+
+    def collect_unreferenced(self, *, all_steps: bool = False) -> list[int]:
+        """Remove the kept files no committed step references any more; the steps none is left of.
+        ``all_steps``: also those of steps newer than every committed one, which an upload running
+        may be landing (only where none runs: a start-up)."""
+        ...
+
+
 class WritingTier(Tier, Protocol):
     """A store's first tier: steps are written here, a shard at a time, before any other tier sees them."""
 
@@ -82,6 +109,11 @@ def receipts_of(tier: Tier) -> ReceiptedTier | None:
 def leases_of(tier: Tier) -> LeasedTier | None:
     """``tier``'s leases, if its capabilities say it has them."""
     return cast(LeasedTier, tier) if tier.capabilities.leases else None
+
+
+def references_of(tier: Tier) -> ReferencingTier | None:
+    """``tier``'s kept files, if its capabilities say it keeps the files its steps reference."""
+    return cast(ReferencingTier, tier) if tier.capabilities.references else None
 
 
 def retries_of(tier: Tier) -> RetryingTier | None:

@@ -108,6 +108,8 @@ class Landed:
     tier's own words, as JSON). ``checksum``: the checksum the storage computed of what it received
     and keeps with it, where it does (``capabilities.store_checksums``; None for a shard found
     already there intact). ``sent``: False if it was already there intact, nothing sent.
+    ``step``: None for a shard of the step being committed; for a file of an earlier step that
+    its shards reference (an incremental save), that step, under whose prefix it landed.
 
     Plain JSON fields: it crosses a collective (every process's landings reach the one that
     commits), and the tier that reads it back takes it as untrusted input.
@@ -121,6 +123,7 @@ class Landed:
     checksum: str | None = None
     compression: str | None = None
     sent: bool = True
+    step: int | None = None
 
     @classmethod
     def as_is(cls, record: ShardRecord, *, sent: bool = True) -> Landed:

@@ -460,6 +460,22 @@ class LocalTier:
         self._write(path, source, check, sync_directory=sync_directory, cached=cached)
         return Landed.as_is(record)
 
+    def land_referenced(self, step: int, record: ShardRecord, source: ShardSource, *, copy_of: str) -> None:
+        """Land, as :meth:`land_shard` does, ``record``'s file of earlier ``step`` that a step being
+        refilled references: in the step's directory if the step is committed here (a repair),
+        else in its kept directory, where it stays while a committed step references it
+        (:meth:`collect_unreferenced` removes it otherwise, a refill cut short included)."""
+        self.check_locked()
+        if self.is_committed(step):
+            self.land_shard(step, record, source, cached=True, copy_of=copy_of)
+            return
+        directory = self.kept_dir(step)
+        if not directory.is_dir():
+            directory.mkdir()
+            fsync_directory(self.root)
+        check = partial(record.verify, what=f"rank {record.rank} shard {copy_of}")
+        self._write(directory / record.path, source, check, sync_directory=True, cached=True)
+
     def write_shard(self, step: int, name: str, source: ShardSource, *, sync_directory: bool = True) -> ShardDigest:
         """Write a shard written here first (the writer serializing a state) as the file ``name`` in
         ``step``, atomically, as :meth:`land_shard` does; nothing is known to check its bytes
@@ -581,10 +597,12 @@ class LocalTier:
             os.rename(directory, self.kept_dir(step))
             fsync_directory(self.root)
 
-    def collect_unreferenced(self) -> list[int]:
+    def collect_unreferenced(self, *, all_steps: bool = False) -> list[int]:
         """Remove, from the directories of deleted steps, the files no committed step references any
         more (all of a directory once none is), and finish the deletions a crash cut short; return
-        the steps whose files all went."""
+        the steps whose files all went. ``all_steps`` changes nothing: only this disk's writer and
+        restores, which no pass runs beside, put files here."""
+        del all_steps
         self.check_locked()
         kept_steps = self.kept_steps()
         if not kept_steps:

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Collection, Mapping
 
 from tiered_ckpt.errors import IncompleteCheckpointError, ManifestError
+from tiered_ckpt.tiers.abilities import references_of
 from tiered_ckpt.tiers.base import Tier
 from tiered_ckpt.tiers.retention import awaiting, protected, retainable
 from tiered_ckpt.tiers.store import TieredStore
@@ -123,7 +124,8 @@ def retain(store: TieredStore, tier: Tier, pending: Pending | None = None, *, co
                 logger.info("retention: deleted step %d from %s", step, tier.url)
             else:
                 logger.info("%s retention: deleted step %d from %s", tier.name, step, tier.url)
-        if deleted and tier is store.local:  # the files only the deleted steps referenced go too
-            for step in store.local.collect_unreferenced():
-                logger.info("retention: removed the files of step %d no retained step references", step)
+        referencing = references_of(tier)
+        if deleted and referencing is not None:  # the files only the deleted steps referenced go too
+            for step in referencing.collect_unreferenced():
+                logger.info("retention: removed step %d's files no retained step references from %s", step, tier.url)
     return deleted

@@ -237,6 +237,12 @@ class TieredStore:
         source = ShardSource(data=data) if data is not None else ShardSource(path=self.local.shard_path(step, record))
         return tier.land_shard(step, record, source, deadline=deadline)
 
+    def send_referenced(self, ref: Reference, tier: Tier, *, deadline: float | None = None) -> Landed:
+        """Land the first tier's copy of the earlier file ``ref`` names in ``tier``, under its own
+        step's place there (a replicator's put of a step referencing it): what landed, with its step."""
+        source = ShardSource(path=self.local.shard_path(ref.step, ref.file))
+        return replace(tier.land_shard(ref.step, ref.file, source, deadline=deadline), step=ref.step)
+
     def download_shard(self, step: int, record: ShardRecord, tier: Tier | None = None) -> None:
         """Stream ``record``'s copy in ``tier`` (default: the bucket) into the local step,
         landing it only if it verifies (a refill)."""
@@ -249,6 +255,17 @@ class TieredStore:
         def land(source: BinaryIO) -> None:  # through the page cache: the read that follows finds it there
             write = ShardSource(write=lambda out: copy_and_hash(source, out))
             self.local.land_shard(step, record, write, cached=True, copy_of=copy)
+
+        tier.open_shard(step, record, land)
+
+    def download_referenced(self, step: int, record: ShardRecord, tier: Tier) -> None:
+        """Stream ``record``'s copy in ``tier``, a file of earlier ``step`` that a step being read
+        references, to this disk (:meth:`LocalTier.land_referenced`), landing it only if it verifies."""
+        copy = tier.shard_location(step, record)
+
+        def land(source: BinaryIO) -> None:
+            write = ShardSource(write=lambda out: copy_and_hash(source, out))
+            self.local.land_referenced(step, record, write, copy_of=copy)
 
         tier.open_shard(step, record, land)
 
@@ -278,7 +295,7 @@ class TieredStore:
         if record.references:
             arrays = dict(state.arrays)
             for ref in record.references:
-                arrays.update(self._read_referenced(step, ref, ref.names, into or {}, verify, later))
+                arrays.update(self._read_referenced(step, ref, ref.names, into or {}, verify, later, refills=True))
             state = FlatState(arrays, state.structure, state.replicated)
         return FetchedShard(state, source, copy)
 
@@ -291,15 +308,20 @@ class TieredStore:
         verify: Verify,
         later: Collection[str] | None,
         header: ShardHeader | None = None,
+        *,
+        refills: bool = False,
     ) -> dict[str, np.ndarray]:
         """``names`` of the arrays ``ref`` (a reference of a shard of ``step``) places in an earlier
         file, read along the chain as :meth:`read_parts` reads parts (``header``: the file's,
-        verified already), each verified against the xxh3-64 the reference records."""
+        verified already), each verified against the xxh3-64 the reference records. ``refills``
+        (a whole shard's restore, which refills this disk): a file read from a later tier is
+        landed whole on this disk first (:meth:`download_referenced`), so that the step the
+        restore commits here holds every file it references."""
         digests = ref.digests()
 
         def read(tier: Tier) -> dict[str, np.ndarray]:
-            if tier is not self.local and not tier.capabilities.ranged_reads:
-                self.download_shard(ref.step, ref.file, tier)
+            if tier is not self.local and (refills or not tier.capabilities.ranged_reads):
+                self.download_referenced(ref.step, ref.file, tier)
                 tier = self.local
             what = f"rank {ref.file.rank} shard {tier.shard_location(ref.step, ref.file)} (referenced by step {step})"
             if tier is self.local:

@@ -2,16 +2,18 @@
 
 A step's objects are under ``step-<12 digits>/`` of the tier's URL (see
 :mod:`~tiered_ckpt.format.layout`), and a step is committed there exactly when its remote
-manifest exists. :class:`BucketListing` is the part of
-:class:`~tiered_ckpt.tiers.remote.tier.RemoteTier` that names those prefixes and lists them,
-each request under the tier's retry policy, tried on its own.
+manifest exists. A prefix without one that holds the mark ``kept-for-later-steps.json`` keeps
+files that committed steps reference (a deleted step's, or one never committed there): it is
+neither committed nor a half-uploaded step (see :mod:`~tiered_ckpt.tiers.remote.kept`).
+:class:`BucketListing` is the part of :class:`~tiered_ckpt.tiers.remote.tier.RemoteTier` that
+names those prefixes and lists them, each request under the tier's retry policy, tried on its own.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from tiered_ckpt.format.layout import MANIFEST_NAME, parse_step_dir_name, step_dir_name
+from tiered_ckpt.format.layout import KEPT_NAME, MANIFEST_NAME, parse_step_dir_name, step_dir_name
 from tiered_ckpt.tiers.remote.requests import Requests
 
 __all__ = ["BucketListing"]
@@ -48,29 +50,41 @@ class BucketListing:
 
     # -- listing -------------------------------------------------------------------------------
 
-    def list_steps(self, *, once: bool = False) -> tuple[list[int], list[int]]:
-        """(committed, uncommitted): steps whose remote manifest exists, and prefixes holding objects but none.
+    def survey(self, *, once: bool = False) -> tuple[list[int], list[int], list[int]]:
+        """(committed, uncommitted, kept): steps whose remote manifest exists, prefixes holding
+        objects but neither it nor the kept mark (half-uploaded steps), and prefixes with the
+        mark but no manifest (files later steps reference), each oldest first.
 
-        Each request (the listing, then one check of each step's manifest) is tried on its own
-        under the retry policy: a listing of many steps goes through a store that fails a share
-        of its requests as surely as one of a few steps. ``once``: the first request is tried
-        once (a caller that can do without the bucket learns at once that it is failing); once
-        it answered, the checks are retried as usual."""
+        Each request (the listing, then one check of each step's manifest, and of the mark where
+        there is none) is tried on its own under the retry policy: a listing of many steps goes
+        through a store that fails a share of its requests as surely as one of a few steps.
+        ``once``: the first request is tried once (a caller that can do without the bucket learns
+        at once that it is failing); once it answered, the checks are retried as usual."""
         names = self._requests.run(f"listing {self.url}", lambda: self.backend.list_names(self._root), once=once)
         steps = sorted(step for step in map(parse_step_dir_name, names) if step is not None)
 
-        def committed(step: int) -> bool:
-            path = self._path(step, MANIFEST_NAME)
-            what = f"checking {self.location(step, MANIFEST_NAME)}"
-            return bool(self._requests.run(what, lambda: self.backend.exists(path)))
+        def holds(step: int, name: str) -> bool:
+            path = self._path(step, name)
+            return bool(self._requests.run(f"checking {self.location(step, name)}", lambda: self.backend.exists(path)))
 
-        found = {step for step in steps if committed(step)}
-        return sorted(found), [step for step in steps if step not in found]
+        committed = [step for step in steps if holds(step, MANIFEST_NAME)]
+        others = [step for step in steps if step not in set(committed)]
+        kept = [step for step in others if holds(step, KEPT_NAME)]
+        return committed, [step for step in others if step not in set(kept)], kept
+
+    def list_steps(self, *, once: bool = False) -> tuple[list[int], list[int]]:
+        """(committed, uncommitted) of :meth:`survey`."""
+        committed, uncommitted, _kept = self.survey(once=once)
+        return committed, uncommitted
 
     def steps(self) -> list[int]:
         """Steps whose remote manifest exists, oldest first."""
         return self.list_steps()[0]
 
     def uncommitted_steps(self) -> list[int]:
-        """Step prefixes holding objects but no remote manifest (half-uploaded steps)."""
+        """Step prefixes holding objects but no remote manifest nor kept mark (half-uploaded steps)."""
         return self.list_steps()[1]
+
+    def kept_steps(self) -> list[int]:
+        """Step prefixes holding the kept mark but no remote manifest: files later steps reference."""
+        return self.survey()[2]

@@ -5,6 +5,8 @@ Layout under the URL::
     step-000000001200/rank-00000-of-00004.safetensors
     step-000000001200/...
     step-000000001200/manifest.json     the remote manifest, written last
+    step-000000001100/kept-for-later-steps.json
+                                        a prefix keeping files later steps reference
     latest                              the newest committed step (a hint, written after it)
 
 It speaks the tier protocol (:class:`~tiered_ckpt.tiers.base.Tier`) over one
@@ -25,6 +27,11 @@ Committing a step, as :class:`~tiered_ckpt.engine.replication.Replicator` drives
    object once more, then writes the remote manifest (with the store's checksums of the
    shards landed and how each is stored), create-only, then moves ``latest``. A step is
    visible remotely exactly when its remote manifest exists.
+
+A step of an incremental save references files of earlier steps: each is landed under its
+own step's prefix with the step's shards (found already there, it is not sent again),
+confirmed with them, and recorded in the remote manifest; deleting a step keeps what committed
+steps reference (:mod:`~tiered_ckpt.tiers.remote.kept`).
 
 **One retry policy** (:class:`RetryPolicy`) covers every request this tier makes, reads
 included, and every backend error leaves this module as :class:`RemoteError` (see
@@ -58,7 +65,7 @@ from tiered_ckpt.format.layout import (
     step_dir_name,
 )
 from tiered_ckpt.format.manifest import MAX_MANIFEST_BYTES, ShardManifest, ShardRecord
-from tiered_ckpt.format.remote_manifest import RemoteManifest
+from tiered_ckpt.format.remote_manifest import RemoteManifest, StoredObject, referenced_key
 from tiered_ckpt.io.hashing import ShardDigest, Verify, fill_hashing, hash_stream
 from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.io.zstd_frames import FrameCache, FramesReader, read_range_into
@@ -69,7 +76,7 @@ from tiered_ckpt.tiers.remote.backends.s3 import same_checksum
 from tiered_ckpt.tiers.remote.backends.wrappers import Counting
 from tiered_ckpt.tiers.remote.checksums import StoreSums
 from tiered_ckpt.tiers.remote.compression import Compression, check_compression, compressed_copy, object_name
-from tiered_ckpt.tiers.remote.listing import BucketListing
+from tiered_ckpt.tiers.remote.kept import KeptObjects
 from tiered_ckpt.tiers.remote.requests import LimitedReader, Requests, Trouble
 from tiered_ckpt.tiers.remote.retry import RetryPolicy, is_transient
 from tiered_ckpt.tiers.remote.upkeep import BucketUpkeep
@@ -93,9 +100,10 @@ class _Placement:
 
     locations: Mapping[str, str] = field(default_factory=dict)
     compression: Mapping[str, CompressedObject] = field(default_factory=dict)
+    sha256: Mapping[str, str] = field(default_factory=dict)  # of each shard file, as its record says
 
 
-class RemoteTier(BucketListing, BucketUpkeep):
+class RemoteTier(KeptObjects, BucketUpkeep):
     """Checkpoints under ``url``, in the store its protocol names, opened with ``storage_options``.
 
     Every public method makes its requests under ``retry`` (see :class:`RetryPolicy`).
@@ -128,15 +136,18 @@ class RemoteTier(BucketListing, BucketUpkeep):
         )
         self.backend: Counting = Counting(wrap(opened) if wrap is not None else opened)
         # The bucket's own words on top of what its store can do: receipts of its commits kept
-        # by the first tier, run leases, a `latest` pointer, and retries under its policy.
+        # by the first tier, run leases, a `latest` pointer, retries under its policy, and the
+        # files of deleted steps that committed ones reference kept.
         self.capabilities: Capabilities = replace(
-            self.backend.capabilities, receipts=True, leases=True, latest=True, retries=True
+            self.backend.capabilities, receipts=True, leases=True, latest=True, retries=True, references=True
         )
         self._root = self.backend.root
         self._requests = Requests(self.retry)
         self._run, self._timeout = self._requests.run, self._requests.timeout
         self._confirms_at_once = part_concurrency
         self._placements: dict[int, _Placement] = {}  # committed steps whose remote manifest was read or written
+        # earlier steps' files, as those manifests record them, with each file's sha256
+        self._referenced: dict[str, tuple[StoredObject, str]] = {}
         self._frames = FrameCache()
 
     def __repr__(self) -> str:
@@ -149,15 +160,38 @@ class RemoteTier(BucketListing, BucketUpkeep):
 
     # -- names and plumbing -----------------------------------------------------------------
 
-    def object_name(self, step: int, path: str) -> str:
-        """Where the shard file ``path`` of ``step`` is under the step's prefix: as the step's
-        remote manifest records it once read, else as this tier's layout puts it ("flat":
-        ``path``; "hashed": ``<2 hex digits of a hash>/path``, spreading a step's objects over
-        256 key prefixes so that a store's request rate per prefix is not the limit)."""
+    def _known(self, step: int, path: str) -> StoredObject | None:
+        """How the shard file ``path`` of ``step`` is stored, as a remote manifest read or written
+        here records it: the step's own, or one of a later step referencing it (None: neither)."""
+        known = self._known_file(step, path)
+        return known[0] if known is not None else None
+
+    def _known_file(self, step: int, path: str) -> tuple[StoredObject, str] | None:
+        """:meth:`_known`, and the sha256 of the shard file the object holds, as its record says."""
         placement = self._placements.get(step)
-        recorded = placement.locations.get(path) if placement is not None else None
-        if recorded is not None:
-            return recorded
+        if placement is not None and path in placement.sha256:
+            stored = StoredObject(placement.locations.get(path, path), placement.compression.get(path))
+            return stored, placement.sha256[path]
+        return self._referenced.get(referenced_key(step, path))
+
+    def _remember(self, remote: RemoteManifest) -> None:
+        """Keep how a committed step's objects and the earlier files it references are stored."""
+        sha256 = {record.path: record.sha256 for record in remote.manifest.shards}
+        self._placements[remote.manifest.step] = _Placement(remote.locations, remote.compression, sha256)
+        for record in remote.manifest.shards:
+            for ref in record.references:
+                stored = remote.stored(ref.step, ref.file.path)
+                self._referenced[referenced_key(ref.step, ref.file.path)] = stored, ref.file.sha256
+
+    def object_name(self, step: int, path: str) -> str:
+        """Where the shard file ``path`` of ``step`` is under the step's prefix: as a remote
+        manifest read or written here records it (the step's, or a later one's referencing it),
+        else as this tier's layout puts it ("flat": ``path``; "hashed": ``<2 hex digits of a
+        hash>/path``, spreading a step's objects over 256 key prefixes so that a store's request
+        rate per prefix is not the limit)."""
+        known = self._known(step, path)
+        if known is not None:
+            return known.location
         if self.layout == "hashed":
             return f"{hashlib.sha256(f'{step_dir_name(step)}/{path}'.encode()).hexdigest()[:2]}/{path}"
         return path
@@ -169,18 +203,31 @@ class RemoteTier(BucketListing, BucketUpkeep):
         return self.location(step, object_name(self.object_name(step, record.path), self._stored(step, record)))
 
     def _stored(self, step: int, record: ShardRecord, *, read: bool = False) -> CompressedObject | None:
-        """How ``record``'s object is stored (None: as the shard file it is), as the step's remote
-        manifest says once read. ``read``: read a committed step's remote manifest first if this
-        tier has not yet (a reader never goes by its own option)."""
-        if step not in self._placements and read:
+        """How ``record``'s object is stored (None: as the shard file it is), as a remote manifest
+        says once read (see :meth:`_known`). ``read``: if none read here says, read the step's
+        own, or, the step not being committed here, those of the committed steps after it until
+        one references the file (a reader never goes by its own option)."""
+        if self._known(step, record.path) is None and read:
             try:
                 self.read_manifest(step)
             except RemoteError as exc:
                 if not isinstance(exc.__cause__, FileNotFoundError):
                     raise
-                return None  # not committed: a shard of it is read as it is
-        placement = self._placements.get(step)
-        return placement.compression.get(record.path) if placement is not None else None
+                self._find_referencing(step, record.path)
+        known = self._known(step, record.path)
+        return known.compression if known is not None else None
+
+    def _find_referencing(self, step: int, path: str) -> None:
+        """Read the remote manifests of the committed steps after ``step``, newest first, until one
+        references its file ``path`` (a file kept for later steps, read before any of them)."""
+        for later in reversed([each for each in self.steps() if each > step]):
+            try:
+                self.read_manifest(later)
+            except RemoteError as exc:
+                if not isinstance(exc.__cause__, FileNotFoundError):
+                    raise
+            if referenced_key(step, path) in self._referenced:
+                return
 
     # -- listing and reading ------------------------------------------------------------------
 
@@ -198,7 +245,7 @@ class RemoteTier(BucketListing, BucketUpkeep):
         remote = RemoteManifest.from_json(self._run(f"reading {location}", read), source=location)
         if remote.manifest.step != step:
             raise ManifestError(f"{location}: field 'step' is {remote.manifest.step}, the prefix is step {step}")
-        self._placements[step] = _Placement(remote.locations, remote.compression)
+        self._remember(remote)
         return remote
 
     def manifest(self, step: int) -> ShardManifest:
@@ -307,7 +354,19 @@ class RemoteTier(BucketListing, BucketUpkeep):
         was already there) carries what :meth:`commit` records: the object's name, the store's
         checksum of what was sent (none for one found already there) and, for a compressed
         object, how it is stored; nothing of it is kept here.
+
+        A file's shard (``source.path``) of a committed step, or of an earlier step that a
+        committed step references, is first looked for where its remote manifest records it
+        (with ``compression="zstd"`` that manifest is read first, if it was not here: nothing is
+        compressed only to be found there already).
         """
+        if source.path is not None and self._known(step, record.path) is None and self.compression == "zstd":
+            self._stored(step, record, read=True)
+        known = self._known_file(step, record.path) if source.path is not None else None
+        if known is not None and known[1] == record.sha256:  # that object holds this very file
+            found = self._found_intact(step, record, known[0], deadline)
+            if found is not None:
+                return found
         if source.write is not None and source.path is None:  # staged in a temp file, checked, put from there
             with tempfile.TemporaryDirectory(prefix="tiered-ckpt-") as directory:
                 with open(staged := Path(directory) / record.path, "wb") as out:
@@ -318,6 +377,22 @@ class RemoteTier(BucketListing, BucketUpkeep):
             with compressed_copy(source.path, record, str(source.path)) as (compressed, stored):
                 return self._put(step, record, compressed, stored, deadline)
         return self._put(step, record, source.path, None, deadline)
+
+    def _found_intact(
+        self, step: int, record: ShardRecord, known: StoredObject, deadline: float | None
+    ) -> Landed | None:
+        """What :meth:`land_shard` returns for ``record``'s object found intact where ``known`` says
+        it is stored (None: it is not there intact)."""
+        stored = known.compression
+        key, obj = self._path(step, object_name(known.location, stored)), record
+        if stored is not None:
+            obj = stored.object_record(record)
+        what = f"checking {self.location(step, object_name(known.location, stored))}"
+        if self._run(what, lambda: self._mismatch(key, obj), deadline) is not None:
+            return None
+        compression = stored.to_json() if stored is not None else None
+        sizes = obj.size_bytes, record.size_bytes
+        return Landed(record.rank, record.path, known.location, *sizes, compression=compression, sent=False)
 
     def _put(
         self, step: int, record: ShardRecord, local_path: Path, stored: CompressedObject | None, deadline: float | None
@@ -411,6 +486,11 @@ class RemoteTier(BucketListing, BucketUpkeep):
         as it is), then point ``latest`` at the step (a hint for people and tools; listing is the
         truth). Returns the remote manifest, the receipt of the commit.
 
+        The earlier steps' files that the shards reference are confirmed too, their prefixes marked
+        as kept (:mod:`~tiered_ckpt.tiers.remote.kept`) before the manifest is written, and the
+        manifest records how each is stored (as ``landed`` says, with its ``step``; one it does not
+        name: as a remote manifest read here records it, else under its own name, as it is).
+
         A commit over an object missing or changed since it was confirmed is never written
         (:class:`RemoteError`, not transient). If the step is already committed with the same
         shards (a retried or resumed commit), that commit is returned. A remote manifest a
@@ -422,7 +502,7 @@ class RemoteTier(BucketListing, BucketUpkeep):
         path = self._path(step, MANIFEST_NAME)
         source = f"what was landed of {self.location(step)}"
         shards = {record.path: record for record in manifest.shards}
-        mine = {each.path: each for each in landed if each.path in shards}
+        mine = {each.path: each for each in landed if each.step is None and each.path in shards}
         names = {path: mine[path].location if path in mine else self.object_name(step, path) for path in shards}
         checksums = {path: each.checksum for path, each in mine.items() if each.checksum is not None}
         locations = {path: name for path, name in names.items() if name != path}
@@ -432,15 +512,24 @@ class RemoteTier(BucketListing, BucketUpkeep):
                 for path, each in mine.items()
                 if each.compression is not None
             }
-            planned = RemoteManifest(manifest, time.time(), checksums, locations, compressed)
+            referenced = self._referenced_landed(manifest, landed, source)
+            planned = RemoteManifest(manifest, time.time(), checksums, locations, compressed, referenced)
         except ManifestError as exc:
             raise RemoteError(f"{location}: what was landed cannot be committed: {exc}", transient=False) from exc
 
-        def confirm(record: ShardRecord) -> str | None:
-            path = record.path
-            return self._confirm(step, record, names[path], compressed.get(path), checksums.get(path), deadline)
+        def confirm(item: tuple[int, ShardRecord, StoredObject | None, str | None]) -> str | None:
+            at, record, stored, kept = item
+            if stored is None:
+                path = record.path
+                return self._confirm(step, record, names[path], compressed.get(path), checksums.get(path), deadline)
+            return self._confirm(at, record, stored.location, stored.compression, kept, deadline)
 
-        problems = [problem for problem in run_parallel(confirm, manifest.shards, self._confirms_at_once) if problem]
+        files = {(ref.step, ref.file.path): ref.file for record in manifest.shards for ref in record.references}
+        kept_sums = {(each.step, each.path): each.checksum for each in landed if each.step is not None}
+        checks = [(step, record, None, None) for record in manifest.shards] + [
+            (at, file, planned.stored(at, path), kept_sums.get((at, path))) for (at, path), file in files.items()
+        ]
+        problems = [problem for problem in run_parallel(confirm, checks, self._confirms_at_once) if problem]
         if problems:
             self._refuse_another_commit(manifest)
             raise RemoteError(
@@ -449,6 +538,9 @@ class RemoteTier(BucketListing, BucketUpkeep):
                 + "; ".join(problems[:5]),
                 transient=False,
             )
+
+        for earlier in sorted({at for at, _path in files}):
+            self.mark_kept(earlier, deadline)
 
         def create() -> RemoteManifest | None:
             remote = replace(planned, committed_at=time.time())
@@ -463,13 +555,37 @@ class RemoteTier(BucketListing, BucketUpkeep):
 
         remote = self._run(f"committing {location}", create, deadline)
         if remote is not None:
-            self._placements[step] = _Placement(remote.locations, remote.compression)
+            self._remember(remote)
         else:
             remote = self._refuse_another_commit(manifest)
             assert remote is not None
         latest, data = f"{self._root}/{LATEST_NAME}", f"{step}\n".encode()
         self._run(f"writing {self.url}/{LATEST_NAME}", lambda: self.backend.put_bytes(latest, data))
         return remote
+
+    def _referenced_landed(
+        self, manifest: ShardManifest, landed: Sequence[Landed], source: str
+    ) -> dict[str, StoredObject]:
+        """How each earlier step's file that ``manifest``'s shards reference is stored, where not
+        under its own name as it is: as ``landed`` says (untrusted: it crossed a collective), else
+        as a remote manifest read here says."""
+        by_file = {(each.step, each.path): each for each in landed if each.step is not None}
+        referenced: dict[str, StoredObject] = {}
+        for record in manifest.shards:
+            for ref in record.references:
+                each = by_file.get((ref.step, ref.file.path))
+                if each is not None:
+                    compression = (
+                        CompressedObject.from_json(each.compression, source=source)
+                        if each.compression is not None
+                        else None
+                    )
+                    stored = StoredObject(each.location, compression)
+                else:
+                    stored = self._known(ref.step, ref.file.path) or StoredObject(ref.file.path)
+                if stored != StoredObject(ref.file.path):
+                    referenced[referenced_key(ref.step, ref.file.path)] = stored
+        return referenced
 
     def _refuse_another_commit(self, manifest: ShardManifest) -> RemoteManifest | None:
         """The step's remote manifest if it is committed (None if not); :class:`RemoteError`, not
@@ -492,12 +608,21 @@ class RemoteTier(BucketListing, BucketUpkeep):
 
     def delete_step(self, step: int) -> None:
         """Delete a step: its remote manifest first (the step turns invisible), then its objects,
-        each named by its exact key (no glob expansion)."""
+        each named by its exact key (no glob expansion), but those a committed step references,
+        whose prefix is marked as kept before the manifest goes (all of them where a committed
+        step's remote manifest cannot be read; see :mod:`~tiered_ckpt.tiers.remote.kept`)."""
+        referenced = self.referenced_objects(self.steps(), after=step)
+        kept = referenced.get(step, set()) if referenced is not None else None
+        if kept != set():
+            self.mark_kept(step)
 
         def delete() -> None:
             if self.backend.exists(manifest := self._path(step, MANIFEST_NAME)):
                 self.backend.delete([manifest])
-            self.backend.delete_prefix(self._path(step))
+            if kept == set():
+                self.backend.delete_prefix(self._path(step))
 
         self._run(f"deleting {self.location(step)}", delete)
         self._placements.pop(step, None)
+        if kept:
+            self.keep_only(step, kept)

@@ -54,10 +54,11 @@ def test_each_protocol_gets_its_backend_and_the_tier_says_what_it_can_do(store, 
         leases=True,
         latest=True,
         retries=True,
+        references=True,
     )
     assert tier.backend.keeps_metadata is checksums
     assert tier.capabilities == replace(
-        tier.backend.capabilities, receipts=True, leases=True, latest=True, retries=True
+        tier.backend.capabilities, receipts=True, leases=True, latest=True, retries=True, references=True
     )
     bucket = tier.backend.bucket
     assert bucket == (None if scheme is None else f"{scheme}://{url.split('://')[1].split('/')[0]}")

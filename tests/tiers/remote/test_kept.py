@@ -1,0 +1,131 @@
+"""Retention by reachability in the bucket (tiered_ckpt/tiers/remote/kept.py): an earlier step's
+object stays while a committed step references it, goes with the last one, and a start-up
+removes what a crashed upload left for a step never committed (real buckets, real managers)."""
+
+import hashlib
+import shutil
+
+import numpy as np
+import pytest
+
+from support.stores import REMOTES, with_slow
+from tiered_ckpt import CheckpointManager, LocalOptions, RemoteOptions
+from tiered_ckpt.format.layout import KEPT_NAME, MANIFEST_NAME, step_dir_name
+from tiered_ckpt.tiers.remote.tier import RemoteTier
+
+RNG = np.random.default_rng(11)
+BASE = {f"layer{i}": RNG.standard_normal((64, 64)).astype(np.float32) for i in range(4)}  # 16 KiB each
+
+
+def lora(step: int, base: dict | None = None) -> dict:
+    """A frozen base and an adapter that changes every step."""
+    adapter = np.random.default_rng(step).standard_normal((64, 8)).astype(np.float32)
+    return {"base": dict(base or BASE), "adapter": adapter, "step": step}
+
+
+def same(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and np.array_equal(a, b)
+    return a == b
+
+
+def manager(tmp_path, url, options, **remote) -> CheckpointManager:
+    local = LocalOptions(tmp_path / "local", keep_last=1)
+    bucket = RemoteOptions(url, storage_options=options, keep_last=1, **remote)
+    return CheckpointManager(local, remote=bucket, world_size=1)
+
+
+def save(tmp_path, url, options, states: dict[int, dict], **remote) -> None:
+    with manager(tmp_path, url, options, **remote) as m:
+        for step, state in states.items():
+            m.save(step, state, blocking=True)
+            m.wait(uploaded=True)
+
+
+@pytest.mark.parametrize("remote_url", with_slow(REMOTES, "s3", "gcs", "azure", "file"), indirect=True)
+def test_a_deleted_step_keeps_what_a_retained_one_references_and_goes_with_the_last(tmp_path, remote_url):
+    url, options = remote_url
+    states = {step: lora(step) for step in (1, 2, 3)}
+    save(tmp_path, url, options, states)
+    tier = RemoteTier(url, options)
+    assert tier.survey() == ([3], [], [1])  # step 1's file holds the base every later step references
+    assert tier.kept_steps() == [1] and tier.uncommitted_steps() == []
+    shutil.rmtree(tmp_path / "local")
+    with manager(tmp_path, url, options) as m:  # the bucket alone, step 1's manifest long gone
+        assert same(m.restore(step=3).states[0], states[3])
+    new_base = {name: value + 1 for name, value in BASE.items()}
+    save(tmp_path, url, options, {4: lora(4, new_base), 5: lora(5, new_base)})
+    assert tier.survey() == ([5], [], [4])  # step 1's objects went with step 3, the last referencing them
+    assert tier.backend.find(tier._path(1)) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["flat", "hashed"])
+def test_a_kept_compressed_object_is_found_by_a_reader_that_never_read_its_referencing_step(tmp_path, s3_url, layout):
+    url, options = s3_url
+    states = {step: lora(step) for step in (1, 2)}
+    save(tmp_path, url, options, states, compression="zstd", layout=layout)
+    reader = RemoteTier(url, options)  # what the bucket records of step 1's file is in step 2's manifest only
+    assert reader.survey() == ([2], [], [1])
+    ref = reader.manifest(2).shards[0].references[0]
+    fresh = RemoteTier(url, options)
+    assert fresh.check_shard(1, ref.file) is None
+    assert fresh.shard_location(1, ref.file).endswith(".zst")
+    buffer = bytearray(64)
+    fresh.read_range_into(1, ref.file, 0, memoryview(buffer))
+    assert bytes(buffer) == (tmp_path / "local" / f"kept-{step_dir_name(1)}" / ref.file.path).read_bytes()[:64]
+
+
+def test_a_start_removes_what_a_crashed_upload_left_and_keeps_what_is_referenced(tmp_path, memory_url):
+    url, options = memory_url
+    save(tmp_path, url, options, {step: lora(step) for step in (1, 2)})
+    tier = RemoteTier(url, options)
+    leftover = tier.manifest(2).shards[0].path
+    tier.mark_kept(7)  # an upload of step 8 landed step 7's file for it, then died before committing
+    tier.backend.put_bytes(tier._path(7, leftover), b"x" * 100)
+    tier.backend.put_bytes(tier._path(8, leftover), b"y" * 100)  # and half of step 8
+    assert tier.survey() == ([2], [8], [1, 7])
+    assert tier.collect_unreferenced() == []  # while uploads may run: nothing newer than step 2 is touched
+    with manager(tmp_path, url, options) as m:
+        m.wait()
+    assert tier.survey() == ([2], [], [1])
+    assert tier.backend.find(tier._path(7)) == [] and tier.backend.find(tier._path(8)) == []
+
+
+def test_nothing_referenced_is_deleted_while_a_later_manifest_cannot_be_read(tmp_path, memory_url, caplog):
+    url, options = memory_url
+    save(tmp_path, url, options, {step: lora(step) for step in (1, 2)})
+    tier = RemoteTier(url, options)
+    path = tier._path(2, MANIFEST_NAME)
+    good = tier.backend.read(path)
+    held = tier.backend.find(tier._path(1))
+    tier.backend.put_bytes(path, good[:-20])  # damaged: what step 2 references is unknown
+    tier.delete_step(1)
+    assert tier.backend.find(tier._path(1)) == held  # everything kept, marked
+    assert tier.collect_unreferenced() == [] and tier.backend.find(tier._path(1)) == held
+    tier.backend.put_bytes(path, good)
+    assert tier.collect_unreferenced() == []  # readable again: step 2 references step 1's shard
+    kept = tier.backend.find(tier._path(1))
+    assert sorted(name.rsplit("/", 1)[-1] for name in kept) == sorted([KEPT_NAME, held[-1].rsplit("/", 1)[-1]])
+
+
+@pytest.mark.parametrize("damage", ["deleted", "replaced"])
+def test_a_referenced_object_gone_or_damaged_in_the_bucket_is_put_again_by_the_next_upload(
+    tmp_path, memory_url, damage
+):
+    url, options = memory_url
+    states = {1: lora(1), 2: lora(2)}
+    save(tmp_path, url, options, {1: states[1]})
+    tier = RemoteTier(url, options)
+    record = tier.manifest(1).shards[0]
+    tier.delete_step(1)  # nothing references it yet: every object goes
+    if damage == "replaced":
+        tier.backend.put_bytes(tier._path(1, record.path), b"not the shard")
+    save(tmp_path, url, options, {2: states[2]})  # references step 1's file, still on the disk
+    assert tier.survey() == ([2], [], [1])
+    assert hashlib.sha256(tier.backend.read(tier._path(1, record.path))).hexdigest() == record.sha256
+    shutil.rmtree(tmp_path / "local")
+    with manager(tmp_path, url, options) as m:
+        assert same(m.restore(step=2).states[0], states[2])

@@ -671,3 +671,40 @@ def test_a_reader_that_closes_the_output_early_ends_the_command_quietly(tmp_path
         env["PYTHONUNBUFFERED"] = "1"
     code, err = _with_its_output_closed(env, *command, "--local-dir", str(tmp_path))
     assert (code, err) == (141, "")  # as a Unix tool that SIGPIPE ended: no traceback, no "Exception ignored"
+
+
+def test_ls_says_which_deleted_steps_are_kept_for_later_ones_and_their_size(tmp_path):
+    base = {f"layer{i}": np.full((32, 64), i, np.float32) for i in range(3)}  # 8 KiB each
+    remote = RemoteOptions(f"file://{tmp_path / 'bucket'}", keep_last=1)
+    with CheckpointManager(LocalOptions(tmp_path / "local", keep_last=2), remote=remote, world_size=1) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, {"base": base, "adapter": np.full((32, 64), step, np.float32)}, blocking=True)
+            manager.wait(uploaded=True)
+    args = ("--local-dir", str(tmp_path / "local"), "--remote-url", f"file://{tmp_path / 'bucket'}")
+    code, out, err = run(None, "ls", "--json", *args)
+    assert code == 0, err
+    rows = {row["step"]: row for row in json.loads(out)}
+    assert (rows[1]["local"], rows[1]["remote"], rows[1]["world_size"]) == ("kept", "kept", None)
+    assert rows[1]["bytes"] > 3 * 8192  # the base, kept on the disk for steps 2 and 3
+    assert (rows[2]["local"], rows[2]["remote"]) == ("committed", None)  # step 3 uses nothing of its own file
+    assert rows[3]["referenced_bytes"] == 3 * 8192
+    code, out, _ = run(None, "ls", *args)
+    assert re.search(r"^\s+1  kept\s+kept\s+-\s+\d", out, re.MULTILINE), out
+
+
+def test_pull_of_an_incremental_step_brings_the_files_it_references(tmp_path):
+    import shutil
+
+    base = {f"layer{i}": np.full((32, 64), i, np.float32) for i in range(3)}  # 8 KiB each
+    with CheckpointManager(LocalOptions(tmp_path / "local", keep_last=2), world_size=1) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, {"base": base, "adapter": np.full((32, 64), step, np.float32)}, blocking=True)
+    args = ("--local-dir", str(tmp_path / "local"), "--remote-url", f"file://{tmp_path / 'bucket'}")
+    code, out, err = run(None, "push", *args)
+    assert code == 0 and "[2, 3]" in out, err
+    shutil.rmtree(tmp_path / "local")
+    code, _, err = run(None, "pull", *args)
+    assert code == 0, err
+    assert (tmp_path / "local" / f"kept-{step_dir_name(1)}").is_dir()
+    code, out, err = run(None, "verify", *args)
+    assert code == 0 and "3 shards verified, 0 failed" in out, out + err

@@ -33,6 +33,7 @@ from tiered_ckpt.format.layout import MANIFEST_NAME, parse_step_dir_name
 from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.step_diff import StepArrays, diff_steps, step_arrays
 from tiered_ckpt.tiers import survey
+from tiered_ckpt.tiers.abilities import references_of
 from tiered_ckpt.tiers.store import TieredStore
 
 __all__ = ["main"]
@@ -99,17 +100,19 @@ def _absent(state: str) -> str | None:
 _UNREACHABLE = "unreachable"  # ls: the remote state of every step while the bucket cannot be reached
 
 
-def _statuses(config: Config) -> tuple[list[survey.StepStatus], RemoteError | None]:
-    """Every step the config's tiers know of, and the failure that kept the bucket from being
-    listed (None: it was listed). A bucket that cannot be reached now (a transient failure,
-    once the retry policy gave up) leaves the local steps to list; one that is missing or
-    refuses access (permanent) fails the command."""
+def _statuses(config: Config) -> tuple[list[survey.StepStatus], TieredStore, RemoteError | None]:
+    """Every step the config's tiers know of, the store listed, and the failure that kept the
+    bucket from being listed (None: it was listed). A bucket that cannot be reached now (a
+    transient failure, once the retry policy gave up) leaves the local steps to list (a store
+    of the local tier alone); one that is missing or refuses access (permanent) fails the command."""
     try:
-        return survey.step_statuses(_store(config)), None
+        store = _store(config)
+        return survey.step_statuses(store), store, None
     except RemoteError as exc:
         if not exc.transient or config.remote is None:
             raise
-        return survey.step_statuses(open_store(config.local)), exc
+        store = open_store(config.local)
+        return survey.step_statuses(store), store, exc
 
 
 def command_ls(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
@@ -120,7 +123,7 @@ def command_ls(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
     listed, and the command exits 1: the listing is incomplete."""
     rows: list[dict[str, Any]] = []
     now = time.time()
-    statuses, unreachable = _statuses(config)
+    statuses, store, unreachable = _statuses(config)
     for status in statuses:
         manifest = status.manifest
         rows.append(
@@ -136,6 +139,7 @@ def command_ls(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
                 "problem": status.problem,
             }
         )
+    rows = _with_kept(store, rows)
     lines = [f"{'STEP':>12}  {'LOCAL':<10} {'REMOTE':<10} {'RANKS':>5} {'SIZE':>10} {'AGE':>10} {'REFERENCED':>11}"]
     for row in rows:
         size = human_size(row["bytes"]) if row["bytes"] is not None else "-"
@@ -162,6 +166,27 @@ def command_ls(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
         )
         return EXIT_FAILED, (rows, "\n".join(lines))
     return EXIT_OK, (rows, "\n".join(lines))
+
+
+def _with_kept(store: TieredStore, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` with each tier's kept steps (files of a deleted step that retained steps reference)
+    in its state column as ``kept``: a step no tier holds otherwise gets a row of its own, its
+    ``bytes`` the local kept files' (None where only the bucket keeps it)."""
+    by_step = {row["step"]: row for row in rows}
+    for tier in store.tiers:
+        referencing = references_of(tier)
+        column = "local" if tier is store.local else "remote"
+        if referencing is None or (column == "remote" and tier is not store.remote):
+            continue
+        for step in referencing.kept_steps():
+            row = by_step.setdefault(step, {"step": step, "local": None, "remote": None, "world_size": None})
+            if row.get(column) is None:
+                row[column] = "kept"
+            if "bytes" not in row:
+                row.update(bytes=None, local_ranks=None, referenced_bytes=None, age_seconds=None, problem=None)
+            if column == "local" and row["world_size"] is None:
+                row["bytes"] = store.local.kept_bytes(step)
+    return [by_step[step] for step in sorted(by_step)]
 
 
 def command_verify(config: Config, args: argparse.Namespace) -> tuple[int, Any]:

@@ -88,8 +88,9 @@ def pull(
     """Fill ``store``'s local tier with its bucket's ``step`` (default: the newest) without loading it.
 
     Local shards that verify are kept; the others are streamed from the bucket and verified
-    (:meth:`TieredStore.download_shard`), then the step is committed locally with the bucket's
-    receipt. A pull that fails leaves the local tier as it was: a step directory it created is
+    (:meth:`TieredStore.download_shard`), and so are the earlier files they reference (an
+    incremental save's, :meth:`TieredStore.download_referenced`), then the step is committed
+    locally with the bucket's receipt. A pull that fails leaves the local tier as it was: a step directory it created is
     removed, with the shards it landed. Returns the step and, per rank, the name of the tier each shard on disk came
     from. ``progress`` is called with each shard and where it came from once it is on disk.
     """
@@ -109,6 +110,9 @@ def pull(
         if store.local.check_shard(step, record) is not None:
             store.download_shard(step, record, remote_tier)
             source = remote_tier.name
+        for ref in record.references:  # the earlier files it references, which the disk keeps with it
+            if store.local.check_shard(ref.step, ref.file) is not None:
+                store.download_referenced(ref.step, ref.file, remote_tier)
         if progress is not None:
             progress(record, source)
         return source

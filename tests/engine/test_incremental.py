@@ -342,3 +342,31 @@ def test_the_files_a_step_keeps_take_at_most_twice_its_state(tmp_path):
             assert equal(manager.restore(step=step).states[0], state(step))
     kept = sum(path.stat().st_size for path in tmp_path.glob("kept-step-*/rank-*"))
     assert kept <= 2 * 2 * size  # two retained steps, each keeping at most twice its state
+
+
+def test_a_two_rank_lora_job_resumes_from_the_bucket_after_its_disks_are_lost_bit_for_bit(tmp_path, s3_url):
+    """Two real rank processes, each its own disk, save a LoRA run to a moto bucket; both disks
+    are deleted; a new job restores from the bucket alone, bit for bit, and its next save writes
+    only what changed again."""
+    from support import rank_worker
+    from support.processes import launch_ranks
+    from tiered_ckpt.tiers.remote.tier import RemoteTier
+
+    worker = Path(rank_worker.__file__)
+    actions = [{"do": "save", "step": step} for step in (1, 2, 3)] + [{"do": "wait"}]
+    launch_ranks(worker, tmp_path, 2, {"actions": actions, "state": "lora", "timeout_seconds": 60}, remote=s3_url)
+    bucket = RemoteTier(*s3_url)
+    assert bucket.steps() == [1, 2, 3]
+    for record in bucket.manifest(3).shards:  # each rank's base is in its step-1 file
+        assert {ref.step for ref in record.references} == {1}
+        assert record.size_bytes < bucket.manifest(1).shard(record.rank).size_bytes // 3
+    shutil.rmtree(tmp_path / "nodes")
+    actions = [{"do": "restore"}, {"do": "save", "step": 4}, {"do": "wait"}]
+    results = launch_ranks(worker, tmp_path, 2, {"actions": actions, "state": "lora", "timeout_seconds": 60}, s3_url)
+    for rank in (0, 1):
+        restored = results[rank]["restored"]
+        assert "error" not in results[rank], results[rank]
+        assert restored["step"] == 3 and restored["sources"] == {str(rank): "remote"}
+        assert restored["digests"] == rank_worker.digests(rank_worker.lora_state(3, 2, rank))
+    for record in bucket.manifest(4).shards:  # compared with the restored step: only the adapter again
+        assert {ref.step for ref in record.references} == {1}

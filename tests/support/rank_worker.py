@@ -32,7 +32,8 @@ two minutes) until the file ``P`` exists; {"do": "saves", "steps": [S...]} saves
 retried and records it as "retrying": [step, tries]; {"do": "await_queued", "at_most": N} waits
 (at most "guard_seconds", default two minutes) until its uploader holds at most N steps and
 records them as "queued". Config "stale_saves" is runtime.stale_saves, "upload" holds UploadOptions fields
-(default: max_tries 1), "max_awaiting_upload" the local tier's.
+(default: max_tries 1), "max_awaiting_upload" the local tier's; "state": "lora" saves (and
+"restore" reports) :func:`lora_state` instead of :func:`rank_state`.
 """
 
 import hashlib
@@ -84,6 +85,28 @@ def rank_state(step: int, world_size: int, rank: int) -> dict[str, torch.Tensor]
     }
 
 
+def lora_state(step: int, world_size: int, rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s state of a LoRA run at ``step``: its part of a frozen bf16 base (the same at
+    every step), an fp32 adapter and its Adam moments that change at every step."""
+    base = torch.Generator().manual_seed(1000 + rank)
+    changing = torch.Generator().manual_seed(step * world_size + rank)
+    return {
+        "base.q": torch.randn(128, 64, generator=base).to(torch.bfloat16),
+        "base.v": torch.randn(128, 64, generator=base).to(torch.bfloat16),
+        "lora.a": torch.randn(64, 8, generator=changing),
+        "lora.b": torch.randn(8, 64, generator=changing),
+        "exp_avg.a": torch.rand(64, 8, generator=changing),
+        "exp_avg_sq.a": torch.rand(64, 8, generator=changing),
+    }
+
+
+def state_of(config: dict, step: int, world_size: int, rank: int) -> dict[str, torch.Tensor]:
+    """The state the config's job saves at ``step`` (see the module doc)."""
+    if config.get("state") == "lora":
+        return lora_state(step, world_size, rank)
+    return rank_state(step, world_size, rank)
+
+
 def digests(state: dict[str, torch.Tensor]) -> dict[str, list[str]]:
     """Each tensor's dtype, shape and sha256 of its bytes."""
     return {
@@ -126,7 +149,7 @@ def run(config: dict, coordinator: TorchDistributedCoordinator, result: dict) ->
         checkpoints = open_manager(config, rank, url, coordinator)
     try:
         for action in config["actions"]:
-            act(action, rank, world_size, checkpoints, coordinator, result)
+            act(action, rank, world_size, checkpoints, coordinator, result, config)
     except CheckpointError as exc:
         result["error"] = [type(exc).__name__, str(exc)]
     try:
@@ -160,10 +183,11 @@ def act(
     checkpoints: CheckpointManager,
     coordinator: TorchDistributedCoordinator,
     result: dict,
+    config: dict,
 ) -> None:
     if action["do"] == "save":
         step = action.get("step_by_rank", {}).get(str(rank), action["step"])
-        state = rank_state(action.get("state_of", step), world_size, rank)
+        state = state_of(config, action.get("state_of", step), world_size, rank)
         if action.get("text_on_rank") == rank:
             state["note"] = np.array(["not a tensor dtype a shard holds"])
         if action.get("float64_on_rank") == rank:

@@ -266,6 +266,14 @@ class LocalTier:
                     kept.add(step)
         return sorted(kept)
 
+    def kept_bytes(self, step: int) -> int:
+        """The bytes of the shard files kept of deleted ``step`` (see :meth:`kept_steps`)."""
+        total = 0
+        for directory in (self.kept_dir(step), self.step_dir(step)):
+            if directory.is_dir() and not (directory / MANIFEST_NAME).is_file():
+                total += sum(entry.stat().st_size for entry in os.scandir(directory) if is_shard_name(entry.name))
+        return total
+
     def referenced_files(self, *, skip: int | None = None) -> dict[int, set[str]] | None:
         """By step, the shard files the committed steps (but ``skip``) reference in earlier steps'
         directories; None if a committed manifest cannot be read (its references are unknown:

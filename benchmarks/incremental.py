@@ -1,14 +1,16 @@
 """The ``incremental`` section of the benchmark: what an incremental save writes and costs, and
 what a restore of referenced bytes costs, next to the same work with ``runtime.incremental``
 off, measured in the same run (interleaved rounds, one CheckpointManager per round and mode,
-the local tier alone: the only one that keeps referenced files so far).
+the local tier alone but for the bucket's bytes).
 
 - **LoRA shape**: a frozen base of ``base_bytes`` in bf16 arrays of 32 MiB, and an adapter of
   16 MiB with its two Adam moments in fp32, which change every step. Per save after the
   first: the bytes written to disk (the step directory's files) next to the changed arrays'
   bytes plus the manifest (target <= 1.05); the save's background time (from ``save``'s
   return to the step's commit) next to a full save's (<= 0.2); the blocking stall (``save``'s
-  own time) next to a full save's (<= 1.0, noise aside).
+  own time) next to a full save's (<= 1.0, noise aside); the bytes each save adds to a bucket
+  (a ``file://`` one: what it holds after the upload less what it held before) next to the
+  changed arrays' bytes (<= 1.05).
 - **pretraining shape**: every array changes every step (a quarter of ``base_bytes`` in fp32
   arrays of 16 MiB): a blocking save's time (the median of 11 saves after the first: a job's
   steady state) and a warm restore's, incremental over full (within 3 %), and the bytes each
@@ -33,7 +35,7 @@ import numpy as np
 from benchmarks.harness import Target, cache, clear, show_ratio
 from tiered_ckpt.format.layout import step_dir_name
 from tiered_ckpt.manager import CheckpointManager
-from tiered_ckpt.options import LocalOptions, RuntimeOptions
+from tiered_ckpt.options import LocalOptions, RemoteOptions, RuntimeOptions
 
 __all__ = ["bench_incremental"]
 
@@ -75,6 +77,26 @@ def _lora_round(base: dict[str, np.ndarray], directory: Path, incremental: bool)
                 backgrounds.append(time.perf_counter() - returned)
                 written.append(_step_bytes(directory, step))
     return {"stall": statistics.median(stalls), "background": statistics.median(backgrounds), "bytes": min(written)}
+
+
+def _tree_bytes(root: Path) -> int:
+    return sum(path.stat().st_size for path in root.rglob("*") if path.is_file())
+
+
+def _lora_bucket_bytes(base: dict[str, np.ndarray], directory: Path, incremental: bool) -> int:
+    """The fewest bytes a save after the first added to a bucket (its uploads, manifests, marks)."""
+    runtime = RuntimeOptions(incremental=incremental, stale_saves="off")
+    bucket = directory / "bucket"
+    remote = RemoteOptions(f"file://{bucket}")
+    added = []
+    with CheckpointManager(LocalOptions(directory / "local"), remote=remote, world_size=1, runtime=runtime) as manager:
+        for step in range(1, 4):
+            before = _tree_bytes(bucket) if bucket.exists() else 0
+            manager.save(step, _lora(base, step))
+            manager.wait(uploaded=True)
+            if step > 1:
+                added.append(_tree_bytes(bucket) - before)
+    return min(added)
 
 
 def _pretraining(total: int, step: int) -> dict[str, np.ndarray]:
@@ -131,12 +153,16 @@ def bench_incremental(base_bytes: int, root: Path, repeat: int) -> list[Target]:
     base = {f"layer{i}": rng.standard_normal(16 * MIB, dtype=np.float32).astype(bf16) for i in range(count)}
     changed = 3 * 16 * MIB  # the adapter and its two moments
     lora: dict[bool, list[dict[str, float]]] = {True: [], False: []}
+    uploaded: dict[bool, list[int]] = {True: [], False: []}
     pre: dict[bool, list[dict[str, float]]] = {True: [], False: []}
     spread: dict[bool, list[float]] = {True: [], False: []}
     for run in range(repeat):
         for incremental in (True, False) if run % 2 == 0 else (False, True):
             directory = root / f"incremental-{run}-{incremental}"
             lora[incremental].append(_lora_round(base, directory / "lora", incremental))
+            clear(directory / "lora")
+            uploaded[incremental].append(_lora_bucket_bytes(base, directory / "bucket", incremental))
+            clear(directory / "bucket")
             pre[incremental].append(_pretraining_round(base_bytes // 4, directory / "pre", incremental))
             spread[incremental].append(_spread_restore(base_bytes // 8, directory / "spread", incremental))
             clear(directory)
@@ -155,8 +181,14 @@ def bench_incremental(base_bytes: int, root: Path, repeat: int) -> list[Target]:
         f"{median(off, 'background'):.3f}); stall {median(on, 'stall'):.3f} s (full: {median(off, 'stall'):.3f})"
     )
     written = median(on, "bytes") / changed  # the manifest and records are in the step's bytes
+    to_bucket = statistics.median(uploaded[True])
+    print(
+        f"    per save after the first, to the bucket: {to_bucket / MIB:8.1f} MiB "
+        f"(full: {statistics.median(uploaded[False]) / MIB:.1f})"
+    )
     targets = [
         Target(6, "LoRA: bytes written / changed arrays' bytes", written, 1.05, at_least=False),
+        Target(6, "LoRA: bytes to the bucket / changed arrays' bytes", to_bucket / changed, 1.05, at_least=False),
         Target(6, "LoRA: background time / a full save's", paired(lora, "background"), 0.2, at_least=False),
         Target(6, "LoRA: blocking stall / a full save's", paired(lora, "stall"), 1.0, at_least=False),
         Target(6, "pretraining: save time / full", paired(pre, "save"), 1.03, at_least=False),

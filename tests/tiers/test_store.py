@@ -585,3 +585,33 @@ def test_a_store_holds_any_number_of_durable_later_tiers_and_its_bucket_is_the_o
     assert store.remote is bucket  # the first later tier with receipts, wherever it stands
     with pytest.raises(UsageError, match="only a tier with receipts has its commits recorded"):
         store.record_commit(3, store.tier("archive"), None)
+
+
+def test_a_referenced_file_moved_to_its_kept_directory_mid_upload_is_landed_from_there(tmp_path, memory_url):
+    """Retention deletes the referenced file's step while an upload reads it: the file moves to
+    the step's kept directory, the landing fails, and is made again from there."""
+    from tiered_ckpt import CheckpointManager, LocalOptions
+    from tiered_ckpt.tiers.remote.backends.wrappers import Wrapper
+
+    base = {f"layer{i}": np.full((32, 64), i, np.float32) for i in range(3)}
+    with CheckpointManager(LocalOptions(tmp_path / "ckpt"), world_size=1) as manager:
+        for step in (1, 2):
+            manager.save(step, {"base": base, "adapter": np.full((32, 64), step, np.float32)}, blocking=True)
+    local = LocalTier(tmp_path / "ckpt")
+    moves = []
+
+    class MovingItAway(Wrapper):
+        def put_shard(self, local_path, path, record, *, deadline):
+            if step_dir_name(1) in path and not moves:
+                moves.append(path)
+                local.delete_step(1)  # step 2 references its file: it moves to kept-step-...
+            return self.inner.put_shard(local_path, path, record, deadline=deadline)
+
+    bucket = RemoteTier(*memory_url, wrap=MovingItAway)
+    store = TieredStore([local, bucket])
+    with local.lock():
+        ref = local.manifest(2).shard(0).references[0]
+        landed = store.send_referenced(ref, bucket)
+    assert moves and landed.step == 1 and landed.sent
+    assert (tmp_path / "ckpt" / f"kept-{step_dir_name(1)}" / ref.file.path).is_file()
+    assert bucket.check_shard(1, ref.file) is None

@@ -239,9 +239,19 @@ class TieredStore:
 
     def send_referenced(self, ref: Reference, tier: Tier, *, deadline: float | None = None) -> Landed:
         """Land the first tier's copy of the earlier file ``ref`` names in ``tier``, under its own
-        step's place there (a replicator's put of a step referencing it): what landed, with its step."""
-        source = ShardSource(path=self.local.shard_path(ref.step, ref.file))
-        return replace(tier.land_shard(ref.step, ref.file, source, deadline=deadline), step=ref.step)
+        step's place there (a replicator's put of a step referencing it): what landed, with its step.
+
+        Retention may delete the file's step meanwhile, moving the file to the step's kept
+        directory (once, atomically): a landing that fails after the move lands it from there."""
+        path = self.local.shard_path(ref.step, ref.file)
+        try:
+            landed = tier.land_shard(ref.step, ref.file, ShardSource(path=path), deadline=deadline)
+        except CheckpointError:
+            moved = self.local.shard_path(ref.step, ref.file)
+            if moved == path:
+                raise
+            landed = tier.land_shard(ref.step, ref.file, ShardSource(path=moved), deadline=deadline)
+        return replace(landed, step=ref.step)
 
     def download_shard(self, step: int, record: ShardRecord, tier: Tier | None = None) -> None:
         """Stream ``record``'s copy in ``tier`` (default: the bucket) into the local step,
@@ -325,14 +335,37 @@ class TieredStore:
                 tier = self.local
             what = f"rank {ref.file.rank} shard {tier.shard_location(ref.step, ref.file)} (referenced by step {step})"
             if tier is self.local:
-                with self.local.open_ranges(ref.step, ref.file) as read_into:
-                    seen = header or verified_header(read_into, ref.file, what)
-                    return read_verified_arrays(read_into, ref.file, names, what, into, verify, seen, digests)
+                return self._read_referenced_here(ref, names, what, into, verify, header)
             read_range = functools.partial(tier.read_range_into, ref.step, ref.file)
             seen = header or verified_header(read_range, ref.file, what)
             return read_verified_arrays(read_range, ref.file, names, what, into, verify, seen, digests)
 
         return self._first_that_verifies(ref.step, ref.file, read, later, refills=False)[0]
+
+    def _read_referenced_here(
+        self,
+        ref: Reference,
+        names: Collection[str],
+        what: str,
+        into: Mapping[str, np.ndarray],
+        verify: Verify,
+        header: ShardHeader | None,
+    ) -> dict[str, np.ndarray]:
+        """:meth:`_read_referenced` from this disk; read again from the step's kept directory if the
+        file moved there while it was read (its step deleted meanwhile: a move happens once)."""
+
+        def read() -> dict[str, np.ndarray]:
+            with self.local.open_ranges(ref.step, ref.file) as read_into:
+                seen = header or verified_header(read_into, ref.file, what)
+                return read_verified_arrays(read_into, ref.file, names, what, into, verify, seen, ref.digests())
+
+        path = self.local.shard_path(ref.step, ref.file)
+        try:
+            return read()
+        except IncompleteCheckpointError:
+            if self.local.shard_path(ref.step, ref.file) == path:
+                raise
+        return read()
 
     def _read_from_memory(
         self,

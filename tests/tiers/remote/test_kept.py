@@ -10,7 +10,8 @@ import pytest
 
 from support.stores import REMOTES, with_slow
 from tiered_ckpt import CheckpointManager, LocalOptions, RemoteOptions
-from tiered_ckpt.format.layout import KEPT_NAME, MANIFEST_NAME, step_dir_name
+from tiered_ckpt.format.layout import KEPT_NAME, MANIFEST_NAME
+from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.remote.tier import RemoteTier
 
 RNG = np.random.default_rng(11)
@@ -75,7 +76,7 @@ def test_a_kept_compressed_object_is_found_by_a_reader_that_never_read_its_refer
     assert fresh.shard_location(1, ref.file).endswith(".zst")
     buffer = bytearray(64)
     fresh.read_range_into(1, ref.file, 0, memoryview(buffer))
-    assert bytes(buffer) == (tmp_path / "local" / f"kept-{step_dir_name(1)}" / ref.file.path).read_bytes()[:64]
+    assert bytes(buffer) == LocalTier(tmp_path / "local").shard_path(1, ref.file).read_bytes()[:64]
 
 
 def test_a_start_removes_what_a_crashed_upload_left_and_keeps_what_is_referenced(tmp_path, memory_url):
@@ -129,3 +130,62 @@ def test_a_referenced_object_gone_or_damaged_in_the_bucket_is_put_again_by_the_n
     shutil.rmtree(tmp_path / "local")
     with manager(tmp_path, url, options) as m:
         assert same(m.restore(step=2).states[0], states[2])
+
+
+def test_an_object_of_the_same_size_is_never_taken_for_the_referenced_file(tmp_path, memory_url):
+    """A store keeping no sha256 (memory, a file system): a damaged object of the right size under
+    a kept prefix is read and found out, and the next upload puts the file again."""
+    url, options = memory_url
+    states = {step: lora(step) for step in (1, 2, 3)}
+    save(tmp_path, url, options, {1: states[1], 2: states[2]})
+    tier = RemoteTier(url, options)
+    record = tier.manifest(2).shards[0].references[0].file
+    key = tier._path(1, record.path)
+    tier.backend.put_bytes(key, bytes(reversed(tier.backend.read(key))))  # same size, other bytes
+    save(tmp_path, url, options, {3: states[3]})
+    assert hashlib.sha256(tier.backend.read(key)).hexdigest() == record.sha256
+    shutil.rmtree(tmp_path / "local")
+    with manager(tmp_path, url, options) as m:
+        assert same(m.restore(step=3).states[0], states[3])
+
+
+def test_another_file_of_a_step_is_never_put_over_the_object_a_committed_step_keeps(tmp_path, memory_url):
+    """The manager never saves a step number the bucket holds again; a landing of another file
+    under a kept object's name (another tool, another run's disk) is refused, the object intact."""
+    from tiered_ckpt import RemoteError, save_sharded
+    from tiered_ckpt.tiers.base import ShardSource
+
+    url, options = memory_url
+    first = {step: lora(step) for step in (1, 2)}
+    save(tmp_path / "a", url, options, first)  # step 1 deleted, its file kept for step 2
+    tier = RemoteTier(url, options)
+    held = {name: tier.backend.read(name) for name in tier.backend.find(tier._path(1))}
+    other = save_sharded([lora(1, {name: value * 2 for name, value in BASE.items()})], tmp_path / "b", step=1)
+    with pytest.raises(RemoteError, match="kept for step 2, which references it as another file") as caught:
+        tier.land_shard(1, other.shards[0], ShardSource(path=tmp_path / "b" / other.shards[0].path))
+    assert not caught.value.transient
+    assert {name: tier.backend.read(name) for name in tier.backend.find(tier._path(1))} == held
+    with manager(tmp_path / "c", url, options) as m:
+        assert same(m.restore(step=2).states[0], first[2])
+
+
+def test_a_damaged_newer_manifest_does_not_stop_an_upload_finding_a_kept_compressed_file(tmp_path, memory_url):
+    from tiered_ckpt.format.layout import MANIFEST_NAME as MANIFEST
+    from tiered_ckpt.tiers.remote.leases import Lease
+
+    url, options = memory_url
+    states = {step: lora(step) for step in (1, 2, 3, 4)}
+    save(tmp_path, url, options, {step: states[step] for step in (1, 2, 3)}, compression="zstd")
+    tier = RemoteTier(url, options)
+    path = tier._path(3, MANIFEST)
+    tier.backend.put_bytes(path, tier.backend.read(path)[:-20])  # the one manifest saying how step 1 is kept
+    other = Lease(RemoteTier(url, options), run_id="0123456789abcdef")  # a live run: no clean-up at start
+    other.hold()
+    try:
+        save(tmp_path, url, options, {4: states[4]}, compression="zstd")
+    finally:
+        other.release()
+    assert 4 in tier.steps() and {ref.step for ref in tier.manifest(4).shards[0].references} == {1}
+    shutil.rmtree(tmp_path / "local")
+    with manager(tmp_path, url, options, compression="zstd") as m:
+        assert same(m.restore(step=4).states[0], states[4])

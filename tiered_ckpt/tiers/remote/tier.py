@@ -223,9 +223,9 @@ class RemoteTier(KeptObjects, BucketUpkeep):
         for later in reversed([each for each in self.steps() if each > step]):
             try:
                 self.read_manifest(later)
-            except RemoteError as exc:
+            except (ManifestError, RemoteError) as exc:  # an older step may say it: read on
                 if not isinstance(exc.__cause__, FileNotFoundError):
-                    raise
+                    logger.warning("%s: looking for where step %d's %s is kept: %s", self.url, step, path, exc)
             if referenced_key(step, path) in self._referenced:
                 return
 
@@ -323,18 +323,28 @@ class RemoteTier(KeptObjects, BucketUpkeep):
 
     # -- landing and committing ---------------------------------------------------------------
 
-    def _mismatch(self, key: str, obj: ShardRecord, sums: Callable[[], StoreSums | None] | None = None) -> str | None:
+    def _mismatch(
+        self, key: str, obj: ShardRecord, sums: Callable[[], StoreSums | None] | None = None, *, prove: bool = False
+    ) -> str | None:
         """Why the object ``key`` does not match ``obj`` (the record of its own bytes: size, stored
         sha256), or None; given ``sums``, also the store's checksums of what it received against
         ``sums()`` (called only once the rest matches; None: nothing more to compare), which
-        catches bytes changed in transit."""
+        catches bytes changed in transit. ``prove``: where the store keeps neither a sha256 nor
+        checksums to compare (a file system, memory), the object is read and its xxh3-64
+        compared, so that an object of the same size is never taken for another."""
         try:
             head = self.backend.head(key, timeout=self._timeout())
         except FileNotFoundError:
             return "missing"
         problem = obj.mismatch(ShardDigest(head.size, head.sha256 or "", ""))
         expected = sums() if problem is None and sums is not None else None
-        return self.backend.store_problem(head, expected) if expected is not None else problem
+        if expected is not None:
+            return self.backend.store_problem(head, expected)
+        if problem is None and prove and head.sha256 is None:
+            with self.backend.open(key) as source:
+                stream: Any = LimitedReader(source, self._requests, key, obj.size_bytes + 1)
+                return obj.mismatch(hash_stream(stream, "fast"))
+        return problem
 
     def _object(self, step: int, record: ShardRecord, stored: CompressedObject | None) -> tuple[str, ShardRecord]:
         """The key of ``record``'s object stored as ``stored`` says, and the record of its own bytes."""
@@ -361,7 +371,10 @@ class RemoteTier(KeptObjects, BucketUpkeep):
         compressed only to be found there already).
         """
         if source.path is not None and self._known(step, record.path) is None and self.compression == "zstd":
-            self._stored(step, record, read=True)
+            try:
+                self._stored(step, record, read=True)
+            except (ManifestError, RemoteError) as exc:  # then it is looked for under its own name
+                logger.warning("%s: reading how step %d's %s is stored: %s", self.url, step, record.path, exc)
         known = self._known_file(step, record.path) if source.path is not None else None
         if known is not None and known[1] == record.sha256:  # that object holds this very file
             found = self._found_intact(step, record, known[0], deadline)
@@ -388,7 +401,7 @@ class RemoteTier(KeptObjects, BucketUpkeep):
         if stored is not None:
             obj = stored.object_record(record)
         what = f"checking {self.location(step, object_name(known.location, stored))}"
-        if self._run(what, lambda: self._mismatch(key, obj), deadline) is not None:
+        if self._run(what, lambda: self._mismatch(key, obj, prove=True), deadline) is not None:
             return None
         compression = stored.to_json() if stored is not None else None
         sizes = obj.size_bytes, record.size_bytes
@@ -408,8 +421,11 @@ class RemoteTier(KeptObjects, BucketUpkeep):
             return Landed(record.rank, record.path, name, *sizes, checksum=checksum, compression=compression, sent=sent)
 
         def put_and_confirm() -> Landed:
-            if self._mismatch(key, obj, lambda: self.backend.sums(local_path, obj)) is None:
+            found = self._mismatch(key, obj, lambda: self.backend.sums(local_path, obj), prove=True)
+            if found is None:
                 return landed(None, False)
+            if found != "missing":
+                self._refuse_replacing_kept(step, object_name(name, stored), record)
             self._timeout()
             sums = self.backend.put_shard(local_path, key, obj, deadline=self._requests.deadline).sums
             problem = self._mismatch(key, obj, lambda: sums)
@@ -418,6 +434,34 @@ class RemoteTier(KeptObjects, BucketUpkeep):
             return landed(sums.kept if sums is not None else None, True)
 
         return self._run(f"uploading {local_path} to {location}", put_and_confirm, deadline)
+
+    def _refuse_replacing_kept(self, step: int, name: str, record: ShardRecord) -> None:
+        """Raise :class:`RemoteError`, not transient, if a committed step holds the object ``name`` of
+        ``step`` as another file than ``record``: ``step`` itself (committed as another checkpoint),
+        or a later step referencing it (the bucket keeps it for that step). Putting it would change
+        a committed step: a run that went back and saves that step number again."""
+        for committed in self.steps():
+            if committed < step:
+                continue
+            remote = self.read_manifest(committed)
+            if committed == step:
+                other = [each for each in remote.manifest.shards if each.path == record.path]
+                if other and other[0].sha256 != record.sha256:
+                    raise RemoteError(
+                        f"{self.location(step, name)}: a different checkpoint of step {step} is already committed",
+                        transient=False,
+                    )
+                continue
+            for ref in (ref for shard in remote.manifest.shards for ref in shard.references):
+                stored = remote.stored(ref.step, ref.file.path)
+                same_object = ref.step == step and object_name(stored.location, stored.compression) == name
+                if same_object and ref.file.sha256 != record.sha256:
+                    raise RemoteError(
+                        f"{self.location(step, name)}: kept for step {committed}, which references it as another "
+                        f"file than this step {step} has: a step number whose files the bucket keeps is not saved "
+                        "again (restore a later step, or save under a new number)",
+                        transient=False,
+                    )
 
     def check_store_checksum(self, step: int, record: ShardRecord, expected: str) -> str | None:
         """The problem, or None, comparing without a download the store's checksum of ``record``'s

@@ -188,10 +188,12 @@ def test_the_generic_backend_still_refuses_a_second_commit_of_a_committed_step(m
     tier.commit(first, landed=landed)
     other = manifest_of(6, [b"other" * 100, b"bytes" * 100])
     datas = (b"other" * 100, b"bytes" * 100)
-    landed = [tier.land_shard(6, record, writing(data)) for record, data in zip(other.shards, datas, strict=True)]
     with pytest.raises(RemoteError, match="a different checkpoint of step 6 is already committed"):
-        tier.commit(other, landed=landed)
+        tier.land_shard(6, other.shards[0], writing(datas[0]))  # refused before its object is replaced
+    with pytest.raises(RemoteError, match="a different checkpoint of step 6 is already committed"):
+        tier.commit(other, landed=[])
     assert tier.manifest(6).shards == first.shards
+    assert all(tier.check_shard(6, record) is None for record in first.shards)
 
 
 def test_memory_forgets_the_directories_of_a_deleted_step(memory_url):

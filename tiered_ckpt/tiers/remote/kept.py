@@ -23,13 +23,18 @@ a pass during uploads leaves alone: only a start-up, with no upload running, col
 
 from __future__ import annotations
 
-from tiered_ckpt.errors import CheckpointError
+import logging
+
+from tiered_ckpt.errors import CheckpointError, ManifestError, RemoteError
 from tiered_ckpt.format.layout import KEPT_NAME, MANIFEST_NAME
-from tiered_ckpt.format.remote_manifest import RemoteManifest
+from tiered_ckpt.format.manifest import ShardRecord
+from tiered_ckpt.format.remote_manifest import RemoteManifest, StoredObject, referenced_key
 from tiered_ckpt.tiers.remote.compression import object_name
 from tiered_ckpt.tiers.remote.listing import BucketListing
 
 __all__ = ["KeptObjects"]
+
+logger = logging.getLogger("tiered_ckpt")
 
 _MARK = b"{}\n"
 
@@ -38,6 +43,8 @@ class KeptObjects(BucketListing):
     """Referenced objects under ``url`` (the tier's ``backend``, its objects under ``_root``,
     every request made through ``_requests``): the part of the remote tier that reads its
     listing (:meth:`survey`) and its remote manifests (:meth:`read_manifest`) to keep them."""
+
+    _referenced: dict[str, tuple[StoredObject, str]]  # the remote tier's: what manifests read here say
 
     def read_manifest(self, step: int) -> RemoteManifest:
         """The remote manifest of ``step``, validated (the remote tier's)."""
@@ -105,3 +112,43 @@ class KeptObjects(BucketListing):
         if referenced is None:
             return []
         return [step for step in candidates if self.keep_only(step, referenced.get(step, set()))]
+
+    def find_referencing(self, step: int, path: str) -> None:
+        """Read the remote manifests of the committed steps after ``step``, newest first, until one
+        references its file ``path`` (a file kept for later steps, read before any of them)."""
+        for later in reversed([each for each in self.steps() if each > step]):
+            try:
+                self.read_manifest(later)
+            except (ManifestError, RemoteError) as exc:  # an older step may say it: read on
+                if not isinstance(exc.__cause__, FileNotFoundError):
+                    logger.warning("%s: looking for where step %d's %s is kept: %s", self.url, step, path, exc)
+            if referenced_key(step, path) in self._referenced:
+                return
+
+    def refuse_replacing_kept(self, step: int, name: str, record: ShardRecord) -> None:
+        """Raise :class:`RemoteError`, not transient, if a committed step holds the object ``name`` of
+        ``step`` as another file than ``record``: ``step`` itself (committed as another checkpoint),
+        or a later step referencing it (the bucket keeps it for that step). Putting it would change
+        a committed step: a run that went back and saves that step number again."""
+        for committed in self.steps():
+            if committed < step:
+                continue
+            remote = self.read_manifest(committed)
+            if committed == step:
+                other = [each for each in remote.manifest.shards if each.path == record.path]
+                if other and other[0].sha256 != record.sha256:
+                    raise RemoteError(
+                        f"{self.location(step, name)}: a different checkpoint of step {step} is already committed",
+                        transient=False,
+                    )
+                continue
+            for ref in (ref for shard in remote.manifest.shards for ref in shard.references):
+                stored = remote.stored(ref.step, ref.file.path)
+                same_object = ref.step == step and object_name(stored.location, stored.compression) == name
+                if same_object and ref.file.sha256 != record.sha256:
+                    raise RemoteError(
+                        f"{self.location(step, name)}: kept for step {committed}, which references it as another "
+                        f"file than this step {step} has: a step number whose files the bucket keeps is not saved "
+                        "again (restore a later step, or save under a new number)",
+                        transient=False,
+                    )

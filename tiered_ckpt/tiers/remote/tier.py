@@ -213,21 +213,9 @@ class RemoteTier(KeptObjects, BucketUpkeep):
             except RemoteError as exc:
                 if not isinstance(exc.__cause__, FileNotFoundError):
                     raise
-                self._find_referencing(step, record.path)
+                self.find_referencing(step, record.path)
         known = self._known(step, record.path)
         return known.compression if known is not None else None
-
-    def _find_referencing(self, step: int, path: str) -> None:
-        """Read the remote manifests of the committed steps after ``step``, newest first, until one
-        references its file ``path`` (a file kept for later steps, read before any of them)."""
-        for later in reversed([each for each in self.steps() if each > step]):
-            try:
-                self.read_manifest(later)
-            except (ManifestError, RemoteError) as exc:  # an older step may say it: read on
-                if not isinstance(exc.__cause__, FileNotFoundError):
-                    logger.warning("%s: looking for where step %d's %s is kept: %s", self.url, step, path, exc)
-            if referenced_key(step, path) in self._referenced:
-                return
 
     # -- listing and reading ------------------------------------------------------------------
 
@@ -425,7 +413,7 @@ class RemoteTier(KeptObjects, BucketUpkeep):
             if found is None:
                 return landed(None, False)
             if found != "missing":
-                self._refuse_replacing_kept(step, object_name(name, stored), record)
+                self.refuse_replacing_kept(step, object_name(name, stored), record)
             self._timeout()
             sums = self.backend.put_shard(local_path, key, obj, deadline=self._requests.deadline).sums
             problem = self._mismatch(key, obj, lambda: sums)
@@ -434,34 +422,6 @@ class RemoteTier(KeptObjects, BucketUpkeep):
             return landed(sums.kept if sums is not None else None, True)
 
         return self._run(f"uploading {local_path} to {location}", put_and_confirm, deadline)
-
-    def _refuse_replacing_kept(self, step: int, name: str, record: ShardRecord) -> None:
-        """Raise :class:`RemoteError`, not transient, if a committed step holds the object ``name`` of
-        ``step`` as another file than ``record``: ``step`` itself (committed as another checkpoint),
-        or a later step referencing it (the bucket keeps it for that step). Putting it would change
-        a committed step: a run that went back and saves that step number again."""
-        for committed in self.steps():
-            if committed < step:
-                continue
-            remote = self.read_manifest(committed)
-            if committed == step:
-                other = [each for each in remote.manifest.shards if each.path == record.path]
-                if other and other[0].sha256 != record.sha256:
-                    raise RemoteError(
-                        f"{self.location(step, name)}: a different checkpoint of step {step} is already committed",
-                        transient=False,
-                    )
-                continue
-            for ref in (ref for shard in remote.manifest.shards for ref in shard.references):
-                stored = remote.stored(ref.step, ref.file.path)
-                same_object = ref.step == step and object_name(stored.location, stored.compression) == name
-                if same_object and ref.file.sha256 != record.sha256:
-                    raise RemoteError(
-                        f"{self.location(step, name)}: kept for step {committed}, which references it as another "
-                        f"file than this step {step} has: a step number whose files the bucket keeps is not saved "
-                        "again (restore a later step, or save under a new number)",
-                        transient=False,
-                    )
 
     def check_store_checksum(self, step: int, record: ShardRecord, expected: str) -> str | None:
         """The problem, or None, comparing without a download the store's checksum of ``record``'s

@@ -370,3 +370,27 @@ def test_a_two_rank_lora_job_resumes_from_the_bucket_after_its_disks_are_lost_bi
         assert restored["digests"] == rank_worker.digests(rank_worker.lora_state(3, 2, rank))
     for record in bucket.manifest(4).shards:  # compared with the restored step: only the adapter again
         assert {ref.step for ref in record.references} == {1}
+
+
+def test_a_damaged_kept_file_is_read_from_the_bucket_and_repaired_where_it_lies(tmp_path):
+    from support.states import flip_byte
+    from tiered_ckpt.tiers.local import LocalTier
+
+    saved = {step: lora_state(step) for step in (1, 2, 3)}
+    remote = RemoteOptions(f"file://{tmp_path / 'bucket'}")
+    options = LocalOptions(tmp_path / "local", keep_last=1)
+    with CheckpointManager(options, remote=remote, world_size=1) as manager:
+        for step, state in saved.items():
+            manager.save(step, state, blocking=True)
+            manager.wait(uploaded=True)
+        manager.save(4, lora_state(4), blocking=True)  # a pass after step 3's upload: step 1's file is kept
+        manager.wait(uploaded=True)
+    local = LocalTier(tmp_path / "local")
+    ref = local.manifest(4).shard(0).references[0]
+    kept = local.shard_path(ref.step, ref.file)
+    assert kept.parent.name.startswith("kept-")
+    flip_byte(kept, kept.stat().st_size - 100)  # in the last array
+    shutil.rmtree(tmp_path / "local" / step_dir_name(4))  # the step's own file lost: a whole refill
+    with CheckpointManager(options, remote=remote, world_size=1) as manager:
+        assert equal(manager.restore(step=4).states[0], lora_state(4))
+    assert local.check_shard(ref.step, ref.file) is None and local.shard_path(ref.step, ref.file) == kept

@@ -472,17 +472,19 @@ class LocalTier:
         """Land, as :meth:`land_shard` does, ``record``'s file of earlier ``step`` that a step being
         refilled references: in the step's directory if the step is committed here (a repair),
         else in its kept directory, where it stays while a committed step references it
-        (:meth:`collect_unreferenced` removes it otherwise, a refill cut short included)."""
-        self.check_locked()
+        (:meth:`collect_unreferenced` removes it otherwise, a refill cut short included); a
+        damaged copy is replaced where a reader finds it (:meth:`shard_path`)."""
         if self.is_committed(step):
             self.land_shard(step, record, source, cached=True, copy_of=copy_of)
             return
-        directory = self.kept_dir(step)
-        if not directory.is_dir():
-            directory.mkdir()
-            fsync_directory(self.root)
+        target = self.shard_path(step, record)
+        if not os.path.lexists(target):
+            target = self.kept_dir(step) / record.path
+            if not target.parent.is_dir():
+                target.parent.mkdir()
+                fsync_directory(self.root)
         check = partial(record.verify, what=f"rank {record.rank} shard {copy_of}")
-        self._write(directory / record.path, source, check, sync_directory=True, cached=True)
+        self._write(target, source, check, sync_directory=True, cached=True)
 
     def write_shard(self, step: int, name: str, source: ShardSource, *, sync_directory: bool = True) -> ShardDigest:
         """Write a shard written here first (the writer serializing a state) as the file ``name`` in

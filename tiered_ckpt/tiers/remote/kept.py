@@ -13,7 +13,9 @@ records where they are, and is never rewritten). So:
 - deleting a step removes its manifest, then each of its objects no committed step references,
   by its exact key (every object of it where a committed manifest cannot be read);
 - :meth:`KeptObjects.collect_unreferenced`, after each retention pass, removes the objects of
-  marked prefixes no committed step references any more, and the mark with the last one.
+  marked prefixes no committed step references any more, and the mark with the last one;
+- a landing never puts another file over an object a committed step holds or keeps
+  (:meth:`KeptObjects.refuse_replacing_kept`).
 
 A file landed for a step being uploaded is referenced by no committed step until its commit;
 it is under the prefix of a step newer than every committed one (an upload's references name

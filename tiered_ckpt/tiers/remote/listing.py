@@ -67,10 +67,10 @@ class BucketListing:
             path = self._path(step, name)
             return bool(self._requests.run(f"checking {self.location(step, name)}", lambda: self.backend.exists(path)))
 
-        committed = [step for step in steps if holds(step, MANIFEST_NAME)]
-        others = [step for step in steps if step not in set(committed)]
-        kept = [step for step in others if holds(step, KEPT_NAME)]
-        return committed, [step for step in others if step not in set(kept)], kept
+        committed = {step for step in steps if holds(step, MANIFEST_NAME)}
+        kept = {step for step in steps if step not in committed and holds(step, KEPT_NAME)}
+        uncommitted = [step for step in steps if step not in committed and step not in kept]
+        return sorted(committed), uncommitted, sorted(kept)
 
     def list_steps(self, *, once: bool = False) -> tuple[list[int], list[int]]:
         """(committed, uncommitted) of :meth:`survey`."""

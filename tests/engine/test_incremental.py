@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from support.processes import kill_when_told
-from support.states import incremental_state, referenced_files_exist
+from support.states import incremental_state, referenced_files_exist, same_state
 from tiered_ckpt import (
     CheckpointManager,
     ChecksumMismatchError,
@@ -37,14 +37,6 @@ def lora_state(step: int, base: dict | None = None) -> dict:
     }
     moments = {name: rng.random((64, 8)).astype(np.float32) for name in ("m", "v")}
     return {"model": {"base": dict(base or BASE), "adapter": adapter}, "optim": moments, "step": step}
-
-
-def equal(a, b) -> bool:
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
-    if isinstance(a, np.ndarray):
-        return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
-    return a == b
 
 
 def manifest_of(root, step: int) -> dict:
@@ -71,12 +63,12 @@ def test_only_the_arrays_that_changed_are_written_and_every_step_restores_bit_fo
     assert ref["bytes"] == base_bytes and manifest_of(tmp_path, 1)["schema_version"] == SCHEMA_VERSION
     with CheckpointManager(tmp_path, world_size=1) as manager:
         for step, state in saved.items():
-            assert equal(manager.restore(step=step).states[0], state)
+            assert same_state(manager.restore(step=step).states[0], state)
             part = manager.restore(step=step, paths=[("model", "base")]).states[0]
-            assert equal(part["model"]["base"], BASE)
+            assert same_state(part["model"]["base"], BASE)
             into = {key: value for key, value in lora_state(0, {k: np.zeros_like(v) for k, v in BASE.items()}).items()}
             result = manager.restore(step=step, into=into)
-            assert equal(into["model"], state["model"]) and equal(into["optim"], state["optim"])
+            assert same_state(into["model"], state["model"]) and same_state(into["optim"], state["optim"])
             assert result.bytes_read >= base_bytes  # the referenced bytes are read, and counted
 
 
@@ -90,7 +82,7 @@ def test_a_restarted_job_references_the_step_on_its_disk_and_never_a_chain(tmp_p
     refs = {ref["step"]: ref["names"] for ref in manifest_of(tmp_path, 3)["shards"][0]["references"]}
     assert refs == {1: [f"model/base/layer{i}" for i in range(1, 6)], 2: ["model/base/layer0"]}  # where the bytes are
     with CheckpointManager(tmp_path, world_size=1) as manager:
-        assert equal(manager.restore(step=3).states[0], lora_state(3, changed))
+        assert same_state(manager.restore(step=3).states[0], lora_state(3, changed))
 
 
 def test_retention_keeps_what_a_retained_step_references_and_removes_the_rest(tmp_path, caplog):
@@ -110,7 +102,7 @@ def test_retention_keeps_what_a_retained_step_references_and_removes_the_rest(tm
         manager.wait()
         assert manager.steps() == [6, 7] and not kept.exists()
         assert (tmp_path / f"kept-{step_dir_name(5)}" / KEPT_NAME).is_file()
-        assert equal(manager.restore(step=7).states[0], lora_state(7, changed))
+        assert same_state(manager.restore(step=7).states[0], lora_state(7, changed))
     assert any("no retained step references" in r.getMessage() for r in caplog.records)
 
 
@@ -126,7 +118,7 @@ def test_a_crash_leaves_the_kept_files_and_the_next_start_removes_only_what_noth
     with CheckpointManager(LocalOptions(tmp_path, keep_last=1), world_size=1) as manager:
         assert not stray.exists() and (kept / "rank-00000-of-00001.safetensors").is_file()
         assert not (tmp_path / step_dir_name(9)).exists()
-        assert equal(manager.restore().states[0], lora_state(2))
+        assert same_state(manager.restore().states[0], lora_state(2))
 
 
 def test_a_damaged_referenced_file_fails_the_restore_naming_it(tmp_path):
@@ -169,7 +161,7 @@ def test_a_bucket_gets_only_what_changed_and_restores_every_step_alone(tmp_path)
     shutil.rmtree(tmp_path / "local")
     with CheckpointManager(LocalOptions(tmp_path / "local"), remote=remote, world_size=1) as manager:
         for step, state in saved.items():
-            assert equal(manager.restore(step=step).states[0], state)
+            assert same_state(manager.restore(step=step).states[0], state)
     assert "references" in manifest_of(tmp_path / "local", 3)["shards"][0]  # refilled, as it was saved
     assert referenced_files_exist(tmp_path / "local") == []  # with the files it references
 
@@ -247,11 +239,11 @@ def test_a_sigkill_at_any_point_leaves_no_step_whose_references_dangle(tmp_path,
         steps = manager.steps()
         assert steps and _unreferenced_kept_files(tmp_path) == []  # the start removed what nothing references
         for step in steps:
-            assert equal(manager.restore(step=step).states[0], incremental_state(step))
+            assert same_state(manager.restore(step=step).states[0], incremental_state(step))
         following = steps[-1] + 1
         manager.save(following, incremental_state(following), blocking=True)
         manager.wait()
-        assert equal(manager.restore(step=following).states[0], incremental_state(following))
+        assert same_state(manager.restore(step=following).states[0], incremental_state(following))
     assert referenced_files_exist(tmp_path) == [] and _unreferenced_kept_files(tmp_path) == []
 
 
@@ -297,7 +289,7 @@ def test_load_sharded_of_a_referencing_step_says_to_restore_it_with_the_manager(
     with CheckpointManager(tmp_path, world_size=1) as manager:
         for step in (1, 2):
             manager.save(step, lora_state(step), blocking=True)
-    assert equal(load_sharded(tmp_path / step_dir_name(1), 1)[0], lora_state(1))
+    assert same_state(load_sharded(tmp_path / step_dir_name(1), 1)[0], lora_state(1))
     with pytest.raises(UsageError, match=r"step 2 references arrays .*\(restore\(step=2\)\)"):
         load_sharded(tmp_path / step_dir_name(2), 1)
 
@@ -339,7 +331,7 @@ def test_the_files_a_step_keeps_take_at_most_twice_its_state(tmp_path):
             manager.save(step, state(step), blocking=True)
             manager.wait()
         for step in manager.steps():
-            assert equal(manager.restore(step=step).states[0], state(step))
+            assert same_state(manager.restore(step=step).states[0], state(step))
     kept = sum(path.stat().st_size for path in tmp_path.glob("kept-step-*/rank-*"))
     assert kept <= 2 * 2 * size  # two retained steps, each keeping at most twice its state
 
@@ -392,5 +384,5 @@ def test_a_damaged_kept_file_is_read_from_the_bucket_and_repaired_where_it_lies(
     flip_byte(kept, kept.stat().st_size - 100)  # in the last array
     shutil.rmtree(tmp_path / "local" / step_dir_name(4))  # the step's own file lost: a whole refill
     with CheckpointManager(options, remote=remote, world_size=1) as manager:
-        assert equal(manager.restore(step=4).states[0], lora_state(4))
+        assert same_state(manager.restore(step=4).states[0], lora_state(4))
     assert local.check_shard(ref.step, ref.file) is None and local.shard_path(ref.step, ref.file) == kept

@@ -12,7 +12,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -26,7 +25,7 @@ from hypothesis.stateful import (
 )
 
 from support.processes import kill_when_told
-from support.states import INCREMENTAL_ARRAYS, incremental_state, referenced_files_exist
+from support.states import INCREMENTAL_ARRAYS, incremental_state, referenced_files_exist, same_state
 from tiered_ckpt import CheckpointManager, LocalOptions, RemoteOptions
 from tiered_ckpt.format.layout import KEPT_NAME
 from tiered_ckpt.tiers.remote.compression import object_name
@@ -36,14 +35,6 @@ CHILD = Path(__file__).resolve().parent.parent / "support" / "incremental_child.
 POINTS = ("before-commit", "kept-marked", "removing", "removing-dir")
 REMOTE_POINTS = (*POINTS, "remote-commit", "remote-kept", "remote-removing")
 SAVES = [0]  # every save the machine made, over every example
-
-
-def _equal(a, b) -> bool:
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, np.ndarray):
-        return a.dtype == b.dtype and np.array_equal(a, b)
-    return a == b
 
 
 class IncrementalSaves(RuleBasedStateMachine):
@@ -129,7 +120,7 @@ class IncrementalSaves(RuleBasedStateMachine):
         if steps:
             step = steps[pick % len(steps)]
             state = self.manager.restore(step=step).states[0]
-            assert _equal(state, incremental_state(step, dict(enumerate(self.saved[step]))))
+            assert same_state(state, incremental_state(step, dict(enumerate(self.saved[step]))))
 
     @invariant()
     def every_retained_step_restores_and_its_references_resolve(self):
@@ -141,7 +132,7 @@ class IncrementalSaves(RuleBasedStateMachine):
         assert set(steps) <= set(self.saved)
         if steps:  # the newest, every time (each restore rule draws another)
             state = self.manager.restore(step=steps[-1]).states[0]
-            assert _equal(state, incremental_state(steps[-1], dict(enumerate(self.saved[steps[-1]]))))
+            assert same_state(state, incremental_state(steps[-1], dict(enumerate(self.saved[steps[-1]]))))
 
     def _no_file_unreferenced(self) -> None:
         referenced = {
@@ -194,7 +185,7 @@ class IncrementalSavesWithABucket(IncrementalSaves):
         steps = RemoteTier(self.url).steps()
         if steps:
             state = self.manager.restore(step=steps[-1]).states[0]
-            assert _equal(state, incremental_state(steps[-1], dict(enumerate(self.saved[steps[-1]]))))
+            assert same_state(state, incremental_state(steps[-1], dict(enumerate(self.saved[steps[-1]]))))
 
     @invariant()
     def the_bucket_holds_what_its_steps_reference(self):
@@ -227,36 +218,30 @@ class IncrementalSavesWithABucket(IncrementalSaves):
         shutil.rmtree(getattr(self, "bucket", "/nonexistent"), ignore_errors=True)
 
 
-@pytest.mark.slow
-def test_every_retained_step_restores_under_random_saves_retention_and_kills():
+def _long_run(machine: type[IncrementalSaves], steps: int, saves: int) -> None:
+    """Run ``machine`` over 35 derandomized examples of ``steps`` rules; at least ``saves`` saves."""
     SAVES[0] = 0
     run_state_machine_as_test(
-        IncrementalSaves,
+        machine,
         settings=settings(
             max_examples=35,
-            stateful_step_count=80,
+            stateful_step_count=steps,
             deadline=None,
             derandomize=True,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
         ),
     )
-    assert SAVES[0] >= 1000, f"only {SAVES[0]} saves were made"
+    assert SAVES[0] >= saves, f"only {SAVES[0]} saves were made"
+
+
+@pytest.mark.slow
+def test_every_retained_step_restores_under_random_saves_retention_and_kills():
+    _long_run(IncrementalSaves, steps=80, saves=1000)
 
 
 @pytest.mark.slow
 def test_every_retained_step_restores_from_the_disk_or_the_bucket_under_random_saves_and_kills():
-    SAVES[0] = 0
-    run_state_machine_as_test(
-        IncrementalSavesWithABucket,
-        settings=settings(
-            max_examples=35,
-            stateful_step_count=60,
-            deadline=None,
-            derandomize=True,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-        ),
-    )
-    assert SAVES[0] >= 400, f"only {SAVES[0]} saves were made"
+    _long_run(IncrementalSavesWithABucket, steps=60, saves=400)
 
 
 def test_a_short_run_of_the_machine():

@@ -126,3 +126,13 @@ def referenced_files_exist(root: Path) -> list[str]:
                 if not path.is_file() or path.stat().st_size != ref["file"]["size_bytes"]:
                     missing.append(f"{manifest.parent.name} -> {path}")
     return missing
+
+
+def same_state(a, b) -> bool:
+    """Whether two nested states are equal bit for bit: the same keys, and arrays of the same
+    dtype and bytes (a restore of a checkpoint against what was saved)."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    return a == b

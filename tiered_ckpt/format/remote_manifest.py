@@ -13,14 +13,14 @@ them) reads as objects stored under their own names, uncompressed.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from tiered_ckpt.errors import ManifestError
 from tiered_ckpt.format.compressed import CompressedObject
 from tiered_ckpt.format.layout import parse_step_dir_name, step_dir_name
-from tiered_ckpt.format.manifest import MAX_MANIFEST_BYTES, ShardManifest
+from tiered_ckpt.format.manifest import MAX_MANIFEST_BYTES, Reference, ShardManifest
 from tiered_ckpt.format.strict_json import Fields, dump_object, load_object
 from tiered_ckpt.io.hashing import STORE_CHECKSUM
 
@@ -107,6 +107,12 @@ class RemoteManifest:
                 problem = kept.compression.problem(files[key]) if kept.compression is not None else None
             if problem is not None:
                 raise ManifestError(f"remote manifest: field 'referenced': {key!r:.80}: {problem}")
+
+    def referenced_files(self) -> Iterator[tuple[Reference, StoredObject]]:
+        """Each reference of the step's shards, with where the file it names is stored."""
+        for record in self.manifest.shards:
+            for ref in record.references:
+                yield ref, self.stored(ref.step, ref.file.path)
 
     def stored(self, step: int, path: str) -> StoredObject:
         """Where the earlier ``step``'s shard file ``path``, which this step references, is stored."""

@@ -8,6 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
+from support.states import same_state
 from support.stores import REMOTES, with_slow
 from tiered_ckpt import CheckpointManager, LocalOptions, RemoteOptions
 from tiered_ckpt.format.layout import KEPT_NAME, MANIFEST_NAME
@@ -22,14 +23,6 @@ def lora(step: int, base: dict | None = None) -> dict:
     """A frozen base and an adapter that changes every step."""
     adapter = np.random.default_rng(step).standard_normal((64, 8)).astype(np.float32)
     return {"base": dict(base or BASE), "adapter": adapter, "step": step}
-
-
-def same(a, b) -> bool:
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, np.ndarray):
-        return a.dtype == b.dtype and np.array_equal(a, b)
-    return a == b
 
 
 def manager(tmp_path, url, options, **remote) -> CheckpointManager:
@@ -55,7 +48,7 @@ def test_a_deleted_step_keeps_what_a_retained_one_references_and_goes_with_the_l
     assert tier.kept_steps() == [1] and tier.uncommitted_steps() == []
     shutil.rmtree(tmp_path / "local")
     with manager(tmp_path, url, options) as m:  # the bucket alone, step 1's manifest long gone
-        assert same(m.restore(step=3).states[0], states[3])
+        assert same_state(m.restore(step=3).states[0], states[3])
     new_base = {name: value + 1 for name, value in BASE.items()}
     save(tmp_path, url, options, {4: lora(4, new_base), 5: lora(5, new_base)})
     assert tier.survey() == ([5], [], [4])  # step 1's objects went with step 3, the last referencing them
@@ -129,7 +122,7 @@ def test_a_referenced_object_gone_or_damaged_in_the_bucket_is_put_again_by_the_n
     assert hashlib.sha256(tier.backend.read(tier._path(1, record.path))).hexdigest() == record.sha256
     shutil.rmtree(tmp_path / "local")
     with manager(tmp_path, url, options) as m:
-        assert same(m.restore(step=2).states[0], states[2])
+        assert same_state(m.restore(step=2).states[0], states[2])
 
 
 def test_an_object_of_the_same_size_is_never_taken_for_the_referenced_file(tmp_path, memory_url):
@@ -146,7 +139,7 @@ def test_an_object_of_the_same_size_is_never_taken_for_the_referenced_file(tmp_p
     assert hashlib.sha256(tier.backend.read(key)).hexdigest() == record.sha256
     shutil.rmtree(tmp_path / "local")
     with manager(tmp_path, url, options) as m:
-        assert same(m.restore(step=3).states[0], states[3])
+        assert same_state(m.restore(step=3).states[0], states[3])
 
 
 def test_another_file_of_a_step_is_never_put_over_the_object_a_committed_step_keeps(tmp_path, memory_url):
@@ -166,7 +159,7 @@ def test_another_file_of_a_step_is_never_put_over_the_object_a_committed_step_ke
     assert not caught.value.transient
     assert {name: tier.backend.read(name) for name in tier.backend.find(tier._path(1))} == held
     with manager(tmp_path / "c", url, options) as m:
-        assert same(m.restore(step=2).states[0], first[2])
+        assert same_state(m.restore(step=2).states[0], first[2])
 
 
 def test_a_damaged_newer_manifest_does_not_stop_an_upload_finding_a_kept_compressed_file(tmp_path, memory_url):
@@ -188,4 +181,4 @@ def test_a_damaged_newer_manifest_does_not_stop_an_upload_finding_a_kept_compres
     assert 4 in tier.steps() and {ref.step for ref in tier.manifest(4).shards[0].references} == {1}
     shutil.rmtree(tmp_path / "local")
     with manager(tmp_path, url, options, compression="zstd") as m:
-        assert same(m.restore(step=4).states[0], states[4])
+        assert same_state(m.restore(step=4).states[0], states[4])

@@ -72,10 +72,8 @@ class KeptObjects(BucketListing):
                 if isinstance(exc.__cause__, FileNotFoundError):
                     continue  # deleted since the listing: it references nothing any more
                 return None
-            for record in remote.manifest.shards:
-                for ref in record.references:
-                    stored = remote.stored(ref.step, ref.file.path)
-                    referenced.setdefault(ref.step, set()).add(object_name(stored.location, stored.compression))
+            for ref, stored in remote.referenced_files():
+                referenced.setdefault(ref.step, set()).add(object_name(stored.location, stored.compression))
         return referenced
 
     def keep_only(self, step: int, kept: set[str]) -> bool:
@@ -144,8 +142,7 @@ class KeptObjects(BucketListing):
                         transient=False,
                     )
                 continue
-            for ref in (ref for shard in remote.manifest.shards for ref in shard.references):
-                stored = remote.stored(ref.step, ref.file.path)
+            for ref, stored in remote.referenced_files():
                 same_object = ref.step == step and object_name(stored.location, stored.compression) == name
                 if same_object and ref.file.sha256 != record.sha256:
                     raise RemoteError(

@@ -178,10 +178,8 @@ class RemoteTier(KeptObjects, BucketUpkeep):
         """Keep how a committed step's objects and the earlier files it references are stored."""
         sha256 = {record.path: record.sha256 for record in remote.manifest.shards}
         self._placements[remote.manifest.step] = _Placement(remote.locations, remote.compression, sha256)
-        for record in remote.manifest.shards:
-            for ref in record.references:
-                stored = remote.stored(ref.step, ref.file.path)
-                self._referenced[referenced_key(ref.step, ref.file.path)] = stored, ref.file.sha256
+        for ref, stored in remote.referenced_files():
+            self._referenced[referenced_key(ref.step, ref.file.path)] = stored, ref.file.sha256
 
     def object_name(self, step: int, path: str) -> str:
         """Where the shard file ``path`` of ``step`` is under the step's prefix: as a remote

@@ -268,7 +268,7 @@ def test_a_referencing_step_is_never_sent_to_a_tier_that_keeps_no_referenced_fil
     with CheckpointManager(LocalOptions(tmp_path / "local"), world_size=1) as manager:
         for step in (1, 2):
             manager.save(step, lora_state(step), blocking=True)
-    peer = MemoryTier("peer")  # a partner's memory keeps no referenced files
+    peer = MemoryTier("peer")  # a later tier that keeps no referenced files
     store = TieredStore([LocalTier(tmp_path / "local"), peer])
     assert not store.keeps_references and not store.sendable(2, peer) and store.sendable(1, peer)
     with store.local.lock():

@@ -27,7 +27,9 @@ they added to the process's peak resident memory (``VmHWM``, reset before throug
 state (given, written before), then the refill of this rank's disk, recording in "measured" what
 they added to the peak resident memory, the sources, the refill's error and the digests.
 {"do": "no_room_on_disk", "rank": R}: rank R's disk has no room for the copies a restore fetches.
-``config["piece_bytes"]`` sets the pieces a copy travels in.
+{"do": "peer_held"} records the steps this rank's memory holds committed, those it keeps slots
+of for them, and its bytes. ``config["piece_bytes"]`` sets the pieces a copy travels in;
+``config["state"]`` = "lora" saves :func:`rank_worker.lora_state` (see :func:`rank_worker.state_of`).
 """
 
 import errno
@@ -40,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from rank_worker import digests, rank_state, serve
+from rank_worker import digests, serve, state_of
 
 from tiered_ckpt import (
     CheckpointError,
@@ -57,11 +59,13 @@ from tiered_ckpt.tiers.peer import memory as peer_memory
 from tiered_ckpt.tiers.peer import tier as peer
 
 _ENTER = peer._mapped.__enter__
+CONFIG: dict = {}  # the job's config, for the states its actions save
 _READ = peer._mapped._read
 
 
 def run(config: dict, coordinator: TorchDistributedCoordinator, result: dict) -> None:
     rank, world_size = coordinator.rank, coordinator.world_size
+    CONFIG.update(config)
     url = config.get("url")
     nodes = config["nodes"]
     options = PeerOptions(
@@ -154,7 +158,7 @@ def act(action: dict, rank: int, world_size: int, checkpoints: CheckpointManager
     elif action["do"] == "measured_restore":
         result["measured"] = measured_restore(checkpoints, action["step"], action["bytes"])
     elif action["do"] == "save":
-        handle = checkpoints.save(action["step"], rank_state(action["step"], world_size, rank), blocking=True)
+        handle = checkpoints.save(action["step"], state_of(CONFIG, action["step"], world_size, rank), blocking=True)
         result.setdefault("committed", []).append(handle.committed.result() is not None)
         checkpoints._parts.peer.wait()
         result.setdefault("peer_errors", []).append(checkpoints._parts.peer.last_error)
@@ -163,10 +167,14 @@ def act(action: dict, rank: int, world_size: int, checkpoints: CheckpointManager
         result["refill_error"] = checkpoints.lag().refill_error
     elif action["do"] == "train":
         for step in range(1, action["steps"] + 1):
-            saved = checkpoints.save(step, rank_state(step, world_size, rank), blocking=True)
+            saved = checkpoints.save(step, state_of(CONFIG, step, world_size, rank), blocking=True)
             result.setdefault("saved", []).append(step) if saved.committed.result() is not None else None
             checkpoints._parts.peer.wait()
         result["local_steps"] = checkpoints.steps()
+    elif action["do"] == "peer_held":
+        memory = checkpoints._parts.peer.target.memory
+        with memory.lock:
+            result["peer_held"] = {"steps": memory.steps(), "kept": memory.kept_steps(), "bytes": memory.bytes_held()}
     elif action["do"] == "report":
         result["peer_on"] = checkpoints._parts.peer is not None
         if result["peer_on"]:
@@ -174,7 +182,7 @@ def act(action: dict, rank: int, world_size: int, checkpoints: CheckpointManager
             result["verify"] = [[c.step, c.tier, c.rank, c.status] for c in checkpoints.verify().checks]
     elif action["do"] == "saves":
         for step in range(1, action["count"] + 1):
-            checkpoints.save(step, rank_state(step, world_size, rank), blocking=True)
+            checkpoints.save(step, state_of(CONFIG, step, world_size, rank), blocking=True)
             checkpoints._parts.peer.wait()
             result.setdefault("held", []).append(held_bytes(checkpoints))
         result["peer_error"] = checkpoints._parts.peer.last_error

@@ -5,7 +5,9 @@ own channel):
 
 1. each process lands its ranks' shards in the target, ``concurrency`` at a time, each
    confirmed (a shard already there intact is not sent again), and the earlier steps' files
-   they reference (an incremental save's) under those steps' places, from the first tier;
+   they reference (an incremental save's) under those steps' places, from the first tier
+   (by landings of their own, or with the shards, in a target whose landings pair the
+   processes up: a partner's memory);
    each landing returns what landed (:class:`~tiered_ckpt.tiers.base.Landed`), which the tier
    does not keep;
 2. ``put``: every process has landed its shards, and what landed reaches every process
@@ -124,6 +126,8 @@ class Sender:
             if self._coordinator.is_leader and self._lease is not None and not self._lease.held:  # push() alone
                 self._lease.hold()
             own = run_parallel(put, ranks, self._concurrency)
+            if target.capabilities.references_with_shards:  # landed with the shards that reference them
+                return _Landings.of(own)
             refs = {(ref.step, ref.file.path): ref for rank in ranks for ref in manifest.shard(rank).references}
             return _Landings.of([*own, *run_parallel(put_referenced, list(refs.values()), self._concurrency)])
 

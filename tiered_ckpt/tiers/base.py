@@ -96,6 +96,13 @@ class Capabilities:
     prepared_reads: bool = False
     references: bool = False
 
+    @property
+    def references_with_shards(self) -> bool:
+        """Whether the tier lands the earlier files a shard references with the shard
+        (:attr:`ShardSource.referenced`): it keeps them, and each of its processes holds a part
+        (its landings pair the processes up, so a file cannot be a landing of its own)."""
+        return self.references and not self.shared
+
 
 @dataclass(frozen=True)
 class Landed:
@@ -142,11 +149,17 @@ class ShardSource:
     refilled). ``data``: the bytes themselves, in memory (a step kept in no file); ``write``
     is then made from them, so a tier that streams needs nothing else. At least one is given;
     given more, they hold the same bytes.
+
+    ``referenced``: for a tier whose processes each hold a part (not ``shared``) and that keeps
+    referenced files (``references``), whose landings pair its processes up, the earlier files
+    the shard references, each as its step, record and source: it lands them with the shard,
+    under their own steps (a shared tier is handed them by landings of their own).
     """
 
     path: Path | None = None
     write: Callable[[BinaryIO], ShardDigest] | None = None
     data: bytes | bytearray | memoryview | None = None
+    referenced: tuple[tuple[int, ShardRecord, ShardSource], ...] = ()
 
     def __post_init__(self) -> None:
         if self.data is not None and self.write is None:

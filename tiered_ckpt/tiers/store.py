@@ -233,8 +233,17 @@ class TieredStore:
         """Land the first tier's copy of ``record``'s shard in ``tier`` (a replicator's put), or
         ``data``, the shard's bytes, for a step the first tier does not hold (one kept in memory
         only): the copy appears there only once it matches the record; what landed, for the
-        tier's commit (see :meth:`Tier.land_shard`)."""
-        source = ShardSource(data=data) if data is not None else ShardSource(path=self.local.shard_path(step, record))
+        tier's commit (see :meth:`Tier.land_shard`). A tier landing referenced files with the
+        shard (:attr:`~tiered_ckpt.tiers.base.Capabilities.references_with_shards`) is handed
+        the first tier's copies of those the shard references."""
+        referenced: tuple[tuple[int, ShardRecord, ShardSource], ...] = ()
+        if tier.capabilities.references_with_shards:
+            referenced = tuple(
+                (ref.step, ref.file, ShardSource(path=self.local.shard_path(ref.step, ref.file)))
+                for ref in record.references
+            )
+        path = self.local.shard_path(step, record) if data is None else None
+        source = ShardSource(path=path, data=data, referenced=referenced)
         return tier.land_shard(step, record, source, deadline=deadline)
 
     def send_referenced(self, ref: Reference, tier: Tier, *, deadline: float | None = None) -> Landed:

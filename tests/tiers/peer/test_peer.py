@@ -459,3 +459,49 @@ def test_a_fetched_copy_a_full_disk_has_no_room_for_is_received_into_memory_and_
     assert result["restored"]["digests"] == expected_digests(1, 2, 0)
     warned = [message for level, message in result["logs"] if level == "WARNING"]
     assert any("received into memory, past runtime.host_memory_bytes: no room for it" in m for m in warned), warned
+
+
+def lora_digests(step: int, rank: int) -> dict:
+    from support import rank_worker
+
+    return rank_worker.digests(rank_worker.lora_state(step, 4, rank))
+
+
+def own_and_referenced(disk: LocalTier, step: int, rank: int) -> tuple[int, dict[int, int]]:
+    """The bytes of ``rank``'s own file of ``step`` on ``disk``, and those of each file it references, by step."""
+    record = disk.manifest(step).shard(rank)
+    return record.size_bytes, {ref.step: ref.file.size_bytes for ref in record.references}
+
+
+@pytest.mark.slow
+def test_an_incremental_job_copies_only_what_changed_and_a_lost_node_restores_it_from_its_partners(tmp_path):
+    lora = {"state": "lora", "keep_last": 1}
+    saved = run_job(tmp_path, [{"do": "train", "steps": 4}, {"do": "peer_held"}], **lora)
+    for rank, result in saved.items():
+        assert "error" not in result, result
+        assert result["saved"] == [1, 2, 3, 4]
+        disk = LocalTier(tmp_path / "nodes" / f"rank-{rank}")
+        assert disk.steps() == [4]  # keep_last=1: step 1 is deleted, its file kept for the steps referencing it
+        own, referenced = own_and_referenced(disk, 4, rank)
+        assert list(referenced) == [1] and own < referenced[1] / 2  # the frozen base stays in step 1's file
+        # the partner holds step 4 and step 1's file it references, no more: the base once
+        held = result["peer_held"]
+        assert held["steps"] == [4] and held["kept"] == [1], held
+    lose_node(tmp_path, "a")  # ranks 0 and 1: their disks and node a's memory (ranks 2 and 3's copies)
+    restored = run_job(tmp_path, [{"do": "restore"}, {"do": "wait"}, {"do": "save", "step": 5}], **lora)
+    for rank, result in restored.items():
+        assert "error" not in result, result
+        assert result["restored"]["step"] == 4
+        assert result["restored"]["sources"] == {str(rank): "peer" if NODES[rank] == "a" else "local"}
+        assert result["restored"]["digests"] == lora_digests(4, rank)
+        assert result["refill_error"] is None and result["peer_errors"] == [None]
+        # the refilled disk holds step 1's file again: the next save references it, writing the adapter only
+        own, referenced = own_and_referenced(LocalTier(tmp_path / "nodes" / f"rank-{rank}"), 5, rank)
+        assert list(referenced) == [1] and own < referenced[1] / 2
+    lose_node(tmp_path, "b")  # now node b: step 5's and step 1's copies come from node a's new memory
+    again = run_job(tmp_path, [{"do": "restore"}], **lora)
+    for rank, result in again.items():
+        assert "error" not in result, result
+        assert result["restored"]["step"] == 5
+        assert result["restored"]["sources"] == {str(rank): "peer" if NODES[rank] == "b" else "local"}
+        assert result["restored"]["digests"] == lora_digests(5, rank)

@@ -10,14 +10,25 @@ from tiered_ckpt import MemoryBudgetError, UsageError
 from tiered_ckpt.tiers.peer.memory import PeerMemory, Slot
 
 
-def take(memory: PeerMemory, step: int, rank: int, size: int, *, commit: bool = True, on_disk: bool = False) -> bytes:
-    """Receive a shard of ``size`` bytes of ``step`` from ``rank`` as the peer tier does; return its bytes."""
+def take(
+    memory: PeerMemory,
+    step: int,
+    rank: int,
+    size: int,
+    *,
+    commit: bool = True,
+    on_disk: bool = False,
+    referenced: tuple[int, ...] = (),
+) -> bytes:
+    """Receive a shard of ``size`` bytes of ``step`` from ``rank`` as the peer tier does, referencing
+    ``rank``'s files of the ``referenced`` steps (held already: pinned as a copy pins them); return its bytes."""
     data = np.random.default_rng(step * 31 + rank).integers(0, 256, size, dtype=np.uint8).tobytes()
+    memory.pin(step, [(each, rank) for each in referenced])
     number, buffer = memory.buffer_for(step, rank, size)
     buffer[:] = np.frombuffer(data, np.uint8)
     memory.accept(number, Slot(step, rank, size, hashlib.sha256(data).hexdigest()))
     if commit:
-        memory.commit(step, '{"a": "manifest"}', on_disk=on_disk)
+        memory.commit(step, '{"a": "manifest"}', on_disk=on_disk, referenced=[(each, rank) for each in referenced])
     return data
 
 
@@ -117,3 +128,62 @@ def test_by_default_the_newest_step_on_disk_stays_while_steps_kept_in_memory_onl
     assert memory.steps() == [2, 5] and bytes(memory.view(2, 0)) == on_disk
     take(memory, 6, 0, 1000, on_disk=True)  # a newer step on disk: step 2's copy is needed no more
     assert memory.steps() == [6]
+
+
+def test_by_default_a_slot_a_kept_step_references_stays_until_no_step_references_it(tmp_path):
+    memory = PeerMemory(tmp_path)
+    base = take(memory, 1, 0, 4000)  # a full step: the frozen base
+    for step in range(2, 6):  # each writes its adapter only and references step 1's file
+        take(memory, step, 0, 100, referenced=(1,))
+        assert memory.steps() == [step] and memory.kept_steps() == [1]
+        assert bytes(memory.view(1, 0)) == base
+    # step 1's slot once, step 5's, and room for the next adapter: no second copy of the base
+    assert memory.bytes_held() == 4000 + 2 * 100
+    take(memory, 6, 0, 4000)  # a full step again: nothing references step 1 any more
+    assert memory.steps() == [6] and memory.kept_steps() == [] and memory.held(1) == {}
+
+
+def test_a_copy_in_flight_keeps_the_slots_it_found_held_whatever_makes_room_for_it(tmp_path):
+    memory = PeerMemory(tmp_path, max_bytes=2500)
+    base = take(memory, 1, 0, 1000)
+    take(memory, 2, 0, 1000)
+    # step 3's copy found step 1's file held: making its room deletes step 1 (the oldest) but
+    # keeps its slot, and frees step 2's
+    take(memory, 3, 0, 1000, referenced=(1,))
+    assert memory.steps() == [3] and memory.kept_steps() == [1] and bytes(memory.view(1, 0)) == base
+
+
+def test_within_a_budget_referencing_steps_go_oldest_first_and_their_kept_slots_with_the_last(tmp_path):
+    memory = PeerMemory(tmp_path, max_bytes=3000)
+    take(memory, 1, 0, 1000)
+    take(memory, 2, 0, 1000, referenced=(1,))
+    take(memory, 3, 0, 500, referenced=(1,))
+    # room for step 4: deleting step 1 frees nothing (2, 3 and 4 reference its slot), step 2 does
+    take(memory, 4, 0, 1000, referenced=(1,))
+    assert memory.steps() == [3, 4] and memory.kept_steps() == [1] and memory.bytes_held() <= 3000
+    take(memory, 5, 0, 1000)  # a full step: room from step 3; step 4 still references step 1
+    assert memory.steps() == [4, 5] and memory.kept_steps() == [1]
+    take(memory, 6, 0, 1000)  # room from step 4, the last step referencing step 1's slot
+    assert memory.steps() == [5, 6] and memory.kept_steps() == [] and memory.bytes_held() <= 3000
+
+
+def test_a_restarted_process_keeps_what_its_committed_steps_reference(tmp_path):
+    memory = PeerMemory(tmp_path)
+    base = take(memory, 1, 0, 4000)
+    take(memory, 2, 0, 100, referenced=(1,))
+    again = PeerMemory(tmp_path)
+    assert again.steps() == [2] and again.kept_steps() == [1] and again.uncommitted_steps() == []
+    assert bytes(again.view(1, 0)) == base
+    again.delete_step(2)  # the last step referencing it: step 1's slot goes too
+    assert again.steps() == [] and again.held(1) == {}
+
+
+@pytest.mark.parametrize("refs", ["not json", '{"steps": [1], "ranks": []}', '{"steps": [true], "ranks": [0]}'])
+def test_a_record_of_references_that_does_not_parse_uncommits_its_step(tmp_path, refs, caplog):
+    memory = PeerMemory(tmp_path)
+    take(memory, 1, 0, 4000)
+    take(memory, 2, 0, 100, referenced=(1,))
+    (tmp_path / "step-000000000002.refs").write_text(refs)
+    again = PeerMemory(tmp_path)
+    assert again.steps() == [] and "step 2 is no longer held" in caplog.text
+    assert sorted(again.uncommitted_steps()) == [1, 2]  # left for the start-up's removal

@@ -4,17 +4,22 @@
 four rounds, each rank playing both parts (sender to its partner, holder of its wards):
 
 1. *offer*: the step, the shard's size and its sha256 go to the partner (size -1: this rank
-   could not read its own shard, and sends nothing);
-2. *answer*: the partner says whether its memory takes the shard (its budget);
-3. *bytes*: the shard goes straight from the sender's buffer into the partner's slot, in
+   could not read its own shard, and sends nothing), with the step, size and sha256 of each
+   earlier file the shard references (an incremental save's, at most
+   :data:`~tiered_ckpt.format.manifest.MAX_REFERENCED_FILES`: the offer has a fixed size);
+2. *answer*: the partner says, for each file, whether its memory takes it (its budget) or
+   holds it already (a slot of that step and rank with that sha256, which it then keeps for
+   the step: :meth:`~tiered_ckpt.tiers.peer.memory.PeerMemory.pin`); it takes all the files
+   it lacks or none;
+3. *bytes*: each file taken goes straight from the sender's buffer into the partner's slot, in
    pieces of at most :data:`PIECE_BYTES`, one exchange per piece (both sides know each
    copy's size from its offer, so their exchanges pair up); the partner hashes each piece
    as it lands, and each side lets a piece's pages go once it is through
    (:func:`~tiered_ckpt.io.pages.let_go`, for a shard sent from a map of its file and for
    the slot's map): neither process holds more than a piece of each copy in its resident
    memory, whatever the shard's size;
-4. *check*: the partner compares the hash of what it received with the offer and answers
-   whether it matches; only a copy that matches is kept.
+4. *check*: the partner compares the hash of each file it received with the offer and
+   answers whether it matches; only a copy that matches is kept.
 
 Whatever fails on one rank (its own shard unreadable, its memory full, bytes that do not
 match) becomes an answer of the protocol, so every rank still runs every round and no
@@ -23,12 +28,12 @@ that died or hangs) cuts the rounds short. A slot handed out for a copy that is 
 is freed.
 
 :func:`fetch`, a restore's copies: the holders send each needed shard with the step's
-manifest, in rounds (sizes, manifests, then the bytes in pieces as a save's copy sends
-them, each piece's pages let go once sent); what does not arrive is logged and left to the
-next tier. The needer receives each shard into a file with no name on its own disk
-(:func:`~tiered_ckpt.io.scratch.unnamed_map`: the disk the restore refills), through a map
-whose pages it lets go once each piece is written: it holds a piece of the shard, whatever
-its size, and nothing is left behind if it dies.
+manifest and the earlier files it references that they hold, in rounds (sizes, manifests,
+then the bytes in pieces as a save's copy sends them, each piece's pages let go once sent);
+what does not arrive is logged and left to the next tier. The needer receives each file into
+a file with no name on its own disk (:func:`~tiered_ckpt.io.scratch.unnamed_map`: the disk
+the restore refills), through a map whose pages it lets go once each piece is written: it
+holds a piece of each file, whatever its size, and nothing is left behind if it dies.
 """
 
 from __future__ import annotations
@@ -38,27 +43,33 @@ import logging
 import mmap
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tiered_ckpt.errors import MemoryBudgetError, PeerError
-from tiered_ckpt.format.manifest import ShardRecord
+from tiered_ckpt.errors import MemoryBudgetError, PeerError, UsageError
+from tiered_ckpt.format.manifest import MAX_REFERENCED_FILES, ShardRecord
 from tiered_ckpt.io.fresh_memory import new_array
 from tiered_ckpt.io.pages import let_go
 from tiered_ckpt.io.scratch import unnamed_map
 from tiered_ckpt.tiers.peer.link import SLOWEST_BYTES_PER_SECOND, PeerLink
 from tiered_ckpt.tiers.peer.memory import PeerMemory, Slot, file_map
 
-__all__ = ["PIECE_BYTES", "Transfer", "copy_step", "fetch"]
+__all__ = ["PIECE_BYTES", "Fetched", "Outgoing", "Transfer", "copy_step", "fetch"]
 
 logger = logging.getLogger("tiered_ckpt")
 
-_OFFER = struct.Struct("<qq32s")  # step, size (-1: nothing to send), sha256
-_SIZES = struct.Struct("<qq")  # manifest bytes, shard bytes (-1: not held after all)
+_OFFER = struct.Struct("<qq32sq")  # step, size (-1: nothing to send), sha256, the earlier files offered
+_EARLIER = struct.Struct("<qq32s")  # an earlier file of the offer: its step, size (-1: unreadable), sha256
+_OFFER_BYTES = _OFFER.size + MAX_REFERENCED_FILES * _EARLIER.size
+_FILES = 1 + MAX_REFERENCED_FILES  # the answers and checks of a copy: one per file, the shard's first
+_NO, _SEND, _HELD = 0, 1, 2
+_SIZES = struct.Struct("<qqq")  # manifest bytes, shard bytes (-1: not held after all), earlier files sent
+_HELD_FILE = struct.Struct("<qq")  # an earlier file a restore's copy sends: its step and size
+_SIZES_BYTES = _SIZES.size + MAX_REFERENCED_FILES * _HELD_FILE.size
 _MAX_MANIFEST = 64 << 20
 PIECE_BYTES = 8 << 20
 """The most bytes of a shard one message of a copy carries. A process sends a piece to its
@@ -75,52 +86,81 @@ def _bytes(data: bytes) -> np.ndarray:
     return np.frombuffer(bytearray(data), np.uint8)
 
 
+@dataclass(frozen=True)
+class Outgoing:
+    """One file a save's copy sends: ``record``'s shard of ``step`` (this rank's own, or an earlier
+    file it references), its bytes or why they could not be read, and the map of a file the
+    bytes are, from its first byte, whose pages are let go as they are sent (None: memory)."""
+
+    step: int
+    record: ShardRecord
+    data: np.ndarray | BaseException
+    mapped: mmap.mmap | None = None
+
+
 def copy_step(
     link: PeerLink,
     memory: PeerMemory,
-    step: int,
-    record: ShardRecord,
-    data: np.ndarray | BaseException,
+    own: Outgoing,
     partner: int,
     wards: Sequence[int],
-    *,
-    mapped: mmap.mmap | None = None,
+    referenced: Sequence[Outgoing] = (),
 ) -> None:
-    """Copy ``data`` (this rank's shard ``record`` of ``step``, or why it could not be read) to
-    ``partner`` and take the ``wards``' copies (see the module doc). ``mapped``: the map of a
-    file that ``data`` is, from its first byte, whose pages are let go as they are sent.
+    """Copy ``own`` (this rank's shard of its step, or why it could not be read) and the
+    ``referenced`` earlier files it references that the partner lacks to ``partner``, and take
+    the ``wards``' copies (see the module doc).
 
-    Raises :class:`PeerError` if the partner did not keep a matching copy
-    (:class:`MemoryBudgetError` if its memory refused it, ``transient=False`` if the link
+    Raises :class:`PeerError` if the partner did not keep a matching copy of every file
+    (:class:`MemoryBudgetError` if its memory refused them, ``transient=False`` if the link
     failed); the wards' copies are kept or not whatever happens to this rank's own.
     """
-    readable = isinstance(data, np.ndarray)
-    size = record.size_bytes if readable else -1
-    offer = _bytes(_OFFER.pack(step, size, bytes.fromhex(record.sha256)))
-    offers = {ward: np.zeros(_OFFER.size, np.uint8) for ward in wards}
-    slots: dict[int, _Receiving] = {}
+    if len(referenced) > MAX_REFERENCED_FILES:
+        raise UsageError(f"a shard references at most {MAX_REFERENCED_FILES} earlier files, not {len(referenced)}")
+    step, record, files = own.step, own.record, (own, *referenced)
+    offer = _offer(files)
+    offers = {ward: np.zeros(_OFFER_BYTES, np.uint8) for ward in wards}
+    slots: dict[int, list[_Receiving]] = {}
     try:
         link.exchange([(partner, offer)], list(offers.items()))
         answers = {ward: _take(memory, step, ward, raw, slots) for ward, raw in offers.items()}
-        answer = np.zeros(1, np.uint8)
+        answer = np.zeros(_FILES, np.uint8)
         link.exchange(list(answers.items()), [(partner, answer)])
-        sends = [_Flow(partner, data, mapped)] if answer[0] and isinstance(data, np.ndarray) else []
-        _stream(link, sends, [receiving.flow for receiving in slots.values()])
-        checks = {ward: _keep(memory, receiving) for ward, receiving in slots.items()}
+        sends = [
+            _Flow(partner, each.data, each.mapped)
+            for each, said in zip(files, answer, strict=False)
+            if said == _SEND and isinstance(each.data, np.ndarray)
+        ]
+        _stream(link, sends, [receiving.flow for taken in slots.values() for receiving in taken])
+        checks = {ward: _keep(memory, answers[ward], taken) for ward, taken in slots.items()}
         slots.clear()  # each one kept or freed
-        check = np.zeros(1, np.uint8)
-        link.exchange(list(checks.items()), [(partner, check)] if answer[0] else [])
+        check = np.zeros(_FILES, np.uint8)
+        link.exchange(list(checks.items()), [(partner, check)] if sends else [])
     finally:
-        for receiving in slots.values():
+        for taken in slots.values():
             with memory.lock:
-                memory.release(receiving.number)
+                for receiving in taken:
+                    memory.release(receiving.number)
     where = f"rank {partner}'s memory (step {step}, rank {record.rank}'s shard)"
-    if not isinstance(data, np.ndarray):
-        raise PeerError(f"{where}: this rank could not read its own shard: {data}") from data
+    for each in files:
+        if not isinstance(each.data, np.ndarray):
+            what = "its own shard" if each is own else f"the file of step {each.step} its shard references"
+            raise PeerError(f"{where}: this rank could not read {what}: {each.data}") from each.data
     if not answer[0]:
         raise MemoryBudgetError(f"{where}: the partner refused the copy (its peer.max_bytes, or an error it logged)")
-    if not check[0]:
+    if sends and not all(check[: len(files)]):
         raise PeerError(f"{where}: the bytes the partner received did not match their sha256; not kept")
+
+
+def _offer(files: Sequence[Outgoing]) -> np.ndarray:
+    """Round 1: what this rank offers its partner (see the module doc)."""
+    own, *earlier = files
+    raw = bytearray(_OFFER_BYTES)
+    size = own.record.size_bytes if isinstance(own.data, np.ndarray) else -1
+    _OFFER.pack_into(raw, 0, own.step, size, bytes.fromhex(own.record.sha256), len(earlier))
+    for index, each in enumerate(earlier):
+        size = each.record.size_bytes if isinstance(each.data, np.ndarray) else -1
+        _EARLIER.pack_into(raw, _OFFER.size + index * _EARLIER.size, each.step, size, bytes.fromhex(each.record.sha256))
+    return np.frombuffer(raw, np.uint8)
 
 
 @dataclass
@@ -174,7 +214,7 @@ def _stream(link: PeerLink, sends: Sequence[_Flow], receives: Sequence[_Flow]) -
 
 @dataclass(frozen=True)
 class _Receiving:
-    """A ward's copy on its way into a slot: the slot's number, what the ward offered, and the
+    """A ward's file on its way into a slot: the slot's number, what the ward offered, and the
     flow filling the slot's map (hashed as it arrives)."""
 
     number: int
@@ -182,88 +222,152 @@ class _Receiving:
     flow: _Flow
 
 
-def _take(memory: PeerMemory, step: int, ward: int, raw: np.ndarray, slots: dict[int, _Receiving]) -> np.ndarray:
-    """Round 2 for one ward: a slot for its offer (recorded in ``slots``), and the answer to send."""
-    ward_step, size, digest = _OFFER.unpack(raw.tobytes())
-    if ward_step != step or size < 0:
+def _take(memory: PeerMemory, step: int, ward: int, raw: np.ndarray, slots: dict[int, list[_Receiving]]) -> np.ndarray:
+    """Round 2 for one ward: a slot for each file of its offer this memory lacks (recorded in
+    ``slots``), those it holds pinned, all or none; the answers to send."""
+    answer = np.zeros(_FILES, np.uint8)
+    offer = raw.tobytes()
+    ward_step, size, digest, count = _OFFER.unpack_from(offer)
+    if ward_step != step or size < 0 or not 0 <= count <= MAX_REFERENCED_FILES:
         if ward_step != step:
             logger.error("peer copy of step %d: rank %d offered step %d instead", step, ward, ward_step)
-        return np.zeros(1, np.uint8)
+        return answer
+    offered = [(step, size, digest)]
+    offered += [_EARLIER.unpack_from(offer, _OFFER.size + index * _EARLIER.size) for index in range(count)]
+    if any(size < 0 for _step, size, _digest in offered):
+        return answer  # the ward could not read a file: its copy fails whatever is taken
+    taken: list[_Receiving] = []
     try:
         with memory.lock:
-            number, buffer = memory.buffer_for(step, ward, size)
+            held = [
+                index > 0 and memory.holds(each, ward, size, digest.hex())
+                for index, (each, size, digest) in enumerate(offered)
+            ]
+            memory.pin(
+                step, [(each, ward) for (each, _size, _digest), there in zip(offered, held, strict=True) if there]
+            )
+            for index, (each, size, digest) in enumerate(offered):
+                if held[index]:
+                    answer[index] = _HELD
+                    continue
+                number, buffer = memory.buffer_for(each, ward, size)
+                taken.append(
+                    _Receiving(
+                        number,
+                        Slot(each, ward, size, digest.hex()),
+                        _Flow(ward, buffer, file_map(buffer), hashlib.sha256()),
+                    )
+                )
+                answer[index] = _SEND
     except Exception as exc:  # a full memory, a failing memory file system: the answer is no
         logger.warning("peer copy of step %d: not holding rank %d's shard: %s", step, ward, exc)
-        return np.zeros(1, np.uint8)
-    flow = _Flow(ward, buffer, file_map(buffer), hashlib.sha256())
-    slots[ward] = _Receiving(number, Slot(step, ward, size, digest.hex()), flow)
-    return np.ones(1, np.uint8)
+        with memory.lock:
+            for receiving in taken:
+                memory.release(receiving.number)
+        return np.zeros(_FILES, np.uint8)
+    if taken:
+        slots[ward] = taken
+    return answer
 
 
-def _keep(memory: PeerMemory, receiving: _Receiving) -> np.ndarray:
-    """Round 4 for one ward: keep its copy if what arrived matches its offer; the answer to send."""
-    number, slot = receiving.number, receiving.slot
-    try:
-        with memory.lock:
-            if receiving.flow.hasher.hexdigest() == slot.sha256:
-                memory.accept(number, slot)
-                return np.ones(1, np.uint8)
-            logger.warning("peer copy of step %d: rank %d's shard arrived changed; not kept", slot.step, slot.rank)
-            memory.release(number)
-    except Exception as exc:  # the memory file system failed while the copy was recorded
-        logger.warning("peer copy of step %d: rank %d's shard not kept: %s", slot.step, slot.rank, exc)
-        with memory.lock:
-            memory.release(number)
-    return np.zeros(1, np.uint8)
+def _keep(memory: PeerMemory, answer: np.ndarray, taken: Sequence[_Receiving]) -> np.ndarray:
+    """Round 4 for one ward: keep each file taken if what arrived matches its offer; the checks
+    to send (a file held already checks)."""
+    check: np.ndarray = (answer == _HELD).astype(np.uint8)
+    sent = iter(taken)
+    for index in np.flatnonzero(answer == _SEND):
+        receiving = next(sent)
+        number, slot = receiving.number, receiving.slot
+        try:
+            with memory.lock:
+                if receiving.flow.hasher.hexdigest() == slot.sha256:
+                    memory.accept(number, slot)
+                    check[index] = 1
+                    continue
+                logger.warning("peer copy of step %d: rank %d's shard arrived changed; not kept", slot.step, slot.rank)
+                memory.release(number)
+        except Exception as exc:  # the memory file system failed while the copy was recorded
+            logger.warning("peer copy of step %d: rank %d's shard not kept: %s", slot.step, slot.rank, exc)
+            with memory.lock:
+                memory.release(number)
+    return check
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """What a restore's copy brought of one shard, not yet verified: the step's manifest
+    document, the shard's bytes, and those of the earlier files it references, by their step."""
+
+    manifest: bytes
+    data: memoryview
+    referenced: dict[int, memoryview]
 
 
 def fetch(
-    link: PeerLink, memory: PeerMemory, step: int, rank: int, transfers: Sequence[Transfer], spool: Path
-) -> dict[int, tuple[bytes, memoryview]]:
+    link: PeerLink,
+    memory: PeerMemory,
+    step: int,
+    rank: int,
+    transfers: Sequence[Transfer],
+    spool: Path,
+    referenced: Mapping[int, Sequence[int]] | None = None,
+) -> dict[int, Fetched]:
     """Send and receive the copies of ``step`` that ``transfers`` name (every process calls it at
-    once, with the same list); return, by shard rank, the manifest document and bytes that
-    reached this rank (``rank``), neither yet verified: the bytes a whole map of an unnamed file
-    on ``spool``'s disk (see the module doc), whose pages a reader may let go
+    once, with the same list), each with the earlier files its shard references that its
+    holder holds (``referenced``: by shard rank, their steps, for the shards this rank sends);
+    return, by shard rank, what reached this rank (``rank``): the bytes, each a whole map of an
+    unnamed file on ``spool``'s disk (see the module doc), whose pages a reader may let go
     (:func:`~tiered_ckpt.io.pages.blocks_of`), or memory where that disk had no room.
 
     A copy that does not arrive (its holder died or hangs, within the link's timeout, or no
     longer holds it) is logged, not raised: the restore reads that shard from the next tier.
     """
+    referenced = referenced or {}
     sends = [(needer, shard) for holder, needer, shard in transfers if holder == rank]
     receives = [(holder, shard) for holder, needer, shard in transfers if needer == rank]
-    outgoing = [_outgoing(memory, step, shard) for _needer, shard in sends]
-    sizes = {(holder, shard): np.zeros(_SIZES.size, np.uint8) for holder, shard in receives}
-    incoming: dict[tuple[int, int], tuple[np.ndarray, _Flow]] = {}
+    outgoing = [_outgoing(memory, step, shard, referenced.get(shard, ())) for _needer, shard in sends]
+    sizes = {(holder, shard): np.zeros(_SIZES_BYTES, np.uint8) for holder, shard in receives}
+    incoming: dict[tuple[int, int], tuple[np.ndarray, list[tuple[int, _Flow]]]] = {}
     try:
         link.exchange(
             [(needer, header) for (needer, _shard), (header, _m, _d) in zip(sends, outgoing, strict=True)],
             [(holder, buffer) for (holder, _shard), buffer in sizes.items()],
         )
         for (holder, shard), raw in sizes.items():
-            manifest_bytes, shard_bytes = _SIZES.unpack(raw.tobytes())
-            if 0 <= manifest_bytes <= _MAX_MANIFEST and shard_bytes >= 0:
-                room = _room(spool, step, shard, shard_bytes)
-                incoming[holder, shard] = (np.empty(manifest_bytes, np.uint8), _Flow(holder, *room))
+            manifest_bytes, shard_bytes, count = _SIZES.unpack_from(header := raw.tobytes())
+            if 0 <= manifest_bytes <= _MAX_MANIFEST and shard_bytes >= 0 and 0 <= count <= MAX_REFERENCED_FILES:
+                files = [(step, shard_bytes)]
+                files += [_HELD_FILE.unpack_from(header, _SIZES.size + i * _HELD_FILE.size) for i in range(count)]
+                flows = [(each, _Flow(holder, *_room(spool, each, shard, max(size, 0)))) for each, size in files]
+                incoming[holder, shard] = (np.empty(manifest_bytes, np.uint8), flows)
         served = []
         for (needer, _shard), (_header, manifest, data) in zip(sends, outgoing, strict=True):
             if manifest is not None:
                 served.append((needer, manifest, data))
         link.exchange(
             [(needer, manifest) for needer, manifest, _data in served],
-            [(holder, manifest) for (holder, _shard), (manifest, _flow) in incoming.items()],
+            [(holder, manifest) for (holder, _shard), (manifest, _flows) in incoming.items()],
         )
         _stream(
             link,
-            [_Flow(needer, data, file_map(data)) for needer, _manifest, data in served],
-            [flow for _manifest, flow in incoming.values()],
+            [_Flow(needer, each, file_map(each)) for needer, _manifest, data in served for each in data],
+            [flow for _manifest, flows in incoming.values() for _step, flow in flows],
         )
     except PeerError as exc:
         logger.warning("restore of step %d: the partners' copies did not arrive: %s", step, exc)
         return {}
     return {
-        shard: (manifest.tobytes(), memoryview(flow.mapped) if flow.mapped is not None else flow.buffer.data)
-        for (_holder, shard), (manifest, flow) in incoming.items()
+        shard: Fetched(
+            manifest.tobytes(),
+            _received(flows[0][1]),
+            {each: _received(flow) for each, flow in flows[1:]},
+        )
+        for (_holder, shard), (manifest, flows) in incoming.items()
     }
+
+
+def _received(flow: _Flow) -> memoryview:
+    return memoryview(flow.mapped) if flow.mapped is not None else flow.buffer.data
 
 
 def _room(spool: Path, step: int, shard: int, size: int) -> tuple[np.ndarray, mmap.mmap | None]:
@@ -288,13 +392,30 @@ def _room(spool: Path, step: int, shard: int, size: int) -> tuple[np.ndarray, mm
     return np.frombuffer(mapped, np.uint8), mapped
 
 
-def _outgoing(memory: PeerMemory, step: int, shard: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-    """The header, manifest and bytes of ``shard``'s held copy of ``step`` (a header of -1s if gone)."""
+def _outgoing(
+    memory: PeerMemory, step: int, shard: int, referenced: Sequence[int] = ()
+) -> tuple[np.ndarray, np.ndarray | None, list[np.ndarray]]:
+    """The header, manifest and bytes (the shard's, then each earlier file of ``referenced``
+    this memory holds) of ``shard``'s held copy of ``step`` (a header of -1s if gone)."""
     try:
         with memory.lock:
-            data = memory.view(step, shard)
+            data = [memory.view(step, shard)]
             manifest = _bytes(memory.manifest_text(step))
+            held = [each for each in referenced if shard in memory.held(each)][:MAX_REFERENCED_FILES]
+            data += [memory.view(each, shard) for each in held]
     except Exception as exc:  # gone, or its memory file unreadable: the needer reads the next tier
         logger.warning("restore of step %d: cannot send rank %d's copy: %s", step, shard, exc)
-        return _bytes(_SIZES.pack(-1, -1)), None, np.zeros(0, np.uint8)
-    return _bytes(_SIZES.pack(manifest.size, data.size)), manifest, data
+        return _bytes(_sizes(-1, -1, [])), None, []
+    return (
+        _bytes(_sizes(manifest.size, data[0].size, list(zip(held, (d.size for d in data[1:]), strict=True)))),
+        manifest,
+        data,
+    )
+
+
+def _sizes(manifest_bytes: int, shard_bytes: int, earlier: Sequence[tuple[int, int]]) -> bytes:
+    raw = bytearray(_SIZES_BYTES)
+    _SIZES.pack_into(raw, 0, manifest_bytes, shard_bytes, len(earlier))
+    for index, (each, size) in enumerate(earlier):
+        _HELD_FILE.pack_into(raw, _SIZES.size + index * _HELD_FILE.size, each, size)
+    return bytes(raw)

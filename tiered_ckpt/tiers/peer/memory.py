@@ -11,7 +11,10 @@ folder holds:
   sha256, written only once the bytes were checked;
 - ``step-<step>.json``: the step's manifest, written when the step is committed in the
   peer tier (every rank's copy was taken by its partner), and ``step-<step>.disk`` if the
-  step is also on the ranks' disks.
+  step is also on the ranks' disks;
+- ``step-<step>.refs``, written before the manifest: the slots (step and rank) of the earlier
+  files the step's shards held here reference (an incremental save's), which stay while the
+  step does, kept for it after their own step is deleted (see "Kept slots" below).
 
 At most ``max_bytes`` are held in slots (None: the newest committed step of the partners'
 shards and the newest one also on disk, each kept until a newer one of its kind is
@@ -23,6 +26,14 @@ shard that cannot fit, even once every other step is freed, is refused
 (:class:`~tiered_ckpt.MemoryBudgetError`). What is
 read back is untrusted: metadata that does not parse frees its slot, and every copy is
 hashed again by whoever uses it.
+
+Kept slots: a slot that a committed step references is never freed, whatever deletes its own
+step (the budget, the default's chain, a retention): it is *kept* (:meth:`PeerMemory.kept_steps`),
+and freed by the deletion that leaves no committed step referencing it. A copy in flight
+marks the slots it found held for the step it brings (:meth:`PeerMemory.pin`) until that
+step is committed, so that no room made for it frees them. The budget counts kept slots like
+any other: making room deletes committed steps oldest first, and a step's kept slots go with
+the last step referencing them.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ import mmap
 import os
 import re
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,6 +86,8 @@ class PeerMemory:
         self.root.mkdir(parents=True, exist_ok=True)
         self._slots: dict[int, Slot | None] = {}  # slot number -> content (None: free)
         self._receiving: set[int] = set()  # slots handed out by buffer_for, not yet accepted or released
+        self._refs: dict[int, frozenset[tuple[int, int]]] = {}  # committed step -> the slots it references
+        self._pinned: tuple[int, set[tuple[int, int]]] | None = None  # a copy in flight's step and held slots
         self.lock = threading.RLock()  # held by callers around each use: a copy and a restore may overlap
         self._load()
 
@@ -96,9 +110,31 @@ class PeerMemory:
         for step in self._manifest_steps():
             if not any(slot is not None and slot.step == step for slot in self._slots.values()):
                 self._manifest_path(step).unlink(missing_ok=True)
-        for path in self.root.glob("step-*.disk"):
+            else:
+                self._refs[step] = self._read_refs(step)
+        for path in [*self.root.glob("step-*.disk"), *self.root.glob("step-*.refs")]:
             if not path.with_suffix(".json").exists():
                 path.unlink(missing_ok=True)
+
+    def _read_refs(self, step: int) -> frozenset[tuple[int, int]]:
+        """The slots committed ``step`` references; a record that does not parse un-commits the
+        step (what it needs kept is unknown, so it cannot be trusted to restore)."""
+        path = self._refs_path(step)
+        if not path.exists():
+            return frozenset()
+        try:
+            fields = Fields(load_object(path.read_bytes(), str(path), _MANIFEST_LIMIT), str(path), "")
+            fields.reject_unknown({"steps", "ranks"})
+            steps, ranks = fields.list_of("steps", int), fields.list_of("ranks", int)
+            if len(steps) != len(ranks) or any(isinstance(n, bool) or n < 0 for n in (*steps, *ranks)):
+                raise ManifestError(f"{path}: 'steps' and 'ranks' must be lists of integers >= 0 of one length")
+            return frozenset(zip(steps, ranks, strict=True))
+        except (ManifestError, OSError) as exc:
+            logger.warning("peer memory %s: step %d is no longer held: %s", self.root, step, exc)
+            self._manifest_path(step).unlink(missing_ok=True)
+            self._disk_path(step).unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
+            return frozenset()
 
     def _read_meta(self, number: int) -> Slot | None:
         path = self._meta_path(number)
@@ -129,9 +165,35 @@ class PeerMemory:
         return self._manifest_steps()
 
     def uncommitted_steps(self) -> list[int]:
-        """Steps with slots but no manifest, oldest first."""
+        """Steps with slots neither committed nor kept for a committed step (a copy's), oldest first."""
+        committed, kept = set(self._manifest_steps()), self._kept()
+        return sorted(
+            {slot.step for slot in self._slots.values() if slot is not None and slot.step not in committed}
+            - {step for step, _rank in kept}
+        )
+
+    def kept_steps(self) -> list[int]:
+        """Steps not committed here of which slots are kept for committed steps, oldest first."""
         committed = set(self._manifest_steps())
-        return sorted({slot.step for slot in self._slots.values() if slot is not None} - committed)
+        held = {(slot.step, slot.rank) for slot in self._slots.values() if slot is not None}
+        return sorted({step for step, rank in self._kept() & held if step not in committed})
+
+    def _kept(self) -> set[tuple[int, int]]:
+        """The slots (step, rank) no deletion frees: those committed steps reference, and a copy's pins."""
+        kept = set().union(*self._refs.values()) if self._refs else set()
+        return kept | (self._pinned[1] if self._pinned is not None else set())
+
+    def holds(self, step: int, rank: int, size: int, sha256: str) -> bool:
+        """Whether a slot holds ``rank``'s shard of ``step`` of ``size`` bytes hashing to ``sha256``."""
+        slot = self.held(step).get(rank)
+        return slot is not None and slot.size == size and slot.sha256 == sha256
+
+    def pin(self, step: int, slots: Collection[tuple[int, int]]) -> None:
+        """Keep ``slots`` (step, rank) held for ``step``, being copied, until it is committed (or a
+        copy of another step begins): the copy found them held and the step will reference them."""
+        if self._pinned is None or self._pinned[0] != step:
+            self._pinned = (step, set())
+        self._pinned[1].update(slots)
 
     def held(self, step: int) -> dict[int, Slot]:
         """The slots holding shards of ``step``, by rank."""
@@ -177,12 +239,14 @@ class PeerMemory:
         for number, slot in self._slots.items():
             if slot is not None and slot.step == step and slot.rank == rank:
                 self._free(number)  # a second copy of the same shard replaces the first
+        copying = self._pinned[0] if self._pinned is not None else step
         if self.max_bytes is None:  # what the chain needs stays until this step is committed
-            keep = self._needed()
+            keep = self._needed() | {step, copying}
+            kept = self._kept_for(keep)
             for number, slot in self._slots.items():
-                if slot is not None and slot.step != step and slot.step not in keep:
+                if slot is not None and slot.step not in keep and (slot.step, slot.rank) not in kept:
                     self._free(number)
-        number = self._choose_slot(step, size)
+        number = self._choose_slot(step, size, copying)
         path = self._bin_path(number)
         if not path.exists() or path.stat().st_size < size:
             with open(path, "ab") as out:
@@ -190,7 +254,7 @@ class PeerMemory:
         self._receiving.add(number)
         return number, _map(path, size, private=False)
 
-    def _choose_slot(self, step: int, size: int) -> int:
+    def _choose_slot(self, step: int, size: int, copying: int) -> int:
         """A free slot for ``size`` bytes: a free one long enough, else a free one grown (or a new
         one) if the budget allows, freeing the oldest other steps until it does."""
         while True:
@@ -208,7 +272,9 @@ class PeerMemory:
                 number = max(self._slots, default=-1) + 1
                 self._slots[number] = None
                 return number
-            others = sorted({s.step for s in self._slots.values() if s is not None and s.step != step})
+            kept = self._kept()
+            loose = {s.step for s in self._slots.values() if s is not None and (s.step, s.rank) not in kept}
+            others = sorted((loose | set(self._manifest_steps())) - {step, copying})
             on_disk = [other for other in others if self._disk_path(other).exists()]
             if on_disk:  # the newest step also on disk goes last
                 others.remove(on_disk[-1])
@@ -236,11 +302,21 @@ class PeerMemory:
         self._receiving.discard(number)
         self._free(number)
 
-    def commit(self, step: int, manifest_json: str, *, on_disk: bool = False) -> None:
-        """Write ``step``'s manifest: the step is committed here (``on_disk``: it is also on the ranks' disks)."""
+    def commit(
+        self, step: int, manifest_json: str, *, on_disk: bool = False, referenced: Collection[tuple[int, int]] = ()
+    ) -> None:
+        """Write ``step``'s manifest: the step is committed here (``on_disk``: it is also on the
+        ranks' disks; ``referenced``: the slots, step and rank, its shards held here reference)."""
+        refs = frozenset(referenced)
         if on_disk:
             _write_small(self._disk_path(step), b"")
+        if refs:
+            steps, ranks = zip(*sorted(refs), strict=True)
+            _write_small(self._refs_path(step), json.dumps({"steps": steps, "ranks": ranks}).encode())
+        self._refs[step] = refs
         _write_small(self._manifest_path(step), manifest_json.encode())
+        if self._pinned is not None and self._pinned[0] == step:
+            self._pinned = None
         if self.max_bytes is None:  # the steps the chain no longer needs go now
             keep = self._needed()
             for other in self.steps():
@@ -256,13 +332,40 @@ class PeerMemory:
         on_disk = [step for step in steps if self._disk_path(step).exists()]
         return set(steps[-1:] + on_disk[-1:])
 
+    def _kept_for(self, steps: Collection[int]) -> set[tuple[int, int]]:
+        """The slots ``steps`` reference, and a copy's pins."""
+        kept = {pair for each in steps for pair in self._refs.get(each, ())}
+        return kept | (self._pinned[1] if self._pinned is not None else set())
+
     def delete_step(self, step: int) -> None:
-        """Forget ``step``: its manifest first, then its slots (kept, free, for later steps)."""
+        """Forget ``step``: its manifest first, then its slots (free, for later steps) but those a
+        committed step references (kept), then the kept slots only ``step`` referenced."""
         self._manifest_path(step).unlink(missing_ok=True)
         self._disk_path(step).unlink(missing_ok=True)
+        self._refs_path(step).unlink(missing_ok=True)
+        referenced = self._refs.pop(step, frozenset())
+        kept, committed = self._kept(), set(self._manifest_steps())
         for number, slot in list(self._slots.items()):
-            if slot is not None and slot.step == step:
+            if slot is None or (slot.step, slot.rank) in kept:
+                continue
+            if slot.step == step or ((slot.step, slot.rank) in referenced and slot.step not in committed):
                 self._free(number)
+
+    def collect_unreferenced(self, *, all_steps: bool = False) -> list[int]:
+        """Free the slots of steps not committed here that no committed step references (nor a copy
+        pins), of steps older than the newest committed one (``all_steps``: of every step, where no
+        copy runs); the steps none is left of."""
+        committed = self._manifest_steps()
+        newest = committed[-1] if committed else -1
+        kept = self._kept()
+        gone = set()
+        for number, slot in list(self._slots.items()):
+            if slot is None or slot.step in committed or (slot.step, slot.rank) in kept:
+                continue
+            if all_steps or slot.step < newest:
+                self._free(number)
+                gone.add(slot.step)
+        return sorted(step for step in gone if not self.held(step))
 
     def _free(self, number: int) -> None:
         slot = self._slots.get(number)
@@ -271,6 +374,8 @@ class PeerMemory:
         if slot is not None and not self.held(slot.step):
             self._manifest_path(slot.step).unlink(missing_ok=True)
             self._disk_path(slot.step).unlink(missing_ok=True)
+            self._refs_path(slot.step).unlink(missing_ok=True)
+            self._refs.pop(slot.step, None)
 
     def _bin_path(self, number: int) -> Path:
         return self.root / f"slot-{number}.bin"
@@ -283,6 +388,9 @@ class PeerMemory:
 
     def _disk_path(self, step: int) -> Path:
         return self.root / f"step-{step:012d}.disk"
+
+    def _refs_path(self, step: int) -> Path:
+        return self.root / f"step-{step:012d}.refs"
 
 
 def file_map(buffer: np.ndarray) -> mmap.mmap | None:

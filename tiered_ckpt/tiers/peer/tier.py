@@ -25,6 +25,12 @@ verify. A fetched shard is received into a file with no name on this rank's disk
 map whose pages the reads let go as they move on: a restore holds a block or a piece of it,
 whatever its size (see :func:`~tiered_ckpt.tiers.peer.copies.fetch`).
 
+An incremental save's shard references earlier steps' files: its copy carries those the
+partner lacks (handed over as :attr:`~tiered_ckpt.tiers.base.ShardSource.referenced`: the
+tier's landings pair its processes up, so a file cannot be a landing of its own), the
+partner commits the step only holding every one, and keeps them while a step it holds
+references them (``capabilities.references``); a restore's copy brings them with the shard.
+
 A partner that died, hangs or sent bytes that do not verify fails only the copy (a
 :class:`~tiered_ckpt.PeerError`): the replicator logs it and the step is not in this
 tier; a link that timed out stays broken for the run (see
@@ -50,7 +56,7 @@ from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.io.hashing import Verify
 from tiered_ckpt.io.pages import blocks_of, whole_map
 from tiered_ckpt.tiers.base import Capabilities, Gather, Landed, ShardSource
-from tiered_ckpt.tiers.peer.copies import PIECE_BYTES, Transfer, copy_step, fetch
+from tiered_ckpt.tiers.peer.copies import PIECE_BYTES, Outgoing, Transfer, copy_step, fetch
 from tiered_ckpt.tiers.peer.link import PeerLink
 from tiered_ckpt.tiers.peer.memory import PeerMemory, file_map
 from tiered_ckpt.tiers.peer.partners import Partners
@@ -93,11 +99,13 @@ class PeerTier:
             store_checksums=False,
             ranged_reads=False,
             prepared_reads=True,
+            references=True,
         )
         self._save_link = save_link
         self._restore_link = restore_link
         self._spool = spool
         self._received: dict[tuple[int, int], memoryview] = {}  # (step, rank) -> bytes fetched for a restore
+        self._fetched_for: dict[int, set[tuple[int, int]]] = {}  # a restored step -> its keys in _received
         self._manifests: dict[int, ShardManifest] = {}  # manifests fetched for a restore
         self._copying: tuple[int, bool] | None = None  # the step being copied, and whether from the disk
         self._lock = threading.Lock()  # guards what a restore fetched
@@ -121,6 +129,17 @@ class PeerTier:
         """``(steps(), uncommitted_steps())`` at one instant (``once``: nothing to retry, ignored)."""
         with self.memory.lock:
             return self.memory.steps(), self.memory.uncommitted_steps()
+
+    def kept_steps(self) -> list[int]:
+        """Steps not committed here of which slots are kept for the committed steps referencing them."""
+        with self.memory.lock:
+            return self.memory.kept_steps()
+
+    def collect_unreferenced(self, *, all_steps: bool = False) -> list[int]:
+        """Free the slots no committed step here references any more (see
+        :meth:`~tiered_ckpt.tiers.peer.memory.PeerMemory.collect_unreferenced`); the steps none is left of."""
+        with self.memory.lock:
+            return self.memory.collect_unreferenced(all_steps=all_steps)
 
     def holdings(self) -> dict[int, tuple[int, ...]]:
         """The committed steps held here, each with the ranks whose shards are held."""
@@ -205,8 +224,8 @@ class PeerTier:
         """Drop what a restore fetched of ``step`` (the refills hold the copies they land)."""
         with self._lock:
             self._manifests.pop(step, None)
-            for key in [key for key in self._received if key[0] == step]:
-                del self._received[key]
+            for key in self._fetched_for.pop(step, set()):
+                self._received.pop(key, None)
 
     # -- a save's copy -------------------------------------------------------------------------
 
@@ -215,7 +234,8 @@ class PeerTier:
     ) -> Landed:
         """Copy this rank's shard ``record`` of ``step`` to its partner and take the wards' copies
         (every process calls it at once; the link's timeout, not ``deadline``, bounds each round);
-        what landed is the shard as it is, in the partner's memory.
+        what landed is the shard as it is, in the partner's memory. The earlier files the
+        shard references (``source.referenced``) travel with it where the partner lacks them.
 
         Raises :class:`PeerError` if the partner did not keep a matching copy
         (:class:`MemoryBudgetError` if its memory refused it; ``transient=False`` if the link
@@ -224,24 +244,35 @@ class PeerTier:
         if record.rank != self.rank:
             raise UsageError(f"rank {self.rank}'s peer tier sends its own shard only, not rank {record.rank}'s")
         self._copying = (step, source.path is not None)  # from the disk or not: one cadence, every rank
-        reading = _mapped(source, record)
-        with reading as data:
-            copy_step(self._save_link, self.memory, step, record, data, self.partner, self.wards, mapped=reading.map)
+        files = []
+        for each, file, where in ((step, record, source), *source.referenced):
+            reading = _mapped(where, file)
+            with reading as data:
+                files.append(Outgoing(each, file, data, reading.map))
+        copy_step(self._save_link, self.memory, files[0], self.partner, self.wards, files[1:])
         return Landed.as_is(record)
 
     def commit(self, manifest: ShardManifest, *, landed: Sequence[Landed] = (), deadline: float | None = None) -> None:
-        """Commit ``manifest``'s step here: every ward's shard of it must be held and match its record
-        (a rank holding no ward's shard keeps nothing of the step; ``landed`` says nothing more)."""
+        """Commit ``manifest``'s step here: every ward's shard of it, and every earlier file the shard
+        references, must be held and match its record (a rank holding no ward's shard keeps
+        nothing of the step; ``landed`` says nothing more). The files referenced are kept while
+        the step is."""
         step = manifest.step
         if not self.wards:
             return
         with self.memory.lock:
-            held = self.memory.held(step)
+            referenced = set()
             for ward in self.wards:
-                record, slot = manifest.shard(ward), held.get(ward)
-                if slot is None or slot.size != record.size_bytes or slot.sha256 != record.sha256:
-                    raise PeerError(f"{self.memory.root}: step {step}: rank {ward}'s copy is not held as recorded")
-            self.memory.commit(step, manifest.to_json(), on_disk=self._copying == (step, True))
+                record = manifest.shard(ward)
+                for each, file in ((step, record), *((ref.step, ref.file) for ref in record.references)):
+                    if not self.memory.holds(each, file.rank, file.size_bytes, file.sha256):
+                        what = "copy" if each == step else f"file of step {each} that its shard references"
+                        raise PeerError(
+                            f"{self.memory.root}: step {step}: rank {ward}'s {what} is not held as recorded"
+                        )
+                    if each != step:
+                        referenced.add((each, file.rank))
+            self.memory.commit(step, manifest.to_json(), on_disk=self._copying == (step, True), referenced=referenced)
 
     def delete_step(self, step: int) -> None:
         """Forget ``step`` here: its manifest first, then its slots (kept for later steps)."""
@@ -286,22 +317,32 @@ class PeerTier:
         once, with the same list); return the ranks whose shards reached this rank, each with a
         manifest that validates (the shards themselves are verified when the store reads them).
         Never raises: a copy that does not arrive is logged, and the next tier is read instead."""
+        referenced: dict[int, list[int]] = {}
+        for holder, _needer, shard in transfers:
+            if holder == self.rank:
+                try:
+                    record = self.manifest(step).shard(shard)
+                except CheckpointError:  # not held after all: the copy says so
+                    continue
+                referenced[shard] = [ref.step for ref in record.references]
         try:
-            arrived = fetch(self._restore_link, self.memory, step, self.rank, transfers, self._spool)
+            arrived = fetch(self._restore_link, self.memory, step, self.rank, transfers, self._spool, referenced)
         except Exception:  # a bug or a failing memory file system must not stop a restore the bucket can serve
             logger.warning("restore of step %d: fetching the partners' copies failed", step, exc_info=True)
             return []
         ranks = []
-        for shard, (manifest_text, data) in arrived.items():
+        for shard, copy in arrived.items():
             holder = next(h for h, _n, r in transfers if r == shard)
             try:
-                fetched = _parse_manifest(manifest_text, step, f"rank {holder}'s memory: step {step}'s manifest")
+                fetched = _parse_manifest(copy.manifest, step, f"rank {holder}'s memory: step {step}'s manifest")
             except ManifestError as exc:
                 logger.warning("restore of step %d: %s", step, exc)
                 continue
+            files = {(step, shard): copy.data, **{(each, shard): data for each, data in copy.referenced.items()}}
             with self._lock:
                 self._manifests.setdefault(step, fetched)
-                self._received[(step, shard)] = data
+                self._received.update(files)
+                self._fetched_for.setdefault(step, set()).update(files)
             ranks.append(shard)
         return ranks
 

@@ -538,3 +538,36 @@ def test_a_referenced_entry_a_writer_could_not_have_made_is_refused_naming_the_f
     with pytest.raises(ManifestError, match=re.escape(problem)) as caught:
         parse_remote({**remote_document(), **referencing_document(), "referenced": referenced})
     assert REMOTE_SOURCE in str(caught.value) and "referenced" in str(caught.value)
+
+
+def chunked_referencing_document(names: list[str]) -> dict:
+    """A version-3 manifest of DTensor chunks whose rank 1 references ``names`` in its file of step 10."""
+    document = chunked_document()
+    document["schema_version"], document["step"] = 3, 11
+    file = {**valid_document(world_size=2)["shards"][1], "header_bytes": 64, "header_sha256": "b" * 64}
+    digests = "1" * 16 * len(names)
+    document["shards"][1]["references"] = [{"step": 10, "file": file, "names": names, "xxh3_64": digests, "bytes": 24}]
+    return document
+
+
+def test_a_shard_of_dtensor_chunks_references_its_chunks_and_says_where_they_are():
+    manifest = parse(chunked_referencing_document(["model/w"]))
+    record = manifest.shard(1)
+    assert record.referenced["model/w"].step == 10 and record.chunks[0].name == "model/w"
+    assert ShardManifest.from_json(manifest.to_json(), source=SOURCE) == manifest
+
+
+def test_a_chunked_shard_referencing_an_array_that_is_not_one_of_its_chunks_or_is_a_replica_is_refused():
+    with pytest.raises(ManifestError, match=r"references\[0\].names.*'model/v' is another rank's, or not among"):
+        parse(chunked_referencing_document(["model/v"]))
+    document = valid_document(world_size=2)  # a plain shard whose array another rank stores
+    document["schema_version"] = 3
+    document["shards"][1]["replicas"] = [["w.a", 0]]
+    document["shards"][0]["chunks"] = [
+        {"name": "w.a", "dtype": "F32", "global_shape": [2], "offsets": [0], "sizes": [2], "sha256": "7" * 64}
+    ]
+    document["shards"][0].update(header_bytes=64, header_sha256="c" * 64)
+    file = {**valid_document(world_size=2)["shards"][1], "header_bytes": 64, "header_sha256": "b" * 64}
+    document["shards"][1]["references"] = [{"step": 1, "file": file, "names": ["w.a"], "xxh3_64": "1" * 16, "bytes": 8}]
+    with pytest.raises(ManifestError, match="'w.a' is another rank's"):
+        parse(document)

@@ -3,7 +3,9 @@
 Joins a gloo job through a file store, shards a small model with ``fully_shard`` on a
 CPU device mesh, and either trains it a few steps and saves ``get_state_dict(model,
 optimizer)`` ("save"), or builds it afresh (other initial values) and restores into its
-state dict ("restore", any world size). Either way it writes to
+state dict ("restore", any world size); with ``wide``, a model whose chunks are large enough to be
+referenced, and with ``frozen`` the save also saves step 4, its first layer frozen after step 3
+(an incremental save references that layer and its AdamW moments). Either way it writes to
 ``<results>/rank-<RANK>.json`` the sha256 of every tensor of the full (unsharded) state,
 and what the restore read from where. A CheckpointError is recorded as ``error``. With
 ``nodes`` (a node name per rank) the job has a peer tier, each node's memory in
@@ -26,10 +28,16 @@ from torch.distributed.tensor import DTensor
 
 from tiered_ckpt import CheckpointError, CheckpointManager, PeerOptions, RemoteOptions, TorchDistributedCoordinator
 
+WIDE = 64  # the inputs and hidden width of the "wide" model, whose chunks are large enough to be referenced
 
-def build(seed: int, world_size: int):
+
+def build(seed: int, world_size: int, wide: bool = False):
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3), torch.nn.Linear(3, 2))
+    if wide:
+        layers = [torch.nn.Linear(WIDE, WIDE), torch.nn.Tanh(), torch.nn.Linear(WIDE, WIDE), torch.nn.Linear(WIDE, 2)]
+    else:
+        layers = [torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3), torch.nn.Linear(3, 2)]
+    model = torch.nn.Sequential(*layers)
     mesh = init_device_mesh("cpu", (world_size,))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
@@ -70,18 +78,23 @@ def local_digests(state) -> dict[str, str]:
     return digests(state, whole=False)
 
 
-def extras(rank: int) -> dict:
+def extras(rank: int, wide: bool = False) -> dict:
     """Plain tensors beside the FSDP2 state: one the same on every rank, one of each rank's own."""
-    return {"table": torch.arange(1000, dtype=torch.float32), "seed": torch.tensor([rank], dtype=torch.int64)}
+    table = torch.arange(2000 if wide else 1000, dtype=torch.float32)
+    return {"table": table, "seed": torch.tensor([rank], dtype=torch.int64)}
 
 
-def trained(world_size: int):
-    model, optimizer = build(0, world_size)
-    for step in range(3):
+def train(model, optimizer, steps, wide: bool = False) -> None:
+    for step in steps:
         generator = torch.Generator().manual_seed(step)
-        model(torch.randn(4, 5, generator=generator)).square().sum().backward()
+        model(torch.randn(4, WIDE if wide else 5, generator=generator)).square().sum().backward()
         optimizer.step()
         optimizer.zero_grad()
+
+
+def trained(world_size: int, wide: bool = False):
+    model, optimizer = build(0, world_size, wide)
+    train(model, optimizer, range(3), wide)
     return model, optimizer
 
 
@@ -121,11 +134,19 @@ def run(config: dict, rank: int, world_size: int, result: dict) -> None:
         if config["do"].startswith("dcp_"):
             run_dcp(config["do"], manager, world_size, result)
             return
+        wide = bool(config.get("wide"))
         if config["do"] == "save":
-            model, optimizer = trained(world_size)
+            model, optimizer = trained(world_size, wide)
             model_state, optim_state = get_state_dict(model, optimizer)
-            state = {"model": model_state, "optim": optim_state, "epoch": 3, "extras": extras(rank)}
+            state = {"model": model_state, "optim": optim_state, "epoch": 3, "extras": extras(rank, wide)}
             manager.save(3, state, blocking=True)
+            if config.get("frozen"):  # step 4: the first layer frozen, the rest trained one step more
+                for parameter in model[0].parameters():
+                    parameter.requires_grad_(False)
+                train(model, optimizer, [3], wide)
+                model_state, optim_state = get_state_dict(model, optimizer)
+                state = {"model": model_state, "optim": optim_state, "epoch": 4, "extras": extras(rank, wide)}
+                manager.save(4, state, blocking=True)
             manager.wait(uploaded=True)
             result["local"] = local_digests(state)
         elif config["do"] in ("restore_plain", "restore_model", "restore_extras"):  # no into: as saved
@@ -135,9 +156,9 @@ def run(config: dict, rank: int, world_size: int, result: dict) -> None:
             result["sources"] = {str(old): tier for old, tier in restored.sources.items()}
             return
         else:
-            model, optimizer = build(1234, world_size)  # other values: the restore must replace them all
+            model, optimizer = build(1234, world_size, wide)  # other values: the restore must replace them all
             model_state, optim_state = get_state_dict(model, optimizer)
-            into = {"model": model_state, "optim": optim_state, "epoch": 0, "extras": extras(-1)}
+            into = {"model": model_state, "optim": optim_state, "epoch": 0, "extras": extras(-1, wide)}
             into["extras"]["table"].zero_()
             restored = manager.restore(into=into, reshard=True)
             optim_state["param_groups"] = restored.torch_state()["optim"]["param_groups"]

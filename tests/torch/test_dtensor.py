@@ -77,9 +77,9 @@ def test_a_replicated_dtensor_is_replicated_and_a_sharded_one_is_not(mesh):
     assert flat.structure.chunks["s"].global_shape == (2, 2, 2)  # complex: its float pairs
 
 
-def run_job(root: Path, world_size: int, do: str, remote=None) -> dict[int, dict]:
+def run_job(root: Path, world_size: int, do: str, remote=None, **config) -> dict[int, dict]:
     """Run ``world_size`` FSDP2 rank processes over ``root/nodes``; return each rank's result."""
-    return launch_ranks(WORKER, root, world_size, {"do": do}, remote=remote)
+    return launch_ranks(WORKER, root, world_size, {"do": do, **config}, remote=remote)
 
 
 @pytest.mark.slow
@@ -205,3 +205,29 @@ def test_a_restore_into_dtensors_refills_a_replaced_disk_from_the_partners_memor
         assert result["digests"] == saved[rank]["digests"] and result["seed"] == rank
     assert restored[1]["sources"] == {"1": "peer"}
     assert_refilled(tmp_path, 1)
+
+
+@pytest.mark.slow
+def test_an_fsdp2_step_with_a_frozen_layer_references_its_chunks_and_restores_on_any_world_size(tmp_path, s3_url):
+    saved = run_job(tmp_path, 2, "save", s3_url, wide=True, frozen=True)
+    assert all("error" not in result for result in saved.values()), saved
+    expected = saved[0]["digests"]
+    manifest = LocalTier(tmp_path / "nodes" / "rank-0").manifest(4)
+    referenced = {shard.rank: {n for ref in shard.references for n in ref.names} for shard in manifest.shards}
+    for rank, names in referenced.items():
+        # the frozen layer's chunks and their AdamW moments: in step 3's files, not written again
+        frozen = {"model/0.weight", "optim/state/0.weight/exp_avg", "optim/state/0.weight/exp_avg_sq"}
+        assert frozen <= names, (rank, names)
+        assert not names & {"model/2.weight", "optim/state/2.weight/exp_avg"}  # trained: written
+        assert {ref.step for ref in manifest.shard(rank).references} == {3}
+    table_writer = [rank for rank, names in referenced.items() if "extras/table" in names]
+    assert len(table_writer) == 1  # a replicated array: referenced by the rank that stores it
+    for new in (2, 3):  # into fresh FSDP2 states: the same world size, and resharded (rank 2 from the bucket)
+        restored = run_job(tmp_path, new, "restore", s3_url, wide=True, frozen=True)
+        for result in restored.values():
+            assert "error" not in result, result
+            assert result["digests"] == expected  # model and AdamW state of step 4, every byte
+    plain = run_job(tmp_path, 2, "restore_plain", s3_url, wide=True, frozen=True)  # as saved, each rank's chunks
+    for rank, result in plain.items():
+        assert "error" not in result, result
+        assert result["local"] == saved[rank]["local"]

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 
 from tiered_ckpt.errors import CheckpointError
 from tiered_ckpt.format.content import parse_digests
-from tiered_ckpt.format.manifest import MAX_REFERENCED_FILES, Reference, ShardRecord
+from tiered_ckpt.format.manifest import MAX_REFERENCED_FILES, ChunkRecord, Reference, ShardRecord
 from tiered_ckpt.tiers.store import TieredStore
 
 __all__ = ["Baseline", "Held", "PROBE_EVERY", "SMALLEST_REFERENCED", "choose_references", "held_arrays"]
@@ -53,12 +53,14 @@ that changes whole every step pays the digests at a quarter of its saves."""
 @dataclass(frozen=True)
 class Held:
     """Where one array of a baseline is: its content ``digest``, the ``file`` (its record, without
-    per-array digests) of ``step`` that holds its bytes, and its ``xxh3_64`` there."""
+    per-array digests) of ``step`` that holds its bytes, and its ``xxh3_64`` there; ``chunk``: the
+    record of it as a chunk, for a shard of DTensors (None: a plain shard's)."""
 
     digest: str
     step: int
     file: ShardRecord
     xxh3_64: str
+    chunk: ChunkRecord | None = None
 
 
 def held_arrays(step: int, record: ShardRecord, names: Sequence[str], digests: Mapping[str, str]) -> dict[str, Held]:
@@ -66,12 +68,20 @@ def held_arrays(step: int, record: ShardRecord, names: Sequence[str], digests: M
     arrays its file holds) in that file, the arrays it references where they are; only those
     with a content digest in ``digests``."""
     own = file_record(record)
-    xxh3 = record.array_digests(names)
-    held = {name: Held(digests[name], step, own, xxh3[name]) for name in names if digests.get(name) and name in xxh3}
+    chunks = {chunk.name: chunk for chunk in record.chunks if chunk.xxh3_64}
+    if record.chunks:
+        xxh3 = {name: chunks[name].xxh3_64 for name in names if name in chunks}
+    else:
+        xxh3 = record.array_digests(names)
+    held = {
+        name: Held(digests[name], step, own, xxh3[name], chunks.get(name))
+        for name in names
+        if digests.get(name) and name in xxh3
+    }
     for ref in record.references:
         for name, digest64 in ref.digests().items():
-            if digests.get(name):
-                held[name] = Held(digests[name], ref.step, ref.file, digest64)
+            if digests.get(name) and (name in chunks or not record.chunks):
+                held[name] = Held(digests[name], ref.step, ref.file, digest64, chunks.get(name))
     return held
 
 
@@ -158,7 +168,7 @@ class Baseline:
         if rank >= manifest.world_size or rank not in local.held_ranks(step, manifest):
             return None
         record = manifest.shard(rank)
-        if record.chunks or record.replicas or not record.array_xxh3_64:
+        if not (record.chunks or record.array_xxh3_64):  # no digest of each array to verify a reader by
             return None
         header, _tier = self._store.read_shard_header(step, record, later=())
         own = [name for name in header.arrays if name not in record.elsewhere]

@@ -38,7 +38,7 @@ from tiered_ckpt.format.manifest import (
 )
 from tiered_ckpt.format.shardfile import header_length, json_length_bound, write_shard
 from tiered_ckpt.format.state import FlatState
-from tiered_ckpt.io.hashing import ShardDigest
+from tiered_ckpt.io.hashing import PartDigest, ShardDigest
 from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.tiers.abilities import WritingTier
 from tiered_ckpt.tiers.base import ShardSource
@@ -258,8 +258,12 @@ class _Shard:
         self.digests: dict[str, str] = {}  # of every array, "" for one not hashed (engine/incremental.py)
         self.unchanged: dict[str, bool] = {}  # of the arrays compared with the previous step's
         self.references: tuple[Reference, ...] = ()
+        self._referenced: dict[str, PartDigest] = {}  # a shard of DTensors: its referenced chunks' digests
+        self._stored = self.state  # every array the shard records: its own and those it references
         arrays = self.state.arrays
-        if previous is not None and self.array_digests and not replicas and _references_fit(arrays, world_size):
+        if previous is not None and self.chunked:  # a chunk is referenced only where its digests are known
+            previous = {name: held for name, held in previous.items() if held.chunk is not None}
+        if previous is not None and (self.array_digests or self.chunked) and _references_fit(arrays, world_size):
             tails = borrowed.tails.get(rank, {}) if borrowed is not None else {}
             hashed = [name for name in arrays if name not in tails and name not in skipped]
             groups = [hashed[i::_HASHERS] for i in range(_HASHERS)]  # a thread per group, not per array
@@ -278,6 +282,10 @@ class _Shard:
                 left = {name for ref in self.references for name in ref.names}
                 own = {name: array for name, array in arrays.items() if name not in left}
                 self.state = dataclasses.replace(self.state, arrays=own)
+                for name in left if self.chunked else ():
+                    chunk = previous[name].chunk
+                    assert chunk is not None  # filtered above
+                    self._referenced[name] = PartDigest(arrays[name].nbytes, chunk.sha256, chunk.xxh3_64)
         self.metadata = {
             "tiered_ckpt.rank": str(rank),
             "tiered_ckpt.world_size": str(world_size),
@@ -318,7 +326,7 @@ class _Shard:
             size_bytes=digest.size_bytes,
             param_shard_offset=sum(numels[: self.rank]),
             param_shard_numel=numels[self.rank],
-            chunks=self.state.chunk_records(digest.arrays) if self.chunked else (),
+            chunks=self._stored.chunk_records({**digest.arrays, **self._referenced}) if self.chunked else (),
             header_bytes=digest.header_bytes,
             header_sha256=digest.header_sha256,
             replicas=tuple(sorted(self.replicas.items())),

@@ -497,12 +497,13 @@ def _check_manifest(manifest: ShardManifest, source: str) -> None:
 def _check_references(
     manifest: ShardManifest, record: ShardRecord, where: str, fail: Callable[[str, str], ManifestError]
 ) -> None:
-    """Each reference of a plain shard names an earlier step's file of the same rank, with the
-    digests a reader of its parts needs, and names each array once, none its shard holds."""
+    """Each reference of a shard names an earlier step's file of the same rank, with the digests a
+    reader of its parts needs, and names each array once, none its shard holds nor another
+    rank's shard (a replica), each a chunk of a shard of DTensors (whose record gives its box)."""
     if record.references and manifest.schema_version < REFERENCES_SCHEMA_VERSION:
         raise fail(where, f"references need schema_version {REFERENCES_SCHEMA_VERSION}")
-    if record.references and (record.chunks or record.replicas):
-        raise fail(where, "only a shard of plain arrays references earlier files")
+    chunks = {chunk.name for chunk in record.chunks}
+    replicas = {name for name, _writer in record.replicas}
     if len(record.references) > MAX_REFERENCED_FILES:
         raise fail(where, f"references {len(record.references)} files, over the {MAX_REFERENCED_FILES} a shard may")
     names: set[str] = set()
@@ -530,6 +531,8 @@ def _check_references(
         for name in ref.names:
             if not name or name == _RESERVED_KEY or name in names:
                 raise fail(f"{field}.names", f"{name!r:.80} is empty, reserved or referenced twice")
+            if name in replicas or (record.chunks and name not in chunks):
+                raise fail(f"{field}.names", f"{name!r:.80} is another rank's, or not among the shard's chunks")
             names.add(name)
 
 

@@ -81,7 +81,9 @@ class Capabilities:
     in this process's memory (a partner's memory): the tier is a :class:`PreparedReads`.
     ``references``: it keeps a file of a step it deleted while a step it holds references it
     (:attr:`~tiered_ckpt.format.manifest.ShardRecord.references`), and reads it there: an
-    incremental save is made only where every tier of the store does.
+    incremental save is made only where every tier of the store does. ``paired_landings``:
+    every process lands its own shard at once, each landing an exchange with other
+    processes (a partner's memory), so every process makes the same number of them.
     """
 
     durable: bool
@@ -95,13 +97,14 @@ class Capabilities:
     retries: bool = False
     prepared_reads: bool = False
     references: bool = False
+    paired_landings: bool = False
 
     @property
     def references_with_shards(self) -> bool:
         """Whether the tier lands the earlier files a shard references with the shard
-        (:attr:`ShardSource.referenced`): it keeps them, and each of its processes holds a part
-        (its landings pair the processes up, so a file cannot be a landing of its own)."""
-        return self.references and not self.shared
+        (:attr:`ShardSource.referenced`): it keeps them, and its landings pair the processes up
+        (``paired_landings``), so a file cannot be a landing of its own."""
+        return self.references and self.paired_landings
 
 
 @dataclass(frozen=True)
@@ -150,10 +153,10 @@ class ShardSource:
     is then made from them, so a tier that streams needs nothing else. At least one is given;
     given more, they hold the same bytes.
 
-    ``referenced``: for a tier whose processes each hold a part (not ``shared``) and that keeps
-    referenced files (``references``), whose landings pair its processes up, the earlier files
-    the shard references, each as its step, record and source: it lands them with the shard,
-    under their own steps (a shared tier is handed them by landings of their own).
+    ``referenced``: for a tier that keeps referenced files and whose landings pair its
+    processes up (:attr:`Capabilities.references_with_shards`), the earlier files the shard
+    references, each as its step, record and source: it lands them with the shard, under their
+    own steps (another tier is handed them by landings of their own).
     """
 
     path: Path | None = None

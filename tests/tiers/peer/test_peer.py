@@ -505,3 +505,25 @@ def test_an_incremental_job_copies_only_what_changed_and_a_lost_node_restores_it
         assert result["restored"]["step"] == 5
         assert result["restored"]["sources"] == {str(rank): "peer" if NODES[rank] == "b" else "local"}
         assert result["restored"]["digests"] == lora_digests(5, rank)
+
+
+@pytest.mark.slow
+def test_with_a_bucket_too_an_incremental_step_a_lost_node_lacks_comes_from_the_partners_alone(
+    tmp_path, counted_bucket
+):
+    proxy, remote = counted_bucket
+    lora = {"state": "lora", "keep_last": 1}
+    saved = run_job(tmp_path, [{"do": "train", "steps": 3}, {"do": "wait"}], remote, **lora)
+    for rank, result in saved.items():
+        assert "error" not in result, result
+        own, referenced = own_and_referenced(LocalTier(tmp_path / "nodes" / f"rank-{rank}"), 3, rank)
+        assert list(referenced) == [1] and own < referenced[1] / 2
+    lose_node(tmp_path, "a")
+    proxy.log.clear()
+    restored = run_job(tmp_path, [{"do": "restore"}, {"do": "wait"}], remote, **lora)
+    for rank, result in restored.items():
+        assert "error" not in result, result
+        assert result["restored"]["sources"] == {str(rank): "peer" if NODES[rank] == "a" else "local"}
+        assert result["restored"]["digests"] == lora_digests(3, rank)
+        assert result["refill_error"] is None
+    assert shard_reads(proxy) == []  # step 3's files and step 1's it references: from the partners' memory

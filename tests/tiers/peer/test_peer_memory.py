@@ -187,3 +187,27 @@ def test_a_record_of_references_that_does_not_parse_uncommits_its_step(tmp_path,
     again = PeerMemory(tmp_path)
     assert again.steps() == [] and "step 2 is no longer held" in caplog.text
     assert sorted(again.uncommitted_steps()) == [1, 2]  # left for the start-up's removal
+
+
+def test_a_copy_that_cannot_fit_beside_the_files_it_found_held_is_refused_before_anything_goes(tmp_path):
+    memory = PeerMemory(tmp_path, max_bytes=1000)
+    take(memory, 1, 0, 600)
+    take(memory, 2, 0, 300, referenced=(1,))
+    memory.pin(3, [(1, 0)])  # step 3's copy references step 1's file: 600 + 500 bytes cannot fit
+    with pytest.raises(MemoryBudgetError, match="500 bytes beside the 600 bytes of the earlier files"):
+        memory.buffer_for(3, 0, 500)
+    memory.unpin(3, [(1, 0)])
+    assert memory.steps() == [1, 2] and memory.kept_steps() == []  # nothing deleted, nothing kept for step 3
+
+
+def test_by_default_a_committed_step_no_longer_needed_goes_whole_before_the_next_copy(tmp_path):
+    budgeted = PeerMemory(tmp_path, max_bytes=100_000)  # steps 2 and 3 committed, as a crash may leave them
+    take(budgeted, 2, 0, 1000)
+    take(budgeted, 2, 1, 1000)
+    take(budgeted, 3, 0, 500, referenced=(2,))
+    memory = PeerMemory(tmp_path)
+    assert memory.steps() == [2, 3]
+    number, _buffer = memory.buffer_for(4, 0, 500)
+    # step 2 is deleted as a step: its slot step 3 references is kept, the other one freed with it
+    assert memory.steps() == [3] and memory.kept_steps() == [2] and set(memory.held(2)) == {0}
+    memory.release(number)

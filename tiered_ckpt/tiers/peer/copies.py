@@ -191,12 +191,12 @@ def _stream(link: PeerLink, sends: Sequence[_Flow], receives: Sequence[_Flow]) -
     """Move every buffer of ``sends`` and fill every buffer of ``receives`` a piece of each at a
     time, one exchange per piece (their sizes are known on both sides, so the exchanges of
     both pair up in order); each piece is then hashed and let go (:meth:`_Flow.through`).
-    The whole transfer is bounded as one exchange of its largest buffer would be (the link's
-    timeout plus that buffer at its slowest rate): a partner that answers slower than that
-    counts as hung, however small each piece."""
+    The whole transfer is bounded as one exchange of its bytes would be (the link's timeout
+    plus the bytes sent, or received if more, at its slowest rate): a partner that answers
+    slower than that counts as hung, however small each piece."""
     flows = (*sends, *receives)
-    largest = max((flow.buffer.size for flow in flows), default=0)
-    deadline = time.monotonic() + link.timeout_seconds + largest / SLOWEST_BYTES_PER_SECOND
+    moved = max(sum(flow.buffer.size for flow in sends), sum(flow.buffer.size for flow in receives))
+    deadline = time.monotonic() + link.timeout_seconds + moved / SLOWEST_BYTES_PER_SECOND
     rounds = max((-(-flow.buffer.size // PIECE_BYTES) for flow in flows), default=0)
     for index in range(rounds):
         out = [(flow, piece) for flow in sends if (piece := flow.piece(index)) is not None]
@@ -237,15 +237,15 @@ def _take(memory: PeerMemory, step: int, ward: int, raw: np.ndarray, slots: dict
     if any(size < 0 for _step, size, _digest in offered):
         return answer  # the ward could not read a file: its copy fails whatever is taken
     taken: list[_Receiving] = []
+    pinned: list[tuple[int, int]] = []
     try:
         with memory.lock:
             held = [
                 index > 0 and memory.holds(each, ward, size, digest.hex())
                 for index, (each, size, digest) in enumerate(offered)
             ]
-            memory.pin(
-                step, [(each, ward) for (each, _size, _digest), there in zip(offered, held, strict=True) if there]
-            )
+            pinned = [(each, ward) for (each, _size, _digest), there in zip(offered, held, strict=True) if there]
+            memory.pin(step, pinned)
             for index, (each, size, digest) in enumerate(offered):
                 if held[index]:
                     answer[index] = _HELD
@@ -262,6 +262,7 @@ def _take(memory: PeerMemory, step: int, ward: int, raw: np.ndarray, slots: dict
     except Exception as exc:  # a full memory, a failing memory file system: the answer is no
         logger.warning("peer copy of step %d: not holding rank %d's shard: %s", step, ward, exc)
         with memory.lock:
+            memory.unpin(step, pinned)
             for receiving in taken:
                 memory.release(receiving.number)
         return np.zeros(_FILES, np.uint8)

@@ -195,6 +195,11 @@ class PeerMemory:
             self._pinned = (step, set())
         self._pinned[1].update(slots)
 
+    def unpin(self, step: int, slots: Collection[tuple[int, int]]) -> None:
+        """``step``'s copy of the shard pinning ``slots`` failed: they are kept for it no more."""
+        if self._pinned is not None and self._pinned[0] == step:
+            self._pinned[1].difference_update(slots)
+
     def held(self, step: int) -> dict[int, Slot]:
         """The slots holding shards of ``step``, by rank."""
         return {slot.rank: slot for slot in self._slots.values() if slot is not None and slot.step == step}
@@ -229,11 +234,15 @@ class PeerMemory:
         (shared: what is written lands in the slot's file; :func:`file_map` is the map).
 
         Frees what the budget needs first (see the module doc); the slot holds nothing
-        until :meth:`accept`. Raises :class:`MemoryBudgetError` if the shard cannot fit.
+        until :meth:`accept`. Raises :class:`MemoryBudgetError` if the shard cannot fit
+        beside the slots a copy pinned (before anything is freed).
         """
-        if self.max_bytes is not None and size > self.max_bytes:
+        pinned = self._pinned[1] if self._pinned is not None else set()
+        held = sum(s.size for s in self._slots.values() if s is not None and (s.step, s.rank) in pinned)
+        if self.max_bytes is not None and size + held > self.max_bytes:
+            beside = f" beside the {held} bytes of the earlier files it references, held" if held else ""
             raise MemoryBudgetError(
-                f"peer memory {self.root}: rank {rank}'s shard of step {step} is {size} bytes, over the "
+                f"peer memory {self.root}: rank {rank}'s shard of step {step} is {size} bytes{beside}, over the "
                 f"budget of {self.max_bytes} bytes (peer.max_bytes)"
             )
         for number, slot in self._slots.items():
@@ -242,6 +251,9 @@ class PeerMemory:
         copying = self._pinned[0] if self._pinned is not None else step
         if self.max_bytes is None:  # what the chain needs stays until this step is committed
             keep = self._needed() | {step, copying}
+            for other in self.steps():  # committed, not needed: left by a crash or a budget given up
+                if other not in keep:
+                    self.delete_step(other)
             kept = self._kept_for(keep)
             for number, slot in self._slots.items():
                 if slot is not None and slot.step not in keep and (slot.step, slot.rank) not in kept:

@@ -100,6 +100,7 @@ class PeerTier:
             ranged_reads=False,
             prepared_reads=True,
             references=True,
+            paired_landings=True,
         )
         self._save_link = save_link
         self._restore_link = restore_link

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPOSITORY = Path(__file__).resolve().parent.parent
@@ -191,3 +192,15 @@ def test_the_benchmark_is_a_dag_of_a_harness_and_sections_and_the_library_never_
     assert {f"benchmarks.{section}" for section in sections} <= own["__main__"]  # the main module picks them
     for path in (REPOSITORY / "tiered_ckpt").rglob("*.py"):
         assert not any(name.split(".")[0] == "benchmarks" for name in imported(path)), path
+
+
+def test_the_chunk_study_counts_the_bytes_of_changed_arrays_in_chunks_left_as_they_were():
+    from benchmarks.incremental import unchanged_share
+
+    before = {"a": np.zeros(4096, np.uint8), "same": np.ones(10, np.uint8)}
+    after = {"a": before["a"].copy(), "same": before["same"].copy()}
+    after["a"][1500] = 1  # the second of four 1,024-byte chunks changed
+    assert unchanged_share(before, after, 1024) == 0.75  # an unchanged array counts for nothing
+    after["a"][4095] = 1  # and a byte of the last one
+    assert unchanged_share(before, after, 1024) == 0.5 and unchanged_share(before, after, 3000) == 0.0
+    assert unchanged_share(before, before, 1024) == 0.0  # nothing changed: nothing to share

@@ -527,3 +527,25 @@ def test_with_a_bucket_too_an_incremental_step_a_lost_node_lacks_comes_from_the_
         assert result["restored"]["digests"] == lora_digests(3, rank)
         assert result["refill_error"] is None
     assert shard_reads(proxy) == []  # step 3's files and step 1's it references: from the partners' memory
+
+
+@pytest.mark.slow
+def test_a_referenced_file_rotten_on_its_own_disk_is_read_from_the_partner_and_repaired_without_a_bucket(tmp_path):
+    import hashlib
+
+    lora = {"state": "lora", "keep_last": 1}
+    run_job(tmp_path, [{"do": "train", "steps": 3}], **lora)
+    disk = LocalTier(tmp_path / "nodes" / "rank-1")
+    ref = disk.manifest(3).shard(1).references[0]
+    kept = disk.shard_path(ref.step, ref.file)
+    assert kept.parent.name.startswith("kept-step-")  # step 1 is deleted; its file kept for step 3
+    data = bytearray(kept.read_bytes())
+    data[-100] ^= 0x01  # a real byte flipped in an array of the frozen base
+    kept.write_bytes(data)
+    restored = run_job(tmp_path, [{"do": "restore"}, {"do": "wait"}], **lora)
+    for rank, result in restored.items():
+        assert "error" not in result, result
+        assert result["restored"]["step"] == 3 and result["restored"]["digests"] == lora_digests(3, rank)
+        assert result["refill_error"] is None
+    repaired = disk.shard_path(ref.step, ref.file)  # from the partner's copy of step 1's file
+    assert hashlib.sha256(repaired.read_bytes()).hexdigest() == ref.file.sha256

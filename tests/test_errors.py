@@ -33,6 +33,7 @@ GROUPS = {
         errors.ConfigError,
         errors.InvalidStateError,
         errors.CheckpointExistsError,
+        errors.CheckpointNotFoundError,
         errors.WorldSizeMismatchError,
         errors.ReshardError,
     },

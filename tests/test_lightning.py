@@ -16,6 +16,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -407,3 +408,54 @@ def test_importing_tiered_ckpt_never_imports_lightning():
     code = "import sys, tiered_ckpt; assert not [m for m in sys.modules if m.startswith('lightning')]; print('ok')"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_a_missing_ckpt_path_fails_the_fit_with_a_file_not_found_error_and_the_plugin_refuses_pickling(
+    manager, tmp_path
+):
+    import io as streams
+
+    from tiered_ckpt import CheckpointNotFoundError
+
+    io = TieredCheckpointIO(manager)
+    run = trainer(io, tmp_path / "names", steps=2)
+    with pytest.raises(FileNotFoundError, match=r"Checkpoint file not found: .*missing\.ckpt does not exist") as caught:
+        run.fit(Model(), batches(), ckpt_path=tmp_path / "missing.ckpt")  # Lightning's contract for a missing path
+    assert isinstance(caught.value, CheckpointNotFoundError) and isinstance(caught.value, UsageError)
+    with pytest.raises(UsageError, match=r"TieredCheckpointIO cannot be pickled: it holds a running CheckpointManager"):
+        torch.save(trainer(io, tmp_path / "names", steps=2), streams.BytesIO())
+
+
+class Gated(TieredCheckpointIO):
+    """The plugin whose saves wait for ``gate``: under AsyncCheckpointIO every save stays queued
+    while the loop goes on, and each removal of a checkpoint that fell out of the top k comes first."""
+
+    def __init__(self, manager: CheckpointManager, gate: threading.Event) -> None:
+        super().__init__(manager)
+        self.gate = gate
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        assert self.gate.wait(timeout=120), "the training never ended"
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+class OpenGate(L.Callback):
+    def __init__(self, gate: threading.Event) -> None:
+        self.gate = gate
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.gate.set()
+
+
+def test_under_async_checkpoint_io_a_removal_that_comes_before_its_queued_save_is_not_undone(manager, tmp_path):
+    gate = threading.Event()
+    names = tmp_path / "names"
+    run = trainer(
+        AsyncCheckpointIO(Gated(manager, gate)), names, 6, save_top_k=2, save_last=False, every_n_train_steps=1,
+        monitor="train_loss",
+    )  # fmt: skip
+    run.callbacks.append(OpenGate(gate))
+    run.fit(Model(), batches())
+    kept = {Path(path).name for path in run.checkpoint_callback.best_k_models}
+    assert len(kept) == 2 and {path.name for path in names.iterdir()} == kept  # as TorchCheckpointIO leaves them
+    assert manager.steps()[-1] == 6  # every save was made: the steps removed pointers named stay to retention

@@ -242,6 +242,11 @@ class CheckpointExistsError(UsageError):
     """A committed checkpoint already exists where a new one was to be written."""
 
 
+class CheckpointNotFoundError(UsageError, FileNotFoundError):
+    """A path given to load from names nothing there: also a ``FileNotFoundError``, as the
+    contracts of the frameworks calling the library (Lightning's ``CheckpointIO``) expect."""
+
+
 class WorldSizeMismatchError(UsageError):
     """A checkpoint saved with one world size was loaded expecting another (``reshard=True`` re-cuts it)."""
 

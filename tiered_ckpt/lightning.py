@@ -66,7 +66,14 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from tiered_ckpt.engine.restore_result import RestoreResult
-from tiered_ckpt.errors import CheckpointError, CheckpointExistsError, InvalidStateError, UsageError, restated
+from tiered_ckpt.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    InvalidStateError,
+    UsageError,
+    restated,
+)
 from tiered_ckpt.format.layout import parse_step_dir_name, step_dir_name
 from tiered_ckpt.format.shardfile import dtype_code
 from tiered_ckpt.format.state import flatten
@@ -107,9 +114,23 @@ class TieredCheckpointIO(CheckpointIO):
         self.last_restore: RestoreResult | None = None
         self._lock = threading.Lock()  # AsyncCheckpointIO saves from a thread of its own
         self._newest: _Saved | None = None  # the newest step saved or loaded here
+        # Pointers removed before their save wrote them: AsyncCheckpointIO queues saves, while the
+        # loop removes a checkpoint that fell out of the top k at once. Guarded by _pointers, which
+        # a save holds only around writing its pointer (not its whole save).
+        self._unwanted: set[Path] = set()
+        self._pointers = threading.Lock()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.manager!r}, step_key={self.step_key!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Refused: the plugin holds a running manager (its threads, the lock on its directory),
+        which only the process that opened it can use (``torch.save(trainer)`` pickles it)."""
+        raise UsageError(
+            f"{type(self).__name__} cannot be pickled: it holds a running CheckpointManager of "
+            f"{self.manager.root} (its threads and the lock on its directory belong to this process); "
+            "save the model or its state_dict instead, and give a new process a plugin of its own manager"
+        )
 
     # -- saving ---------------------------------------------------------------------------
 
@@ -145,7 +166,11 @@ class TieredCheckpointIO(CheckpointIO):
                 self._save(step, checkpoint, target)
                 self._newest = saved
             target.parent.mkdir(parents=True, exist_ok=True)
-            write_bytes(target, self._pointer(step))
+            with self._pointers:
+                if target in self._unwanted:  # removed while this save was queued: the step stays, unnamed
+                    self._unwanted.discard(target)
+                    return
+                write_bytes(target, self._pointer(step))
 
     def _step_of(self, checkpoint: Any, target: Path) -> int:
         if not isinstance(checkpoint, dict):
@@ -191,16 +216,23 @@ class TieredCheckpointIO(CheckpointIO):
         return json.dumps(document, indent=1).encode()
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Remove the pointer at ``path`` (nothing if there is none). The step stays: the
-        manager's retention deletes steps. Raises :class:`UsageError`, removing nothing, if
-        ``path`` is something else (a file of another kind, a directory such as a step's)."""
+        """Remove the pointer at ``path``. The step stays: the manager's retention deletes
+        steps. A pointer not written yet (its save queued by ``AsyncCheckpointIO``) is not
+        written when its save comes: ModelCheckpoint removes only what it saved, so a removal
+        of a pointer that is not there is one of a save still to come. Raises
+        :class:`UsageError`, removing nothing, if ``path`` is something else (a file of another
+        kind, a directory such as a step's)."""
         target = _local_path(path)
         # Not under the saves' lock: under AsyncCheckpointIO the loop removes while a save runs.
-        if not target.exists():
-            target.unlink(missing_ok=True)  # nothing there, or a link to a pointer removed already
-            return
-        self._parse_pointer(target)  # refuses anything that is not a pointer
-        target.unlink()
+        with self._pointers:
+            if not os.path.lexists(target):
+                self._unwanted.add(target)
+                return
+            if not target.exists():
+                target.unlink()  # a link to a pointer removed already
+                return
+            self._parse_pointer(target)  # refuses anything that is not a pointer
+            target.unlink()
 
     def teardown(self) -> None:
         """Raise a background error of the manager not raised yet (a permanent upload failure)."""
@@ -230,8 +262,10 @@ class TieredCheckpointIO(CheckpointIO):
         ``local.dir`` or ``remote.url`` (:meth:`ckpt_path`); the step comes from local disk
         when it is there and intact, else from the bucket. Tensors come back on the CPU, or
         on ``map_location`` (a device or its name). Nothing is unpickled, so ``weights_only``
-        has nothing to restrict: it is accepted and ignored. Raises :class:`UsageError` for
-        a path that names no step of this manager (naming what it is), :class:`ManifestError`
+        has nothing to restrict: it is accepted and ignored. Raises
+        :class:`CheckpointNotFoundError` (a ``FileNotFoundError``) for a path that does not
+        exist and is no step's directory, :class:`UsageError` for a path that names no step of
+        this manager (naming what it is), :class:`ManifestError`
         for a damaged pointer, and what :meth:`CheckpointManager.restore` raises.
         """
         _refuse_several_processes("load")
@@ -256,10 +290,11 @@ class TieredCheckpointIO(CheckpointIO):
         if step is not None and self._holds_steps(parent):
             return step
         target = _local_path(path)
-        if not target.exists():
-            raise UsageError(
-                f"{target} does not exist, and is not a step's directory under {self._places()}: "
-                f"give a pointer this plugin wrote, or a step's directory ({self.ckpt_path(100)} for step 100)"
+        if not target.exists():  # Lightning's CheckpointIO contract: a FileNotFoundError
+            raise CheckpointNotFoundError(
+                f"Checkpoint file not found: {target} does not exist, and is not a step's directory under "
+                f"{self._places()}: give a pointer this plugin wrote, or a step's directory "
+                f"({self.ckpt_path(100)} for step 100)"
             )
         return self._read_pointer(target)
 
@@ -373,7 +408,7 @@ def _local_path(path: str | os.PathLike[str]) -> Path:
             f"{text!r:.200}: the plugin writes its pointers on a local file system (the steps go to the manager's "
             "bucket): give ModelCheckpoint a local dirpath"
         )
-    return Path(text)
+    return Path(text).absolute()
 
 
 def _device(map_location: Any) -> torch.device | None:

@@ -37,6 +37,7 @@ MARKERS = {
     "peer": ("guides/peer-tier.md", "peer=PeerOptions(every=10"),
     "lightning": ("guides/lightning.md", "trainer.fit(model, train_dataloaders, ckpt_path=io.ckpt_path())"),
     "fabric": ("guides/lightning.md", 'TieredCheckpointIO(manager, step_key="step")'),
+    "lightning_load": ("guides/lightning.md", 'load_from_checkpoint(Model, "checkpoints/last.ckpt")'),
 }
 
 
@@ -261,6 +262,11 @@ def test_the_lightning_guide_resumes_a_trainer_from_the_bucket_and_fabric_from_i
     again = run(trainer, env, tmp_path)
     assert again.returncode == 0, again.stderr[-5000:]
     assert "restored step 200" in again.stdout and "sources {0: 'remote'}" in again.stdout
+    shutil.rmtree(tmp_path / "nvme")  # a serving machine: the pointer's bucket alone
+    shown = "print('loaded', type(model).__name__, model.net.weight.shape)\n"
+    loaded = run(script(tmp_path, "load_sample", LIGHTNING_PRELUDE, sample("lightning_load"), shown), env, tmp_path)
+    assert loaded.returncode == 0, loaded.stderr[-5000:]
+    assert "loaded Model torch.Size([1, 8])" in loaded.stdout
 
     epilogue = "print('fabric', io.last_restore and io.last_restore.step, state['step'])\n"
     fabric = script(tmp_path, "fabric_sample", LIGHTNING_PRELUDE, sample("fabric"), epilogue)

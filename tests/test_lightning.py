@@ -32,6 +32,7 @@ from tiered_ckpt import (
     CheckpointManager,
     InvalidStateError,
     ManifestError,
+    RemoteOptions,
     UsageError,
 )
 from tiered_ckpt.format.layout import step_dir_name
@@ -459,3 +460,44 @@ def test_under_async_checkpoint_io_a_removal_that_comes_before_its_queued_save_i
     kept = {Path(path).name for path in run.checkpoint_callback.best_k_models}
     assert len(kept) == 2 and {path.name for path in names.iterdir()} == kept  # as TorchCheckpointIO leaves them
     assert manager.steps()[-1] == 6  # every save was made: the steps removed pointers named stay to retention
+
+
+def assert_module_of(checkpoint: dict, module: L.LightningModule) -> None:
+    for name, value in checkpoint["state_dict"].items():
+        assert torch.equal(module.state_dict()[name], value), name
+
+
+def test_load_from_checkpoint_builds_the_module_lightning_would_from_a_pointer_or_a_step_directory(manager, tmp_path):
+    from tiered_ckpt.lightning import load_from_checkpoint
+
+    io = Capturing(manager)
+    names = tmp_path / "names"
+    trainer(io, names, 4, save_top_k=-1, save_last=False, every_n_train_steps=2).fit(Model(lr=0.05), batches())
+    saved = io.handed[4]
+    pointer = next(path for path in names.iterdir() if "step=4" in path.name)
+    for path in (pointer, manager.root / step_dir_name(4)):  # the pointer, or the step's directory
+        module = load_from_checkpoint(Model, path)
+        assert type(module) is Model and module.hparams.lr == 0.05 and module.hparams.betas == (0.9, 0.99)
+        assert_module_of(saved, module)
+    overridden = load_from_checkpoint(Model, pointer, lr=0.5, map_location="cpu")  # as Lightning's kwargs do
+    assert overridden.hparams.lr == 0.5 and overridden.net.weight.device.type == "cpu"
+    assert_module_of(saved, overridden)
+    with pytest.raises(FileNotFoundError, match=r"Checkpoint file not found: .*absent\.ckpt"):
+        load_from_checkpoint(Model, tmp_path / "absent.ckpt")
+    with pytest.raises(UsageError, match=r"not a LightningModule or LightningDataModule class"):
+        load_from_checkpoint(dict, pointer)
+
+
+def test_load_from_checkpoint_reads_a_step_from_the_bucket_alone_for_a_machine_without_the_disk(tmp_path, s3_url):
+    from tiered_ckpt.lightning import load_from_checkpoint
+
+    url, options = s3_url
+    with CheckpointManager(tmp_path / "ckpt", remote=RemoteOptions(url, storage_options=options), world_size=1) as job:
+        io = Capturing(job)
+        trainer(io, tmp_path / "names", 2).fit(Model(lr=0.07), batches())
+        job.wait(uploaded=True)
+    shutil.rmtree(tmp_path / "ckpt")  # the serving machine has the bucket only
+    for path in (f"{url}/{step_dir_name(2)}", tmp_path / "names" / "last.ckpt"):  # the pointer names the bucket
+        module = load_from_checkpoint(Model, path, storage_options=options)
+        assert module.hparams.lr == 0.07
+        assert_module_of(io.handed[2], module)

@@ -31,6 +31,7 @@ from tiered_ckpt import (
     CheckpointExistsError,
     CheckpointManager,
     InvalidStateError,
+    LocalOptions,
     ManifestError,
     RemoteOptions,
     UsageError,
@@ -501,3 +502,33 @@ def test_load_from_checkpoint_reads_a_step_from_the_bucket_alone_for_a_machine_w
         module = load_from_checkpoint(Model, path, storage_options=options)
         assert module.hparams.lr == 0.07
         assert_module_of(io.handed[2], module)
+
+
+def test_every_step_a_top_k_pointer_names_stays_in_both_tiers_until_the_pointer_goes(tmp_path, s3_url):
+    url, options = s3_url
+    names = tmp_path / "names"
+    top_k = {"save_top_k": 2, "save_last": False, "every_n_train_steps": 1, "monitor": "train_loss"}
+
+    def job() -> CheckpointManager:  # one step kept by each tier's own policy: the newest
+        remote = RemoteOptions(url, storage_options=options, keep_last=1)
+        return CheckpointManager(LocalOptions(tmp_path / "ckpt", keep_last=1), remote=remote, world_size=1)
+
+    with job() as manager:
+        io = TieredCheckpointIO(manager)
+        run = trainer(io, names, 6, **top_k)
+        run.fit(Model(), batches())
+        manager.wait(uploaded=True)
+        named = {pointer_step(path) for path in names.iterdir()}
+        assert len(named) == 2 and manager.store.held == named
+        assert manager.steps() == sorted(named | {6}) and manager.remote_steps() == sorted(named | {6})
+        best = run.checkpoint_callback.best_model_path
+        assert io.load_checkpoint(best)["global_step"] == pointer_step(Path(best))  # the best is loadable
+    with job() as manager:  # a restart resumes from the best: the pointers its callback recorded are held again
+        io = TieredCheckpointIO(manager)
+        again = trainer(io, names, 9, **top_k)
+        again.fit(Model(), batches(), ckpt_path=best)
+        manager.wait(uploaded=True)
+        named = {pointer_step(path) for path in names.iterdir()}
+        assert manager.store.held == named and set(named) <= set(manager.steps()) & set(manager.remote_steps())
+        newest = max(manager.steps())
+        assert set(manager.steps()) == named | {newest}  # the others went, as the policy says

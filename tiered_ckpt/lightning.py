@@ -124,6 +124,7 @@ class TieredCheckpointIO(CheckpointIO):
         # a save holds only around writing its pointer (not its whole save).
         self._unwanted: set[Path] = set()
         self._pointers = threading.Lock()
+        self._named: dict[Path, int] = {}  # the live pointers, by path: their steps are held from retention
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.manager!r}, step_key={self.step_key!r})"
@@ -176,6 +177,7 @@ class TieredCheckpointIO(CheckpointIO):
                     self._unwanted.discard(target)
                     return
                 write_bytes(target, self._pointer(step))
+                self._name(target, step)
 
     def _step_of(self, checkpoint: Any, target: Path) -> int:
         if not isinstance(checkpoint, dict):
@@ -238,6 +240,16 @@ class TieredCheckpointIO(CheckpointIO):
                 return
             self._parse_pointer(target)  # refuses anything that is not a pointer
             target.unlink()
+            self._name(target, None)
+
+    def _name(self, target: Path, step: int | None) -> None:
+        """The pointer at ``target`` names ``step`` (None: no step any more); the steps the live
+        pointers name are held from every tier's retention (the caller holds ``_pointers``)."""
+        if step is None:
+            self._named.pop(target, None)
+        else:
+            self._named[target] = step
+        self.manager.store.hold(set(self._named.values()))
 
     def teardown(self) -> None:
         """Raise a background error of the manager not raised yet (a permanent upload failure)."""
@@ -281,10 +293,30 @@ class TieredCheckpointIO(CheckpointIO):
             checkpoint = result.torch_state()
             self.last_restore = replace(result, states=[], flat=())
             self._newest = _Saved.of(step, checkpoint, os.fspath(path))
+        self._name_recorded(checkpoint)
         logger.info("restored step %d for Lightning from %s", step, os.fspath(path))
         if device is not None:
             checkpoint = apply_to_collection(checkpoint, torch.Tensor, lambda tensor: tensor.to(device))
         return checkpoint
+
+    def _name_recorded(self, checkpoint: dict[str, Any]) -> None:
+        """After a load: the live pointers the checkpoint's ``ModelCheckpoint`` states record (the
+        top k, the best, the last) are held again, as their saves held them."""
+        recorded: list[Any] = []
+        for state in (checkpoint.get("callbacks") or {}).values():
+            if isinstance(state, dict):
+                recorded += list(state.get("best_k_models") or {})
+                recorded += [state.get(key) for key in ("best_model_path", "kth_best_model_path", "last_model_path")]
+        with self._pointers:
+            for text in recorded:
+                if not isinstance(text, str) or not text or "://" in text:
+                    continue
+                target = Path(text).absolute()
+                try:
+                    self._named[target] = self._read_pointer(target)
+                except (CheckpointError, OSError):  # removed since, or not one of this manager's
+                    continue
+            self.manager.store.hold(set(self._named.values()))
 
     def _step_named(self, path: str | os.PathLike[str]) -> int:
         text = os.fspath(path)

@@ -10,6 +10,9 @@ rules are :mod:`~tiered_ckpt.tiers.retention`'s pure functions. What a tier prot
   no newer than one every rank can restore (see :func:`~tiered_ckpt.tiers.retention.retainable`);
 - a later tier feeds none: its policy alone decides.
 
+Every tier keeps the steps the store holds (:attr:`TieredStore.held`: those a framework's
+checkpoint pointers name, until it removes them).
+
 Whatever a policy deletes, a file a retained step references stays (reachability, not step
 numbers: the tier's ``delete_step`` keeps it), and goes with the last step referencing it.
 """
@@ -68,11 +71,11 @@ def _plan(
     for (``assume_complete``: as if every step were known complete on every rank)."""
     policy = store.policy(tier)
     if tier is not store.local:
-        return policy.to_delete(tier.steps()), set()
+        return policy.to_delete(tier.steps(), store.held), set()
     steps = store.local.steps()
     receipted = {step for step in steps if store.receipted(step)} if store.remote is not None else set()
     newest = max(steps, default=None) if assume_complete else _newest_complete(store, steps, receipted, complete)
-    kept = {step for queued in pending.values() for step in queued}.intersection(steps)
+    kept = {step for queued in pending.values() for step in queued}.intersection(steps) | store.held
     waited: set[int] = set()
     if store.remote is not None:
         queued = pending.get(store.remote.name, ())

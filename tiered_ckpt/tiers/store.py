@@ -118,6 +118,18 @@ class TieredStore:
             (receipted for tier in tiers[1:] if (receipted := receipts_of(tier)) is not None), None
         )
         self.retention_lock = threading.Lock()  # retention passes of the local tier never interleave
+        self._held: frozenset[int] = frozenset()  # replaced whole: a retention pass reads one set
+
+    @property
+    def held(self) -> frozenset[int]:
+        """The steps something outside the store names (a framework's checkpoint pointers), which
+        no tier's retention deletes while they are held (see :meth:`hold`)."""
+        return self._held
+
+    def hold(self, steps: Collection[int]) -> None:
+        """Hold exactly ``steps`` from now on (those held before and not given are released):
+        every tier's retention keeps them, beside what its policy keeps."""
+        self._held = frozenset(steps)
 
     def __repr__(self) -> str:
         return f"TieredStore([{', '.join(repr(tier) for tier in self.tiers)}])"

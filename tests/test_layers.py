@@ -245,3 +245,37 @@ def test_the_identity_check_sees_the_peer_tier_and_every_way_of_asking():
     asking = "if tier is store.remote or t is not self.peer or isinstance(t, (int, PeerTier)):\n    pass\n"
     assert identity_tests(asking, "probe") == ["probe:1", "probe:1", "probe:1"]
     assert identity_tests("if tier.capabilities.shared and t is not None:\n    pass\n", "probe") == []
+
+
+HEAVY = ("numpy", "ml_dtypes", "fsspec", "yaml", "tiered_ckpt.manager", "tiered_ckpt.cli")
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import tiered_ckpt",
+        "from tiered_ckpt import CheckpointError, UsageError",
+        "from tiered_ckpt.entry import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass",
+        "from tiered_ckpt.entry import main\ntry:\n    main(['--version'])\nexcept SystemExit:\n    pass",
+    ],
+    ids=["package", "errors", "help", "version"],
+)
+def test_the_package_the_errors_and_the_commands_help_import_nothing_heavy(code):
+    check = f"{code}\nimport sys\nprint(sorted(name for name in {HEAVY!r} if name in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_name_of_the_package_is_imported_when_first_used_and_a_bf16_array_brings_ml_dtypes():
+    code = (
+        "import sys, tiered_ckpt\n"
+        "assert tiered_ckpt.CheckpointManager.__name__ == 'CheckpointManager'\n"
+        "assert 'ml_dtypes' not in sys.modules, 'ml_dtypes imported by the manager alone'\n"
+        "assert tiered_ckpt.tiers.store.TieredStore is tiered_ckpt.TieredStore\n"
+        "from tiered_ckpt.format.shardfile import DTYPES\n"
+        "print(DTYPES['BF16'].name, 'ml_dtypes' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["bfloat16", "True"]

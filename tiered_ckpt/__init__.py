@@ -1,8 +1,16 @@
-"""tiered_ckpt: sharded, verified, crash-safe checkpoints for distributed training."""
+"""tiered_ckpt: sharded, verified, crash-safe checkpoints for distributed training.
 
-from tiered_ckpt.config import Config, load_config
-from tiered_ckpt.dist.coordination import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
-from tiered_ckpt.dist.reshard import partition_sizes
+``import tiered_ckpt`` imports the error tree only; every other name is imported when it is
+first used (``tiered_ckpt.CheckpointManager``, ``from tiered_ckpt import ...``), so that a
+command or a rank process pays for what it calls (numpy, fsspec, ml_dtypes: most of a
+second), not for the whole package.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from tiered_ckpt.errors import (
     BackgroundError,
     CheckpointError,
@@ -31,21 +39,74 @@ from tiered_ckpt.errors import (
     UsageError,
     WorldSizeMismatchError,
 )
-from tiered_ckpt.export import ExportResult, export_safetensors
-from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
-from tiered_ckpt.manager import CheckpointManager, PruneResult, PullResult, PushResult, RestoreResult, SaveHandle
-from tiered_ckpt.oneshot import load_sharded, save_sharded
-from tiered_ckpt.options import (
-    LocalOptions,
-    PeerOptions,
-    RemoteOptions,
-    RestoreOptions,
-    RuntimeOptions,
-    TierOptions,
-    UploadOptions,
-)
-from tiered_ckpt.tiers.store import TieredStore
-from tiered_ckpt.tiers.survey import Lag, ShardCheck, StepStatus, VerifyResult
+
+if TYPE_CHECKING:
+    from tiered_ckpt.config import Config, load_config
+    from tiered_ckpt.dist.coordination import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
+    from tiered_ckpt.dist.reshard import partition_sizes
+    from tiered_ckpt.export import ExportResult, export_safetensors
+    from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
+    from tiered_ckpt.manager import CheckpointManager, PruneResult, PullResult, PushResult, RestoreResult, SaveHandle
+    from tiered_ckpt.oneshot import load_sharded, save_sharded
+    from tiered_ckpt.options import (
+        LocalOptions,
+        PeerOptions,
+        RemoteOptions,
+        RestoreOptions,
+        RuntimeOptions,
+        TierOptions,
+        UploadOptions,
+    )
+    from tiered_ckpt.tiers.store import TieredStore
+    from tiered_ckpt.tiers.survey import Lag, ShardCheck, StepStatus, VerifyResult
+
+_LAZY = {  # each name imported on first use, from its module
+    **dict.fromkeys(["Config", "load_config"], "tiered_ckpt.config"),
+    **dict.fromkeys(
+        ["Coordinator", "SingleProcessCoordinator", "TorchDistributedCoordinator"], "tiered_ckpt.dist.coordination"
+    ),
+    "partition_sizes": "tiered_ckpt.dist.reshard",
+    **dict.fromkeys(["ExportResult", "export_safetensors"], "tiered_ckpt.export"),
+    **dict.fromkeys(["ShardManifest", "ShardRecord"], "tiered_ckpt.format.manifest"),
+    **dict.fromkeys(
+        ["CheckpointManager", "PruneResult", "PullResult", "PushResult", "RestoreResult", "SaveHandle"],
+        "tiered_ckpt.manager",
+    ),
+    **dict.fromkeys(["load_sharded", "save_sharded"], "tiered_ckpt.oneshot"),
+    **dict.fromkeys(
+        [
+            "LocalOptions",
+            "PeerOptions",
+            "RemoteOptions",
+            "RestoreOptions",
+            "RuntimeOptions",
+            "TierOptions",
+            "UploadOptions",
+        ],
+        "tiered_ckpt.options",
+    ),
+    "TieredStore": "tiered_ckpt.tiers.store",
+    **dict.fromkeys(["Lag", "ShardCheck", "StepStatus", "VerifyResult"], "tiered_ckpt.tiers.survey"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:  # a submodule, as the package's imports used to make every one an attribute
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # imported once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 __all__ = [
     # the manager, its options and its results

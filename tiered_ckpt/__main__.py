@@ -1,3 +1,3 @@
-from tiered_ckpt.cli import main
+from tiered_ckpt.entry import main
 
 raise SystemExit(main())

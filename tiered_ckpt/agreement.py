@@ -25,9 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tiered_ckpt.config import ENV_PREFIX
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, gather
 from tiered_ckpt.engine.restore_result import rank_ranges
+from tiered_ckpt.environment import ENV_PREFIX
 from tiered_ckpt.errors import invalid_option
 from tiered_ckpt.options import Options
 

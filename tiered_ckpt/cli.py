@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import signal
 import sys
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -23,7 +21,7 @@ from tqdm import tqdm
 
 from tiered_ckpt import maintenance
 from tiered_ckpt.build import open_store, replication_policy
-from tiered_ckpt.cli_parser import build_parser
+from tiered_ckpt.cli_parser import build_parser, run_quietly
 from tiered_ckpt.config import Config, load_config
 from tiered_ckpt.engine.replication import Replicator
 from tiered_ckpt.engine.restore_result import rank_ranges
@@ -36,10 +34,9 @@ from tiered_ckpt.tiers import survey
 from tiered_ckpt.tiers.abilities import references_of
 from tiered_ckpt.tiers.store import TieredStore
 
-__all__ = ["main"]
+__all__ = ["main", "run"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # what a shell reports for a tool that SIGPIPE ended
 
 
 def _store(config: Config) -> TieredStore:
@@ -440,24 +437,14 @@ COMMANDS: dict[str, Callable[[Config, argparse.Namespace], tuple[int, Any]]] = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command; return its exit code. A reader that closes the output early (``| head``)
-    ends the command quietly with :data:`EXIT_BROKEN_PIPE`, as a Unix tool killed by SIGPIPE."""
+    """Run one command; return its exit code (see :func:`~tiered_ckpt.cli_parser.run_quietly`
+    for a reader that closes the output early)."""
     arguments = list(sys.argv[1:] if argv is None else argv)
-    try:
-        try:
-            return _run(arguments)
-        finally:  # the output still buffered is written here, not at exit where a failure prints a traceback
-            sys.stdout.flush()
-    except BrokenPipeError:
-        # Nothing more can reach the reader; stdout goes to /dev/null so that the interpreter's
-        # own flush at exit finds nothing to fail on.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-        return EXIT_BROKEN_PIPE
+    return run_quietly(lambda: run(arguments))
 
 
-def _run(arguments: list[str]) -> int:
+def run(arguments: list[str]) -> int:
+    """Run the command ``arguments`` name; its exit code."""
     if arguments[:1] == ["demo"]:
         from tiered_ckpt.demo import main as demo_main
 

@@ -8,13 +8,17 @@ command does is :mod:`tiered_ckpt.cli`'s.
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import signal
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from tiered_ckpt import __version__
-from tiered_ckpt.config import ENV_PREFIX
+from tiered_ckpt.environment import ENV_PREFIX
 
-__all__ = ["DESCRIPTION", "EPILOG", "build_parser", "parse_size"]
+__all__ = ["DESCRIPTION", "EPILOG", "EXIT_BROKEN_PIPE", "build_parser", "parse_size", "run_quietly"]
 
 DESCRIPTION = """\
 Look at, check and move the checkpoints of a tiered_ckpt job: a local directory and,
@@ -133,3 +137,24 @@ def build_parser() -> argparse.ArgumentParser:
     _global_options(prune, top=False)
     commands.add_parser("demo", help="the demo: a run killed, a disk lost, a bit-exact resume", add_help=False)
     return parser
+
+
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
+"""What a shell reports for a tool that SIGPIPE ended."""
+
+
+def run_quietly(command: Callable[[], int]) -> int:
+    """``command()``'s exit code. A reader that closes the output early (``| head``) ends the
+    command quietly with :data:`EXIT_BROKEN_PIPE`, as a Unix tool killed by SIGPIPE."""
+    try:
+        try:
+            return command()
+        finally:  # the output still buffered is written here, not at exit where a failure prints a traceback
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # Nothing more can reach the reader; stdout goes to /dev/null so that the interpreter's
+        # own flush at exit finds nothing to fail on.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE

@@ -68,6 +68,7 @@ from typing import Any
 
 import yaml
 
+from tiered_ckpt.environment import ENV_PREFIX
 from tiered_ckpt.errors import ConfigError
 from tiered_ckpt.options import (
     GROUPS,
@@ -81,7 +82,6 @@ from tiered_ckpt.options import (
 
 __all__ = ["Config", "load_config", "ENV_PREFIX"]
 
-ENV_PREFIX = "TIERED_CKPT_"
 # The names of keys that would put a secret in a config file (matched as parts of a key,
 # so "aws_secret_access_key", "sas_token" and "private_key" are all caught); gcsfs's
 # ``token`` may name a method instead.

@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 __all__ = [
@@ -28,12 +27,15 @@ __all__ = [
     "torch_state",
 ]
 
-# torch dtypes numpy has no type for: (torch dtype name, same-size integer view, ml_dtypes type)
-_REINTERPRETED = {
-    "bfloat16": ("int16", ml_dtypes.bfloat16),
-    "float8_e4m3fn": ("uint8", ml_dtypes.float8_e4m3fn),
-    "float8_e5m2": ("uint8", ml_dtypes.float8_e5m2),
-}
+# torch dtypes numpy has no type for, by name (ml_dtypes' and torch's): the same-size integer view
+_REINTERPRETED = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+
+
+def _ml_dtype(name: str) -> np.dtype[Any]:
+    import ml_dtypes  # most of a second to import: only for a tensor of bf16 or fp8
+
+    found: np.dtype[Any] = np.dtype(getattr(ml_dtypes, name))
+    return found
 
 
 def is_tensor(value: Any) -> bool:
@@ -47,7 +49,7 @@ def numpy_dtype(dtype: Any) -> np.dtype[Any]:
 
     name = str(dtype).removeprefix("torch.")
     if name in _REINTERPRETED:
-        return np.dtype(_REINTERPRETED[name][1])
+        return _ml_dtype(name)
     return np.dtype(torch.empty(0, dtype=dtype).numpy().dtype)
 
 
@@ -60,8 +62,7 @@ def to_numpy(tensor: Any) -> np.ndarray:
         tensor = tensor.to("cpu")
     name = str(tensor.dtype).removeprefix("torch.")
     if name in _REINTERPRETED:
-        integer, numpy_type = _REINTERPRETED[name]
-        return tensor.view(getattr(torch, integer)).numpy().view(numpy_type)
+        return tensor.view(getattr(torch, _REINTERPRETED[name])).numpy().view(_ml_dtype(name))
     return tensor.numpy()
 
 
@@ -69,9 +70,9 @@ def to_torch(array: np.ndarray) -> Any:
     """The array as a CPU tensor sharing its memory (bf16 and fp8 included)."""
     import torch
 
-    for name, (integer, numpy_type) in _REINTERPRETED.items():
-        if array.dtype == np.dtype(numpy_type):
-            return torch.from_numpy(array.view(integer)).view(getattr(torch, name))
+    name = array.dtype.name  # an array of bf16 or fp8 has ml_dtypes' dtype of that name
+    if name in _REINTERPRETED and array.dtype == _ml_dtype(name):
+        return torch.from_numpy(array.view(_REINTERPRETED[name])).view(getattr(torch, name))
     return torch.from_numpy(array)
 
 

@@ -238,7 +238,7 @@ class TieredCheckpointIO(CheckpointIO):
             if not target.exists():
                 target.unlink()  # a link to a pointer removed already
                 return
-            self._parse_pointer(target)  # refuses anything that is not a pointer
+            _parse_pointer(target)  # refuses anything that is not a pointer
             target.unlink()
             self._name(target, None)
 
@@ -348,16 +348,13 @@ class TieredCheckpointIO(CheckpointIO):
 
     def _read_pointer(self, target: Path) -> int:
         """The step of the pointer at ``target``; :class:`UsageError` if it is no pointer or another manager's."""
-        step, local, remote = self._parse_pointer(target)
+        step, local, remote = _parse_pointer(target)
         mine = self.manager.options.remote
         same_bucket = remote is not None and mine is not None and remote == mine.url
         if not same_bucket and Path(local) != self.manager.root.resolve():
             where = f"{local} and {remote}" if remote else local
             raise UsageError(f"{target} points at step {step} of {where}, not of this manager's {self._places()}")
         return step
-
-    def _parse_pointer(self, target: Path) -> tuple[int, str, str | None]:
-        return _parse_pointer(target)
 
 
 @dataclass(frozen=True)

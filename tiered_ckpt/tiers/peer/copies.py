@@ -62,14 +62,8 @@ __all__ = ["PIECE_BYTES", "Fetched", "Outgoing", "Transfer", "copy_step", "fetch
 
 logger = logging.getLogger("tiered_ckpt")
 
-_OFFER = struct.Struct("<qq32sq")  # step, size (-1: nothing to send), sha256, the earlier files offered
-_EARLIER = struct.Struct("<qq32s")  # an earlier file of the offer: its step, size (-1: unreadable), sha256
-_OFFER_BYTES = _OFFER.size + MAX_REFERENCED_FILES * _EARLIER.size
 _FILES = 1 + MAX_REFERENCED_FILES  # the answers and checks of a copy: one per file, the shard's first
-_NO, _SEND, _HELD = 0, 1, 2
-_SIZES = struct.Struct("<qqq")  # manifest bytes, shard bytes (-1: not held after all), earlier files sent
-_HELD_FILE = struct.Struct("<qq")  # an earlier file a restore's copy sends: its step and size
-_SIZES_BYTES = _SIZES.size + MAX_REFERENCED_FILES * _HELD_FILE.size
+_SEND, _HELD = 1, 2  # an answer for a file (0: not taken)
 _MAX_MANIFEST = 64 << 20
 PIECE_BYTES = 8 << 20
 """The most bytes of a shard one message of a copy carries. A process sends a piece to its
@@ -84,6 +78,43 @@ Transfer = tuple[int, int, int]
 
 def _bytes(data: bytes) -> np.ndarray:
     return np.frombuffer(bytearray(data), np.uint8)
+
+
+@dataclass(frozen=True)
+class _Message:
+    """A message of a fixed size, so that its receiver knows its length before it arrives: the
+    fields of ``head``, its last one the number of rows that follow, then up to
+    :data:`~tiered_ckpt.format.manifest.MAX_REFERENCED_FILES` rows of ``row``."""
+
+    head: struct.Struct
+    row: struct.Struct
+
+    @property
+    def size(self) -> int:
+        return self.head.size + MAX_REFERENCED_FILES * self.row.size
+
+    def pack(self, fields: tuple[Any, ...], rows: Sequence[tuple[Any, ...]]) -> np.ndarray:
+        raw = bytearray(self.size)
+        self.head.pack_into(raw, 0, *fields, len(rows))
+        for index, row in enumerate(rows):
+            self.row.pack_into(raw, self.head.size + index * self.row.size, *row)
+        return np.frombuffer(raw, np.uint8)
+
+    def unpack(self, raw: np.ndarray) -> tuple[tuple[Any, ...], list[tuple[Any, ...]] | None]:
+        """The head's fields (but the count) and the rows; None for rows more than a message holds."""
+        data = raw.tobytes()
+        *fields, count = self.head.unpack_from(data)
+        if not 0 <= count <= MAX_REFERENCED_FILES:
+            return tuple(fields), None
+        return tuple(fields), [self.row.unpack_from(data, self.head.size + i * self.row.size) for i in range(count)]
+
+
+# A save's offer: the shard's step, size (-1: nothing to send) and sha256; each earlier file's
+# step, size (-1: unreadable) and sha256.
+_OFFER = _Message(struct.Struct("<qq32sq"), struct.Struct("<qq32s"))
+# A restore's copy: the manifest's bytes, the shard's (-1: not held after all); each earlier
+# file's step and bytes.
+_SIZES = _Message(struct.Struct("<qqq"), struct.Struct("<qq"))
 
 
 @dataclass(frozen=True)
@@ -118,7 +149,7 @@ def copy_step(
         raise UsageError(f"a shard references at most {MAX_REFERENCED_FILES} earlier files, not {len(referenced)}")
     step, record, files = own.step, own.record, (own, *referenced)
     offer = _offer(files)
-    offers = {ward: np.zeros(_OFFER_BYTES, np.uint8) for ward in wards}
+    offers = {ward: np.zeros(_OFFER.size, np.uint8) for ward in wards}
     slots: dict[int, list[_Receiving]] = {}
     try:
         link.exchange([(partner, offer)], list(offers.items()))
@@ -153,14 +184,13 @@ def copy_step(
 
 def _offer(files: Sequence[Outgoing]) -> np.ndarray:
     """Round 1: what this rank offers its partner (see the module doc)."""
-    own, *earlier = files
-    raw = bytearray(_OFFER_BYTES)
-    size = own.record.size_bytes if isinstance(own.data, np.ndarray) else -1
-    _OFFER.pack_into(raw, 0, own.step, size, bytes.fromhex(own.record.sha256), len(earlier))
-    for index, each in enumerate(earlier):
+
+    def described(each: Outgoing) -> tuple[int, int, bytes]:
         size = each.record.size_bytes if isinstance(each.data, np.ndarray) else -1
-        _EARLIER.pack_into(raw, _OFFER.size + index * _EARLIER.size, each.step, size, bytes.fromhex(each.record.sha256))
-    return np.frombuffer(raw, np.uint8)
+        return each.step, size, bytes.fromhex(each.record.sha256)
+
+    own, *earlier = files
+    return _OFFER.pack(described(own), [described(each) for each in earlier])
 
 
 @dataclass
@@ -226,14 +256,12 @@ def _take(memory: PeerMemory, step: int, ward: int, raw: np.ndarray, slots: dict
     """Round 2 for one ward: a slot for each file of its offer this memory lacks (recorded in
     ``slots``), those it holds pinned, all or none; the answers to send."""
     answer = np.zeros(_FILES, np.uint8)
-    offer = raw.tobytes()
-    ward_step, size, digest, count = _OFFER.unpack_from(offer)
-    if ward_step != step or size < 0 or not 0 <= count <= MAX_REFERENCED_FILES:
+    (ward_step, size, digest), earlier = _OFFER.unpack(raw)
+    if ward_step != step or size < 0 or earlier is None:
         if ward_step != step:
             logger.error("peer copy of step %d: rank %d offered step %d instead", step, ward, ward_step)
         return answer
-    offered = [(step, size, digest)]
-    offered += [_EARLIER.unpack_from(offer, _OFFER.size + index * _EARLIER.size) for index in range(count)]
+    offered = [(step, size, digest), *earlier]
     if any(size < 0 for _step, size, _digest in offered):
         return answer  # the ward could not read a file: its copy fails whatever is taken
     taken: list[_Receiving] = []
@@ -327,7 +355,7 @@ def fetch(
     sends = [(needer, shard) for holder, needer, shard in transfers if holder == rank]
     receives = [(holder, shard) for holder, needer, shard in transfers if needer == rank]
     outgoing = [_outgoing(memory, step, shard, referenced.get(shard, ())) for _needer, shard in sends]
-    sizes = {(holder, shard): np.zeros(_SIZES_BYTES, np.uint8) for holder, shard in receives}
+    sizes = {(holder, shard): np.zeros(_SIZES.size, np.uint8) for holder, shard in receives}
     incoming: dict[tuple[int, int], tuple[np.ndarray, list[tuple[int, _Flow]]]] = {}
     try:
         link.exchange(
@@ -335,10 +363,9 @@ def fetch(
             [(holder, buffer) for (holder, _shard), buffer in sizes.items()],
         )
         for (holder, shard), raw in sizes.items():
-            manifest_bytes, shard_bytes, count = _SIZES.unpack_from(header := raw.tobytes())
-            if 0 <= manifest_bytes <= _MAX_MANIFEST and shard_bytes >= 0 and 0 <= count <= MAX_REFERENCED_FILES:
-                files = [(step, shard_bytes)]
-                files += [_HELD_FILE.unpack_from(header, _SIZES.size + i * _HELD_FILE.size) for i in range(count)]
+            (manifest_bytes, shard_bytes), earlier = _SIZES.unpack(raw)
+            if 0 <= manifest_bytes <= _MAX_MANIFEST and shard_bytes >= 0 and earlier is not None:
+                files = [(step, shard_bytes), *earlier]
                 flows = [(each, _Flow(holder, *_room(spool, each, shard, max(size, 0)))) for each, size in files]
                 incoming[holder, shard] = (np.empty(manifest_bytes, np.uint8), flows)
         served = []
@@ -406,17 +433,6 @@ def _outgoing(
             data += [memory.view(each, shard) for each in held]
     except Exception as exc:  # gone, or its memory file unreadable: the needer reads the next tier
         logger.warning("restore of step %d: cannot send rank %d's copy: %s", step, shard, exc)
-        return _bytes(_sizes(-1, -1, [])), None, []
-    return (
-        _bytes(_sizes(manifest.size, data[0].size, list(zip(held, (d.size for d in data[1:]), strict=True)))),
-        manifest,
-        data,
-    )
-
-
-def _sizes(manifest_bytes: int, shard_bytes: int, earlier: Sequence[tuple[int, int]]) -> bytes:
-    raw = bytearray(_SIZES_BYTES)
-    _SIZES.pack_into(raw, 0, manifest_bytes, shard_bytes, len(earlier))
-    for index, (each, size) in enumerate(earlier):
-        _HELD_FILE.pack_into(raw, _SIZES.size + index * _HELD_FILE.size, each, size)
-    return bytes(raw)
+        return _SIZES.pack((-1, -1), []), None, []
+    sizes = [(each, part.size) for each, part in zip(held, data[1:], strict=True)]
+    return _SIZES.pack((manifest.size, data[0].size), sizes), manifest, data

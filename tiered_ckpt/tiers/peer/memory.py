@@ -110,15 +110,15 @@ class PeerMemory:
         for step in self._manifest_steps():
             if not any(slot is not None and slot.step == step for slot in self._slots.values()):
                 self._manifest_path(step).unlink(missing_ok=True)
-            else:
-                self._refs[step] = self._read_refs(step)
+            elif (refs := self._read_refs(step)) is not None:
+                self._refs[step] = refs
         for path in [*self.root.glob("step-*.disk"), *self.root.glob("step-*.refs")]:
             if not path.with_suffix(".json").exists():
                 path.unlink(missing_ok=True)
 
-    def _read_refs(self, step: int) -> frozenset[tuple[int, int]]:
-        """The slots committed ``step`` references; a record that does not parse un-commits the
-        step (what it needs kept is unknown, so it cannot be trusted to restore)."""
+    def _read_refs(self, step: int) -> frozenset[tuple[int, int]] | None:
+        """The slots committed ``step`` references; None if their record does not parse, which
+        un-commits the step (what it needs kept is unknown: it cannot be trusted to restore)."""
         path = self._refs_path(step)
         if not path.exists():
             return frozenset()
@@ -131,10 +131,8 @@ class PeerMemory:
             return frozenset(zip(steps, ranks, strict=True))
         except (ManifestError, OSError) as exc:
             logger.warning("peer memory %s: step %d is no longer held: %s", self.root, step, exc)
-            self._manifest_path(step).unlink(missing_ok=True)
-            self._disk_path(step).unlink(missing_ok=True)
-            path.unlink(missing_ok=True)
-            return frozenset()
+            self._uncommit(step)
+            return None
 
     def _read_meta(self, number: int) -> Slot | None:
         path = self._meta_path(number)
@@ -180,8 +178,10 @@ class PeerMemory:
 
     def _kept(self) -> set[tuple[int, int]]:
         """The slots (step, rank) no deletion frees: those committed steps reference, and a copy's pins."""
-        kept = set().union(*self._refs.values()) if self._refs else set()
-        return kept | (self._pinned[1] if self._pinned is not None else set())
+        return {pair for refs in self._refs.values() for pair in refs} | self._pins()
+
+    def _pins(self) -> set[tuple[int, int]]:
+        return self._pinned[1] if self._pinned is not None else set()
 
     def holds(self, step: int, rank: int, size: int, sha256: str) -> bool:
         """Whether a slot holds ``rank``'s shard of ``step`` of ``size`` bytes hashing to ``sha256``."""
@@ -237,7 +237,7 @@ class PeerMemory:
         until :meth:`accept`. Raises :class:`MemoryBudgetError` if the shard cannot fit
         beside the slots a copy pinned (before anything is freed).
         """
-        pinned = self._pinned[1] if self._pinned is not None else set()
+        pinned = self._pins()
         held = sum(s.size for s in self._slots.values() if s is not None and (s.step, s.rank) in pinned)
         if self.max_bytes is not None and size + held > self.max_bytes:
             beside = f" beside the {held} bytes of the earlier files it references, held" if held else ""
@@ -254,7 +254,7 @@ class PeerMemory:
             for other in self.steps():  # committed, not needed: left by a crash or a budget given up
                 if other not in keep:
                     self.delete_step(other)
-            kept = self._kept_for(keep)
+            kept = self._kept()  # every committed step is now one of ``keep``
             for number, slot in self._slots.items():
                 if slot is not None and slot.step not in keep and (slot.step, slot.rank) not in kept:
                     self._free(number)
@@ -344,18 +344,11 @@ class PeerMemory:
         on_disk = [step for step in steps if self._disk_path(step).exists()]
         return set(steps[-1:] + on_disk[-1:])
 
-    def _kept_for(self, steps: Collection[int]) -> set[tuple[int, int]]:
-        """The slots ``steps`` reference, and a copy's pins."""
-        kept = {pair for each in steps for pair in self._refs.get(each, ())}
-        return kept | (self._pinned[1] if self._pinned is not None else set())
-
     def delete_step(self, step: int) -> None:
         """Forget ``step``: its manifest first, then its slots (free, for later steps) but those a
         committed step references (kept), then the kept slots only ``step`` referenced."""
-        self._manifest_path(step).unlink(missing_ok=True)
-        self._disk_path(step).unlink(missing_ok=True)
-        self._refs_path(step).unlink(missing_ok=True)
-        referenced = self._refs.pop(step, frozenset())
+        referenced = self._refs.get(step, frozenset())
+        self._uncommit(step)
         kept, committed = self._kept(), set(self._manifest_steps())
         for number, slot in list(self._slots.items()):
             if slot is None or (slot.step, slot.rank) in kept:
@@ -384,10 +377,14 @@ class PeerMemory:
         self._meta_path(number).unlink(missing_ok=True)
         self._slots[number] = None
         if slot is not None and not self.held(slot.step):
-            self._manifest_path(slot.step).unlink(missing_ok=True)
-            self._disk_path(slot.step).unlink(missing_ok=True)
-            self._refs_path(slot.step).unlink(missing_ok=True)
-            self._refs.pop(slot.step, None)
+            self._uncommit(slot.step)
+
+    def _uncommit(self, step: int) -> None:
+        """``step`` is committed here no more: its manifest first, then what records beside it."""
+        self._manifest_path(step).unlink(missing_ok=True)
+        self._disk_path(step).unlink(missing_ok=True)
+        self._refs_path(step).unlink(missing_ok=True)
+        self._refs.pop(step, None)
 
     def _bin_path(self, number: int) -> Path:
         return self.root / f"slot-{number}.bin"

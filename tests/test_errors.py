@@ -109,7 +109,7 @@ INTERNAL = {
     "torch/tensors.py": "ValueError",  # -> ShardFormatError (as_complex of stored pairs)
     "dist/coordination.py": "TypeError",  # a collective's action returned another type: a bug
 }
-MAPPINGS = {"format/shardfile.py": "KeyError"}  # DTYPE_CODES is a Mapping: a lookup raises what a dict's does
+MAPPINGS = {"format/dtypes.py": "KeyError"}  # DTYPE_CODES is a Mapping: a lookup raises what a dict's does
 
 
 def test_no_bare_builtin_is_raised_on_purpose_outside_internal_parsers():

@@ -27,13 +27,13 @@ import os
 import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from functools import cache
 from typing import BinaryIO, Literal
 
 import numpy as np
 
 from tiered_ckpt.errors import InvalidStateError, ShardFormatError
 from tiered_ckpt.format.differences import into_difference
+from tiered_ckpt.format.dtypes import DTYPE_CODES, DTYPES, NUMPY_CODES, code_of
 from tiered_ckpt.format.packing import Placed, read_arrays, write_arrays
 from tiered_ckpt.io.blockread import read_blocks
 from tiered_ckpt.io.gc_pause import cyclic_gc_paused
@@ -61,98 +61,6 @@ __all__ = [
     "MAX_DIMS",
 ]
 
-_PLAIN: dict[str, np.dtype] = {
-    "F64": np.dtype("<f8"),
-    "F32": np.dtype("<f4"),
-    "F16": np.dtype("<f2"),
-    "I64": np.dtype("<i8"),
-    "I32": np.dtype("<i4"),
-    "I16": np.dtype("<i2"),
-    "I8": np.dtype("i1"),
-    "U64": np.dtype("<u8"),
-    "U32": np.dtype("<u4"),
-    "U16": np.dtype("<u2"),
-    "U8": np.dtype("u1"),
-    "BOOL": np.dtype("?"),
-}
-_ML_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}  # code -> ml_dtypes' name
-_ORDER = (
-    "F64",
-    "F32",
-    "F16",
-    "BF16",
-    "F8_E4M3",
-    "F8_E5M2",
-    "I64",
-    "I32",
-    "I16",
-    "I8",
-    "U64",
-    "U32",
-    "U16",
-    "U8",
-    "BOOL",
-)
-_CODES = {dtype: code for code, dtype in _PLAIN.items()}
-
-
-@cache
-def _ml_dtype(code: str) -> np.dtype:
-    # ml_dtypes takes most of a second to import: only a shard of bf16 or fp8 arrays needs it
-    import ml_dtypes
-
-    found: np.dtype = np.dtype(getattr(ml_dtypes, _ML_DTYPES[code]))
-    return found
-
-
-def _code_of(dtype: np.dtype) -> str | None:
-    """The code of ``dtype`` (little-endian), None if a shard cannot hold it. An array of bf16 or
-    fp8 has a dtype of ml_dtypes, imported already; its name says which."""
-    code = _CODES.get(dtype)
-    if code is None:
-        code = next((c for c, name in _ML_DTYPES.items() if name == dtype.name), None)
-        if code is not None and _ml_dtype(code) != dtype:
-            return None
-    return code
-
-
-class _Dtypes(Mapping[str, np.dtype]):
-    """:data:`DTYPES`: bf16 and fp8 from ml_dtypes, imported when one of them is first looked up."""
-
-    def __getitem__(self, code: str) -> np.dtype:
-        return _ml_dtype(code) if code in _ML_DTYPES else _PLAIN[code]
-
-    def __contains__(self, code: object) -> bool:
-        return code in _PLAIN or code in _ML_DTYPES
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(_ORDER)
-
-    def __len__(self) -> int:
-        return len(_ORDER)
-
-
-class _Codes(Mapping[np.dtype, str]):
-    """:data:`DTYPE_CODES`, without importing ml_dtypes for the dtypes of numpy."""
-
-    def __getitem__(self, dtype: np.dtype) -> str:
-        code = _code_of(np.dtype(dtype))
-        if code is None:
-            raise KeyError(dtype)
-        return code
-
-    def __iter__(self) -> Iterator[np.dtype]:
-        return (DTYPES[code] for code in _ORDER)
-
-    def __len__(self) -> int:
-        return len(_ORDER)
-
-
-DTYPES: Mapping[str, np.dtype] = _Dtypes()
-"""The dtype of each safetensors code a shard holds."""
-DTYPE_CODES: Mapping[np.dtype, str] = _Codes()
-"""The safetensors code of each dtype a shard holds (the inverse of :data:`DTYPES`)."""
-
 # safetensors refuses headers over 100 MB; so does our reader, before allocating anything,
 # and so does the writer (header_problem), before writing anything: a shard that saves loads.
 MAX_HEADER_BYTES = 100_000_000
@@ -172,7 +80,7 @@ def _dtype_code(name: str, array: np.ndarray, owner: str = "state") -> str:
     dtype = array.dtype
     if dtype.byteorder == ">":
         dtype = dtype.newbyteorder("<")
-    code = _code_of(dtype)
+    code = code_of(dtype)
     if code is None:
         raise InvalidStateError(f"{owner}: array {name!r} {array_problem(array)}")
     return code
@@ -194,12 +102,12 @@ def _is_utf8(text: str) -> bool:
 
 def array_problem(array: np.ndarray) -> str | None:
     """Why a shard cannot hold ``array`` (a phrase: "has dtype ..."), or None if it can."""
-    if type(array) is np.ndarray and array.dtype in _CODES:  # the common case, checked first
+    if type(array) is np.ndarray and array.dtype in NUMPY_CODES:  # the common case, checked first
         return None
     if isinstance(array, np.ma.MaskedArray):
         return "is a masked array, whose mask a shard cannot hold; pass .filled() or .data"
     dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
-    if _code_of(dtype) is None:
+    if code_of(dtype) is None:
         supported = ", ".join(str(d) for d in DTYPES.values())
         return f"has dtype {array.dtype}, which a shard cannot hold ({supported})"
     # The reader's limits on a shape (MAX_DIMS, MAX_BYTES) are numpy's own: every array meets them.

@@ -36,7 +36,7 @@ def run(env, *args):
     return result.returncode, result.stdout, result.stderr
 
 
-def save_steps(local, url, options, steps, *, upload=True):
+def save_steps(local, url, options, steps, *, upload=True, metrics=None):
     manager = CheckpointManager(
         LocalOptions(local, keep_last=None),
         remote=RemoteOptions(url, storage_options=options) if upload else None,
@@ -44,7 +44,7 @@ def save_steps(local, url, options, steps, *, upload=True):
         world_size=4,
     )
     for step in steps:
-        manager.save(step, zero1_states(seed=step))
+        manager.save(step, zero1_states(seed=step), metrics=(metrics or {}).get(step))
     manager.wait(uploaded=True)
     manager.close()
 
@@ -52,7 +52,7 @@ def save_steps(local, url, options, steps, *, upload=True):
 @pytest.mark.slow
 def test_ls_shows_each_step_in_each_tier(setup):
     config, local, url, options, env = setup
-    save_steps(local, url, options, [1, 2])
+    save_steps(local, url, options, [1, 2], metrics={2: {"val_loss": 0.125, "acc": float("nan")}})
     save_steps(local, url, options, [3], upload=False)
     (local / step_dir_name(4)).mkdir()  # a step being written: a shard, no manifest yet
     (local / step_dir_name(4) / shard_name(0, 4)).write_bytes(b"the start of a shard")
@@ -64,8 +64,13 @@ def test_ls_shows_each_step_in_each_tier(setup):
     assert [rows[s]["local"] for s in (1, 2, 3, 4)] == ["committed", "committed", "committed", "staged"]
     assert [rows[s]["remote"] for s in (1, 2, 3, 4)] == ["committed", "committed", "uploading", None]  # JSON null
     assert rows[2]["world_size"] == 4 and rows[2]["bytes"] > 0 and rows[2]["age_seconds"] >= 0
+    assert rows[2]["metrics"] == {"acc": None, "val_loss": 0.125} and rows[1]["metrics"] == {}
+    assert rows[4]["metrics"] is None  # no manifest yet
     code, out, _ = run(env, "--config", str(config), "ls")
     assert code == 0 and "STEP" in out.splitlines()[0] and "uploading" in out
+    assert [line for line in out.splitlines() if line.endswith("  acc=-  val_loss=0.125")] != []
+    code, out, _ = run(env, "--config", str(config), "show", "2")
+    assert code == 0 and out.splitlines()[-1].endswith("; metrics acc=-, val_loss=0.125")
 
 
 @pytest.mark.slow

@@ -393,11 +393,17 @@ ENVIRONMENT = {
     ("local", "dir"): ("/data/ckpt", Path("/data/ckpt")),
     ("local", "keep_last"): ("none", None),
     ("local", "keep_every"): ("500", 500),
+    ("local", "keep_best"): ("2", 2),
+    ("local", "best_metric"): ("val_loss", "val_loss"),
+    ("local", "best_mode"): ("max", "max"),
     ("local", "max_awaiting_upload"): ("4", 4),
     ("local", "every"): ("100", 100),
     ("remote", "url"): ("s3://b/run", "s3://b/run"),
     ("remote", "keep_last"): ("7", 7),
     ("remote", "keep_every"): ("none", None),
+    ("remote", "keep_best"): ("3", 3),
+    ("remote", "best_metric"): ("none", None),
+    ("remote", "best_mode"): ("min", "min"),
     ("remote", "layout"): ("hashed", "hashed"),
     ("remote", "endpoint_url"): ("http://127.0.0.1:9000", "http://127.0.0.1:9000"),
     ("remote", "lease_seconds"): ("60", 60.0),
@@ -447,6 +453,11 @@ def test_every_option_is_reachable_from_its_environment_variable(key):
     if key == ("runtime", "writer_cpus") and 0 not in getattr(os, "sched_getaffinity", lambda _: {0})(0):
         pytest.skip("CPU 0 is not this process's")
     environ = {"TIERED_CKPT_LOCAL_DIR": "/data/x", "TIERED_CKPT_REMOTE_URL": "s3://b/x"}
+    if name in ("keep_best", "best_metric"):  # the two go together, and keep_best needs keep_last
+        prefix = f"TIERED_CKPT_{group.upper()}_"
+        environ |= {f"{prefix}KEEP_BEST": "1", f"{prefix}BEST_METRIC": "loss", f"{prefix}KEEP_LAST": "1"}
+        if text == "none":
+            environ.pop(f"{prefix}KEEP_BEST")
     environ[f"TIERED_CKPT_{group.upper()}_{name.upper()}"] = text
     config = load_config(environ=environ)
     assert getattr(getattr(config, group), name) == value

@@ -32,6 +32,7 @@ MARKERS = {
     "lag": ("guides/remote-tier.md", "lag = manager.lag()\nif lag.steps_behind"),
     "use": ("guides/saving-and-restoring.md", "def training_state(step):"),
     "partial": ("guides/saving-and-restoring.md", 'manager.restore(paths=["model"])'),
+    "best": ("guides/saving-and-restoring.md", 'keep_best=2, best_metric="val_loss"'),
     "export": ("guides/exporting.md", 'export_safetensors("/nvme/ckpt/run"'),
     "memory": ("guides/memory.md", "RuntimeOptions(host_memory_bytes=8 << 20)"),
     "peer": ("guides/peer-tier.md", "peer=PeerOptions(every=10"),
@@ -180,6 +181,16 @@ def test_the_partial_restore_sample_restores_the_model_alone(tmp_path, bucket):
     result = run(path, env, tmp_path)
     assert result.returncode == 0, result.stderr[-5000:]
     assert "model ['layers', 'w']" in result.stdout
+
+
+def test_the_keep_best_sample_keeps_the_two_lowest_losses_and_the_newest(tmp_path, bucket):
+    _server, env = bucket
+    path = script(tmp_path, "best", "", sample("best"))
+    result = run(path, env, tmp_path)
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert result.stdout.splitlines() == ["[1, 3, 5]", "0.3"]
+    kept = sorted(each.name for each in (tmp_path / "nvme" / "best").iterdir() if each.name.startswith("step-"))
+    assert kept == [step_dir_name(step) for step in (1, 3, 5)]
 
 
 def test_the_export_sample_writes_full_tensors(tmp_path, bucket):

@@ -504,6 +504,28 @@ def test_load_from_checkpoint_reads_a_step_from_the_bucket_alone_for_a_machine_w
         assert_module_of(io.handed[2], module)
 
 
+def test_the_score_of_each_ranked_save_is_recorded_and_keep_best_keeps_the_callbacks_best(tmp_path):
+    names = tmp_path / "names"
+    top_k = {"save_top_k": 1, "save_last": True, "every_n_train_steps": 1, "monitor": "train_loss"}
+    local = LocalOptions(tmp_path / "ckpt", keep_last=1, keep_best=3, best_metric="train_loss")
+    with CheckpointManager(local, world_size=1) as manager:
+        run = trainer(TieredCheckpointIO(manager), names, 8, **top_k)
+        torch.manual_seed(0)  # a loss that falls at most steps: several saves are ranked
+        run.fit(Model(), batches())
+        manager.wait()
+        manager.prune()  # the pass after the last save ran while last.ckpt still named step 7
+        recorded = {step: manager.locate(step).metric("train_loss") for step in manager.steps()}
+    callback = run.checkpoint_callback
+    assert callback.best_model_score is not None
+    best = pointer_step(Path(callback.best_model_path))
+    assert recorded[best] == float(callback.best_model_score)
+    scores = {step: value for step, value in recorded.items() if value is not None}
+    newest = max(recorded)
+    lowest = sorted(scores, key=lambda step: (scores[step], -step))[:3]
+    assert set(recorded) == set(lowest) | {newest}  # the three lowest recorded losses, and the newest
+    assert len(scores) >= 3 and best in lowest
+
+
 def test_every_step_a_top_k_pointer_names_stays_in_both_tiers_until_the_pointer_goes(tmp_path, s3_url):
     url, options = s3_url
     names = tmp_path / "names"

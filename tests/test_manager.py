@@ -454,6 +454,34 @@ def test_remote_retention_keeps_the_newest_remote_steps(tmp_path, memory_url):
         assert manager.steps() == [25]
 
 
+def test_each_tier_keeps_its_best_steps_by_the_metric_the_saves_recorded(tmp_path, s3_url):
+    url, _options = s3_url
+    local = LocalOptions(tmp_path, keep_last=1, keep_best=1, best_metric="loss")
+    accuracies = {1: 0.5, 2: 0.9, 3: 0.7, 4: 0.8, 5: 0.6}
+    with two_tier(local, s3_url, keep_last=1, keep_best=2, best_metric="acc", best_mode="max") as manager:
+        for step, acc in accuracies.items():
+            manager.save(step, zero1_states(seed=step), metrics={"acc": acc, "loss": 1 - acc})
+            manager.wait(uploaded=True)
+        assert manager.steps() == [2, 5]  # the lowest loss, and the newest
+        assert manager.remote_steps() == [2, 4, 5]  # the two highest accuracies, and the newest
+        assert RemoteTier(*s3_url).manifest(4).metrics == (("acc", 0.8), ("loss", pytest.approx(0.2)))
+        assert_states_equal(zero1_states(seed=4), manager.restore(4).states)  # from the bucket
+    assert url.startswith("s3://")
+
+
+def test_a_step_whose_metrics_cannot_be_read_is_kept_until_they_can(tmp_path, caplog):
+    options = LocalOptions(tmp_path, keep_last=1, keep_best=1, best_metric="loss")
+    with CheckpointManager(LocalOptions(tmp_path, keep_last=None), world_size=4, runtime=ZERO1) as manager:
+        for step, loss in ((1, 0.5), (2, 0.1), (3, 0.4)):
+            manager.save(step, zero1_states(seed=step), metrics={"loss": loss})
+    (tmp_path / step_dir_name(1) / "manifest.json").write_text("{not json")  # flipped on disk
+    with CheckpointManager(options, world_size=4, runtime=ZERO1) as manager, caplog.at_level(logging.WARNING):
+        manager.save(4, zero1_states(seed=4), metrics={"loss": 0.3})
+        manager.wait()
+        assert manager.steps() == [1, 2, 4]  # 2 the best, 4 the newest, 1 unreadable: kept
+    assert "keeps step 1: its metrics could not be read" in caplog.text
+
+
 @pytest.mark.parametrize("cloud_url", with_slow(CLOUDS, "s3"), indirect=True)
 def test_permanent_upload_failure_is_raised_and_local_steps_are_kept(tmp_path, cloud_url, states):
     url, options = cloud_url

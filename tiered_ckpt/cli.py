@@ -133,6 +133,7 @@ def command_ls(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
                 "bytes": manifest.total_bytes if manifest else None,
                 "referenced_bytes": manifest.referenced_bytes if manifest else None,
                 "age_seconds": round(now - manifest.wall_clock_seconds, 1) if manifest else None,
+                "metrics": dict(manifest.metrics) if manifest else None,
                 "problem": status.problem,
             }
         )
@@ -147,8 +148,9 @@ def command_ls(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
             ranks = f"{len(row['local_ranks'])}/{row['world_size']}"  # a node of a multi-process job
         local, remote = row["local"] or "-", row["remote"] or "-"
         damaged = "  DAMAGED" if row["problem"] else ""
+        metrics = "".join(f"  {name}={_metric(value)}" for name, value in (row.get("metrics") or {}).items())
         line = f"{row['step']:>12}  {local:<10} {remote:<10} {ranks:>5} {size:>10} {age:>10} {referenced:>11}"
-        lines.append(line + damaged)
+        lines.append(line + damaged + metrics)
     for row in rows:
         if row["problem"]:
             print(
@@ -163,6 +165,10 @@ def command_ls(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
         )
         return EXIT_FAILED, (rows, "\n".join(lines))
     return EXIT_OK, (rows, "\n".join(lines))
+
+
+def _metric(value: float | None) -> str:
+    return "-" if value is None else f"{value:.6g}"
 
 
 def _with_kept(store: TieredStore, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -180,7 +186,9 @@ def _with_kept(store: TieredStore, rows: list[dict[str, Any]]) -> list[dict[str,
             if row.get(column) is None:
                 row[column] = "kept"
             if "bytes" not in row:
-                row.update(bytes=None, local_ranks=None, referenced_bytes=None, age_seconds=None, problem=None)
+                row.update(
+                    bytes=None, local_ranks=None, referenced_bytes=None, age_seconds=None, metrics=None, problem=None
+                )
             if column == "local" and row["world_size"] is None:
                 row["bytes"] = store.local.kept_bytes(step)
     return [by_step[step] for step in sorted(by_step)]
@@ -329,7 +337,9 @@ def command_show(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
         lines.append(f"{row['rank']:>5}  {row['dtype']:<5} {shape:<20} {size:>9}  {row['name']}{where}")
     missing = found.missing_ranks
     shards = f"{manifest.world_size - len(missing)} of {manifest.world_size}" if missing else manifest.world_size
-    lines.append(f"step {args.step}: {len(rows)} arrays in {shards} shards, {_owned(found)}")
+    metrics = ", ".join(f"{name}={_metric(value)}" for name, value in manifest.metrics)
+    summary = f"step {args.step}: {len(rows)} arrays in {shards} shards, {_owned(found)}"
+    lines.append(summary + (f"; metrics {metrics}" if metrics else ""))
     _say_missing(config, args.step, found)
     return EXIT_OK, (rows, "\n".join(lines))
 

@@ -35,6 +35,11 @@ the names of one step as each is written: the step keeps the first save's. :meth
 pointer or a step's directory, ``<local.dir>/step-000000000100`` (:meth:`ckpt_path`), which
 need not exist: the manager restores the step from whichever tier holds it.
 
+Metrics: a save that a ``ModelCheckpoint`` ranks records its score under the name of the
+metric the callback monitors (``save(..., metrics={monitor: score})``), so that a tier's
+``keep_best`` retention (``best_metric`` the same name, ``best_mode`` the callback's
+``mode``) keeps the best steps as the callback does, beyond the steps its live pointers hold.
+
 Blocking: :meth:`save_checkpoint` returns once the step is committed on local disk and its
 pointer is written; the upload goes on in the manager's background. It does not return
 earlier (as ``manager.save`` could, once the state is staged): Lightning takes a returned save
@@ -159,7 +164,7 @@ class TieredCheckpointIO(CheckpointIO):
             if self._newest is not None and self._newest.step == step:
                 self._newest.refuse_other(saved, target)
             else:
-                self._save(step, checkpoint, target)
+                self._save(step, checkpoint, target, _monitored(checkpoint, path))
                 self._newest = saved
             target.parent.mkdir(parents=True, exist_ok=True)
             with self._pointers:
@@ -180,7 +185,7 @@ class TieredCheckpointIO(CheckpointIO):
             )
         return step
 
-    def _save(self, step: int, checkpoint: dict[str, Any], target: Path) -> None:
+    def _save(self, step: int, checkpoint: dict[str, Any], target: Path, metrics: dict[str, Any]) -> None:
         manager = self.manager
         if not manager.should_save(step):
             raise UsageError(
@@ -188,7 +193,7 @@ class TieredCheckpointIO(CheckpointIO):
                 "save checkpoints only at the steps it takes (ModelCheckpoint(every_n_train_steps=...))"
             )
         try:
-            handle = manager.save(step, checkpoint, blocking=True)
+            handle = manager.save(step, checkpoint, blocking=True, metrics=metrics)
         except CheckpointExistsError as exc:
             raise restated(
                 exc,
@@ -402,6 +407,22 @@ def _compared(checkpoint: dict[str, Any]) -> dict[str, Any]:
         if not (isinstance(state, dict) and _FILE_BOOKKEEPING <= state.keys())
     }
     return {**checkpoint, "callbacks": kept}
+
+
+def _monitored(checkpoint: dict[str, Any], path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The values ``ModelCheckpoint`` callbacks gave the checkpoint they save at ``path``, by the
+    metric each monitors: its score in the callback's ``best_k_models``, which the callback
+    records before it saves. A save it did not rank (``last.ckpt``, a save without a monitor)
+    has none; its ``current_score`` is not used, as it may be an earlier step's."""
+    monitored: dict[str, Any] = {}
+    states = checkpoint.get("callbacks")
+    for state in states.values() if isinstance(states, dict) else ():
+        if not isinstance(state, dict) or not isinstance(state.get("best_k_models"), dict):
+            continue
+        monitor, score = state.get("monitor"), state["best_k_models"].get(os.fspath(path))
+        if isinstance(monitor, str) and score is not None:
+            monitored[monitor] = score
+    return monitored
 
 
 def _local_path(path: str | os.PathLike[str]) -> Path:

@@ -31,6 +31,7 @@ from tiered_ckpt.engine.save_handle import SaveHandle
 from tiered_ckpt.engine.saving import check_save, not_saved
 from tiered_ckpt.errors import CheckpointError, UsageError
 from tiered_ckpt.format.manifest import ShardManifest
+from tiered_ckpt.format.metrics import GivenMetrics
 from tiered_ckpt.format.selection import Paths
 from tiered_ckpt.format.state import State
 from tiered_ckpt.io.hashing import Verify
@@ -154,22 +155,24 @@ class CheckpointManager:
         except CheckpointError:  # the exception already propagating is the one the caller needs to see
             logger.exception("error while closing %r during another exception", self)
 
-    def save(self, step: int, states: Sequence[State] | State, *, blocking: bool = False) -> SaveHandle:
+    def save(
+        self, step: int, states: Sequence[State] | State, *, blocking: bool = False, metrics: GivenMetrics | None = None
+    ) -> SaveHandle:
         """Checkpoint ``states`` (one state per rank) as ``step``.
 
-        A state is a dict nesting dicts, lists and tuples of numpy arrays, torch tensors and scalars
-        (see :mod:`tiered_ckpt.format.state`); ``restore`` gives it back with its types. With one
-        process per rank, ``states`` is this rank's state (every rank saves the same step). Returns
-        once the arrays are copied to staging buffers, and those past ``runtime.host_memory_bytes``
-        written (the caller may then overwrite them); the write runs in the background. The
-        :class:`SaveHandle` holds a future of the local commit (``committed``, which ``blocking=True``
-        waits for), one of each later tier's by name (``replicated``; the bucket's is ``uploaded``),
-        and what the call cost; a step no tier takes is not saved (:meth:`should_save`). Raises first
-        any background error not yet raised (:class:`SaveError`, or a permanent :class:`UploadError`: no
-        such bucket, access denied), saying that ``step`` was not saved, then :class:`InvalidStateError`
-        for bad input and :class:`CheckpointExistsError` if ``step`` is not newer than every committed step
-        (on every rank, whichever rank is at fault; steps in the partners' memory count too). An
-        unreachable bucket never makes it raise: the upload is retried until its deadline (:meth:`wait`).
+        A state is a dict nesting dicts, lists and tuples of numpy arrays, torch tensors and scalars (see
+        :mod:`tiered_ckpt.format.state`); ``restore`` gives it back with its types. With one process per rank,
+        ``states`` is this rank's state (every rank saves the same step). Returns once the arrays are copied to
+        staging buffers, and those past ``runtime.host_memory_bytes`` written (the caller may then overwrite
+        them); the write runs in the background. The :class:`SaveHandle` holds a future of the local commit
+        (``committed``, which ``blocking=True`` waits for), one of each later tier's by name (``replicated``; the
+        bucket's is ``uploaded``), and what the call cost; a step no tier takes is not saved (:meth:`should_save`).
+        ``metrics`` (``{"val_loss": 0.25}``, rank 0's process giving them) go into the step's manifest for
+        ``keep_best`` retention (:class:`~tiered_ckpt.LocalOptions`). Raises first any background error not yet
+        raised (:class:`SaveError`, or a permanent :class:`UploadError`: no such bucket, access denied), saying
+        that ``step`` was not saved, then :class:`InvalidStateError` for bad input and
+        :class:`CheckpointExistsError` if ``step`` is not newer than every committed step (on every rank; steps
+        in the partners' memory count too). An unreachable bucket never makes it raise (retried until its deadline).
         """
         started = time.monotonic()
         self._check_open()
@@ -192,12 +195,10 @@ class CheckpointManager:
                 sharded_keys=self.options.runtime.sharded_keys,
                 where=str(self.root) if parts.peer is None else f"{self.root} and the partners' memory (peer tier)",
                 stop_step=parts.preemption.step,
+                metrics=metrics,
             )
         stop = step == parts.preemption.step  # a preemption's step goes to every tier
-        flat, keys, numels = list(plan.states), plan.sharded_keys, list(plan.numels)
-        return parts.writer.submit(
-            step, flat, keys, numels, every_tier=stop, replicated=plan.replicated, blocking=blocking, started=started
-        )
+        return parts.writer.submit(step, plan, every_tier=stop, blocking=blocking, started=started)
 
     def should_save(self, step: int) -> bool:
         """Whether :meth:`save` of ``step`` saves it: a tier's cadence takes it (``local.every``, or
@@ -241,9 +242,8 @@ class CheckpointManager:
         raise_waited(parts.errors, uploaded=uploaded)
 
     def check_for_errors(self) -> None:
-        """Raise the oldest background error not yet raised, without saving or waiting: a
-        :class:`SaveError` or a permanent :class:`UploadError` (each is raised once, by this
-        or by the next call that raises background errors)."""
+        """Raise the oldest background error not yet raised, without saving or waiting: a :class:`SaveError` or a
+        permanent :class:`UploadError` (each is raised once, by this or by the next call that raises them)."""
         self._parts.errors.raise_first(transient=False)
 
     def close(self) -> None:

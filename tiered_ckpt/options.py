@@ -31,7 +31,7 @@ from tiered_ckpt.tiers.remote.compression import Compression, check_compression
 from tiered_ckpt.tiers.remote.leases import OtherOwners, OwnershipPolicy
 from tiered_ckpt.tiers.remote.retry import RetryPolicy
 from tiered_ckpt.tiers.remote.tier import DEFAULT_PART_BYTES, DEFAULT_PART_CONCURRENCY, Layout
-from tiered_ckpt.tiers.retention import RetentionPolicy
+from tiered_ckpt.tiers.retention import BestMode, RetentionPolicy
 
 WhenBehind = Literal["wait", "skip"]
 """What the uploader does while the bucket is behind: "wait" (queue every step up to
@@ -119,22 +119,36 @@ def _check_endpoint_url(endpoint: Any, url: str) -> None:
 
 
 class _Retained:
-    """A tier's options that hold ``keep_last`` and ``keep_every``."""
+    """A tier's options that hold its retention: ``keep_last``, ``keep_every`` and ``keep_best``
+    with ``best_metric`` and ``best_mode`` (see :class:`~tiered_ckpt.tiers.retention.RetentionPolicy`)."""
 
     keep_last: int | None
     keep_every: int | None
+    keep_best: int | None
+    best_metric: str | None
+    best_mode: BestMode
 
     @property
     def retention(self) -> RetentionPolicy:
-        """The tier's retention (constructing it checks ``keep_last`` and ``keep_every``)."""
-        return RetentionPolicy(self.keep_last, self.keep_every, getattr(self, "max_awaiting_upload", None))
+        """The tier's retention (constructing it checks its fields)."""
+        return RetentionPolicy(
+            self.keep_last,
+            self.keep_every,
+            getattr(self, "max_awaiting_upload", None),
+            keep_best=self.keep_best,
+            best_metric=self.best_metric,
+            best_mode=self.best_mode,
+        )
 
 
 @dataclass(frozen=True)
 class LocalOptions(_Retained):
     """The local tier: its directory ``dir`` (one per process; ``~`` is expanded) and its
     retention. ``keep_last`` keeps the newest steps (None keeps all), ``keep_every`` also
-    keeps every step divisible by it; the newest committed step is never deleted. While
+    keeps every step divisible by it, and ``keep_best`` the steps with the best value of
+    the metric ``best_metric`` their saves recorded (``save(..., metrics=)``), the lowest
+    with ``best_mode="min"``, the highest with ``"max"`` (a step without a value is never
+    among them); the newest committed step is never deleted. While
     the bucket is unreachable, at most ``max_awaiting_upload`` steps waiting for their
     upload are kept beyond those (the newest ones; None: every one, and the disk may fill).
     Only the saved steps divisible by ``every`` are written to disk (1: every one); with a
@@ -145,6 +159,9 @@ class LocalOptions(_Retained):
     keep_every: int | None = None
     max_awaiting_upload: int | None = 8
     every: int = 1
+    keep_best: int | None = None
+    best_metric: str | None = None
+    best_mode: BestMode = "min"
 
     def __post_init__(self) -> None:
         _check_number("every", self.every, 1)
@@ -153,13 +170,14 @@ class LocalOptions(_Retained):
         if not str(self.dir):
             raise invalid_option("dir", "must not be empty")
         object.__setattr__(self, "dir", Path(self.dir).expanduser())
-        self.retention  # noqa: B018 -- checks keep_last and keep_every
+        self.retention  # noqa: B018 -- checks keep_last, keep_every and keep_best
 
 
 @dataclass(frozen=True)
 class RemoteOptions(_Retained):
     """The remote tier: its ``url``, fsspec's ``storage_options`` for it (never shown), its
-    retention (``keep_last``, ``keep_every``: as the local tier's, default all), and the
+    retention (``keep_last``, ``keep_every``, ``keep_best`` with ``best_metric`` and ``best_mode``: as
+    the local tier's, default all), and the
     ``layout`` of its shard objects ("flat", or "hashed": spread over 256 key prefixes
     per step; see :meth:`~tiered_ckpt.tiers.remote.tier.RemoteTier.object_name`). ``endpoint_url``
     (``s3://``, ``gs://`` and ``az://``/``abfs://`` only) names the store's endpoint, e.g. a
@@ -188,6 +206,9 @@ class RemoteOptions(_Retained):
     other_owners: OtherOwners = OwnershipPolicy.other_owners
     every: int = 1
     compression: Compression = "none"
+    keep_best: int | None = None
+    best_metric: str | None = None
+    best_mode: BestMode = "min"
 
     def __post_init__(self) -> None:
         check_remote_url(self.url)
@@ -199,7 +220,7 @@ class RemoteOptions(_Retained):
             raise invalid_option("storage_options", f"must be a table, got {type(self.storage_options).__name__}")
         if self.endpoint_url is not None:
             _check_endpoint_url(self.endpoint_url, self.url)
-        self.retention  # noqa: B018 -- checks keep_last and keep_every
+        self.retention  # noqa: B018 -- checks keep_last, keep_every and keep_best
         self.ownership  # noqa: B018 -- checks lease_seconds, orphan_age_seconds and other_owners
 
     @property
@@ -459,7 +480,7 @@ class TierOptions(_Retained):
     proves it) under a ``name`` of its own (not ``local``, ``peer`` nor ``remote``). The store
     reads such tiers after the partners' memory and before the bucket, in the order given.
 
-    Its retention: ``keep_last`` and ``keep_every`` as the local tier's (default: keep all).
+    Its retention: ``keep_last``, ``keep_every`` and ``keep_best`` as the local tier's (default: keep all).
     Only the saved steps divisible by ``every`` are copied to it, by a replicator of its own;
     a step's copy is tried again after a transient failure until ``deadline_seconds`` (None:
     no deadline). A failure is raised by the manager's next call, as the bucket's is, unless
@@ -476,6 +497,9 @@ class TierOptions(_Retained):
     every: int = 1
     deadline_seconds: float | None = 3600.0
     best_effort: bool = False
+    keep_best: int | None = None
+    best_metric: str | None = None
+    best_mode: BestMode = "min"
 
     def __post_init__(self) -> None:
         if not isinstance(self.tier, Tier):
@@ -487,7 +511,7 @@ class TierOptions(_Retained):
             _check_number("deadline_seconds", self.deadline_seconds, 0.001, (int, float))
         if not isinstance(self.best_effort, bool):
             raise invalid_option("best_effort", f"must be True or False, got {self.best_effort!r:.60}")
-        self.retention  # noqa: B018 -- checks keep_last and keep_every
+        self.retention  # noqa: B018 -- checks keep_last, keep_every and keep_best
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from tiered_ckpt.dist.sharding import resolve_sharded_keys, sharding_summary
 from tiered_ckpt.engine.background import ErrorBox
 from tiered_ckpt.engine.replication import Replicator
 from tiered_ckpt.engine.save_handle import SaveHandle
+from tiered_ckpt.engine.saving import SavePlan
 from tiered_ckpt.engine.writer import BACKGROUND_NICENESS, Writer
 from tiered_ckpt.errors import SaveError, ShardCountMismatchError, UsageError
 from tiered_ckpt.format.layout import MANIFEST_NAME, step_dir_name
@@ -56,7 +57,7 @@ class Harness:
     def save(self, step, states):
         flat = [flatten(state, f"rank {rank}") for rank, state in enumerate(states)]
         keys, numels = resolve_sharded_keys([sharding_summary(s.arrays) for s in flat], None, flat=True)
-        return self.writer.submit(step, flat, keys, numels)
+        return self.writer.submit(step, SavePlan(tuple(flat), keys, tuple(numels)))
 
     def close(self):
         self.writer.close()
@@ -224,7 +225,7 @@ def test_a_writer_whose_tier_is_not_locked_fails_the_save_and_writes_nothing(tmp
     writer = Writer(store, SingleProcessCoordinator(1), world_size=1, errors=errors)
     try:
         flat = [flatten(rank_states(1)[0], "rank 0")]
-        handle = writer.submit(1, flat, (), [0])
+        handle = writer.submit(1, SavePlan(tuple(flat), (), (0,)))
         with pytest.raises(SaveError) as caught:
             handle.committed.result()
         assert isinstance(caught.value.__cause__, UsageError) and "lock" in str(caught.value)
@@ -309,7 +310,7 @@ def test_the_writer_hands_each_commit_to_every_next_stage(tmp_path, memory_url):
             for step in (1, 2):
                 flat = [flatten({"w": np.full(64, step, np.float32)}, "rank 0")]
                 keys, numels = resolve_sharded_keys([sharding_summary(flat[0].arrays)], None, flat=True)
-                handles.append(writer.submit(step, flat, keys, numels))
+                handles.append(writer.submit(step, SavePlan(tuple(flat), keys, tuple(numels))))
                 handles[-1].committed.result()
             writer.close()
             for stage in stages:
@@ -334,7 +335,7 @@ def test_a_failed_save_fails_its_upload_future_with_the_save_error(tmp_path, mem
             store.local.step_dir(2).write_text("not a directory")  # the step's directory cannot be made
             flat = [flatten({"w": np.full(64, 2, np.float32)}, "rank 0")]
             keys, numels = resolve_sharded_keys([sharding_summary(flat[0].arrays)], None, flat=True)
-            handle = writer.submit(2, flat, keys, numels)
+            handle = writer.submit(2, SavePlan(tuple(flat), keys, tuple(numels)))
             with pytest.raises(SaveError, match="step 2") as caught:
                 handle.committed.result()
             assert handle.uploaded.exception(timeout=60) is caught.value  # the step will never be uploaded

@@ -71,7 +71,7 @@ def test_the_schema_version_is_read_and_written_back_unchanged():
     assert manifest.schema_version == 2 and json.loads(manifest.to_json())["schema_version"] == 2
 
 
-@pytest.mark.parametrize("version", [0, 1, 4])
+@pytest.mark.parametrize("version", [0, 1, 5])
 def test_another_schema_version_is_refused_naming_it(version):
     with pytest.raises(ManifestError, match=f"field 'schema_version': unsupported version {version} "):
         parse({**valid_document(), "schema_version": version})
@@ -104,7 +104,7 @@ def mutate(path: str, value):
 DELETE = object()
 
 VIOLATIONS = {
-    "unknown schema version": (mutate("schema_version", 4), "schema_version"),
+    "unknown schema version": (mutate("schema_version", 5), "schema_version"),
     "schema version as string": (mutate("schema_version", "1"), "schema_version"),
     "world size as string": (mutate("world_size", "4"), "world_size"),
     "world size zero": (mutate("world_size", 0), "world_size"),

@@ -12,7 +12,8 @@ process group (ranks renumbered in it).
 Actions: {"do": "save", "step": S, "step_by_rank": {R: S}, "state_of": T, "text_on_rank": R} (T: the
 state of another step, as a stale save holds it; R adds
 an array of text; "long_note_on_rank": R, a string whose shard header no reader accepts;
-"float64_on_rank": R, its flat slice "params" in float64), {"do": "wait"} (until
+"float64_on_rank": R, its flat slice "params" in float64; "metrics_by_rank": {R: {name: value}}, the
+metrics rank R passes), {"do": "steps"} (records the local steps as "steps"), {"do": "wait"} (until
 uploaded), {"do": "drain_uploads", "rank": R} (rank R waits for its uploader without
 raising its errors), {"do": "restore",
 "reshard": bool}, {"do": "restore_if_any"} (records None), {"do": "collectives"} (records the errors of
@@ -33,7 +34,8 @@ retried and records it as "retrying": [step, tries]; {"do": "await_queued", "at_
 (at most "guard_seconds", default two minutes) until its uploader holds at most N steps and
 records them as "queued". Config "stale_saves" is runtime.stale_saves, "upload" holds UploadOptions fields
 (default: max_tries 1), "max_awaiting_upload" the local tier's; "state": "lora" saves (and
-"restore" reports) :func:`lora_state` instead of :func:`rank_state`.
+"restore" reports) :func:`lora_state` instead of :func:`rank_state`. Config "keep_best": [K, METRIC, MODE]
+is the local tier's keep-best retention (with "keep_last").
 """
 
 import hashlib
@@ -164,6 +166,7 @@ def open_manager(config: dict, rank: int, url: str | None, coordinator: TorchDis
             Path(config["local_root"]) / ("shared" if config.get("shared_dir") else f"rank-{rank}"),
             keep_last=config.get("keep_last", 3),
             max_awaiting_upload=config.get("max_awaiting_upload", 8),
+            **dict(zip(("keep_best", "best_metric", "best_mode"), config.get("keep_best", ()), strict=False)),
         ),
         coordinator=coordinator,
         remote=RemoteOptions(
@@ -194,7 +197,10 @@ def act(
             state["params"] = state["params"].double()  # its slice of the flat vector in another dtype
         if action.get("long_note_on_rank") == rank:
             state["note"] = "é" * 14_500_000  # 7 bytes a character in the header: over the reader's 100 MB
-        checkpoints.save(step, state)
+        checkpoints.save(step, state, metrics=action.get("metrics_by_rank", {}).get(str(rank)))
+    elif action["do"] == "steps":
+        checkpoints.wait()
+        result["steps"] = checkpoints.steps()
     elif action["do"] == "wait":
         checkpoints.wait(uploaded=True)
     elif action["do"] == "drain_uploads" and action["rank"] == rank:

@@ -10,7 +10,7 @@ from tiered_ckpt.tiers import pruning
 from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.remote.tier import RemoteTier
-from tiered_ckpt.tiers.retention import RetentionPolicy, awaiting, protected, retainable
+from tiered_ckpt.tiers.retention import RetentionPolicy, awaiting, best, protected, retainable
 from tiered_ckpt.tiers.store import TieredStore
 
 
@@ -60,6 +60,52 @@ def test_a_bound_protects_only_the_newest_waiting_steps_and_those_queued():
     assert policy.to_delete(steps, protected(steps, {1}, (), policy.max_awaiting_upload)) == list(range(1, 8))
     with pytest.raises(ConfigError, match="max_awaiting_upload"):
         RetentionPolicy(max_awaiting_upload=0)
+
+
+# --- keep-best ---
+
+
+def test_best_ranks_by_value_never_counts_a_step_without_one_and_prefers_the_newer_of_equals():
+    scores = {1: 0.9, 2: None, 3: 0.3, 4: 0.3, 5: 0.5}
+    assert best(scores, 2, "min") == {3, 4}
+    assert best(scores, 1, "min") == {4}  # of equal values, the newer step
+    assert best(scores, 2, "max") == {1, 5}
+    assert best(scores, 10, "max") == {1, 3, 4, 5}  # step 2 recorded none: never among the best
+    assert best({}, 3, "min") == set()
+
+
+def test_keep_best_keeps_the_best_beside_the_newest_and_what_else_the_policy_keeps():
+    scores = {1: 0.2, 2: 0.9, 3: 0.1, 4: 0.8, 5: 0.7, 6: 0.95}
+    lowest = RetentionPolicy(keep_last=1, keep_best=2, best_metric="loss")
+    assert lowest.to_delete(scores, (), scores) == [2, 4, 5]  # keeps 1 and 3 (best), 6 (newest)
+    highest = RetentionPolicy(keep_last=2, keep_best=1, best_metric="acc", best_mode="max")
+    assert highest.to_delete(scores, (1,), scores) == [2, 3, 4]  # 6 the best and newest, 5 newest, 1 protected
+    assert highest.to_delete(scores, (), {}) == [1, 2, 3, 4]  # no values known: only the newest stay
+    every = RetentionPolicy(keep_last=1, keep_every=2, keep_best=1, best_metric="loss")
+    assert every.to_delete(scores, (), scores) == [1, 5]  # 2, 4, 6 by keep_every, 3 the best
+
+
+@pytest.mark.parametrize(
+    "fields, field, problem",
+    [
+        ({"keep_best": 2}, "best_metric", "must be given with keep_best"),
+        ({"best_metric": "loss"}, "keep_best", "must be given with best_metric"),
+        ({"keep_best": 0, "best_metric": "loss"}, "keep_best", "must be >= 1"),
+        ({"keep_best": 1, "best_metric": ""}, "best_metric", "must be a metric's name"),
+        ({"keep_best": 1, "best_metric": 3}, "best_metric", "must be a metric's name"),
+        ({"keep_best": 1, "best_metric": "loss", "best_mode": "lowest"}, "best_mode", "must be 'min' or 'max'"),
+    ],
+)
+def test_keep_best_options_are_checked_naming_the_field(fields, field, problem):
+    with pytest.raises(ConfigError, match=problem) as caught:
+        RetentionPolicy(keep_last=1, **fields)
+    assert caught.value.field == field
+
+
+def test_keep_best_needs_keep_last_since_none_keeps_every_step():
+    with pytest.raises(ConfigError, match="keep_best needs keep_last") as caught:
+        RetentionPolicy(keep_best=1, best_metric="loss")
+    assert caught.value.field == "keep_best"
 
 
 # --- one process per rank: retention waits for a step every rank committed (real processes) ---
@@ -161,3 +207,24 @@ def test_only_steps_no_newer_than_the_newest_complete_one_are_weighed():
 def test_an_upload_cadence_below_one_is_refused():
     with pytest.raises(ConfigError, match="upload_every must be an integer >= 1"):
         RetentionPolicy(upload_every=0)
+
+
+@pytest.mark.slow
+def test_ranks_keep_the_best_steps_by_rank_0s_metrics_and_a_bad_metric_fails_every_rank(tmp_path):
+    losses = {1: 0.5, 2: 0.2, 3: 0.9, 4: 0.1, 5: 0.6}
+    saves = [
+        {"do": "save", "step": step, "metrics_by_rank": {"0": {"loss": loss}, "1": {"loss": 1 - loss}}}
+        for step, loss in losses.items()
+    ]
+    bad = {"do": "save", "step": 6, "metrics_by_rank": {"0": {"loss": 0.3}, "1": {"loss": "0.3"}}}
+    config = {"actions": [*saves, {"do": "steps"}, bad], "timeout_seconds": 60, "keep_last": 1}
+    config["keep_best"] = [2, "loss", "min"]
+    results = launch_ranks(WORKER, tmp_path, 2, config)
+    for rank in (0, 1):
+        assert results[rank]["steps"] == [2, 4, 5]  # rank 0's two lowest losses, and the newest
+        assert committed(tmp_path, rank) == [2, 4, 5]  # step 6 was not saved
+        manifest = LocalTier(tmp_path / "nodes" / f"rank-{rank}").manifest(4)
+        assert manifest.metrics == (("loss", 0.1),)
+    (kind, message), (other_kind, other_message) = results[1]["error"], results[0]["error"]
+    assert kind == other_kind == "InvalidStateError" and "metrics['loss'] must be a number" in message
+    assert "rank 1" in other_message  # rank 0 raises too, naming the rank at fault

@@ -4,7 +4,7 @@
 
 1. the caller's own checks ran first (a background error not yet raised, the directory
    still locked) and gave this process's newest step; if they failed, every rank raises;
-2. each process checks and flattens its own states (CPU tensors become numpy views, CUDA
+2. each process checks its metrics and flattens its own states (CPU tensors become numpy views, CUDA
    tensors stand-ins whose bytes the staging copies after the collective),
    inside the collective, so bad input raises on every rank rather than stranding the
    others, and reports its :class:`SaveReport`;
@@ -24,12 +24,13 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, gather
 from tiered_ckpt.dist.sharding import dtype_summary, resolve_sharded_keys, sharding_summary
 from tiered_ckpt.engine.step_choice import same_call
 from tiered_ckpt.errors import CheckpointExistsError, SaveError, UploadError, restated
+from tiered_ckpt.format.metrics import GivenMetrics, Metrics, metrics_of
 from tiered_ckpt.format.state import FlatState, State, flatten
 from tiered_ckpt.format.validate import check_manifest_fits, validate_states, validate_step
 
@@ -50,8 +51,8 @@ class SaveReport:
     """One process's check of a save call: its arguments, its newest step, its arrays' shapes per
     rank, whether each of its ranks' states is a flat dict of arrays, the most bytes each of
     its ranks' records may add to the manifest, whether any of its ranks' states has
-    replicated arrays (:attr:`FlatState.replicated`), and the
-    dtypes of its 1-D arrays per rank (a flat vector's slices have one)."""
+    replicated arrays (:attr:`FlatState.replicated`), the
+    dtypes of its 1-D arrays per rank (a flat vector's slices have one), and its metrics."""
 
     arguments: str
     newest: int | None
@@ -60,18 +61,21 @@ class SaveReport:
     record_bytes: tuple[int, ...]
     replicated: bool = True
     dtypes: tuple[tuple[tuple[str, str], ...], ...] = ()
+    metrics: Metrics = ()
 
 
 @dataclass(frozen=True)
 class SavePlan:
     """What a checked save writes: this process's flattened states (one per local rank), the
-    sharded keys (sorted), every rank's ``param_shard_numel``, and whether any rank's state
-    has replicated arrays (then the writer agrees who writes each)."""
+    sharded keys (sorted), every rank's ``param_shard_numel``, whether any rank's state
+    has replicated arrays (then the writer agrees who writes each), and the step's metrics
+    (the leader's: rank 0's process gives the values the manifest records)."""
 
     states: tuple[FlatState, ...]
     sharded_keys: tuple[str, ...]
     numels: tuple[int, ...]
     replicated: bool = True
+    metrics: Metrics = ()
 
 
 def _flatten(step: int, states: Sequence[State] | State, ranks: Sequence[int]) -> tuple[FlatState, ...]:
@@ -100,6 +104,7 @@ def check_save(
     sharded_keys: Iterable[str | Sequence[str | int]] | None,
     where: str,
     stop_step: int | None = None,
+    metrics: GivenMetrics | None = None,
 ) -> SavePlan:
     """Check a save of ``states`` (this process's ranks) as ``step`` on every rank (see the module doc).
 
@@ -108,13 +113,15 @@ def check_save(
     :class:`InvalidStateError` for bad input or arguments that differ between ranks, and
     :class:`CheckpointExistsError` (naming ``where``) if ``step`` is not newer than every
     rank's newest; ``stop_step``, the step a preemption notice was answered at, adds a hint
-    when the caller saves it twice.
+    when the caller saves it twice. ``metrics`` are checked on each process
+    (:func:`~tiered_ckpt.format.metrics.metrics_of`); the leader's are the step's.
     """
 
     def mine() -> tuple[tuple[FlatState, ...], SaveReport]:
         newest = checked.value
+        recorded = metrics_of(metrics, step)
         local = _flatten(step, states, tuple(coordinator.local_ranks))
-        return local, _report(step, local, newest, coordinator.world_size)
+        return local, replace(_report(step, local, newest, coordinator.world_size), metrics=recorded)
 
     attempt = Attempt.run(mine)
     reports = gather(coordinator, "save", SaveReport, lambda: attempt.value[1])
@@ -133,5 +140,6 @@ def check_save(
     dtypes = [dict(rank_dtypes) for each in reports for rank_dtypes in each.dtypes]
     flat = all(each.flat for each in reports)
     keys, numels = resolve_sharded_keys(shapes, sharded_keys, flat=flat, dtypes=dtypes)
-    check_manifest_fits([size for each in reports for size in each.record_bytes], keys, step)
-    return SavePlan(attempt.value[0], keys, tuple(numels), any(each.replicated for each in reports))
+    check_manifest_fits([size for each in reports for size in each.record_bytes], keys, step, reports[0].metrics)
+    replicated = any(each.replicated for each in reports)
+    return SavePlan(attempt.value[0], keys, tuple(numels), replicated, reports[0].metrics)

@@ -28,6 +28,7 @@ from tiered_ckpt.engine.incremental import Baseline, Held, choose_references
 from tiered_ckpt.format.content import DIGESTS_KEY, content_digest, digests_text
 from tiered_ckpt.format.layout import shard_name
 from tiered_ckpt.format.manifest import (
+    METRICS_SCHEMA_VERSION,
     REFERENCES_SCHEMA_VERSION,
     SCHEMA_VERSION,
     Reference,
@@ -36,6 +37,7 @@ from tiered_ckpt.format.manifest import (
     records_array_digests,
     references_fit,
 )
+from tiered_ckpt.format.metrics import Metrics
 from tiered_ckpt.format.shardfile import header_length, json_length_bound, write_shard
 from tiered_ckpt.format.state import FlatState
 from tiered_ckpt.io.hashing import PartDigest, ShardDigest
@@ -351,16 +353,24 @@ def build_manifest(
     world_size: int,
     sharded_keys: tuple[str, ...],
     wall_clock_seconds: float,
+    metrics: Metrics = (),
     source: str = "manifest",
 ) -> ShardManifest:
-    """The manifest of ``step`` from every rank's shard record, validated as any manifest is
-    (``source`` names where the records came from in its errors, e.g. the ranks' exchange)."""
+    """The manifest of ``step`` from every rank's shard record and the step's ``metrics``,
+    validated as any manifest is (``source`` names where the records came from in its errors,
+    e.g. the ranks' exchange). It is written in the oldest schema version that holds it."""
+    version = SCHEMA_VERSION
+    if any(r.references for r in records):
+        version = REFERENCES_SCHEMA_VERSION
+    if metrics:
+        version = METRICS_SCHEMA_VERSION
     return ShardManifest(
         world_size=world_size,
         step=step,
         wall_clock_seconds=wall_clock_seconds,
         sharded_keys=sharded_keys,
         shards=tuple(records),
-        schema_version=REFERENCES_SCHEMA_VERSION if any(r.references for r in records) else SCHEMA_VERSION,
+        schema_version=version,
+        metrics=metrics,
         source=source,
     )

@@ -55,12 +55,14 @@ from tiered_ckpt.engine.incremental import Baseline
 from tiered_ckpt.engine.memory_budget import spilled_text, throttled_text
 from tiered_ckpt.engine.replication import Replicator
 from tiered_ckpt.engine.save_handle import SaveHandle, not_replicated
+from tiered_ckpt.engine.saving import SavePlan
 from tiered_ckpt.engine.sending import MemoryStep
 from tiered_ckpt.engine.shards import Borrowed, ShardBuffer, build_manifest, serialize_shards, write_shards
 from tiered_ckpt.engine.staging import Staged, StagingBuffers
 from tiered_ckpt.engine.stale import StaleCheck
 from tiered_ckpt.errors import CheckpointError, SaveError
 from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
+from tiered_ckpt.format.metrics import Metrics
 from tiered_ckpt.format.state import FlatState
 from tiered_ckpt.io.gc_pause import cyclic_gc_paused
 from tiered_ckpt.io.off_host import OffHost
@@ -186,19 +188,17 @@ class Writer:
     def submit(
         self,
         step: int,
-        states: Sequence[FlatState],
-        keys: tuple[str, ...],
-        numels: list[int],
+        plan: SavePlan,
         *,
         every_tier: bool = False,
-        replicated: bool = True,
         blocking: bool = False,
         started: float | None = None,
     ) -> SaveHandle:
-        """Stage ``states`` (this process's ranks, checked) and queue their write as ``step``, to
-        the tiers :meth:`tiers_of` names (the caller checked there is one). ``replicated=False``
-        (every process must pass the same, as the call's check gives it): no rank's state holds
-        an array another rank may hold a copy of, so the ranks skip agreeing who writes each.
+        """Stage the states of ``plan`` (this process's ranks, checked on every rank) and queue
+        their write as ``step``, to the tiers :meth:`tiers_of` names (the caller checked there
+        is one), with the plan's sharded keys and metrics. A plan whose ``replicated`` is False
+        (every process's is the same): no rank's state holds an array another rank may hold a
+        copy of, so the ranks skip agreeing who writes each.
 
         Waits first for the previous save's write (not its retention): its staging buffers are
         the ones reused here, and overwriting them under a running write would save this step's
@@ -208,6 +208,7 @@ class Writer:
         this call's start).
         """
         started = time.monotonic() if started is None else started
+        states, keys, numels, replicated = plan.states, plan.sharded_keys, list(plan.numels), plan.replicated
         if self._last_save is not None:
             self._last_save.exception()
         to_disk, replicators = self.tiers_of(step, every_tier=every_tier)
@@ -220,7 +221,7 @@ class Writer:
         committed: Future[ShardManifest | None] = ReportedFuture(self._errors)
         outcomes = self._outcomes(step, to_disk, replicators)
         write = partial(self._write, every_tier=every_tier) if to_disk else self._write_to_memory
-        write = partial(write, borrowed=borrowed)
+        write = partial(write, borrowed=borrowed, metrics=plan.metrics)
         job = self._writer.submit(write, step, staged, keys, numels, replicators, replicated)
         job.add_done_callback(lambda done: _copy_outcome(done, committed))
         self._last_save = committed
@@ -307,7 +308,7 @@ class Writer:
         self._writer.shutdown(wait=True)
         self._janitor.shutdown(wait=True)
 
-    def _records(self, step: int, parts: list[_Written], keys: tuple[str, ...]) -> ShardManifest:
+    def _records(self, step: int, parts: list[_Written], keys: tuple[str, ...], metrics: Metrics) -> ShardManifest:
         with cyclic_gc_paused():  # a record per rank, all alive until returned: see io/gc_pause.py
             return build_manifest(
                 step,
@@ -315,6 +316,7 @@ class Writer:
                 world_size=self._world_size,
                 sharded_keys=keys,
                 wall_clock_seconds=parts[0].time,  # the leader's clock
+                metrics=metrics,
                 source=f"the shard records of step {step}",
             )
 
@@ -332,6 +334,7 @@ class Writer:
         replicated: bool = True,
         *,
         borrowed: Borrowed | None = None,
+        metrics: Metrics = (),
     ) -> ShardManifest | None:
         """Writer thread: serialize this process's shards of a step the disk skips, agree on its
         manifest, and hand it to the replicators of the tiers that take it (a partner's memory);
@@ -367,7 +370,7 @@ class Writer:
                 shards.update((record.rank, data) for record, data in written)
                 return _Written(tuple(record.to_dict() for record, _data in written), time.time())
 
-            manifest = self._records(step, gather(self._coordinator, "write", _Written, write), keys)
+            manifest = self._records(step, gather(self._coordinator, "write", _Written, write), keys, metrics)
             if not to:  # the tier that would keep it is off: nothing else keeps it either
                 return None
             outcomes = [replicator.outcome(step) for replicator in to]
@@ -399,6 +402,7 @@ class Writer:
         *,
         every_tier: bool = False,
         borrowed: Borrowed | None = None,
+        metrics: Metrics = (),
     ) -> ShardManifest:
         """Writer thread: write this process's shards, commit once every rank's are durable, queue
         the upload. ``every_tier`` is recorded with the commit: a restart still owes it to every tier.
@@ -426,7 +430,7 @@ class Writer:
                 return _Written(tuple(record.to_dict() for record in records), time.time(), compared)
 
             written = gather(self._coordinator, "write", _Written, write)
-            manifest = self._records(step, written, keys)
+            manifest = self._records(step, written, keys, metrics)
             self._stale.check(step, [part.compared for part in written], self._coordinator.is_leader, not every_tier)
 
             # The commit is agreed: retention may delete older steps only once every rank has

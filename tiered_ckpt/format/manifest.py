@@ -16,6 +16,7 @@ from typing import Any
 
 from tiered_ckpt.errors import ChecksumMismatchError, ManifestError, ShardCountMismatchError
 from tiered_ckpt.format.layout import MANIFEST_NAME, is_plain_name, is_shard_name
+from tiered_ckpt.format.metrics import Metrics, parse_metrics
 from tiered_ckpt.format.shardfile import DTYPES, MAX_DIMS, MAX_HEADER_BYTES, json_length_bound
 from tiered_ckpt.format.strict_json import Fields, dump_object, load_object
 from tiered_ckpt.io.gc_pause import cyclic_gc_paused
@@ -24,6 +25,7 @@ from tiered_ckpt.io.hashing import ShardDigest
 __all__ = [
     "SCHEMA_VERSION",
     "REFERENCES_SCHEMA_VERSION",
+    "METRICS_SCHEMA_VERSION",
     "MAX_REFERENCED_FILES",
     "READABLE_SCHEMA_VERSIONS",
     "ChunkRecord",
@@ -42,10 +44,12 @@ __all__ = [
 # shard record may reference arrays an earlier step's file holds ("references"); a manifest
 # with none is still written as version 2, which releases that know no references read.
 # Version 1 (flat states, no structure documents) was never released: it is refused, as is
-# any version a later release writes, rather than misread.
+# any version a later release writes, rather than misread. Version 4: a manifest may record
+# the step's metrics ("metrics", format/metrics.py), and is written as version 4 only then.
 SCHEMA_VERSION = 2
 REFERENCES_SCHEMA_VERSION = 3
-READABLE_SCHEMA_VERSIONS = (2, 3)
+METRICS_SCHEMA_VERSION = 4
+READABLE_SCHEMA_VERSIONS = (2, 3, 4)
 # Bounds what a hostile manifest can make us allocate; 10**5 ranks take ~30 MB. A save
 # whose manifest might not fit is refused up front (manifest_problem): a step that saves loads.
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
@@ -260,8 +264,9 @@ class ShardManifest:
 
     ``wall_clock_seconds`` is the Unix time at which the checkpoint was committed.
     ``sharded_keys`` names the arrays that are slices of the flat parameter vector
-    (the rest are replicated). ``shards`` is ordered by rank. Constructing a manifest
-    validates it; an inconsistent one raises :class:`ManifestError`.
+    (the rest are replicated). ``shards`` is ordered by rank. ``metrics`` are the numbers
+    the save recorded (:mod:`~tiered_ckpt.format.metrics`), sorted by name. Constructing a
+    manifest validates it; an inconsistent one raises :class:`ManifestError`.
     """
 
     world_size: int
@@ -270,6 +275,7 @@ class ShardManifest:
     sharded_keys: tuple[str, ...]
     shards: tuple[ShardRecord, ...]
     schema_version: int = SCHEMA_VERSION
+    metrics: Metrics = ()
     source: InitVar[str] = "manifest"
 
     def __post_init__(self, source: str) -> None:
@@ -278,6 +284,10 @@ class ShardManifest:
     def shard(self, rank: int) -> ShardRecord:
         """Return the record of ``rank``."""
         return self.shards[rank]
+
+    def metric(self, name: str) -> float | None:
+        """The value the save recorded for metric ``name`` (None: none, or not a finite number)."""
+        return dict(self.metrics).get(name)
 
     @property
     def total_bytes(self) -> int:
@@ -309,6 +319,7 @@ class ShardManifest:
             "wall_clock_seconds": self.wall_clock_seconds,
             "sharded_keys": list(self.sharded_keys),
             "shards": [record.to_dict() for record in self.shards],
+            **({"metrics": dict(self.metrics)} if self.metrics else {}),
         }
 
     @classmethod
@@ -321,7 +332,9 @@ class ShardManifest:
     def from_dict(cls, document: Mapping[str, Any], *, source: str = "manifest") -> ShardManifest:
         """Validate a parsed JSON document as a manifest; ``source`` is named in errors."""
         fields = Fields(document, source, "")
-        fields.reject_unknown({"schema_version", "world_size", "step", "wall_clock_seconds", "sharded_keys", "shards"})
+        fields.reject_unknown(
+            {"schema_version", "world_size", "step", "wall_clock_seconds", "sharded_keys", "shards", "metrics"}
+        )
         version = fields.integer("schema_version", minimum=0)
         if version not in READABLE_SCHEMA_VERSIONS:
             raise ManifestError(
@@ -342,6 +355,7 @@ class ShardManifest:
                     )
                 ),
                 schema_version=version,
+                metrics=parse_metrics(document["metrics"], source) if "metrics" in document else (),
                 source=source,
             )
 
@@ -368,10 +382,11 @@ def references_fit(name_bytes: int, arrays: int, world_size: int) -> bool:
     return world_size * per_rank <= _ARRAY_DIGESTS_BYTES
 
 
-def manifest_problem(records: Iterable[int], sharded_keys: Iterable[str]) -> str | None:
+def manifest_problem(records: Iterable[int], sharded_keys: Iterable[str], metrics: Metrics = ()) -> str | None:
     """Why the manifest of a step whose shard records take at most ``records`` bytes each
-    (:func:`record_bytes_bound`) might not be read back, as a phrase; None if it will."""
+    (:func:`record_bytes_bound`), with ``metrics``, might not be read back, as a phrase; None if it will."""
     bound = _MANIFEST_BYTES + sum(records) + sum(json_length_bound(key) + 8 for key in sharded_keys)
+    bound += sum(json_length_bound(name) + 32 for name, _value in metrics)
     if bound > MAX_MANIFEST_BYTES:
         return f"may take up to {bound:,} bytes, over the {MAX_MANIFEST_BYTES:,} a reader accepts"
     return None
@@ -460,6 +475,11 @@ def _check_manifest(manifest: ShardManifest, source: str) -> None:
         )
     if len(set(manifest.sharded_keys)) != len(manifest.sharded_keys):
         raise fail("sharded_keys", "names a key twice")
+    if manifest.metrics:
+        if manifest.schema_version < METRICS_SCHEMA_VERSION:
+            raise fail("metrics", f"metrics need schema_version {METRICS_SCHEMA_VERSION}")
+        if parse_metrics(dict(manifest.metrics), source) != manifest.metrics:  # sorted, each name once
+            raise fail("metrics", "must be (name, value) pairs sorted by name, each name once")
     for key in manifest.sharded_keys:
         if not key or key == _RESERVED_KEY:
             raise fail("sharded_keys", f"invalid key {key!r}")

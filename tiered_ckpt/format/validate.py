@@ -7,6 +7,7 @@ from typing import Any
 
 from tiered_ckpt.errors import InvalidStateError, WorldSizeMismatchError
 from tiered_ckpt.format.manifest import ShardManifest, manifest_problem
+from tiered_ckpt.format.metrics import Metrics
 
 __all__ = ["MAX_STEP", "check_into", "check_manifest_fits", "check_world_size", "validate_states", "validate_step"]
 
@@ -35,10 +36,12 @@ def validate_step(step: int) -> None:
         raise InvalidStateError(f"step must be an integer from 0 to 2**63 - 1, got {step!r:.80}")
 
 
-def check_manifest_fits(record_bytes: Sequence[int], sharded_keys: Sequence[str], step: int) -> None:
+def check_manifest_fits(
+    record_bytes: Sequence[int], sharded_keys: Sequence[str], step: int, metrics: Metrics = ()
+) -> None:
     """Raise :class:`InvalidStateError` if the manifest of ``step``, whose ranks' records take at most
-    ``record_bytes`` (:meth:`FlatState.record_bytes`), might be over the size a reader accepts."""
-    problem = manifest_problem(record_bytes, sharded_keys)
+    ``record_bytes`` (:meth:`FlatState.record_bytes`), with ``metrics``, might be over the size a reader accepts."""
+    problem = manifest_problem(record_bytes, sharded_keys, metrics)
     if problem is not None:
         raise InvalidStateError(
             f"step {step}: the manifest of its {len(record_bytes)} ranks (a record of every array of a state of "

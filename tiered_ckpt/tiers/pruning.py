@@ -11,7 +11,9 @@ rules are :mod:`~tiered_ckpt.tiers.retention`'s pure functions. What a tier prot
 - a later tier feeds none: its policy alone decides.
 
 Every tier keeps the steps the store holds (:attr:`TieredStore.held`: those a framework's
-checkpoint pointers name, until it removes them).
+checkpoint pointers name, until it removes them). A policy with ``keep_best`` ranks the steps
+it weighs by the metric their manifests recorded (:class:`~tiered_ckpt.tiers.step_metrics.StepMetrics`),
+and keeps a step whose manifest cannot be read now.
 
 Whatever a policy deletes, a file a retained step references stays (reachability, not step
 numbers: the tier's ``delete_step`` keeps it), and goes with the last step referencing it.
@@ -71,7 +73,9 @@ def _plan(
     for (``assume_complete``: as if every step were known complete on every rank)."""
     policy = store.policy(tier)
     if tier is not store.local:
-        return policy.to_delete(tier.steps(), store.held), set()
+        steps = tier.steps()
+        scores, unknown = _scores(store, tier, steps)
+        return policy.to_delete(steps, store.held | unknown, scores), set()
     steps = store.local.steps()
     receipted = {step for step in steps if store.receipted(step)} if store.remote is not None else set()
     newest = max(steps, default=None) if assume_complete else _newest_complete(store, steps, receipted, complete)
@@ -82,7 +86,16 @@ def _plan(
         uploaded = [step for step in steps if _owed(store, step, policy.upload_every) or step in queued]
         kept |= protected(uploaded, receipted, queued, policy.max_awaiting_upload)
         waited = awaiting(uploaded, receipted, queued)
-    return policy.to_delete(retainable(steps, newest), kept), waited
+    weighed = retainable(steps, newest)
+    scores, unknown = _scores(store, tier, weighed)
+    return policy.to_delete(weighed, kept | unknown, scores), waited
+
+
+def _scores(store: TieredStore, tier: Tier, steps: list[int]) -> tuple[dict[int, float | None], set[int]]:
+    """The values of ``tier``'s keep-best metric for ``steps``, and the steps it must keep for
+    want of theirs (none without keep-best)."""
+    metric = store.policy(tier).best_metric
+    return store.step_metrics.scores(tier, steps, metric) if metric is not None else ({}, set())
 
 
 def to_delete(
@@ -116,6 +129,7 @@ def retain(store: TieredStore, tier: Tier, pending: Pending | None = None, *, co
         deleted, waited = _plan(store, tier, pending or {}, complete)
         for step in deleted:
             tier.delete_step(step)
+            store.step_metrics.forget(tier, step)
             if step in waited:
                 bucket = store.remote.url if store.remote else None
                 logger.warning(

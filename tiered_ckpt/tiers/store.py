@@ -61,6 +61,7 @@ from tiered_ckpt.tiers.shard_parts import (
     shard_index,
     verified_header,
 )
+from tiered_ckpt.tiers.step_metrics import StepMetrics
 
 __all__ = ["FetchedShard", "TieredStore", "TierName", "Landing"]
 
@@ -119,6 +120,7 @@ class TieredStore:
         )
         self.retention_lock = threading.Lock()  # retention passes of the local tier never interleave
         self._held: frozenset[int] = frozenset()  # replaced whole: a retention pass reads one set
+        self.step_metrics = StepMetrics()  # what keep-best retention ranks steps by
 
     @property
     def held(self) -> frozenset[int]:

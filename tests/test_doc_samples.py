@@ -275,9 +275,10 @@ def test_the_lightning_guide_resumes_a_trainer_from_the_bucket_and_fabric_from_i
     assert "restored step 200" in again.stdout and "sources {0: 'remote'}" in again.stdout
     shutil.rmtree(tmp_path / "nvme")  # a serving machine: the pointer's bucket alone
     shown = "print('loaded', type(model).__name__, model.net.weight.shape)\n"
+    shown += "print('exported', Model.load_from_checkpoint('model.ckpt').net.weight.shape)\n"
     loaded = run(script(tmp_path, "load_sample", LIGHTNING_PRELUDE, sample("lightning_load"), shown), env, tmp_path)
     assert loaded.returncode == 0, loaded.stderr[-5000:]
-    assert "loaded Model torch.Size([1, 8])" in loaded.stdout
+    assert "loaded Model torch.Size([1, 8])" in loaded.stdout and "exported torch.Size([1, 8])" in loaded.stdout
 
     epilogue = "print('fabric', io.last_restore and io.last_restore.step, state['step'])\n"
     fabric = script(tmp_path, "fabric_sample", LIGHTNING_PRELUDE, sample("fabric"), epilogue)

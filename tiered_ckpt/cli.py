@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Collection, Sequence
 from contextlib import closing
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -401,10 +402,16 @@ def _ranks(ranks: Collection[int]) -> str:
 
 
 def command_export(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
-    """Write a step as a Hugging Face style safetensors checkpoint (see :mod:`tiered_ckpt.export`)."""
+    """Write a step as a Hugging Face style safetensors checkpoint (see :mod:`tiered_ckpt.export`),
+    or with ``--format lightning`` as a Lightning ``.ckpt`` (:mod:`tiered_ckpt.lightning_export`)."""
+    if args.format == "lightning":
+        return _export_lightning(config, args)
+    if args.full:
+        raise UsageError("--full applies to --format lightning only (safetensors holds the tensors of the step)")
     only = args.only  # a top-level key, a tensor name as show lists it, or the start of some
+    most = 5 * 10**9 if args.max_shard_size is None else args.max_shard_size
     with _progress("export", unit="file"):
-        result = export_step(_store(config), args.step, args.directory, only=only, max_shard_bytes=args.max_shard_size)
+        result = export_step(_store(config), args.step, args.directory, only=only, max_shard_bytes=most)
     files = [{"name": f.name, "bytes": f.size_bytes, "sha256": f.sha256} for f in result.files]
     data = {
         "step": result.step,
@@ -420,6 +427,20 @@ def command_export(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
         + (f"; not tensors, left out: {', '.join(result.skipped)[:300]}" if result.skipped else "")
     )
     return EXIT_OK, (data, "\n".join(lines))
+
+
+def _export_lightning(config: Config, args: argparse.Namespace) -> tuple[int, Any]:
+    """The step as one Lightning ``.ckpt`` file (needs torch and lightning, imported here only)."""
+    if args.only is not None or args.max_shard_size is not None:
+        raise UsageError("--only and --max-shard-size apply to --format safetensors; a .ckpt is one file")
+    from tiered_ckpt.lightning_export import write_lightning_file
+    from tiered_ckpt.lightning_load import read_step
+
+    written = write_lightning_file(read_step(_store(config), args.step), args.directory, full=args.full)
+    path = Path(args.directory).absolute()
+    data = {"step": args.step, "file": str(path), "bytes": written.size_bytes, "sha256": written.sha256}
+    text = f"{written.sha256}  {path}\nstep {args.step}: {human_size(written.size_bytes)} in {path}"
+    return EXIT_OK, (data, text + ("" if args.full else " (weights and hyper-parameters)"))
 
 
 def command_status(config: Config, args: argparse.Namespace) -> tuple[int, Any]:

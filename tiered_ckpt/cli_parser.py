@@ -124,13 +124,24 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("first", type=int, help="the earlier step")
     diff.add_argument("second", type=int, help="the later step")
     _global_options(diff, top=False)
-    export = command("export", "write a step as a Hugging Face safetensors checkpoint (full tensors)")
+    export = command("export", "write a step as a Hugging Face safetensors checkpoint, or a Lightning .ckpt")
     export.add_argument("step", type=int, help="the step")
-    export.add_argument("directory", help="where to write model*.safetensors (and the index)")
+    export.add_argument(
+        "directory", help="where to write model*.safetensors (and the index); with --format lightning, the .ckpt file"
+    )
+    export.add_argument(
+        "--format",
+        choices=("safetensors", "lightning"),
+        default="safetensors",
+        help="safetensors (full tensors, default) or lightning: one .ckpt of a step the Lightning plugin saved",
+    )
     export.add_argument(
         "--only", help="the part of the state to export: a top-level key (model) or a name as show lists it"
     )
-    export.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, help="the largest file (default 5GB)")
+    export.add_argument("--max-shard-size", type=parse_size, default=None, help="the largest file (default 5GB)")
+    export.add_argument(
+        "--full", action="store_true", help="lightning: the whole checkpoint, not its weights and hyper-parameters"
+    )
     _global_options(export, top=False)
     prune = command("prune", "apply retention to both tiers")
     prune.add_argument("--dry-run", action="store_true", help="only say what would be deleted")

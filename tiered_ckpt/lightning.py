@@ -83,10 +83,11 @@ from tiered_ckpt.format.layout import parse_step_dir_name, step_dir_name
 from tiered_ckpt.format.shardfile import dtype_code
 from tiered_ckpt.format.state import flatten
 from tiered_ckpt.io.durable import write_bytes
+from tiered_ckpt.lightning_export import export_lightning
 from tiered_ckpt.lightning_load import POINTER_FORMAT, POINTER_VERSION, device_of, load_from_checkpoint, parse_pointer
 from tiered_ckpt.manager import CheckpointManager
 
-__all__ = ["TieredCheckpointIO", "POINTER_FORMAT", "load_from_checkpoint"]
+__all__ = ["TieredCheckpointIO", "POINTER_FORMAT", "export_lightning", "load_from_checkpoint"]
 
 logger = logging.getLogger("tiered_ckpt")
 

@@ -1,6 +1,7 @@
 """Reading what :class:`~tiered_ckpt.lightning.TieredCheckpointIO` wrote, outside a Trainer:
-its pointers (their format, read strictly), and :func:`load_from_checkpoint`, which builds a
-module for evaluation or serving from a pointer or a step's directory, reading only.
+its pointers (their format, read strictly), a step's checkpoint dict (:func:`read_checkpoint`),
+and :func:`load_from_checkpoint`, which builds a module for evaluation or serving from a
+pointer or a step's directory, reading only.
 """
 
 from __future__ import annotations
@@ -20,7 +21,15 @@ from tiered_ckpt.format.strict_json import Fields, load_object
 from tiered_ckpt.options import LocalOptions, RemoteOptions
 from tiered_ckpt.tiers.store import TieredStore
 
-__all__ = ["POINTER_FORMAT", "POINTER_VERSION", "device_of", "load_from_checkpoint", "parse_pointer"]
+__all__ = [
+    "POINTER_FORMAT",
+    "POINTER_VERSION",
+    "device_of",
+    "load_from_checkpoint",
+    "parse_pointer",
+    "read_checkpoint",
+    "read_step",
+]
 
 POINTER_FORMAT = "tiered-ckpt-lightning-pointer"
 """The ``format`` field of the pointer file the plugin writes at each path Lightning saves to."""
@@ -82,14 +91,21 @@ def load_from_checkpoint(
     """
     _check_module_class(cls)
     device = device_of(map_location)
+    checkpoint = read_checkpoint(path, storage_options=storage_options)
+    if device is not None:
+        checkpoint = apply_to_collection(checkpoint, torch.Tensor, lambda tensor: tensor.to(device))
+    return _built(cls, checkpoint, strict, kwargs)
+
+
+def read_checkpoint(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The checkpoint dict the plugin saved as the step ``path`` names (a pointer, or a step's
+    directory on disk or in a bucket, as :func:`load_from_checkpoint` takes), its tensors on the
+    CPU, every array verified as it is read; reads only (no lock, nothing written)."""
     step, local, remote = _located(path)
     with tempfile.TemporaryDirectory(prefix="tiered-ckpt-load-") as scratch:
         here = local if local is not None and Path(local).is_dir() else scratch  # a machine without the disk
         bucket = RemoteOptions(remote, storage_options=storage_options or {}) if remote is not None else None
-        checkpoint = _read_step(open_store(LocalOptions(Path(here)), bucket), step)
-    if device is not None:
-        checkpoint = apply_to_collection(checkpoint, torch.Tensor, lambda tensor: tensor.to(device))
-    return _built(cls, checkpoint, strict, kwargs)
+        return read_step(open_store(LocalOptions(Path(here)), bucket), step)
 
 
 def _located(path: str | os.PathLike[str]) -> tuple[int, str | None, str | None]:
@@ -111,8 +127,9 @@ def _located(path: str | os.PathLike[str]) -> tuple[int, str | None, str | None]
     return parse_pointer(target)
 
 
-def _read_step(store: TieredStore, step: int) -> dict[str, Any]:
-    """The one-rank checkpoint dict of ``step``, read from the nearest tier holding it, verified."""
+def read_step(store: TieredStore, step: int) -> dict[str, Any]:
+    """The one-rank checkpoint dict of ``step``, read from the nearest tier of ``store`` holding
+    it, verified; :class:`UsageError` for a step of several ranks."""
     in_local = step in store.local.steps()
     in_remote = not in_local and store.remote is not None and step in store.remote.steps()
     if not (in_local or in_remote):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import select
 import shutil
@@ -37,7 +38,7 @@ from tiered_ckpt import (
     UsageError,
 )
 from tiered_ckpt.format.layout import step_dir_name
-from tiered_ckpt.lightning import POINTER_FORMAT, TieredCheckpointIO
+from tiered_ckpt.lightning import POINTER_FORMAT, TieredCheckpointIO, load_from_checkpoint
 
 CHILD = Path(__file__).resolve().parent / "support" / "lightning_child.py"
 EVERY, KILL_AT, MAX_STEPS, EPOCH = 10, 24, 40, 16  # the child's loader has 16 batches an epoch
@@ -309,11 +310,26 @@ def test_weights_changed_without_a_step_are_never_saved_as_a_pointer_to_the_old_
 
     with torch.no_grad():
         model.net.weight.mul_(0.5)  # averaged with zeros: new weights, no optimizer step
-    with pytest.raises(CheckpointExistsError, match=r"merged\.ckpt: step 4 is saved already with other contents"):
+    with pytest.raises(CheckpointExistsError, match=r"merged\.ckpt: step 4 is saved already with other contents in s"):
         finished.save_checkpoint(tmp_path / "merged.ckpt")
     assert not (tmp_path / "merged.ckpt").exists() and manager.steps() == [2, 4]
     stored = io.load_checkpoint(tmp_path / "same.ckpt")["state_dict"]  # the step keeps the weights it had
     assert stored["net.weight"].numpy().tobytes() == weights["net.weight"].numpy().tobytes()
+
+
+def test_a_save_after_fit_names_the_step_the_callback_saved_though_the_epoch_ended_since(manager, tmp_path, caplog):
+    names = tmp_path / "names"
+    io = Capturing(manager)
+    run = trainer(io, names, 8, save_top_k=0, save_last=True, every_n_train_steps=4)  # 8 batches: one epoch
+    run.fit(Model(), batches())
+    with caplog.at_level(logging.INFO, logger="tiered_ckpt"):
+        run.save_checkpoint(tmp_path / "final.ckpt")  # the epoch ended, the scheduler stepped: no optimizer step
+    assert pointer_step(tmp_path / "final.ckpt") == 8 and manager.steps() == [4, 8]
+    assert "names step 8 as first saved: its epoch, loops, lr_schedulers moved on" in caplog.text
+    stored = io.load_checkpoint(tmp_path / "final.ckpt")
+    assert stored["epoch"] == io.handed[8]["epoch"] == 0  # the callback's save, before the epoch's end
+    assert_same(io.handed[8]["state_dict"], stored["state_dict"])
+    assert load_from_checkpoint(Model, tmp_path / "final.ckpt").hparams.lr == 0.01
 
 
 def test_last_resumes_the_newest_pointer_and_ckpt_path_a_given_step_from_either_tier(manager, tmp_path):
@@ -413,7 +429,7 @@ def test_importing_tiered_ckpt_never_imports_lightning():
 
 
 def test_a_missing_ckpt_path_fails_the_fit_with_a_file_not_found_error_and_the_plugin_refuses_pickling(
-    manager, tmp_path
+    manager, tmp_path, monkeypatch
 ):
     import io as streams
 
@@ -421,9 +437,12 @@ def test_a_missing_ckpt_path_fails_the_fit_with_a_file_not_found_error_and_the_p
 
     io = TieredCheckpointIO(manager)
     run = trainer(io, tmp_path / "names", steps=2)
-    with pytest.raises(FileNotFoundError, match=r"Checkpoint file not found: .*missing\.ckpt does not exist") as caught:
+    with pytest.raises(FileNotFoundError, match=r"Checkpoint file not found: .*missing\.ckpt \(") as caught:
         run.fit(Model(), batches(), ckpt_path=tmp_path / "missing.ckpt")  # Lightning's contract for a missing path
     assert isinstance(caught.value, CheckpointNotFoundError) and isinstance(caught.value, UsageError)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"^Checkpoint file not found: not existing \("):
+        run.fit(Model(), batches(), ckpt_path="not existing")  # the path as given first, as Lightning's own says
     with pytest.raises(UsageError, match=r"TieredCheckpointIO cannot be pickled: it holds a running CheckpointManager"):
         torch.save(trainer(io, tmp_path / "names", steps=2), streams.BytesIO())
 
@@ -435,10 +454,12 @@ class Gated(TieredCheckpointIO):
     def __init__(self, manager: CheckpointManager, gate: threading.Event) -> None:
         super().__init__(manager)
         self.gate = gate
+        self.saved: list[int] = []
 
     def save_checkpoint(self, checkpoint, path, storage_options=None):
         assert self.gate.wait(timeout=120), "the training never ended"
         super().save_checkpoint(checkpoint, path, storage_options)
+        self.saved.append(checkpoint["global_step"])
 
 
 class OpenGate(L.Callback):
@@ -452,15 +473,17 @@ class OpenGate(L.Callback):
 def test_under_async_checkpoint_io_a_removal_that_comes_before_its_queued_save_is_not_undone(manager, tmp_path):
     gate = threading.Event()
     names = tmp_path / "names"
+    gated = Gated(manager, gate)
     run = trainer(
-        AsyncCheckpointIO(Gated(manager, gate)), names, 6, save_top_k=2, save_last=False, every_n_train_steps=1,
-        monitor="train_loss",
-    )  # fmt: skip
+        AsyncCheckpointIO(gated), names, 6, save_top_k=2, save_last=False, every_n_train_steps=1, monitor="train_loss"
+    )
     run.callbacks.append(OpenGate(gate))
+    torch.manual_seed(0)
     run.fit(Model(), batches())
     kept = {Path(path).name for path in run.checkpoint_callback.best_k_models}
     assert len(kept) == 2 and {path.name for path in names.iterdir()} == kept  # as TorchCheckpointIO leaves them
-    assert manager.steps()[-1] == 6  # every save was made: the steps removed pointers named stay to retention
+    assert len(gated.saved) > 2  # some saves came after their pointers' removal
+    assert manager.steps()[-1] == max(gated.saved)  # every save was made: the steps removed pointers named stay
 
 
 def assert_module_of(checkpoint: dict, module: L.LightningModule) -> None:

@@ -29,9 +29,11 @@ one pass over host memory, a copy to host for a tensor on another device), and a
 already saved or loaded here with other contents (weights changed without an optimizer step: an
 adapter merged, weights averaged or quantized after resuming a finished run) raises
 :class:`CheckpointExistsError` and writes nothing: a step is saved once, so such weights go to
-a new step or elsewhere. Left out of the comparison is what ``ModelCheckpoint`` callbacks
-record of their own files (``last_model_path``, ``best_k_models``, ...), which changes between
-the names of one step as each is written: the step keeps the first save's. :meth:`load_checkpoint` takes a
+a new step or elsewhere. Left out of the comparison is Lightning's bookkeeping that moves on
+after a step's training without an optimizer step (``epoch``, ``loops``, ``callbacks``,
+``lr_schedulers``: the end of an epoch, which files ``ModelCheckpoint`` wrote): ``fit`` then
+``trainer.save_checkpoint(path)`` names the step the callback saved, which keeps the first
+save's bookkeeping (logged at INFO, naming what moved on). :meth:`load_checkpoint` takes a
 pointer or a step's directory, ``<local.dir>/step-000000000100`` (:meth:`ckpt_path`), which
 need not exist: the manager restores the step from whichever tier holds it.
 
@@ -59,6 +61,7 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -121,6 +124,7 @@ class TieredCheckpointIO(CheckpointIO):
         self._unwanted: set[Path] = set()
         self._pointers = threading.Lock()
         self._named: dict[Path, int] = {}  # the live pointers, by path: their steps are held from retention
+        self._holder = object()  # this plugin's holds on the manager's store (another plugin may share it)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.manager!r}, step_key={self.step_key!r})"
@@ -245,7 +249,7 @@ class TieredCheckpointIO(CheckpointIO):
             self._named.pop(target, None)
         else:
             self._named[target] = step
-        self.manager.store.hold(set(self._named.values()))
+        self.manager.store.hold(set(self._named.values()), holder=self._holder)
 
     def teardown(self) -> None:
         """Raise a background error of the manager not raised yet (a permanent upload failure)."""
@@ -312,7 +316,7 @@ class TieredCheckpointIO(CheckpointIO):
                     self._named[target] = self._read_pointer(target)
                 except (CheckpointError, OSError):  # removed since, or not one of this manager's
                     continue
-            self.manager.store.hold(set(self._named.values()))
+            self.manager.store.hold(set(self._named.values()), holder=self._holder)
 
     def _step_named(self, path: str | os.PathLike[str]) -> int:
         text = os.fspath(path)
@@ -325,9 +329,10 @@ class TieredCheckpointIO(CheckpointIO):
         target = _local_path(path)
         if not target.exists():  # Lightning's CheckpointIO contract: a FileNotFoundError
             raise CheckpointNotFoundError(
-                f"Checkpoint file not found: {target} does not exist, and is not a step's directory under "
+                f"Checkpoint file not found: {os.fspath(path)} ({target} does not exist, and is not a step's "
+                f"directory under "
                 f"{self._places()}: give a pointer this plugin wrote, or a step's directory "
-                f"({self.ckpt_path(100)} for step 100)"
+                f"({self.ckpt_path(100)} for step 100))"
             )
         return self._read_pointer(target)
 
@@ -355,59 +360,60 @@ class TieredCheckpointIO(CheckpointIO):
 
 @dataclass(frozen=True)
 class _Saved:
-    """A step saved or loaded here: its number, top-level keys and fingerprint (the xxh3-128 of
-    its structure document and of every array's name, dtype, shape and bytes; a chance
-    collision is 2**-64 even over 2**32 checkpoints)."""
+    """A step saved or loaded here: its number, and the fingerprint of each top-level key's value
+    (the xxh3-128 of its structure document and of every array's name, dtype, shape and bytes; a
+    chance collision is 2**-64 even over 2**32 checkpoints)."""
 
     step: int
-    keys: frozenset[Any]
-    fingerprint: str
+    digests: Mapping[str, str]
 
     @classmethod
     def of(cls, step: int, checkpoint: dict[str, Any], owner: str) -> _Saved:
         """``checkpoint`` of ``step``; :class:`InvalidStateError` naming ``owner`` and the path of a
         value that cannot be stored."""
-        flat = flatten(_compared(checkpoint), owner)
-        hasher = xxhash.xxh3_128()
-        hasher.update(flat.structure.to_json().encode())
-        for name in sorted(flat.arrays):
-            array = flat.arrays[name]
-            hasher.update(json.dumps([name, dtype_code(array), list(array.shape)]).encode())
-            hasher.update(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
-        return cls(step, frozenset(checkpoint), hasher.hexdigest())
+        digests = {}
+        for key, value in checkpoint.items():
+            flat = flatten({key: value}, owner)
+            hasher = xxhash.xxh3_128()
+            hasher.update(flat.structure.to_json().encode())
+            for name in sorted(flat.arrays):
+                array = flat.arrays[name]
+                hasher.update(json.dumps([name, dtype_code(array), list(array.shape)]).encode())
+                hasher.update(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+            digests[str(key)] = hasher.hexdigest()
+        return cls(step, digests)
 
     def refuse_other(self, other: _Saved, target: Path) -> None:
-        """Raise :class:`CheckpointExistsError` naming ``target`` unless ``other`` holds what this step holds."""
-        if other.keys != self.keys:
+        """Raise :class:`CheckpointExistsError` naming ``target`` unless ``other`` holds what this step
+        holds, but for Lightning's progress bookkeeping (:data:`_PROGRESS`), which may have moved on
+        since (logged at INFO: the step keeps this save's)."""
+        if other.digests.keys() != self.digests.keys():
             raise CheckpointExistsError(
-                f"{target}: step {self.step} is saved already with the top-level keys {sorted(self.keys)}, "
-                f"not {sorted(other.keys)} (a weights-only and a full checkpoint of one step?); a step is saved "
+                f"{target}: step {self.step} is saved already with the top-level keys {sorted(self.digests)}, "
+                f"not {sorted(other.digests)} (a weights-only and a full checkpoint of one step?); a step is saved "
                 "once, and its other names point at it"
             )
-        if other.fingerprint != self.fingerprint:
+        differ = sorted(key for key in self.digests if self.digests[key] != other.digests[key])
+        changed = [key for key in differ if key not in _PROGRESS]
+        if changed:
             raise CheckpointExistsError(
-                f"{target}: step {self.step} is saved already with other contents (weights changed without an "
-                "optimizer step: merged, averaged or quantized?); a step is saved once, and its other names point "
-                "at the same bytes: save the changed weights as a new step, or elsewhere (a manager of another "
-                "local.dir and remote.url, or Lightning's TorchCheckpointIO)"
+                f"{target}: step {self.step} is saved already with other contents in {', '.join(changed)} (weights "
+                "changed without an optimizer step: merged, averaged or quantized?); a step is saved once, and its "
+                "other names point at the same bytes: save the changed weights as a new step, or elsewhere (a "
+                "manager of another local.dir and remote.url, or Lightning's TorchCheckpointIO)"
+            )
+        if differ:
+            logger.info(
+                "%s names step %d as first saved: its %s moved on since (Lightning's bookkeeping after the step's "
+                "training, such as the end of its epoch), and a step is saved once",
+                *(target, self.step, ", ".join(differ)),
             )
 
 
-_FILE_BOOKKEEPING = frozenset({"dirpath", "best_model_path", "best_k_models", "last_model_path"})
-
-
-def _compared(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """``checkpoint`` without the states of its ``ModelCheckpoint`` callbacks (of any subclass):
-    which files hold which step, which change between the names of one step as each is written."""
-    callbacks = checkpoint.get("callbacks")
-    if not isinstance(callbacks, dict):
-        return checkpoint
-    kept = {
-        key: state
-        for key, state in callbacks.items()
-        if not (isinstance(state, dict) and _FILE_BOOKKEEPING <= state.keys())
-    }
-    return {**checkpoint, "callbacks": kept}
+_PROGRESS = frozenset({"epoch", "loops", "callbacks", "lr_schedulers"})
+"""The keys of a Trainer's checkpoint that move on after a step's training without an optimizer step:
+the loops' counters and the epoch, the callbacks' states (which files hold which step, early
+stopping), the schedulers stepped at an epoch's end."""
 
 
 def _monitored(checkpoint: dict[str, Any], path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -121,7 +121,7 @@ def _located(path: str | os.PathLike[str]) -> tuple[int, str | None, str | None]
         return step, None, parent
     target = Path(text).absolute()
     if not target.exists():
-        raise CheckpointNotFoundError(f"Checkpoint file not found: {target} does not exist")
+        raise CheckpointNotFoundError(f"Checkpoint file not found: {text} ({target} does not exist)")
     if step is not None and target.is_dir():
         return step, str(target.parent), None
     return parse_pointer(target)

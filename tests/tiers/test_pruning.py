@@ -129,3 +129,15 @@ def test_a_buckets_slow_delete_holds_up_no_pass_of_the_local_tier(store):
         release.set()
         remote.join()
     assert bucket.steps() == [4]
+
+
+def test_every_holders_steps_are_kept_until_that_holder_releases_them(store):
+    store, peer, bucket, upload = store
+    upload(1, 2, 3, 4)
+    store.retention = {"local": RetentionPolicy(keep_last=1)}
+    first, second = object(), object()  # two plugins on one manager
+    store.hold({1}, holder=first)
+    store.hold({2}, holder=second)
+    assert store.held == {1, 2} and pruning.to_delete(store, store.local) == [3]
+    store.hold(set(), holder=first)  # the first releases its step; the second's stays held
+    assert store.held == {2} and pruning.to_delete(store, store.local) == [1, 3]

@@ -119,7 +119,9 @@ class TieredStore:
             (receipted for tier in tiers[1:] if (receipted := receipts_of(tier)) is not None), None
         )
         self.retention_lock = threading.Lock()  # retention passes of the local tier never interleave
-        self._held: frozenset[int] = frozenset()  # replaced whole: a retention pass reads one set
+        self._holds: dict[object, frozenset[int]] = {}  # by holder
+        self._holds_lock = threading.Lock()
+        self._held: frozenset[int] = frozenset()  # their union, replaced whole: a retention pass reads one set
         self.step_metrics = StepMetrics()  # what keep-best retention ranks steps by
 
     @property
@@ -128,10 +130,13 @@ class TieredStore:
         no tier's retention deletes while they are held (see :meth:`hold`)."""
         return self._held
 
-    def hold(self, steps: Collection[int]) -> None:
-        """Hold exactly ``steps`` from now on (those held before and not given are released):
-        every tier's retention keeps them, beside what its policy keeps."""
-        self._held = frozenset(steps)
+    def hold(self, steps: Collection[int], holder: object = None) -> None:
+        """``holder`` (e.g. one framework plugin of several on this store) holds exactly ``steps``
+        from now on (those it held before and not given are released): every tier's retention
+        keeps the steps any holder holds, beside what its policy keeps."""
+        with self._holds_lock:
+            self._holds[holder] = frozenset(steps)
+            self._held = frozenset().union(*self._holds.values())
 
     def __repr__(self) -> str:
         return f"TieredStore([{', '.join(repr(tier) for tier in self.tiers)}])"

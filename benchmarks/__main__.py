@@ -14,7 +14,8 @@ next to the disk's and sha256's limits), ``async`` (in ``async_save.py``), ``ret
 four), ``peer`` (a lost node restored from its partners' memory, and a
 partner copy's cost), ``parts`` (a partial restore and an export), ``scale`` (per-save
 overhead at many rank processes next to ``dcp.save``, and a leader's work at thousands of
-simulated ranks), ``memory`` (a save's and a restore's peak resident memory against the
+simulated ranks), ``requests`` (the bucket requests of a save and a restore at 1,024 and 4,096
+simulated ranks, by kind), ``memory`` (a save's and a restore's peak resident memory against the
 host memory budget, in fresh processes), ``incremental`` (what an incremental save writes
 and costs, LoRA and pretraining shapes, next to full saves), ``fresh`` (each method and each limit in a fresh
 process, next to issue 26's targets; not run by default) and, with
@@ -44,6 +45,7 @@ from benchmarks import (
     peer,
     peers,
     remote,
+    requests,
     retention,
     scale,
     small_arrays,
@@ -57,7 +59,8 @@ __all__ = ["main"]
 
 SECTIONS = (
     *("sync", "async", "retention", "dist", "train", "remote", "compression"),
-    *("structure", "small-arrays", "fsdp", "peer", "parts", "scale", "memory", "incremental", "fresh", "peers"),
+    *("structure", "small-arrays", "fsdp", "peer", "parts", "scale", "requests", "memory", "incremental"),
+    *("fresh", "peers"),
 )
 DEFAULT = tuple(section for section in SECTIONS if section not in ("fresh", "peers"))
 # Issue 26's items and the section that measures each: a section returns its Target rows and
@@ -82,6 +85,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             metavar="N",
             help=f"rank process counts for '{section}' (default {' '.join(map(str, counts))})",
         )
+    command.add_argument(
+        "--requests-ranks",
+        type=positive,
+        nargs="+",
+        default=list(requests.RANKS),
+        metavar="N",
+        help=f"simulated rank counts for 'requests' (default {' '.join(map(str, requests.RANKS))})",
+    )
     args = command.parse_args(argv)
     sections = args.only or list(DEFAULT)
     if args.peers or args.plot:
@@ -136,6 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "scale" in sections:
             print("per-save overhead as the ranks grow: rank processes next to dcp.save, and a leader of N ranks:")
             targets += scale.bench_scale(root, args.repeat, args.scale_processes)
+        if "requests" in sections:
+            print("bucket requests of one save and one restore by the leader of N simulated ranks (moto, counted):")
+            requests.bench_requests(root, args.requests_ranks)
         if "memory" in sections:
             print("host memory: a save's and a restore's peak growth against runtime.host_memory_bytes:")
             memory.bench_memory(root, args.repeat, budget=max(16 << 20, total // 32))

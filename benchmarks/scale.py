@@ -29,16 +29,15 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import Target, barrier_timed, run_rank_processes
-from tiered_ckpt.dist.coordination import decode_gathered
-from tiered_ckpt.format.layout import MANIFEST_NAME, shard_name, step_dir_name
+from benchmarks.harness import SimulatedRanks, Target, barrier_timed, run_rank_processes
+from tiered_ckpt.format.layout import MANIFEST_NAME, step_dir_name
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.manager import CheckpointManager
 from tiered_ckpt.options import LocalOptions, RuntimeOptions
 
 FULL = RuntimeOptions(incremental=False)  # every byte written, as dcp.save writes them
 
-__all__ = ["bench_scale", "rank_process", "SimulatedRanks"]
+__all__ = ["bench_scale", "rank_process"]
 
 RANK_PROCESSES = (4, 8, 16)
 SIMULATED = (256, 1024, 4096)
@@ -125,55 +124,6 @@ def _count_operations(dist: Any) -> list[int]:
 
         setattr(dist, name, counted)
     return calls
-
-
-class SimulatedRanks:
-    """A coordinator of ``world_size`` ranks in one process, which holds rank 0 and leads: each
-    collective gives it every rank's payload, made from its own by :meth:`renumber`, sent
-    through JSON as :class:`~tiered_ckpt.dist.coordination.TorchDistributedCoordinator` sends it.
-    Enough for a save's and a restore's collectives from ranks that all hold the same state."""
-
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
-        self.local_ranks = (0,)
-        self.is_leader = True
-        self.sending = 0.0  # CPU seconds spent making the other ranks' payloads
-
-    def barrier(self) -> None:
-        return None
-
-    def all_gather(self, payload: Any) -> list[Any]:
-        start = time.process_time()  # the other ranks' work, not the leader's: not counted
-        sent = [json.dumps(self.renumber(payload, rank)).encode() for rank in range(self.world_size)]
-        self.sending += time.process_time() - start
-        return decode_gathered(sent)
-
-    def broadcast(self, payload: Any) -> Any:
-        return json.loads(json.dumps(payload))
-
-    def broadcast_array(self, array: np.ndarray, source: int) -> None:
-        raise NotImplementedError("a simulated rank holds no other rank's arrays")
-
-    def new_channel(self) -> SimulatedRanks:
-        return self
-
-    def renumber(self, payload: Any, rank: int) -> Any:
-        """Rank 0's payload as rank ``rank`` would send it: its shard records renumbered."""
-        if not isinstance(payload, dict) or not isinstance(payload.get("result"), dict):
-            return payload
-        shards = payload["result"].get("shards")
-        if not isinstance(shards, (list, tuple)) or rank == 0:
-            return payload
-        renumbered = [
-            {
-                **shard,
-                "rank": rank,
-                "path": shard_name(rank, self.world_size),
-                "param_shard_offset": shard["param_shard_numel"] * rank,
-            }
-            for shard in shards
-        ]
-        return {**payload, "result": {**payload["result"], "shards": renumbered}}
 
 
 def _leader(root: Path, repeat: int) -> list[Target]:

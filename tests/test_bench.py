@@ -38,6 +38,9 @@ def test_benchmark_runs_every_section_and_prints_its_ratios(tmp_path):
             "2",
             "--scale-processes",
             "3",
+            "--requests-ranks",
+            "4",
+            "8",
         ],  # the fewest that say it all
     )
     assert result.returncode == 0, result.stderr
@@ -76,6 +79,8 @@ def test_benchmark_runs_every_section_and_prints_its_ratios(tmp_path):
         "export peak RSS growth / largest tensor",
         "gloo operations per save; save / dcp.save",
         "growth time(4096) / time(1024)",
+        "the leader of     8 ranks, one save",
+        "save    HeadObject               growth 4 -> 8 ranks",
         "save peak / (budget + slot), 20x",
         "restore peak / (budget + slot), 5x",
     ):
@@ -137,7 +142,7 @@ def test_help_names_the_command_and_every_section():
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: python -m benchmarks")
     assert (
-        "{sync,async,retention,dist,train,remote,compression,structure,small-arrays,fsdp,peer,parts,scale,memory,incremental,fresh,peers}"
+        "{sync,async,retention,dist,train,remote,compression,structure,small-arrays,fsdp,peer,parts,scale,requests,memory,incremental,fresh,peers}"
         in result.stdout
     )
     assert "--dist-processes N [N ...]" in result.stdout and "(default 1 2 4)" in result.stdout
@@ -184,6 +189,7 @@ def test_the_benchmark_is_a_dag_of_a_harness_and_sections_and_the_library_never_
         "scale",
         "peers",
         "memory",
+        "requests",
     }
     assert expected <= sections
     assert own["harness"] == set() and own["__init__"] == set()  # the harness imports no section

@@ -320,16 +320,28 @@ def test_weights_changed_without_a_step_are_never_saved_as_a_pointer_to_the_old_
 def test_a_save_after_fit_names_the_step_the_callback_saved_though_the_epoch_ended_since(manager, tmp_path, caplog):
     names = tmp_path / "names"
     io = Capturing(manager)
+    torch.manual_seed(0)
+    start = Model().state_dict()
+    uninterrupted = Model()
+    uninterrupted.load_state_dict(start)
+    with CheckpointManager(tmp_path / "other", world_size=1) as other:
+        trainer(TieredCheckpointIO(other), tmp_path / "other-names", 12).fit(uninterrupted, batches())
     run = trainer(io, names, 8, save_top_k=0, save_last=True, every_n_train_steps=4)  # 8 batches: one epoch
-    run.fit(Model(), batches())
-    with caplog.at_level(logging.INFO, logger="tiered_ckpt"):
+    first = Model()
+    first.load_state_dict(start)
+    run.fit(first, batches())
+    with caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
         run.save_checkpoint(tmp_path / "final.ckpt")  # the epoch ended, the scheduler stepped: no optimizer step
     assert pointer_step(tmp_path / "final.ckpt") == 8 and manager.steps() == [4, 8]
-    assert "names step 8 as first saved: its epoch, loops, lr_schedulers moved on" in caplog.text
+    assert "names step 8 as first saved, without this save's epoch, loops, lr_schedulers" in caplog.text
     stored = io.load_checkpoint(tmp_path / "final.ckpt")
     assert stored["epoch"] == io.handed[8]["epoch"] == 0  # the callback's save, before the epoch's end
     assert_same(io.handed[8]["state_dict"], stored["state_dict"])
     assert load_from_checkpoint(Model, tmp_path / "final.ckpt").hparams.lr == 0.01
+    resumed = trainer(io, names, 12)
+    resumed.fit(Model(), batches(), ckpt_path=tmp_path / "final.ckpt")  # the epoch's end runs again
+    assert resumed.current_epoch == 2 and resumed.global_step == 12
+    assert_same(dict(uninterrupted.state_dict()), dict(resumed.lightning_module.state_dict()))  # as if never stopped
 
 
 def test_last_resumes_the_newest_pointer_and_ckpt_path_a_given_step_from_either_tier(manager, tmp_path):

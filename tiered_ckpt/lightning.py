@@ -33,7 +33,7 @@ a new step or elsewhere. Left out of the comparison is Lightning's bookkeeping t
 after a step's training without an optimizer step (``epoch``, ``loops``, ``callbacks``,
 ``lr_schedulers``: the end of an epoch, which files ``ModelCheckpoint`` wrote): ``fit`` then
 ``trainer.save_checkpoint(path)`` names the step the callback saved, which keeps the first
-save's bookkeeping (logged at INFO, naming what moved on). :meth:`load_checkpoint` takes a
+save's bookkeeping (a WARNING names what moved on: the later values are not stored). :meth:`load_checkpoint` takes a
 pointer or a step's directory, ``<local.dir>/step-000000000100`` (:meth:`ckpt_path`), which
 need not exist: the manager restores the step from whichever tier holds it.
 
@@ -386,7 +386,7 @@ class _Saved:
     def refuse_other(self, other: _Saved, target: Path) -> None:
         """Raise :class:`CheckpointExistsError` naming ``target`` unless ``other`` holds what this step
         holds, but for Lightning's progress bookkeeping (:data:`_PROGRESS`), which may have moved on
-        since (logged at INFO: the step keeps this save's)."""
+        since (a WARNING naming it: the step keeps this save's)."""
         if other.digests.keys() != self.digests.keys():
             raise CheckpointExistsError(
                 f"{target}: step {self.step} is saved already with the top-level keys {sorted(self.digests)}, "
@@ -403,9 +403,10 @@ class _Saved:
                 "manager of another local.dir and remote.url, or Lightning's TorchCheckpointIO)"
             )
         if differ:
-            logger.info(
-                "%s names step %d as first saved: its %s moved on since (Lightning's bookkeeping after the step's "
-                "training, such as the end of its epoch), and a step is saved once",
+            logger.warning(
+                "%s names step %d as first saved, without this save's %s (Lightning's bookkeeping moved on after "
+                "the step's training: the end of its epoch); a step is saved once, and resuming from it resumes "
+                "as from that save, running the epoch's end again",
                 *(target, self.step, ", ".join(differ)),
             )
 

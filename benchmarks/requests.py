@@ -92,7 +92,6 @@ def bench_requests(root: Path, ranks: Sequence[int] = RANKS) -> None:
     except ImportError:
         print("  skipped: needs s3fs, boto3 and moto (pip install -e '.[bench]')")
         return
-    state = {"param": np.zeros(64, dtype=np.float32), "exp_avg": np.zeros(64, dtype=np.float32)}
     saves: dict[int, collections.Counter[str]] = {}
     restores: dict[int, collections.Counter[str]] = {}
     with moto_server() as (_endpoint, client, options), _counting() as counts:
@@ -107,6 +106,7 @@ def bench_requests(root: Path, ranks: Sequence[int] = RANKS) -> None:
                 for step in (1, 2):  # the first creates the run's lease: the second is a save like any
                     simulated.step = step
                     counts.clear()
+                    state = {"param": np.full(64, step, dtype=np.float32), "exp_avg": np.zeros(64, dtype=np.float32)}
                     manager.save(step, state, blocking=True)
                     manager.wait(uploaded=True)
                 saves[count] = collections.Counter(counts)

@@ -344,6 +344,24 @@ def test_a_save_after_fit_names_the_step_the_callback_saved_though_the_epoch_end
     assert_same(dict(uninterrupted.state_dict()), dict(resumed.lightning_module.state_dict()))  # as if never stopped
 
 
+def test_a_plugin_dropped_with_its_trainer_releases_the_steps_it_held(manager, tmp_path):
+    import gc
+
+    def fit() -> None:  # in a frame of its own: Lightning's save_hyperparameters keeps a snapshot of the caller's
+        run = trainer(TieredCheckpointIO(manager), tmp_path / "names", 4, save_top_k=-1, every_n_train_steps=2)
+        run.fit(Model(), batches())
+        assert manager.store.held == {2, 4}
+
+    fit()
+    second = TieredCheckpointIO(manager)  # a later Trainer on the same manager (fit, then test)
+    second.load_checkpoint(tmp_path / "names" / "epoch=0-step=2.ckpt")
+    gc.collect()
+    assert manager.store.held == {2}  # the first plugin is gone; the second holds what step 2's callback recorded
+    del second
+    gc.collect()
+    assert manager.store.held == frozenset()  # no plugin left: retention alone decides
+
+
 def test_last_resumes_the_newest_pointer_and_ckpt_path_a_given_step_from_either_tier(manager, tmp_path):
     names = tmp_path / "names"
     io = TieredCheckpointIO(manager)
@@ -539,26 +557,47 @@ def test_load_from_checkpoint_reads_a_step_from_the_bucket_alone_for_a_machine_w
         assert_module_of(io.handed[2], module)
 
 
-def test_the_score_of_each_ranked_save_is_recorded_and_keep_best_keeps_the_callbacks_best(tmp_path):
-    names = tmp_path / "names"
+class Losses(L.Callback):
+    """Each step's loss as the loop logged it (``train_loss``), by global step."""
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.by_step[trainer.global_step] = float(trainer.callback_metrics["train_loss"])
+
+
+def test_the_score_of_each_ranked_save_is_recorded(manager, tmp_path):
+    top_k = {"save_top_k": 1, "save_last": True, "every_n_train_steps": 1, "monitor": "train_loss"}
+    run = trainer(TieredCheckpointIO(manager), tmp_path / "names", 8, **top_k)
+    run.fit(Model(), batches())
+    callback = run.checkpoint_callback
+    best = pointer_step(Path(callback.best_model_path))
+    assert manager.locate(best).metric("train_loss") == float(callback.best_model_score)
+    assert manager.locate(8).metrics in ((), (("train_loss", float(callback.best_model_score)),))  # ranked, or not
+
+
+def test_record_metrics_gives_every_save_its_loss_and_keep_best_keeps_the_true_best(tmp_path):
+    from tiered_ckpt.lightning import RecordMetrics
+
     top_k = {"save_top_k": 1, "save_last": True, "every_n_train_steps": 1, "monitor": "train_loss"}
     local = LocalOptions(tmp_path / "ckpt", keep_last=1, keep_best=3, best_metric="train_loss")
+    losses = Losses()
     with CheckpointManager(local, world_size=1) as manager:
-        run = trainer(TieredCheckpointIO(manager), names, 8, **top_k)
-        torch.manual_seed(0)  # a loss that falls at most steps: several saves are ranked
+        run = trainer(TieredCheckpointIO(manager), tmp_path / "names", 16, **top_k)
+        run.callbacks.extend([RecordMetrics("train_loss", "not_logged"), losses])
+        torch.manual_seed(0)
         run.fit(Model(), batches())
         manager.wait()
-        manager.prune()  # the pass after the last save ran while last.ckpt still named step 7
-        recorded = {step: manager.locate(step).metric("train_loss") for step in manager.steps()}
-    callback = run.checkpoint_callback
-    assert callback.best_model_score is not None
-    best = pointer_step(Path(callback.best_model_path))
-    assert recorded[best] == float(callback.best_model_score)
-    scores = {step: value for step, value in recorded.items() if value is not None}
-    newest = max(recorded)
-    lowest = sorted(scores, key=lambda step: (scores[step], -step))[:3]
-    assert set(recorded) == set(lowest) | {newest}  # the three lowest recorded losses, and the newest
-    assert len(scores) >= 3 and best in lowest
+        manager.prune()  # the pass after the last save ran while last.ckpt still named step 15
+        recorded = {step: manager.locate(step).metrics for step in manager.steps()}
+        stored = TieredCheckpointIO(manager).load_checkpoint(tmp_path / "names" / "last.ckpt")
+    lowest = sorted(losses.by_step, key=lambda step: (losses.by_step[step], -step))[:3]
+    assert set(recorded) == set(lowest) | {16}  # the three lowest losses of all 16 steps, and the newest
+    assert all(recorded[step] == (("train_loss", losses.by_step[step]),) for step in recorded)
+    assert "tiered_ckpt_metrics" not in stored  # recorded in the manifest, not stored with the checkpoint
+    with pytest.raises(UsageError, match="RecordMetrics takes the names of logged metrics"):
+        RecordMetrics()
 
 
 def test_every_step_a_top_k_pointer_names_stays_in_both_tiers_until_the_pointer_goes(tmp_path, s3_url):

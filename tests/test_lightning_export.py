@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import lightning as L
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -79,8 +80,23 @@ def test_a_value_the_weights_only_reader_could_not_build_is_refused_and_nothing_
     with pytest.raises(UsageError, match="holds no state_dict"):
         write_lightning_file({"weights": weights}, out)
     assert out.read_bytes() == b"an earlier export"  # untouched
-    write_lightning_file({"state_dict": weights, "optimizer_states": [{"lr": object()}]}, out)  # not a weights key
-    assert torch.equal(torch.load(out, weights_only=True)["state_dict"]["n"], torch.arange(3))  # numpy: a tensor
+    with pytest.raises(UsageError, match="the .ckpt file to write is a directory"):
+        write_lightning_file({"state_dict": weights}, tmp_path)
+    with pytest.raises(UsageError, match="which is not a directory"):
+        write_lightning_file({"state_dict": weights}, tmp_path / "missing" / "model.ckpt")
+    with pytest.raises(InvalidStateError, match=r"checkpoint\['hyper_parameters'\]\['when'\]: a date cannot"):
+        write_lightning_file({"state_dict": weights, "hyper_parameters": {"when": np.datetime64(1, "D")}}, out)
+    assert out.read_bytes() == b"an earlier export"
+    scalars = {"lr": np.float64(0.1), "scale": np.array(2.0, dtype=np.float32)}  # as a restore gives them back
+    bf16 = np.array([1.5, -2.0], dtype=ml_dtypes.bfloat16)
+    write_lightning_file(
+        {"state_dict": {**weights, "h": bf16}, "hyper_parameters": scalars, "optimizer_states": [{"lr": object()}]}, out
+    )  # the optimizer states are no weights key: left out
+    loaded = torch.load(out, weights_only=True)
+    assert torch.equal(loaded["state_dict"]["n"], torch.arange(3))  # numpy: a tensor
+    assert loaded["state_dict"]["h"].dtype == torch.bfloat16 and loaded["state_dict"]["h"].tolist() == [1.5, -2.0]
+    assert loaded["hyper_parameters"]["lr"] == 0.1 and type(loaded["hyper_parameters"]["lr"]) is float
+    assert loaded["hyper_parameters"]["scale"].shape == () and "optimizer_states" not in loaded
 
 
 @pytest.mark.slow

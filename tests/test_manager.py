@@ -469,17 +469,17 @@ def test_each_tier_keeps_its_best_steps_by_the_metric_the_saves_recorded(tmp_pat
     assert url.startswith("s3://")
 
 
-def test_a_step_whose_metrics_cannot_be_read_is_kept_until_they_can(tmp_path, caplog):
+def test_a_step_whose_manifest_is_damaged_is_ranked_without_metrics(tmp_path, caplog):
     options = LocalOptions(tmp_path, keep_last=1, keep_best=1, best_metric="loss")
     with CheckpointManager(LocalOptions(tmp_path, keep_last=None), world_size=4, runtime=ZERO1) as manager:
-        for step, loss in ((1, 0.5), (2, 0.1), (3, 0.4)):
+        for step, loss in ((1, 0.05), (2, 0.1), (3, 0.4)):
             manager.save(step, zero1_states(seed=step), metrics={"loss": loss})
-    (tmp_path / step_dir_name(1) / "manifest.json").write_text("{not json")  # flipped on disk
+    (tmp_path / step_dir_name(1) / "manifest.json").write_text("{not json")  # flipped on disk: never readable
     with CheckpointManager(options, world_size=4, runtime=ZERO1) as manager, caplog.at_level(logging.WARNING):
         manager.save(4, zero1_states(seed=4), metrics={"loss": 0.3})
         manager.wait()
-        assert manager.steps() == [1, 2, 4]  # 2 the best, 4 the newest, 1 unreadable: kept
-    assert "keeps step 1: its metrics could not be read" in caplog.text
+        assert manager.steps() == [2, 4]  # 2 the best readable, 4 the newest; 1 weighed as a step without metrics
+    assert "ranks step 1 without metrics" in caplog.text
 
 
 @pytest.mark.parametrize("cloud_url", with_slow(CLOUDS, "s3"), indirect=True)

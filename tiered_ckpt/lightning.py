@@ -38,9 +38,10 @@ pointer or a step's directory, ``<local.dir>/step-000000000100`` (:meth:`ckpt_pa
 need not exist: the manager restores the step from whichever tier holds it.
 
 Metrics: a save that a ``ModelCheckpoint`` ranks records its score under the name of the
-metric the callback monitors (``save(..., metrics={monitor: score})``), so that a tier's
-``keep_best`` retention (``best_metric`` the same name, ``best_mode`` the callback's
-``mode``) keeps the best steps as the callback does, beyond the steps its live pointers hold.
+metric the callback monitors (``save(..., metrics={monitor: score})``), and with the
+:class:`RecordMetrics` callback every save records the logged metrics it names, so that a
+tier's ``keep_best`` retention (``best_metric`` the same name, ``best_mode`` the callback's
+``mode``) keeps the best steps, beyond the steps the live pointers hold.
 
 Blocking: :meth:`save_checkpoint` returns once the step is committed on local disk and its
 pointer is written; the upload goes on in the manager's background. It does not return
@@ -61,6 +62,7 @@ import json
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -71,6 +73,7 @@ import torch
 import torch.distributed
 import xxhash
 from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.callbacks import Callback
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from tiered_ckpt.engine.restore_result import RestoreResult
@@ -90,7 +93,7 @@ from tiered_ckpt.lightning_export import export_lightning
 from tiered_ckpt.lightning_load import POINTER_FORMAT, POINTER_VERSION, device_of, load_from_checkpoint, parse_pointer
 from tiered_ckpt.manager import CheckpointManager
 
-__all__ = ["TieredCheckpointIO", "POINTER_FORMAT", "export_lightning", "load_from_checkpoint"]
+__all__ = ["TieredCheckpointIO", "RecordMetrics", "POINTER_FORMAT", "export_lightning", "load_from_checkpoint"]
 
 logger = logging.getLogger("tiered_ckpt")
 
@@ -125,6 +128,8 @@ class TieredCheckpointIO(CheckpointIO):
         self._pointers = threading.Lock()
         self._named: dict[Path, int] = {}  # the live pointers, by path: their steps are held from retention
         self._holder = object()  # this plugin's holds on the manager's store (another plugin may share it)
+        # A plugin dropped (its Trainer done) releases its holds: its pointers are a later plugin's to hold again.
+        weakref.finalize(self, manager.store.hold, (), holder=self._holder)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.manager!r}, step_key={self.step_key!r})"
@@ -164,12 +169,15 @@ class TieredCheckpointIO(CheckpointIO):
         _refuse_several_processes("save")
         target = _local_path(path)
         step = self._step_of(checkpoint, target)
+        recorded = checkpoint.get(METRICS_KEY)
+        metrics = {**(recorded if isinstance(recorded, dict) else {}), **_monitored(checkpoint, path)}
+        checkpoint = {key: value for key, value in checkpoint.items() if key != METRICS_KEY}
         with self._lock:
             saved = _Saved.of(step, checkpoint, str(target))
             if self._newest is not None and self._newest.step == step:
                 self._newest.refuse_other(saved, target)
             else:
-                self._save(step, checkpoint, target, _monitored(checkpoint, path))
+                self._save(step, checkpoint, target, metrics)
                 self._newest = saved
             target.parent.mkdir(parents=True, exist_ok=True)
             with self._pointers:
@@ -396,11 +404,15 @@ class _Saved:
         differ = sorted(key for key in self.digests if self.digests[key] != other.digests[key])
         changed = [key for key in differ if key not in _PROGRESS]
         if changed:
+            why = (
+                "a scheduler that changed the learning rate at the epoch's end?"
+                if changed == ["optimizer_states"] and "lr_schedulers" in differ
+                else "weights changed without an optimizer step: merged, averaged or quantized?"
+            )
             raise CheckpointExistsError(
-                f"{target}: step {self.step} is saved already with other contents in {', '.join(changed)} (weights "
-                "changed without an optimizer step: merged, averaged or quantized?); a step is saved once, and its "
-                "other names point at the same bytes: save the changed weights as a new step, or elsewhere (a "
-                "manager of another local.dir and remote.url, or Lightning's TorchCheckpointIO)"
+                f"{target}: step {self.step} is saved already with other contents in {', '.join(changed)} ({why}); "
+                "a step is saved once, and its other names point at the same bytes: save the changed state as a new "
+                "step, or elsewhere (a manager of another local.dir and remote.url, or Lightning's TorchCheckpointIO)"
             )
         if differ:
             logger.warning(
@@ -415,6 +427,30 @@ _PROGRESS = frozenset({"epoch", "loops", "callbacks", "lr_schedulers"})
 """The keys of a Trainer's checkpoint that move on after a step's training without an optimizer step:
 the loops' counters and the epoch, the callbacks' states (which files hold which step, early
 stopping), the schedulers stepped at an epoch's end."""
+
+
+METRICS_KEY = "tiered_ckpt_metrics"
+"""The key :class:`RecordMetrics` adds to each checkpoint, which the plugin records as the step's
+metrics (``save(..., metrics=)``) and does not store with the checkpoint."""
+
+
+class RecordMetrics(Callback):
+    """Record the logged metrics ``names`` (``trainer.callback_metrics``) with every checkpoint the
+    plugin saves, as the step's metrics: what a tier's ``keep_best`` ranks its steps by.
+
+    ``ModelCheckpoint`` gives a score only to the saves it ranks into its top k; a save it does
+    not rank (``last.ckpt``, a step outside its top k) has none, and keep-best can then rank
+    only the callback's successive bests. With this callback, every save carries the values
+    the loop logged last (a metric not logged yet is left out)."""
+
+    def __init__(self, *names: str) -> None:
+        if not names or not all(isinstance(name, str) and name for name in names):
+            raise UsageError(f"RecordMetrics takes the names of logged metrics, got {names!r:.80}")
+        self.names = names
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        logged = trainer.callback_metrics
+        checkpoint[METRICS_KEY] = {name: float(logged[name]) for name in self.names if name in logged}
 
 
 def _monitored(checkpoint: dict[str, Any], path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from tiered_ckpt.export import ExportedFile
 from tiered_ckpt.io.durable import atomic_write
 from tiered_ckpt.io.hashing import Hasher, hashing_writer
 from tiered_ckpt.lightning_load import read_checkpoint
+from tiered_ckpt.torch.tensors import to_torch
 
 __all__ = ["WEIGHTS_KEYS", "export_lightning", "write_lightning_file"]
 
@@ -62,6 +63,9 @@ def write_lightning_file(
     Raises :class:`UsageError` for a dict without a ``state_dict`` and :class:`InvalidStateError`
     naming the first value ``torch.load(weights_only=True)`` could not read back."""
     target = Path(out)
+    if target.is_dir() or not target.parent.is_dir():
+        problem = "is a directory" if target.is_dir() else f"is in {target.parent}, which is not a directory"
+        raise UsageError(f"{target}: the .ckpt file to write {problem}")
     if "state_dict" not in checkpoint:
         raise UsageError(f"{target}: the checkpoint holds no state_dict (keys: {sorted(map(str, checkpoint))[:10]})")
     chosen = checkpoint if full else {key: checkpoint[key] for key in WEIGHTS_KEYS if key in checkpoint}
@@ -97,12 +101,12 @@ def _plain(value: Any, where: str) -> Any:
     """``value`` with numpy values as tensors and Python numbers; :class:`InvalidStateError` naming
     ``where`` (the path) for a value the weights-only unpickler does not build."""
     if isinstance(value, np.ndarray):
-        try:
-            return torch.from_numpy(np.ascontiguousarray(value))
+        try:  # ascontiguousarray makes a 0-d array 1-d: the shape is put back
+            return to_torch(np.ascontiguousarray(value).reshape(value.shape))
         except TypeError:
             raise InvalidStateError(f"{where}: a numpy array of {value.dtype}, which torch has no tensor for") from None
     if isinstance(value, np.generic):
-        return value.item()
+        return _plain(value.item(), where)  # a datetime64's item is no plain value: checked as any
     if type(value) in (dict, list, tuple):  # exactly: a subclass would be pickled as its class
         if isinstance(value, dict):
             for key in value:

@@ -31,8 +31,14 @@ def test_a_value_that_is_not_finite_is_recorded_as_none_with_a_warning(caplog):
 @pytest.mark.parametrize(
     "given_, problem",
     [
-        ({"loss": "0.3"}, r"metrics\['loss'\] must be a number, got str"),
-        ({"loss": True}, r"metrics\['loss'\] must be a number, got bool"),
+        ({"loss": "0.3"}, r"metrics\['loss'\] must be a real number, got str"),
+        ({"loss": True}, r"metrics\['loss'\] must be a real number, got bool"),
+        ({"loss": 1 + 2j}, r"must be a real number, got complex"),
+        ({"loss": np.complex64(1)}, r"must be a real number, got complex64"),
+        ({"loss": np.bool_(True)}, r"must be a real number, got bool"),
+        ({"loss": torch.tensor(True)}, r"must be a real number, got Tensor"),
+        ({"loss": np.array("1.5")}, r"must be a real number, got ndarray"),
+        ({"loss": 10**400}, r"metrics\['loss'\] must be a number, got int: int too large"),
         ({"loss": [0.3]}, r"metrics\['loss'\] must be a number, got list"),
         ({"loss": torch.ones(2)}, r"metrics\['loss'\] must be a number, got Tensor"),
         ({1: 0.3}, "a metric's name must be a string, got int"),
@@ -79,6 +85,7 @@ def test_a_manifest_with_metrics_is_version_4_and_round_trips(tmp_path):
         ({"loss": True}, METRICS_SCHEMA_VERSION, "'loss' must be a finite number or null, got bool"),
         ([0.5], METRICS_SCHEMA_VERSION, "field 'metrics': expected an object, got list"),
         ({"": 0.5}, METRICS_SCHEMA_VERSION, "printable characters"),
+        ({"loss": 10**400}, METRICS_SCHEMA_VERSION, "'loss' must be a finite number or null, got int"),
         ({f"m{i}": 0 for i in range(MAX_METRICS + 1)}, METRICS_SCHEMA_VERSION, "at most 64 are read"),
     ],
 )

@@ -1,3 +1,5 @@
+import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -226,5 +228,38 @@ def test_ranks_keep_the_best_steps_by_rank_0s_metrics_and_a_bad_metric_fails_eve
         manifest = LocalTier(tmp_path / "nodes" / f"rank-{rank}").manifest(4)
         assert manifest.metrics == (("loss", 0.1),)
     (kind, message), (other_kind, other_message) = results[1]["error"], results[0]["error"]
-    assert kind == other_kind == "InvalidStateError" and "metrics['loss'] must be a number" in message
+    assert kind == other_kind == "InvalidStateError" and "metrics['loss'] must be a real number" in message
     assert "rank 1" in other_message  # rank 0 raises too, naming the rank at fault
+
+
+def test_a_step_whose_manifest_cannot_be_read_now_is_kept_and_ranked_once_it_can(tmp_path, caplog):
+    from support.memory_tier import MemoryTier
+    from tiered_ckpt.errors import RemoteError
+    from tiered_ckpt.tiers.step_metrics import StepMetrics
+
+    class Blinking(MemoryTier):
+        down: set[int] = set()
+
+        def manifest(self, step):
+            if step in self.down:
+                raise RemoteError(f"step {step}: connection reset", transient=True)
+            return super().manifest(step)
+
+    tier = Blinking("bucket")
+    for step, loss in ((1, 0.1), (2, 0.5), (3, 0.7)):
+        manifest = save_sharded([{"w": np.full(4, step, np.float32)}], tmp_path / str(step), step=step)
+        document = manifest.to_dict() | {"schema_version": 4, "metrics": {"loss": loss}}
+        tier.manifests[step] = json.dumps(document).encode()
+    metrics, policy = StepMetrics(), RetentionPolicy(keep_last=1, keep_best=1, best_metric="loss")
+    tier.down = {1}
+    with caplog.at_level(logging.WARNING):
+        scores, unknown = metrics.scores(tier, [1, 2, 3], "loss")
+    assert (scores, unknown) == ({2: 0.5, 3: 0.7}, {1}) and "keeps step 1: its metrics could not be read" in caplog.text
+    assert policy.to_delete([1, 2, 3], unknown, scores) == []  # 1 unknown: kept, and 2 is the best known
+    tier.down = set()
+    scores, unknown = metrics.scores(tier, [1, 2, 3], "loss")
+    assert (scores, unknown) == ({1: 0.1, 2: 0.5, 3: 0.7}, set())
+    assert policy.to_delete([1, 2, 3], unknown, scores) == [2]
+    metrics.forget(tier, 1)
+    tier.down = {1}
+    assert metrics.scores(tier, [1], "loss") == ({}, {1})  # read again after forgetting: down again

@@ -57,16 +57,29 @@ def metrics_of(given: GivenMetrics | None, step: int) -> Metrics:
         problem = _name_problem(name)
         if problem is not None:
             raise InvalidStateError(f"metrics: {problem}")
-        if isinstance(value, (str, bytes, bool)):
-            raise InvalidStateError(f"metrics[{name!r}] must be a number, got {type(value).__name__}")
+        if isinstance(value, (str, bytes, bool, complex)) or _not_real(value):
+            raise InvalidStateError(
+                f"metrics[{name!r}] must be a real number, got {type(value).__name__} {value!r:.40}"
+            )
         try:
             number = float(value)
-        except (TypeError, ValueError, RuntimeError) as exc:  # RuntimeError: a tensor of several elements
+        except (TypeError, ValueError, RuntimeError, OverflowError) as exc:  # RuntimeError: several elements
             raise InvalidStateError(f"metrics[{name!r}] must be a number, got {type(value).__name__}: {exc}") from None
         if not math.isfinite(number):
             logger.warning("step %d: metric %r is %s; recorded as no value (never among the best)", step, name, number)
         pairs.append((name, number if math.isfinite(number) else None))
     return tuple(sorted(pairs))
+
+
+def _not_real(value: object) -> bool:
+    """Whether ``value`` is an array or tensor of booleans, complex numbers, text or objects,
+    which ``float()`` would take (or half take) all the same."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        return False
+    if hasattr(dtype, "is_complex"):  # a torch dtype
+        return bool(dtype.is_complex) or str(dtype) == "torch.bool"
+    return getattr(dtype, "kind", "") in ("b", "c", "S", "U", "O", "M", "m")
 
 
 def parse_metrics(document: object, source: str) -> Metrics:
@@ -85,9 +98,20 @@ def parse_metrics(document: object, source: str) -> Metrics:
         problem = _name_problem(name)
         if problem is not None:
             raise fail(problem)
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-        ):
+        number = _finite(value)
+        if value is not None and number is None:
             raise fail(f"{name!r} must be a finite number or null, got {type(value).__name__} {str(value)[:40]}")
-        pairs.append((name, None if value is None else float(value)))
+        pairs.append((name, number))
     return tuple(sorted(pairs))
+
+
+def _finite(value: object) -> float | None:
+    """``value`` as a finite float, if it is a JSON number that is one (an integer too large for
+    a float is not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None

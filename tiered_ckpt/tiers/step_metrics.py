@@ -3,8 +3,10 @@
 A committed step's manifest does not change, so its metrics are read from the tier once
 and kept (per tier: the bucket's copy of a step may come from another branch of the run
 than the disk's); a step retention deletes is forgotten. A step whose manifest cannot be
-read now (a bucket's blip, a damaged file) is *unknown*, and retention keeps it this pass:
-a step that may be among the best is never deleted for want of its value.
+read now (a bucket's blip) is *unknown*, and retention keeps it this pass: a step that may
+be among the best is never deleted for want of its value. A manifest that can never be read
+(damaged, or of a later release: :class:`ManifestError`) records no value the policy can
+rank, and its step is weighed as one without metrics (by ``keep_last``), with a WARNING.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 import threading
 from collections.abc import Iterable
 
-from tiered_ckpt.errors import CheckpointError
+from tiered_ckpt.errors import CheckpointError, ManifestError
 from tiered_ckpt.format.metrics import Metrics
 from tiered_ckpt.tiers.base import Tier
 
@@ -40,6 +42,10 @@ class StepMetrics:
             if recorded is None:
                 try:
                     recorded = tier.manifest(step).metrics
+                except ManifestError as exc:  # damaged, or of a later release: it records no value this can read
+                    logger.warning("retention of %s ranks step %d without metrics: %s", tier.url, step, exc)
+                    values[step] = None
+                    continue
                 except CheckpointError as exc:
                     logger.warning(
                         "retention of %s keeps step %d: its metrics could not be read (%s)", tier.url, step, exc

@@ -542,15 +542,23 @@ def test_load_from_checkpoint_builds_the_module_lightning_would_from_a_pointer_o
         load_from_checkpoint(dict, pointer)
 
 
+def saved_to_the_bucket_alone(tmp_path: Path, s3_url: tuple[str, dict], lr: float) -> Capturing:
+    """Two steps of a Trainer saved to the disk ``tmp_path/ckpt`` and the bucket, then the disk
+    deleted (a serving machine has the bucket only); returns the plugin, with what it was handed."""
+    url, options = s3_url
+    with CheckpointManager(tmp_path / "ckpt", remote=RemoteOptions(url, storage_options=options), world_size=1) as job:
+        io = Capturing(job)
+        trainer(io, tmp_path / "names", 2).fit(Model(lr=lr), batches())
+        job.wait(uploaded=True)
+    shutil.rmtree(tmp_path / "ckpt")
+    return io
+
+
 def test_load_from_checkpoint_reads_a_step_from_the_bucket_alone_for_a_machine_without_the_disk(tmp_path, s3_url):
     from tiered_ckpt.lightning import load_from_checkpoint
 
     url, options = s3_url
-    with CheckpointManager(tmp_path / "ckpt", remote=RemoteOptions(url, storage_options=options), world_size=1) as job:
-        io = Capturing(job)
-        trainer(io, tmp_path / "names", 2).fit(Model(lr=0.07), batches())
-        job.wait(uploaded=True)
-    shutil.rmtree(tmp_path / "ckpt")  # the serving machine has the bucket only
+    io = saved_to_the_bucket_alone(tmp_path, s3_url, 0.07)
     for path in (f"{url}/{step_dir_name(2)}", tmp_path / "names" / "last.ckpt"):  # the pointer names the bucket
         module = load_from_checkpoint(Model, path, storage_options=options)
         assert module.hparams.lr == 0.07

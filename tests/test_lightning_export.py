@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import pathlib
-import shutil
 import subprocess
 import sys
 
@@ -15,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from test_lightning import Capturing, Model, assert_module_of, assert_same, batches, trainer
+from test_lightning import Capturing, Model, assert_module_of, assert_same, batches, saved_to_the_bucket_alone, trainer
 
 from support.stores import s3_credentials_env, write_s3_config
 from tiered_ckpt import CheckpointManager, InvalidStateError, RemoteOptions, UsageError
@@ -59,11 +58,7 @@ def test_a_full_export_resumes_a_trainer_without_the_plugin(manager, tmp_path):
 
 def test_an_export_reads_the_step_from_the_bucket_alone(tmp_path, s3_url):
     url, options = s3_url
-    with CheckpointManager(tmp_path / "ckpt", remote=RemoteOptions(url, storage_options=options), world_size=1) as job:
-        io = Capturing(job)
-        trainer(io, tmp_path / "names", 2).fit(Model(lr=0.07), batches())
-        job.wait(uploaded=True)
-    shutil.rmtree(tmp_path / "ckpt")  # a machine with the bucket only
+    io = saved_to_the_bucket_alone(tmp_path, s3_url, 0.07)
     out = tmp_path / "served.ckpt"
     export_lightning(f"{url}/{step_dir_name(2)}", out, storage_options=options)
     assert_module_of(io.handed[2], Model.load_from_checkpoint(out))

@@ -380,7 +380,7 @@ class _Saved:
         """``checkpoint`` of ``step``; :class:`InvalidStateError` naming ``owner`` and the path of a
         value that cannot be stored."""
         digests = {}
-        for key, value in checkpoint.items():
+        for key, value in _compared(checkpoint).items():
             flat = flatten({key: value}, owner)
             hasher = xxhash.xxh3_128()
             hasher.update(flat.structure.to_json().encode())
@@ -427,6 +427,24 @@ _PROGRESS = frozenset({"epoch", "loops", "callbacks", "lr_schedulers"})
 """The keys of a Trainer's checkpoint that move on after a step's training without an optimizer step:
 the loops' counters and the epoch, the callbacks' states (which files hold which step, early
 stopping), the schedulers stepped at an epoch's end."""
+
+
+_FILE_BOOKKEEPING = frozenset({"dirpath", "best_model_path", "best_k_models", "last_model_path"})
+
+
+def _compared(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """``checkpoint`` without the states of its ``ModelCheckpoint`` callbacks (of any subclass):
+    which files hold which step, which change between the names of one step as each is
+    written (the top-k file and ``last.ckpt``), and are no news to warn of."""
+    callbacks = checkpoint.get("callbacks")
+    if not isinstance(callbacks, dict):
+        return checkpoint
+    kept = {
+        key: state
+        for key, state in callbacks.items()
+        if not (isinstance(state, dict) and _FILE_BOOKKEEPING <= state.keys())
+    }
+    return {**checkpoint, "callbacks": kept}
 
 
 METRICS_KEY = "tiered_ckpt_metrics"

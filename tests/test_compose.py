@@ -63,7 +63,7 @@ def test_a_write_queued_before_close_is_committed_by_close(tmp_path):
     plan = check_save(
         SingleProcessCoordinator(2), 3, states, checked=Attempt(None), sharded_keys=None, where=str(tmp_path)
     )
-    parts.writer.submit(3, list(plan.states), plan.sharded_keys, list(plan.numels))
+    parts.writer.submit(3, plan)
     parts.close("test")  # the writer closes first: the write it holds is finished, then the directory is released
     assert parts.store.local.steps() == [3]
     lag = survey.lag(parts.store)

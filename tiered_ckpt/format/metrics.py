@@ -42,9 +42,10 @@ def _name_problem(name: object) -> str | None:
 def metrics_of(given: GivenMetrics | None, step: int) -> Metrics:
     """The metrics a save of ``step`` records from the caller's ``given`` (None: none).
 
-    A value is anything ``float()`` takes but a string or bool: a Python or numpy number, a
-    one-element tensor. A value that is not finite is recorded as None, with a WARNING. Raises
-    :class:`InvalidStateError` naming the metric for anything else.
+    A value is a real number: a Python or numpy number, or a one-element array or tensor of
+    one (not a bool, a complex number nor text, which ``float()`` would take too). A value
+    that is not finite is recorded as None, with a WARNING. Raises :class:`InvalidStateError`
+    naming the metric for anything else.
     """
     if given is None:
         return ()

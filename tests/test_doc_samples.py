@@ -38,6 +38,7 @@ MARKERS = {
     "peer": ("guides/peer-tier.md", "peer=PeerOptions(every=10"),
     "lightning": ("guides/lightning.md", "trainer.fit(model, train_dataloaders, ckpt_path=io.ckpt_path())"),
     "fabric": ("guides/lightning.md", 'TieredCheckpointIO(manager, step_key="step")'),
+    "lightning_ddp": ("guides/lightning.md", "strategy=TieredDDPStrategy()"),
     "lightning_load": ("guides/lightning.md", 'load_from_checkpoint(Model, "checkpoints/last.ckpt")'),
 }
 
@@ -288,6 +289,20 @@ def test_the_lightning_guide_resumes_a_trainer_from_the_bucket_and_fabric_from_i
         "fabric-100.ckpt",
         "fabric-200.ckpt",
     ]
+
+
+@pytest.mark.slow
+def test_the_lightning_ddp_sample_saves_on_both_ranks_and_resumes_both_from_last(tmp_path, bucket):
+    server, env = bucket
+    path = script(tmp_path, "ddp_sample", LIGHTNING_PRELUDE, sample("lightning_ddp"))
+    first = run(path, env, tmp_path, ranks=2)
+    assert first.returncode == 0, first.stderr[-5000:]
+    assert "rank 0: restored None" in first.stdout and "rank 1: restored None" in first.stdout
+    assert committed(server) == [100, 200]
+    assert sorted(p.name for p in (tmp_path / "nvme").iterdir()) == ["rank-0", "rank-1"]
+    again = run(path, env, tmp_path, ranks=2)
+    assert again.returncode == 0, again.stderr[-5000:]
+    assert "rank 0: restored 200" in again.stdout and "rank 1: restored 200" in again.stdout
 
 
 def test_the_memory_guide_saves_a_state_past_its_budget(tmp_path, bucket):

@@ -23,7 +23,7 @@ RANKS = {
 # A module may grow where it owns one thing (it says which in its docstring, and offers it in
 # __all__); none grows past MAX_LINES, and the manager stays composition and docstrings.
 MAX_LINES = 800
-MAX_MANAGER_LINES = 400
+MAX_MANAGER_LINES = 410
 # The one module that builds tiers from options; a tier's own folder builds it too (the peer's setup).
 FACTORY = "tiered_ckpt.build"
 

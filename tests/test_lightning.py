@@ -447,7 +447,7 @@ def test_paths_and_arguments_that_name_no_step_of_this_manager_are_refused_namin
         io.save_checkpoint({"global_step": 3}, tmp_path / "weights-only.ckpt")
     assert manager.steps() == [3] and not (tmp_path / "b.ckpt").exists()
     with CheckpointManager(tmp_path / "four", world_size=4) as four:
-        with pytest.raises(UsageError, match=r"needs a manager of one rank in one process"):
+        with pytest.raises(UsageError, match=r"needs a CheckpointManager of one rank in this process"):
             TieredCheckpointIO(four)
 
 

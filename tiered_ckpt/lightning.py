@@ -52,8 +52,14 @@ pointer. For saves off the training loop, wrap the plugin in Lightning's own
 ``AsyncCheckpointIO``: it copies the tensors on the loop's thread and calls this plugin from a
 thread of its own, whose pending saves its ``teardown`` waits for.
 
-One process: the plugin holds one rank (a manager of ``world_size`` 1); under DDP, Lightning
-saves on rank 0 only and loads on every rank, which this plugin refuses rather than half-does.
+Several processes (``strategy=TieredDDPStrategy()``, see :mod:`tiered_ckpt.lightning_ddp`): each
+rank's plugin holds that rank's manager, made by the factory given (``TieredCheckpointIO(make)``,
+called on each rank once its process group is up), and every rank saves each checkpoint
+together: its state is data parallel, so every array is written once, by one of the ranks
+(``save(..., replicated=True)``), and put back on every rank at load, on another number of
+ranks too (from the bucket). Rank 0 writes the pointers and decides which step a path names;
+the other ranks hold the steps rank 0's live pointers name, as rank 0 tells them at each save
+and load.
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -76,6 +82,7 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import Callback
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from tiered_ckpt.dist.coordination import TorchDistributedCoordinator, leader_decides
 from tiered_ckpt.engine.restore_result import RestoreResult
 from tiered_ckpt.errors import (
     CheckpointError,
@@ -89,11 +96,19 @@ from tiered_ckpt.format.layout import parse_step_dir_name, step_dir_name
 from tiered_ckpt.format.shardfile import dtype_code
 from tiered_ckpt.format.state import flatten
 from tiered_ckpt.io.durable import write_bytes
+from tiered_ckpt.lightning_ddp import TieredDDPStrategy
 from tiered_ckpt.lightning_export import export_lightning
 from tiered_ckpt.lightning_load import POINTER_FORMAT, POINTER_VERSION, device_of, load_from_checkpoint, parse_pointer
 from tiered_ckpt.manager import CheckpointManager
 
-__all__ = ["TieredCheckpointIO", "RecordMetrics", "POINTER_FORMAT", "export_lightning", "load_from_checkpoint"]
+__all__ = [
+    "TieredCheckpointIO",
+    "TieredDDPStrategy",
+    "RecordMetrics",
+    "POINTER_FORMAT",
+    "export_lightning",
+    "load_from_checkpoint",
+]
 
 logger = logging.getLogger("tiered_ckpt")
 
@@ -101,22 +116,32 @@ logger = logging.getLogger("tiered_ckpt")
 class TieredCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` that saves each checkpoint as a step of ``manager`` (see the module doc).
 
-    ``manager`` holds one rank (``world_size=1``) and stays the caller's: the plugin never
-    closes it (close it, or leave its ``with`` block, after ``fit`` to wait for the uploads).
+    ``manager`` holds one rank in this process: the one rank of a job of one process, or, under
+    :class:`TieredDDPStrategy`, this process's rank of the job (a ``TorchDistributedCoordinator``).
+    It is a :class:`CheckpointManager`, or a function making one, called on first use (under DDP:
+    on each rank, once Lightning has set up its process group). It stays the caller's: the
+    plugin never closes it (close it after ``fit``, :attr:`manager`, to wait for the uploads).
     ``step_key`` is the checkpoint's key holding the step: ``"global_step"`` for the
     ``Trainer``; with ``Fabric``, the key of the state passed to ``fabric.save`` that holds it.
     After a load, :attr:`last_restore` is the manager's :class:`RestoreResult` of it without
     its arrays (its step, the tier each shard came from, the bytes read).
     """
 
-    def __init__(self, manager: CheckpointManager, *, step_key: str = "global_step") -> None:
-        if manager.world_size != 1 or len(manager.ranks) != 1:
+    saves_on_every_rank = False
+    """Set by :class:`TieredDDPStrategy`, which calls :meth:`save_checkpoint` on every rank."""
+
+    def __init__(
+        self, manager: CheckpointManager | Callable[[], CheckpointManager], *, step_key: str = "global_step"
+    ) -> None:
+        if not isinstance(manager, CheckpointManager) and not callable(manager):
             raise UsageError(
-                f"{type(self).__name__} needs a manager of one rank in one process, got {manager!r} "
-                f"holding ranks {list(manager.ranks)}"
+                f"{type(self).__name__} takes a CheckpointManager or a function making one: {manager!r:.60}"
             )
         super().__init__()
-        self.manager = manager
+        self._manager: CheckpointManager | None = None
+        self._make = manager
+        self._making = threading.Lock()
+        self._job: TorchDistributedCoordinator | None = None  # this plugin's channel to the other ranks' plugins
         self.step_key = step_key
         self.last_restore: RestoreResult | None = None
         self._lock = threading.Lock()  # AsyncCheckpointIO saves from a thread of its own
@@ -128,18 +153,58 @@ class TieredCheckpointIO(CheckpointIO):
         self._pointers = threading.Lock()
         self._named: dict[Path, int] = {}  # the live pointers, by path: their steps are held from retention
         self._holder = object()  # this plugin's holds on the manager's store (another plugin may share it)
-        # A plugin dropped (its Trainer done) releases its holds: its pointers are a later plugin's to hold again.
-        weakref.finalize(self, manager.store.hold, (), holder=self._holder)
+        if isinstance(manager, CheckpointManager):
+            _ = self.manager
+
+    @property
+    def manager(self) -> CheckpointManager:
+        """The manager given, or made by the function given (on the first call)."""
+        with self._making:
+            if self._manager is None:
+                made = self._make() if not isinstance(self._make, CheckpointManager) else self._make
+                if not isinstance(made, CheckpointManager) or len(made.ranks) != 1:
+                    raise UsageError(
+                        f"{type(self).__name__} needs a CheckpointManager of one rank in this process: {made!r:.200}"
+                        + (f" holding ranks {list(made.ranks)}" if isinstance(made, CheckpointManager) else "")
+                    )
+                # A plugin dropped (its Trainer done) releases its holds: its pointers are a later plugin's to hold.
+                weakref.finalize(self, made.store.hold, (), holder=self._holder)
+                self._manager = made
+            return self._manager
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.manager!r}, step_key={self.step_key!r})"
+        return f"{type(self).__name__}({self._manager or self._make!r}, step_key={self.step_key!r})"
+
+    def _ranks(self, what: str) -> TorchDistributedCoordinator | None:
+        """The channel to the other ranks' plugins (None: a job of one process); :class:`UsageError`
+        if the manager does not hold this process's rank of the job, or (a save) if Lightning's
+        strategy does not save on every rank."""
+        manager = self.manager
+        size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        if manager.world_size != size:
+            raise UsageError(
+                f"TieredCheckpointIO cannot {what} in a job of {size} processes with a manager of {manager.world_size} "
+                "ranks: give each rank a manager of its own (a function making a CheckpointManager of the rank's "
+                "local.dir with a TorchDistributedCoordinator) and Trainer(strategy=TieredDDPStrategy())"
+            )
+        if size == 1:
+            return None
+        if what == "save" and not self.saves_on_every_rank:
+            raise UsageError(
+                "TieredCheckpointIO saves a job of several processes on every rank together, and Lightning's "
+                "strategies save on rank 0 only: use Trainer(strategy=TieredDDPStrategy())"
+            )
+        if self._job is None:
+            self._job = TorchDistributedCoordinator()
+        return self._job
 
     def __getstate__(self) -> dict[str, Any]:
         """Refused: the plugin holds a running manager (its threads, the lock on its directory),
         which only the process that opened it can use (``torch.save(trainer)`` pickles it)."""
+        of = f" of {self._manager.root}" if self._manager is not None else ""
         raise UsageError(
-            f"{type(self).__name__} cannot be pickled: it holds a running CheckpointManager of "
-            f"{self.manager.root} (its threads and the lock on its directory belong to this process); "
+            f"{type(self).__name__} cannot be pickled: it holds a running CheckpointManager{of} (its threads and the "
+            "lock on its directory belong to this process); "
             "save the model or its state_dict instead, and give a new process a plugin of its own manager"
         )
 
@@ -166,7 +231,7 @@ class TieredCheckpointIO(CheckpointIO):
                 f"{type(self).__name__} takes no storage_options (got {storage_options!r:.80}): "
                 "the manager's options say where steps go"
             )
-        _refuse_several_processes("save")
+        job = self._ranks("save")
         target = _local_path(path)
         step = self._step_of(checkpoint, target)
         recorded = checkpoint.get(METRICS_KEY)
@@ -177,15 +242,36 @@ class TieredCheckpointIO(CheckpointIO):
             if self._newest is not None and self._newest.step == step:
                 self._newest.refuse_other(saved, target)
             else:
-                self._save(step, checkpoint, target, metrics)
+                self._save(step, checkpoint, target, metrics, replicated=job is not None)
                 self._newest = saved
-            target.parent.mkdir(parents=True, exist_ok=True)
+            if job is None:
+                self._write_pointer(target, step)
+            else:  # rank 0 writes it; the others hold what rank 0's pointers name
+                self._adopt(job, lambda: self._write_pointer(target, step))
+
+    def _write_pointer(self, target: Path, step: int) -> None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with self._pointers:
+            if target in self._unwanted:  # removed while this save was queued: the step stays, unnamed
+                self._unwanted.discard(target)
+                return
+            write_bytes(target, self._pointer(step))
+            self._name(target, step)
+
+    def _adopt(self, job: TorchDistributedCoordinator, leader: Callable[[], None]) -> None:
+        """Run ``leader`` on rank 0; then every rank holds the steps rank 0's live pointers name
+        (a collective: ``leader``'s error is raised on every rank)."""
+
+        def named() -> _Named:
+            leader()
             with self._pointers:
-                if target in self._unwanted:  # removed while this save was queued: the step stays, unnamed
-                    self._unwanted.discard(target)
-                    return
-                write_bytes(target, self._pointer(step))
-                self._name(target, step)
+                return _Named(tuple(sorted((str(path), step) for path, step in self._named.items())))
+
+        told = leader_decides(job, "Lightning: the steps the pointers name", _Named, named)
+        if not job.is_leader:
+            with self._pointers:
+                self._named = {Path(path): step for path, step in told.named}
+                self.manager.store.hold(set(self._named.values()), holder=self._holder)
 
     def _step_of(self, checkpoint: Any, target: Path) -> int:
         if not isinstance(checkpoint, dict):
@@ -198,7 +284,9 @@ class TieredCheckpointIO(CheckpointIO):
             )
         return step
 
-    def _save(self, step: int, checkpoint: dict[str, Any], target: Path, metrics: dict[str, Any]) -> None:
+    def _save(
+        self, step: int, checkpoint: dict[str, Any], target: Path, metrics: dict[str, Any], *, replicated: bool
+    ) -> None:
         manager = self.manager
         if not manager.should_save(step):
             raise UsageError(
@@ -206,7 +294,7 @@ class TieredCheckpointIO(CheckpointIO):
                 "save checkpoints only at the steps it takes (ModelCheckpoint(every_n_train_steps=...))"
             )
         try:
-            handle = manager.save(step, checkpoint, blocking=True, metrics=metrics)
+            handle = manager.save(step, checkpoint, blocking=True, metrics=metrics, replicated=replicated)
         except CheckpointExistsError as exc:
             raise restated(
                 exc,
@@ -261,7 +349,8 @@ class TieredCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         """Raise a background error of the manager not raised yet (a permanent upload failure)."""
-        self.manager.check_for_errors()
+        if self._manager is not None:
+            self._manager.check_for_errors()
 
     # -- loading --------------------------------------------------------------------------
 
@@ -293,15 +382,21 @@ class TieredCheckpointIO(CheckpointIO):
         this manager (naming what it is), :class:`ManifestError`
         for a damaged pointer, and what :meth:`CheckpointManager.restore` raises.
         """
-        _refuse_several_processes("load")
+        job = self._ranks("load")
         device = device_of(map_location)
-        step = self._step_named(path)
+        if job is None:
+            step = self._step_named(path)
+        else:  # rank 0's pointers: the other ranks may not see its files
+            step = leader_decides(job, "Lightning: the step to load", _Step, lambda: _Step(self._step_named(path))).step
         with self._lock:
-            result = self.manager.restore(step)
+            result = self.manager.restore(step, reshard=job is not None)  # on another number of ranks too
             checkpoint = result.torch_state()
             self.last_restore = replace(result, states=[], flat=())
             self._newest = _Saved.of(step, checkpoint, os.fspath(path))
-        self._name_recorded(checkpoint)
+        if job is None:
+            self._name_recorded(checkpoint)
+        else:
+            self._adopt(job, lambda: self._name_recorded(checkpoint))
         logger.info("restored step %d for Lightning from %s", step, os.fspath(path))
         if device is not None:
             checkpoint = apply_to_collection(checkpoint, torch.Tensor, lambda tensor: tensor.to(device))
@@ -364,6 +459,20 @@ class TieredCheckpointIO(CheckpointIO):
             where = f"{local} and {remote}" if remote else local
             raise UsageError(f"{target} points at step {step} of {where}, not of this manager's {self._places()}")
         return step
+
+
+@dataclass(frozen=True)
+class _Step:
+    """The step rank 0 found a path to name (what crosses the collective)."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class _Named:
+    """Rank 0's live pointers, as (path, step) (what crosses the collective)."""
+
+    named: tuple[tuple[str, int], ...]
 
 
 @dataclass(frozen=True)
@@ -495,13 +604,3 @@ def _local_path(path: str | os.PathLike[str]) -> Path:
             "bucket): give ModelCheckpoint a local dirpath"
         )
     return Path(text).absolute()
-
-
-def _refuse_several_processes(what: str) -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        size = torch.distributed.get_world_size()
-        if size > 1:
-            raise UsageError(
-                f"TieredCheckpointIO cannot {what} in a job of {size} processes: Lightning saves on rank 0 only and "
-                "loads on every rank, and the plugin holds one rank in one process"
-            )

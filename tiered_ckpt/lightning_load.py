@@ -17,6 +17,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from tiered_ckpt.build import open_store
 from tiered_ckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError, UsageError
 from tiered_ckpt.format.layout import parse_step_dir_name
+from tiered_ckpt.format.state import FlatState
 from tiered_ckpt.format.strict_json import Fields, load_object
 from tiered_ckpt.options import LocalOptions, RemoteOptions
 from tiered_ckpt.tiers.store import TieredStore
@@ -128,20 +129,29 @@ def _located(path: str | os.PathLike[str]) -> tuple[int, str | None, str | None]
 
 
 def read_step(store: TieredStore, step: int) -> dict[str, Any]:
-    """The one-rank checkpoint dict of ``step``, read from the nearest tier of ``store`` holding
-    it, verified; :class:`UsageError` for a step of several ranks."""
+    """The checkpoint dict of ``step``, read from the nearest tier of ``store`` holding it,
+    verified: its one rank's, or, for a step of several data-parallel ranks
+    (:class:`~tiered_ckpt.lightning.TieredDDPStrategy`), rank 0's, with the arrays other ranks
+    wrote for it; :class:`UsageError` for a step of sharded ranks (a state of DTensors)."""
     in_local = step in store.local.steps()
     in_remote = not in_local and store.remote is not None and step in store.remote.steps()
     if not (in_local or in_remote):
         raise IncompleteCheckpointError(f"{store.where()}: step {step} is committed in no tier")
     manifest, _remote = store.manifests(step, in_local=in_local, in_remote=in_remote)
-    if manifest.world_size != 1:
+    record = manifest.shard(0)
+    state, _tier = store.read_parts(step, record, lambda structure: structure)
+    if state.structure.chunks:
         raise UsageError(
-            f"{store.where()}: step {step} was saved by {manifest.world_size} ranks; a Lightning module "
-            "is loaded from a step of one (restore the others with a CheckpointManager)"
+            f"{store.where()}: step {step} holds the shards of {manifest.world_size} ranks (a state of DTensors); "
+            "a Lightning module is loaded from a whole state (restore the shards with a CheckpointManager)"
         )
-    state, _tier = store.read_parts(step, manifest.shard(0), lambda structure: structure)
-    return state.unflatten(torch=True)  # type: ignore[no-any-return]
+    arrays = dict(state.arrays)
+    writers: dict[int, list[str]] = {}
+    for name, writer in record.replicas:  # what other ranks wrote for rank 0: one copy of each array
+        writers.setdefault(writer, []).append(name)
+    for writer, names in sorted(writers.items()):
+        arrays.update(store.read_parts(step, manifest.shard(writer), names)[0].arrays)
+    return FlatState(arrays, state.structure).unflatten(torch=True)  # type: ignore[no-any-return]
 
 
 def _check_module_class(cls: Any) -> None:

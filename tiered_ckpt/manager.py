@@ -59,20 +59,19 @@ logger = logging.getLogger("tiered_ckpt")
 class CheckpointManager:
     """Saves, retains and restores the checkpoints of one training job in the directory ``local``.
 
-    ``world_size`` ranks are saved per step, each into its own shard. By default one process
-    holds them all; with ``coordinator=TorchDistributedCoordinator()`` each process holds its
-    own rank (``world_size`` then defaults to the coordinator's), and the directory must be this
-    process's own (one per rank, e.g. on the node's local disk). Starting a manager removes what
-    crashed saves left in the directory; two managers cannot hold one directory at once
-    (:class:`DirectoryInUseError`).
+    ``world_size`` ranks are saved per step, each into its own shard. By default one process holds them all; with
+    ``coordinator=TorchDistributedCoordinator()`` each process holds its own rank (``world_size`` then defaults to
+    the coordinator's), and the directory must be this process's own (one per rank, e.g. on the node's local disk).
+    Starting a manager removes what crashed saves left in the directory; two managers cannot hold one directory at
+    once (:class:`DirectoryInUseError`).
 
-    The options come in one group per concern, each a frozen dataclass of :mod:`tiered_ckpt.options`
-    whose fields are the keys of the same config table (``docs/reference/options.md``): ``local``
-    (a path, or directory and retention), ``remote`` (a URL or its options; None: local only),
-    ``upload`` (the uploader and every remote request), ``restore`` (verification), ``runtime``
-    (sharded keys, threads, CPUs, preemption signals), ``peer`` (a partner node's memory; None: none),
-    ``tiers`` (later tiers of the caller's own, each with its retention and cadence: :class:`TierOptions`).
-    ``world_size`` and ``coordinator`` describe the job's processes and are not options.
+    The options come in one group per concern, each a frozen dataclass of :mod:`tiered_ckpt.options` whose fields
+    are the keys of the same config table (``docs/reference/options.md``): ``local`` (a path, or directory and
+    retention), ``remote`` (a URL or its options; None: local only), ``upload`` (the uploader and every remote
+    request), ``restore`` (verification), ``runtime`` (sharded keys, threads, CPUs, preemption signals), ``peer`` (a
+    partner node's memory; None: none), ``tiers`` (later tiers of the caller's own, each with its retention and
+    cadence: :class:`TierOptions`). ``world_size`` and ``coordinator`` describe the job's processes and are not
+    options.
 
     Use it as a context manager, or call :meth:`close` at the end of the run.
     """
@@ -156,23 +155,30 @@ class CheckpointManager:
             logger.exception("error while closing %r during another exception", self)
 
     def save(
-        self, step: int, states: Sequence[State] | State, *, blocking: bool = False, metrics: GivenMetrics | None = None
+        self,
+        step: int,
+        states: Sequence[State] | State,
+        *,
+        blocking: bool = False,
+        metrics: GivenMetrics | None = None,
+        replicated: bool = False,
     ) -> SaveHandle:
         """Checkpoint ``states`` (one state per rank) as ``step``.
 
-        A state is a dict nesting dicts, lists and tuples of numpy arrays, torch tensors and scalars (see
-        :mod:`tiered_ckpt.format.state`); ``restore`` gives it back with its types. With one process per rank,
-        ``states`` is this rank's state (every rank saves the same step). Returns once the arrays are copied to
-        staging buffers, and those past ``runtime.host_memory_bytes`` written (the caller may then overwrite
-        them); the write runs in the background. The :class:`SaveHandle` holds a future of the local commit
-        (``committed``, which ``blocking=True`` waits for), one of each later tier's by name (``replicated``; the
-        bucket's is ``uploaded``), and what the call cost; a step no tier takes is not saved (:meth:`should_save`).
-        ``metrics`` (``{"val_loss": 0.25}``, rank 0's process giving them) go into the step's manifest for
-        ``keep_best`` retention (:class:`~tiered_ckpt.LocalOptions`). Raises first any background error not yet
-        raised (:class:`SaveError`, or a permanent :class:`UploadError`: no such bucket, access denied), saying
-        that ``step`` was not saved, then :class:`InvalidStateError` for bad input and
-        :class:`CheckpointExistsError` if ``step`` is not newer than every committed step (on every rank; steps
-        in the partners' memory count too). An unreachable bucket never makes it raise (retried until its deadline).
+        A state is a dict nesting dicts, lists and tuples of numpy arrays, torch tensors and scalars
+        (:mod:`tiered_ckpt.format.state`); ``restore`` gives it back with its types. With one process per rank,
+        ``states`` is this rank's state. Returns once the arrays are staged (those past
+        ``runtime.host_memory_bytes`` written): the caller may then overwrite them, and the write runs in the
+        background. The :class:`SaveHandle` holds futures of the local commit (``committed``, which
+        ``blocking=True`` waits for) and of each later tier's (``replicated``; the bucket's is ``uploaded``); a
+        step no tier takes is not saved (:meth:`should_save`). ``metrics`` (``{"val_loss": 0.25}``, rank 0's
+        count) go into the step's manifest for ``keep_best`` retention. ``replicated=True`` (data parallel: the
+        ranks hold the same state) writes each array once, by one of the ranks holding identical copies, and
+        :meth:`restore` puts it back on each. Raises first any background error not yet raised
+        (:class:`SaveError`, a permanent :class:`UploadError`), saying that ``step`` was not saved, then
+        :class:`InvalidStateError` for bad input and :class:`CheckpointExistsError` if ``step`` is not newer
+        than every committed step (on every rank, the partners' memory included). An unreachable bucket never
+        makes it raise (retried until its deadline).
         """
         started = time.monotonic()
         self._check_open()
@@ -196,6 +202,7 @@ class CheckpointManager:
                 where=str(self.root) if parts.peer is None else f"{self.root} and the partners' memory (peer tier)",
                 stop_step=parts.preemption.step,
                 metrics=metrics,
+                replicated=replicated,
             )
         stop = step == parts.preemption.step  # a preemption's step goes to every tier
         return parts.writer.submit(step, plan, every_tier=stop, blocking=blocking, started=started)
@@ -249,12 +256,12 @@ class CheckpointManager:
     def close(self) -> None:
         """Finish pending saves and uploads, release the directory, and raise a background error not yet raised.
 
-        Uploads are waited for until each is committed or past its deadline. A step that missed its
-        deadline while the bucket was unreachable is logged (WARNING), not raised: it is safe on
-        local disk, a manager started on this directory uploads it again, and a job ending while its
-        bucket is down should not fail for it. A permanent failure (no such bucket, access denied, a
-        failed save) is raised. Leaving a ``with`` block on an exception does not wait for a failing
-        bucket: each upload still queued gets one try. Calling it again does nothing."""
+        Uploads are waited for until each is committed or past its deadline. A step that missed its deadline
+        while the bucket was unreachable is logged (WARNING), not raised: it is safe on local disk, a manager
+        started on this directory uploads it again, and a job ending while its bucket is down should not fail
+        for it. A permanent failure (no such bucket, access denied, a failed save) is raised. Leaving a ``with``
+        block on an exception does not wait for a failing bucket: each upload still queued gets one try. Calling
+        it again does nothing."""
         self._parts.close(repr(self))
 
     def _check_open(self) -> None:
@@ -327,17 +334,18 @@ class CheckpointManager:
     ) -> RestoreResult | None:
         """Load a committed step (default: the newest) with every shard verified.
 
-        ``world_size`` (default: the manager's) must match the checkpoint's, else :class:`WorldSizeMismatchError`,
-        unless ``reshard=True`` asks for the flat shards to be re-cut for it. ``verify="fast"`` checks xxh3-64
-        instead of sha256 (default: the manager's ``verify``). ``into`` (a state of the same nesting) fills the
-        caller's arrays and CPU tensors in place; with resharding only a state of DTensors, whose chunks are
-        filled from the saved chunks that overlap them, each read in part and verified by its own sha256.
-        ``paths`` (top-level keys, tensor names or key tuples) restores only what lies under them, reading only
-        those arrays (see ``docs/guides/saving-and-restoring.md``). A damaged step fails loudly naming step,
-        rank and file; it never falls back to an older step by itself. ``missing_ok=True`` returns None instead
-        of raising when no tier (of no rank) holds any committed step: a fresh start. With one process per rank
-        every rank calls it and gets its own rank's state (:attr:`RestoreResult.state`); the step is the newest
-        that every rank holds locally or some tier holds, and a failure on any rank raises on every rank.
+        ``world_size`` (default: the manager's) must match the checkpoint's, else
+        :class:`WorldSizeMismatchError`, unless ``reshard=True`` asks for the flat shards to be re-cut for it.
+        ``verify="fast"`` checks xxh3-64 instead of sha256 (default: the manager's ``verify``). ``into`` (a
+        state of the same nesting) fills the caller's arrays and CPU tensors in place; with resharding only a
+        state of DTensors, whose chunks are filled from the saved chunks that overlap them, each read in part
+        and verified by its own sha256. ``paths`` (top-level keys, tensor names or key tuples) restores only
+        what lies under them, reading only those arrays (see ``docs/guides/saving-and-restoring.md``). A damaged
+        step fails loudly naming step, rank and file; it never falls back to an older step by itself.
+        ``missing_ok=True`` returns None instead of raising when no tier (of no rank) holds any committed step:
+        a fresh start. With one process per rank every rank calls it and gets its own rank's state
+        (:attr:`RestoreResult.state`); the step is the newest that every rank holds locally or some tier holds,
+        and a failure on any rank raises on every rank.
         """
         self._check_open()
         self._parts.writer.settle()

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from support.processes import launch_ranks
 from support.states import flip_byte
 from tiered_ckpt import (
     CheckpointManager,
     ChecksumMismatchError,
+    InvalidStateError,
     ManifestError,
     RemoteOptions,
     ShardManifest,
@@ -20,6 +23,9 @@ from tiered_ckpt import (
 from tiered_ckpt.dist.replicas import Offer, assign, offer, share
 from tiered_ckpt.format.layout import MANIFEST_NAME, step_dir_name
 from tiered_ckpt.format.state import ChunkOf, flatten
+
+
+WORKER = Path(__file__).resolve().parents[1] / "support" / "rank_worker.py"
 
 
 def chunked_states(world_size: int = 3) -> list[dict]:
@@ -108,6 +114,58 @@ def test_the_manager_writes_replicas_once_and_restores_them_locally_and_from_the
         restored = manager.restore()
     assert set(restored.sources.values()) == {"remote"}
     assert all(np.array_equal(state["table"], states[0]["table"]) for state in restored.states)
+
+
+def data_parallel_states(world_size: int) -> list[dict]:
+    """Per rank: a model and optimizer state every rank holds alike (DDP), and a seed of its own."""
+    model = {"w": np.arange(600, dtype=np.float32).reshape(20, 30), "b": np.ones(30, np.float32)}
+    optim = {"state": {0: {"step": np.array(5.0), "m": np.full((20, 30), 0.5, np.float32)}}, "lr": 0.1}
+    return [
+        {"model": model, "optim": optim, "seed": np.array([rank]), "seen": np.arange(rank + 3), "epoch": 2}
+        for rank in range(world_size)
+    ]
+
+
+def test_a_data_parallel_save_writes_each_array_once_over_the_ranks_and_restores_on_any_world_size(tmp_path):
+    states = data_parallel_states(2)
+    with CheckpointManager(tmp_path, world_size=2) as manager:
+        manager.save(1, states, blocking=True, replicated=True)
+        by_rank = records(tmp_path / step_dir_name(1))
+        stored = [{chunk["name"] for chunk in by_rank[rank]["chunks"]} for rank in (0, 1)]
+        shared = {"model/w", "model/b", "optim/state/#0/step", "optim/state/#0/m"}
+        assert stored[0] & shared and stored[1] & shared and not stored[0] & stored[1] & shared  # once, both wrote
+        assert {"seed", "seen"} <= stored[0] & stored[1]  # they differ between the ranks: each keeps its own
+        for rank in (0, 1):
+            assert {name for name, writer in by_rank[rank]["replicas"]} == shared - stored[rank]
+        for world_size in (2, 3, 1):
+            restored = manager.restore(world_size=world_size, reshard=True)
+            assert len(restored.states) == world_size
+            for rank, state in enumerate(restored.states):
+                assert np.array_equal(state["model"]["w"], states[0]["model"]["w"])
+                assert np.array_equal(state["optim"]["state"][0]["m"], states[0]["optim"]["state"][0]["m"])
+                assert state["epoch"] == 2 and state["optim"]["lr"] == 0.1
+                assert state["seed"].tolist() == ([rank] if world_size == 2 else [0])  # resharded: rank 0's
+                assert state["seen"].tolist() == list(range((rank if world_size == 2 else 0) + 3))
+        with pytest.raises(InvalidStateError, match=r"replicated must be True or False, got 'yes'"):
+            manager.save(2, states, replicated="yes")  # type: ignore[arg-type]
+        manager.save(2, states, blocking=True)  # not data parallel: every rank writes all of its state
+        assert all(not record.get("replicas") for record in records(tmp_path / step_dir_name(2)).values())
+
+
+@pytest.mark.slow
+def test_rank_processes_save_data_parallel_once_and_fail_together_when_one_rank_does_not_say_so(tmp_path):
+    saves = [
+        {"do": "save", "step": 1, "replicated_on_ranks": [0, 1]},
+        {"do": "save", "step": 2, "replicated_on_ranks": [1]},
+    ]
+    results = launch_ranks(WORKER, tmp_path, 2, {"actions": [*saves, {"do": "steps"}], "timeout_seconds": 60})
+    for rank in (0, 1):
+        kind, message = results[rank]["error"]
+        assert kind == "InvalidStateError" and "the ranks called save with different arguments" in message
+        assert "'replicated': True" in message
+    # Step 1 was data parallel: the table both ranks hold alike is in one shard; their slices stay in each.
+    saved = records(tmp_path / "nodes" / "rank-0" / step_dir_name(1))
+    assert [name for record in saved.values() for name, _writer in record.get("replicas", [])] == ["schedule"]
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,8 @@ Actions: {"do": "save", "step": S, "step_by_rank": {R: S}, "state_of": T, "text_
 state of another step, as a stale save holds it; R adds
 an array of text; "long_note_on_rank": R, a string whose shard header no reader accepts;
 "float64_on_rank": R, its flat slice "params" in float64; "metrics_by_rank": {R: {name: value}}, the
-metrics rank R passes), {"do": "steps"} (records the local steps as "steps"), {"do": "wait"} (until
+metrics rank R passes; "replicated_on_ranks": [R...], the ranks that save with replicated=True),
+{"do": "steps"} (records the local steps as "steps"), {"do": "wait"} (until
 uploaded), {"do": "drain_uploads", "rank": R} (rank R waits for its uploader without
 raising its errors), {"do": "restore",
 "reshard": bool}, {"do": "restore_if_any"} (records None), {"do": "collectives"} (records the errors of
@@ -197,7 +198,8 @@ def act(
             state["params"] = state["params"].double()  # its slice of the flat vector in another dtype
         if action.get("long_note_on_rank") == rank:
             state["note"] = "é" * 14_500_000  # 7 bytes a character in the header: over the reader's 100 MB
-        checkpoints.save(step, state, metrics=action.get("metrics_by_rank", {}).get(str(rank)))
+        replicated = rank in action.get("replicated_on_ranks", [])
+        checkpoints.save(step, state, metrics=action.get("metrics_by_rank", {}).get(str(rank)), replicated=replicated)
     elif action["do"] == "steps":
         checkpoints.wait()
         result["steps"] = checkpoints.steps()

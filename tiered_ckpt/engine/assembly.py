@@ -86,10 +86,11 @@ def assemble(done: ShardsRead, received: Mapping[int, Mapping[str, np.ndarray]])
     ranks = done.ranks
     if manifest.world_size == done.target:
         states = [done.read[rank] for rank in ranks]
-    elif done.one_process:
+    elif done.one_process and len(done.read) == manifest.world_size:  # every saved rank read: each one checked
         states = reshard_flat([done.read[rank] for rank in range(manifest.world_size)], manifest, done.target)
         ranks = tuple(range(done.target))
-    else:
+    else:  # each new rank from the saved ranks it needs (rank 0's, for a state without sharded keys)
+        ranks = tuple(range(done.target)) if done.one_process else ranks
         states = [reshard_rank(done.read, manifest, done.target, rank) for rank in ranks]
     unflattened = [state.unflatten() for state in states]
     return RestoreResult(step, unflattened, sources, ranks, manifest, tuple(states), done.bytes_read)

@@ -29,7 +29,8 @@ from dataclasses import dataclass, replace
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, gather
 from tiered_ckpt.dist.sharding import dtype_summary, resolve_sharded_keys, sharding_summary
 from tiered_ckpt.engine.step_choice import same_call
-from tiered_ckpt.errors import CheckpointExistsError, SaveError, UploadError, restated
+from tiered_ckpt.errors import CheckpointExistsError, InvalidStateError, SaveError, UploadError, restated
+from tiered_ckpt.format.manifest import record_bytes_bound
 from tiered_ckpt.format.metrics import GivenMetrics, Metrics, metrics_of
 from tiered_ckpt.format.state import FlatState, State, flatten
 from tiered_ckpt.format.validate import check_manifest_fits, validate_states, validate_step
@@ -86,10 +87,16 @@ def _flatten(step: int, states: Sequence[State] | State, ranks: Sequence[int]) -
     return tuple(flatten(state, f"rank {r}", off_host=True) for r, state in zip(ranks, given, strict=True))
 
 
-def _report(step: int, local: Sequence[FlatState], newest: int | None, world_size: int) -> SaveReport:
+def _report(step: int, local: Sequence[FlatState], newest: int | None, world_size: int, replicated: bool) -> SaveReport:
     shapes = tuple(tuple((key, tuple(shape)) for key, shape in sharding_summary(s.arrays).items()) for s in local)
     flat = all(s.structure.flat for s in local)
-    sizes = tuple(s.record_bytes(world_size) for s in local)
+    # A data-parallel rank's record may list any of its arrays as left to another rank's shard.
+    sizes = tuple(
+        max(s.record_bytes(world_size), record_bytes_bound((n, a.ndim) for n, a in s.arrays.items()))
+        if replicated
+        else s.record_bytes(world_size)
+        for s in local
+    )
     dtypes = tuple(tuple(dtype_summary(s.arrays).items()) for s in local)
     replicated = any(s.replicated for s in local)
     return SaveReport(json.dumps({"step": step}), newest, shapes, flat, sizes, replicated, dtypes)
@@ -105,6 +112,7 @@ def check_save(
     where: str,
     stop_step: int | None = None,
     metrics: GivenMetrics | None = None,
+    replicated: bool = False,
 ) -> SavePlan:
     """Check a save of ``states`` (this process's ranks) as ``step`` on every rank (see the module doc).
 
@@ -115,13 +123,20 @@ def check_save(
     rank's newest; ``stop_step``, the step a preemption notice was answered at, adds a hint
     when the caller saves it twice. ``metrics`` are checked on each process
     (:func:`~tiered_ckpt.format.metrics.metrics_of`); the leader's are the step's.
+    ``replicated=True`` (a data-parallel state) makes every array but a DTensor's and the sharded
+    keys named by ``sharded_keys`` a replicated one (:attr:`FlatState.replicated`): one written once
+    by one of the ranks that hold identical copies of it, and put back on each at restore.
     """
 
     def mine() -> tuple[tuple[FlatState, ...], SaveReport]:
         newest = checked.value
+        if not isinstance(replicated, bool):
+            raise InvalidStateError(f"replicated must be True or False, got {replicated!r:.80}")
         recorded = metrics_of(metrics, step)
         local = _flatten(step, states, tuple(coordinator.local_ranks))
-        return local, replace(_report(step, local, newest, coordinator.world_size), metrics=recorded)
+        report = _report(step, local, newest, coordinator.world_size, replicated)
+        arguments = json.dumps({"step": step} | ({"replicated": True} if replicated else {}))
+        return local, replace(report, arguments=arguments, metrics=recorded)
 
     attempt = Attempt.run(mine)
     reports = gather(coordinator, "save", SaveReport, lambda: attempt.value[1])
@@ -139,7 +154,16 @@ def check_save(
     shapes = [dict(rank_shapes) for each in reports for rank_shapes in each.shapes]
     dtypes = [dict(rank_dtypes) for each in reports for rank_dtypes in each.dtypes]
     flat = all(each.flat for each in reports)
-    keys, numels = resolve_sharded_keys(shapes, sharded_keys, flat=flat, dtypes=dtypes)
+    keys, numels = resolve_sharded_keys(shapes, sharded_keys, flat=flat and not replicated, dtypes=dtypes)
     check_manifest_fits([size for each in reports for size in each.record_bytes], keys, step, reports[0].metrics)
-    replicated = any(each.replicated for each in reports)
-    return SavePlan(attempt.value[0], keys, tuple(numels), replicated, reports[0].metrics)
+    local = attempt.value[0]
+    if replicated:
+        local = tuple(_replicas_of(state, keys) for state in local)
+    replicas = replicated or any(each.replicated for each in reports)
+    return SavePlan(local, keys, tuple(numels), replicas, reports[0].metrics)
+
+
+def _replicas_of(state: FlatState, sharded: Sequence[str]) -> FlatState:
+    """``state`` of a data-parallel save: every array but a DTensor's and the sharded keys is replicated."""
+    plain = {name for name, kind in state.structure.kinds.items() if kind != "dtensor"} - set(sharded)
+    return replace(state, replicated=state.replicated | plain)

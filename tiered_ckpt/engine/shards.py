@@ -255,7 +255,8 @@ class _Shard:
         self.name = shard_name(rank, world_size)
         self.replicas = replicas
         self.state = written(state, replicas)
-        self.chunked = bool(self.state.structure.chunks)  # a state of DTensors: each array readable alone
+        # A state of DTensors, or with replicated arrays: each array recorded as a chunk, readable alone.
+        self.chunked = bool(state.structure.chunks or state.replicated)
         self.array_digests = not self.chunked and records_array_digests(len(self.state.arrays), world_size)
         self.digests: dict[str, str] = {}  # of every array, "" for one not hashed (engine/incremental.py)
         self.unchanged: dict[str, bool] = {}  # of the arrays compared with the previous step's

@@ -606,13 +606,20 @@ def _check_replicas(manifest: ShardManifest, fail: Callable[[str, str], Manifest
 
 
 def _check_same_tensors(manifest: ShardManifest, fail: Callable[[str, str], ManifestError]) -> None:
-    """Every chunk of one tensor, on whichever rank, has the tensor's one dtype and global shape."""
-    seen: dict[str, tuple[str, tuple[int, ...]]] = {}
+    """Every chunk of one tensor, on whichever rank, has the tensor's one dtype and global shape,
+    unless each is a whole tensor: a plain array of a data-parallel save, which may differ
+    between ranks (a rank's own value, kept in its own shard, never assembled from others)."""
+    chunks: dict[str, list[tuple[int, ChunkRecord]]] = {}
     for record in manifest.shards:
         for chunk in record.chunks:
-            first = seen.setdefault(chunk.name, (chunk.dtype, chunk.global_shape))
+            chunks.setdefault(chunk.name, []).append((record.rank, chunk))
+    for name, held in chunks.items():
+        if all(chunk.sizes == chunk.global_shape and not any(chunk.offsets) for _rank, chunk in held):
+            continue
+        first = (held[0][1].dtype, held[0][1].global_shape)
+        for rank, chunk in held:
             if first != (chunk.dtype, chunk.global_shape):
                 raise fail(
-                    f"shards[rank {record.rank}].chunks",
-                    f"{chunk.name!r:.80} is {chunk.dtype} {chunk.global_shape} here, {first[0]} {first[1]} elsewhere",
+                    f"shards[rank {rank}].chunks",
+                    f"{name!r:.80} is {chunk.dtype} {chunk.global_shape} here, {first[0]} {first[1]} elsewhere",
                 )

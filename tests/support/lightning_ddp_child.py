@@ -1,0 +1,132 @@
+"""One rank of a real ``lightning.Trainer`` under ``TieredDDPStrategy`` on the CPU (gloo):
+``python lightning_ddp_child.py CONFIG_JSON RANK``.
+
+The ranks join one job through a file store (no ports to pick; Lightning finds the process
+group up and uses it) and train the model of ``lightning_child.py`` on their own part of each
+batch (rank r of w takes every w-th sample of it) for ``max_steps``, with a ``ModelCheckpoint``
+every ``every`` steps whose pointers go to ``names``, through a ``TieredCheckpointIO`` whose
+manager (made on first use) is this rank's: ``<local_root>/rank-<RANK>`` and the bucket
+``url`` with ``options``, if given. Each rank appends its step's loss to
+``<out>/losses-<RANK>.jsonl``, writes its parameters at the end to ``<out>/params-<RANK>.npz``,
+those it starts training from to ``<out>/start-<RANK>.npz`` and what it saw to
+``<out>/result-<RANK>.json``.
+
+``ckpt_path``: "last" (Lightning's) or null (a fresh start). With ``kill_at`` K, once step K has
+trained and the checkpoint of ``wait_for`` is committed and in the bucket on every rank, rank 0
+prints "KILL ME" and every rank blocks: the parent sends SIGKILL to each.
+"""
+
+import json
+import os
+import sys
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning_child import Batches, Model
+
+from tiered_ckpt import CheckpointManager, RemoteOptions, TorchDistributedCoordinator
+from tiered_ckpt.lightning import TieredCheckpointIO, TieredDDPStrategy
+
+
+class RankBatches(Batches):
+    """This rank's part of each batch of the one-process loader: every ``world``-th sample."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        super().__init__()
+        self.rank, self.world = rank, world
+
+    def __iter__(self):
+        for x, y in super().__iter__():
+            yield x[self.rank :: self.world], y[self.rank :: self.world]
+
+
+class DDPModel(Model):
+    def __init__(self, losses: str, hidden: int = 16) -> None:
+        super().__init__(losses, hidden)
+
+    def train_dataloader(self):
+        return RankBatches(self.global_rank, self.trainer.world_size)
+
+
+def params_of(module: torch.nn.Module) -> dict[str, np.ndarray]:
+    return {name: value.detach().numpy().copy() for name, value in module.state_dict().items()}
+
+
+class Observe(Callback):
+    """Writes the parameters training starts from; with ``kill_at``, stops there for the SIGKILL."""
+
+    def __init__(self, out: Path, rank: int, io: TieredCheckpointIO, kill_at: int | None, wait_for: int | None) -> None:
+        self.out, self.rank, self.io, self.kill_at, self.wait_for = out, rank, io, kill_at, wait_for
+
+    def on_train_start(self, trainer, pl_module):
+        np.savez(self.out / f"start-{self.rank}.npz", **params_of(pl_module))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step != self.kill_at:
+            return
+        manager = self.io.manager
+        assert self.wait_for in manager.steps(), manager.steps()  # saved by the callback before this step
+        manager.wait(uploaded=True)
+        dist.barrier()  # every rank's shard of it committed and uploaded
+        if self.rank == 0:
+            print("KILL ME", flush=True)
+        threading.Event().wait()
+
+
+def main() -> None:
+    config = json.loads(Path(sys.argv[1]).read_text())
+    rank, world = int(sys.argv[2]), config["world_size"]
+    out = Path(config["out"])
+    os.environ.update({"LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(world)})
+    store = dist.FileStore(config["store"], world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(minutes=5))
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    remote = RemoteOptions(config["url"], storage_options=config["options"]) if config.get("url") else None
+
+    def manager() -> CheckpointManager:  # this rank's, once the process group is up
+        local = Path(config["local_root"]) / f"rank-{dist.get_rank()}"
+        return CheckpointManager(local, remote=remote, coordinator=TorchDistributedCoordinator())
+
+    io = TieredCheckpointIO(manager)
+    callbacks: list[Callback] = [
+        ModelCheckpoint(dirpath=config["names"], save_top_k=0, save_last=True, every_n_train_steps=config["every"]),
+        Observe(out, rank, io, config.get("kill_at"), config.get("wait_for")),
+    ]
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=TieredDDPStrategy(process_group_backend="gloo"),
+        max_steps=config["max_steps"],
+        deterministic=True,
+        plugins=[io],
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    model = DDPModel(str(out / f"losses-{rank}.jsonl"))
+    trainer.fit(model, ckpt_path=config.get("ckpt_path"))
+    with io.manager as manager:
+        manager.wait(uploaded=remote is not None)
+        restored = io.last_restore
+        result = {
+            "restored": None if restored is None else restored.step,
+            "sources": None if restored is None else {str(r): tier for r, tier in restored.sources.items()},
+            "steps": manager.steps(),
+            "remote_steps": manager.remote_steps(),
+            "global_step": trainer.global_step,
+        }
+    np.savez(out / f"params-{rank}.npz", **params_of(model))
+    (out / f"result-{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""The Lightning plugin under DDP (tiered_ckpt.lightning_ddp): real ``Trainer`` rank processes on gloo.
+
+Each run starts one process per rank (tests/support/lightning_ddp_child.py), each with a manager
+of its own directory and the bucket (moto's S3 server). A run killed with SIGKILL mid-epoch
+resumes from ``last`` to the losses and parameters of a run never interrupted, bit for bit, on
+every rank; a step saved by 2 ranks resumes on 3 from the bucket; each array is stored once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from support.lightning_child import Model
+from tiered_ckpt import CheckpointManager, UsageError
+from tiered_ckpt.format.layout import step_dir_name
+from tiered_ckpt.format.manifest import ShardManifest
+from tiered_ckpt.lightning import TieredCheckpointIO, TieredDDPStrategy, load_from_checkpoint
+
+CHILD = Path(__file__).resolve().parent / "support" / "lightning_ddp_child.py"
+EVERY, KILL_AT, MAX_STEPS = 10, 12, 30  # the loader has 16 batches an epoch: the kill and step 10 in epoch 0
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
+
+
+def ddp_config(root: Path, name: str, world: int, remote: tuple[str, dict] | None, **extra: Any) -> dict:
+    """A run of ``world`` ranks under ``root`` (their directories in ``root/nodes``, pointers in ``root/names``)."""
+    out = root / name
+    out.mkdir(parents=True)
+    config = {
+        "world_size": world,
+        "store": str(out / "store"),
+        "out": str(out),
+        "local_root": str(root / "nodes"),
+        "names": str(root / "names"),
+        "every": EVERY,
+        "max_steps": MAX_STEPS,
+        **extra,
+    }
+    if remote is not None:
+        config["url"], config["options"] = remote
+    return config
+
+
+def start(config: dict) -> list[subprocess.Popen]:
+    out = Path(config["out"])
+    (out / "config.json").write_text(json.dumps(config))
+    env = {**os.environ, "PYTHONPATH": str(CHILD.parent.parent)}
+    ranks = []
+    for rank in range(config["world_size"]):
+        with open(out / f"stderr-{rank}", "w") as stderr:
+            command = [sys.executable, str(CHILD), str(out / "config.json"), str(rank)]
+            ranks.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, env=env))
+    return ranks
+
+
+def stderr(config: dict) -> str:
+    out = Path(config["out"])
+    return "\n".join((out / f"stderr-{rank}").read_text()[-3000:] for rank in range(config["world_size"]))
+
+
+def losses(out: Path, rank: int) -> list[dict]:
+    return [json.loads(line) for line in (out / f"losses-{rank}.jsonl").read_text().splitlines()]
+
+
+def params(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as loaded:
+        return {name: loaded[name] for name in loaded.files}
+
+
+def run(config: dict) -> list[dict]:
+    """Run every rank to its end; return each rank's result with its losses and parameters."""
+    ranks = start(config)
+    try:
+        codes = [rank.wait(timeout=600) for rank in ranks]  # a guard against a hang, not a timing
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.stdout.close()
+    assert codes == [0] * len(ranks), stderr(config)
+    out, results = Path(config["out"]), []
+    for rank in range(config["world_size"]):
+        result = json.loads((out / f"result-{rank}.json").read_text())
+        result.update(losses=losses(out, rank), params=params(out / f"params-{rank}.npz"))
+        result["start"] = params(out / f"start-{rank}.npz")
+        results.append(result)
+    return results
+
+
+def run_until_killed(config: dict) -> list[list[dict]]:
+    """Run every rank until rank 0 says the checkpoint is in the bucket; SIGKILL each; return their losses."""
+    ranks = start(config)
+    said = b""
+    try:
+        while b"KILL ME\n" not in said:
+            ready, _, _ = select.select([ranks[0].stdout], [], [], 600)  # a guard against a hang, not a timing
+            chunk = os.read(ranks[0].stdout.fileno(), 65536) if ready else b""
+            assert chunk, "the ranks ended or hung before the kill: " + stderr(config)
+            said += chunk
+        for rank in ranks:
+            os.kill(rank.pid, signal.SIGKILL)
+        assert [rank.wait(timeout=600) for rank in ranks] == [-signal.SIGKILL] * len(ranks)
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.stdout.close()
+    return [losses(Path(config["out"]), rank) for rank in range(config["world_size"])]
+
+
+def assert_same_params(expected: dict[str, np.ndarray], actual: dict[str, np.ndarray]) -> None:
+    assert sorted(expected) == sorted(actual)
+    for name in expected:
+        assert actual[name].dtype == expected[name].dtype and actual[name].tobytes() == expected[name].tobytes(), name
+
+
+def test_the_strategy_refuses_another_checkpoint_io_and_the_plugin_makes_its_manager_on_first_use(tmp_path):
+    strategy = TieredDDPStrategy(checkpoint_io=TorchCheckpointIO())
+    with pytest.raises(UsageError, match=r"the Trainer's CheckpointIO is a TorchCheckpointIO"):
+        strategy.save_checkpoint({"global_step": 1}, tmp_path / "a.ckpt")
+    assert not (tmp_path / "a.ckpt").exists()
+
+    made: list[CheckpointManager] = []
+    io = TieredCheckpointIO(lambda: made.append(CheckpointManager(tmp_path / "ckpt", world_size=1)) or made[-1])
+    assert made == [] and "TieredCheckpointIO(<function" in repr(io)  # not made until used
+    io.save_checkpoint({"global_step": 1, "w": torch.ones(2)}, tmp_path / "b.ckpt")
+    with made[0]:
+        assert len(made) == 1 and io.manager is made[0] and made[0].steps() == [1]
+        assert torch.equal(io.load_checkpoint(tmp_path / "b.ckpt")["w"], torch.ones(2))
+
+    two = CheckpointManager(tmp_path / "two", world_size=2)
+    for wrong, why in [(lambda: "a path", "a path"), (lambda: two, r"holding ranks \[0, 1\]")]:
+        plugin = TieredCheckpointIO(wrong)
+        with pytest.raises(UsageError, match=rf"needs a CheckpointManager of one rank in this process: .*{why}"):
+            plugin.save_checkpoint({"global_step": 1}, tmp_path / "c.ckpt")
+    with pytest.raises(UsageError, match=r"takes a CheckpointManager or a function making one"):
+        TieredCheckpointIO(str(tmp_path))  # type: ignore[arg-type]
+    assert not (tmp_path / "c.ckpt").exists()
+    two.close()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list[dict]:
+    """Two ranks never killed (local disk only: where checkpoints go does not change the training)."""
+    root = tmp_path_factory.mktemp("ddp-uninterrupted")
+    results = run(ddp_config(root, "run", 2, None))
+    for result in results:
+        assert [each["step"] for each in result["losses"]] == list(range(MAX_STEPS))
+        assert_same_params(results[0]["params"], result["params"])  # DDP: the ranks' replicas agree
+    assert results[0]["losses"] != results[1]["losses"]  # each rank trained on its own part of the batches
+    return results
+
+
+@pytest.mark.slow
+def test_two_ranks_killed_mid_epoch_resume_from_last_bit_for_bit_storing_each_array_once(
+    tmp_path, s3_url, uninterrupted
+):
+    killed = run_until_killed(ddp_config(tmp_path, "killed", 2, s3_url, kill_at=KILL_AT, wait_for=EVERY))
+    for rank in range(2):
+        assert killed[rank] == uninterrupted[rank]["losses"][:KILL_AT]  # trained past the checkpoint, then died
+
+    resumed = run(ddp_config(tmp_path, "resumed", 2, s3_url, ckpt_path="last"))
+    for rank, result in enumerate(resumed):
+        assert (result["restored"], result["sources"]) == (EVERY, {str(rank): "local"})
+        assert result["losses"] == uninterrupted[rank]["losses"][EVERY:]  # each loss after step 10, bit for bit
+        assert_same_params(uninterrupted[rank]["params"], result["params"])
+        assert result["global_step"] == MAX_STEPS and MAX_STEPS in result["remote_steps"]
+
+    # Stored once: each weight and optimizer moment is in one rank's shard; the other's record names its writer.
+    step_dir = tmp_path / "nodes" / "rank-0" / step_dir_name(EVERY)
+    manifest = ShardManifest.from_json((step_dir / "manifest.json").read_text())
+    stored = [{chunk.name for chunk in record.chunks} for record in manifest.shards]
+    weights = [{name for name in names if name.startswith(("state_dict/", "optimizer_states/"))} for names in stored]
+    assert len(weights[0] | weights[1]) == 16  # 4 parameters, each with Adam's step and 2 moments
+    assert weights[0] and weights[1] and not weights[0] & weights[1]  # both ranks wrote, neither twice
+    for rank, record in enumerate(manifest.shards):
+        assert weights[1 - rank] <= {name for name, writer in record.replicas if writer == 1 - rank}
+
+
+@pytest.mark.slow
+def test_a_step_of_two_ranks_resumes_on_three_from_the_bucket_and_loads_for_serving(tmp_path, s3_url, uninterrupted):
+    saved = run(ddp_config(tmp_path, "two", 2, s3_url))
+    for rank in range(2):
+        assert saved[rank]["losses"] == uninterrupted[rank]["losses"]
+    last = tmp_path / "names" / "last.ckpt"
+
+    # Three new ranks (new disks): each starts from the step of the two, through the bucket.
+    three = run(ddp_config(tmp_path / "three", "run", 3, s3_url, ckpt_path=str(last), max_steps=MAX_STEPS + 8))
+    for result in three:
+        assert result["restored"] == MAX_STEPS and set(result["sources"].values()) == {"remote"}
+        assert_same_params(uninterrupted[0]["params"], result["start"])
+        assert result["global_step"] == MAX_STEPS + 8
+        assert_same_params(three[0]["params"], result["params"])
+
+    # For evaluation and serving: the module Lightning's load_from_checkpoint would build, from the pointer.
+    module = load_from_checkpoint(Model, last, storage_options=s3_url[1])
+    assert_same_params(uninterrupted[0]["params"], {k: v.numpy() for k, v in module.state_dict().items()})

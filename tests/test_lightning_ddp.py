@@ -162,14 +162,16 @@ def uninterrupted(tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("wrapped", [False, True], ids=["plugin", "async-wrapper"])
 def test_two_ranks_killed_mid_epoch_resume_from_last_bit_for_bit_storing_each_array_once(
-    tmp_path, s3_url, uninterrupted
+    tmp_path, s3_url, uninterrupted, wrapped
 ):
-    killed = run_until_killed(ddp_config(tmp_path, "killed", 2, s3_url, kill_at=KILL_AT, wait_for=EVERY))
+    config = ddp_config(tmp_path, "killed", 2, s3_url, kill_at=KILL_AT, wait_for=EVERY, **{"async": wrapped})
+    killed = run_until_killed(config)
     for rank in range(2):
         assert killed[rank] == uninterrupted[rank]["losses"][:KILL_AT]  # trained past the checkpoint, then died
 
-    resumed = run(ddp_config(tmp_path, "resumed", 2, s3_url, ckpt_path="last"))
+    resumed = run(ddp_config(tmp_path, "resumed", 2, s3_url, ckpt_path="last", **{"async": wrapped}))
     for rank, result in enumerate(resumed):
         assert (result["restored"], result["sources"]) == (EVERY, {str(rank): "local"})
         assert result["losses"] == uninterrupted[rank]["losses"][EVERY:]  # each loss after step 10, bit for bit

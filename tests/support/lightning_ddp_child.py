@@ -11,7 +11,8 @@ manager (made on first use) is this rank's: ``<local_root>/rank-<RANK>`` and the
 those it starts training from to ``<out>/start-<RANK>.npz`` and what it saw to
 ``<out>/result-<RANK>.json``.
 
-``ckpt_path``: "last" (Lightning's) or null (a fresh start). With ``kill_at`` K, once step K has
+``ckpt_path``: "last" (Lightning's) or null (a fresh start). With "async", the plugin is wrapped
+in Lightning's ``AsyncCheckpointIO`` (each rank's saves run on a thread of its own). With ``kill_at`` K, once step K has
 trained and the checkpoint of ``wait_for`` is committed and in the bucket on every rank, rank 0
 prints "KILL ME" and every rank blocks: the parent sends SIGKILL to each.
 """
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning_child import Batches, Model
 
 from tiered_ckpt import CheckpointManager, RemoteOptions, TorchDistributedCoordinator
@@ -71,6 +73,8 @@ class Observe(Callback):
         if trainer.global_step != self.kill_at:
             return
         manager = self.io.manager
+        if isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointIO):
+            trainer.strategy.checkpoint_io.teardown()  # its queued saves done (the next save starts a new thread)
         assert self.wait_for in manager.steps(), manager.steps()  # saved by the callback before this step
         manager.wait(uploaded=True)
         dist.barrier()  # every rank's shard of it committed and uploaded
@@ -105,7 +109,7 @@ def main() -> None:
         strategy=TieredDDPStrategy(process_group_backend="gloo"),
         max_steps=config["max_steps"],
         deterministic=True,
-        plugins=[io],
+        plugins=[AsyncCheckpointIO(io) if config.get("async") else io],
         callbacks=callbacks,
         logger=False,
         enable_progress_bar=False,

@@ -39,6 +39,7 @@ MARKERS = {
     "lightning": ("guides/lightning.md", "trainer.fit(model, train_dataloaders, ckpt_path=io.ckpt_path())"),
     "fabric": ("guides/lightning.md", 'TieredCheckpointIO(manager, step_key="step")'),
     "lightning_ddp": ("guides/lightning.md", "strategy=TieredDDPStrategy()"),
+    "lightning_fsdp2": ("guides/lightning.md", "TieredModelParallelStrategy(data_parallel_size=2"),
     "lightning_load": ("guides/lightning.md", 'load_from_checkpoint(Model, "checkpoints/last.ckpt")'),
 }
 
@@ -292,9 +293,10 @@ def test_the_lightning_guide_resumes_a_trainer_from_the_bucket_and_fabric_from_i
 
 
 @pytest.mark.slow
-def test_the_lightning_ddp_sample_saves_on_both_ranks_and_resumes_both_from_last(tmp_path, bucket):
+@pytest.mark.parametrize("name", ["lightning_ddp", "lightning_fsdp2"])
+def test_the_lightning_ddp_and_fsdp2_samples_save_on_both_ranks_and_resume_both_from_last(tmp_path, bucket, name):
     server, env = bucket
-    path = script(tmp_path, "ddp_sample", LIGHTNING_PRELUDE, sample("lightning_ddp"))
+    path = script(tmp_path, name, LIGHTNING_PRELUDE, sample(name))
     first = run(path, env, tmp_path, ranks=2)
     assert first.returncode == 0, first.stderr[-5000:]
     assert "rank 0: restored None" in first.stdout and "rank 1: restored None" in first.stdout

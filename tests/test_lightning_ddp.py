@@ -1,9 +1,10 @@
-"""The Lightning plugin under DDP (tiered_ckpt.lightning_ddp): real ``Trainer`` rank processes on gloo.
+"""The Lightning plugin under DDP and FSDP2 (tiered_ckpt.lightning_strategies): real ``Trainer`` rank processes on gloo.
 
 Each run starts one process per rank (tests/support/lightning_ddp_child.py), each with a manager
 of its own directory and the bucket (moto's S3 server). A run killed with SIGKILL mid-epoch
 resumes from ``last`` to the losses and parameters of a run never interrupted, bit for bit, on
-every rank; a step saved by 2 ranks resumes on 3 from the bucket; each array is stored once.
+every rank; a step saved by 2 ranks resumes on 3 from the bucket; under DDP each array is stored
+once, under FSDP2 each rank's chunks are its own.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from support.lightning_child import Model
-from tiered_ckpt import CheckpointManager, UsageError
+from tiered_ckpt import CheckpointManager, IncompleteCheckpointError, TorchDistributedCoordinator, UsageError
 from tiered_ckpt.format.layout import step_dir_name
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.lightning import TieredCheckpointIO, TieredDDPStrategy, load_from_checkpoint
@@ -138,6 +139,9 @@ def test_the_strategy_refuses_another_checkpoint_io_and_the_plugin_makes_its_man
         assert len(made) == 1 and io.manager is made[0] and made[0].steps() == [1]
         assert torch.equal(io.load_checkpoint(tmp_path / "b.ckpt")["w"], torch.ones(2))
 
+    early = TieredCheckpointIO(lambda: CheckpointManager(tmp_path / "early", coordinator=TorchDistributedCoordinator()))
+    with pytest.raises(UsageError, match=r'makes its manager on first use.*resume with ckpt_path="last"'):
+        early.ckpt_path()  # before Lightning set up the process group
     two = CheckpointManager(tmp_path / "two", world_size=2)
     for wrong, why in [(lambda: "a path", "a path"), (lambda: two, r"holding ranks \[0, 1\]")]:
         plugin = TieredCheckpointIO(wrong)
@@ -149,40 +153,58 @@ def test_the_strategy_refuses_another_checkpoint_io_and_the_plugin_makes_its_man
     two.close()
 
 
+_RUNS: dict[str, list[dict]] = {}
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> list[dict]:
-    """Two ranks never killed (local disk only: where checkpoints go does not change the training)."""
-    root = tmp_path_factory.mktemp("ddp-uninterrupted")
-    results = run(ddp_config(root, "run", 2, None))
-    for result in results:
-        assert [each["step"] for each in result["losses"]] == list(range(MAX_STEPS))
-        assert_same_params(results[0]["params"], result["params"])  # DDP: the ranks' replicas agree
-    assert results[0]["losses"] != results[1]["losses"]  # each rank trained on its own part of the batches
-    return results
+def uninterrupted(tmp_path_factory):
+    """Two ranks never killed, under a strategy ("ddp" or "fsdp2"), each run once (local disk only:
+    where checkpoints go does not change the training)."""
+
+    def of(strategy: str) -> list[dict]:
+        if strategy not in _RUNS:
+            root = tmp_path_factory.mktemp(f"{strategy}-uninterrupted")
+            results = run(ddp_config(root, "run", 2, None, strategy=strategy))
+            for result in results:
+                assert [each["step"] for each in result["losses"]] == list(range(MAX_STEPS))
+                assert_same_params(results[0]["params"], result["params"])  # the ranks' (gathered) models agree
+            assert results[0]["losses"] != results[1]["losses"]  # each rank trained on its own part of the batches
+            _RUNS[strategy] = results
+        return _RUNS[strategy]
+
+    return of
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("wrapped", [False, True], ids=["plugin", "async-wrapper"])
-def test_two_ranks_killed_mid_epoch_resume_from_last_bit_for_bit_storing_each_array_once(
-    tmp_path, s3_url, uninterrupted, wrapped
-):
-    config = ddp_config(tmp_path, "killed", 2, s3_url, kill_at=KILL_AT, wait_for=EVERY, **{"async": wrapped})
-    killed = run_until_killed(config)
+@pytest.mark.parametrize(
+    "strategy, wrapped", [("ddp", False), ("ddp", True), ("fsdp2", False)], ids=["ddp", "ddp-async", "fsdp2"]
+)
+def test_two_ranks_killed_mid_epoch_resume_from_last_bit_for_bit(tmp_path, s3_url, uninterrupted, strategy, wrapped):
+    expected = uninterrupted(strategy)
+    options = {"async": wrapped, "strategy": strategy}
+    killed = run_until_killed(ddp_config(tmp_path, "killed", 2, s3_url, kill_at=KILL_AT, wait_for=EVERY, **options))
     for rank in range(2):
-        assert killed[rank] == uninterrupted[rank]["losses"][:KILL_AT]  # trained past the checkpoint, then died
+        assert killed[rank] == expected[rank]["losses"][:KILL_AT]  # trained past the checkpoint, then died
 
-    resumed = run(ddp_config(tmp_path, "resumed", 2, s3_url, ckpt_path="last", **{"async": wrapped}))
+    resumed = run(ddp_config(tmp_path, "resumed", 2, s3_url, ckpt_path="last", **options))
     for rank, result in enumerate(resumed):
         assert (result["restored"], result["sources"]) == (EVERY, {str(rank): "local"})
-        assert result["losses"] == uninterrupted[rank]["losses"][EVERY:]  # each loss after step 10, bit for bit
-        assert_same_params(uninterrupted[rank]["params"], result["params"])
+        assert result["losses"] == expected[rank]["losses"][EVERY:]  # each loss after step 10, bit for bit
+        assert_same_params(expected[rank]["params"], result["params"])
         assert result["global_step"] == MAX_STEPS and MAX_STEPS in result["remote_steps"]
 
-    # Stored once: each weight and optimizer moment is in one rank's shard; the other's record names its writer.
     step_dir = tmp_path / "nodes" / "rank-0" / step_dir_name(EVERY)
     manifest = ShardManifest.from_json((step_dir / "manifest.json").read_text())
     stored = [{chunk.name for chunk in record.chunks} for record in manifest.shards]
     weights = [{name for name in names if name.startswith(("state_dict/", "optimizer_states/"))} for names in stored]
+    if strategy == "fsdp2":  # each rank its own chunks of every parameter and moment, Adam's steps once
+        steps = {name for name in weights[0] | weights[1] if name.endswith("/step")}
+        assert weights[0] - steps == weights[1] - steps and len(weights[0] - steps) == 12
+        assert len(steps) == 4 and not steps & weights[0] & weights[1]
+        chunks = {c.name: c for c in manifest.shards[1].chunks}
+        assert chunks["state_dict/net.0.weight"].offsets != (0, 0)  # rank 1's half, not a copy of rank 0's
+        return
+    # DDP, stored once: each weight and moment is in one rank's shard; the other's record names its writer.
     assert len(weights[0] | weights[1]) == 16  # 4 parameters, each with Adam's step and 2 moments
     assert weights[0] and weights[1] and not weights[0] & weights[1]  # both ranks wrote, neither twice
     for rank, record in enumerate(manifest.shards):
@@ -190,20 +212,81 @@ def test_two_ranks_killed_mid_epoch_resume_from_last_bit_for_bit_storing_each_ar
 
 
 @pytest.mark.slow
-def test_a_step_of_two_ranks_resumes_on_three_from_the_bucket_and_loads_for_serving(tmp_path, s3_url, uninterrupted):
-    saved = run(ddp_config(tmp_path, "two", 2, s3_url))
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_a_step_of_two_ranks_resumes_on_three_from_the_bucket(tmp_path, s3_url, uninterrupted, strategy):
+    expected = uninterrupted(strategy)
+    saved = run(ddp_config(tmp_path, "two", 2, s3_url, strategy=strategy))
     for rank in range(2):
-        assert saved[rank]["losses"] == uninterrupted[rank]["losses"]
+        assert saved[rank]["losses"] == expected[rank]["losses"]
     last = tmp_path / "names" / "last.ckpt"
 
     # Three new ranks (new disks): each starts from the step of the two, through the bucket.
-    three = run(ddp_config(tmp_path / "three", "run", 3, s3_url, ckpt_path=str(last), max_steps=MAX_STEPS + 8))
+    config = ddp_config(tmp_path / "three", "run", 3, s3_url, ckpt_path=str(last), max_steps=MAX_STEPS + 8)
+    three = run({**config, "strategy": strategy})
     for result in three:
         assert result["restored"] == MAX_STEPS and set(result["sources"].values()) == {"remote"}
-        assert_same_params(uninterrupted[0]["params"], result["start"])
+        assert_same_params(expected[0]["params"], result["start"])
         assert result["global_step"] == MAX_STEPS + 8
         assert_same_params(three[0]["params"], result["params"])
 
     # For evaluation and serving: the module Lightning's load_from_checkpoint would build, from the pointer.
-    module = load_from_checkpoint(Model, last, storage_options=s3_url[1])
-    assert_same_params(uninterrupted[0]["params"], {k: v.numpy() for k, v in module.state_dict().items()})
+    if strategy == "ddp":
+        module = load_from_checkpoint(Model, last, storage_options=s3_url[1])
+        assert_same_params(expected[0]["params"], {k: v.numpy() for k, v in module.state_dict().items()})
+    else:
+        with pytest.raises(UsageError, match=r"holds the shards of 2 ranks \(a state of DTensors\)"):
+            load_from_checkpoint(Model, last, storage_options=s3_url[1])
+
+
+@pytest.mark.slow
+def test_a_save_refused_on_one_rank_is_refused_on_every_rank_and_the_job_goes_on(tmp_path):
+    child = CHILD.parent / "lightning_ranks_child.py"
+    env = {**os.environ, "PYTHONPATH": str(CHILD.parent.parent)}
+    ranks = [subprocess.Popen([sys.executable, str(child), str(tmp_path), str(rank)], env=env) for rank in (0, 1)]
+    try:
+        assert [rank.wait(timeout=300) for rank in ranks] == [0, 0]  # a guard against a hang, not a timing
+    finally:
+        for rank in ranks:
+            rank.kill()
+    results = [json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in (0, 1)]
+    for rank, result in enumerate(results):
+        first, again, after = result["raised"]
+        assert first is None and after is None and result["steps"] == [1, 2]
+        assert (
+            again[0] == "CheckpointExistsError"
+            and "step 1 is saved already with other contents in position" in again[1]
+        )
+        assert ("rank 1" in again[1]) == (rank == 0)  # rank 0 raises rank 1's refusal, naming it
+    assert json.loads((tmp_path / "a.ckpt").read_text())["step"] == 1 and not (tmp_path / "last.ckpt").exists()
+
+
+def test_read_checkpoint_refuses_a_step_of_ranks_that_are_not_data_parallel_and_names_a_missing_shard(tmp_path):
+    from tiered_ckpt.lightning_load import read_checkpoint
+
+    flat = [{"params": np.arange(6.0) + 6 * rank, "epoch": 1} for rank in range(2)]
+    alike = [{"state_dict": {"w": np.ones(4), "b": np.zeros(2)}, "epoch": 1} for _rank in range(2)]
+    with CheckpointManager(tmp_path, world_size=2) as manager:
+        manager.save(1, flat, blocking=True)  # each rank its own slice
+        manager.save(2, alike, blocking=True, replicated=True)
+    with pytest.raises(UsageError, match=r"step 1 was saved by 2 ranks, each its own state \(not data parallel\)"):
+        read_checkpoint(tmp_path / step_dir_name(1))
+    assert read_checkpoint(tmp_path / step_dir_name(2))["state_dict"]["b"].tolist() == [0.0, 0.0]
+    manifest = ShardManifest.from_json((tmp_path / step_dir_name(2) / "manifest.json").read_text())
+    assert manifest.shard(0).replicas  # rank 0's state has arrays in rank 1's shard
+    (tmp_path / step_dir_name(2) / manifest.shard(1).path).unlink()  # rank 1's disk, not this one
+    with pytest.raises(IncompleteCheckpointError, match=r"rank 1 wrote \d+ arrays of this data-parallel step"):
+        read_checkpoint(tmp_path / step_dir_name(2))
+
+
+@pytest.mark.slow
+def test_every_rank_keeps_the_steps_of_rank_0s_top_k_pointers_and_no_other(tmp_path, s3_url):
+    from tiered_ckpt.lightning_load import read_checkpoint
+
+    results = run(ddp_config(tmp_path, "top-k", 2, s3_url, every=3, top_k=2, keep_last=1))
+    names = sorted(path.name for path in (tmp_path / "names").iterdir())
+    pointed = {json.loads((tmp_path / "names" / name).read_text())["step"] for name in names}
+    assert len(names) == 3 and results[0]["held"] == results[1]["held"] == sorted(pointed)
+    for result in results:  # the steps the pointers name, and none that rank 0 released, on both disks
+        assert result["steps"] == sorted(pointed)
+    for name in names:  # every pointer loads: both ranks' shards of its step are kept
+        assert read_checkpoint(tmp_path / "names" / name, storage_options=s3_url[1])["global_step"] in pointed

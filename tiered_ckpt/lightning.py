@@ -52,14 +52,15 @@ pointer. For saves off the training loop, wrap the plugin in Lightning's own
 ``AsyncCheckpointIO``: it copies the tensors on the loop's thread and calls this plugin from a
 thread of its own, whose pending saves its ``teardown`` waits for.
 
-Several processes (``strategy=TieredDDPStrategy()``, see :mod:`tiered_ckpt.lightning_ddp`): each
-rank's plugin holds that rank's manager, made by the factory given (``TieredCheckpointIO(make)``,
-called on each rank once its process group is up), and every rank saves each checkpoint
-together: its state is data parallel, so every array is written once, by one of the ranks
-(``save(..., replicated=True)``), and put back on every rank at load, on another number of
-ranks too (from the bucket). Rank 0 writes the pointers and decides which step a path names;
-the other ranks hold the steps rank 0's live pointers name, as rank 0 tells them at each save
-and load.
+Several processes (``TieredDDPStrategy``, ``TieredModelParallelStrategy``: see
+:mod:`tiered_ckpt.lightning_strategies`): each rank's plugin holds that rank's manager, made by
+the factory given (``TieredCheckpointIO(make)``, called on each rank once its process group
+is up), and every rank saves each checkpoint together (``save(..., replicated=True)``): under
+DDP every array is written once, by one of the ranks, and put back on every rank at load;
+under FSDP2 each rank writes its own chunks, and a load fills the model's and optimizers'
+DTensors in place; on another number of ranks too (from the bucket). Rank 0 writes the
+pointers and decides which step a path names; the other ranks hold the steps rank 0's live
+pointers name, as rank 0 tells them at each save and load.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import Callback
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from tiered_ckpt.dist.coordination import TorchDistributedCoordinator, leader_decides
+from tiered_ckpt.dist.coordination import Attempt, TorchDistributedCoordinator, gather, leader_decides
 from tiered_ckpt.engine.restore_result import RestoreResult
 from tiered_ckpt.errors import (
     CheckpointError,
@@ -96,14 +97,15 @@ from tiered_ckpt.format.layout import parse_step_dir_name, step_dir_name
 from tiered_ckpt.format.shardfile import dtype_code
 from tiered_ckpt.format.state import flatten
 from tiered_ckpt.io.durable import write_bytes
-from tiered_ckpt.lightning_ddp import TieredDDPStrategy
 from tiered_ckpt.lightning_export import export_lightning
 from tiered_ckpt.lightning_load import POINTER_FORMAT, POINTER_VERSION, device_of, load_from_checkpoint, parse_pointer
+from tiered_ckpt.lightning_strategies import TieredDDPStrategy, TieredModelParallelStrategy
 from tiered_ckpt.manager import CheckpointManager
 
 __all__ = [
     "TieredCheckpointIO",
     "TieredDDPStrategy",
+    "TieredModelParallelStrategy",
     "RecordMetrics",
     "POINTER_FORMAT",
     "export_lightning",
@@ -161,7 +163,7 @@ class TieredCheckpointIO(CheckpointIO):
         """The manager given, or made by the function given (on the first call)."""
         with self._making:
             if self._manager is None:
-                made = self._make() if not isinstance(self._make, CheckpointManager) else self._make
+                made = self._make if isinstance(self._make, CheckpointManager) else self._made()
                 if not isinstance(made, CheckpointManager) or len(made.ranks) != 1:
                     raise UsageError(
                         f"{type(self).__name__} needs a CheckpointManager of one rank in this process: {made!r:.200}"
@@ -171,6 +173,19 @@ class TieredCheckpointIO(CheckpointIO):
                 weakref.finalize(self, made.store.hold, (), holder=self._holder)
                 self._manager = made
             return self._manager
+
+    def _made(self) -> CheckpointManager:
+        assert not isinstance(self._make, CheckpointManager)
+        try:
+            return self._make()
+        except UsageError as exc:
+            if torch.distributed.is_initialized():
+                raise
+            raise restated(
+                exc,
+                f"{exc} (the plugin makes its manager on first use, which under DDP is once Lightning has set up "
+                'the process group: resume with ckpt_path="last" or a pointer\'s path, not io.ckpt_path())',
+            ) from exc
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._manager or self._make!r}, step_key={self.step_key!r})"
@@ -197,6 +212,14 @@ class TieredCheckpointIO(CheckpointIO):
         if self._job is None:
             self._job = TorchDistributedCoordinator()
         return self._job
+
+    def open(self) -> None:
+        """Make the manager, and the channel to the other ranks' plugins, now rather than at the
+        first save or load: the strategies of :mod:`tiered_ckpt.lightning_strategies` call it on
+        every rank once the process group is up, so that no process group is made on the thread
+        of ``AsyncCheckpointIO``'s saves while the training loop makes its own. Raises
+        :class:`UsageError` as a save would for a manager that does not fit the job."""
+        self._ranks("open")
 
     def __getstate__(self) -> dict[str, Any]:
         """Refused: the plugin holds a running manager (its threads, the lock on its directory),
@@ -232,22 +255,52 @@ class TieredCheckpointIO(CheckpointIO):
                 "the manager's options say where steps go"
             )
         job = self._ranks("save")
-        target = _local_path(path)
-        step = self._step_of(checkpoint, target)
-        recorded = checkpoint.get(METRICS_KEY)
-        metrics = {**(recorded if isinstance(recorded, dict) else {}), **_monitored(checkpoint, path)}
-        checkpoint = {key: value for key, value in checkpoint.items() if key != METRICS_KEY}
         with self._lock:
-            saved = _Saved.of(step, checkpoint, str(target))
-            if self._newest is not None and self._newest.step == step:
-                self._newest.refuse_other(saved, target)
-            else:
+            checked = Attempt.run(lambda: self._checked(checkpoint, path))
+            if job is not None:  # a refusal on one rank is every rank's, before any rank enters the save
+                self._agree(job, checked)
+            target, step, checkpoint, saved, metrics = checked.value
+            if self._newest is None or self._newest.step != step:  # else saved already with these contents
                 self._save(step, checkpoint, target, metrics, replicated=job is not None)
                 self._newest = saved
             if job is None:
                 self._write_pointer(target, step)
             else:  # rank 0 writes it; the others hold what rank 0's pointers name
                 self._adopt(job, lambda: self._write_pointer(target, step))
+
+    def _checked(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike[str]
+    ) -> tuple[Path, int, dict[str, Any], _Saved, dict[str, Any]]:
+        """A save's checks: its pointer's path, its step, what it stores, its fingerprint and its
+        metrics; raises as :meth:`save_checkpoint` says (a step saved here with other contents)."""
+        target = _local_path(path)
+        step = self._step_of(checkpoint, target)
+        recorded = checkpoint.get(METRICS_KEY)
+        metrics = {**(recorded if isinstance(recorded, dict) else {}), **_monitored(checkpoint, path)}
+        checkpoint = {key: value for key, value in checkpoint.items() if key != METRICS_KEY}
+        saved = _Saved.of(step, checkpoint, str(target))
+        if self._newest is not None and self._newest.step == step:
+            self._newest.refuse_other(saved, target)
+        return target, step, checkpoint, saved, metrics
+
+    def _agree(self, job: TorchDistributedCoordinator, checked: Attempt[Any]) -> None:
+        """Raise ``checked``'s error on every rank if it failed on any; else every rank holds the
+        steps rank 0's live pointers name (a removal since the last save included), so that the
+        save's retention deletes no rank's shard of them, nor keeps one rank 0 released."""
+
+        def mine() -> _Named:
+            checked.done()
+            with self._pointers:
+                return _Named(tuple(sorted((str(path), step) for path, step in self._named.items())))
+
+        told = gather(job, "Lightning: the save's checks", _Named, mine)[0]
+        if not job.is_leader:
+            self._hold_named(told)
+
+    def _hold_named(self, told: _Named) -> None:
+        with self._pointers:
+            self._named = {Path(path): step for path, step in told.named}
+            self.manager.store.hold(set(self._named.values()), holder=self._holder)
 
     def _write_pointer(self, target: Path, step: int) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -269,9 +322,7 @@ class TieredCheckpointIO(CheckpointIO):
 
         told = leader_decides(job, "Lightning: the steps the pointers name", _Named, named)
         if not job.is_leader:
-            with self._pointers:
-                self._named = {Path(path): step for path, step in told.named}
-                self.manager.store.hold(set(self._named.values()), holder=self._holder)
+            self._hold_named(told)
 
     def _step_of(self, checkpoint: Any, target: Path) -> int:
         if not isinstance(checkpoint, dict):
@@ -368,7 +419,12 @@ class TieredCheckpointIO(CheckpointIO):
         return str(self.manager.root / step_dir_name(step))
 
     def load_checkpoint(
-        self, path: str | os.PathLike[str], map_location: Any | None = None, weights_only: bool | None = None
+        self,
+        path: str | os.PathLike[str],
+        map_location: Any | None = None,
+        weights_only: bool | None = None,
+        *,
+        into: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """The checkpoint dict of the step ``path`` names, as it was saved, every shard verified.
 
@@ -376,7 +432,10 @@ class TieredCheckpointIO(CheckpointIO):
         ``local.dir`` or ``remote.url`` (:meth:`ckpt_path`); the step comes from local disk
         when it is there and intact, else from the bucket. Tensors come back on the CPU, or
         on ``map_location`` (a device or its name). Nothing is unpickled, so ``weights_only``
-        has nothing to restrict: it is accepted and ignored. Raises
+        has nothing to restrict: it is accepted and ignored. ``into`` (what
+        :class:`TieredModelParallelStrategy` gives: the model's and the optimizers' states of
+        DTensors, by their keys in the checkpoint) is filled in place, each chunk from the saved
+        chunks that overlap it, and stands in the checkpoint returned for the values it holds. Raises
         :class:`CheckpointNotFoundError` (a ``FileNotFoundError``) for a path that does not
         exist and is no step's directory, :class:`UsageError` for a path that names no step of
         this manager (naming what it is), :class:`ManifestError`
@@ -389,8 +448,9 @@ class TieredCheckpointIO(CheckpointIO):
         else:  # rank 0's pointers: the other ranks may not see its files
             step = leader_decides(job, "Lightning: the step to load", _Step, lambda: _Step(self._step_named(path))).step
         with self._lock:
-            result = self.manager.restore(step, reshard=job is not None)  # on another number of ranks too
-            checkpoint = result.torch_state()
+            # On another number of ranks too; into: the model's and the optimizers' DTensors, filled in place.
+            result = self.manager.restore(step, reshard=job is not None or into is not None, into=into)
+            checkpoint = result.torch_state() if into is None else _merged(into, result.torch_state())
             self.last_restore = replace(result, states=[], flat=())
             self._newest = _Saved.of(step, checkpoint, os.fspath(path))
         if job is None:
@@ -578,6 +638,16 @@ class RecordMetrics(Callback):
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         logged = trainer.callback_metrics
         checkpoint[METRICS_KEY] = {name: float(logged[name]) for name in self.names if name in logged}
+
+
+def _merged(into: Any, restored: Any) -> Any:
+    """``restored`` with the tensors of ``into`` (at the same places, filled in place by the restore)
+    standing for its own: a chunk of a DTensor comes back as this rank's tensor, not the DTensor."""
+    if isinstance(restored, dict) and isinstance(into, dict):
+        return {key: _merged(into[key], value) if key in into else value for key, value in restored.items()}
+    if isinstance(restored, (list, tuple)) and isinstance(into, (list, tuple)) and len(into) == len(restored):
+        return type(restored)(_merged(mine, value) for mine, value in zip(into, restored, strict=True))
+    return into if isinstance(into, torch.Tensor) else restored
 
 
 def _monitored(checkpoint: dict[str, Any], path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -15,7 +15,8 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from tiered_ckpt.build import open_store
-from tiered_ckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError, UsageError
+from tiered_ckpt.dist.reshard import check_data_parallel
+from tiered_ckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError, ReshardError, UsageError, restated
 from tiered_ckpt.format.layout import parse_step_dir_name
 from tiered_ckpt.format.state import FlatState
 from tiered_ckpt.format.strict_json import Fields, load_object
@@ -139,18 +140,36 @@ def read_step(store: TieredStore, step: int) -> dict[str, Any]:
         raise IncompleteCheckpointError(f"{store.where()}: step {step} is committed in no tier")
     manifest, _remote = store.manifests(step, in_local=in_local, in_remote=in_remote)
     record = manifest.shard(0)
+    if manifest.world_size > 1 and (manifest.sharded_keys or not all(each.chunks for each in manifest.shards)):
+        raise UsageError(
+            f"{store.where()}: step {step} was saved by {manifest.world_size} ranks, each its own state (not data "
+            "parallel); a Lightning module is loaded from a step of one rank, or of data-parallel ranks "
+            "(TieredDDPStrategy): restore the others with a CheckpointManager"
+        )
     state, _tier = store.read_parts(step, record, lambda structure: structure)
     if state.structure.chunks:
         raise UsageError(
             f"{store.where()}: step {step} holds the shards of {manifest.world_size} ranks (a state of DTensors); "
             "a Lightning module is loaded from a whole state (restore the shards with a CheckpointManager)"
         )
+    try:
+        check_data_parallel(manifest)
+    except ReshardError as exc:
+        raise UsageError(f"{store.where()}: step {step}: {exc}") from exc
     arrays = dict(state.arrays)
     writers: dict[int, list[str]] = {}
     for name, writer in record.replicas:  # what other ranks wrote for rank 0: one copy of each array
         writers.setdefault(writer, []).append(name)
     for writer, names in sorted(writers.items()):
-        arrays.update(store.read_parts(step, manifest.shard(writer), names)[0].arrays)
+        try:
+            arrays.update(store.read_parts(step, manifest.shard(writer), names)[0].arrays)
+        except IncompleteCheckpointError as exc:
+            raise restated(
+                exc,
+                f"{exc}: rank {writer} wrote {len(names)} arrays of this data-parallel step into its own shard, on "
+                "its own disk; read the step from the bucket (a manager with remote.url uploads every rank's "
+                "shards), or from a directory holding every rank's shards",
+            ) from exc
     return FlatState(arrays, state.structure).unflatten(torch=True)  # type: ignore[no-any-return]
 
 

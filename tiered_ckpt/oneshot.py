@@ -30,7 +30,9 @@ from tiered_ckpt.format.state import FlatState, flatten, flatten_into
 from tiered_ckpt.format.validate import (
     check_into,
     check_manifest_fits,
+    check_same_tensors,
     check_world_size,
+    tensor_summary,
     validate_states,
     validate_step,
 )
@@ -101,6 +103,7 @@ def save_sharded(
     validate_states(states_per_rank, world_size)
     validate_step(step)
     flat = [flatten(state, f"rank {rank}") for rank, state in enumerate(states_per_rank)]
+    check_same_tensors([tensor_summary(state) for state in flat])
     keys, numels = resolve_sharded_keys(
         [sharding_summary(s.arrays) for s in flat],
         sharded_keys,

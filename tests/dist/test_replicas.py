@@ -16,6 +16,7 @@ from tiered_ckpt import (
     InvalidStateError,
     ManifestError,
     RemoteOptions,
+    ReshardError,
     ShardManifest,
     load_sharded,
     save_sharded,
@@ -23,7 +24,6 @@ from tiered_ckpt import (
 from tiered_ckpt.dist.replicas import Offer, assign, offer, share
 from tiered_ckpt.format.layout import MANIFEST_NAME, step_dir_name
 from tiered_ckpt.format.state import ChunkOf, flatten
-
 
 WORKER = Path(__file__).resolve().parents[1] / "support" / "rank_worker.py"
 
@@ -121,7 +121,7 @@ def data_parallel_states(world_size: int) -> list[dict]:
     model = {"w": np.arange(600, dtype=np.float32).reshape(20, 30), "b": np.ones(30, np.float32)}
     optim = {"state": {0: {"step": np.array(5.0), "m": np.full((20, 30), 0.5, np.float32)}}, "lr": 0.1}
     return [
-        {"model": model, "optim": optim, "seed": np.array([rank]), "seen": np.arange(rank + 3), "epoch": 2}
+        {"model": model, "optim": optim, "seed": np.array([rank]), "seen": np.full(3, rank), "epoch": 2}
         for rank in range(world_size)
     ]
 
@@ -145,11 +145,33 @@ def test_a_data_parallel_save_writes_each_array_once_over_the_ranks_and_restores
                 assert np.array_equal(state["optim"]["state"][0]["m"], states[0]["optim"]["state"][0]["m"])
                 assert state["epoch"] == 2 and state["optim"]["lr"] == 0.1
                 assert state["seed"].tolist() == ([rank] if world_size == 2 else [0])  # resharded: rank 0's
-                assert state["seen"].tolist() == list(range((rank if world_size == 2 else 0) + 3))
+                assert state["seen"].tolist() == [rank if world_size == 2 else 0] * 3
         with pytest.raises(InvalidStateError, match=r"replicated must be True or False, got 'yes'"):
             manager.save(2, states, replicated="yes")  # type: ignore[arg-type]
         manager.save(2, states, blocking=True)  # not data parallel: every rank writes all of its state
         assert all(not record.get("replicas") for record in records(tmp_path / step_dir_name(2)).values())
+
+
+def test_slices_of_a_flat_vector_saved_as_data_parallel_restore_alike_and_refuse_a_reshard(tmp_path):
+    flat = np.random.default_rng(1).standard_normal(1003).astype(np.float32)
+    slices = [flat[:502].copy(), flat[502:].copy()]
+    with CheckpointManager(tmp_path, world_size=2) as manager:
+        manager.save(1, [{"params": part, "table": np.arange(6.0)} for part in slices], blocking=True, replicated=True)
+        assert [state["params"].tobytes() for state in manager.restore().states] == [part.tobytes() for part in slices]
+        with pytest.raises(ReshardError, match=r"'params' is F32 \(502,\) on rank 0 and F32 \(501,\) on rank 1"):
+            manager.restore(world_size=3, reshard=True)
+
+
+def test_chunks_of_one_dtensor_in_another_dtype_or_global_shape_are_refused_before_a_write(tmp_path):
+    whole = np.arange(8 * 5, dtype=np.float32).reshape(8, 5)
+    states = [{"w": ChunkOf(whole[:4], whole.shape, (0, 0))}, {"w": ChunkOf(np.arange(8), (8,), (0,))}]
+    with pytest.raises(InvalidStateError, match=r"rank 1: the DTensor 'w' is int64 \(8,\) here, float32 \(8, 5\)"):
+        save_sharded(states, tmp_path / "one-shot", step=1)
+    with CheckpointManager(tmp_path / "managed", world_size=2) as manager:
+        with pytest.raises(InvalidStateError, match=r"rank 1: the DTensor 'w' is int64"):
+            manager.save(1, states)
+        assert manager.steps() == []
+    assert not (tmp_path / "one-shot").exists()
 
 
 @pytest.mark.slow

@@ -4,8 +4,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from support.states import ZERO1_SHARDED_KEYS, assert_states_equal, split_sizes, zero1_states
-from tiered_ckpt import CheckpointManager, ReshardError, RuntimeOptions, partition_sizes, save_sharded
+from tiered_ckpt import (
+    CheckpointManager,
+    InvalidStateError,
+    ReshardError,
+    RuntimeOptions,
+    partition_sizes,
+    save_sharded,
+)
 from tiered_ckpt.dist.reshard import copy_overlap, reshard
+from tiered_ckpt.format.state import ChunkOf
 from tiered_ckpt.oneshot import load_sharded
 
 
@@ -138,3 +146,27 @@ def test_a_zero_dimensional_chunk_is_read_in_place_and_copied_in_place():
     part[...] = 7.0
     assert float(target) == 7.0  # a view, not a copy
     assert copy_overlap(target, (), np.array(9.0, np.float32), ()) == 1 and float(target) == 9.0
+
+
+def test_a_restore_into_the_chunks_of_dtensors_alone_gives_back_the_plain_arrays_it_leaves_out(tmp_path):
+    whole = np.arange(12 * 5, dtype=np.float32).reshape(12, 5)
+    states = [
+        {
+            "weight": ChunkOf(whole[4 * rank : 4 * rank + 4], whole.shape, (4 * rank, 0)),
+            "callbacks": {"score": np.array(0.25), "seed": np.array([rank])},  # outside the model: not given
+            "table": np.linspace(0, 1, 64),  # alike on every rank: written once, by one of them
+            "epoch": 7,
+        }
+        for rank in range(3)
+    ]
+    with CheckpointManager(tmp_path, world_size=3) as manager:
+        manager.save(1, states, blocking=True)
+        into = [{"weight": ChunkOf(np.zeros((4, 5), np.float32), whole.shape, (4 * rank, 0))} for rank in range(3)]
+        restored = manager.restore(reshard=True, into=into)
+        for rank, state in enumerate(restored.states):
+            assert np.array_equal(into[rank]["weight"].data, whole[4 * rank : 4 * rank + 4])  # filled in place
+            assert state["callbacks"]["seed"].tolist() == [rank] and state["callbacks"]["score"] == 0.25
+            assert np.array_equal(state["table"], states[0]["table"]) and state["epoch"] == 7
+        into[0].pop("weight")  # a DTensor's chunk left out is still refused, naming it
+        with pytest.raises(InvalidStateError, match=r"1 missing from into: 'weight'"):
+            manager.restore(reshard=True, into=into)

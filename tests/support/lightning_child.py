@@ -116,6 +116,34 @@ class KillPoint(Callback):
         threading.Event().wait()
 
 
+def deterministic_trainer(io: TieredCheckpointIO, config: dict, callbacks: list[Callback], **kwargs) -> L.Trainer:
+    """A quiet, deterministic CPU ``Trainer`` of ``config["max_steps"]`` saving through ``io`` (in
+    ``AsyncCheckpointIO`` with ``config["async"]``); ``kwargs`` are more of its arguments."""
+    return L.Trainer(
+        accelerator="cpu",
+        max_steps=config["max_steps"],
+        deterministic=True,
+        plugins=[AsyncCheckpointIO(io) if config.get("async") else io],
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def outcome(io: TieredCheckpointIO, trainer: L.Trainer) -> dict:
+    """What a run saw: the step it restored and where from, the steps of its manager's tiers, its last step."""
+    restored, manager = io.last_restore, io.manager
+    return {
+        "restored": None if restored is None else restored.step,
+        "sources": None if restored is None else {str(rank): tier for rank, tier in restored.sources.items()},
+        "steps": manager.steps(),
+        "remote_steps": manager.remote_steps(),
+        "global_step": trainer.global_step,
+    }
+
+
 def main() -> None:
     config = json.loads(Path(sys.argv[1]).read_text())
     torch.set_num_threads(1)
@@ -128,29 +156,12 @@ def main() -> None:
         ]
         if config.get("kill_at") is not None:
             callbacks.append(KillPoint(io, config["kill_at"], config["wait_for"]))
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=1,
-            max_steps=config["max_steps"],
-            deterministic=True,
-            plugins=[AsyncCheckpointIO(io) if config.get("async") else io],
-            callbacks=callbacks,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        trainer = deterministic_trainer(io, config, callbacks, devices=1)
         ckpt_path = io.ckpt_path() if config.get("ckpt_path") == "newest" else config.get("ckpt_path")
         model = Model(config["losses"])
         trainer.fit(model, ckpt_path=ckpt_path)
         manager.wait(uploaded=remote is not None)
-        restored = io.last_restore
-        result = {
-            "restored": None if restored is None else restored.step,
-            "sources": None if restored is None else {str(rank): tier for rank, tier in restored.sources.items()},
-            "steps": manager.steps(),
-            "remote_steps": manager.remote_steps(),
-            "global_step": trainer.global_step,
-        }
+        result = outcome(io, trainer)
     params = {name: value.detach().numpy() for name, value in model.state_dict().items()}
     np.savez(config["params"], **params)
     Path(config["result"]).write_text(json.dumps(result))

@@ -1,5 +1,6 @@
 """One rank of a real ``lightning.Trainer`` under ``TieredDDPStrategy`` on the CPU (gloo):
-``python lightning_ddp_child.py CONFIG_JSON RANK``.
+``python lightning_ddp_child.py CONFIG_JSON RANK``; with ``"strategy": "fsdp2"``, under
+``TieredModelParallelStrategy``, the model sharded with ``fully_shard`` over the ranks.
 
 The ranks join one job through a file store (no ports to pick; Lightning finds the process
 group up and uses it) and train the model of ``lightning_child.py`` on their own part of each
@@ -11,10 +12,13 @@ manager (made on first use) is this rank's: ``<local_root>/rank-<RANK>`` and the
 those it starts training from to ``<out>/start-<RANK>.npz`` and what it saw to
 ``<out>/result-<RANK>.json``.
 
-``ckpt_path``: "last" (Lightning's) or null (a fresh start). With "async", the plugin is wrapped
-in Lightning's ``AsyncCheckpointIO`` (each rank's saves run on a thread of its own). With ``kill_at`` K, once step K has
-trained and the checkpoint of ``wait_for`` is committed and in the bucket on every rank, rank 0
-prints "KILL ME" and every rank blocks: the parent sends SIGKILL to each.
+``ckpt_path``: "last" (Lightning's) or null (a fresh start). With ``top_k`` K, the callback
+keeps the K steps of highest "score" (the step modulo 7, logged alike on every rank) beside
+``last``, and each rank's manager keeps ``keep_last`` steps (default 3) beyond those its
+pointers hold. With "async", the plugin is wrapped in Lightning's ``AsyncCheckpointIO`` (each
+rank's saves run on a thread of its own). With ``kill_at`` K, once step K has trained and the
+checkpoint of ``wait_for`` is committed and in the bucket on every rank, rank 0 prints "KILL ME"
+and every rank blocks: the parent sends SIGKILL to each.
 """
 
 import json
@@ -30,10 +34,12 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
-from lightning_child import Batches, Model
+from lightning_child import Batches, Model, deterministic_trainer, outcome
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
-from tiered_ckpt import CheckpointManager, RemoteOptions, TorchDistributedCoordinator
-from tiered_ckpt.lightning import TieredCheckpointIO, TieredDDPStrategy
+from tiered_ckpt import CheckpointManager, LocalOptions, RemoteOptions, TorchDistributedCoordinator
+from tiered_ckpt.lightning import TieredCheckpointIO, TieredDDPStrategy, TieredModelParallelStrategy
 
 
 class RankBatches(Batches):
@@ -52,12 +58,30 @@ class DDPModel(Model):
     def __init__(self, losses: str, hidden: int = 16) -> None:
         super().__init__(losses, hidden)
 
+    def training_step(self, batch, batch_idx):
+        self.log("score", float(self.global_step % 7))  # what a top-k callback ranks by, alike on every rank
+        return super().training_step(batch, batch_idx)
+
     def train_dataloader(self):
         return RankBatches(self.global_rank, self.trainer.world_size)
 
 
+class ShardedModel(DDPModel):
+    """The model, each linear layer and the whole sharded over the ranks (FSDP2)."""
+
+    def configure_model(self):
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+
 def params_of(module: torch.nn.Module) -> dict[str, np.ndarray]:
-    return {name: value.detach().numpy().copy() for name, value in module.state_dict().items()}
+    """The whole parameters (a DTensor gathered: every rank calls this at the same point)."""
+    state = module.state_dict()
+    whole = {name: value.full_tensor() if isinstance(value, DTensor) else value for name, value in state.items()}
+    return {name: value.detach().numpy().copy() for name, value in whole.items()}
 
 
 class Observe(Callback):
@@ -96,39 +120,36 @@ def main() -> None:
 
     def manager() -> CheckpointManager:  # this rank's, once the process group is up
         local = Path(config["local_root"]) / f"rank-{dist.get_rank()}"
-        return CheckpointManager(local, remote=remote, coordinator=TorchDistributedCoordinator())
+        options = LocalOptions(local, keep_last=config.get("keep_last", 3))
+        return CheckpointManager(options, remote=remote, coordinator=TorchDistributedCoordinator())
 
     io = TieredCheckpointIO(manager)
+    sharded = config.get("strategy") == "fsdp2"
     callbacks: list[Callback] = [
-        ModelCheckpoint(dirpath=config["names"], save_top_k=0, save_last=True, every_n_train_steps=config["every"]),
+        ModelCheckpoint(
+            dirpath=config["names"],
+            save_top_k=config.get("top_k", 0),
+            monitor="score" if config.get("top_k") else None,
+            mode="max",
+            save_last=True,
+            every_n_train_steps=config["every"],
+        ),
         Observe(out, rank, io, config.get("kill_at"), config.get("wait_for")),
     ]
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=TieredDDPStrategy(process_group_backend="gloo"),
-        max_steps=config["max_steps"],
-        deterministic=True,
-        plugins=[AsyncCheckpointIO(io) if config.get("async") else io],
-        callbacks=callbacks,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+    strategy = (
+        TieredModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+        if sharded
+        else TieredDDPStrategy(process_group_backend="gloo")
     )
-    model = DDPModel(str(out / f"losses-{rank}.jsonl"))
+    trainer = deterministic_trainer(io, config, callbacks, devices=world, strategy=strategy)
+    model = (ShardedModel if sharded else DDPModel)(str(out / f"losses-{rank}.jsonl"))
     trainer.fit(model, ckpt_path=config.get("ckpt_path"))
     with io.manager as manager:
         manager.wait(uploaded=remote is not None)
-        restored = io.last_restore
-        result = {
-            "restored": None if restored is None else restored.step,
-            "sources": None if restored is None else {str(r): tier for r, tier in restored.sources.items()},
-            "steps": manager.steps(),
-            "remote_steps": manager.remote_steps(),
-            "global_step": trainer.global_step,
-        }
+        result = {**outcome(io, trainer), "held": sorted(set(io._named.values()))}
     np.savez(out / f"params-{rank}.npz", **params_of(model))
     (out / f"result-{rank}.json").write_text(json.dumps(result))
+    dist.barrier()  # no rank tears its connections down while another still uses them
     dist.destroy_process_group()
 
 

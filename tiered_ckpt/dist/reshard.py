@@ -30,6 +30,7 @@ from tiered_ckpt.format.state import FlatState, State, flatten
 from tiered_ckpt.format.structure import Chunk, Structure, path_text
 
 __all__ = [
+    "check_data_parallel",
     "partition_sizes",
     "reshard",
     "reshard_flat",
@@ -110,6 +111,31 @@ def _flat(states: Mapping[int, FlatState], name: str, manifest: ShardManifest) -
     return np.concatenate([states[rank].arrays[name] for rank in ranks])
 
 
+def check_data_parallel(manifest: ShardManifest) -> None:
+    """Raise :class:`ReshardError` if ``manifest`` is a data-parallel step (saved with
+    ``replicated=True``: every shard records whole arrays only) in which the ranks each stored
+    an array of their own in another dtype or shape: slices of a flat vector saved as data
+    parallel, or ragged values of each rank's own, which cannot be re-cut for another world
+    size. Values of one dtype and shape that differ (a seed) are each rank's own: a reshard
+    gives every new rank rank 0's, as for the plain arrays of a state of DTensors."""
+    records = manifest.shards
+    if not all(record.chunks for record in records):
+        return
+    if any(chunk.sizes != chunk.global_shape or any(chunk.offsets) for r in records for chunk in r.chunks):
+        return  # a state of DTensors
+    seen: dict[str, tuple[int, str, tuple[int, ...]]] = {}
+    for record in records:
+        for chunk in record.chunks:
+            rank, dtype, shape = seen.setdefault(chunk.name, (record.rank, chunk.dtype, chunk.global_shape))
+            if (dtype, shape) != (chunk.dtype, chunk.global_shape):
+                raise ReshardError(
+                    f"{chunk.name!r:.120} is {dtype} {shape} on rank {rank} and {chunk.dtype} {chunk.global_shape} on "
+                    f"rank {record.rank} of this data-parallel step: a value of each rank's own cannot be re-cut for "
+                    f"another world size (restore it on {manifest.world_size} ranks; slices of a flat vector are "
+                    "saved with their sharded_keys, not as data parallel)"
+                )
+
+
 def reshard_rank(states: Mapping[int, FlatState], manifest: ShardManifest, world_size: int, rank: int) -> FlatState:
     """Return new rank ``rank``'s state when ``manifest``'s checkpoint is re-cut for ``world_size`` ranks.
 
@@ -174,11 +200,14 @@ def reshard(states: Sequence[State], manifest: ShardManifest, world_size: int) -
 class ChunkPlan:
     """What one new rank reads to fill a state of DTensors: per saved rank, the arrays it
     reads from that rank's shard; per array of its own, the saved chunks that overlap it;
-    and the saved rank whose structure (scalars) it takes."""
+    the saved rank whose structure (scalars) it takes; and the plain arrays of that rank's
+    state the target leaves out (``taken``: each comes back as read, from the one chunk in
+    ``overlaps``)."""
 
     reads: Mapping[int, frozenset[str]]
     overlaps: Mapping[str, tuple[tuple[int, ChunkRecord], ...]]
     plain_source: int
+    taken: frozenset[str] = frozenset()
 
 
 def _overlaps(
@@ -196,7 +225,9 @@ def plan_chunks(manifest: ShardManifest, target: FlatState, rank: int, world_siz
     chunk of itself) and the scalars come from the same rank of the checkpoint, or rank
     0's when the world size changed. A box saved by several ranks (a replicated mesh
     dimension) is read once, from this rank if it saved it, else from the lowest rank
-    that did. Raises :class:`ReshardError` naming the path if an array is not one in the
+    that did. A whole array of the plain source's state that ``target`` leaves out (a
+    value outside the model's and optimizers' states) is read as it is, from the same
+    ranks. Raises :class:`ReshardError` naming the path if an array is not one in the
     checkpoint or has another global shape there.
     """
     saved: dict[str, list[tuple[int, ChunkRecord]]] = {}
@@ -224,7 +255,17 @@ def plan_chunks(manifest: ShardManifest, target: FlatState, rank: int, world_siz
         overlaps[name] = tuple(chosen.values())
         for saved_rank, _chunk in chosen.values():
             reads.setdefault(saved_rank, set()).add(name)
-    return ChunkPlan({r: frozenset(names) for r, names in reads.items()}, overlaps, plain_source)
+    record = manifest.shard(plain_source)
+    taken = set()
+    for name in {chunk.name for chunk in record.chunks} | {name for name, _writer in record.replicas}:
+        whole = [(r, chunk) for r, chunk in saved.get(name, []) if chunk.sizes == chunk.global_shape]
+        if name in target.arrays or not whole:  # a DTensor's chunk left out: fill_chunks names it
+            continue
+        chosen_rank, chunk = min(whole, key=lambda item: (item[0] != plain_source, item[0]))
+        overlaps[name] = ((chosen_rank, chunk),)
+        reads.setdefault(chosen_rank, set()).add(name)
+        taken.add(name)
+    return ChunkPlan({r: frozenset(names) for r, names in reads.items()}, overlaps, plain_source, frozenset(taken))
 
 
 def copy_overlap(
@@ -281,7 +322,7 @@ def fill_chunks(plan: ChunkPlan, read: Mapping[int, FlatState], target: FlatStat
     cover one of them.
     """
     structure = read[plan.plain_source].structure
-    differing = into_difference(dict.fromkeys(structure.kinds), target.arrays, "the checkpoint")
+    differing = into_difference(dict.fromkeys(set(structure.kinds) - plan.taken), target.arrays, "the checkpoint")
     if differing:
         raise InvalidStateError(f"into does not match the checkpoint's arrays: {differing}")
     for name, array in target.arrays.items():
@@ -295,4 +336,5 @@ def fill_chunks(plan: ChunkPlan, read: Mapping[int, FlatState], target: FlatStat
             copied += copy_overlap(array, offsets, source, chunk.offsets)
         if copied != array.size:
             raise ReshardError(f"the checkpoint's chunks cover {copied} of the {array.size} elements of {where} here")
-    return FlatState(target.arrays, structure)
+    taken = {name: read[plan.overlaps[name][0][0]].arrays[name] for name in plan.taken if name in structure.kinds}
+    return FlatState({**target.arrays, **taken}, structure)

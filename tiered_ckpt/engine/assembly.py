@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tiered_ckpt.dist.replicas import put_back
-from tiered_ckpt.dist.reshard import ChunkPlan, fill_chunks, reshard_flat, reshard_rank
+from tiered_ckpt.dist.reshard import ChunkPlan, check_data_parallel, fill_chunks, reshard_flat, reshard_rank
 from tiered_ckpt.engine.refill import Refill
 from tiered_ckpt.engine.restore_result import RestoreResult
 from tiered_ckpt.format.manifest import ShardManifest
@@ -87,9 +87,11 @@ def assemble(done: ShardsRead, received: Mapping[int, Mapping[str, np.ndarray]])
     if manifest.world_size == done.target:
         states = [done.read[rank] for rank in ranks]
     elif done.one_process and len(done.read) == manifest.world_size:  # every saved rank read: each one checked
+        check_data_parallel(manifest)
         states = reshard_flat([done.read[rank] for rank in range(manifest.world_size)], manifest, done.target)
         ranks = tuple(range(done.target))
     else:  # each new rank from the saved ranks it needs (rank 0's, for a state without sharded keys)
+        check_data_parallel(manifest)
         ranks = tuple(range(done.target)) if done.one_process else ranks
         states = [reshard_rank(done.read, manifest, done.target, rank) for rank in ranks]
     unflattened = [state.unflatten() for state in states]

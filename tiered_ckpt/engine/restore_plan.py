@@ -243,6 +243,7 @@ def _without_replicas(plan: ChunkPlan, record: ShardRecord) -> ChunkPlan:
         {rank: names for rank, names in reads.items() if names or rank == plan.plain_source},
         plan.overlaps,
         plan.plain_source,
+        plan.taken,
     )
 
 

@@ -33,7 +33,14 @@ from tiered_ckpt.errors import CheckpointExistsError, InvalidStateError, SaveErr
 from tiered_ckpt.format.manifest import record_bytes_bound
 from tiered_ckpt.format.metrics import GivenMetrics, Metrics, metrics_of
 from tiered_ckpt.format.state import FlatState, State, flatten
-from tiered_ckpt.format.validate import check_manifest_fits, validate_states, validate_step
+from tiered_ckpt.format.validate import (
+    TensorSummary,
+    check_manifest_fits,
+    check_same_tensors,
+    tensor_summary,
+    validate_states,
+    validate_step,
+)
 
 __all__ = ["SaveReport", "SavePlan", "check_save", "not_saved"]
 
@@ -53,7 +60,8 @@ class SaveReport:
     rank, whether each of its ranks' states is a flat dict of arrays, the most bytes each of
     its ranks' records may add to the manifest, whether any of its ranks' states has
     replicated arrays (:attr:`FlatState.replicated`), the
-    dtypes of its 1-D arrays per rank (a flat vector's slices have one), and its metrics."""
+    dtypes of its 1-D arrays per rank (a flat vector's slices have one), its metrics, and the
+    dtype and global shape of each DTensor per rank (every rank's chunks of one have the same)."""
 
     arguments: str
     newest: int | None
@@ -63,6 +71,7 @@ class SaveReport:
     replicated: bool = True
     dtypes: tuple[tuple[tuple[str, str], ...], ...] = ()
     metrics: Metrics = ()
+    tensors: tuple[TensorSummary, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -99,7 +108,8 @@ def _report(step: int, local: Sequence[FlatState], newest: int | None, world_siz
     )
     dtypes = tuple(tuple(dtype_summary(s.arrays).items()) for s in local)
     replicated = any(s.replicated for s in local)
-    return SaveReport(json.dumps({"step": step}), newest, shapes, flat, sizes, replicated, dtypes)
+    tensors = tuple(tensor_summary(s) for s in local)
+    return SaveReport(json.dumps({"step": step}), newest, shapes, flat, sizes, replicated, dtypes, tensors=tensors)
 
 
 def check_save(
@@ -154,6 +164,7 @@ def check_save(
     shapes = [dict(rank_shapes) for each in reports for rank_shapes in each.shapes]
     dtypes = [dict(rank_dtypes) for each in reports for rank_dtypes in each.dtypes]
     flat = all(each.flat for each in reports)
+    check_same_tensors([rank_tensors for each in reports for rank_tensors in each.tensors])
     keys, numels = resolve_sharded_keys(shapes, sharded_keys, flat=flat and not replicated, dtypes=dtypes)
     check_manifest_fits([size for each in reports for size in each.record_bytes], keys, step, reports[0].metrics)
     local = attempt.value[0]

@@ -194,6 +194,8 @@ def _into(plan: RestorePlan, targets: Sequence[FlatState] | None) -> dict[int, M
     direct: dict[int, dict[str, np.ndarray]] = {}
     for chunk_plan, state in zip(plan.chunks, targets, strict=True):
         for name, overlaps in chunk_plan.overlaps.items():
+            if name in chunk_plan.taken:  # not the caller's: read into new memory
+                continue
             array = state.arrays[name]
             chunked = state.structure.chunks.get(name)
             offsets = chunked.offsets if chunked is not None else (0,) * array.ndim

@@ -8,8 +8,21 @@ from typing import Any
 from tiered_ckpt.errors import InvalidStateError, WorldSizeMismatchError
 from tiered_ckpt.format.manifest import ShardManifest, manifest_problem
 from tiered_ckpt.format.metrics import Metrics
+from tiered_ckpt.format.state import FlatState
 
-__all__ = ["MAX_STEP", "check_into", "check_manifest_fits", "check_world_size", "validate_states", "validate_step"]
+__all__ = [
+    "MAX_STEP",
+    "check_into",
+    "check_manifest_fits",
+    "check_same_tensors",
+    "check_world_size",
+    "tensor_summary",
+    "validate_states",
+    "validate_step",
+]
+
+TensorSummary = tuple[tuple[str, str, tuple[int, ...]], ...]
+"""A rank's DTensors: the name, dtype and global shape of each (what crosses a save's collective)."""
 
 # A step names a directory (step-<digits>: a file name of at most 255 bytes) and is a JSON
 # integer every reader parses: an int64, as any training loop's counter is.
@@ -62,3 +75,23 @@ def check_into(into: Sequence[Mapping[Any, Any]] | None, manifest: ShardManifest
     """Raise :class:`InvalidStateError` unless ``into`` is None or holds one dict per rank."""
     if into is not None and len(into) != manifest.world_size:
         raise InvalidStateError(f"into holds {len(into)} rank states, the checkpoint has {manifest.world_size} ranks")
+
+
+def tensor_summary(state: FlatState) -> TensorSummary:
+    """The name, dtype and global shape of each DTensor of a rank's ``state``."""
+    chunks = state.structure.chunks.items()
+    return tuple((name, state.arrays[name].dtype.name, tuple(chunk.global_shape)) for name, chunk in chunks)
+
+
+def check_same_tensors(tensors: Sequence[TensorSummary]) -> None:
+    """Raise :class:`InvalidStateError` unless every rank's chunks of a DTensor (``tensors[rank]``,
+    :func:`tensor_summary`) agree on its dtype and global shape."""
+    seen: dict[str, tuple[int, str, tuple[int, ...]]] = {}
+    for rank, held in enumerate(tensors):
+        for name, dtype, shape in held:
+            first = seen.setdefault(name, (rank, dtype, tuple(shape)))
+            if first[1:] != (dtype, tuple(shape)):
+                raise InvalidStateError(
+                    f"rank {rank}: the DTensor {name!r:.120} is {dtype} {tuple(shape)} here, {first[1]} {first[2]} on "
+                    f"rank {first[0]}: every rank's chunks of one tensor have its one dtype and global shape"
+                )

@@ -229,6 +229,12 @@ def test_a_step_of_two_ranks_resumes_on_three_from_the_bucket(tmp_path, s3_url, 
         assert result["global_step"] == MAX_STEPS + 8
         assert_same_params(three[0]["params"], result["params"])
 
+    # Lightning's validate(ckpt_path=...) on two new processes: a load without optimizers.
+    validated = run(ddp_config(tmp_path, "validate", 2, s3_url, strategy=strategy, validate_from=str(last)))
+    for result in validated:
+        assert result["restored"] == MAX_STEPS
+        assert_same_params(expected[0]["params"], result["params"])
+
     # For evaluation and serving: the module Lightning's load_from_checkpoint would build, from the pointer.
     if strategy == "ddp":
         module = load_from_checkpoint(Model, last, storage_options=s3_url[1])

@@ -15,8 +15,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from tiered_ckpt.build import open_store
-from tiered_ckpt.dist.reshard import check_data_parallel
-from tiered_ckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError, ReshardError, UsageError, restated
+from tiered_ckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError, UsageError, restated
 from tiered_ckpt.format.layout import parse_step_dir_name
 from tiered_ckpt.format.state import FlatState
 from tiered_ckpt.format.strict_json import Fields, load_object
@@ -152,10 +151,6 @@ def read_step(store: TieredStore, step: int) -> dict[str, Any]:
             f"{store.where()}: step {step} holds the shards of {manifest.world_size} ranks (a state of DTensors); "
             "a Lightning module is loaded from a whole state (restore the shards with a CheckpointManager)"
         )
-    try:
-        check_data_parallel(manifest)
-    except ReshardError as exc:
-        raise UsageError(f"{store.where()}: step {step}: {exc}") from exc
     arrays = dict(state.arrays)
     writers: dict[int, list[str]] = {}
     for name, writer in record.replicas:  # what other ranks wrote for rank 0: one copy of each array

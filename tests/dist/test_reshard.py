@@ -148,25 +148,27 @@ def test_a_zero_dimensional_chunk_is_read_in_place_and_copied_in_place():
     assert copy_overlap(target, (), np.array(9.0, np.float32), ()) == 1 and float(target) == 9.0
 
 
-def test_a_restore_into_the_chunks_of_dtensors_alone_gives_back_the_plain_arrays_it_leaves_out(tmp_path):
+def test_a_restore_into_the_chunks_of_dtensors_alone_gives_back_the_rest_as_each_rank_holds_it(tmp_path):
     whole = np.arange(12 * 5, dtype=np.float32).reshape(12, 5)
+    rows = [(0, 5), (5, 10), (10, 12)]  # rank 2 holds the fewest bytes: it writes the copies ranks share
+    moments = np.arange(12, dtype=np.float32)
     states = [
         {
-            "weight": ChunkOf(whole[4 * rank : 4 * rank + 4], whole.shape, (4 * rank, 0)),
-            "callbacks": {"score": np.array(0.25), "seed": np.array([rank])},  # outside the model: not given
-            "table": np.linspace(0, 1, 64),  # alike on every rank: written once, by one of them
+            "weight": ChunkOf(whole[a:b], whole.shape, (a, 0)),
+            "moment": ChunkOf(moments[a:b], moments.shape, (a,)),  # a DTensor outside into (an optimizer's)
+            "callbacks": {"score": np.full(3, 2.0 if rank == 1 else 1.0), "seed": np.array([rank])},
             "epoch": 7,
         }
-        for rank in range(3)
+        for rank, (a, b) in enumerate(rows)
     ]
     with CheckpointManager(tmp_path, world_size=3) as manager:
         manager.save(1, states, blocking=True)
-        into = [{"weight": ChunkOf(np.zeros((4, 5), np.float32), whole.shape, (4 * rank, 0))} for rank in range(3)]
+        assert ("callbacks/score", 2) in manager.restore().manifest.shard(0).replicas  # rank 0's copy, by rank 2
+        into = [{"weight": ChunkOf(np.zeros((b - a, 5), np.float32), whole.shape, (a, 0))} for a, b in rows]
         restored = manager.restore(reshard=True, into=into)
-        for rank, state in enumerate(restored.states):
-            assert np.array_equal(into[rank]["weight"].data, whole[4 * rank : 4 * rank + 4])  # filled in place
-            assert state["callbacks"]["seed"].tolist() == [rank] and state["callbacks"]["score"] == 0.25
-            assert np.array_equal(state["table"], states[0]["table"]) and state["epoch"] == 7
-        into[0].pop("weight")  # a DTensor's chunk left out is still refused, naming it
-        with pytest.raises(InvalidStateError, match=r"1 missing from into: 'weight'"):
-            manager.restore(reshard=True, into=into)
+        for rank, (state, (a, b)) in enumerate(zip(restored.states, rows, strict=True)):
+            assert np.array_equal(into[rank]["weight"].data, whole[a:b])  # filled in place
+            assert state["callbacks"]["score"].tolist() == states[rank]["callbacks"]["score"].tolist()
+            assert state["callbacks"]["seed"].tolist() == [rank] and state["epoch"] == 7
+            assert np.array_equal(state["moment"], moments[a:b])  # this rank's own chunk, on the saved world size
+        assert not np.shares_memory(restored.states[0]["callbacks"]["score"], restored.states[2]["callbacks"]["score"])

@@ -12,9 +12,10 @@ manager (made on first use) is this rank's: ``<local_root>/rank-<RANK>`` and the
 those it starts training from to ``<out>/start-<RANK>.npz`` and what it saw to
 ``<out>/result-<RANK>.json``.
 
-``ckpt_path``: "last" (Lightning's) or null (a fresh start). With ``top_k`` K, the callback
-keeps the K steps of highest "score" (the step modulo 7, logged alike on every rank) beside
-``last``, and each rank's manager keeps ``keep_last`` steps (default 3) beyond those its
+With ``validate_from`` P, the ranks run ``trainer.validate(model, ckpt_path=P)`` instead of
+training. ``ckpt_path``: "last" (Lightning's) or null (a fresh start). With ``top_k`` K, the
+callback keeps the K steps of highest "score" (the step modulo 7, logged alike on every rank)
+beside ``last``, and each rank's manager keeps ``keep_last`` steps (default 3) beyond those its
 pointers hold. With "async", the plugin is wrapped in Lightning's ``AsyncCheckpointIO`` (each
 rank's saves run on a thread of its own). With ``kill_at`` K, once step K has trained and the
 checkpoint of ``wait_for`` is committed and in the bucket on every rank, rank 0 prints "KILL ME"
@@ -64,6 +65,14 @@ class DDPModel(Model):
 
     def train_dataloader(self):
         return RankBatches(self.global_rank, self.trainer.world_size)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def val_dataloader(self):
+        data = RankBatches(self.global_rank, self.trainer.world_size)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data.x, data.y), batch_size=4)
 
 
 class ShardedModel(DDPModel):
@@ -141,9 +150,14 @@ def main() -> None:
         if sharded
         else TieredDDPStrategy(process_group_backend="gloo")
     )
-    trainer = deterministic_trainer(io, config, callbacks, devices=world, strategy=strategy)
     model = (ShardedModel if sharded else DDPModel)(str(out / f"losses-{rank}.jsonl"))
-    trainer.fit(model, ckpt_path=config.get("ckpt_path"))
+    if config.get("validate_from"):  # Lightning's validate(ckpt_path=...): a load without optimizers
+        trainer = deterministic_trainer(io, config, [], devices=world, strategy=strategy, limit_val_batches=1)
+        trainer.validate(model, ckpt_path=config["validate_from"])
+        np.savez(out / f"start-{rank}.npz", **params_of(model))
+    else:
+        trainer = deterministic_trainer(io, config, callbacks, devices=world, strategy=strategy)
+        trainer.fit(model, ckpt_path=config.get("ckpt_path"))
     with io.manager as manager:
         manager.wait(uploaded=remote is not None)
         result = {**outcome(io, trainer), "held": sorted(set(io._named.values()))}

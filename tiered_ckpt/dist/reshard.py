@@ -223,18 +223,24 @@ def plan_chunks(manifest: ShardManifest, target: FlatState, rank: int, world_siz
 
     A DTensor leaf takes the saved chunks that overlap its own; a plain array (the one
     chunk of itself) and the scalars come from the same rank of the checkpoint, or rank
-    0's when the world size changed. A box saved by several ranks (a replicated mesh
-    dimension) is read once, from this rank if it saved it, else from the lowest rank
-    that did. A whole array of the plain source's state that ``target`` leaves out (a
-    value outside the model's and optimizers' states) is read as it is, from the same
-    ranks. Raises :class:`ReshardError` naming the path if an array is not one in the
-    checkpoint or has another global shape there.
+    0's when the world size changed (its *plain source*: the array from that rank's own
+    shard, or from the writer its record names for it). A box saved by several ranks (a
+    replicated mesh dimension) is read once, from this rank if it saved it, else from the
+    lowest rank that did. An array of the plain source's state that ``target`` leaves out
+    (a value outside the model's and optimizers' states) is read as that rank holds it: a
+    whole one always, and a chunk of a DTensor on the saved world size (this rank's own).
+    Raises :class:`ReshardError` naming the path if an array is not one in the checkpoint
+    or has another global shape there.
     """
     saved: dict[str, list[tuple[int, ChunkRecord]]] = {}
     for record in manifest.shards:
         for chunk in record.chunks:
             saved.setdefault(chunk.name, []).append((record.rank, chunk))
     plain_source = rank if manifest.world_size == world_size else 0
+    record = manifest.shard(plain_source)
+    holders = {chunk.name: plain_source for chunk in record.chunks} | {
+        name: writer for name, writer in record.replicas
+    }  # the rank whose shard holds each array of the plain source's state
     reads: dict[int, set[str]] = {plain_source: set()}
     overlaps: dict[str, tuple[tuple[int, ChunkRecord], ...]] = {}
     for name, array in target.arrays.items():
@@ -247,6 +253,8 @@ def plan_chunks(manifest: ShardManifest, target: FlatState, rank: int, world_siz
             raise ReshardError(
                 f"{where} has global shape {mine.global_shape} here, {candidates[0][1].global_shape} in the checkpoint"
             )
+        if name not in target.structure.chunks and name in holders:  # a plain array: the plain source's
+            candidates = [(r, chunk) for r, chunk in candidates if r == holders[name]] or candidates
         preferred = rank if name in target.structure.chunks else plain_source
         chosen: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[int, ChunkRecord]] = {}
         for saved_rank, chunk in sorted(candidates, key=lambda item: (item[0] != preferred, item[0])):
@@ -255,15 +263,15 @@ def plan_chunks(manifest: ShardManifest, target: FlatState, rank: int, world_siz
         overlaps[name] = tuple(chosen.values())
         for saved_rank, _chunk in chosen.values():
             reads.setdefault(saved_rank, set()).add(name)
-    record = manifest.shard(plain_source)
     taken = set()
-    for name in {chunk.name for chunk in record.chunks} | {name for name, _writer in record.replicas}:
-        whole = [(r, chunk) for r, chunk in saved.get(name, []) if chunk.sizes == chunk.global_shape]
-        if name in target.arrays or not whole:  # a DTensor's chunk left out: fill_chunks names it
+    for name, holder in holders.items():
+        held = [chunk for r, chunk in saved.get(name, []) if r == holder]
+        if name in target.arrays or not held:
             continue
-        chosen_rank, chunk = min(whole, key=lambda item: (item[0] != plain_source, item[0]))
-        overlaps[name] = ((chosen_rank, chunk),)
-        reads.setdefault(chosen_rank, set()).add(name)
+        if held[0].sizes != held[0].global_shape and manifest.world_size != world_size:
+            continue  # a DTensor's chunk, which another world size cuts otherwise: fill_chunks names it
+        overlaps[name] = ((holder, held[0]),)
+        reads.setdefault(holder, set()).add(name)
         taken.add(name)
     return ChunkPlan({r: frozenset(names) for r, names in reads.items()}, overlaps, plain_source, frozenset(taken))
 
@@ -336,5 +344,6 @@ def fill_chunks(plan: ChunkPlan, read: Mapping[int, FlatState], target: FlatStat
             copied += copy_overlap(array, offsets, source, chunk.offsets)
         if copied != array.size:
             raise ReshardError(f"the checkpoint's chunks cover {copied} of the {array.size} elements of {where} here")
-    taken = {name: read[plan.overlaps[name][0][0]].arrays[name] for name in plan.taken if name in structure.kinds}
+    # Each new rank its own copy: in one process, new ranks may take the same array read once.
+    taken = {name: read[plan.overlaps[name][0][0]].arrays[name].copy() for name in plan.taken if name in structure.kinds}
     return FlatState({**target.arrays, **taken}, structure)

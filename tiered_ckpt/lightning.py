@@ -119,7 +119,8 @@ class TieredCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` that saves each checkpoint as a step of ``manager`` (see the module doc).
 
     ``manager`` holds one rank in this process: the one rank of a job of one process, or, under
-    :class:`TieredDDPStrategy`, this process's rank of the job (a ``TorchDistributedCoordinator``).
+    :class:`TieredDDPStrategy` or :class:`TieredModelParallelStrategy`, this process's rank of
+    the job (a ``TorchDistributedCoordinator``).
     It is a :class:`CheckpointManager`, or a function making one, called on first use (under DDP:
     on each rank, once Lightning has set up its process group). It stays the caller's: the
     plugin never closes it (close it after ``fit``, :attr:`manager`, to wait for the uploads).
@@ -130,7 +131,8 @@ class TieredCheckpointIO(CheckpointIO):
     """
 
     saves_on_every_rank = False
-    """Set by :class:`TieredDDPStrategy`, which calls :meth:`save_checkpoint` on every rank."""
+    """Set by the strategies of :mod:`tiered_ckpt.lightning_strategies`, which call
+    :meth:`save_checkpoint` on every rank."""
 
     def __init__(
         self, manager: CheckpointManager | Callable[[], CheckpointManager], *, step_key: str = "global_step"
@@ -290,12 +292,15 @@ class TieredCheckpointIO(CheckpointIO):
 
         def mine() -> _Named:
             checked.done()
-            with self._pointers:
-                return _Named(tuple(sorted((str(path), step) for path, step in self._named.items())))
+            return self._named_now()
 
         told = gather(job, "Lightning: the save's checks", _Named, mine)[0]
         if not job.is_leader:
             self._hold_named(told)
+
+    def _named_now(self) -> _Named:
+        with self._pointers:
+            return _Named(tuple(sorted((str(path), step) for path, step in self._named.items())))
 
     def _hold_named(self, told: _Named) -> None:
         with self._pointers:
@@ -317,8 +322,7 @@ class TieredCheckpointIO(CheckpointIO):
 
         def named() -> _Named:
             leader()
-            with self._pointers:
-                return _Named(tuple(sorted((str(path), step) for path, step in self._named.items())))
+            return self._named_now()
 
         told = leader_decides(job, "Lightning: the steps the pointers name", _Named, named)
         if not job.is_leader:
@@ -642,7 +646,7 @@ class RecordMetrics(Callback):
 
 def _merged(into: Any, restored: Any) -> Any:
     """``restored`` with the tensors of ``into`` (at the same places, filled in place by the restore)
-    standing for its own: a chunk of a DTensor comes back as this rank's tensor, not the DTensor."""
+    standing for its own: a DTensor given comes back as itself, not as this rank's chunk."""
     if isinstance(restored, dict) and isinstance(into, dict):
         return {key: _merged(into[key], value) if key in into else value for key, value in restored.items()}
     if isinstance(restored, (list, tuple)) and isinstance(into, (list, tuple)) and len(into) == len(restored):

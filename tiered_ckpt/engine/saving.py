@@ -107,9 +107,9 @@ def _report(step: int, local: Sequence[FlatState], newest: int | None, world_siz
         for s in local
     )
     dtypes = tuple(tuple(dtype_summary(s.arrays).items()) for s in local)
-    replicated = any(s.replicated for s in local)
+    has_replicas = any(s.replicated for s in local)
     tensors = tuple(tensor_summary(s) for s in local)
-    return SaveReport(json.dumps({"step": step}), newest, shapes, flat, sizes, replicated, dtypes, tensors=tensors)
+    return SaveReport(json.dumps({"step": step}), newest, shapes, flat, sizes, has_replicas, dtypes, tensors=tensors)
 
 
 def check_save(

@@ -1,10 +1,10 @@
-"""The Lightning plugin under DDP and FSDP2 (tiered_ckpt.lightning_strategies): real ``Trainer`` rank processes on gloo.
+"""The Lightning plugin under DDP, FSDP2 and FSDP1 (tiered_ckpt.lightning_strategies): real ``Trainer`` ranks on gloo.
 
 Each run starts one process per rank (tests/support/lightning_ddp_child.py), each with a manager
 of its own directory and the bucket (moto's S3 server). A run killed with SIGKILL mid-epoch
 resumes from ``last`` to the losses and parameters of a run never interrupted, bit for bit, on
 every rank; a step saved by 2 ranks resumes on 3 from the bucket; under DDP each array is stored
-once, under FSDP2 each rank's chunks are its own.
+once, under FSDP2 and FSDP1 each rank's chunks are its own.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from support.lightning_child import Model
 from tiered_ckpt import CheckpointManager, IncompleteCheckpointError, TorchDistributedCoordinator, UsageError
 from tiered_ckpt.format.layout import step_dir_name
 from tiered_ckpt.format.manifest import ShardManifest
-from tiered_ckpt.lightning import TieredCheckpointIO, TieredDDPStrategy, load_from_checkpoint
+from tiered_ckpt.lightning import TieredCheckpointIO, TieredDDPStrategy, TieredFSDPStrategy, load_from_checkpoint
 
 CHILD = Path(__file__).resolve().parent / "support" / "lightning_ddp_child.py"
 EVERY, KILL_AT, MAX_STEPS = 10, 12, 30  # the loader has 16 batches an epoch: the kill and step 10 in epoch 0
@@ -153,22 +153,35 @@ def test_the_strategy_refuses_another_checkpoint_io_and_the_plugin_makes_its_man
     two.close()
 
 
+def test_the_fsdp1_strategy_saves_each_ranks_shards_on_a_mesh_and_refuses_what_would_not(tmp_path):
+    assert TieredFSDPStrategy()._state_dict_type == "sharded"  # Lightning's FSDPStrategy defaults to "full"
+    with pytest.raises(UsageError, match=r"saves each rank's shards \(state_dict_type='sharded'\), not 'full'"):
+        TieredFSDPStrategy(state_dict_type="full")
+    with pytest.raises(UsageError, match=r"shards over a device mesh, not a process_group"):
+        TieredFSDPStrategy(process_group=object())
+    with pytest.raises(UsageError, match=r"sharding_strategy='HYBRID_SHARD' needs device_mesh=\(replicas, shards"):
+        TieredFSDPStrategy(sharding_strategy="HYBRID_SHARD")
+    with pytest.raises(UsageError, match=r"TieredFSDPStrategy saves through a tiered_ckpt.lightning.TieredCheck"):
+        TieredFSDPStrategy(checkpoint_io=TorchCheckpointIO()).save_checkpoint({"global_step": 1}, tmp_path / "a.ckpt")
+    assert not (tmp_path / "a.ckpt").exists()
+
+
 _RUNS: dict[str, list[dict]] = {}
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """Two ranks never killed, under a strategy ("ddp" or "fsdp2"), each run once (local disk only:
+    """Ranks never killed (two, or ``world``), under a strategy ("ddp", "fsdp2", ...), each run once (local disk only:
     where checkpoints go does not change the training)."""
 
-    def of(strategy: str) -> list[dict]:
+    def of(strategy: str, world: int = 2) -> list[dict]:
         if strategy not in _RUNS:
             root = tmp_path_factory.mktemp(f"{strategy}-uninterrupted")
-            results = run(ddp_config(root, "run", 2, None, strategy=strategy))
+            results = run(ddp_config(root, "run", world, None, strategy=strategy))
             for result in results:
                 assert [each["step"] for each in result["losses"]] == list(range(MAX_STEPS))
                 assert_same_params(results[0]["params"], result["params"])  # the ranks' (gathered) models agree
-            assert results[0]["losses"] != results[1]["losses"]  # each rank trained on its own part of the batches
+            assert results[0]["losses"] != results[-1]["losses"]  # each rank trained on its own part of the batches
             _RUNS[strategy] = results
         return _RUNS[strategy]
 
@@ -177,7 +190,9 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "strategy, wrapped", [("ddp", False), ("ddp", True), ("fsdp2", False)], ids=["ddp", "ddp-async", "fsdp2"]
+    "strategy, wrapped",
+    [("ddp", False), ("ddp", True), ("fsdp2", False), ("fsdp2", True), ("fsdp1", False)],
+    ids=["ddp", "ddp-async", "fsdp2", "fsdp2-async", "fsdp1"],
 )
 def test_two_ranks_killed_mid_epoch_resume_from_last_bit_for_bit(tmp_path, s3_url, uninterrupted, strategy, wrapped):
     expected = uninterrupted(strategy)
@@ -197,7 +212,7 @@ def test_two_ranks_killed_mid_epoch_resume_from_last_bit_for_bit(tmp_path, s3_ur
     manifest = ShardManifest.from_json((step_dir / "manifest.json").read_text())
     stored = [{chunk.name for chunk in record.chunks} for record in manifest.shards]
     weights = [{name for name in names if name.startswith(("state_dict/", "optimizer_states/"))} for names in stored]
-    if strategy == "fsdp2":  # each rank its own chunks of every parameter and moment, Adam's steps once
+    if strategy != "ddp":  # each rank its own chunks of every parameter and moment, Adam's steps once
         steps = {name for name in weights[0] | weights[1] if name.endswith("/step")}
         assert weights[0] - steps == weights[1] - steps and len(weights[0] - steps) == 12
         assert len(steps) == 4 and not steps & weights[0] & weights[1]
@@ -212,7 +227,46 @@ def test_two_ranks_killed_mid_epoch_resume_from_last_bit_for_bit(tmp_path, s3_ur
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_hybrid_sharding_writes_each_chunk_once_and_resumes_bit_for_bit_and_on_two_ranks(
+    tmp_path, s3_url, uninterrupted
+):
+    expected = uninterrupted("hsdp", world=4)  # FSDP1 over 2 ranks, replicated over 2 such pairs
+    options = {"strategy": "hsdp"}
+    killed = run_until_killed(ddp_config(tmp_path, "killed", 4, s3_url, kill_at=KILL_AT, wait_for=EVERY, **options))
+    assert killed == [result["losses"][:KILL_AT] for result in expected]
+    resumed = run(ddp_config(tmp_path, "resumed", 4, s3_url, ckpt_path="last", **options))
+    for rank, result in enumerate(resumed):
+        assert (result["restored"], result["losses"]) == (EVERY, expected[rank]["losses"][EVERY:])
+        assert_same_params(expected[rank]["params"], result["params"])
+
+    step_dir = tmp_path / "nodes" / "rank-0" / step_dir_name(EVERY)
+    manifest = ShardManifest.from_json((step_dir / "manifest.json").read_text())
+    written = [(chunk.name, chunk.offsets) for record in manifest.shards for chunk in record.chunks]
+    assert len(written) == len(set(written))  # a chunk its replica pair holds alike is written once
+    assert {name for name, _ in written if name.startswith("state_dict/")} == {
+        f"state_dict/{n}" for n in expected[0]["params"]
+    }
+    assert all(record.replicas for record in manifest.shards)  # each rank's record names the other writers
+
+    # Two new ranks under plain FSDP1 start from the four ranks' last step, resharded, from the bucket.
+    two = run(
+        ddp_config(
+            tmp_path / "two",
+            "run",
+            2,
+            s3_url,
+            strategy="fsdp1",
+            ckpt_path=str(tmp_path / "names" / "last.ckpt"),
+            max_steps=MAX_STEPS + 4,
+        )
+    )
+    for result in two:
+        assert result["restored"] == MAX_STEPS and set(result["sources"].values()) == {"remote"}
+        assert_same_params(expected[0]["params"], result["start"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp1"])
 def test_a_step_of_two_ranks_resumes_on_three_from_the_bucket(tmp_path, s3_url, uninterrupted, strategy):
     expected = uninterrupted(strategy)
     saved = run(ddp_config(tmp_path, "two", 2, s3_url, strategy=strategy))

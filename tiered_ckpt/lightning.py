@@ -52,13 +52,14 @@ pointer. For saves off the training loop, wrap the plugin in Lightning's own
 ``AsyncCheckpointIO``: it copies the tensors on the loop's thread and calls this plugin from a
 thread of its own, whose pending saves its ``teardown`` waits for.
 
-Several processes (``TieredDDPStrategy``, ``TieredModelParallelStrategy``: see
-:mod:`tiered_ckpt.lightning_strategies`): each rank's plugin holds that rank's manager, made by
-the factory given (``TieredCheckpointIO(make)``, called on each rank once its process group
-is up), and every rank saves each checkpoint together (``save(..., replicated=True)``): under
-DDP every array is written once, by one of the ranks, and put back on every rank at load;
-under FSDP2 each rank writes its own chunks, and a load fills the model's and optimizers'
-DTensors in place; on another number of ranks too (from the bucket). Rank 0 writes the
+Several processes (``TieredDDPStrategy``, ``TieredModelParallelStrategy``,
+``TieredFSDPStrategy``: see :mod:`tiered_ckpt.lightning_strategies`): each rank's plugin holds
+that rank's manager, made by the factory given (``TieredCheckpointIO(make)``, called on each
+rank once its process group is up), and every rank saves each checkpoint together
+(``save(..., replicated=True)``): under DDP every array is written once, by one of the ranks,
+and put back on every rank at load; under FSDP (FSDP2 or FSDP1) each rank writes its own
+chunks, and a load fills the model's and optimizers' DTensors in place; on another number of
+ranks too (from the bucket). Rank 0 writes the
 pointers and decides which step a path names; the other ranks hold the steps rank 0's live
 pointers name, as rank 0 tells them at each save and load.
 """
@@ -99,12 +100,13 @@ from tiered_ckpt.format.state import flatten
 from tiered_ckpt.io.durable import write_bytes
 from tiered_ckpt.lightning_export import export_lightning
 from tiered_ckpt.lightning_load import POINTER_FORMAT, POINTER_VERSION, device_of, load_from_checkpoint, parse_pointer
-from tiered_ckpt.lightning_strategies import TieredDDPStrategy, TieredModelParallelStrategy
+from tiered_ckpt.lightning_strategies import TieredDDPStrategy, TieredFSDPStrategy, TieredModelParallelStrategy
 from tiered_ckpt.manager import CheckpointManager
 
 __all__ = [
     "TieredCheckpointIO",
     "TieredDDPStrategy",
+    "TieredFSDPStrategy",
     "TieredModelParallelStrategy",
     "RecordMetrics",
     "POINTER_FORMAT",
@@ -119,8 +121,8 @@ class TieredCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` that saves each checkpoint as a step of ``manager`` (see the module doc).
 
     ``manager`` holds one rank in this process: the one rank of a job of one process, or, under
-    :class:`TieredDDPStrategy` or :class:`TieredModelParallelStrategy`, this process's rank of
-    the job (a ``TorchDistributedCoordinator``).
+    :class:`TieredDDPStrategy`, :class:`TieredModelParallelStrategy` or
+    :class:`TieredFSDPStrategy`, this process's rank of the job (a ``TorchDistributedCoordinator``).
     It is a :class:`CheckpointManager`, or a function making one, called on first use (under DDP:
     on each rank, once Lightning has set up its process group). It stays the caller's: the
     plugin never closes it (close it after ``fit``, :attr:`manager`, to wait for the uploads).

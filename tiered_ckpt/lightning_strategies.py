@@ -10,7 +10,9 @@ rank together (one collective save), so it needs every rank's call:
   replicas, each array written once over the ranks;
 - :class:`TieredModelParallelStrategy` is ``ModelParallelStrategy`` saving its sharded state
   (DTensors) through the plugin on every rank, and loading it into the model and optimizers
-  in place, resharded on another number of ranks.
+  in place, resharded on another number of ranks;
+- :class:`TieredFSDPStrategy` is ``FSDPStrategy`` (FSDP1) doing the same with its sharded
+  state, which FSDP gives as DTensors once it holds a device mesh (the strategy makes one).
 
 Removals stay on rank 0 (the plugin's other ranks hold the steps rank 0's pointers name).
 Needs the ``lightning`` package, as :mod:`tiered_ckpt.lightning` does.
@@ -21,11 +23,11 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
 from tiered_ckpt.errors import UsageError
 
-__all__ = ["TieredDDPStrategy", "TieredModelParallelStrategy"]
+__all__ = ["TieredDDPStrategy", "TieredFSDPStrategy", "TieredModelParallelStrategy"]
 
 
 def _saved_on_every_rank(strategy: Any, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any) -> None:
@@ -94,6 +96,12 @@ class TieredModelParallelStrategy(ModelParallelStrategy):
         super().setup_environment()
         _tiered(self).open()
 
+    def teardown(self) -> None:
+        """Lightning's tear-down, then the ``CheckpointIO``'s, which ``ModelParallelStrategy``'s skips: under
+        ``AsyncCheckpointIO``, its queued saves finish (and a failed one raises) before ``fit`` returns."""
+        super().teardown()
+        self.checkpoint_io.teardown()
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Hand ``checkpoint`` (its states of DTensors) to the ``CheckpointIO`` on every rank."""
         _saved_on_every_rank(self, checkpoint, filepath, storage_options)
@@ -102,23 +110,91 @@ class TieredModelParallelStrategy(ModelParallelStrategy):
         """The checkpoint ``checkpoint_path`` names, its model and optimizer states loaded into the
         model and the optimizers (``load_model_state_dict`` and ``load_optimizer_state_dict`` then
         do nothing, as in ``ModelParallelStrategy``)."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
+        return _loaded_in_place(self, checkpoint_path)
 
-        plugin = _tiered(self)
-        assert self.model is not None and self.lightning_module is not None
-        into = {
-            "state_dict": get_model_state_dict(self.model),
-            "optimizer_states": [get_optimizer_state_dict(self.model, optimizer) for optimizer in self.optimizers],
-        }
-        checkpoint: dict[str, Any] = plugin.load_checkpoint(checkpoint_path, into=into)
-        strict = StateDictOptions(strict=self.lightning_module.strict_loading)
-        set_model_state_dict(self.model, checkpoint["state_dict"], options=strict)
-        for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states") or [], strict=False):
-            set_optimizer_state_dict(self.model, optimizer, state)
-        return checkpoint
+
+class TieredFSDPStrategy(FSDPStrategy):
+    """``FSDPStrategy`` (FSDP1) whose sharded checkpoints are steps of each rank's manager.
+
+    ``Trainer(strategy=TieredFSDPStrategy(...), plugins=[TieredCheckpointIO(make_manager)])``.
+    Takes ``FSDPStrategy``'s arguments, by keyword; ``state_dict_type`` is ``"sharded"`` (each
+    rank saves its shards; ``"full"``, a state gathered on rank 0, is refused). Without a
+    ``device_mesh``, the strategy gives FSDP a one-dimensional mesh of every rank, as FSDP's
+    sharded state is a state of DTensors only on a mesh; for hybrid sharding give
+    ``device_mesh`` (replicas, shards per replica). Saves and loads then go as in :class:`TieredModelParallelStrategy`:
+    each rank writes its own chunks, and a load fills the model's and the optimizers' states in
+    place, on another number of ranks too.
+    """
+
+    def __init__(self, *, state_dict_type: str = "sharded", **kwargs: Any) -> None:
+        if state_dict_type != "sharded":
+            raise UsageError(
+                f"TieredFSDPStrategy saves each rank's shards (state_dict_type='sharded'), not {state_dict_type!r}: "
+                "a full state gathered on rank 0 is Lightning's own FSDPStrategy's"
+            )
+        if "process_group" in kwargs:
+            raise UsageError(
+                "TieredFSDPStrategy shards over a device mesh, not a process_group: FSDP's sharded state is a state "
+                "of DTensors only on a mesh; give device_mesh=(replicas, shards per replica) instead"
+            )
+        hybrid = "HYBRID" in str(kwargs.get("sharding_strategy", "")).upper()
+        if hybrid and kwargs.get("device_mesh") is None:
+            raise UsageError(
+                f"TieredFSDPStrategy with sharding_strategy={kwargs['sharding_strategy']!r} needs "
+                "device_mesh=(replicas, shards per replica): hybrid sharding is a two-dimensional mesh"
+            )
+        super().__init__(state_dict_type="sharded", **kwargs)
+
+    def setup_environment(self) -> None:
+        """Lightning's set-up, a device mesh of every rank if none was given, then the plugin's
+        manager made on every rank (:meth:`TieredCheckpointIO.open`)."""
+        super().setup_environment()
+        if self.kwargs.get("device_mesh") is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.kwargs["device_mesh"] = init_device_mesh(self.root_device.type, (self.world_size,))
+        _tiered(self).open()
+
+    def teardown(self) -> None:
+        """Lightning's tear-down, then the ``CheckpointIO``'s, which ``FSDPStrategy``'s skips: under
+        ``AsyncCheckpointIO``, its queued saves finish (and a failed one raises) before ``fit`` returns."""
+        super().teardown()
+        self.checkpoint_io.teardown()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Hand ``checkpoint`` (its states of DTensors) to the ``CheckpointIO`` on every rank."""
+        _saved_on_every_rank(self, checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """The checkpoint ``checkpoint_path`` names, its model and optimizer states loaded into the
+        model and the optimizers (``load_model_state_dict`` and ``load_optimizer_state_dict`` then
+        do nothing, as in ``FSDPStrategy``)."""
+        return _loaded_in_place(self, checkpoint_path)
+
+
+def _loaded_in_place(strategy: Any, checkpoint_path: _PATH) -> dict[str, Any]:
+    """The checkpoint ``checkpoint_path`` names, read into the model's and the optimizers' states
+    of DTensors (``restore(into=...)``: resharded on another number of ranks) and set into them
+    with ``torch.distributed.checkpoint.state_dict``, which knows FSDP1, FSDP2 and tensor
+    parallel alike. Without optimizers (``validate``, ``test``), the model only."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    plugin = _tiered(strategy)
+    model, optimizers = strategy.model, strategy.optimizers
+    assert model is not None and strategy.lightning_module is not None
+    into = {
+        "state_dict": get_model_state_dict(model),
+        "optimizer_states": [get_optimizer_state_dict(model, optimizer) for optimizer in optimizers],
+    }
+    checkpoint: dict[str, Any] = plugin.load_checkpoint(checkpoint_path, into=into)
+    strict = StateDictOptions(strict=strategy.lightning_module.strict_loading)
+    set_model_state_dict(model, checkpoint["state_dict"], options=strict)
+    for optimizer, state in zip(optimizers, checkpoint.get("optimizer_states") or [], strict=False):
+        set_optimizer_state_dict(model, optimizer, state)
+    return checkpoint

@@ -1,6 +1,8 @@
 """One rank of a real ``lightning.Trainer`` under ``TieredDDPStrategy`` on the CPU (gloo):
 ``python lightning_ddp_child.py CONFIG_JSON RANK``; with ``"strategy": "fsdp2"``, under
-``TieredModelParallelStrategy``, the model sharded with ``fully_shard`` over the ranks.
+``TieredModelParallelStrategy``, the model sharded with ``fully_shard`` over the ranks; with
+``"fsdp1"``, under ``TieredFSDPStrategy``, the model wrapped in ``FullyShardedDataParallel``;
+with ``"hsdp"``, the same sharded over half the ranks and replicated over two such halves.
 
 The ranks join one job through a file store (no ports to pick; Lightning finds the process
 group up and uses it) and train the model of ``lightning_child.py`` on their own part of each
@@ -36,11 +38,17 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning_child import Batches, Model, deterministic_trainer, outcome
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType, fully_shard
 from torch.distributed.tensor import DTensor
 
 from tiered_ckpt import CheckpointManager, LocalOptions, RemoteOptions, TorchDistributedCoordinator
-from tiered_ckpt.lightning import TieredCheckpointIO, TieredDDPStrategy, TieredModelParallelStrategy
+from tiered_ckpt.lightning import (
+    TieredCheckpointIO,
+    TieredDDPStrategy,
+    TieredFSDPStrategy,
+    TieredModelParallelStrategy,
+)
 
 
 class RankBatches(Batches):
@@ -86,9 +94,23 @@ class ShardedModel(DDPModel):
         fully_shard(self.net, mesh=mesh)
 
 
-def params_of(module: torch.nn.Module) -> dict[str, np.ndarray]:
+class CpuFSDPStrategy(TieredFSDPStrategy):
+    """``TieredFSDPStrategy`` on the CPU: FSDP1 takes the CPU only as an explicit ``device_id``,
+    which Lightning's ``FSDPStrategy`` gives as the device's index (none for the CPU)."""
+
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        strategy = self.sharding_strategy  # Lightning keeps it apart from the other arguments for FSDP
+        return FullyShardedDataParallel(model, device_id=self.root_device, sharding_strategy=strategy, **self.kwargs)
+
+
+def params_of(module: torch.nn.Module, strategy: object) -> dict[str, np.ndarray]:
     """The whole parameters (a DTensor gathered: every rank calls this at the same point)."""
-    state = module.state_dict()
+    root = getattr(strategy, "model", None)
+    if isinstance(root, FullyShardedDataParallel):  # FSDP1 gives its shards only through its root
+        with FullyShardedDataParallel.state_dict_type(root, StateDictType.FULL_STATE_DICT, FullStateDictConfig()):
+            state = root.state_dict()
+    else:
+        state = module.state_dict()
     whole = {name: value.full_tensor() if isinstance(value, DTensor) else value for name, value in state.items()}
     return {name: value.detach().numpy().copy() for name, value in whole.items()}
 
@@ -100,7 +122,7 @@ class Observe(Callback):
         self.out, self.rank, self.io, self.kill_at, self.wait_for = out, rank, io, kill_at, wait_for
 
     def on_train_start(self, trainer, pl_module):
-        np.savez(self.out / f"start-{self.rank}.npz", **params_of(pl_module))
+        np.savez(self.out / f"start-{self.rank}.npz", **params_of(pl_module, trainer.strategy))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step != self.kill_at:
@@ -133,7 +155,7 @@ def main() -> None:
         return CheckpointManager(options, remote=remote, coordinator=TorchDistributedCoordinator())
 
     io = TieredCheckpointIO(manager)
-    sharded = config.get("strategy") == "fsdp2"
+    kind = config.get("strategy", "ddp")
     callbacks: list[Callback] = [
         ModelCheckpoint(
             dirpath=config["names"],
@@ -145,23 +167,28 @@ def main() -> None:
         ),
         Observe(out, rank, io, config.get("kill_at"), config.get("wait_for")),
     ]
-    strategy = (
-        TieredModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
-        if sharded
-        else TieredDDPStrategy(process_group_backend="gloo")
-    )
-    model = (ShardedModel if sharded else DDPModel)(str(out / f"losses-{rank}.jsonl"))
+    strategy = {
+        "ddp": lambda: TieredDDPStrategy(process_group_backend="gloo"),
+        "fsdp2": lambda: TieredModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
+        "fsdp1": lambda: CpuFSDPStrategy(process_group_backend="gloo"),
+        "hsdp": lambda: CpuFSDPStrategy(
+            process_group_backend="gloo",
+            sharding_strategy="HYBRID_SHARD",
+            device_mesh=init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicas", "shards")),
+        ),
+    }[kind]()
+    model = (ShardedModel if kind == "fsdp2" else DDPModel)(str(out / f"losses-{rank}.jsonl"))
     if config.get("validate_from"):  # Lightning's validate(ckpt_path=...): a load without optimizers
         trainer = deterministic_trainer(io, config, [], devices=world, strategy=strategy, limit_val_batches=1)
         trainer.validate(model, ckpt_path=config["validate_from"])
-        np.savez(out / f"start-{rank}.npz", **params_of(model))
+        np.savez(out / f"start-{rank}.npz", **params_of(model, strategy))
     else:
         trainer = deterministic_trainer(io, config, callbacks, devices=world, strategy=strategy)
         trainer.fit(model, ckpt_path=config.get("ckpt_path"))
     with io.manager as manager:
         manager.wait(uploaded=remote is not None)
         result = {**outcome(io, trainer), "held": sorted(set(io._named.values()))}
-    np.savez(out / f"params-{rank}.npz", **params_of(model))
+    np.savez(out / f"params-{rank}.npz", **params_of(model, strategy))
     (out / f"result-{rank}.json").write_text(json.dumps(result))
     dist.barrier()  # no rank tears its connections down while another still uses them
     dist.destroy_process_group()

@@ -71,17 +71,14 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed
-import xxhash
 from lightning.fabric.plugins import CheckpointIO
-from lightning.pytorch.callbacks import Callback
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from tiered_ckpt.dist.coordination import Attempt, TorchDistributedCoordinator, gather, leader_decides
@@ -95,11 +92,11 @@ from tiered_ckpt.errors import (
     restated,
 )
 from tiered_ckpt.format.layout import parse_step_dir_name, step_dir_name
-from tiered_ckpt.format.shardfile import dtype_code
-from tiered_ckpt.format.state import flatten
 from tiered_ckpt.io.durable import write_bytes
 from tiered_ckpt.lightning_export import export_lightning
 from tiered_ckpt.lightning_load import POINTER_FORMAT, POINTER_VERSION, device_of, load_from_checkpoint, parse_pointer
+from tiered_ckpt.lightning_metrics import METRICS_KEY, RecordMetrics, monitored
+from tiered_ckpt.lightning_saved import SavedStep
 from tiered_ckpt.lightning_strategies import TieredDDPStrategy, TieredFSDPStrategy, TieredModelParallelStrategy
 from tiered_ckpt.manager import CheckpointManager
 
@@ -151,7 +148,7 @@ class TieredCheckpointIO(CheckpointIO):
         self.step_key = step_key
         self.last_restore: RestoreResult | None = None
         self._lock = threading.Lock()  # AsyncCheckpointIO saves from a thread of its own
-        self._newest: _Saved | None = None  # the newest step saved or loaded here
+        self._newest: SavedStep | None = None  # the newest step saved or loaded here
         # Pointers removed before their save wrote them: AsyncCheckpointIO queues saves, while the
         # loop removes a checkpoint that fell out of the top k at once. Guarded by _pointers, which
         # a save holds only around writing its pointer (not its whole save).
@@ -274,15 +271,15 @@ class TieredCheckpointIO(CheckpointIO):
 
     def _checked(
         self, checkpoint: dict[str, Any], path: str | os.PathLike[str]
-    ) -> tuple[Path, int, dict[str, Any], _Saved, dict[str, Any]]:
+    ) -> tuple[Path, int, dict[str, Any], SavedStep, dict[str, Any]]:
         """A save's checks: its pointer's path, its step, what it stores, its fingerprint and its
         metrics; raises as :meth:`save_checkpoint` says (a step saved here with other contents)."""
         target = _local_path(path)
         step = self._step_of(checkpoint, target)
         recorded = checkpoint.get(METRICS_KEY)
-        metrics = {**(recorded if isinstance(recorded, dict) else {}), **_monitored(checkpoint, path)}
+        metrics = {**(recorded if isinstance(recorded, dict) else {}), **monitored(checkpoint, path)}
         checkpoint = {key: value for key, value in checkpoint.items() if key != METRICS_KEY}
-        saved = _Saved.of(step, checkpoint, str(target))
+        saved = SavedStep.of(step, checkpoint, str(target))
         if self._newest is not None and self._newest.step == step:
             self._newest.refuse_other(saved, target)
         return target, step, checkpoint, saved, metrics
@@ -458,7 +455,7 @@ class TieredCheckpointIO(CheckpointIO):
             result = self.manager.restore(step, reshard=job is not None or into is not None, into=into)
             checkpoint = result.torch_state() if into is None else _merged(into, result.torch_state())
             self.last_restore = replace(result, states=[], flat=())
-            self._newest = _Saved.of(step, checkpoint, os.fspath(path))
+            self._newest = SavedStep.of(step, checkpoint, os.fspath(path))
         if job is None:
             self._name_recorded(checkpoint)
         else:
@@ -541,111 +538,6 @@ class _Named:
     named: tuple[tuple[str, int], ...]
 
 
-@dataclass(frozen=True)
-class _Saved:
-    """A step saved or loaded here: its number, and the fingerprint of each top-level key's value
-    (the xxh3-128 of its structure document and of every array's name, dtype, shape and bytes; a
-    chance collision is 2**-64 even over 2**32 checkpoints)."""
-
-    step: int
-    digests: Mapping[str, str]
-
-    @classmethod
-    def of(cls, step: int, checkpoint: dict[str, Any], owner: str) -> _Saved:
-        """``checkpoint`` of ``step``; :class:`InvalidStateError` naming ``owner`` and the path of a
-        value that cannot be stored."""
-        digests = {}
-        for key, value in _compared(checkpoint).items():
-            flat = flatten({key: value}, owner)
-            hasher = xxhash.xxh3_128()
-            hasher.update(flat.structure.to_json().encode())
-            for name in sorted(flat.arrays):
-                array = flat.arrays[name]
-                hasher.update(json.dumps([name, dtype_code(array), list(array.shape)]).encode())
-                hasher.update(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
-            digests[str(key)] = hasher.hexdigest()
-        return cls(step, digests)
-
-    def refuse_other(self, other: _Saved, target: Path) -> None:
-        """Raise :class:`CheckpointExistsError` naming ``target`` unless ``other`` holds what this step
-        holds, but for Lightning's progress bookkeeping (:data:`_PROGRESS`), which may have moved on
-        since (a WARNING naming it: the step keeps this save's)."""
-        if other.digests.keys() != self.digests.keys():
-            raise CheckpointExistsError(
-                f"{target}: step {self.step} is saved already with the top-level keys {sorted(self.digests)}, "
-                f"not {sorted(other.digests)} (a weights-only and a full checkpoint of one step?); a step is saved "
-                "once, and its other names point at it"
-            )
-        differ = sorted(key for key in self.digests if self.digests[key] != other.digests[key])
-        changed = [key for key in differ if key not in _PROGRESS]
-        if changed:
-            why = (
-                "a scheduler that changed the learning rate at the epoch's end?"
-                if changed == ["optimizer_states"] and "lr_schedulers" in differ
-                else "weights changed without an optimizer step: merged, averaged or quantized?"
-            )
-            raise CheckpointExistsError(
-                f"{target}: step {self.step} is saved already with other contents in {', '.join(changed)} ({why}); "
-                "a step is saved once, and its other names point at the same bytes: save the changed state as a new "
-                "step, or elsewhere (a manager of another local.dir and remote.url, or Lightning's TorchCheckpointIO)"
-            )
-        if differ:
-            logger.warning(
-                "%s names step %d as first saved, without this save's %s (Lightning's bookkeeping moved on after "
-                "the step's training: the end of its epoch); a step is saved once, and resuming from it resumes "
-                "as from that save, running the epoch's end again",
-                *(target, self.step, ", ".join(differ)),
-            )
-
-
-_PROGRESS = frozenset({"epoch", "loops", "callbacks", "lr_schedulers"})
-"""The keys of a Trainer's checkpoint that move on after a step's training without an optimizer step:
-the loops' counters and the epoch, the callbacks' states (which files hold which step, early
-stopping), the schedulers stepped at an epoch's end."""
-
-
-_FILE_BOOKKEEPING = frozenset({"dirpath", "best_model_path", "best_k_models", "last_model_path"})
-
-
-def _compared(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """``checkpoint`` without the states of its ``ModelCheckpoint`` callbacks (of any subclass):
-    which files hold which step, which change between the names of one step as each is
-    written (the top-k file and ``last.ckpt``), and are no news to warn of."""
-    callbacks = checkpoint.get("callbacks")
-    if not isinstance(callbacks, dict):
-        return checkpoint
-    kept = {
-        key: state
-        for key, state in callbacks.items()
-        if not (isinstance(state, dict) and _FILE_BOOKKEEPING <= state.keys())
-    }
-    return {**checkpoint, "callbacks": kept}
-
-
-METRICS_KEY = "tiered_ckpt_metrics"
-"""The key :class:`RecordMetrics` adds to each checkpoint, which the plugin records as the step's
-metrics (``save(..., metrics=)``) and does not store with the checkpoint."""
-
-
-class RecordMetrics(Callback):
-    """Record the logged metrics ``names`` (``trainer.callback_metrics``) with every checkpoint the
-    plugin saves, as the step's metrics: what a tier's ``keep_best`` ranks its steps by.
-
-    ``ModelCheckpoint`` gives a score only to the saves it ranks into its top k; a save it does
-    not rank (``last.ckpt``, a step outside its top k) has none, and keep-best can then rank
-    only the callback's successive bests. With this callback, every save carries the values
-    the loop logged last (a metric not logged yet is left out)."""
-
-    def __init__(self, *names: str) -> None:
-        if not names or not all(isinstance(name, str) and name for name in names):
-            raise UsageError(f"RecordMetrics takes the names of logged metrics, got {names!r:.80}")
-        self.names = names
-
-    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        logged = trainer.callback_metrics
-        checkpoint[METRICS_KEY] = {name: float(logged[name]) for name in self.names if name in logged}
-
-
 def _merged(into: Any, restored: Any) -> Any:
     """``restored`` with the tensors of ``into`` (at the same places, filled in place by the restore)
     standing for its own: a DTensor given comes back as itself, not as this rank's chunk."""
@@ -654,22 +546,6 @@ def _merged(into: Any, restored: Any) -> Any:
     if isinstance(restored, (list, tuple)) and isinstance(into, (list, tuple)) and len(into) == len(restored):
         return type(restored)(_merged(mine, value) for mine, value in zip(into, restored, strict=True))
     return into if isinstance(into, torch.Tensor) else restored
-
-
-def _monitored(checkpoint: dict[str, Any], path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The values ``ModelCheckpoint`` callbacks gave the checkpoint they save at ``path``, by the
-    metric each monitors: its score in the callback's ``best_k_models``, which the callback
-    records before it saves. A save it did not rank (``last.ckpt``, a save without a monitor)
-    has none; its ``current_score`` is not used, as it may be an earlier step's."""
-    monitored: dict[str, Any] = {}
-    states = checkpoint.get("callbacks")
-    for state in states.values() if isinstance(states, dict) else ():
-        if not isinstance(state, dict) or not isinstance(state.get("best_k_models"), dict):
-            continue
-        monitor, score = state.get("monitor"), state["best_k_models"].get(os.fspath(path))
-        if isinstance(monitor, str) and score is not None:
-            monitored[monitor] = score
-    return monitored
 
 
 def _local_path(path: str | os.PathLike[str]) -> Path:

@@ -15,6 +15,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from tiered_ckpt.build import open_store
+from tiered_ckpt.dist.replicas import missing
 from tiered_ckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError, UsageError, restated
 from tiered_ckpt.format.layout import parse_step_dir_name
 from tiered_ckpt.format.state import FlatState
@@ -152,12 +153,9 @@ def read_step(store: TieredStore, step: int) -> dict[str, Any]:
             "a Lightning module is loaded from a whole state (restore the shards with a CheckpointManager)"
         )
     arrays = dict(state.arrays)
-    writers: dict[int, list[str]] = {}
-    for name, writer in record.replicas:  # what other ranks wrote for rank 0: one copy of each array
-        writers.setdefault(writer, []).append(name)
-    for writer, names in sorted(writers.items()):
+    for writer, names in sorted(missing([record]).items()):  # what other ranks wrote for rank 0, once each
         try:
-            arrays.update(store.read_parts(step, manifest.shard(writer), names)[0].arrays)
+            arrays.update(store.read_parts(step, manifest.shard(writer), sorted(names))[0].arrays)
         except IncompleteCheckpointError as exc:
             raise restated(
                 exc,

@@ -52,6 +52,10 @@ class _CopiedRanks(SimulatedRanks):
 
     def renumber(self, payload: Any, rank: int) -> Any:
         result = payload.get("result") if isinstance(payload, dict) else None
+        objects = result.get("objects") if isinstance(result, dict) else None
+        if rank and isinstance(objects, (list, tuple)):  # what rank ``rank`` confirmed (Confirmed): its own copy
+            mine = [[at, shard_name(rank, self.world_size)] if at is None else [at, path] for at, path in objects]
+            return {**payload, "result": {**result, "objects": mine}}
         shards = result.get("shards") if isinstance(result, dict) else None
         if not rank or not isinstance(shards, (list, tuple)) or not shards or "location" not in shards[0]:
             return super().renumber(payload, rank)

@@ -12,11 +12,14 @@ own channel):
    does not keep;
 2. ``put``: every process has landed its shards, and what landed reaches every process
    (a collective's payload);
-3. ``commit``: the leader commits the step in a shared target, handing the tier what every
-   process landed (the tier confirms the shards, commits, and moves its ``latest`` where it
-   keeps one); in a target each process holds a part of (a partner's memory), every process
-   commits its part;
-4. every process records the commit of a target with receipts in its local step, from the
+3. ``confirm``, in a shared target that ``confirms``: each process checks once more the
+   objects it landed, and what each found reaches every process (so no process makes a
+   request per rank);
+4. ``commit``: the leader commits the step in a shared target, handing the tier what every
+   process landed and confirmed (the tier checks what none confirmed, commits, and moves its
+   ``latest`` where it keeps one); in a target each process holds a part of (a partner's
+   memory), every process commits its part;
+5. every process records the commit of a target with receipts in its local step, from the
    record the commit returned.
 
 :meth:`Sender.retain` then applies the retention that follows a commit.
@@ -37,7 +40,8 @@ from tiered_ckpt.format.manifest import Reference, ShardManifest
 from tiered_ckpt.format.remote_manifest import RemoteManifest
 from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.tiers import pruning
-from tiered_ckpt.tiers.base import Landed, Tier
+from tiered_ckpt.tiers.abilities import confirms_of
+from tiered_ckpt.tiers.base import Confirmed, Landed, Tier
 from tiered_ckpt.tiers.remote.leases import Lease
 from tiered_ckpt.tiers.store import TieredStore
 
@@ -122,23 +126,35 @@ class Sender:
         def put_referenced(ref: Reference) -> Landed:
             return store.send_referenced(ref, target, deadline=deadline)
 
+        mine_landed: list[Landed] = []
+
         def put_mine() -> _Landings:
             if self._coordinator.is_leader and self._lease is not None and not self._lease.held:  # push() alone
                 self._lease.hold()
-            own = run_parallel(put, ranks, self._concurrency)
-            if target.capabilities.references_with_shards:  # landed with the shards that reference them
-                return _Landings.of(own)
-            refs = {(ref.step, ref.file.path): ref for rank in ranks for ref in manifest.shard(rank).references}
-            return _Landings.of([*own, *run_parallel(put_referenced, list(refs.values()), self._concurrency)])
+            mine_landed.extend(run_parallel(put, ranks, self._concurrency))
+            if not target.capabilities.references_with_shards:  # else landed with the shards that reference them
+                refs = {(ref.step, ref.file.path): ref for rank in ranks for ref in manifest.shard(rank).references}
+                mine_landed.extend(run_parallel(put_referenced, list(refs.values()), self._concurrency))
+            return _Landings.of(mine_landed)
 
         landings = gather(self._coordinator, "put", _Landings, put_mine)
         landed = self._with_earlier_tries(step, [each for part in landings for each in part.landed()])
+        confirmer = confirms_of(target)
+        confirmed: list[Confirmed] = []
+        if confirmer is not None and target.capabilities.shared:  # each process its own objects, none all of them
+            own = [self._landed[(each.step, each.path)] for each in mine_landed]  # as an earlier try landed them
+            confirmed = gather(
+                self._coordinator, "confirm", Confirmed, lambda: confirmer.confirm(manifest, own, deadline)
+            )
 
         receipts = target.capabilities.receipts
         mine: list[_Committed] = []
 
         def commit() -> _Committed:
-            committed = target.commit(manifest, landed=landed, deadline=deadline)
+            if confirmer is not None:
+                committed = confirmer.commit(manifest, landed=landed, deadline=deadline, confirmed=confirmed)
+            else:
+                committed = target.commit(manifest, landed=landed, deadline=deadline)
             mine.append(_Committed(committed.to_json() if committed is not None and receipts else None))
             return mine[-1]
 

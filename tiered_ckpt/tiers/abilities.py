@@ -15,27 +15,33 @@ method:
   retried under its own policy, whose backoff a step's whole retries follow too, and it
   tells how they are failing now;
 - ``references`` (:class:`ReferencingTier`): it keeps the files of deleted steps that its
-  committed steps reference, and removes them once none does.
+  committed steps reference, and removes them once none does;
+- ``confirms`` (:class:`ConfirmingTier`): the objects landed are checked once more right
+  before the commit, each process checking its own, the commit handed what they found.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, cast
 
+from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.format.remote_manifest import RemoteManifest
 from tiered_ckpt.io.hashing import ShardDigest
-from tiered_ckpt.tiers.base import ShardSource, Tier
+from tiered_ckpt.tiers.base import Confirmed, Landed, ShardSource, Tier
 from tiered_ckpt.tiers.remote.leases import OwnerRecords
 from tiered_ckpt.tiers.remote.requests import Trouble
 from tiered_ckpt.tiers.remote.retry import RetryPolicy
 
 __all__ = [
+    "ConfirmingTier",
     "LeasedTier",
     "ReceiptedTier",
     "ReferencingTier",
     "RetryingTier",
     "WritingTier",
+    "confirms_of",
     "leases_of",
     "receipts_of",
     "references_of",
@@ -67,6 +73,30 @@ class RetryingTier(Tier, Protocol):
 
     def trouble(self) -> Trouble | None:
         """Its tries that failed for a transient reason since it last answered one (None: it answers)."""
+        ...
+
+
+class ConfirmingTier(Tier, Protocol):
+    """A tier with ``capabilities.confirms``: between the landings and the commit, every process
+    calls :meth:`confirm` with what its own landings returned (a collective), and the commit is
+    handed what every process confirmed."""
+
+    def confirm(self, manifest: ShardManifest, landed: Sequence[Landed], deadline: float | None = None) -> Confirmed:
+        """Check once more the objects of ``manifest``'s step that ``landed`` names, as the commit
+        would; never raises for an object changed (its problem is returned, and the commit
+        refuses the step)."""
+        ...
+
+    def commit(
+        self,
+        manifest: ShardManifest,
+        *,
+        landed: Sequence[Landed] = (),
+        deadline: float | None = None,
+        confirmed: Sequence[Confirmed] = (),
+    ) -> RemoteManifest | None:
+        """:meth:`Tier.commit`, checking only the objects no process ``confirmed``, and refusing the
+        step if a confirmation found a problem."""
         ...
 
 
@@ -119,3 +149,8 @@ def references_of(tier: Tier) -> ReferencingTier | None:
 def retries_of(tier: Tier) -> RetryingTier | None:
     """``tier``'s retries, if its capabilities say its storage fails transiently."""
     return cast(RetryingTier, tier) if tier.capabilities.retries else None
+
+
+def confirms_of(tier: Tier) -> ConfirmingTier | None:
+    """``tier``'s confirmations, if its capabilities say each process confirms its own landings."""
+    return cast(ConfirmingTier, tier) if tier.capabilities.confirms else None

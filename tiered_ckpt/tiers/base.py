@@ -52,7 +52,7 @@ from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.format.remote_manifest import RemoteManifest
 from tiered_ckpt.io.hashing import ShardDigest, Verify, copy_and_hash
 
-__all__ = ["Capabilities", "Gather", "Landed", "PreparedReads", "ShardSource", "Tier"]
+__all__ = ["Capabilities", "Confirmed", "Gather", "Landed", "PreparedReads", "ShardSource", "Tier"]
 
 T = TypeVar("T")
 P = TypeVar("P")
@@ -84,6 +84,9 @@ class Capabilities:
     incremental save is made only where every tier of the store does. ``paired_landings``:
     every process lands its own shard at once, each landing an exchange with other
     processes (a partner's memory), so every process makes the same number of them.
+    ``confirms``: right before its commit, the objects landed are checked once more; each
+    process checks those it landed (``confirm``), so that the process committing makes no
+    request per rank (see :class:`~tiered_ckpt.tiers.abilities.ConfirmingTier`).
     """
 
     durable: bool
@@ -98,6 +101,7 @@ class Capabilities:
     prepared_reads: bool = False
     references: bool = False
     paired_landings: bool = False
+    confirms: bool = False
 
     @property
     def references_with_shards(self) -> bool:
@@ -139,6 +143,17 @@ class Landed:
     def as_is(cls, record: ShardRecord, *, sent: bool = True) -> Landed:
         """A shard landed under its own name as the bytes it is, with no checksum of the storage's."""
         return cls(record.rank, record.path, record.path, record.size_bytes, record.size_bytes, sent=sent)
+
+
+@dataclass(frozen=True)
+class Confirmed:
+    """What one process confirmed, right before a commit, of the objects it landed: each as
+    (``step``, ``path``) of its :class:`Landed`, and the problems found, each naming its object.
+
+    Plain JSON fields: it crosses a collective to the process that commits."""
+
+    objects: tuple[tuple[int | None, str], ...]
+    problems: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

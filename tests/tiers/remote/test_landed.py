@@ -13,7 +13,8 @@ from tiered_ckpt.engine.sending import Sender, _Landings
 from tiered_ckpt.errors import CheckpointError, RemoteError
 from tiered_ckpt.format.compressed import CompressedObject
 from tiered_ckpt.format.layout import step_dir_name
-from tiered_ckpt.tiers.base import Landed, ShardSource
+from tiered_ckpt.format.manifest import ShardManifest
+from tiered_ckpt.tiers.base import Confirmed, Landed, ShardSource
 from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.remote.tier import RemoteTier
 from tiered_ckpt.tiers.store import TieredStore
@@ -113,3 +114,39 @@ def test_what_landed_is_checked_as_a_reader_would_before_the_commit_makes_a_requ
         tier.commit(manifest, landed=[escaping])
     assert not caught.value.transient and tier.backend.requests == requests and tier.steps() == []
     assert tier.commit(manifest, landed=[good]).manifest == manifest and tier.steps() == [2]
+
+
+def test_each_process_confirms_what_it_landed_and_the_commit_checks_only_the_rest(tmp_path, memory_url, monkeypatch):
+    """Three tiers on one URL stand for three processes, each landing its rank's shard; two confirm
+    theirs (a HEAD each) and the committing one checks only the shard no process confirmed."""
+    url, options = memory_url
+    tiers = [RemoteTier(url, options) for _ in range(3)]
+
+    def landed_step(step: int) -> tuple[ShardManifest, list[Landed]]:
+        states = [{"w": np.arange(10_000, dtype=np.float32) + rank + step} for rank in range(3)]
+        manifest = save_sharded(states, tmp_path / step_dir_name(step), step=step)
+        source = tmp_path / step_dir_name(step)
+        return manifest, [
+            tier.land_shard(step, record, ShardSource(path=source / record.path))
+            for tier, record in zip(tiers, manifest.shards, strict=True)
+        ]
+
+    manifest, landed = landed_step(4)
+    confirmed = [tiers[rank].confirm(manifest, [landed[rank]]) for rank in (0, 1)]
+    assert [each.objects for each in confirmed] == [((None, record.path),) for record in manifest.shards[:2]]
+    assert not any(each.problems for each in confirmed)
+    crossed = [from_payload(Confirmed, json.loads(json.dumps(to_payload(each)))) for each in confirmed]
+    heads: list[str] = []
+    head = tiers[0].backend.head
+    monkeypatch.setattr(tiers[0].backend, "head", lambda path, **kw: heads.append(path) or head(path, **kw))
+    assert tiers[0].commit(manifest, landed=landed, confirmed=crossed).manifest == manifest
+    assert [path.rsplit("/", 1)[1] for path in heads] == [manifest.shard(2).path]
+
+    # An object replaced after its landing: the process that landed it finds it, and the step is refused.
+    manifest, landed = landed_step(5)
+    tiers[1].backend.put_bytes(f"{tiers[1].backend.root}/{step_dir_name(5)}/{landed[1].location}", b"another run's")
+    confirmed = [tier.confirm(manifest, [each]) for tier, each in zip(tiers, landed, strict=True)]
+    assert [len(each.problems) for each in confirmed] == [0, 1, 0] and landed[1].location in confirmed[1].problems[0]
+    with pytest.raises(RemoteError, match=r"1 of its objects changed after their upload was confirmed") as caught:
+        tiers[0].commit(manifest, landed=landed, confirmed=confirmed)
+    assert not caught.value.transient and RemoteTier(url, options).steps() == [4]

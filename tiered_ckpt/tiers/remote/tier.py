@@ -23,9 +23,12 @@ Committing a step, as :class:`~tiered_ckpt.engine.replication.Replicator` drives
    read goes by what the step's remote manifest records of it, whatever the option. It
    returns what landed (:class:`~tiered_ckpt.tiers.base.Landed`: the object's name, sizes, the
    store's checksum of what was sent, how it is compressed) and keeps nothing of it;
-2. :meth:`RemoteTier.commit`, handed what every process's landings returned, checks each
-   object once more, then writes the remote manifest (with the store's checksums of the
-   shards landed and how each is stored), create-only, then moves ``latest``. A step is
+2. :meth:`RemoteTier.confirm`, on every process, checks once more each object its landings
+   put (one HEAD each), right before the commit;
+3. :meth:`RemoteTier.commit`, handed what every process's landings returned and what each
+   confirmed, checks any object none confirmed, then writes the remote manifest (with the
+   store's checksums of the shards landed and how each is stored), create-only, then moves
+   ``latest``. A step is
    visible remotely exactly when its remote manifest exists.
 
 A step of an incremental save references files of earlier steps: each is landed under its
@@ -69,7 +72,7 @@ from tiered_ckpt.format.remote_manifest import RemoteManifest, StoredObject, ref
 from tiered_ckpt.io.hashing import ShardDigest, Verify, fill_hashing, hash_stream
 from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.io.zstd_frames import FrameCache, FramesReader, read_range_into
-from tiered_ckpt.tiers.base import Capabilities, Landed, ShardSource
+from tiered_ckpt.tiers.base import Capabilities, Confirmed, Landed, ShardSource
 from tiered_ckpt.tiers.remote.backends import open_backend
 from tiered_ckpt.tiers.remote.backends.base import Backend
 from tiered_ckpt.tiers.remote.backends.s3 import same_checksum
@@ -139,7 +142,13 @@ class RemoteTier(KeptObjects, BucketUpkeep):
         # by the first tier, run leases, a `latest` pointer, retries under its policy, and the
         # files of deleted steps that committed ones reference kept.
         self.capabilities: Capabilities = replace(
-            self.backend.capabilities, receipts=True, leases=True, latest=True, retries=True, references=True
+            self.backend.capabilities,
+            receipts=True,
+            leases=True,
+            latest=True,
+            retries=True,
+            references=True,
+            confirms=True,
         )
         self._root = self.backend.root
         self._requests = Requests(self.retry)
@@ -478,8 +487,41 @@ class RemoteTier(KeptObjects, BucketUpkeep):
         problem = self._run(f"confirming {location}", head, deadline)
         return f"{location}: {problem}" if problem else None
 
+    def confirm(self, manifest: ShardManifest, landed: Sequence[Landed], deadline: float | None = None) -> Confirmed:
+        """Check once more, right before ``manifest``'s commit, the objects of it that ``landed``
+        names (what this process's landings returned), by one HEAD each, as :meth:`commit` would
+        check them (see :meth:`_confirm`). Handed every process's, the commit checks none of them
+        again, so no process makes a request per rank. Never raises for an object changed: its
+        problem is returned, and the commit refuses the step."""
+        step, source = manifest.step, f"what was landed of {self.location(manifest.step)}"
+        shards = {record.path: record for record in manifest.shards}
+        files = {(ref.step, ref.file.path): ref.file for record in manifest.shards for ref in record.references}
+        checks = []
+        for each in landed:
+            record = shards.get(each.path) if each.step is None else files.get((each.step, each.path))
+            if record is None:
+                continue
+            try:
+                stored = CompressedObject.from_json(each.compression, source=source) if each.compression else None
+            except ManifestError:
+                continue  # left to the commit, which refuses it as a reader would
+            at = step if each.step is None else each.step
+            checks.append(((each.step, each.path), (at, record, each.location, stored, each.checksum)))
+
+        def check(item: tuple[tuple[int | None, str], tuple[int, ShardRecord, str, Any, str | None]]) -> str | None:
+            at, record, name, stored, kept = item[1]
+            return self._confirm(at, record, name, stored, kept, deadline)
+
+        problems = run_parallel(check, checks, self._confirms_at_once)
+        return Confirmed(tuple(key for key, _ in checks), tuple(problem for problem in problems if problem))
+
     def commit(
-        self, manifest: ShardManifest, *, landed: Sequence[Landed] = (), deadline: float | None = None
+        self,
+        manifest: ShardManifest,
+        *,
+        landed: Sequence[Landed] = (),
+        deadline: float | None = None,
+        confirmed: Sequence[Confirmed] = (),
     ) -> RemoteManifest:
         """Commit ``manifest``'s step (every request under ``deadline``, see :meth:`_run`): check every
         shard's object once more, write the remote manifest, create-only where the store supports
@@ -492,6 +534,9 @@ class RemoteTier(KeptObjects, BucketUpkeep):
         as kept (:mod:`~tiered_ckpt.tiers.remote.kept`) before the manifest is written, and the
         manifest records how each is stored (as ``landed`` says, with its ``step``; one it does not
         name: as a remote manifest read here records it, else under its own name, as it is).
+
+        ``confirmed``: what the processes that landed the objects found checking them (:meth:`confirm`);
+        the commit checks the others only.
 
         A commit over an object missing or changed since it was confirmed is never written
         (:class:`RemoteError`, not transient). If the step is already committed with the same
@@ -528,10 +573,14 @@ class RemoteTier(KeptObjects, BucketUpkeep):
 
         files = {(ref.step, ref.file.path): ref.file for record in manifest.shards for ref in record.references}
         kept_sums = {(each.step, each.path): each.checksum for each in landed if each.step is not None}
-        checks = [(step, record, None, None) for record in manifest.shards] + [
-            (at, file, planned.stored(at, path), kept_sums.get((at, path))) for (at, path), file in files.items()
+        done = {key for each in confirmed for key in each.objects}
+        checks = [(step, record, None, None) for record in manifest.shards if (None, record.path) not in done] + [
+            (at, file, planned.stored(at, path), kept_sums.get((at, path)))
+            for (at, path), file in files.items()
+            if (at, path) not in done
         ]
-        problems = [problem for problem in run_parallel(confirm, checks, self._confirms_at_once) if problem]
+        problems = [problem for each in confirmed for problem in each.problems]
+        problems += [problem for problem in run_parallel(confirm, checks, self._confirms_at_once) if problem]
         if problems:
             self._refuse_another_commit(manifest)
             raise RemoteError(

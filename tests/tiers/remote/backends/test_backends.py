@@ -55,10 +55,17 @@ def test_each_protocol_gets_its_backend_and_the_tier_says_what_it_can_do(store, 
         latest=True,
         retries=True,
         references=True,
+        confirms=True,
     )
     assert tier.backend.keeps_metadata is checksums
     assert tier.capabilities == replace(
-        tier.backend.capabilities, receipts=True, leases=True, latest=True, retries=True, references=True
+        tier.backend.capabilities,
+        receipts=True,
+        leases=True,
+        latest=True,
+        retries=True,
+        references=True,
+        confirms=True,
     )
     bucket = tier.backend.bucket
     assert bucket == (None if scheme is None else f"{scheme}://{url.split('://')[1].split('/')[0]}")

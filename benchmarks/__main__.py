@@ -8,7 +8,8 @@ project targets, each the median of the rounds' own ratios (the disk's speed swi
 within a minute, so a figure is only compared with the limit measured in the same
 round). One module per section, each saying what it measures: ``sync`` (save and loads
 next to the disk's and sha256's limits), ``async`` (in ``async_save.py``), ``retention``,
-``dist`` (rank processes), ``train``, ``remote`` (moto's S3 server next to boto3),
+``dist`` (rank processes), ``train``, ``remote`` (moto's S3 server next to boto3, as it
+answers and through a model of S3's limits: ``bucket_model.py``),
 ``compression`` (zstd-compressed bucket objects next to plain ones), ``structure``,
 ``fsdp`` (next to DCP), ``small-arrays`` (40,000 small arrays next to the same bytes in
 four), ``peer`` (a lost node restored from its partners' memory, and a
@@ -34,6 +35,7 @@ from pathlib import Path
 
 from benchmarks import (
     async_save,
+    bucket_model,
     compression,
     dist,
     fresh,
@@ -93,6 +95,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="N",
         help=f"simulated rank counts for 'requests' (default {' '.join(map(str, requests.RANKS))})",
     )
+    command.add_argument(
+        "--buckets",
+        nargs="+",
+        choices=remote.BUCKETS,
+        default=list(remote.BUCKETS),
+        help="the buckets of 'remote' and 'peer': moto as it answers, and through the bucket model (default both)",
+    )
     args = command.parse_args(argv)
     sections = args.only or list(DEFAULT)
     if args.peers or args.plot:
@@ -123,7 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             dist.bench_dist(total, root, args.repeat, args.dist_processes)
         if "remote" in sections:
             print("remote tier (upload and download, against boto3 on the same server):")
-            remote.bench_remote(args.remote_size_gib, args.ranks, root, args.repeat)
+            model = bucket_model.__name__
+            remote.bench_remote(args.remote_size_gib, args.ranks, root, args.repeat, model, args.buckets)
         if "compression" in sections:
             print("compression of bucket objects (zstd next to none, on the same server):")
             compression.bench_compression(args.remote_size_gib, args.ranks, root, args.repeat)
@@ -140,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             fsdp.bench_fsdp(total, root, args.repeat, args.fsdp_processes)
         if "peer" in sections:
             print("peer tier: 4 ranks as 2 nodes (gloo), a lost node's restore and what a partner copy costs:")
-            peer.bench_peer(total, root, args.repeat, args.train_steps)
+            peer.bench_peer(total, root, args.repeat, args.train_steps, bucket_model.__name__, args.buckets)
         if "parts" in sections:
             print("restoring a part (paths=) and exporting one safetensors checkpoint, warm:")
             parts.bench_parts(total, args.ranks, root, args.repeat)

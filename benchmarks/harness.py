@@ -53,7 +53,10 @@ __all__ = [
     "make_rank_state",
     "make_states",
     "measure_limits",
+    "ModelledBucket",
+    "modelled_bucket",
     "moto_server",
+    "s3_options",
     "parser",
     "peak_rss_growth",
     "per_shard",
@@ -369,16 +372,78 @@ def moto_server() -> Iterator[tuple[str, Any, dict[str, Any]]]:
                 break
             except Exception:
                 time.sleep(0.1)
-        options = {
-            "key": MOTO_KEYS["aws_access_key_id"],
-            "secret": MOTO_KEYS["aws_secret_access_key"],
-            "client_kwargs": {"endpoint_url": endpoint, "region_name": MOTO_KEYS["region_name"]},
-            "skip_instance_cache": True,
-        }
-        yield endpoint, client, options
+        yield endpoint, client, s3_options(endpoint)
     finally:
         server.terminate()
         server.wait()
+
+
+def s3_options(endpoint: str) -> dict[str, Any]:
+    """The ``storage_options`` of a remote tier on the moto server (or the bucket model) at ``endpoint``."""
+    return {
+        "key": MOTO_KEYS["aws_access_key_id"],
+        "secret": MOTO_KEYS["aws_secret_access_key"],
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": MOTO_KEYS["region_name"]},
+        "skip_instance_cache": True,
+    }
+
+
+BUCKET_MODEL_SCALE = 10.0
+"""How many times slower than S3 the modelled bucket runs (:func:`modelled_bucket`): see
+``benchmarks/bucket_model.py``'s ``BucketModel.scaled``."""
+
+S3_FIGURES = {"bandwidth": 85e6, "latency": 0.03, "writes": 3500.0, "reads": 5500.0}
+"""S3's published figures: about 85 MB/s a connection (AWS's performance guidelines reach 100
+Gb/s with about 140 connections), tens of ms to the first byte, 3,500 writes and 5,500 reads
+a second a partitioned key prefix."""
+
+
+@dataclass
+class ModelledBucket:
+    """A bucket model's proxy: its ``endpoint``, a boto3 ``client`` and the ``options`` of a remote
+    tier through it, its ``model`` (``BucketModel``'s fields, as it runs them) and, once it
+    stopped, the requests it ``refused`` with 503 SlowDown."""
+
+    endpoint: str
+    client: Any
+    options: dict[str, Any]
+    model: dict[str, Any]
+    refused: int = 0
+
+
+@contextlib.contextmanager
+def modelled_bucket(
+    upstream: str, module: str, *, scale: float = BUCKET_MODEL_SCALE, rate_limit: bool = True
+) -> Iterator[ModelledBucket]:
+    """The bucket model (``python -m`` ``module``: ``benchmarks.bucket_model``, a process of its own)
+    in front of the moto server at ``upstream``: S3's figures slowed ``scale`` times, answering 503
+    SlowDown past its request rates unless ``rate_limit`` is False. Stopped when the context ends."""
+    import boto3
+    from botocore.config import Config
+
+    told = json.dumps({"scale": scale, "rate_limit": rate_limit})
+    command = [sys.executable, "-m", module, upstream, told]
+    proxy = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPOSITORY)
+    assert proxy.stdin is not None and proxy.stdout is not None
+    try:
+        started = json.loads(proxy.stdout.readline() or "null")
+        if not isinstance(started, dict):
+            raise RuntimeError("the bucket model did not start")
+        endpoint = started["endpoint"]
+        # boto3's standard retries (3 tries, backoff) answer the model's 503s, as against S3
+        client = boto3.client("s3", endpoint_url=endpoint, config=Config(retries={"mode": "standard"}), **MOTO_KEYS)
+        bucket = ModelledBucket(endpoint, client, s3_options(endpoint), started["model"])
+    except BaseException:
+        proxy.kill()
+        proxy.wait()
+        raise
+    try:
+        yield bucket
+    finally:
+        proxy.stdin.close()
+        ended = proxy.stdout.read().strip()
+        proxy.wait()
+        bucket.refused = json.loads(ended.splitlines()[-1])["refused"] if ended else 0
 
 
 def check_plotting(path: Path) -> None:

@@ -6,7 +6,8 @@ own and each node a memory folder of its own (``peer.memory_dir``), all under th
 scratch root (so nothing is left in ``/dev/shm``). Two parts, each in interleaved rounds:
 
 1. *Node recovery*: a state of ``--size-gib`` split over the ranks is saved to disk, to
-   the partners' memory and to a bucket (moto's S3 server on loopback), and the same step
+   the partners' memory and to a bucket (moto's S3 server on loopback, as it answers, and
+   through the bucket model of ``bucket_model.py``: S3's limits), and the same step
    is then restored by freshly started processes three ways, in an order that rotates
    from round to round: nothing lost (every rank from its own disk); node a lost (its
    ranks' directories and its memory folder deleted) with the peer tier on, so its shards
@@ -36,6 +37,7 @@ implies (their CPU seconds over the loop's) and what the save calls' stall alone
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -50,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import evict, make_rank_state, moto_server, run_rank_processes, show_ratio
+from benchmarks.harness import evict, make_rank_state, modelled_bucket, moto_server, run_rank_processes, show_ratio
 from tiered_ckpt.manager import CheckpointManager, SaveHandle
 from tiered_ckpt.options import LocalOptions, PeerOptions, RemoteOptions
 
@@ -76,8 +78,12 @@ SAVES = ("disk save", "partner copy")
 REFILLED = "partners' memory, until the disk is refilled"
 
 
-def bench_peer(total_bytes: int, root: Path, repeat: int, steps: int) -> None:
-    """Print the section's figures (see the module doc); ``steps``: the training loop's length."""
+def bench_peer(
+    total_bytes: int, root: Path, repeat: int, steps: int, model_module: str, buckets: Sequence[str] = ("moto",)
+) -> None:
+    """Print the section's figures (see the module doc); ``steps``: the training loop's length.
+    Node recovery runs once a bucket of ``buckets``: moto as it answers (``"moto"``), and
+    through the bucket model that ``model_module`` serves (``"model"``)."""
     try:
         import torch.distributed  # noqa: F401
     except ImportError:
@@ -95,17 +101,24 @@ def bench_peer(total_bytes: int, root: Path, repeat: int, steps: int) -> None:
             import moto  # noqa: F401
         except ImportError:
             print("  node recovery skipped: needs boto3 and moto (pip install -e '.[bench]')")
-            restores = None
+            restores = {}
         else:
-            restores = _recovery(total_bytes, directory / "recovery", repeat)
+            restores = {
+                kind: _recovery(total_bytes, directory / f"recovery-{kind}", repeat, kind, model_module)
+                for kind in buckets
+            }
         report = _costs(total_bytes, directory / "costs", repeat, steps)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
         os.sync()
-    if restores is not None:
-        print("  restore of one step by freshly started processes, node a's ranks, barrier to barrier (disks cold):")
+    for kind, seconds in restores.items():
+        print(
+            "  restore of one step by freshly started processes, node a's ranks, barrier to barrier (disks cold), "
+            + _BUCKETS[kind]
+            + ":"
+        )
         for label in [label for label, *_ in RESTORES] + [REFILLED]:
-            _print_seconds(f"    {label}", restores[label])
+            _print_seconds(f"    {label}", seconds[label])
     print("  one save of the whole state, the slowest rank's (CPU: the 4 processes'):")
     for name in SAVES:
         _print_seconds(f"    {name}: save call (stall)", [r[name]["stall"] for r in report["saves"]], milli=True)
@@ -124,12 +137,12 @@ def bench_peer(total_bytes: int, root: Path, repeat: int, steps: int) -> None:
         f"a copy's {loop['copy_cpu'] * 1e3:.0f} ms (the 4 processes'), its save call {loop['stall'] * 1e3:.1f} ms"
     )
     print("ratios (target):")
-    if restores is not None:
-        disk, partner, bucket = (restores[label] for label, *_ in RESTORES)
+    for kind, seconds in restores.items():
+        disk, partner, bucket = (seconds[label] for label, *_ in RESTORES)
         speedup = statistics.median(b / p for b, p in zip(bucket, partner, strict=True))
-        show_ratio("lost node: partner / bucket (restore speed-up)", speedup, ">= 10x")
+        show_ratio(f"lost node: partner / bucket (restore speed-up), {kind}", speedup, ">= 10x")
         slower = statistics.median(p / d for p, d in zip(partner, disk, strict=True))
-        show_ratio("lost node: partner / own disk", slower, "<= 1.0x time")
+        show_ratio(f"lost node: partner / own disk, {kind}", slower, "<= 1.0x time")
     stalls = [r["partner copy"]["stall"] / r["disk save"]["stall"] for r in report["saves"]]
     show_ratio("partner copy stall / disk save stall", statistics.median(stalls), "<= 1.0")
     costs = [r["partner copy"]["committed"] / r["disk save"]["committed"] for r in report["saves"]]
@@ -182,11 +195,19 @@ def _launcher(root: Path, **shared: Any) -> Callable[..., list[dict[str, Any]]]:
     return launch
 
 
-def _recovery(total_bytes: int, root: Path, repeat: int) -> dict[str, list[float]]:
-    """Part 1 (see the module doc): the seconds of each restore, by label, a value a round."""
+_BUCKETS = {"moto": "bucket: moto as it answers", "model": "bucket: the bucket model"}
+
+
+def _recovery(total_bytes: int, root: Path, repeat: int, kind: str, model_module: str) -> dict[str, list[float]]:
+    """Part 1 (see the module doc): the seconds of each restore, by label, a value a round, with
+    the bucket of ``kind``."""
     root.mkdir()
     seconds: dict[str, list[float]] = {label: [] for label, *_ in RESTORES} | {REFILLED: []}
-    with moto_server() as (_endpoint, client, options):
+    with contextlib.ExitStack() as stack:
+        endpoint, client, options = stack.enter_context(moto_server())
+        if kind == "model":
+            model = stack.enter_context(modelled_bucket(endpoint, model_module))
+            client, options = model.client, model.options
         client.create_bucket(Bucket=BUCKET)
         launch = _launcher(root, total_bytes=total_bytes, url=f"s3://{BUCKET}/run", options=options)
         for report in launch("save"):

@@ -2,7 +2,9 @@
 
 A checkpoint goes up to moto's S3 server (its own process, on loopback) through the
 remote tier's defaults and comes back verified, and the same shard files go up and down
-with boto3's ``upload_file`` / ``download_file``, into a fresh bucket per round. Run
+with boto3's ``upload_file`` / ``download_file``, into a fresh bucket per round; then the
+same through the bucket model, a proxy that gives moto S3's limits (slowed to fit this
+machine): ``benchmarks/bucket_model.py``. Run
 through ``python -m benchmarks`` (``--only remote``; needs moto and boto3: the bench extra).
 """
 
@@ -12,16 +14,19 @@ import contextlib
 import functools
 import shutil
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import Timings, make_states, moto_server, timed
+from benchmarks.harness import BUCKET_MODEL_SCALE, Timings, make_states, modelled_bucket, moto_server, timed
 from tiered_ckpt.format.layout import step_dir_name
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.oneshot import save_sharded
 
-__all__ = ["bench_remote"]
+__all__ = ["BUCKETS", "bench_remote"]
+
+BUCKETS = ("moto", "model")
 
 
 def _remote_run(
@@ -66,27 +71,58 @@ def _remote_run(
     shutil.rmtree(target)
 
 
-def bench_remote(size_gib: float, ranks: int, root: Path, repeat: int) -> None:
-    """Upload and download GB/s to a local moto S3 server, next to boto3's upload_file/download_file."""
+def bench_remote(
+    size_gib: float, ranks: int, root: Path, repeat: int, model_module: str, buckets: Sequence[str] = BUCKETS
+) -> None:
+    """Upload and download GB/s next to boto3's upload_file/download_file, on each of ``buckets``:
+    moto's S3 server as it answers (``"moto"``), and through the bucket model (``"model"``:
+    S3's bandwidth a connection, first-byte latency and request rates, slowed
+    :data:`~benchmarks.harness.BUCKET_MODEL_SCALE` times; ``model_module`` serves it, see
+    ``benchmarks/bucket_model.py``)."""
     try:
         import boto3  # noqa: F401
     except ImportError:
         print("  skipped: needs boto3 and moto (pip install -e '.[bench]')")
         return
-    with moto_server() as (endpoint, client, options):
+    with moto_server() as (endpoint, moto_client, moto_options):
         source = root / "remote-source"
         manifest = save_sharded(make_states(int(size_gib * 2**30), ranks), source / step_dir_name(1), step=1)
-        timings = Timings(manifest.total_bytes)
-        for run in range(repeat):
-            _remote_run(f"tiered-bench-{run}", client, options, source, manifest, root / f"download-{run}", timings)
-            urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")).read()
-        print(f"  checkpoint {manifest.total_bytes / 2**30:.2f} GiB in {ranks} shards, moto S3 server on loopback")
-        timings.print_rates()
-        print("ratios (target):")
-        timings.print_ratio("upload / boto3 upload_file", "tiered_ckpt upload", "boto3 upload_file", ">= 1.0")
-        timings.print_ratio(
-            "download+verify / boto3 download_file", "tiered_ckpt download+verify", "boto3 download_file", ">= 1.0"
-        )
+        for kind in buckets:
+            with contextlib.ExitStack() as stack:
+                client, options, said = moto_client, moto_options, "moto S3 server on loopback"
+                if kind == "model":
+                    model = stack.enter_context(modelled_bucket(endpoint, model_module))
+                    client, options = model.client, model.options
+                    said = f"the bucket model (S3 slowed {BUCKET_MODEL_SCALE:g}x: {_figures(model.model)})"
+                timings = Timings(manifest.total_bytes)
+                for run in range(repeat):
+                    bucket = f"tiered-bench-{kind}-{run}"
+                    _remote_run(bucket, client, options, source, manifest, root / f"download-{run}", timings)
+                    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")).read()
+            print(f"  checkpoint {manifest.total_bytes / 2**30:.2f} GiB in {ranks} shards, {said}")
+            if kind == "model":
+                print(f"  requests the model answered 503 SlowDown: {model.refused}")
+            timings.print_rates()
+            print(f"ratios, {kind} (target):")
+            timings.print_ratio(
+                f"upload / boto3 upload_file, {kind}", "tiered_ckpt upload", "boto3 upload_file", ">= 1.0"
+            )
+            timings.print_ratio(
+                f"download+verify / boto3 download_file, {kind}",
+                "tiered_ckpt download+verify",
+                "boto3 download_file",
+                ">= 1.0",
+            )
+
+
+def _figures(model: dict[str, Any]) -> str:
+    """The model's figures, as a line says them."""
+    rates = (
+        "no rate limit"
+        if model["writes"] is None
+        else f"{model['writes']:g} writes, {model['reads']:g} reads/s a prefix"
+    )
+    return f"{model['bandwidth'] / 1e6:g} MB/s a connection, {model['latency'] * 1e3:g} ms to the first byte, {rates}"
 
 
 def _push(store: Any, uploader: Any, step: int) -> None:

@@ -53,7 +53,10 @@ def test_benchmark_runs_every_section_and_prints_its_ratios(tmp_path):
         "save(blocking=False) / np.copyto",
         "extra peak RSS / state size",
         "keep_last=1 / no retention (throughput)",
-        "upload / boto3 upload_file",
+        "upload / boto3 upload_file, moto",
+        "upload / boto3 upload_file, model",
+        "download+verify / boto3 download_file, model",
+        "requests the model answered 503 SlowDown",
         "bf16 model + fp32 AdamW: bucket bytes, zstd / none",
         "fp32 model + AdamW: upload time, zstd / none",
         "random fp32 bits: compress CPU s per GiB",
@@ -69,8 +72,9 @@ def test_benchmark_runs_every_section_and_prints_its_ratios(tmp_path):
         "save / dcp.save (throughput)",
         "load+verify / dcp.load (throughput)",
         "stall: save(blocking=False) / dcp.async_save",
-        "lost node: partner / bucket (restore speed-up)",
-        "lost node: partner / own disk",
+        "lost node: partner / bucket (restore speed-up), moto",
+        "lost node: partner / bucket (restore speed-up), model",
+        "lost node: partner / own disk, model",
         "partner copy stall / disk save stall",
         "partner copy / disk save (until committed)",
         "partner copy every 10 steps: slowdown",
@@ -190,6 +194,7 @@ def test_the_benchmark_is_a_dag_of_a_harness_and_sections_and_the_library_never_
         "peers",
         "memory",
         "requests",
+        "bucket_model",
     }
     assert expected <= sections
     assert own["harness"] == set() and own["__init__"] == set()  # the harness imports no section
@@ -210,3 +215,81 @@ def test_the_chunk_study_counts_the_bytes_of_changed_arrays_in_chunks_left_as_th
     after["a"][4095] = 1  # and a byte of the last one
     assert unchanged_share(before, after, 1024) == 0.5 and unchanged_share(before, after, 3000) == 0.0
     assert unchanged_share(before, before, 1024) == 0.0  # nothing changed: nothing to share
+
+
+class _Clock:
+    """A clock that moves only when slept on (or told), for the bucket model's pacing and rates."""
+
+    def __init__(self) -> None:
+        self.now, self.slept = 100.0, []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_the_bucket_model_paces_a_connection_and_limits_each_prefixs_requests_by_its_clock():
+    from benchmarks.bucket_model import S3, BucketModel, Pacer, PrefixLimiter, prefix_of
+
+    clock = _Clock()
+    pacer = Pacer(1000.0, clock, clock.sleep)  # 1,000 bytes a second
+    for _ in range(4):
+        pacer.passed(500)
+    assert clock.now == pytest.approx(102.0) and len(clock.slept) == 4  # 2,000 bytes took 2 s
+    clock.now += 10  # an idle connection earns nothing: the pace counts from its start
+    pacer.passed(500)
+    assert len(clock.slept) == 4
+
+    limiter = PrefixLimiter(BucketModel(1.0, 0.0, writes=2.0, reads=None), clock)
+    step = "/bucket/run/step-000000000001"
+    admitted = [limiter.admit("PUT", f"{step}/rank-{rank}") for rank in range(3)]
+    assert admitted == [True, True, False] and limiter.refused == 1  # a second's worth, then SlowDown
+    assert limiter.admit("PUT", "/bucket/run/step-000000000002/rank-0")  # another prefix has its own
+    assert all(limiter.admit("GET", f"{step}/rank-0") for _ in range(50))  # reads unlimited here
+    clock.now += 0.5  # half a second refills one write
+    assert [limiter.admit("DELETE", f"{step}/rank-0") for _ in range(2)] == [True, False]
+    assert prefix_of("/bucket/run/step-1/rank-0?partNumber=2&uploadId=x") == "/bucket/run/step-1"
+    assert prefix_of("/bucket?list-type=2&prefix=run/") == "/bucket"
+
+    slowed = S3.scaled(10)
+    assert (slowed.bandwidth, slowed.latency, slowed.writes, slowed.reads) == (8.5e6, pytest.approx(0.3), 350, 550)
+    assert slowed.without_rate_limit().writes is None and slowed.without_rate_limit().reads is None
+
+
+def test_the_bucket_model_forwards_to_moto_and_answers_slow_down_past_its_rate(moto_endpoint):
+    import threading
+
+    import boto3
+    from botocore.config import Config
+    from botocore.exceptions import ClientError
+
+    from benchmarks.bucket_model import BucketModel, serve
+    from support.stores import S3_TEST_KEY, S3_TEST_SECRET
+
+    no_writes = BucketModel(bandwidth=1e9, latency=0.0, writes=1e-9, reads=None)  # never a whole write a second
+    server = serve(moto_endpoint, no_writes)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        keys = {"aws_access_key_id": S3_TEST_KEY, "aws_secret_access_key": S3_TEST_SECRET, "region_name": "us-east-1"}
+        direct = boto3.client("s3", endpoint_url=moto_endpoint, **keys)
+        proxied = boto3.client(
+            "s3",
+            endpoint_url=f"http://127.0.0.1:{server.server_address[1]}",
+            config=Config(retries={"total_max_attempts": 1, "mode": "standard"}),
+            **keys,
+        )
+        direct.create_bucket(Bucket="bucket-model-test")
+        direct.put_object(Bucket="bucket-model-test", Key="run/a", Body=b"x" * 70_000)
+        assert proxied.get_object(Bucket="bucket-model-test", Key="run/a")["Body"].read() == b"x" * 70_000
+        assert proxied.head_object(Bucket="bucket-model-test", Key="run/a")["ContentLength"] == 70_000
+        with pytest.raises(ClientError, match="SlowDown"):
+            proxied.put_object(Bucket="bucket-model-test", Key="run/b", Body=b"y" * 70_000)
+        assert server.limiter.refused == 1 and "Contents" not in direct.list_objects_v2(
+            Bucket="bucket-model-test", Prefix="run/b"
+        )
+    finally:
+        server.shutdown()
+        server.server_close()

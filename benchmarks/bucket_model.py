@@ -1,6 +1,6 @@
 """A bucket that behaves like one: an HTTP proxy in front of moto's S3 server, in a process of its own.
 
-Run as ``python -m benchmarks.bucket_model UPSTREAM '{"scale": 10, "rate_limit": true}'`` by
+Run as ``python -m benchmarks.bucket_model UPSTREAM '{"scale": 10, "rate_limit": true, "rate_share": 1}'`` by
 :func:`benchmarks.harness.modelled_bucket`; prints one JSON line once it listens (its
 ``endpoint``, ``http://127.0.0.1:PORT``, and the ``model`` it runs), serves until its
 standard input closes, then prints the requests it ``refused``. moto on
@@ -67,6 +67,15 @@ class BucketModel:
             None if self.reads is None else self.reads / factor,
         )
 
+    def sharing(self, share: float) -> BucketModel:
+        """This bucket with ``share`` of its request rates left: what a job's few ranks meet of a
+        prefix the job's other ranks use too."""
+        return dataclasses.replace(
+            self,
+            writes=None if self.writes is None else self.writes * share,
+            reads=None if self.reads is None else self.reads * share,
+        )
+
     def without_rate_limit(self) -> BucketModel:
         """This bucket, never answering 503 SlowDown."""
         return dataclasses.replace(self, writes=None, reads=None)
@@ -100,7 +109,7 @@ class Pacer:
 
 class PrefixLimiter:
     """Requests a second a key prefix, writes and reads apart: a bucket of one second's requests
-    per prefix and kind, refilled at the rate; :meth:`admit` False for a request past it."""
+    (at least one) per prefix and kind, refilled at the rate; :meth:`admit` False for a request past it."""
 
     def __init__(self, model: BucketModel, clock: Callable[[], float] = time.monotonic) -> None:
         self._rates = {True: model.writes, False: model.reads}
@@ -117,8 +126,9 @@ class PrefixLimiter:
         key = (write, prefix_of(path))
         with self._lock:
             now = self._clock()
-            tokens, then = self._tokens.get(key, (rate, now))
-            tokens = min(rate, tokens + (now - then) * rate)
+            burst = max(rate, 1.0)  # a second's requests, and at least one
+            tokens, then = self._tokens.get(key, (burst, now))
+            tokens = min(burst, tokens + (now - then) * rate)
             if tokens < 1:
                 self._tokens[key] = (tokens, now)
                 self.refused += 1
@@ -216,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     """Serve S3's figures slowed as told until standard input closes (see the module doc)."""
     upstream, document = argv if argv is not None else sys.argv[1:]
     told = json.loads(document)
-    model = S3.scaled(float(told["scale"]))
+    model = S3.scaled(float(told["scale"])).sharing(float(told["rate_share"]))
     if not told["rate_limit"]:
         model = model.without_rate_limit()
     server = serve(upstream, model)

@@ -413,15 +413,22 @@ class ModelledBucket:
 
 @contextlib.contextmanager
 def modelled_bucket(
-    upstream: str, module: str, *, scale: float = BUCKET_MODEL_SCALE, rate_limit: bool = True
+    upstream: str,
+    module: str,
+    *,
+    scale: float = BUCKET_MODEL_SCALE,
+    rate_limit: bool = True,
+    rate_share: float = 1.0,
 ) -> Iterator[ModelledBucket]:
     """The bucket model (``python -m`` ``module``: ``benchmarks.bucket_model``, a process of its own)
     in front of the moto server at ``upstream``: S3's figures slowed ``scale`` times, answering 503
-    SlowDown past its request rates unless ``rate_limit`` is False. Stopped when the context ends."""
+    SlowDown past its request rates unless ``rate_limit`` is False, the rates multiplied by
+    ``rate_share`` (the share of a bucket's rates a job's ranks leave these). Stopped when the
+    context ends."""
     import boto3
     from botocore.config import Config
 
-    told = json.dumps({"scale": scale, "rate_limit": rate_limit})
+    told = json.dumps({"scale": scale, "rate_limit": rate_limit, "rate_share": rate_share})
     command = [sys.executable, "-m", module, upstream, told]
     proxy = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPOSITORY)
     assert proxy.stdin is not None and proxy.stdout is not None

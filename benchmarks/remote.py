@@ -27,6 +27,9 @@ from tiered_ckpt.oneshot import save_sharded
 __all__ = ["BUCKETS", "bench_remote"]
 
 BUCKETS = ("moto", "model")
+LAYOUTS = ("flat", "hashed")
+RANKS_AT_SCALE = 1024  # the job whose share of the bucket's request rates the SlowDown part models
+HASHED_PREFIXES = 256  # the prefixes a step's shards spread over, laid out "hashed"
 
 
 def _remote_run(
@@ -39,16 +42,12 @@ def _remote_run(
     timings: Timings,
 ) -> None:
     """One run of the remote benchmark: ours and boto3's, up and down, into one fresh bucket."""
-    from tiered_ckpt.engine.replication import Replicator
     from tiered_ckpt.tiers.local import LocalTier
     from tiered_ckpt.tiers.remote.tier import RemoteTier
     from tiered_ckpt.tiers.store import TieredStore
 
-    client.create_bucket(Bucket=bucket)
+    timings.record("tiered_ckpt upload", _upload(bucket, client, options, source, manifest, "flat"))
     tier = RemoteTier(f"s3://{bucket}/ours", options)
-    source_store = TieredStore([LocalTier(source), tier])
-    with source_store.local.lock(), contextlib.closing(Replicator(source_store)) as uploader:
-        timings.record("tiered_ckpt upload", timed(lambda: _push(source_store, uploader, manifest.step)))
     target_store = TieredStore([LocalTier(target), tier])
     with target_store.local.lock():
         target_store.local.new_step_dir(manifest.step)
@@ -113,6 +112,64 @@ def bench_remote(
                 "boto3 download_file",
                 ">= 1.0",
             )
+        if "model" in buckets:
+            _slowdown(endpoint, model_module, source, manifest, ranks, repeat)
+
+
+def _upload(
+    bucket: str, client: Any, options: dict[str, Any], source: Path, manifest: ShardManifest, layout: str
+) -> float:
+    """The seconds of one upload of ``manifest``'s step through the remote tier's defaults (its
+    object keys laid out as ``layout`` says) into ``bucket``, made fresh."""
+    from tiered_ckpt.engine.replication import Replicator
+    from tiered_ckpt.tiers.local import LocalTier
+    from tiered_ckpt.tiers.remote.tier import RemoteTier
+    from tiered_ckpt.tiers.store import TieredStore
+
+    client.create_bucket(Bucket=bucket)
+    tier = RemoteTier(f"s3://{bucket}/ours", options, layout=layout)  # type: ignore[arg-type]
+    store = TieredStore([LocalTier(source), tier])
+    with store.local.lock(), contextlib.closing(Replicator(store)) as uploader:
+        return timed(lambda: _push(store, uploader, manifest.step))
+
+
+def _slowdown(endpoint: str, model_module: str, source: Path, manifest: ShardManifest, ranks: int, repeat: int) -> None:
+    """Uploads against the bucket model with each prefix's request rates as the ranks of a job of
+    :data:`RANKS_AT_SCALE` meet them, next to the same uploads without the rate limit, keys laid
+    out flat and hashed, interleaved. Laid out flat, every rank's shard of a step is under one
+    prefix: this run's ranks have ``ranks / RANKS_AT_SCALE`` of its rates. Hashed, a step's
+    shards spread over :data:`HASHED_PREFIXES` prefixes: at scale each holds
+    ``RANKS_AT_SCALE / HASHED_PREFIXES`` ranks' shards, here one's (for as many ranks as prefixes),
+    so a rank has that share of its prefix's rates."""
+    shares = {
+        "flat": ranks / RANKS_AT_SCALE,
+        "hashed": max(1, ranks / HASHED_PREFIXES) * HASHED_PREFIXES / RANKS_AT_SCALE,
+    }
+    with contextlib.ExitStack() as stack:
+        free = stack.enter_context(modelled_bucket(endpoint, model_module, rate_limit=False))
+        limited = {
+            layout: stack.enter_context(modelled_bucket(endpoint, model_module, rate_share=min(1.0, shares[layout])))
+            for layout in LAYOUTS
+        }
+        timings = Timings(manifest.total_bytes)
+        for run in range(repeat):
+            for layout in LAYOUTS:
+                for name, model in (("rate-limited", limited[layout]), ("no rate limit", free)):
+                    bucket = f"slowdown-{layout}-{'free' if model is free else 'limited'}-{run}"
+                    seconds = _upload(bucket, model.client, model.options, source, manifest, layout)
+                    timings.record(f"upload, {layout} keys, {name}", seconds)
+            urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")).read()
+    print(
+        f"  the same checkpoint through the bucket model, its rates as {RANKS_AT_SCALE} ranks meet them, and without:"
+    )
+    for layout in LAYOUTS:
+        model = limited[layout]
+        print(f"    {layout} keys: {_figures(model.model)}; answered 503 SlowDown: {model.refused}")
+    timings.print_rates()
+    print("ratios, 503 SlowDown (target):")
+    for layout in LAYOUTS:
+        limited_name, free_name = f"upload, {layout} keys, rate-limited", f"upload, {layout} keys, no rate limit"
+        timings.print_paired_ratio(f"upload with SlowDown / without, {layout} keys", limited_name, free_name, ">= 0.9")
 
 
 def _figures(model: dict[str, Any]) -> str:

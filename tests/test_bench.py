@@ -57,6 +57,8 @@ def test_benchmark_runs_every_section_and_prints_its_ratios(tmp_path):
         "upload / boto3 upload_file, model",
         "download+verify / boto3 download_file, model",
         "requests the model answered 503 SlowDown",
+        "upload with SlowDown / without, flat keys",
+        "upload with SlowDown / without, hashed keys",
         "bf16 model + fp32 AdamW: bucket bytes, zstd / none",
         "fp32 model + AdamW: upload time, zstd / none",
         "random fp32 bits: compress CPU s per GiB",
@@ -252,6 +254,10 @@ def test_the_bucket_model_paces_a_connection_and_limits_each_prefixs_requests_by
     clock.now += 0.5  # half a second refills one write
     assert [limiter.admit("DELETE", f"{step}/rank-0") for _ in range(2)] == [True, False]
     assert prefix_of("/bucket/run/step-1/rank-0?partNumber=2&uploadId=x") == "/bucket/run/step-1"
+    slow = PrefixLimiter(BucketModel(1.0, 0.0, writes=0.25, reads=None), clock)  # below one a second
+    assert [slow.admit("PUT", "/b/k") for _ in range(2)] == [True, False]  # a burst of one, not of none
+    clock.now += 4
+    assert slow.admit("PUT", "/b/k")
     assert prefix_of("/bucket?list-type=2&prefix=run/") == "/bucket"
 
     slowed = S3.scaled(10)
@@ -269,7 +275,7 @@ def test_the_bucket_model_forwards_to_moto_and_answers_slow_down_past_its_rate(m
     from benchmarks.bucket_model import BucketModel, serve
     from support.stores import S3_TEST_KEY, S3_TEST_SECRET
 
-    no_writes = BucketModel(bandwidth=1e9, latency=0.0, writes=1e-9, reads=None)  # never a whole write a second
+    no_writes = BucketModel(bandwidth=1e9, latency=0.0, writes=1e-9, reads=None)  # one write, then none for years
     server = serve(moto_endpoint, no_writes)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
@@ -285,10 +291,11 @@ def test_the_bucket_model_forwards_to_moto_and_answers_slow_down_past_its_rate(m
         direct.put_object(Bucket="bucket-model-test", Key="run/a", Body=b"x" * 70_000)
         assert proxied.get_object(Bucket="bucket-model-test", Key="run/a")["Body"].read() == b"x" * 70_000
         assert proxied.head_object(Bucket="bucket-model-test", Key="run/a")["ContentLength"] == 70_000
+        proxied.put_object(Bucket="bucket-model-test", Key="run/b", Body=b"y" * 70_000)  # the one
         with pytest.raises(ClientError, match="SlowDown"):
-            proxied.put_object(Bucket="bucket-model-test", Key="run/b", Body=b"y" * 70_000)
+            proxied.put_object(Bucket="bucket-model-test", Key="run/c", Body=b"y" * 70_000)
         assert server.limiter.refused == 1 and "Contents" not in direct.list_objects_v2(
-            Bucket="bucket-model-test", Prefix="run/b"
+            Bucket="bucket-model-test", Prefix="run/c"
         )
     finally:
         server.shutdown()

@@ -458,7 +458,7 @@ def test_importing_tiered_ckpt_never_imports_lightning():
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
-def test_a_missing_ckpt_path_fails_the_fit_with_a_file_not_found_error_and_the_plugin_refuses_pickling(
+def test_a_missing_ckpt_path_fails_the_fit_with_a_file_not_found_error_and_the_plugin_is_never_pickled(
     manager, tmp_path, monkeypatch
 ):
     import io as streams
@@ -475,6 +475,8 @@ def test_a_missing_ckpt_path_fails_the_fit_with_a_file_not_found_error_and_the_p
         run.fit(Model(), batches(), ckpt_path="not existing")  # the path as given first, as Lightning's own says
     with pytest.raises(UsageError, match=r"TieredCheckpointIO cannot be pickled: it holds a running CheckpointManager"):
         torch.save(trainer(io, tmp_path / "names", steps=2), streams.BytesIO())
+    copied = copy.deepcopy(run.fit_loop)  # a copy of what holds the plugin shares it, and its manager
+    assert copied.trainer is not run and copied.trainer.strategy.checkpoint_io is io and copy.copy(io) is io
 
 
 class Gated(TieredCheckpointIO):

@@ -222,6 +222,15 @@ class TieredCheckpointIO(CheckpointIO):
         :class:`UsageError` as a save would for a manager that does not fit the job."""
         self._ranks("open")
 
+    def __copy__(self) -> TieredCheckpointIO:
+        """This plugin itself: a copy of what holds it (``copy.deepcopy`` of a Trainer or of a loop)
+        shares it and its manager, as it would share an open file; nothing is pickled."""
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TieredCheckpointIO:
+        """This plugin itself (see :meth:`__copy__`)."""
+        return self
+
     def __getstate__(self) -> dict[str, Any]:
         """Refused: the plugin holds a running manager (its threads, the lock on its directory),
         which only the process that opened it can use (``torch.save(trainer)`` pickles it)."""

@@ -130,6 +130,7 @@ class AzureBackend(FsspecBackend):
     capabilities = replace(FsspecBackend.capabilities, create_only_commit=True, store_checksums=True)
     keeps_metadata = True
     BUCKET_SCHEME = "az"
+    READ_AHEAD = True
 
     def __init__(self, url: str, fs: Any, root: str, *, retry: RetryPolicy, part_bytes: int, part_concurrency: int):
         super().__init__(url, fs, root, retry=retry, part_bytes=part_bytes, part_concurrency=part_concurrency)

@@ -19,12 +19,13 @@ keeps the second run from starting).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 from fsspec.core import url_to_fs
 from fsspec.implementations.memory import MemoryFileSystem
@@ -35,28 +36,34 @@ from tiered_ckpt.io.hashing import hash_stream
 from tiered_ckpt.tiers.base import Capabilities
 from tiered_ckpt.tiers.remote.backends.base import Head, OpenUpload, Sent
 from tiered_ckpt.tiers.remote.checksums import StoreSums
+from tiered_ckpt.tiers.remote.readahead import ReadAhead
 from tiered_ckpt.tiers.remote.retry import RetryPolicy
 
 __all__ = ["FsspecBackend", "STREAM_BLOCK_BYTES", "seconds_left"]
 
 STREAM_BLOCK_BYTES = 16 << 20
+READ_PART_BYTES = 8 << 20  # a stream's ranges read ahead (tiers/remote/readahead.py), part_concurrency at once
 
 
 class FsspecBackend:
     """A store reached through the fsspec filesystem ``fs``, its objects under ``root``.
 
     A subclass states what its store does in the class attributes: ``capabilities``,
-    ``keeps_metadata`` and ``BUCKET_SCHEME`` (the scheme of :attr:`bucket`; None: no bucket)."""
+    ``keeps_metadata``, ``BUCKET_SCHEME`` (the scheme of :attr:`bucket`; None: no bucket) and
+    ``READ_AHEAD`` (a network store serving each connection at a bounded rate: an object of at
+    least two ``READ_PART_BYTES`` is read over ``part_concurrency`` connections, see
+    :mod:`~tiered_ckpt.tiers.remote.readahead`)."""
 
     capabilities = Capabilities(
         durable=True, shared=True, create_only_commit=False, store_checksums=False, ranged_reads=True
     )
     keeps_metadata = False
     BUCKET_SCHEME: str | None = None
+    READ_AHEAD = False
 
     def __init__(self, url: str, fs: Any, root: str, *, retry: RetryPolicy, part_bytes: int, part_concurrency: int):
         self.url, self.fs, self.root = url, fs, root.rstrip("/")
-        self.part_bytes = part_bytes
+        self.part_bytes, self.part_concurrency = part_bytes, part_concurrency
         scheme = self.BUCKET_SCHEME
         self.bucket = None if scheme is None else f"{scheme}://{self.root.partition('/')[0]}"
 
@@ -123,7 +130,13 @@ class FsspecBackend:
         return bool(self.fs.exists(path))
 
     def open(self, path: str) -> AbstractContextManager[BinaryIO]:
-        return self.fs.open(path, "rb", block_size=STREAM_BLOCK_BYTES)  # type: ignore[no-any-return]
+        source = self.fs.open(path, "rb", block_size=STREAM_BLOCK_BYTES)  # its size from one HEAD, no GET yet
+        size = getattr(source, "size", None)
+        if not self.READ_AHEAD or not isinstance(size, int) or size < 2 * READ_PART_BYTES:
+            return source  # type: ignore[no-any-return]
+        source.close()
+        fetch = functools.partial(self.read, path)
+        return cast(AbstractContextManager[BinaryIO], ReadAhead(fetch, size, READ_PART_BYTES, self.part_concurrency))
 
     def read(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         return bytes(self.fs.cat_file(path, start=start, end=end))

@@ -30,6 +30,7 @@ class GcsBackend(FsspecBackend):
     capabilities = replace(FsspecBackend.capabilities, create_only_commit=True, store_checksums=True)
     keeps_metadata = True
     BUCKET_SCHEME = "gs"
+    READ_AHEAD = True
 
     @classmethod
     def client_options(cls, options: Mapping[str, Any], retry: RetryPolicy) -> dict[str, Any]:

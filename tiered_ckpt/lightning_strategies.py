@@ -71,7 +71,31 @@ class TieredDDPStrategy(DDPStrategy):
         _saved_on_every_rank(self, checkpoint, filepath, storage_options)
 
 
-class TieredModelParallelStrategy(ModelParallelStrategy):
+class _ShardedThroughPlugin:
+    """What the strategies of sharded states (DTensors) add before Lightning's own, in their
+    method order: saves through the plugin on every rank, loads in place, and the plugin's
+    tear-down, which Lightning's ``ModelParallelStrategy`` and ``FSDPStrategy`` skip."""
+
+    checkpoint_io: Any
+
+    def teardown(self) -> None:
+        """Lightning's tear-down, then the ``CheckpointIO``'s: under ``AsyncCheckpointIO``, its queued
+        saves finish (and a failed one raises) before ``fit`` returns."""
+        super().teardown()  # type: ignore[misc]
+        self.checkpoint_io.teardown()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Hand ``checkpoint`` (its states of DTensors) to the ``CheckpointIO`` on every rank."""
+        _saved_on_every_rank(self, checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """The checkpoint ``checkpoint_path`` names, its model and optimizer states loaded into the
+        model and the optimizers (``load_model_state_dict`` and ``load_optimizer_state_dict`` then
+        do nothing, as in Lightning's strategy)."""
+        return _loaded_in_place(self, checkpoint_path)
+
+
+class TieredModelParallelStrategy(_ShardedThroughPlugin, ModelParallelStrategy):
     """``ModelParallelStrategy`` (FSDP2, tensor parallel) whose checkpoints are steps of each rank's manager.
 
     ``Trainer(strategy=TieredModelParallelStrategy(...), plugins=[TieredCheckpointIO(make_manager)])``.
@@ -96,24 +120,8 @@ class TieredModelParallelStrategy(ModelParallelStrategy):
         super().setup_environment()
         _tiered(self).open()
 
-    def teardown(self) -> None:
-        """Lightning's tear-down, then the ``CheckpointIO``'s, which ``ModelParallelStrategy``'s skips: under
-        ``AsyncCheckpointIO``, its queued saves finish (and a failed one raises) before ``fit`` returns."""
-        super().teardown()
-        self.checkpoint_io.teardown()
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Hand ``checkpoint`` (its states of DTensors) to the ``CheckpointIO`` on every rank."""
-        _saved_on_every_rank(self, checkpoint, filepath, storage_options)
-
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """The checkpoint ``checkpoint_path`` names, its model and optimizer states loaded into the
-        model and the optimizers (``load_model_state_dict`` and ``load_optimizer_state_dict`` then
-        do nothing, as in ``ModelParallelStrategy``)."""
-        return _loaded_in_place(self, checkpoint_path)
-
-
-class TieredFSDPStrategy(FSDPStrategy):
+class TieredFSDPStrategy(_ShardedThroughPlugin, FSDPStrategy):
     """``FSDPStrategy`` (FSDP1) whose sharded checkpoints are steps of each rank's manager.
 
     ``Trainer(strategy=TieredFSDPStrategy(...), plugins=[TieredCheckpointIO(make_manager)])``.
@@ -121,9 +129,9 @@ class TieredFSDPStrategy(FSDPStrategy):
     rank saves its shards; ``"full"``, a state gathered on rank 0, is refused). Without a
     ``device_mesh``, the strategy gives FSDP a one-dimensional mesh of every rank, as FSDP's
     sharded state is a state of DTensors only on a mesh; for hybrid sharding give
-    ``device_mesh`` (replicas, shards per replica). Saves and loads then go as in :class:`TieredModelParallelStrategy`:
-    each rank writes its own chunks, and a load fills the model's and the optimizers' states in
-    place, on another number of ranks too.
+    ``device_mesh`` (replicas, shards per replica). Saves and loads then go as in
+    :class:`TieredModelParallelStrategy`: each rank writes its own chunks, and a load fills the
+    model's and the optimizers' states in place, on another number of ranks too.
     """
 
     def __init__(self, *, state_dict_type: str = "sharded", **kwargs: Any) -> None:
@@ -154,22 +162,6 @@ class TieredFSDPStrategy(FSDPStrategy):
 
             self.kwargs["device_mesh"] = init_device_mesh(self.root_device.type, (self.world_size,))
         _tiered(self).open()
-
-    def teardown(self) -> None:
-        """Lightning's tear-down, then the ``CheckpointIO``'s, which ``FSDPStrategy``'s skips: under
-        ``AsyncCheckpointIO``, its queued saves finish (and a failed one raises) before ``fit`` returns."""
-        super().teardown()
-        self.checkpoint_io.teardown()
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Hand ``checkpoint`` (its states of DTensors) to the ``CheckpointIO`` on every rank."""
-        _saved_on_every_rank(self, checkpoint, filepath, storage_options)
-
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """The checkpoint ``checkpoint_path`` names, its model and optimizer states loaded into the
-        model and the optimizers (``load_model_state_dict`` and ``load_optimizer_state_dict`` then
-        do nothing, as in ``FSDPStrategy``)."""
-        return _loaded_in_place(self, checkpoint_path)
 
 
 def _loaded_in_place(strategy: Any, checkpoint_path: _PATH) -> dict[str, Any]:

@@ -58,6 +58,8 @@ def test_a_failed_range_raises_where_the_reader_reaches_it_and_a_short_one_ends_
         assert stream.read(128) == DATA[:128]  # the ranges before it arrive whole
         with pytest.raises(OSError, match="injected"):
             stream.read(1)
+        with pytest.raises(OSError, match="injected"):
+            stream.read(1)  # the stream stays failed: no range is skipped
     with ReadAhead(Ranges(short_at=192), len(DATA), 64, window=3) as stream:
         got = stream.read()
     assert got == DATA[: 192 + 54]  # an object cut under the read: the reader finds it short
@@ -80,3 +82,29 @@ def test_a_shard_of_several_ranges_downloads_verified_from_s3_and_a_changed_byte
     data[3 * READ_PART_BYTES + 5] ^= 0xFF  # a byte in the fourth range
     tier.backend.put_bytes(key, bytes(data))
     assert "sha256" in (tier.check_shard(1, record) or "")
+
+
+@pytest.mark.slow
+def test_an_object_replaced_while_it_is_read_is_read_again_and_found_short(tmp_path, s3_url):
+    """Each range asks for the object the read opened (S3: If-Match its ETag), as the stream of
+    one connection did: a shard cut under the read fails it, and the read tried again finds it short."""
+    from tiered_ckpt import IncompleteCheckpointError
+
+    state = {"w": np.random.default_rng(2).standard_normal((5 * READ_PART_BYTES) // 8)}
+    manifest = save_sharded([state], tmp_path / step_dir_name(1), step=1)
+    record = manifest.shard(0)
+    tier = RemoteTier(*s3_url, part_concurrency=2)
+    tier.land_shard(1, record, ShardSource(path=tmp_path / step_dir_name(1) / record.path))
+    key = f"{tier.backend.root}/{step_dir_name(1)}/{record.path}"
+    whole, tries = tier.backend.read(key), []
+
+    def consume(source):
+        tries.append(source.read(1))
+        if len(tries) == 1:
+            tier.backend.put_bytes(key, whole[: 3 * READ_PART_BYTES])  # cut at a range's boundary
+        while source.read(1 << 20):
+            pass
+
+    with pytest.raises(IncompleteCheckpointError, match=r"the object has 25165824 bytes, the manifest records"):
+        tier.open_shard(1, record, consume)
+    assert len(tries) == 1  # the second try refused the object by its size before reading it

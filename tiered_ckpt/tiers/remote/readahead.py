@@ -15,6 +15,7 @@ import io
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 __all__ = ["ReadAhead"]
 
@@ -23,12 +24,23 @@ class ReadAhead(io.RawIOBase):
     """The ``size`` bytes of an object, read in order, from ``fetch(start, stop)`` (its bytes
     ``[start, stop)``) called for consecutive ranges of ``part_bytes``, ``window`` at a time
     ahead of the reader, each on a thread of the stream's own. A failed range raises, to the
-    reader, when the reader reaches it; a range shorter than asked (an object cut since its
-    size was told) ends the stream after it, so the reader finds it short; closing the stream
-    drops the ranges not yet read."""
+    reader, when the reader reaches it, and every read after it raises it again; a range
+    shorter than asked ends the stream after it, so the reader finds it short. Closing the
+    stream drops the ranges not yet read (those in flight finish on their threads) and
+    closes ``closing``, if given (the file whose fetch it reads through)."""
 
-    def __init__(self, fetch: Callable[[int, int], bytes], size: int, part_bytes: int, window: int) -> None:
+    def __init__(
+        self,
+        fetch: Callable[[int, int], bytes],
+        size: int,
+        part_bytes: int,
+        window: int,
+        *,
+        closing: Any = None,
+    ) -> None:
         super().__init__()
+        self._closing = closing
+        self._failed: BaseException | None = None
         self.size = size
         self._fetch, self._part_bytes = fetch, part_bytes
         self._pool = ThreadPoolExecutor(max(1, window), thread_name_prefix="tiered-ckpt-read")
@@ -45,6 +57,8 @@ class ReadAhead(io.RawIOBase):
         asking for a header's 8 bytes gets 8): the number of bytes put there."""
         if self.closed:
             raise ValueError("read of a closed ReadAhead")
+        if self._failed is not None:
+            raise self._failed
         view, count = memoryview(buffer).cast("B"), 0
         while count < len(view):
             if not self._current and not self._next():
@@ -60,7 +74,12 @@ class ReadAhead(io.RawIOBase):
         if not self._ahead:
             return False
         asked, future = self._ahead.popleft()
-        self._current = memoryview(future.result())
+        try:
+            self._current = memoryview(future.result())
+        except BaseException as exc:
+            self._failed = exc
+            self._drop()
+            raise
         if len(self._current) < asked:
             self._drop()
             self._scheduled = self.size  # nothing after a short range
@@ -84,4 +103,6 @@ class ReadAhead(io.RawIOBase):
             self._drop()
             self._current = memoryview(b"")
             self._pool.shutdown(wait=False, cancel_futures=True)
+            if self._closing is not None:
+                self._closing.close()
         super().close()

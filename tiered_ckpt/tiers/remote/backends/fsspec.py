@@ -19,7 +19,6 @@ keeps the second run from starting).
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
@@ -134,9 +133,11 @@ class FsspecBackend:
         size = getattr(source, "size", None)
         if not self.READ_AHEAD or not isinstance(size, int) or size < 2 * READ_PART_BYTES:
             return source  # type: ignore[no-any-return]
-        source.close()
-        fetch = functools.partial(self.read, path)
-        return cast(AbstractContextManager[BinaryIO], ReadAhead(fetch, size, READ_PART_BYTES, self.part_concurrency))
+        # Each range through the open file's own fetch: the requests its buffered reads would
+        # make, pinned to the object it opened (S3: If-Match its ETag; a replaced object fails
+        # the read as FileExpired, which is retried from the start).
+        ahead = ReadAhead(source._fetch_range, size, READ_PART_BYTES, self.part_concurrency, closing=source)
+        return cast(AbstractContextManager[BinaryIO], ahead)
 
     def read(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         return bytes(self.fs.cat_file(path, start=start, end=end))

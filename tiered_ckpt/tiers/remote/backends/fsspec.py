@@ -38,7 +38,7 @@ from tiered_ckpt.tiers.remote.checksums import StoreSums
 from tiered_ckpt.tiers.remote.readahead import ReadAhead
 from tiered_ckpt.tiers.remote.retry import RetryPolicy
 
-__all__ = ["FsspecBackend", "STREAM_BLOCK_BYTES", "seconds_left"]
+__all__ = ["FsspecBackend", "READ_PART_BYTES", "STREAM_BLOCK_BYTES", "seconds_left"]
 
 STREAM_BLOCK_BYTES = 16 << 20
 READ_PART_BYTES = 8 << 20  # a stream's ranges read ahead (tiers/remote/readahead.py), part_concurrency at once

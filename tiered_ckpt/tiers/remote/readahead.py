@@ -55,8 +55,7 @@ class ReadAhead(io.RawIOBase):
     def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
         """Fill ``buffer`` whole, unless the object ends first (as a buffered file does: a reader
         asking for a header's 8 bytes gets 8): the number of bytes put there."""
-        if self.closed:
-            raise ValueError("read of a closed ReadAhead")
+        self._checkClosed()  # io's own ValueError for a read of a closed file
         if self._failed is not None:
             raise self._failed
         view, count = memoryview(buffer).cast("B"), 0

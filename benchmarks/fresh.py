@@ -8,7 +8,8 @@ no method inherits another's warm allocator, imported libraries or page-cache st
   safetensors ``save_file`` + fsync; ``torch.save`` + fsync; DCP ``FileSystemWriter``),
   with the CPU seconds the saving process spent (``resource.getrusage``), then its load
   into new arrays cold (the files evicted from the page cache first) and warm (read into
-  it first), and for tiered_ckpt the load into the caller's arrays, cold and warm;
+  it first), and for tiered_ckpt the load into the caller's arrays and the load verified
+  by xxh3-64 (``verify="fast"``), cold and warm;
 - the limits, in the same round: the same bytes written durably by plain code, one
   stream and several, O_DIRECT and buffered with writeback started every 8 MiB
   (``sync_file_range``) and the cache released behind it (``posix_fadvise(DONTNEED)``),
@@ -20,7 +21,7 @@ no method inherits another's warm allocator, imported libraries or page-cache st
   of the same shard files, each into a fresh bucket.
 
 The blocks (limits, each method) rotate from round to round; every ratio is the median of
-the rounds' own ratios, and each is printed next to its target of issue 26 as
+the rounds' own ratios, and each is printed next to its target of issue 45 as
 :class:`~benchmarks.harness.Target` rows that ``benchmarks/__main__.py`` gathers with
 other sections' into one summary.
 """
@@ -96,7 +97,7 @@ def _method(one: _Round, method: str, scratch: Path, upload: tuple[str, int] | N
     directory = root / step_dir_name(1) if method == "tiered_ckpt" else root
     one.run(f"{method} save", task="save", method=method, directory=str(directory))
     files = _files(directory)
-    loads = [method, "tiered_ckpt-into"] if method == "tiered_ckpt" else [method]
+    loads = [method, "tiered_ckpt-into", "tiered_ckpt-fast"] if method == "tiered_ckpt" else [method]
     for temperature in ("cold", "warm"):
         for load in loads:
             if temperature == "cold":
@@ -181,15 +182,16 @@ def bench_fresh(
             f"{rate(f'{method} load cold'):10.2f} {rate(f'{method} load warm'):10.2f}"
         )
     if "tiered_ckpt save" in measured:
-        print(
-            f"  {'  into arrays':<13} {'':>6} {'':>10} {rate('tiered_ckpt-into load cold'):10.2f} "
-            f"{rate('tiered_ckpt-into load warm'):10.2f}"
-        )
+        for load, said in (("tiered_ckpt-into", "into arrays"), ("tiered_ckpt-fast", 'verify="fast"')):
+            print(
+                f"  {'  ' + said:<13} {'':>6} {'':>10} {rate(f'{load} load cold'):10.2f} "
+                f"{rate(f'{load} load warm'):10.2f}"
+            )
     for name in ("tiered_ckpt upload", "boto3 upload"):
         if name in measured:
             print(f"  {name:<36} {rate(name):6.2f} GB/s")
     targets = _targets(rounds, methods, ratio)
-    print("targets of issue 26 (ratios: medians of each round's own):")
+    print("targets of issue 45 (ratios: medians of each round's own):")
     print_targets(targets)
     return targets
 
@@ -198,23 +200,24 @@ def _targets(rounds: list[_Round], methods: list[str], ratio: Callable[[str, str
     measured = rounds[0].seconds.keys()
     if "tiered_ckpt save" not in measured:
         return []
+    # Issue 45: item 5 (verified loads at the hash's limit, the writer's CPU), item 7 (keep what held)
     targets = [
-        Target(1, "save / best plain durable write (disk's write limit)", ratio("tiered_ckpt save", WRITE_LIMIT), 0.9)
+        Target(7, "save / best plain durable write (disk's write limit)", ratio("tiered_ckpt save", WRITE_LIMIT), 0.9)
     ]
     peers = [method for method in methods if method != "tiered_ckpt"]
     for peer in peers:
-        targets.append(Target(2, f"save / {peer} save", ratio("tiered_ckpt save", f"{peer} save"), 1.0, strict=True))
+        targets.append(Target(7, f"save / {peer} save", ratio("tiered_ckpt save", f"{peer} save"), 1.0, strict=True))
     for temperature in ("warm", "cold"):
         for peer in peers:
-            value = ratio(f"tiered_ckpt load {temperature}", f"{peer} load {temperature}")
-            label = f"verified load {temperature} / {peer} load (new arrays)"
-            targets.append(Target(3, label, value, 1.0, strict=True))
+            value = ratio(f"tiered_ckpt-fast load {temperature}", f"{peer} load {temperature}")
+            label = f'verify="fast" load {temperature} / {peer} load (new arrays)'
+            targets.append(Target(5, label, value, 1.0, strict=True))
     for temperature in ("warm", "cold"):
         value = ratio(f"tiered_ckpt-into load {temperature}", f"min(sha256, read {temperature})")
         label = f"into caller's arrays {temperature} / min(sha256 all cores, read {temperature})"
-        targets.append(Target(3, label, value, 0.9))
+        targets.append(Target(5, label, value, 0.9))
     writer = _median(one.cpu["tiered_ckpt save"] / one.cpu["sha256"] for one in rounds)
-    targets.append(Target(4, "writer CPU-s per GiB / sha256's own", writer, 1.15, at_least=False))
+    targets.append(Target(5, "writer CPU-s per GiB / sha256's own", writer, 1.3, at_least=False))
     if "tiered_ckpt upload" in measured:
-        targets.append(Target(5, "upload / boto3 upload_file", ratio("tiered_ckpt upload", "boto3 upload"), 1.0))
+        targets.append(Target(7, "upload / boto3 upload_file, moto", ratio("tiered_ckpt upload", "boto3 upload"), 1.0))
     return targets

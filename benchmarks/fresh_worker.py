@@ -118,12 +118,14 @@ def _save(method: str, states: States, directory: Path) -> Callable[[], object]:
 
 
 def _load(method: str, size: int, ranks: int, directory: Path) -> Callable[[], object]:
-    """Load into new arrays (``tiered_ckpt-into``: into the caller's, allocated here first)."""
-    if method in ("tiered_ckpt", "tiered_ckpt-into"):
+    """Load into new arrays (``tiered_ckpt-into``: into the caller's, allocated here first;
+    ``tiered_ckpt-fast``: into new arrays, verified by xxh3-64 rather than sha256)."""
+    if method in ("tiered_ckpt", "tiered_ckpt-into", "tiered_ckpt-fast"):
         from tiered_ckpt.oneshot import load_sharded
 
         into = _shapes(size, ranks) if method == "tiered_ckpt-into" else None
-        return lambda: load_sharded(directory, ranks, into=into)
+        verify = "fast" if method == "tiered_ckpt-fast" else "full"
+        return lambda: load_sharded(directory, ranks, into=into, verify=verify)
     if method == "safetensors":
         from safetensors.numpy import load_file
 

@@ -194,18 +194,22 @@ class Timings:
     def rate(self, name: str) -> float:
         return self.total / statistics.median(self.seconds[name]) / 1e9
 
-    def print_ratio(self, label: str, name: str, baseline: str, target: str) -> None:
-        """Print the rate of ``name`` over the rate of ``baseline``, with its target."""
-        show_ratio(label, self.rate(name) / self.rate(baseline), target)
+    def print_ratio(self, label: str, name: str, baseline: str, target: str) -> float:
+        """Print the rate of ``name`` over the rate of ``baseline``, with its target; return it."""
+        value = self.rate(name) / self.rate(baseline)
+        show_ratio(label, value, target)
+        return value
 
-    def print_paired_ratio(self, label: str, name: str, baseline: str, target: str) -> None:
+    def print_paired_ratio(self, label: str, name: str, baseline: str, target: str) -> float:
         """Print the median over runs of each run's ``name`` rate over its ``baseline`` rate.
 
         For measurements taken back to back in each run: on a disk whose speed swings,
-        the ratio of two medians can pair a fast moment with a slow one.
+        the ratio of two medians can pair a fast moment with a slow one. Returns it.
         """
         pairs = zip(self.seconds[baseline], self.seconds[name], strict=True)
-        show_ratio(label, statistics.median(base / seconds for base, seconds in pairs), target)
+        value = statistics.median(base / seconds for base, seconds in pairs)
+        show_ratio(label, value, target)
+        return value
 
     def print_rates(self) -> None:
         for name, values in self.seconds.items():

@@ -52,7 +52,15 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import evict, make_rank_state, modelled_bucket, moto_server, run_rank_processes, show_ratio
+from benchmarks.harness import (
+    Target,
+    evict,
+    make_rank_state,
+    modelled_bucket,
+    moto_server,
+    run_rank_processes,
+    show_ratio,
+)
 from tiered_ckpt.manager import CheckpointManager, SaveHandle
 from tiered_ckpt.options import LocalOptions, PeerOptions, RemoteOptions
 
@@ -80,15 +88,17 @@ REFILLED = "partners' memory, until the disk is refilled"
 
 def bench_peer(
     total_bytes: int, root: Path, repeat: int, steps: int, model_module: str, buckets: Sequence[str] = ("moto",)
-) -> None:
+) -> list[Target]:
     """Print the section's figures (see the module doc); ``steps``: the training loop's length.
     Node recovery runs once a bucket of ``buckets``: moto as it answers (``"moto"``), and
-    through the bucket model that ``model_module`` serves (``"model"``)."""
+    through the bucket model that ``model_module`` serves (``"model"``). Returns the partner /
+    bucket restore speed-ups as issue 45's item 2 rows."""
     try:
         import torch.distributed  # noqa: F401
     except ImportError:
         print("  skipped: needs torch (pip install 'tiered-ckpt[torch]')")
-        return
+        return []
+    targets = []
     directory = root / "peer"
     directory.mkdir()
     try:
@@ -141,6 +151,7 @@ def bench_peer(
         disk, partner, bucket = (seconds[label] for label, *_ in RESTORES)
         speedup = statistics.median(b / p for b, p in zip(bucket, partner, strict=True))
         show_ratio(f"lost node: partner / bucket (restore speed-up), {kind}", speedup, ">= 10x")
+        targets.append(Target(2, f"lost node: partner / bucket restore speed-up, {kind}", speedup, 10.0))
         slower = statistics.median(p / d for p, d in zip(partner, disk, strict=True))
         show_ratio(f"lost node: partner / own disk, {kind}", slower, "<= 1.0x time")
     stalls = [r["partner copy"]["stall"] / r["disk save"]["stall"] for r in report["saves"]]
@@ -153,6 +164,7 @@ def bench_peer(
     _print_percent(f"partner copy every {COPY_EVERY} steps: slowdown", loop["slowdown"], f"< 2 %, {met}; {where}")
     _print_percent("  floor of its CPU share, no core free", loop["floor"], "copy CPU / loop CPU: all cores busy")
     _print_percent("  its save calls' stall alone (a core free)", loop["free"], "< 2 %")
+    return targets
 
 
 def _print_seconds(label: str, values: Sequence[float], *, milli: bool = False) -> None:

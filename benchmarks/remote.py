@@ -18,7 +18,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import BUCKET_MODEL_SCALE, Timings, make_states, modelled_bucket, moto_server, timed
+from benchmarks.harness import (
+    BUCKET_MODEL_SCALE,
+    Target,
+    Timings,
+    make_states,
+    modelled_bucket,
+    moto_server,
+    timed,
+)
 from tiered_ckpt.format.layout import step_dir_name
 from tiered_ckpt.format.manifest import ShardManifest
 from tiered_ckpt.io.parallel import run_parallel
@@ -72,17 +80,18 @@ def _remote_run(
 
 def bench_remote(
     size_gib: float, ranks: int, root: Path, repeat: int, model_module: str, buckets: Sequence[str] = BUCKETS
-) -> None:
+) -> list[Target]:
     """Upload and download GB/s next to boto3's upload_file/download_file, on each of ``buckets``:
     moto's S3 server as it answers (``"moto"``), and through the bucket model (``"model"``:
     S3's bandwidth a connection, first-byte latency and request rates, slowed
     :data:`~benchmarks.harness.BUCKET_MODEL_SCALE` times; ``model_module`` serves it, see
-    ``benchmarks/bucket_model.py``)."""
+    ``benchmarks/bucket_model.py``). Returns the ratios as issue 45's item 2 rows (item 7 on bare moto)."""
     try:
         import boto3  # noqa: F401
     except ImportError:
         print("  skipped: needs boto3 and moto (pip install -e '.[bench]')")
-        return
+        return []
+    targets = []
     with moto_server() as (endpoint, moto_client, moto_options):
         source = root / "remote-source"
         manifest = save_sharded(make_states(int(size_gib * 2**30), ranks), source / step_dir_name(1), step=1)
@@ -103,17 +112,16 @@ def bench_remote(
                 print(f"  requests the model answered 503 SlowDown: {model.refused}")
             timings.print_rates()
             print(f"ratios, {kind} (target):")
-            timings.print_ratio(
-                f"upload / boto3 upload_file, {kind}", "tiered_ckpt upload", "boto3 upload_file", ">= 1.0"
-            )
-            timings.print_ratio(
-                f"download+verify / boto3 download_file, {kind}",
-                "tiered_ckpt download+verify",
-                "boto3 download_file",
-                ">= 1.0",
-            )
+            item = 2 if kind == "model" else 7
+            label = f"upload / boto3 upload_file, {kind}"
+            value = timings.print_ratio(label, "tiered_ckpt upload", "boto3 upload_file", ">= 1.0")
+            targets.append(Target(item, label, value, 1.0))
+            label = f"download+verify / boto3 download_file, {kind}"
+            value = timings.print_ratio(label, "tiered_ckpt download+verify", "boto3 download_file", ">= 1.0")
+            targets.append(Target(item, label, value, 1.0))
         if "model" in buckets:
-            _slowdown(endpoint, model_module, source, manifest, ranks, repeat)
+            targets += _slowdown(endpoint, model_module, source, manifest, ranks, repeat)
+    return targets
 
 
 def _upload(
@@ -133,7 +141,9 @@ def _upload(
         return timed(lambda: _push(store, uploader, manifest.step))
 
 
-def _slowdown(endpoint: str, model_module: str, source: Path, manifest: ShardManifest, ranks: int, repeat: int) -> None:
+def _slowdown(
+    endpoint: str, model_module: str, source: Path, manifest: ShardManifest, ranks: int, repeat: int
+) -> list[Target]:
     """Uploads against the bucket model with each prefix's request rates as the ranks of a job of
     :data:`RANKS_AT_SCALE` meet them, next to the same uploads without the rate limit, keys laid
     out flat and hashed, interleaved. Laid out flat, every rank's shard of a step is under one
@@ -167,9 +177,13 @@ def _slowdown(endpoint: str, model_module: str, source: Path, manifest: ShardMan
         print(f"    {layout} keys: {_figures(model.model)}; answered 503 SlowDown: {model.refused}")
     timings.print_rates()
     print("ratios, 503 SlowDown (target):")
+    targets = []
     for layout in LAYOUTS:
         limited_name, free_name = f"upload, {layout} keys, rate-limited", f"upload, {layout} keys, no rate limit"
-        timings.print_paired_ratio(f"upload with SlowDown / without, {layout} keys", limited_name, free_name, ">= 0.9")
+        label = f"upload with SlowDown / without, {layout} keys"
+        value = timings.print_paired_ratio(label, limited_name, free_name, ">= 0.9")
+        targets.append(Target(2, label, value, 0.9))
+    return targets
 
 
 def _figures(model: dict[str, Any]) -> str:

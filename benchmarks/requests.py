@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import SimulatedRanks, moto_server
+from benchmarks.harness import SimulatedRanks, Target, moto_server
 from tiered_ckpt.format.layout import shard_name, step_dir_name
 from tiered_ckpt.manager import CheckpointManager
 from tiered_ckpt.options import LocalOptions, RemoteOptions, RuntimeOptions, UploadOptions
@@ -88,14 +88,16 @@ def _counting() -> Iterator[collections.Counter[str]]:
         aiobotocore.client.AioBaseClient._make_api_call = original  # type: ignore[method-assign]
 
 
-def bench_requests(root: Path, ranks: Sequence[int] = RANKS) -> None:
-    """Print the section's figures (see the module doc)."""
+def bench_requests(root: Path, ranks: Sequence[int] = RANKS) -> list[Target]:
+    """Print the section's figures (see the module doc); return the growth of a save's and a
+    restore's requests from the fewest ranks to the most as issue 45's item 3 rows (linear or
+    better: at most the ranks' own growth)."""
     try:
         import aiobotocore.client  # noqa: F401
         import moto  # noqa: F401
     except ImportError:
         print("  skipped: needs s3fs, boto3 and moto (pip install -e '.[bench]')")
-        return
+        return []
     saves: dict[int, collections.Counter[str]] = {}
     restores: dict[int, collections.Counter[str]] = {}
     with moto_server() as (_endpoint, client, options), _counting() as counts:
@@ -128,6 +130,10 @@ def bench_requests(root: Path, ranks: Sequence[int] = RANKS) -> None:
             total = sum(counted[count].values())
             print(f"  the leader of {count:>5} ranks, one {what:<7}: {total:>5} requests ({kinds})")
     first, last = ranks[0], ranks[-1]
+    targets = []
+    for what, counted in (("save", saves), ("restore", restores)):
+        growth = sum(counted[last].values()) / max(1, sum(counted[first].values()))
+        targets.append(Target(3, f"{what} requests, growth {first} -> {last} ranks", growth, last / first, False))
     for what, counted in (("save", saves), ("restore", restores)):
         for kind in sorted(set(counted[first]) | set(counted[last])):
             before, after = counted[first][kind], counted[last][kind]
@@ -136,3 +142,4 @@ def bench_requests(root: Path, ranks: Sequence[int] = RANKS) -> None:
             print(f"    {what:<7} {kind:<24} growth {first} -> {last} ranks {growth:5.2f}  ({verdict})")
     part = UploadOptions().part_bytes
     print(f"  a shard's PUTs per GiB at part_bytes={part >> 20} MiB: {(1 << 30) // part} parts + 2 multipart calls")
+    return targets

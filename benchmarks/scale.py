@@ -46,7 +46,7 @@ BYTES_PER_RANK = 256 * 1024
 
 
 def bench_scale(root: Path, repeat: int, counts: Sequence[int] = RANK_PROCESSES) -> list[Target]:
-    """Print the section's figures (see the module doc); return them as issue 26's item 6 rows."""
+    """Print the section's figures (see the module doc); return them as issue 45's item 7 rows."""
     targets = []
     try:
         import torch.distributed.checkpoint  # noqa: F401
@@ -70,7 +70,7 @@ def _overhead(root: Path, repeat: int, counts: Sequence[int]) -> list[Target]:
             f"    {processes:>3} processes: save {ours:.3f} s, dcp.save {theirs:.3f} s, "
             f"{result['operations']} gloo operations per save; save / dcp.save {ours / theirs:5.2f}  (<= 1.0)"
         )
-        targets.append(Target(6, f"per-save overhead / dcp.save's, {processes} processes", ours / theirs, 1.0, False))
+        targets.append(Target(7, f"per-save overhead / dcp.save's, {processes} processes", ours / theirs, 1.0, False))
     return targets
 
 
@@ -155,7 +155,7 @@ def _leader(root: Path, repeat: int) -> list[Target]:
     factor = SIMULATED[-1] / SIMULATED[-2]
     print(f"    growth time({SIMULATED[-1]}) / time({SIMULATED[-2]}) {growth:5.2f}  (<= {factor:.1f}: linear)")
     label = f"leader's work per save, time({SIMULATED[-1]}) / time({SIMULATED[-2]}) simulated ranks"
-    return [Target(6, label, growth, factor, False)]
+    return [Target(7, label, growth, factor, False)]
 
 
 if __name__ == "__main__":

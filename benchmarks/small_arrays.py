@@ -2,11 +2,12 @@
 
 One rank's state of ``count`` float32 arrays (40,000 by default, of ~6.5 KiB each in
 256 MiB) and one of the same bytes in four arrays are saved with ``save_sharded``
-(sha256, xxh3, fsync, atomic commit) and loaded with ``load_sharded`` into new arrays,
-cold (the files evicted from the page cache) and warm (read into it first), the two
-states alternating in every round. Printed: the medians of GB/s and of the CPU seconds
-of each, and the medians of each round's many-small / few-large rate ratio next to the
-target (>= 0.8). Run through ``python -m benchmarks`` (``--only small-arrays``).
+(sha256, xxh3, fsync, atomic commit) and loaded with ``load_sharded`` into new arrays and
+into given ones (``into=``, every byte verified), cold (the files evicted from the page
+cache) and warm (read into it first), the two states alternating in every round. Printed:
+the medians of GB/s and of the CPU seconds of each, and the medians of each round's
+many-small / few-large rate ratio next to the target (>= 0.8). Run through
+``python -m benchmarks`` (``--only small-arrays``).
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ def _measure(action: Callable[[], object]) -> tuple[float, float]:
 
 def bench_small_arrays(total_bytes: int, count: int, root: Path, repeat: int) -> list[Target]:
     """Save and load rates of ``count`` small arrays next to ``LARGE_ARRAYS`` large ones of the same
-    bytes; returns the rate ratios as issue 26's item 7 rows."""
+    bytes; returns the rate ratios as issue 45's item 4 rows."""
     states = {"small": split_state(total_bytes, count), "large": split_state(total_bytes, LARGE_ARRAYS)}
     size = sum(array.nbytes for array in states["small"].values())
+    targets = {kind: {name: np.empty_like(array) for name, array in state.items()} for kind, state in states.items()}
     wall: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
     for run in range(repeat):
@@ -63,6 +65,9 @@ def bench_small_arrays(total_bytes: int, count: int, root: Path, repeat: int) ->
             measured["load, cold"] = _measure(lambda: load_sharded(directory, 1))  # noqa: B023
             cache(files)
             measured["load, warm"] = _measure(lambda: load_sharded(directory, 1))  # noqa: B023
+            measured["into, warm"] = _measure(lambda: load_sharded(directory, 1, into=[targets[kind]]))  # noqa: B023
+            evict(files)
+            measured["into, cold"] = _measure(lambda: load_sharded(directory, 1, into=[targets[kind]]))  # noqa: B023
             for what, (seconds, cpu_seconds) in measured.items():
                 wall.setdefault(f"{what} {kind}", []).append(seconds)
                 cpu.setdefault(f"{what} {kind}", []).append(cpu_seconds)
@@ -75,12 +80,12 @@ def bench_small_arrays(total_bytes: int, count: int, root: Path, repeat: int) ->
         rate = size / statistics.median(wall[name]) / 1e9
         print(f"  {name:<20} {rate:6.2f} GB/s   CPU {statistics.median(cpu[name]):6.3f} s")
     print("ratios (target):")
-    targets = []
-    for what in ("save", "load, cold", "load, warm"):
+    rows = []
+    for what in ("save", "load, cold", "load, warm", "into, cold", "into, warm"):
         pairs = zip(wall[f"{what} small"], wall[f"{what} large"], strict=True)
         ratio = statistics.median(b / a for a, b in pairs)
         show_ratio(f"many small / few large arrays: {what}", ratio, TARGET)
-        targets.append(Target(7, f"{count:,} small / {LARGE_ARRAYS} large arrays: {what}", ratio, 0.8))
+        rows.append(Target(4, f"{count:,} small / {LARGE_ARRAYS} large arrays: {what}", ratio, 0.8))
         cpus = zip(cpu[f"{what} small"], cpu[f"{what} large"], strict=True)
         show_ratio(f"  CPU s, many small / few large: {what}", statistics.median(a / b for a, b in cpus), "1.0 ideal")
-    return targets
+    return rows

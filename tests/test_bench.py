@@ -71,6 +71,8 @@ def test_benchmark_runs_every_section_and_prints_its_ratios(tmp_path):
         "many small / few large arrays: save",
         "many small / few large arrays: load, cold",
         "many small / few large arrays: load, warm",
+        "many small / few large arrays: into, cold",
+        "many small / few large arrays: into, warm",
         "save / dcp.save (throughput)",
         "load+verify / dcp.load (throughput)",
         "stall: save(blocking=False) / dcp.async_save",
@@ -92,6 +94,18 @@ def test_benchmark_runs_every_section_and_prints_its_ratios(tmp_path):
     ):
         assert line in result.stdout
     assert "2 processes" not in result.stdout and "4 rank processes" not in result.stdout  # as told
+    summary = result.stdout.split("issue 45, every target measured in this run")[1]
+    rows = [TARGET_LINE.fullmatch(line.strip()) for line in summary.splitlines() if TARGET_LINE.match(line.strip())]
+    assert all(rows) and {row["item"] for row in rows if row} == {"2", "3", "4", "7"}
+    for label in (
+        "item 2: lost node: partner / bucket restore speed-up, model",
+        "item 2: upload with SlowDown / without, hashed keys",
+        "item 3: restore requests, growth 4 -> 8 ranks",
+        "item 4: 2,000 small / 4 large arrays: into, warm",
+        "item 7: per-save overhead / dcp.save's, 3 processes",
+    ):
+        assert label in summary
+    assert "item 5: not measured in this run (section fresh)" in summary
     rows = [line.split()[0] for line in result.stdout.split("peers:")[1].splitlines()[3:7]]
     assert rows == ["tiered_ckpt", "safetensors", "torch.save", "dcp"]  # this library's row first
     assert (tmp_path / "peers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -100,26 +114,26 @@ def test_benchmark_runs_every_section_and_prints_its_ratios(tmp_path):
 
 TARGET_LINE = re.compile(r"item (?P<item>\d): (?P<label>.+?) +(?P<value>\d+\.\d+) +(>=|>|<=) \d\.\d\d +(met|not met)")
 FRESH_TARGETS = (
-    "item 1: save / best plain durable write (disk's write limit)",
-    *(f"item 2: save / {peer} save" for peer in ("safetensors", "torch.save", "dcp")),
+    "item 7: save / best plain durable write (disk's write limit)",
+    *(f"item 7: save / {peer} save" for peer in ("safetensors", "torch.save", "dcp")),
     *(
-        f"item 3: verified load {temperature} / {peer} load (new arrays)"
+        f'item 5: verify="fast" load {temperature} / {peer} load (new arrays)'
         for temperature in ("warm", "cold")
         for peer in ("safetensors", "torch.save", "dcp")
     ),
-    "item 3: into caller's arrays warm / min(sha256 all cores, read warm)",
-    "item 3: into caller's arrays cold / min(sha256 all cores, read cold)",
-    "item 4: writer CPU-s per GiB / sha256's own",
-    "item 5: upload / boto3 upload_file",
+    "item 5: into caller's arrays warm / min(sha256 all cores, read warm)",
+    "item 5: into caller's arrays cold / min(sha256 all cores, read cold)",
+    "item 5: writer CPU-s per GiB / sha256's own",
+    "item 7: upload / boto3 upload_file, moto",
 )
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # about 220 s on a loaded 2-core machine, and bench()'s own guard is 600 s
-def test_fresh_processes_print_every_target_of_issue_26_with_a_number_and_a_verdict(tmp_path):
+def test_fresh_processes_print_every_target_of_issue_45_with_a_number_and_a_verdict(tmp_path):
     result = bench("--only", "fresh", "--size-gib", "0.004", "--ranks", "2", "--repeat", "1", "--dir", str(tmp_path))
     assert result.returncode == 0, result.stderr
-    section, summary = result.stdout.split("issue 26, every target measured in this run")
+    section, summary = result.stdout.split("issue 45, every target measured in this run")
     for text in (section, summary):
         rows = [TARGET_LINE.fullmatch(line.strip()) for line in text.splitlines() if TARGET_LINE.match(line.strip())]
         assert sorted(f"item {row['item']}: {row['label']}" for row in rows if row) == sorted(FRESH_TARGETS)
@@ -132,8 +146,8 @@ def test_fresh_processes_print_every_target_of_issue_26_with_a_number_and_a_verd
         "xxh3",
     ):
         assert limit in section
-    assert "item 6: not measured in this run (section scale)" in summary
-    assert "item 7: not measured in this run (section small-arrays)" in summary
+    for item, section_name in ((2, "sections remote, peer"), (3, "section requests"), (4, "section small-arrays")):
+        assert f"item {item}: not measured in this run ({section_name})" in summary
     assert list(tmp_path.iterdir()) == []  # every process's files are removed
 
 

@@ -78,6 +78,38 @@ def test_loaded_small_arrays_are_writable_aligned_and_share_no_byte(tmp_path, co
     assert (loaded["small.5"] == 7).all()
 
 
+@pytest.mark.parametrize("cold", [False, True])
+def test_small_arrays_fill_the_callers_arrays_byte_for_byte(tmp_path, cold):
+    """Into given arrays, runs of small ones read as blocks: each filled with its own bytes, in place."""
+    state = mixed_state()
+    save_sharded([state], tmp_path / "ckpt", step=1, sharded_keys=())
+    if cold:
+        (shard,) = (tmp_path / "ckpt").glob("rank-*")
+        fd = os.open(shard, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    into = {name: np.full(array.shape, 1, array.dtype.newbyteorder("<")) for name, array in state.items()}
+    kept = {name: array.__array_interface__["data"][0] for name, array in into.items()}
+    (loaded,) = load_sharded(tmp_path / "ckpt", 1, into=[into])
+    for name, array in state.items():
+        assert loaded[name] is into[name] and into[name].__array_interface__["data"][0] == kept[name], name
+        assert into[name].tobytes() == np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes(), name
+
+
+@pytest.mark.parametrize("verify", ["full", "fast"])
+def test_a_flipped_byte_in_a_small_array_filled_into_names_the_shard(tmp_path, verify):
+    state = {f"w.{i}": np.full(100, i, np.float32) for i in range(3000)}
+    save_sharded([state], tmp_path / "ckpt", step=1, sharded_keys=())
+    (shard,) = (tmp_path / "ckpt").glob("rank-*")
+    data = bytearray(shard.read_bytes())
+    data[-400 * 1500] ^= 0x01
+    shard.write_bytes(bytes(data))
+    into = {name: np.zeros(100, np.float32) for name in state}
+    with pytest.raises(ChecksumMismatchError, match=f"rank 0 shard {shard}"):
+        load_sharded(tmp_path / "ckpt", 1, into=[into], verify=verify)
+
+
 @pytest.mark.parametrize("verify", ["full", "fast"])
 def test_a_flipped_byte_in_a_small_array_names_the_shard(tmp_path, verify):
     state = {f"w.{i}": np.full(100, i, np.float32) for i in range(3000)}

@@ -315,3 +315,9 @@ def test_a_shard_with_any_flipped_byte_fails_or_loads_exactly_what_was_saved(arr
     record = ShardRecord(0, path.name, digest.sha256, digest.xxh3_64, digest.size_bytes, 0, 0)
     with open(path, "rb") as source, pytest.raises(ChecksumMismatchError, match=str(path)):
         read_shard_file(source, check=lambda got: record.verify(got, str(path)), what=str(path))
+
+
+@given(st.dictionaries(st.text(alphabet="ab", min_size=1, max_size=3), st.sampled_from(["f8", "f4", "u1", "i2"])))
+def test_write_order_is_by_item_size_then_name(dtypes):
+    arrays = {name: np.zeros(1, dtype) for name, dtype in dtypes.items()}
+    assert shardfile.write_order(arrays) == sorted(arrays, key=lambda n: (-arrays[n].dtype.itemsize, n))

@@ -17,7 +17,7 @@ from test_structure import read_in, shard_with_document
 
 from tiered_ckpt import CheckpointManager, InvalidStateError, ShardFormatError, load_sharded, save_sharded
 from tiered_ckpt.format import shardfile
-from tiered_ckpt.format.state import ChunkOf, flatten, sharded_names
+from tiered_ckpt.format.state import ChunkOf, _Flattener, flatten, sharded_names
 from tiered_ckpt.format.structure import MAX_DEPTH, Chunk, Structure, leaf_name
 
 torch = pytest.importorskip("torch")
@@ -501,3 +501,37 @@ def test_complex_arrays_and_tensors_round_trip_as_float_pairs_with_their_dtype(t
                 "np": np.zeros(5, np.complex64), "scalar": np.zeros((), np.complex128)}  # fmt: skip
         manager.restore(into=into)
         assert torch.equal(into["rope"], rope) and np.array_equal(into["np"], state["np"])  # filled in place
+
+
+class _Subclass(np.ndarray):
+    """An ndarray subclass: flattened by the general dispatch, not the plain-array fast path."""
+
+
+@given(
+    st.dictionaries(
+        st.one_of(st.text(alphabet=st.sampled_from("%#/ab_é\x01"), max_size=6), st.integers(-3, 3)),
+        st.sampled_from(["f4", "i8", "bool", "c8", "u2"]),
+        max_size=8,
+    ),
+    st.booleans(),
+)
+def test_plain_arrays_flatten_as_the_general_path_does(keys, nested):
+    """The fast path for plain arrays under plain keys (any key may need escaping, a complex
+    dtype or a renamed ``__metadata__``) names and records each array as the general one."""
+
+    def state(kind):
+        arrays = {key: np.zeros(2, dtype).view(kind) for key, dtype in keys.items()}
+        return {"outer/": arrays, "__metadata__": np.ones(1).view(kind)} if nested else arrays
+
+    fast, general = flatten(state(np.ndarray)), flatten(state(_Subclass))
+    assert fast.structure == general.structure
+    assert list(fast.arrays) == list(general.arrays)
+    assert all(fast.arrays[name].dtype == array.dtype for name, array in general.arrays.items())
+
+
+def test_the_fast_path_notes_the_longest_plain_key():
+    """The fast path still notes the longest key: what the refusal of a too large header names."""
+    long_key = "k" * 2_000
+    flattener = _Flattener("rank 0", into=False)
+    flattener.node({"a": np.zeros(1), long_key: np.zeros(1), "b": np.zeros(1)}, (), "")
+    assert flattener.largest == (2_000, (long_key,))

@@ -23,17 +23,18 @@ def into_difference(
     or None to compare the name only) and ``into``'s: the names missing from ``into``, those
     it has in excess, and those of another dtype or shape (a few of each, with counts); ""
     if they match."""
-    missing = sorted(name for name in expected if name not in into)
-    extra = sorted(name for name in into if name not in expected)
-    mismatched = []
-    for name, kind in sorted(expected.items()):
+    missing = sorted(expected.keys() - into.keys())
+    extra = sorted(into.keys() - expected.keys())
+    found = []
+    for name, kind in expected.items():
         if kind is None or name not in into:
             continue
         dtype, shape = kind
         array = into[name]
         if not isinstance(array, np.ndarray) or array.dtype != dtype or array.shape != shape:
             got = f"{array.dtype} {_shape(array.shape)}" if isinstance(array, np.ndarray) else type(array).__name__
-            mismatched.append(f"{name!r:.120} {got} ({holder}: {dtype} {_shape(shape)})")
+            found.append((name, f"{name!r:.120} {got} ({holder}: {dtype} {_shape(shape)})"))
+    mismatched = [text for _name, text in sorted(found)]
     parts = [
         _listed(f"{len(missing)} missing from into", [f"{name!r:.120}" for name in missing]),
         _listed(f"{len(extra)} not in {holder}", [f"{name!r:.120}" for name in extra]),

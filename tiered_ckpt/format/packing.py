@@ -23,7 +23,7 @@ from tiered_ckpt.io.fresh_memory import new_array
 from tiered_ckpt.io.hashing import CHUNK_BYTES, HashedStream, Hasher, PartDigest
 from tiered_ckpt.io.off_host import OffHost
 
-__all__ = ["GATHER_BYTES", "SMALL_ARRAY_BYTES", "Placed", "byte_chunks", "write_arrays", "read_arrays"]
+__all__ = ["GATHER_BYTES", "SMALL_ARRAY_BYTES", "Placed", "byte_chunks", "fill_arrays", "write_arrays", "read_arrays"]
 
 GATHER_BYTES = CHUNK_BYTES  # one write (and one block of views) holds up to this many bytes of small arrays
 SMALL_ARRAY_BYTES = 64 << 10  # an array this small costs more in calls than in bytes: it is gathered
@@ -169,3 +169,46 @@ def read_arrays(stream: HashedStream, entries: Sequence[Placed]) -> dict[str, np
     if run:
         fill_run()
     return arrays
+
+
+def fill_arrays(stream: HashedStream, entries: Sequence[Placed], targets: Mapping[str, np.ndarray]) -> None:
+    """Fill ``targets`` (C-contiguous, writable, each as its entry says) with the next bytes of
+    ``stream``, laid out as ``entries`` (in file order, back to back), every byte hashed once.
+
+    A run of small arrays is read as one block of up to :data:`GATHER_BYTES` and copied from
+    there into each target (one more copy of their bytes, against a read and a hash call per
+    array); every other array is filled directly.
+    """
+    run: list[Placed] = []
+
+    def fill_run() -> None:
+        start = run[0].begin
+        block = np.empty(run[-1].end - start, np.uint8)  # new each run: the hashing thread may still read the last
+        stream.copy_into(block)
+        view = block.data
+        for entry in run:
+            target = targets[entry.name]
+            if entry.end > entry.begin:
+                _bytes_of(target)[:] = view[entry.begin - start : entry.end - start]
+        run.clear()
+
+    for entry in entries:
+        if entry.end - entry.begin <= SMALL_ARRAY_BYTES:
+            if run and entry.end - run[0].begin > GATHER_BYTES:
+                fill_run()
+            run.append(entry)
+            continue
+        if run:
+            fill_run()
+        stream.copy_into(targets[entry.name].reshape(-1).view(np.uint8))
+    if run:
+        fill_run()
+
+
+def _bytes_of(array: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous, non-empty ``array`` as a writable view; a memoryview's cast is
+    several times cheaper than numpy's reshape and view, and takes every dtype of numpy's own."""
+    try:
+        return array.data.cast("B")
+    except (ValueError, TypeError):  # a dtype the buffer protocol cannot say (bf16, fp8)
+        return array.reshape(-1).view(np.uint8).data

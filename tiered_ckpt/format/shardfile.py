@@ -34,7 +34,7 @@ import numpy as np
 from tiered_ckpt.errors import InvalidStateError, ShardFormatError
 from tiered_ckpt.format.differences import into_difference
 from tiered_ckpt.format.dtypes import DTYPE_CODES, DTYPES, NUMPY_CODES, code_of
-from tiered_ckpt.format.packing import Placed, read_arrays, write_arrays
+from tiered_ckpt.format.packing import Placed, fill_arrays, read_arrays, write_arrays
 from tiered_ckpt.io.blockread import read_blocks
 from tiered_ckpt.io.gc_pause import cyclic_gc_paused
 from tiered_ckpt.io.hashing import HashedStream, Hasher, ShardDigest, Verify, check_verify, hashing_writer
@@ -119,6 +119,10 @@ def check_arrays(arrays: Mapping[str, np.ndarray], owner: str = "state") -> dict
     naming ``owner`` and the key if a name or value cannot go into a shard."""
     checked: dict[str, np.ndarray] = {}
     for name, array in arrays.items():
+        if type(array) is np.ndarray and type(name) is str and name.isascii() and array.dtype in NUMPY_CODES:
+            if name and name != _METADATA:  # the common case, without the general checks' calls
+                checked[name] = array
+                continue
         if not isinstance(name, str) or not name or name == _METADATA or not _is_utf8(name):
             raise InvalidStateError(f"{owner}: invalid array name {name!r} (a non-empty UTF-8 string)")
         if isinstance(array, np.generic):  # a numpy scalar is saved as a 0-d array
@@ -135,7 +139,11 @@ def check_arrays(arrays: Mapping[str, np.ndarray], owner: str = "state") -> dict
 def write_order(arrays: Mapping[str, np.ndarray]) -> list[str]:
     """The names of ``arrays`` in the order :func:`write_shard` writes them: largest item size
     first (each array aligned for its dtype without padding), then by name."""
-    return sorted(arrays, key=lambda name: (-arrays[name].dtype.itemsize, name))
+    names = sorted(arrays)
+    sizes = {name: -array.dtype.itemsize for name, array in arrays.items()}
+    if len(set(sizes.values())) > 1:
+        names.sort(key=sizes.__getitem__)  # stable: by name within an item size
+    return names
 
 
 @cyclic_gc_paused()  # an object or more per array, all alive until returned: see io/gc_pause.py
@@ -143,9 +151,10 @@ def _layout(arrays: Mapping[str, np.ndarray]) -> list[tuple[str, str, np.ndarray
     """Order arrays as :func:`write_order` does; return (name, code, array, begin, end)."""
     checked = check_arrays(arrays)
     layout, offset = [], 0
+    codes = NUMPY_CODES
     for name in write_order(checked):
         array = checked[name]
-        code = _dtype_code(name, array)
+        code = codes.get(array.dtype) or _dtype_code(name, array)
         layout.append((name, code, array, offset, offset + array.nbytes))
         offset += array.nbytes
     return layout
@@ -165,7 +174,7 @@ def _json_of(entries: Sequence[tuple[str, str, tuple[int, ...], int, int]], meta
         fields = ",".join(f"{_quote(str(k))}:{_quote(str(v))}" for k, v in metadata.items())
         parts.append(f'"{_METADATA}":{{{fields}}}')
     for name, code, shape, begin, end in entries:
-        dims = ",".join(str(int(d)) for d in shape)
+        dims = ",".join(map(str, map(int, shape)))
         parts.append(f'{_quote(name)}:{{"dtype":{_quote(code)},"shape":[{dims}],"data_offsets":[{begin},{end}]}}')
     return "{" + ",".join(parts) + "}"
 
@@ -226,6 +235,10 @@ def header_problem(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str]
     the limit is measured exactly, as :func:`write_shard` would write it.
     """
     bound = 32 + reserve + sum(json_length_bound(key) + json_length_bound(value) for key, value in metadata.items())
+    # First a bound that costs no call per array (12 bytes a character, every array at most MAX_DIMS dimensions)
+    loose = bound + sum(map(len, arrays)) * 12 + len(arrays) * (2 + _ENTRY_BYTES + _DIM_BYTES * MAX_DIMS)
+    if loose <= MAX_HEADER_BYTES:
+        return None
     bound += sum(json_length_bound(name) + _ENTRY_BYTES + _DIM_BYTES * array.ndim for name, array in arrays.items())
     if bound <= MAX_HEADER_BYTES:
         return None
@@ -444,8 +457,7 @@ def _read(
             targets = read_arrays(stream, entries)
         else:
             targets = _targets(entries, into, what)
-            for entry in entries:
-                stream.copy_into(targets[entry.name].reshape(-1).view(np.uint8))
+            fill_arrays(stream, entries, targets)
         check(stream.digest())
     finally:
         stream.close()

@@ -30,6 +30,7 @@ import numpy as np
 
 from tiered_ckpt.errors import InvalidStateError
 from tiered_ckpt.format.content import DIGEST_HEADER_BYTES
+from tiered_ckpt.format.dtypes import NUMPY_CODES
 from tiered_ckpt.format.manifest import ChunkRecord, record_bytes_bound, records_array_digests
 from tiered_ckpt.format.shardfile import MAX_DIMS, ShardContents, array_problem, dtype_code, header_problem
 from tiered_ckpt.format.structure import (
@@ -127,7 +128,7 @@ class _Flattener:
         self._open.add(id(value))
         try:
             if isinstance(value, dict):
-                return {"dict": [self.item(key, item, path, name) for key, item in value.items()]}
+                return {"dict": self.entries(value, path, name)}
             if type(value) in (list, tuple):
                 tag = "list" if type(value) is list else "tuple"
                 prefix = f"{name}/" if path else ""
@@ -140,6 +141,38 @@ class _Flattener:
             "cannot hold without pickle (arrays, tensors, dicts, lists, tuples, bytes, io.BytesIO, "
             "int, float, bool, str and None can)",
         )
+
+    def entries(self, value: dict[Any, Any], path: tuple[str | int, ...], name: str) -> list[list[Any]]:
+        """The ``[key, node]`` pairs of a dict. A plain numpy array of a dtype of numpy's own under an
+        ASCII key with nothing to escape is taken inline, as :meth:`item` and :meth:`leaf` would: a
+        state of tens of thousands of arrays spent most of its flattening in their general dispatch."""
+        pairs: list[list[Any]] = []
+        prefix = f"{name}/" if path else ""
+        arrays, kinds, paths = self.arrays, self.kinds, self.paths
+        longest = 0
+        for key, item in value.items():
+            if (
+                type(item) is np.ndarray
+                and type(key) is str
+                and key.isascii()
+                and key
+                and key[0] != "#"
+                and "/" not in key
+                and "%" not in key
+                and item.dtype in NUMPY_CODES
+                and (full := prefix + key) not in arrays
+                and full != "__metadata__"
+            ):
+                longest = max(longest, len(key))
+                arrays[full] = item
+                kinds[full] = "array"
+                paths[full] = (*path, key)
+                pairs.append([key, {"array": full}])
+            else:
+                pairs.append(self.item(key, item, path, name))
+        if longest > self.largest[0]:  # which key is named matters only past _NAMED_VALUE_BYTES
+            self.note(longest, (*path, next(k for k in value if type(k) is str and len(k) == longest)))
+        return pairs
 
     def item(self, key: Any, value: Any, path: tuple[str | int, ...], name: str) -> list[Any]:
         if type(key) is str:

@@ -34,10 +34,10 @@ from tiered_ckpt import (
     WorldSizeMismatchError,
 )
 from tiered_ckpt.build import open_remote_tier
-from tiered_ckpt.format.layout import MANIFEST_NAME, RECEIPT_NAME, parse_step_dir_name, step_dir_name
+from tiered_ckpt.format.layout import MANIFEST_NAME, RECEIPT_NAME, parse_step_dir_name, shard_name, step_dir_name
 from tiered_ckpt.io.durable import temp_name
 from tiered_ckpt.tiers.remote.backends.wrappers import Counting
-from tiered_ckpt.tiers.remote.tier import RemoteTier
+from tiered_ckpt.tiers.remote.tier import HASHED_FROM_RANKS, RemoteTier
 
 ZERO1 = RuntimeOptions(sharded_keys=ZERO1_SHARDED_KEYS)
 
@@ -381,7 +381,7 @@ def test_both_object_layouts_restore_and_rotate(tmp_path, remote_url, layout):
         for step in (1, 2):
             manager.save(step, zero1_states(seed=step))
         manager.wait(uploaded=True)
-    tier = RemoteTier(url, options)  # a reader with the default (flat) layout
+    tier = RemoteTier(url, options)  # a reader with the default layout ("auto": flat at 4 ranks)
     remote = tier.read_manifest(2)
     names = [tier.object_name(2, record.path) for record in remote.manifest.shards]
     if layout == "hashed":  # recorded in the remote manifest, so any reader finds them
@@ -395,6 +395,20 @@ def test_both_object_layouts_restore_and_rotate(tmp_path, remote_url, layout):
         result = fresh.restore()
     assert result.step == 2 and set(result.sources.values()) == {"remote"}
     assert_states_equal(zero1_states(seed=2), result.states)
+
+
+@pytest.mark.parametrize("world_size, hashed", [(4, False), (HASHED_FROM_RANKS - 1, False), (HASHED_FROM_RANKS, True)])
+def test_the_auto_layout_hashes_the_objects_of_a_step_of_many_ranks(world_size, hashed):
+    tier = RemoteTier(f"memory://auto-{world_size}")
+    assert tier.layout == RemoteOptions("memory://x").layout == "auto"  # the default
+    names = {tier.object_name(7, shard_name(rank, world_size)) for rank in range(world_size)}
+    plain = {shard_name(rank, world_size) for rank in range(world_size)}
+    if hashed:
+        assert {name.partition("/")[2] for name in names} == plain and len({name[:3] for name in names}) > 1
+        assert names == {RemoteTier("memory://h", layout="hashed").object_name(7, name) for name in plain}
+    else:
+        assert names == plain
+    assert tier.object_name(7, "some-other-file.bin") == "some-other-file.bin"  # no world size: flat
 
 
 def test_lost_local_directory_restores_entirely_from_the_bucket(tmp_path, remote_url, states):

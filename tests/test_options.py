@@ -206,7 +206,7 @@ def test_a_number_above_its_bound_is_refused_naming_the_field_by_the_option_and_
     "kind, name, good",
     [
         (UploadOptions, "when_behind", ("wait", "skip")),
-        (RemoteOptions, "layout", ("flat", "hashed")),
+        (RemoteOptions, "layout", ("auto", "flat", "hashed")),
         (RemoteOptions, "other_owners", ("warn", "refuse")),
         (RemoteOptions, "compression", ("none", "zstd")),
         (RestoreOptions, "verify", ("full", "fast")),

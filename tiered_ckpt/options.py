@@ -178,8 +178,9 @@ class RemoteOptions(_Retained):
     """The remote tier: its ``url``, fsspec's ``storage_options`` for it (never shown), its
     retention (``keep_last``, ``keep_every``, ``keep_best`` with ``best_metric`` and ``best_mode``: as
     the local tier's, default all), and the
-    ``layout`` of its shard objects ("flat", or "hashed": spread over 256 key prefixes
-    per step; see :meth:`~tiered_ckpt.tiers.remote.tier.RemoteTier.object_name`). ``endpoint_url``
+    ``layout`` of its shard objects ("hashed": spread over 256 key prefixes per step; "flat";
+    "auto": hashed for a step of at least 32 ranks; see
+    :meth:`~tiered_ckpt.tiers.remote.tier.RemoteTier.object_name`). ``endpoint_url``
     (``s3://``, ``gs://`` and ``az://``/``abfs://`` only) names the store's endpoint, e.g. a
     MinIO server, or for Azure the account's blob URL (``http://127.0.0.1:10000/devstoreaccount1``
     for Azurite); it takes precedence over ``storage_options["endpoint_url"]``.
@@ -199,7 +200,7 @@ class RemoteOptions(_Retained):
     keep_last: int | None = None
     keep_every: int | None = None
     storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
-    layout: Layout = "flat"
+    layout: Layout = "auto"
     endpoint_url: str | None = None
     lease_seconds: float = OwnershipPolicy.lease_seconds
     orphan_age_seconds: float = OwnershipPolicy.orphan_age_seconds
@@ -213,7 +214,7 @@ class RemoteOptions(_Retained):
     def __post_init__(self) -> None:
         check_remote_url(self.url)
         _check_number("every", self.every, 1)
-        _check_choice("layout", self.layout, ("flat", "hashed"))
+        _check_choice("layout", self.layout, ("auto", "flat", "hashed"))
         check_compression(self.compression)
         if not isinstance(self.storage_options, Mapping):
             # The value is never echoed: it may be a secret.

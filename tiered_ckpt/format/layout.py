@@ -26,6 +26,7 @@ import re
 from tiered_ckpt.errors import UsageError
 
 __all__ = [
+    "shard_world_size",
     "MANIFEST_NAME",
     "HELD_NAME",
     "AGREEMENT_NAME",
@@ -58,7 +59,7 @@ SHARD_SUFFIX = ".safetensors"
 
 _STEP_DIR = re.compile(r"step-(\d{12,})")
 _OWNER = re.compile(r"(?P<run>[0-9a-f]{16,64})\.json")
-_SHARD = re.compile(r"rank-\d{5,}-of-\d{5,}" + re.escape(SHARD_SUFFIX))
+_SHARD = re.compile(r"rank-\d{5,}-of-(?P<world>\d{5,})" + re.escape(SHARD_SUFFIX))
 
 
 def step_dir_name(step: int) -> str:
@@ -79,6 +80,12 @@ def shard_name(rank: int, world_size: int) -> str:
     if not 0 <= rank < world_size:
         raise UsageError(f"rank {rank} is outside 0..{world_size - 1}")
     return f"rank-{rank:05d}-of-{world_size:05d}{SHARD_SUFFIX}"
+
+
+def shard_world_size(name: str) -> int | None:
+    """The world size a shard's file name (:func:`shard_name`) says, None for another name."""
+    found = _SHARD.fullmatch(name)
+    return int(found["world"]) if found is not None else None
 
 
 def is_shard_name(name: str) -> bool:

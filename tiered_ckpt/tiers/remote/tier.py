@@ -65,6 +65,7 @@ from tiered_ckpt.format.compressed import CompressedObject
 from tiered_ckpt.format.layout import (
     LATEST_NAME,
     MANIFEST_NAME,
+    shard_world_size,
     step_dir_name,
 )
 from tiered_ckpt.format.manifest import MAX_MANIFEST_BYTES, ShardManifest, ShardRecord
@@ -88,7 +89,11 @@ __all__ = ["RemoteTier", "RetryPolicy", "is_transient"]
 
 logger = logging.getLogger("tiered_ckpt")
 T = TypeVar("T")
-Layout = Literal["flat", "hashed"]
+Layout = Literal["auto", "flat", "hashed"]
+# From this many ranks a step's shard objects are laid out hashed under layout="auto". A rank
+# uploading at a few hundred MB/s in 16 MiB parts makes tens of PUTs a second: a few dozen
+# ranks reach S3's 3,500 a second per prefix, which a flat step's objects all share.
+HASHED_FROM_RANKS = 32
 
 # s3fs's default 50 MiB parts leave a 256 MiB shard in 3-5 parts; 16 MiB parts let its
 # concurrent part uploads (max_concurrency, 10 by default) keep the link busy.
@@ -124,14 +129,16 @@ class RemoteTier(KeptObjects, BucketUpkeep):
         retry: RetryPolicy | None = None,
         part_bytes: int = DEFAULT_PART_BYTES,
         part_concurrency: int = DEFAULT_PART_CONCURRENCY,
-        layout: Layout = "flat",
+        layout: Layout = "auto",
         wrap: Callable[[Backend], Backend] | None = None,
         compression: Compression = "none",
     ) -> None:
         self.url = url.rstrip("/")
         self.retry = retry or RetryPolicy()
-        if layout not in ("flat", "hashed"):
-            raise RemoteError(f"{self.url}: layout must be 'flat' or 'hashed', got {layout!r:.40}", transient=False)
+        if layout not in ("auto", "flat", "hashed"):
+            raise RemoteError(
+                f"{self.url}: layout must be 'auto', 'flat' or 'hashed', got {layout!r:.40}", transient=False
+            )
         check_compression(compression)
         self.layout, self.compression = layout, compression
         opened = open_backend(
@@ -195,11 +202,12 @@ class RemoteTier(KeptObjects, BucketUpkeep):
         manifest read or written here records it (the step's, or a later one's referencing it),
         else as this tier's layout puts it ("flat": ``path``; "hashed": ``<2 hex digits of a
         hash>/path``, spreading a step's objects over 256 key prefixes so that a store's request
-        rate per prefix is not the limit)."""
+        rate per prefix is not the limit; "auto": hashed for a shard of a step of at least
+        :data:`HASHED_FROM_RANKS` ranks, as its file name says, flat otherwise)."""
         known = self._known(step, path)
         if known is not None:
             return known.location
-        if self.layout == "hashed":
+        if self.layout == "hashed" or (self.layout == "auto" and (shard_world_size(path) or 0) >= HASHED_FROM_RANKS):
             return f"{hashlib.sha256(f'{step_dir_name(step)}/{path}'.encode()).hexdigest()[:2]}/{path}"
         return path
 

@@ -1,10 +1,8 @@
-"""Tests of blockread.py: a file read front to back in aligned blocks by a thread of its own,
-past the page cache unless the file is already in it."""
+"""Tests of blockread.py: a file read front to back in blocks, by a thread of its own that lets
+what it read go from the page cache behind it, unless the file is already in it."""
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import hashlib
 import os
 import threading
@@ -57,31 +55,6 @@ def test_every_byte_comes_back_in_order(tmp_path: Path, size: int, cached: bool)
     assert not _reader_threads()
 
 
-def test_a_file_system_without_direct_reads_is_read_through_the_page_cache(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(blockread, "_open_direct", lambda fd: None)
-    data = _write(tmp_path / "file", 2 * BLOCK_BYTES + 5)
-    _evict(tmp_path / "file")
-    assert _read_all(tmp_path / "file") == data
-
-
-def test_direct_reads_refused_at_read_time_fall_back_to_the_page_cache(tmp_path, monkeypatch) -> None:
-    """Some file systems take O_DIRECT at open and refuse the reads (EINVAL)."""
-    real_preadv = os.preadv
-    refused = []
-
-    def preadv_refusing_direct(fd, buffers, offset, *flags):
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            refused.append(offset)
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_preadv(fd, buffers, offset, *flags)
-
-    monkeypatch.setattr(blockread.os, "preadv", preadv_refusing_direct)
-    data = _write(tmp_path / "file", 3 * BLOCK_BYTES + 1)
-    _evict(tmp_path / "file")
-    assert _read_all(tmp_path / "file") == data
-    assert len(refused) <= 1
-
-
 @pytest.mark.parametrize("cached", [True, False])
 def test_a_file_shorter_than_expected_raises(tmp_path: Path, cached: bool) -> None:
     _write(tmp_path / "short", BLOCK_BYTES + 10)
@@ -117,7 +90,7 @@ def _is_cached(path: Path, offset: int = 0) -> bool:
 
 
 @pytest.mark.parametrize("cached", [True, False])
-def test_only_an_uncached_file_is_read_past_the_page_cache_and_stays_out_of_it(tmp_path, monkeypatch, cached) -> None:
+def test_only_an_uncached_file_is_read_ahead_and_let_go_from_the_page_cache(tmp_path, monkeypatch, cached) -> None:
     path = tmp_path / "file"
     data = _write(path, 4 * BLOCK_BYTES)
     if not cached:
@@ -134,3 +107,21 @@ def test_only_an_uncached_file_is_read_past_the_page_cache_and_stays_out_of_it(t
     assert _read_all(path) == data
     assert len(readers) == (0 if cached else 1)
     assert _is_cached(path, offset=2 * BLOCK_BYTES) == cached
+
+
+def test_a_long_read_lets_go_of_what_it_read_as_it_moves_on(tmp_path: Path) -> None:
+    """Not only at its end: the cache holds a few MiB of the file at a time, whatever its size."""
+    path = tmp_path / "file"
+    data = _write(path, 24 * BLOCK_BYTES)
+    _evict(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with read_blocks(fd, len(data)) as blocks:
+            taken = []
+            for view in blocks:
+                taken.append(bytes(view))
+                if len(taken) == 20:  # the thread has read 20 blocks or more, and let the first 8 go
+                    assert not _is_cached(path, offset=0)
+    finally:
+        os.close(fd)
+    assert b"".join(taken) == data

@@ -2,6 +2,7 @@ import dataclasses
 import errno
 import io
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -18,11 +19,12 @@ from tiered_ckpt import (
     UploadOptions,
     save_sharded,
 )
-from tiered_ckpt.format.layout import MANIFEST_NAME
+from tiered_ckpt.format.layout import MANIFEST_NAME, step_dir_name
 from tiered_ckpt.io.hashing import hash_stream
 from tiered_ckpt.tiers import pruning
 from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt.tiers.local import LocalTier
+from tiered_ckpt.tiers.remote import tier as tier_module
 from tiered_ckpt.tiers.remote.tier import RemoteTier, RetryPolicy, is_transient
 from tiered_ckpt.tiers.retention import RetentionPolicy
 from tiered_ckpt.tiers.store import TieredStore
@@ -71,6 +73,50 @@ def test_upload_confirm_commit_download_delete(tier, saved, tmp_path):
     assert target.read_bytes() == (directory / manifest.shard(1).path).read_bytes()
     tier.delete_step(3)
     assert tier.steps() == [] and tier.uncommitted_steps() == []
+
+
+def test_a_remote_manifest_is_read_in_one_request_and_refused_past_its_limit(tier, saved, monkeypatch):
+    directory, manifest = saved
+    tier.commit(manifest, landed=upload_all(tier, directory, manifest))
+    calls = []
+    for name in ("head", "size", "exists", "read", "open"):
+        method = getattr(tier.backend, name)
+        setattr(
+            tier.backend,
+            name,
+            lambda *args, _method=method, _name=name, **kw: (calls.append(_name), _method(*args, **kw))[1],
+        )
+    assert tier.read_manifest(3).manifest == manifest
+    assert calls == ["read"]  # no HEAD for its size first: a restore waits for each request in turn
+    size = len(tier.backend.read(tier._path(3, MANIFEST_NAME)))
+    monkeypatch.setattr(tier_module, "MAX_MANIFEST_BYTES", size - 1)
+    with pytest.raises(ManifestError, match=f"{MANIFEST_NAME}: over the {size - 1} bytes"):
+        tier.read_manifest(3)
+
+
+def test_an_empty_remote_manifest_is_refused_as_one(tier, saved):
+    directory, manifest = saved
+    tier.commit(manifest, landed=upload_all(tier, directory, manifest))
+    tier.backend.put_bytes(tier._path(3, MANIFEST_NAME), b"")
+    with pytest.raises(ManifestError, match=MANIFEST_NAME):
+        tier.read_manifest(3)
+
+
+def test_a_listing_checks_its_steps_manifests_at_once(memory_url, tmp_path):
+    """Two checks of a listing's steps meet inside the store: one after another, neither would return."""
+    url, options = memory_url
+    tier = RemoteTier(url, options)
+    for step in range(1, 6):
+        tier.backend.put_bytes(tier._path(step, "rank-00000-of-00001.safetensors"), b"x")
+    meeting, exists = threading.Barrier(2, timeout=60), tier.backend.exists
+
+    def meet(path):
+        if path.endswith(MANIFEST_NAME) and any(f"/{step_dir_name(step)}/" in path for step in (1, 2)):
+            meeting.wait()  # for the other step's check
+        return exists(path)
+
+    tier.backend.exists = meet
+    assert tier.uncommitted_steps() == [1, 2, 3, 4, 5]
 
 
 def test_commit_is_create_only(tier, saved, tmp_path):

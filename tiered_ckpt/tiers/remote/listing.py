@@ -14,9 +14,14 @@ from __future__ import annotations
 from typing import Any
 
 from tiered_ckpt.format.layout import KEPT_NAME, MANIFEST_NAME, parse_step_dir_name, step_dir_name
+from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.tiers.remote.requests import Requests
 
 __all__ = ["BucketListing"]
+
+# The checks of a listing's steps run this many at once: one after another, a bucket of a
+# hundred steps made every restore wait a hundred first bytes.
+CHECKS_AT_ONCE = 16
 
 
 class BucketListing:
@@ -56,8 +61,9 @@ class BucketListing:
         mark but no manifest (files later steps reference), each oldest first.
 
         Each request (the listing, then one check of each step's manifest, and of the mark where
-        there is none) is tried on its own under the retry policy: a listing of many steps goes
-        through a store that fails a share of its requests as surely as one of a few steps.
+        there is none; :data:`CHECKS_AT_ONCE` checks at a time) is tried on its own under the
+        retry policy: a listing of many steps goes through a store that fails a share of its
+        requests as surely as one of a few steps.
         ``once``: the first request is tried once (a caller that can do without the bucket learns
         at once that it is failing); once it answered, the checks are retried as usual."""
         names = self._requests.run(f"listing {self.url}", lambda: self.backend.list_names(self._root), once=once)
@@ -67,8 +73,11 @@ class BucketListing:
             path = self._path(step, name)
             return bool(self._requests.run(f"checking {self.location(step, name)}", lambda: self.backend.exists(path)))
 
-        committed = {step for step in steps if holds(step, MANIFEST_NAME)}
-        kept = {step for step in steps if step not in committed and holds(step, KEPT_NAME)}
+        found = run_parallel(lambda step: holds(step, MANIFEST_NAME), steps, CHECKS_AT_ONCE)
+        committed = {step for step, held in zip(steps, found, strict=True) if held}
+        rest = [step for step in steps if step not in committed]
+        marked = run_parallel(lambda step: holds(step, KEPT_NAME), rest, CHECKS_AT_ONCE)
+        kept = {step for step, held in zip(rest, marked, strict=True) if held}
         uncommitted = [step for step in steps if step not in committed and step not in kept]
         return sorted(committed), uncommitted, sorted(kept)
 

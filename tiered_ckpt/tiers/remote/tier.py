@@ -240,10 +240,19 @@ class RemoteTier(KeptObjects, BucketUpkeep):
         path = self._path(step, MANIFEST_NAME)
 
         def read() -> bytes:
-            size = self.backend.size(path, timeout=self._timeout())
-            if size > MAX_MANIFEST_BYTES:
-                raise ManifestError(f"{location}: {size} bytes, over the {MAX_MANIFEST_BYTES} limit")
-            return self.backend.read(path)
+            # One ranged GET: asking the size first costs every restore a request's latency more
+            self._timeout()
+            try:
+                data = self.backend.read(path, 0, MAX_MANIFEST_BYTES + 1)
+            except FileNotFoundError:
+                raise
+            except Exception:  # stores refuse a range of an empty object (416), each in its own words
+                if self.backend.size(path, timeout=self._timeout()) != 0:
+                    raise
+                data = b""
+            if len(data) > MAX_MANIFEST_BYTES:
+                raise ManifestError(f"{location}: over the {MAX_MANIFEST_BYTES} bytes a remote manifest may take")
+            return data
 
         remote = RemoteManifest.from_json(self._run(f"reading {location}", read), source=location)
         if remote.manifest.step != step:

@@ -11,10 +11,13 @@ import pytest
 import safetensors.numpy
 import xxhash
 
-from tiered_ckpt import ChecksumMismatchError
-from tiered_ckpt.format.packing import GATHER_BYTES, SMALL_ARRAY_BYTES, write_arrays
+from tiered_ckpt import ChecksumMismatchError, StorageError
+from tiered_ckpt.format import packing
+from tiered_ckpt.format.packing import GATHER_BYTES, SMALL_ARRAY_BYTES, Placed, fill_arrays, write_arrays
 from tiered_ckpt.format.shardfile import header_of, read_shard_file, write_shard
-from tiered_ckpt.io.hashing import Hasher
+from tiered_ckpt.io.hashing import HashedStream, Hasher
+from tiered_ckpt.io.pages import blocks_of
+from tiered_ckpt.io.scratch import paged_array, pages_of
 from tiered_ckpt.oneshot import load_sharded, save_sharded
 
 
@@ -97,29 +100,71 @@ def test_small_arrays_fill_the_callers_arrays_byte_for_byte(tmp_path, cold):
         assert into[name].tobytes() == np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes(), name
 
 
-@pytest.mark.parametrize("verify", ["full", "fast"])
-def test_a_flipped_byte_in_a_small_array_filled_into_names_the_shard(tmp_path, verify):
-    state = {f"w.{i}": np.full(100, i, np.float32) for i in range(3000)}
-    save_sharded([state], tmp_path / "ckpt", step=1, sharded_keys=())
-    (shard,) = (tmp_path / "ckpt").glob("rank-*")
-    data = bytearray(shard.read_bytes())
-    data[-400 * 1500] ^= 0x01
-    shard.write_bytes(bytes(data))
-    into = {name: np.zeros(100, np.float32) for name in state}
-    with pytest.raises(ChecksumMismatchError, match=f"rank 0 shard {shard}"):
-        load_sharded(tmp_path / "ckpt", 1, into=[into], verify=verify)
+@pytest.mark.parametrize("nbytes", [4096, 1 << 20])
+def test_small_arrays_filled_over_an_unnamed_file_are_checked_when_read_back(tmp_path, nbytes):
+    """A target over an unnamed file (a restore into CUDA tensors past the budget) records what
+    was verified of each piece, small arrays too: bytes lost there are refused when read back."""
+    count = nbytes // 4
+    state = {"a": np.arange(count, dtype=np.float32), "b": np.arange(count, dtype=np.float32) * 2}
+    save_sharded([state], tmp_path / "ckpt", step=1)
+    arena = paged_array(tmp_path, 4 * nbytes)
+    into = {"a": arena[:nbytes].view(np.float32), "b": arena[2 * nbytes : 3 * nbytes].view(np.float32)}
+    load_sharded(tmp_path / "ckpt", 1, into=[into])
+    assert into["b"].tobytes() == state["b"].tobytes()
+    os.pwrite(pages_of(into["a"]).backing.file.fileno(), b"\xff", 10)
+    with pytest.raises(StorageError, match="differ from those verified"):
+        pages_of(into["a"].reshape(-1).view(np.uint8)).reader().read_into(0, np.empty(nbytes, np.uint8))
 
 
+class _CountingStream(HashedStream):
+    """Counts the bytes copied since the hashing thread last caught up: what a fill holds."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.unhashed = self.most = 0
+
+    def copy_into(self, target):
+        super().copy_into(target)
+        self.unhashed += target.nbytes
+        self.most = max(self.most, self.unhashed)
+
+    def settle(self):
+        super().settle()
+        self.unhashed = 0
+
+
+def test_a_fill_of_small_arrays_holds_a_bounded_number_of_blocks_unhashed():
+    """The hashing thread keeps each block until it has hashed it: the fill waits for it every few."""
+    arrays = [np.full(16 << 10, i % 251, np.uint8) for i in range(40 * GATHER_BYTES // (16 << 10))]  # 40 MiB, small
+    entries, offset = [], 0
+    for i, array in enumerate(arrays):
+        entries.append(Placed(f"w{i}", array.dtype, array.shape, offset, offset + array.nbytes))
+        offset += array.nbytes
+    data = memoryview(b"".join(array.tobytes() for array in arrays))
+    stream = _CountingStream(blocks_of(data, 4 * GATHER_BYTES), Hasher(None), behind=True)
+    targets = {entry.name: np.zeros(entry.shape, np.uint8) for entry in entries}
+    try:
+        fill_arrays(stream, entries, targets)
+        digest = stream.digest()
+    finally:
+        stream.close()
+    assert digest.sha256 == hashlib.sha256(data).hexdigest()
+    assert all(np.array_equal(targets[f"w{i}"], array) for i, array in enumerate(arrays))
+    assert 0 < stream.most <= packing._UNHASHED_BYTES
+
+
+@pytest.mark.parametrize("into", [False, True])
 @pytest.mark.parametrize("verify", ["full", "fast"])
-def test_a_flipped_byte_in_a_small_array_names_the_shard(tmp_path, verify):
+def test_a_flipped_byte_in_a_small_array_names_the_shard(tmp_path, verify, into):
     state = {f"w.{i}": np.full(100, i, np.float32) for i in range(3000)}
     save_sharded([state], tmp_path / "ckpt", step=1, sharded_keys=())
     (shard,) = (tmp_path / "ckpt").glob("rank-*")
     data = bytearray(shard.read_bytes())
     data[-400 * 1500] ^= 0x01  # inside the bytes of w.1500, well past the header
     shard.write_bytes(bytes(data))
+    given = [{name: np.zeros(100, np.float32) for name in state}] if into else None  # filled from blocks, or new
     with pytest.raises(ChecksumMismatchError, match=f"rank 0 shard {shard}"):
-        load_sharded(tmp_path / "ckpt", 1, verify=verify)
+        load_sharded(tmp_path / "ckpt", 1, verify=verify, into=given)
 
 
 @pytest.mark.parametrize("parts", ["xxh3", "both"])

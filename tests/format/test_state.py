@@ -535,3 +535,7 @@ def test_the_fast_path_notes_the_longest_plain_key():
     flattener = _Flattener("rank 0", into=False)
     flattener.node({"a": np.zeros(1), long_key: np.zeros(1), "b": np.zeros(1)}, (), "")
     assert flattener.largest == (2_000, (long_key,))
+    for kind in (np.ndarray, _Subclass):  # the first of the longest keys, as the general path names it
+        flattener = _Flattener("rank 0", into=False)
+        flattener.node({"x" * 1500: np.zeros(1).view(kind), "n": {"y" * 1500: np.zeros(1).view(kind)}}, (), "")
+        assert flattener.largest == (1500, ("x" * 1500,))

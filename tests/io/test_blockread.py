@@ -3,6 +3,7 @@ what it read go from the page cache behind it, unless the file is already in it.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import threading
@@ -125,3 +126,20 @@ def test_a_long_read_lets_go_of_what_it_read_as_it_moves_on(tmp_path: Path) -> N
     finally:
         os.close(fd)
     assert b"".join(taken) == data
+
+
+def test_a_file_system_that_cannot_tell_what_it_caches_is_read_through_a_map(tmp_path, monkeypatch) -> None:
+    """tmpfs answers a read that must not wait with EOPNOTSUPP: its files are memory already."""
+    real_preadv = os.preadv
+
+    def preadv(fd, buffers, offset, *flags):
+        if flags and flags[0] & os.RWF_NOWAIT:
+            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+        return real_preadv(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(blockread.os, "preadv", preadv)
+    readers = []
+    monkeypatch.setattr(blockread, "_Reader", lambda *args: readers.append(args))
+    data = _write(tmp_path / "file", 2 * BLOCK_BYTES + 5)
+    _evict(tmp_path / "file")
+    assert _read_all(tmp_path / "file") == data and readers == []

@@ -26,6 +26,8 @@ from tiered_ckpt.io.off_host import OffHost
 __all__ = ["GATHER_BYTES", "SMALL_ARRAY_BYTES", "Placed", "byte_chunks", "fill_arrays", "write_arrays", "read_arrays"]
 
 GATHER_BYTES = CHUNK_BYTES  # one write (and one block of views) holds up to this many bytes of small arrays
+# A fill of the caller's arrays holds at most this many bytes of blocks not yet hashed behind it
+_UNHASHED_BYTES = 8 * GATHER_BYTES
 SMALL_ARRAY_BYTES = 64 << 10  # an array this small costs more in calls than in bytes: it is gathered
 
 PartDigests = Literal["both", "xxh3"] | None
@@ -177,11 +179,15 @@ def fill_arrays(stream: HashedStream, entries: Sequence[Placed], targets: Mappin
 
     A run of small arrays is read as one block of up to :data:`GATHER_BYTES` and copied from
     there into each target (one more copy of their bytes, against a read and a hash call per
-    array); every other array is filled directly.
+    array); the blocks not yet hashed behind it stay under :data:`_UNHASHED_BYTES`. Every other
+    array, and any over an unnamed file (whose pieces must be handed over as they are filled:
+    :func:`~tiered_ckpt.io.scratch.refilled`), is filled directly.
     """
     run: list[Placed] = []
+    unhashed = 0
 
     def fill_run() -> None:
+        nonlocal unhashed
         start = run[0].begin
         block = np.empty(run[-1].end - start, np.uint8)  # new each run: the hashing thread may still read the last
         stream.copy_into(block)
@@ -191,16 +197,23 @@ def fill_arrays(stream: HashedStream, entries: Sequence[Placed], targets: Mappin
             if entry.end > entry.begin:
                 _bytes_of(target)[:] = view[entry.begin - start : entry.end - start]
         run.clear()
+        unhashed += block.nbytes
+        if unhashed >= _UNHASHED_BYTES:
+            stream.settle()
+            unhashed = 0
 
     for entry in entries:
-        if entry.end - entry.begin <= SMALL_ARRAY_BYTES:
+        target = targets[entry.name]
+        # a plain array of its own memory: not one over an unnamed file, nor a frombuffer view of one
+        plain = type(target) is np.ndarray and not isinstance(target.base, memoryview)
+        if plain and entry.end - entry.begin <= SMALL_ARRAY_BYTES:
             if run and entry.end - run[0].begin > GATHER_BYTES:
                 fill_run()
             run.append(entry)
             continue
         if run:
             fill_run()
-        stream.copy_into(targets[entry.name].reshape(-1).view(np.uint8))
+        stream.copy_into(target.reshape(-1).view(np.uint8))
     if run:
         fill_run()
 

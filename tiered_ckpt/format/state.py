@@ -149,7 +149,6 @@ class _Flattener:
         pairs: list[list[Any]] = []
         prefix = f"{name}/" if path else ""
         arrays, kinds, paths = self.arrays, self.kinds, self.paths
-        longest = 0
         for key, item in value.items():
             if (
                 type(item) is np.ndarray
@@ -163,15 +162,14 @@ class _Flattener:
                 and (full := prefix + key) not in arrays
                 and full != "__metadata__"
             ):
-                longest = max(longest, len(key))
+                if len(key) > self.largest[0]:  # as item() notes it: the first of the longest keys
+                    self.note(len(key), (*path, key))
                 arrays[full] = item
                 kinds[full] = "array"
                 paths[full] = (*path, key)
                 pairs.append([key, {"array": full}])
             else:
                 pairs.append(self.item(key, item, path, name))
-        if longest > self.largest[0]:  # which key is named matters only past _NAMED_VALUE_BYTES
-            self.note(longest, (*path, next(k for k in value if type(k) is str and len(k) == longest)))
         return pairs
 
     def item(self, key: Any, value: Any, path: tuple[str | int, ...], name: str) -> list[Any]:

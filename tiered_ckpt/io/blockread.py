@@ -92,14 +92,15 @@ class _Reader:
 
 def _cached(fd: int, size: int) -> bool:
     """Whether the page cache holds the file's first block (asked without waiting for the disk;
-    asking starts the kernel's readahead of the file's first few hundred KiB if it does not)."""
-    if not _RWF_NOWAIT:
-        return False
+    asking starts the kernel's readahead of the file's first few hundred KiB if it does not).
+    True where the file system cannot tell (tmpfs: its files are memory)."""
     wanted = min(BLOCK_BYTES, size)
     try:
         return os.preadv(fd, [bytearray(wanted)], 0, _RWF_NOWAIT) == wanted
-    except OSError:  # BlockingIOError: not cached; EOPNOTSUPP / EINVAL: cannot tell
+    except BlockingIOError:  # not cached
         return False
+    except OSError:  # EOPNOTSUPP, EINVAL: cannot tell
+        return True
 
 
 def _mapped(fd: int, size: int) -> Iterator[memoryview]:
@@ -122,12 +123,13 @@ def read_blocks(fd: int, size: int) -> Iterator[Iterator[memoryview]]:
     """The first ``size`` bytes of the open file ``fd``, in order, as views of blocks of up to
     :data:`BLOCK_BYTES`, each valid until the next is asked for.
 
-    A file whose first block is in the page cache (or that cannot be asked without waiting)
-    is read through a memory map: copying out of the cache costs one copy. Any other is read
-    ahead by a thread, and let go from the cache behind it. A read error (or a file shorter
-    than ``size``) is raised, as OSError, where the failed block would have been yielded.
+    A file whose first block is in the page cache (or whose file system cannot tell without
+    waiting: tmpfs, some network ones) is read through a memory map: copying out of the cache
+    costs one copy. Any other is read ahead by a thread, and let go from the cache behind it.
+    A read error (or a file shorter than ``size``) is raised, as OSError, where the failed
+    block would have been yielded.
     """
-    if not size or not _RWF_NOWAIT or _cached(fd, size):
+    if not size or not _RWF_NOWAIT or _cached(fd, size):  # without RWF_NOWAIT, none can tell
         yield _mapped(fd, size)
         return
     reader = _Reader(fd, size)

@@ -284,10 +284,15 @@ class HashedStream:
             self._behind.settle()
         return self._hasher.digest()
 
-    def close(self) -> None:
-        """Stop the hashing thread, if any (after it has hashed what it was given)."""
+    def settle(self) -> None:
+        """Return once every piece taken so far is hashed: the memory it was copied into is then
+        the caller's again (a hashing thread holds each piece until it has hashed it)."""
         if self._behind is not None:
             self._behind.settle()
+
+    def close(self) -> None:
+        """Stop the hashing thread, if any (after it has hashed what it was given)."""
+        self.settle()
 
     def _current(self) -> memoryview:
         if not self._view:

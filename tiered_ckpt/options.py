@@ -30,7 +30,7 @@ from tiered_ckpt.tiers.base import Tier
 from tiered_ckpt.tiers.remote.compression import Compression, check_compression
 from tiered_ckpt.tiers.remote.leases import OtherOwners, OwnershipPolicy
 from tiered_ckpt.tiers.remote.retry import RetryPolicy
-from tiered_ckpt.tiers.remote.tier import DEFAULT_PART_BYTES, DEFAULT_PART_CONCURRENCY, Layout
+from tiered_ckpt.tiers.remote.tier import DEFAULT_PART_BYTES, DEFAULT_PART_CONCURRENCY, LAYOUTS, Layout
 from tiered_ckpt.tiers.retention import BestMode, RetentionPolicy
 
 WhenBehind = Literal["wait", "skip"]
@@ -214,7 +214,7 @@ class RemoteOptions(_Retained):
     def __post_init__(self) -> None:
         check_remote_url(self.url)
         _check_number("every", self.every, 1)
-        _check_choice("layout", self.layout, ("auto", "flat", "hashed"))
+        _check_choice("layout", self.layout, LAYOUTS)
         check_compression(self.compression)
         if not isinstance(self.storage_options, Mapping):
             # The value is never echoed: it may be a secret.

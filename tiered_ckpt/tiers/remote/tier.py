@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, BinaryIO, Literal, TypeVar
+from typing import Any, BinaryIO, Literal, TypeVar, get_args
 
 import numpy as np
 
@@ -90,6 +90,7 @@ __all__ = ["RemoteTier", "RetryPolicy", "is_transient"]
 logger = logging.getLogger("tiered_ckpt")
 T = TypeVar("T")
 Layout = Literal["auto", "flat", "hashed"]
+LAYOUTS: tuple[Layout, ...] = get_args(Layout)
 # From this many ranks a step's shard objects are laid out hashed under layout="auto". A rank
 # uploading at a few hundred MB/s in 16 MiB parts makes tens of PUTs a second: a few dozen
 # ranks reach S3's 3,500 a second per prefix, which a flat step's objects all share.
@@ -135,10 +136,8 @@ class RemoteTier(KeptObjects, BucketUpkeep):
     ) -> None:
         self.url = url.rstrip("/")
         self.retry = retry or RetryPolicy()
-        if layout not in ("auto", "flat", "hashed"):
-            raise RemoteError(
-                f"{self.url}: layout must be 'auto', 'flat' or 'hashed', got {layout!r:.40}", transient=False
-            )
+        if layout not in LAYOUTS:
+            raise RemoteError(f"{self.url}: layout must be one of {list(LAYOUTS)}, got {layout!r:.40}", transient=False)
         check_compression(compression)
         self.layout, self.compression = layout, compression
         opened = open_backend(
@@ -241,7 +240,7 @@ class RemoteTier(KeptObjects, BucketUpkeep):
 
         def read() -> bytes:
             # One ranged GET: asking the size first costs every restore a request's latency more
-            self._timeout()
+            self._timeout()  # raises once the deadline has passed: no request starts after it
             try:
                 data = self.backend.read(path, 0, MAX_MANIFEST_BYTES + 1)
             except FileNotFoundError:

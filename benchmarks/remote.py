@@ -36,6 +36,9 @@ __all__ = ["BUCKETS", "bench_remote"]
 
 BUCKETS = ("moto", "model")
 LAYOUTS = ("flat", "hashed")
+# A step pushed, untimed, before the measured one into each fresh bucket: the measured upload
+# is a running job's, whose run lease was taken at start-up and whose connections are open.
+WARM_UP_STEP, MEASURED_STEP = 1, 2
 RANKS_AT_SCALE = 1024  # the job whose share of the bucket's request rates the SlowDown part models
 HASHED_PREFIXES = 256  # the prefixes a step's shards spread over, laid out "hashed"
 
@@ -94,7 +97,9 @@ def bench_remote(
     targets = []
     with moto_server() as (endpoint, moto_client, moto_options):
         source = root / "remote-source"
-        manifest = save_sharded(make_states(int(size_gib * 2**30), ranks), source / step_dir_name(1), step=1)
+        save_sharded(make_states(ranks << 20, ranks), source / step_dir_name(WARM_UP_STEP), step=WARM_UP_STEP)
+        states = make_states(int(size_gib * 2**30), ranks)
+        manifest = save_sharded(states, source / step_dir_name(MEASURED_STEP), step=MEASURED_STEP)
         for kind in buckets:
             with contextlib.ExitStack() as stack:
                 client, options, said = moto_client, moto_options, "moto S3 server on loopback"
@@ -128,7 +133,8 @@ def _upload(
     bucket: str, client: Any, options: dict[str, Any], source: Path, manifest: ShardManifest, layout: str
 ) -> float:
     """The seconds of one upload of ``manifest``'s step through the remote tier's defaults (its
-    object keys laid out as ``layout`` says) into ``bucket``, made fresh."""
+    object keys laid out as ``layout`` says) into ``bucket``, made fresh, after an untimed upload of
+    :data:`WARM_UP_STEP` by the same uploader (as a job's later steps go up: its lease held)."""
     from tiered_ckpt.engine.replication import Replicator
     from tiered_ckpt.tiers.local import LocalTier
     from tiered_ckpt.tiers.remote.tier import RemoteTier
@@ -138,6 +144,7 @@ def _upload(
     tier = RemoteTier(f"s3://{bucket}/ours", options, layout=layout)  # type: ignore[arg-type]
     store = TieredStore([LocalTier(source), tier])
     with store.local.lock(), contextlib.closing(Replicator(store)) as uploader:
+        _push(store, uploader, WARM_UP_STEP)
         return timed(lambda: _push(store, uploader, manifest.step))
 
 

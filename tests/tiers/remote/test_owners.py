@@ -265,3 +265,22 @@ def test_an_object_gone_between_its_confirmation_and_the_commit_means_no_commit(
             uploader.close()
     assert isinstance(caught.value.__cause__, RemoteError) and not caught.value.__cause__.transient
     assert tier.steps() == [] and not store.receipted(1)
+
+
+def test_read_owners_besides_a_run_leaves_its_record_unread(memory_url):
+    from tiered_ckpt.tiers.remote.backends.wrappers import Wrapper
+
+    read = []
+
+    class Reads(Wrapper):
+        def read(self, path, start=None, end=None):
+            read.append(path)
+            return super().read(path, start, end)
+
+    url, options = memory_url
+    tier = RemoteTier(url, options, wrap=Reads)
+    for run_id in ("aa" * 8, "bb" * 8, "cc" * 8):
+        tier.write_owner(run_id, foreign_record(run_id, renewed_at=1e12))
+    assert tier.read_owners(besides="bb" * 8).keys() == {"aa" * 8, "cc" * 8}
+    assert len(read) == 2 and not any("bb" * 8 in path for path in read)
+    assert tier.read_owners().keys() == {"aa" * 8, "bb" * 8, "cc" * 8}

@@ -72,7 +72,7 @@ class OwnerRecords(Protocol):
 
     def write_owner(self, run_id: str, document: bytes) -> None: ...
 
-    def read_owners(self) -> dict[str, bytes]: ...
+    def read_owners(self, besides: str | None = None) -> dict[str, bytes]: ...
 
     def delete_owner(self, run_id: str) -> None: ...
 
@@ -201,9 +201,7 @@ def live_owners(
     A record that does not parse counts as live (logged at WARNING; see the module doc).
     """
     found = []
-    for run_id, data in sorted(remote.read_owners().items()):
-        if run_id == besides:
-            continue
+    for run_id, data in sorted(remote.read_owners(besides).items()):
         location = remote.owner_location(run_id)
         try:
             record = OwnerRecord.from_json(data, location)

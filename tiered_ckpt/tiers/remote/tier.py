@@ -99,7 +99,9 @@ HASHED_FROM_RANKS = 32
 # s3fs's default 50 MiB parts leave a 256 MiB shard in 3-5 parts; 16 MiB parts let its
 # concurrent part uploads (max_concurrency, 10 by default) keep the link busy.
 DEFAULT_PART_BYTES = 16 << 20
-DEFAULT_PART_CONCURRENCY = 8  # parts in flight per tier (S3), before throttling lowers it
+# Parts in flight per tier, before throttling lowers it: boto3's transfer manager and s3fs send
+# 10 at once, and the client pools 10 connections (more would queue for one).
+DEFAULT_PART_CONCURRENCY = 10
 
 
 @dataclass(frozen=True)

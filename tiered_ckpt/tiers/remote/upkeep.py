@@ -15,6 +15,7 @@ from functools import partial
 from typing import Any
 
 from tiered_ckpt.format.layout import OWNERS_DIR, owner_name, parse_owner_name, parse_step_dir_name
+from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.tiers.remote.requests import Requests
 
 __all__ = ["BucketUpkeep", "MAX_OWNER_BYTES"]
@@ -22,6 +23,7 @@ __all__ = ["BucketUpkeep", "MAX_OWNER_BYTES"]
 logger = logging.getLogger("tiered_ckpt")
 
 MAX_OWNER_BYTES = 64 << 10  # an owner record is a few hundred bytes; a bigger object is not one
+OWNERS_AT_ONCE = 16  # owner records read at once: each read waits for the store's first byte
 
 
 class BucketUpkeep:
@@ -74,22 +76,24 @@ class BucketUpkeep:
         path = f"{self._root}/{OWNERS_DIR}/{owner_name(run_id)}"
         self._requests.run(f"writing {self.owner_location(run_id)}", lambda: self.backend.put_bytes(path, document))
 
-    def read_owners(self) -> dict[str, bytes]:
-        """Every owner record under the URL, by run id (an exact listing of ``owners/``; a
-        record deleted while listed is left out; at most 64 KiB + 1 byte of each is read)."""
+    def read_owners(self, besides: str | None = None) -> dict[str, bytes]:
+        """Every owner record under the URL but run ``besides``'s, by run id (an exact listing of
+        ``owners/``, the records read at once; a record deleted while listed is left out; at
+        most 64 KiB + 1 byte of each is read)."""
         directory = f"{self._root}/{OWNERS_DIR}"
 
+        def read_one(item: tuple[str, str]) -> tuple[str, bytes | None]:
+            run_id, path = item
+            try:
+                return run_id, self.backend.read(path, 0, MAX_OWNER_BYTES + 1)
+            except FileNotFoundError:
+                return run_id, None  # released while we listed
+
         def read() -> dict[str, bytes]:
-            records: dict[str, bytes] = {}
-            for path in self.backend.find(directory):
-                run_id = parse_owner_name(path.rsplit("/", 1)[-1])
-                if run_id is None:
-                    continue
-                try:
-                    records[run_id] = self.backend.read(path, 0, MAX_OWNER_BYTES + 1)
-                except FileNotFoundError:
-                    continue  # released while we listed
-            return records
+            named = ((parse_owner_name(path.rsplit("/", 1)[-1]), path) for path in self.backend.find(directory))
+            wanted = [(run_id, path) for run_id, path in named if run_id is not None and run_id != besides]
+            found = run_parallel(read_one, wanted, OWNERS_AT_ONCE)
+            return {run_id: data for run_id, data in found if data is not None}
 
         return self._requests.run(f"reading the owner records under {self.url}/{OWNERS_DIR}", read)
 

@@ -220,6 +220,16 @@ def test_a_stores_checksum_matches_with_or_without_the_part_count_and_nothing_el
     assert not same_checksum("", "-")  # no part count to leave off
 
 
+@pytest.mark.parametrize(("given", "pooled"), [(None, 32), (5, 5)])
+def test_an_s3_client_pools_twice_part_concurrency_connections_unless_told(s3_url, given, pooled):
+    url, options = s3_url
+    if given is not None:
+        options = {**options, "config_kwargs": {"max_pool_connections": given}}
+    backend = open_backend(url, options, retry=RetryPolicy(), part_bytes=5 << 20, part_concurrency=16)
+    backend.check_bucket()  # the client is made at the first request
+    assert backend.fs.s3.meta.config.max_pool_connections == pooled
+
+
 class OpenedBackendContract(BackendContract):
     """The backend contract (tiered_ckpt/testing/backend.py) on the backend each URL opens (``url`` fixture)."""
 

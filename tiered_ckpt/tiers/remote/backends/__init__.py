@@ -39,12 +39,14 @@ def open_backend(
     url: str, storage_options: Mapping[str, Any], *, retry: RetryPolicy, part_bytes: int, part_concurrency: int
 ) -> Backend:
     """The backend for ``url`` (a plain path is a file system), its client opened with
-    ``storage_options`` under ``retry``'s timeouts. Raises :class:`RemoteError` if fsspec cannot
-    open it (a missing client package, a bad option); the options never appear in the message."""
+    ``storage_options`` under ``retry``'s timeouts, pooling (S3) twice ``part_concurrency``
+    connections: the parts in flight, and as many checks and small requests beside them.
+    Raises :class:`RemoteError` if fsspec cannot open it (a missing client package, a bad
+    option); the options never appear in the message."""
     protocol = url.partition("://")[0] if "://" in url else "file"
     kind = _BY_PROTOCOL.get(protocol, FsspecBackend)
     try:
-        fs, root = kind.open_filesystem(url, storage_options, retry)
+        fs, root = kind.open_filesystem(url, storage_options, retry, connections=2 * part_concurrency)
     except Exception as exc:  # a missing backend, a bad option, a backend that connects at once and fails
         raise RemoteError(f"cannot open {url}: {type(exc).__name__}: {exc}", transient=is_transient(exc)) from exc
     return kind(url, fs, root, retry=retry, part_bytes=part_bytes, part_concurrency=part_concurrency)

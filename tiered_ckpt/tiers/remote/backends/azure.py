@@ -137,17 +137,19 @@ class AzureBackend(FsspecBackend):
         self.window = Window(part_concurrency)
 
     @classmethod
-    def client_options(cls, options: Mapping[str, Any], retry: RetryPolicy) -> dict[str, Any]:
-        merged = super().client_options(options, retry)
+    def client_options(cls, options: Mapping[str, Any], retry: RetryPolicy, *, connections: int) -> dict[str, Any]:
+        merged = super().client_options(options, retry, connections=connections)
         merged["skip_instance_cache"] = True  # its SDK client is replaced: never one another tier may hold
         merged.setdefault("use_listings_cache", False)
         return merged
 
     @classmethod
-    def open_filesystem(cls, url: str, options: Mapping[str, Any], retry: RetryPolicy) -> tuple[Any, str]:
+    def open_filesystem(
+        cls, url: str, options: Mapping[str, Any], retry: RetryPolicy, *, connections: int
+    ) -> tuple[Any, str]:
         rest = dict(options)
         endpoint = rest.pop("endpoint_url", None)
-        fs, root = super().open_filesystem(url, rest, retry)
+        fs, root = super().open_filesystem(url, rest, retry, connections=connections)
         opened, fs.service_client = fs.service_client, _service_client(fs.service_client, endpoint, retry)
         sync(fs.loop, opened.close)  # it never made a request
         return fs, root

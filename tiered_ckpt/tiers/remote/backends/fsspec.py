@@ -67,18 +67,21 @@ class FsspecBackend:
         self.bucket = None if scheme is None else f"{scheme}://{self.root.partition('/')[0]}"
 
     @classmethod
-    def client_options(cls, options: Mapping[str, Any], retry: RetryPolicy) -> dict[str, Any]:
+    def client_options(cls, options: Mapping[str, Any], retry: RetryPolicy, *, connections: int) -> dict[str, Any]:
         """The fsspec options to open the filesystem with: the client's own retries off where it
-        has a switch (ours are the only ones), request timeouts set."""
+        has a switch (ours are the only ones), request timeouts set, and where the client pools
+        its connections, ``connections`` of them unless the options say."""
         merged = dict(options)
         merged.setdefault("skip_instance_cache", True)  # an instance of our own: its settings are ours to change
         return merged
 
     @classmethod
-    def open_filesystem(cls, url: str, options: Mapping[str, Any], retry: RetryPolicy) -> tuple[Any, str]:
+    def open_filesystem(
+        cls, url: str, options: Mapping[str, Any], retry: RetryPolicy, *, connections: int
+    ) -> tuple[Any, str]:
         """The fsspec filesystem fsspec's registry opens for ``url`` with :meth:`client_options`,
         and the URL's path as that filesystem names it."""
-        fs, root = url_to_fs(url, **cls.client_options(options, retry))
+        fs, root = url_to_fs(url, **cls.client_options(options, retry, connections=connections))
         return fs, root
 
     def __repr__(self) -> str:

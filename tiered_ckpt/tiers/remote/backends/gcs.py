@@ -33,8 +33,8 @@ class GcsBackend(FsspecBackend):
     READ_AHEAD = True
 
     @classmethod
-    def client_options(cls, options: Mapping[str, Any], retry: RetryPolicy) -> dict[str, Any]:
-        merged = super().client_options(options, retry)
+    def client_options(cls, options: Mapping[str, Any], retry: RetryPolicy, *, connections: int) -> dict[str, Any]:
+        merged = super().client_options(options, retry, connections=connections)
         merged.setdefault("requests_timeout", retry.timeout_seconds)
         return merged
 

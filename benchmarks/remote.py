@@ -37,7 +37,8 @@ __all__ = ["BUCKETS", "bench_remote"]
 BUCKETS = ("moto", "model")
 LAYOUTS = ("flat", "hashed")
 # A step pushed, untimed, before the measured one into each fresh bucket: the measured upload
-# is a running job's, whose run lease was taken at start-up and whose connections are open.
+# is a running job's, whose run lease was taken at start-up (`tiered-ckpt push` takes it on
+# every call: its upload waits for the lease's requests too).
 WARM_UP_STEP, MEASURED_STEP = 1, 2
 RANKS_AT_SCALE = 1024  # the job whose share of the bucket's request rates the SlowDown part models
 HASHED_PREFIXES = 256  # the prefixes a step's shards spread over, laid out "hashed"

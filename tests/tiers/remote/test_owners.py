@@ -7,6 +7,7 @@ import json
 import logging
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -284,3 +285,28 @@ def test_read_owners_besides_a_run_leaves_its_record_unread(memory_url):
     assert tier.read_owners(besides="bb" * 8).keys() == {"aa" * 8, "cc" * 8}
     assert len(read) == 2 and not any("bb" * 8 in path for path in read)
     assert tier.read_owners().keys() == {"aa" * 8, "bb" * 8, "cc" * 8}
+
+
+def test_read_owners_reads_the_records_at_once_and_a_failed_read_raises_after_the_others(memory_url):
+    from tiered_ckpt.tiers.remote.backends.wrappers import Wrapper
+
+    both = threading.Barrier(2, timeout=30)  # records read one after another never meet here
+    read = []
+
+    class Meets(Wrapper):
+        def read(self, path, start=None, end=None):
+            both.wait()
+            data = super().read(path, start, end)
+            read.append(path)
+            if "aa" * 8 in path:
+                raise PermissionError(f"{path}: access denied")
+            return data
+
+    url, options = memory_url
+    tier = RemoteTier(url, options, wrap=Meets, retry=RetryPolicy(max_tries=1))
+    for run_id in ("aa" * 8, "bb" * 8, "cc" * 8):
+        tier.write_owner(run_id, foreign_record(run_id, renewed_at=1e12))
+    with pytest.raises(RemoteError, match="reading the owner records") as caught:
+        tier.read_owners(besides="cc" * 8)
+    assert isinstance(caught.value.__cause__, PermissionError) and not caught.value.transient
+    assert len(read) == 2  # the other record was read through before the error came out

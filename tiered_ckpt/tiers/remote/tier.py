@@ -100,7 +100,7 @@ HASHED_FROM_RANKS = 32
 # concurrent part uploads (max_concurrency, 10 by default) keep the link busy.
 DEFAULT_PART_BYTES = 16 << 20
 # Parts in flight per tier, before throttling lowers it: boto3's transfer manager and s3fs send
-# 10 at once, and the client pools 10 connections (more would queue for one).
+# 10 at once. The S3 client pools twice as many connections (see backends/__init__.py).
 DEFAULT_PART_CONCURRENCY = 10
 
 

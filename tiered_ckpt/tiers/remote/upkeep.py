@@ -23,7 +23,7 @@ __all__ = ["BucketUpkeep", "MAX_OWNER_BYTES"]
 logger = logging.getLogger("tiered_ckpt")
 
 MAX_OWNER_BYTES = 64 << 10  # an owner record is a few hundred bytes; a bigger object is not one
-OWNERS_AT_ONCE = 16  # owner records read at once: each read waits for the store's first byte
+_OWNERS_AT_ONCE = 16  # owner records read at once: each read waits for the store's first byte
 
 
 class BucketUpkeep:
@@ -78,8 +78,9 @@ class BucketUpkeep:
 
     def read_owners(self, besides: str | None = None) -> dict[str, bytes]:
         """Every owner record under the URL but run ``besides``'s, by run id (an exact listing of
-        ``owners/``, the records read at once; a record deleted while listed is left out; at
-        most 64 KiB + 1 byte of each is read)."""
+        ``owners/``, then up to 16 records read at once; a record deleted while listed is left
+        out; at most 64 KiB + 1 byte of each is read). A read that fails raises (as
+        :class:`RemoteError`, under the retry policy) once every read started has ended."""
         directory = f"{self._root}/{OWNERS_DIR}"
 
         def read_one(item: tuple[str, str]) -> tuple[str, bytes | None]:
@@ -92,7 +93,7 @@ class BucketUpkeep:
         def read() -> dict[str, bytes]:
             named = ((parse_owner_name(path.rsplit("/", 1)[-1]), path) for path in self.backend.find(directory))
             wanted = [(run_id, path) for run_id, path in named if run_id is not None and run_id != besides]
-            found = run_parallel(read_one, wanted, OWNERS_AT_ONCE)
+            found = run_parallel(read_one, wanted, _OWNERS_AT_ONCE)
             return {run_id: data for run_id, data in found if data is not None}
 
         return self._requests.run(f"reading the owner records under {self.url}/{OWNERS_DIR}", read)

@@ -137,7 +137,9 @@ class AzureBackend(FsspecBackend):
         self.window = Window(part_concurrency)
 
     @classmethod
-    def client_options(cls, options: Mapping[str, Any], retry: RetryPolicy, *, connections: int) -> dict[str, Any]:
+    def client_options(
+        cls, options: Mapping[str, Any], retry: RetryPolicy, *, connections: int | None = None
+    ) -> dict[str, Any]:
         merged = super().client_options(options, retry, connections=connections)
         merged["skip_instance_cache"] = True  # its SDK client is replaced: never one another tier may hold
         merged.setdefault("use_listings_cache", False)
@@ -145,7 +147,7 @@ class AzureBackend(FsspecBackend):
 
     @classmethod
     def open_filesystem(
-        cls, url: str, options: Mapping[str, Any], retry: RetryPolicy, *, connections: int
+        cls, url: str, options: Mapping[str, Any], retry: RetryPolicy, *, connections: int | None = None
     ) -> tuple[Any, str]:
         rest = dict(options)
         endpoint = rest.pop("endpoint_url", None)

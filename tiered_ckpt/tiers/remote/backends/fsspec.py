@@ -67,17 +67,19 @@ class FsspecBackend:
         self.bucket = None if scheme is None else f"{scheme}://{self.root.partition('/')[0]}"
 
     @classmethod
-    def client_options(cls, options: Mapping[str, Any], retry: RetryPolicy, *, connections: int) -> dict[str, Any]:
+    def client_options(
+        cls, options: Mapping[str, Any], retry: RetryPolicy, *, connections: int | None = None
+    ) -> dict[str, Any]:
         """The fsspec options to open the filesystem with: the client's own retries off where it
         has a switch (ours are the only ones), request timeouts set, and where the client pools
-        its connections, ``connections`` of them unless the options say."""
+        its connections, ``connections`` of them (None: the client's default) unless the options say."""
         merged = dict(options)
         merged.setdefault("skip_instance_cache", True)  # an instance of our own: its settings are ours to change
         return merged
 
     @classmethod
     def open_filesystem(
-        cls, url: str, options: Mapping[str, Any], retry: RetryPolicy, *, connections: int
+        cls, url: str, options: Mapping[str, Any], retry: RetryPolicy, *, connections: int | None = None
     ) -> tuple[Any, str]:
         """The fsspec filesystem fsspec's registry opens for ``url`` with :meth:`client_options`,
         and the URL's path as that filesystem names it."""

@@ -33,7 +33,9 @@ class GcsBackend(FsspecBackend):
     READ_AHEAD = True
 
     @classmethod
-    def client_options(cls, options: Mapping[str, Any], retry: RetryPolicy, *, connections: int) -> dict[str, Any]:
+    def client_options(
+        cls, options: Mapping[str, Any], retry: RetryPolicy, *, connections: int | None = None
+    ) -> dict[str, Any]:
         merged = super().client_options(options, retry, connections=connections)
         merged.setdefault("requests_timeout", retry.timeout_seconds)
         return merged

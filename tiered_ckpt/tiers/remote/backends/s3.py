@@ -55,10 +55,13 @@ class S3Backend(FsspecBackend):
         fs.retries = 1  # s3fs's own retry loop (no constructor argument): ours are the only retries
 
     @classmethod
-    def client_options(cls, options: Mapping[str, Any], retry: RetryPolicy, *, connections: int) -> dict[str, Any]:
+    def client_options(
+        cls, options: Mapping[str, Any], retry: RetryPolicy, *, connections: int | None = None
+    ) -> dict[str, Any]:
         merged = super().client_options(options, retry, connections=connections)
         config = dict(merged.get("config_kwargs") or {})
-        config.setdefault("max_pool_connections", connections)
+        if connections is not None:
+            config.setdefault("max_pool_connections", connections)
         config.setdefault("connect_timeout", retry.timeout_seconds)
         config.setdefault("read_timeout", retry.timeout_seconds)
         config["retries"] = {"total_max_attempts": 1}  # ours are the only retries

@@ -189,7 +189,8 @@ class Sender:
         is logged (retention runs again after the next commit); any other is an :class:`UploadError`."""
         store, target = self._store, self._target
         try:
-            if self._coordinator.is_leader:
+            # a target that keeps every step deletes none: no other run's lease to look for
+            if self._coordinator.is_leader and not store.policy(target).keeps_everything:
                 others = other_runs(self._lease)
                 if others:
                     logger.warning(

@@ -236,6 +236,20 @@ def test_remote_retention_deletes_nothing_while_another_run_is_live(tmp_path, me
         assert manager.remote_steps() == [4]
 
 
+
+def test_a_bucket_that_keeps_every_step_looks_for_no_other_run_after_a_commit(tmp_path, memory_url, caplog):
+    url, options = memory_url
+    tier = RemoteTier(url, options)
+    tier.write_owner("ab" * 8, foreign_record("ab" * 8, renewed_at=1e12))
+    with CheckpointManager(tmp_path / "ckpt", world_size=1, remote=RemoteOptions(url)) as manager:  # keep_last=None
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
+            for step in (1, 2):
+                manager.save(step, [{"w": np.full(4, step, np.float32)}])
+                manager.wait(uploaded=True)
+        assert manager.remote_steps() == [1, 2]
+    assert not [record for record in caplog.records if "retention" in record.getMessage()]
+
 # -- the commit confirms every object once more -------------------------------------------
 
 

@@ -236,19 +236,27 @@ def test_remote_retention_deletes_nothing_while_another_run_is_live(tmp_path, me
         assert manager.remote_steps() == [4]
 
 
+def test_a_bucket_that_keeps_every_step_looks_for_no_other_run_after_a_commit(
+    tmp_path, memory_url, caplog, monkeypatch
+):
+    from tiered_ckpt.engine import sending
 
-def test_a_bucket_that_keeps_every_step_looks_for_no_other_run_after_a_commit(tmp_path, memory_url, caplog):
+    looked = []
+    monkeypatch.setattr(sending, "other_runs", lambda lease: looked.append(lease) or ["ab" * 8])
     url, options = memory_url
-    tier = RemoteTier(url, options)
-    tier.write_owner("ab" * 8, foreign_record("ab" * 8, renewed_at=1e12))
-    with CheckpointManager(tmp_path / "ckpt", world_size=1, remote=RemoteOptions(url)) as manager:  # keep_last=None
+    for keep_last, looks in ((None, 0), (1, 2)):  # keep_last=None: the default, deletes nothing
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
-            for step in (1, 2):
-                manager.save(step, [{"w": np.full(4, step, np.float32)}])
-                manager.wait(uploaded=True)
-        assert manager.remote_steps() == [1, 2]
-    assert not [record for record in caplog.records if "retention" in record.getMessage()]
+        looked.clear()
+        remote = RemoteOptions(f"{url}/keep-{keep_last}", keep_last=keep_last)
+        with CheckpointManager(tmp_path / f"ckpt-{keep_last}", world_size=1, remote=remote) as manager:
+            with caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
+                for step in (1, 2):
+                    manager.save(step, [{"w": np.full(4, step, np.float32)}])
+                    manager.wait(uploaded=True)
+        assert len(looked) == looks
+        skipped = [record for record in caplog.records if "retention of" in record.getMessage()]
+        assert len(skipped) == looks  # warned each time it looked and found another run
+
 
 # -- the commit confirms every object once more -------------------------------------------
 

@@ -10,9 +10,10 @@ import pytest
 
 from support.processes import launch_ranks
 from support.states import flip_byte
-from tiered_ckpt import CheckpointManager, InvalidStateError, RemoteOptions
-from tiered_ckpt.format.layout import AGREEMENT_NAME, shard_name, step_dir_name
+from tiered_ckpt import CheckpointManager, InvalidStateError, ManifestError, RemoteOptions
+from tiered_ckpt.format.layout import AGREEMENT_NAME, MANIFEST_NAME, shard_name, step_dir_name
 from tiered_ckpt.tiers.local import LocalTier
+from tiered_ckpt.tiers.remote.backends.wrappers import Counting
 
 
 def many_arrays(world_size: int = 4, count: int = 300) -> list[dict[str, np.ndarray]]:
@@ -122,6 +123,42 @@ def test_a_node_with_an_empty_disk_reads_from_the_bucket_without_a_warning(uploa
     assert restored.sources == {0: "remote", 1: "remote"}
     assert records(caplog, "WARNING") == []  # nothing was damaged: this disk never held the step
     assert sum("not on this node's disk; read from" in line for line in records(caplog, "INFO")) == 2
+
+
+def test_a_restore_from_the_disk_asks_the_bucket_for_its_manifest_once(uploaded, monkeypatch):
+    directory, url, options, states = uploaded
+    with CheckpointManager(directory, world_size=2, remote=RemoteOptions(url, storage_options=options)) as manager:
+        asked = []
+        for name in ("exists", "head", "read"):
+            method = getattr(Counting, name)
+            monkeypatch.setattr(
+                Counting,
+                name,
+                lambda self, path, *a, _method=method, _name=name, **kw: (
+                    asked.append((_name, path.rsplit("/", 1)[-1])),
+                    _method(self, path, *a, **kw),
+                )[1],
+            )
+        restored = manager.restore()
+    assert restored.sources == {0: "local", 1: "local"}
+    # the listing reads the newest step's manifest, and the disk's copy is checked against it
+    assert [call for call in asked if call[1] == MANIFEST_NAME] == [("read", MANIFEST_NAME)]
+
+
+def test_a_disks_step_unlike_the_buckets_is_refused(uploaded, tmp_path):
+    directory, url, options, states = uploaded
+    other = [{"w": np.arange(50_000, dtype=np.float32) * 2 + rank} for rank in range(2)]
+    with CheckpointManager(tmp_path / "other", world_size=2) as manager:
+        manager.save(1, other, blocking=True)
+    kept = {path.name for path in (directory / step_dir_name(1)).iterdir()}
+    for path in (tmp_path / "other" / step_dir_name(1)).iterdir():  # the receipt of the bucket's commit stays
+        shutil.copy(path, directory / step_dir_name(1) / path.name)
+    assert kept > {path.name for path in (tmp_path / "other" / step_dir_name(1)).iterdir()}
+    with CheckpointManager(directory, world_size=2, remote=RemoteOptions(url, storage_options=options)) as manager:
+        with pytest.raises(
+            ManifestError, match="the local and remote manifests of step 1 describe different checkpoints"
+        ):
+            manager.restore()
 
 
 def test_an_io_error_on_a_local_shard_restores_from_the_bucket_and_refills_it(uploaded, caplog, monkeypatch):

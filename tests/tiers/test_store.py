@@ -7,7 +7,15 @@ import pytest
 
 from support.memory_tier import MemoryTier
 from support.states import flip_byte
-from tiered_ckpt import ChecksumMismatchError, IncompleteCheckpointError, UsageError, cli, load_sharded, save_sharded
+from tiered_ckpt import (
+    ChecksumMismatchError,
+    IncompleteCheckpointError,
+    ManifestError,
+    UsageError,
+    cli,
+    load_sharded,
+    save_sharded,
+)
 from tiered_ckpt.format.layout import step_dir_name
 from tiered_ckpt.maintenance import pull
 from tiered_ckpt.tiers import survey
@@ -275,13 +283,36 @@ def job_dirs(tmp_path, memory_url):
     return store
 
 
+def test_a_disks_manifest_is_checked_against_the_leaders_digest_of_the_buckets(job_dirs, monkeypatch):
+    store = job_dirs
+    with store.local.lock():
+        store.record_commit(2, store.remote, store.remote.read_manifest(2))  # the receipt an upload leaves
+    first, second = (store.remote.read_manifest(step).manifest.shards_digest() for step in (1, 2))
+    read, reads = store.remote.read_manifest, []
+    monkeypatch.setattr(store.remote, "read_manifest", lambda step: (reads.append(step), read(step))[1])
+
+    manifest, remote = store.manifests(2, in_local=True, in_remote=True, bucket_shards=second)
+    assert manifest == store.local.manifest(2) and remote is None and reads == []
+    with pytest.raises(ManifestError, match="manifests of step 2 describe different checkpoints"):
+        store.manifests(2, in_local=True, in_remote=True, bucket_shards=first)
+    assert reads == []
+    # Without the receipt, the bucket's manifest is read: a refill of the step writes it as one
+    manifest, remote = store.manifests(1, in_local=True, in_remote=True, bucket_shards=first)
+    assert reads == [1] and remote.manifest == manifest
+    # A damaged local manifest: the bucket's is read and used
+    (store.local.step_dir(2) / "manifest.json").write_text("{")
+    manifest, remote = store.manifests(2, in_local=True, in_remote=True, bucket_shards=second)
+    assert reads == [1, 2] and manifest == remote.manifest and manifest.shards_digest() == second
+
+
 def delete_first(monkeypatch, owner, name: str, step: int, delete) -> None:
     """Make ``owner.name(step, ...)`` first ``delete()`` the step (really, as retention does), once."""
     read, done = getattr(owner, name), []
 
     def deleting(*args, **kwargs):
         if step in args[:2] and not done:  # (step, ...) on an instance; (self, step, ...) on a class
-            done.append(delete())
+            done.append(step)  # before the deletion, which may read the step itself (a listing does)
+            delete()
         return read(*args, **kwargs)
 
     monkeypatch.setattr(owner, name, deleting)

@@ -140,7 +140,9 @@ class Restorer:
         # None for a bucket that did not answer its listing while the disks serve the step: a copy
         # that fails there is still asked of it (it may hold one), last.
         committed = agreed.committed(restored)
-        loaded = self._load(restored, committed, world_size, reshard, verify, into, selected)
+        loaded = self._load(
+            restored, committed, world_size, reshard, verify, into, selected, agreed.choice.bucket_shards
+        )
         try:
             return self._finish(agreed, restored, loaded, started)
         finally:  # the copies read from memory land once the restore's collectives are over (they verified)
@@ -155,13 +157,17 @@ class Restorer:
         verify: Verify,
         into: Sequence[State] | State | None,
         selected: tuple[str | tuple[str | int, ...], ...] | None,
+        bucket_shards: str | None,
     ) -> Attempt[ShardsRead]:
         """Step 3 of :meth:`restore` for the agreed step ``restored``, up to this process's reads
-        (with a peer tier, the collectives of its fetches included); a failure is kept, not raised."""
+        (with a peer tier, the collectives of its fetches included); a failure is kept, not raised.
+        ``bucket_shards``: the leader's digest of the bucket's manifest (see :class:`StepChoice`)."""
 
         def load() -> Attempt[ShardsRead]:
             return Attempt.run(
-                lambda: self._reader.load(restored, committed, world_size, reshard, verify, into, selected)
+                lambda: self._reader.load(
+                    restored, committed, world_size, reshard, verify, into, selected, bucket_shards=bucket_shards
+                )
             )
 
         preparing = [cast(PreparedReads, tier) for tier in self._store.later if tier.capabilities.prepared_reads]

@@ -86,12 +86,16 @@ class ShardReader:
         verify: Verify,
         into: Sequence[State] | State | None,
         paths: Selection | None = None,
+        *,
+        bucket_shards: str | None = None,
     ) -> ShardsRead:
         """This process's reads of a restore of ``step`` on ``target`` ranks (see the module doc):
         its ranks' verified states, all but the arrays other processes send; with ``paths``,
         only the parts of the states under them. ``committed``: by shared, durable tier (a
         bucket), whether it committed the step (None: it could not be listed; its copies are
-        still tried). Errors name the step."""
+        still tried); ``bucket_shards``: the digest a disk's manifest is checked against instead
+        of reading the bucket's (see :meth:`~tiered_ckpt.tiers.store.TieredStore.manifests`).
+        Errors name the step."""
         store = self._store
         in_local = step in store.local.steps()
         into_list = [into] if isinstance(into, Mapping) else into
@@ -103,7 +107,9 @@ class ShardReader:
                 else None
             )
             in_remote = any(value is True for value in committed.values())
-            manifest, remote = store.manifests(step, in_local=in_local, in_remote=in_remote)
+            manifest, remote = store.manifests(
+                step, in_local=in_local, in_remote=in_remote, bucket_shards=bucket_shards
+            )
             given = None if into_list is None else len(into_list)
             request = RestoreRequest(self._ranks, target, self._one_process, reshard, given)
             holdings = self._holdings(manifest, needed_ranks(manifest, request), committed)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, gather, leader_decides
 from tiered_ckpt.engine.step_decision import (
@@ -102,7 +102,8 @@ class StepChooser:
         holdings = Holdings(tuple(reports), self._tiers, self._world_size)
 
         def choose() -> StepChoice:
-            return holdings.choose(step, missing_ok, reshard, self._list_again(step, holdings))
+            choice = holdings.choose(step, missing_ok, reshard, self._list_again(step, holdings))
+            return replace(choice, bucket_shards=self._bucket_shards(choice, holdings))
 
         chosen = leader_decides(self._coordinator, "restore: choice", StepChoice, choose)
         listed = dict(chosen.listed)
@@ -146,6 +147,24 @@ class StepChooser:
                     transient=True,
                 ) from exc
         return listed
+
+    def _bucket_shards(self, choice: StepChoice, holdings: Holdings) -> str | None:
+        """Leader: the digest of the shard records of the bucket's manifest of the chosen step,
+        for the processes whose disk holds the step to check their copy against, instead of each
+        reading the bucket's (a request a process, of a document that grows with the ranks). The
+        listing just read the newest step's, so that one costs no request. None where no disk
+        holds the step, the bucket did not commit it, or its manifest could not be read (each
+        process then reads it itself, and meets the error)."""
+        bucket, chosen = self._store.remote, choice.step
+        if bucket is None or chosen is None or chosen not in holdings.disks.steps():
+            return None
+        if chosen not in (holdings.shared(dict(choice.listed)).get(bucket.name) or ()):
+            return None
+        try:
+            remote = bucket.known_manifest(chosen) or bucket.read_manifest(chosen)
+        except CheckpointError:
+            return None
+        return remote.manifest.shards_digest()
 
     def _report(self, arguments: str, world_size: int, checked: Attempt[None]) -> StepReport:
         checked.done()

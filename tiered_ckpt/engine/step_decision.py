@@ -61,11 +61,15 @@ class StepReport:
 class StepChoice:
     """The step every process restores (None: none), the unfinished saves every process deletes,
     and the shared tiers the leader listed while choosing (their first listing having failed),
-    by name with their committed steps."""
+    by name with their committed steps; ``bucket_shards``: the
+    :meth:`~tiered_ckpt.format.manifest.ShardManifest.shards_digest` of the bucket's manifest
+    of the step, as the leader read it, for the disks' copies to be checked against (None: not
+    read; a process whose disk holds the step reads it itself)."""
 
     step: int | None
     unfinished: tuple[int, ...] = ()
     listed: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    bucket_shards: str | None = None
 
 
 @dataclass(frozen=True)

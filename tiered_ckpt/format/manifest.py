@@ -9,6 +9,8 @@ in rank order. Anything else raises :class:`ManifestError` naming the file and f
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import InitVar, dataclass
@@ -304,6 +306,13 @@ class ShardManifest:
     def total_numel(self) -> int:
         """Length of the flat parameter vector the shards slice."""
         return sum(record.param_shard_numel for record in self.shards)
+
+    def shards_digest(self) -> str:
+        """The sha256 of the shard records (as the manifest's JSON holds them): equal for two
+        manifests whose records are equal, whatever else differs (when each was committed)."""
+        with cyclic_gc_paused():  # a dict per rank: see io/gc_pause.py
+            records = json.dumps([record.to_dict() for record in self.shards], sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(records.encode()).hexdigest()
 
     def to_json(self) -> str:
         """Serialise to the JSON document :meth:`from_json` reads back unchanged."""

@@ -56,6 +56,11 @@ class ReceiptedTier(Tier, Protocol):
         """The record of committed ``step``'s commit, as :meth:`Tier.commit` returned it, strictly validated."""
         ...
 
+    def known_manifest(self, step: int) -> RemoteManifest | None:
+        """:meth:`read_manifest`'s record of ``step`` if this tier read or wrote it last and has not
+        deleted the step since (no request); else None."""
+        ...
+
 
 class LeasedTier(Tier, OwnerRecords, Protocol):
     """A tier with ``capabilities.leases``: it keeps the runs' owner records (see

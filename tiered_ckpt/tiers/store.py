@@ -208,13 +208,31 @@ class TieredStore:
             raise UsageError(f"only a tier with receipts has its commits recorded, not {tier!r}")
         self.local.write_receipt(step, tier.url, committed)
 
-    def manifests(self, step: int, *, in_local: bool, in_remote: bool) -> tuple[ShardManifest, RemoteManifest | None]:
+    def manifests(
+        self, step: int, *, in_local: bool, in_remote: bool, bucket_shards: str | None = None
+    ) -> tuple[ShardManifest, RemoteManifest | None]:
         """The step's manifest (the local one if it validates, else a later tier's that is not the
         bucket, else the bucket's) and the bucket's remote manifest (``in_*``: whether each
-        tier committed the step; None when a nearer tier's manifest was used instead).
+        tier committed the step; None when a nearer tier's manifest was used instead, or when
+        ``bucket_shards`` stood for it).
+
+        ``bucket_shards``: the :meth:`~tiered_ckpt.format.manifest.ShardManifest.shards_digest`
+        of the bucket's manifest, as a restore's leader read it; a valid local manifest of a
+        step with the bucket's receipt is checked against it and the bucket is not asked (one
+        read a restore, not one a process; a step without the receipt reads the bucket's, whose
+        record a refill of the step writes as its receipt).
 
         Raises :class:`ManifestError` if the two describe different checkpoints.
         """
+        if in_local and in_remote and bucket_shards is not None and self.receipted(step):
+            try:
+                local = self.local.manifest(step)
+            except ManifestError:
+                pass  # read the bucket's below
+            else:
+                if local.shards_digest() != bucket_shards:
+                    raise _different_checkpoints(step)
+                return local, None
         if not in_local:  # a nearer copy's manifest first: reading the bucket's costs a request
             for tier in self.later:
                 if tier is not self.remote:
@@ -222,7 +240,9 @@ class TieredStore:
                         return tier.manifest(step), None
                     except CheckpointError:
                         continue
-        remote = self.remote.read_manifest(step) if in_remote and self.remote is not None else None
+        remote = None
+        if in_remote and self.remote is not None:  # the one a listing just read costs no request
+            remote = self.remote.known_manifest(step) or self.remote.read_manifest(step)
         if not in_local:
             if remote is None:
                 raise IncompleteCheckpointError(f"{self.where()}: step {step} is committed in no tier")
@@ -235,7 +255,7 @@ class TieredStore:
             logger.warning("the local manifest of step %d is damaged; using the remote one", step)
             return remote.manifest, remote
         if remote is not None and remote.manifest.shards != local.shards:
-            raise ManifestError(f"the local and remote manifests of step {step} describe different checkpoints")
+            raise _different_checkpoints(step)
         return local, remote
 
     # -- reading shards ---------------------------------------------------------------------
@@ -662,6 +682,10 @@ class TieredStore:
                 self.local.record_held(step, manifest, (held or set()) | set(fetched))
         if remote is not None and self.remote is not None and not self.receipted(step):
             self.record_commit(step, self.remote, remote)
+
+
+def _different_checkpoints(step: int) -> ManifestError:
+    return ManifestError(f"the local and remote manifests of step {step} describe different checkpoints")
 
 
 def _copy_in_memory(tier: Tier, step: int, record: ShardRecord) -> memoryview | None:

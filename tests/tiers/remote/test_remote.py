@@ -119,6 +119,44 @@ def test_a_listing_checks_its_steps_manifests_at_once(memory_url, tmp_path):
     assert tier.uncommitted_steps() == [1, 2, 3, 4, 5]
 
 
+def test_a_listing_reads_its_newest_steps_manifest_and_keeps_it_until_the_step_is_deleted(remote_url, saved):
+    directory, manifest = saved
+    writer = RemoteTier(*remote_url)
+    older = dataclasses.replace(manifest, step=2, source="step 2")
+    writer.commit(older, landed=upload_all(writer, directory, older))
+    writer.commit(manifest, landed=upload_all(writer, directory, manifest))
+    writer.backend.put_bytes(writer._path(4, manifest.shard(0).path), b"x")  # a newer step, not committed
+    tier = RemoteTier(*remote_url)  # a fresh process's: nothing read yet
+    calls = []
+    for name in ("exists", "read"):
+        method = getattr(tier.backend, name)
+        setattr(
+            tier.backend,
+            name,
+            lambda path, *a, _method=method, _name=name, **kw: (calls.append((_name, path)), _method(path, *a, **kw))[
+                1
+            ],
+        )
+    assert tier.list_steps() == ([2, 3], [4])
+    asked = sorted((name, path) for name, path in calls if path.endswith(MANIFEST_NAME))
+    # the newest listed step's manifest is read (it is not there), the others' only checked
+    assert asked == sorted(
+        [
+            ("exists", tier._path(2, MANIFEST_NAME)),
+            ("exists", tier._path(3, MANIFEST_NAME)),
+            ("read", tier._path(4, MANIFEST_NAME)),
+        ]
+    )
+    assert tier.known_manifest(4) is None and tier.known_manifest(3) is None
+    tier.backend.delete_prefix(tier._path(4))
+    calls.clear()
+    assert tier.steps() == [2, 3]
+    assert ("read", tier._path(3, MANIFEST_NAME)) in calls
+    assert tier.known_manifest(3).manifest == manifest and tier.known_manifest(2) is None
+    tier.delete_step(3)
+    assert tier.known_manifest(3) is None
+
+
 def test_commit_is_create_only(tier, saved, tmp_path):
     directory, manifest = saved
     landed = upload_all(tier, directory, manifest)

@@ -30,7 +30,7 @@ import logging
 from tiered_ckpt.errors import CheckpointError, ManifestError, RemoteError
 from tiered_ckpt.format.layout import KEPT_NAME, MANIFEST_NAME
 from tiered_ckpt.format.manifest import ShardRecord
-from tiered_ckpt.format.remote_manifest import RemoteManifest, StoredObject, referenced_key
+from tiered_ckpt.format.remote_manifest import StoredObject, referenced_key
 from tiered_ckpt.tiers.remote.compression import object_name
 from tiered_ckpt.tiers.remote.listing import BucketListing
 
@@ -47,10 +47,6 @@ class KeptObjects(BucketListing):
     listing (:meth:`survey`) and its remote manifests (:meth:`read_manifest`) to keep them."""
 
     _referenced: dict[str, tuple[StoredObject, str]]  # the remote tier's: what manifests read here say
-
-    def read_manifest(self, step: int) -> RemoteManifest:
-        """The remote manifest of ``step``, validated (the remote tier's)."""
-        raise NotImplementedError
 
     def mark_kept(self, step: int, deadline: float | None = None) -> None:
         """Put the kept mark in ``step``'s prefix (before a commit referencing its files, or before

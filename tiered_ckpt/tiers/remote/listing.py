@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from tiered_ckpt.errors import ManifestError, RemoteError
 from tiered_ckpt.format.layout import KEPT_NAME, MANIFEST_NAME, parse_step_dir_name, step_dir_name
+from tiered_ckpt.format.remote_manifest import RemoteManifest
 from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.tiers.remote.requests import Requests
 
@@ -32,6 +34,10 @@ class BucketListing:
     backend: Any  # the tier's Backend (only the object-store tier itself imports the backends)
     _root: str
     _requests: Requests
+
+    def read_manifest(self, step: int) -> RemoteManifest:
+        """The remote manifest of ``step``, validated (the remote tier's)."""
+        raise NotImplementedError
 
     def _path(self, step: int, name: str | None = None) -> str:
         prefix = f"{self._root}/{step_dir_name(step)}"
@@ -61,7 +67,8 @@ class BucketListing:
         mark but no manifest (files later steps reference), each oldest first.
 
         Each request (the listing, then one check of each step's manifest, and of the mark where
-        there is none; :data:`CHECKS_AT_ONCE` checks at a time) is tried on its own under the
+        there is none; :data:`CHECKS_AT_ONCE` checks at a time; the newest step's manifest is
+        read whole and kept: see ``RemoteTier.known_manifest``) is tried on its own under the
         retry policy: a listing of many steps goes through a store that fails a share of its
         requests as surely as one of a few steps.
         ``once``: the first request is tried once (a caller that can do without the bucket learns
@@ -73,7 +80,22 @@ class BucketListing:
             path = self._path(step, name)
             return bool(self._requests.run(f"checking {self.location(step, name)}", lambda: self.backend.exists(path)))
 
-        found = run_parallel(lambda step: holds(step, MANIFEST_NAME), steps, CHECKS_AT_ONCE)
+        def committed_here(step: int) -> bool:
+            # The newest step's manifest is read, not only checked: it is the one a restore asks
+            # for next (see :meth:`known_manifest`), and reading it costs the same one request.
+            if step != steps[-1]:
+                return holds(step, MANIFEST_NAME)
+            try:
+                self.read_manifest(step)
+            except ManifestError:
+                return True  # there, but damaged: the reader of the step meets the error
+            except RemoteError as exc:
+                if isinstance(exc.__cause__, FileNotFoundError):
+                    return False
+                raise
+            return True
+
+        found = run_parallel(committed_here, steps, CHECKS_AT_ONCE)
         committed = {step for step, held in zip(steps, found, strict=True) if held}
         rest = [step for step in steps if step not in committed]
         marked = run_parallel(lambda step: holds(step, KEPT_NAME), rest, CHECKS_AT_ONCE)

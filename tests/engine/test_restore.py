@@ -3,6 +3,7 @@
 import logging
 import re
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ from tiered_ckpt import CheckpointManager, InvalidStateError, ManifestError, Rem
 from tiered_ckpt.format.layout import AGREEMENT_NAME, MANIFEST_NAME, shard_name, step_dir_name
 from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.remote.backends.wrappers import Counting
+from tiered_ckpt.tiers.remote.tier import RemoteTier
 
 
 def many_arrays(world_size: int = 4, count: int = 300) -> list[dict[str, np.ndarray]]:
@@ -125,24 +127,55 @@ def test_a_node_with_an_empty_disk_reads_from_the_bucket_without_a_warning(uploa
     assert sum("not on this node's disk; read from" in line for line in records(caplog, "INFO")) == 2
 
 
-def test_a_restore_from_the_disk_asks_the_bucket_for_its_manifest_once(uploaded, monkeypatch):
+def test_a_restore_from_the_disk_asks_the_bucket_for_its_manifest_once_beside_the_listing(uploaded, monkeypatch):
     directory, url, options, states = uploaded
     with CheckpointManager(directory, world_size=2, remote=RemoteOptions(url, storage_options=options)) as manager:
-        asked = []
+        asked, read_done = [], threading.Event()
         for name in ("exists", "head", "read"):
             method = getattr(Counting, name)
-            monkeypatch.setattr(
-                Counting,
-                name,
-                lambda self, path, *a, _method=method, _name=name, **kw: (
-                    asked.append((_name, path.rsplit("/", 1)[-1])),
-                    _method(self, path, *a, **kw),
-                )[1],
-            )
+
+            def recorded(self, path, *a, _method=method, _name=name, **kw):
+                result = _method(self, path, *a, **kw)
+                asked.append((_name, path.rsplit("/", 1)[-1]))
+                read_done.set()
+                return result
+
+            monkeypatch.setattr(Counting, name, recorded)
+        list_names = Counting.list_names
+
+        def listing(self, prefix):
+            asked.append(("list", read_done.wait(timeout=60)))  # one after the other, it would wait in vain
+            return list_names(self, prefix)
+
+        monkeypatch.setattr(Counting, "list_names", listing)
         restored = manager.restore()
     assert restored.sources == {0: "local", 1: "local"}
-    # the listing reads the newest step's manifest, and the disk's copy is checked against it
-    assert [call for call in asked if call[1] == MANIFEST_NAME] == [("read", MANIFEST_NAME)]
+    # the disk's step's manifest is read beside the listing, and the disk's copy checked against it
+    assert [call for call in asked if call[1] in (MANIFEST_NAME, True, False)] == [
+        ("read", MANIFEST_NAME),
+        ("list", True),
+    ]
+
+
+def test_a_shard_repaired_after_the_digest_check_is_read_and_named_as_the_bucket_stores_it(
+    tmp_path, memory_url, caplog
+):
+    url, options = memory_url
+    states = [{"w": np.arange(50_000, dtype=np.float32) + rank} for rank in range(2)]
+    writer = RemoteOptions(url, storage_options=options, layout="hashed", compression="zstd")
+    with CheckpointManager(tmp_path / "node", world_size=2, remote=writer) as manager:
+        manager.save(1, states, blocking=True)
+        manager.wait(uploaded=True)
+    flip_byte(tmp_path / "node" / step_dir_name(1) / shard_name(1, 2), 1000)
+    # a reader's own options say flat and uncompressed: only the bucket's manifest says where the object is
+    restored = restore_logged(caplog, tmp_path / "node", url, options)
+    assert restored.sources == {0: "local", 1: "remote"}
+    assert restored.states[1]["w"].tobytes() == states[1]["w"].tobytes()
+    stored = RemoteTier(url, options, layout="hashed").object_name(1, shard_name(1, 2)) + ".zst"
+    (warning,) = records(caplog, "WARNING")
+    assert warning.startswith(f"step 1 rank 1: repaired the local copy from {url}/{step_dir_name(1)}/{stored};"), (
+        warning
+    )
 
 
 def test_a_disks_step_unlike_the_buckets_is_refused(uploaded, tmp_path):
@@ -193,6 +226,16 @@ def two_rank_disks(tmp_path_factory) -> Path:
     saved = run_ranks(root, 2, [{"do": "save", "step": 1}, {"do": "save", "step": 2}, {"do": "wait"}])
     assert all("error" not in result for result in saved.values()), saved
     return root
+
+
+@pytest.mark.slow
+def test_ranks_restoring_from_their_disks_leave_the_buckets_manifest_to_the_leader(tmp_path, file_url):
+    saved = run_ranks(tmp_path, 2, [{"do": "save", "step": 1}, {"do": "wait"}], remote=file_url)
+    assert all("error" not in result for result in saved.values()), saved
+    results = run_ranks(tmp_path, 2, [{"do": "restore", "count_manifest_reads": True}], remote=file_url)
+    assert [results[rank]["restored"]["sources"] for rank in (0, 1)] == [{"0": "local"}, {"1": "local"}], results
+    # the leader's read, beside its listing, checks both disks' copies: not a read a rank
+    assert [results[rank]["manifest_reads"] for rank in (0, 1)] == [[1], []]
 
 
 @pytest.mark.slow

@@ -17,7 +17,8 @@ metrics rank R passes; "replicated_on_ranks": [R...], the ranks that save with r
 {"do": "steps"} (records the local steps as "steps"), {"do": "wait"} (until
 uploaded), {"do": "drain_uploads", "rank": R} (rank R waits for its uploader without
 raising its errors), {"do": "restore",
-"reshard": bool}, {"do": "restore_if_any"} (records None), {"do": "collectives"} (records the errors of
+"reshard": bool, "count_manifest_reads": bool} (records the steps of the bucket's manifests it read as
+"manifest_reads"), {"do": "restore_if_any"} (records None), {"do": "collectives"} (records the errors of
 collectives one rank fails: "agree_error", "decide_error", "foreign_error"), and
 {"do": "kill", "rank": R, "at": POINT} which makes rank R SIGKILL itself during its
 next save at POINT: "after-shard" (its shard is durable, the commit not agreed) or
@@ -65,6 +66,7 @@ from tiered_ckpt import (
 from tiered_ckpt.dist.coordination import gather, leader_decides, to_payload
 from tiered_ckpt.engine import writer
 from tiered_ckpt.tiers import local
+from tiered_ckpt.tiers.remote.tier import RemoteTier
 
 TOTAL_NUMEL = 1003
 
@@ -213,7 +215,14 @@ def act(
     elif action["do"] == "restore_if_any":
         result["restored_if_any"] = checkpoints.restore(missing_ok=True)
     elif action["do"] == "restore":
-        restored = checkpoints.restore(reshard=action.get("reshard", False))
+        read_manifest, reads = RemoteTier.read_manifest, []
+        if action.get("count_manifest_reads"):
+            RemoteTier.read_manifest = lambda tier, step, **kw: (reads.append(step), read_manifest(tier, step, **kw))[1]
+        try:
+            restored = checkpoints.restore(reshard=action.get("reshard", False))
+        finally:
+            RemoteTier.read_manifest = read_manifest
+        result["manifest_reads"] = reads
         result["restored"] = {
             "step": restored.step,
             "sources": {str(old): tier for old, tier in restored.sources.items()},

@@ -1,5 +1,6 @@
 """The store's chain (the local copy, else each later tier in order, verified and landed locally) on real files."""
 
+import logging
 import os
 
 import numpy as np
@@ -8,9 +9,11 @@ import pytest
 from support.memory_tier import MemoryTier
 from support.states import flip_byte
 from tiered_ckpt import (
+    CheckpointManager,
     ChecksumMismatchError,
     IncompleteCheckpointError,
     ManifestError,
+    RemoteOptions,
     UsageError,
     cli,
     load_sharded,
@@ -303,6 +306,28 @@ def test_a_disks_manifest_is_checked_against_the_leaders_digest_of_the_buckets(j
     (store.local.step_dir(2) / "manifest.json").write_text("{")
     manifest, remote = store.manifests(2, in_local=True, in_remote=True, bucket_shards=second)
     assert reads == [1, 2] and manifest == remote.manifest and manifest.shards_digest() == second
+
+
+def test_a_bucket_read_after_the_digest_check_reads_the_buckets_manifest_first(tmp_path, memory_url, caplog):
+    url, options = memory_url
+    states = [{"w": np.arange(50_000, dtype=np.float32) + rank} for rank in range(2)]
+    writer = RemoteOptions(url, storage_options=options, layout="hashed", compression="zstd")
+    with CheckpointManager(tmp_path / "node", world_size=2, remote=writer) as manager:
+        manager.save(1, states, blocking=True)
+        manager.wait(uploaded=True)
+    # a process that never read the bucket's manifest; its options say flat and uncompressed
+    store = TieredStore([LocalTier(tmp_path / "node"), RemoteTier(url, options)])
+    digest = RemoteTier(url, options).read_manifest(1).manifest.shards_digest()
+    manifest, remote = store.manifests(1, in_local=True, in_remote=True, bucket_shards=digest)
+    assert remote is None
+    record = manifest.shard(1)
+    flip_byte(store.local.shard_path(1, record), 1000)
+    with store.local.lock(), caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
+        fetched = store.fetch_shard(1, record)
+    assert fetched.source == "remote" and fetched.state.arrays["w"].tobytes() == states[1]["w"].tobytes()
+    stored = RemoteTier(url, options, layout="hashed").object_name(1, record.path) + ".zst"
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert f"repaired the local copy from {url}/{step_dir_name(1)}/{stored};" in warning, warning
 
 
 def delete_first(monkeypatch, owner, name: str, step: int, delete) -> None:

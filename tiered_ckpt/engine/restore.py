@@ -263,7 +263,10 @@ class Restorer:
         assert chosen is not None  # missing_ok=False raises instead
         in_local = chosen in self._store.local.steps()
         in_remote = chosen in agreed.remote_steps
-        found = Attempt.run(lambda: self._store.manifests(chosen, in_local=in_local, in_remote=in_remote))
+        shards = agreed.choice.bucket_shards
+        found = Attempt.run(
+            lambda: self._store.manifests(chosen, in_local=in_local, in_remote=in_remote, bucket_shards=shards)
+        )
         gather(self._coordinator, "locate: manifest", Done, found.done)
         manifest, _remote = found.value
         return manifest

@@ -34,6 +34,7 @@ from tiered_ckpt.engine.step_decision import (
     called,
 )
 from tiered_ckpt.errors import CheckpointError, InvalidStateError, ManifestError, RemoteError, UsageError
+from tiered_ckpt.tiers.abilities import receipts_of
 from tiered_ckpt.tiers.base import Tier
 from tiered_ckpt.tiers.store import TieredStore
 
@@ -96,7 +97,7 @@ class StepChooser:
         checks: if they failed, their error is raised inside the first collective, so every
         rank raises."""
         reports = gather(
-            self._coordinator, "restore: steps", StepReport, lambda: self._report(arguments, world_size, checked)
+            self._coordinator, "restore: steps", StepReport, lambda: self._report(step, arguments, world_size, checked)
         )
         same_call([report.arguments for report in reports], "restore")
         holdings = Holdings(tuple(reports), self._tiers, self._world_size)
@@ -152,21 +153,25 @@ class StepChooser:
         """Leader: the digest of the shard records of the bucket's manifest of the chosen step,
         for the processes whose disk holds the step to check their copy against, instead of each
         reading the bucket's (a request a process, of a document that grows with the ranks). The
-        listing just read the newest step's, so that one costs no request. None where no disk
+        listing read the step it expected beside it (:meth:`_shared_held`): that one costs no
+        request. None where no disk
         holds the step, the bucket did not commit it, or its manifest could not be read (each
         process then reads it itself, and meets the error)."""
         bucket, chosen = self._store.remote, choice.step
-        if bucket is None or chosen is None or chosen not in holdings.disks.steps():
+        if bucket is None or chosen is None:
+            return None
+        expected = bucket.take_expected(chosen)  # let go whatever follows
+        if chosen not in holdings.disks.steps():
             return None
         if chosen not in (holdings.shared(dict(choice.listed)).get(bucket.name) or ()):
             return None
         try:
-            remote = bucket.known_manifest(chosen) or bucket.read_manifest(chosen)
+            remote = expected or bucket.read_manifest(chosen)
         except CheckpointError:
             return None
         return remote.manifest.shards_digest()
 
-    def _report(self, arguments: str, world_size: int, checked: Attempt[None]) -> StepReport:
+    def _report(self, step: int | None, arguments: str, world_size: int, checked: Attempt[None]) -> StepReport:
         checked.done()
         if not self._one_process and world_size != self._world_size:
             raise UsageError(f"with one process per rank the world size is the coordinator's, {self._world_size}")
@@ -183,21 +188,26 @@ class StepChooser:
             if not tier.capabilities.shared:
                 tiers.append((tier.name, self._node_held(tier)))
                 continue
-            listed, why = self._shared_held(tier)
+            held = (held_step for _name, holdings in tiers for held_step, _by, _ranks in holdings or ())
+            listed, why = self._shared_held(tier, step if step is not None else max(held, default=None))
             tiers.append((tier.name, listed))
             if why is not None:
                 down.append((tier.name, why))
         agreed = tuple((step, disk.agreement(step)) for step, _saved_by, _ranks in on_disk)
         return StepReport(arguments, tuple(tiers), agreed, tuple(down))
 
-    def _shared_held(self, tier: Tier) -> tuple[tuple[Holding, ...] | None, str | None]:
+    def _shared_held(self, tier: Tier, expect: int | None) -> tuple[tuple[Holding, ...] | None, str | None]:
         """Leader: ``tier``'s committed steps, its first request tried once (a tier that does not
         answer costs a restore the disks can serve one request, see :meth:`_list_again`), or why
-        they could not be listed; other processes: nothing (every node sees the same)."""
+        they could not be listed; other processes: nothing (every node sees the same).
+        ``expect``: the step asked for, or the newest the tiers before ``tier`` hold here; a
+        bucket reads its manifest beside the listing (see :meth:`_bucket_shards`)."""
         if not self._coordinator.is_leader:
             return None, None
+        bucket = receipts_of(tier)
         try:
-            return tuple((step, None, None) for step in tier.list_steps(once=True)[0]), None
+            listed = bucket.list_steps(once=True, expect=expect) if bucket is not None else tier.list_steps(once=True)
+            return tuple((step, None, None) for step in listed[0]), None
         except RemoteError as exc:
             if not exc.transient:
                 raise

@@ -56,9 +56,14 @@ class ReceiptedTier(Tier, Protocol):
         """The record of committed ``step``'s commit, as :meth:`Tier.commit` returned it, strictly validated."""
         ...
 
-    def known_manifest(self, step: int) -> RemoteManifest | None:
-        """:meth:`read_manifest`'s record of ``step`` if this tier read or wrote it last and has not
-        deleted the step since (no request); else None."""
+    def list_steps(self, *, once: bool = False, expect: int | None = None) -> tuple[list[int], list[int]]:
+        """:meth:`Tier.list_steps`; ``expect``: a step whose record the caller reads next, read
+        beside the listing (tried once) and kept for :meth:`take_expected` if found."""
+        ...
+
+    def take_expected(self, step: int) -> RemoteManifest | None:
+        """The record of ``step`` the last listing expecting it read, handed over once (None: it
+        read none of that step); as current as that listing."""
         ...
 
 

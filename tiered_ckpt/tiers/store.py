@@ -24,6 +24,7 @@ whole run and the CLI for one command.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -123,6 +124,9 @@ class TieredStore:
         self._holds_lock = threading.Lock()
         self._held: frozenset[int] = frozenset()  # their union, replaced whole: a retention pass reads one set
         self.step_metrics = StepMetrics()  # what keep-best retention ranks steps by
+        # steps a restore checked against the bucket's manifest without reading it (see manifests)
+        self._unread: set[int] = set()
+        self._unread_lock = threading.Lock()
 
     @property
     def held(self) -> frozenset[int]:
@@ -232,6 +236,8 @@ class TieredStore:
             else:
                 if local.shards_digest() != bucket_shards:
                     raise _different_checkpoints(step)
+                with self._unread_lock:
+                    self._unread.add(step)
                 return local, None
         if not in_local:  # a nearer copy's manifest first: reading the bucket's costs a request
             for tier in self.later:
@@ -240,9 +246,7 @@ class TieredStore:
                         return tier.manifest(step), None
                     except CheckpointError:
                         continue
-        remote = None
-        if in_remote and self.remote is not None:  # the one a listing just read costs no request
-            remote = self.remote.known_manifest(step) or self.remote.read_manifest(step)
+        remote = self.remote.read_manifest(step) if in_remote and self.remote is not None else None
         if not in_local:
             if remote is None:
                 raise IncompleteCheckpointError(f"{self.where()}: step {step} is committed in no tier")
@@ -307,7 +311,7 @@ class TieredStore:
         tier = tier or self.remote
         if tier is None or tier is self.local:
             raise UsageError("downloading a shard needs a tier after the first (remote.url)")
-
+        self._read_bucket_manifests(tier)
         copy = tier.shard_location(step, record)  # a copy that does not match is the bucket's, not this disk's
 
         def land(source: BinaryIO) -> None:  # through the page cache: the read that follows finds it there
@@ -319,6 +323,7 @@ class TieredStore:
     def download_referenced(self, step: int, record: ShardRecord, tier: Tier) -> None:
         """Stream ``record``'s copy in ``tier``, a file of earlier ``step`` that a step being read
         references, to this disk (:meth:`LocalTier.land_referenced`), landing it only if it verifies."""
+        self._read_bucket_manifests(tier)
         copy = tier.shard_location(step, record)
 
         def land(source: BinaryIO) -> None:
@@ -326,6 +331,20 @@ class TieredStore:
             self.local.land_referenced(step, record, write, copy_of=copy)
 
         tier.open_shard(step, record, land)
+
+    def _read_bucket_manifests(self, tier: Tier) -> None:
+        """Before ``tier``, the bucket, is read: its manifests of the steps a restore checked
+        without reading them, once each (several reads at once wait for one), for where and how
+        each object is stored and the earlier files the step references. A manifest that cannot
+        be read is left: the read that follows meets the same failure and reports it."""
+        bucket = self.remote
+        if tier is not bucket or bucket is None or not self._unread:
+            return
+        with self._unread_lock:
+            for step in sorted(self._unread):
+                with contextlib.suppress(CheckpointError):
+                    bucket.read_manifest(step)
+            self._unread.clear()
 
     def fetch_shard(
         self,
@@ -476,6 +495,7 @@ class TieredStore:
         absent: list[str] = []
         chain = [self.local, *(tier for tier in self.later if later is None or tier.name in later)]
         for tier in chain:
+            self._read_bucket_manifests(tier)
             where = tier.shard_location(step, record)
             first = tier is self.local
             if not first and _holds_no_copy(tier, step, record):  # nothing to try, nothing to try again
@@ -685,6 +705,7 @@ class TieredStore:
 
 
 def _different_checkpoints(step: int) -> ManifestError:
+    """The error of a disk's manifest of ``step`` whose shards are not the bucket's."""
     return ManifestError(f"the local and remote manifests of step {step} describe different checkpoints")
 
 

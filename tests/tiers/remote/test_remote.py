@@ -119,42 +119,52 @@ def test_a_listing_checks_its_steps_manifests_at_once(memory_url, tmp_path):
     assert tier.uncommitted_steps() == [1, 2, 3, 4, 5]
 
 
-def test_a_listing_reads_its_newest_steps_manifest_and_keeps_it_until_the_step_is_deleted(remote_url, saved):
+def test_a_listing_expecting_nothing_reads_no_manifest(remote_url, saved):
     directory, manifest = saved
     writer = RemoteTier(*remote_url)
-    older = dataclasses.replace(manifest, step=2, source="step 2")
-    writer.commit(older, landed=upload_all(writer, directory, older))
     writer.commit(manifest, landed=upload_all(writer, directory, manifest))
-    writer.backend.put_bytes(writer._path(4, manifest.shard(0).path), b"x")  # a newer step, not committed
-    tier = RemoteTier(*remote_url)  # a fresh process's: nothing read yet
+    tier = RemoteTier(*remote_url)
     calls = []
     for name in ("exists", "read"):
         method = getattr(tier.backend, name)
         setattr(
-            tier.backend,
-            name,
-            lambda path, *a, _method=method, _name=name, **kw: (calls.append((_name, path)), _method(path, *a, **kw))[
-                1
-            ],
+            tier.backend, name, lambda path, *a, _m=method, _n=name, **kw: (calls.append(_n), _m(path, *a, **kw))[1]
         )
-    assert tier.list_steps() == ([2, 3], [4])
-    asked = sorted((name, path) for name, path in calls if path.endswith(MANIFEST_NAME))
-    # the newest listed step's manifest is read (it is not there), the others' only checked
-    assert asked == sorted(
-        [
-            ("exists", tier._path(2, MANIFEST_NAME)),
-            ("exists", tier._path(3, MANIFEST_NAME)),
-            ("read", tier._path(4, MANIFEST_NAME)),
-        ]
-    )
-    assert tier.known_manifest(4) is None and tier.known_manifest(3) is None
-    tier.backend.delete_prefix(tier._path(4))
+    assert tier.list_steps() == ([3], [])
+    assert calls == ["exists"]  # a status, a retention pass: a HEAD, not a manifest that grows with the ranks
+    assert tier.take_expected(3) is None
+
+
+def test_a_listing_expecting_a_step_reads_its_manifest_beside_the_listing(remote_url, saved):
+    directory, manifest = saved
+    RemoteTier(*remote_url).commit(manifest, landed=upload_all(RemoteTier(*remote_url), directory, manifest))
+    tier = RemoteTier(*remote_url)
+    calls, read_done = [], threading.Event()
+    list_names, read = tier.backend.list_names, tier.backend.read
+
+    def listing(prefix):
+        met = read_done.wait(timeout=60)  # one after the other, the read would come after this returned
+        calls.append(("list", met))
+        return list_names(prefix)
+
+    def reading(path, *args, **kwargs):
+        try:
+            return read(path, *args, **kwargs)
+        finally:  # found or not
+            calls.append(("read", path))
+            read_done.set()
+
+    tier.backend.list_names, tier.backend.read = listing, reading
+    assert tier.list_steps(expect=3) == ([3], [])
+    assert calls == [("read", tier._path(3, MANIFEST_NAME)), ("list", True)]  # it stood for step 3's check
+    assert tier.take_expected(2) is None  # handed over only as the step it is, and once
+    assert tier.list_steps(expect=3) == ([3], [])
+    assert tier.take_expected(3).manifest == manifest and tier.take_expected(3) is None
     calls.clear()
-    assert tier.steps() == [2, 3]
-    assert ("read", tier._path(3, MANIFEST_NAME)) in calls
-    assert tier.known_manifest(3).manifest == manifest and tier.known_manifest(2) is None
-    tier.delete_step(3)
-    assert tier.known_manifest(3) is None
+    read_done.clear()
+    assert tier.list_steps(expect=5) == ([3], [])  # not listed: step 3 is checked as usual
+    assert calls == [("read", tier._path(5, MANIFEST_NAME)), ("list", True)]
+    assert tier.take_expected(5) is None
 
 
 def test_commit_is_create_only(tier, saved, tmp_path):

@@ -11,6 +11,7 @@ names those prefixes and lists them, each request under the tier's retry policy,
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tiered_ckpt.errors import ManifestError, RemoteError
@@ -34,8 +35,9 @@ class BucketListing:
     backend: Any  # the tier's Backend (only the object-store tier itself imports the backends)
     _root: str
     _requests: Requests
+    _expected: RemoteManifest | None = None  # read by the last listing that expected a step
 
-    def read_manifest(self, step: int) -> RemoteManifest:
+    def read_manifest(self, step: int, *, once: bool = False) -> RemoteManifest:
         """The remote manifest of ``step``, validated (the remote tier's)."""
         raise NotImplementedError
 
@@ -61,41 +63,44 @@ class BucketListing:
 
     # -- listing -------------------------------------------------------------------------------
 
-    def survey(self, *, once: bool = False) -> tuple[list[int], list[int], list[int]]:
+    def survey(self, *, once: bool = False, expect: int | None = None) -> tuple[list[int], list[int], list[int]]:
         """(committed, uncommitted, kept): steps whose remote manifest exists, prefixes holding
         objects but neither it nor the kept mark (half-uploaded steps), and prefixes with the
         mark but no manifest (files later steps reference), each oldest first.
 
         Each request (the listing, then one check of each step's manifest, and of the mark where
-        there is none; :data:`CHECKS_AT_ONCE` checks at a time; the newest step's manifest is
-        read whole and kept: see ``RemoteTier.known_manifest``) is tried on its own under the
+        there is none; :data:`CHECKS_AT_ONCE` checks at a time) is tried on its own under the
         retry policy: a listing of many steps goes through a store that fails a share of its
         requests as surely as one of a few steps.
         ``once``: the first request is tried once (a caller that can do without the bucket learns
-        at once that it is failing); once it answered, the checks are retried as usual."""
-        names = self._requests.run(f"listing {self.url}", lambda: self.backend.list_names(self._root), once=once)
-        steps = sorted(step for step in map(parse_step_dir_name, names) if step is not None)
+        at once that it is failing); once it answered, the checks are retried as usual.
+        ``expect``: a step the caller is about to read the manifest of (a restore's leader: the
+        step its disk holds newest, or the one asked for). It is read beside the listing, tried
+        once, and stands for that step's check; kept for :meth:`take_expected` if found (one
+        round trip where a listing, a check and a read followed each other)."""
+        if expect is not None:
+            self._expected = None
+        with ThreadPoolExecutor(max_workers=1) as early:
+            guess = early.submit(self._read_if_there, expect) if expect is not None else None
+            names = self._requests.run(f"listing {self.url}", lambda: self.backend.list_names(self._root), once=once)
+            steps = sorted(step for step in map(parse_step_dir_name, names) if step is not None)
 
-        def holds(step: int, name: str) -> bool:
-            path = self._path(step, name)
-            return bool(self._requests.run(f"checking {self.location(step, name)}", lambda: self.backend.exists(path)))
+            def holds(step: int, name: str) -> bool:
+                path = self._path(step, name)
+                what = f"checking {self.location(step, name)}"
+                return bool(self._requests.run(what, lambda: self.backend.exists(path)))
 
-        def committed_here(step: int) -> bool:
-            # The newest step's manifest is read, not only checked: it is the one a restore asks
-            # for next (see :meth:`known_manifest`), and reading it costs the same one request.
-            if step != steps[-1]:
+            def committed_here(step: int) -> bool:
+                if guess is not None and step == expect:
+                    try:
+                        there, read = guess.result()
+                    except RemoteError:
+                        return holds(step, MANIFEST_NAME)  # its one try failed: check it under the policy
+                    self._expected = read
+                    return there
                 return holds(step, MANIFEST_NAME)
-            try:
-                self.read_manifest(step)
-            except ManifestError:
-                return True  # there, but damaged: the reader of the step meets the error
-            except RemoteError as exc:
-                if isinstance(exc.__cause__, FileNotFoundError):
-                    return False
-                raise
-            return True
 
-        found = run_parallel(committed_here, steps, CHECKS_AT_ONCE)
+            found = run_parallel(committed_here, steps, CHECKS_AT_ONCE)
         committed = {step for step, held in zip(steps, found, strict=True) if held}
         rest = [step for step in steps if step not in committed]
         marked = run_parallel(lambda step: holds(step, KEPT_NAME), rest, CHECKS_AT_ONCE)
@@ -103,9 +108,27 @@ class BucketListing:
         uncommitted = [step for step in steps if step not in committed and step not in kept]
         return sorted(committed), uncommitted, sorted(kept)
 
-    def list_steps(self, *, once: bool = False) -> tuple[list[int], list[int]]:
+    def _read_if_there(self, step: int) -> tuple[bool, RemoteManifest | None]:
+        """Whether ``step``'s remote manifest is there, by one try at reading it, and what was
+        read (None: nothing, or a damaged manifest, there all the same: its reader meets the error)."""
+        try:
+            return True, self.read_manifest(step, once=True)
+        except ManifestError:
+            return True, None
+        except RemoteError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):
+                return False, None
+            raise
+
+    def take_expected(self, step: int) -> RemoteManifest | None:
+        """The remote manifest of ``step`` if the last listing expecting it read it (as current as
+        that listing); handed over once, then let go (a manifest grows with the ranks). Else None."""
+        expected, self._expected = self._expected, None
+        return expected if expected is not None and expected.manifest.step == step else None
+
+    def list_steps(self, *, once: bool = False, expect: int | None = None) -> tuple[list[int], list[int]]:
         """(committed, uncommitted) of :meth:`survey`."""
-        committed, uncommitted, _kept = self.survey(once=once)
+        committed, uncommitted, _kept = self.survey(once=once, expect=expect)
         return committed, uncommitted
 
     def steps(self) -> list[int]:

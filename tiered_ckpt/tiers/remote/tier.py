@@ -165,7 +165,6 @@ class RemoteTier(KeptObjects, BucketUpkeep):
         self._placements: dict[int, _Placement] = {}  # committed steps whose remote manifest was read or written
         # earlier steps' files, as those manifests record them, with each file's sha256
         self._referenced: dict[str, tuple[StoredObject, str]] = {}
-        self._last: RemoteManifest | None = None  # the remote manifest read or written last here
         self._frames = FrameCache()
 
     def __repr__(self) -> str:
@@ -196,7 +195,6 @@ class RemoteTier(KeptObjects, BucketUpkeep):
         """Keep how a committed step's objects and the earlier files it references are stored."""
         sha256 = {record.path: record.sha256 for record in remote.manifest.shards}
         self._placements[remote.manifest.step] = _Placement(remote.locations, remote.compression, sha256)
-        self._last = remote
         for ref, stored in remote.referenced_files():
             self._referenced[referenced_key(ref.step, ref.file.path)] = stored, ref.file.sha256
 
@@ -237,8 +235,9 @@ class RemoteTier(KeptObjects, BucketUpkeep):
 
     # -- listing and reading ------------------------------------------------------------------
 
-    def read_manifest(self, step: int) -> RemoteManifest:
-        """The remote manifest of ``step`` (commit time, store checksums, locations), strictly validated."""
+    def read_manifest(self, step: int, *, once: bool = False) -> RemoteManifest:
+        """The remote manifest of ``step`` (commit time, store checksums, locations), strictly
+        validated (``once``: one try, as for :meth:`survey`)."""
         location = self.location(step, MANIFEST_NAME)
         path = self._path(step, MANIFEST_NAME)
 
@@ -257,19 +256,11 @@ class RemoteTier(KeptObjects, BucketUpkeep):
                 raise ManifestError(f"{location}: over the {MAX_MANIFEST_BYTES} bytes a remote manifest may take")
             return data
 
-        remote = RemoteManifest.from_json(self._run(f"reading {location}", read), source=location)
+        remote = RemoteManifest.from_json(self._run(f"reading {location}", read, once=once), source=location)
         if remote.manifest.step != step:
             raise ManifestError(f"{location}: field 'step' is {remote.manifest.step}, the prefix is step {step}")
         self._remember(remote)
         return remote
-
-    def known_manifest(self, step: int) -> RemoteManifest | None:
-        """The remote manifest of ``step`` if it is the last one this tier read or wrote (a
-        listing reads its newest step's), and the step was not deleted here since; else None.
-        A committed step's manifest never changes (it is written create-only), so a caller that
-        just listed the step can take it for a new read."""
-        last = self._last
-        return last if last is not None and last.manifest.step == step else None
 
     def manifest(self, step: int) -> ShardManifest:
         """The validated manifest of committed ``step`` (see :meth:`read_manifest`)."""
@@ -703,7 +694,5 @@ class RemoteTier(KeptObjects, BucketUpkeep):
 
         self._run(f"deleting {self.location(step)}", delete)
         self._placements.pop(step, None)
-        if self._last is not None and self._last.manifest.step == step:
-            self._last = None
         if kept:
             self.keep_only(step, kept)

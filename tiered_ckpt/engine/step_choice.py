@@ -152,24 +152,20 @@ class StepChooser:
     def _bucket_shards(self, choice: StepChoice, holdings: Holdings) -> str | None:
         """Leader: the digest of the shard records of the bucket's manifest of the chosen step,
         for the processes whose disk holds the step to check their copy against, instead of each
-        reading the bucket's (a request a process, of a document that grows with the ranks). The
-        listing read the step it expected beside it (:meth:`_shared_held`): that one costs no
-        request. None where no disk
-        holds the step, the bucket did not commit it, or its manifest could not be read (each
-        process then reads it itself, and meets the error)."""
+        reading the bucket's (a request a process, of a document that grows with the ranks).
+        Only where the listing read that manifest beside it (the step this process's tiers hold
+        newest, or the one asked for, see :meth:`_shared_held`): read after the choice, it would
+        add a round trip to the restore, where the processes' own reads run beside other work.
+        None otherwise, or where no disk holds the step (each process then reads it itself)."""
         bucket, chosen = self._store.remote, choice.step
         if bucket is None or chosen is None:
             return None
         expected = bucket.take_expected(chosen)  # let go whatever follows
-        if chosen not in holdings.disks.steps():
+        if expected is None or chosen not in holdings.disks.steps():
             return None
         if chosen not in (holdings.shared(dict(choice.listed)).get(bucket.name) or ()):
             return None
-        try:
-            remote = expected or bucket.read_manifest(chosen)
-        except CheckpointError:
-            return None
-        return remote.manifest.shards_digest()
+        return expected.manifest.shards_digest()
 
     def _report(self, step: int | None, arguments: str, world_size: int, checked: Attempt[None]) -> StepReport:
         checked.done()

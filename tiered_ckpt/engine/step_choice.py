@@ -184,8 +184,9 @@ class StepChooser:
             if not tier.capabilities.shared:
                 tiers.append((tier.name, self._node_held(tier)))
                 continue
-            held = (held_step for _name, holdings in tiers for held_step, _by, _ranks in holdings or ())
-            listed, why = self._shared_held(tier, step if step is not None else max(held, default=None))
+            held = {held_step for _name, holdings in tiers for held_step, _by, _ranks in holdings or ()}
+            expect = max(held, default=None) if step is None else (step if step in held else None)
+            listed, why = self._shared_held(tier, expect)
             tiers.append((tier.name, listed))
             if why is not None:
                 down.append((tier.name, why))
@@ -196,8 +197,8 @@ class StepChooser:
         """Leader: ``tier``'s committed steps, its first request tried once (a tier that does not
         answer costs a restore the disks can serve one request, see :meth:`_list_again`), or why
         they could not be listed; other processes: nothing (every node sees the same).
-        ``expect``: the step asked for, or the newest the tiers before ``tier`` hold here; a
-        bucket reads its manifest beside the listing (see :meth:`_bucket_shards`)."""
+        ``expect``: the step asked for, or else the newest, if the tiers before ``tier`` hold it
+        here; a bucket reads its manifest beside the listing (see :meth:`_bucket_shards`)."""
         if not self._coordinator.is_leader:
             return None, None
         bucket = receipts_of(tier)

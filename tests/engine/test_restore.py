@@ -11,6 +11,7 @@ import pytest
 
 from support.processes import launch_ranks
 from support.states import flip_byte
+from support.stores import save_hashed_and_compressed
 from tiered_ckpt import CheckpointManager, InvalidStateError, ManifestError, RemoteOptions
 from tiered_ckpt.format.layout import AGREEMENT_NAME, MANIFEST_NAME, shard_name, step_dir_name
 from tiered_ckpt.tiers.local import LocalTier
@@ -161,11 +162,7 @@ def test_a_shard_repaired_after_the_digest_check_is_read_and_named_as_the_bucket
     tmp_path, memory_url, caplog
 ):
     url, options = memory_url
-    states = [{"w": np.arange(50_000, dtype=np.float32) + rank} for rank in range(2)]
-    writer = RemoteOptions(url, storage_options=options, layout="hashed", compression="zstd")
-    with CheckpointManager(tmp_path / "node", world_size=2, remote=writer) as manager:
-        manager.save(1, states, blocking=True)
-        manager.wait(uploaded=True)
+    states = save_hashed_and_compressed(tmp_path / "node", url, options)
     flip_byte(tmp_path / "node" / step_dir_name(1) / shard_name(1, 2), 1000)
     # a reader's own options say flat and uncompressed: only the bucket's manifest says where the object is
     restored = restore_logged(caplog, tmp_path / "node", url, options)

@@ -269,3 +269,18 @@ class StoppableS3:
         if self._server is not None:
             self._server.stop()
             self._server = None
+
+
+def save_hashed_and_compressed(directory: Path, url: str, options: dict) -> list[dict]:
+    """Step 1 of 2 ranks saved in ``directory`` and committed in the bucket at ``url`` with hashed
+    key prefixes and zstd objects (names a reader's default options would not find); the states."""
+    import numpy as np
+
+    from tiered_ckpt import CheckpointManager, RemoteOptions
+
+    states = [{"w": np.arange(50_000, dtype=np.float32) + rank} for rank in range(2)]
+    writer = RemoteOptions(url, storage_options=options, layout="hashed", compression="zstd")
+    with CheckpointManager(directory, world_size=2, remote=writer) as manager:
+        manager.save(1, states, blocking=True)
+        manager.wait(uploaded=True)
+    return states

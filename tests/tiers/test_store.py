@@ -8,12 +8,12 @@ import pytest
 
 from support.memory_tier import MemoryTier
 from support.states import flip_byte
+from support.stores import save_hashed_and_compressed
 from tiered_ckpt import (
     CheckpointManager,
     ChecksumMismatchError,
     IncompleteCheckpointError,
     ManifestError,
-    RemoteOptions,
     UsageError,
     cli,
     load_sharded,
@@ -310,11 +310,7 @@ def test_a_disks_manifest_is_checked_against_the_leaders_digest_of_the_buckets(j
 
 def test_a_bucket_read_after_the_digest_check_reads_the_buckets_manifest_first(tmp_path, memory_url, caplog):
     url, options = memory_url
-    states = [{"w": np.arange(50_000, dtype=np.float32) + rank} for rank in range(2)]
-    writer = RemoteOptions(url, storage_options=options, layout="hashed", compression="zstd")
-    with CheckpointManager(tmp_path / "node", world_size=2, remote=writer) as manager:
-        manager.save(1, states, blocking=True)
-        manager.wait(uploaded=True)
+    states = save_hashed_and_compressed(tmp_path / "node", url, options)
     # a process that never read the bucket's manifest; its options say flat and uncompressed
     store = TieredStore([LocalTier(tmp_path / "node"), RemoteTier(url, options)])
     digest = RemoteTier(url, options).read_manifest(1).manifest.shards_digest()
@@ -646,7 +642,7 @@ def test_a_store_holds_any_number_of_durable_later_tiers_and_its_bucket_is_the_o
 def test_a_referenced_file_moved_to_its_kept_directory_mid_upload_is_landed_from_there(tmp_path, memory_url):
     """Retention deletes the referenced file's step while an upload reads it: the file moves to
     the step's kept directory, the landing fails, and is made again from there."""
-    from tiered_ckpt import CheckpointManager, LocalOptions
+    from tiered_ckpt import LocalOptions
     from tiered_ckpt.tiers.remote.backends.wrappers import Wrapper
 
     base = {f"layer{i}": np.full((32, 64), i, np.float32) for i in range(3)}

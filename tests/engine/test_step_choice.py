@@ -5,11 +5,12 @@ import logging
 import numpy as np
 import pytest
 
-from tiered_ckpt import CheckpointManager, IncompleteCheckpointError, InvalidStateError, UsageError
+from tiered_ckpt import CheckpointManager, IncompleteCheckpointError, InvalidStateError, RemoteOptions, UsageError
 from tiered_ckpt.dist.coordination import Attempt, SingleProcessCoordinator
 from tiered_ckpt.engine.step_choice import StepChooser, same_call
-from tiered_ckpt.engine.step_decision import Disks, StepReport
+from tiered_ckpt.engine.step_decision import Disks, Holdings, StepReport
 from tiered_ckpt.tiers.local import LocalTier
+from tiered_ckpt.tiers.remote.tier import RemoteTier
 from tiered_ckpt.tiers.store import TieredStore
 
 CHECKED = Attempt.run(lambda: None)
@@ -81,6 +82,29 @@ def test_nothing_anywhere_is_no_step_only_when_missing_is_ok(tmp_path):
 def test_the_callers_failed_check_is_raised_inside_the_first_collective(saved):
     with pytest.raises(UsageError, match="^refused$"):
         saved.agree(None, "{}", 2, False, Attempt(error=UsageError("refused")))
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_record_the_leaders_listing_read_serves_only_its_own_choice(tmp_path, memory_url, monkeypatch, fails):
+    url, options = memory_url
+    with CheckpointManager(tmp_path, world_size=2, remote=RemoteOptions(url, storage_options=options)) as manager:
+        manager.save(1, [{"w": np.full(4, rank, np.float32)} for rank in range(2)], blocking=True)
+        manager.wait(uploaded=True)
+    bucket = RemoteTier(url, options)
+    read, kept = bucket.take_expected, []
+    monkeypatch.setattr(bucket, "take_expected", lambda step: (kept.append(bucket._expected), read(step))[1])
+    if fails:  # the choice fails once the leader's listing read step 1's record
+        monkeypatch.setattr(Holdings, "choose", lambda *args: (_ for _ in ()).throw(UsageError("no choice")))
+    tier = LocalTier(tmp_path)
+    with tier.lock():
+        chooser = StepChooser(TieredStore([tier, bucket]), SingleProcessCoordinator(2), 2)
+        if fails:
+            with pytest.raises(UsageError, match="no choice"):
+                chooser.agree(None, "{}", 2, False, CHECKED)
+        else:
+            assert chooser.agree(None, "{}", 2, False, CHECKED).choice.bucket_shards is not None
+    assert kept[0] is not None and kept[0].manifest.step == 1  # read beside the listing
+    assert bucket._expected is None  # and let go, whatever the choice did
 
 
 def test_dropping_deletes_nothing_every_rank_committed(saved, caplog):

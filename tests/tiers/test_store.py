@@ -14,6 +14,7 @@ from tiered_ckpt import (
     ChecksumMismatchError,
     IncompleteCheckpointError,
     ManifestError,
+    RemoteOptions,
     UsageError,
     cli,
     load_sharded,
@@ -637,6 +638,30 @@ def test_a_store_holds_any_number_of_durable_later_tiers_and_its_bucket_is_the_o
     assert store.remote is bucket  # the first later tier with receipts, wherever it stands
     with pytest.raises(UsageError, match="only a tier with receipts has its commits recorded"):
         store.record_commit(3, store.tier("archive"), None)
+
+
+def test_an_earlier_file_is_found_in_the_bucket_after_a_restore_checked_by_digest(tmp_path, memory_url):
+    """A process that restored step 2 from its disk without reading the bucket's manifest, then
+    sends a step referencing step 1's file: the bucket keeps it (hashed, compressed), not sent again."""
+    from tiered_ckpt import LocalOptions
+
+    url, options = memory_url
+    base = {f"layer{i}": np.full((32, 64), i, np.float32) for i in range(3)}
+    writer = RemoteOptions(url, storage_options=options, layout="hashed", compression="zstd")
+    with CheckpointManager(LocalOptions(tmp_path / "ckpt"), world_size=1, remote=writer) as manager:
+        for step in (1, 2):
+            manager.save(step, {"base": base, "adapter": np.full((32, 64), step, np.float32)}, blocking=True)
+        manager.wait(uploaded=True)
+    digest = RemoteTier(url, options).read_manifest(2).manifest.shards_digest()
+    bucket = RemoteTier(url, options)  # a reader's options: flat, uncompressed
+    store = TieredStore([LocalTier(tmp_path / "ckpt"), bucket])
+    with store.local.lock():
+        manifest, remote = store.manifests(2, in_local=True, in_remote=True, bucket_shards=digest)
+        assert remote is None
+        (ref,) = manifest.shard(0).references
+        landed = store.send_referenced(ref, bucket)
+    assert not landed.sent and landed.step == 1  # found where the bucket keeps it
+    assert landed.location == RemoteTier(url, options, layout="hashed").object_name(1, ref.file.path), landed
 
 
 def test_a_referenced_file_moved_to_its_kept_directory_mid_upload_is_landed_from_there(tmp_path, memory_url):

@@ -52,8 +52,9 @@ __all__ = [
 class ReceiptedTier(Tier, Protocol):
     """A tier with ``capabilities.receipts``: :meth:`Tier.commit` returns the commit's record."""
 
-    def read_manifest(self, step: int) -> RemoteManifest:
-        """The record of committed ``step``'s commit, as :meth:`Tier.commit` returned it, strictly validated."""
+    def read_manifest(self, step: int, *, once: bool = False) -> RemoteManifest:
+        """The record of committed ``step``'s commit, as :meth:`Tier.commit` returned it, strictly
+        validated (``once``: one try, one request)."""
         ...
 
     def list_steps(self, *, once: bool = False, expect: int | None = None) -> tuple[list[int], list[int]]:
@@ -61,9 +62,10 @@ class ReceiptedTier(Tier, Protocol):
         beside the listing (tried once) and kept for :meth:`take_expected` if found."""
         ...
 
-    def take_expected(self, step: int) -> RemoteManifest | None:
+    def take_expected(self, step: int | None) -> RemoteManifest | None:
         """The record of ``step`` the last listing expecting it read, handed over once (None: it
-        read none of that step); as current as that listing."""
+        read none of that step); as current as that listing. Whatever ``step`` is (None: only
+        let go), the record is let go."""
         ...
 
 

@@ -24,7 +24,6 @@ whole run and the CLI for one command.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
@@ -296,6 +295,7 @@ class TieredStore:
         Retention may delete the file's step meanwhile, moving the file to the step's kept
         directory (once, atomically): a landing that fails after the move lands it from there."""
         path = self.local.shard_path(ref.step, ref.file)
+        self._read_bucket_manifests(tier)  # where the bucket keeps the file already
         try:
             landed = tier.land_shard(ref.step, ref.file, ShardSource(path=path), deadline=deadline)
         except CheckpointError:
@@ -333,18 +333,22 @@ class TieredStore:
         tier.open_shard(step, record, land)
 
     def _read_bucket_manifests(self, tier: Tier) -> None:
-        """Before ``tier``, the bucket, is read: its manifests of the steps a restore checked
-        without reading them, once each (several reads at once wait for one), for where and how
-        each object is stored and the earlier files the step references. A manifest that cannot
-        be read is left: the read that follows meets the same failure and reports it."""
+        """Before ``tier``, the bucket, is read or written: its manifests of the steps a restore
+        checked without reading them (see :meth:`manifests`), for where and how each object is
+        stored and the earlier files each step references. Each is tried once (several threads
+        wait for one try); one read, or gone, is not tried again. One that failed is tried again
+        before the next request: the request that follows meets the same failure and reports it."""
         bucket = self.remote
         if tier is not bucket or bucket is None or not self._unread:
             return
         with self._unread_lock:
             for step in sorted(self._unread):
-                with contextlib.suppress(CheckpointError):
-                    bucket.read_manifest(step)
-            self._unread.clear()
+                try:
+                    bucket.read_manifest(step, once=True)
+                except CheckpointError as exc:
+                    if not isinstance(exc.__cause__, FileNotFoundError):
+                        continue
+                self._unread.discard(step)
 
     def fetch_shard(
         self,

@@ -167,6 +167,34 @@ def test_a_listing_expecting_a_step_reads_its_manifest_beside_the_listing(remote
     assert tier.take_expected(5) is None
 
 
+def test_a_listing_that_fails_does_not_wait_for_its_guess(memory_url):
+    tier = RemoteTier(*memory_url, retry=RetryPolicy(max_tries=1, backoff_seconds=0))
+    released, started, reads = threading.Event(), threading.Event(), []
+
+    def hanging_read(path, *args, **kwargs):  # a bucket that hangs: this read answers only when the test ends
+        reads.append(path)
+        started.set()
+        released.wait(timeout=120)
+        raise TimeoutError("read timed out (injected)")
+
+    def refused_listing(prefix):
+        started.wait(timeout=60)  # the guess is on its way
+        raise ConnectionRefusedError("refused (injected)")
+
+    tier.backend.read, tier.backend.list_names = hanging_read, refused_listing
+    outcome = []
+    listing = threading.Thread(
+        target=lambda: outcome.append(pytest.raises(RemoteError, tier.list_steps, once=True, expect=3))
+    )
+    listing.start()
+    listing.join(timeout=60)
+    try:
+        assert not listing.is_alive() and outcome and outcome[0].value.transient  # while the read still hangs
+        assert not released.is_set() and reads == [tier._path(3, MANIFEST_NAME)]
+    finally:
+        released.set()
+
+
 def test_commit_is_create_only(tier, saved, tmp_path):
     directory, manifest = saved
     landed = upload_all(tier, directory, manifest)

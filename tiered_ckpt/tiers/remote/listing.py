@@ -80,7 +80,8 @@ class BucketListing:
         round trip where a listing, a check and a read followed each other)."""
         if expect is not None:
             self._expected = None
-        with ThreadPoolExecutor(max_workers=1) as early:
+        early = ThreadPoolExecutor(max_workers=1)
+        try:
             guess = early.submit(self._read_if_there, expect) if expect is not None else None
             names = self._requests.run(f"listing {self.url}", lambda: self.backend.list_names(self._root), once=once)
             steps = sorted(step for step in map(parse_step_dir_name, names) if step is not None)
@@ -101,6 +102,10 @@ class BucketListing:
                 return holds(step, MANIFEST_NAME)
 
             found = run_parallel(committed_here, steps, CHECKS_AT_ONCE)
+        finally:
+            # A listing that failed, or did not list the step, never waits for the guess: against a
+            # bucket that hangs it ends within its own request's time, as without one.
+            early.shutdown(wait=False, cancel_futures=True)
         committed = {step for step, held in zip(steps, found, strict=True) if held}
         rest = [step for step in steps if step not in committed]
         marked = run_parallel(lambda step: holds(step, KEPT_NAME), rest, CHECKS_AT_ONCE)
@@ -120,9 +125,10 @@ class BucketListing:
                 return False, None
             raise
 
-    def take_expected(self, step: int) -> RemoteManifest | None:
+    def take_expected(self, step: int | None) -> RemoteManifest | None:
         """The remote manifest of ``step`` if the last listing expecting it read it (as current as
-        that listing); handed over once, then let go (a manifest grows with the ranks). Else None."""
+        that listing); handed over once, then let go (a manifest grows with the ranks), whatever
+        ``step`` is (None: only let go). Else None."""
         expected, self._expected = self._expected, None
         return expected if expected is not None and expected.manifest.step == step else None
 

@@ -249,8 +249,8 @@ class RemoteTier(KeptObjects, BucketUpkeep):
             except FileNotFoundError:
                 raise
             except Exception:  # stores refuse a range of an empty object (416), each in its own words
-                if self.backend.size(path, timeout=self._timeout()) != 0:
-                    raise
+                if once or self.backend.size(path, timeout=self._timeout()) != 0:
+                    raise  # one try is one request: a store that hangs is not asked twice
                 data = b""
             if len(data) > MAX_MANIFEST_BYTES:
                 raise ManifestError(f"{location}: over the {MAX_MANIFEST_BYTES} bytes a remote manifest may take")

@@ -34,6 +34,7 @@ from tiered_ckpt.engine.step_decision import (
     called,
 )
 from tiered_ckpt.errors import CheckpointError, InvalidStateError, ManifestError, RemoteError, UsageError
+from tiered_ckpt.tiers.abilities import receipts_of
 from tiered_ckpt.tiers.base import Tier
 from tiered_ckpt.tiers.store import TieredStore
 
@@ -98,8 +99,10 @@ class StepChooser:
         try:
             return self._agree(step, arguments, world_size, missing_ok, checked, reshard)
         finally:  # a record the leader's listing read for this choice serves no later one
-            if self._store.remote is not None:
-                self._store.remote.take_expected(None)
+            for tier in self._store.later:
+                receipted = receipts_of(tier)
+                if receipted is not None:
+                    receipted.take_expected(None)
 
     def _agree(
         self, step: int | None, arguments: str, world_size: int, missing_ok: bool, checked: Attempt[None], reshard: bool
@@ -209,9 +212,9 @@ class StepChooser:
         here; a bucket reads its manifest beside the listing (see :meth:`_bucket_shards`)."""
         if not self._coordinator.is_leader:
             return None, None
-        bucket = self._store.remote
+        bucket = receipts_of(tier)
         try:
-            listed = bucket.list_steps(once=True, expect=expect) if tier is bucket else tier.list_steps(once=True)
+            listed = bucket.list_steps(once=True, expect=expect) if bucket is not None else tier.list_steps(once=True)
             return tuple((step, None, None) for step in listed[0]), None
         except RemoteError as exc:
             if not exc.transient:

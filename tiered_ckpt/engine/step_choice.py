@@ -107,6 +107,8 @@ class StepChooser:
     def _agree(
         self, step: int | None, arguments: str, world_size: int, missing_ok: bool, checked: Attempt[None], reshard: bool
     ) -> AgreedStep:
+        """:meth:`agree`'s two collectives: each process's report of what its tiers hold, gathered;
+        the leader's choice (listing the bucket where it must), shared."""
         reports = gather(
             self._coordinator, "restore: steps", StepReport, lambda: self._report(step, arguments, world_size, checked)
         )

@@ -172,12 +172,17 @@ class ShardSource:
     processes up (:attr:`Capabilities.references_with_shards`), the earlier files the shard
     references, each as its step, record and source: it lands them with the shard, under their
     own steps (another tier is handed them by landings of their own).
+
+    ``earlier``: the file is an earlier step's, which the step being sent references (not a
+    shard of a step being sent itself): a tier that may keep it already, under that step or
+    for a committed step referencing it, looks it up there before sending it.
     """
 
     path: Path | None = None
     write: Callable[[BinaryIO], ShardDigest] | None = None
     data: bytes | bytearray | memoryview | None = None
     referenced: tuple[tuple[int, ShardRecord, ShardSource], ...] = ()
+    earlier: bool = False
 
     def __post_init__(self) -> None:
         if self.data is not None and self.write is None:

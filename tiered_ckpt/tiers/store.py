@@ -123,9 +123,6 @@ class TieredStore:
         self._holds_lock = threading.Lock()
         self._held: frozenset[int] = frozenset()  # their union, replaced whole: a retention pass reads one set
         self.step_metrics = StepMetrics()  # what keep-best retention ranks steps by
-        # steps a restore checked against the bucket's manifest without reading it (see manifests)
-        self._unread: set[int] = set()
-        self._unread_lock = threading.Lock()
 
     @property
     def held(self) -> frozenset[int]:
@@ -235,8 +232,6 @@ class TieredStore:
             else:
                 if local.shards_digest() != bucket_shards:
                     raise _different_checkpoints(step)
-                with self._unread_lock:
-                    self._unread.add(step)
                 return local, None
         if not in_local:  # a nearer copy's manifest first: reading the bucket's costs a request
             for tier in self.later:
@@ -295,14 +290,13 @@ class TieredStore:
         Retention may delete the file's step meanwhile, moving the file to the step's kept
         directory (once, atomically): a landing that fails after the move lands it from there."""
         path = self.local.shard_path(ref.step, ref.file)
-        self._read_bucket_manifests(tier)  # where the bucket keeps the file already
         try:
-            landed = tier.land_shard(ref.step, ref.file, ShardSource(path=path), deadline=deadline)
+            landed = tier.land_shard(ref.step, ref.file, ShardSource(path=path, earlier=True), deadline=deadline)
         except CheckpointError:
             moved = self.local.shard_path(ref.step, ref.file)
             if moved == path:
                 raise
-            landed = tier.land_shard(ref.step, ref.file, ShardSource(path=moved), deadline=deadline)
+            landed = tier.land_shard(ref.step, ref.file, ShardSource(path=moved, earlier=True), deadline=deadline)
         return replace(landed, step=ref.step)
 
     def download_shard(self, step: int, record: ShardRecord, tier: Tier | None = None) -> None:
@@ -311,11 +305,12 @@ class TieredStore:
         tier = tier or self.remote
         if tier is None or tier is self.local:
             raise UsageError("downloading a shard needs a tier after the first (remote.url)")
-        self._read_bucket_manifests(tier)
-        copy = tier.shard_location(step, record)  # a copy that does not match is the bucket's, not this disk's
 
         def land(source: BinaryIO) -> None:  # through the page cache: the read that follows finds it there
             write = ShardSource(write=lambda out: copy_and_hash(source, out))
+            # named once the tier has opened it (and read where its bucket keeps it): a copy
+            # that does not match is the bucket's, not this disk's
+            copy = tier.shard_location(step, record)
             self.local.land_shard(step, record, write, cached=True, copy_of=copy)
 
         tier.open_shard(step, record, land)
@@ -323,32 +318,12 @@ class TieredStore:
     def download_referenced(self, step: int, record: ShardRecord, tier: Tier) -> None:
         """Stream ``record``'s copy in ``tier``, a file of earlier ``step`` that a step being read
         references, to this disk (:meth:`LocalTier.land_referenced`), landing it only if it verifies."""
-        self._read_bucket_manifests(tier)
-        copy = tier.shard_location(step, record)
 
         def land(source: BinaryIO) -> None:
             write = ShardSource(write=lambda out: copy_and_hash(source, out))
-            self.local.land_referenced(step, record, write, copy_of=copy)
+            self.local.land_referenced(step, record, write, copy_of=tier.shard_location(step, record))
 
         tier.open_shard(step, record, land)
-
-    def _read_bucket_manifests(self, tier: Tier) -> None:
-        """Before ``tier``, the bucket, is read or written: its manifests of the steps a restore
-        checked without reading them (see :meth:`manifests`), for where and how each object is
-        stored and the earlier files each step references. Each is tried once (several threads
-        wait for one try); one read, or gone, is not tried again. One that failed is tried again
-        before the next request: the request that follows meets the same failure and reports it."""
-        bucket = self.remote
-        if tier is not bucket or bucket is None or not self._unread:
-            return
-        with self._unread_lock:
-            for step in sorted(self._unread):
-                try:
-                    bucket.read_manifest(step, once=True)
-                except CheckpointError as exc:
-                    if not isinstance(exc.__cause__, FileNotFoundError):
-                        continue
-                self._unread.discard(step)
 
     def fetch_shard(
         self,
@@ -499,10 +474,9 @@ class TieredStore:
         absent: list[str] = []
         chain = [self.local, *(tier for tier in self.later if later is None or tier.name in later)]
         for tier in chain:
-            self._read_bucket_manifests(tier)
-            where = tier.shard_location(step, record)
             first = tier is self.local
             if not first and _holds_no_copy(tier, step, record):  # nothing to try, nothing to try again
+                where = tier.shard_location(step, record)
                 missing = IncompleteCheckpointError(f"{where}: no copy of rank {record.rank}'s shard reached this rank")
                 tried.append((tier.name, where, missing))
                 absent.append(tier.name)
@@ -513,6 +487,8 @@ class TieredStore:
                 except (*_READ_FAILURES, RemoteError) as error:
                     if first and (isinstance(error, RemoteError) or len(chain) == 1):
                         raise
+                    # named after the read: a tier reading where its bucket keeps the copy names it then
+                    where = tier.shard_location(step, record)
                     tried.append((tier.name, where, error))
                     if not first:
                         logger.warning(
@@ -527,6 +503,7 @@ class TieredStore:
                     continue
                 if first:
                     return found, tier.name
+                where = tier.shard_location(step, record)
                 if self.held_locally(step, record.rank):
                     done = "repaired the local copy from" if refills else "read it instead from"
                     logger.warning(

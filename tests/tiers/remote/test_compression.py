@@ -237,6 +237,52 @@ def test_a_transient_failure_is_retried_and_a_permanent_one_leaves_no_compressed
     assert not caught.value.transient and temp_files(path.parent) == []
 
 
+
+class Asking(Wrapper):
+    """Records each listing, existence check and ranged read the tier makes."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.asked = []
+
+    def list_names(self, prefix):
+        self.asked.append(("list", prefix))
+        return super().list_names(prefix)
+
+    def exists(self, path):
+        self.asked.append(("exists", path))
+        return super().exists(path)
+
+    def read(self, path, start=None, end=None):
+        self.asked.append(("read", path))
+        return super().read(path, start, end)
+
+
+def test_a_compressed_landing_of_a_steps_shard_asks_the_bucket_nothing_first(tmp_path, memory_url):
+    """Looking for a step's own shard before compressing it was a manifest read that found
+    nothing, a listing and a check of every committed step: per rank, per save."""
+    tier = RemoteTier(*memory_url, compression="zstd", wrap=Asking)
+    for step in (1, 2, 3):
+        directory = tmp_path / step_dir_name(step)
+        manifest = save_sharded([trained(step)], directory, step=step)
+        tier.backend.inner.asked.clear()
+        landed = tier.land_shard(step, manifest.shard(0), ShardSource(path=directory / manifest.shard(0).path))
+        assert landed.sent and tier.backend.inner.asked == [], (step, tier.backend.inner.asked)
+        tier.commit(manifest, landed=[landed])
+    assert tier.steps() == [1, 2, 3] and tier.check_shard(3, manifest.shard(0)) is None
+
+
+def test_an_earlier_steps_file_is_looked_up_before_it_is_compressed_again(tmp_path, memory_url):
+    """A new process (knowing nothing of the bucket) sends step 1's file as the earlier file a
+    later step references: it reads step 1's manifest and finds the object, sending nothing."""
+    manifest, _tier, committed = compressed_step(tmp_path, *memory_url, step=1, ranks=1)
+    record, path = manifest.shard(0), tmp_path / "ckpt" / step_dir_name(1) / manifest.shard(0).path
+    tier = RemoteTier(*memory_url, compression="zstd", wrap=Asking)
+    landed = tier.land_shard(1, record, ShardSource(path=path, earlier=True))
+    assert not landed.sent and landed.stored_bytes == committed.compression[record.path].size_bytes
+    assert [what for what, _path in tier.backend.inner.asked] == ["read"]  # the manifest, once
+    assert temp_files(path.parent) == []  # nothing compressed
+
 # -- ranged reads ----------------------------------------------------------------------------
 
 

@@ -33,6 +33,7 @@ from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.format.remote_manifest import StoredObject, referenced_key
 from tiered_ckpt.tiers.remote.compression import object_name
 from tiered_ckpt.tiers.remote.listing import BucketListing
+from tiered_ckpt.tiers.remote.requests import is_missing
 
 __all__ = ["KeptObjects"]
 
@@ -65,7 +66,7 @@ class KeptObjects(BucketListing):
             try:
                 remote = self.read_manifest(step)
             except CheckpointError as exc:
-                if isinstance(exc.__cause__, FileNotFoundError):
+                if is_missing(exc):
                     continue  # deleted since the listing: it references nothing any more
                 return None
             for ref, stored in remote.referenced_files():
@@ -116,7 +117,7 @@ class KeptObjects(BucketListing):
             try:
                 self.read_manifest(later)
             except (ManifestError, RemoteError) as exc:  # an older step may say it: read on
-                if not isinstance(exc.__cause__, FileNotFoundError):
+                if not is_missing(exc):
                     logger.warning("%s: looking for where step %d's %s is kept: %s", self.url, step, path, exc)
             if referenced_key(step, path) in self._referenced:
                 return

@@ -18,7 +18,7 @@ from tiered_ckpt.errors import ManifestError, RemoteError
 from tiered_ckpt.format.layout import KEPT_NAME, MANIFEST_NAME, parse_step_dir_name, step_dir_name
 from tiered_ckpt.format.remote_manifest import RemoteManifest
 from tiered_ckpt.io.parallel import run_parallel
-from tiered_ckpt.tiers.remote.requests import Requests
+from tiered_ckpt.tiers.remote.requests import Requests, is_missing
 
 __all__ = ["BucketListing"]
 
@@ -121,7 +121,7 @@ class BucketListing:
         except ManifestError:
             return True, None
         except RemoteError as exc:
-            if isinstance(exc.__cause__, FileNotFoundError):
+            if is_missing(exc):
                 return False, None
             raise
 

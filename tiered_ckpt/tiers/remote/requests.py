@@ -27,9 +27,15 @@ from typing import Any, TypeVar
 from tiered_ckpt.errors import CheckpointError, RemoteError
 from tiered_ckpt.tiers.remote.retry import RetryPolicy, is_transient
 
-__all__ = ["LimitedReader", "Requests", "Trouble"]
+__all__ = ["LimitedReader", "Requests", "Trouble", "is_missing"]
 
 T = TypeVar("T")
+
+
+def is_missing(exc: BaseException) -> bool:
+    """True for an error a request raised because the object is not there (the backend's
+    ``FileNotFoundError``, chained as :class:`RemoteError` chains what it translates)."""
+    return isinstance(exc.__cause__, FileNotFoundError)
 
 
 @dataclass(frozen=True)

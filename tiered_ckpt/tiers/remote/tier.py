@@ -81,7 +81,7 @@ from tiered_ckpt.tiers.remote.backends.wrappers import Counting
 from tiered_ckpt.tiers.remote.checksums import StoreSums
 from tiered_ckpt.tiers.remote.compression import Compression, check_compression, compressed_copy, object_name
 from tiered_ckpt.tiers.remote.kept import KeptObjects
-from tiered_ckpt.tiers.remote.requests import LimitedReader, Requests, Trouble
+from tiered_ckpt.tiers.remote.requests import LimitedReader, Requests, Trouble, is_missing
 from tiered_ckpt.tiers.remote.retry import RetryPolicy, is_transient
 from tiered_ckpt.tiers.remote.upkeep import BucketUpkeep
 
@@ -227,7 +227,7 @@ class RemoteTier(KeptObjects, BucketUpkeep):
             try:
                 self.read_manifest(step)
             except RemoteError as exc:
-                if not isinstance(exc.__cause__, FileNotFoundError):
+                if not is_missing(exc):
                     raise
                 self.find_referencing(step, record.path)
         known = self._known(step, record.path)
@@ -329,7 +329,7 @@ class RemoteTier(KeptObjects, BucketUpkeep):
         except (ChecksumMismatchError, IncompleteCheckpointError) as exc:  # the object's size, told on opening
             return str(exc)
         except RemoteError as exc:
-            if isinstance(exc.__cause__, FileNotFoundError):
+            if is_missing(exc):
                 return f"{location}: missing"
             raise
         problem = record.mismatch(digest)
@@ -380,11 +380,15 @@ class RemoteTier(KeptObjects, BucketUpkeep):
         object, how it is stored; nothing of it is kept here.
 
         A file's shard (``source.path``) of a committed step, or of an earlier step that a
-        committed step references, is first looked for where its remote manifest records it
-        (with ``compression="zstd"`` that manifest is read first, if it was not here: nothing is
-        compressed only to be found there already).
+        committed step references, is first looked for where its remote manifest records it.
+        For an earlier step's file (``source.earlier``) that manifest is read first, if it was
+        not here (the step's own, else those of the committed steps after it): a process that
+        never read it (a restore that checked its disk by digest, a new process) finds the file
+        where the bucket keeps it instead of sending it again under its own options. A shard of
+        a step being sent reads nothing first: a step is sent because the bucket has not
+        committed it, and looking costs a request per rank and per committed step.
         """
-        if source.path is not None and self._known(step, record.path) is None and self.compression == "zstd":
+        if source.earlier and source.path is not None and self._known(step, record.path) is None:
             try:
                 self._stored(step, record, read=True)
             except (ManifestError, RemoteError) as exc:  # then it is looked for under its own name
@@ -464,7 +468,7 @@ class RemoteTier(KeptObjects, BucketUpkeep):
         try:
             size, kept = self._run(f"reading the checksum of {location}", head)
         except RemoteError as exc:
-            if isinstance(exc.__cause__, FileNotFoundError):
+            if is_missing(exc):
                 return f"{location}: missing"
             raise
         if size != obj.size_bytes:
@@ -664,7 +668,7 @@ class RemoteTier(KeptObjects, BucketUpkeep):
         try:
             existing = self.read_manifest(step)
         except RemoteError as exc:
-            if isinstance(exc.__cause__, FileNotFoundError):
+            if is_missing(exc):
                 return None
             raise
         if existing.manifest.shards != manifest.shards:

@@ -1,10 +1,18 @@
 """pull, push, prune and lag (tiered_ckpt/maintenance.py): one implementation for the manager and the CLI."""
 
+from contextlib import closing
+
 import numpy as np
 import pytest
 
 from tiered_ckpt import CheckpointManager, RemoteOptions, UsageError, maintenance
+from tiered_ckpt.engine.replication import Replicator
+from tiered_ckpt.format.layout import RECEIPT_NAME, step_dir_name
+from tiered_ckpt.tiers.local import LocalTier
+from tiered_ckpt.tiers.remote.backends.wrappers import Wrapper
 from tiered_ckpt.tiers.remote.leases import OwnershipPolicy
+from tiered_ckpt.tiers.remote.tier import RemoteTier
+from tiered_ckpt.tiers.store import TieredStore
 
 
 def test_the_orphan_age_and_the_lease_defaults_are_the_ownership_policys():
@@ -28,3 +36,28 @@ def test_the_managers_maintenance_waits_for_its_writes_then_runs_on_its_store(tm
         assert pruned.deleted == {"local": ()} and pruned.dry_run
         assert pruned.aborted == () and pruned.kept_unproven == ()
         assert manager.steps() == [1]
+
+
+def test_push_mends_a_lost_receipt_of_a_step_the_bucket_committed_and_sends_nothing(tmp_path, memory_url):
+    """A crash between the bucket's commit and the receipt's write: push records the commit
+    instead of sending the step again (whose objects another zstd would rewrite otherwise)."""
+    url, options = memory_url
+    remote = RemoteOptions(url, storage_options=options, compression="zstd")
+    with CheckpointManager(tmp_path, world_size=2, remote=remote) as manager:
+        manager.save(1, [{"w": np.arange(1000, dtype=np.float32) + rank} for rank in range(2)], blocking=True)
+        manager.wait(uploaded=True)
+    (tmp_path / step_dir_name(1) / RECEIPT_NAME).unlink()
+    puts = []
+
+    class Puts(Wrapper):
+        def put_shard(self, local_path, path, record, *, deadline):
+            puts.append(path)
+            return super().put_shard(local_path, path, record, deadline=deadline)
+
+    bucket = RemoteTier(url, options, compression="zstd", wrap=Puts)
+    store = TieredStore([LocalTier(tmp_path), bucket])
+    assert not store.receipted(1)
+    with store.local.lock(), closing(Replicator(store, bucket)) as uploader:
+        pushed = maintenance.push(store, uploader)
+        uploader.errors.raise_first()
+    assert pushed.steps == () and puts == [] and store.receipted(1)

@@ -151,6 +151,10 @@ def push(
     if step is not None and step not in local:
         raise IncompleteCheckpointError(f"{store.local.root}: step {step} is not committed locally")
     unreceipted = [each for each in local if not store.receipted(each, uploader.target)]
+    target = uploader.target
+    if unreceipted and target.capabilities.receipts:  # committed there, the receipt lost in a crash: mended
+        there = set(target.steps())
+        unreceipted = [each for each in unreceipted if each not in there or not store.mend_receipt(each, target)]
     queued = [each for each in ([step] if step is not None else unreceipted) if each in unreceipted]
     if progress is not None:  # none is up yet: said before an upload can finish
         progress(0, len(queued))

@@ -1,5 +1,6 @@
 """The store's chain (the local copy, else each later tier in order, verified and landed locally) on real files."""
 
+import dataclasses
 import logging
 import os
 
@@ -10,6 +11,7 @@ from support.memory_tier import MemoryTier
 from support.states import flip_byte
 from support.stores import save_hashed_and_compressed
 from tiered_ckpt import (
+    CheckpointError,
     CheckpointManager,
     ChecksumMismatchError,
     IncompleteCheckpointError,
@@ -325,6 +327,22 @@ def test_a_bucket_read_after_the_digest_check_reads_the_buckets_manifest_first(t
     stored = RemoteTier(url, options, layout="hashed").object_name(1, record.path) + ".zst"
     (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert f"repaired the local copy from {url}/{step_dir_name(1)}/{stored};" in warning, warning
+
+
+@pytest.mark.parametrize("read", ["read_shard_header", "read_parts"])
+def test_a_ranged_read_after_the_digest_check_names_the_copy_where_the_bucket_keeps_it(tmp_path, memory_url, read):
+    url, options = memory_url
+    save_hashed_and_compressed(tmp_path / "node", url, options)
+    store = TieredStore([LocalTier(tmp_path / "node"), RemoteTier(url, options)])  # flat, uncompressed
+    digest = RemoteTier(url, options).read_manifest(1).manifest.shards_digest()
+    manifest, _remote = store.manifests(1, in_local=True, in_remote=True, bucket_shards=digest)
+    # a record whose header neither copy has: every copy tried fails, each named in the error
+    record = dataclasses.replace(manifest.shard(1), header_sha256="0" * 64)
+    with store.local.lock(), pytest.raises(CheckpointError) as failed:
+        store.read_shard_header(1, record) if read == "read_shard_header" else store.read_parts(1, record, ["w"])
+    stored = RemoteTier(url, options, layout="hashed").object_name(1, record.path) + ".zst"
+    assert f"rank 1 shard {url}/{step_dir_name(1)}/{stored}:" in str(failed.value), failed.value
+    assert f"shard {url}/{step_dir_name(1)}/{record.path}" not in str(failed.value)
 
 
 def delete_first(monkeypatch, owner, name: str, step: int, delete) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from tiered_ckpt.dist.coordination import Attempt, Coordinator, gather, leader_decides
 from tiered_ckpt.errors import RemoteError
-from tiered_ckpt.tiers.abilities import leases_of, receipts_of, references_of
+from tiered_ckpt.tiers.abilities import leases_of, references_of
 from tiered_ckpt.tiers.base import Tier
 from tiered_ckpt.tiers.remote.leases import Lease
 from tiered_ckpt.tiers.store import TieredStore
@@ -115,15 +115,11 @@ def _resumable(
     way). A target that is not durable lost what it held with the job: only the newest local
     step is worth sending it again."""
     resumed = []
-    receipted = receipts_of(target)
     for step in store.local.steps():
         if store.receipted(step, target):
             continue
-        if step in committed and receipted is not None:  # committed there, the receipt lost in a crash
-            remote = receipted.read_manifest(step)
-            if remote.manifest.shards == store.local.manifest(step).shards:
-                store.record_commit(step, target, remote)
-                continue
+        if step in committed and store.mend_receipt(step, target):  # committed there, the receipt lost
+            continue
         if (newest is None or step > newest) and (takes(step) or store.local.for_every_tier(step)):
             if store.sendable(step, target):
                 resumed.append(step)

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, cast
 
-from tiered_ckpt.format.manifest import ShardManifest
+from tiered_ckpt.format.manifest import ShardManifest, ShardRecord
 from tiered_ckpt.format.remote_manifest import RemoteManifest
 from tiered_ckpt.io.hashing import ShardDigest
 from tiered_ckpt.tiers.base import Confirmed, Landed, ShardSource, Tier
@@ -66,6 +66,11 @@ class ReceiptedTier(Tier, Protocol):
         """The record of ``step`` the last listing expecting it read, handed over once (None: it
         read none of that step); as current as that listing. Whatever ``step`` is (None: only
         let go), the record is let go."""
+        ...
+
+    def look_up(self, step: int, record: ShardRecord) -> None:
+        """Learn where ``record``'s copy of committed ``step`` is kept unless known here (its
+        :meth:`Tier.shard_location` names it then): the records of commits it reads say so."""
         ...
 
 

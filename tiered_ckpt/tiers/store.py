@@ -200,6 +200,21 @@ class TieredStore:
         tier = tier or self.remote
         return tier is not None and self.local.has_receipt(step, tier.url)
 
+    def mend_receipt(self, step: int, tier: Tier) -> bool:
+        """Record ``tier``'s commit of ``step``, which its listing names, if it committed the very
+        checkpoint this disk holds (a crash between the commit and its receipt lost the receipt):
+        True if recorded, False if the tier has no receipts or committed another checkpoint. Raises
+        :class:`RemoteError` if its record cannot be read, :class:`ManifestError` if damaged."""
+        receipted = receipts_of(tier)
+        if receipted is None:
+            return False
+        remote = receipted.read_manifest(step)
+        if remote.manifest.shards != self.local.manifest(step).shards:
+            return False
+        self.record_commit(step, tier, remote)
+        logger.info("step %d: %s committed it already, the receipt was lost; recorded", step, tier.url)
+        return True
+
     def record_commit(self, step: int, tier: Tier, committed: RemoteManifest) -> None:
         """Record in the local step that ``tier`` committed it: a receipt. Only a tier whose
         capabilities say ``receipts`` has them (a durable one: a receipt of a copy that dies with
@@ -379,7 +394,7 @@ class TieredStore:
             if tier is not self.local and (refills or not tier.capabilities.ranged_reads):
                 self.download_referenced(ref.step, ref.file, tier)
                 tier = self.local
-            what = f"rank {ref.file.rank} shard {tier.shard_location(ref.step, ref.file)} (referenced by step {step})"
+            what = f"rank {ref.file.rank} shard {_located(tier, ref.step, ref.file)} (referenced by step {step})"
             if tier is self.local:
                 return self._read_referenced_here(ref, names, what, into, verify, header)
             read_range = functools.partial(tier.read_range_into, ref.step, ref.file)
@@ -565,7 +580,7 @@ class TieredStore:
             if tier is not self.local and not tier.capabilities.ranged_reads:
                 self.download_shard(step, record, tier)
                 tier = self.local
-            what = f"rank {record.rank} shard {tier.shard_location(step, record)}"
+            what = f"rank {record.rank} shard {_located(tier, step, record)}"
             if tier is self.local:
                 with self.local.open_ranges(step, record) as read_into:
                     return read_verified_parts(read_into, record, names, what, targets, verify, index)
@@ -624,7 +639,7 @@ class TieredStore:
         """The header of ``record``'s own file, verified (see :meth:`read_shard_header`)."""
 
         def read(tier: Tier) -> ShardHeader:
-            what = f"rank {record.rank} shard {tier.shard_location(step, record)}"
+            what = f"rank {record.rank} shard {_located(tier, step, record)}"
             if tier is self.local:
                 with self.local.open_ranges(step, record) as read_into:
                     return verified_header(read_into, record, what)
@@ -688,6 +703,15 @@ class TieredStore:
 def _different_checkpoints(step: int) -> ManifestError:
     """The error of a disk's manifest of ``step`` whose shards are not the bucket's."""
     return ManifestError(f"the local and remote manifests of step {step} describe different checkpoints")
+
+
+def _located(tier: Tier, step: int, record: ShardRecord) -> str:
+    """Where ``tier`` keeps ``record``'s copy of ``step``, as it names the copy it reads: a tier with
+    receipts first learns where (a process that checked its disk by digest never read the record)."""
+    receipted = receipts_of(tier)
+    if receipted is not None:
+        receipted.look_up(step, record)
+    return tier.shard_location(step, record)
 
 
 def _copy_in_memory(tier: Tier, step: int, record: ShardRecord) -> memoryview | None:

@@ -3,6 +3,7 @@ manager on every backend, a bucket holding compressed and uncompressed steps, fl
 compressed object, ranged reads fetching only the frames they need, verify --remote by the
 store's checksums, and the compressed copy a landing makes and removes."""
 
+import functools
 import json
 import logging
 import shutil
@@ -23,6 +24,7 @@ from tiered_ckpt import (
     save_sharded,
 )
 from tiered_ckpt.format.layout import MANIFEST_NAME, step_dir_name
+from tiered_ckpt.io import zstd_frames
 from tiered_ckpt.tiers import survey
 from tiered_ckpt.tiers.base import ShardSource
 from tiered_ckpt.tiers.local import LocalTier
@@ -237,7 +239,6 @@ def test_a_transient_failure_is_retried_and_a_permanent_one_leaves_no_compressed
     assert not caught.value.transient and temp_files(path.parent) == []
 
 
-
 class Asking(Wrapper):
     """Records each listing, existence check and ranged read the tier makes."""
 
@@ -272,16 +273,31 @@ def test_a_compressed_landing_of_a_steps_shard_asks_the_bucket_nothing_first(tmp
     assert tier.steps() == [1, 2, 3] and tier.check_shard(3, manifest.shard(0)) is None
 
 
-def test_an_earlier_steps_file_is_looked_up_before_it_is_compressed_again(tmp_path, memory_url):
-    """A new process (knowing nothing of the bucket) sends step 1's file as the earlier file a
-    later step references: it reads step 1's manifest and finds the object, sending nothing."""
+def test_an_earlier_steps_file_is_looked_up_before_it_is_sent_again(tmp_path, memory_url):
+    """A new process (knowing nothing of the bucket, compressing nothing) sends step 1's file as
+    the earlier file a later step references: it reads step 1's manifest and finds the
+    compressed object, sending nothing."""
     manifest, _tier, committed = compressed_step(tmp_path, *memory_url, step=1, ranks=1)
     record, path = manifest.shard(0), tmp_path / "ckpt" / step_dir_name(1) / manifest.shard(0).path
-    tier = RemoteTier(*memory_url, compression="zstd", wrap=Asking)
+    tier = RemoteTier(*memory_url, wrap=Asking)
     landed = tier.land_shard(1, record, ShardSource(path=path, earlier=True))
     assert not landed.sent and landed.stored_bytes == committed.compression[record.path].size_bytes
     assert [what for what, _path in tier.backend.inner.asked] == ["read"]  # the manifest, once
-    assert temp_files(path.parent) == []  # nothing compressed
+
+
+def test_a_committed_object_is_never_replaced_by_other_compressed_bytes_of_its_file(tmp_path, memory_url, monkeypatch):
+    """A step's shard sent again (a push after its receipt was lost) by a process whose zstd makes
+    other bytes of the same file: the committed object, whose frames its manifest records, stays."""
+    manifest, _tier, committed = compressed_step(tmp_path, *memory_url, step=1, ranks=1)
+    record, path = manifest.shard(0), tmp_path / "ckpt" / step_dir_name(1) / manifest.shard(0).path
+    tier = RemoteTier(*memory_url, compression="zstd")
+    key = object_key(tier, 1, record)
+    before = tier.backend.read(key)
+    monkeypatch.setattr(compression, "compress_frames", functools.partial(zstd_frames.compress_frames, level=19))
+    landed = tier.land_shard(1, record, ShardSource(path=path))
+    assert not landed.sent and tier.backend.read(key) == before
+    assert RemoteTier(*memory_url).check_shard(1, record) is None
+
 
 # -- ranged reads ----------------------------------------------------------------------------
 

@@ -195,6 +195,37 @@ def test_a_listing_that_fails_does_not_wait_for_its_guess(memory_url):
         released.set()
 
 
+def test_threads_looking_up_one_steps_copies_read_its_manifest_once(memory_url, tmp_path):
+    """The manifest grows with the ranks: one process's threads wait for one read of it."""
+    url, options = memory_url
+    writer = RemoteTier(url, options)
+    manifest = save_sharded([{"w": np.full(8, rank, np.float32)} for rank in range(2)], tmp_path / "s", step=1)
+    landed = [writer.land_shard(1, r, ShardSource(path=tmp_path / "s" / r.path)) for r in manifest.shards]
+    writer.commit(manifest, landed=landed)
+    tier = RemoteTier(url, options)
+    reading, release, reads = threading.Event(), threading.Event(), []
+    read = tier.backend.read
+
+    def held_read(path, *args, **kwargs):
+        reads.append(path)
+        reading.set()
+        release.wait(timeout=60)
+        return read(path, *args, **kwargs)
+
+    tier.backend.read = held_read
+    first = threading.Thread(target=tier.look_up, args=(1, manifest.shard(0)))
+    second = threading.Thread(target=tier.look_up, args=(1, manifest.shard(1)))
+    first.start()
+    assert reading.wait(timeout=60)
+    second.start()
+    second.join(timeout=1)  # without the lock it reads at once; with it, it waits for the first
+    release.set()
+    first.join(timeout=60)
+    second.join(timeout=60)
+    assert reads == [tier._path(1, MANIFEST_NAME)]
+    assert tier.shard_location(1, manifest.shard(1)) == f"{url}/{step_dir_name(1)}/{manifest.shard(1).path}"
+
+
 def test_commit_is_create_only(tier, saved, tmp_path):
     directory, manifest = saved
     landed = upload_all(tier, directory, manifest)

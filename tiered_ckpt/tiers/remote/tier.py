@@ -47,6 +47,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -166,6 +167,7 @@ class RemoteTier(KeptObjects, BucketUpkeep):
         # earlier steps' files, as those manifests record them, with each file's sha256
         self._referenced: dict[str, tuple[StoredObject, str]] = {}
         self._frames = FrameCache()
+        self._looking = threading.Lock()  # threads reading one step's shards wait for one look-up
 
     def __repr__(self) -> str:
         return f"RemoteTier({self.url!r})"
@@ -218,18 +220,25 @@ class RemoteTier(KeptObjects, BucketUpkeep):
     def shard_location(self, step: int, record: ShardRecord) -> str:
         return self.location(step, object_name(self.object_name(step, record.path), self._stored(step, record)))
 
+    def look_up(self, step: int, record: ShardRecord) -> None:
+        """Learn where ``record``'s copy of committed ``step`` is kept, unless known here: read the
+        step's remote manifest, or, the step not being committed, those of the committed steps
+        after it until one references the file. Raises :class:`RemoteError` if the store fails."""
+        self._stored(step, record, read=True)
+
     def _stored(self, step: int, record: ShardRecord, *, read: bool = False) -> CompressedObject | None:
         """How ``record``'s object is stored (None: as the shard file it is), as a remote manifest
-        says once read (see :meth:`_known`). ``read``: if none read here says, read the step's
-        own, or, the step not being committed here, those of the committed steps after it until
-        one references the file (a reader never goes by its own option)."""
+        says once read (see :meth:`_known`). ``read``: if none read here says, look it up (see
+        :meth:`look_up`; a reader never goes by its own option)."""
         if self._known(step, record.path) is None and read:
-            try:
-                self.read_manifest(step)
-            except RemoteError as exc:
-                if not is_missing(exc):
-                    raise
-                self.find_referencing(step, record.path)
+            with self._looking:  # one read of a manifest that grows with the ranks, not one a thread
+                if self._known(step, record.path) is None:
+                    try:
+                        self.read_manifest(step)
+                    except RemoteError as exc:
+                        if not is_missing(exc):
+                            raise
+                        self.find_referencing(step, record.path)
         known = self._known(step, record.path)
         return known.compression if known is not None else None
 
@@ -414,12 +423,16 @@ class RemoteTier(KeptObjects, BucketUpkeep):
     ) -> Landed | None:
         """What :meth:`land_shard` returns for ``record``'s object found intact where ``known`` says
         it is stored (None: it is not there intact)."""
+        what = f"checking {self.location(step, object_name(known.location, known.compression))}"
+        return self._run(what, lambda: self._intact_at(step, record, known), deadline)
+
+    def _intact_at(self, step: int, record: ShardRecord, known: StoredObject) -> Landed | None:
+        """:meth:`_found_intact`, one try."""
         stored = known.compression
         key, obj = self._path(step, object_name(known.location, stored)), record
         if stored is not None:
             obj = stored.object_record(record)
-        what = f"checking {self.location(step, object_name(known.location, stored))}"
-        if self._run(what, lambda: self._mismatch(key, obj, prove=True), deadline) is not None:
+        if self._mismatch(key, obj, prove=True) is not None:
             return None
         compression = stored.to_json() if stored is not None else None
         sizes = obj.size_bytes, record.size_bytes
@@ -444,6 +457,14 @@ class RemoteTier(KeptObjects, BucketUpkeep):
                 return landed(None, False)
             if found != "missing":
                 self.refuse_replacing_kept(step, object_name(name, stored), record)
+                # That read the remote manifests of the committed steps from this one: an object one
+                # records as this very file is kept, never replaced (other compressed bytes of the
+                # same file would not match the frames it records), whatever this tier's options.
+                known = self._known_file(step, record.path)
+                if known is not None and known[1] == record.sha256:
+                    intact = self._intact_at(step, record, known[0])
+                    if intact is not None:
+                        return intact
             self._timeout()
             sums = self.backend.put_shard(local_path, key, obj, deadline=self._requests.deadline).sums
             problem = self._mismatch(key, obj, lambda: sums)

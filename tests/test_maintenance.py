@@ -5,9 +5,9 @@ from contextlib import closing
 import numpy as np
 import pytest
 
-from tiered_ckpt import CheckpointManager, RemoteOptions, UsageError, maintenance
+from tiered_ckpt import CheckpointManager, LocalOptions, RemoteOptions, UploadError, UsageError, maintenance
 from tiered_ckpt.engine.replication import Replicator
-from tiered_ckpt.format.layout import RECEIPT_NAME, step_dir_name
+from tiered_ckpt.format.layout import MANIFEST_NAME, RECEIPT_NAME, step_dir_name
 from tiered_ckpt.tiers.local import LocalTier
 from tiered_ckpt.tiers.remote.backends.wrappers import Wrapper
 from tiered_ckpt.tiers.remote.leases import OwnershipPolicy
@@ -61,3 +61,27 @@ def test_push_mends_a_lost_receipt_of_a_step_the_bucket_committed_and_sends_noth
         pushed = maintenance.push(store, uploader)
         uploader.errors.raise_first()
     assert pushed.steps == () and puts == [] and store.receipted(1)
+
+
+def test_push_carries_on_past_a_step_whose_commit_it_cannot_read(tmp_path, memory_url):
+    """Step 1's receipt lost and the bucket's manifest of it damaged, step 2 never sent: step 2
+    goes up, and step 1's problem waits in the uploader's error box with its step."""
+    url, options = memory_url
+    with CheckpointManager(
+        LocalOptions(tmp_path, keep_last=None), world_size=1, remote=RemoteOptions(url, storage_options=options)
+    ) as manager:
+        manager.save(1, [{"w": np.arange(1000, dtype=np.float32)}], blocking=True)
+        manager.wait(uploaded=True)
+    with CheckpointManager(LocalOptions(tmp_path, keep_last=None), world_size=1) as manager:  # no bucket
+        manager.save(2, [{"w": np.arange(1000, dtype=np.float32) + 2}], blocking=True)
+    (tmp_path / step_dir_name(1) / RECEIPT_NAME).unlink()
+    bucket = RemoteTier(url, options)
+    bucket.backend.put_bytes(bucket._path(1, MANIFEST_NAME), b"{not json")
+    store = TieredStore([LocalTier(tmp_path), bucket])
+    with store.local.lock(), closing(Replicator(store, bucket)) as uploader:
+        assert maintenance.push(store, uploader, 2).steps == (2,)  # step 1's record is not even read
+        assert store.receipted(2) and not store.receipted(1)
+        maintenance.push(store, uploader)  # step 1 queued all the same: its upload says what is wrong
+        with pytest.raises(UploadError, match="step 1"):
+            uploader.errors.raise_first()
+    assert bucket.steps() == [1, 2]

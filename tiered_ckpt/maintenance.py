@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from tiered_ckpt.engine.replication import Replicator
-from tiered_ckpt.errors import IncompleteCheckpointError, UsageError
+from tiered_ckpt.errors import CheckpointError, IncompleteCheckpointError, UsageError
 from tiered_ckpt.format.manifest import ShardRecord
 from tiered_ckpt.io.parallel import run_parallel
 from tiered_ckpt.options import RemoteOptions
@@ -152,9 +152,15 @@ def push(
         raise IncompleteCheckpointError(f"{store.local.root}: step {step} is not committed locally")
     unreceipted = [each for each in local if not store.receipted(each, uploader.target)]
     target = uploader.target
-    if unreceipted and target.capabilities.receipts:  # committed there, the receipt lost in a crash: mended
+    wanted = [each for each in ([step] if step is not None else unreceipted) if each in unreceipted]
+    if wanted and target.capabilities.receipts:  # committed there, the receipt lost in a crash: mended
         there = set(target.steps())
-        unreceipted = [each for each in unreceipted if each not in there or not store.mend_receipt(each, target)]
+        for each in (each for each in wanted if each in there):
+            try:
+                if store.mend_receipt(each, target):
+                    unreceipted.remove(each)
+            except CheckpointError as exc:  # left to its upload, which reports it with the step
+                logger.warning("step %d: reading its commit in %s: %s", each, target.url, exc)
     queued = [each for each in ([step] if step is not None else unreceipted) if each in unreceipted]
     if progress is not None:  # none is up yet: said before an upload can finish
         progress(0, len(queued))

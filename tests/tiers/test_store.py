@@ -15,6 +15,7 @@ from tiered_ckpt import (
     CheckpointManager,
     ChecksumMismatchError,
     IncompleteCheckpointError,
+    LocalOptions,
     ManifestError,
     RemoteOptions,
     UsageError,
@@ -345,6 +346,30 @@ def test_a_ranged_read_after_the_digest_check_names_the_copy_where_the_bucket_ke
     assert f"shard {url}/{step_dir_name(1)}/{record.path}" not in str(failed.value)
 
 
+def test_a_ranged_read_of_a_referenced_file_names_it_where_the_bucket_keeps_it(tmp_path, memory_url):
+    url, options = memory_url
+    base = {f"layer{i}": np.full((32, 64), i, np.float32) for i in range(3)}
+    writer = RemoteOptions(url, storage_options=options, layout="hashed", compression="zstd")
+    with CheckpointManager(LocalOptions(tmp_path / "ckpt"), world_size=1, remote=writer) as manager:
+        for step in (1, 2):
+            manager.save(step, {"base": base, "adapter": np.full((32, 64), step, np.float32)}, blocking=True)
+        manager.wait(uploaded=True)
+    digest = RemoteTier(url, options).read_manifest(2).manifest.shards_digest()
+    store = TieredStore([LocalTier(tmp_path / "ckpt"), RemoteTier(url, options)])
+    with store.local.lock():
+        manifest, _remote = store.manifests(2, in_local=True, in_remote=True, bucket_shards=digest)
+        record = manifest.shard(0)
+        index, _source = store.read_shard_index(2, record)
+        (ref,) = record.references
+        bad = dataclasses.replace(ref, xxh3_64="0" * len(ref.xxh3_64))  # no copy of the file verifies
+        store = TieredStore([LocalTier(tmp_path / "ckpt"), RemoteTier(url, options)])  # knows nothing of the bucket
+        with pytest.raises(CheckpointError) as failed:
+            store.read_parts(2, dataclasses.replace(record, references=(bad,)), list(bad.names), index=index)
+    stored = RemoteTier(url, options, layout="hashed").object_name(1, ref.file.path) + ".zst"
+    assert f"shard {url}/{step_dir_name(1)}/{stored} (referenced by step 2):" in str(failed.value), failed.value
+    assert f"shard {url}/{step_dir_name(1)}/{ref.file.path} " not in str(failed.value), failed.value
+
+
 def delete_first(monkeypatch, owner, name: str, step: int, delete) -> None:
     """Make ``owner.name(step, ...)`` first ``delete()`` the step (really, as retention does), once."""
     read, done = getattr(owner, name), []
@@ -661,8 +686,6 @@ def test_a_store_holds_any_number_of_durable_later_tiers_and_its_bucket_is_the_o
 def test_an_earlier_file_is_found_in_the_bucket_after_a_restore_checked_by_digest(tmp_path, memory_url):
     """A process that restored step 2 from its disk without reading the bucket's manifest, then
     sends a step referencing step 1's file: the bucket keeps it (hashed, compressed), not sent again."""
-    from tiered_ckpt import LocalOptions
-
     url, options = memory_url
     base = {f"layer{i}": np.full((32, 64), i, np.float32) for i in range(3)}
     writer = RemoteOptions(url, storage_options=options, layout="hashed", compression="zstd")
@@ -685,7 +708,6 @@ def test_an_earlier_file_is_found_in_the_bucket_after_a_restore_checked_by_diges
 def test_a_referenced_file_moved_to_its_kept_directory_mid_upload_is_landed_from_there(tmp_path, memory_url):
     """Retention deletes the referenced file's step while an upload reads it: the file moves to
     the step's kept directory, the landing fails, and is made again from there."""
-    from tiered_ckpt import LocalOptions
     from tiered_ckpt.tiers.remote.backends.wrappers import Wrapper
 
     base = {f"layer{i}": np.full((32, 64), i, np.float32) for i in range(3)}

@@ -3,6 +3,7 @@ import errno
 import io
 import os
 import threading
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -224,6 +225,52 @@ def test_threads_looking_up_one_steps_copies_read_its_manifest_once(memory_url, 
     second.join(timeout=60)
     assert reads == [tier._path(1, MANIFEST_NAME)]
     assert tier.shard_location(1, manifest.shard(1)) == f"{url}/{step_dir_name(1)}/{manifest.shard(1).path}"
+
+
+def test_threads_looking_up_one_step_share_its_failure(memory_url, tmp_path, monkeypatch):
+    """A bucket failing every read: the threads waiting for one look-up fail with it, not each
+    after a retry policy's tries of its own, one after another."""
+    manifest = save_sharded([{"w": np.full(8, rank, np.float32)} for rank in range(3)], tmp_path / "s", step=1)
+    writer = RemoteTier(*memory_url)
+    writer.commit(
+        manifest, landed=[writer.land_shard(1, r, ShardSource(path=tmp_path / "s" / r.path)) for r in manifest.shards]
+    )
+    tier = RemoteTier(*memory_url, retry=RetryPolicy(max_tries=2, backoff_seconds=0))
+    waiting, release, reads = threading.Semaphore(0), threading.Event(), []
+
+    class Awaited(Future):  # counts the threads waiting for another's look-up
+        def result(self, timeout=None):
+            waiting.release()
+            return super().result(timeout)
+
+    def failing_read(path, *args, **kwargs):
+        import traceback
+
+        reads.append((threading.get_ident(), "".join(traceback.format_stack(limit=12))))
+        release.wait(timeout=60)
+        raise ConnectionResetError("connection reset by peer (injected)")
+
+    monkeypatch.setattr(tier_module, "Future", Awaited)
+    tier.backend.read = failing_read
+    failures = []
+
+    def look_up(record):
+        try:
+            tier.look_up(1, record)
+        except RemoteError as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=look_up, args=(record,)) for record in manifest.shards]
+    threads[0].start()
+    while not reads:
+        threads[0].join(timeout=0.01)
+    for thread in threads[1:]:
+        thread.start()
+    assert waiting.acquire(timeout=60) and waiting.acquire(timeout=60)
+    release.set()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(reads) == 2 and len(failures) == 3  # the first thread's two tries, for all three
 
 
 def test_commit_is_create_only(tier, saved, tmp_path):

@@ -3,6 +3,7 @@
 import errno
 import logging
 import random
+import time
 
 import aiohttp
 import botocore.exceptions
@@ -16,6 +17,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from tiered_ckpt.errors import RemoteError
+from tiered_ckpt.tiers.remote.requests import Requests
 from tiered_ckpt.tiers.remote.retry import RetryPolicy, is_transient
 
 
@@ -415,3 +417,21 @@ def test_an_azure_request_to_a_closed_port_is_transient():
     with pytest.raises(ServiceRequestError) as caught:
         client.get_blob_properties()
     assert is_transient(caught.value)
+
+
+def test_an_operation_inside_another_keeps_its_deadline_and_gives_it_back():
+    """A check made inside an upload (reading the committed manifests before a put) must not
+    leave the put that follows without the upload's deadline."""
+    requests_ = Requests(RetryPolicy(max_tries=1))
+    now, seen = time.monotonic(), []
+    upload, earlier, later = now + 1000, now + 500, now + 5000
+
+    def outer():
+        seen.append(requests_.deadline)
+        requests_.run("inner, none of its own", lambda: seen.append(requests_.deadline))
+        requests_.run("inner, an earlier one", lambda: seen.append(requests_.deadline), deadline=earlier)
+        requests_.run("inner, a later one", lambda: seen.append(requests_.deadline), deadline=later)
+        seen.append(requests_.deadline)
+
+    requests_.run("outer", outer, deadline=upload)
+    assert seen == [upload, upload, earlier, upload, upload] and requests_.deadline is None

@@ -95,7 +95,8 @@ class Requests:
     def run(self, what: str, action: Callable[[], T], deadline: float | None = None, *, once: bool = False) -> T:
         """``action`` under the retry policy (``once``: one try only), its backend errors
         translated; with a ``deadline`` (a ``time.monotonic()`` time), no try starts after it
-        and a request still running then is cut short (see :meth:`timeout`)."""
+        and a request still running then is cut short (see :meth:`timeout`). An operation run
+        inside another keeps the outer one's deadline, or its own if earlier, and gives it back."""
 
         def one_try() -> T:
             try:
@@ -107,12 +108,15 @@ class Requests:
             self._answered(None)
             return result
 
+        outer = self.deadline
+        if outer is not None:
+            deadline = outer if deadline is None else min(deadline, outer)
         self._context.at = deadline
         try:
             policy = dataclasses.replace(self.retry, max_tries=1) if once else self.retry
             return policy.run(what, one_try, deadline=deadline)
         finally:
-            self._context.at = None
+            self._context.at = outer
 
     def timeout(self) -> float | None:
         """The seconds left before this thread's deadline, for a backend to cut a request short

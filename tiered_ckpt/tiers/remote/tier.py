@@ -50,6 +50,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, TypeVar, get_args
@@ -167,7 +168,8 @@ class RemoteTier(KeptObjects, BucketUpkeep):
         # earlier steps' files, as those manifests record them, with each file's sha256
         self._referenced: dict[str, tuple[StoredObject, str]] = {}
         self._frames = FrameCache()
-        self._looking = threading.Lock()  # threads reading one step's shards wait for one look-up
+        self._looking = threading.Lock()  # guards _lookups
+        self._lookups: dict[int, Future[None]] = {}  # the look-ups under way, by step (see _stored)
 
     def __repr__(self) -> str:
         return f"RemoteTier({self.url!r})"
@@ -229,18 +231,40 @@ class RemoteTier(KeptObjects, BucketUpkeep):
     def _stored(self, step: int, record: ShardRecord, *, read: bool = False) -> CompressedObject | None:
         """How ``record``'s object is stored (None: as the shard file it is), as a remote manifest
         says once read (see :meth:`_known`). ``read``: if none read here says, look it up (see
-        :meth:`look_up`; a reader never goes by its own option)."""
-        if self._known(step, record.path) is None and read:
-            with self._looking:  # one read of a manifest that grows with the ranks, not one a thread
-                if self._known(step, record.path) is None:
-                    try:
-                        self.read_manifest(step)
-                    except RemoteError as exc:
-                        if not is_missing(exc):
-                            raise
-                        self.find_referencing(step, record.path)
+        :meth:`look_up`; a reader never goes by its own option). Threads looking up one step
+        wait for one look-up and share its outcome, a failure too: a manifest grows with the
+        ranks, and failing look-ups made one after another would each spend the retry policy."""
+        while read and self._known(step, record.path) is None:
+            with self._looking:
+                pending = self._lookups.get(step)
+                mine = pending is None
+                if pending is None:
+                    pending = self._lookups[step] = Future()
+            if mine:
+                self._look_up_once(step, record.path, pending)
+                break
+            pending.result()  # raises its failure; else, if it did not find this file, look again
         known = self._known(step, record.path)
         return known.compression if known is not None else None
+
+    def _look_up_once(self, step: int, path: str, pending: Future[None]) -> None:
+        """One look-up of where ``step``'s file ``path`` is kept, its outcome handed to the threads
+        waiting on ``pending``."""
+        try:
+            try:
+                self.read_manifest(step)
+            except RemoteError as exc:
+                if not is_missing(exc):
+                    raise
+                self.find_referencing(step, path)
+        except BaseException as exc:
+            pending.set_exception(exc)
+            raise
+        else:
+            pending.set_result(None)
+        finally:
+            with self._looking:
+                self._lookups.pop(step, None)
 
     # -- listing and reading ------------------------------------------------------------------
 

@@ -284,3 +284,19 @@ def save_hashed_and_compressed(directory: Path, url: str, options: dict) -> list
         manager.save(1, states, blocking=True)
         manager.wait(uploaded=True)
     return states
+
+
+def save_two_incremental_steps(directory: Path, url: str, options: dict) -> None:
+    """Steps 1 and 2 of one rank saved in ``directory`` and committed in the bucket at ``url`` as
+    :func:`save_hashed_and_compressed` commits its step; step 2 references step 1's file for the
+    arrays it left unchanged."""
+    import numpy as np
+
+    from tiered_ckpt import CheckpointManager, LocalOptions, RemoteOptions
+
+    base = {f"layer{i}": np.full((32, 64), i, np.float32) for i in range(3)}
+    writer = RemoteOptions(url, storage_options=options, layout="hashed", compression="zstd")
+    with CheckpointManager(LocalOptions(directory), world_size=1, remote=writer) as manager:
+        for step in (1, 2):
+            manager.save(step, {"base": base, "adapter": np.full((32, 64), step, np.float32)}, blocking=True)
+        manager.wait(uploaded=True)

@@ -9,7 +9,7 @@ import pytest
 
 from support.memory_tier import MemoryTier
 from support.states import flip_byte
-from support.stores import save_hashed_and_compressed
+from support.stores import save_hashed_and_compressed, save_two_incremental_steps
 from tiered_ckpt import (
     CheckpointError,
     CheckpointManager,
@@ -17,7 +17,6 @@ from tiered_ckpt import (
     IncompleteCheckpointError,
     LocalOptions,
     ManifestError,
-    RemoteOptions,
     UsageError,
     cli,
     load_sharded,
@@ -348,12 +347,7 @@ def test_a_ranged_read_after_the_digest_check_names_the_copy_where_the_bucket_ke
 
 def test_a_ranged_read_of_a_referenced_file_names_it_where_the_bucket_keeps_it(tmp_path, memory_url):
     url, options = memory_url
-    base = {f"layer{i}": np.full((32, 64), i, np.float32) for i in range(3)}
-    writer = RemoteOptions(url, storage_options=options, layout="hashed", compression="zstd")
-    with CheckpointManager(LocalOptions(tmp_path / "ckpt"), world_size=1, remote=writer) as manager:
-        for step in (1, 2):
-            manager.save(step, {"base": base, "adapter": np.full((32, 64), step, np.float32)}, blocking=True)
-        manager.wait(uploaded=True)
+    save_two_incremental_steps(tmp_path / "ckpt", url, options)
     digest = RemoteTier(url, options).read_manifest(2).manifest.shards_digest()
     store = TieredStore([LocalTier(tmp_path / "ckpt"), RemoteTier(url, options)])
     with store.local.lock():
@@ -687,12 +681,7 @@ def test_an_earlier_file_is_found_in_the_bucket_after_a_restore_checked_by_diges
     """A process that restored step 2 from its disk without reading the bucket's manifest, then
     sends a step referencing step 1's file: the bucket keeps it (hashed, compressed), not sent again."""
     url, options = memory_url
-    base = {f"layer{i}": np.full((32, 64), i, np.float32) for i in range(3)}
-    writer = RemoteOptions(url, storage_options=options, layout="hashed", compression="zstd")
-    with CheckpointManager(LocalOptions(tmp_path / "ckpt"), world_size=1, remote=writer) as manager:
-        for step in (1, 2):
-            manager.save(step, {"base": base, "adapter": np.full((32, 64), step, np.float32)}, blocking=True)
-        manager.wait(uploaded=True)
+    save_two_incremental_steps(tmp_path / "ckpt", url, options)
     digest = RemoteTier(url, options).read_manifest(2).manifest.shards_digest()
     bucket = RemoteTier(url, options)  # a reader's options: flat, uncompressed
     store = TieredStore([LocalTier(tmp_path / "ckpt"), bucket])

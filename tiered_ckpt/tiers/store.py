@@ -290,13 +290,22 @@ class TieredStore:
         the first tier's copies of those the shard references."""
         referenced: tuple[tuple[int, ShardRecord, ShardSource], ...] = ()
         if tier.capabilities.references_with_shards:
-            referenced = tuple(
-                (ref.step, ref.file, ShardSource(path=self.local.shard_path(ref.step, ref.file)))
-                for ref in record.references
-            )
+            referenced = tuple((ref.step, ref.file, self._referenced_source(ref)) for ref in record.references)
         path = self.local.shard_path(step, record) if data is None else None
         source = ShardSource(path=path, data=data, referenced=referenced)
         return tier.land_shard(step, record, source, deadline=deadline)
+
+    def _referenced_source(self, ref: Reference) -> ShardSource:
+        """The first tier's copy of the earlier file ``ref`` names: its path, and a writer that
+        finds the file where it is when called. Retention may delete the file's step meanwhile,
+        moving the file to the step's kept directory (once, atomically): a reader that finds no
+        file at the path streams it from the writer."""
+
+        def write(out: BinaryIO) -> ShardDigest:
+            with open(self.local.shard_path(ref.step, ref.file), "rb") as source:
+                return copy_and_hash(source, out)
+
+        return ShardSource(path=self.local.shard_path(ref.step, ref.file), write=write)
 
     def send_referenced(self, ref: Reference, tier: Tier, *, deadline: float | None = None) -> Landed:
         """Land the first tier's copy of the earlier file ``ref`` names in ``tier``, under its own

@@ -549,3 +549,29 @@ def test_a_referenced_file_rotten_on_its_own_disk_is_read_from_the_partner_and_r
         assert result["refill_error"] is None
     repaired = disk.shard_path(ref.step, ref.file)  # from the partner's copy of step 1's file
     assert hashlib.sha256(repaired.read_bytes()).hexdigest() == ref.file.sha256
+
+
+def test_an_earlier_file_moved_after_its_path_was_taken_is_read_through_its_writer(tmp_path):
+    """Retention moves a referenced file to its step's kept directory while a partner copy of a
+    later step is being made: the copy reads it where it is now, not "no such file"."""
+    import numpy as np
+
+    from tiered_ckpt import save_sharded
+    from tiered_ckpt.io.hashing import copy_and_hash
+    from tiered_ckpt.tiers.base import ShardSource
+    from tiered_ckpt.tiers.peer.tier import _mapped
+
+    record = save_sharded([{"w": np.arange(4096, dtype=np.float32)}], tmp_path / "step", step=1).shard(0)
+    taken, moved = tmp_path / "step" / record.path, tmp_path / "kept" / record.path
+    moved.parent.mkdir()
+    expected = taken.read_bytes()
+    taken.rename(moved)
+
+    def write(out):
+        with open(moved, "rb") as source:
+            return copy_and_hash(source, out)
+
+    with _mapped(ShardSource(path=taken, write=write), record) as array:
+        assert not isinstance(array, BaseException) and array.tobytes() == expected
+    with _mapped(ShardSource(path=taken), record) as array:
+        assert isinstance(array, FileNotFoundError)  # no writer: the copy says there is nothing to send

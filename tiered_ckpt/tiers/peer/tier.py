@@ -409,10 +409,15 @@ class _mapped:
                 self.map = whole_map(data)
             return np.frombuffer(bytearray(data) if isinstance(data, bytes) else data, np.uint8)
         if source.path is not None and size:
-            with open(Path(source.path), "rb") as file:
-                mapped = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_COPY)
-            self.map = mapped
-            return np.frombuffer(mapped, np.uint8, count=size)
+            try:
+                with open(Path(source.path), "rb") as file:
+                    mapped = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_COPY)
+            except FileNotFoundError:
+                if source.write is None:
+                    raise  # else moved since (an earlier step's file, kept for later steps): its writer finds it
+            else:
+                self.map = mapped
+                return np.frombuffer(mapped, np.uint8, count=size)
         if source.write is not None:
             out = io.BytesIO()
             source.write(out)

@@ -161,7 +161,7 @@ def push(
                     unreceipted.remove(each)
             except CheckpointError as exc:  # left to its upload, which reports it with the step
                 logger.warning("step %d: reading its commit in %s: %s", each, target.url, exc)
-    queued = [each for each in ([step] if step is not None else unreceipted) if each in unreceipted]
+    queued = [each for each in wanted if each in unreceipted]  # less the mended
     if progress is not None:  # none is up yet: said before an upload can finish
         progress(0, len(queued))
     for each in queued:
